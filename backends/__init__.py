@@ -1,0 +1,1 @@
+"""Backends of dedupstore: one module per database, reached through the registry."""

@@ -1,0 +1,714 @@
+"""The deduplication store contract as pytest base classes.
+
+Subclass :class:`DeduplicationStoreContract` (and :class:`MultiProcessContract` for
+stores that live outside the process) and provide one fixture, ``store_factory``:
+a callable ``(**options) -> DeduplicationStore`` where every call opens a NEW
+client of the SAME fresh, empty storage, reserved for the current test. Options
+passed by the suite are the common ones: ``endpoint``, ``retention``, ``clock``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import random
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from dedupstore.errors import ConfigurationError, DedupStoreError, InvalidMessageId
+from dedupstore.store import MAX_ID_BYTES, DeduplicationStore
+
+__all__ = [
+    "HOSTILE_IDS",
+    "INVALID_IDS",
+    "DeduplicationStoreContract",
+    "FakeClock",
+    "MultiProcessContract",
+    "StoreFactory",
+    "random_valid_ids",
+]
+
+StoreFactory = Callable[..., DeduplicationStore]
+
+
+class FakeClock:
+    """A settable wall clock (epoch seconds) for retention tests; picklable."""
+
+    def __init__(self, start: float | None = None) -> None:
+        self.now = time.time() if start is None else start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, delta: timedelta | float) -> None:
+        """Move the clock forward by ``delta``."""
+        self.now += delta.total_seconds() if isinstance(delta, timedelta) else delta
+
+
+#: Valid ids that break naive key schemes; each must round-trip and never collide.
+HOSTILE_IDS: tuple[str, ...] = (
+    "plain",
+    "Plain",
+    "PLAIN",
+    "plain ",
+    " plain",
+    "plain\t",
+    "plain\n",
+    "a/b",
+    "a\\b",
+    "a?b",
+    "a#b",
+    "a*b",
+    "a:b",
+    "a::b",
+    "a%b",
+    "%s",
+    "%(id)s",
+    "%2F",
+    "a b",
+    "'",
+    '"',
+    "';",
+    "'; DROP TABLE dedup_records; --",
+    '"; DROP TABLE "dedup_records"; --',
+    "*",
+    "?",
+    "[abc]",
+    "[a-z]*?",
+    "{hash}",
+    "{hash}:tail",
+    "a{b}c",
+    "$1",
+    "${HOME}",
+    "..",
+    ".",
+    "/",
+    "//",
+    "\\",
+    "#",
+    "\r\n",
+    "\x01\x02\x7f",
+    "é",
+    "e\u0301",
+    "ß",
+    "SS",
+    "İ",
+    "i̇",
+    "日本語のメッセージ",
+    "🦄",
+    "🦄🦄🦄 unicorns",
+    "\u200b",
+    "\ufeffbom",
+    "\U0010ffff",
+    "null",
+    "None",
+    "0",
+    "-1",
+    "true",
+    "x" * 255,
+    "x" * 256,
+    "y" * MAX_ID_BYTES,
+    "é" * (MAX_ID_BYTES // 2),
+    "🦄" * (MAX_ID_BYTES // 4),
+    "a/b?c#d*e:f\\g" * 50,
+)
+
+#: Values that must raise ``InvalidMessageId`` before any I/O, with why.
+INVALID_IDS: tuple[tuple[str, object], ...] = (
+    ("empty string", ""),
+    ("None", None),
+    ("int", 42),
+    ("float", 1.5),
+    ("bytes", b"msg-1"),
+    ("NUL character", "msg\x00-1"),
+    ("lone high surrogate", "msg-\ud800"),
+    ("lone low surrogate", "\udfff"),
+    ("1025 UTF-8 bytes", "z" * (MAX_ID_BYTES + 1)),
+    ("1026 UTF-8 bytes of 2-byte chars", "é" * (MAX_ID_BYTES // 2 + 1)),
+    ("tuple", ("a",)),
+)
+
+
+def random_valid_ids(count: int, seed: int = 1234) -> list[str]:
+    """Return ``count`` distinct, valid, varied ids (ASCII, BMP, astral, long)."""
+    rng = random.Random(seed)
+    alphabets = [
+        [chr(c) for c in range(0x20, 0x7F)],
+        [chr(c) for c in range(0xA0, 0x800)],
+        [chr(c) for c in range(0x3000, 0x9FFF, 7)],
+        [chr(c) for c in range(0x1F300, 0x1FAFF, 3)],
+    ]
+    result: dict[str, None] = {}
+    while len(result) < count:
+        alphabet = rng.choice(alphabets)
+        length = rng.choice([1, 2, 5, 16, 64, 200, 256])
+        candidate = "".join(rng.choice(alphabet) for _ in range(length))
+        while len(candidate.encode()) > MAX_ID_BYTES:
+            candidate = candidate[:-1]
+        result[candidate] = None
+    return list(result)
+
+
+def _unique(prefix: str = "m") -> str:
+    return f"{prefix}-{uuid.uuid4()}"
+
+
+class DeduplicationStoreContract:
+    """The whole store contract of DESIGN.md section 2.
+
+    Provide ``store_factory``; everything else is inherited.
+    """
+
+    @pytest.fixture
+    def store_factory(self) -> StoreFactory:
+        """Open a new client of this test's fresh storage: override in the subclass."""
+        raise NotImplementedError("provide a store_factory fixture")
+
+    @pytest.fixture
+    def store(self, store_factory: StoreFactory) -> Iterator[DeduplicationStore]:
+        """A store on the default endpoint, closed after the test."""
+        store = store_factory()
+        try:
+            yield store
+        finally:
+            store.close()
+
+    @pytest.fixture
+    def clock(self) -> FakeClock:
+        """A settable clock, starting at the real time."""
+        return FakeClock()
+
+    # ------------------------------------------------------------------ basics
+
+    def test_add_records_once(self, store: DeduplicationStore) -> None:
+        mid = _unique()
+        assert store.add(mid) is True
+        assert store.add(mid) is False
+        assert store.add(mid) is False
+
+    def test_has_been_processed(self, store: DeduplicationStore) -> None:
+        mid = _unique()
+        assert store.has_been_processed(mid) is False
+        assert (mid in store) is False
+        store.add(mid)
+        assert store.has_been_processed(mid) is True
+        assert (mid in store) is True
+
+    def test_add_many_returns_recorded_ids(self, store: DeduplicationStore) -> None:
+        old, new = _unique("old"), [_unique("new") for _ in range(5)]
+        store.add(old)
+        assert store.add_many([old, *new]) == set(new)
+        assert store.add_many([old, *new]) == set()
+
+    def test_add_many_with_duplicates_inside_the_batch(self, store: DeduplicationStore) -> None:
+        a, b = _unique(), _unique()
+        assert store.add_many([a, b, a, a, b]) == {a, b}
+        assert store.processed_among([a, b, a]) == {a, b}
+
+    def test_empty_batches(self, store: DeduplicationStore) -> None:
+        assert store.add_many([]) == set()
+        assert store.add_many(iter(())) == set()
+        assert store.processed_among([]) == set()
+
+    def test_processed_among(self, store: DeduplicationStore) -> None:
+        done = [_unique() for _ in range(10)]
+        fresh = [_unique() for _ in range(10)]
+        store.add_many(done)
+        assert store.processed_among(done + fresh) == set(done)
+        assert store.processed_among(fresh) == set()
+
+    def test_add_many_accepts_any_iterable(self, store: DeduplicationStore) -> None:
+        ids = [_unique() for _ in range(12)]
+        assert store.add_many(m for m in ids[:3]) == set(ids[:3])
+        assert store.add_many(tuple(ids[3:6])) == set(ids[3:6])
+        assert store.add_many(set(ids[6:9])) == set(ids[6:9])
+        assert store.add_many(dict.fromkeys(ids[9:]).keys()) == set(ids[9:])
+        assert store.processed_among(iter(ids)) == set(ids)
+
+    def test_batches_larger_than_the_backend_limit(self, store: DeduplicationStore) -> None:
+        size = max(store.max_write_batch, store.max_read_batch) * 2 + 7
+        ids = [f"big-{uuid.uuid4()}" for _ in range(size)]
+        # the same id in two chunks must be reported once, by the first chunk
+        batch = [*ids, ids[0], ids[-1], *ids[:5]]
+        assert store.add_many(batch) == set(ids)
+        assert store.processed_among([*ids, "absent-" + ids[0]]) == set(ids)
+        assert store.add_many(iter(batch)) == set()
+
+    def test_single_id_string_is_not_a_batch(self, store: DeduplicationStore) -> None:
+        with pytest.raises(InvalidMessageId):
+            store.add_many("abc")
+        with pytest.raises(InvalidMessageId):
+            store.processed_among("abc")
+        assert store.processed_among(["a", "b", "c", "abc"]) == set()
+
+    # ------------------------------------------------------------------ consistency
+
+    def test_visible_to_another_client(self, store_factory: StoreFactory) -> None:
+        writer, reader = store_factory(), store_factory()
+        try:
+            mid, batch = _unique(), [_unique() for _ in range(20)]
+            assert not reader.has_been_processed(mid)
+            writer.add(mid)
+            assert reader.has_been_processed(mid)
+            assert reader.add(mid) is False
+            writer.add_many(batch)
+            assert reader.processed_among(batch) == set(batch)
+        finally:
+            writer.close()
+            reader.close()
+
+    def test_endpoint_isolation(self, store_factory: StoreFactory) -> None:
+        orders, billing = store_factory(endpoint="orders"), store_factory(endpoint="billing")
+        try:
+            mid = _unique()
+            assert orders.add(mid) is True
+            assert billing.has_been_processed(mid) is False
+            assert billing.add(mid) is True
+            assert orders.add(mid) is False
+            assert orders.endpoint == "orders"
+        finally:
+            orders.close()
+            billing.close()
+
+    def test_endpoint_names_do_not_collide_with_ids(self, store_factory: StoreFactory) -> None:
+        pairs = [("a", "b:c"), ("a:b", "c"), ("a/b", "c"), ("a", "b/c"), ("a\\", "b"), ("a", "\\b")]
+        stores = {ep: store_factory(endpoint=ep) for ep, _ in pairs}
+        try:
+            for ep, mid in pairs:
+                assert stores[ep].add(mid) is True, (ep, mid)
+            for ep, mid in pairs:
+                others = [m for e, m in pairs if e == ep and m != mid]
+                assert stores[ep].processed_among([mid, *others, "b", "c"]) == {mid, *others}
+        finally:
+            for s in stores.values():
+                s.close()
+
+    def test_default_endpoint_is_default(self, store: DeduplicationStore) -> None:
+        assert store.endpoint == "default"
+
+    def test_concurrent_add_first_writer_wins(self, store_factory: StoreFactory) -> None:
+        ids = [_unique("race") for _ in range(40)]
+        clients = [store_factory() for _ in range(6)]
+        results: list[list[str]] = [[] for _ in clients]
+        barrier = threading.Barrier(len(clients))
+        errors: list[BaseException] = []
+
+        def run(index: int) -> None:
+            try:
+                order = ids[:]
+                random.Random(index).shuffle(order)
+                barrier.wait()
+                results[index] = [m for m in order if clients[index].add(m)]
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(clients))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for c in clients:
+            c.close()
+        assert not errors, errors
+        winners = [m for r in results for m in r]
+        assert sorted(winners) == sorted(ids), "each id must be recorded by exactly one add"
+
+    def test_concurrent_add_many_first_writer_wins(self, store_factory: StoreFactory) -> None:
+        ids = [_unique("race") for _ in range(300)]
+        clients = [store_factory() for _ in range(4)]
+        results: list[set[str]] = [set() for _ in clients]
+        barrier = threading.Barrier(len(clients))
+        errors: list[BaseException] = []
+
+        def run(index: int) -> None:
+            try:
+                rng = random.Random(index)
+                batch = rng.sample(ids, 200) + rng.sample(ids, 50)
+                barrier.wait()
+                results[index] = clients[index].add_many(batch)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(clients))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        union = set().union(*results)
+        assert sum(len(r) for r in results) == len(union), "an id was reported by two callers"
+        assert clients[0].processed_among(ids) == union
+        for c in clients:
+            c.close()
+
+    def test_store_is_shared_by_threads(self, store: DeduplicationStore) -> None:
+        ids = [_unique() for _ in range(60)]
+        wins: list[str] = []
+        lock = threading.Lock()
+
+        def run() -> None:
+            for m in ids:
+                if store.add(m):
+                    with lock:
+                        wins.append(m)
+
+        threads = [threading.Thread(target=run) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(wins) == sorted(ids)
+
+    # ------------------------------------------------------------------ ids
+
+    @pytest.mark.parametrize("mid", HOSTILE_IDS, ids=range(len(HOSTILE_IDS)))
+    def test_hostile_id_round_trips(self, store: DeduplicationStore, mid: str) -> None:
+        assert store.has_been_processed(mid) is False
+        assert store.add(mid) is True
+        assert store.has_been_processed(mid) is True
+        assert store.processed_among([mid]) == {mid}
+        assert store.add(mid) is False
+
+    def test_hostile_ids_never_collide(self, store: DeduplicationStore) -> None:
+        assert store.add_many(HOSTILE_IDS) == set(HOSTILE_IDS)
+        assert store.processed_among(HOSTILE_IDS) == set(HOSTILE_IDS)
+        for mid in HOSTILE_IDS:
+            assert store.add(mid) is False
+        near_misses = {m + "~" for m in HOSTILE_IDS if len(m.encode()) < MAX_ID_BYTES}
+        assert store.processed_among(near_misses) == set()
+
+    def test_varied_ids_round_trip_exactly(self, store: DeduplicationStore) -> None:
+        ids = random_valid_ids(300)
+        assert store.add_many(ids[:150]) == set(ids[:150])
+        assert all(store.add(m) for m in ids[150:200])
+        assert store.processed_among(ids) == set(ids[:200])
+        assert all(store.has_been_processed(m) for m in ids[:200])
+
+    def test_longest_valid_ids(self, store: DeduplicationStore) -> None:
+        longest = ["q" * MAX_ID_BYTES, "é" * (MAX_ID_BYTES // 2), "🦄" * (MAX_ID_BYTES // 4)]
+        for mid in longest:
+            assert len(mid.encode()) == MAX_ID_BYTES
+            assert store.add(mid) is True
+        assert store.processed_among(longest) == set(longest)
+        assert store.processed_among([m[:-1] for m in longest]) == set()
+
+    def test_str_subclass_is_accepted_as_plain_str(self, store: DeduplicationStore) -> None:
+        class Tagged(str):
+            pass
+
+        mid = Tagged(_unique())
+        assert store.add(mid) is True
+        (stored,) = store.processed_among([str(mid)])
+        assert type(stored) is str
+
+    @pytest.mark.parametrize(("why", "bad"), INVALID_IDS, ids=[w for w, _ in INVALID_IDS])
+    def test_invalid_id_rejected_and_nothing_written(
+        self, store: DeduplicationStore, why: str, bad: object
+    ) -> None:
+        good = _unique("good")
+        calls: list[Callable[[], object]] = [
+            lambda: store.add(bad),  # type: ignore[arg-type]
+            lambda: store.has_been_processed(bad),  # type: ignore[arg-type]
+            lambda: bad in store,
+            lambda: store.add_many([good, bad]),  # type: ignore[list-item]
+            lambda: store.add_many((m for m in [good, bad])),  # type: ignore[misc]
+            lambda: store.processed_among([good, bad]),  # type: ignore[list-item]
+        ]
+        for call in calls:
+            with pytest.raises(InvalidMessageId) as info:
+                call()
+            assert isinstance(info.value, ValueError)
+            assert str(info.value), "the message must say what is wrong"
+        assert store.has_been_processed(good) is False, "a batch with a bad id wrote something"
+        assert store.add(good) is True
+
+    def test_invalid_ids_are_rejected_before_any_io(
+        self, store_factory: StoreFactory
+    ) -> None:
+        store = store_factory()
+        store.close()
+        # closed store: any I/O would fail differently; validation must come first
+        with pytest.raises(InvalidMessageId):
+            store.add("")
+        with pytest.raises(InvalidMessageId):
+            store.add_many(["ok", None])  # type: ignore[list-item]
+
+    @pytest.mark.parametrize("endpoint", ["", None, 7, "a\x00b", "\ud800"])
+    def test_invalid_endpoint_is_a_configuration_error(
+        self, store_factory: StoreFactory, endpoint: object
+    ) -> None:
+        with pytest.raises(ConfigurationError):
+            store_factory(endpoint=endpoint)
+
+    @pytest.mark.parametrize("retention", [timedelta(0), timedelta(seconds=-5), "soon", -1])
+    def test_invalid_retention_is_a_configuration_error(
+        self, store_factory: StoreFactory, retention: object
+    ) -> None:
+        with pytest.raises(ConfigurationError):
+            store_factory(retention=retention)
+
+    # ------------------------------------------------------------------ retention
+
+    def test_without_retention_records_never_expire(
+        self, store_factory: StoreFactory, clock: FakeClock
+    ) -> None:
+        store = store_factory(clock=clock)
+        mid = _unique()
+        store.add(mid)
+        clock.advance(timedelta(days=365 * 200))
+        assert store.has_been_processed(mid)
+        assert store.purge_expired() == 0
+        assert store.has_been_processed(mid)
+        store.close()
+
+    def test_retention_expires_records(self, store_factory: StoreFactory, clock: FakeClock) -> None:
+        store = store_factory(retention=timedelta(hours=1), clock=clock)
+        assert store.retention == timedelta(hours=1)
+        mid, batch = _unique(), [_unique() for _ in range(5)]
+        store.add(mid)
+        store.add_many(batch)
+        clock.advance(timedelta(minutes=59))
+        assert store.has_been_processed(mid)
+        assert store.processed_among(batch) == set(batch)
+        assert store.add(mid) is False
+        clock.advance(timedelta(minutes=2))
+        assert not store.has_been_processed(mid)
+        assert mid not in store
+        assert store.processed_among([mid, *batch]) == set()
+        store.close()
+
+    def test_expired_record_is_recorded_again(
+        self, store_factory: StoreFactory, clock: FakeClock
+    ) -> None:
+        store = store_factory(retention=timedelta(hours=1), clock=clock)
+        mid, batch = _unique(), [_unique() for _ in range(5)]
+        store.add(mid)
+        store.add_many(batch)
+        clock.advance(timedelta(hours=2))
+        assert store.add(mid) is True
+        assert store.add_many([*batch, mid]) == set(batch)
+        assert store.processed_among([mid, *batch]) == {mid, *batch}
+        clock.advance(timedelta(minutes=30))
+        assert store.has_been_processed(mid), "re-recording must write a new expiry"
+        store.close()
+
+    def test_concurrent_re_add_of_expired_record(
+        self, store_factory: StoreFactory, clock: FakeClock
+    ) -> None:
+        ids = [_unique() for _ in range(20)]
+        first = store_factory(retention=timedelta(hours=1), clock=clock)
+        first.add_many(ids)
+        clock.advance(timedelta(hours=2))
+        clients = [store_factory(retention=timedelta(hours=1), clock=clock) for _ in range(4)]
+        results: list[list[str]] = [[] for _ in clients]
+        barrier = threading.Barrier(len(clients))
+
+        def run(index: int) -> None:
+            barrier.wait()
+            results[index] = [m for m in ids if clients[index].add(m)]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(clients))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(m for r in results for m in r) == sorted(ids)
+        for c in [first, *clients]:
+            c.close()
+
+    def test_reads_compare_the_stored_expiry_with_the_clock(
+        self, store_factory: StoreFactory, clock: FakeClock
+    ) -> None:
+        writer = store_factory(retention=timedelta(hours=1), clock=clock)
+        reader = store_factory(clock=clock)  # no retention of its own
+        mid = _unique()
+        writer.add(mid)
+        assert reader.has_been_processed(mid)
+        clock.advance(timedelta(hours=1, seconds=1))
+        assert not reader.has_been_processed(mid)
+        assert reader.processed_among([mid]) == set()
+        assert reader.add(mid) is True
+        clock.advance(timedelta(days=3650))
+        assert reader.has_been_processed(mid), "a record without retention never expires"
+        writer.close()
+        reader.close()
+
+    def test_purge_expired(self, store_factory: StoreFactory, clock: FakeClock) -> None:
+        store = store_factory(retention=timedelta(hours=1), clock=clock)
+        other = store_factory(endpoint="other", retention=timedelta(hours=1), clock=clock)
+        old = [_unique("old") for _ in range(7)]
+        store.add_many(old)
+        other.add_many(old)
+        clock.advance(timedelta(minutes=45))
+        young = [_unique("young") for _ in range(3)]
+        store.add_many(young)
+        clock.advance(timedelta(minutes=30))
+        assert store.purge_expired() == len(old)
+        assert store.purge_expired() == 0
+        assert store.processed_among(old + young) == set(young)
+        assert other.purge_expired() == len(old)
+        store.close()
+        other.close()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def test_pickles_by_configuration(self, store: DeduplicationStore) -> None:
+        mid = _unique()
+        store.add(mid)
+        clone = pickle.loads(pickle.dumps(store))
+        try:
+            assert clone is not store
+            assert type(clone) is type(store)
+            assert clone.endpoint == store.endpoint
+            assert clone.has_been_processed(mid)
+            assert clone.add(mid) is False
+            fresh = _unique()
+            assert clone.add(fresh) is True
+            assert store.has_been_processed(fresh)
+        finally:
+            clone.close()
+
+    def test_pickled_store_keeps_endpoint_and_retention(
+        self, store_factory: StoreFactory
+    ) -> None:
+        store = store_factory(endpoint="pickled", retention=timedelta(days=2))
+        clone = pickle.loads(pickle.dumps(store))
+        assert clone.endpoint == "pickled"
+        assert clone.retention == timedelta(days=2)
+        store.close()
+        clone.close()
+
+    def test_close_is_idempotent_and_final(self, store_factory: StoreFactory) -> None:
+        with store_factory() as store:
+            store.add(_unique())
+        assert store.closed
+        store.close()
+        with pytest.raises(DedupStoreError):
+            store.add(_unique())
+        with pytest.raises(DedupStoreError):
+            store.processed_among([_unique()])
+
+    def test_repr_names_the_class_and_endpoint(self, store_factory: StoreFactory) -> None:
+        store = store_factory(endpoint="repr-endpoint")
+        assert type(store).__name__ in repr(store)
+        assert "repr-endpoint" in repr(store)
+        store.close()
+
+
+# ---------------------------------------------------------------------- processes
+
+
+def _process_worker(
+    store_blob: bytes, ids: list[str], seed: int, use_batches: bool, out_path: str
+) -> None:
+    """Add ``ids`` in a random order; append each id this process recorded to a file."""
+    store: DeduplicationStore = pickle.loads(store_blob)
+    order = ids[:]
+    random.Random(seed).shuffle(order)
+    with open(out_path, "a", encoding="utf-8") as out:
+        if use_batches:
+            for start in range(0, len(order), 7):
+                for mid in sorted(store.add_many(order[start : start + 7])):
+                    out.write(mid + "\n")
+                out.flush()
+        else:
+            for mid in order:
+                if store.add(mid):
+                    out.write(mid + "\n")
+                    out.flush()
+    store.close()
+
+
+def _acknowledging_worker(store_blob: bytes, prefix: str, out_path: str) -> None:
+    """Add ids forever, writing each acknowledged id to a file, until killed."""
+    store: DeduplicationStore = pickle.loads(store_blob)
+    with open(out_path, "a", encoding="utf-8") as out:
+        n = 0
+        while True:
+            n += 1
+            mid = f"{prefix}-{n}"
+            if n % 3:
+                store.add(mid)
+            else:
+                store.add_many([mid, f"{mid}-b"])
+            out.write(mid + "\n")
+            out.flush()
+
+
+class MultiProcessContract:
+    """Cross-process guarantees, for stores that live outside the process.
+
+    The stores from ``store_factory`` must pickle to the same storage (no
+    ``client=`` objects). Uses the ``spawn`` start method.
+    """
+
+    process_count = 4
+
+    def test_processes_first_writer_wins(
+        self, store_factory: StoreFactory, tmp_path: Path
+    ) -> None:
+        store = store_factory()
+        ids = [_unique("proc") for _ in range(120)]
+        blob = pickle.dumps(store)
+        ctx = multiprocessing.get_context("spawn")
+        outputs = [tmp_path / f"out-{i}.txt" for i in range(self.process_count)]
+        procs = [
+            ctx.Process(target=_process_worker, args=(blob, ids, i, i % 2 == 1, str(outputs[i])))
+            for i in range(self.process_count)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=240)
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+        winners = [m for path in outputs for m in path.read_text("utf-8").splitlines()]
+        assert sorted(winners) == sorted(ids), "each id must be recorded by exactly one process"
+        assert store.processed_among(ids) == set(ids)
+        store.close()
+
+    def test_nothing_acknowledged_is_lost_after_sigkill(
+        self, store_factory: StoreFactory, tmp_path: Path
+    ) -> None:
+        store = store_factory()
+        blob = pickle.dumps(store)
+        ctx = multiprocessing.get_context("spawn")
+        outputs = [tmp_path / f"ack-{i}.txt" for i in range(self.process_count)]
+        prefix = _unique("kill")
+        procs = [
+            ctx.Process(target=_acknowledging_worker, args=(blob, f"{prefix}-{i}", str(out)))
+            for i, out in enumerate(outputs)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 120
+
+        def acknowledged() -> list[str]:
+            return [
+                line
+                for out in outputs
+                if out.exists()
+                for line in out.read_text("utf-8").splitlines()
+            ]
+
+        while len(acknowledged()) < 40 * self.process_count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for p in procs:
+            assert p.pid is not None
+            os.kill(p.pid, signal.SIGKILL)
+        for p in procs:
+            p.join(timeout=30)
+        acked = acknowledged()
+        assert len(acked) >= 40 * self.process_count, "workers did not make progress"
+        after = store_factory()
+        assert after.processed_among(acked) == set(acked)
+        assert after.add(f"{prefix}-after") is True
+        after.close()
+        store.close()
