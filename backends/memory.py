@@ -52,7 +52,7 @@ class MemoryDeduplicationStore(DeduplicationStore):
     ) -> None:
         """Open ``memory://<name>`` (the empty name is a namespace too)."""
         parts = split_url(url)
-        if parts.scheme != "memory" or parts.query or parts.port:
+        if parts.query or parts.port:
             raise ConfigurationError(f"expected 'memory://' or 'memory://<name>', got {url!r}")
         super().__init__(url, endpoint=endpoint, retention=retention, clock=clock)
         self._ns = _namespace(parts.netloc + parts.path)

@@ -196,9 +196,7 @@ class SqliteDeduplicationStore(DeduplicationStore):
 
     def _contains_one(self, message_id: str, now: float) -> bool:
         row = (
-            self._connection()
-            .execute(self._sql_has, (self._endpoint, message_id, now))
-            .fetchone()
+            self._connection().execute(self._sql_has, (self._endpoint, message_id, now)).fetchone()
         )
         return row is not None
 

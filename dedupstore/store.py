@@ -361,4 +361,3 @@ class DeduplicationStore(abc.ABC):
 
 def _reopen(cls: type[DeduplicationStore], url: str, options: dict[str, Any]) -> Any:
     return cls(url, **options)
-

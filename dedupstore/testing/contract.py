@@ -18,8 +18,10 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -34,9 +36,11 @@ __all__ = [
     "MultiProcessContract",
     "StoreFactory",
     "random_valid_ids",
+    "run_concurrently",
 ]
 
 StoreFactory = Callable[..., DeduplicationStore]
+T = TypeVar("T")
 
 
 class FakeClock:
@@ -155,6 +159,18 @@ def random_valid_ids(count: int, seed: int = 1234) -> list[str]:
             candidate = candidate[:-1]
         result[candidate] = None
     return list(result)
+
+
+def run_concurrently(task: Callable[[int], T], count: int) -> list[T]:
+    """Run ``task(0..count-1)`` in threads released together; re-raise any error."""
+    barrier = threading.Barrier(count)
+
+    def start(index: int) -> T:
+        barrier.wait(timeout=60)
+        return task(index)
+
+    with ThreadPoolExecutor(max_workers=count) as pool:
+        return list(pool.map(start, range(count)))
 
 
 def _unique(prefix: str = "m") -> str:
@@ -297,52 +313,27 @@ class DeduplicationStoreContract:
     def test_concurrent_add_first_writer_wins(self, store_factory: StoreFactory) -> None:
         ids = [_unique("race") for _ in range(40)]
         clients = [store_factory() for _ in range(6)]
-        results: list[list[str]] = [[] for _ in clients]
-        barrier = threading.Barrier(len(clients))
-        errors: list[BaseException] = []
 
-        def run(index: int) -> None:
-            try:
-                order = ids[:]
-                random.Random(index).shuffle(order)
-                barrier.wait()
-                results[index] = [m for m in order if clients[index].add(m)]
-            except BaseException as exc:  # reported below
-                errors.append(exc)
+        def run(index: int) -> list[str]:
+            order = ids[:]
+            random.Random(index).shuffle(order)
+            return [m for m in order if clients[index].add(m)]
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(clients))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        results = run_concurrently(run, len(clients))
         for c in clients:
             c.close()
-        assert not errors, errors
         winners = [m for r in results for m in r]
         assert sorted(winners) == sorted(ids), "each id must be recorded by exactly one add"
 
     def test_concurrent_add_many_first_writer_wins(self, store_factory: StoreFactory) -> None:
         ids = [_unique("race") for _ in range(300)]
         clients = [store_factory() for _ in range(4)]
-        results: list[set[str]] = [set() for _ in clients]
-        barrier = threading.Barrier(len(clients))
-        errors: list[BaseException] = []
 
-        def run(index: int) -> None:
-            try:
-                rng = random.Random(index)
-                batch = rng.sample(ids, 200) + rng.sample(ids, 50)
-                barrier.wait()
-                results[index] = clients[index].add_many(batch)
-            except BaseException as exc:  # reported below
-                errors.append(exc)
+        def run(index: int) -> set[str]:
+            rng = random.Random(index)
+            return clients[index].add_many(rng.sample(ids, 200) + rng.sample(ids, 50))
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(clients))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors
+        results = run_concurrently(run, len(clients))
         union = set().union(*results)
         assert sum(len(r) for r in results) == len(union), "an id was reported by two callers"
         assert clients[0].processed_among(ids) == union
@@ -419,7 +410,7 @@ class DeduplicationStoreContract:
             lambda: store.has_been_processed(bad),  # type: ignore[arg-type]
             lambda: bad in store,
             lambda: store.add_many([good, bad]),  # type: ignore[list-item]
-            lambda: store.add_many((m for m in [good, bad])),  # type: ignore[misc]
+            lambda: store.add_many(m for m in [good, bad]),  # type: ignore[misc]
             lambda: store.processed_among([good, bad]),  # type: ignore[list-item]
         ]
         for call in calls:
@@ -430,9 +421,7 @@ class DeduplicationStoreContract:
         assert store.has_been_processed(good) is False, "a batch with a bad id wrote something"
         assert store.add(good) is True
 
-    def test_invalid_ids_are_rejected_before_any_io(
-        self, store_factory: StoreFactory
-    ) -> None:
+    def test_invalid_ids_are_rejected_before_any_io(self, store_factory: StoreFactory) -> None:
         store = store_factory()
         store.close()
         # closed store: any I/O would fail differently; validation must come first
@@ -508,18 +497,7 @@ class DeduplicationStoreContract:
         first.add_many(ids)
         clock.advance(timedelta(hours=2))
         clients = [store_factory(retention=timedelta(hours=1), clock=clock) for _ in range(4)]
-        results: list[list[str]] = [[] for _ in clients]
-        barrier = threading.Barrier(len(clients))
-
-        def run(index: int) -> None:
-            barrier.wait()
-            results[index] = [m for m in ids if clients[index].add(m)]
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(clients))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        results = run_concurrently(lambda i: [m for m in ids if clients[i].add(m)], len(clients))
         assert sorted(m for r in results for m in r) == sorted(ids)
         for c in [first, *clients]:
             c.close()
@@ -576,9 +554,7 @@ class DeduplicationStoreContract:
         finally:
             clone.close()
 
-    def test_pickled_store_keeps_endpoint_and_retention(
-        self, store_factory: StoreFactory
-    ) -> None:
+    def test_pickled_store_keeps_endpoint_and_retention(self, store_factory: StoreFactory) -> None:
         store = store_factory(endpoint="pickled", retention=timedelta(days=2))
         clone = pickle.loads(pickle.dumps(store))
         assert clone.endpoint == "pickled"
@@ -652,9 +628,7 @@ class MultiProcessContract:
 
     process_count = 4
 
-    def test_processes_first_writer_wins(
-        self, store_factory: StoreFactory, tmp_path: Path
-    ) -> None:
+    def test_processes_first_writer_wins(self, store_factory: StoreFactory, tmp_path: Path) -> None:
         store = store_factory()
         ids = [_unique("proc") for _ in range(120)]
         blob = pickle.dumps(store)

@@ -1,0 +1,38 @@
+# Every target bootstraps .venv itself; `make demo` and `make test` work on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+CHECKED := dedupstore backends
+
+.PHONY: demo test lint format test-deps bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet --editable '.[all,dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/dedupstore demo
+
+test-deps:
+	bash scripts/install-test-deps.sh
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy --strict $(CHECKED)
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: $(STAMP) test-deps lint
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP) test-deps
+	$(PY) -m benchmarks.bench $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) .dedupstore .pytest_cache .mypy_cache .ruff_cache node_modules

@@ -1,0 +1,779 @@
+"""Real database servers run as local processes on free loopback ports, for the tests.
+
+Each ``LocalServer`` owns a temporary work dir (data, config, ``server.log``) that
+survives ``kill()`` and ``restart()`` and is deleted by ``stop()``.  Every server runs in
+its own session; ``stop()``/``kill()`` take down its whole process tree, and an atexit
+hook kills whatever is still running when the interpreter exits.
+
+``ExternalServer`` and its subclasses stand for instances the harness did not start
+(pointed at through environment variables); they cannot be killed or restarted.
+"""
+
+from __future__ import annotations
+
+import abc
+import atexit
+import contextlib
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+from typing import Any, ClassVar, Self
+
+__all__ = [
+    "COSMOS_EMULATOR_KEY",
+    "HOST",
+    "CosmosEndpoint",
+    "CosmosServer",
+    "DynamoDBEndpoint",
+    "ExternalCosmos",
+    "ExternalDynamoDB",
+    "ExternalServer",
+    "ExternalServerError",
+    "LocalServer",
+    "MotoServer",
+    "PostgresServer",
+    "RedisServer",
+    "Server",
+    "ServerError",
+    "ServerStartError",
+    "free_port",
+]
+
+HOST = "127.0.0.1"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+INSTALL_HINT = "run scripts/install-test-deps.sh"
+#: The well-known master key of the Azure Cosmos DB emulator (cosmosdb-server accepts any key).
+COSMOS_EMULATOR_KEY = (
+    "C2y6yDjf5/R+ob0N8A7Cgv30VRDJIWEHLM+4QDU5DE2nQ9nDuVTqobD4b8mGGyPMbIZnqyMsEcaGQy67XIw/Jw=="
+)
+_LOG_TAIL_LINES = 40
+_PORT_IN_USE_MARKERS = ("address already in use", "eaddrinuse")
+
+
+class ServerError(RuntimeError):
+    """A test server could not be started or controlled."""
+
+
+class ServerStartError(ServerError):
+    """A test server did not come up; the message carries the tail of its log."""
+
+    def __init__(self, message: str, log_tail: str = "") -> None:
+        self.log_tail = log_tail
+        if log_tail:
+            message = f"{message}\n--- server log (tail) ---\n{log_tail}"
+        super().__init__(message)
+
+
+class ExternalServerError(ServerError):
+    """An operation that needs a server process the harness owns."""
+
+
+_handed_out_ports: set[int] = set()
+
+
+def free_port() -> int:
+    """Return a loopback TCP port that is free now and not handed out before by this process."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((HOST, 0))
+            port: int = sock.getsockname()[1]
+        if port not in _handed_out_ports:
+            _handed_out_ports.add(port)
+            return port
+
+
+# --------------------------------------------------------------------------- interface
+
+
+class Server(abc.ABC):
+    """What tests see of a server, whether the harness started it or not."""
+
+    #: Short label used in messages and temp dir names.
+    name: str = "server"
+
+    @property
+    @abc.abstractmethod
+    def url(self) -> str:
+        """The address clients connect to."""
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Start the server and wait until it answers (no-op when already running)."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Stop the server and delete its data."""
+
+    @abc.abstractmethod
+    def kill(self) -> None:
+        """SIGKILL the server (a crash), keeping its data for ``restart()``."""
+
+    @abc.abstractmethod
+    def restart(self) -> None:
+        """Start again on the same port with the same data."""
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.url}>"
+
+
+class DynamoDBEndpoint(Server):
+    """A DynamoDB-compatible endpoint with fake credentials."""
+
+    region: ClassVar[str] = "us-east-1"
+
+    @property
+    def endpoint_url(self) -> str:
+        """Same as ``url``."""
+        return self.url
+
+    @property
+    def client_env(self) -> dict[str, str]:
+        """Environment variables that point boto3 (and the CLI) at this endpoint."""
+        return {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_SESSION_TOKEN": "testing",
+            "AWS_DEFAULT_REGION": self.region,
+            "AWS_REGION": self.region,
+            "AWS_ENDPOINT_URL_DYNAMODB": self.endpoint_url,
+        }
+
+    @property
+    def client_kwargs(self) -> dict[str, str]:
+        """Keyword arguments for ``boto3.client("dynamodb", ...)`` / ``boto3.resource``."""
+        return {
+            "endpoint_url": self.endpoint_url,
+            "region_name": self.region,
+            "aws_access_key_id": "testing",
+            "aws_secret_access_key": "testing",
+        }
+
+
+class CosmosEndpoint(Server):
+    """A Cosmos DB-compatible endpoint."""
+
+    key: str = COSMOS_EMULATOR_KEY
+
+    @property
+    def endpoint_url(self) -> str:
+        """Same as ``url``."""
+        return self.url
+
+    @property
+    def client_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``azure.cosmos.CosmosClient(...)``.
+
+        Endpoint discovery must be off: the emulator advertises ``https://`` locations.
+        """
+        return {
+            "url": self.endpoint_url,
+            "credential": self.key,
+            "enable_endpoint_discovery": False,
+        }
+
+
+# --------------------------------------------------------------------------- externals
+
+
+class ExternalServer(Server):
+    """A server the harness did not start; ``start``/``stop`` do nothing."""
+
+    def __init__(self, name: str, url: str) -> None:
+        self.name = name
+        self._url = url
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def kill(self) -> None:
+        raise self._not_owned("kill")
+
+    def restart(self) -> None:
+        raise self._not_owned("restart")
+
+    def _not_owned(self, operation: str) -> ExternalServerError:
+        return ExternalServerError(
+            f"cannot {operation} the {self.name} server at {self.url}: it was provided through "
+            "an environment variable, not started by the test harness"
+        )
+
+
+class ExternalDynamoDB(DynamoDBEndpoint, ExternalServer):
+    """An already-running DynamoDB-compatible endpoint."""
+
+    def __init__(self, endpoint_url: str) -> None:
+        super().__init__("dynamodb", endpoint_url)
+
+
+class ExternalCosmos(CosmosEndpoint, ExternalServer):
+    """An already-running Cosmos DB endpoint."""
+
+    def __init__(self, endpoint_url: str, key: str = COSMOS_EMULATOR_KEY) -> None:
+        super().__init__("cosmos", endpoint_url)
+        self.key = key
+
+
+# --------------------------------------------------------------------------- processes
+
+
+_live_servers: set[LocalServer] = set()
+
+
+class LocalServer(Server):
+    """A server process owned by the harness; subclasses provide the command and probe."""
+
+    #: Signal for a graceful stop, sent to ``_main_pid()``.
+    stop_signal: ClassVar[signal.Signals] = signal.SIGTERM
+    stop_timeout: ClassVar[float] = 20.0
+
+    def __init__(self, *, startup_timeout: float = 60.0) -> None:
+        self.host = HOST
+        self.port = 0  # chosen on the first start, kept by restart()
+        self.startup_timeout = startup_timeout
+        #: Seconds the last start took until the server answered.
+        self.startup_seconds: float | None = None
+        self._workdir: Path | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_offset = 0
+
+    # -- hooks for subclasses
+
+    @abc.abstractmethod
+    def _command(self) -> list[str]:
+        """The command line that runs the server in the foreground."""
+
+    @abc.abstractmethod
+    def _is_ready(self) -> bool:
+        """Whether the server answers requests (must not raise)."""
+
+    def _initialize(self) -> None:
+        """Prepare a fresh work dir (called once, before the first start)."""
+
+    def _main_pid(self) -> int:
+        """The process that receives ``stop_signal``."""
+        return self._require_proc().pid
+
+    def _after_kill(self) -> None:
+        """Tidy up after all server processes were SIGKILLed."""
+
+    def _workdir_parent(self) -> str | None:
+        """Where the work dir is created (None: the default temp dir)."""
+        return None
+
+    # -- public API
+
+    @property
+    def workdir(self) -> Path:
+        """The temporary directory holding the server's data and log."""
+        if self._workdir is None:
+            raise ServerError(f"{self.name} server has no work dir (not started, or stopped)")
+        return self._workdir
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "server.log"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        """Pid of the process the harness spawned (may be a wrapper such as runuser)."""
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self) -> None:
+        if self.running:
+            return
+        first_start = self._workdir is None
+        if first_start:
+            self._workdir = Path(
+                tempfile.mkdtemp(prefix=f"dedupstore-{self.name}-", dir=self._workdir_parent())
+            )
+            _live_servers.add(self)
+            self._initialize()
+        attempts = 3 if first_start else 1  # a fresh port may be grabbed by someone else
+        for attempt in range(1, attempts + 1):
+            if first_start:
+                self.port = free_port()
+            try:
+                self._launch()
+                return
+            except ServerStartError as exc:
+                port_taken = any(m in exc.log_tail.lower() for m in _PORT_IN_USE_MARKERS)
+                if not port_taken or attempt == attempts:
+                    raise
+
+    def stop(self) -> None:
+        self._terminate(graceful=True)
+        self._discard_workdir()
+
+    def kill(self) -> None:
+        if not self.running:
+            raise ServerError(f"{self.name} server is not running")
+        self._kill_processes()
+        self._proc = None
+        self._after_kill()
+
+    def restart(self) -> None:
+        if self._workdir is None:
+            raise ServerError(f"{self.name} server was never started or has been stopped")
+        self._terminate(graceful=True)
+        self.start()
+
+    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
+        """The last lines the server printed since its latest launch."""
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(self._log_offset)
+                text = log.read().decode(errors="replace")
+        except (OSError, ServerError):
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"<{type(self).__name__} {self.url if self.port else '(no port yet)'} {state}>"
+
+    # -- process management
+
+    def _require_proc(self) -> subprocess.Popen[bytes]:
+        if self._proc is None:
+            raise ServerError(f"{self.name} server is not running")
+        return self._proc
+
+    def _launch(self) -> None:
+        command = self._command()
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        began = time.monotonic()
+        with self.log_path.open("ab") as log:
+            self._proc = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.workdir,
+                start_new_session=True,
+            )
+        deadline = began + self.startup_timeout
+        delay = 0.02
+        while not self._is_ready():
+            code = self._proc.poll()
+            if code is not None:
+                self._proc = None
+                raise ServerStartError(
+                    f"{self.name} server exited with code {code} before answering on port "
+                    f"{self.port}; command: {' '.join(command)}",
+                    self.log_tail(),
+                )
+            if time.monotonic() > deadline:
+                self._kill_processes()
+                self._proc = None
+                raise ServerStartError(
+                    f"{self.name} server did not answer on port {self.port} within "
+                    f"{self.startup_timeout:.0f} s; command: {' '.join(command)}",
+                    self.log_tail(),
+                )
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.25)
+        self.startup_seconds = time.monotonic() - began
+
+    def _terminate(self, *, graceful: bool) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        if graceful and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, ServerError):
+                os.kill(self._main_pid(), self.stop_signal)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(self.stop_timeout)
+        self._kill_processes()
+        self._proc = None
+
+    def _kill_processes(self) -> None:
+        """SIGKILL the spawned process, its process group and all its descendants."""
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return  # reaped: its pid may belong to someone else now
+        pids = _freeze_tree(proc.pid)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        _wait_gone(pids - {proc.pid}, timeout=10.0)
+
+    def _discard_workdir(self) -> None:
+        _live_servers.discard(self)
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+
+def _read_stat(pid: int) -> tuple[str, int] | None:
+    """(state, ppid) of a process, or None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return fields[0], int(fields[1])
+
+
+def _descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and (stat := _read_stat(int(entry.name))) is not None:
+            children.setdefault(stat[1], []).append(int(entry.name))
+    found: set[int] = set()
+    stack = [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found
+
+
+def _freeze_tree(root: int) -> set[int]:
+    """SIGSTOP ``root`` and its descendants until no new ones appear; return them all."""
+    frozen: set[int] = set()
+    while new := ({root} | _descendants(root)) - frozen:
+        for pid in new:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        frozen |= new
+    return frozen
+
+
+def _wait_gone(pids: set[int], timeout: float) -> None:
+    """Wait until the processes have exited (zombies count as gone)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = (_read_stat(pid) for pid in pids)
+        if all(state is None or state[0] in "ZX" for state in states):
+            return
+        time.sleep(0.02)
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for server in list(_live_servers):
+        with contextlib.suppress(OSError, ServerError):
+            server._kill_processes()
+        server._proc = None
+        server._discard_workdir()
+
+
+# --------------------------------------------------------------------------- probes
+
+
+def _which(program: str) -> str:
+    path = shutil.which(program)
+    if path is None:
+        raise ServerStartError(f"{program!r} not found on PATH; {INSTALL_HINT}")
+    return path
+
+
+def _http_answers(url: str) -> bool:
+    """Whether an HTTP server answers at ``url`` (any status counts)."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=2):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------- servers
+
+
+class RedisServer(LocalServer):
+    """Debian's ``redis-server``, AOF persistence on by default (``appendfsync always``)."""
+
+    name = "redis"
+
+    def __init__(
+        self,
+        appendonly: bool = True,
+        appendfsync: str = "always",
+        *,
+        startup_timeout: float = 60.0,
+    ) -> None:
+        if appendfsync not in ("always", "everysec", "no"):
+            raise ValueError(f"appendfsync must be always, everysec or no, not {appendfsync!r}")
+        super().__init__(startup_timeout=startup_timeout)
+        self.appendonly = appendonly
+        self.appendfsync = appendfsync
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def _command(self) -> list[str]:
+        return [
+            _which("redis-server"),
+            "--port", str(self.port),
+            "--bind", self.host,
+            "--dir", str(self.workdir),
+            "--save", "",
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", self.appendfsync,
+            "--daemonize", "no",
+            "--logfile", "",
+        ]  # fmt: skip
+
+    def _is_ready(self) -> bool:
+        try:
+            with socket.create_connection((self.host, self.port), timeout=2) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(64).startswith(b"+PONG")  # "-LOADING" while reading the AOF
+        except OSError:
+            return False
+
+
+def _pg_bindir() -> Path:
+    """The PostgreSQL server binaries: ``pg_config --bindir``, else the newest Debian one."""
+    candidates: list[Path] = []
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
+        out = subprocess.run(
+            ["pg_config", "--bindir"], capture_output=True, text=True, check=True
+        ).stdout
+        candidates.append(Path(out.strip()))
+    candidates += sorted(
+        Path("/usr/lib/postgresql").glob("*/bin"),
+        key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0,
+        reverse=True,
+    )
+    for bindir in candidates:
+        if (bindir / "initdb").is_file() and (bindir / "postgres").is_file():
+            return bindir
+    raise ServerStartError(
+        f"PostgreSQL server binaries (initdb, postgres) not found; {INSTALL_HINT}"
+    )
+
+
+class PostgresServer(LocalServer):
+    """A private PostgreSQL cluster: superuser ``dedup``/``dedup`` owning database ``dedup``.
+
+    Unix-socket connections are trusted; TCP connections need the password
+    (scram-sha-256).  As root, everything runs as the ``postgres`` user via ``runuser``.
+    """
+
+    name = "postgres"
+    stop_signal = signal.SIGINT  # fast shutdown; SIGTERM would wait for clients to leave
+    os_user: ClassVar[str] = "postgres"
+    user: ClassVar[str] = "dedup"
+    password: ClassVar[str] = "dedup"
+    database: ClassVar[str] = "dedup"
+
+    def __init__(self, *, startup_timeout: float = 60.0) -> None:
+        super().__init__(startup_timeout=startup_timeout)
+        self._bindir: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://{self.user}:{self.password}@{self.host}:{self.port}/{self.database}"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.workdir / "data"
+
+    @property
+    def socket_dir(self) -> Path:
+        return self.workdir / "socket"
+
+    @property
+    def bindir(self) -> Path:
+        if self._bindir is None:
+            self._bindir = _pg_bindir()
+        return self._bindir
+
+    @staticmethod
+    def _as_root() -> bool:
+        return os.geteuid() == 0
+
+    def _workdir_parent(self) -> str | None:
+        # The postgres user must be able to traverse every parent of the data dir.
+        return "/tmp" if self._as_root() else None
+
+    def _as_os_user(self, command: list[str]) -> list[str]:
+        return ["runuser", "-u", self.os_user, "--", *command] if self._as_root() else command
+
+    def _run(self, command: list[str], stdin: str | None = None) -> None:
+        result = subprocess.run(
+            self._as_os_user(command),
+            input=stdin,
+            capture_output=True,
+            text=True,
+            cwd=self.workdir,
+            timeout=self.startup_timeout,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise ServerStartError(
+                f"{' '.join(command)} failed with code {result.returncode}",
+                (result.stdout + result.stderr)[-4000:],
+            )
+
+    def _initialize(self) -> None:
+        bindir = self.bindir
+        pwfile = self.workdir / "pwfile"
+        pwfile.write_text(self.password + "\n")
+        pwfile.chmod(0o600)
+        self.data_dir.mkdir(mode=0o700)
+        self.socket_dir.mkdir(mode=0o700)
+        if self._as_root():
+            self.workdir.chmod(0o755)
+            for path in (self.data_dir, self.socket_dir, pwfile):
+                shutil.chown(path, self.os_user, self.os_user)
+        self._run([
+            str(bindir / "initdb"),
+            "--pgdata", str(self.data_dir),
+            "--username", self.user,
+            "--pwfile", str(pwfile),
+            "--auth-local", "trust",
+            "--auth-host", "scram-sha-256",
+            "--encoding", "UTF8",
+            "--locale", "C",
+            "--no-instructions",
+        ])  # fmt: skip
+        pwfile.unlink()
+        # Single-user mode creates the database without a running server or a client.
+        self._run(
+            [str(bindir / "postgres"), "--single", "-D", str(self.data_dir), "postgres"],
+            stdin=f'CREATE DATABASE "{self.database}";\n',
+        )
+
+    def _command(self) -> list[str]:
+        return self._as_os_user([
+            str(self.bindir / "postgres"),
+            "-D", str(self.data_dir),
+            "-p", str(self.port),
+            "-c", f"listen_addresses={self.host}",
+            "-c", f"unix_socket_directories={self.socket_dir}",
+            "-c", "fsync=on",
+            "-c", "synchronous_commit=on",
+            "-c", "full_page_writes=on",
+            "-c", "max_connections=200",
+        ])  # fmt: skip
+
+    def _is_ready(self) -> bool:
+        command = [
+            str(self.bindir / "pg_isready"), "--quiet", "--timeout=2",
+            "--host", self.host, "--port", str(self.port),
+            "--dbname", self.database, "--username", self.user,
+        ]  # fmt: skip
+        try:
+            return subprocess.run(command, check=False, timeout=10).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+
+    def _main_pid(self) -> int:
+        # As root the spawned process is runuser; signal the postmaster itself.
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            return int((self.data_dir / "postmaster.pid").read_text().split()[0])
+        return super()._main_pid()
+
+    def _after_kill(self) -> None:
+        # All server processes are dead, but the killed postmaster may linger as a zombie
+        # until init reaps it; a lock file naming that pid makes the next postmaster refuse
+        # to start ("lock file ... already exists"), so remove the stale locks and sockets.
+        (self.data_dir / "postmaster.pid").unlink(missing_ok=True)
+        for path in self.socket_dir.glob(".s.PGSQL.*"):
+            path.unlink(missing_ok=True)
+
+
+class MotoServer(DynamoDBEndpoint, LocalServer):
+    """``moto_server`` (in-memory; a restart loses all data)."""
+
+    name = "dynamodb"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _command(self) -> list[str]:
+        if importlib.util.find_spec("moto") is not None:
+            program = [sys.executable, "-m", "moto.server"]
+        else:
+            script = Path(sys.executable).with_name("moto_server")
+            program = [str(script) if script.exists() else _which("moto_server")]
+        return [*program, "-H", self.host, "-p", str(self.port)]
+
+    def _is_ready(self) -> bool:
+        return _http_answers(f"{self.url}/moto-api/")
+
+
+class CosmosServer(CosmosEndpoint, LocalServer):
+    """``@vercel/cosmosdb-server`` from the repo's ``node_modules``, over plain HTTP.
+
+    In-memory (a restart loses all data); accepts any key.
+    """
+
+    name = "cosmos"
+    package: ClassVar[str] = "@vercel/cosmosdb-server"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @classmethod
+    def entry_point(cls) -> Path:
+        """The package's CLI script (its ``bin`` entry)."""
+        package_dir = REPO_ROOT / "node_modules" / cls.package
+        try:
+            manifest = json.loads((package_dir / "package.json").read_text())
+        except OSError as exc:
+            raise ServerStartError(
+                f"{cls.package} is not installed ({exc}); {INSTALL_HINT}"
+            ) from exc
+        bin_entry = manifest["bin"]
+        relative = bin_entry if isinstance(bin_entry, str) else next(iter(bin_entry.values()))
+        return package_dir / relative
+
+    def _command(self) -> list[str]:
+        return [
+            _which("node"), str(self.entry_point()),
+            "--host", self.host, "--port", str(self.port), "--no-ssl",
+        ]  # fmt: skip
+
+    def _is_ready(self) -> bool:
+        return _http_answers(f"{self.url}/")

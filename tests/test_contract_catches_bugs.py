@@ -1,0 +1,84 @@
+"""The shipped contract suite fails broken backends (so passing it means something)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.memory
+
+_TEMPLATE = """
+import uuid
+import pytest
+from backends.memory import MemoryDeduplicationStore
+from dedupstore.testing import DeduplicationStoreContract
+
+class Mutant(MemoryDeduplicationStore):
+{body}
+
+class TestMutant(DeduplicationStoreContract):
+    @pytest.fixture
+    def store_factory(self):
+        url = f"memory://{{uuid.uuid4().hex}}"
+        return lambda **options: Mutant(url, **options)
+"""
+
+MUTANTS = {
+    "always recorded": (
+        "    def _add_new(self, ids, now, expires_at):\n"
+        "        super()._add_new(ids, now, expires_at)\n"
+        "        return set(ids)\n",
+        "test_add_records_once",
+    ),
+    "reads ignore expiry": (
+        "    def _find(self, ids, now):\n        return super()._find(ids, 0.0)\n",
+        "test_retention_expires_records",
+    ),
+    "expired never re-recorded": (
+        "    def _add_new(self, ids, now, expires_at):\n"
+        "        return super()._add_new(ids, 0.0, expires_at)\n",
+        "test_expired_record_is_recorded_again",
+    ),
+    "endpoints shared": (
+        "    def __init__(self, url, **options):\n"
+        "        options.pop('endpoint', None)\n"
+        "        super().__init__(url, **options)\n",
+        "test_endpoint_isolation",
+    ),
+    "ids truncated to 200 chars": (
+        "    def _add_new(self, ids, now, expires_at):\n"
+        "        return {i for i in ids if super(Mutant, self)._add_new([i[:200]], now, expires_at)}\n"
+        "    def _find(self, ids, now):\n"
+        "        return {i for i in ids if super(Mutant, self)._find([i[:200]], now)}\n",
+        "test_hostile_ids_never_collide",
+    ),
+    "purge deletes everything": (
+        "    def _purge(self, now):\n        return super()._purge(float('inf'))\n",
+        "test_purge_expired",
+    ),
+    "batch drops the last id": (
+        "    def _add_new(self, ids, now, expires_at):\n"
+        "        return super()._add_new(ids[:-1], now, expires_at) if len(ids) > 1 else"
+        " super()._add_new(ids, now, expires_at)\n",
+        "test_add_many_returns_recorded_ids",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_contract_fails_the_mutant(pytester: pytest.Pytester, name: str) -> None:
+    body, expected_failure = MUTANTS[name]
+    pytester.makepyfile(test_mutant=textwrap.dedent(_TEMPLATE).format(body=body))
+    result = pytester.runpytest_subprocess(
+        "-q", "-p", "no:cacheprovider", "-x", "-k", expected_failure
+    )
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed", 0) >= 1, result.stdout.str()[-2000:]
+
+
+def test_contract_passes_the_real_memory_backend(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_mutant=textwrap.dedent(_TEMPLATE).format(body="    pass\n"))
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
+    assert result.parseoutcomes().get("passed", 0) > 100
+    assert result.ret == 0
