@@ -17,6 +17,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -397,7 +398,7 @@ class LocalServer(Server):
                 self._proc = None
                 raise ServerStartError(
                     f"{self.name} server exited with code {code} before answering on port "
-                    f"{self.port}; command: {' '.join(command)}",
+                    f"{self.port}; command: {shlex.join(command)}",
                     self.log_tail(),
                 )
             if time.monotonic() > deadline:
@@ -405,7 +406,7 @@ class LocalServer(Server):
                 self._proc = None
                 raise ServerStartError(
                     f"{self.name} server did not answer on port {self.port} within "
-                    f"{self.startup_timeout:.0f} s; command: {' '.join(command)}",
+                    f"{self.startup_timeout:.0f} s; command: {shlex.join(command)}",
                     self.log_tail(),
                 )
             time.sleep(delay)
@@ -649,7 +650,7 @@ class PostgresServer(LocalServer):
         )
         if result.returncode != 0:
             raise ServerStartError(
-                f"{' '.join(command)} failed with code {result.returncode}",
+                f"{shlex.join(command)} failed with code {result.returncode}",
                 (result.stdout + result.stderr)[-4000:],
             )
 
