@@ -29,11 +29,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from types import TracebackType
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Self, TypedDict
 
 __all__ = [
     "COSMOS_EMULATOR_KEY",
     "HOST",
+    "Boto3ClientKwargs",
     "CosmosEndpoint",
     "CosmosServer",
     "DynamoDBEndpoint",
@@ -144,6 +145,15 @@ class Server(abc.ABC):
         return f"<{type(self).__name__} {self.url}>"
 
 
+class Boto3ClientKwargs(TypedDict):
+    """Keyword arguments of ``boto3.client()`` / ``boto3.resource()``."""
+
+    endpoint_url: str
+    region_name: str
+    aws_access_key_id: str
+    aws_secret_access_key: str
+
+
 class DynamoDBEndpoint(Server):
     """A DynamoDB-compatible endpoint with fake credentials."""
 
@@ -167,7 +177,7 @@ class DynamoDBEndpoint(Server):
         }
 
     @property
-    def client_kwargs(self) -> dict[str, str]:
+    def client_kwargs(self) -> Boto3ClientKwargs:
         """Keyword arguments for ``boto3.client("dynamodb", ...)`` / ``boto3.resource``."""
         return {
             "endpoint_url": self.endpoint_url,
@@ -326,7 +336,11 @@ class LocalServer(Server):
                 tempfile.mkdtemp(prefix=f"dedupstore-{self.name}-", dir=self._workdir_parent())
             )
             _live_servers.add(self)
-            self._initialize()
+            try:
+                self._initialize()
+            except BaseException:
+                self._discard_workdir()
+                raise
         attempts = 3 if first_start else 1  # a fresh port may be grabbed by someone else
         for attempt in range(1, attempts + 1):
             if first_start:
@@ -496,8 +510,7 @@ def _wait_gone(pids: set[int], timeout: float) -> None:
 def _kill_leftovers() -> None:
     for server in list(_live_servers):
         with contextlib.suppress(OSError, ServerError):
-            server._kill_processes()
-        server._proc = None
+            server._terminate(graceful=False)
         server._discard_workdir()
 
 
