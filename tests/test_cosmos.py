@@ -1,0 +1,604 @@
+"""The Cosmos DB backend against ``@vercel/cosmosdb-server`` (plus a stub for auth/consistency).
+
+Emulator gaps handled here, in the test configuration, never in the library:
+
+* cosmosdb-server reports default consistency "Session": every store the tests open
+  passes ``allow_weak_consistency_for_emulator_only=true`` (and a test checks that
+  opening WITHOUT it is refused). The Strong path is checked against a stub server.
+* it serves plain HTTP and advertises unreachable ``https://`` regional endpoints:
+  ``tls=false&endpoint_discovery=false``.
+* it accepts any key: wrong-key handling is checked against a stub answering 401.
+* it ignores TTL: the tests check the ``ttl`` written on items, and correctness never
+  depends on native TTL (the contract's fake clock covers expiry).
+* point reads of a missing item answer 500 unless they carry
+  ``x-ms-documentdb-query-enablecrosspartition: true``: the store reads through
+  ``ContainerProxy.read_items``, which sends that header itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from unittest import mock
+from urllib.parse import urlsplit
+
+import pytest
+from azure.core.exceptions import AzureError
+from azure.cosmos import CosmosClient, PartitionKey
+
+from backends import cosmos as cosmos_backend
+from backends.cosmos import CosmosDeduplicationStore, create_container, document_id
+from dedupstore import DeduplicationStore, open_store
+from dedupstore.errors import (
+    ConfigurationError,
+    ConsistencyError,
+    DedupStoreError,
+    StoreUnavailable,
+)
+from dedupstore.testing import (
+    HOSTILE_IDS,
+    DeduplicationStoreContract,
+    FakeClock,
+    MultiProcessContract,
+    StoreFactory,
+)
+from tests.servers import CosmosEndpoint, CosmosServer
+
+pytestmark = pytest.mark.cosmos
+
+DATABASE = "dedupstore-tests"
+#: Options every emulator store needs (see the module docstring).
+EMULATOR_QUERY = "endpoint_discovery=false&allow_weak_consistency_for_emulator_only=true"
+
+
+def store_url(server: CosmosEndpoint, database: str, container: str, extra: str = "") -> str:
+    """The ``cosmos://`` URL of ``database``/``container`` on ``server``."""
+    parts = urlsplit(server.endpoint_url)
+    tls = "true" if parts.scheme == "https" else "false"
+    query = f"tls={tls}&{EMULATOR_QUERY}&retry_total=1&timeout=10" + (f"&{extra}" if extra else "")
+    return f"cosmos://{parts.netloc}/{database}/{container}?{query}"
+
+
+@pytest.fixture(scope="module")
+def raw_client(cosmos_server: CosmosEndpoint) -> Iterator[CosmosClient]:
+    """A plain azure-cosmos client of the emulator, for setting up and inspecting."""
+    client = CosmosClient(**cosmos_server.client_kwargs)
+    client.create_database_if_not_exists(DATABASE)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def container_name(raw_client: CosmosClient) -> Iterator[str]:
+    """A fresh dedup container for this test, deleted afterwards."""
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    create_container(raw_client, DATABASE, name)
+    yield name
+    raw_client.get_database_client(DATABASE).delete_container(name)
+
+
+@pytest.fixture
+def url(cosmos_server: CosmosEndpoint, container_name: str) -> str:
+    return store_url(cosmos_server, DATABASE, container_name)
+
+
+@pytest.fixture
+def open_cosmos(cosmos_server: CosmosEndpoint, url: str) -> Iterator[StoreFactory]:
+    """Open stores on this test's container; closes them all at the end."""
+    opened: list[DeduplicationStore] = []
+
+    def make(**options: Any) -> DeduplicationStore:
+        options.setdefault("key", cosmos_server.key)
+        store = open_store(url, **options)
+        opened.append(store)
+        return store
+
+    yield make
+    for store in opened:
+        store.close()
+
+
+class TestCosmosStore(DeduplicationStoreContract, MultiProcessContract):
+    @pytest.fixture
+    def store_factory(self, cosmos_server: CosmosEndpoint, url: str) -> StoreFactory:
+        def make(**options: Any) -> DeduplicationStore:
+            options.setdefault("key", cosmos_server.key)
+            return open_store(url, **options)
+
+        return make
+
+
+# ---------------------------------------------------------------------- consistency guard
+
+
+def test_the_emulator_session_account_is_refused_without_the_unsafe_option(
+    cosmos_server: CosmosEndpoint, container_name: str
+) -> None:
+    url = store_url(cosmos_server, DATABASE, container_name).replace(
+        "&allow_weak_consistency_for_emulator_only=true", ""
+    )
+    with pytest.raises(ConsistencyError) as info:
+        open_store(url, key=cosmos_server.key)
+    message = str(info.value)
+    assert "'Session'" in message and "Strong" in message
+    assert "\n" not in message
+    # the keyword form is honoured too, and wins over the URL
+    for value in (False, "false", "0"):
+        with pytest.raises(ConsistencyError):
+            open_store(
+                store_url(cosmos_server, DATABASE, container_name),
+                key=cosmos_server.key,
+                allow_weak_consistency_for_emulator_only=value,
+            )
+    with pytest.raises(ConfigurationError, match="must be a bool"):
+        open_store(url, key=cosmos_server.key, allow_weak_consistency_for_emulator_only=1)
+
+
+def test_the_unsafe_option_warns_at_every_open(
+    open_cosmos: StoreFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="backends.cosmos"):
+        first, second = open_cosmos(), open_cosmos()
+    unsafe = [r for r in caplog.records if r.levelno == logging.WARNING and "UNSAFE" in r.message]
+    assert len(unsafe) == 2
+    assert "'Session'" in unsafe[0].message
+    assert any("UNSAFE" in w for w in first.health_warnings())
+    assert first.add("m") is True and second.add("m") is False
+
+
+def test_the_unsafe_option_is_documented_as_unsafe() -> None:
+    assert CosmosDeduplicationStore.__init__.__doc__ is not None
+    assert "UNSAFE in production" in CosmosDeduplicationStore.__init__.__doc__
+    assert cosmos_backend.__doc__ is not None
+    assert "**UNSAFE in production.**" in cosmos_backend.__doc__
+
+
+# ---------------------------------------------------------------------- stub service
+
+_STUB_KEY = "c3R1Yi1rZXktc3R1Yi1rZXktc3R1Yi1rZXk="
+
+
+class _StubCosmos:
+    """A minimal HTTP service speaking enough of Cosmos DB to open a store.
+
+    ``consistency`` is the account's default level; ``status`` forces every answer
+    (e.g. 401). Records the request headers it saw.
+    """
+
+    def __init__(self, consistency: str = "Strong", status: int | None = None) -> None:
+        self.consistency = consistency
+        self.status = status
+        self.headers: list[dict[str, str]] = []
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                stub.headers.append({k.lower(): v for k, v in self.headers.items()})
+                status, body = stub.answer(self.path)
+                payload = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def answer(self, path: str) -> tuple[int, dict[str, Any]]:
+        if self.status is not None:
+            return self.status, {
+                "code": "Unauthorized",
+                "message": "The input authorization token can't serve the request.\r\nMore.",
+            }
+        if path.rstrip("/") == "":
+            return 200, {
+                "id": "stub",
+                "_rid": "stub",
+                "_self": "",
+                "writableLocations": [
+                    {"name": "Stub", "databaseAccountEndpoint": f"http://127.0.0.1:{self.port}/"}
+                ],
+                "readableLocations": [
+                    {"name": "Stub", "databaseAccountEndpoint": f"http://127.0.0.1:{self.port}/"}
+                ],
+                "enableMultipleWriteLocations": False,
+                "userConsistencyPolicy": {"defaultConsistencyLevel": self.consistency},
+                "userReplicationPolicy": {"minReplicaSetSize": 1, "maxReplicasetSize": 4},
+                "systemReplicationPolicy": {"minReplicaSetSize": 1, "maxReplicasetSize": 4},
+                "readPolicy": {"primaryReadCoefficient": 1, "secondaryReadCoefficient": 1},
+                "queryEngineConfiguration": "{}",
+            }
+        if path.rstrip("/") == "/dbs/db/colls/dedup":
+            return 200, {
+                "id": "dedup",
+                "_rid": "AAAAAAAAAAA=",
+                "_self": "dbs/AAAAAA==/colls/AAAAAAAAAAA=/",
+                "_etag": "x",
+                "partitionKey": {"paths": ["/id"], "kind": "Hash", "version": 2},
+                "defaultTtl": -1,
+            }
+        return 404, {"code": "NotFound", "message": "no such resource"}
+
+    @property
+    def url(self) -> str:
+        return f"cosmos://127.0.0.1:{self.port}/db/dedup?tls=false&endpoint_discovery=false"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def stub() -> Iterator[Callable[..., _StubCosmos]]:
+    stubs: list[_StubCosmos] = []
+
+    def make(**kwargs: Any) -> _StubCosmos:
+        stubs.append(_StubCosmos(**kwargs))
+        return stubs[-1]
+
+    yield make
+    for s in stubs:
+        s.close()
+
+
+def test_a_strong_account_opens_and_requests_ask_for_strong(
+    stub: Callable[..., _StubCosmos], caplog: pytest.LogCaptureFixture
+) -> None:
+    service = stub(consistency="Strong")
+    with caplog.at_level(logging.WARNING, logger="backends.cosmos"):
+        store = open_store(service.url, key=_STUB_KEY, retry_total=0)
+    assert not caplog.records
+    assert store.health_warnings() == []
+    assert service.headers[-1].get("x-ms-consistency-level") == "Strong"
+    store.close()
+
+
+@pytest.mark.parametrize("level", ["BoundedStaleness", "Session", "ConsistentPrefix", "Eventual"])
+def test_a_weaker_account_is_refused(stub: Callable[..., _StubCosmos], level: str) -> None:
+    service = stub(consistency=level)
+    with pytest.raises(ConsistencyError, match=f"'{level}'"):
+        open_store(service.url, key=_STUB_KEY, retry_total=0)
+
+
+def test_the_unsafe_option_on_a_strong_account_warns_that_it_is_useless(
+    stub: Callable[..., _StubCosmos], caplog: pytest.LogCaptureFixture
+) -> None:
+    service = stub(consistency="Strong")
+    with caplog.at_level(logging.WARNING, logger="backends.cosmos"):
+        store = open_store(
+            service.url, key=_STUB_KEY, retry_total=0, allow_weak_consistency_for_emulator_only=True
+        )
+    assert any("no effect" in r.message for r in caplog.records)
+    store.close()
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_a_rejected_key_is_a_one_line_configuration_error(
+    stub: Callable[..., _StubCosmos], status: int
+) -> None:
+    service = stub(status=status)
+    with pytest.raises(ConfigurationError) as info:
+        open_store(service.url, key=_STUB_KEY, retry_total=0)
+    message = str(info.value)
+    assert f"HTTP {status}" in message and "key" in message
+    assert "\n" not in message
+    assert _STUB_KEY not in message
+
+
+# ---------------------------------------------------------------------- configuration
+
+
+def test_missing_database_and_container_are_named(
+    cosmos_server: CosmosEndpoint, container_name: str
+) -> None:
+    with pytest.raises(ConfigurationError, match="database 'no-such-db' does not exist"):
+        open_store(store_url(cosmos_server, "no-such-db", "c"), key=cosmos_server.key)
+    with pytest.raises(ConfigurationError, match="container 'no-such-container' does not exist"):
+        open_store(store_url(cosmos_server, DATABASE, "no-such-container"), key=cosmos_server.key)
+
+
+def test_create_container_option_creates_database_and_container(
+    cosmos_server: CosmosEndpoint, raw_client: CosmosClient
+) -> None:
+    database = f"db-{uuid.uuid4().hex[:8]}"
+    url = store_url(cosmos_server, database, "dedup", "create_container=true")
+    try:
+        with open_store(url, key=cosmos_server.key) as store:
+            assert store.add("m") is True
+        properties = raw_client.get_database_client(database).get_container_client("dedup").read()
+        assert properties["partitionKey"]["paths"] == ["/id"]
+        assert properties["defaultTtl"] == -1
+        with open_store(url, key=cosmos_server.key) as again:  # idempotent
+            assert again.add("m") is False
+    finally:
+        raw_client.delete_database(database)
+
+
+def test_a_container_with_another_partition_key_is_refused(
+    cosmos_server: CosmosEndpoint, raw_client: CosmosClient
+) -> None:
+    name = f"pk-{uuid.uuid4().hex[:8]}"
+    database = raw_client.get_database_client(DATABASE)
+    database.create_container(name, partition_key=PartitionKey("/endpoint"))
+    try:
+        with pytest.raises(ConfigurationError, match="partition key path '/id'"):
+            open_store(store_url(cosmos_server, DATABASE, name), key=cosmos_server.key)
+    finally:
+        database.delete_container(name)
+
+
+def test_without_default_ttl_retention_gets_a_health_warning(
+    cosmos_server: CosmosEndpoint, raw_client: CosmosClient
+) -> None:
+    name = f"nottl-{uuid.uuid4().hex[:8]}"
+    database = raw_client.get_database_client(DATABASE)
+    database.create_container(name, partition_key=PartitionKey("/id"))
+    try:
+        url = store_url(cosmos_server, DATABASE, name)
+        with open_store(url, key=cosmos_server.key, retention=timedelta(days=1)) as store:
+            assert any("default TTL" in w for w in store.health_warnings())
+        with open_store(url, key=cosmos_server.key) as store:
+            assert not any("default TTL" in w for w in store.health_warnings())
+    finally:
+        database.delete_container(name)
+
+
+@pytest.mark.parametrize(
+    ("url", "match"),
+    [
+        ("cosmos://127.0.0.1:1/db", "cosmos://<host>"),
+        ("cosmos://127.0.0.1:1/db/c/extra", "cosmos://<host>"),
+        ("cosmos:///db/c", "names the account host"),
+        ("cosmos://user:pw@127.0.0.1:1/db/c", "no user or password"),
+        ("cosmos://127.0.0.1:1/db/a%23b", "container name"),
+        ("cosmos://127.0.0.1:1/db/c?max_concurrency=0", "max_concurrency"),
+        ("cosmos://127.0.0.1:1/db/c?timeout=-1", "timeout"),
+        ("cosmos://127.0.0.1:1/db/c?tls=maybe", "tls"),
+        ("cosmos://127.0.0.1:1/db/c?ssl=false", "unknown option 'ssl'"),
+    ],
+)
+def test_bad_urls_are_configuration_errors(url: str, match: str) -> None:
+    with pytest.raises(ConfigurationError, match=match):
+        open_store(url, key=_STUB_KEY)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"max_concurrency": 0},
+        {"max_concurrency": 2.5},
+        {"retry_total": -1},
+        {"timeout": 0},
+        {"tls": None},
+        {"create_container": "perhaps"},
+    ],
+)
+def test_bad_keyword_options_are_configuration_errors(options: dict[str, Any]) -> None:
+    with pytest.raises(ConfigurationError):
+        open_store("cosmos://127.0.0.1:1/db/c", key=_STUB_KEY, **options)
+
+
+def test_the_key_comes_from_the_environment(
+    cosmos_server: CosmosEndpoint, url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("COSMOS_KEY", raising=False)
+    with pytest.raises(ConfigurationError, match="COSMOS_KEY"):
+        open_store(url)
+    monkeypatch.setenv("COSMOS_KEY", cosmos_server.key)
+    with open_store(url) as store:
+        assert store.add("m") is True
+        assert cosmos_server.key not in repr(store)
+
+
+def test_a_key_that_is_not_base64_is_a_configuration_error(url: str) -> None:
+    bad = "not-base64-secret!"
+    with pytest.raises(ConfigurationError, match="not valid base64") as info:
+        open_store(url, key=bad)
+    assert bad not in str(info.value)
+
+
+def test_secrets_never_appear_in_repr_or_errors(cosmos_server: CosmosEndpoint, url: str) -> None:
+    key = cosmos_server.key
+    with open_store(url, key=key) as store:
+        assert key not in repr(store) and "***" in repr(store)
+        assert key not in store.url
+    with open_store(f"{url}&key={key}") as store:
+        assert key not in repr(store) and key not in store.url
+    unreachable = f"cosmos://127.0.0.1:1/db/c?tls=false&endpoint_discovery=false&key={key}"
+    with pytest.raises(StoreUnavailable) as info:
+        open_store(unreachable, retry_total=0)
+    assert key not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "host", ["no-such-account.invalid", "127.0.0.1:1"], ids=["unknown host", "closed port"]
+)
+def test_unreachable_service_is_a_one_line_store_unavailable(host: str) -> None:
+    url = f"cosmos://{host}/db/c?tls=false&endpoint_discovery=false&retry_total=0&timeout=5"
+    with pytest.raises(StoreUnavailable) as info:
+        open_store(url, key=_STUB_KEY)
+    assert "\n" not in str(info.value)
+    assert isinstance(info.value.__cause__, AzureError)
+
+
+# ---------------------------------------------------------------------- keys and items
+
+
+def test_document_ids_are_valid_fixed_length_and_injective() -> None:
+    pairs = [("a", "bc"), ("ab", "c"), ("a", "b/c"), ("a/b", "c"), ("", "abc"), ("abc", "")]
+    ids = {document_id(ep, mid) for ep, mid in pairs}
+    assert len(ids) == len(pairs)
+    for mid in HOSTILE_IDS:
+        doc = document_id("default", mid)
+        assert len(doc) == 64 and set(doc) <= set("0123456789abcdef")
+
+
+def test_restricted_characters_long_ids_trailing_spaces_and_case_never_collide(
+    open_cosmos: StoreFactory,
+) -> None:
+    store = open_cosmos()
+    base = "Order/42\\x?y#z"
+    variants = [
+        base,
+        base.lower(),
+        base.upper(),
+        base + " ",
+        base + "  ",
+        " " + base,
+        base.replace("/", "\\"),
+        base.replace("#", "?"),
+        "a" * 255,
+        "a" * 256,
+        "a" * 255 + " ",
+        "A" * 256,
+        "/" * 300,
+        "\\" * 300,
+        "?#" * 150,
+        "%2F",
+        "/",
+    ]
+    assert len(set(variants)) == len(variants)
+    assert store.add_many(variants) == set(variants)
+    for mid in variants:
+        assert store.has_been_processed(mid)
+        assert store.add(mid) is False
+    others = [v + "!" for v in variants] + [v.strip() + "x" for v in variants]
+    assert store.processed_among(others) == set()
+
+
+def test_items_keep_the_original_id_and_endpoint(
+    open_cosmos: StoreFactory, raw_client: CosmosClient, container_name: str
+) -> None:
+    store = open_cosmos(endpoint="orders/eu")
+    mid = "trailing space / slash "
+    store.add(mid)
+    container = raw_client.get_database_client(DATABASE).get_container_client(container_name)
+    doc = document_id("orders/eu", mid)
+    (item,) = container.read_items([(doc, doc)])
+    assert item["message_id"] == mid and item["endpoint"] == "orders/eu"
+    assert item["expires_at"] is None and item["ttl"] == -1
+
+
+def test_native_ttl_is_the_retention_plus_slack(
+    open_cosmos: StoreFactory, raw_client: CosmosClient, container_name: str
+) -> None:
+    clock = FakeClock(start=4_000_000_000.0)  # far in the future: TTL must be relative
+    store = open_cosmos(retention=timedelta(hours=2), clock=clock)
+    store.add_many(["a", "b"])
+    container = raw_client.get_database_client(DATABASE).get_container_client(container_name)
+    items = container.read_items([(document_id("default", m),) * 2 for m in ("a", "b")])
+    assert {item["ttl"] for item in items} == {2 * 3600 + 60}
+    assert {item["expires_at"] for item in items} == {4_000_000_000.0 + 7200}
+
+
+def test_a_hash_collision_is_detected_not_merged(
+    open_cosmos: StoreFactory, raw_client: CosmosClient, container_name: str
+) -> None:
+    store = open_cosmos()
+    container = raw_client.get_database_client(DATABASE).get_container_client(container_name)
+    doc = document_id("default", "victim")
+    container.create_item(
+        {"id": doc, "endpoint": "default", "message_id": "impostor", "expires_at": None}
+    )
+    with pytest.raises(DedupStoreError, match="collision"):
+        store.has_been_processed("victim")
+    with pytest.raises(DedupStoreError, match="collision"):
+        store.processed_among(["other", "victim"])
+    with pytest.raises(DedupStoreError, match="collision"):
+        store.add("victim")
+
+
+def test_a_resent_write_is_recognised_as_this_calls_own(
+    open_cosmos: StoreFactory, raw_client: CosmosClient, container_name: str
+) -> None:
+    """A create the transport resent after it succeeded answers 409: still ours."""
+    store = open_cosmos()
+    container = raw_client.get_database_client(DATABASE).get_container_client(container_name)
+    token = uuid.UUID(int=7)
+    container.create_item(
+        {
+            "id": document_id("default", "resent"),
+            "endpoint": "default",
+            "message_id": "resent",
+            "expires_at": None,
+            "write_token": token.hex,
+        }
+    )
+    with mock.patch("backends.cosmos.uuid.uuid4", return_value=token):
+        assert store.add("resent") is True
+    assert store.add("resent") is False
+
+
+def test_purge_does_not_delete_a_record_re_recorded_since_the_query(
+    open_cosmos: StoreFactory,
+) -> None:
+    clock = FakeClock()
+    store = open_cosmos(retention=timedelta(hours=1), clock=clock)
+    store.add_many(["a", "b", "c"])
+    clock.advance(timedelta(hours=2))
+    assert store.add("a") is True  # re-recorded: live again
+    assert store.purge_expired() == 2
+    assert store.processed_among(["a", "b", "c"]) == {"a"}
+
+
+def test_sequential_requests_with_max_concurrency_one(open_cosmos: StoreFactory) -> None:
+    store = open_cosmos(max_concurrency=1)
+    ids = [f"seq-{i}" for i in range(40)]
+    assert store.add_many(ids) == set(ids)
+    assert store.add_many(ids) == set()
+    assert store.processed_among(ids) == set(ids)
+
+
+def test_pickled_store_keeps_cosmos_options(open_cosmos: StoreFactory) -> None:
+    store = open_cosmos(max_concurrency=3)
+    clone = pickle.loads(pickle.dumps(store))
+    try:
+        assert "max_concurrency=3" in repr(clone)
+        assert clone.add("p") is True
+        assert store.add("p") is False
+    finally:
+        clone.close()
+
+
+# ---------------------------------------------------------------------- failures
+
+
+def test_server_killed_mid_run_raises_store_unavailable_then_recovers() -> None:
+    with CosmosServer() as server:
+        client = CosmosClient(**server.client_kwargs)
+        create_container(client, DATABASE, "dedup")
+        store = open_store(store_url(server, DATABASE, "dedup"), key=server.key, retry_total=0)
+        assert store.add("before") is True
+        server.kill()
+        calls: list[Callable[[], object]] = [
+            lambda: store.add("after"),
+            lambda: store.add_many(["x", "y", "z"]),
+            lambda: store.has_been_processed("before"),
+            lambda: store.processed_among(["before", "x"]),
+            lambda: store.purge_expired(),
+        ]
+        for call in calls:
+            with pytest.raises(StoreUnavailable) as info:
+                call()
+            assert isinstance(info.value.__cause__, AzureError), repr(info.value.__cause__)
+            assert "\n" not in str(info.value)
+        server.restart()  # cosmosdb-server keeps nothing across a restart: set up again
+        create_container(client, DATABASE, "dedup")
+        assert store.add("after") is True
+        assert store.add_many(["x", "y"]) == {"x", "y"}
+        assert store.processed_among(["after", "x", "before"]) == {"after", "x"}
+        store.close()
+        client.close()
