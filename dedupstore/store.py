@@ -333,7 +333,7 @@ class DeduplicationStore(abc.ABC):
             raise
         except self._unavailable_errors as exc:
             raise StoreUnavailable(
-                f"{type(self).__name__} at {self.url} could not {operation}: "
+                f"{type(self).__name__} at {self.url}: {operation} failed: "
                 f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
             ) from exc
 

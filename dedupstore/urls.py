@@ -24,6 +24,7 @@ __all__ = [
 SECRET_OPTION_NAMES = frozenset(
     {
         "password",
+        "sslpassword",
         "key",
         "master_key",
         "account_key",
