@@ -60,10 +60,13 @@ def _backend(name: str) -> Iterator[tuple[Opener, Any]]:
     elif name == "postgres":
         with PostgresServer() as pg:
             yield (
-                lambda: open_store(
-                    pg.url, table=f"bench_{uuid.uuid4().hex[:12]}", create_schema=True
-                )
-            ), pg
+                (
+                    lambda: open_store(
+                        pg.url, table=f"bench_{uuid.uuid4().hex[:12]}", create_schema=True
+                    )
+                ),
+                pg,
+            )
     elif name == "redis":
         with RedisServer(appendonly=True, appendfsync="everysec") as redis:
             yield (lambda: open_store(redis.url, key_prefix=f"b{uuid.uuid4().hex[:8]}:")), redis
@@ -71,25 +74,31 @@ def _backend(name: str) -> Iterator[tuple[Opener, Any]]:
         with MotoServer() as moto:
             os.environ.update(moto.client_env)
             yield (
-                lambda: open_store(
-                    f"dynamodb://bench-{run}-{uuid.uuid4().hex[:8]}",
-                    region="us-east-1",
-                    endpoint_url=moto.endpoint_url,
-                    create_table=True,
-                )
-            ), moto
+                (
+                    lambda: open_store(
+                        f"dynamodb://bench-{run}-{uuid.uuid4().hex[:8]}",
+                        region="us-east-1",
+                        endpoint_url=moto.endpoint_url,
+                        create_table=True,
+                    )
+                ),
+                moto,
+            )
     elif name == "cosmos":
         with CosmosServer() as cosmos:
             host = cosmos.endpoint_url.removeprefix("http://")
             yield (
-                lambda: open_store(
-                    f"cosmos://{host}/bench/c{uuid.uuid4().hex[:12]}",
-                    key=cosmos.key,
-                    tls=False,
-                    create_container=True,
-                    allow_weak_consistency_for_emulator_only=True,
-                )
-            ), cosmos
+                (
+                    lambda: open_store(
+                        f"cosmos://{host}/bench/c{uuid.uuid4().hex[:12]}",
+                        key=cosmos.key,
+                        tls=False,
+                        create_container=True,
+                        allow_weak_consistency_for_emulator_only=True,
+                    )
+                ),
+                cosmos,
+            )
     else:
         raise SystemExit(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")
 

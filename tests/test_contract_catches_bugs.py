@@ -48,9 +48,11 @@ MUTANTS = {
     ),
     "ids truncated to 200 chars": (
         "    def _add_new(self, ids, now, expires_at):\n"
-        "        return {i for i in ids if super(Mutant, self)._add_new([i[:200]], now, expires_at)}\n"
+        "        base = super()._add_new\n"
+        "        return {i for i in ids if base([i[:200]], now, expires_at)}\n"
         "    def _find(self, ids, now):\n"
-        "        return {i for i in ids if super(Mutant, self)._find([i[:200]], now)}\n",
+        "        base = super()._find\n"
+        "        return {i for i in ids if base([i[:200]], now)}\n",
         "test_hostile_ids_never_collide",
     ),
     "purge deletes everything": (
