@@ -736,7 +736,10 @@ class PostgresServer(LocalServer):
 
 
 class MotoServer(DynamoDBEndpoint, LocalServer):
-    """``moto_server`` (in-memory; a restart loses all data)."""
+    """moto's DynamoDB server (in-memory; a restart loses all data), one request at a time.
+
+    See ``tests/moto_serialized.py`` for why stock ``moto_server`` is not used.
+    """
 
     name = "dynamodb"
 
@@ -745,12 +748,10 @@ class MotoServer(DynamoDBEndpoint, LocalServer):
         return f"http://{self.host}:{self.port}"
 
     def _command(self) -> list[str]:
-        if importlib.util.find_spec("moto") is not None:
-            program = [sys.executable, "-m", "moto.server"]
-        else:
-            script = Path(sys.executable).with_name("moto_server")
-            program = [str(script) if script.exists() else _which("moto_server")]
-        return [*program, "-H", self.host, "-p", str(self.port)]
+        if importlib.util.find_spec("moto") is None:
+            raise ServerStartError(f"moto is not installed in {sys.executable}; {INSTALL_HINT}")
+        launcher = Path(__file__).with_name("moto_serialized.py")
+        return [sys.executable, str(launcher), self.host, str(self.port)]
 
     def _is_ready(self) -> bool:
         return _http_answers(f"{self.url}/moto-api/")
