@@ -549,6 +549,7 @@ class RedisServer(LocalServer):
         appendonly: bool = True,
         appendfsync: str = "always",
         *,
+        requirepass: str | None = None,
         startup_timeout: float = 60.0,
     ) -> None:
         if appendfsync not in ("always", "everysec", "no"):
@@ -556,6 +557,7 @@ class RedisServer(LocalServer):
         super().__init__(startup_timeout=startup_timeout)
         self.appendonly = appendonly
         self.appendfsync = appendfsync
+        self.requirepass = requirepass
 
     @property
     def url(self) -> str:
@@ -572,13 +574,16 @@ class RedisServer(LocalServer):
             "--appendfsync", self.appendfsync,
             "--daemonize", "no",
             "--logfile", "",
+            *(["--requirepass", self.requirepass] if self.requirepass else []),
         ]  # fmt: skip
 
     def _is_ready(self) -> bool:
         try:
             with socket.create_connection((self.host, self.port), timeout=2) as sock:
                 sock.sendall(b"PING\r\n")
-                return sock.recv(64).startswith(b"+PONG")  # "-LOADING" while reading the AOF
+                answer = sock.recv(64)
+                # "-LOADING" while reading the AOF; "-NOAUTH" once up with a password
+                return answer.startswith((b"+PONG", b"-NOAUTH"))  # "-LOADING" while reading the AOF
         except OSError:
             return False
 
