@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
 
 from filelock import FileLock
 
@@ -87,9 +87,11 @@ class SqliteDeduplicationStore(DeduplicationStore):
             raise ConfigurationError(f"table must be a plain SQL identifier, got {table!r}")
         if synchronous.upper() not in _SYNCHRONOUS:
             raise ConfigurationError(f"synchronous must be one of {_SYNCHRONOUS}")
-        self._path = sqlite_path_from_url(url)
+        # A relative path is resolved now, so a pickled store (a Spark task in another
+        # working directory) reopens the same file.
+        self._path = sqlite_path_from_url(url).absolute()
         super().__init__(
-            url,
+            f"sqlite:///{quote(str(self._path))}",
             endpoint=endpoint,
             retention=retention,
             clock=clock,

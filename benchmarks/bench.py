@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--ids", type=int, default=200_000)
     parser.add_argument("--naive-ids", type=int, default=20_000)
-    parser.add_argument("--slow-ids", type=int, default=20_000, help="ids for dynamodb/cosmos")
+    parser.add_argument("--slow-ids", type=int, default=5_000, help="ids for dynamodb/cosmos")
     parser.add_argument("--memory-sizes", default="100000,1000000")
     parser.add_argument("--memory-backends", default="sqlite,postgres,redis")
     parser.add_argument("--out", type=Path, default=RESULTS)

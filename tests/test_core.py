@@ -361,3 +361,19 @@ def test_repr_masks_password_options() -> None:
     store = MemoryDeduplicationStore("memory://r")
     store._options["password"] = "hunter2"
     assert "hunter2" not in repr(store)
+
+
+def test_pickled_sqlite_store_reopens_the_same_file_from_another_directory(
+    in_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pickle
+
+    with open_store("sqlite:///relative/dir/dedup.db") as store:
+        store.add("seen-before")
+        blob = pickle.dumps(store)
+    elsewhere = in_tmp / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    with pickle.loads(blob) as clone:
+        assert clone.has_been_processed("seen-before")
+    assert not (elsewhere / "relative").exists()
