@@ -93,6 +93,7 @@ def _backend(name: str) -> Iterator[tuple[Opener, Any]]:
                         f"cosmos://{host}/bench/c{uuid.uuid4().hex[:12]}",
                         key=cosmos.key,
                         tls=False,
+                        endpoint_discovery=False,
                         create_container=True,
                         allow_weak_consistency_for_emulator_only=True,
                     )

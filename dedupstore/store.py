@@ -65,6 +65,23 @@ def validate_message_id(message_id: object) -> str:
     return message_id
 
 
+def _validate_all(message_ids: Iterable[object]) -> list[str]:
+    """Validate a batch; a fast path for the common all-plain-ASCII case, same rules."""
+    items = list(message_ids)
+    try:
+        joined = "\x01".join(items)  # type: ignore[arg-type]
+    except TypeError:
+        joined = None
+    if (
+        joined is not None
+        and joined.isascii()
+        and "\x00" not in joined
+        and all(type(m) is str and 0 < len(m) <= MAX_ID_BYTES for m in items)
+    ):
+        return items  # type: ignore[return-value]
+    return [validate_message_id(m) for m in items]
+
+
 def validate_endpoint(endpoint: object) -> str:
     """Return ``endpoint`` or raise :class:`ConfigurationError`; same rules as ids."""
     try:
@@ -345,7 +362,7 @@ class DeduplicationStore(abc.ABC):
                 f" {message_ids!r:.80}; wrap it in a list"
             )
         if isinstance(message_ids, Collection):
-            validated = [validate_message_id(m) for m in message_ids]
+            validated = _validate_all(message_ids)
             self._check_open()
             for start in range(0, len(validated), size):
                 yield list(dict.fromkeys(validated[start : start + size]))
@@ -353,7 +370,7 @@ class DeduplicationStore(abc.ABC):
         self._check_open()
         iterator = iter(message_ids)
         while True:
-            chunk = [validate_message_id(m) for m in itertools.islice(iterator, size)]
+            chunk = _validate_all(itertools.islice(iterator, size))
             if not chunk:
                 return
             yield list(dict.fromkeys(chunk))
