@@ -184,6 +184,9 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
     schemes: ClassVar[tuple[str, ...]] = ("dynamodb",)
     max_write_batch: ClassVar[int] = MAX_TRANSACT_ITEMS
     max_read_batch: ClassVar[int] = MAX_BATCH_GET_KEYS
+    # Chunks in flight at once: hides the request latency of the service; an id in
+    # two chunks at once is settled by DynamoDB's transaction conflict check.
+    chunk_concurrency: ClassVar[int] = 4
     url_options: ClassVar[dict[str, Any]] = {
         "region": str,
         "region_name": str,

@@ -181,6 +181,9 @@ class PostgresDeduplicationStore(DeduplicationStore):
     schemes: ClassVar[tuple[str, ...]] = ("postgresql", "postgres")
     max_write_batch: ClassVar[int] = 2000
     max_read_batch: ClassVar[int] = 5000
+    # Two chunks in flight: the server works on one while the next is sent (and on
+    # two cores at once); overlapping chunks are sorted, so they cannot deadlock.
+    chunk_concurrency: ClassVar[int] = 2
     url_options: ClassVar[Mapping[str, Callable[[str], Any]]] = {
         "table": str,
         "create_schema": parse_bool,
@@ -473,7 +476,7 @@ class PostgresDeduplicationStore(DeduplicationStore):
         self._sql_add_many = render(
             "INSERT INTO {table} AS r (endpoint, id, expires_at) "
             "SELECT %(endpoint)s::text, u.id, %(expires_at)s::float8 "
-            "FROM unnest(%(ids)s::text[]) WITH ORDINALITY AS u(id, n) ORDER BY u.n "
+            "FROM unnest(%(ids)b::text[]) WITH ORDINALITY AS u(id, n) ORDER BY u.n "
             f"{on_conflict}RETURNING r.id"
         )
         self._sql_add_one = render(
@@ -484,7 +487,7 @@ class PostgresDeduplicationStore(DeduplicationStore):
         live = "(expires_at IS NULL OR expires_at > %(now)s::float8)"
         self._sql_find = render(
             "SELECT id FROM {table} "
-            f"WHERE endpoint = %(endpoint)s::text AND id = ANY(%(ids)s::text[]) AND {live}"
+            f"WHERE endpoint = %(endpoint)s::text AND id = ANY(%(ids)b::text[]) AND {live}"
         )
         self._sql_has = render(
             "SELECT 1 FROM {table} "

@@ -11,8 +11,11 @@ import abc
 import contextlib
 import inspect
 import itertools
+import os
+import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from datetime import timedelta
 from types import TracebackType
 from typing import Any, ClassVar, Self
@@ -114,6 +117,9 @@ class DeduplicationStore(abc.ABC):
     max_write_batch: ClassVar[int] = 1000
     #: Largest number of ids handed to one :meth:`_find` call.
     max_read_batch: ClassVar[int] = 1000
+    #: How many chunks of one batch call may be in flight at once (1: one by one).
+    #: Chunks are independent: each id's first-writer-wins is decided per chunk.
+    chunk_concurrency: ClassVar[int] = 1
     #: Typed converters for URL query options (besides the common ones).
     url_options: ClassVar[Mapping[str, Callable[[str], Any]]] = {}
 
@@ -148,6 +154,9 @@ class DeduplicationStore(abc.ABC):
         if clock is not None:
             self._options.setdefault("clock", clock)
         self._closed = False
+        self._executor: ThreadPoolExecutor | None = None
+        self._executor_pid = 0
+        self._executor_lock = threading.Lock()
         #: Driver exceptions that mean "the store could not answer".
         self._unavailable_errors: tuple[type[BaseException], ...] = ()
 
@@ -207,12 +216,13 @@ class DeduplicationStore(abc.ABC):
         and validated chunk by chunk (a bad id stops the call before its chunk is
         written). Raises ``InvalidMessageId`` and ``StoreUnavailable``.
         """
-        recorded: set[str] = set()
-        for chunk in self._chunks(message_ids, self.max_write_batch):
+
+        def add_chunk(chunk: list[str]) -> set[str]:
             now = self._clock()
             with self._translating_errors("add_many"):
-                recorded |= self._add_new(chunk, now, self._expiry(now))
-        return recorded
+                return self._add_new(chunk, now, self._expiry(now))
+
+        return self._over_chunks(self._chunks(message_ids, self.max_write_batch), add_chunk)
 
     def has_been_processed(self, message_id: str) -> bool:
         """Return ``True`` if ``message_id`` is recorded and not expired.
@@ -235,11 +245,12 @@ class DeduplicationStore(abc.ABC):
         One round trip per chunk of :attr:`max_read_batch` ids. Validation as in
         :meth:`add_many`. Raises ``InvalidMessageId`` and ``StoreUnavailable``.
         """
-        found: set[str] = set()
-        for chunk in self._chunks(message_ids, self.max_read_batch):
+
+        def find_chunk(chunk: list[str]) -> set[str]:
             with self._translating_errors("processed_among"):
-                found |= self._find(chunk, self._clock())
-        return found
+                return self._find(chunk, self._clock())
+
+        return self._over_chunks(self._chunks(message_ids, self.max_read_batch), find_chunk)
 
     def purge_expired(self) -> int:
         """Delete this endpoint's expired records; return how many were deleted.
@@ -261,6 +272,9 @@ class DeduplicationStore(abc.ABC):
         """Release connections; idempotent. The store cannot be used afterwards."""
         if not self._closed:
             self._closed = True
+            executor, self._executor = self._executor, None
+            if executor is not None:
+                executor.shutdown(wait=True)
             self._close()
 
     @property
@@ -353,6 +367,52 @@ class DeduplicationStore(abc.ABC):
                 f"{type(self).__name__} at {self.url}: {operation} failed: "
                 f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
             ) from exc
+
+    def _over_chunks(
+        self, chunks: Iterator[list[str]], work: Callable[[list[str]], set[str]]
+    ) -> set[str]:
+        """Union of ``work(chunk)``, with up to :attr:`chunk_concurrency` in flight.
+
+        Memory stays bounded (at most that many chunks are held). On an error the
+        chunks in flight are finished or cancelled before it is raised.
+        """
+        result: set[str] = set()
+        first = next(chunks, None)
+        if first is None:
+            return result
+        second = next(chunks, None)
+        if second is None or self.chunk_concurrency <= 1:
+            for chunk in itertools.chain([first], [] if second is None else [second], chunks):
+                result |= work(chunk)
+            return result
+        pool = self._chunk_executor()
+        pending: set[Future[set[str]]] = set()
+        try:
+            for chunk in itertools.chain([first, second], chunks):
+                if len(pending) >= self.chunk_concurrency:
+                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        result |= future.result()
+                pending.add(pool.submit(work, chunk))
+            for future in pending:
+                result |= future.result()
+        except BaseException:
+            for future in pending:
+                future.cancel()
+            wait(pending)
+            raise
+        return result
+
+    def _chunk_executor(self) -> ThreadPoolExecutor:
+        """This process's worker threads for concurrent chunks (new after ``fork``)."""
+        with self._executor_lock:
+            if self._executor is None or self._executor_pid != os.getpid():
+                self._executor = ThreadPoolExecutor(
+                    max_workers=self.chunk_concurrency,
+                    thread_name_prefix=f"dedupstore-{type(self).__name__}",
+                )
+                self._executor_pid = os.getpid()
+            return self._executor
 
     def _chunks(self, message_ids: Iterable[str], size: int) -> Iterator[list[str]]:
         """Validate and split ``message_ids`` into duplicate-free chunks of ``size``."""
