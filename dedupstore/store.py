@@ -154,9 +154,9 @@ class DeduplicationStore(abc.ABC):
         if clock is not None:
             self._options.setdefault("clock", clock)
         self._closed = False
-        self._executor: ThreadPoolExecutor | None = None
-        self._executor_pid = 0
-        self._executor_lock = threading.Lock()
+        self._chunk_pool: ThreadPoolExecutor | None = None
+        self._chunk_pool_pid = 0
+        self._chunk_pool_lock = threading.Lock()
         #: Driver exceptions that mean "the store could not answer".
         self._unavailable_errors: tuple[type[BaseException], ...] = ()
 
@@ -272,7 +272,7 @@ class DeduplicationStore(abc.ABC):
         """Release connections; idempotent. The store cannot be used afterwards."""
         if not self._closed:
             self._closed = True
-            executor, self._executor = self._executor, None
+            executor, self._chunk_pool = self._chunk_pool, None
             if executor is not None:
                 executor.shutdown(wait=True)
             self._close()
@@ -405,14 +405,14 @@ class DeduplicationStore(abc.ABC):
 
     def _chunk_executor(self) -> ThreadPoolExecutor:
         """This process's worker threads for concurrent chunks (new after ``fork``)."""
-        with self._executor_lock:
-            if self._executor is None or self._executor_pid != os.getpid():
-                self._executor = ThreadPoolExecutor(
+        with self._chunk_pool_lock:
+            if self._chunk_pool is None or self._chunk_pool_pid != os.getpid():
+                self._chunk_pool = ThreadPoolExecutor(
                     max_workers=self.chunk_concurrency,
                     thread_name_prefix=f"dedupstore-{type(self).__name__}",
                 )
-                self._executor_pid = os.getpid()
-            return self._executor
+                self._chunk_pool_pid = os.getpid()
+            return self._chunk_pool
 
     def _chunks(self, message_ids: Iterable[str], size: int) -> Iterator[list[str]]:
         """Validate and split ``message_ids`` into duplicate-free chunks of ``size``."""
