@@ -16,7 +16,7 @@ def _in_ci() -> bool:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Remember every skipped (or xfailed) test."""
+    """Remember every test that was reported as not run."""
     if report.skipped:
         _skipped.append(report.nodeid)
 

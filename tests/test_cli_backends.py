@@ -99,7 +99,9 @@ def test_check_dynamodb(
 
 @pytest.mark.cosmos
 def test_check_cosmos_emulator_with_the_unsafe_option(
-    capsys: pytest.CaptureFixture[str], cosmos_server: CosmosEndpoint
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    cosmos_server: CosmosEndpoint,
 ) -> None:
     url = _cosmos_url(
         cosmos_server,
@@ -114,6 +116,8 @@ def test_check_cosmos_emulator_with_the_unsafe_option(
     assert code == 0, err
     assert "warning" in out.lower()  # the unsafe option is reported
     assert cosmos_server.key not in out
+    assert "UNSAFE" in caplog.text.upper()  # logged at open ...
+    assert cosmos_server.key not in caplog.text  # ... without the key
 
 
 # ---------------------------------------------------------------------- errors
