@@ -191,6 +191,9 @@ class RedisDeduplicationStore(DeduplicationStore):
     # The script unpack()s 2 values per key: Lua's stack allows about 8000.
     max_write_batch: ClassVar[int] = 1000
     max_read_batch: ClassVar[int] = 2000
+    # Two chunks in flight: Python builds and parses one while the server runs the
+    # other (each script runs atomically, so first-writer-wins is unaffected).
+    chunk_concurrency: ClassVar[int] = 2
     url_options: ClassVar[Mapping[str, Any]] = {
         "key_prefix": str,
         "socket_timeout": _positive_float_or_none,
