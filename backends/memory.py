@@ -2,28 +2,28 @@
 
 One store per name per process, shared by every object opened with that URL, so
 two objects behave like two clients of one server. Thread-safe. Nothing survives
-the process.
+the process. Expiry is judged by the ``clock`` option (``time.time`` by default).
 """
 
 from __future__ import annotations
 
 import threading
-from datetime import timedelta
 from typing import ClassVar
 
 from dedupstore.errors import ConfigurationError
-from dedupstore.store import Clock, DeduplicationStore
-from dedupstore.urls import split_url
+from dedupstore.options import OptionSet
+from dedupstore.store import CLOCK, DeduplicationStore, WriteRequest
+from dedupstore.urls import StoreURL
 
-__all__ = ["MemoryDeduplicationStore"]
+__all__ = ["MemoryDeduplicationStore", "namespace_name"]
 
 
 class _Namespace:
-    """The records of one ``memory://<name>``: (endpoint, id) -> expiry or None."""
+    """The records of one ``memory://<name>``: (endpoint, id) -> (expiry or None, token)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.records: dict[tuple[str, str], float | None] = {}
+        self.records: dict[tuple[str, str], tuple[float | None, str]] = {}
 
 
 _namespaces: dict[str, _Namespace] = {}
@@ -35,39 +35,38 @@ def _namespace(name: str) -> _Namespace:
         return _namespaces.setdefault(name, _Namespace())
 
 
+def namespace_name(url: StoreURL) -> str:
+    """The namespace of ``memory://<name>``; ``ConfigurationError`` for anything else."""
+    if url.port or url.username or url.fragment:
+        raise ConfigurationError(f"expected 'memory://' or 'memory://<name>', got {url.masked!r}")
+    return url.netloc + url.path
+
+
 class MemoryDeduplicationStore(DeduplicationStore):
     """In-process deduplication store; records live as long as the process."""
 
     schemes: ClassVar[tuple[str, ...]] = ("memory",)
     max_write_batch: ClassVar[int] = 10_000
     max_read_batch: ClassVar[int] = 10_000
+    declared_options: ClassVar[OptionSet] = DeduplicationStore.declared_options.extend(CLOCK)
 
-    def __init__(
-        self,
-        url: str = "memory://",
-        *,
-        endpoint: str = "default",
-        retention: timedelta | None = None,
-        clock: Clock | None = None,
-    ) -> None:
+    def __init__(self, url: str | StoreURL = "memory://", /, **options: object) -> None:
         """Open ``memory://<name>`` (the empty name is a namespace too)."""
-        parts = split_url(url)
-        if parts.query or parts.port:
-            raise ConfigurationError(f"expected 'memory://' or 'memory://<name>', got {url!r}")
-        super().__init__(url, endpoint=endpoint, retention=retention, clock=clock)
-        self._ns = _namespace(parts.netloc + parts.path)
+        super().__init__(url, **options)
+        self._ns = _namespace(namespace_name(self._url))
 
-    def _add_new(self, ids: list[str], now: float, expires_at: float | None) -> set[str]:
-        endpoint, records = self._endpoint, self._ns.records
+    def _add_new(self, request: WriteRequest) -> set[str]:
+        endpoint, records, now = self._endpoint, self._ns.records, request.now
         added: set[str] = set()
         with self._ns.lock:
-            for mid in ids:
+            for mid in request.ids:
                 key = (endpoint, mid)
-                if key in records:
-                    current = records[key]
-                    if current is None or current > now:
+                current = records.get(key)
+                if current is not None:
+                    expiry, token = current
+                    if token not in request.mine and (expiry is None or expiry > now):
                         continue
-                records[key] = expires_at
+                records[key] = (request.expires_at, request.token)
                 added.add(mid)
         return added
 
@@ -76,18 +75,16 @@ class MemoryDeduplicationStore(DeduplicationStore):
         found: set[str] = set()
         with self._ns.lock:
             for mid in ids:
-                key = (endpoint, mid)
-                if key in records:
-                    expiry = records[key]
-                    if expiry is None or expiry > now:
-                        found.add(mid)
+                current = records.get((endpoint, mid))
+                if current is not None and (current[0] is None or current[0] > now):
+                    found.add(mid)
         return found
 
     def _purge(self, now: float) -> int:
         with self._ns.lock:
             expired = [
                 key
-                for key, expiry in self._ns.records.items()
+                for key, (expiry, _) in self._ns.records.items()
                 if key[0] == self._endpoint and expiry is not None and expiry <= now
             ]
             for key in expired:

@@ -1,31 +1,66 @@
-"""The error hierarchy of dedupstore.
+"""The error hierarchy of dedupstore, and the one-line formatter every caller uses.
 
 Every error the library raises on purpose is a :class:`DedupStoreError`. Driver
-errors are translated at the backend boundary and chained (``raise ... from exc``).
+errors are classified once per backend (``_classify_error``) and chained
+(``raise ... from exc``); nothing leaves the library as a bare driver error.
+
+=====================  ======================================  ==============
+error                  meaning                                 CLI exit code
+=====================  ======================================  ==============
+``ConfigurationError``  fix the configuration or the input      2
+``InvalidMessageId``    fix the input (a ``ValueError``)        2
+``ConsistencyError``    the store is too weak to be safe        2
+``StoreClosed``         the object was closed; open a new one   2
+``StoreUnavailable``    the store could not answer; retry       3
+``ConcurrencyConflict`` someone saved the entity first; retry   3
+=====================  ======================================  ==============
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 __all__ = [
     "ConcurrencyConflict",
     "ConfigurationError",
     "ConsistencyError",
     "DedupStoreError",
+    "EntityTooLarge",
     "InvalidMessageId",
+    "StoreClosed",
     "StoreUnavailable",
+    "format_error",
 ]
 
 
 class DedupStoreError(Exception):
-    """Base class of every error raised by dedupstore."""
+    """Base class of every error raised by dedupstore.
+
+    A batch call (``add_many``) that fails part-way says what it completed:
+    ``recorded`` holds the ids this call recorded in chunks that completed (the
+    caller may act on them: nobody else will ever be told they are new), and
+    ``unknown`` the ids of chunks in flight when it failed (recorded or not; a
+    retry of them on the same store object reports those it recorded as
+    recorded). Every other id of the call was not written by it.
+    """
+
+    recorded: frozenset[str] = frozenset()
+    unknown: frozenset[str] = frozenset()
+
+    def with_progress(self, recorded: Iterable[str], unknown: Iterable[str]) -> DedupStoreError:
+        """Attach what a batch call completed before this error; return ``self``."""
+        self.recorded = frozenset(recorded)
+        self.unknown = frozenset(unknown)
+        return self
 
 
 class ConfigurationError(DedupStoreError):
-    """The store cannot be opened as configured.
+    """The store cannot be used as configured: fix the configuration, do not retry.
 
-    Unknown URL scheme, malformed URL, unknown option, missing client library (the
-    message names the ``pip install 'dedupstore[extra]'`` to run), missing
-    environment or unset ``${VAR}`` in the configuration file, missing table.
+    Unknown URL scheme, malformed URL, unknown option or bad option value, missing
+    client library (the message names the ``pip install 'dedupstore[extra]'`` to
+    run), missing environment or unset ``${VAR}``, refused credentials or
+    permissions, a missing table or one of another shape.
     """
 
 
@@ -38,20 +73,39 @@ class ConsistencyError(DedupStoreError):
 
 
 class InvalidMessageId(DedupStoreError, ValueError):
-    """A message id breaks the id rules; raised before any I/O.
+    """A message or entity id breaks the id rules; raised before any I/O.
 
     Valid ids are non-empty ``str`` of at most 1024 UTF-8 bytes with no NUL
     character and no lone surrogate.
     """
 
 
+class EntityTooLarge(DedupStoreError, ValueError):
+    """An entity is larger than its store can hold in one record; nothing was written."""
+
+
 class StoreUnavailable(DedupStoreError):
-    """The store could not answer; the operation may be retried.
+    """The store could not answer (connection, timeout, throttling, failover): retry.
 
     The driver's exception is chained as ``__cause__``. A store never answers
     "not processed" when it cannot reach its data: it raises this instead.
     """
 
 
+class StoreClosed(DedupStoreError):
+    """The store object was used after ``close()``; open a new one."""
+
+
 class ConcurrencyConflict(DedupStoreError):
     """Somebody else saved the entity since it was loaded: reload and retry."""
+
+
+def format_error(exc: BaseException) -> str:
+    """The error as one line (whitespace folded, secrets in URLs masked).
+
+    Used by the CLI, the reports and the error translation of every backend.
+    """
+    from dedupstore.urls import mask_text
+
+    text = " ".join(str(exc).split())
+    return mask_text(text) if text else type(exc).__name__

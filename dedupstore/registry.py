@@ -1,7 +1,7 @@
-"""URL scheme -> backend class, as import strings resolved lazily.
+"""URL scheme -> implementation class, as import strings resolved lazily.
 
 Importing :mod:`dedupstore` imports no backend and no client library: a backend
-module is imported the first time a store with its scheme is opened. Third-party
+module is imported the first time an object with its scheme is opened. Third-party
 backends register with :func:`register_backend` or through the entry-point group
 ``dedupstore.backends`` (name: the scheme, value: ``"package.module:Class"``).
 """
@@ -13,28 +13,37 @@ import threading
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from dedupstore.errors import ConfigurationError
-from dedupstore.urls import split_url
+from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from dedupstore.store import DeduplicationStore
 
-__all__ = ["ENTRY_POINT_GROUP", "BackendSpec", "backend_class", "known_backends", "open_url"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "BackendSpec",
+    "Registry",
+    "backend_class",
+    "known_backends",
+    "open_url",
+    "register_backend",
+]
 
 ENTRY_POINT_GROUP = "dedupstore.backends"
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class BackendSpec:
-    """Where a scheme's backend lives and what it needs.
+    """Where a scheme's implementation lives and what it needs.
 
     ``target`` is ``"module:Class"``; ``requires`` are the client modules imported
-    before the backend; ``extra`` is the ``pip install 'dedupstore[extra]'`` that
-    provides them.
+    before it; ``extra`` is the ``pip install 'dedupstore[extra]'`` that provides them.
     """
 
     target: str
@@ -42,27 +51,126 @@ class BackendSpec:
     extra: str | None = None
 
 
-_BUILTIN: dict[str, BackendSpec] = {
-    "memory": BackendSpec("backends.memory:MemoryDeduplicationStore"),
-    "sqlite": BackendSpec("backends.sqlite:SqliteDeduplicationStore"),
-    "postgresql": BackendSpec(
-        "backends.postgres:PostgresDeduplicationStore", ("psycopg", "psycopg_pool"), "postgres"
-    ),
-    "postgres": BackendSpec(
-        "backends.postgres:PostgresDeduplicationStore", ("psycopg", "psycopg_pool"), "postgres"
-    ),
-    "redis": BackendSpec("backends.redis:RedisDeduplicationStore", ("redis",), "redis"),
-    "rediss": BackendSpec("backends.redis:RedisDeduplicationStore", ("redis",), "redis"),
-    "dynamodb": BackendSpec("backends.dynamodb:DynamoDBDeduplicationStore", ("boto3",), "dynamodb"),
-    "cosmos": BackendSpec("backends.cosmos:CosmosDeduplicationStore", ("azure.cosmos",), "cosmos"),
-}
+class Registry(Generic[T]):
+    """Scheme -> :class:`BackendSpec` for one kind of object (stores, entity stores, ...)."""
 
-_registry: dict[str, BackendSpec] = dict(_BUILTIN)
-_lock = threading.Lock()
-_entry_points_loaded = False
+    def __init__(
+        self, kind: str, group: str, base: str, builtin: dict[str, BackendSpec]
+    ) -> None:
+        self.kind = kind
+        self.group = group
+        self._base = base
+        self._specs: dict[str, BackendSpec] = dict(builtin)
+        self._lock = threading.Lock()
+        self._entry_points_loaded = False
+        #: Read-only view of the registered schemes.
+        self.view: Mapping[str, BackendSpec] = MappingProxyType(self._specs)
 
-#: Read-only view of the registered schemes.
-known_backends: Mapping[str, BackendSpec] = MappingProxyType(_registry)
+    def register(
+        self,
+        scheme: str,
+        target: str,
+        *,
+        clobber: bool = False,
+        requires: tuple[str, ...] = (),
+        extra: str | None = None,
+    ) -> None:
+        """Register ``target`` (``"module:Class"``) for URLs of ``scheme``; nothing is imported.
+
+        Raises ``ValueError`` if ``scheme`` is taken and ``clobber`` is false, or if
+        ``target`` is not of the form ``"module:Class"``.
+        """
+        if not isinstance(scheme, str) or not scheme or "://" in scheme or scheme != scheme.lower():
+            raise ValueError(f"a scheme is a lower-case name such as 'myredis', got {scheme!r}")
+        module, sep, name = target.partition(":")
+        if not sep or not module or not name:
+            raise ValueError(f"a {self.kind} target is 'package.module:Class', got {target!r}")
+        with self._lock:
+            if scheme in self._specs and not clobber and self._specs[scheme].target != target:
+                raise ValueError(
+                    f"scheme {scheme!r} is already registered to {self._specs[scheme].target}; "
+                    "pass clobber=True to replace it"
+                )
+            self._specs[scheme] = BackendSpec(target, tuple(requires), extra)
+
+    def _load_entry_points(self) -> None:
+        with self._lock:
+            if self._entry_points_loaded:
+                return
+            self._entry_points_loaded = True
+            for ep in entry_points(group=self.group):
+                self._specs.setdefault(ep.name, BackendSpec(ep.value))
+
+    def resolve(self, scheme: str) -> type[T]:
+        """Import and return the class registered for ``scheme``.
+
+        Raises ``ConfigurationError`` for an unknown scheme, or when the client
+        library is missing (the message names the extra to install).
+        """
+        if scheme not in self._specs:
+            self._load_entry_points()
+        spec = self._specs.get(scheme)
+        if spec is None:
+            known = ", ".join(f"{s}://" for s in sorted(self._specs))
+            raise ConfigurationError(
+                f"unknown {self.kind} URL scheme {scheme!r}; known schemes: {known}"
+            )
+        for module in spec.requires:
+            try:
+                importlib.import_module(module)
+            except ImportError as exc:
+                hint = (
+                    f"pip install 'dedupstore[{spec.extra}]'" if spec.extra else f"install {module}"
+                )
+                raise ConfigurationError(
+                    f"the {scheme}:// {self.kind} needs the {module} client library, which is "
+                    f"not installed: {hint}"
+                ) from exc
+        module_name, _, class_name = spec.target.partition(":")
+        try:
+            cls: Any = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError) as exc:
+            hint = f" (pip install 'dedupstore[{spec.extra}]')" if spec.extra else ""
+            raise ConfigurationError(
+                f"cannot load the {scheme}:// {self.kind} {spec.target}: {exc}{hint}"
+            ) from exc
+        base_module, _, base_name = self._base.partition(":")
+        base = getattr(importlib.import_module(base_module), base_name)
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            raise ConfigurationError(f"{spec.target} is not a {base_name} subclass")
+        return cls  # type: ignore[no-any-return]
+
+    def open(self, url: str | StoreURL, **options: Any) -> T:
+        """Parse ``url`` once and open it with the class of its scheme."""
+        parsed = StoreURL.parse(url)
+        cls: Any = self.resolve(parsed.scheme)
+        return cls(parsed, **options)  # type: ignore[no-any-return]
+
+
+def _spec(target: str, *requires: str, extra: str | None = None) -> BackendSpec:
+    return BackendSpec(target, requires, extra)
+
+
+_PG = ("psycopg", "psycopg_pool")
+
+stores: Registry[DeduplicationStore] = Registry(
+    "store",
+    ENTRY_POINT_GROUP,
+    "dedupstore.store:DeduplicationStore",
+    {
+        "memory": _spec("backends.memory:MemoryDeduplicationStore"),
+        "sqlite": _spec("backends.sqlite:SqliteDeduplicationStore"),
+        "postgresql": _spec("backends.postgres:PostgresDeduplicationStore", *_PG, extra="postgres"),
+        "postgres": _spec("backends.postgres:PostgresDeduplicationStore", *_PG, extra="postgres"),
+        "redis": _spec("backends.redis:RedisDeduplicationStore", "redis", extra="redis"),
+        "rediss": _spec("backends.redis:RedisDeduplicationStore", "redis", extra="redis"),
+        "dynamodb": _spec("backends.dynamodb:DynamoDBDeduplicationStore", "boto3", extra="dynamodb"),
+        "cosmos": _spec("backends.cosmos:CosmosDeduplicationStore", "azure.cosmos", extra="cosmos"),
+    },
+)
+
+#: Read-only view of the registered store schemes.
+known_backends: Mapping[str, BackendSpec] = stores.view
 
 
 def register_backend(
@@ -73,72 +181,15 @@ def register_backend(
     requires: tuple[str, ...] = (),
     extra: str | None = None,
 ) -> None:
-    """Register ``target`` (``"module:Class"``) for URLs of ``scheme``.
-
-    Nothing is imported now. Raises ``ValueError`` if ``scheme`` is taken and
-    ``clobber`` is false, or if ``target`` is not of the form ``"module:Class"``.
-    """
-    if not isinstance(scheme, str) or not scheme or "://" in scheme or scheme != scheme.lower():
-        raise ValueError(f"a scheme is a lower-case name such as 'myredis', got {scheme!r}")
-    module, sep, name = target.partition(":")
-    if not sep or not module or not name:
-        raise ValueError(f"a backend target is 'package.module:Class', got {target!r}")
-    with _lock:
-        if scheme in _registry and not clobber and _registry[scheme].target != target:
-            raise ValueError(
-                f"scheme {scheme!r} is already registered to {_registry[scheme].target}; "
-                "pass clobber=True to replace it"
-            )
-        _registry[scheme] = BackendSpec(target, tuple(requires), extra)
-
-
-def _load_entry_points() -> None:
-    global _entry_points_loaded
-    with _lock:
-        if _entry_points_loaded:
-            return
-        _entry_points_loaded = True
-        for ep in entry_points(group=ENTRY_POINT_GROUP):
-            _registry.setdefault(ep.name, BackendSpec(ep.value))
+    """Register a deduplication store class for ``scheme``; see :meth:`Registry.register`."""
+    stores.register(scheme, target, clobber=clobber, requires=requires, extra=extra)
 
 
 def backend_class(scheme: str) -> type[DeduplicationStore]:
-    """Import and return the class registered for ``scheme``.
-
-    Raises ``ConfigurationError`` for an unknown scheme, or when the backend's
-    client library is missing (the message names the extra to install).
-    """
-    from dedupstore.store import DeduplicationStore
-
-    if scheme not in _registry:
-        _load_entry_points()
-    spec = _registry.get(scheme)
-    if spec is None:
-        known = ", ".join(f"{s}://" for s in sorted(_registry))
-        raise ConfigurationError(f"unknown store URL scheme {scheme!r}; known schemes: {known}")
-    for module in spec.requires:
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            hint = f"pip install 'dedupstore[{spec.extra}]'" if spec.extra else f"install {module}"
-            raise ConfigurationError(
-                f"the {scheme}:// backend needs the {module} client library, which is not "
-                f"installed: {hint}"
-            ) from exc
-    module_name, _, class_name = spec.target.partition(":")
-    try:
-        cls: Any = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as exc:
-        hint = f" (pip install 'dedupstore[{spec.extra}]')" if spec.extra else ""
-        raise ConfigurationError(
-            f"cannot load the {scheme}:// backend {spec.target}: {exc}{hint}"
-        ) from exc
-    if not (isinstance(cls, type) and issubclass(cls, DeduplicationStore)):
-        raise ConfigurationError(f"{spec.target} is not a DeduplicationStore subclass")
-    return cls
+    """Import and return the store class registered for ``scheme``."""
+    return stores.resolve(scheme)
 
 
-def open_url(url: str, **options: Any) -> DeduplicationStore:
+def open_url(url: str | StoreURL, **options: Any) -> DeduplicationStore:
     """Open the store for ``url``; see :func:`dedupstore.open_store`."""
-    parts = split_url(url)
-    return backend_class(parts.scheme).from_url(url, **options)
+    return stores.open(url, **options)

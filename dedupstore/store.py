@@ -1,99 +1,80 @@
 """The deduplication store contract: :class:`DeduplicationStore`.
 
 The base class owns everything every backend shares (id validation, batching,
-retention arithmetic, error translation, pickling, ``repr`` masking). A backend
-implements a few primitives whose atomicity is stated in their docstrings.
+retention arithmetic, write tokens for safe retries, progress on failure, error
+classification, options, pickling, ``repr`` masking). A backend implements a few
+primitives whose atomicity is stated in their docstrings.
 """
 
 from __future__ import annotations
 
 import abc
-import contextlib
-import inspect
 import itertools
-import os
+import secrets
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from datetime import timedelta
-from types import TracebackType
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Literal
 
-from dedupstore.errors import (
-    ConfigurationError,
-    DedupStoreError,
-    InvalidMessageId,
-    StoreUnavailable,
-)
-from dedupstore.urls import mask_options, mask_url, parse_duration, query_options, split_url
+from dedupstore.client import Client, ProcessLocal
+from dedupstore.errors import DedupStoreError, InvalidMessageId
+from dedupstore.ids import MAX_ID_BYTES, validate_endpoint, validate_ids, validate_message_id
+from dedupstore.options import Option, OptionSet, callable_, retention
+from dedupstore.urls import StoreURL
 
-__all__ = ["MAX_ID_BYTES", "DeduplicationStore", "validate_endpoint", "validate_message_id"]
-
-#: The largest message id, in UTF-8 bytes, that every backend accepts.
-MAX_ID_BYTES = 1024
+__all__ = [
+    "CLOCK",
+    "MAX_ID_BYTES",
+    "DeduplicationStore",
+    "WriteRequest",
+    "validate_endpoint",
+    "validate_message_id",
+]
 
 Clock = Callable[[], float]
 
+#: Ids whose last write failed, remembered (with the tokens tried) for a retry.
+_MAX_PENDING_IDS = 100_000
+_MAX_TOKENS_PER_ID = 16
 
-def validate_message_id(message_id: object) -> str:
-    """Return ``message_id`` as a plain ``str`` or raise :class:`InvalidMessageId`.
 
-    A valid id is a non-empty ``str`` of at most 1024 UTF-8 bytes, with no NUL
-    character and no lone surrogate.
+def _endpoint(value: object) -> str:
+    return validate_message_id(value, "endpoint")
+
+
+#: The ``clock`` option of backends that judge expiry by the client's clock.
+CLOCK = Option(
+    "clock",
+    callable_,
+    None,
+    "a callable returning epoch seconds, used instead of time.time (tests)",
+    in_url=False,
+)
+
+
+@dataclass(frozen=True)
+class WriteRequest:
+    """One chunk handed to :meth:`DeduplicationStore._add_new`.
+
+    ``token`` is written with every record this chunk creates; a record holding
+    any token in ``mine`` (this token, and those of earlier failed attempts at
+    these ids on the same store object) was written by this call. ``now`` and
+    ``expires_at`` are the client's clock; ``retention`` is in seconds, for
+    backends whose server judges expiry by its own clock.
     """
-    if type(message_id) is not str:
-        if not isinstance(message_id, str):
-            raise InvalidMessageId(
-                f"a message id must be a str, got {type(message_id).__name__} {message_id!r:.80}"
-            )
-        message_id = str.__str__(message_id)
-    if not message_id:
-        raise InvalidMessageId("a message id must not be empty")
-    if "\x00" in message_id:
-        raise InvalidMessageId(f"message id {message_id!r:.80} contains a NUL character")
-    if len(message_id) * 4 > MAX_ID_BYTES or not message_id.isascii():
-        try:
-            size = len(message_id.encode("utf-8"))
-        except UnicodeEncodeError as exc:
-            raise InvalidMessageId(
-                f"message id {message_id!r:.80} contains a lone surrogate at position "
-                f"{exc.start}; ids must be valid Unicode text"
-            ) from None
-        if size > MAX_ID_BYTES:
-            raise InvalidMessageId(
-                f"message id {message_id[:40]!r}... is {size} bytes in UTF-8; "
-                f"the limit is {MAX_ID_BYTES}"
-            )
-    return message_id
+
+    ids: list[str]
+    token: str
+    mine: frozenset[str]
+    now: float
+    expires_at: float | None
+    retention: float | None
 
 
-def _validate_all(message_ids: Iterable[object]) -> list[str]:
-    """Validate a batch; a fast path for the common all-plain-ASCII case, same rules."""
-    items = list(message_ids)
-    try:
-        joined = "\x01".join(items)  # type: ignore[arg-type]
-    except TypeError:
-        joined = None
-    if (
-        joined is not None
-        and joined.isascii()
-        and "\x00" not in joined
-        and all(type(m) is str and 0 < len(m) <= MAX_ID_BYTES for m in items)
-    ):
-        return items  # type: ignore[return-value]
-    return [validate_message_id(m) for m in items]
-
-
-def validate_endpoint(endpoint: object) -> str:
-    """Return ``endpoint`` or raise :class:`ConfigurationError`; same rules as ids."""
-    try:
-        return validate_message_id(endpoint)
-    except InvalidMessageId as exc:
-        raise ConfigurationError(f"invalid endpoint: {exc}".replace("message id", "name")) from None
-
-
-class DeduplicationStore(abc.ABC):
+class DeduplicationStore(Client):
     """A strongly consistent set of processed message ids, keyed by (endpoint, id).
 
     Guarantees (every backend, checked by :mod:`dedupstore.testing`):
@@ -103,16 +84,16 @@ class DeduplicationStore(abc.ABC):
     * first writer wins: of concurrent adds of one id exactly one returns ``True``;
     * invalid ids raise :class:`InvalidMessageId` before any I/O;
     * a store that cannot answer raises :class:`StoreUnavailable`, never "not
-      processed";
-    * with ``retention`` a record stops counting once expired, judged by comparing
-      its stored expiry with the clock at read time.
+      processed"; a batch that fails part-way says what it recorded (``recorded``)
+      and what is unknown (``unknown``), and a retry of the same ids on the same
+      object reports those it wrote before the failure as recorded by the retry;
+    * with ``retention`` a record stops counting once expired, judged by the
+      server's clock where the server has one (:attr:`expiry_clock`).
 
     Open stores with :func:`dedupstore.open_store`. Instances pickle to their URL
     and options and reconnect when unpickled. They are safe to share between threads.
     """
 
-    #: URL schemes this class serves (informational; the registry decides).
-    schemes: ClassVar[tuple[str, ...]] = ()
     #: Largest number of ids handed to one :meth:`_add_new` call.
     max_write_batch: ClassVar[int] = 1000
     #: Largest number of ids handed to one :meth:`_find` call.
@@ -120,68 +101,41 @@ class DeduplicationStore(abc.ABC):
     #: How many chunks of one batch call may be in flight at once (1: one by one).
     #: Chunks are independent: each id's first-writer-wins is decided per chunk.
     chunk_concurrency: ClassVar[int] = 1
-    #: Typed converters for URL query options (besides the common ones).
-    url_options: ClassVar[Mapping[str, Callable[[str], Any]]] = {}
+    #: Whose clock judges expiry: ``"server"`` (PostgreSQL ``now()``, Redis native
+    #: expiry) or ``"client"`` (the ``clock`` option, ``time.time`` by default).
+    expiry_clock: ClassVar[Literal["client", "server"]] = "client"
 
-    _COMMON_URL_OPTIONS: ClassVar[Mapping[str, Callable[[str], Any]]] = {
-        "endpoint": str,
-        "retention": parse_duration,
-    }
+    declared_options: ClassVar[OptionSet] = OptionSet(
+        Option("endpoint", _endpoint, "default", "the consumer's name; records are per endpoint"),
+        Option(
+            "retention",
+            retention,
+            None,
+            "how long a record counts as processed ('30d', '12h', seconds); none: forever",
+        ),
+    )
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        endpoint: str = "default",
-        retention: timedelta | None = None,
-        clock: Clock | None = None,
-        options: Mapping[str, Any] | None = None,
-    ) -> None:
-        """Set up the common state; ``options`` are what :meth:`__reduce__` replays."""
-        self._url = url
-        self._endpoint = validate_endpoint(endpoint)
-        try:
-            self._retention = parse_duration(retention)
-        except ValueError as exc:
-            raise ConfigurationError(f"bad retention: {exc}") from exc
+    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
+        """Resolve the options; backends then connect. Raises ``ConfigurationError``."""
+        super().__init__(url, **options)
+        self._endpoint: str = self._opts["endpoint"]
+        self._retention: timedelta | None = self._opts["retention"]
         self._retention_seconds = (
             None if self._retention is None else self._retention.total_seconds()
         )
+        clock = self._opts.get("clock")
         self._clock: Clock = clock if clock is not None else time.time
-        self._options: dict[str, Any] = dict(options or {})
-        self._options.setdefault("endpoint", self._endpoint)
-        self._options.setdefault("retention", self._retention)
-        if clock is not None:
-            self._options.setdefault("clock", clock)
-        self._closed = False
-        self._chunk_pool: ThreadPoolExecutor | None = None
-        self._chunk_pool_pid = 0
-        self._chunk_pool_lock = threading.Lock()
-        #: Driver exceptions that mean "the store could not answer".
-        self._unavailable_errors: tuple[type[BaseException], ...] = ()
-
-    # ------------------------------------------------------------------ opening
-
-    @classmethod
-    def from_url(cls, url: str, **options: Any) -> Self:
-        """Build a store from its URL; query options are merged under ``options``."""
-        parts = split_url(url)
-        converters = {**cls._COMMON_URL_OPTIONS, **cls.url_options}
-        merged = {**query_options(parts, converters), **options}
-        try:
-            inspect.signature(cls).bind(url, **merged)
-        except TypeError as exc:
-            raise ConfigurationError(
-                f"cannot open {mask_url(url)} with {cls.__name__}: {exc}"
-            ) from None
-        return cls(url, **merged)
+        self._chunk_pool: ProcessLocal[ThreadPoolExecutor] = ProcessLocal(
+            lambda: ThreadPoolExecutor(
+                max_workers=self.chunk_concurrency,
+                thread_name_prefix=f"dedupstore-{type(self).__name__}",
+            ),
+            lambda pool: pool.shutdown(wait=True),
+        )
+        self._pending: dict[str, list[str]] = {}
+        self._pending_lock = threading.Lock()
 
     # ------------------------------------------------------------------ public API
-
-    @property
-    def url(self) -> str:
-        """The URL the store was opened with (secrets masked)."""
-        return mask_url(self._url)
 
     @property
     def endpoint(self) -> str:
@@ -198,13 +152,13 @@ class DeduplicationStore(abc.ABC):
 
         ``False`` means it was already recorded (and not expired). Durable and
         visible to every client when this returns. Raises ``InvalidMessageId``
-        before any I/O, ``StoreUnavailable`` when the store cannot answer.
+        before any I/O, ``StoreUnavailable`` when the store cannot answer (its
+        ``unknown`` holds the id: a retry on this object reports it as recorded if
+        the failed call wrote it), ``StoreClosed`` after :meth:`close`.
         """
         mid = validate_message_id(message_id)
         self._check_open()
-        now = self._clock()
-        with self._translating_errors("add"):
-            return self._add_one(mid, now, self._expiry(now))
+        return bool(self._write_chunk([mid], single=True))
 
     def add_many(self, message_ids: Iterable[str]) -> set[str]:
         """Record every id; return the set of ids this call recorded.
@@ -214,15 +168,13 @@ class DeduplicationStore(abc.ABC):
         number of concurrent callers. A ``Collection`` (list, set, tuple, ...) is
         validated whole before anything is written; any other iterable is streamed
         and validated chunk by chunk (a bad id stops the call before its chunk is
-        written). Raises ``InvalidMessageId`` and ``StoreUnavailable``.
+        written). A failure part-way raises with ``recorded`` (ids this call
+        recorded: act on them) and ``unknown`` (ids in flight). Raises
+        ``InvalidMessageId``, ``StoreUnavailable``, ``StoreClosed``.
         """
-
-        def add_chunk(chunk: list[str]) -> set[str]:
-            now = self._clock()
-            with self._translating_errors("add_many"):
-                return self._add_new(chunk, now, self._expiry(now))
-
-        return self._over_chunks(self._chunks(message_ids, self.max_write_batch), add_chunk)
+        return self._over_chunks(
+            self._chunks(message_ids, self.max_write_batch), self._write_chunk, writes=True
+        )
 
     def has_been_processed(self, message_id: str) -> bool:
         """Return ``True`` if ``message_id`` is recorded and not expired.
@@ -250,13 +202,16 @@ class DeduplicationStore(abc.ABC):
             with self._translating_errors("processed_among"):
                 return self._find(chunk, self._clock())
 
-        return self._over_chunks(self._chunks(message_ids, self.max_read_batch), find_chunk)
+        return self._over_chunks(
+            self._chunks(message_ids, self.max_read_batch), find_chunk, writes=False
+        )
 
     def purge_expired(self) -> int:
         """Delete this endpoint's expired records; return how many were deleted.
 
         Only reclaims space: expired records already count as absent. Returns 0
-        when the store has no retention. Raises ``StoreUnavailable``.
+        when the store has no retention or when the server expires records itself.
+        Raises ``StoreUnavailable``.
         """
         self._check_open()
         with self._translating_errors("purge_expired"):
@@ -271,64 +226,33 @@ class DeduplicationStore(abc.ABC):
     def close(self) -> None:
         """Release connections; idempotent. The store cannot be used afterwards."""
         if not self._closed:
-            self._closed = True
-            executor, self._chunk_pool = self._chunk_pool, None
-            if executor is not None:
-                executor.shutdown(wait=True)
-            self._close()
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` was called."""
-        return self._closed
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        shown = {k: v for k, v in mask_options(self._options).items() if k != "clock"}
-        if shown.get("endpoint") == "default":
-            shown.pop("endpoint")
-        if shown.get("retention") is None:
-            shown.pop("retention", None)
-        args = "".join(f", {key}={value!r}" for key, value in shown.items())
-        return f"{type(self).__name__}({self.url!r}{args})"
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        options = {k: v for k, v in self._options.items() if k != "client"}
-        return (_reopen, (type(self), self._url, options))
+            self._chunk_pool.close()
+        super().close()
 
     # ------------------------------------------------------------------ primitives
 
     @abc.abstractmethod
-    def _add_new(self, ids: list[str], now: float, expires_at: float | None) -> set[str]:
+    def _add_new(self, request: WriteRequest) -> set[str]:
         """Atomically per id, record each id that is absent or expired; return those.
 
-        ``ids`` is non-empty, duplicate-free, validated and at most
-        :attr:`max_write_batch` long. A record whose expiry is ``<= now`` counts as
-        absent and is overwritten. Of concurrent callers, each id is returned by at
-        most one. Records must be durable and visible to all clients on return.
+        Also return (and re-mark with ``request.token``) the ids whose record holds
+        a token in ``request.mine``: this call's own earlier write. ``request.ids``
+        is non-empty, duplicate-free, validated and at most :attr:`max_write_batch`
+        long. Of concurrent callers, each id is returned by at most one. Records
+        must be durable and visible to all clients on return.
         """
 
     @abc.abstractmethod
     def _find(self, ids: list[str], now: float) -> set[str]:
-        """Return the ids that have a record whose expiry is ``None`` or ``> now``.
+        """Return the ids that have a live record (no expiry, or not expired yet).
 
         ``ids`` is non-empty, duplicate-free and at most :attr:`max_read_batch`
-        long. The read must be strongly consistent.
+        long; ``now`` is the client's clock. The read must be strongly consistent.
         """
 
-    def _add_one(self, message_id: str, now: float, expires_at: float | None) -> bool:
+    def _add_one(self, request: WriteRequest) -> bool:
         """Single-id :meth:`_add_new`; override when the backend has a faster path."""
-        return bool(self._add_new([message_id], now, expires_at))
+        return bool(self._add_new(request))
 
     def _contains_one(self, message_id: str, now: float) -> bool:
         """Single-id :meth:`_find`; override when the backend has a faster path."""
@@ -336,83 +260,129 @@ class DeduplicationStore(abc.ABC):
 
     @abc.abstractmethod
     def _purge(self, now: float) -> int:
-        """Delete this endpoint's records whose expiry is ``<= now``; return the count."""
+        """Delete this endpoint's expired records; return the count."""
 
     def _health_warnings(self) -> list[str]:
         """Backend-specific warnings for ``dedupstore check``; none by default."""
         return []
 
-    @abc.abstractmethod
-    def _close(self) -> None:
-        """Release the backend's connections."""
-
     # ------------------------------------------------------------------ helpers
 
-    def _expiry(self, now: float) -> float | None:
-        return None if self._retention_seconds is None else now + self._retention_seconds
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise DedupStoreError(f"{self!r} is closed")
-
-    @contextlib.contextmanager
-    def _translating_errors(self, operation: str) -> Iterator[None]:
-        """Turn the backend's driver errors into ``StoreUnavailable`` (chained)."""
+    def _write_chunk(self, ids: list[str], single: bool = False) -> set[str]:
+        """Write one chunk under a fresh token; remember the tokens if it fails."""
+        token = secrets.token_urlsafe(12)
+        with self._pending_lock:
+            earlier = (
+                [t for mid in ids if mid in self._pending for t in self._pending.pop(mid)]
+                if self._pending
+                else []
+            )
+        now = self._clock()
+        request = WriteRequest(
+            ids=ids,
+            token=token,
+            mine=frozenset([token, *earlier]),
+            now=now,
+            expires_at=None if self._retention_seconds is None else now + self._retention_seconds,
+            retention=self._retention_seconds,
+        )
         try:
-            yield
-        except DedupStoreError:
+            with self._translating_errors("add" if single else "add_many"):
+                if single:
+                    return set(ids) if self._add_one(request) else set()
+                return self._add_new(request)
+        except BaseException as exc:
+            self._remember(ids, [*earlier, token])
+            if single and isinstance(exc, DedupStoreError):
+                raise exc.with_progress((), ids) from exc.__cause__
             raise
-        except self._unavailable_errors as exc:
-            raise StoreUnavailable(
-                f"{type(self).__name__} at {self.url}: {operation} failed: "
-                f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
-            ) from exc
+
+    def _remember(self, ids: list[str], tokens: list[str]) -> None:
+        """Keep the tokens a failed write may have stored, for a retry of these ids."""
+        with self._pending_lock:
+            for mid in ids:
+                known = self._pending.pop(mid, [])
+                known.extend(t for t in dict.fromkeys(tokens) if t not in known)
+                if len(known) > _MAX_TOKENS_PER_ID:
+                    known = known[:1] + known[-(_MAX_TOKENS_PER_ID - 1) :]
+                self._pending[mid] = known
+            while len(self._pending) > _MAX_PENDING_IDS:
+                del self._pending[next(iter(self._pending))]
 
     def _over_chunks(
-        self, chunks: Iterator[list[str]], work: Callable[[list[str]], set[str]]
+        self,
+        chunks: Iterator[list[str]],
+        work: Callable[[list[str]], set[str]],
+        *,
+        writes: bool,
     ) -> set[str]:
         """Union of ``work(chunk)``, with up to :attr:`chunk_concurrency` in flight.
 
         Memory stays bounded (at most that many chunks are held). On an error the
-        chunks in flight are finished or cancelled before it is raised.
+        chunks in flight are finished (or cancelled before they start), and for
+        writes the error carries ``recorded`` / ``unknown``.
         """
         result: set[str] = set()
-        first = next(chunks, None)
-        if first is None:
-            return result
-        second = next(chunks, None)
-        if second is None or self.chunk_concurrency <= 1:
-            for chunk in itertools.chain([first], [] if second is None else [second], chunks):
-                result |= work(chunk)
-            return result
-        pool = self._chunk_executor()
-        pending: set[Future[set[str]]] = set()
+        unknown: set[str] = set()
         try:
-            for chunk in itertools.chain([first, second], chunks):
+            first = next(chunks, None)
+            if first is None:
+                return result
+            second = next(chunks, None)
+            if second is None or self.chunk_concurrency <= 1:
+                for chunk in itertools.chain([first], [] if second is None else [second], chunks):
+                    try:
+                        result |= work(chunk)
+                    except BaseException:
+                        unknown.update(chunk)
+                        raise
+                return result
+            self._run_concurrently(itertools.chain([first, second], chunks), work, result, unknown)
+            return result
+        except DedupStoreError as exc:
+            if writes:
+                raise exc.with_progress(result, unknown) from exc.__cause__
+            raise
+
+    def _run_concurrently(
+        self,
+        chunks: Iterator[list[str]],
+        work: Callable[[list[str]], set[str]],
+        result: set[str],
+        unknown: set[str],
+    ) -> None:
+        pool = self._chunk_pool.get()
+        pending: dict[Future[set[str]], list[str]] = {}
+        failure: BaseException | None = None
+
+        def collect(done: Iterable[Future[set[str]]]) -> None:
+            nonlocal failure
+            for future in done:
+                chunk = pending.pop(future)
+                if future.cancelled():
+                    continue
+                error = future.exception()
+                if error is None:
+                    result.update(future.result())
+                else:
+                    unknown.update(chunk)
+                    failure = failure or error
+
+        try:
+            for chunk in chunks:
                 if len(pending) >= self.chunk_concurrency:
-                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                    for future in done:
-                        result |= future.result()
-                pending.add(pool.submit(work, chunk))
-            for future in pending:
-                result |= future.result()
-        except BaseException:
+                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    collect(done)
+                    if failure is not None:
+                        break
+                pending[pool.submit(work, chunk)] = chunk
+        finally:
             for future in pending:
                 future.cancel()
             wait(pending)
-            raise
-        return result
-
-    def _chunk_executor(self) -> ThreadPoolExecutor:
-        """This process's worker threads for concurrent chunks (new after ``fork``)."""
-        with self._chunk_pool_lock:
-            if self._chunk_pool is None or self._chunk_pool_pid != os.getpid():
-                self._chunk_pool = ThreadPoolExecutor(
-                    max_workers=self.chunk_concurrency,
-                    thread_name_prefix=f"dedupstore-{type(self).__name__}",
-                )
-                self._chunk_pool_pid = os.getpid()
-            return self._chunk_pool
+            collect(list(pending))
+        if failure is not None:
+            raise failure
 
     def _chunks(self, message_ids: Iterable[str], size: int) -> Iterator[list[str]]:
         """Validate and split ``message_ids`` into duplicate-free chunks of ``size``."""
@@ -422,19 +392,20 @@ class DeduplicationStore(abc.ABC):
                 f" {message_ids!r:.80}; wrap it in a list"
             )
         if isinstance(message_ids, Collection):
-            validated = _validate_all(message_ids)
+            validated = validate_ids(message_ids)
             self._check_open()
             for start in range(0, len(validated), size):
                 yield list(dict.fromkeys(validated[start : start + size]))
             return
+        try:
+            iterator = iter(message_ids)
+        except TypeError:
+            raise InvalidMessageId(
+                f"expected an iterable of message ids, got {type(message_ids).__name__}"
+            ) from None
         self._check_open()
-        iterator = iter(message_ids)
         while True:
-            chunk = _validate_all(itertools.islice(iterator, size))
+            chunk = validate_ids(itertools.islice(iterator, size))
             if not chunk:
                 return
             yield list(dict.fromkeys(chunk))
-
-
-def _reopen(cls: type[DeduplicationStore], url: str, options: dict[str, Any]) -> Any:
-    return cls(url, **options)

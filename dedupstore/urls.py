@@ -1,118 +1,225 @@
-"""Store URLs: parsing, option conversion and secret masking."""
+"""Store URLs: parsed once into :class:`StoreURL`; secrets masked from the raw text.
+
+Masking works on the raw text before any parsing, so a malformed URL can never
+print its password: everything between the first ``:`` of the user-info and the
+``@`` that ends it becomes ``***``, and so does the value of every secret query
+option (``password``, ``key``, ...). A password holding ``/ ? # @`` must be
+percent-encoded in a URL; ``${VAR}`` substitutions into the user-info of a URL in
+a configuration file are encoded automatically (see :mod:`dedupstore.config`).
+"""
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Callable, Mapping
+import threading
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
-from urllib.parse import SplitResult, parse_qsl, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
 from dedupstore.errors import ConfigurationError
 
 __all__ = [
-    "SECRET_OPTION_NAMES",
-    "mask_options",
+    "MASK",
+    "StoreURL",
+    "mask_text",
     "mask_url",
-    "parse_bool",
     "parse_duration",
-    "query_options",
-    "split_url",
+    "register_secret_name",
+    "secret_names",
 ]
 
-#: Option names (and URL query keys) whose values are never shown.
-SECRET_OPTION_NAMES = frozenset(
-    {
-        "password",
-        "sslpassword",
-        "key",
-        "master_key",
-        "account_key",
-        "credential",
-        "token",
-        "secret",
-        "aws_secret_access_key",
-        "aws_session_token",
-        "client",
-    }
-)
+MASK = "***"
 
-_MASK = "***"
+#: Option names (and URL query keys) whose values are never shown. Backends add
+#: theirs through their option declarations (``Option(secret=True)``).
+_SECRET_NAMES: set[str] = {
+    "password",
+    "sslpassword",
+    "key",
+    "master_key",
+    "account_key",
+    "credential",
+    "token",
+    "secret",
+    "aws_secret_access_key",
+    "aws_session_token",
+    "client",
+}
+_secret_lock = threading.Lock()
 
+_SCHEME = re.compile(r"[a-z][a-z0-9+.-]*")
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, None: 1}
+#: Longest duration accepted anywhere (1000 years): larger values are typos.
+MAX_DURATION_SECONDS = 1000 * 365.25 * 86400
 
 
-def split_url(url: str) -> SplitResult:
-    """Split ``url`` into its parts; raise ``ConfigurationError`` if it has no scheme."""
-    if not isinstance(url, str):
-        raise ConfigurationError(f"a store URL must be a str, got {type(url).__name__}")
-    if "://" not in url:
-        raise ConfigurationError(
-            f"malformed store URL {mask_url(url)!r}: expected '<scheme>://...', "
-            "for example 'sqlite:///.dedupstore/dedup.db' or 'redis://localhost:6379/0'"
-        )
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - validates the port
-    except ValueError as exc:
-        raise ConfigurationError(f"malformed store URL {mask_url(url)!r}: {exc}") from exc
-    if not parts.scheme or not re.fullmatch(r"[a-z][a-z0-9+.-]*", parts.scheme):
-        raise ConfigurationError(f"malformed store URL {mask_url(url)!r}: bad scheme")
-    return parts
+def register_secret_name(name: str) -> None:
+    """Mask the values of option/query key ``name`` everywhere from now on."""
+    with _secret_lock:
+        _SECRET_NAMES.add(name.lower())
 
 
-def query_options(
-    parts: SplitResult, converters: Mapping[str, Callable[[str], Any]]
-) -> dict[str, Any]:
-    """Turn the URL query into typed constructor options.
+def secret_names() -> frozenset[str]:
+    """The option names whose values are masked."""
+    with _secret_lock:
+        return frozenset(_SECRET_NAMES)
 
-    Raises ``ConfigurationError`` naming an unknown or repeated key, or a value the
-    converter refuses.
+
+def _authority_split(rest: str) -> tuple[int, int]:
+    """(end of the user-info, end of the authority) in ``rest`` (the text after ``://``).
+
+    The user-info end is -1 when there is none. A ``:`` before the first ``/ ? #``
+    with an ``@`` only after it means a raw reserved character in a password: the
+    user-info is then taken to run to the last ``@`` (masking too much, never too
+    little).
     """
-    options: dict[str, Any] = {}
-    for key, raw in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False):
-        if key not in converters:
-            known = ", ".join(sorted(converters)) or "none"
+    stops = [i for i in (rest.find(c) for c in "/?#") if i != -1]
+    authority_end = min(stops) if stops else len(rest)
+    at = rest.rfind("@", 0, authority_end)
+    if at == -1 and ":" in rest[:authority_end] and "@" in rest[authority_end:]:
+        at = rest.rfind("@")
+        stops = [i for i in (rest.find(c, at) for c in "/?#") if i != -1]
+        authority_end = min(stops) if stops else len(rest)
+    return at, authority_end
+
+
+def mask_url(url: str) -> str:
+    """Return ``url`` with its password and secret query values replaced by ``***``.
+
+    Works on any text, parsable or not.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    at, authority_end = _authority_split(rest)
+    head, tail = rest[:authority_end], rest[authority_end:]
+    if at != -1:
+        userinfo, hostport = rest[:at], rest[at + 1 : authority_end]
+        if ":" in userinfo:
+            userinfo = f"{userinfo.split(':', 1)[0]}:{MASK}"
+        head = f"{userinfo}@{hostport}"
+    path, qmark, query = tail.partition("?")
+    if qmark:
+        names = secret_names()
+        query, hash_, fragment = query.partition("#")
+        pieces = []
+        for piece in query.split("&"):
+            key, eq, _value = piece.partition("=")
+            secret = eq and unquote(key).lower() in names
+            pieces.append(f"{key}={MASK}" if secret else piece)
+        tail = f"{path}?{'&'.join(pieces)}{hash_}{fragment}"
+    return f"{scheme}://{head}{tail}"
+
+
+def mask_text(text: str) -> str:
+    """Mask every URL found in free text (error messages, driver messages)."""
+    return _URL_IN_TEXT.sub(lambda match: mask_url(match.group(0)), text)
+
+
+@dataclass(frozen=True, repr=False)
+class StoreURL:
+    """A store URL parsed once; every later step reads its fields.
+
+    ``username`` and ``password`` are percent-decoded; ``path`` is as written;
+    ``query`` holds the decoded ``(key, value)`` pairs in order. ``str()`` and
+    ``repr()`` are masked; ``text`` is the URL as given (secrets included).
+    """
+
+    text: str
+    scheme: str
+    username: str | None
+    password: str | None = field(compare=False)
+    host: str | None
+    port: int | None
+    path: str
+    query: tuple[tuple[str, str], ...]
+    fragment: str
+
+    @classmethod
+    def parse(cls, text: object) -> StoreURL:
+        """Parse ``text``; raise ``ConfigurationError`` (with secrets masked) if malformed."""
+        if isinstance(text, StoreURL):
+            return text
+        if not isinstance(text, str):
+            raise ConfigurationError(f"a store URL must be a str, got {type(text).__name__}")
+        shown = mask_url(text)
+        if "://" not in text:
             raise ConfigurationError(
-                f"unknown option {key!r} in the query of a {parts.scheme}:// URL "
-                f"(known options: {known})"
+                f"malformed store URL {shown!r}: expected '<scheme>://...', "
+                "for example 'sqlite:///.dedupstore/dedup.db' or 'redis://localhost:6379/0'"
             )
-        if key in options:
-            raise ConfigurationError(f"option {key!r} is given twice in the URL")
+        scheme, _, rest = text.partition("://")
+        if not _SCHEME.fullmatch(scheme):
+            raise ConfigurationError(
+                f"malformed store URL {shown!r}: the scheme must be lower-case letters, "
+                "digits, '+', '-' or '.', starting with a letter"
+            )
+        at, _ = _authority_split(rest)
+        if at != -1 and any(c in rest[:at] for c in "/?#"):
+            raise ConfigurationError(
+                f"malformed store URL {shown!r}: the user name or password contains '/', '?', "
+                "'#' or '@'; percent-encode it (urllib.parse.quote(password, safe='')); a "
+                "${VAR} in the user-info of a configured URL is encoded automatically"
+            )
         try:
-            options[key] = converters[key](raw)
-        except (ValueError, TypeError) as exc:
-            raise ConfigurationError(f"bad value for URL option {key!r}: {exc}") from exc
-    return options
+            parts = urlsplit(text)
+            port = parts.port
+            query = tuple(parse_qsl(parts.query, keep_blank_values=True))
+        except ValueError as exc:
+            raise ConfigurationError(f"malformed store URL {shown!r}: {exc}") from None
+        return cls(
+            text=text,
+            scheme=scheme,
+            username=None if parts.username is None else unquote(parts.username),
+            password=None if parts.password is None else unquote(parts.password),
+            host=parts.hostname,
+            port=port,
+            path=parts.path,
+            query=query,
+            fragment=parts.fragment,
+        )
+
+    @property
+    def masked(self) -> str:
+        """The URL with its secrets replaced by ``***``."""
+        return mask_url(self.text)
+
+    @property
+    def netloc(self) -> str:
+        """The raw ``[user[:password]@]host[:port]`` part (secrets included)."""
+        return urlsplit(self.text).netloc
+
+    def with_query(self, pairs: list[tuple[str, str]] | tuple[tuple[str, str], ...]) -> StoreURL:
+        """The same URL with its query replaced by ``pairs`` (encoded)."""
+        parts = urlsplit(self.text)
+        encoded = urlencode(list(pairs), quote_via=quote)
+        text = parts._replace(query=encoded, fragment="").geturl()
+        return StoreURL.parse(text)
+
+    def __str__(self) -> str:
+        return self.masked
+
+    def __repr__(self) -> str:
+        return f"StoreURL({self.masked!r})"
 
 
-def parse_bool(value: str | bool) -> bool:
-    """Parse ``true/false/1/0/yes/no/on/off`` (case-insensitive)."""
-    if isinstance(value, bool):
-        return value
-    lowered = value.strip().lower()
-    if lowered in {"1", "true", "yes", "on"}:
-        return True
-    if lowered in {"0", "false", "no", "off"}:
-        return False
-    raise ValueError(f"expected a boolean (true/false), got {value!r}")
-
-
-def parse_duration(value: str | float | int | timedelta | None) -> timedelta | None:
+def parse_duration(value: object) -> timedelta | None:
     """Parse a retention: a ``timedelta``, seconds, or a string like ``'30d'``, ``'12h'``.
 
     ``None``, ``''`` and ``'none'`` mean "keep forever". Raises ``ValueError`` when the
-    value is not a positive duration.
+    value is not a positive, finite duration of at most 1000 years.
     """
     if value is None:
         return None
     if isinstance(value, timedelta):
-        result = value
+        seconds = value.total_seconds()
     elif isinstance(value, bool):
         raise ValueError(f"expected a duration, got {value!r}")
     elif isinstance(value, int | float):
-        result = timedelta(seconds=value)
+        seconds = float(value)
     elif isinstance(value, str):
         if value.strip().lower() in {"", "none", "forever"}:
             return None
@@ -121,42 +228,18 @@ def parse_duration(value: str | float | int | timedelta | None) -> timedelta | N
             raise ValueError(
                 f"expected a duration such as '90s', '15m', '12h', '30d' or seconds, got {value!r}"
             )
-        result = timedelta(seconds=float(match.group(1)) * _UNIT_SECONDS[match.group(2)])
+        seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
     else:
         raise ValueError(f"expected a duration, got {type(value).__name__}")
-    if result <= timedelta(0):
-        raise ValueError(f"a retention must be positive, got {value!r}")
-    return result
+    return timedelta(seconds=check_seconds(seconds, value))
 
 
-def mask_url(url: str) -> str:
-    """Return ``url`` with its password and secret query values replaced by ``***``."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    authority_end = len(rest)
-    for stop in "/?#":
-        index = rest.find(stop)
-        if index != -1:
-            authority_end = min(authority_end, index)
-    authority, tail = rest[:authority_end], rest[authority_end:]
-    userinfo, at, hostport = authority.rpartition("@")
-    if at and ":" in userinfo:
-        authority = f"{userinfo.split(':', 1)[0]}:{_MASK}@{hostport}"
-    path, qmark, query = tail.partition("?")
-    if qmark:
-        query, hash_, fragment = query.partition("#")
-        pieces = []
-        for piece in query.split("&"):
-            key, eq, _value = piece.partition("=")
-            pieces.append(f"{key}={_MASK}" if eq and key.lower() in SECRET_OPTION_NAMES else piece)
-        tail = f"{path}?{'&'.join(pieces)}{hash_}{fragment}"
-    return f"{scheme}://{authority}{tail}"
-
-
-def mask_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """Return a copy of ``options`` with secret values replaced by ``***``."""
-    return {
-        key: (_MASK if key.lower() in SECRET_OPTION_NAMES and value is not None else value)
-        for key, value in options.items()
-    }
+def check_seconds(seconds: float, given: object) -> float:
+    """Return ``seconds`` if positive, finite and at most 1000 years, else ``ValueError``."""
+    if math.isnan(seconds) or math.isinf(seconds):
+        raise ValueError(f"expected a finite duration, got {given!r}")
+    if seconds <= 0:
+        raise ValueError(f"a duration must be positive, got {given!r}")
+    if seconds > MAX_DURATION_SECONDS:
+        raise ValueError(f"a duration must be at most 1000 years, got {given!r}")
+    return seconds

@@ -1,0 +1,227 @@
+"""What every object opened by URL shares: :class:`Client`.
+
+Deduplication stores, entity stores and dispatchers are all opened from a URL
+plus options. The base class parses the URL once (:class:`~dedupstore.urls.StoreURL`),
+resolves the declared options (:mod:`dedupstore.options`), classifies driver
+errors through one hook (:meth:`Client._classify_error`), masks secrets, pickles
+by configuration and refuses use after :meth:`Client.close` (``StoreClosed``).
+A backend adds its key layout and its driver calls.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import os
+import re
+import threading
+from collections.abc import Callable, Iterator
+from types import TracebackType
+from typing import Any, ClassVar, Generic, Self, TypeVar
+
+from dedupstore.errors import (
+    ConfigurationError,
+    DedupStoreError,
+    StoreClosed,
+    StoreUnavailable,
+    format_error,
+)
+from dedupstore.options import Options, OptionSet
+from dedupstore.urls import MASK, StoreURL, mask_text
+
+__all__ = ["Client", "ErrorKind", "ProcessLocal"]
+
+T = TypeVar("T")
+
+#: What :meth:`Client._classify_error` returns: an error class (the base writes the
+#: message), a ready error (raised as is), or ``None`` (not a driver error).
+ErrorKind = type[DedupStoreError] | DedupStoreError | None
+
+#: Secrets shorter than this are masked in driver messages only as whole words,
+#: so a one-letter password does not mask every matching letter.
+_SHORT_SECRET = 8
+
+# Objects inherited through fork(): their sockets belong to the parent, so the
+# child must neither use nor close them. Kept referenced here, never collected.
+_inherited: list[object] = []
+
+
+class ProcessLocal(Generic[T]):
+    """One ``T`` per process, made by ``factory`` on first use.
+
+    After ``fork()`` the child makes its own and leaves the parent's alone (never
+    used, never closed: closing a socket in the child can end the parent's session).
+    """
+
+    def __init__(self, factory: Callable[[], T], close: Callable[[T], None] | None = None) -> None:
+        self._factory = factory
+        self._close = close
+        self._value: T | None = None
+        self._pid = 0
+        self._lock = threading.Lock()
+
+    def get(self) -> T:
+        """This process's instance (made now if needed)."""
+        value, pid = self._value, os.getpid()
+        if value is not None and self._pid == pid:
+            return value
+        with self._lock:
+            if self._value is None or self._pid != pid:
+                if self._value is not None:
+                    _inherited.append(self._value)
+                self._value = self._factory()
+                self._pid = pid
+            return self._value
+
+    def peek(self) -> T | None:
+        """This process's instance, or ``None`` if it has none yet."""
+        return self._value if self._pid == os.getpid() else None
+
+    def close(self) -> None:
+        """Close this process's instance, if it made one."""
+        with self._lock:
+            value, self._value = self._value, None
+            mine = self._pid == os.getpid()
+        if value is not None and mine and self._close is not None:
+            self._close(value)
+
+
+class Client(abc.ABC):
+    """Base of every object opened by URL: option resolution, errors, pickling, closing.
+
+    Constructors take the URL and keyword options, exactly the set
+    ``open_store``/``open_entity_store`` accept: ``Cls(url, **options)``.
+    """
+
+    #: URL schemes this class serves (the registry decides; this is checked).
+    schemes: ClassVar[tuple[str, ...]] = ()
+    #: The options this class accepts, declared once.
+    declared_options: ClassVar[OptionSet] = OptionSet()
+
+    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
+        """Parse ``url``, resolve ``options``; raise ``ConfigurationError`` if either is bad."""
+        self._closed = False
+        self._url = StoreURL.parse(url)
+        if self.schemes and self._url.scheme not in self.schemes:
+            expected = " or ".join(f"{s}://" for s in self.schemes)
+            raise ConfigurationError(
+                f"{type(self).__name__} needs a {expected} URL, got {self._url.masked!r}"
+            )
+        self._opts: Options = self.declared_options.resolve(
+            type(self).__name__, self._url, options
+        )
+
+    # ------------------------------------------------------------------ public
+
+    @classmethod
+    def from_url(cls, url: str | StoreURL, **options: Any) -> Self:
+        """Same as the constructor (kept for symmetry with other libraries)."""
+        return cls(url, **options)
+
+    @property
+    def url(self) -> str:
+        """The URL the object was opened with (secrets masked)."""
+        return self._url.masked
+
+    def option(self, name: str) -> Any:
+        """The resolved value of a declared option."""
+        return self._opts[name]
+
+    def close(self) -> None:
+        """Release connections; idempotent. The object cannot be used afterwards."""
+        if not self._closed:
+            self._closed = True
+            self._close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        shown = {k: v for k, v in self._opts.shown().items() if k not in self._opts.from_url}
+        args = "".join(f", {key}={value!r}" for key, value in shown.items())
+        return f"{type(self).__name__}({self.url!r}{args})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_reopen, (type(self), self._url.text, self._opts.pickled_keywords()))
+
+    # ------------------------------------------------------------------ for backends
+
+    @abc.abstractmethod
+    def _close(self) -> None:
+        """Release the backend's connections (called once)."""
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed(f"{self!r} is closed; open a new one")
+
+    def _classify_error(self, exc: BaseException) -> ErrorKind:
+        """Map a driver exception to an error class (or a ready error); ``None`` if foreign.
+
+        Backends override this, the one place where driver errors are judged:
+        ``StoreUnavailable`` (connection, timeout, throttling, failover: retry),
+        ``ConfigurationError`` (missing table, permissions, credentials, a resource
+        of another shape: fix it), ``ConsistencyError``. Call ``super()`` last.
+        """
+        if isinstance(exc, TimeoutError | ConnectionError):
+            return StoreUnavailable
+        return None
+
+    def _describe_error(self, exc: BaseException) -> str:
+        """The driver error as one short line, secrets scrubbed."""
+        line = format_error(exc)
+        if len(line) > 300:
+            line = line[:297] + "..."
+        return self._scrub(f"{type(exc).__name__}: {line}" if str(exc) else type(exc).__name__)
+
+    def _scrub(self, text: str) -> str:
+        """Remove this object's secrets (URL password, secret options) from ``text``."""
+        secrets = {self._url.password or ""}
+        raw_userinfo = self._url.netloc.rpartition("@")[0]
+        if ":" in raw_userinfo:
+            secrets.add(raw_userinfo.split(":", 1)[1])
+        for name, option in self.declared_options.items():
+            value = self._opts.get(name)
+            if option.secret and isinstance(value, str):
+                secrets.add(value)
+        for secret in sorted((s for s in secrets if s), key=len, reverse=True):
+            if len(secret) >= _SHORT_SECRET:
+                text = text.replace(secret, MASK)
+            else:
+                text = re.sub(rf"(?<![\w]){re.escape(secret)}(?![\w])", MASK, text)
+        return mask_text(text)
+
+    def _error(self, kind: type[DedupStoreError], operation: str, detail: str) -> DedupStoreError:
+        """An error of ``kind`` with the standard message for ``operation``."""
+        return kind(f"{type(self).__name__} at {self.url}: {operation} failed: {detail}")
+
+    @contextlib.contextmanager
+    def _translating_errors(self, operation: str) -> Iterator[None]:
+        """Classify driver errors raised in the block (chained); library errors pass."""
+        try:
+            yield
+        except DedupStoreError:
+            raise
+        except Exception as exc:
+            kind = self._classify_error(exc)
+            if kind is None:
+                raise
+            if isinstance(kind, DedupStoreError):
+                raise kind from exc
+            raise self._error(kind, operation, self._describe_error(exc)) from exc
+
+
+def _reopen(cls: type[Client], url: str, options: dict[str, Any]) -> Any:
+    return cls(url, **options)

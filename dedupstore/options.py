@@ -1,0 +1,401 @@
+"""Options declared once per backend, applied alike to URL queries, keywords and config files.
+
+A backend declares each option once (:class:`Option`: name, converter, default,
+secret or not, pickled or not, handed to the driver or not). :meth:`OptionSet.resolve`
+turns the URL's query values and the keyword arguments into typed values with the
+same converters, so ``"false"`` from a TOML file or an environment variable is
+``False`` everywhere, an unknown option is the same ``ConfigurationError`` on every
+backend, and an option given both in the URL and as a keyword with different values
+is refused. ``repr``, pickling and ``dedupstore config`` read the same declaration.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from dedupstore.errors import ConfigurationError
+from dedupstore.urls import (
+    MASK,
+    StoreURL,
+    check_seconds,
+    parse_duration,
+    register_secret_name,
+    secret_names,
+)
+
+__all__ = [
+    "Option",
+    "OptionSet",
+    "Options",
+    "boolean",
+    "choice",
+    "integer",
+    "optional",
+    "seconds",
+    "text",
+]
+
+Converter = Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a backend.
+
+    ``convert`` turns a string (URL query, environment) or a Python value (keyword,
+    TOML) into the typed value, raising ``ValueError``/``TypeError`` when it cannot.
+    ``in_url``: may come from a URL query or a configuration file (``False`` for
+    live objects such as ``client``). ``pickled``: replayed when an unpickled copy
+    reopens. ``driver``: handed to the driver library as is. ``formerly``: old
+    names, which an error points to this one.
+    """
+
+    name: str
+    convert: Converter
+    default: Any = None
+    doc: str = ""
+    secret: bool = False
+    in_url: bool = True
+    pickled: bool = True
+    driver: bool = False
+    formerly: tuple[str, ...] = ()
+
+
+class OptionSet(Mapping[str, Option]):
+    """A backend's declared options (immutable); ``extend`` makes a subclass's set.
+
+    ``driver_params`` says which undeclared URL query keys pass through to the
+    driver (libpq's ``sslmode``, ...); without it every undeclared key is refused.
+    """
+
+    def __init__(
+        self, *options: Option, driver_params: Callable[[str], bool] | None = None
+    ) -> None:
+        self._options: dict[str, Option] = {}
+        for option in options:
+            self._options[option.name] = option
+            if option.secret:
+                register_secret_name(option.name)
+        self.driver_params = driver_params
+
+    def extend(
+        self,
+        *options: Option,
+        remove: Iterable[str] = (),
+        driver_params: Callable[[str], bool] | None = None,
+    ) -> OptionSet:
+        """A new set: these options added (replacing same-named ones), ``remove`` dropped."""
+        dropped = set(remove)
+        kept = [o for name, o in self._options.items() if name not in dropped]
+        return OptionSet(*kept, *options, driver_params=driver_params or self.driver_params)
+
+    def __getitem__(self, name: str) -> Option:
+        return self._options[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._options)
+
+    def __len__(self) -> int:
+        return len(self._options)
+
+    def _unknown(self, owner: str, name: str, where: str) -> ConfigurationError:
+        for option in self._options.values():
+            if name in option.formerly:
+                return ConfigurationError(
+                    f"option {name!r} of {owner} is now called {option.name!r} ({where})"
+                )
+        known = ", ".join(n for n, o in self._options.items() if o.in_url or where != "in the URL")
+        return ConfigurationError(
+            f"unknown option {name!r} for {owner} ({where}); known options: {known or 'none'}"
+        )
+
+    def convert(self, owner: str, name: str, value: object) -> Any:
+        """Convert ``value`` for option ``name``, or raise ``ConfigurationError``."""
+        option = self._options[name]
+        try:
+            return option.convert(value)
+        except (ValueError, TypeError, OverflowError) as exc:
+            if option.secret:
+                raise ConfigurationError(
+                    f"bad value for option {name!r} of {owner} (value hidden): "
+                    f"{type(exc).__name__}"
+                ) from None
+            raise ConfigurationError(f"bad value for option {name!r} of {owner}: {exc}") from None
+
+    def resolve(self, owner: str, url: StoreURL, keywords: Mapping[str, object]) -> Options:
+        """Typed values of every option, from ``url``'s query and ``keywords``.
+
+        Raises ``ConfigurationError`` naming the option and ``owner`` for an unknown
+        option, a bad value, a key repeated in the URL, or a URL/keyword conflict.
+        """
+        in_url: dict[str, str] = {}
+        driver: dict[str, str] = {}
+        for key, raw in url.query:
+            option = self._options.get(key)
+            if option is None or not option.in_url:
+                if option is None and self.driver_params and self.driver_params(key):
+                    if key in driver:
+                        raise ConfigurationError(f"option {key!r} is given twice in the URL")
+                    driver[key] = raw
+                    continue
+                raise self._unknown(owner, key, "in the URL")
+            if key in in_url:
+                raise ConfigurationError(f"option {key!r} is given twice in the URL")
+            in_url[key] = raw
+        values: dict[str, Any] = {}
+        given: dict[str, Any] = {}
+        for key, value in keywords.items():
+            if key not in self._options:
+                if self.driver_params and self.driver_params(key):
+                    if not isinstance(value, str | int | float) or isinstance(value, bool):
+                        raise ConfigurationError(
+                            f"driver parameter {key!r} of {owner} must be a string or a number"
+                        )
+                    if key in driver and driver[key] != str(value):
+                        raise self._conflict(owner, key)
+                    driver[key] = str(value)
+                    continue
+                raise self._unknown(owner, key, "as a keyword argument")
+            given[key] = self.convert(owner, key, value)
+        for name, option in self._options.items():
+            if name in in_url:
+                from_url = self.convert(owner, name, in_url[name])
+                if name in given and given[name] != from_url:
+                    raise self._conflict(owner, name)
+                values[name] = from_url
+            elif name in given:
+                values[name] = given[name]
+            else:
+                values[name] = option.default
+        return Options(self, values, given, frozenset(in_url), driver)
+
+    def _conflict(self, owner: str, name: str) -> ConfigurationError:
+        return ConfigurationError(
+            f"option {name!r} of {owner} is set both in the URL and as a keyword argument, "
+            "to different values; give it once"
+        )
+
+
+class Options(Mapping[str, Any]):
+    """The resolved, typed options of one store object (read-only)."""
+
+    def __init__(
+        self,
+        declaration: OptionSet,
+        values: dict[str, Any],
+        given: dict[str, Any],
+        from_url: frozenset[str],
+        driver_params: dict[str, str],
+    ) -> None:
+        self.declaration = declaration
+        self._values = values
+        self._given = given
+        self.from_url = from_url
+        #: Undeclared URL query parameters (and keywords) handed to the driver.
+        self.driver_params: Mapping[str, str] = dict(driver_params)
+
+    def __getitem__(self, name: str) -> Any:
+        return self._values[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def pickled_keywords(self) -> dict[str, Any]:
+        """The keyword options to replay on unpickling (URL options travel in the URL)."""
+        return {
+            name: value
+            for name, value in self._given.items()
+            if self.declaration[name].pickled and name not in self.from_url
+        }
+
+    def shown(self) -> dict[str, Any]:
+        """Options that differ from their defaults, secrets masked (for ``repr``)."""
+        names = secret_names()
+        return {
+            name: (MASK if (self.declaration[name].secret or name in names) else value)
+            for name, value in self._values.items()
+            if value is not None
+            and value != self.declaration[name].default
+            and self.declaration[name].pickled
+        }
+
+    def driver_kwargs(self) -> dict[str, Any]:
+        """Declared options marked ``driver=True`` that are set (not ``None``)."""
+        return {
+            name: value
+            for name, value in self._values.items()
+            if self.declaration[name].driver and value is not None
+        }
+
+
+# --------------------------------------------------------------------------- converters
+
+
+def boolean(value: object) -> bool:
+    """``True``/``False``, or ``true/false/1/0/yes/no/on/off`` (any case), or 0/1."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        lowered = value.strip().lower()
+        if lowered in {"1", "true", "yes", "on"}:
+            return True
+        if lowered in {"0", "false", "no", "off"}:
+            return False
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def integer(minimum: int | None = None, maximum: int | None = None) -> Converter:
+    """An ``int`` (or its decimal string) within ``[minimum, maximum]``."""
+
+    def convert(value: object) -> int:
+        if isinstance(value, bool):
+            raise TypeError(f"expected an integer, got {value!r}")
+        if isinstance(value, int):
+            number = value
+        elif isinstance(value, float) and value.is_integer():
+            number = int(value)
+        elif isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+            number = int(value)
+        else:
+            raise ValueError(f"expected an integer, got {value!r}")
+        if minimum is not None and number < minimum:
+            raise ValueError(f"expected an integer >= {minimum}, got {value!r}")
+        if maximum is not None and number > maximum:
+            raise ValueError(f"expected an integer <= {maximum}, got {value!r}")
+        return number
+
+    return convert
+
+
+def seconds(maximum: float | None = None) -> Converter:
+    """A positive, finite number of seconds: ``5``, ``2.5``, ``"5"``, ``"5s"``, ``"250ms"``."""
+
+    def convert(value: object) -> float:
+        if isinstance(value, bool):
+            raise TypeError(f"expected a number of seconds, got {value!r}")
+        if isinstance(value, timedelta):
+            result = value.total_seconds()
+        elif isinstance(value, int | float):
+            result = float(value)
+        elif isinstance(value, str):
+            duration = parse_duration(value)
+            if duration is None:
+                raise ValueError(f"expected a number of seconds, got {value!r}")
+            result = duration.total_seconds()
+        else:
+            raise TypeError(f"expected a number of seconds, got {type(value).__name__}")
+        result = check_seconds(result, value)
+        if maximum is not None and result > maximum:
+            raise ValueError(f"expected at most {maximum:g} seconds, got {value!r}")
+        return result
+
+    return convert
+
+
+def retention(value: object) -> timedelta | None:
+    """A retention: ``None`` (forever), a ``timedelta``, seconds, or ``'30d'``-style text."""
+    return parse_duration(value)
+
+
+def text(pattern: str | None = None, what: str = "a string") -> Converter:
+    """A ``str``, optionally matching ``pattern`` entirely (``what`` names the shape)."""
+    compiled = re.compile(pattern) if pattern else None
+
+    def convert(value: object) -> str:
+        if not isinstance(value, str):
+            raise TypeError(f"expected {what}, got {type(value).__name__} {value!r:.60}")
+        if compiled is not None and not compiled.fullmatch(value):
+            raise ValueError(f"expected {what}, got {value!r:.80}")
+        return value
+
+    return convert
+
+
+def choice(*allowed: str) -> Converter:
+    """One of ``allowed`` (compared case-insensitively; returned as declared)."""
+    lookup = {a.lower(): a for a in allowed}
+
+    def convert(value: object) -> str:
+        if isinstance(value, str) and value.strip().lower() in lookup:
+            return lookup[value.strip().lower()]
+        raise ValueError(f"expected one of {', '.join(allowed)}, got {value!r}")
+
+    return convert
+
+
+def optional(convert: Converter) -> Converter:
+    """``None`` (or ``''`` / ``'none'``) stays ``None``; anything else goes to ``convert``."""
+
+    def wrapped(value: object) -> Any:
+        if value is None or (isinstance(value, str) and value.strip().lower() in {"", "none"}):
+            return None
+        return convert(value)
+
+    return wrapped
+
+
+def anything(value: object) -> object:
+    """Any object (for keyword-only live objects such as ``client``)."""
+    return value
+
+
+def callable_(value: object) -> object:
+    """A callable (for ``clock``)."""
+    if value is not None and not callable(value):
+        raise TypeError(f"expected a callable, got {type(value).__name__}")
+    return value
+
+
+def finite_float(value: object) -> float:
+    """A finite float (or its string)."""
+    if isinstance(value, bool):
+        raise TypeError(f"expected a number, got {value!r}")
+    number = float(value)  # type: ignore[arg-type]
+    if math.isnan(number) or math.isinf(number):
+        raise ValueError(f"expected a finite number, got {value!r}")
+    return number
+
+
+# --------------------------------------------------------------------------- shared options
+# One name for one concept on every backend: these build the declarations.
+
+
+def timeout_option(default: float, what: str, formerly: tuple[str, ...] = ()) -> Option:
+    """``timeout``: how long one request to the server may take before ``StoreUnavailable``."""
+    return Option("timeout", seconds(), default, what, formerly=formerly)
+
+
+def connect_timeout_option(default: float = 5.0, formerly: tuple[str, ...] = ()) -> Option:
+    """``connect_timeout``: how long opening a connection may take."""
+    return Option(
+        "connect_timeout",
+        seconds(),
+        default,
+        "seconds to open a connection before StoreUnavailable",
+        formerly=formerly,
+    )
+
+
+def retries_option(default: int, what: str, formerly: tuple[str, ...] = ()) -> Option:
+    """``retries``: how often a failed request is retried (0: never)."""
+    return Option("retries", integer(0, 100), default, what, formerly=formerly)
+
+
+def create_option(default: bool, what: str, formerly: tuple[str, ...] = ()) -> Option:
+    """``create``: create the table / schema / container when it is missing."""
+    return Option("create", boolean, default, what, formerly=formerly)
+
+
+def client_option(what: str) -> Option:
+    """``client``: a ready driver client (keyword only, not pickled, not closed by us)."""
+    return Option("client", anything, None, what, in_url=False, pickled=False, secret=True)
