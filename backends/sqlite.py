@@ -1,172 +1,133 @@
 """``sqlite:///path.db``: the embedded default store.
 
 ``sqlite:///relative/path.db`` is relative to the current directory and
-``sqlite:////absolute/path.db`` absolute (SQLAlchemy's convention). The database
-runs in WAL mode with ``synchronous=FULL``: a record is on disk when ``add``
-returns, and several threads and processes may use one file at once (each write
-takes SQLite's write lock; ``INSERT ... ON CONFLICT`` decides the first writer).
+``sqlite:////absolute/path.db`` absolute (SQLAlchemy's convention); the path is
+made absolute at open, so a pickled store reopens the same file from any
+directory. The database runs in WAL mode with ``synchronous=FULL``: a record is
+on disk when ``add`` returns, and several threads and processes may use one file
+at once (each write takes SQLite's write lock; ``INSERT ... ON CONFLICT`` decides
+the first writer). Expiry is judged by the ``clock`` option (the machine's clock:
+every client of one file runs on one machine).
+
+Options: ``endpoint``, ``retention``, ``clock``; ``table`` (``dedup_records``);
+``timeout`` (10 s: how long a call waits for another writer's lock before
+``StoreUnavailable``); ``synchronous`` (``FULL``; ``NORMAL``/``OFF`` can lose
+acknowledged records on power loss and get a health warning); ``create`` (true:
+create the directory, the file and the table when missing).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
-import re
 import sqlite3
 import threading
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar
-from urllib.parse import quote, unquote
+from urllib.parse import quote, unquote, urlsplit
 
-from filelock import FileLock
+import filelock
 
+from dedupstore.client import ErrorKind, ProcessLocal
 from dedupstore.errors import ConfigurationError, StoreUnavailable
-from dedupstore.store import Clock, DeduplicationStore
-from dedupstore.urls import parse_bool, split_url
+from dedupstore.options import Option, OptionSet, choice, create_option, text, timeout_option
+from dedupstore.store import CLOCK, DeduplicationStore, WriteRequest
+from dedupstore.urls import StoreURL
 
-__all__ = ["SqliteDeduplicationStore", "sqlite_path_from_url"]
+__all__ = ["SQLITE_OPTIONS", "SqliteDeduplicationStore", "absolute_sqlite_url", "sqlite_path"]
 
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
-_SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
+_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]{0,62}"
+_COLUMNS = ("endpoint", "id", "expires_at", "writer")
+
+#: Connection options shared by the SQLite dedup and entity stores.
+SQLITE_OPTIONS = (
+    timeout_option(10.0, "seconds a call waits for another writer's lock"),
+    Option(
+        "synchronous",
+        choice("OFF", "NORMAL", "FULL", "EXTRA"),
+        "FULL",
+        "SQLite's synchronous pragma; below FULL a power loss can lose acknowledged writes",
+    ),
+    create_option(True, "create the directory, file and table when missing", ("create_schema",)),
+)
 
 
-def sqlite_path_from_url(url: str) -> Path:
+def sqlite_path(url: StoreURL) -> Path:
     """Return the database file of a ``sqlite:///...`` URL."""
-    parts = split_url(url)
-    if parts.scheme != "sqlite":
-        raise ConfigurationError(f"not a sqlite:// URL: {url!r}")
-    if parts.netloc:
+    if url.netloc:
         raise ConfigurationError(
-            f"a sqlite URL has no host: use 'sqlite:///relative.db' or 'sqlite:////abs.db', "
-            f"got {url!r}"
+            "a sqlite URL has no host: use 'sqlite:///relative.db' or 'sqlite:////abs.db', "
+            f"got {url.masked!r}"
         )
-    path = unquote(parts.path[1:])
+    path = unquote(url.path[1:])
     if not path or path == ":memory:":
         raise ConfigurationError(
-            f"a sqlite URL must name a database file (an in-memory database cannot be "
-            f"shared between connections), got {url!r}"
+            "a sqlite URL must name a database file (an in-memory database cannot be "
+            f"shared between connections), got {url.masked!r}"
         )
     return Path(path)
 
 
-class SqliteDeduplicationStore(DeduplicationStore):
-    """Deduplication store in one SQLite file; safe across threads and processes."""
+def absolute_sqlite_url(url: str | StoreURL) -> StoreURL:
+    """The same URL with the path made absolute (so a pickled copy finds the file)."""
+    parsed = StoreURL.parse(url)
+    if parsed.scheme != "sqlite":
+        raise ConfigurationError(f"not a sqlite:// URL: {parsed.masked!r}")
+    path = sqlite_path(parsed).absolute()
+    query = urlsplit(parsed.text).query
+    return StoreURL.parse(f"sqlite:///{quote(str(path))}" + (f"?{query}" if query else ""))
 
-    schemes: ClassVar[tuple[str, ...]] = ("sqlite",)
-    max_write_batch: ClassVar[int] = 5000
-    max_read_batch: ClassVar[int] = 5000
-    url_options: ClassVar[dict[str, Any]] = {
-        "table": str,
-        "timeout": float,
-        "synchronous": str,
-        "create_schema": parse_bool,
-    }
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        endpoint: str = "default",
-        retention: timedelta | None = None,
-        clock: Clock | None = None,
-        table: str = "dedup_records",
-        timeout: float = 30.0,
-        synchronous: str = "FULL",
-        create_schema: bool = True,
-    ) -> None:
-        """Open (and by default create) the database file named by ``url``.
+class _Connections:
+    """One connection per thread of one process; all closed together."""
 
-        ``timeout`` is how long a write waits for another writer's lock before
-        ``StoreUnavailable``. Raises ``ConfigurationError`` for a bad URL or table
-        name and ``StoreUnavailable`` when the file cannot be opened.
-        """
-        if not _IDENTIFIER.fullmatch(table):
-            raise ConfigurationError(f"table must be a plain SQL identifier, got {table!r}")
-        if synchronous.upper() not in _SYNCHRONOUS:
-            raise ConfigurationError(f"synchronous must be one of {_SYNCHRONOUS}")
-        # A relative path is resolved now, so a pickled store (a Spark task in another
-        # working directory) reopens the same file.
-        self._path = sqlite_path_from_url(url).absolute()
-        super().__init__(
-            f"sqlite:///{quote(str(self._path))}",
-            endpoint=endpoint,
-            retention=retention,
-            clock=clock,
-            options={
-                "table": table,
-                "timeout": timeout,
-                "synchronous": synchronous,
-                "create_schema": create_schema,
-            },
-        )
-        self._unavailable_errors = (sqlite3.DatabaseError, OSError)
-        self._timeout = timeout
-        self._synchronous = synchronous.upper()
-        self._local = threading.local()
-        self._connections: list[sqlite3.Connection] = []
-        self._connections_lock = threading.Lock()
-        t = f'"{table}"'
-        self._sql_add_many = (
-            f"INSERT INTO {t} (endpoint, id, expires_at) "
-            "SELECT ?1, value, ?2 FROM json_each(?3) WHERE true "
-            "ON CONFLICT (endpoint, id) DO UPDATE SET expires_at = excluded.expires_at "
-            f"WHERE {t}.expires_at IS NOT NULL AND {t}.expires_at <= ?4 RETURNING id"
-        )
-        self._sql_add_one = (
-            f"INSERT INTO {t} (endpoint, id, expires_at) VALUES (?1, ?3, ?2) "
-            "ON CONFLICT (endpoint, id) DO UPDATE SET expires_at = excluded.expires_at "
-            f"WHERE {t}.expires_at IS NOT NULL AND {t}.expires_at <= ?4 RETURNING id"
-        )
-        self._sql_find = (
-            f"SELECT id FROM {t} WHERE endpoint = ?1 "
-            "AND id IN (SELECT value FROM json_each(?2)) "
-            "AND (expires_at IS NULL OR expires_at > ?3)"
-        )
-        self._sql_has = (
-            f"SELECT 1 FROM {t} WHERE endpoint = ?1 AND id = ?2 "
-            "AND (expires_at IS NULL OR expires_at > ?3)"
-        )
-        self._sql_purge = (
-            f"DELETE FROM {t} WHERE endpoint = ? AND expires_at IS NOT NULL AND expires_at <= ?"
-        )
-        with self._translating_errors("open the database"):
-            if create_schema:
-                self._bootstrap(t)
-            else:
-                self._connection().execute(f"SELECT 1 FROM {t} LIMIT 1").fetchall()
+    def __init__(self) -> None:
+        self.local = threading.local()
+        self.all: list[sqlite3.Connection] = []
+        self.lock = threading.Lock()
 
-    def _bootstrap(self, quoted_table: str) -> None:
-        """Create the directory, switch to WAL and create the table (idempotent)."""
-        if self._path.parent != Path():
-            self._path.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(f"{self._path}.lock", timeout=self._timeout):
-            conn = self._connection()
-            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
-                raise StoreUnavailable(f"{self._path}: cannot switch to WAL (got {mode!r})")
-            conn.execute(
-                f"CREATE TABLE IF NOT EXISTS {quoted_table} ("
-                "endpoint TEXT NOT NULL, id TEXT NOT NULL, expires_at REAL, "
-                "PRIMARY KEY (endpoint, id)) WITHOUT ROWID"
-            )
+    def close(self) -> None:
+        with self.lock:
+            connections, self.all = self.all, []
+        for conn in connections:
+            conn.close()
+
+
+class SqliteFile:
+    """Connection handling shared by the SQLite stores: per-thread connections, errors."""
+
+    _path: Path
+    _url: StoreURL
+    _opts: Any
+
+    def _open_file(self) -> None:
+        self._path = sqlite_path(self._url)
+        self._connections: ProcessLocal[_Connections] = ProcessLocal(
+            _Connections, _Connections.close
+        )
 
     def _connection(self) -> sqlite3.Connection:
-        """Return this thread's connection (a new one after ``fork``)."""
-        pid = os.getpid()
-        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
-        if conn is not None and self._local.pid == pid:
+        """This thread's connection (a new one after ``fork``)."""
+        pool = self._connections.get()
+        conn: sqlite3.Connection | None = getattr(pool.local, "conn", None)
+        if conn is not None:
             return conn
+        timeout = float(self._opts["timeout"])
+        # Without ``create`` a missing file is an error, not a new empty database.
+        target = self._path if self._opts["create"] else f"file:{quote(str(self._path))}?mode=rw"
         conn = sqlite3.connect(
-            self._path, timeout=self._timeout, isolation_level=None, check_same_thread=False
+            target,
+            timeout=timeout,
+            isolation_level=None,
+            check_same_thread=False,
+            uri=not self._opts["create"],
         )
-        conn.execute(f"PRAGMA synchronous = {self._synchronous}")
-        conn.execute(f"PRAGMA busy_timeout = {int(self._timeout * 1000)}")
-        self._local.conn, self._local.pid = conn, pid
-        with self._connections_lock:
-            self._connections.append(conn)
+        conn.execute(f"PRAGMA synchronous = {self._opts['synchronous']}")
+        conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
+        pool.local.conn = conn
+        with pool.lock:
+            pool.all.append(conn)
         return conn
 
     @contextlib.contextmanager
@@ -182,35 +143,163 @@ class SqliteDeduplicationStore(DeduplicationStore):
                 conn.execute("ROLLBACK")
             raise
 
+    def _bootstrap(self, create_sql: str) -> sqlite3.Connection:
+        """Create the directory, switch to WAL and run ``create_sql`` (idempotent)."""
+        if self._path.parent != Path():
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+        with filelock.FileLock(f"{self._path}.lock", timeout=float(self._opts["timeout"])):
+            conn = self._connection()
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise StoreUnavailable(f"{self._path}: cannot switch to WAL (got {mode!r})")
+            conn.execute(create_sql)
+            return conn
+
+    def _sqlite_health_warnings(self) -> list[str]:
+        level = self._opts["synchronous"]
+        if level in ("OFF", "NORMAL"):
+            return [
+                f"synchronous={level}: a power loss or OS crash can lose records that were "
+                "acknowledged; use FULL (the default)"
+            ]
+        return []
+
+    def _classify_sqlite_error(self, exc: BaseException) -> ErrorKind:
+        message = str(exc).lower()
+        if isinstance(exc, filelock.Timeout):
+            return StoreUnavailable
+        if isinstance(exc, sqlite3.OperationalError) and ("locked" in message or "busy" in message):
+            return StoreUnavailable
+        if isinstance(exc, sqlite3.DatabaseError) and any(
+            marker in message
+            for marker in (
+                "no such table",
+                "no such column",
+                "readonly database",
+                "unable to open",
+                "not a database",
+                "has no column",
+                "authorization",
+            )
+        ):
+            return ConfigurationError
+        if isinstance(exc, PermissionError | IsADirectoryError | NotADirectoryError):
+            return ConfigurationError
+        if isinstance(exc, sqlite3.Error | OSError):
+            return StoreUnavailable
+        return None
+
+
+class SqliteDeduplicationStore(SqliteFile, DeduplicationStore):
+    """Deduplication store in one SQLite file; safe across threads and processes."""
+
+    schemes: ClassVar[tuple[str, ...]] = ("sqlite",)
+    max_write_batch: ClassVar[int] = 5000
+    max_read_batch: ClassVar[int] = 5000
+    declared_options: ClassVar[OptionSet] = DeduplicationStore.declared_options.extend(
+        CLOCK,
+        Option("table", text(_IDENTIFIER, "a plain SQL identifier"), "dedup_records", "the table"),
+        *SQLITE_OPTIONS,
+    )
+
+    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
+        """Open (and by default create) the database file named by ``url``.
+
+        Raises ``ConfigurationError`` for a bad URL or option, a missing table
+        (with ``create=false``) or one of another shape, ``StoreUnavailable`` when
+        the file cannot be opened or stays locked longer than ``timeout``.
+        """
+        super().__init__(absolute_sqlite_url(url), **options)
+        self._open_file()
+        t = f'"{self._opts["table"]}"'
+        self._table = t
+        upsert = (
+            "ON CONFLICT (endpoint, id) DO UPDATE SET expires_at = excluded.expires_at, "
+            "writer = excluded.writer "
+            f"WHERE ({t}.expires_at IS NOT NULL AND {t}.expires_at <= ?4) "
+            f"OR {t}.writer IN (SELECT value FROM json_each(?5)) RETURNING id"
+        )
+        self._sql_add_many = (
+            f"INSERT INTO {t} (endpoint, id, expires_at, writer) "
+            f"SELECT ?1, value, ?2, ?6 FROM json_each(?3) WHERE true {upsert}"
+        )
+        self._sql_add_one = (
+            f"INSERT INTO {t} (endpoint, id, expires_at, writer) VALUES (?1, ?3, ?2, ?6) {upsert}"
+        )
+        live = "(expires_at IS NULL OR expires_at > ?3)"
+        self._sql_find = (
+            f"SELECT id FROM {t} WHERE endpoint = ?1 "
+            f"AND id IN (SELECT value FROM json_each(?2)) AND {live}"
+        )
+        self._sql_has = f"SELECT 1 FROM {t} WHERE endpoint = ?1 AND id = ?2 AND {live}"
+        self._sql_purge = (
+            f"DELETE FROM {t} WHERE endpoint = ? AND expires_at IS NOT NULL AND expires_at <= ?"
+        )
+        with self._translating_errors("open the database"):
+            if self._opts["create"]:
+                conn = self._bootstrap(
+                    f"CREATE TABLE IF NOT EXISTS {t} ("
+                    "endpoint TEXT NOT NULL, id TEXT NOT NULL, expires_at REAL, writer TEXT, "
+                    "PRIMARY KEY (endpoint, id)) WITHOUT ROWID"
+                )
+            else:
+                conn = self._connection()
+            self._check_table(conn)
+
+    def _check_table(self, conn: sqlite3.Connection) -> None:
+        columns = {row[1] for row in conn.execute(f"PRAGMA table_info({self._table})")}
+        if not columns:
+            raise ConfigurationError(
+                f"table {self._table} does not exist in {self._path} (open with create=true)"
+            )
+        if columns == set(_COLUMNS[:3]) and self._opts["create"]:
+            with self._write_transaction() as tx:  # a table made before write tokens
+                tx.execute(f"ALTER TABLE {self._table} ADD COLUMN writer TEXT")
+            columns.add("writer")
+        if not set(_COLUMNS) <= columns:
+            raise ConfigurationError(
+                f"table {self._table} in {self._path} has columns {sorted(columns)}, not "
+                f"{list(_COLUMNS)}: it is not a deduplication table (an older one is upgraded "
+                "when opened with create=true)"
+            )
+
     def _write(self, sql: str, params: tuple[Any, ...]) -> set[str]:
         with self._write_transaction() as conn:
             return {row[0] for row in conn.execute(sql, params).fetchall()}
 
-    def _add_new(self, ids: list[str], now: float, expires_at: float | None) -> set[str]:
-        return self._write(self._sql_add_many, (self._endpoint, expires_at, json.dumps(ids), now))
+    def _params(self, request: WriteRequest, ids: str) -> tuple[Any, ...]:
+        return (
+            self._endpoint,
+            request.expires_at,
+            ids,
+            request.now,
+            json.dumps(sorted(request.mine)),
+            request.token,
+        )
 
-    def _add_one(self, message_id: str, now: float, expires_at: float | None) -> bool:
-        return bool(self._write(self._sql_add_one, (self._endpoint, expires_at, message_id, now)))
+    def _add_new(self, request: WriteRequest) -> set[str]:
+        return self._write(self._sql_add_many, self._params(request, json.dumps(request.ids)))
+
+    def _add_one(self, request: WriteRequest) -> bool:
+        return bool(self._write(self._sql_add_one, self._params(request, request.ids[0])))
 
     def _find(self, ids: list[str], now: float) -> set[str]:
         rows = self._connection().execute(self._sql_find, (self._endpoint, json.dumps(ids), now))
         return {row[0] for row in rows}
 
     def _contains_one(self, message_id: str, now: float) -> bool:
-        row = (
-            self._connection().execute(self._sql_has, (self._endpoint, message_id, now)).fetchone()
-        )
-        return row is not None
+        query = self._connection().execute(self._sql_has, (self._endpoint, message_id, now))
+        return query.fetchone() is not None
 
     def _purge(self, now: float) -> int:
         with self._write_transaction() as conn:
             return conn.execute(self._sql_purge, (self._endpoint, now)).rowcount
 
+    def _health_warnings(self) -> list[str]:
+        return self._sqlite_health_warnings()
+
+    def _classify_error(self, exc: BaseException) -> ErrorKind:
+        return self._classify_sqlite_error(exc) or super()._classify_error(exc)
+
     def _close(self) -> None:
-        with self._connections_lock:
-            connections, self._connections = self._connections, []
-        pid = os.getpid()
-        for conn in connections:
-            if getattr(self._local, "pid", pid) == pid:
-                conn.close()
-        self._local = threading.local()
+        self._connections.close()

@@ -1,19 +1,24 @@
 """dedupstore: exactly-once message processing on top of at-least-once delivery.
 
-A consumer records each processed message id in a strongly consistent
-deduplication store chosen by URL::
+A deduplication store is a strongly consistent set of processed message ids,
+chosen by URL::
 
     import dedupstore
 
     with dedupstore.open_store("sqlite:///.dedupstore/dedup.db", endpoint="orders") as store:
-        if store.add(message.id):
-            ...  # first time this id is recorded
+        store.add("msg-1")                  # True: recorded now; False: already recorded
+
+"``add`` returned True, now process the message" alone is at-most-once per crash (a
+crash between the two loses the message). Exactly-once processing is the improving
+outbox: the entity's outbox holds the message's outgoing messages until they are
+dispatched, and only then does the id move to the deduplication store.
 
 Importing this package imports no backend and no database client library.
 """
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from dedupstore.errors import (
@@ -21,8 +26,11 @@ from dedupstore.errors import (
     ConfigurationError,
     ConsistencyError,
     DedupStoreError,
+    EntityTooLarge,
     InvalidMessageId,
+    StoreClosed,
     StoreUnavailable,
+    format_error,
 )
 from dedupstore.registry import known_backends, register_backend
 from dedupstore.store import DeduplicationStore
@@ -33,15 +41,21 @@ __all__ = [
     "ConsistencyError",
     "DedupStoreError",
     "DeduplicationStore",
+    "EntityTooLarge",
     "InvalidMessageId",
+    "StoreClosed",
     "StoreUnavailable",
+    "format_error",
     "__version__",
     "known_backends",
     "open_store",
     "register_backend",
 ]
 
-__version__ = "0.1.0"
+try:
+    __version__ = version("dedupstore")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree without install
+    __version__ = "0+unknown"
 
 
 def open_store(url: str | None = None, **options: Any) -> DeduplicationStore:
@@ -50,12 +64,14 @@ def open_store(url: str | None = None, **options: Any) -> DeduplicationStore:
     Without ``url``, the per-environment configuration decides (``DEDUPSTORE_URL``,
     ``dedupstore.toml`` or ``[tool.dedupstore]`` selected by ``DEDUPSTORE_ENV``), and
     with no configuration at all the embedded SQLite store in ``./.dedupstore/``.
-    URL query parameters become options; keyword arguments override them. Common
-    options: ``endpoint: str = "default"``, ``retention: timedelta | None = None``.
+    URL query parameters and keyword arguments are the backend's declared options
+    (strings convert: ``"false"``, ``"5s"``); one given both ways with different
+    values is refused. Common options: ``endpoint: str = "default"``,
+    ``retention: timedelta | None = None``; each network backend has ``timeout``.
 
-    Raises ``ConfigurationError`` (bad URL, unknown scheme or option, missing
-    extra), ``ConsistencyError`` (store weaker than strongly consistent) and
-    ``StoreUnavailable`` (the store does not answer).
+    Raises ``ConfigurationError`` (bad URL, unknown scheme or option, bad value,
+    missing extra), ``ConsistencyError`` (store weaker than strongly consistent)
+    and ``StoreUnavailable`` (the store does not answer).
     """
     from dedupstore.registry import open_url
 
@@ -63,5 +79,11 @@ def open_store(url: str | None = None, **options: Any) -> DeduplicationStore:
         from dedupstore.config import resolve_config
 
         resolved = resolve_config()
+        clash = sorted(set(resolved.options) & set(options))
+        if clash:
+            raise ConfigurationError(
+                f"{', '.join(clash)} given both by {resolved.source} and as keyword "
+                "argument(s); set each once"
+            )
         return open_url(resolved.url, **{**resolved.options, **options})
     return open_url(url, **options)

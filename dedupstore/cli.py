@@ -1,15 +1,16 @@
 """The ``dedupstore`` command.
 
-Exit codes: 0 success; 1 ``has`` found an id not processed, or the demo saw a
-message processed other than once; 2 bad input or configuration; 3 the store could
-not answer. Expected errors print one line, never a traceback.
+Exit codes: 0 success; 1 ``has`` found an id not processed, or the demo saw an
+invariant fail; 2 fix your configuration or input (``ConfigurationError``,
+``InvalidMessageId``, ``ConsistencyError``, ``StoreClosed``); 3 retry later (the
+store could not answer: ``StoreUnavailable``, or a ``ConcurrencyConflict`` that
+persisted). Expected errors print one line, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 import uuid
@@ -19,41 +20,68 @@ from typing import Any, TypeVar
 
 from dedupstore import __version__, open_store
 from dedupstore.errors import (
+    ConcurrencyConflict,
     ConfigurationError,
-    ConsistencyError,
     DedupStoreError,
-    InvalidMessageId,
     StoreUnavailable,
+    format_error,
 )
+from dedupstore.options import retention
 from dedupstore.store import DeduplicationStore
-from dedupstore.urls import parse_duration
+from dedupstore.urls import StoreURL
 
-__all__ = ["CHECK_ENDPOINT", "main"]
+__all__ = ["CHECK_ENDPOINT", "EXIT_CONFIGURATION", "EXIT_RETRY", "main"]
 
 #: Endpoint reserved for the probe records of ``dedupstore check``.
 CHECK_ENDPOINT = "__dedupstore_check__"
+#: Exit code: fix the configuration or the input.
+EXIT_CONFIGURATION = 2
+#: Exit code: the store could not answer; retry later.
+EXIT_RETRY = 3
+_MAX_THREADS = 64
+_MAX_MESSAGES = 1_000_000
 
 T = TypeVar("T")
-_PASSWORD_IN_URL = re.compile(r"(://[^/\s:@]*:)[^@\s/]*@")
+
+_AT_MOST_ONCE = (
+    "Recording an id and then processing the message is at-most-once per crash: a "
+    "crash between the two loses the message. For exactly-once, process messages with "
+    "dedupstore.outbox.OutboxProcessor."
+)
 
 
 def _retention(value: str) -> timedelta | None:
     try:
-        return parse_duration(value)
+        return retention(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _bounded(low: int, high: int) -> Callable[[str], int]:
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+        if not low <= number <= high:
+            raise argparse.ArgumentTypeError(f"expected {low} to {high}, got {number}")
+        return number
+
+    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dedupstore",
         description="Exactly-once message processing: inspect and use deduplication stores.",
+        epilog="Exit codes: 0 ok, 1 not processed / invariant failed, 2 fix the configuration "
+        "or input, 3 retry later (store unavailable).",
     )
     parser.add_argument("--version", action="version", version=f"dedupstore {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def with_store(name: str, help_text: str) -> argparse.ArgumentParser:
-        sub = commands.add_parser(name, help=help_text, description=help_text)
+    def with_store(name: str, help_text: str, epilog: str | None = None) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help_text, description=help_text, epilog=epilog)
         sub.add_argument(
             "url", metavar="URL", help="store URL, or 'config' for the configured store"
         )
@@ -61,7 +89,11 @@ def _parser() -> argparse.ArgumentParser:
         return sub
 
     with_store("check", "open the store, check its consistency, round-trip a probe id")
-    add = with_store("add", "record message ids; prints 'added' or 'duplicate' for each")
+    add = with_store(
+        "add",
+        "record message ids; prints 'added' or 'duplicate' for each argument",
+        epilog=_AT_MOST_ONCE,
+    )
     add.add_argument("ids", metavar="ID", nargs="+")
     add.add_argument("--retention", type=_retention, help="e.g. 30d, 12h, 900s")
     has = with_store("has", "tell whether message ids were processed (exit 1 if any was not)")
@@ -72,8 +104,12 @@ def _parser() -> argparse.ArgumentParser:
         "demo", help="run the main job: an at-least-once stream processed exactly once"
     )
     demo.add_argument("--url", help="store URL (default: the configured or embedded store)")
-    demo.add_argument("--messages", type=int, default=2000, help="distinct messages")
-    demo.add_argument("--threads", type=int, default=4, help="concurrent consumers")
+    demo.add_argument(
+        "--messages", type=_bounded(1, _MAX_MESSAGES), default=2000, help="distinct messages"
+    )
+    demo.add_argument(
+        "--threads", type=_bounded(1, _MAX_THREADS), default=4, help="concurrent consumers"
+    )
     demo.add_argument("--seed", type=int, default=None, help="random seed")
     return parser
 
@@ -84,6 +120,21 @@ def _open(url: str | None, endpoint: str | None, **options: Any) -> Deduplicatio
     return open_store(None if url in (None, "config") else url, **options)
 
 
+def _open_replacing(url: str | None, **replace: Any) -> DeduplicationStore:
+    """Open the store with some options replaced wherever they were set (for probes)."""
+    from dedupstore.config import resolve_config
+
+    if url in (None, "config"):
+        resolved = resolve_config()
+        target, options = resolved.url, dict(resolved.options)
+    else:
+        target, options = str(url), {}
+    parsed = StoreURL.parse(target)
+    if any(key in replace for key, _ in parsed.query):
+        parsed = parsed.with_query([(k, v) for k, v in parsed.query if k not in replace])
+    return open_store(parsed.text, **{**options, **replace})
+
+
 def _timed(action: Callable[[], T]) -> tuple[T, float]:
     started = time.perf_counter()
     result = action()
@@ -92,7 +143,9 @@ def _timed(action: Callable[[], T]) -> tuple[T, float]:
 
 def _check(args: argparse.Namespace) -> int:
     store, open_ms = _timed(
-        lambda: _open(args.url, args.endpoint or CHECK_ENDPOINT, retention=timedelta(minutes=10))
+        lambda: _open_replacing(
+            args.url, endpoint=args.endpoint or CHECK_ENDPOINT, retention=timedelta(minutes=10)
+        )
     )
     with store:
         print(f"store:     {type(store).__name__} {store.url}")
@@ -110,7 +163,7 @@ def _check(args: argparse.Namespace) -> int:
                 f"re-add={again}): the store is not behaving as a deduplication store",
                 file=sys.stderr,
             )
-            return 3
+            return EXIT_RETRY
         warnings = store.health_warnings()
         for warning in warnings:
             print(f"warning:   {warning}")
@@ -121,20 +174,19 @@ def _check(args: argparse.Namespace) -> int:
 def _add(args: argparse.Namespace) -> int:
     options = {} if args.retention is None else {"retention": args.retention}
     with _open(args.url, args.endpoint, **options) as store:
-        ids = list(dict.fromkeys(args.ids))
-        recorded = store.add_many(ids)
-        for mid in ids:
+        recorded = store.add_many(args.ids)
+        for mid in args.ids:
             print(f"{mid}\t{'added' if mid in recorded else 'duplicate'}")
+            recorded.discard(mid)  # a repeated argument is a duplicate of the first
     return 0
 
 
 def _has(args: argparse.Namespace) -> int:
     with _open(args.url, args.endpoint) as store:
-        ids = list(dict.fromkeys(args.ids))
-        found = store.processed_among(ids)
-        for mid in ids:
+        found = store.processed_among(args.ids)
+        for mid in args.ids:
             print(f"{mid}\t{'processed' if mid in found else 'not processed'}")
-    return 0 if len(found) == len(ids) else 1
+    return 0 if all(mid in found for mid in args.ids) else 1
 
 
 def _purge(args: argparse.Namespace) -> int:
@@ -145,20 +197,37 @@ def _purge(args: argparse.Namespace) -> int:
 
 def _config(_: argparse.Namespace) -> int:
     from dedupstore.config import resolve_config
+    from dedupstore.registry import stores
 
-    shown = resolve_config().masked()
-    shown["options"] = {
-        k: (str(v) if isinstance(v, timedelta) else v) for k, v in shown["options"].items()
-    }
+    resolved = resolve_config()
+    shown = resolved.masked()
+    parsed = StoreURL.parse(resolved.url)
+    if parsed.scheme not in stores.view:
+        stores.resolve(parsed.scheme)  # unknown scheme: the ConfigurationError names the known ones
+    try:
+        cls: Any = stores.resolve(parsed.scheme)
+    except ConfigurationError as exc:  # a missing client library: show what the file says
+        shown["backend"] = f"not loaded ({format_error(exc)})"
+        shown["options"] = {k: _plain(v) for k, v in shown["options"].items()}
+    else:
+        declared = cls.declared_options.resolve(cls.__name__, parsed, resolved.options)
+        shown["backend"] = cls.__name__
+        shown["options"] = {
+            name: ("***" if cls.declared_options[name].secret else _plain(value))
+            for name, value in declared.items()
+            if cls.declared_options[name].in_url
+        }
     print(json.dumps(shown, indent=2, default=str))
     return 0
+
+
+def _plain(value: object) -> object:
+    return str(value) if isinstance(value, timedelta) else value
 
 
 def _demo(args: argparse.Namespace) -> int:
     from dedupstore.demo import run_demo
 
-    if args.messages < 1 or args.threads < 1:
-        raise ConfigurationError("--messages and --threads must be at least 1")
     endpoint = f"demo-{uuid.uuid4().hex[:12]}"
     with _open(args.url, endpoint) as store:
         report = run_demo(
@@ -177,27 +246,23 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+def exit_code(exc: DedupStoreError) -> int:
+    """The exit code for an error: 3 means retry later, 2 fix the configuration or input."""
+    return EXIT_RETRY if isinstance(exc, StoreUnavailable | ConcurrencyConflict) else 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit code."""
     args = _parser().parse_args(argv)
     try:
         return _COMMANDS[args.command](args)
-    except (ConfigurationError, ConsistencyError, InvalidMessageId) as exc:
-        print(f"dedupstore: error: {_one_line(exc)}", file=sys.stderr)
-        return 2
-    except StoreUnavailable as exc:
-        print(f"dedupstore: store unavailable: {_one_line(exc)}", file=sys.stderr)
-        return 3
     except DedupStoreError as exc:
-        print(f"dedupstore: error: {_one_line(exc)}", file=sys.stderr)
-        return 3
+        code = exit_code(exc)
+        label = "store unavailable (retry later)" if code == EXIT_RETRY else "error"
+        print(f"dedupstore: {label}: {format_error(exc)}", file=sys.stderr)
+        return code
     except KeyboardInterrupt:
         return 130
-
-
-def _one_line(exc: BaseException) -> str:
-    """The error as one line, with any password in a URL masked (defence in depth)."""
-    return _PASSWORD_IN_URL.sub(r"\1***@", " ".join(str(exc).split()))
 
 
 if __name__ == "__main__":  # pragma: no cover

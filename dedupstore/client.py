@@ -20,7 +20,6 @@ from types import TracebackType
 from typing import Any, ClassVar, Generic, Self, TypeVar
 
 from dedupstore.errors import (
-    ConfigurationError,
     DedupStoreError,
     StoreClosed,
     StoreUnavailable,
@@ -93,7 +92,7 @@ class Client(abc.ABC):
     ``open_store``/``open_entity_store`` accept: ``Cls(url, **options)``.
     """
 
-    #: URL schemes this class serves (the registry decides; this is checked).
+    #: URL schemes this class serves (informational: the registry decides).
     schemes: ClassVar[tuple[str, ...]] = ()
     #: The options this class accepts, declared once.
     declared_options: ClassVar[OptionSet] = OptionSet()
@@ -102,11 +101,6 @@ class Client(abc.ABC):
         """Parse ``url``, resolve ``options``; raise ``ConfigurationError`` if either is bad."""
         self._closed = False
         self._url = StoreURL.parse(url)
-        if self.schemes and self._url.scheme not in self.schemes:
-            expected = " or ".join(f"{s}://" for s in self.schemes)
-            raise ConfigurationError(
-                f"{type(self).__name__} needs a {expected} URL, got {self._url.masked!r}"
-            )
         self._opts: Options = self.declared_options.resolve(
             type(self).__name__, self._url, options
         )

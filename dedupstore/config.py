@@ -23,7 +23,12 @@ file's ``default_env``, else ``default``)::
     [prod.options]
     pool_max_size = 20
 
-``${VAR}`` is expanded from the environment everywhere (``$$`` is a literal ``$``).
+``${VAR}`` is expanded from the environment everywhere (``$$`` is a literal ``$``);
+a value inserted into the user-info of a URL (a password) is percent-encoded, so a
+generated secret holding ``/``, ``#``, ``?`` or ``@`` still makes a valid URL. An
+option may be given once per environment: as a key of the table, in its
+``options`` table or in the URL's query (two places are refused, even when equal
+values would be harmless, so nobody wonders which one wins).
 """
 
 from __future__ import annotations
@@ -36,8 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from urllib.parse import quote
+
 from dedupstore.errors import ConfigurationError
-from dedupstore.urls import mask_options, mask_url, parse_duration
+from dedupstore.urls import MASK, StoreURL, mask_url, secret_names
 
 __all__ = ["DEFAULT_URL", "ResolvedConfig", "find_config_file", "resolve_config"]
 
@@ -46,7 +53,7 @@ DEFAULT_URL = "sqlite:///.dedupstore/dedup.db"
 
 _ENV_KEYS = frozenset({"url", "endpoint", "retention", "options"})
 _TOP_KEYS = frozenset({"default_env"})
-_VAR = re.compile(r"\$\$|\$\{([^}]*)\}")
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$\{[^}]*\}?")
 
 
 @dataclass(frozen=True)
@@ -60,9 +67,10 @@ class ResolvedConfig:
 
     def masked(self) -> dict[str, Any]:
         """Return a printable view with passwords and keys masked."""
+        names = secret_names()
         return {
             "url": mask_url(self.url),
-            "options": mask_options(self.options),
+            "options": {k: MASK if k.lower() in names else v for k, v in self.options.items()},
             "source": self.source,
             "environment": self.environment,
         }
@@ -99,23 +107,49 @@ def _read_toml(path: Path) -> dict[str, Any]:
         with path.open("rb") as handle:
             return tomllib.load(handle)
     except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigurationError(f"cannot read configuration file {path}: {exc}") from exc
+        raise ConfigurationError(f"cannot read configuration file {path}: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigurationError(
+            f"cannot read configuration file {path}: it is not UTF-8 text ({exc.reason} at "
+            f"byte {exc.start})"
+        ) from None
+
+
+def _substitute(text: str, where: str, environ: Mapping[str, str], encode: bool) -> str:
+    def replace(match: re.Match[str]) -> str:
+        token = match.group(0)
+        if token == "$$":
+            return "$"
+        name = match.group(1)
+        if name is None:
+            raise ConfigurationError(
+                f"{where}: {token!r} is not a variable reference; write ${{NAME}} (letters, "
+                "digits, '_') or $$ for a literal $"
+            )
+        if name not in environ:
+            raise ConfigurationError(
+                f"{where} uses ${{{name}}}, but the environment variable {name} is not set"
+            )
+        return quote(environ[name], safe="") if encode else environ[name]
+
+    return _VAR.sub(replace, text)
+
+
+def _expand_url(template: str, where: str, environ: Mapping[str, str]) -> str:
+    """Expand ``${VAR}``; values in the user-info (before the host's ``@``) are encoded."""
+    scheme, sep, rest = template.partition("://")
+    stops = [i for i in (rest.find(c) for c in "/?#") if i != -1]
+    at = rest.rfind("@", 0, min(stops) if stops else len(rest))
+    if not sep or at == -1:
+        return _substitute(template, where, environ, encode=False)
+    userinfo = _substitute(rest[:at], where, environ, encode=True)
+    tail = _substitute(rest[at:], where, environ, encode=False)
+    return f"{_substitute(scheme, where, environ, encode=False)}://{userinfo}{tail}"
 
 
 def _expand(value: Any, where: str, environ: Mapping[str, str]) -> Any:
     if isinstance(value, str):
-
-        def substitute(match: re.Match[str]) -> str:
-            if match.group(0) == "$$":
-                return "$"
-            name = match.group(1)
-            if name not in environ:
-                raise ConfigurationError(
-                    f"{where} uses ${{{name}}}, but the environment variable {name} is not set"
-                )
-            return environ[name]
-
-        return _VAR.sub(substitute, value)
+        return _substitute(value, where, environ, encode=False)
     if isinstance(value, dict):
         return {k: _expand(v, f"{where}.{k}", environ) for k, v in value.items()}
     if isinstance(value, list):
@@ -137,6 +171,12 @@ def resolve_config(
     if config_path is None:
         if override:
             return ResolvedConfig(override, {}, "DEDUPSTORE_URL")
+        if env.get("DEDUPSTORE_ENV"):
+            raise ConfigurationError(
+                f"DEDUPSTORE_ENV={env['DEDUPSTORE_ENV']!r} names an environment, but there is no "
+                "configuration file (dedupstore.toml, [tool.dedupstore] in pyproject.toml, or "
+                "DEDUPSTORE_CONFIG) to define it; unset DEDUPSTORE_ENV to use the embedded default"
+            )
         return ResolvedConfig(DEFAULT_URL)
 
     document = _read_toml(config_path)
@@ -168,21 +208,33 @@ def resolve_config(
                 f"{label}: unknown key {key!r} in environment [{name}] "
                 f"(allowed: {', '.join(sorted(_ENV_KEYS))})"
             )
-    table = _expand(table, f"{label} [{name}]", env)
+    where = f"{label} [{name}]"
+    raw_options = table.get("options", {})
+    if not isinstance(raw_options, dict):
+        raise ConfigurationError(
+            f"{where}: 'options' must be a table of option = value, got "
+            f"{type(raw_options).__name__}"
+        )
+    raw_url = table.get("url")
+    if raw_url is not None and not isinstance(raw_url, str):
+        raise ConfigurationError(f"{where}: 'url' must be a string")
+    table = _expand({k: v for k, v in table.items() if k != "url"}, where, env)
     options: dict[str, Any] = dict(table.get("options", {}))
-    if not isinstance(table.get("options", {}), dict):
-        raise ConfigurationError(f"{label} [{name}]: 'options' must be a table")
-    if "endpoint" in table:
-        options["endpoint"] = table["endpoint"]
-    if "retention" in table:
-        try:
-            options["retention"] = parse_duration(table["retention"])
-        except ValueError as exc:
-            raise ConfigurationError(f"{label} [{name}]: bad retention: {exc}") from exc
-    url = override or table.get("url")
+    for key in ("endpoint", "retention"):
+        if key in table:
+            if key in options:
+                raise ConfigurationError(
+                    f"{where}: {key!r} is set both in the table and under its options; set it once"
+                )
+            options[key] = table[key]
+    url = override or (None if raw_url is None else _expand_url(raw_url, where, env))
     if not url:
-        raise ConfigurationError(f"{label} [{name}] has no 'url' and DEDUPSTORE_URL is not set")
-    if not isinstance(url, str):
-        raise ConfigurationError(f"{label} [{name}]: 'url' must be a string")
+        raise ConfigurationError(f"{where} has no 'url' and DEDUPSTORE_URL is not set")
+    in_query = {key for key, _ in StoreURL.parse(url).query} & set(options)
+    if in_query:
+        raise ConfigurationError(
+            f"{where}: {', '.join(sorted(in_query))} set both in the URL's query and in the "
+            "environment's table; set each once"
+        )
     source = f"{label} [{name}]" + (" with DEDUPSTORE_URL" if override else "")
     return ResolvedConfig(url, options, source, name)

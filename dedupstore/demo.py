@@ -1,9 +1,13 @@
-"""The main job, first version: an at-least-once stream consumed exactly once.
+"""The thread demo: an at-least-once stream whose duplicates are recognised.
 
 A broker delivers every message at least once: some twice or three times, some
 copies at the same moment to several consumer threads. Each consumer claims a
 message by recording its id (``add`` / ``add_many``) and handles it only when the
-claim succeeded. The report proves each distinct message was handled once.
+claim succeeded. The report shows each distinct message was claimed once.
+
+Claim-then-handle is at-most-once per crash: a consumer that crashes after the
+claim and before the handling loses the message (this demo injects no crash).
+Exactly-once processing needs the outbox (entity state, outbox, then the id).
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ class DemoReport:
                 f"  copies delivered concurrently:    {self.concurrent_copies:>7,}",
                 f"  processed:                        {self.processed:>7,}",
                 f"  recognised as duplicates:         {self.duplicates:>7,}",
-                f"  each message processed exactly once: {verdict}",
+                f"  each message claimed exactly once: {verdict}",
                 f"  ({self.seconds:.2f} s)",
             ]
         )

@@ -376,9 +376,14 @@ class DeduplicationStore(Client):
                     if failure is not None:
                         break
                 pending[pool.submit(work, chunk)] = chunk
-        finally:
+        except BaseException:
             for future in pending:
                 future.cancel()
+            raise
+        finally:
+            if failure is not None:
+                for future in pending:
+                    future.cancel()
             wait(pending)
             collect(list(pending))
         if failure is not None:

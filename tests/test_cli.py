@@ -27,7 +27,8 @@ def in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_add_and_has(capsys: pytest.CaptureFixture[str]) -> None:
     url = "sqlite:///cli.db"
     assert main(["add", url, "a", "b", "a"]) == 0
-    assert capsys.readouterr().out.splitlines() == ["a\tadded", "b\tadded"]
+    # one line per argument: the repeated "a" is a duplicate of the first
+    assert capsys.readouterr().out.splitlines() == ["a\tadded", "b\tadded", "a\tduplicate"]
     assert main(["add", url, "b", "c"]) == 0
     assert capsys.readouterr().out.splitlines() == ["b\tduplicate", "c\tadded"]
     assert main(["has", url, "a", "c"]) == 0
@@ -68,7 +69,14 @@ def test_config_masks_secrets(
         (["add", "sqlite:///cli.db", ""], 2, "must not be empty"),
         (["has", "sqlite:///cli.db", "a\x00b"], 2, "NUL"),
         (["check", "sqlite:///cli.db?bogus=1"], 2, "unknown option 'bogus'"),
-        (["check", "postgresql://u:hunter2@127.0.0.1:1/x"], 2, "dedupstore"),
+        (["check", "postgresql://u:hunter2@127.0.0.1:1/x"], 2, "pip install 'dedupstore[postgres]'"),
+        (["check", "sqlite://u:hunter2@host/x.db"], 2, "'sqlite://u:***@host/x.db'"),
+        (["add", "postgresql://u:hun/ter2#?@db/x", "a"], 2, "percent-encode it"),
+        (["add", "sqlite:///cli.db?timeout=-1", "a"], 2, "bad value for option 'timeout'"),
+        (["add", "sqlite:///cli.db?timeout=nan", "a"], 2, "bad value for option 'timeout'"),
+        (["add", "sqlite:///cli.db?synchronous=3", "a"], 2, "expected one of OFF, NORMAL"),
+        (["add", "sqlite:///cli.db?retention=99999999999d", "a"], 2, "at most 1000 years"),
+        (["add", "sqlite:///cli.db?create_schema=false", "a"], 2, "is now called 'create'"),
     ],
 )
 def test_errors_are_one_line_without_traceback(
@@ -81,10 +89,11 @@ def test_errors_are_one_line_without_traceback(
     if argv[1].startswith("postgresql"):
         monkeypatch.setitem(sys.modules, "psycopg", None)
     assert main(argv) == code
-    err = capsys.readouterr().err
-    assert fragment in err
-    assert len(err.strip().splitlines()) == 1
-    assert "Traceback" not in err and "hunter2" not in err
+    captured = capsys.readouterr()
+    assert fragment in captured.err
+    assert len(captured.err.strip().splitlines()) == 1
+    assert captured.out == ""
+    assert "hunter2" not in captured.err and "hun/ter2" not in captured.err
 
 
 def test_console_script_runs_the_demo(in_tmp: Path) -> None:
@@ -96,7 +105,7 @@ def test_console_script_runs_the_demo(in_tmp: Path) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    assert "each message processed exactly once: yes" in result.stdout
+    assert "each message claimed exactly once: yes" in result.stdout
     assert (in_tmp / ".dedupstore" / "dedup.db").is_file()
 
 
@@ -124,3 +133,78 @@ def test_demo_detects_double_processing() -> None:
     report = run_demo(Forgetful(), messages=100, threads=2, burst=10, seed=1)  # type: ignore[arg-type]
     assert not report.exactly_once
     assert "NO" in report.render()
+
+
+def test_demo_refuses_absurd_thread_counts(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--threads", "100000"])
+    assert info.value.code == 2
+    assert "expected 1 to 64" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("toml", "fragment"),
+    [
+        ("[default]\nurl = 'sqlite:///x.db'\n[default.options]\ntimeout = '5'\n", None),
+        ("[default]\nurl = 'sqlite:///x.db'\n[default.options]\ntimeout = 1e400\n", "finite"),
+        ("[default]\nurl = 'sqlite:///x.db'\noptions = 5\n", "'options' must be a table"),
+        ("[default]\nurl = 'memory://${X'\n", "not a variable reference"),
+        (
+            "[default]\nurl = 'sqlite:///x.db'\nretention = '1h'\n[default.options]\nretention = '2h'\n",
+            "set both in the table and under its options",
+        ),
+        ("[default]\nurl = 'sqlite:///x.db?timeout=2'\n[default.options]\ntimeout = 3\n", "set both"),
+        ("[default]\nurl = 'sqlite:///x.db'\nretention = '99999999999d'\n", "1000 years"),
+    ],
+)
+def test_config_values_give_one_line_errors(
+    in_tmp: Path, capsys: pytest.CaptureFixture[str], toml: str, fragment: str | None
+) -> None:
+    (in_tmp / "dedupstore.toml").write_text(toml)
+    code = main(["add", "config", "a"])
+    captured = capsys.readouterr()
+    if fragment is None:
+        assert code == 0, captured.err
+        assert captured.out == "a\tadded\n"
+    else:
+        assert code == 2
+        assert fragment in captured.err and len(captured.err.splitlines()) == 1
+
+
+def test_a_non_utf8_config_file_is_a_one_line_error(
+    in_tmp: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (in_tmp / "dedupstore.toml").write_bytes(b"[default]\nurl = 'sqlite:///\xff.db'\n")
+    assert main(["add", "config", "a"]) == 2
+    assert "not UTF-8" in capsys.readouterr().err
+
+
+def test_an_environment_nobody_defines_is_an_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], in_tmp: Path
+) -> None:
+    monkeypatch.setenv("DEDUPSTORE_ENV", "prod")
+    assert main(["add", "config", "a"]) == 2
+    assert "DEDUPSTORE_ENV='prod'" in capsys.readouterr().err
+    assert not (in_tmp / ".dedupstore").exists(), "nothing may be written to the embedded store"
+
+
+def test_a_generated_password_is_encoded_into_the_url(
+    in_tmp: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dedupstore.config import resolve_config
+    from dedupstore.urls import StoreURL
+
+    (in_tmp / "dedupstore.toml").write_text("[default]\nurl = 'postgresql://app:${PW}@db/app'\n")
+    monkeypatch.setenv("PW", "a/b#c?d@e")
+    url = StoreURL.parse(resolve_config().url)
+    assert url.password == "a/b#c?d@e" and url.host == "db" and url.path == "/app"
+    monkeypatch.setitem(sys.modules, "psycopg", None)
+    assert main(["config"]) == 0
+    out = capsys.readouterr().out
+    assert "a/b#c" not in out and "a%2Fb" not in out and "***" in out
+
+
+def test_sqlite_check_warns_about_weak_synchronous(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "sqlite:///cli.db?synchronous=off"]) == 0
+    out = capsys.readouterr().out
+    assert "warning:   synchronous=OFF" in out and "ok with 1 warning(s)" in out

@@ -141,9 +141,9 @@ def test_parse_duration_none_and_bad() -> None:
         ("foo://x", "unknown store URL scheme 'foo'"),
         ("sqlite://host/x.db", "has no host"),
         ("sqlite://", "must name a database file"),
-        ("memory://x?colour=blue", "memory://"),
+        ("memory://x?colour=blue", "unknown option 'colour' for MemoryDeduplicationStore"),
         ("sqlite:///x.db?colour=blue", "unknown option 'colour'"),
-        ("sqlite:///x.db?timeout=soon", "bad value for URL option 'timeout'"),
+        ("sqlite:///x.db?timeout=soon", "bad value for option 'timeout'"),
     ],
 )
 def test_bad_urls(populated: DeduplicationStore, url: str, fragment: str) -> None:
@@ -159,9 +159,11 @@ def test_unknown_keyword_option(in_tmp: Path) -> None:
         open_store("sqlite:///x.db", colour="blue")
 
 
-def test_keyword_options_override_the_query(in_tmp: Path) -> None:
-    with open_store("sqlite:///x.db?endpoint=a&retention=1h", endpoint="b") as store:
-        assert store.endpoint == "b"
+def test_a_url_keyword_conflict_is_refused(in_tmp: Path) -> None:
+    with pytest.raises(ConfigurationError, match="both in the URL and as a keyword"):
+        open_store("sqlite:///x.db?endpoint=a&retention=1h", endpoint="b")
+    with open_store("sqlite:///x.db?endpoint=a&retention=1h", endpoint="a") as store:
+        assert store.endpoint == "a"  # the same value twice is no conflict
         assert store.retention == timedelta(hours=1)
 
 
@@ -217,7 +219,7 @@ def test_register_backend(in_tmp: Path) -> None:
     finally:
         from dedupstore import registry
 
-        registry._registry.pop("mymem", None)
+        registry.stores._specs.pop("mymem", None)
     with pytest.raises(ValueError):
         register_backend("bad", "no-colon")
 
@@ -230,7 +232,7 @@ def test_registered_target_must_be_a_store() -> None:
     finally:
         from dedupstore import registry
 
-        registry._registry.pop("notastore", None)
+        registry.stores._specs.pop("notastore", None)
 
 
 def test_backends_load_through_entry_points(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -240,12 +242,12 @@ def test_backends_load_through_entry_points(monkeypatch: pytest.MonkeyPatch) -> 
 
     ep = EntryPoint("epmem", "backends.memory:MemoryDeduplicationStore", registry.ENTRY_POINT_GROUP)
     monkeypatch.setattr(registry, "entry_points", lambda group: [ep] if group == ep.group else [])
-    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    monkeypatch.setattr(registry.stores, "_entry_points_loaded", False)
     try:
         with open_store("epmem://x") as store:
             assert type(store).__name__ == "MemoryDeduplicationStore"
     finally:
-        registry._registry.pop("epmem", None)
+        registry.stores._specs.pop("epmem", None)
 
 
 # ---------------------------------------------------------------------- configuration
@@ -358,9 +360,20 @@ def test_dollar_dollar_is_a_literal_dollar(in_tmp: Path) -> None:
 def test_repr_masks_password_options() -> None:
     from backends.memory import MemoryDeduplicationStore
 
-    store = MemoryDeduplicationStore("memory://r")
-    store._options["password"] = "hunter2"
-    assert "hunter2" not in repr(store)
+    from dedupstore.options import Option, text
+
+    class WithPassword(MemoryDeduplicationStore):
+        declared_options = MemoryDeduplicationStore.declared_options.extend(
+            Option("password", text(), None, "a secret", secret=True)
+        )
+
+    for store in (WithPassword("memory://r", password="hunter2"), WithPassword("memory://r?password=hunter2")):
+        assert "hunter2" not in repr(store)
+        assert "hunter2" not in store.url
+        assert "***" in repr(store)
+    with pytest.raises(ConfigurationError) as info:
+        WithPassword("memory://r", password=12345678)
+    assert "12345678" not in str(info.value)
 
 
 def test_pickled_sqlite_store_reopens_the_same_file_from_another_directory(

@@ -22,6 +22,7 @@ from dedupstore.testing.contract import (
     FakeClock,
     MultiProcessContract,
     StoreFactory,
+    Timeline,
     random_valid_ids,
 )
 
@@ -32,5 +33,6 @@ __all__ = [
     "FakeClock",
     "MultiProcessContract",
     "StoreFactory",
+    "Timeline",
     "random_valid_ids",
 ]
