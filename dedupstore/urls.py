@@ -194,10 +194,16 @@ class StoreURL:
 
     def with_query(self, pairs: list[tuple[str, str]] | tuple[tuple[str, str], ...]) -> StoreURL:
         """The same URL with its query replaced by ``pairs`` (encoded)."""
-        parts = urlsplit(self.text)
+        # string surgery: urlunsplit() drops the empty host of 'sqlite:////abs/path'
+        base = self.text.split("#", 1)[0].split("?", 1)[0]
+        at, _ = _authority_split(self.text.partition("://")[2])
+        if at != -1:  # a '?' or '#' may sit in an (encoded) password: cut after the host
+            scheme, _, rest = self.text.partition("://")
+            host_and_rest = rest[at:]
+            tail = host_and_rest.split("#", 1)[0].split("?", 1)[0]
+            base = f"{scheme}://{rest[:at]}{tail}"
         encoded = urlencode(list(pairs), quote_via=quote)
-        text = parts._replace(query=encoded, fragment="").geturl()
-        return StoreURL.parse(text)
+        return StoreURL.parse(f"{base}?{encoded}" if encoded else base)
 
     def __str__(self) -> str:
         return self.masked

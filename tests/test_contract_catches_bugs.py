@@ -10,6 +10,7 @@ pytestmark = pytest.mark.memory
 
 _TEMPLATE = """
 import uuid
+from dataclasses import replace
 import pytest
 from backends.memory import MemoryDeduplicationStore
 from dedupstore.testing import DeduplicationStoreContract
@@ -26,9 +27,9 @@ class TestMutant(DeduplicationStoreContract):
 
 MUTANTS = {
     "always recorded": (
-        "    def _add_new(self, ids, now, expires_at):\n"
-        "        super()._add_new(ids, now, expires_at)\n"
-        "        return set(ids)\n",
+        "    def _add_new(self, request):\n"
+        "        super()._add_new(request)\n"
+        "        return set(request.ids)\n",
         "test_add_records_once",
     ),
     "reads ignore expiry": (
@@ -36,8 +37,8 @@ MUTANTS = {
         "test_retention_expires_records",
     ),
     "expired never re-recorded": (
-        "    def _add_new(self, ids, now, expires_at):\n"
-        "        return super()._add_new(ids, 0.0, expires_at)\n",
+        "    def _add_new(self, request):\n"
+        "        return super()._add_new(replace(request, now=0.0))\n",
         "test_expired_record_is_recorded_again",
     ),
     "endpoints shared": (
@@ -47,9 +48,9 @@ MUTANTS = {
         "test_endpoint_isolation",
     ),
     "ids truncated to 200 chars": (
-        "    def _add_new(self, ids, now, expires_at):\n"
+        "    def _add_new(self, request):\n"
         "        base = super()._add_new\n"
-        "        return {i for i in ids if base([i[:200]], now, expires_at)}\n"
+        "        return {i for i in request.ids if base(replace(request, ids=[i[:200]]))}\n"
         "    def _find(self, ids, now):\n"
         "        base = super()._find\n"
         "        return {i for i in ids if base([i[:200]], now)}\n",
@@ -60,10 +61,16 @@ MUTANTS = {
         "test_purge_expired",
     ),
     "batch drops the last id": (
-        "    def _add_new(self, ids, now, expires_at):\n"
-        "        return super()._add_new(ids[:-1], now, expires_at) if len(ids) > 1 else"
-        " super()._add_new(ids, now, expires_at)\n",
+        "    def _add_new(self, request):\n"
+        "        ids = request.ids[:-1] if len(request.ids) > 1 else request.ids\n"
+        "        return super()._add_new(replace(request, ids=ids))\n",
         "test_add_many_returns_recorded_ids",
+    ),
+    "every token counts as mine": (
+        "    def _add_new(self, request):\n"
+        "        tokens = {t for _, t in self._ns.records.values()}\n"
+        "        return super()._add_new(replace(request, mine=request.mine | tokens))\n",
+        "test_add_records_once",
     ),
 }
 
@@ -76,7 +83,10 @@ def test_contract_fails_the_mutant(pytester: pytest.Pytester, name: str) -> None
         "-q", "-p", "no:cacheprovider", "-x", "-k", expected_failure
     )
     outcomes = result.parseoutcomes()
-    assert outcomes.get("failed", 0) >= 1, result.stdout.str()[-2000:]
+    output = result.stdout.str()
+    assert outcomes.get("failed", 0) >= 1, output[-2000:]
+    # the contract must catch the bug by an assertion, not by a crash of the mutant
+    assert "AssertionError" in output and "TypeError" not in output, output[-2000:]
 
 
 def test_contract_passes_the_real_memory_backend(pytester: pytest.Pytester) -> None:
