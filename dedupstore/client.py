@@ -101,9 +101,7 @@ class Client(abc.ABC):
         """Parse ``url``, resolve ``options``; raise ``ConfigurationError`` if either is bad."""
         self._closed = False
         self._url = StoreURL.parse(url)
-        self._opts: Options = self.declared_options.resolve(
-            type(self).__name__, self._url, options
-        )
+        self._opts: Options = self.declared_options.resolve(type(self).__name__, self._url, options)
 
     # ------------------------------------------------------------------ public
 

@@ -40,7 +40,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
 from urllib.parse import quote
 
 from dedupstore.errors import ConfigurationError

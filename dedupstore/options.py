@@ -122,8 +122,7 @@ class OptionSet(Mapping[str, Option]):
         except (ValueError, TypeError, OverflowError) as exc:
             if option.secret:
                 raise ConfigurationError(
-                    f"bad value for option {name!r} of {owner} (value hidden): "
-                    f"{type(exc).__name__}"
+                    f"bad value for option {name!r} of {owner} (value hidden): {type(exc).__name__}"
                 ) from None
             raise ConfigurationError(f"bad value for option {name!r} of {owner}: {exc}") from None
 
@@ -262,9 +261,9 @@ def integer(minimum: int | None = None, maximum: int | None = None) -> Converter
             raise TypeError(f"expected an integer, got {value!r}")
         if isinstance(value, int):
             number = value
-        elif isinstance(value, float) and value.is_integer():
-            number = int(value)
-        elif isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+        elif (isinstance(value, float) and value.is_integer()) or (
+            isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value)
+        ):
             number = int(value)
         else:
             raise ValueError(f"expected an integer, got {value!r}")

@@ -54,9 +54,7 @@ class BackendSpec:
 class Registry(Generic[T]):
     """Scheme -> :class:`BackendSpec` for one kind of object (stores, entity stores, ...)."""
 
-    def __init__(
-        self, kind: str, group: str, base: str, builtin: dict[str, BackendSpec]
-    ) -> None:
+    def __init__(self, kind: str, group: str, base: str, builtin: dict[str, BackendSpec]) -> None:
         self.kind = kind
         self.group = group
         self._base = base
@@ -138,7 +136,7 @@ class Registry(Generic[T]):
         base = getattr(importlib.import_module(base_module), base_name)
         if not (isinstance(cls, type) and issubclass(cls, base)):
             raise ConfigurationError(f"{spec.target} is not a {base_name} subclass")
-        return cls  # type: ignore[no-any-return]
+        return cls
 
     def open(self, url: str | StoreURL, **options: Any) -> T:
         """Parse ``url`` once and open it with the class of its scheme."""
@@ -164,7 +162,9 @@ stores: Registry[DeduplicationStore] = Registry(
         "postgres": _spec("backends.postgres:PostgresDeduplicationStore", *_PG, extra="postgres"),
         "redis": _spec("backends.redis:RedisDeduplicationStore", "redis", extra="redis"),
         "rediss": _spec("backends.redis:RedisDeduplicationStore", "redis", extra="redis"),
-        "dynamodb": _spec("backends.dynamodb:DynamoDBDeduplicationStore", "boto3", extra="dynamodb"),
+        "dynamodb": _spec(
+            "backends.dynamodb:DynamoDBDeduplicationStore", "boto3", extra="dynamodb"
+        ),
         "cosmos": _spec("backends.cosmos:CosmosDeduplicationStore", "azure.cosmos", extra="cosmos"),
     },
 )

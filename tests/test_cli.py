@@ -69,7 +69,11 @@ def test_config_masks_secrets(
         (["add", "sqlite:///cli.db", ""], 2, "must not be empty"),
         (["has", "sqlite:///cli.db", "a\x00b"], 2, "NUL"),
         (["check", "sqlite:///cli.db?bogus=1"], 2, "unknown option 'bogus'"),
-        (["check", "postgresql://u:hunter2@127.0.0.1:1/x"], 2, "pip install 'dedupstore[postgres]'"),
+        (
+            ["check", "postgresql://u:hunter2@127.0.0.1:1/x"],
+            2,
+            "pip install 'dedupstore[postgres]'",
+        ),
         (["check", "sqlite://u:hunter2@host/x.db"], 2, "'sqlite://u:***@host/x.db'"),
         (["add", "postgresql://u:hun/ter2#?@db/x", "a"], 2, "percent-encode it"),
         (["add", "sqlite:///cli.db?timeout=-1", "a"], 2, "bad value for option 'timeout'"),
@@ -150,10 +154,14 @@ def test_demo_refuses_absurd_thread_counts(capsys: pytest.CaptureFixture[str]) -
         ("[default]\nurl = 'sqlite:///x.db'\noptions = 5\n", "'options' must be a table"),
         ("[default]\nurl = 'memory://${X'\n", "not a variable reference"),
         (
-            "[default]\nurl = 'sqlite:///x.db'\nretention = '1h'\n[default.options]\nretention = '2h'\n",
+            "[default]\nurl = 'sqlite:///x.db'\nretention = '1h'\n"
+            "[default.options]\nretention = '2h'\n",
             "set both in the table and under its options",
         ),
-        ("[default]\nurl = 'sqlite:///x.db?timeout=2'\n[default.options]\ntimeout = 3\n", "set both"),
+        (
+            "[default]\nurl = 'sqlite:///x.db?timeout=2'\n[default.options]\ntimeout = 3\n",
+            "set both",
+        ),
         ("[default]\nurl = 'sqlite:///x.db'\nretention = '99999999999d'\n", "1000 years"),
     ],
 )

@@ -359,7 +359,6 @@ def test_dollar_dollar_is_a_literal_dollar(in_tmp: Path) -> None:
 
 def test_repr_masks_password_options() -> None:
     from backends.memory import MemoryDeduplicationStore
-
     from dedupstore.options import Option, text
 
     class WithPassword(MemoryDeduplicationStore):
@@ -367,7 +366,10 @@ def test_repr_masks_password_options() -> None:
             Option("password", text(), None, "a secret", secret=True)
         )
 
-    for store in (WithPassword("memory://r", password="hunter2"), WithPassword("memory://r?password=hunter2")):
+    for store in (
+        WithPassword("memory://r", password="hunter2"),
+        WithPassword("memory://r?password=hunter2"),
+    ):
         assert "hunter2" not in repr(store)
         assert "hunter2" not in store.url
         assert "***" in repr(store)

@@ -93,8 +93,10 @@ def test_a_failing_chunk_reports_what_the_others_recorded(
     assert store.processed_among(recorded) == set(recorded)
     chunks = [batch[i : i + store.max_write_batch] for i in range(0, len(batch), 7)]
     for chunk in chunks:  # each chunk is wholly recorded, wholly unknown, or not written
-        assert set(chunk) <= recorded or set(chunk) <= unknown or set(chunk).isdisjoint(
-            recorded | unknown | store.processed_among(chunk)
+        assert (
+            set(chunk) <= recorded
+            or set(chunk) <= unknown
+            or set(chunk).isdisjoint(recorded | unknown | store.processed_among(chunk))
         )
     other = losing(url)
     assert not other.add_many(unknown), "another object must not claim the lost chunk"

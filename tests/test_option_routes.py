@@ -168,7 +168,9 @@ def _cases(good: bool) -> list[Any]:
             if good and text is None:
                 continue
             cases.append(
-                pytest.param(backend, option, id=f"{backend}-{option}", marks=getattr(pytest.mark, backend))
+                pytest.param(
+                    backend, option, id=f"{backend}-{option}", marks=getattr(pytest.mark, backend)
+                )
             )
     return cases
 
