@@ -8,14 +8,16 @@ the process. Expiry is judged by the ``clock`` option (``time.time`` by default)
 from __future__ import annotations
 
 import threading
-from typing import ClassVar
+from collections.abc import Iterator
+from typing import Any, ClassVar
 
+from dedupstore.entities import EntityRecord, EntityStore
 from dedupstore.errors import ConfigurationError
 from dedupstore.options import OptionSet
 from dedupstore.store import CLOCK, DeduplicationStore, WriteRequest
 from dedupstore.urls import StoreURL
 
-__all__ = ["MemoryDeduplicationStore", "namespace_name"]
+__all__ = ["MemoryDeduplicationStore", "MemoryEntityStore", "namespace_name"]
 
 
 class _Namespace:
@@ -93,3 +95,65 @@ class MemoryDeduplicationStore(DeduplicationStore):
 
     def _close(self) -> None:
         """Nothing to release: the namespace outlives its store objects."""
+
+
+class _Entities:
+    """The entities of one ``memory://<name>``: id -> (body, version, bucket, pending)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.records: dict[str, tuple[str, int, int, bool]] = {}
+
+
+_entity_namespaces: dict[str, _Entities] = {}
+
+
+def _entities(name: str) -> _Entities:
+    with _namespaces_lock:
+        return _entity_namespaces.setdefault(name, _Entities())
+
+
+class MemoryEntityStore(EntityStore):
+    """In-process entity store (version: a counter per entity); shared per URL name."""
+
+    schemes: ClassVar[tuple[str, ...]] = ("memory",)
+    max_batch: ClassVar[int] = 1000
+
+    def __init__(self, url: str | StoreURL = "memory://", /, **options: object) -> None:
+        """Open ``memory://<name>``'s entities (separate from its deduplication records)."""
+        super().__init__(url, **options)
+        self._ns = _entities(namespace_name(self._url))
+
+    def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
+        with self._ns.lock:
+            found = {eid: self._ns.records.get(eid) for eid in ids}
+        return {eid: (rec[0], rec[1]) for eid, rec in found.items() if rec is not None}
+
+    def _save(self, records: list[EntityRecord]) -> dict[str, Any]:
+        saved: dict[str, Any] = {}
+        with self._ns.lock:
+            for record in records:
+                current = self._ns.records.get(record.id)
+                if (current[1] if current else None) != record.version:
+                    continue
+                version = (current[1] if current else 0) + 1
+                self._ns.records[record.id] = (record.body, version, record.bucket, record.pending)
+                saved[record.id] = version
+        return saved
+
+    def _scan(self, segment: int, segments: int) -> Iterator[tuple[str, str, Any]]:
+        with self._ns.lock:
+            ids = sorted(
+                eid
+                for eid, (_, _, bucket, pending) in self._ns.records.items()
+                if pending and bucket % segments == segment
+            )
+        for start in range(0, len(ids), 1000):  # page by page, like the servers
+            with self._ns.lock:
+                page = [(eid, self._ns.records.get(eid)) for eid in ids[start : start + 1000]]
+            for eid, record in page:
+                if record is not None and record[3]:
+                    yield eid, record[0], record[1]
+
+    def _close(self) -> None:
+        """Nothing to release."""

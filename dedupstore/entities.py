@@ -1,0 +1,303 @@
+"""Entities and their outbox: :class:`Entity`, :class:`OutgoingMessage`, :class:`EntityStore`.
+
+An entity is the application's state for one correlation id, stored as ONE record
+with an optimistic-concurrency token (``version``): its ``state`` (a JSON-compatible
+dict) and its ``outbox``, which maps each incoming message id to the outgoing
+messages processing it produced, or to ``None`` once they were dispatched.
+
+The base class owns id validation, encoding (canonical JSON), the size limit,
+segmenting, option resolution, error classification and pickling; a backend
+implements three primitives (load, conditional save, segmented scan).
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+import hashlib
+import json
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from dedupstore.client import Client
+from dedupstore.errors import ConcurrencyConflict, EntityTooLarge, InvalidMessageId
+from dedupstore.ids import validate_ids, validate_message_id
+from dedupstore.options import OptionSet
+from dedupstore.urls import StoreURL
+
+__all__ = [
+    "BUCKETS",
+    "Entity",
+    "EntityRecord",
+    "EntityStore",
+    "OutgoingMessage",
+    "bucket_of",
+    "decode_entity",
+    "encode_entity",
+]
+
+#: Entities are spread over this many buckets by a hash of their id; segment ``s``
+#: of ``n`` holds the buckets ``b`` with ``b % n == s``, so any number of segments
+#: is disjoint and complete, on every backend alike.
+BUCKETS = 4096
+
+
+def bucket_of(entity_id: str) -> int:
+    """The bucket of an entity id (stable across processes, versions and backends)."""
+    digest = hashlib.sha256(entity_id.encode("utf-8")).digest()
+    return int.from_bytes(digest[:4], "big") % BUCKETS
+
+
+@dataclass(frozen=True)
+class OutgoingMessage:
+    """A message an entity sends: ``id`` (deterministic), ``destination``, ``body``, ``headers``.
+
+    ``body`` is any JSON-compatible value; ``headers`` maps ``str`` to ``str``.
+    Receivers deduplicate by ``id``: a re-dispatch carries the same id and bytes.
+    """
+
+    id: str
+    destination: str
+    body: Any
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The message as a JSON-compatible dict."""
+        return {
+            "id": self.id,
+            "destination": self.destination,
+            "body": self.body,
+            "headers": dict(self.headers),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> OutgoingMessage:
+        """The inverse of :meth:`to_json`."""
+        return cls(
+            id=str(data["id"]),
+            destination=str(data["destination"]),
+            body=data["body"],
+            headers=dict(data.get("headers") or {}),
+        )
+
+
+Outbox = dict[str, list[OutgoingMessage] | None]
+
+
+@dataclass
+class Entity:
+    """One entity: its id, state, outbox and the opaque version it was loaded at.
+
+    ``version is None`` means the entity was never saved (or was loaded absent).
+    """
+
+    id: str
+    state: dict[str, Any] = field(default_factory=dict)
+    outbox: Outbox = field(default_factory=dict)
+    version: Any = None
+
+    @property
+    def pending(self) -> list[str]:
+        """Incoming message ids whose outgoing messages still await dispatch."""
+        return [mid for mid, entry in self.outbox.items() if entry is not None]
+
+    @property
+    def dispatched(self) -> list[str]:
+        """Incoming message ids whose outgoing messages were dispatched (``None`` entries)."""
+        return [mid for mid, entry in self.outbox.items() if entry is None]
+
+    def copy(self) -> Entity:
+        """A deep copy (the state and outbox can be changed without touching this one)."""
+        return Entity(self.id, copy.deepcopy(self.state), dict(self.outbox), self.version)
+
+
+def encode_entity(entity: Entity) -> str:
+    """Canonical JSON of the entity's state and outbox (sorted keys, no NaN).
+
+    Raises ``ValueError`` (``InvalidMessageId``'s base) when the state is not
+    JSON-compatible.
+    """
+    outbox = {
+        mid: None if entry is None else [m.to_json() for m in entry]
+        for mid, entry in entity.outbox.items()
+    }
+    try:
+        return json.dumps(
+            {"state": entity.state, "outbox": outbox},
+            sort_keys=True,
+            separators=(",", ":"),
+            ensure_ascii=False,
+            allow_nan=False,
+        )
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"entity {entity.id!r:.80} is not JSON-compatible (state and message bodies must "
+            f"be dicts, lists, str, int, float, bool or None): {exc}"
+        ) from None
+
+
+def decode_entity(entity_id: str, text: str | bytes, version: Any) -> Entity:
+    """The inverse of :func:`encode_entity`."""
+    data = json.loads(text)
+    outbox: Outbox = {
+        mid: None if entry is None else [OutgoingMessage.from_json(m) for m in entry]
+        for mid, entry in data.get("outbox", {}).items()
+    }
+    return Entity(entity_id, dict(data.get("state", {})), outbox, version)
+
+
+@dataclass(frozen=True)
+class EntityRecord:
+    """What a backend stores for one entity: the encoded body and scan metadata."""
+
+    id: str
+    body: str
+    version: Any
+    bucket: int
+    pending: bool
+
+
+class EntityStore(Client):
+    """Entities, one record each, saved under an optimistic-concurrency token.
+
+    Guarantees (every backend, checked by :mod:`dedupstore.testing`):
+
+    * :meth:`save` writes only if nobody saved the entity since it was loaded (two
+      creators of one new entity included), else raises ``ConcurrencyConflict``;
+    * :meth:`save_many` saves each entity under its own token and returns the ids
+      that conflicted; no entity is ever half-written;
+    * reads are strongly consistent; ids follow the message-id rules
+      (``InvalidMessageId`` before any I/O); an entity larger than
+      :attr:`max_entity_bytes` raises ``EntityTooLarge`` before any I/O;
+    * :meth:`pending_outboxes` segments are disjoint and complete.
+    """
+
+    #: Largest encoded entity (UTF-8 bytes of the canonical JSON) a record holds.
+    max_entity_bytes: ClassVar[int] = 4 * 1024 * 1024
+    #: Largest number of entities handed to one primitive call.
+    max_batch: ClassVar[int] = 100
+
+    declared_options: ClassVar[OptionSet] = OptionSet()
+
+    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
+        """Resolve the options; backends then connect. Raises ``ConfigurationError``."""
+        super().__init__(url, **options)
+
+    # ------------------------------------------------------------------ public API
+
+    def load(self, entity_id: str) -> Entity:
+        """The entity (a new empty one, ``version None``, when absent).
+
+        Raises ``InvalidMessageId`` before any I/O, ``StoreUnavailable``.
+        """
+        return self.load_many([entity_id])[validate_message_id(entity_id, "entity id")]
+
+    def load_many(self, entity_ids: Iterable[str]) -> dict[str, Entity]:
+        """Every entity by id (absent ones new and empty); one round trip per chunk."""
+        ids = list(dict.fromkeys(validate_ids(entity_ids, "entity id")))
+        self._check_open()
+        result: dict[str, Entity] = {}
+        for start in range(0, len(ids), self.max_batch):
+            chunk = ids[start : start + self.max_batch]
+            with self._translating_errors("load"):
+                found = self._load(chunk)
+            for eid in chunk:
+                record = found.get(eid)
+                result[eid] = (
+                    Entity(eid) if record is None else decode_entity(eid, record[0], record[1])
+                )
+        return result
+
+    def save(self, entity: Entity) -> Entity:
+        """Save ``entity`` if nobody saved it since it was loaded; return it (new version).
+
+        Raises ``ConcurrencyConflict`` otherwise (reload and retry),
+        ``EntityTooLarge``/``InvalidMessageId`` before any I/O, ``StoreUnavailable``.
+        """
+        if self.save_many([entity]):
+            raise ConcurrencyConflict(
+                f"entity {entity.id!r:.80} was saved by someone else since it was loaded"
+            )
+        return entity
+
+    def save_many(self, entities: Sequence[Entity]) -> set[str]:
+        """Save each entity under its own token; return the ids that conflicted.
+
+        The others are saved and their ``version`` updated in place. No entity is
+        half-written. Every entity is encoded and checked before any I/O.
+        """
+        records = [self._record(entity) for entity in entities]
+        if len({r.id for r in records}) != len(records):
+            raise InvalidMessageId("save_many got the same entity id twice")
+        self._check_open()
+        by_id = {entity.id: entity for entity in entities}
+        conflicts: set[str] = set()
+        for start in range(0, len(records), self.max_batch):
+            chunk = records[start : start + self.max_batch]
+            with self._translating_errors("save"):
+                versions = self._save(chunk)
+            for record in chunk:
+                if record.id in versions:
+                    by_id[record.id].version = versions[record.id]
+                else:
+                    conflicts.add(record.id)
+        return conflicts
+
+    def pending_outboxes(self, segment: int = 0, segments: int = 1) -> Iterator[Entity]:
+        """Entities whose outbox is not empty, in segment ``segment`` of ``segments``.
+
+        Segments are disjoint and complete (by :func:`bucket_of` the id). Streams
+        page by page: memory is bounded by a page, not by the segment.
+        """
+        if not (isinstance(segments, int) and isinstance(segment, int) and segments >= 1):
+            raise ValueError(f"segments must be an int >= 1, got {segments!r}")
+        if not 0 <= segment < segments:
+            raise ValueError(f"segment must be in 0..{segments - 1}, got {segment!r}")
+        self._check_open()
+        iterator = self._scan(segment, segments)
+        while True:
+            with self._translating_errors("scan"):
+                item = next(iterator, None)
+            if item is None:
+                return
+            eid, body, version = item
+            yield decode_entity(eid, body, version)
+
+    def count_pending(self, segments: int = 1) -> int:
+        """How many entities have a non-empty outbox (scans every segment)."""
+        return sum(1 for s in range(segments) for _ in self.pending_outboxes(s, segments))
+
+    # ------------------------------------------------------------------ primitives
+
+    @abc.abstractmethod
+    def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
+        """``{id: (body, version)}`` for the ids that exist; strongly consistent."""
+
+    @abc.abstractmethod
+    def _save(self, records: list[EntityRecord]) -> dict[str, Any]:
+        """Write each record whose stored version is ``record.version`` (absent if None).
+
+        Per record, atomically: compare the token and write the whole record, or
+        write nothing. Return ``{id: new version}`` for the records written; the
+        others conflicted.
+        """
+
+    @abc.abstractmethod
+    def _scan(self, segment: int, segments: int) -> Iterator[tuple[str, str, Any]]:
+        """``(id, body, version)`` of the pending entities whose bucket % segments == segment."""
+
+    # ------------------------------------------------------------------ helpers
+
+    def _record(self, entity: Entity) -> EntityRecord:
+        eid = validate_message_id(entity.id, "entity id")
+        for mid in entity.outbox:
+            validate_message_id(mid)
+        body = encode_entity(entity)
+        size = len(body.encode("utf-8"))
+        if size > self.max_entity_bytes:
+            raise EntityTooLarge(
+                f"entity {eid!r:.80} encodes to {size} bytes; {type(self).__name__} holds at "
+                f"most {self.max_entity_bytes} bytes per entity (nothing was written)"
+            )
+        return EntityRecord(eid, body, entity.version, bucket_of(eid), bool(entity.outbox))
