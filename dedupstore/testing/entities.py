@@ -1,0 +1,262 @@
+"""The entity store contract as a pytest base class.
+
+Subclass :class:`EntityStoreContract` and provide ``entity_store_factory``: a callable
+``(**options) -> EntityStore`` where every call opens a NEW client of the SAME
+fresh, empty storage, reserved for the current test.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from dedupstore.entities import BUCKETS, Entity, EntityStore, OutgoingMessage, bucket_of
+from dedupstore.errors import ConcurrencyConflict, EntityTooLarge, InvalidMessageId, StoreClosed
+from dedupstore.testing.contract import HOSTILE_IDS, INVALID_IDS, run_concurrently
+
+__all__ = ["EntityStoreContract", "EntityStoreFactory"]
+
+EntityStoreFactory = Callable[..., EntityStore]
+
+
+def _eid(prefix: str = "e") -> str:
+    return f"{prefix}-{uuid.uuid4()}"
+
+
+def _message(mid: str, n: int = 0) -> OutgoingMessage:
+    return OutgoingMessage(
+        id=f"{mid}/out-{n}", destination="shipping", body={"n": n, "mid": mid}, headers={"k": "v"}
+    )
+
+
+class EntityStoreContract:
+    """What every entity store guarantees; provide ``entity_store_factory``."""
+
+    @pytest.fixture
+    def entity_store_factory(self) -> EntityStoreFactory:
+        """Open a new client of this test's fresh storage: override in the subclass."""
+        raise NotImplementedError("provide an entity_store_factory fixture")
+
+    @pytest.fixture
+    def entities(self, entity_store_factory: EntityStoreFactory) -> Iterator[EntityStore]:
+        """An entity store, closed after the test."""
+        store = entity_store_factory()
+        try:
+            yield store
+        finally:
+            store.close()
+
+    # ------------------------------------------------------------------ basics
+
+    def test_an_absent_entity_loads_new_and_empty(self, entities: EntityStore) -> None:
+        eid = _eid()
+        entity = entities.load(eid)
+        assert entity == Entity(eid)
+        assert entity.version is None
+
+    def test_save_then_load_round_trips(self, entities: EntityStore) -> None:
+        eid = _eid()
+        entity = entities.load(eid)
+        entity.state = {"items": ["a", "é", "🦄"], "count": 3, "nested": {"x": [1.5, None, True]}}
+        entity.outbox["m-1"] = [_message("m-1", 0), _message("m-1", 1)]
+        entity.outbox["m-0"] = None
+        saved = entities.save(entity)
+        assert saved.version is not None
+        loaded = entities.load(eid)
+        assert loaded.state == entity.state
+        assert loaded.outbox == entity.outbox
+        assert loaded.version == saved.version
+        assert loaded.pending == ["m-1"] and loaded.dispatched == ["m-0"]
+
+    def test_a_stale_save_conflicts(self, entity_store_factory: EntityStoreFactory) -> None:
+        a, b = entity_store_factory(), entity_store_factory()
+        eid = _eid()
+        first = a.load(eid)
+        first.state = {"v": 1}
+        a.save(first)
+        one, two = a.load(eid), b.load(eid)
+        one.state = {"v": 2}
+        a.save(one)
+        two.state = {"v": 3}
+        with pytest.raises(ConcurrencyConflict):
+            b.save(two)
+        assert b.load(eid).state == {"v": 2}
+        again = b.load(eid)
+        again.state = {"v": 3}
+        b.save(again)
+        assert a.load(eid).state == {"v": 3}
+        a.close()
+        b.close()
+
+    def test_two_creators_of_one_new_entity_conflict(self, entities: EntityStore) -> None:
+        eid = _eid()
+        one, two = entities.load(eid), entities.load(eid)
+        one.state, two.state = {"by": "one"}, {"by": "two"}
+        entities.save(one)
+        with pytest.raises(ConcurrencyConflict):
+            entities.save(two)
+        assert entities.load(eid).state == {"by": "one"}
+
+    def test_concurrent_savers_exactly_one_wins_per_round(
+        self, entity_store_factory: EntityStoreFactory
+    ) -> None:
+        clients = [entity_store_factory() for _ in range(4)]
+        eid = _eid()
+
+        def increment(index: int) -> int:
+            done = 0
+            while done < 10:
+                entity = clients[index].load(eid)
+                entity.state = {"count": entity.state.get("count", 0) + 1}
+                try:
+                    clients[index].save(entity)
+                    done += 1
+                except ConcurrencyConflict:
+                    continue
+            return done
+
+        assert sum(run_concurrently(increment, len(clients))) == 40
+        assert clients[0].load(eid).state == {"count": 40}, "an increment was lost"
+        for client in clients:
+            client.close()
+
+    # ------------------------------------------------------------------ batches
+
+    def test_load_many_and_save_many_with_partial_conflicts(self, entities: EntityStore) -> None:
+        ids = [_eid() for _ in range(5)]
+        loaded = entities.load_many(ids)
+        assert set(loaded) == set(ids) and all(e.version is None for e in loaded.values())
+        for n, eid in enumerate(ids):
+            loaded[eid].state = {"n": n}
+        assert entities.save_many(list(loaded.values())) == set()
+        fresh = entities.load_many(ids)
+        stale = entities.load_many(ids[:2])
+        for eid in ids[:2]:
+            fresh[eid].state = {"n": "fresh"}
+        entities.save_many([fresh[eid] for eid in ids[:2]])
+        batch = [*stale.values(), *(fresh[eid] for eid in ids[2:])]
+        for entity in batch:
+            entity.state = {"n": "batch"}
+        assert entities.save_many(batch) == set(ids[:2])
+        after = entities.load_many(ids)
+        assert [after[eid].state["n"] for eid in ids] == [
+            "fresh",
+            "fresh",
+            "batch",
+            "batch",
+            "batch",
+        ]
+
+    def test_many_entities_in_several_chunks(self, entities: EntityStore) -> None:
+        ids = [_eid("chunk") for _ in range(entities.max_batch * 2 + 3)]
+        loaded = entities.load_many(ids)
+        for eid in ids:
+            loaded[eid].state = {"id": eid}
+        assert entities.save_many(list(loaded.values())) == set()
+        again = entities.load_many(reversed(ids))
+        assert all(again[eid].state == {"id": eid} for eid in ids)
+
+    # ------------------------------------------------------------------ segments
+
+    def test_segments_are_disjoint_and_complete(self, entities: EntityStore) -> None:
+        pending = [_eid("pending") for _ in range(60)]
+        empty = [_eid("empty") for _ in range(10)]
+        loaded = entities.load_many(pending + empty)
+        for eid in pending:
+            loaded[eid].outbox["m"] = None if random.random() < 0.5 else [_message(eid)]
+        for eid in empty:
+            loaded[eid].state = {"quiet": True}
+        entities.save_many(list(loaded.values()))
+        for segments in (1, 3, 7):
+            seen: list[str] = []
+            for segment in range(segments):
+                got = [e.id for e in entities.pending_outboxes(segment, segments)]
+                assert all(bucket_of(eid) % segments == segment for eid in got)
+                seen += got
+            mine = [eid for eid in seen if eid in loaded]
+            assert sorted(mine) == sorted(pending), f"segments of {segments} overlap or miss"
+        assert all(0 <= bucket_of(eid) < BUCKETS for eid in pending)
+
+    def test_an_emptied_outbox_leaves_the_scan(self, entities: EntityStore) -> None:
+        eid = _eid()
+        entity = entities.load(eid)
+        entity.outbox["m"] = None
+        entities.save(entity)
+        assert eid in {e.id for e in entities.pending_outboxes()}
+        entity = entities.load(eid)
+        del entity.outbox["m"]
+        entities.save(entity)
+        assert eid not in {e.id for e in entities.pending_outboxes()}
+
+    def test_bad_segments_are_refused(self, entities: EntityStore) -> None:
+        for segment, segments in ((0, 0), (3, 3), (-1, 2)):
+            with pytest.raises(ValueError):
+                list(entities.pending_outboxes(segment, segments))
+
+    # ------------------------------------------------------------------ limits and ids
+
+    def test_an_entity_too_large_fails_before_any_write(self, entities: EntityStore) -> None:
+        eid = _eid()
+        entity = entities.load(eid)
+        entity.state = {"blob": "x" * (entities.max_entity_bytes + 1)}
+        with pytest.raises(EntityTooLarge):
+            entities.save(entity)
+        assert entities.load(eid).version is None, "nothing may be written"
+        entity.state = {"blob": "x" * (entities.max_entity_bytes // 2)}
+        entities.save(entity)
+        assert len(entities.load(eid).state["blob"]) == entities.max_entity_bytes // 2
+
+    def test_state_must_be_json_compatible(self, entities: EntityStore) -> None:
+        entity = entities.load(_eid())
+        entity.state = {"when": object()}
+        with pytest.raises(ValueError):
+            entities.save(entity)
+        entity.state = {"nan": float("nan")}
+        with pytest.raises(ValueError):
+            entities.save(entity)
+
+    @pytest.mark.parametrize("eid", HOSTILE_IDS[::3], ids=range(len(HOSTILE_IDS[::3])))
+    def test_hostile_ids_round_trip(self, entities: EntityStore, eid: str) -> None:
+        entity = entities.load(eid)
+        entity.state = {"id": eid}
+        entity.outbox[eid] = [_message(eid)]
+        entities.save(entity)
+        loaded = entities.load(eid)
+        assert loaded.state == {"id": eid} and loaded.outbox == entity.outbox
+
+    @pytest.mark.parametrize(("why", "bad"), INVALID_IDS, ids=[w for w, _ in INVALID_IDS])
+    def test_invalid_ids_are_rejected_before_any_io(
+        self, entity_store_factory: EntityStoreFactory, why: str, bad: object
+    ) -> None:
+        store = entity_store_factory()
+        store.close()
+        with pytest.raises(InvalidMessageId):
+            store.load(bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidMessageId):
+            store.save(Entity(bad))  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def test_pickles_by_configuration(self, entities: EntityStore) -> None:
+        eid = _eid()
+        entity = entities.load(eid)
+        entity.state = {"a": 1}
+        entities.save(entity)
+        clone = pickle.loads(pickle.dumps(entities))
+        assert clone.load(eid).state == {"a": 1}
+        clone.close()
+
+    def test_use_after_close_is_store_closed(
+        self, entity_store_factory: EntityStoreFactory
+    ) -> None:
+        store = entity_store_factory()
+        store.close()
+        store.close()
+        with pytest.raises(StoreClosed):
+            store.load(_eid())
+        with pytest.raises(StoreClosed):
+            list(store.pending_outboxes())
