@@ -1,4 +1,4 @@
-"""``dynamodb://<table>?region=…&endpoint_url=…``: Amazon DynamoDB (or a compatible endpoint).
+"""``dynamodb://<table>?region=…``: Amazon DynamoDB (or a compatible endpoint).
 
 Table layout (``create_table()`` makes it; infrastructure code must match it):
 partition key ``pk`` (S) = the message id, sort key ``sk`` (S) = the endpoint. The
@@ -9,71 +9,100 @@ bytes, over the 2048-byte partition-key limit). Keying the partition by id sprea
 the writes of one busy endpoint over the whole table. Other attributes:
 ``expires_at`` (N, the exact expiry in epoch seconds, only with a retention), ``ttl``
 (N, ``ceil(expires_at)``: native TTL reclaims space at the stored expiry, never
-earlier) and ``writer`` (B, 16 random bytes naming the call that recorded the item).
+earlier) and ``writer`` (S, the write token of the call that recorded the item).
 
-Consistency: every read is strongly consistent (``ConsistentRead=True``); there is no
-eventually consistent mode. Tables with global-table replicas are refused with
-``ConsistencyError`` (a strongly consistent read only sees writes made in its own
-Region, and conditional writes in two Regions can both succeed), unless the unsafe
-override ``allow_global_table=True`` is passed. Multi-Region strong consistency
-(MRSC) tables are refused too: this backend has not been validated on them.
+Consistency: every read is strongly consistent (``ConsistentRead=True``). Tables with
+global-table replicas (MRSC tables included) are refused with ``ConsistencyError``
+(a strongly consistent read only sees writes made in its own Region, and conditional
+writes in two Regions can both succeed), unless ``allow_global_table=True`` (UNSAFE).
+
+Expiry is judged by the CLIENT's clock (the ``clock`` option, ``time.time`` by
+default): DynamoDB has no server clock usable in a condition, so every client of a
+table must keep its clock in sync (NTP). ``purge_expired`` only deletes records
+expired for longer than ``max_clock_skew``, so a client whose clock runs up to that
+much ahead never deletes a record another client still counts as live.
 
 Writes: ``add`` is one conditional ``PutItem``; ``add_many`` sends up to 100
-conditional puts per ``TransactWriteItems`` (one round trip per chunk when most ids
-are fresh; a transaction costs two write units per item). Condition:
-``attribute_not_exists(pk) OR expires_at <= :now``. A cancelled transaction writes
-nothing: the ids whose condition failed are already recorded; the others are sent
-again in a new transaction (conflicts and throttling back off, boundedly). If a
-write committed but its response was lost and botocore retried it, the retry finds
-the item already there: the ``writer`` tag (returned with
-``ReturnValuesOnConditionCheckFailure=ALL_OLD``) shows it is this call's own write, so
-the id is still reported as recorded by this call. Transactions also carry a
-``ClientRequestToken`` (real DynamoDB then answers a retry within 10 minutes with
-success without writing again; moto ignores the token, the tag covers it).
+conditional puts per ``TransactWriteItems`` (a transaction costs two write units per
+item). Condition: ``attribute_not_exists(pk) OR expires_at <= :now``. A cancelled
+transaction writes nothing: the ids whose condition failed are already recorded, the
+others are sent again (conflicts and throttling back off, at most 10 rounds of up to
+2 s). An item that fails the condition but holds a token of this call (``writer``,
+returned with ``ReturnValuesOnConditionCheckFailure=ALL_OLD``) is this call's own
+write whose answer was lost (botocore's retry, or the caller's retry on the same
+store object after ``StoreUnavailable``): it is reported as recorded, exactly once.
+Transactions also carry a ``ClientRequestToken``.
 
 Reads: ``processed_among`` uses ``BatchGetItem`` (100 keys per request, unprocessed
-keys retried with exponential backoff, boundedly); expiry is judged on the client
-by comparing ``expires_at`` with the store's clock, so lazy native TTL (and moto,
-which ignores TTL) never yields a wrong answer.
+keys retried with backoff, boundedly); expiry is judged by comparing ``expires_at``
+with the client's clock, so lazy native TTL (and moto, which ignores TTL) never
+yields a wrong answer. ``purge_expired`` scans the whole table (read units for every
+item of every endpoint) and deletes the matches with conditional deletes, 100 per
+transaction; with native TTL (``create_table`` enables it) it is rarely needed.
 
-``purge_expired`` scans the whole table (strongly consistent ``Scan`` filtered on the
-endpoint and ``expires_at <= now``: read units for every item of every endpoint) and
-deletes the matches with conditional deletes, up to 100 per transaction (two write
-units per item), so a record re-recorded meanwhile is never deleted. With native TTL
-enabled (``create_table`` enables it) there is rarely a reason to call it.
+Options (URL query or keyword; ``clock`` and ``client`` keyword only):
 
-Errors: connection failures, timeouts, throttling and 5xx answers (after botocore's
-"standard" retries) raise ``StoreUnavailable`` with the botocore error chained;
-rejected credentials, a missing region or a missing table raise ``ConfigurationError``.
+======================  =========  ==================================================
+``region``              chain      AWS region (else ``AWS_REGION`` / the profile)
+``endpoint_url``        AWS        another endpoint (DynamoDB Local, moto)
+``aws_access_key_id``   chain      with ``aws_secret_access_key`` (and optionally
+                                   ``aws_session_token``); both secret. Prefer boto3's
+                                   default chain (environment, profile, role)
+``timeout``             10 s       one HTTP request (botocore read timeout)
+``connect_timeout``     5 s        opening a connection
+``retries``             4          botocore "standard" retries of a failed request
+``create``              false      create the table (on demand, TTL on ``ttl``)
+``allow_global_table``  false      UNSAFE: accept a table with replicas
+``max_clock_skew``      60 s       purge only records expired for longer than this
+``clock``               time.time  epoch-seconds callable judging expiry (tests)
+``client``              none       a ready boto3 DynamoDB client (not pickled, not
+                                   closed; the connection options are then unused)
+======================  =========  ==================================================
+
+One request takes at most ``(retries + 1) * (connect_timeout + timeout)`` plus
+botocore's jittered backoff (at most 90 s with the defaults).
+
+Errors, and what a caller may conclude: ``StoreUnavailable`` (connection failure,
+timeout, throttling, 5xx, transaction conflicts that outlast the backoff): the ids
+in its ``unknown`` may or may not be recorded; retry (on the same object, ids the
+failed call wrote are then reported as recorded by the retry). ``ConfigurationError``
+(rejected credentials or IAM policy, no credentials, no region, missing table,
+wrong key schema, a request DynamoDB rejects as invalid): fix the setup, retrying
+does not help. ``ConsistencyError``: a global table.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 import random
 import re
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from datetime import timedelta
+from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import boto3
-import botocore.exceptions
+import botocore.exceptions as boto_errors
 from botocore.config import Config
 
-from dedupstore.errors import (
-    ConfigurationError,
-    ConsistencyError,
-    DedupStoreError,
-    StoreUnavailable,
+from dedupstore.client import ErrorKind, ProcessLocal
+from dedupstore.errors import ConfigurationError, ConsistencyError, StoreUnavailable
+from dedupstore.options import (
+    Option,
+    OptionSet,
+    boolean,
+    client_option,
+    connect_timeout_option,
+    create_option,
+    retries_option,
+    seconds,
+    text,
+    timeout_option,
 )
-from dedupstore.store import Clock, DeduplicationStore
-from dedupstore.urls import parse_bool, split_url
+from dedupstore.store import CLOCK, DeduplicationStore, WriteRequest
+from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb.client import DynamoDBClient
@@ -118,9 +147,21 @@ _RETRYABLE_REASONS = frozenset(
         "RequestLimitExceeded",
     }
 )
+#: Cancellation reasons that no retry cures: the request or the table is wrong.
+_INVALID_REASONS = frozenset({"ValidationError", "ItemCollectionSizeLimitExceeded"})
 #: Error codes botocore does not retry but a new request after a pause may cure
 #: (a write that met an item locked by a concurrent transaction).
 _CONFLICT_CODES = frozenset({"TransactionConflictException", "TransactionInProgressException"})
+#: botocore errors that a later attempt may not meet: connection, timeout, checksum.
+_TRANSIENT_ERRORS = (
+    boto_errors.ConnectionError,
+    boto_errors.HTTPClientError,
+    boto_errors.WaiterError,
+    boto_errors.ChecksumError,
+    boto_errors.FlexibleChecksumError,
+    boto_errors.IncompleteReadError,
+    boto_errors.CapacityNotAvailableError,
+)
 #: Rounds without progress (conflicts, throttling, unprocessed keys) before giving up.
 _MAX_BACKOFF_ROUNDS = 10
 _BACKOFF_BASE = 0.025
@@ -137,7 +178,7 @@ def _backoff(round_number: int) -> None:
     time.sleep(random.uniform(0, min(_BACKOFF_CAP, _BACKOFF_BASE * 2**round_number)))
 
 
-def _error_code(exc: botocore.exceptions.ClientError) -> str:
+def _error_code(exc: boto_errors.ClientError) -> str:
     code = str(exc.response.get("Error", {}).get("Code", ""))
     if code.isdigit():  # an XML error body (a proxy, or moto's IAM emulation)
         found = re.search(r"<Code>([^<]*)</Code>", _raw_message(exc))
@@ -145,11 +186,11 @@ def _error_code(exc: botocore.exceptions.ClientError) -> str:
     return code
 
 
-def _raw_message(exc: botocore.exceptions.ClientError) -> str:
+def _raw_message(exc: boto_errors.ClientError) -> str:
     return str(exc.response.get("Error", {}).get("Message", "")).strip()
 
 
-def _error_message(exc: botocore.exceptions.ClientError) -> str:
+def _error_message(exc: boto_errors.ClientError) -> str:
     message = _raw_message(exc)
     if message.startswith("<"):
         found = re.search(r"<Message>([^<]*)</Message>", message)
@@ -157,28 +198,27 @@ def _error_message(exc: botocore.exceptions.ClientError) -> str:
     return message.splitlines()[0] if message else ""
 
 
-def _is_auth_error(exc: botocore.exceptions.ClientError) -> bool:
-    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return _error_code(exc) in _AUTH_ERRORS or status in (401, 403)
+def _written_by(old: Mapping[str, Any], request: WriteRequest) -> bool:
+    """Whether an item found in place holds a token of ``request`` (its own write)."""
+    return old.get(_WRITER, {}).get("S") in request.mine
 
 
-def _table_from_url(url: str) -> str:
-    parts = split_url(url)
-    if parts.scheme != "dynamodb":
-        raise ConfigurationError(f"not a dynamodb:// URL: {parts.scheme}://")
-    if parts.path not in ("", "/") or parts.username or parts.password or parts.port:
-        raise ConfigurationError(
-            "a DynamoDB store URL is 'dynamodb://<table>?region=...&endpoint_url=...', "
-            f"got a path, port or user in {parts.scheme}://{parts.hostname or ''}..."
-        )
-    return parts.netloc
+def _text(pattern: str, what: str) -> Callable[[object], str | None]:
+    """A string matching ``pattern`` (an empty one is refused), or ``None``: not set."""
+    convert = text(pattern, what)
+    return lambda value: None if value is None else convert(value)
+
+
+_REGION = _text(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?", "an AWS region (us-east-1)")
+_NONEMPTY = _text(r"\S+", "a non-empty string without spaces")
 
 
 class DynamoDBDeduplicationStore(DeduplicationStore):
     """Deduplication store in one DynamoDB table; strongly consistent reads only.
 
-    Safe to share between threads (one low-level boto3 client per process) and to
-    pickle (by URL and options; an unpickled copy makes its own client).
+    Expiry is judged by the client's clock: clients of one table must keep their
+    clocks in sync. Safe to share between threads (one boto3 client per process,
+    a new one after ``fork``) and to pickle (by URL and options).
     """
 
     schemes: ClassVar[tuple[str, ...]] = ("dynamodb",)
@@ -187,162 +227,182 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
     # Chunks in flight at once: hides the request latency of the service; an id in
     # two chunks at once is settled by DynamoDB's transaction conflict check.
     chunk_concurrency: ClassVar[int] = 4
-    url_options: ClassVar[dict[str, Any]] = {
-        "region": str,
-        "region_name": str,
-        "endpoint_url": str,
-        "aws_access_key_id": str,
-        "aws_secret_access_key": str,
-        "aws_session_token": str,
-        "connect_timeout": float,
-        "read_timeout": float,
-        "max_attempts": int,
-        "create_table": parse_bool,
-        "allow_global_table": parse_bool,
-    }
+    declared_options: ClassVar[OptionSet] = DeduplicationStore.declared_options.extend(
+        CLOCK,
+        Option(
+            "max_clock_skew",
+            seconds(),
+            60.0,
+            "seconds: purge_expired deletes only records expired for longer, so a client "
+            "whose clock runs up to this much ahead never deletes another client's live record",
+        ),
+        Option(
+            "region",
+            _REGION,
+            None,
+            "AWS region (default: AWS_REGION, the profile)",
+            formerly=("region_name",),
+        ),
+        Option(
+            "endpoint_url",
+            _text(r"https?://\S+", "an http(s):// URL"),
+            None,
+            "another endpoint (DynamoDB Local, moto)",
+        ),
+        Option("aws_access_key_id", _NONEMPTY, None, "with aws_secret_access_key; default: chain"),
+        Option("aws_secret_access_key", _NONEMPTY, None, "the secret access key", secret=True),
+        Option("aws_session_token", _NONEMPTY, None, "a session token", secret=True),
+        timeout_option(
+            10.0, "seconds one request may take (read timeout)", formerly=("read_timeout",)
+        ),
+        connect_timeout_option(5.0),
+        retries_option(
+            4, "botocore 'standard' retries of a failed request", formerly=("max_attempts",)
+        ),
+        create_option(
+            False,
+            "create the table (on demand, TTL on 'ttl') when missing",
+            formerly=("create_table",),
+        ),
+        Option("allow_global_table", boolean, False, "UNSAFE: accept a table with replicas"),
+        client_option("a ready boto3 DynamoDB client (the connection options are then unused)"),
+    )
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        endpoint: str = "default",
-        retention: timedelta | None = None,
-        clock: Clock | None = None,
-        region: str | None = None,
-        region_name: str | None = None,
-        endpoint_url: str | None = None,
-        aws_access_key_id: str | None = None,
-        aws_secret_access_key: str | None = None,
-        aws_session_token: str | None = None,
-        connect_timeout: float = 5.0,
-        read_timeout: float = 10.0,
-        max_attempts: int = 5,
-        create_table: bool = False,
-        allow_global_table: bool = False,
-        client: DynamoDBClient | None = None,
-    ) -> None:
+    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
         """Open the table named by ``url`` and check that it is usable.
-
-        Credentials come from the options or, preferably, from boto3's default chain
-        (environment, profile, instance role). ``connect_timeout`` / ``read_timeout``
-        (seconds) and ``max_attempts`` (botocore "standard" retry mode, first try
-        included) bound how long a call may take before ``StoreUnavailable``.
-        ``create_table=True`` creates the table (on-demand billing, TTL on ``ttl``)
-        when it is missing. ``allow_global_table=True`` is UNSAFE: it accepts a table
-        with replicas in other Regions, whose reads and conditional writes are only
-        consistent within one Region. ``client`` is a ready low-level DynamoDB client
-        (not pickled; the connection options are then unused).
 
         Raises ``ConfigurationError`` (bad URL or option, no region, rejected
         credentials, missing table or wrong key schema), ``ConsistencyError`` (global
-        table) and ``StoreUnavailable`` (endpoint unreachable).
+        table) and ``StoreUnavailable`` (endpoint unreachable or too slow).
         """
-        self._table = _table_from_url(url)
-        if not _TABLE_NAME.fullmatch(self._table):
+        super().__init__(url, **options)
+        self._table = self._url.netloc
+        if (
+            self._url.path not in ("", "/")
+            or self._url.fragment
+            or not _TABLE_NAME.fullmatch(self._table)
+        ):
             raise ConfigurationError(
-                "a DynamoDB table name has 3 to 255 characters among A-Z a-z 0-9 _ . -, "
-                f"got {self._table!r}"
+                "a DynamoDB store URL is 'dynamodb://<table>?region=...', the table name 3 "
+                f"to 255 characters among A-Z a-z 0-9 _ . -; got {self.url!r}"
             )
-        if (aws_access_key_id is None) != (aws_secret_access_key is None) or (
-            aws_session_token is not None and aws_access_key_id is None
+        opts = self._opts
+        if (opts["aws_access_key_id"] is None) != (opts["aws_secret_access_key"] is None) or (
+            opts["aws_session_token"] is not None and opts["aws_access_key_id"] is None
         ):
             raise ConfigurationError(
                 "aws_access_key_id and aws_secret_access_key must be given together "
-                "(aws_session_token only with both); or leave all three to the default "
-                "credential chain"
+                "(aws_session_token only with both), or none of them"
             )
-        if region and region_name and region != region_name:
-            raise ConfigurationError(
-                f"region={region!r} and region_name={region_name!r} disagree; give one"
-            )
-        for name, value in (("connect_timeout", connect_timeout), ("read_timeout", read_timeout)):
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise ConfigurationError(f"{name} must be a positive number, got {value!r}")
-        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-            raise ConfigurationError(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
-        given: dict[str, Any] = {
-            "region": region or region_name,
-            "endpoint_url": endpoint_url,
-            "aws_access_key_id": aws_access_key_id,
-            "aws_secret_access_key": aws_secret_access_key,
-            "aws_session_token": aws_session_token,
-            "connect_timeout": connect_timeout,
-            "read_timeout": read_timeout,
-            "max_attempts": max_attempts,
-            "create_table": create_table,
-            "allow_global_table": allow_global_table,
-        }
-        super().__init__(
-            url,
-            endpoint=endpoint,
-            retention=retention,
-            clock=clock,
-            options={k: v for k, v in given.items() if v != _DEFAULTS.get(k)},
+        given = opts["client"]
+        self._clients: ProcessLocal[DynamoDBClient] = ProcessLocal(
+            self._new_client if given is None else lambda: given,
+            (lambda client: client.close()) if given is None else None,
         )
-        self._unavailable_errors = (
-            botocore.exceptions.ConnectionError,
-            botocore.exceptions.HTTPClientError,
-        )
-        self._connection = {k: v for k, v in given.items() if k in _CONNECTION_OPTIONS}
-        self._allow_global_table = allow_global_table
-        self._client_lock = threading.Lock()
-        self._own_client = client is None
-        self._client_pid = os.getpid()
-        self._client_obj: DynamoDBClient = client if client is not None else self._new_client()
-        self._region = str(self._client_obj.meta.region_name)
         self._endpoint_value: AttributeValueTypeDef = {"S": self._endpoint}
         try:
-            if create_table:
+            if opts["create"]:
                 self.create_table(wait=True)
             self._check_table()
         except BaseException:
-            self._close()
+            self.close()
             raise
 
     # ------------------------------------------------------------------ client
 
     def _new_client(self) -> DynamoDBClient:
-        """Build a low-level client from the connection options."""
-        c = self._connection
+        """Build this process's low-level client from the connection options."""
+        opts = self._opts
         config = Config(
-            retries={"mode": "standard", "max_attempts": int(c["max_attempts"])},
-            connect_timeout=c["connect_timeout"],
-            read_timeout=c["read_timeout"],
+            # botocore's own "max_attempts" key counts retries only; this one the first try too
+            retries={"mode": "standard", "total_max_attempts": opts["retries"] + 1},
+            connect_timeout=opts["connect_timeout"],
+            read_timeout=opts["timeout"],
             user_agent_extra="dedupstore",
             # the requests are built here, not by users; validating 100-item
             # transactions client-side costs more CPU than the round trip
             parameter_validation=False,
         )
+        session = boto3.session.Session(
+            aws_access_key_id=opts["aws_access_key_id"],
+            aws_secret_access_key=opts["aws_secret_access_key"],
+            aws_session_token=opts["aws_session_token"],
+            region_name=opts["region"],
+        )
         try:
-            session = boto3.session.Session(
-                aws_access_key_id=c["aws_access_key_id"],
-                aws_secret_access_key=c["aws_secret_access_key"],
-                aws_session_token=c["aws_session_token"],
-                region_name=c["region"],
-            )
-            return session.client("dynamodb", endpoint_url=c["endpoint_url"], config=config)
-        except botocore.exceptions.NoRegionError:
-            raise ConfigurationError(
-                f"no AWS region for DynamoDB table {self._table!r}: add ?region=... to the URL "
-                "or set AWS_REGION / AWS_DEFAULT_REGION"
-            ) from None
+            return session.client("dynamodb", endpoint_url=opts["endpoint_url"], config=config)
         except ValueError as exc:  # e.g. a malformed endpoint_url
-            raise ConfigurationError(f"cannot create the DynamoDB client: {exc}") from None
+            raise ConfigurationError(
+                self._scrub(f"cannot create the DynamoDB client: {exc}")
+            ) from None
 
     @property
     def _client(self) -> DynamoDBClient:
-        """This process's client (a new one after ``fork``, unless given by the caller)."""
-        if self._own_client and self._client_pid != os.getpid():
-            with self._client_lock:
-                if self._client_pid != os.getpid():
-                    self._client_obj = self._new_client()
-                    self._client_pid = os.getpid()
-        return self._client_obj
+        return self._clients.get()
 
     @property
     def table(self) -> str:
         """The DynamoDB table name."""
         return self._table
+
+    def _place(self) -> str:
+        client = self._clients.peek()
+        region = client.meta.region_name if client is not None else self._opts["region"]
+        at = self._opts["endpoint_url"]
+        return f"DynamoDB table {self._table!r} in region {region}" + (f" at {at}" if at else "")
+
+    # ------------------------------------------------------------------ errors
+
+    def _classify_error(self, exc: BaseException) -> ErrorKind:
+        if isinstance(exc, boto_errors.ClientError):
+            code, message = _error_code(exc), _error_message(exc)
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in _AUTH_ERRORS or status in (401, 403):
+                return ConfigurationError(
+                    self._scrub(
+                        f"DynamoDB refused the credentials for {self._place()} ({code}: "
+                        f"{message}); check the credentials (environment, profile or "
+                        "options) and the IAM policy"
+                    )
+                )
+            if code == "ResourceNotFoundException":
+                return ConfigurationError(
+                    f"{self._place()} does not exist; create it with create=True (URL "
+                    f"?create=true) or with key schema {_ID} (S, HASH), {_ENDPOINT} (S, RANGE)"
+                )
+            if code == "TransactionCanceledException":
+                return self._cancelled(exc)
+            if code == "ValidationException":
+                return ConfigurationError
+            # throttling, 5xx, conflicts that outlast the backoff, anything else
+            return StoreUnavailable
+        if isinstance(exc, _TRANSIENT_ERRORS):
+            return StoreUnavailable
+        if isinstance(exc, boto_errors.NoRegionError):
+            return ConfigurationError(
+                f"no AWS region for DynamoDB table {self._table!r}: add ?region=... to the "
+                "URL or set AWS_REGION / AWS_DEFAULT_REGION"
+            )
+        if isinstance(exc, boto_errors.BotoCoreError):  # credentials, profile, config
+            return ConfigurationError(
+                f"cannot use {self._place()}: {self._describe_error(exc)}; check the AWS "
+                "credentials and configuration (environment, profile or options)"
+            )
+        return super()._classify_error(exc)
+
+    def _cancelled(self, exc: boto_errors.ClientError) -> ConfigurationError | StoreUnavailable:
+        """The error for a transaction cancelled for reasons the write loop gave up on."""
+        reasons = [
+            str(r.get("Code") or "None") for r in exc.response.get("CancellationReasons", [])
+        ]
+        odd = sorted({r for r in reasons if r not in ("None", "ConditionalCheckFailed")})
+        invalid = any(r in _INVALID_REASONS for r in odd)
+        hint = "the request or the table is wrong" if invalid else "conflicts or throttling"
+        kind = ConfigurationError if invalid else StoreUnavailable
+        return kind(
+            f"{type(self).__name__} at {self.url}: DynamoDB cancelled a transaction on "
+            f"{self._table!r} ({', '.join(odd or reasons) or _error_message(exc)}): {hint}"
+        )
 
     # ------------------------------------------------------------------ table
 
@@ -355,8 +415,9 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
         requesting the creation (TTL needs an ACTIVE table: call again with ``wait``).
         Raises ``ConfigurationError`` (e.g. no permission) and ``StoreUnavailable``.
         """
-        client = self._client
-        with self._aws_errors("create the table"):
+        self._check_open()
+        with self._translating_errors("create the table"):
+            client = self._client
             try:
                 client.describe_table(TableName=self._table)
                 exists = True
@@ -390,7 +451,7 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
                     TableName=self._table,
                     TimeToLiveSpecification={"Enabled": True, "AttributeName": _TTL},
                 )
-            except botocore.exceptions.ClientError as exc:
+            except boto_errors.ClientError as exc:
                 if _error_code(exc) != "ValidationException":
                     raise
                 # most likely a concurrent update; fine if TTL is on now
@@ -399,21 +460,11 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
                     raise
 
     def _describe_table(self) -> TableDescriptionTypeDef:
-        try:
-            return self._client.describe_table(TableName=self._table)["Table"]
-        except botocore.exceptions.ClientError as exc:
-            if _error_code(exc) == "ResourceNotFoundException":
-                raise ConfigurationError(
-                    f"DynamoDB table {self._table!r} does not exist in region {self._region}"
-                    f"{self._where()}; create it with create_table=True (URL "
-                    f"?create_table=true) or with key schema {_ID} (S, HASH), "
-                    f"{_ENDPOINT} (S, RANGE)"
-                ) from None
-            raise
+        return self._client.describe_table(TableName=self._table)["Table"]
 
     def _check_table(self) -> None:
         """Probe the table: it exists, has our key schema and no global replicas."""
-        with self._aws_errors("open the table"):
+        with self._translating_errors("open the table"):
             table = self._describe_table()
             if table.get("TableStatus") == "CREATING":
                 self._client.get_waiter("table_exists").wait(
@@ -428,12 +479,11 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
             types.get(name) != "S" for name in (_ID, _ENDPOINT)
         ):
             raise ConfigurationError(
-                f"DynamoDB table {self._table!r} in region {self._region} has key schema "
-                f"{schema}; a deduplication table needs {_ID} (S, HASH) and {_ENDPOINT} "
-                "(S, RANGE)"
+                f"{self._place()} has key schema {schema}; a deduplication table needs "
+                f"{_ID} (S, HASH) and {_ENDPOINT} (S, RANGE)"
             )
         replicas = sorted(str(r.get("RegionName")) for r in table.get("Replicas", []))
-        if replicas and not self._allow_global_table:
+        if replicas and not self._opts["allow_global_table"]:
             raise ConsistencyError(
                 f"DynamoDB table {self._table!r} is a global table (replicas: "
                 f"{', '.join(replicas)}): strongly consistent reads and conditional writes "
@@ -441,121 +491,64 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
                 "pass allow_global_table=True (UNSAFE) only if every client uses one Region"
             )
 
-    def _where(self) -> str:
-        url = self._connection.get("endpoint_url")
-        return f" at {url}" if url else ""
-
-    # ------------------------------------------------------------------ errors
-
-    @contextlib.contextmanager
-    def _aws_errors(self, operation: str) -> Iterator[None]:
-        """Translate botocore errors into ``StoreUnavailable`` / ``ConfigurationError``."""
-        try:
-            yield
-        except DedupStoreError:
-            raise
-        except botocore.exceptions.ClientError as exc:
-            code, message = _error_code(exc), _error_message(exc)
-            if _is_auth_error(exc):
-                raise ConfigurationError(
-                    f"DynamoDB refused the credentials for table {self._table!r} in region "
-                    f"{self._region}{self._where()} ({code}: {message}); check the "
-                    "credentials (environment, profile or options) and the IAM policy"
-                ) from exc
-            if code == "ResourceNotFoundException":
-                raise ConfigurationError(
-                    f"DynamoDB table {self._table!r} does not exist in region "
-                    f"{self._region}{self._where()} (it was deleted?): cannot {operation}"
-                ) from exc
-            raise StoreUnavailable(
-                f"{type(self).__name__} at {self.url} could not {operation}: {code}: {message}"
-            ) from exc
-        except (
-            botocore.exceptions.NoCredentialsError,
-            botocore.exceptions.PartialCredentialsError,
-        ) as exc:
-            raise ConfigurationError(
-                f"no usable AWS credentials for DynamoDB table {self._table!r}: {exc}; set "
-                "them in the environment, a profile or the options"
-            ) from exc
-        except (
-            botocore.exceptions.ConnectionError,
-            botocore.exceptions.HTTPClientError,
-            botocore.exceptions.WaiterError,
-        ) as exc:
-            text = str(exc).strip()
-            raise StoreUnavailable(
-                f"{type(self).__name__} at {self.url} could not {operation}: "
-                f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-            ) from exc
-
     # ------------------------------------------------------------------ primitives
 
     def _key(self, message_id: str) -> dict[str, AttributeValueTypeDef]:
         return {_ID: {"S": message_id}, _ENDPOINT: self._endpoint_value}
 
-    def _item(
-        self, message_id: str, expires_at: float | None, writer: bytes
-    ) -> dict[str, AttributeValueTypeDef]:
+    def _item(self, message_id: str, request: WriteRequest) -> dict[str, AttributeValueTypeDef]:
         item = self._key(message_id)
-        item[_WRITER] = {"B": writer}
-        if expires_at is not None:
-            item[_EXPIRES] = _number(expires_at)
-            item[_TTL] = {"N": str(math.ceil(expires_at))}
+        item[_WRITER] = {"S": request.token}
+        if request.expires_at is not None:
+            item[_EXPIRES] = _number(request.expires_at)
+            item[_TTL] = {"N": str(math.ceil(request.expires_at))}
         return item
 
-    def _add_one(self, message_id: str, now: float, expires_at: float | None) -> bool:
-        writer = uuid.uuid4().bytes
-        item = self._item(message_id, expires_at, writer)
-        values: dict[str, AttributeValueTypeDef] = {":now": _number(now)}
-        with self._aws_errors("add"):
-            for round_number in range(_MAX_BACKOFF_ROUNDS + 1):
-                try:
-                    self._client.put_item(
-                        TableName=self._table,
-                        Item=item,
-                        ConditionExpression=_ADD_CONDITION,
-                        ExpressionAttributeNames={"#p": _ID, "#e": _EXPIRES},
-                        ExpressionAttributeValues=values,
-                        ReturnValuesOnConditionCheckFailure="ALL_OLD",
-                    )
-                    return True
-                except botocore.exceptions.ClientError as exc:
-                    code = _error_code(exc)
-                    if code == "ConditionalCheckFailedException":
-                        old: Mapping[str, Any] = exc.response.get("Item") or {}  # type: ignore[assignment]
-                        # our own write, committed by an attempt whose answer was lost
-                        return bool(old.get(_WRITER, {}).get("B") == writer)
-                    if code not in _CONFLICT_CODES or round_number == _MAX_BACKOFF_ROUNDS:
-                        raise
-                _backoff(round_number)
+    def _add_one(self, request: WriteRequest) -> bool:
+        item = self._item(request.ids[0], request)
+        values: dict[str, AttributeValueTypeDef] = {":now": _number(request.now)}
+        for round_number in range(_MAX_BACKOFF_ROUNDS + 1):
+            try:
+                self._client.put_item(
+                    TableName=self._table,
+                    Item=item,
+                    ConditionExpression=_ADD_CONDITION,
+                    ExpressionAttributeNames={"#p": _ID, "#e": _EXPIRES},
+                    ExpressionAttributeValues=values,
+                    ReturnValuesOnConditionCheckFailure="ALL_OLD",
+                )
+                return True
+            except boto_errors.ClientError as exc:
+                code = _error_code(exc)
+                if code == "ConditionalCheckFailedException":
+                    # our own write, committed by an attempt whose answer was lost
+                    return _written_by(exc.response.get("Item") or {}, request)  # type: ignore[arg-type]
+                if code not in _CONFLICT_CODES or round_number == _MAX_BACKOFF_ROUNDS:
+                    raise
+            _backoff(round_number)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _add_new(self, ids: list[str], now: float, expires_at: float | None) -> set[str]:
-        if len(ids) == 1:
-            return set(ids) if self._add_one(ids[0], now, expires_at) else set()
-        writer = uuid.uuid4().bytes
-        values: dict[str, AttributeValueTypeDef] = {":now": _number(now)}
-        operations: list[TransactWriteItemTypeDef] = [
-            {
-                "Put": {
-                    "TableName": self._table,
-                    "Item": self._item(mid, expires_at, writer),
-                    "ConditionExpression": _ADD_CONDITION,
-                    "ExpressionAttributeNames": {"#p": _ID, "#e": _EXPIRES},
-                    "ExpressionAttributeValues": values,
-                    "ReturnValuesOnConditionCheckFailure": "ALL_OLD",
-                }
-            }
-            for mid in ids
+    def _add_new(self, request: WriteRequest) -> set[str]:
+        if len(request.ids) == 1:
+            return set(request.ids) if self._add_one(request) else set()
+        values: dict[str, AttributeValueTypeDef] = {":now": _number(request.now)}
+        operations: list[tuple[str, TransactWriteItemTypeDef]] = [
+            (
+                mid,
+                {
+                    "Put": {
+                        "TableName": self._table,
+                        "Item": self._item(mid, request),
+                        "ConditionExpression": _ADD_CONDITION,
+                        "ExpressionAttributeNames": {"#p": _ID, "#e": _EXPIRES},
+                        "ExpressionAttributeValues": values,
+                        "ReturnValuesOnConditionCheckFailure": "ALL_OLD",
+                    }
+                },
+            )
+            for mid in request.ids
         ]
-
-        def mine(old: Mapping[str, Any]) -> bool:
-            return bool(old.get(_WRITER, {}).get("B") == writer)
-
-        with self._aws_errors("add_many"):
-            done = self._transact(list(zip(ids, operations, strict=True)), mine)
-        return set(done)
+        return set(self._transact(operations, lambda old: _written_by(old, request)))
 
     def _transact(
         self,
@@ -569,6 +562,8 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
         condition are dropped (reported as done when ``counts(old_item)`` says the
         item is this call's own earlier write), the rest go out again in a new
         transaction, after a pause if the cancellation was a conflict or throttling.
+        Any other cancellation, or one that outlasts the backoff, is raised (the
+        error hook classifies it).
         """
         done: list[str] = []
         stalled = 0
@@ -580,7 +575,7 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
                 )
                 done.extend(mid for mid, _ in pending)
                 return done
-            except botocore.exceptions.ClientError as exc:
+            except boto_errors.ClientError as exc:
                 error = exc
             code = _error_code(error)
             reasons: list[Mapping[str, Any]] = list(error.response.get("CancellationReasons", []))
@@ -597,24 +592,14 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
                 if reason_code == "ConditionalCheckFailed":
                     if counts(reason.get("Item") or {}):
                         done.append(mid)
-                elif reason_code == "None":
+                elif reason_code == "None" or reason_code in _RETRYABLE_REASONS:
                     retry.append((mid, op))
-                elif reason_code in _RETRYABLE_REASONS:
-                    retry.append((mid, op))
-                    throttled = True
+                    throttled = throttled or reason_code != "None"
                 else:
-                    raise DedupStoreError(
-                        f"{type(self).__name__} at {self.url}: DynamoDB cancelled a "
-                        f"transaction on {self._table!r}: {reason_code}: "
-                        f"{reason.get('Message', '')}"
-                    ) from error
+                    raise error
             if throttled or len(retry) == len(pending):
                 if stalled >= _MAX_BACKOFF_ROUNDS:
-                    raise StoreUnavailable(
-                        f"{type(self).__name__} at {self.url}: DynamoDB transactions on "
-                        f"{self._table!r} kept being cancelled (conflicts or throttling) "
-                        f"after {_MAX_BACKOFF_ROUNDS} attempts"
-                    ) from error
+                    raise error
                 _backoff(stalled)
                 stalled += 1
             pending = retry
@@ -624,44 +609,42 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
         found: set[str] = set()
         keys = [self._key(mid) for mid in ids]
         stalled = 0
-        with self._aws_errors("read"):
-            while keys:
-                response = self._client.batch_get_item(
-                    RequestItems={
-                        self._table: {
-                            "Keys": keys,
-                            "ConsistentRead": True,
-                            "ProjectionExpression": "#p, #e",
-                            "ExpressionAttributeNames": {"#p": _ID, "#e": _EXPIRES},
-                        }
+        while keys:
+            response = self._client.batch_get_item(
+                RequestItems={
+                    self._table: {
+                        "Keys": keys,
+                        "ConsistentRead": True,
+                        "ProjectionExpression": "#p, #e",
+                        "ExpressionAttributeNames": {"#p": _ID, "#e": _EXPIRES},
                     }
-                )
-                for item in response.get("Responses", {}).get(self._table, []):
-                    if self._alive(item, now):
-                        found.add(str(item[_ID]["S"]))
-                unprocessed = response.get("UnprocessedKeys", {}).get(self._table)
-                left = list(unprocessed["Keys"]) if unprocessed else []
-                if left:
-                    if stalled >= _MAX_BACKOFF_ROUNDS:
-                        raise StoreUnavailable(
-                            f"{type(self).__name__} at {self.url}: DynamoDB left {len(left)} "
-                            f"keys of {self._table!r} unprocessed after {_MAX_BACKOFF_ROUNDS} "
-                            "attempts (throttled)"
-                        )
-                    _backoff(stalled)
-                    stalled += 1
-                keys = left
+                }
+            )
+            for item in response.get("Responses", {}).get(self._table, []):
+                if self._alive(item, now):
+                    found.add(str(item[_ID]["S"]))
+            unprocessed = response.get("UnprocessedKeys", {}).get(self._table)
+            left = list(unprocessed["Keys"]) if unprocessed else []
+            if left:
+                if stalled >= _MAX_BACKOFF_ROUNDS:
+                    raise StoreUnavailable(
+                        f"{type(self).__name__} at {self.url}: DynamoDB left {len(left)} "
+                        f"keys of {self._table!r} unprocessed after {_MAX_BACKOFF_ROUNDS} "
+                        "attempts (throttled)"
+                    )
+                _backoff(stalled)
+                stalled += 1
+            keys = left
         return found
 
     def _contains_one(self, message_id: str, now: float) -> bool:
-        with self._aws_errors("read"):
-            response = self._client.get_item(
-                TableName=self._table,
-                Key=self._key(message_id),
-                ConsistentRead=True,
-                ProjectionExpression="#p, #e",
-                ExpressionAttributeNames={"#p": _ID, "#e": _EXPIRES},
-            )
+        response = self._client.get_item(
+            TableName=self._table,
+            Key=self._key(message_id),
+            ConsistentRead=True,
+            ProjectionExpression="#p, #e",
+            ExpressionAttributeNames={"#p": _ID, "#e": _EXPIRES},
+        )
         item = response.get("Item")
         return item is not None and self._alive(item, now)
 
@@ -672,50 +655,51 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
         return expiry is None or float(expiry["N"]) > now
 
     def _purge(self, now: float) -> int:
-        values: dict[str, AttributeValueTypeDef] = {":now": _number(now)}
+        # Only records expired for longer than max_clock_skew: a client whose clock
+        # runs ahead must not delete a record that others still count as live.
+        values: dict[str, AttributeValueTypeDef] = {
+            ":cut": _number(now - self._opts["max_clock_skew"])
+        }
         deleted = 0
         start: Mapping[str, Any] | None = None
-        with self._aws_errors("purge expired records"):
-            while True:
-                request: ScanInputTypeDef = {
-                    "TableName": self._table,
-                    "ConsistentRead": True,
-                    "FilterExpression": "#s = :ep AND #e <= :now",
-                    "ProjectionExpression": "#p",
-                    "ExpressionAttributeNames": {"#p": _ID, "#s": _ENDPOINT, "#e": _EXPIRES},
-                    "ExpressionAttributeValues": {**values, ":ep": self._endpoint_value},
-                }
-                if start:
-                    request["ExclusiveStartKey"] = start
-                page = self._client.scan(**request)
-                expired = [str(item[_ID]["S"]) for item in page.get("Items", [])]
-                for first in range(0, len(expired), MAX_TRANSACT_ITEMS):
-                    chunk = expired[first : first + MAX_TRANSACT_ITEMS]
-                    operations: list[tuple[str, TransactWriteItemTypeDef]] = [
-                        (
-                            mid,
-                            {
-                                "Delete": {
-                                    "TableName": self._table,
-                                    "Key": self._key(mid),
-                                    "ConditionExpression": "#e <= :now",
-                                    "ExpressionAttributeNames": {"#e": _EXPIRES},
-                                    "ExpressionAttributeValues": values,
-                                }
-                            },
-                        )
-                        for mid in chunk
-                    ]
-                    deleted += len(self._transact(operations, lambda old: False))
-                start = page.get("LastEvaluatedKey")
-                if not start:
-                    return deleted
+        while True:
+            request: ScanInputTypeDef = {
+                "TableName": self._table,
+                "ConsistentRead": True,
+                "FilterExpression": "#s = :ep AND #e <= :cut",
+                "ProjectionExpression": "#p",
+                "ExpressionAttributeNames": {"#p": _ID, "#s": _ENDPOINT, "#e": _EXPIRES},
+                "ExpressionAttributeValues": {**values, ":ep": self._endpoint_value},
+            }
+            if start:
+                request["ExclusiveStartKey"] = start
+            page = self._client.scan(**request)
+            expired = [str(item[_ID]["S"]) for item in page.get("Items", [])]
+            for first in range(0, len(expired), MAX_TRANSACT_ITEMS):
+                operations: list[tuple[str, TransactWriteItemTypeDef]] = [
+                    (
+                        mid,
+                        {
+                            "Delete": {
+                                "TableName": self._table,
+                                "Key": self._key(mid),
+                                "ConditionExpression": "#e <= :cut",
+                                "ExpressionAttributeNames": {"#e": _EXPIRES},
+                                "ExpressionAttributeValues": values,
+                            }
+                        },
+                    )
+                    for mid in expired[first : first + MAX_TRANSACT_ITEMS]
+                ]
+                deleted += len(self._transact(operations, lambda old: False))
+            start = page.get("LastEvaluatedKey")
+            if not start:
+                return deleted
 
     def _health_warnings(self) -> list[str]:
         warnings: list[str] = []
-        with self._aws_errors("check the table"):
-            table = self._describe_table()
-            ttl = self._client.describe_time_to_live(TableName=self._table)["TimeToLiveDescription"]
+        table = self._describe_table()
+        ttl = self._client.describe_time_to_live(TableName=self._table)["TimeToLiveDescription"]
         if table.get("Replicas"):
             warnings.append(
                 f"table {self._table!r} has global-table replicas and allow_global_table=True: "
@@ -734,33 +718,4 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
         return warnings
 
     def _close(self) -> None:
-        if self._own_client:
-            self._client_obj.close()
-
-
-#: Constructor options that shape the client (unused when a ``client`` is given).
-_CONNECTION_OPTIONS = frozenset(
-    {
-        "region",
-        "endpoint_url",
-        "aws_access_key_id",
-        "aws_secret_access_key",
-        "aws_session_token",
-        "connect_timeout",
-        "read_timeout",
-        "max_attempts",
-    }
-)
-#: Option values left out of ``repr`` and of the pickled options (they are the defaults).
-_DEFAULTS: dict[str, Any] = {
-    "region": None,
-    "endpoint_url": None,
-    "aws_access_key_id": None,
-    "aws_secret_access_key": None,
-    "aws_session_token": None,
-    "connect_timeout": 5.0,
-    "read_timeout": 10.0,
-    "max_attempts": 5,
-    "create_table": False,
-    "allow_global_table": False,
-}
+        self._clients.close()

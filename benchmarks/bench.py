@@ -62,7 +62,7 @@ def _backend(name: str) -> Iterator[tuple[Opener, Any]]:
             yield (
                 (
                     lambda: open_store(
-                        pg.url, table=f"bench_{uuid.uuid4().hex[:12]}", create_schema=True
+                        pg.url, table=f"bench_{uuid.uuid4().hex[:12]}", create=True
                     )
                 ),
                 pg,
@@ -79,7 +79,7 @@ def _backend(name: str) -> Iterator[tuple[Opener, Any]]:
                         f"dynamodb://bench-{run}-{uuid.uuid4().hex[:8]}",
                         region="us-east-1",
                         endpoint_url=moto.endpoint_url,
-                        create_table=True,
+                        create=True,
                     )
                 ),
                 moto,
@@ -94,7 +94,7 @@ def _backend(name: str) -> Iterator[tuple[Opener, Any]]:
                         key=cosmos.key,
                         tls=False,
                         endpoint_discovery=False,
-                        create_container=True,
+                        create=True,
                         allow_weak_consistency_for_emulator_only=True,
                     )
                 ),
@@ -184,7 +184,7 @@ def _native_postgres(server: PostgresServer, count: int) -> tuple[str, float]:
     import psycopg
 
     ids = _ids(count)
-    with open_store(server.url, table="bench_template", create_schema=True):
+    with open_store(server.url, table="bench_template", create=True):
         pass
     with psycopg.connect(server.url, autocommit=True) as conn:
         conn.execute("DROP TABLE IF EXISTS bench_copy")

@@ -57,7 +57,7 @@ def _cosmos_url(server: CosmosEndpoint, container: str, query: str) -> str:
 
 @pytest.mark.postgres
 def test_check_postgres(capsys: pytest.CaptureFixture[str], postgres_server: Server) -> None:
-    url = f"{postgres_server.url}?table=cli_check&create_schema=true"
+    url = f"{postgres_server.url}?table=cli_check&create=true"
     code, out, err = _check(capsys, url)
     assert code == 0, err
     assert "PostgresDeduplicationStore" in out and out.rstrip().endswith("ok")
@@ -90,7 +90,7 @@ def test_check_dynamodb(
     table = f"cli-{uuid.uuid4().hex[:8]}"
     url = (
         f"dynamodb://{table}?region={dynamodb_server.region}"
-        f"&endpoint_url={dynamodb_server.endpoint_url}&create_table=true"
+        f"&endpoint_url={dynamodb_server.endpoint_url}&create=true"
     )
     code, out, err = _check(capsys, url)
     assert code == 0, err
@@ -106,7 +106,7 @@ def test_check_cosmos_emulator_with_the_unsafe_option(
     url = _cosmos_url(
         cosmos_server,
         f"c{uuid.uuid4().hex[:8]}",
-        "allow_weak_consistency_for_emulator_only=true&create_container=true",
+        "allow_weak_consistency_for_emulator_only=true&create=true",
     )
     os.environ["COSMOS_KEY"] = cosmos_server.key
     try:
@@ -198,7 +198,7 @@ def test_check_dynamodb_wrong_credentials(
 def test_check_dynamodb_unknown_host(capsys: pytest.CaptureFixture[str]) -> None:
     url = (
         f"dynamodb://dedup?region=us-east-1&endpoint_url=http://127.0.0.1:{free_port()}"
-        "&max_attempts=1&connect_timeout=2"
+        "&retries=0&connect_timeout=2"
     )
     code, _, err = _check(capsys, url)
     assert code == 3

@@ -11,15 +11,19 @@ Emulator gaps handled here, in the test configuration, never in the library:
 * it ignores TTL: the tests check the ``ttl`` written on items, and correctness never
   depends on native TTL (the contract's fake clock covers expiry).
 * point reads of a missing item answer 500 unless they carry
-  ``x-ms-documentdb-query-enablecrosspartition: true``: the store reads through
-  ``ContainerProxy.read_items``, which sends that header itself.
+  ``x-ms-documentdb-query-enablecrosspartition: true``: the store never point-reads
+  (read-many queries, and a single-partition query for a lone id).
+* ``create_item`` into a deleted container answers 500 (the service: 404), so the
+  deleted-container test checks reads and purges, which answer 404 as the service does.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import pickle
+import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -30,8 +34,8 @@ from unittest import mock
 from urllib.parse import urlsplit
 
 import pytest
-from azure.core.exceptions import AzureError
-from azure.cosmos import CosmosClient, PartitionKey
+from azure.core.exceptions import AzureError, ServiceRequestError, ServiceResponseError
+from azure.cosmos import ContainerProxy, CosmosClient, PartitionKey
 
 from backends import cosmos as cosmos_backend
 from backends.cosmos import CosmosDeduplicationStore, create_container, document_id
@@ -39,7 +43,7 @@ from dedupstore import DeduplicationStore, open_store
 from dedupstore.errors import (
     ConfigurationError,
     ConsistencyError,
-    DedupStoreError,
+    StoreClosed,
     StoreUnavailable,
 )
 from dedupstore.testing import (
@@ -62,7 +66,7 @@ def store_url(server: CosmosEndpoint, database: str, container: str, extra: str 
     """The ``cosmos://`` URL of ``database``/``container`` on ``server``."""
     parts = urlsplit(server.endpoint_url)
     tls = "true" if parts.scheme == "https" else "false"
-    query = f"tls={tls}&{EMULATOR_QUERY}&retry_total=1&timeout=10" + (f"&{extra}" if extra else "")
+    query = f"tls={tls}&{EMULATOR_QUERY}&retries=1&timeout=10" + (f"&{extra}" if extra else "")
     return f"cosmos://{parts.netloc}/{database}/{container}?{query}"
 
 
@@ -129,16 +133,19 @@ def test_the_emulator_session_account_is_refused_without_the_unsafe_option(
     message = str(info.value)
     assert "'Session'" in message and "Strong" in message
     assert "\n" not in message
-    # the keyword form is honoured too, and wins over the URL
-    for value in (False, "false", "0"):
+    # the keyword form is honoured too, in every spelling
+    for value in (False, "false", "0", 0):
         with pytest.raises(ConsistencyError):
-            open_store(
-                store_url(cosmos_server, DATABASE, container_name),
-                key=cosmos_server.key,
-                allow_weak_consistency_for_emulator_only=value,
-            )
-    with pytest.raises(ConfigurationError, match="must be a bool"):
-        open_store(url, key=cosmos_server.key, allow_weak_consistency_for_emulator_only=1)
+            open_store(url, key=cosmos_server.key, allow_weak_consistency_for_emulator_only=value)
+    # a keyword contradicting the URL is refused, not silently preferred
+    with pytest.raises(ConfigurationError, match="both in the URL and as a keyword"):
+        open_store(
+            store_url(cosmos_server, DATABASE, container_name),
+            key=cosmos_server.key,
+            allow_weak_consistency_for_emulator_only=False,
+        )
+    with pytest.raises(ConfigurationError, match="expected true or false"):
+        open_store(url, key=cosmos_server.key, allow_weak_consistency_for_emulator_only="maybe")
 
 
 def test_the_unsafe_option_warns_at_every_open(
@@ -176,11 +183,20 @@ class _StubCosmos:
         self.consistency = consistency
         self.status = status
         self.headers: list[dict[str, str]] = []
+        #: Once set, requests are read and never answered (until ``close``).
+        self.hang = threading.Event()
+        self._closing = threading.Event()
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.do_GET()
+
             def do_GET(self) -> None:
                 stub.headers.append({k.lower(): v for k, v in self.headers.items()})
+                if stub.hang.is_set():
+                    stub._closing.wait(60)
+                    return
                 status, body = stub.answer(self.path)
                 payload = json.dumps(body).encode()
                 self.send_response(status)
@@ -237,6 +253,7 @@ class _StubCosmos:
         return f"cosmos://127.0.0.1:{self.port}/db/dedup?tls=false&endpoint_discovery=false"
 
     def close(self) -> None:
+        self._closing.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -259,7 +276,7 @@ def test_a_strong_account_opens_and_requests_ask_for_strong(
 ) -> None:
     service = stub(consistency="Strong")
     with caplog.at_level(logging.WARNING, logger="backends.cosmos"):
-        store = open_store(service.url, key=_STUB_KEY, retry_total=0)
+        store = open_store(service.url, key=_STUB_KEY, retries=0)
     assert not caplog.records
     assert store.health_warnings() == []
     assert service.headers[-1].get("x-ms-consistency-level") == "Strong"
@@ -270,7 +287,7 @@ def test_a_strong_account_opens_and_requests_ask_for_strong(
 def test_a_weaker_account_is_refused(stub: Callable[..., _StubCosmos], level: str) -> None:
     service = stub(consistency=level)
     with pytest.raises(ConsistencyError, match=f"'{level}'"):
-        open_store(service.url, key=_STUB_KEY, retry_total=0)
+        open_store(service.url, key=_STUB_KEY, retries=0)
 
 
 def test_the_unsafe_option_on_a_strong_account_warns_that_it_is_useless(
@@ -279,7 +296,7 @@ def test_the_unsafe_option_on_a_strong_account_warns_that_it_is_useless(
     service = stub(consistency="Strong")
     with caplog.at_level(logging.WARNING, logger="backends.cosmos"):
         store = open_store(
-            service.url, key=_STUB_KEY, retry_total=0, allow_weak_consistency_for_emulator_only=True
+            service.url, key=_STUB_KEY, retries=0, allow_weak_consistency_for_emulator_only=True
         )
     assert any("no effect" in r.message for r in caplog.records)
     store.close()
@@ -291,7 +308,8 @@ def test_a_rejected_key_is_a_one_line_configuration_error(
 ) -> None:
     service = stub(status=status)
     with pytest.raises(ConfigurationError) as info:
-        open_store(service.url, key=_STUB_KEY, retry_total=0)
+        open_store(service.url, key=_STUB_KEY, retries=0)
+    assert not isinstance(info.value, StoreUnavailable)
     message = str(info.value)
     assert f"HTTP {status}" in message and "key" in message
     assert "\n" not in message
@@ -310,11 +328,11 @@ def test_missing_database_and_container_are_named(
         open_store(store_url(cosmos_server, DATABASE, "no-such-container"), key=cosmos_server.key)
 
 
-def test_create_container_option_creates_database_and_container(
+def test_create_option_creates_database_and_container(
     cosmos_server: CosmosEndpoint, raw_client: CosmosClient
 ) -> None:
     database = f"db-{uuid.uuid4().hex[:8]}"
-    url = store_url(cosmos_server, database, "dedup", "create_container=true")
+    url = store_url(cosmos_server, database, "dedup", "create=true")
     try:
         with open_store(url, key=cosmos_server.key) as store:
             assert store.add("m") is True
@@ -380,10 +398,13 @@ def test_bad_urls_are_configuration_errors(url: str, match: str) -> None:
     [
         {"max_concurrency": 0},
         {"max_concurrency": 2.5},
-        {"retry_total": -1},
+        {"retries": -1},
         {"timeout": 0},
+        {"connect_timeout": "soon"},
+        {"max_clock_skew": -5},
         {"tls": None},
-        {"create_container": "perhaps"},
+        {"create": "perhaps"},
+        {"client": object()},
     ],
 )
 def test_bad_keyword_options_are_configuration_errors(options: dict[str, Any]) -> None:
@@ -419,7 +440,7 @@ def test_secrets_never_appear_in_repr_or_errors(cosmos_server: CosmosEndpoint, u
         assert key not in repr(store) and key not in store.url
     unreachable = f"cosmos://127.0.0.1:1/db/c?tls=false&endpoint_discovery=false&key={key}"
     with pytest.raises(StoreUnavailable) as info:
-        open_store(unreachable, retry_total=0)
+        open_store(unreachable, retries=0)
     assert key not in str(info.value)
 
 
@@ -427,7 +448,7 @@ def test_secrets_never_appear_in_repr_or_errors(cosmos_server: CosmosEndpoint, u
     "host", ["no-such-account.invalid", "127.0.0.1:1"], ids=["unknown host", "closed port"]
 )
 def test_unreachable_service_is_a_one_line_store_unavailable(host: str) -> None:
-    url = f"cosmos://{host}/db/c?tls=false&endpoint_discovery=false&retry_total=0&timeout=5"
+    url = f"cosmos://{host}/db/c?tls=false&endpoint_discovery=false&retries=0&timeout=5"
     with pytest.raises(StoreUnavailable) as info:
         open_store(url, key=_STUB_KEY)
     assert "\n" not in str(info.value)
@@ -513,12 +534,13 @@ def test_a_hash_collision_is_detected_not_merged(
     container.create_item(
         {"id": doc, "endpoint": "default", "message_id": "impostor", "expires_at": None}
     )
-    with pytest.raises(DedupStoreError, match="collision"):
-        store.has_been_processed("victim")
-    with pytest.raises(DedupStoreError, match="collision"):
-        store.processed_among(["other", "victim"])
-    with pytest.raises(DedupStoreError, match="collision"):
-        store.add("victim")
+    for call in (
+        lambda: store.has_been_processed("victim"),
+        lambda: store.processed_among(["other", "victim"]),
+        lambda: store.add("victim"),
+    ):
+        with pytest.raises(ConfigurationError, match="shared with other data"):
+            call()
 
 
 def test_a_resent_write_is_recognised_as_this_calls_own(
@@ -527,17 +549,17 @@ def test_a_resent_write_is_recognised_as_this_calls_own(
     """A create the transport resent after it succeeded answers 409: still ours."""
     store = open_cosmos()
     container = raw_client.get_database_client(DATABASE).get_container_client(container_name)
-    token = uuid.UUID(int=7)
+    token = "resent-token"
     container.create_item(
         {
             "id": document_id("default", "resent"),
             "endpoint": "default",
             "message_id": "resent",
             "expires_at": None,
-            "write_token": token.hex,
+            "write_token": token,
         }
     )
-    with mock.patch("backends.cosmos.uuid.uuid4", return_value=token):
+    with mock.patch("dedupstore.store.secrets.token_urlsafe", return_value=token):
         assert store.add("resent") is True
     assert store.add("resent") is False
 
@@ -580,7 +602,8 @@ def test_server_killed_mid_run_raises_store_unavailable_then_recovers() -> None:
     with CosmosServer() as server:
         client = CosmosClient(**server.client_kwargs)
         create_container(client, DATABASE, "dedup")
-        store = open_store(store_url(server, DATABASE, "dedup"), key=server.key, retry_total=0)
+        url = store_url(server, DATABASE, "dedup").replace("retries=1", "retries=0")
+        store = open_store(url, key=server.key)
         assert store.add("before") is True
         server.kill()
         calls: list[Callable[[], object]] = [
@@ -595,6 +618,9 @@ def test_server_killed_mid_run_raises_store_unavailable_then_recovers() -> None:
                 call()
             assert isinstance(info.value.__cause__, AzureError), repr(info.value.__cause__)
             assert "\n" not in str(info.value)
+        with pytest.raises(StoreUnavailable) as info:
+            store.add_many(["u1", "u2"])
+        assert info.value.unknown == {"u1", "u2"} and not info.value.recorded
         server.restart()  # cosmosdb-server keeps nothing across a restart: set up again
         create_container(client, DATABASE, "dedup")
         assert store.add("after") is True
@@ -602,3 +628,276 @@ def test_server_killed_mid_run_raises_store_unavailable_then_recovers() -> None:
         assert store.processed_among(["after", "x", "before"]) == {"after", "x"}
         store.close()
         client.close()
+
+
+# ---------------------------------------------------------------------- options
+
+
+def test_string_options_convert_in_the_url_and_as_keywords(
+    cosmos_server: CosmosEndpoint, url: str
+) -> None:
+    assert "&timeout=10" in url
+    bare = url.replace("&timeout=10", "")
+    extra = "timeout=5s&connect_timeout=2&create=false&max_clock_skew=90s&max_concurrency=4"
+    with open_store(f"{bare}&{extra}", key=cosmos_server.key) as from_url:
+        assert from_url.option("timeout") == 5.0 and from_url.option("connect_timeout") == 2.0
+        assert from_url.option("create") is False and from_url.option("max_concurrency") == 4
+        assert from_url.option("max_clock_skew") == 90.0
+        client = from_url._conn.get().client  # type: ignore[attr-defined]
+        policy = client.client_connection.connection_policy
+        assert policy.ReadTimeout == 5.0 and policy.RequestTimeout == 2.0
+        assert policy.DBAReadTimeout == 5.0 and policy.RetryOptions.MaxRetryAttemptCount == 1
+        assert from_url.add("m") is True
+    with open_store(
+        bare,
+        key=cosmos_server.key,
+        timeout="5",
+        create="false",
+        tls="false",
+        endpoint_discovery="0",
+        max_concurrency="4",
+        max_clock_skew="1m",
+    ) as from_keywords:
+        assert from_keywords.option("timeout") == 5.0 and from_keywords.option("create") is False
+        assert from_keywords.option("max_clock_skew") == 60.0
+        assert from_keywords.add("m") is False
+
+
+@pytest.mark.parametrize(
+    ("old", "new"), [("retry_total", "retries"), ("create_container", "create")]
+)
+def test_former_option_names_point_to_the_new_ones(old: str, new: str) -> None:
+    with pytest.raises(ConfigurationError, match=f"now called '{new}'"):
+        open_store(f"cosmos://127.0.0.1:1/db/c?{old}=1", key=_STUB_KEY)
+    with pytest.raises(ConfigurationError, match=f"now called '{new}'"):
+        open_store("cosmos://127.0.0.1:1/db/c", key=_STUB_KEY, **{old: 1})
+
+
+def test_a_key_from_the_environment_is_not_pickled(
+    cosmos_server: CosmosEndpoint, url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COSMOS_KEY", cosmos_server.key)
+    with open_store(url) as store:
+        assert store.add("env") is True
+        data = pickle.dumps(store)
+        assert cosmos_server.key.encode() not in data
+        clone = pickle.loads(data)  # reads COSMOS_KEY itself
+        assert clone.add("env") is False
+        clone.close()
+
+
+# ---------------------------------------------------------------------- error classes
+
+
+def test_a_deleted_container_is_a_configuration_error(
+    cosmos_server: CosmosEndpoint, raw_client: CosmosClient
+) -> None:
+    name = f"gone-{uuid.uuid4().hex[:8]}"
+    create_container(raw_client, DATABASE, name)
+    store = open_store(store_url(cosmos_server, DATABASE, name), key=cosmos_server.key)
+    try:
+        assert store.add_many(["a", "b"]) == {"a", "b"}
+        raw_client.get_database_client(DATABASE).delete_container(name)
+        calls: list[Callable[[], object]] = [
+            lambda: store.has_been_processed("a"),  # never a stale "not processed"
+            lambda: store.processed_among(["a", "b", "c"]),
+            lambda: store.purge_expired(),
+        ]
+        for call in calls:
+            with pytest.raises(ConfigurationError, match=f"container '{name}'") as info:
+                call()
+            assert not isinstance(info.value, StoreUnavailable)
+            assert "\n" not in str(info.value)
+    finally:
+        store.close()
+
+
+def test_use_after_close_raises_store_closed(open_cosmos: StoreFactory) -> None:
+    store = open_cosmos()
+    store.add("m")
+    store.close()
+    store.close()  # idempotent
+    calls: list[Callable[[], object]] = [
+        lambda: store.add("m"),
+        lambda: store.add_many(["m", "n"]),
+        lambda: store.has_been_processed("m"),
+        lambda: store.processed_among(["m"]),
+        lambda: store.purge_expired(),
+        lambda: store.health_warnings(),
+    ]
+    for call in calls:
+        with pytest.raises(StoreClosed):
+            call()
+
+
+# ---------------------------------------------------------------------- lost answers
+
+
+def _lose_answers(fail: Callable[[int], bool]) -> Any:
+    """Patch ``create_item``: call number n (from 1) whose ``fail(n)`` is true is
+    performed, then its answer is lost (``ServiceResponseError``)."""
+    original = ContainerProxy.create_item
+    lock = threading.Lock()
+    calls = [0]
+
+    def create_item(self: ContainerProxy, *args: Any, **kwargs: Any) -> Any:
+        with lock:
+            calls[0] += 1
+            number = calls[0]
+        result = original(self, *args, **kwargs)
+        if fail(number):
+            raise ServiceResponseError("connection reset: the answer was lost")
+        return result
+
+    return mock.patch.object(ContainerProxy, "create_item", create_item)
+
+
+def test_a_write_whose_answer_is_lost_is_settled_by_a_retry(open_cosmos: StoreFactory) -> None:
+    store, other = open_cosmos(), open_cosmos()
+    with _lose_answers(lambda n: True):
+        with pytest.raises(StoreUnavailable) as info:
+            store.add("lost")
+        assert info.value.unknown == {"lost"} and not info.value.recorded
+        assert isinstance(info.value.__cause__, ServiceResponseError)
+        with pytest.raises(StoreUnavailable) as many:
+            store.add_many(["l1", "l2", "l3"])
+        assert many.value.unknown == {"l1", "l2", "l3"} and not many.value.recorded
+    assert store.add("lost") is True  # written by the failed call: reported once
+    assert store.add("lost") is False
+    assert other.add("lost") is False
+    assert store.add_many(["l1", "l2", "l3"]) == {"l1", "l2", "l3"}
+    assert store.add_many(["l1", "l2", "l3"]) == set()
+    assert other.add_many(["l1", "l2", "l3"]) == set()
+
+
+def test_a_write_that_never_left_is_recorded_by_the_retry(open_cosmos: StoreFactory) -> None:
+    store = open_cosmos()
+    refused = ServiceRequestError("connection refused")
+    with (
+        mock.patch.object(ContainerProxy, "create_item", side_effect=refused),
+        pytest.raises(StoreUnavailable) as info,
+    ):
+        store.add("never-sent")
+    assert info.value.unknown == {"never-sent"}
+    assert store.has_been_processed("never-sent") is False
+    assert store.add("never-sent") is True
+
+
+class _SmallBatchStore(CosmosDeduplicationStore):
+    max_write_batch = 5
+
+
+def test_a_batch_failing_part_way_reports_its_progress(
+    cosmos_server: CosmosEndpoint, url: str
+) -> None:
+    ids = [f"chunked-{i}" for i in range(20)]  # 4 chunks of 5
+    store = _SmallBatchStore(url, key=cosmos_server.key)
+    other = _SmallBatchStore(url, key=cosmos_server.key)
+    try:
+        # the third chunk's first two creates are performed and their answers lost
+        with _lose_answers(lambda n: n in (11, 12)), pytest.raises(StoreUnavailable) as info:
+            store.add_many(ids)
+        recorded, unknown = info.value.recorded, info.value.unknown
+        assert recorded == set(ids[:10]) and unknown == set(ids[10:15])
+        assert not recorded & unknown
+        assert other.processed_among(recorded) == recorded
+        retry = store.add_many(ids)
+        assert retry | recorded == set(ids) and not retry & recorded
+        assert other.add_many(ids) == set()
+    finally:
+        store.close()
+        other.close()
+
+
+# ---------------------------------------------------------------------- timeouts
+
+
+@pytest.fixture
+def silent_server() -> Iterator[int]:
+    """A TCP server on 127.0.0.1 that accepts connections and never answers; its port."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield listener.getsockname()[1]
+    listener.close()
+    for connection in held:
+        connection.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_server_that_never_answers_is_store_unavailable(silent_server: int) -> None:
+    url = f"cosmos://127.0.0.1:{silent_server}/db/c?tls=false&endpoint_discovery=false"
+    with pytest.raises(StoreUnavailable, match="timed out") as info:
+        open_store(url, key=_STUB_KEY, timeout=1, retries=0)
+    assert isinstance(info.value.__cause__, AzureError)
+
+
+@pytest.mark.timeout(120)
+def test_a_server_that_stops_answering_is_store_unavailable(
+    stub: Callable[..., _StubCosmos],
+) -> None:
+    service = stub(consistency="Strong")
+    with open_store(service.url, key=_STUB_KEY, timeout=1, retries=0) as store:
+        service.hang.set()
+        with pytest.raises(StoreUnavailable, match="timed out"):
+            store.has_been_processed("m")
+        with pytest.raises(StoreUnavailable, match="timed out") as info:
+            store.add("m")
+        assert info.value.unknown == {"m"}
+
+
+# ---------------------------------------------------------------------- clock skew
+
+
+def test_purge_spares_records_expired_less_than_max_clock_skew_ago(
+    open_cosmos: StoreFactory,
+) -> None:
+    writer_clock = FakeClock(start=1_900_000_000.0)
+    writer = open_cosmos(retention=timedelta(hours=1), clock=writer_clock)
+    assert writer.add("skewed") is True
+    # a client whose clock runs 30 s ahead sees the record expired 10 s ago ...
+    ahead = FakeClock(start=writer_clock() + 3600 + 10)
+    purger = open_cosmos(retention=timedelta(hours=1), clock=ahead)
+    assert purger.purge_expired() == 0  # ... but the writer still counts it as live
+    assert writer.has_been_processed("skewed")
+    assert open_cosmos(clock=ahead, max_clock_skew="5s").purge_expired() == 1
+    assert not writer.has_been_processed("skewed")
+    assert writer.add("skewed") is True
+    writer_clock.advance(timedelta(hours=1, seconds=61))
+    assert open_cosmos(clock=writer_clock).purge_expired() == 1
+
+
+# ---------------------------------------------------------------------- fork
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_opens_its_own_client(open_cosmos: StoreFactory) -> None:
+    store = open_cosmos()
+    assert store.add_many(["p1", "p2"]) == {"p1", "p2"}
+    parent_client = store._conn.get().client  # type: ignore[attr-defined]
+    pid = os.fork()
+    if pid == 0:  # the child: never touches the parent's client or sockets
+        code = 1
+        try:
+            own = store._conn.get().client is not parent_client  # type: ignore[attr-defined]
+            ok = own and store.add("c1") and not store.add("p1")
+            code = (
+                0 if ok and store.processed_among(["p1", "p2", "c1"]) == {"p1", "p2", "c1"} else 2
+            )
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert store._conn.get().client is parent_client  # type: ignore[attr-defined]
+    assert store.add("c1") is False
+    assert store.add_many(["p3", "p4"]) == {"p3", "p4"}

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import pickle
+import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -40,6 +41,7 @@ from dedupstore import (
     ConfigurationError,
     ConsistencyError,
     DedupStoreError,
+    StoreClosed,
     StoreUnavailable,
     open_store,
 )
@@ -95,10 +97,10 @@ def raw_client(dynamodb_server: DynamoDBEndpoint) -> Any:
 
 @pytest.fixture
 def table_url(dynamodb_server: DynamoDBEndpoint, raw_client: Any) -> Iterator[str]:
-    """A fresh table for this test, created through ``create_table=true``."""
+    """A fresh table for this test, created through ``create=True``."""
     table = f"dedup-{uuid.uuid4().hex}"
     url = _url(dynamodb_server, table)
-    open_store(url, create_table=True).close()
+    open_store(url, create=True).close()
     yield url
     raw_client.delete_table(TableName=table)
 
@@ -228,7 +230,7 @@ def test_stored_attributes(table_url: str, raw_client: Any) -> None:
     expires = clock.now + 90.5
     assert float(item["expires_at"]["N"]) == expires
     assert int(item["ttl"]["N"]) == math.ceil(expires)
-    assert len(item["writer"]["B"]) == 16
+    assert item["writer"]["S"]  # the write token of the call
     batch = raw_client.get_item(TableName=_table(table_url), Key={"pk": {"S": "batch-1"}, **key})
     assert float(batch["Item"]["expires_at"]["N"]) == expires
     forever = raw_client.get_item(TableName=_table(table_url), Key={"pk": {"S": "forever"}, **key})
@@ -242,6 +244,8 @@ def test_clock_far_in_the_future_needs_no_native_ttl(table_url: str) -> None:
         clock.advance(timedelta(hours=1))
         assert store.processed_among(["x", "y"]) == set()
         assert store.add("x") is True
+        assert store.purge_expired() == 0  # y expired less than max_clock_skew ago
+        clock.advance(timedelta(seconds=61))
         assert store.purge_expired() == 1
         assert store.processed_among(["x", "y"]) == {"x"}
 
@@ -396,7 +400,7 @@ def test_condition_failures_drop_only_those_ids(
     dynamodb_server: DynamoDBEndpoint, table_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     client = _client(dynamodb_server)
-    other = {"pk": {"S": "d2"}, "writer": {"B": b"someone-else-16b"}}
+    other = {"pk": {"S": "d2"}, "writer": {"S": "someone-else"}}
     seen = _inject(
         client,
         "TransactWriteItems",
@@ -420,19 +424,37 @@ def test_endless_conflicts_raise_store_unavailable(
             store.add_many(["e1", "e2"])
         assert isinstance(info.value.__cause__, botocore.exceptions.ClientError)
         assert store.processed_among(["e1", "e2"]) == set()
-    assert len(seen) == dynamodb_module._MAX_BACKOFF_ROUNDS + 1
+        assert len(seen) == dynamodb_module._MAX_BACKOFF_ROUNDS + 1
+        conflict = {"Error": {"Code": "TransactionConflictException", "Message": "locked"}}
+        seen = _inject(client, "PutItem", [json.loads(json.dumps(conflict)) for _ in range(50)])
+        with pytest.raises(StoreUnavailable, match="TransactionConflictException") as info:
+            store.add("e3")
+        assert info.value.unknown == {"e3"}
+        assert len(seen) == dynamodb_module._MAX_BACKOFF_ROUNDS + 1
 
 
-def test_unexpected_cancellation_reason_is_an_error(
-    dynamodb_server: DynamoDBEndpoint, table_url: str
+@pytest.mark.parametrize(
+    ("reason", "kind"),
+    [
+        ("ValidationError", ConfigurationError),
+        ("ItemCollectionSizeLimitExceeded", ConfigurationError),
+        ("SomeNewTransientReason", StoreUnavailable),
+    ],
+)
+def test_unexpected_cancellation_reason_is_classified(
+    dynamodb_server: DynamoDBEndpoint,
+    table_url: str,
+    reason: str,
+    kind: type[DedupStoreError],
 ) -> None:
     client = _client(dynamodb_server)
-    _inject(client, "TransactWriteItems", [_cancelled("None", "ValidationError")])
-    with (
-        open_store(table_url, client=client) as store,
-        pytest.raises(DedupStoreError, match="ValidationError"),
-    ):
-        store.add_many(["v1", "v2"])
+    _inject(client, "TransactWriteItems", [_cancelled("None", reason)])
+    with open_store(table_url, client=client) as store:
+        with pytest.raises(kind, match=reason) as info:
+            store.add_many(["v1", "v2"])
+        assert isinstance(info.value.__cause__, botocore.exceptions.ClientError)
+        assert info.value.unknown == {"v1", "v2"}
+        _one_line(info.value)
 
 
 def test_unprocessed_keys_are_retried(
@@ -465,7 +487,14 @@ def test_unprocessed_keys_are_retried(
 
 
 @pytest.mark.parametrize(
-    "code", ["ProvisionedThroughputExceededException", "InternalServerError", "ThrottlingException"]
+    "code",
+    [
+        "ProvisionedThroughputExceededException",
+        "InternalServerError",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "ServiceUnavailable",
+    ],
 )
 def test_throttling_and_server_errors_raise_store_unavailable(
     dynamodb_server: DynamoDBEndpoint, table_url: str, code: str
@@ -488,6 +517,19 @@ def test_throttling_and_server_errors_raise_store_unavailable(
             _one_line(info.value)
 
 
+def test_rejected_request_is_a_configuration_error(
+    dynamodb_server: DynamoDBEndpoint, table_url: str
+) -> None:
+    client = _client(dynamodb_server)
+    with open_store(table_url, client=client) as store:
+        error = {"Error": {"Code": "ValidationException", "Message": "bad key"}}
+        _inject(client, "GetItem", [error])
+        with pytest.raises(ConfigurationError, match="ValidationException") as info:
+            store.has_been_processed("x")
+        assert not isinstance(info.value, StoreUnavailable)
+        _one_line(info.value)
+
+
 def test_refused_credentials_during_a_call_are_a_configuration_error(
     dynamodb_server: DynamoDBEndpoint, table_url: str
 ) -> None:
@@ -500,7 +542,7 @@ def test_refused_credentials_during_a_call_are_a_configuration_error(
         )
         with pytest.raises(ConfigurationError, match="AccessDeniedException") as info:
             store.has_been_processed("x")
-        _one_line(info.value)
+        assert "IAM policy" in _one_line(info.value)
 
 
 # ---------------------------------------------------------------------- opening
@@ -511,12 +553,12 @@ def test_missing_table_is_a_configuration_error(dynamodb_server: DynamoDBEndpoin
         open_store(_url(dynamodb_server, "no-such-table"))
     message = _one_line(info.value)
     assert "no-such-table" in message and dynamodb_server.region in message
-    assert "create_table" in message
+    assert "create=True" in message
 
 
-def test_create_table_option(dynamodb_server: DynamoDBEndpoint, raw_client: Any) -> None:
+def test_create_option(dynamodb_server: DynamoDBEndpoint, raw_client: Any) -> None:
     table = f"created-{uuid.uuid4().hex}"
-    url = _url(dynamodb_server, table, create_table="true")
+    url = _url(dynamodb_server, table, create="true")
     with open_store(url) as store:
         assert isinstance(store, DynamoDBDeduplicationStore)
         assert store.table == table
@@ -531,7 +573,7 @@ def test_create_table_option(dynamodb_server: DynamoDBEndpoint, raw_client: Any)
     }
     ttl = raw_client.describe_time_to_live(TableName=table)["TimeToLiveDescription"]
     assert ttl == {"TimeToLiveStatus": "ENABLED", "AttributeName": "ttl"}
-    with open_store(url) as again:  # the table exists: create_table is a no-op
+    with open_store(url) as again:  # the table exists: create is a no-op
         assert again.add("first") is False
     raw_client.delete_table(TableName=table)
 
@@ -595,7 +637,7 @@ def test_global_table_is_refused(dynamodb_server: DynamoDBEndpoint, table_url: s
 def test_unknown_port_is_store_unavailable() -> None:
     url = f"dynamodb://t-unreachable?region=us-east-1&endpoint_url=http://127.0.0.1:{free_port()}"
     with pytest.raises(StoreUnavailable) as info:
-        open_store(url, connect_timeout=1, max_attempts=1)
+        open_store(url, connect_timeout=1, retries=0)
     assert isinstance(info.value.__cause__, botocore.exceptions.EndpointConnectionError)
     assert "t-unreachable" in _one_line(info.value)
 
@@ -603,7 +645,7 @@ def test_unknown_port_is_store_unavailable() -> None:
 def test_unknown_host_is_store_unavailable() -> None:
     url = "dynamodb://t-nowhere?region=us-east-1&endpoint_url=http://dynamodb.invalid:8000"
     with pytest.raises(StoreUnavailable) as info:
-        open_store(url, connect_timeout=1, max_attempts=1)
+        open_store(url, connect_timeout=1, retries=0)
     assert isinstance(info.value.__cause__, botocore.exceptions.BotoCoreError)
     _one_line(info.value)
 
@@ -643,11 +685,24 @@ def test_no_credentials_is_a_configuration_error(
         ("dynamodb://table/extra?region=us-east-1", {}, "dynamodb://<table>"),
         ("dynamodb://table:8000?region=us-east-1", {}, "dynamodb://<table>"),
         ("dynamodb://table?region=us-east-1&color=blue", {}, "unknown option"),
-        ("dynamodb://table?region=us-east-1&max_attempts=many", {}, "max_attempts"),
-        ("dynamodb://table?region=us-east-1&create_table=maybe", {}, "create_table"),
-        ("dynamodb://table?region=us-east-1", {"region_name": "eu-west-1"}, "disagree"),
-        ("dynamodb://table?region=us-east-1", {"read_timeout": 0}, "read_timeout"),
-        ("dynamodb://table?region=us-east-1", {"max_attempts": 1.5}, "max_attempts"),
+        ("dynamodb://table?region=us-east-1&retries=many", {}, "retries"),
+        ("dynamodb://table?region=us-east-1&retries=-1", {}, "retries"),
+        ("dynamodb://table?region=", {}, "region"),
+        ("dynamodb://table?region=us-east-1&endpoint_url=localhost:8000", {}, "endpoint_url"),
+        ("dynamodb://table?region=us-east-1", {"aws_access_key_id": ""}, "aws_access_key_id"),
+        ("dynamodb://table?region=us-east-1&create=maybe", {}, "create"),
+        ("dynamodb://table?region=us-east-1", {"timeout": 0}, "timeout"),
+        ("dynamodb://table?region=us-east-1", {"timeout": "forever"}, "timeout"),
+        ("dynamodb://table?region=us-east-1", {"retries": 1.5}, "retries"),
+        ("dynamodb://table?region=us-east-1", {"max_clock_skew": -1}, "max_clock_skew"),
+        ("dynamodb://table?region=us-east-1", {"allow_global_table": "perhaps"}, "allow_global"),
+        ("dynamodb://table?region=us-east-1&timeout=5", {"timeout": 6}, "both in the URL"),
+        # the old names point to the new ones
+        ("dynamodb://table?region_name=us-east-1", {}, "'region_name' .* is now called 'region'"),
+        ("dynamodb://table?region=us-east-1&create_table=true", {}, "now called 'create'"),
+        ("dynamodb://table?region=us-east-1", {"read_timeout": 4}, "now called 'timeout'"),
+        ("dynamodb://table?region=us-east-1", {"max_attempts": 3}, "now called 'retries'"),
+        ("dynamodb://table?region=us-east-1&client=x", {}, "unknown option 'client'"),
         ("dynamodb://table?aws_secret_access_key=s", {}, "together"),
     ],
 )
@@ -676,18 +731,28 @@ def test_secrets_never_shown(dynamodb_server: DynamoDBEndpoint, table_url: str) 
     assert FAKE_SECRET not in str(info.value) and FAKE_TOKEN not in str(info.value)
 
 
-def test_region_name_alias_and_options_round_trip(
+def test_string_options_convert_and_round_trip(
     dynamodb_server: DynamoDBEndpoint, table_url: str
 ) -> None:
-    base = table_url.replace("region=", "region_name=")
-    url = f"{base}&connect_timeout=2.5&read_timeout=4&max_attempts=3"
-    with open_store(url, retention="1d") as store:
+    url = f"{table_url}&connect_timeout=2.5&timeout=4s&retries=3&create=false"
+    with open_store(url, retention="1d", max_clock_skew="90", allow_global_table="false") as store:
+        assert store.option("timeout") == 4.0 and store.option("retries") == 3
+        assert store.option("connect_timeout") == 2.5 and store.option("create") is False
+        assert store.option("max_clock_skew") == 90.0
+        config = store._client.meta.config  # type: ignore[attr-defined]
+        assert config.read_timeout == 4.0 and config.connect_timeout == 2.5
+        assert config.retries == {"mode": "standard", "total_max_attempts": 4}
         clone = pickle.loads(pickle.dumps(store))
         assert store.add("alias") is True
         assert clone.has_been_processed("alias")
         assert clone.retention == timedelta(days=1)
-        assert "max_attempts=3" in repr(clone)
+        assert clone.option("max_clock_skew") == 90.0
+        assert "retries=3" in repr(clone)
         clone.close()
+    with open_store(table_url, timeout="5", retries="0", create="false") as store:
+        assert store.option("timeout") == 5.0 and store.option("retries") == 0
+        config = store._client.meta.config  # type: ignore[attr-defined]
+        assert config.retries == {"mode": "standard", "total_max_attempts": 1}
 
 
 def test_client_option_is_not_pickled(dynamodb_server: DynamoDBEndpoint, table_url: str) -> None:
@@ -708,8 +773,8 @@ def test_server_stopped_mid_run_raises_store_unavailable() -> None:
     """Killing the endpoint makes every call raise, never answer "not processed"."""
     with MotoServer() as server:
         table = f"crash-{uuid.uuid4().hex}"
-        url = _url(server, table, create_table="true")
-        store = open_store(url, connect_timeout=1, read_timeout=2, max_attempts=2)
+        url = _url(server, table, create="true")
+        store = open_store(url, connect_timeout=1, timeout=2, retries=1)
         assert isinstance(store, DynamoDBDeduplicationStore)
         recorded = [f"kept-{i}" for i in range(150)]
         assert store.add_many(recorded) == set(recorded)
@@ -779,3 +844,219 @@ def test_server_stopped_mid_run_raises_store_unavailable() -> None:
         assert store.add("after-restart") is True
         assert store.processed_among(["after-restart", "absent"]) == {"after-restart"}
         store.close()
+
+
+def test_stopped_server_raises_store_unavailable() -> None:
+    with MotoServer() as server:
+        url = _url(server, f"stopped-{uuid.uuid4().hex}", create="true")
+        store = open_store(url, connect_timeout=1, timeout=2, retries=0)
+        assert store.add("before") is True
+        server.stop()
+        with pytest.raises(StoreUnavailable) as info:
+            store.add("after")
+        assert info.value.unknown == {"after"}
+        with pytest.raises(StoreUnavailable) as info:
+            store.add_many(["a1", "a2"])
+        assert info.value.unknown == {"a1", "a2"} and not info.value.recorded
+        with pytest.raises(StoreUnavailable):
+            store.has_been_processed("before")
+        store.close()
+
+
+def test_table_deleted_while_open_is_a_configuration_error(
+    dynamodb_server: DynamoDBEndpoint, raw_client: Any
+) -> None:
+    table = f"deleted-{uuid.uuid4().hex}"
+    store = open_store(_url(dynamodb_server, table, create="true"), retention="1h")
+    assert store.add("before") is True
+    raw_client.delete_table(TableName=table)
+    calls: list[Callable[[], object]] = [
+        lambda: store.add("x"),
+        lambda: store.add_many(["x", "y"]),
+        lambda: store.has_been_processed("before"),
+        lambda: store.processed_among(["before", "x"]),
+        store.purge_expired,
+        store.health_warnings,
+    ]
+    for call in calls:
+        with pytest.raises(ConfigurationError) as info:
+            call()
+        assert not isinstance(info.value, StoreUnavailable)
+        message = _one_line(info.value)
+        assert table in message and "does not exist" in message and "create=True" in message
+        assert isinstance(info.value.__cause__, botocore.exceptions.ClientError)
+    store.close()
+
+
+def test_use_after_close_raises_store_closed(table_url: str) -> None:
+    store = DynamoDBDeduplicationStore(table_url)
+    store.add("x")
+    store.close()
+    store.close()  # idempotent
+    calls: list[Callable[[], object]] = [
+        lambda: store.add("x"),
+        lambda: store.add_many(["x", "y"]),
+        lambda: store.has_been_processed("x"),
+        lambda: store.processed_among(["x"]),
+        store.purge_expired,
+        store.health_warnings,
+        store.create_table,
+    ]
+    for call in calls:
+        with pytest.raises(StoreClosed):
+            call()
+
+
+# ---------------------------------------------------------------------- lost answers
+
+
+def _lose_answers(
+    monkeypatch: pytest.MonkeyPatch,
+    store: DeduplicationStore,
+    method: str,
+    fail: set[int],
+    error: Callable[[], Exception] = lambda: botocore.exceptions.ReadTimeoutError(
+        endpoint_url="http://lost"
+    ),
+) -> list[int]:
+    """Make the store's client perform the real call, then raise ``error()`` instead of
+    answering, for the successful calls numbered in ``fail`` (1 = the first)."""
+    client = store._client  # type: ignore[attr-defined]
+    real = getattr(client, method)
+    done: list[int] = []
+    lock = threading.Lock()
+
+    def wrapper(**kwargs: Any) -> Any:
+        result = real(**kwargs)
+        with lock:
+            done.append(len(done) + 1)
+            number = done[-1]
+        if number in fail:
+            raise error()
+        return result
+
+    monkeypatch.setattr(client, method, wrapper)
+    return done
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        lambda: botocore.exceptions.ReadTimeoutError(endpoint_url="http://lost"),
+        lambda: botocore.exceptions.EndpointConnectionError(endpoint_url="http://lost"),
+    ],
+    ids=["read-timeout", "connection"],
+)
+def test_add_whose_answer_is_lost_is_recorded_by_the_retry(
+    table_url: str, monkeypatch: pytest.MonkeyPatch, error: Callable[[], Exception]
+) -> None:
+    store, other = open_store(table_url, retries=0), open_store(table_url)
+    _lose_answers(monkeypatch, store, "put_item", {1}, error)
+    with pytest.raises(StoreUnavailable) as info:
+        store.add("lost")
+    assert info.value.unknown == {"lost"} and not info.value.recorded
+    assert isinstance(info.value.__cause__, botocore.exceptions.BotoCoreError)
+    assert other.add("lost") is False  # the failed call did write it
+    assert store.add("lost") is True  # ... and its retry on the same object says so
+    assert store.add("lost") is False
+    assert other.add("lost") is False
+    store.close()
+    other.close()
+
+
+def test_add_many_whose_answer_is_lost_is_recorded_by_the_retry(
+    table_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, other = open_store(table_url, retries=0), open_store(table_url)
+    assert other.add("taken") is True
+    ids = ["taken", *(f"lost-{i}" for i in range(40))]
+    _lose_answers(monkeypatch, store, "transact_write_items", {1})
+    with pytest.raises(StoreUnavailable, match=r"(?i)timeout") as info:
+        store.add_many(ids)
+    assert info.value.unknown == set(ids) and not info.value.recorded
+    assert isinstance(info.value.__cause__, botocore.exceptions.ReadTimeoutError)
+    assert other.add_many(ids) == set()
+    assert store.add_many([*ids, "fresh"]) == {*ids[1:], "fresh"}
+    assert store.add_many(ids) == set()
+    store.close()
+    other.close()
+
+
+def test_add_many_failing_part_way_reports_its_progress(
+    table_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, other = open_store(table_url, retries=0), open_store(table_url)
+    ids = [f"part-{i}" for i in range(650)]  # 7 chunks, up to 4 in flight
+    _lose_answers(monkeypatch, store, "transact_write_items", {3})
+    with pytest.raises(StoreUnavailable) as info:
+        store.add_many(ids)
+    recorded, unknown = set(info.value.recorded), set(info.value.unknown)
+    assert len(recorded) >= 200 and len(unknown) == 100
+    assert not recorded & unknown
+    assert other.processed_among(recorded) == recorded
+    retry = store.add_many(ids)
+    assert retry | recorded == set(ids)
+    assert not retry & recorded
+    assert unknown <= retry  # performed before the failure: reported by the retry
+    assert other.add_many(ids) == set()
+    store.close()
+    other.close()
+
+
+# ---------------------------------------------------------------------- timeouts and clocks
+
+
+@pytest.mark.timeout(60)
+def test_server_that_never_answers_raises_store_unavailable() -> None:
+    """A server that accepts connections but never replies: bounded by ``timeout``."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    listener.settimeout(0.2)
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                accepted.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    port = listener.getsockname()[1]
+    url = f"dynamodb://silent-table?region=us-east-1&endpoint_url=http://127.0.0.1:{port}"
+    try:
+        with pytest.raises(StoreUnavailable, match=r"(?i)timeout") as info:
+            open_store(url, timeout=1, retries=0)
+        assert isinstance(info.value.__cause__, botocore.exceptions.ReadTimeoutError)
+        assert accepted, "the client never connected"
+        _one_line(info.value)
+    finally:
+        stop.set()
+        thread.join(10)
+        for connection in accepted:
+            connection.close()
+        listener.close()
+
+
+def test_purge_by_a_client_whose_clock_runs_ahead_keeps_live_records(table_url: str) -> None:
+    clock = FakeClock(1_700_000_000.0)
+    ahead = FakeClock(clock.now + 30)  # 30 s ahead: within max_clock_skew (60 s)
+    writer = open_store(table_url, retention="1h", clock=clock)
+    purger = open_store(table_url, retention="1h", clock=ahead)
+    assert writer.add("skewed") is True
+    for c in (clock, ahead):
+        c.advance(3600 - 10)  # 10 s left for the writer, expired 20 s ago for the purger
+    assert writer.has_been_processed("skewed")
+    assert not purger.has_been_processed("skewed")
+    assert purger.purge_expired() == 0
+    assert writer.has_been_processed("skewed")
+    assert writer.add("skewed") is False
+    for c in (clock, ahead):
+        c.advance(50)  # expired 70 s ago by the purger's clock
+    assert purger.purge_expired() == 1
+    assert writer.add("skewed") is True
+    writer.close()
+    purger.close()

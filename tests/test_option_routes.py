@@ -131,6 +131,9 @@ def _dynamodb(request: pytest.FixtureRequest, _: Path) -> Target:
     server: DynamoDBEndpoint = request.getfixturevalue("dynamodb_server")
     table = "routes-table"
     env = server.client_env
+    monkeypatch = request.getfixturevalue("monkeypatch")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
     open_store(
         f"dynamodb://{table}", create=True, endpoint_url=server.endpoint_url, region=server.region
     ).close()

@@ -21,13 +21,13 @@ from redis.crc import key_slot
 
 from backends.redis import RedisDeduplicationStore, record_key
 from dedupstore import DeduplicationStore, open_store
-from dedupstore.errors import ConfigurationError, ConsistencyError, StoreUnavailable
-from dedupstore.testing import (
-    DeduplicationStoreContract,
-    FakeClock,
-    MultiProcessContract,
-    StoreFactory,
+from dedupstore.errors import (
+    ConfigurationError,
+    ConsistencyError,
+    StoreClosed,
+    StoreUnavailable,
 )
+from dedupstore.testing import DeduplicationStoreContract, MultiProcessContract, StoreFactory
 from tests.servers import HOST, RedisServer, Server, free_port
 
 pytestmark = pytest.mark.redis
@@ -147,31 +147,29 @@ def test_tricky_endpoints_and_ids_never_collide(store_factory: StoreFactory) -> 
             store.close()
 
 
-def test_purge_touches_only_its_own_endpoint_and_prefix(redis_server: Server) -> None:
-    clock = FakeClock()
+def test_purge_expired_deletes_nothing_redis_expires_records_itself(
+    redis_server: Server,
+) -> None:
     base = _prefix()
     hour = timedelta(hours=1)
     # glob characters in the endpoint, an endpoint that is a prefix of another, and a
     # store whose key_prefix equals another store's prefix + endpoint + ':'
     specs = [(base, "a"), (base, "a*"), (base, "ab"), (base, "a:"), (f"{base}a:", "x")]
     stores = [
-        RedisDeduplicationStore(
-            redis_server.url, key_prefix=p, endpoint=e, retention=hour, clock=clock
-        )
+        RedisDeduplicationStore(redis_server.url, key_prefix=p, endpoint=e, retention=hour)
         for p, e in specs
     ]
+    admin = _admin(redis_server.url)
     try:
         for n, store in enumerate(stores):
             store.add_many([f"id-{i}" for i in range(n + 1)] + ["x:y", "*"])
-        clock.advance(timedelta(hours=2))
-        assert stores[1].purge_expired() == 2 + 2
-        for n, store in enumerate(stores):
-            if n != 1:
-                assert store.purge_expired() == n + 1 + 2, specs[n]
-        admin = _admin(redis_server.url)
-        assert list(admin.scan_iter(match=base + "*")) == []
-        admin.close()
+        keys = sorted(admin.scan_iter(match=base + "*"))
+        assert len(keys) == sum(n + 1 + 2 for n in range(len(stores)))
+        assert all(0 < admin.pttl(key) <= 3_600_000 for key in keys), "native expiry on each"
+        assert [store.purge_expired() for store in stores] == [0] * len(stores)
+        assert sorted(admin.scan_iter(match=base + "*")) == keys
     finally:
+        admin.close()
         for store in stores:
             store.close()
 
@@ -183,34 +181,28 @@ def test_key_prefix_must_end_with_a_colon(redis_server: Server) -> None:
     store.close()
 
 
-def test_records_use_the_documented_key_and_a_native_ttl_beyond_the_expiry(
-    redis_server: Server,
-) -> None:
+def test_records_use_the_documented_key_value_and_native_expiry(redis_server: Server) -> None:
     prefix = _prefix()
-    clock = FakeClock()
     keeper = RedisDeduplicationStore(redis_server.url, key_prefix=prefix, endpoint="e:{x}")
     expiring = RedisDeduplicationStore(
-        redis_server.url, key_prefix=prefix, endpoint="e", retention=timedelta(hours=1), clock=clock
+        redis_server.url, key_prefix=prefix, endpoint="e", retention=timedelta(hours=1)
     )
     admin = _admin(redis_server.url)
     try:
         keeper.add("m:{1}")
         expiring.add("m")
-        assert admin.exists(f"{prefix}e%3A%7Bx%7D:m%3A%7B1%7D") == 1
-        assert admin.pttl(f"{prefix}e%3A%7Bx%7D:m%3A%7B1%7D") == -1, "no retention, no TTL"
-        ttl = admin.pttl(f"{prefix}e:m")
-        assert 3_600_000 < ttl <= 3_600_000 + 60_000
-        value = admin.get(f"{prefix}e:m")
-        assert isinstance(value, bytes)
-        token, _, expiry = value.decode().partition("|")
-        assert token and float(expiry) == pytest.approx(clock.now + 3600)
-        # re-recording without retention removes the native TTL
-        clock.advance(timedelta(hours=2))
-        plain = RedisDeduplicationStore(
-            redis_server.url, key_prefix=prefix, endpoint="e", clock=clock
-        )
-        assert plain.add("m") is True
-        assert admin.pttl(f"{prefix}e:m") == -1
+        kept = f"{prefix}e%3A%7Bx%7D:m%3A%7B1%7D"
+        assert kept == record_key(prefix, "e:{x}", "m:{1}")
+        assert admin.exists(kept) == 1
+        assert admin.pttl(kept) == -1, "no retention, no expiry"
+        assert 3_590_000 < admin.pttl(f"{prefix}e:m") <= 3_600_000, "PX = the retention"
+        for key in (kept, f"{prefix}e:m"):
+            value = admin.get(key)
+            assert isinstance(value, bytes) and value.startswith(b"dsv1:") and len(value) > 10
+        # a store without retention does not re-record a live record (nor touch its expiry)
+        plain = RedisDeduplicationStore(redis_server.url, key_prefix=prefix, endpoint="e")
+        assert plain.add("m") is False
+        assert 0 < admin.pttl(f"{prefix}e:m") <= 3_600_000
         plain.close()
     finally:
         keeper.close()
@@ -218,11 +210,61 @@ def test_records_use_the_documented_key_and_a_native_ttl_beyond_the_expiry(
         admin.close()
 
 
+def test_native_expiry_is_judged_by_the_server(store_factory: StoreFactory) -> None:
+    store = store_factory(endpoint="e", retention="1s")
+    forever = store_factory(endpoint="e")
+    admin = _admin(store.url)
+    try:
+        assert store.add("short-lived") is True
+        assert store.add_many(["short-lived", "batch-lived"]) == {"batch-lived"}
+        for mid in ("short-lived", "batch-lived"):
+            assert 0 < admin.pttl(record_key(store.option("key_prefix"), "e", mid)) <= 1000
+        assert forever.has_been_processed("short-lived") is True
+        time.sleep(1.2)
+        assert store.has_been_processed("short-lived") is False
+        assert forever.processed_among(["short-lived", "batch-lived"]) == set()
+        assert store.add("short-lived") is True, "an expired record is recorded again"
+        assert forever.add_many(["batch-lived"]) == {"batch-lived"}
+        assert admin.pttl(record_key(store.option("key_prefix"), "e", "batch-lived")) == -1
+        assert store.purge_expired() == 0
+    finally:
+        store.close()
+        forever.close()
+        admin.close()
+
+
+def test_skewed_client_clocks_do_not_matter(
+    redis_server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """There is no client clock: a machine running 2 h ahead agrees with one on time."""
+    prefix, hour = _prefix(), timedelta(hours=1)
+    with pytest.raises(ConfigurationError, match="clock"):
+        open_store(redis_server.url, key_prefix=prefix, clock=time.time)
+    on_time = open_store(redis_server.url, key_prefix=prefix, retention=hour)
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + 2 * 3600)
+    ahead = open_store(redis_server.url, key_prefix=prefix, retention=hour)
+    admin = _admin(redis_server.url)
+    try:
+        assert on_time.add("early") is True
+        # a client clock 2 h ahead would judge this 1 h record expired and record it again
+        assert ahead.has_been_processed("early") is True
+        assert ahead.add("early") is False
+        assert ahead.add_many(["early", "late"]) == {"late"}
+        assert on_time.add("late") is False
+        assert on_time.processed_among(["early", "late"]) == {"early", "late"}
+        assert 0 < admin.pttl(record_key(prefix, "default", "late")) <= 3_600_000
+    finally:
+        on_time.close()
+        ahead.close()
+        admin.close()
+
+
 def test_foreign_value_under_the_prefix_is_a_loud_error(store_factory: StoreFactory) -> None:
     store = store_factory(endpoint="e")
     admin = _admin(store.url)
     try:
-        key = f"{store._options['key_prefix']}e:intruder"
+        key = record_key(store.option("key_prefix"), "e", "intruder")
         admin.set(key, "not ours")
         with pytest.raises(ConfigurationError, match="did not write"):
             store.add("intruder")
@@ -231,6 +273,31 @@ def test_foreign_value_under_the_prefix_is_a_loud_error(store_factory: StoreFact
         assert store.has_been_processed("fresh") is False, "a failed batch wrote nothing"
         with pytest.raises(ConfigurationError, match="did not write"):
             store.processed_among(["intruder"])
+        with pytest.raises(ConfigurationError, match="did not write"):
+            store.has_been_processed("intruder")
+    finally:
+        store.close()
+        admin.close()
+
+
+def test_a_key_of_another_type_is_a_configuration_error(store_factory: StoreFactory) -> None:
+    """A hash at a record key: MGET sees nothing, but SET must not replace it."""
+    store = store_factory(endpoint="e")
+    admin = _admin(store.url)
+    try:
+        key = record_key(store.option("key_prefix"), "e", "hashed")
+        admin.hset(key, "field", "value")
+        for call in (
+            lambda: store.add("hashed"),
+            lambda: store.add_many(["fresh", "hashed"]),
+            lambda: store.has_been_processed("hashed"),
+        ):
+            with pytest.raises(ConfigurationError, match="did not write") as info:
+                call()
+            assert "WRONGTYPE" in str(info.value) and "\n" not in str(info.value)
+            assert isinstance(info.value.__cause__, redis.ResponseError)
+        assert admin.type(key) == b"hash", "the foreign key is left alone"
+        assert store.has_been_processed("fresh") is False, "a failed batch wrote nothing"
     finally:
         store.close()
         admin.close()
@@ -279,13 +346,17 @@ def test_killed_server_raises_then_the_same_store_recovers(own_redis_server: Red
             lambda: store.has_been_processed(acked[0]),
             lambda: store.processed_among(acked),
             lambda: acked[0] in store,
-            store.purge_expired,
+            store.health_warnings,
         ]
         for call in calls:
             with pytest.raises(StoreUnavailable) as info:
                 call()
             assert isinstance(info.value.__cause__, redis.ConnectionError), info.value.__cause__
             assert "\n" not in str(info.value)
+        assert store.purge_expired() == 0, "no I/O: Redis expires records itself"
+        with pytest.raises(StoreUnavailable) as info:
+            store.add("during-outage")
+        assert info.value.unknown == {"during-outage"} and not info.value.recorded
 
         own_redis_server.restart()
         assert store.processed_among(acked) == set(acked), "an acknowledged id was lost"
@@ -294,6 +365,56 @@ def test_killed_server_raises_then_the_same_store_recovers(own_redis_server: Red
         assert store.add("during-outage") is True
         assert store.add_many(["during-outage", "other"]) == {"other"}
     finally:
+        store.close()
+
+
+@pytest.mark.timeout(300)
+def test_add_many_killed_half_way_then_retried_on_the_same_store(
+    own_redis_server: RedisServer,
+) -> None:
+    """The issue's scenario: kill -9 in the middle of a big batch, restart, retry it.
+
+    AOF with appendfsync always (RedisServer's default): every acknowledged chunk
+    survives the crash. Each id must be reported exactly once across the failed call
+    (``recorded``) and the retry; ``unknown`` ids are the chunks in flight.
+    """
+    ids = [f"bulk-{i}" for i in range(300_000)]
+    prefix = _prefix()
+    store = open_store(own_redis_server.url, key_prefix=prefix)
+    watcher = _admin(own_redis_server.url)
+    killed: list[Exception | None] = []
+
+    def kill_half_way() -> None:
+        try:
+            _wait_for(lambda: watcher.dbsize() >= len(ids) // 2, "half of the chunks", 120)
+            own_redis_server.kill()
+            killed.append(None)
+        except Exception as exc:  # noqa: BLE001 - the test thread reports it
+            killed.append(exc)
+
+    killer = threading.Thread(target=kill_half_way, daemon=True)
+    killer.start()
+    try:
+        with pytest.raises(StoreUnavailable) as info:
+            store.add_many(ids)
+        killer.join(60)
+        assert killed == [None], killed
+        recorded, unknown = set(info.value.recorded), set(info.value.unknown)
+        assert len(ids) // 2 <= len(recorded) < len(ids)
+        assert 0 < len(unknown) <= store.chunk_concurrency * store.max_write_batch
+        assert not recorded & unknown
+
+        own_redis_server.restart()
+        with open_store(own_redis_server.url, key_prefix=prefix) as other:
+            assert other.processed_among(recorded) == recorded, "an acknowledged id was lost"
+            untouched = set(ids) - recorded - unknown
+            assert not other.processed_among(untouched), "the call wrote an id it never sent"
+
+        retried = store.add_many(ids)
+        assert retried | recorded == set(ids), "an id is never reported as recorded"
+        assert not retried & recorded, "an id is reported twice"
+    finally:
+        watcher.close()
         store.close()
 
 
@@ -372,7 +493,7 @@ def test_retried_write_after_a_lost_reply_still_reports_true(
     """redis-py retries the script after a timeout; the token keeps the True."""
     prefix = _prefix()
     url = f"redis://{HOST}:{proxy.port}/0"
-    store = open_store(url, key_prefix=prefix, socket_timeout=0.5, retries=2)
+    store = open_store(url, key_prefix=prefix, timeout=0.5, retries=2)
     other = open_store(redis_server.url, key_prefix=prefix)
     try:
         proxy.drop_replies_on_open_connections()  # the next reply is lost; reconnects work
@@ -393,7 +514,7 @@ def test_caller_retry_after_unavailable_reports_true_once(
     """A write whose outcome is unknown raises; retrying it on the same object gives True."""
     prefix = _prefix()
     url = f"redis://{HOST}:{proxy.port}/0"
-    store = open_store(url, key_prefix=prefix, socket_timeout=0.5, retries=1)
+    store = open_store(url, key_prefix=prefix, timeout=0.5, retries=1)
     other = open_store(redis_server.url, key_prefix=prefix)
     try:
         proxy.drop_new_connections = True
@@ -401,6 +522,7 @@ def test_caller_retry_after_unavailable_reports_true_once(
         with pytest.raises(StoreUnavailable) as info:
             store.add_many(["unknown-1", "unknown-2"])
         assert isinstance(info.value.__cause__, redis.TimeoutError)
+        assert info.value.unknown == {"unknown-1", "unknown-2"} and not info.value.recorded
         assert proxy.reply_dropped.wait(30)
         _wait_for(lambda: other.has_been_processed("unknown-1"), "the lost write to land")
         proxy.drop_new_connections = False
@@ -582,6 +704,7 @@ def test_wrong_password_is_a_one_line_configuration_error(own_redis_server: Redi
         message = str(info.value)
         assert "\n" not in message and "wrong-pass" not in message, message
         assert "log in" in message
+        assert isinstance(info.value.__cause__, redis.AuthenticationError)
     good = open_store(f"redis://:s3cret-pass@{host}/0", key_prefix=_prefix())
     assert good.add("authenticated") is True
     assert "s3cret-pass" not in repr(good)
@@ -592,12 +715,126 @@ def test_wrong_password_is_a_one_line_configuration_error(own_redis_server: Redi
     by_option.close()
 
 
+def test_acl_user_without_evalsha_is_a_configuration_error(own_redis_server: RedisServer) -> None:
+    admin = _admin(own_redis_server.url)
+    url = own_redis_server.url
+    try:
+        admin.acl_setuser(
+            "no-eval", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-evalsha"]
+        )
+        with pytest.raises(ConfigurationError, match="may not run") as info:
+            open_store(url, username="no-eval", password="pw")
+        assert isinstance(info.value.__cause__, redis.exceptions.NoPermissionError)
+        # the permission is revoked while a store is open: the write path says the same
+        admin.acl_setuser("worker", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all"])
+        store = open_store(url, username="worker", password="pw", key_prefix=_prefix())
+        try:
+            assert store.add("allowed") is True
+            admin.acl_setuser("worker", commands=["-evalsha"])
+            for call in (lambda: store.add("refused"), lambda: store.add_many(["a", "b"])):
+                with pytest.raises(ConfigurationError, match="may not run") as info:
+                    call()
+                assert not isinstance(info.value, StoreUnavailable)
+            assert store.has_been_processed("allowed") is True, "reads are still allowed"
+        finally:
+            store.close()
+    finally:
+        admin.close()
+
+
+def test_out_of_memory_is_store_unavailable_with_a_hint(own_redis_server: RedisServer) -> None:
+    store = open_store(own_redis_server.url, key_prefix=_prefix())
+    admin = _admin(own_redis_server.url)
+    try:
+        assert store.add("before") is True
+        admin.config_set("maxmemory", 1)  # below what the server already uses
+        with pytest.raises(StoreUnavailable, match="maxmemory") as info:
+            store.add_many(["oom-1", "oom-2"])
+        assert isinstance(info.value.__cause__, redis.exceptions.OutOfMemoryError)
+        assert info.value.unknown == {"oom-1", "oom-2"}
+        admin.config_set("maxmemory", 0)
+        assert store.add_many(["oom-1", "oom-2"]) == {"oom-1", "oom-2"}
+    finally:
+        store.close()
+        admin.close()
+
+
+def test_use_after_close_is_store_closed(store_factory: StoreFactory) -> None:
+    store = store_factory()
+    store.close()
+    calls: list[Callable[[], object]] = [
+        lambda: store.add("x"),
+        lambda: store.add_many(["x"]),
+        lambda: store.has_been_processed("x"),
+        lambda: store.processed_among(["x"]),
+        store.purge_expired,
+        store.health_warnings,
+    ]
+    for call in calls:
+        with pytest.raises(StoreClosed):
+            call()
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A TCP server on 127.0.0.1 that accepts connections and never answers."""
+    listener = socket.create_server((HOST, 0))
+    listener.settimeout(0.1)
+    accepted: list[socket.socket] = []
+    done = threading.Event()
+
+    def accept() -> None:
+        while not done.is_set():
+            with contextlib.suppress(TimeoutError):
+                accepted.append(listener.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield listener.getsockname()[1]
+    done.set()
+    thread.join()
+    listener.close()
+    for sock in accepted:
+        sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_server_that_never_answers_times_out(silent_port: int) -> None:
+    with pytest.raises(StoreUnavailable, match=r"(?i)timeout") as info:
+        open_store(f"redis://{HOST}:{silent_port}/0", timeout=1, retries=0)
+    assert isinstance(info.value.__cause__, redis.TimeoutError)
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_server_times_out_then_the_retry_owns_the_write(
+    own_redis_server: RedisServer,
+) -> None:
+    prefix = _prefix()
+    store = open_store(own_redis_server.url, key_prefix=prefix, timeout="1", retries="0")
+    other = open_store(own_redis_server.url, key_prefix=prefix)
+    assert own_redis_server.pid is not None
+    try:
+        assert store.add("before") is True
+        os.kill(own_redis_server.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(StoreUnavailable, match=r"(?i)timeout") as info:
+                store.add("stalled")
+            assert info.value.unknown == {"stalled"}
+        finally:
+            os.kill(own_redis_server.pid, signal.SIGCONT)
+        assert store.add("stalled") is True, "written by the failed call or by this one"
+        assert other.add("stalled") is False
+    finally:
+        store.close()
+        other.close()
+
+
 @pytest.mark.parametrize("host", ["no-such-host.invalid:6379", "unused-port"])
 def test_unreachable_server_is_a_one_line_store_unavailable(host: str) -> None:
     if host == "unused-port":
         host = f"{HOST}:{free_port()}"
     with pytest.raises(StoreUnavailable) as info:
-        open_store(f"redis://:pw-secret@{host}/0", socket_connect_timeout=2)
+        open_store(f"redis://:pw-secret@{host}/0", connect_timeout=2)
     message = str(info.value)
     assert "\n" not in message and "pw-secret" not in message, message
     assert isinstance(info.value.__cause__, redis.ConnectionError)
@@ -611,10 +848,17 @@ def test_unreachable_server_is_a_one_line_store_unavailable(host: str) -> None:
         ("/0", {"key_prefix": "nocolon"}, "key_prefix"),
         ("/0", {"wait_replicas": -1}, "wait_replicas"),
         ("/0", {"wait_replicas": 1, "wait_timeout_ms": 0}, "wait_timeout_ms"),
-        ("/0?wait_replicas=1&wait_timeout_ms=9000", {}, "socket_timeout"),
-        ("/0?socket_timeout=-1", {}, "socket_timeout"),
+        ("/0?wait_replicas=1&wait_timeout_ms=9000", {}, "shorter than timeout"),
+        ("/0?timeout=-1", {}, "timeout"),
+        ("/0", {"timeout": "none"}, "timeout"),
+        ("/0?socket_timeout=1", {}, "now called 'timeout'"),
+        ("/0", {"socket_connect_timeout": 1}, "now called 'connect_timeout'"),
+        ("/0", {"clock": time.time}, "clock"),
         ("/0", {"retries": "x"}, "retries"),
+        ("/0", {"max_connections": 0}, "max_connections"),
         ("/0", {"ssl_ca_certs": "/tmp/ca.pem"}, "rediss"),
+        ("/0", {"ssl_cert_reqs": "sometimes"}, "ssl_cert_reqs"),
+        ("/0", {"client": object()}, "redis.Redis"),
     ],
 )
 def test_bad_configuration(
@@ -626,18 +870,26 @@ def test_bad_configuration(
     assert "\n" not in str(info.value)
 
 
-def test_url_options_are_typed_and_pickled(redis_server: Server) -> None:
+def test_url_and_keyword_options_are_converted_and_pickled(redis_server: Server) -> None:
     prefix = _prefix()
-    url = f"{redis_server.url}?key_prefix={prefix}&retries=0&socket_timeout=3&max_connections=4"
-    store = open_store(url, endpoint="typed", retention="1d")
+    url = f"{redis_server.url}?key_prefix={prefix}&retries=0&timeout=3&max_connections=4"
+    store = open_store(url, endpoint="typed", retention="1d", connect_timeout="2.5")
     clone = pickle.loads(pickle.dumps(store))
     try:
-        assert clone._options["retries"] == 0
-        assert clone._options["socket_timeout"] == 3.0
-        assert "retries=0" in repr(clone) and "username" not in repr(clone)
-        blocking = open_store(redis_server.url, key_prefix=prefix, socket_timeout="none")
-        assert pickle.loads(pickle.dumps(blocking))._options["socket_timeout"] is None
-        blocking.close()
+        assert clone.option("retries") == 0
+        assert clone.option("timeout") == 3.0
+        assert clone.option("max_connections") == 4
+        assert clone.option("connect_timeout") == 2.5
+        assert "connect_timeout=2.5" in repr(clone) and "username" not in repr(clone)
+        pool = clone._client.connection_pool
+        assert pool.connection_kwargs["socket_timeout"] == 3.0
+        assert pool.connection_kwargs["socket_connect_timeout"] == 2.5
+        assert pool.max_connections == 4
+        by_keyword = open_store(
+            redis_server.url, key_prefix=prefix, timeout="250ms", retries="2", wait_replicas="0"
+        )
+        assert (by_keyword.option("timeout"), by_keyword.option("retries")) == (0.25, 2)
+        by_keyword.close()
         assert clone.retention == timedelta(days=1)
         assert store.add("shared") is True
         assert clone.add("shared") is False
@@ -652,7 +904,9 @@ def test_ready_client_is_used_and_not_closed(redis_server: Server) -> None:
     store = RedisDeduplicationStore(redis_server.url, key_prefix=prefix, client=client)
     try:
         assert store.add("via-client") is True
+        assert store.add_many(["via-client", "second"]) == {"second"}
         assert store.processed_among(["via-client", "nope"]) == {"via-client"}
+        assert store.has_been_processed("via-client") is True
         assert "client=" not in repr(store) or "***" in repr(store)
         clone = pickle.loads(pickle.dumps(store))
         assert clone.has_been_processed("via-client")
