@@ -60,11 +60,7 @@ def _backend(name: str) -> Iterator[tuple[Opener, Any]]:
     elif name == "postgres":
         with PostgresServer() as pg:
             yield (
-                (
-                    lambda: open_store(
-                        pg.url, table=f"bench_{uuid.uuid4().hex[:12]}", create=True
-                    )
-                ),
+                (lambda: open_store(pg.url, table=f"bench_{uuid.uuid4().hex[:12]}", create=True)),
                 pg,
             )
     elif name == "redis":
