@@ -115,11 +115,10 @@ from dedupstore.options import (
     create_option,
     integer,
     retries_option,
-    seconds,
     text,
     timeout_option,
 )
-from dedupstore.store import CLOCK, DeduplicationStore, WriteRequest
+from dedupstore.store import CLOCK, MAX_CLOCK_SKEW, DeduplicationStore, WriteRequest
 from dedupstore.urls import MASK, StoreURL
 
 if TYPE_CHECKING:
@@ -263,13 +262,7 @@ class CosmosDeduplicationStore(DeduplicationStore):
     max_read_batch: ClassVar[int] = 1000
     declared_options: ClassVar[OptionSet] = DeduplicationStore.declared_options.extend(
         CLOCK,
-        Option(
-            "max_clock_skew",
-            seconds(),
-            60.0,
-            "seconds: purge_expired deletes only records expired for longer, so a client "
-            "whose clock runs up to this much ahead never deletes another client's live record",
-        ),
+        MAX_CLOCK_SKEW,
         Option(
             "key",
             text(r"(?s).*\S.*", "a non-empty key"),

@@ -97,11 +97,10 @@ from dedupstore.options import (
     connect_timeout_option,
     create_option,
     retries_option,
-    seconds,
     text,
     timeout_option,
 )
-from dedupstore.store import CLOCK, DeduplicationStore, WriteRequest
+from dedupstore.store import CLOCK, MAX_CLOCK_SKEW, DeduplicationStore, WriteRequest
 from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
@@ -229,13 +228,7 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
     chunk_concurrency: ClassVar[int] = 4
     declared_options: ClassVar[OptionSet] = DeduplicationStore.declared_options.extend(
         CLOCK,
-        Option(
-            "max_clock_skew",
-            seconds(),
-            60.0,
-            "seconds: purge_expired deletes only records expired for longer, so a client "
-            "whose clock runs up to this much ahead never deletes another client's live record",
-        ),
+        MAX_CLOCK_SKEW,
         Option(
             "region",
             _REGION,

@@ -22,11 +22,12 @@ from typing import Any, ClassVar, Literal
 from dedupstore.client import Client, ProcessLocal
 from dedupstore.errors import DedupStoreError, InvalidMessageId
 from dedupstore.ids import MAX_ID_BYTES, validate_endpoint, validate_ids, validate_message_id
-from dedupstore.options import Option, OptionSet, callable_, retention
+from dedupstore.options import Option, OptionSet, callable_, retention, seconds
 from dedupstore.urls import StoreURL
 
 __all__ = [
     "CLOCK",
+    "MAX_CLOCK_SKEW",
     "MAX_ID_BYTES",
     "DeduplicationStore",
     "WriteRequest",
@@ -52,6 +53,17 @@ CLOCK = Option(
     None,
     "a callable returning epoch seconds, used instead of time.time (tests)",
     in_url=False,
+)
+
+
+#: ``max_clock_skew``, for client-clock backends whose ``purge_expired`` runs on many
+#: clients: only records expired for longer than this are deleted.
+MAX_CLOCK_SKEW = Option(
+    "max_clock_skew",
+    seconds(),
+    60.0,
+    "seconds: purge_expired deletes only records expired for longer, so a client "
+    "whose clock runs up to this much ahead never deletes another client's live record",
 )
 
 

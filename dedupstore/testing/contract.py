@@ -626,6 +626,10 @@ class DeduplicationStoreContract:
             store.processed_among([_unique()])
         with pytest.raises(StoreClosed):
             store.has_been_processed(_unique())
+        with pytest.raises(StoreClosed):
+            store.purge_expired()
+        with pytest.raises(StoreClosed):
+            store.health_warnings()
 
     def test_repr_names_the_class_and_endpoint(self, store_factory: StoreFactory) -> None:
         store = store_factory(endpoint="repr-endpoint")
