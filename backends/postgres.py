@@ -1,34 +1,66 @@
 """``postgresql://`` / ``postgres://``: a deduplication table in PostgreSQL.
 
-The URL is a libpq connection URI. Query parameters that are dedupstore options
-(``table``, ``create_schema``, ``pool_min_size``, ``pool_max_size``,
-``connect_timeout``, ``password``, ``endpoint``, ``retention``) configure the store;
-every other one (``sslmode``, ``application_name``, ``options``, ...) goes to
-libpq unchanged, and libpq's environment variables (``PGPASSWORD``, ...) apply.
+The URL is a libpq connection URI. Its query parameters that are dedupstore
+options configure the store; every other libpq keyword (``sslmode``,
+``application_name``, ``options``, ...) goes to libpq unchanged, and libpq's
+environment variables (``PGPASSWORD``, ...) apply. Options (URL query or keyword):
+
+===================  ===============  ====================================================
+option               default          meaning
+===================  ===============  ====================================================
+``table``            ``dedup_records`` ``'name'`` or ``'schema.name'``, used verbatim
+``create``           ``false``        create the table (and schema) when missing, add the
+                                      ``writer`` column to an older table
+``timeout``          ``10`` s         how long one statement may take
+``connect_timeout``  ``5`` s          opening a connection, and waiting for a pooled one
+``pool_min_size``    ``1``            connections kept open
+``pool_max_size``    ``10``           connections at most
+``password``         none             the password, instead of the URL's (secret)
+``client``           none             a ready ``psycopg_pool.ConnectionPool`` (keyword
+                                      only; not closed by the store)
+===================  ===============  ====================================================
 
 Records live in one table keyed by ``(endpoint, id)``, both ``text COLLATE "C"``
-(byte-exact comparison, so ids differing only in case, accents or trailing spaces
-never collide), with the expiry as ``double precision`` epoch seconds compared with
-the store's clock, never the server's. Every statement runs in autocommit: a
-record is committed (and, with ``synchronous_commit`` forced on for the store's
-sessions, flushed to the WAL) before ``add`` returns. ``INSERT ... ON CONFLICT``
-decides the first writer.
+(byte-exact: ids differing only in case, accents or trailing spaces never
+collide). Expiry is judged by the server's clock: ``expires_at`` is epoch seconds
+computed from ``now()`` in SQL, so clients with skewed clocks agree. Every
+statement runs in autocommit with ``synchronous_commit`` forced on for the
+store's sessions: a record is committed and flushed before ``add`` returns.
+``INSERT ... ON CONFLICT`` decides the first writer; each record also holds the
+write token (``writer`` column) of the call that wrote it.
+
+Every statement is bounded: the server cancels it after ``timeout``
+(``statement_timeout``), TCP keepalives and ``tcp_user_timeout`` detect a
+network partition, and a client-side watchdog closes the connection of a
+statement that got no answer shortly after ``timeout`` (a frozen server still
+accepts TCP). Worst case of one call: ``connect_timeout + timeout`` (plus about
+a second of grace); reads are retried once on a connection that broke under
+them, so twice that.
+
+After a failure: ``StoreUnavailable`` (server down, timeout, failover to a
+replica, contention still failing after 3 attempts) means retry; writes are
+never re-sent by the store, so an ``add`` that failed may or may not have
+recorded its ids, and a retry on the same store object reports the ids it wrote
+as recorded by the retry (``add_many`` also says what it ``recorded`` and what
+is ``unknown``). ``ConfigurationError`` (missing table or database, refused
+credentials or permission, a table of another shape, a value libpq refuses)
+means fix the setup.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import inspect
+import itertools
 import math
 import os
+import re
 import select
+import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ClassVar, Self
-from urllib.parse import parse_qsl, quote, unquote, unquote_plus, urlencode, urlunsplit
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
 import psycopg
 import psycopg.conninfo
@@ -37,20 +69,25 @@ from psycopg import sql
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from dedupstore.client import ErrorKind, ProcessLocal
 from dedupstore.errors import ConfigurationError, StoreUnavailable
-from dedupstore.store import Clock, DeduplicationStore
-from dedupstore.urls import (
-    SECRET_OPTION_NAMES,
-    mask_url,
-    parse_bool,
-    query_options,
-    split_url,
+from dedupstore.options import (
+    Option,
+    OptionSet,
+    client_option,
+    connect_timeout_option,
+    create_option,
+    integer,
+    text,
+    timeout_option,
 )
+from dedupstore.store import DeduplicationStore, WriteRequest
+from dedupstore.urls import StoreURL, register_secret_name
 
 if TYPE_CHECKING:
     Connection = psycopg.Connection[TupleRow]
 
-__all__ = ["DEFAULT_TABLE", "PostgresDeduplicationStore"]
+__all__ = ["DEFAULT_TABLE", "PostgresDeduplicationStore", "StatementTimeout"]
 
 #: The table used when no ``table`` option is given.
 DEFAULT_TABLE = "dedup_records"
@@ -58,17 +95,20 @@ DEFAULT_TABLE = "dedup_records"
 _IDENTIFIER_MAX_BYTES = 63  # NAMEDATALEN - 1: PostgreSQL truncates longer names
 _PURGE_BATCH = 10_000
 _WRITE_ATTEMPTS = 3  # deadlock / serialization failure: rolled back, safe to retry
+_MAX_MS = 2**31 - 1  # libpq's and the server's limit for millisecond settings
 
-# libpq's connection failures that a retry will not fix: wrong password, unknown
-# role or database, refused by pg_hba.conf.
-_CREDENTIAL_MARKERS = (
-    "password authentication failed",
-    "no password supplied",
-    "authentication failed",
-    "pg_hba.conf",
-    "does not exist",
-    "permission denied",
-    "password is required",
+#: libpq keywords: undeclared URL query keys (and keywords) that pass through.
+_LIBPQ_KEYWORDS = frozenset(o.keyword.decode() for o in psycopg.pq.Conninfo.get_defaults())
+for _name in ("oauth_client_secret", "scram_client_key", "scram_server_key"):
+    if _name in _LIBPQ_KEYWORDS:
+        register_secret_name(_name)
+
+# Connection failures (libpq gives them no SQLSTATE) that a retry will not fix:
+# credentials, unknown role or database, pg_hba.conf, a value libpq refuses.
+_REFUSED = re.compile(
+    r"authentication failed|no password supplied|password is required|pg_hba\.conf"
+    r"|does not exist|permission denied|not permitted to log in|invalid \S+ value"
+    r"|invalid integer value|invalid connection option|invalid URI|SSL was required"
 )
 
 # Contention errors raised by the server for a statement that was rolled back.
@@ -77,37 +117,29 @@ _RETRYABLE_WRITE_ERRORS: tuple[type[psycopg.Error], ...] = (
     psycopg.errors.SerializationFailure,
 )
 
-# Pools of stores inherited through ``fork()``: their sockets belong to the parent,
-# so the child must neither use nor close them (closing would end the parent's
-# sessions). They are kept referenced here, never collected.
-_inherited_pools: list[object] = []
 
-
-def _query_pieces(query: str, keep: Callable[[str], bool]) -> str:
-    """The ``key=value`` pieces of a URL query whose (decoded) key passes ``keep``."""
-    return "&".join(
-        piece for piece in query.split("&") if piece and keep(unquote_plus(piece.partition("=")[0]))
-    )
-
-
-def _one_line(text: object) -> str:
-    return " ".join(str(text).split())
+class StatementTimeout(psycopg.OperationalError):
+    """A statement got no answer in time; the store closed its connection."""
 
 
 def _split_table(table: str) -> tuple[str, ...]:
-    """``'name'`` or ``'schema.name'`` -> identifier parts; ``ConfigurationError`` if bad."""
-    if not isinstance(table, str):
-        raise ConfigurationError(f"table must be a str, got {type(table).__name__}")
+    """``'name'`` or ``'schema.name'`` -> identifier parts; ``ValueError`` if bad."""
     parts = tuple(table.split("."))
     if len(parts) > 2 or not all(parts):
-        raise ConfigurationError(f"table must be 'name' or 'schema.name', got {table!r}")
+        raise ValueError(f"expected 'name' or 'schema.name', got {table!r:.80}")
     for part in parts:
         if "\x00" in part or len(part.encode("utf-8", "surrogatepass")) > _IDENTIFIER_MAX_BYTES:
-            raise ConfigurationError(
-                f"table name part {part[:70]!r} must be at most {_IDENTIFIER_MAX_BYTES} bytes "
-                "without NUL characters"
+            raise ValueError(
+                f"each part must be at most {_IDENTIFIER_MAX_BYTES} bytes without NUL "
+                f"characters, got {part[:70]!r}"
             )
     return parts
+
+
+def _table_name(value: object) -> str:
+    name: str = text(what="a table name")(value)
+    _split_table(name)
+    return name
 
 
 def _index_name(table_name: str) -> str:
@@ -118,12 +150,71 @@ def _index_name(table_name: str) -> str:
     return f"{table_name.encode('utf-8')[:40].decode('utf-8', 'ignore')}_{digest}_expires_at"
 
 
+# --------------------------------------------------------------------------- watchdog
+
+
+class _Watchdog:
+    """One thread per process that fires the alarms of statements past their deadline.
+
+    Firing and disarming hold one lock: after :meth:`disarm` an alarm has either
+    fired completely or never will. Few alarms are armed at once (one per
+    statement in flight), so the thread scans them all when it wakes.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._armed: dict[int, tuple[float, Callable[[], None]]] = {}
+        self._keys = itertools.count()
+        self._wake = math.inf  # when the thread wakes next
+        self._thread: threading.Thread | None = None
+
+    def arm(self, delay: float, fire: Callable[[], None]) -> int:
+        key, deadline = next(self._keys), time.monotonic() + delay
+        with self._cond:
+            self._armed[key] = (deadline, fire)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="dedupstore-pg", daemon=True)
+                self._thread.start()
+            if deadline < self._wake:
+                self._cond.notify()
+        return key
+
+    def disarm(self, key: int) -> bool:
+        """Cancel an alarm (once); return whether it had fired."""
+        with self._cond:
+            return self._armed.pop(key, None) is None
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                for key, (deadline, fire) in list(self._armed.items()):
+                    if deadline <= now:
+                        del self._armed[key]
+                        with contextlib.suppress(Exception):
+                            fire()
+                self._wake = min((d for d, _ in self._armed.values()), default=math.inf)
+                self._cond.wait(None if self._wake == math.inf else self._wake - now)
+
+
+_WATCHDOG: ProcessLocal[_Watchdog] = ProcessLocal(_Watchdog)
+
+
+def _shut_down(conn: Connection) -> None:
+    """Shut the connection's socket down: a call blocked on it fails at once."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+# --------------------------------------------------------------------------- connections
+
+
 class _ConnectFailures:
     """The last failed connection attempt of a pool, to explain its timeouts."""
 
     def __init__(self) -> None:
         self.at = -math.inf
-        self.message = ""
+        self.error: psycopg.Error | None = None
 
 
 def _recording_connection_class(failures: _ConnectFailures) -> type[Connection]:
@@ -135,7 +226,7 @@ def _recording_connection_class(failures: _ConnectFailures) -> type[Connection]:
             try:
                 return super().connect(conninfo, **kwargs)
             except psycopg.Error as exc:
-                failures.at, failures.message = time.monotonic(), _one_line(exc)
+                failures.at, failures.error = time.monotonic(), exc
                 raise
 
     RecordingConnection.__qualname__ = RecordingConnection.__name__
@@ -150,32 +241,19 @@ def _server_closed(conn: Connection) -> bool:
     """
     if conn.closed or conn.broken:
         return True
-    fd = conn.fileno()
-    if hasattr(select, "poll"):
-        poller = select.poll()
-        poller.register(fd, select.POLLIN | select.POLLPRI)
-        return bool(poller.poll(0))
-    return bool(select.select([fd], [], [], 0)[0])  # pragma: no cover - Windows
-
-
-def _configure(conn: Connection) -> None:
-    """New pooled connection: pin a durable ``synchronous_commit`` for the session.
-
-    The server's value is kept unless it is ``off`` (then ``on``); pinning it in the
-    session means a later configuration reload cannot turn it off under the pool.
-    """
-    conn.execute(
-        "SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit') "
-        "WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END, false)"
-    )
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN | select.POLLPRI)
+    return bool(poller.poll(0))
 
 
 class PostgresDeduplicationStore(DeduplicationStore):
     """Deduplication store in a PostgreSQL table, through a psycopg connection pool.
 
-    Thread-safe; open one per process (it pickles to its URL and options). Raises
-    ``StoreUnavailable`` when the server cannot answer; ``add``/``add_many`` are
-    never retried once sent, so their answer is exact or an error.
+    Thread-safe and fork-safe (a child process opens its own pool); it pickles
+    to its URL and options. Raises ``StoreUnavailable`` when the server cannot
+    answer within the timeouts, ``ConfigurationError`` for a missing or unusable
+    table, refused credentials or permissions; ``add``/``add_many`` are never
+    re-sent once sent, so their answer is exact or an error.
     """
 
     schemes: ClassVar[tuple[str, ...]] = ("postgresql", "postgres")
@@ -184,280 +262,204 @@ class PostgresDeduplicationStore(DeduplicationStore):
     # Two chunks in flight: the server works on one while the next is sent (and on
     # two cores at once); overlapping chunks are sorted, so they cannot deadlock.
     chunk_concurrency: ClassVar[int] = 2
-    url_options: ClassVar[Mapping[str, Callable[[str], Any]]] = {
-        "table": str,
-        "create_schema": parse_bool,
-        "pool_min_size": int,
-        "pool_max_size": int,
-        "connect_timeout": float,
-        "password": str,
-    }
+    expiry_clock: ClassVar[Literal["client", "server"]] = "server"
+    declared_options: ClassVar[OptionSet] = DeduplicationStore.declared_options.extend(
+        Option("table", _table_name, DEFAULT_TABLE, "'name' or 'schema.name' of the table"),
+        create_option(
+            False,
+            "create the table when missing (and add the writer column to an older one)",
+            formerly=("create_schema",),
+        ),
+        timeout_option(10.0, "seconds one statement may take before StoreUnavailable"),
+        connect_timeout_option(5.0),
+        Option("pool_min_size", integer(0, 1000), 1, "connections kept open"),
+        Option("pool_max_size", integer(1, 1000), 10, "connections at most"),
+        Option(
+            "password",
+            text(r"[^\x00]+", "a non-empty password"),
+            None,
+            "the password (instead of the URL's)",
+            secret=True,
+        ),
+        client_option("a ready psycopg_pool.ConnectionPool to use (not closed by the store)"),
+        driver_params=lambda key: key in _LIBPQ_KEYWORDS,
+    )
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        endpoint: str = "default",
-        retention: timedelta | None = None,
-        clock: Clock | None = None,
-        table: str = DEFAULT_TABLE,
-        create_schema: bool = False,
-        pool_min_size: int = 1,
-        pool_max_size: int = 10,
-        connect_timeout: float = 10.0,
-        password: str | None = None,
-        client: ConnectionPool[Connection] | None = None,
-    ) -> None:
-        """Connect, check the table (creating it if ``create_schema``) and open the pool.
-
-        ``table`` is ``'name'`` or ``'schema.name'``, used verbatim (quoted).
-        ``connect_timeout`` (seconds) bounds connecting and waiting for a pooled
-        connection. ``client`` is a ready ``psycopg_pool.ConnectionPool`` to use
-        instead of opening one (it is not closed by :meth:`close`).
+    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
+        """Connect, check the table (creating it if ``create``) and open the pool.
 
         Raises ``ConfigurationError`` for a bad URL or option, refused credentials,
         a non-UTF8 database or a missing/unusable table, and ``StoreUnavailable``
         when the server cannot be reached.
         """
-        self._table_parts = _split_table(table)
-        try:
-            create_schema = parse_bool(create_schema)
-        except (ValueError, AttributeError):
+        super().__init__(url, **options)
+        self._timeout: float = self._opts["timeout"]
+        self._connect_timeout: float = self._opts["connect_timeout"]
+        # The server cancels a statement at ``timeout``; the watchdog acts a little
+        # later, only when the server did not answer at all.
+        self._watchdog_delay = self._timeout + min(1.0, self._timeout / 2)
+        minimum, maximum = self._opts["pool_min_size"], self._opts["pool_max_size"]
+        if minimum > maximum:
             raise ConfigurationError(
-                f"create_schema must be true or false, got {create_schema!r}"
-            ) from None
-        if isinstance(pool_min_size, bool) or not isinstance(pool_min_size, int):
-            raise ConfigurationError(f"pool_min_size must be an int, got {pool_min_size!r}")
-        if isinstance(pool_max_size, bool) or not isinstance(pool_max_size, int):
-            raise ConfigurationError(f"pool_max_size must be an int, got {pool_max_size!r}")
-        if pool_min_size < 0 or pool_max_size < max(1, pool_min_size):
-            raise ConfigurationError(
-                "pool sizes must satisfy 0 <= pool_min_size <= pool_max_size and "
-                f"pool_max_size >= 1, got {pool_min_size} and {pool_max_size}"
+                f"pool_min_size ({minimum}) must not exceed pool_max_size ({maximum}) "
+                f"for {type(self).__name__}"
             )
-        if (
-            isinstance(connect_timeout, bool)
-            or not isinstance(connect_timeout, int | float)
-            or not connect_timeout > 0
-            or math.isinf(connect_timeout)
-        ):
+        given = self._opts["client"]
+        if given is not None and not isinstance(given, ConnectionPool):
             raise ConfigurationError(
-                f"connect_timeout must be a positive number of seconds, got {connect_timeout!r}"
+                f"client must be a psycopg_pool.ConnectionPool, got {type(given).__name__}"
             )
-        options: dict[str, Any] = {
-            "table": table,
-            "create_schema": create_schema,
-            "pool_min_size": pool_min_size,
-            "pool_max_size": pool_max_size,
-            "connect_timeout": connect_timeout,
-        }
-        if password is not None:
-            options["password"] = password
-        if client is not None:
-            options["client"] = client
-        super().__init__(url, endpoint=endpoint, retention=retention, clock=clock, options=options)
-        self._unavailable_errors = (psycopg.Error,)
-        self._password = password
-        self._check_url_agrees(url)
-        self._conninfo = self._libpq_conninfo(url)
-        self._connect_timeout = float(connect_timeout)
-        self._connect_kwargs: dict[str, Any] = {
-            "autocommit": True,
-            "connect_timeout": max(2, math.ceil(connect_timeout)),
-            "client_encoding": "UTF8",
-            "fallback_application_name": "dedupstore",
-        }
-        if password is not None:
-            self._connect_kwargs["password"] = password
-        self._pool_sizes = (pool_min_size, pool_max_size)
-        self._connect_failures = _ConnectFailures()
-        self._owns_pool = client is None
-        self._pool_lock = threading.Lock()
+        self._table_parts = _split_table(self._opts["table"])
         self._build_statements()
-        if client is not None:
-            with self._translating_errors("connect"), client.connection() as conn:
-                self._check_storage(conn, create_schema)
-            self._pool = client
-        else:
-            self._probe(create_schema)
-            self._pool = self._new_pool()
-        self._pool_pid = os.getpid()
+        self._conninfo = self._libpq_conninfo()
+        self._connect_failures = _ConnectFailures()
+        self._unused_client: ConnectionPool[Connection] | None = given
+        self._pools: ProcessLocal[ConnectionPool[Connection]] = ProcessLocal(
+            self._make_pool, self._close_pool
+        )
+        with self._translating_errors("open"):
+            if given is None:
+                with psycopg.connect(self._conninfo, autocommit=True) as conn:
+                    self._configure(conn)
+                    self._check_storage(conn)
+                self._pools.get()
+            else:
+                self._pools.get()
+                with self._connection() as conn:
+                    self._check_storage(conn)
+
+    @classmethod
+    def create_schema(cls, url: str | StoreURL, **options: Any) -> None:
+        """Create the table and its expiry index if missing (idempotent).
+
+        Takes the same URL and options as :func:`dedupstore.open_store` and opens
+        the store with ``create=true``; needs the CREATE privilege. Safe to run
+        concurrently. Raises like the constructor.
+        """
+        parsed = StoreURL.parse(url)
+        parsed = parsed.with_query([(k, v) for k, v in parsed.query if k != "create"])
+        cls(parsed, **{**options, "create": True}).close()
 
     # ------------------------------------------------------------------ opening
 
-    @classmethod
-    def from_url(cls, url: str, **options: Any) -> Self:
-        """Build a store from its URL; dedupstore options are taken from the query.
-
-        Other query parameters are libpq's: they stay in the URL, and libpq rejects
-        unknown ones when the store opens.
-        """
-        parts = split_url(url)
-        converters = {**cls._COMMON_URL_OPTIONS, **cls.url_options}
-        own = _query_pieces(parts.query, lambda key: key in converters)
-        merged = {**query_options(parts._replace(query=own), converters), **options}
-        if _query_pieces(parts.query, lambda key: key in options) != "":
-            # keywords override the URL: drop the overridden values from it
-            url = urlunsplit(
-                parts._replace(query=_query_pieces(parts.query, lambda key: key not in options))
-            )
+    def _libpq_conninfo(self) -> str:
+        """The URL without its query, plus the libpq parameters, validated by libpq."""
+        timeout_s = max(1, math.ceil(self._timeout))
+        params: dict[str, Any] = {
+            "keepalives": 1,
+            "keepalives_idle": timeout_s,
+            "keepalives_interval": max(1, math.ceil(self._timeout / 3)),
+            "keepalives_count": 3,
+            "tcp_user_timeout": min(_MAX_MS, math.ceil(self._timeout * 1000)),
+            "fallback_application_name": "dedupstore",
+            **self._opts.driver_params,
+            "client_encoding": "UTF8",
+            "connect_timeout": max(2, math.ceil(self._connect_timeout)),
+        }
+        if self._opts["password"] is not None:
+            params["password"] = self._opts["password"]
         try:
-            inspect.signature(cls).bind(url, **merged)
-        except TypeError as exc:
+            return psycopg.conninfo.make_conninfo(self._url.with_query([]).text, **params)
+        except psycopg.Error as exc:
             raise ConfigurationError(
-                f"cannot open {mask_url(url)} with {cls.__name__}: {exc}"
+                f"bad PostgreSQL URL {self.url}: {self._describe_error(exc)}"
             ) from None
-        return cls(url, **merged)
 
-    @classmethod
-    def create_schema(cls, url: str, **options: Any) -> None:
-        """Create the table and its expiry index if missing (idempotent).
+    def _configure(self, conn: Connection) -> None:
+        """New connection: pin a durable ``synchronous_commit`` and the statement timeout.
 
-        Takes the same URL and options as :func:`dedupstore.open_store`; needs
-        the CREATE privilege. Safe to run concurrently. Raises like the
-        constructor.
+        The server's ``synchronous_commit`` is kept unless it is ``off`` (then
+        ``on``); pinning it in the session means a later configuration reload
+        cannot turn it off under the pool.
         """
-        cls.from_url(url, **{**options, "create_schema": True}).close()
-
-    def _check_url_agrees(self, url: str) -> None:
-        """Refuse dedupstore options in the URL that the keyword arguments contradict.
-
-        Only :meth:`from_url` (and so ``open_store``) reads options from the query;
-        a direct constructor call must not silently ignore them.
-        """
-        parts = split_url(url)
-        converters = {**self._COMMON_URL_OPTIONS, **self.url_options}
-        in_url = query_options(
-            parts._replace(query=_query_pieces(parts.query, lambda key: key in converters)),
-            converters,
+        self._execute(
+            conn,
+            "SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit') "
+            "WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END, false), "
+            "set_config('statement_timeout', %s, false)",
+            [str(min(_MAX_MS, math.ceil(self._timeout * 1000)))],
         )
-        effective = {**self._options, "endpoint": self._endpoint, "retention": self._retention}
-        for key, value in in_url.items():
-            if effective.get(key) != value:
-                secret = key.lower() in SECRET_OPTION_NAMES
-                shown, given = ("***", "***") if secret else (repr(value), repr(effective.get(key)))
-                raise ConfigurationError(
-                    f"the URL sets {key}={shown} but the {key} argument is {given}: open the "
-                    f"store with open_store() or {type(self).__name__}.from_url(), where "
-                    "keyword arguments override the URL"
-                )
 
-    def _libpq_conninfo(self, url: str) -> str:
-        """``url`` minus dedupstore's query options, validated by libpq's parser."""
-        parts = split_url(url)
-        if parts.scheme not in self.schemes:
+    def _check_storage(self, conn: Connection) -> None:
+        """Check the encoding and the table (creating or upgrading it if asked) on ``conn``."""
+        row = self._execute(conn, "SELECT current_setting('server_encoding')")[0]
+        if row[0] != "UTF8" or conn.info.encoding != "utf-8":
             raise ConfigurationError(
-                f"expected a postgresql:// or postgres:// URL, got {self._scrub(self.url)!r}"
-            )
-        ours = {*self._COMMON_URL_OPTIONS, *self.url_options}
-        kept = [
-            (key, value)
-            for key, value in parse_qsl(parts.query, keep_blank_values=True)
-            if key not in ours
-        ]
-        conninfo = urlunsplit(parts._replace(query=urlencode(kept, quote_via=quote), fragment=""))
-        try:
-            psycopg.conninfo.conninfo_to_dict(conninfo)
-        except psycopg.Error as exc:
-            raise ConfigurationError(
-                f"bad PostgreSQL URL {self.url}: {self._scrub(_one_line(exc))}"
-            ) from None
-        return conninfo
-
-    def _scrub(self, text: str) -> str:
-        """Remove the password (raw or decoded) from ``text``."""
-        secrets = {self._password} if self._password else set()
-        userinfo = split_url(self._url).netloc.rpartition("@")[0]
-        if ":" in userinfo:
-            raw = userinfo.split(":", 1)[1]
-            secrets |= {raw, unquote(raw)}
-        for secret in sorted((s for s in secrets if s), key=len, reverse=True):
-            text = text.replace(secret, "***")
-        return text
-
-    def _probe(self, create_schema: bool) -> None:
-        """Connect once to report bad credentials or an unreachable server clearly."""
-        try:
-            conn = psycopg.connect(self._conninfo, **self._connect_kwargs)
-        except psycopg.OperationalError as exc:
-            message = self._scrub(_one_line(exc))
-            if any(marker in message for marker in _CREDENTIAL_MARKERS):
-                raise ConfigurationError(
-                    f"PostgreSQL at {self.url} refused the connection: {message}"
-                ) from exc
-            raise StoreUnavailable(
-                f"cannot connect to PostgreSQL at {self.url}: {message}"
-            ) from exc
-        except psycopg.Error as exc:
-            raise ConfigurationError(
-                f"cannot connect to PostgreSQL at {self.url}: {self._scrub(_one_line(exc))}"
-            ) from exc
-        with conn, self._translating_errors("open the table"):
-            self._check_storage(conn, create_schema)
-
-    def _check_storage(self, conn: Connection, create_schema: bool) -> None:
-        """Check the encoding and the table (creating it if asked) on ``conn``."""
-        row = conn.execute("SELECT current_setting('server_encoding')").fetchone()
-        encoding = row[0] if row else None
-        if encoding != "UTF8" or conn.info.encoding != "utf-8":
-            raise ConfigurationError(
-                f"PostgreSQL at {self.url}: the database encoding is {encoding} and the client "
+                f"PostgreSQL at {self.url}: the database encoding is {row[0]} and the client "
                 f"encoding {conn.info.encoding}; dedupstore needs UTF8 for both so every id "
                 "round-trips"
             )
-        found = conn.execute("SELECT to_regclass(%s) IS NOT NULL", [self._table_text]).fetchone()
-        if not (found and found[0]):
-            if not create_schema:
+        found = self._execute(conn, "SELECT to_regclass(%s) IS NOT NULL", [self._table_text])
+        if not found[0][0]:
+            if not self._opts["create"]:
                 raise ConfigurationError(
                     f"table {self._table_text} does not exist in PostgreSQL at {self.url}: "
                     "call PostgresDeduplicationStore.create_schema(url) once, or open the "
-                    "store with create_schema=true"
+                    "store with create=true"
                 )
             self._create_table(conn)
-        try:
-            conn.execute(self._sql_columns)
-            conn.execute(
-                self._sql_add_many,
-                {"endpoint": self._endpoint, "ids": [], "expires_at": None, "now": 0.0},
-            )
-        except (psycopg.ProgrammingError, psycopg.DataError) as exc:
-            raise ConfigurationError(
-                f"table {self._table_text} in PostgreSQL at {self.url} is not usable as a "
-                f"deduplication table: {_one_line(exc)}"
-            ) from exc
+        self._execute(conn, self._sql_columns)
+        has_writer = self._execute(
+            conn,
+            "SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass(%s) "
+            "AND attname = 'writer' AND NOT attisdropped",
+            [self._table_text],
+        )
+        if not has_writer[0][0]:
+            if not self._opts["create"]:
+                raise ConfigurationError(
+                    f"table {self._table_text} in PostgreSQL at {self.url} has no writer column "
+                    f"(made by an older dedupstore): run {self._sql_add_writer.decode()} once, "
+                    "or open the store with create=true"
+                )
+            with conn.transaction():
+                self._lock_schema(conn)
+                self._execute(conn, self._sql_add_writer)
+        self._execute(
+            conn,
+            self._sql_add_many,
+            {"endpoint": self._endpoint, "ids": [], "retention": None, "token": "", "mine": []},
+        )
+
+    def _lock_schema(self, conn: Connection) -> None:
+        self._execute(
+            conn,
+            "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+            [f"dedupstore:{self._table_text}"],
+        )
 
     def _create_table(self, conn: Connection) -> None:
         """Create the schema, table and index (serialized by an advisory lock)."""
         with conn.transaction():
-            conn.execute(
-                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
-                [f"dedupstore:{self._table_text}"],
-            )
+            self._lock_schema(conn)
             if len(self._table_parts) == 2:
                 schema = self._table_parts[0]
-                exists = conn.execute(
-                    "SELECT 1 FROM pg_namespace WHERE nspname = %s", [schema]
-                ).fetchone()
-                if not exists:
-                    conn.execute(
-                        sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema))
+                if not self._execute(
+                    conn, "SELECT 1 FROM pg_namespace WHERE nspname = %s", [schema]
+                ):
+                    self._execute(
+                        conn,
+                        sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)),
                     )
-            conn.execute(
+            self._execute(
+                conn,
                 sql.SQL(
                     "CREATE TABLE IF NOT EXISTS {table} ("
                     'endpoint text COLLATE "C" NOT NULL, '
                     'id text COLLATE "C" NOT NULL, '
                     "expires_at double precision, "
+                    "writer text, "
                     "PRIMARY KEY (endpoint, id))"
-                ).format(table=self._table)
+                ).format(table=self._table),
             )
-            conn.execute(
+            self._execute(
+                conn,
                 sql.SQL(
                     "CREATE INDEX IF NOT EXISTS {index} ON {table} (endpoint, expires_at) "
                     "WHERE expires_at IS NOT NULL"
                 ).format(
                     index=sql.Identifier(_index_name(self._table_parts[-1])), table=self._table
-                )
+                ),
             )
 
     def _build_statements(self) -> None:
@@ -467,24 +469,28 @@ class PostgresDeduplicationStore(DeduplicationStore):
         def render(text: str) -> bytes:
             return sql.SQL(text).format(table=self._table).as_bytes(None)
 
+        now = "extract(epoch FROM now())::float8"  # the server's clock, never the client's
+        expires = f"{now} + %(retention)s::float8"  # NULL (forever) without retention
         on_conflict = (
-            "ON CONFLICT (endpoint, id) DO UPDATE SET expires_at = EXCLUDED.expires_at "
-            "WHERE r.expires_at IS NOT NULL AND r.expires_at <= %(now)s::float8 "
+            "ON CONFLICT (endpoint, id) DO UPDATE "
+            "SET expires_at = EXCLUDED.expires_at, writer = EXCLUDED.writer "
+            f"WHERE (r.expires_at IS NOT NULL AND r.expires_at <= {now}) "
+            "OR r.writer = ANY(%(mine)s::text[]) "
         )
         # Rows are inserted in one order (code points = UTF-8 bytes = COLLATE "C")
         # by every writer, so overlapping batches wait for each other, never deadlock.
         self._sql_add_many = render(
-            "INSERT INTO {table} AS r (endpoint, id, expires_at) "
-            "SELECT %(endpoint)s::text, u.id, %(expires_at)s::float8 "
+            "INSERT INTO {table} AS r (endpoint, id, expires_at, writer) "
+            f"SELECT %(endpoint)s::text, u.id, {expires}, %(token)s::text "
             "FROM unnest(%(ids)b::text[]) WITH ORDINALITY AS u(id, n) ORDER BY u.n "
             f"{on_conflict}RETURNING r.id"
         )
         self._sql_add_one = render(
-            "INSERT INTO {table} AS r (endpoint, id, expires_at) "
-            "VALUES (%(endpoint)s::text, %(id)s::text, %(expires_at)s::float8) "
+            "INSERT INTO {table} AS r (endpoint, id, expires_at, writer) "
+            f"VALUES (%(endpoint)s::text, %(id)s::text, {expires}, %(token)s::text) "
             f"{on_conflict}RETURNING 1"
         )
-        live = "(expires_at IS NULL OR expires_at > %(now)s::float8)"
+        live = f"(expires_at IS NULL OR expires_at > {now})"
         self._sql_find = render(
             "SELECT id FROM {table} "
             f"WHERE endpoint = %(endpoint)s::text AND id = ANY(%(ids)b::text[]) AND {live}"
@@ -493,24 +499,31 @@ class PostgresDeduplicationStore(DeduplicationStore):
             "SELECT 1 FROM {table} "
             f"WHERE endpoint = %(endpoint)s::text AND id = %(id)s::text AND {live}"
         )
-        expired = "endpoint = %(endpoint)s::text AND expires_at <= %(now)s::float8"
+        expired = f"endpoint = %(endpoint)s::text AND expires_at <= {now}"
         # The outer condition is re-checked on rows re-recorded meanwhile: never deleted.
         self._sql_purge = render(
-            f"DELETE FROM {{table}} WHERE {expired} AND id IN ("
-            f"SELECT id FROM {{table}} WHERE {expired} LIMIT %(limit)s)"
+            f"WITH d AS (DELETE FROM {{table}} WHERE {expired} AND id IN ("
+            f"SELECT id FROM {{table}} WHERE {expired} LIMIT %(limit)s) RETURNING 1) "
+            "SELECT count(*) FROM d"
         )
         self._sql_columns = render("SELECT endpoint, id, expires_at FROM {table} WHERE false")
+        self._sql_add_writer = render("ALTER TABLE {table} ADD COLUMN IF NOT EXISTS writer text")
 
-    def _new_pool(self) -> ConnectionPool[Connection]:
-        minimum, maximum = self._pool_sizes
+    # ------------------------------------------------------------------ pool
+
+    def _make_pool(self) -> ConnectionPool[Connection]:
+        """The given ``client`` in the opening process; a pool of our own elsewhere."""
+        given, self._unused_client = self._unused_client, None
+        if given is not None:
+            return given
         pool: ConnectionPool[Connection] = ConnectionPool(
             self._conninfo,
             connection_class=_recording_connection_class(self._connect_failures),
-            kwargs=self._connect_kwargs,
-            min_size=minimum,
-            max_size=maximum,
+            kwargs={"autocommit": True},
+            min_size=self._opts["pool_min_size"],
+            max_size=self._opts["pool_max_size"],
             open=False,
-            configure=_configure,
+            configure=self._configure,
             timeout=self._connect_timeout,
             # Stop background reconnection after half the wait: a later call then
             # connects on demand at once instead of waiting for a backed-off retry.
@@ -520,47 +533,67 @@ class PostgresDeduplicationStore(DeduplicationStore):
         pool.open(wait=False)
         return pool
 
-    def _current_pool(self) -> ConnectionPool[Connection]:
-        """The pool, replaced in a child process after ``fork()``."""
-        if self._pool_pid != os.getpid() and self._owns_pool:
-            with self._pool_lock:
-                if self._pool_pid != os.getpid():
-                    _inherited_pools.append(self._pool)
-                    self._pool = self._new_pool()
-                    self._pool_pid = os.getpid()
-        return self._pool
+    def _close_pool(self, pool: ConnectionPool[Connection]) -> None:
+        if pool is not self._opts["client"]:
+            pool.close(timeout=5.0)
 
     @contextlib.contextmanager
     def _connection(self) -> Iterator[Connection]:
-        """A live pooled connection, committed (autocommit) and returned on exit.
+        """A live pooled connection (autocommit), returned to the pool on exit.
 
         Connections the server has closed (after a restart) are discarded and the
         next one tried at once. When none comes within the pool's timeout, the
         ``PoolTimeout`` says why the last connection attempt failed, if known.
         """
-        pool = self._current_pool()
+        pool = self._pools.get()
         budget = pool.timeout
         began = time.monotonic()
         while True:
             try:
                 conn = pool.getconn(timeout=budget - (time.monotonic() - began))
             except PoolTimeout as exc:
-                message = f"couldn't get a connection within {budget:.2f} sec"
+                message = f"timed out after {budget:g} s waiting for a connection"
                 failures = self._connect_failures
-                if failures.at >= began - budget:
-                    message += f"; the last connection attempt failed: {failures.message}"
-                raise PoolTimeout(self._scrub(message)) from exc
+                cause: BaseException = exc
+                if failures.error is not None and failures.at >= began - budget:
+                    cause = failures.error
+                    message += f"; the last connection attempt failed: {failures.error}"
+                raise PoolTimeout(self._scrub(message)) from cause
             if not _server_closed(conn):
-                break
+                if conn.autocommit:
+                    break
+                pool.putconn(conn)
+                raise ConfigurationError(
+                    f"{type(self).__name__} at {self.url}: the connections of the given client "
+                    "pool must be in autocommit mode (ConnectionPool(kwargs={'autocommit': True}))"
+                )
             conn.close()  # the pool replaces it
             pool.putconn(conn)
         try:
-            with conn:
-                yield conn
+            yield conn
         finally:
             pool.putconn(conn)
 
-    # ------------------------------------------------------------------ statements
+    def _execute(self, conn: Connection, query: Any, params: Any = None) -> list[tuple[Any, ...]]:
+        """Run one statement and fetch its rows, bounded by the watchdog."""
+        watchdog = _WATCHDOG.get()
+        alarm = watchdog.arm(self._watchdog_delay, lambda: _shut_down(conn))
+        fired = False
+        try:
+            try:
+                cursor = conn.execute(query, params)
+                return cursor.fetchall() if cursor.description is not None else []
+            finally:
+                fired = watchdog.disarm(alarm)
+                if fired:  # the socket is shut down, even if the answer came
+                    conn.close()
+        except psycopg.Error as exc:
+            if fired:
+                raise StatementTimeout(
+                    f"timed out after {self._watchdog_delay:g} s (timeout={self._timeout:g}): "
+                    "PostgreSQL did not answer; the connection was closed"
+                ) from exc
+            raise
 
     def _write(self, query: bytes, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
         """Run a write once; retried only when the server reports it rolled back."""
@@ -568,7 +601,7 @@ class PostgresDeduplicationStore(DeduplicationStore):
         while True:
             try:
                 with self._connection() as conn:
-                    return conn.execute(query, params).fetchall()
+                    return self._execute(conn, query, params)
             except _RETRYABLE_WRITE_ERRORS:
                 if attempt >= _WRITE_ATTEMPTS:
                     raise
@@ -580,50 +613,54 @@ class PostgresDeduplicationStore(DeduplicationStore):
         try:
             with self._connection() as conn:
                 used = conn
-                return conn.execute(query, params).fetchall()
+                return self._execute(conn, query, params)
+        except StatementTimeout:
+            raise
         except psycopg.OperationalError:
             if used is None or not used.broken:
                 raise
         with self._connection() as conn:
-            return conn.execute(query, params).fetchall()
+            return self._execute(conn, query, params)
 
     # ------------------------------------------------------------------ primitives
 
-    def _add_new(self, ids: list[str], now: float, expires_at: float | None) -> set[str]:
-        rows = self._write(
-            self._sql_add_many,
-            {"endpoint": self._endpoint, "ids": sorted(ids), "expires_at": expires_at, "now": now},
-        )
-        return {row[0] for row in rows}
+    def _write_params(self, request: WriteRequest) -> dict[str, Any]:
+        return {
+            "endpoint": self._endpoint,
+            "retention": request.retention,
+            "token": request.token,
+            "mine": list(request.mine),
+        }
 
-    def _add_one(self, message_id: str, now: float, expires_at: float | None) -> bool:
-        rows = self._write(
-            self._sql_add_one,
-            {"endpoint": self._endpoint, "id": message_id, "expires_at": expires_at, "now": now},
-        )
-        return bool(rows)
+    def _add_new(self, request: WriteRequest) -> set[str]:
+        params = {**self._write_params(request), "ids": sorted(request.ids)}
+        return {row[0] for row in self._write(self._sql_add_many, params)}
+
+    def _add_one(self, request: WriteRequest) -> bool:
+        params = {**self._write_params(request), "id": request.ids[0]}
+        return bool(self._write(self._sql_add_one, params))
 
     def _find(self, ids: list[str], now: float) -> set[str]:
-        rows = self._read(self._sql_find, {"endpoint": self._endpoint, "ids": ids, "now": now})
+        rows = self._read(self._sql_find, {"endpoint": self._endpoint, "ids": ids})
         return {row[0] for row in rows}
 
     def _contains_one(self, message_id: str, now: float) -> bool:
-        rows = self._read(self._sql_has, {"endpoint": self._endpoint, "id": message_id, "now": now})
-        return bool(rows)
+        return bool(self._read(self._sql_has, {"endpoint": self._endpoint, "id": message_id}))
 
     def _purge(self, now: float) -> int:
-        params = {"endpoint": self._endpoint, "now": now, "limit": _PURGE_BATCH}
+        params = {"endpoint": self._endpoint, "limit": _PURGE_BATCH}
         total = 0
         while True:
             with self._connection() as conn:
-                deleted = conn.execute(self._sql_purge, params).rowcount
+                deleted = int(self._execute(conn, self._sql_purge, params)[0][0])
             total += deleted
             if deleted < _PURGE_BATCH:
                 return total
 
     def _health_warnings(self) -> list[str]:
         with self._connection() as conn:
-            settings: Sequence[tuple[Any, ...]] = conn.execute(
+            settings = self._execute(
+                conn,
                 "SELECT name, reset_val FROM pg_settings "
                 "WHERE name IN ('fsync', 'synchronous_commit', 'full_page_writes') "
                 "UNION ALL SELECT 'session synchronous_commit', "
@@ -631,7 +668,7 @@ class PostgresDeduplicationStore(DeduplicationStore):
                 "UNION ALL SELECT 'relpersistence', relpersistence::text FROM pg_class "
                 "WHERE oid = to_regclass(%s)",
                 [self._table_text],
-            ).fetchall()
+            )
         values = {str(name): str(value) for name, value in settings}
         warnings: list[str] = []
         if values.get("fsync") == "off":
@@ -661,5 +698,66 @@ class PostgresDeduplicationStore(DeduplicationStore):
         return warnings
 
     def _close(self) -> None:
-        if self._owns_pool and self._pool_pid == os.getpid():
-            self._pool.close(timeout=5.0)
+        self._pools.close()
+
+    # ------------------------------------------------------------------ errors
+
+    def _classify_error(self, exc: BaseException) -> ErrorKind:
+        """psycopg errors: what to fix (``ConfigurationError``) or retry (``StoreUnavailable``)."""
+        errors = psycopg.errors
+        if isinstance(exc, StatementTimeout):
+            return StoreUnavailable
+        if isinstance(exc, PoolTimeout):
+            cause = exc.__cause__
+            if isinstance(cause, psycopg.OperationalError) and self._refused(cause):
+                return self._configuration(f"connecting failed: {self._describe_error(exc)}")
+            return StoreUnavailable
+        if isinstance(exc, errors.UndefinedTable):
+            return self._configuration(
+                f"table {self._table_text} does not exist ({self._describe_error(exc)}): "
+                "create it with PostgresDeduplicationStore.create_schema(url), or open the "
+                "store with create=true"
+            )
+        if isinstance(exc, errors.InsufficientPrivilege):
+            return self._configuration(
+                f"permission denied ({self._describe_error(exc)}): GRANT SELECT, INSERT, "
+                f"UPDATE, DELETE ON {self._table_text} TO the role the store connects as"
+            )
+        if isinstance(
+            exc,
+            errors.InvalidPassword
+            | errors.InvalidAuthorizationSpecification
+            | errors.InvalidCatalogName,
+        ):
+            return ConfigurationError
+        if isinstance(exc, psycopg.OperationalError):
+            # lost or refused connections, QueryCanceled (statement_timeout),
+            # AdminShutdown, CannotConnectNow, deadlocks after retries, ...
+            return ConfigurationError if self._refused(exc) else StoreUnavailable
+        if isinstance(exc, errors.ReadOnlySqlTransaction):
+            return StoreUnavailable  # failed over to a replica: retry later
+        if isinstance(
+            exc,
+            psycopg.ProgrammingError
+            | psycopg.DataError
+            | psycopg.IntegrityError
+            | psycopg.NotSupportedError,
+        ):
+            hint = ""
+            if isinstance(exc, errors.UndefinedColumn) and "writer" in str(exc):
+                hint = f"; run {self._sql_add_writer.decode()} or open with create=true"
+            return self._configuration(
+                f"table {self._table_text} is not usable as a deduplication table: "
+                f"{self._describe_error(exc)}{hint}"
+            )
+        if isinstance(exc, psycopg.Error):
+            return StoreUnavailable
+        return super()._classify_error(exc)
+
+    @staticmethod
+    def _refused(exc: psycopg.Error) -> bool:
+        """A connection attempt refused for a reason a retry will not fix."""
+        return exc.sqlstate is None and _REFUSED.search(str(exc)) is not None
+
+    def _configuration(self, detail: str) -> ConfigurationError:
+        return ConfigurationError(f"{type(self).__name__} at {self.url}: {detail}")

@@ -2,25 +2,35 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import os
 import pickle
 import random
+import signal
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import psycopg
+import psycopg.errors
 import pytest
 from psycopg import sql
 from psycopg_pool import ConnectionPool
 
 from backends.postgres import PostgresDeduplicationStore
 from dedupstore import DeduplicationStore, open_store
-from dedupstore.errors import ConfigurationError, StoreUnavailable
+from dedupstore.errors import (
+    ConfigurationError,
+    DedupStoreError,
+    StoreClosed,
+    StoreUnavailable,
+)
 from dedupstore.testing import DeduplicationStoreContract, MultiProcessContract, StoreFactory
-from tests.servers import PostgresServer, Server, free_port
+from tests.servers import PostgresServer, Server, _freeze_tree, free_port
 
 pytestmark = pytest.mark.postgres
 
@@ -56,7 +66,7 @@ class TestPostgresStore(DeduplicationStoreContract, MultiProcessContract):
     @pytest.fixture
     def store_factory(self, postgres_server: Server) -> Iterator[StoreFactory]:
         table = _table()
-        url = f"{postgres_server.url}?table={table}&create_schema=true&pool_min_size=1"
+        url = f"{postgres_server.url}?table={table}&create=true&pool_min_size=1"
 
         def make(**options: Any) -> DeduplicationStore:
             return open_store(url, **options)
@@ -69,7 +79,9 @@ class TestPostgresStore(DeduplicationStoreContract, MultiProcessContract):
 
 
 def _open_owned(server: PostgresServer, **options: Any) -> DeduplicationStore:
-    return open_store(server.url, table="dedup", create_schema=True, connect_timeout=3, **options)
+    return open_store(
+        server.url, **{"table": "dedup", "create": True, "connect_timeout": 3, **options}
+    )
 
 
 def _assert_unavailable(call: Callable[[], object]) -> StoreUnavailable:
@@ -156,17 +168,25 @@ def test_restart_while_idle_is_invisible(own_postgres_server: PostgresServer) ->
     store.close()
 
 
+def _age(url: str, table: str, seconds: float) -> None:
+    """Move every record's expiry ``seconds`` into the past, as if that much time passed."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("UPDATE {} SET expires_at = expires_at - %s").format(
+                sql.Identifier(*table.split("."))
+            ),
+            [seconds],
+        )
+
+
 def test_expired_records_survive_as_absent_after_restart(
     own_postgres_server: PostgresServer,
 ) -> None:
-    from dedupstore.testing import FakeClock
-
-    clock = FakeClock(start=4_000_000_000.0)  # far in the future: the server clock is unused
-    store = _open_owned(own_postgres_server, retention="1h", clock=clock)
+    store = _open_owned(own_postgres_server, retention="1h")
     assert store.add_many(["a", "b"]) == {"a", "b"}
     own_postgres_server.kill()
     own_postgres_server.restart()
-    clock.advance(7200)
+    _age(own_postgres_server.url, "dedup", 7200)
     assert store.processed_among(["a", "b"]) == set()
     assert store.add_many(["a", "b", "c"]) == {"a", "b", "c"}
     assert store.purge_expired() == 0
@@ -181,7 +201,7 @@ def test_wrong_password_is_a_one_line_configuration_error(
 ) -> None:
     url = _with_password(postgres_server.url, "not-the-Secret-pw")
     with pytest.raises(ConfigurationError) as info:
-        open_store(url, table=fresh_table, create_schema=True)
+        open_store(url, table=fresh_table, create=True)
     message = str(info.value)
     assert len(message.splitlines()) == 1
     assert "password authentication failed" in message
@@ -200,7 +220,7 @@ def test_wrong_password_option_is_masked(postgres_server: Server, fresh_table: s
 def test_password_option_works(postgres_server: Server, fresh_table: str) -> None:
     parts = urlsplit(postgres_server.url)
     url = urlunsplit(parts._replace(netloc=f"{parts.username}@{parts.hostname}:{parts.port}"))
-    with open_store(url, table=fresh_table, create_schema=True, password=parts.password) as store:
+    with open_store(url, table=fresh_table, create=True, password=parts.password) as store:
         assert store.add("via-password-option") is True
         assert parts.password is not None
         assert f":{parts.password}" not in repr(store)
@@ -230,7 +250,7 @@ def test_missing_table_names_it_and_the_fix(postgres_server: Server, fresh_table
     message = str(info.value)
     assert len(message.splitlines()) == 1
     assert fresh_table in message
-    assert "create_schema(url)" in message and "create_schema=true" in message
+    assert "create_schema(url)" in message and "create=true" in message
     password = urlsplit(postgres_server.url).password
     assert password and f":{password}@" not in message
 
@@ -247,7 +267,7 @@ def test_create_schema_method_then_open(postgres_server: Server, fresh_table: st
             "ON c.oid = attcollation WHERE attrelid = to_regclass(%s)",
             [fresh_table],
         ).fetchall()
-    assert dict(rows) == {"endpoint": "C", "id": "C"}
+    assert dict(rows) == {"endpoint": "C", "id": "C", "writer": "default"}
 
 
 def test_create_schema_concurrently(postgres_server: Server, fresh_table: str) -> None:
@@ -274,7 +294,7 @@ def test_schema_qualified_table_with_odd_name(postgres_server: Server) -> None:
     schema = f"Dedup Schema {uuid.uuid4().hex[:8]}"
     table = f'{schema}.Records "quoted" 🦄'
     try:
-        with open_store(postgres_server.url, table=table, create_schema=True) as store:
+        with open_store(postgres_server.url, table=table, create=True) as store:
             assert store.add("q") is True
         with open_store(postgres_server.url, table=table) as store:
             assert store.add("q") is False
@@ -288,7 +308,7 @@ def test_schema_qualified_table_with_odd_name(postgres_server: Server) -> None:
 @pytest.mark.parametrize("table", ["", "a.b.c", ".x", "x.", "x" * 64, "a\x00b", "s." + "é" * 32])
 def test_bad_table_names(postgres_server: Server, table: str) -> None:
     with pytest.raises(ConfigurationError):
-        open_store(postgres_server.url, table=table, create_schema=True)
+        open_store(postgres_server.url, table=table, create=True)
 
 
 def test_table_of_the_wrong_shape(postgres_server: Server, fresh_table: str) -> None:
@@ -306,8 +326,14 @@ def test_table_of_the_wrong_shape(postgres_server: Server, fresh_table: str) -> 
         ("pool_min_size=many", "pool_min_size"),
         ("pool_min_size=5&pool_max_size=2", "pool"),
         ("connect_timeout=0", "connect_timeout"),
-        ("create_schema=maybe", "create_schema"),
+        ("create_schema=true", "now called 'create'"),
+        ("create=maybe", "create"),
+        ("timeout=0", "timeout"),
+        ("timeout=forever", "timeout"),
         ("retention=soon", "retention"),
+        ("clock=time", "clock"),
+        ("sslmode=bogus", "sslmode"),
+        ("keepalives_idle=soon", "keepalives_idle"),
     ],
 )
 def test_bad_url_options(postgres_server: Server, query: str, fragment: str) -> None:
@@ -320,7 +346,7 @@ def test_bad_url_options(postgres_server: Server, query: str, fragment: str) -> 
 def test_libpq_parameters_pass_through(postgres_server: Server, fresh_table: str) -> None:
     name = f"dedup-test-{uuid.uuid4().hex[:8]}"
     url = (
-        f"{postgres_server.url}?table={fresh_table}&create_schema=true&application_name={name}"
+        f"{postgres_server.url}?table={fresh_table}&create=true&application_name={name}"
         "&pool_max_size=2&connect_timeout=5"
     )
     with open_store(url) as store:
@@ -335,28 +361,67 @@ def test_libpq_parameters_pass_through(postgres_server: Server, fresh_table: str
         clone.close()
 
 
-def test_keywords_override_url_options(postgres_server: Server, fresh_table: str) -> None:
-    url = f"{postgres_server.url}?table=not_this_one&endpoint=orders&create_schema=true"
+def test_url_and_keyword_options_combine(postgres_server: Server, fresh_table: str) -> None:
+    url = f"{postgres_server.url}?endpoint=orders&create=true"
     with open_store(url, table=fresh_table) as store:
-        assert "not_this_one" not in repr(store)
         assert store.endpoint == "orders"
         assert store.add("o-1") is True
         clone = pickle.loads(pickle.dumps(store))
         assert clone.endpoint == "orders" and clone.add("o-1") is False
         clone.close()
+    with open_store(f"{url}&table={fresh_table}", table=fresh_table) as same:
+        assert same.add("o-1") is False  # the same value twice is fine
+
+
+def test_url_and_keyword_conflict_is_refused(postgres_server: Server, fresh_table: str) -> None:
+    url = f"{postgres_server.url}?table=not_this_one&create=true"
+    with pytest.raises(ConfigurationError, match="both in the URL and as a keyword"):
+        open_store(url, table=fresh_table)
     with psycopg.connect(postgres_server.url) as conn:
         row = conn.execute("SELECT to_regclass('not_this_one') IS NULL").fetchone()
     assert row == (True,)
 
 
-def test_constructor_refuses_url_options_it_would_ignore(
+def test_constructor_reads_url_options_like_open_store(
     postgres_server: Server, fresh_table: str
 ) -> None:
-    url = f"{postgres_server.url}?table={fresh_table}&create_schema=true"
-    with pytest.raises(ConfigurationError, match="from_url"):
-        PostgresDeduplicationStore(url)
-    with PostgresDeduplicationStore(url, table=fresh_table, create_schema=True) as store:
+    url = f"{postgres_server.url}?table={fresh_table}&create=true&endpoint=direct"
+    with PostgresDeduplicationStore(url) as store:
+        assert store.endpoint == "direct"
         assert store.add("direct") is True
+    with open_store(url) as store:
+        assert store.add("direct") is False
+
+
+def test_string_options_convert(postgres_server: Server, fresh_table: str) -> None:
+    url = (
+        f"{postgres_server.url}?table={fresh_table}&create=true&timeout=5"
+        "&connect_timeout=3s&pool_min_size=0&pool_max_size=2"
+    )
+    with open_store(url) as store:
+        assert store.option("timeout") == 5.0
+        assert store.option("connect_timeout") == 3.0
+        assert store.option("create") is True
+        assert store.option("pool_min_size") == 0 and store.option("pool_max_size") == 2
+        assert store.add("converted") is True
+    with open_store(
+        postgres_server.url, table=fresh_table, create="false", timeout="2.5", pool_max_size="3"
+    ) as store:
+        assert store.option("create") is False and store.option("timeout") == 2.5
+        assert store.option("pool_max_size") == 3
+        assert store.add("converted") is False
+
+
+def test_create_schema_keyword_points_to_create(postgres_server: Server) -> None:
+    with pytest.raises(ConfigurationError, match="now called 'create'"):
+        open_store(postgres_server.url, create_schema=True)
+
+
+def test_clock_option_is_refused(postgres_server: Server, fresh_table: str) -> None:
+    """The server's clock judges expiry: a client clock would be silently ignored."""
+    assert PostgresDeduplicationStore.expiry_clock == "server"
+    with pytest.raises(ConfigurationError, match="clock"):
+        open_store(postgres_server.url, table=fresh_table, create=True, clock=time.time)
 
 
 def test_secrets_absent_from_repr_and_pickle_of_errors(
@@ -364,7 +429,7 @@ def test_secrets_absent_from_repr_and_pickle_of_errors(
 ) -> None:
     password = urlsplit(postgres_server.url).password
     assert password
-    with open_store(postgres_server.url, table=fresh_table, create_schema=True) as store:
+    with open_store(postgres_server.url, table=fresh_table, create=True) as store:
         assert f":{password}@" not in repr(store)
         assert f":{password}@" not in str(store)
         assert f":{password}@" not in store.url
@@ -382,7 +447,7 @@ def test_bad_url_does_not_echo_the_password() -> None:
 
 def test_keys_are_byte_exact(postgres_server: Server, fresh_table: str) -> None:
     variants = ["Straße", "STRASSE", "strasse", "straße", "straße ", "Å", "Å", "ﬁ", "fi"]
-    with open_store(postgres_server.url, table=fresh_table, create_schema=True) as store:
+    with open_store(postgres_server.url, table=fresh_table, create=True) as store:
         assert store.add_many(variants) == set(variants)
         assert store.processed_among(variants) == set(variants)
         assert store.processed_among(["STRAßE", "strasse  "]) == set()
@@ -391,7 +456,7 @@ def test_keys_are_byte_exact(postgres_server: Server, fresh_table: str) -> None:
 def test_one_statement_per_chunk(
     postgres_server: Server, fresh_table: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store = open_store(postgres_server.url, table=fresh_table, create_schema=True)
+    store = open_store(postgres_server.url, table=fresh_table, create=True)
     statements: list[object] = []
     original = psycopg.Connection.execute
 
@@ -413,7 +478,7 @@ def test_one_statement_per_chunk(
 def test_overlapping_large_batches_never_deadlock(
     postgres_server: Server, fresh_table: str
 ) -> None:
-    url = f"{postgres_server.url}?table={fresh_table}&create_schema=true"
+    url = f"{postgres_server.url}?table={fresh_table}&create=true"
     ids = [f"overlap-{i}" for i in range(5000)]
     stores = [open_store(url) for _ in range(4)]
     results: list[set[str]] = [set() for _ in stores]
@@ -450,7 +515,7 @@ class _UnsafePostgresServer(PostgresServer):
 
 
 def test_health_warnings_on_a_safe_server(postgres_server: Server, fresh_table: str) -> None:
-    with open_store(postgres_server.url, table=fresh_table, create_schema=True) as store:
+    with open_store(postgres_server.url, table=fresh_table, create=True) as store:
         assert store.health_warnings() == []
 
 
@@ -463,7 +528,7 @@ def test_health_warnings_on_an_unsafe_server() -> None:
         assert any(w.startswith("full_page_writes is off") for w in warnings)
         assert any(w.startswith("synchronous_commit is off on the PostgreSQL") for w in warnings)
         # the store's own sessions still commit durably
-        pool = store._pool  # type: ignore[attr-defined]
+        pool = store._pools.get()  # type: ignore[attr-defined]
         with pool.connection() as conn:
             assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
         with psycopg.connect(server.url, autocommit=True) as conn:
@@ -477,7 +542,7 @@ def test_given_pool_is_used_and_not_closed(postgres_server: Server, fresh_table:
         postgres_server.url, min_size=1, max_size=2, kwargs={"autocommit": True}, open=True
     )
     try:
-        store = open_store(postgres_server.url, table=fresh_table, create_schema=True, client=pool)
+        store = open_store(postgres_server.url, table=fresh_table, create=True, client=pool)
         assert store.add("pooled") is True
         clone = pickle.loads(pickle.dumps(store))  # reconnects by configuration
         assert clone.has_been_processed("pooled")
@@ -490,13 +555,27 @@ def test_given_pool_is_used_and_not_closed(postgres_server: Server, fresh_table:
         pool.close()
 
 
+def test_given_pool_must_make_autocommit_connections(
+    postgres_server: Server, fresh_table: str
+) -> None:
+    pool: ConnectionPool[psycopg.Connection[Any]] = ConnectionPool(
+        postgres_server.url, min_size=1, max_size=1, open=True
+    )
+    try:
+        with pytest.raises(ConfigurationError, match="autocommit"):
+            open_store(postgres_server.url, table=fresh_table, create=True, client=pool)
+        assert not pool.closed
+    finally:
+        pool.close()
+
+
 def _forked_child(store: DeduplicationStore) -> None:
     assert store.add("from-child") is True
     assert store.has_been_processed("from-parent")
 
 
 def test_store_survives_fork(postgres_server: Server, fresh_table: str) -> None:
-    store = open_store(postgres_server.url, table=fresh_table, create_schema=True)
+    store = open_store(postgres_server.url, table=fresh_table, create=True)
     assert store.add("from-parent") is True
     child = multiprocessing.get_context("fork").Process(target=_forked_child, args=(store,))
     child.start()
@@ -509,6 +588,423 @@ def test_store_survives_fork(postgres_server: Server, fresh_table: str) -> None:
 
 def test_postgres_scheme_alias(postgres_server: Server, fresh_table: str) -> None:
     url = postgres_server.url.replace("postgresql://", "postgres://", 1)
-    with open_store(url, table=fresh_table, create_schema=True) as store:
+    with open_store(url, table=fresh_table, create=True) as store:
         assert isinstance(store, PostgresDeduplicationStore)
         assert store.add("alias") is True
+
+
+# ---------------------------------------------------------------------- server clock
+
+
+def test_expiry_is_judged_by_the_server_clock(
+    postgres_server: Server, fresh_table: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two clients whose clocks disagree by a day still agree on what is live."""
+    store = open_store(postgres_server.url, table=fresh_table, create=True, retention="1h")
+    monkeypatch.setattr(time, "time", lambda: 4_000_000_000.0)  # a client clock far ahead
+    skewed = open_store(postgres_server.url, table=fresh_table, retention="1h")
+    assert skewed.add("s-1") is True
+    assert store.has_been_processed("s-1") and skewed.has_been_processed("s-1")
+    assert store.add("s-1") is False
+    assert skewed.purge_expired() == 0
+    with psycopg.connect(postgres_server.url) as conn:
+        row = conn.execute(
+            sql.SQL("SELECT expires_at - extract(epoch FROM now())::float8 FROM {}").format(
+                sql.Identifier(fresh_table)
+            )
+        ).fetchone()
+    assert row is not None and 3000 < row[0] <= 3600
+    _age(postgres_server.url, fresh_table, 3601)
+    assert not skewed.has_been_processed("s-1") and store.processed_among(["s-1"]) == set()
+    assert store.purge_expired() == 1
+    assert skewed.add("s-1") is True
+    store.close()
+    skewed.close()
+
+
+# ---------------------------------------------------------------------- error classes
+
+
+def _exec(url: str, statement: sql.Composed | str, *params: object) -> None:
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(statement, list(params) or None)
+
+
+def _assert_configuration(call: Callable[[], object], *fragments: str) -> ConfigurationError:
+    with pytest.raises(DedupStoreError) as info:
+        call()
+    error = info.value
+    assert isinstance(error, ConfigurationError), repr(error)
+    assert not isinstance(error, StoreUnavailable)
+    message = str(error)
+    assert len(message.splitlines()) == 1
+    for fragment in fragments:
+        assert fragment in message, message
+    return error
+
+
+def test_table_dropped_while_open_is_a_configuration_error(
+    postgres_server: Server, fresh_table: str
+) -> None:
+    store = open_store(postgres_server.url, table=fresh_table, create=True)
+    assert store.add("before") is True
+    _drop(postgres_server.url, fresh_table)
+    fix = "create=true"
+    _assert_configuration(lambda: store.add("after"), fresh_table, "does not exist", fix)
+    _assert_configuration(lambda: store.add_many(["a", "b"]), fresh_table, fix)
+    _assert_configuration(lambda: store.has_been_processed("before"), fresh_table, fix)
+    _assert_configuration(lambda: store.processed_among(["before"]), fresh_table, fix)
+    _assert_configuration(store.purge_expired, fresh_table, fix)
+    PostgresDeduplicationStore.create_schema(postgres_server.url, table=fresh_table)
+    assert store.add("after") is True  # the same object works once the table is back
+    store.close()
+
+
+@pytest.fixture
+def second_role(postgres_server: Server) -> Iterator[tuple[str, str]]:
+    """A login role without privileges: (URL connecting as it, role name)."""
+    role, password = f"r_{uuid.uuid4().hex[:12]}", "Role-Pw-" + uuid.uuid4().hex[:8]
+    _exec(
+        postgres_server.url,
+        sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(
+            sql.Identifier(role), sql.Literal(password)
+        ),
+    )
+    parts = urlsplit(postgres_server.url)
+    url = urlunsplit(
+        parts._replace(netloc=f"{role}:{quote(password)}@{parts.hostname}:{parts.port}")
+    )
+    yield url, role
+    _exec(postgres_server.url, sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+    _exec(postgres_server.url, sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_refused_permissions_are_configuration_errors(
+    postgres_server: Server, fresh_table: str, second_role: tuple[str, str]
+) -> None:
+    url, role = second_role
+    PostgresDeduplicationStore.create_schema(postgres_server.url, table=fresh_table)
+    table, grantee = sql.Identifier(fresh_table), sql.Identifier(role)
+    error = _assert_configuration(
+        lambda: open_store(url, table=fresh_table), "permission denied", "GRANT", fresh_table
+    )
+    assert "Role-Pw-" not in str(error)
+    _exec(
+        postgres_server.url,
+        sql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO {}").format(table, grantee),
+    )
+    store = open_store(url, table=fresh_table)
+    assert store.add("granted") is True
+    _exec(postgres_server.url, sql.SQL("REVOKE INSERT ON {} FROM {}").format(table, grantee))
+    _assert_configuration(lambda: store.add("revoked"), "permission denied", "GRANT")
+    _assert_configuration(lambda: store.add_many(["r-1", "r-2"]), "permission denied")
+    assert store.has_been_processed("granted") is True  # reading is still allowed
+    _exec(postgres_server.url, sql.SQL("REVOKE SELECT ON {} FROM {}").format(table, grantee))
+    _assert_configuration(lambda: store.has_been_processed("granted"), "permission denied")
+    store.close()
+
+
+def test_wrong_password_of_another_role(
+    postgres_server: Server, fresh_table: str, second_role: tuple[str, str]
+) -> None:
+    url, _ = second_role
+    bad = _with_password(url, "Wrong-Role-pw")
+    error = _assert_configuration(
+        lambda: open_store(bad, table=fresh_table), "password authentication failed"
+    )
+    assert "Wrong-Role-pw" not in str(error)
+
+
+@pytest.mark.timeout(120)
+def test_password_changed_while_open_is_a_configuration_error(
+    postgres_server: Server, fresh_table: str, second_role: tuple[str, str]
+) -> None:
+    """New pooled connections refused: the pool's wait ends in a ConfigurationError."""
+    url, role = second_role
+    PostgresDeduplicationStore.create_schema(postgres_server.url, table=fresh_table)
+    _exec(
+        postgres_server.url,
+        sql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO {}").format(
+            sql.Identifier(fresh_table), sql.Identifier(role)
+        ),
+    )
+    store = open_store(url, table=fresh_table, connect_timeout=2, pool_min_size=0)
+    assert store.add("before") is True
+    _exec(
+        postgres_server.url,
+        sql.SQL("ALTER ROLE {} PASSWORD 'changed-Elsewhere'").format(sql.Identifier(role)),
+    )
+    _exec(
+        postgres_server.url,
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
+        role,
+    )
+    error = _assert_configuration(lambda: store.add("after"), "password authentication failed")
+    assert "Role-Pw-" not in str(error)
+    store.close()
+
+
+def test_missing_database_is_a_configuration_error(postgres_server: Server) -> None:
+    parts = urlsplit(postgres_server.url)
+    url = urlunsplit(parts._replace(path="/no_such_database"))
+    _assert_configuration(lambda: open_store(url), "does not exist")
+
+
+def test_table_without_writer_column(postgres_server: Server, fresh_table: str) -> None:
+    """A table made by an older version: named fix without create, upgraded with it."""
+    _exec(
+        postgres_server.url,
+        sql.SQL(
+            'CREATE TABLE {} (endpoint text COLLATE "C" NOT NULL, id text COLLATE "C" NOT NULL, '
+            "expires_at double precision, PRIMARY KEY (endpoint, id))"
+        ).format(sql.Identifier(fresh_table)),
+    )
+    _exec(
+        postgres_server.url,
+        sql.SQL("INSERT INTO {} VALUES ('default', 'old', NULL)").format(
+            sql.Identifier(fresh_table)
+        ),
+    )
+    _assert_configuration(
+        lambda: open_store(postgres_server.url, table=fresh_table),
+        "ALTER TABLE",
+        "ADD COLUMN IF NOT EXISTS writer text",
+        "create=true",
+    )
+    with open_store(postgres_server.url, table=fresh_table, create=True) as store:
+        assert store.add("old") is False
+        assert store.add("new") is True
+    with open_store(postgres_server.url, table=fresh_table) as store:  # now usable as is
+        assert store.processed_among(["old", "new"]) == {"old", "new"}
+
+
+def test_statement_timeout_is_store_unavailable(postgres_server: Server, fresh_table: str) -> None:
+    """A statement stuck behind a lock is cancelled by the server after ``timeout``."""
+    store = open_store(postgres_server.url, table=fresh_table, create=True, timeout=1)
+    with psycopg.connect(postgres_server.url) as blocker:
+        blocker.execute(
+            sql.SQL("INSERT INTO {} (endpoint, id) VALUES ('default', 'locked')").format(
+                sql.Identifier(fresh_table)
+            )
+        )  # uncommitted: the row stays locked
+        with pytest.raises(StoreUnavailable, match="statement timeout") as info:
+            store.add("locked")
+        assert isinstance(info.value.__cause__, psycopg.errors.QueryCanceled)
+        assert info.value.unknown == {"locked"}
+        blocker.rollback()
+    assert store.add("locked") is True
+    store.close()
+
+
+def test_read_only_server_is_store_unavailable(postgres_server: Server, fresh_table: str) -> None:
+    """Sessions that became read-only (failover to a replica): retry later."""
+    PostgresDeduplicationStore.create_schema(postgres_server.url, table=fresh_table)
+    url = f"{postgres_server.url}?options={quote('-c default_transaction_read_only=on')}"
+    with pytest.raises(StoreUnavailable) as info:
+        open_store(url, table=fresh_table)
+    assert isinstance(info.value.__cause__, psycopg.errors.ReadOnlySqlTransaction)
+
+
+def test_use_after_close_is_store_closed(postgres_server: Server, fresh_table: str) -> None:
+    store = open_store(postgres_server.url, table=fresh_table, create=True)
+    store.close()
+    for call in (
+        lambda: store.add("x"),
+        lambda: store.add_many(["x"]),
+        lambda: store.has_been_processed("x"),
+        lambda: store.processed_among(["x"]),
+        store.purge_expired,
+        store.health_warnings,
+    ):
+        with pytest.raises(StoreClosed):
+            call()
+    store.close()  # idempotent
+
+
+@pytest.mark.parametrize(
+    ("error", "kind"),
+    [
+        (psycopg.OperationalError("server closed the connection unexpectedly"), StoreUnavailable),
+        (
+            psycopg.errors.QueryCanceled("canceling statement due to statement timeout"),
+            StoreUnavailable,
+        ),
+        (psycopg.errors.AdminShutdown("terminating connection"), StoreUnavailable),
+        (psycopg.errors.CannotConnectNow("the database system is starting up"), StoreUnavailable),
+        (psycopg.errors.DeadlockDetected("deadlock detected"), StoreUnavailable),
+        (psycopg.errors.SerializationFailure("could not serialize"), StoreUnavailable),
+        (psycopg.errors.ReadOnlySqlTransaction("read-only transaction"), StoreUnavailable),
+        (psycopg.errors.TooManyConnections("too many clients"), StoreUnavailable),
+        (psycopg.InterfaceError("the connection is lost"), StoreUnavailable),
+        (psycopg.errors.UndefinedTable("relation does not exist"), ConfigurationError),
+        (psycopg.errors.UndefinedColumn('column "writer" does not exist'), ConfigurationError),
+        (psycopg.errors.InsufficientPrivilege("permission denied"), ConfigurationError),
+        (psycopg.errors.InvalidPassword("password authentication failed"), ConfigurationError),
+        (psycopg.errors.InvalidAuthorizationSpecification("no role"), ConfigurationError),
+        (psycopg.errors.InvalidCatalogName('database "x" does not exist'), ConfigurationError),
+        (psycopg.errors.NotNullViolation("null value in column"), ConfigurationError),
+        (psycopg.DataError("invalid input"), ConfigurationError),
+        (
+            psycopg.OperationalError('connection is bad: invalid sslmode value: "x"'),
+            ConfigurationError,
+        ),
+        (psycopg.OperationalError("FATAL: no pg_hba.conf entry for host"), ConfigurationError),
+    ],
+)
+def test_error_classification(
+    postgres_server: Server, fresh_table: str, error: Exception, kind: type[Exception]
+) -> None:
+    store = open_store(postgres_server.url, table=fresh_table, create=True)
+    with pytest.raises(DedupStoreError) as info, store._translating_errors("add"):
+        raise error
+    store.close()
+    assert type(info.value) is kind, info.value
+    assert info.value.__cause__ is error
+    assert len(str(info.value).splitlines()) == 1
+
+
+# ---------------------------------------------------------------------- bounded failures
+
+
+@contextlib.contextmanager
+def _frozen(server: PostgresServer) -> Iterator[None]:
+    """Every process of the server stopped (SIGSTOP): TCP is accepted, nothing answers."""
+    postmaster = int((server.data_dir / "postmaster.pid").read_text().split()[0])
+    frozen = _freeze_tree(postmaster)
+    try:
+        yield
+    finally:
+        # runuser (as root) stops itself when its child stops: resume it too
+        for pid in {*frozen, *([server.pid] if server.pid else [])}:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.timeout(120)
+def test_frozen_server_times_out(own_postgres_server: PostgresServer) -> None:
+    store = _open_owned(own_postgres_server, timeout=2, connect_timeout=2, pool_max_size=4)
+    assert store.add_many([f"warm-{i}" for i in range(4000)])  # two connections in the pool
+    with _frozen(own_postgres_server):
+        for call in (
+            lambda: store.add("frozen"),
+            lambda: store.has_been_processed("warm-1"),
+            lambda: store.add_many([f"frozen-{i}" for i in range(5000)]),
+            lambda: store.processed_among(["warm-1", "warm-2"]),
+        ):
+            error = _assert_unavailable(call)
+            assert "timed out" in str(error), error
+    assert store.has_been_processed("warm-1") is True
+    assert store.add("frozen") is True
+    assert store.add_many([f"frozen-{i}" for i in range(5000)]) == {
+        f"frozen-{i}" for i in range(5000)
+    }
+    store.close()
+
+
+def _losing_answers(
+    store: DeduplicationStore, statement: bytes, lose: Callable[[int], bool]
+) -> None:
+    """Make ``store`` run ``statement`` for real, then raise as if the answer was lost."""
+    original = store._execute  # type: ignore[attr-defined]
+    count = 0
+    lock = threading.Lock()
+
+    def execute(conn: Any, query: Any, params: Any = None) -> Any:
+        nonlocal count
+        rows = original(conn, query, params)
+        if query == statement:
+            with lock:
+                count += 1
+                number = count
+            if lose(number):
+                raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return rows
+
+    store._execute = execute  # type: ignore[attr-defined]
+
+
+def test_lost_answer_of_add_is_recorded_by_the_retry(
+    postgres_server: Server, fresh_table: str
+) -> None:
+    store = open_store(postgres_server.url, table=fresh_table, create=True)
+    other = open_store(postgres_server.url, table=fresh_table)
+    _losing_answers(store, store._sql_add_one, lambda n: n <= 2)  # type: ignore[attr-defined]
+    for mid in ("lost-1", "lost-2"):
+        with pytest.raises(StoreUnavailable) as info:
+            store.add(mid)
+        assert info.value.unknown == {mid}
+        assert isinstance(info.value.__cause__, psycopg.OperationalError)
+    assert store.add("lost-1") is True  # the retry on the same object: recorded by it
+    assert store.add("lost-1") is False  # exactly once
+    assert other.add("lost-2") is False  # another object: somebody recorded it
+    assert store.add("lost-2") is True  # ... this object's earlier call
+    assert store.add("lost-2") is False
+    store.close()
+    other.close()
+
+
+def test_lost_answer_in_add_many_part_way(postgres_server: Server, fresh_table: str) -> None:
+    store = open_store(postgres_server.url, table=fresh_table, create=True)
+    other = open_store(postgres_server.url, table=fresh_table)
+    ids = [f"part-{i:05d}" for i in range(store.max_write_batch * 5)]
+    random.Random(7).shuffle(ids)
+    _losing_answers(store, store._sql_add_many, lambda n: n == 3)  # type: ignore[attr-defined]
+    with pytest.raises(StoreUnavailable) as info:
+        store.add_many(ids)
+    recorded, unknown = info.value.recorded, info.value.unknown
+    assert recorded and unknown and not recorded & unknown
+    assert store.processed_among(recorded) == recorded
+    retry = store.add_many(ids)
+    assert not retry & recorded
+    assert retry | recorded == set(ids)
+    assert unknown <= retry  # the lost chunk was written, and is reported by the retry
+    assert other.add_many(ids) == set()
+    store.close()
+    other.close()
+
+
+@pytest.mark.timeout(240)
+def test_server_killed_during_a_large_add_many(own_postgres_server: PostgresServer) -> None:
+    server = own_postgres_server
+    store = _open_owned(server, connect_timeout=2)
+    ids = [f"big-{i:06d}" for i in range(40_000)]
+    started, killed = threading.Event(), threading.Event()
+    original = store._add_new
+    calls = 0
+    lock = threading.Lock()
+
+    def add_new(request: Any) -> set[str]:
+        nonlocal calls
+        with lock:
+            calls += 1
+            number = calls
+        if number == 5:  # half-way through the first ten chunks: kill the server now
+            started.set()
+            killed.wait(60)
+        return original(request)
+
+    def killer() -> None:
+        if started.wait(120):
+            server.kill()
+        killed.set()
+
+    store._add_new = add_new  # type: ignore[method-assign]
+    thread = threading.Thread(target=killer)
+    thread.start()
+    try:
+        with pytest.raises(StoreUnavailable) as info:
+            store.add_many(ids)
+    finally:
+        started.set()
+        thread.join(120)
+    recorded, unknown = info.value.recorded, info.value.unknown
+    assert len(recorded) >= 3 * store.max_write_batch
+    assert unknown and not recorded & unknown
+    assert recorded | unknown < set(ids)  # later chunks were never sent
+    server.restart()
+    assert store.processed_among(recorded) == recorded
+    retry = store.add_many(ids)
+    assert not retry & recorded
+    assert retry | recorded == set(ids)
+    assert store.processed_among(ids) == set(ids)
+    store.close()
