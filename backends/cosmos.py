@@ -119,7 +119,7 @@ from dedupstore.options import (
     timeout_option,
 )
 from dedupstore.store import CLOCK, MAX_CLOCK_SKEW, DeduplicationStore, WriteRequest
-from dedupstore.urls import MASK, StoreURL
+from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
     from azure.cosmos import ContainerProxy
@@ -520,10 +520,9 @@ class CosmosDeduplicationStore(DeduplicationStore):
             return self._scrub(_http_summary(exc))
         return super()._describe_error(exc)
 
-    def _scrub(self, text: str) -> str:
-        """Also mask a key taken from the environment (not an option value)."""
-        secret = getattr(self, "_secret", "")
-        return super()._scrub(text.replace(secret, MASK) if len(secret) >= 8 else text)
+    def _secret_values(self) -> set[str]:
+        """Also the key taken from the environment (not an option value)."""
+        return super()._secret_values() | {getattr(self, "_secret", "")} - {""}
 
     # ------------------------------------------------------------------ items
 

@@ -72,7 +72,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from dedupstore.client import ErrorKind
-from dedupstore.errors import ConfigurationError, ConsistencyError, StoreUnavailable
+from dedupstore.errors import (
+    ConfigurationError,
+    ConsistencyError,
+    StoreUnavailable,
+    format_error,
+)
 from dedupstore.options import (
     Option,
     OptionSet,
@@ -460,7 +465,7 @@ class RedisDeduplicationStore(DeduplicationStore):
                     config.clear()
                     warnings.append(
                         "could not check appendfsync and maxmemory-policy: CONFIG GET is not "
-                        f"allowed ({_first_line(answer)}); acknowledged records survive a crash "
+                        f"allowed ({format_error(answer)}); acknowledged records survive a crash "
                         "only with appendonly yes and appendfsync always, and eviction must be "
                         "off (maxmemory-policy noeviction)"
                     )
@@ -502,8 +507,3 @@ class RedisDeduplicationStore(DeduplicationStore):
     def _close(self) -> None:
         if self._owns_client:
             self._client.connection_pool.disconnect()
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""

@@ -178,17 +178,22 @@ class Client(abc.ABC):
             line = line[:297] + "..."
         return self._scrub(f"{type(exc).__name__}: {line}" if str(exc) else type(exc).__name__)
 
-    def _scrub(self, text: str) -> str:
-        """Remove this object's secrets (URL password, secret options) from ``text``."""
+    def _secret_values(self) -> set[str]:
+        """Every secret this object knows (URL password, secret options); extend if more."""
         secrets = {self._url.password or ""}
         raw_userinfo = self._url.netloc.rpartition("@")[0]
         if ":" in raw_userinfo:
-            secrets.add(raw_userinfo.split(":", 1)[1])
+            secrets.add(raw_userinfo.split(":", 1)[1])  # as written, maybe percent-encoded
         for name, option in self.declared_options.items():
             value = self._opts.get(name)
             if option.secret and isinstance(value, str):
                 secrets.add(value)
-        for secret in sorted((s for s in secrets if s), key=len, reverse=True):
+        secrets.discard("")
+        return secrets
+
+    def _scrub(self, text: str) -> str:
+        """Remove this object's secrets from ``text`` (short ones only as whole words)."""
+        for secret in sorted(self._secret_values(), key=len, reverse=True):
             if len(secret) >= _SHORT_SECRET:
                 text = text.replace(secret, MASK)
             else:

@@ -43,7 +43,7 @@ from typing import Any
 from urllib.parse import quote
 
 from dedupstore.errors import ConfigurationError
-from dedupstore.urls import MASK, StoreURL, mask_url, secret_names
+from dedupstore.urls import MASK, StoreURL, authority_bounds, mask_url, secret_names
 
 __all__ = ["DEFAULT_URL", "ResolvedConfig", "find_config_file", "resolve_config"]
 
@@ -137,8 +137,7 @@ def _substitute(text: str, where: str, environ: Mapping[str, str], encode: bool)
 def _expand_url(template: str, where: str, environ: Mapping[str, str]) -> str:
     """Expand ``${VAR}``; values in the user-info (before the host's ``@``) are encoded."""
     scheme, sep, rest = template.partition("://")
-    stops = [i for i in (rest.find(c) for c in "/?#") if i != -1]
-    at = rest.rfind("@", 0, min(stops) if stops else len(rest))
+    at, _ = authority_bounds(rest)
     if not sep or at == -1:
         return _substitute(template, where, environ, encode=False)
     userinfo = _substitute(rest[:at], where, environ, encode=True)

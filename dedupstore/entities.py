@@ -264,10 +264,6 @@ class EntityStore(Client):
             eid, body, version = item
             yield decode_entity(eid, body, version)
 
-    def count_pending(self, segments: int = 1) -> int:
-        """How many entities have a non-empty outbox (scans every segment)."""
-        return sum(1 for s in range(segments) for _ in self.pending_outboxes(s, segments))
-
     # ------------------------------------------------------------------ primitives
 
     @abc.abstractmethod

@@ -11,7 +11,6 @@ is refused. ``repr``, pickling and ``dedupstore config`` read the same declarati
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -353,16 +352,6 @@ def callable_(value: object) -> object:
     if value is not None and not callable(value):
         raise TypeError(f"expected a callable, got {type(value).__name__}")
     return value
-
-
-def finite_float(value: object) -> float:
-    """A finite float (or its string)."""
-    if isinstance(value, bool):
-        raise TypeError(f"expected a number, got {value!r}")
-    number = float(value)  # type: ignore[arg-type]
-    if math.isnan(number) or math.isinf(number):
-        raise ValueError(f"expected a finite number, got {value!r}")
-    return number
 
 
 # --------------------------------------------------------------------------- shared options

@@ -282,27 +282,25 @@ class OutboxProcessor:
         self, messages: Sequence[Message], entities: dict[str, Entity], skip: set[str]
     ) -> set[str]:
         """Steps 4-5 for the entities saved; return the ids of those whose clean-up conflicted."""
-        ours = [m for m in messages if m.correlation_id not in skip]
-        entries: dict[str, tuple[Entity, str]] = {}
-        for message in ours:
+        entries: dict[str, Entity] = {}  # message id -> its (saved) entity holding the entry
+        for message in messages:
             entity = entities[message.correlation_id]
-            if message.id in entity.outbox:
-                entries[message.id] = (entity, message.id)
-        outgoing = [m for entity, mid in entries.values() for m in (entity.outbox[mid] or [])]
+            if entity.id not in skip and message.id in entity.outbox:
+                entries[message.id] = entity
+        outgoing = [m for mid, entity in entries.items() for m in entity.outbox[mid] or []]
         if outgoing:
             self.dispatcher.dispatch(outgoing)
         to_save: dict[str, Entity] = {}
-        if self.cleanup == "inline":
-            if entries:
-                self.dedup.add_many(list(entries))
-            for entity, mid in entries.values():
+        if self.cleanup == "inline" and entries:
+            self.dedup.add_many(list(entries))
+        for mid, entity in entries.items():
+            if self.cleanup == "inline":
                 del entity.outbox[mid]
-                to_save[entity.id] = entity
-        else:
-            for entity, mid in entries.values():
-                if entity.outbox[mid] is not None:
-                    entity.outbox[mid] = None
-                    to_save[entity.id] = entity
+            elif entity.outbox[mid] is not None:
+                entity.outbox[mid] = None
+            else:
+                continue
+            to_save[entity.id] = entity
         return self.entities.save_many(list(to_save.values())) if to_save else set()
 
 

@@ -284,11 +284,8 @@ class DeduplicationStore(Client):
         """Write one chunk under a fresh token; remember the tokens if it fails."""
         token = secrets.token_urlsafe(12)
         with self._pending_lock:
-            earlier = (
-                [t for mid in ids if mid in self._pending for t in self._pending.pop(mid)]
-                if self._pending
-                else []
-            )
+            popped = (self._pending.pop(mid, ()) for mid in ids) if self._pending else ()
+            earlier = list(dict.fromkeys(t for tokens in popped for t in tokens))
         now = self._clock()
         request = WriteRequest(
             ids=ids,

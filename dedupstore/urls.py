@@ -22,6 +22,7 @@ from dedupstore.errors import ConfigurationError
 __all__ = [
     "MASK",
     "StoreURL",
+    "authority_bounds",
     "mask_text",
     "mask_url",
     "parse_duration",
@@ -68,7 +69,7 @@ def secret_names() -> frozenset[str]:
         return frozenset(_SECRET_NAMES)
 
 
-def _authority_split(rest: str) -> tuple[int, int]:
+def authority_bounds(rest: str) -> tuple[int, int]:
     """(end of the user-info, end of the authority) in ``rest`` (the text after ``://``).
 
     The user-info end is -1 when there is none. A ``:`` before the first ``/ ? #``
@@ -94,7 +95,7 @@ def mask_url(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url
-    at, authority_end = _authority_split(rest)
+    at, authority_end = authority_bounds(rest)
     head, tail = rest[:authority_end], rest[authority_end:]
     if at != -1:
         userinfo, hostport = rest[:at], rest[at + 1 : authority_end]
@@ -157,7 +158,7 @@ class StoreURL:
                 f"malformed store URL {shown!r}: the scheme must be lower-case letters, "
                 "digits, '+', '-' or '.', starting with a letter"
             )
-        at, _ = _authority_split(rest)
+        at, _ = authority_bounds(rest)
         if at != -1 and any(c in rest[:at] for c in "/?#"):
             raise ConfigurationError(
                 f"malformed store URL {shown!r}: the user name or password contains '/', '?', "
@@ -195,13 +196,10 @@ class StoreURL:
     def with_query(self, pairs: list[tuple[str, str]] | tuple[tuple[str, str], ...]) -> StoreURL:
         """The same URL with its query replaced by ``pairs`` (encoded)."""
         # string surgery: urlunsplit() drops the empty host of 'sqlite:////abs/path'
-        base = self.text.split("#", 1)[0].split("?", 1)[0]
-        at, _ = _authority_split(self.text.partition("://")[2])
-        if at != -1:  # a '?' or '#' may sit in an (encoded) password: cut after the host
-            scheme, _, rest = self.text.partition("://")
-            host_and_rest = rest[at:]
-            tail = host_and_rest.split("#", 1)[0].split("?", 1)[0]
-            base = f"{scheme}://{rest[:at]}{tail}"
+        scheme, _, rest = self.text.partition("://")
+        _, authority_end = authority_bounds(rest)
+        path = re.split(r"[?#]", rest[authority_end:], maxsplit=1)[0]
+        base = f"{scheme}://{rest[:authority_end]}{path}"
         encoded = urlencode(list(pairs), quote_via=quote)
         return StoreURL.parse(f"{base}?{encoded}" if encoded else base)
 

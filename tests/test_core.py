@@ -392,3 +392,27 @@ def test_pickled_sqlite_store_reopens_the_same_file_from_another_directory(
     with pickle.loads(blob) as clone:
         assert clone.has_been_processed("seen-before")
     assert not (elsewhere / "relative").exists()
+
+
+def test_the_version_comes_from_the_package_metadata() -> None:
+    from importlib.metadata import version
+
+    import dedupstore
+
+    assert dedupstore.__version__ == version("dedupstore")
+
+
+def test_a_short_secret_masks_whole_words_only() -> None:
+    from backends.memory import MemoryDeduplicationStore
+    from dedupstore.options import Option, text
+
+    class WithPassword(MemoryDeduplicationStore):
+        declared_options = MemoryDeduplicationStore.declared_options.extend(
+            Option("password", text(), None, "a secret", secret=True)
+        )
+
+    short = WithPassword("memory://s", password="e")
+    assert short._scrub("the user e was refused") == "the user *** was refused"
+    long = WithPassword("memory://s", password="correct-horse")
+    assert long._scrub("auth correct-horse-battery") == "auth ***-battery"
+    assert "e" in short._describe_error(RuntimeError("every letter stays"))

@@ -888,23 +888,12 @@ def test_table_deleted_while_open_is_a_configuration_error(
     store.close()
 
 
-def test_use_after_close_raises_store_closed(table_url: str) -> None:
+def test_create_table_after_close_raises_store_closed(table_url: str) -> None:
+    """The calls every store has are checked by the contract; this one is DynamoDB's own."""
     store = DynamoDBDeduplicationStore(table_url)
-    store.add("x")
     store.close()
-    store.close()  # idempotent
-    calls: list[Callable[[], object]] = [
-        lambda: store.add("x"),
-        lambda: store.add_many(["x", "y"]),
-        lambda: store.has_been_processed("x"),
-        lambda: store.processed_among(["x"]),
-        store.purge_expired,
-        store.health_warnings,
-        store.create_table,
-    ]
-    for call in calls:
-        with pytest.raises(StoreClosed):
-            call()
+    with pytest.raises(StoreClosed):
+        store.create_table()
 
 
 # ---------------------------------------------------------------------- lost answers

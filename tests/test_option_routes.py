@@ -298,3 +298,11 @@ def test_constructor_and_open_store_accept_the_same_options(backend: str) -> Non
     for opener in (cls, open_store):
         with pytest.raises(ConfigurationError, match="unknown option 'surely_not_an_option'"):
             opener(url, surely_not_an_option=1)
+
+
+@pytest.mark.parametrize("backend", sorted(TABLES))
+def test_a_url_keyword_conflict_is_refused_on_every_backend(backend: str) -> None:
+    """Refused before any I/O (nothing listens at the sample URLs)."""
+    url = f"{SAMPLE_URLS[backend]}?endpoint=orders"
+    with pytest.raises(ConfigurationError, match="both in the URL and as a keyword"):
+        open_store(url, endpoint="billing")

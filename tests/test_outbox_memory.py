@@ -27,7 +27,7 @@ def order_handler(state: dict[str, Any], message: Message) -> tuple[dict[str, An
     sends = [Send("shipping", {"item_added": message.body, "count": len(items)})]
     if len(items) == 1:
         sends.append(Send("billing", {"first_item_added": message.body}))
-    return {"items": items, "applied": [*state.get("applied", []), message.id]}, sends
+    return {**state, "items": items, "applied": [*state.get("applied", []), message.id]}, sends
 
 
 @pytest.mark.parametrize("cleanup", ["inline", "deferred"])
@@ -51,3 +51,63 @@ def test_process_and_process_batch_apply_each_message_once(cleanup: str) -> None
     assert dedup.processed_among([m.id for m in messages]) == {m.id for m in messages}
     ids = [m.id for m in dispatcher.sent]
     assert len(set(ids)) == 12 + 3  # one shipping event each, one billing event per order
+
+
+class _Interfering(MemoryEntityStore):
+    """Before the ``nth`` call of ``save_many``, another client saves the same entities."""
+
+    nth = 1
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.calls = 0
+        self.other = MemoryEntityStore(url)
+
+    def save_many(self, entities: Any) -> set[str]:
+        self.calls += 1
+        if self.calls == self.nth:
+            for entity in entities:
+                rival = self.other.load(entity.id)
+                rival.state = {**rival.state, "touched": rival.state.get("touched", 0) + 1}
+                self.other.save(rival)
+        conflicts: set[str] = super().save_many(entities)
+        return conflicts
+
+
+@pytest.mark.parametrize("cleanup", ["inline", "deferred"])
+@pytest.mark.parametrize("nth", [1, 2], ids=["state-save-conflicts", "cleanup-save-conflicts"])
+def test_process_batch_retries_conflicting_entities_alone(cleanup: str, nth: int) -> None:
+    url = f"memory://{uuid.uuid4().hex}"
+    entities, dedup = _Interfering(url), MemoryDeduplicationStore(url)
+    entities.nth = nth
+    dispatcher = InMemoryDispatcher()
+    processor = OutboxProcessor(entities, dedup, dispatcher, cleanup=cleanup)  # type: ignore[arg-type]
+    messages = [Message(f"m{n}", f"order-{n % 2}", f"item-{n}") for n in range(4)]
+    results = processor.process_batch(messages, order_handler)
+    assert [r.outcome for r in results] == ["processed"] * 4
+    sweep(entities, dedup)
+    for n in range(2):
+        entity = entities.load(f"order-{n}")
+        applied = [m.id for m in messages if m.correlation_id == entity.id]
+        assert entity.state["applied"] == applied, "each change applied once, in order"
+        assert entity.state["touched"] == 1, "the rival's change was kept"
+        assert entity.outbox == {}
+    assert dedup.processed_among([m.id for m in messages]) == {m.id for m in messages}
+    sent = {m.id: m for m in dispatcher.sent}
+    assert len(sent) == 4 + 2, "one event per item, one first-item event per order"
+    for message in dispatcher.sent:
+        assert message == sent[message.id], "a re-dispatch is byte-identical"
+
+
+def test_sweep_reloads_an_entity_that_changed_under_it() -> None:
+    url = f"memory://{uuid.uuid4().hex}"
+    entities, dedup = _Interfering(url), MemoryDeduplicationStore(url)
+    processor = OutboxProcessor(
+        MemoryEntityStore(url), dedup, InMemoryDispatcher(), cleanup="deferred"
+    )
+    processor.process(Message("m1", "order-1", "x"), order_handler)
+    result = sweep(entities, dedup)
+    assert result.ids_moved == 1 and result.conflicts_retried == 1 and result.ids_left == 0
+    entity = entities.load("order-1")
+    assert entity.outbox == {} and entity.state["touched"] == 1
+    assert dedup.has_been_processed("m1")

@@ -26,7 +26,6 @@ from dedupstore import DeduplicationStore, open_store
 from dedupstore.errors import (
     ConfigurationError,
     DedupStoreError,
-    StoreClosed,
     StoreUnavailable,
 )
 from dedupstore.testing import DeduplicationStoreContract, MultiProcessContract, StoreFactory
@@ -803,22 +802,6 @@ def test_read_only_server_is_store_unavailable(postgres_server: Server, fresh_ta
     with pytest.raises(StoreUnavailable) as info:
         open_store(url, table=fresh_table)
     assert isinstance(info.value.__cause__, psycopg.errors.ReadOnlySqlTransaction)
-
-
-def test_use_after_close_is_store_closed(postgres_server: Server, fresh_table: str) -> None:
-    store = open_store(postgres_server.url, table=fresh_table, create=True)
-    store.close()
-    for call in (
-        lambda: store.add("x"),
-        lambda: store.add_many(["x"]),
-        lambda: store.has_been_processed("x"),
-        lambda: store.processed_among(["x"]),
-        store.purge_expired,
-        store.health_warnings,
-    ):
-        with pytest.raises(StoreClosed):
-            call()
-    store.close()  # idempotent
 
 
 @pytest.mark.parametrize(
