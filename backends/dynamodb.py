@@ -8,8 +8,9 @@ bytes, the sort-key limit; a single length-prefixed string key would need up to 
 bytes, over the 2048-byte partition-key limit). Keying the partition by id spreads
 the writes of one busy endpoint over the whole table. Other attributes:
 ``expires_at`` (N, the exact expiry in epoch seconds, only with a retention), ``ttl``
-(N, ``ceil(expires_at)``: native TTL reclaims space at the stored expiry, never
-earlier) and ``writer`` (S, the write token of the call that recorded the item).
+(N, ``ceil(expires_at + max_clock_skew)``: native TTL deletes by the service's
+clock, so it waits as long as ``purge_expired`` would for a client whose clock runs
+behind) and ``writer`` (S, the write token of the call that recorded the item).
 
 Consistency: every read is strongly consistent (``ConsistentRead=True``). Tables with
 global-table replicas (MRSC tables included) are refused with ``ConsistencyError``
@@ -494,7 +495,9 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
         item[_WRITER] = {"S": request.token}
         if request.expires_at is not None:
             item[_EXPIRES] = _number(request.expires_at)
-            item[_TTL] = {"N": str(math.ceil(request.expires_at))}
+            # native TTL deletes by the service's clock: leave the same slack as purge_expired
+            slack = self._opts["max_clock_skew"]
+            item[_TTL] = {"N": str(math.ceil(request.expires_at + slack))}
         return item
 
     def _add_one(self, request: WriteRequest) -> bool:
