@@ -735,7 +735,9 @@ def test_password_changed_while_open_is_a_configuration_error(
     )
     _exec(
         postgres_server.url,
-        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
+        # The timeout makes the server wait until the session is gone, so its socket
+        # already reads as closed when the pool checks it (no race with the exit).
+        "SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity WHERE usename = %s",
         role,
     )
     error = _assert_configuration(lambda: store.add("after"), "password authentication failed")
