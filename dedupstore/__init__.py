@@ -19,7 +19,7 @@ Importing this package imports no backend and no database client library.
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dedupstore.errors import (
     ConcurrencyConflict,
@@ -32,8 +32,14 @@ from dedupstore.errors import (
     StoreUnavailable,
     format_error,
 )
-from dedupstore.registry import known_backends, register_backend
+from dedupstore.registry import known_backends, register_backend, register_entity_backend
 from dedupstore.store import DeduplicationStore
+
+if TYPE_CHECKING:
+    from dedupstore.entities import EntityStore
+    from dedupstore.registry import Registry
+
+T = TypeVar("T")
 
 __all__ = [
     "ConcurrencyConflict",
@@ -48,8 +54,10 @@ __all__ = [
     "__version__",
     "format_error",
     "known_backends",
+    "open_entity_store",
     "open_store",
     "register_backend",
+    "register_entity_backend",
 ]
 
 try:
@@ -73,17 +81,36 @@ def open_store(url: str | None = None, **options: Any) -> DeduplicationStore:
     missing extra), ``ConsistencyError`` (store weaker than strongly consistent)
     and ``StoreUnavailable`` (the store does not answer).
     """
-    from dedupstore.registry import open_url
+    from dedupstore.registry import stores
 
+    return _open(stores, url, options, entities=False)
+
+
+def open_entity_store(url: str | None = None, **options: Any) -> EntityStore:
+    """Open the entity store at ``url`` (same schemes as :func:`open_store`).
+
+    Without ``url``: the environment's ``entities_url`` and ``entities_options``
+    (``DEDUPSTORE_ENTITIES_URL`` overrides), and with no configuration at all the
+    embedded SQLite file in ``./.dedupstore/`` (its own table). Options work as
+    for :func:`open_store`; each backend documents its own (table, prefix, timeouts).
+
+    Raises ``ConfigurationError``, ``ConsistencyError`` and ``StoreUnavailable``.
+    """
+    from dedupstore.registry import entity_stores
+
+    return _open(entity_stores, url, options, entities=True)
+
+
+def _open(registry: Registry[T], url: str | None, options: dict[str, Any], *, entities: bool) -> T:
     if url is None:
         from dedupstore.config import resolve_config
 
-        resolved = resolve_config()
+        resolved = resolve_config(entities=entities)
         clash = sorted(set(resolved.options) & set(options))
         if clash:
             raise ConfigurationError(
                 f"{', '.join(clash)} given both by {resolved.source} and as keyword "
                 "argument(s); set each once"
             )
-        return open_url(resolved.url, **{**resolved.options, **options})
-    return open_url(url, **options)
+        return registry.open(resolved.url, **{**resolved.options, **options})
+    return registry.open(url, **options)

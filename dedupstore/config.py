@@ -20,8 +20,14 @@ file's ``default_env``, else ``default``)::
     url = "postgresql://app:${PGPASSWORD}@db.internal/app"
     endpoint = "orders"
     retention = "30d"
+    entities_url = "postgresql://app:${PGPASSWORD}@db.internal/app"
     [prod.options]
     pool_max_size = 20
+    [prod.entities_options]
+    table = "order_entities"
+
+``url``/``options`` are for ``open_store()``, ``entities_url``/``entities_options``
+for ``open_entity_store()`` (``DEDUPSTORE_ENTITIES_URL`` overrides the latter).
 
 ``${VAR}`` is expanded from the environment everywhere (``$$`` is a literal ``$``);
 a value inserted into the user-info of a URL (a password) is percent-encoded, so a
@@ -50,7 +56,9 @@ __all__ = ["DEFAULT_URL", "ResolvedConfig", "find_config_file", "resolve_config"
 #: The embedded default store.
 DEFAULT_URL = "sqlite:///.dedupstore/dedup.db"
 
-_ENV_KEYS = frozenset({"url", "endpoint", "retention", "options"})
+_ENV_KEYS = frozenset(
+    {"url", "endpoint", "retention", "options", "entities_url", "entities_options"}
+)
 _TOP_KEYS = frozenset({"default_env"})
 _VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$\{[^}]*\}?")
 
@@ -156,19 +164,32 @@ def _expand(value: Any, where: str, environ: Mapping[str, str]) -> Any:
 
 
 def resolve_config(
-    path: Path | None = None, environ: Mapping[str, str] | None = None
+    path: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    entities: bool = False,
 ) -> ResolvedConfig:
     """Resolve the URL and options for ``open_store()`` without a URL.
+
+    With ``entities=True``, for ``open_entity_store()`` instead: the environment's
+    ``entities_url`` and ``entities_options``, overridden by
+    ``DEDUPSTORE_ENTITIES_URL``; with no configuration at all, the embedded SQLite
+    file (the entities have their own table there).
 
     Raises ``ConfigurationError`` for an unknown key, a missing environment, an
     unset ``${VAR}`` or a malformed file, naming which.
     """
     env = os.environ if environ is None else environ
-    override = env.get("DEDUPSTORE_URL") or None
+    url_key, options_key, own_keys, override_var = (
+        ("entities_url", "entities_options", (), "DEDUPSTORE_ENTITIES_URL")
+        if entities
+        else ("url", "options", ("endpoint", "retention"), "DEDUPSTORE_URL")
+    )
+    override = env.get(override_var) or None
     config_path = path if path is not None else find_config_file()
     if config_path is None:
         if override:
-            return ResolvedConfig(override, {}, "DEDUPSTORE_URL")
+            return ResolvedConfig(override, {}, override_var)
         if env.get("DEDUPSTORE_ENV"):
             raise ConfigurationError(
                 f"DEDUPSTORE_ENV={env['DEDUPSTORE_ENV']!r} names an environment, but there is no "
@@ -192,7 +213,7 @@ def resolve_config(
             )
     name = env.get("DEDUPSTORE_ENV") or document.get("default_env") or "default"
     if name not in environments and override and not env.get("DEDUPSTORE_ENV"):
-        return ResolvedConfig(override, {}, "DEDUPSTORE_URL")
+        return ResolvedConfig(override, {}, override_var)
     if name not in environments:
         known = ", ".join(sorted(environments)) or "none"
         how = "DEDUPSTORE_ENV" if env.get("DEDUPSTORE_ENV") else "the default environment"
@@ -207,18 +228,18 @@ def resolve_config(
                 f"(allowed: {', '.join(sorted(_ENV_KEYS))})"
             )
     where = f"{label} [{name}]"
-    raw_options = table.get("options", {})
+    raw_options = table.get(options_key, {})
     if not isinstance(raw_options, dict):
         raise ConfigurationError(
-            f"{where}: 'options' must be a table of option = value, got "
+            f"{where}: {options_key!r} must be a table of option = value, got "
             f"{type(raw_options).__name__}"
         )
-    raw_url = table.get("url")
+    raw_url = table.get(url_key)
     if raw_url is not None and not isinstance(raw_url, str):
-        raise ConfigurationError(f"{where}: 'url' must be a string")
-    table = _expand({k: v for k, v in table.items() if k != "url"}, where, env)
-    options: dict[str, Any] = dict(table.get("options", {}))
-    for key in ("endpoint", "retention"):
+        raise ConfigurationError(f"{where}: {url_key!r} must be a string")
+    table = _expand({k: v for k, v in table.items() if k != url_key}, where, env)
+    options: dict[str, Any] = dict(table.get(options_key, {}))
+    for key in own_keys:
         if key in table:
             if key in options:
                 raise ConfigurationError(
@@ -227,12 +248,12 @@ def resolve_config(
             options[key] = table[key]
     url = override or (None if raw_url is None else _expand_url(raw_url, where, env))
     if not url:
-        raise ConfigurationError(f"{where} has no 'url' and DEDUPSTORE_URL is not set")
+        raise ConfigurationError(f"{where} has no {url_key!r} and {override_var} is not set")
     in_query = {key for key, _ in StoreURL.parse(url).query} & set(options)
     if in_query:
         raise ConfigurationError(
             f"{where}: {', '.join(sorted(in_query))} set both in the URL's query and in the "
             "environment's table; set each once"
         )
-    source = f"{label} [{name}]" + (" with DEDUPSTORE_URL" if override else "")
+    source = f"{label} [{name}]" + (f" with {override_var}" if override else "")
     return ResolvedConfig(url, options, source, name)

@@ -247,8 +247,11 @@ class EntityStore(Client):
     def pending_outboxes(self, segment: int = 0, segments: int = 1) -> Iterator[Entity]:
         """Entities whose outbox is not empty, in segment ``segment`` of ``segments``.
 
-        Segments are disjoint and complete (by :func:`bucket_of` the id). Streams
-        page by page: memory is bounded by a page, not by the segment.
+        Segments are disjoint and complete; which entity falls in which segment is
+        the backend's (a stored :func:`bucket_of` the id, or the database's own
+        parallel scan). Streams page by page: memory is bounded by a page, not by
+        the segment. Each entity is as of its page's read (a sweep saves under its
+        version, so a stale one only costs a conflict).
         """
         if not (isinstance(segments, int) and isinstance(segment, int) and segments >= 1):
             raise ValueError(f"segments must be an int >= 1, got {segments!r}")

@@ -2,8 +2,10 @@
 
 Importing :mod:`dedupstore` imports no backend and no client library: a backend
 module is imported the first time an object with its scheme is opened. Third-party
-backends register with :func:`register_backend` or through the entry-point group
-``dedupstore.backends`` (name: the scheme, value: ``"package.module:Class"``).
+backends register with :func:`register_backend` (entity stores:
+:func:`register_entity_backend`) or through the entry-point group
+``dedupstore.backends`` (``dedupstore.entity_stores``), name: the scheme, value:
+``"package.module:Class"``.
 """
 
 from __future__ import annotations
@@ -21,19 +23,25 @@ from dedupstore.urls import StoreURL
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
+    from dedupstore.entities import EntityStore
     from dedupstore.store import DeduplicationStore
 
 __all__ = [
+    "ENTITY_ENTRY_POINT_GROUP",
     "ENTRY_POINT_GROUP",
     "BackendSpec",
     "Registry",
     "backend_class",
+    "entity_stores",
     "known_backends",
     "open_url",
     "register_backend",
+    "register_entity_backend",
+    "stores",
 ]
 
 ENTRY_POINT_GROUP = "dedupstore.backends"
+ENTITY_ENTRY_POINT_GROUP = "dedupstore.entity_stores"
 
 T = TypeVar("T")
 
@@ -145,28 +153,40 @@ class Registry(Generic[T]):
         return cls(parsed, **options)  # type: ignore[no-any-return]
 
 
-def _spec(target: str, *requires: str, extra: str | None = None) -> BackendSpec:
-    return BackendSpec(target, requires, extra)
-
-
 _PG = ("psycopg", "psycopg_pool")
+
+#: scheme -> (module, class-name prefix, client modules, extra). Each backend module
+#: holds ``<prefix>DeduplicationStore`` and ``<prefix>EntityStore``.
+_BUILTIN: dict[str, tuple[str, str, tuple[str, ...], str | None]] = {
+    "memory": ("backends.memory", "Memory", (), None),
+    "sqlite": ("backends.sqlite", "Sqlite", (), None),
+    "postgresql": ("backends.postgres", "Postgres", _PG, "postgres"),
+    "postgres": ("backends.postgres", "Postgres", _PG, "postgres"),
+    "redis": ("backends.redis", "Redis", ("redis",), "redis"),
+    "rediss": ("backends.redis", "Redis", ("redis",), "redis"),
+    "dynamodb": ("backends.dynamodb", "DynamoDB", ("boto3",), "dynamodb"),
+    "cosmos": ("backends.cosmos", "Cosmos", ("azure.cosmos",), "cosmos"),
+}
+
+
+def _builtin(kind: str) -> dict[str, BackendSpec]:
+    return {
+        scheme: BackendSpec(f"{module}:{prefix}{kind}", requires, extra)
+        for scheme, (module, prefix, requires, extra) in _BUILTIN.items()
+    }
+
 
 stores: Registry[DeduplicationStore] = Registry(
     "store",
     ENTRY_POINT_GROUP,
     "dedupstore.store:DeduplicationStore",
-    {
-        "memory": _spec("backends.memory:MemoryDeduplicationStore"),
-        "sqlite": _spec("backends.sqlite:SqliteDeduplicationStore"),
-        "postgresql": _spec("backends.postgres:PostgresDeduplicationStore", *_PG, extra="postgres"),
-        "postgres": _spec("backends.postgres:PostgresDeduplicationStore", *_PG, extra="postgres"),
-        "redis": _spec("backends.redis:RedisDeduplicationStore", "redis", extra="redis"),
-        "rediss": _spec("backends.redis:RedisDeduplicationStore", "redis", extra="redis"),
-        "dynamodb": _spec(
-            "backends.dynamodb:DynamoDBDeduplicationStore", "boto3", extra="dynamodb"
-        ),
-        "cosmos": _spec("backends.cosmos:CosmosDeduplicationStore", "azure.cosmos", extra="cosmos"),
-    },
+    _builtin("DeduplicationStore"),
+)
+entity_stores: Registry[EntityStore] = Registry(
+    "entity store",
+    ENTITY_ENTRY_POINT_GROUP,
+    "dedupstore.entities:EntityStore",
+    _builtin("EntityStore"),
 )
 
 #: Read-only view of the registered store schemes.
@@ -193,3 +213,15 @@ def backend_class(scheme: str) -> type[DeduplicationStore]:
 def open_url(url: str | StoreURL, **options: Any) -> DeduplicationStore:
     """Open the store for ``url``; see :func:`dedupstore.open_store`."""
     return stores.open(url, **options)
+
+
+def register_entity_backend(
+    scheme: str,
+    target: str,
+    *,
+    clobber: bool = False,
+    requires: tuple[str, ...] = (),
+    extra: str | None = None,
+) -> None:
+    """Register an entity store class for ``scheme``; see :meth:`Registry.register`."""
+    entity_stores.register(scheme, target, clobber=clobber, requires=requires, extra=extra)
