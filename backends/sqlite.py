@@ -9,7 +9,16 @@ at once (each write takes SQLite's write lock; ``INSERT ... ON CONFLICT`` decide
 the first writer). Expiry is judged by the ``clock`` option (the machine's clock:
 every client of one file runs on one machine).
 
-Options: ``endpoint``, ``retention``, ``clock``; ``table`` (``dedup_records``);
+The entity store (:class:`SqliteEntityStore`) keeps one row per entity in its own
+table of the same file (``dedup_entities``): ``id`` (primary key), ``body`` (the
+canonical JSON), ``version`` (an integer, the concurrency token: a save is
+``UPDATE ... WHERE version = ?``, or ``INSERT`` that must not find the id), and
+``bucket``/``pending`` with a partial index for the segmented scan
+(``pending AND bucket % segments = segment``, paged by id). A save of many
+entities is one transaction; an entity is at most 4 MiB of JSON.
+
+Options: ``endpoint``, ``retention``, ``clock``; ``table`` (``dedup_records``;
+``dedup_entities`` for the entity store);
 ``timeout`` (10 s: how long a call waits for another writer's lock before
 ``StoreUnavailable``); ``synchronous`` (``FULL``; ``NORMAL``/``OFF`` can lose
 acknowledged records on power loss and get a health warning); ``create`` (true:
@@ -30,12 +39,19 @@ from urllib.parse import quote, unquote, urlsplit
 import filelock
 
 from dedupstore.client import ErrorKind, ProcessLocal
+from dedupstore.entities import EntityRecord, EntityStore
 from dedupstore.errors import ConfigurationError, StoreUnavailable
 from dedupstore.options import Option, OptionSet, choice, create_option, text, timeout_option
 from dedupstore.store import CLOCK, DeduplicationStore, WriteRequest
 from dedupstore.urls import StoreURL
 
-__all__ = ["SQLITE_OPTIONS", "SqliteDeduplicationStore", "absolute_sqlite_url", "sqlite_path"]
+__all__ = [
+    "SQLITE_OPTIONS",
+    "SqliteDeduplicationStore",
+    "SqliteEntityStore",
+    "absolute_sqlite_url",
+    "sqlite_path",
+]
 
 _IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]{0,62}"
 _COLUMNS = ("endpoint", "id", "expires_at", "writer")
@@ -294,6 +310,113 @@ class SqliteDeduplicationStore(SqliteFile, DeduplicationStore):
     def _purge(self, now: float) -> int:
         with self._write_transaction() as conn:
             return conn.execute(self._sql_purge, (self._endpoint, now)).rowcount
+
+    def _health_warnings(self) -> list[str]:
+        return self._sqlite_health_warnings()
+
+    def _classify_error(self, exc: BaseException) -> ErrorKind:
+        return self._classify_sqlite_error(exc) or super()._classify_error(exc)
+
+    def _close(self) -> None:
+        self._connections.close()
+
+
+class SqliteEntityStore(SqliteFile, EntityStore):
+    """Entities in one table of a SQLite file; safe across threads and processes.
+
+    Token: the ``version`` column (``UPDATE ... WHERE version = ?``). A ``save_many``
+    chunk is one write transaction: it commits every entity that did not conflict.
+    """
+
+    schemes: ClassVar[tuple[str, ...]] = ("sqlite",)
+    max_batch: ClassVar[int] = 500
+    #: Rows per page of the pending scan.
+    page_size: ClassVar[int] = 500
+    declared_options: ClassVar[OptionSet] = EntityStore.declared_options.extend(
+        Option("table", text(_IDENTIFIER, "a plain SQL identifier"), "dedup_entities", "the table"),
+        *SQLITE_OPTIONS,
+    )
+
+    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
+        """Open (and by default create) the entity table in the file named by ``url``.
+
+        Raises ``ConfigurationError`` for a bad URL or option or a missing table
+        (with ``create=false``), ``StoreUnavailable`` when the file cannot be opened.
+        """
+        super().__init__(absolute_sqlite_url(url), **options)
+        self._open_file()
+        t = self._table = f'"{self._opts["table"]}"'
+        self._sql_load = (
+            f"SELECT id, body, version FROM {t} WHERE id IN (SELECT value FROM json_each(?))"
+        )
+        self._sql_insert = (
+            f"INSERT INTO {t} (id, body, version, bucket, pending) VALUES (?, ?, 1, ?, ?) "
+            "ON CONFLICT (id) DO NOTHING"
+        )
+        self._sql_update = (
+            f"UPDATE {t} SET body = ?, version = version + 1, bucket = ?, pending = ? "
+            "WHERE id = ? AND version = ?"
+        )
+        self._sql_scan = (
+            f"SELECT id, body, version FROM {t} WHERE pending AND bucket % ? = ? AND id > ? "
+            "ORDER BY id LIMIT ?"
+        )
+        with self._translating_errors("open the database"):
+            if self._opts["create"]:
+                conn = self._bootstrap(
+                    f"CREATE TABLE IF NOT EXISTS {t} (id TEXT PRIMARY KEY NOT NULL, "
+                    "body TEXT NOT NULL, version INTEGER NOT NULL, bucket INTEGER NOT NULL, "
+                    "pending INTEGER NOT NULL) WITHOUT ROWID"
+                )
+            else:
+                conn = self._connection()
+            columns = {row[1] for row in conn.execute(f"PRAGMA table_info({t})")}
+            wanted = {"id", "body", "version", "bucket", "pending"}
+            if not columns:
+                raise ConfigurationError(
+                    f"table {t} does not exist in {self._path} (open with create=true)"
+                )
+            if not wanted <= columns:
+                raise ConfigurationError(
+                    f"table {t} in {self._path} has columns {sorted(columns)}, not "
+                    f"{sorted(wanted)}: it is not an entity table"
+                )
+            if self._opts["create"]:
+                index = f'"{self._opts["table"]}_pending"'
+                conn.execute(
+                    f"CREATE INDEX IF NOT EXISTS {index} ON {t} (bucket, id) WHERE pending"
+                )
+
+    def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
+        rows = self._connection().execute(self._sql_load, (json.dumps(ids),))
+        return {row[0]: (row[1], row[2]) for row in rows}
+
+    def _save(self, records: list[EntityRecord]) -> dict[str, Any]:
+        saved: dict[str, Any] = {}
+        with self._write_transaction() as conn:
+            for r in records:
+                if r.version is None:
+                    cursor = conn.execute(self._sql_insert, (r.id, r.body, r.bucket, r.pending))
+                else:
+                    cursor = conn.execute(
+                        self._sql_update, (r.body, r.bucket, r.pending, r.id, r.version)
+                    )
+                if cursor.rowcount == 1:
+                    saved[r.id] = 1 if r.version is None else r.version + 1
+        return saved
+
+    def _scan(self, segment: int, segments: int) -> Iterator[tuple[str, str, Any]]:
+        after = ""
+        while True:
+            page = (
+                self._connection()
+                .execute(self._sql_scan, (segments, segment, after, self.page_size))
+                .fetchall()
+            )
+            yield from ((row[0], row[1], row[2]) for row in page)
+            if len(page) < self.page_size:
+                return
+            after = page[-1][0]
 
     def _health_warnings(self) -> list[str]:
         return self._sqlite_health_warnings()

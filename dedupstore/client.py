@@ -119,6 +119,15 @@ class Client(abc.ABC):
         """The resolved value of a declared option."""
         return self._opts[name]
 
+    def health_warnings(self) -> list[str]:
+        """Human-readable warnings about durability or consistency settings.
+
+        Raises ``StoreClosed`` and ``StoreUnavailable``.
+        """
+        self._check_open()
+        with self._translating_errors("health check"):
+            return self._health_warnings()
+
     def close(self) -> None:
         """Release connections; idempotent. The object cannot be used afterwards."""
         if not self._closed:
@@ -154,6 +163,10 @@ class Client(abc.ABC):
     @abc.abstractmethod
     def _close(self) -> None:
         """Release the backend's connections (called once)."""
+
+    def _health_warnings(self) -> list[str]:
+        """Backend-specific warnings for ``dedupstore check``; none by default."""
+        return []
 
     def _check_open(self) -> None:
         if self._closed:

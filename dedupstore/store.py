@@ -229,12 +229,6 @@ class DeduplicationStore(Client):
         with self._translating_errors("purge_expired"):
             return self._purge(self._clock())
 
-    def health_warnings(self) -> list[str]:
-        """Return human-readable warnings about durability or consistency settings."""
-        self._check_open()
-        with self._translating_errors("health check"):
-            return self._health_warnings()
-
     def close(self) -> None:
         """Release connections; idempotent. The store cannot be used afterwards."""
         if not self._closed:
@@ -273,10 +267,6 @@ class DeduplicationStore(Client):
     @abc.abstractmethod
     def _purge(self, now: float) -> int:
         """Delete this endpoint's expired records; return the count."""
-
-    def _health_warnings(self) -> list[str]:
-        """Backend-specific warnings for ``dedupstore check``; none by default."""
-        return []
 
     # ------------------------------------------------------------------ helpers
 

@@ -1,0 +1,91 @@
+"""The entity store contract on SQLite files, and what is specific to SQLite."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+import dedupstore
+from backends.sqlite import SqliteEntityStore
+from dedupstore.entities import bucket_of
+from dedupstore.errors import ConfigurationError, StoreUnavailable
+from dedupstore.testing.entities import EntityStoreContract, EntityStoreFactory
+
+pytestmark = pytest.mark.sqlite
+
+
+class TestSqliteEntityStore(EntityStoreContract):
+    @pytest.fixture
+    def entity_store_factory(self, tmp_path: Path) -> EntityStoreFactory:
+        url = f"sqlite:///{tmp_path}/entities.db"
+        return lambda **options: SqliteEntityStore(url, **options)
+
+
+def test_row_layout_and_shared_file(tmp_path: Path) -> None:
+    """Entities live in their own table beside the deduplication records."""
+    url = f"sqlite:///{tmp_path}/both.db"
+    with dedupstore.open_store(url) as dedup, dedupstore.open_entity_store(url) as entities:
+        dedup.add("m-1")
+        entity = entities.load("order-1")
+        entity.state = {"n": 1}
+        entity.outbox["m-1"] = None
+        entities.save(entity)
+        entity.state = {"n": 2}
+        entities.save(entity)
+    conn = sqlite3.connect(tmp_path / "both.db")
+    rows = conn.execute("SELECT id, body, version, bucket, pending FROM dedup_entities").fetchall()
+    assert rows == [
+        ("order-1", '{"outbox":{"m-1":null},"state":{"n":2}}', 2, bucket_of("order-1"), 1)
+    ]
+    assert conn.execute("SELECT id FROM dedup_records").fetchall() == [("m-1",)]
+    conn.close()
+
+
+def test_missing_table_without_create(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/x.db"
+    SqliteEntityStore(url).close()
+    with pytest.raises(ConfigurationError, match="does not exist"):
+        SqliteEntityStore(url, table="other", create=False)
+    with pytest.raises(ConfigurationError, match="unable to open"):
+        SqliteEntityStore(f"sqlite:///{tmp_path}/missing.db", create=False)
+
+
+def test_a_foreign_table_is_refused(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/x.db"
+    dedupstore.open_store(url).close()
+    with pytest.raises(ConfigurationError, match="not an entity table"):
+        SqliteEntityStore(url, table="dedup_records")
+
+
+def test_a_locked_file_is_unavailable_within_the_timeout(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/x.db"
+    store = SqliteEntityStore(url, timeout=0.2)
+    blocker = sqlite3.connect(tmp_path / "x.db", isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")
+    entity = store.load("e")
+    entity.state = {"n": 1}
+    with pytest.raises(StoreUnavailable):
+        store.save(entity)
+    blocker.execute("ROLLBACK")
+    store.save(entity)
+    assert store.load("e").state == {"n": 1}
+    store.close()
+
+
+def test_bad_options_are_refused_before_any_file_is_made(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match="table"):
+        SqliteEntityStore(f"sqlite:///{tmp_path}/x.db", table="bad name")
+    assert not (tmp_path / "x.db").exists()
+
+
+def test_default_configuration_opens_the_embedded_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    for var in ("DEDUPSTORE_URL", "DEDUPSTORE_ENTITIES_URL", "DEDUPSTORE_ENV", "DEDUPSTORE_CONFIG"):
+        monkeypatch.delenv(var, raising=False)
+    with dedupstore.open_entity_store() as entities:
+        assert isinstance(entities, SqliteEntityStore)
+        assert entities.url.endswith(".dedupstore/dedup.db")
