@@ -1,0 +1,459 @@
+"""The connection layer both Redis stores share: :class:`RedisClient`.
+
+Options (URL query or keywords), the same on both stores apart from the default
+``key_prefix``: ``key_prefix`` (``''`` or ending with ``:``), ``timeout`` (5 s per
+command; was ``socket_timeout``), ``connect_timeout`` (5 s; was
+``socket_connect_timeout``), ``retries`` (3: a command is retried after a connection
+error or timeout, with jittered exponential backoff), ``max_connections`` (pool size,
+redis-py's default), ``wait_replicas`` (0) and ``wait_timeout_ms`` (1000, shorter than
+``timeout``), ``username``, ``password`` (override the URL's), ``ssl_ca_certs``,
+``ssl_cert_reqs`` (``rediss://`` only), and keyword-only ``client`` (a ready
+``redis.Redis``: its own settings apply; neither closed nor pickled).
+
+Every store runs ONE Lua script for its writes, loaded at open and run by
+``EVALSHA`` through :meth:`RedisClient._run_script`: on one pooled connection,
+followed by ``WAIT`` when ``wait_replicas`` is set, retried here rather than by
+redis-py, so a store knows when an attempt whose answer was lost may have run (the
+entity store sends the script a "re-sent" flag then). Reads go through redis-py
+(its pool retries them). Worst case of a failing call: (retries + 1) x timeout +
+backoff (at most 0.1, 0.2, 0.4, ... s, each at most 1 s), plus ``connect_timeout``
+for each attempt that must open a connection: with the defaults 4 x 5 s + 0.7 s,
+about 21 s (41 s if every attempt also waits to connect).
+
+Errors (:meth:`RedisClient._classify_error`): ``StoreUnavailable`` for connection
+errors, timeouts, loading, failover to a replica (``READONLY``), out of memory,
+``BUSY``/``MISCONF``/``NOREPLICAS`` and fewer replicas than ``wait_replicas``
+acknowledging; ``ConfigurationError`` for credentials, ACL permissions, a key under
+the prefix that dedupstore did not write, Redis Cluster. Opening refuses a Redis
+Cluster node (``ConfigurationError``) and a replica (``ConsistencyError``).
+Durability needs ``appendonly yes`` + ``appendfsync always`` and ``maxmemory-policy
+noeviction`` (:meth:`~dedupstore.client.Client.health_warnings` says when not);
+replication is asynchronous unless ``wait_replicas`` is set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import redis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.connection import ConnectionPool, SSLConnection
+from redis.exceptions import (
+    AskError,
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
+    AuthorizationError,
+    ClusterCrossSlotError,
+    ClusterDownError,
+    NoPermissionError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    ResponseError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from dedupstore.client import Client, ErrorKind
+from dedupstore.errors import (
+    ConfigurationError,
+    ConsistencyError,
+    StoreUnavailable,
+    format_error,
+)
+from dedupstore.options import (
+    Option,
+    choice,
+    client_option,
+    connect_timeout_option,
+    integer,
+    optional,
+    retries_option,
+    text,
+    timeout_option,
+)
+from dedupstore.urls import StoreURL
+
+__all__ = ["CONNECTION_OPTIONS", "RedisClient", "escape", "key_prefix_option"]
+
+_ESCAPES = str.maketrans({"%": "%25", ":": "%3A", "{": "%7B", "}": "%7D"})
+#: Error replies that mean "retry later": a script runs too long, the server cannot
+#: persist, or it lacks the replicas min-replicas-to-write asks for.
+_TRANSIENT_CODES = frozenset({"BUSY", "MISCONF", "NOREPLICAS"})
+_PIPELINE_PREFIX = re.compile(r"^Command # \d+ \(.*?\) of pipeline caused error: ", re.S)
+
+
+def escape(part: str) -> str:
+    """``part`` with ``%`` ``:`` ``{`` ``}`` percent-escaped (injective; no ``:``, no hash tag)."""
+    # str.translate with a mapping costs microseconds; most ids need no escaping at all.
+    if "%" in part or ":" in part or "{" in part or "}" in part:
+        return part.translate(_ESCAPES)
+    return part
+
+
+def _key_prefix(value: object) -> str:
+    prefix: str = text(what="a key prefix")(value)
+    if prefix and not prefix.endswith(":"):
+        raise ValueError(
+            f"expected '' or a prefix ending with ':' (so that two prefixes never share "
+            f"keys), got {prefix!r}"
+        )
+    prefix.encode("utf-8")  # a lone surrogate raises UnicodeEncodeError (a ValueError)
+    return prefix
+
+
+def key_prefix_option(default: str) -> Option:
+    """The ``key_prefix`` option (``''`` or ending with ``:``), with a store's own default."""
+    return Option(
+        "key_prefix", _key_prefix, default, "namespace of the keys: '' or ending with ':'"
+    )
+
+
+def text_of(value: bytes | str) -> str:
+    """A reply as text (redis-py answers bytes unless the client decodes responses)."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+#: The connection options of every Redis store (after its ``key_prefix``).
+CONNECTION_OPTIONS: tuple[Option, ...] = (
+    timeout_option(
+        5.0,
+        "seconds one command may take (each attempt) before it is retried",
+        formerly=("socket_timeout",),
+    ),
+    connect_timeout_option(5.0, formerly=("socket_connect_timeout",)),
+    retries_option(
+        3, "how often a command is retried after a connection error or timeout (with backoff)"
+    ),
+    Option("max_connections", optional(integer(1)), None, "largest number of pooled connections"),
+    Option("wait_replicas", integer(0), 0, "replicas every write waits for (WAIT); 0: none"),
+    Option(
+        "wait_timeout_ms",
+        integer(1),
+        1000,
+        "how long a write waits for the replicas, in ms (shorter than timeout)",
+    ),
+    Option("username", optional(text()), None, "ACL user (instead of the URL's)", driver=True),
+    Option(
+        "password",
+        optional(text()),
+        None,
+        "password (instead of the URL's)",
+        secret=True,
+        driver=True,
+    ),
+    Option("ssl_ca_certs", optional(text()), None, "CA bundle file (rediss://)", driver=True),
+    Option(
+        "ssl_cert_reqs",
+        optional(choice("none", "optional", "required")),
+        None,
+        "server certificate check (rediss://)",
+        driver=True,
+    ),
+    client_option("a ready redis.Redis (its own settings apply; not closed by close())"),
+)
+
+
+class RedisClient(Client):
+    """A client of one standalone Redis primary: pool, script, errors, health checks.
+
+    Subclasses set :attr:`_script_source` (their one write script; called with no
+    keys it must return at once, as a permission probe), :attr:`_commands` and
+    :attr:`_unconfirmed` (see below), declare ``key_prefix_option(...)`` plus
+    :data:`CONNECTION_OPTIONS`, and come first in the bases:
+    ``class RedisXStore(RedisClient, XStore)``.
+    """
+
+    schemes: ClassVar[tuple[str, ...]] = ("redis", "rediss")
+    #: The Lua source of the store's write script.
+    _script_source: ClassVar[str] = "return {}"
+    #: The commands the store runs, named when an ACL refuses one.
+    _commands: ClassVar[str] = "+ping +info +script|load +evalsha +wait"
+    #: What a write that replicas did not confirm means for the caller.
+    _unconfirmed: ClassVar[str] = "its outcome is on the primary but its durability is unknown"
+
+    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
+        """Resolve the options, connect to the Redis primary named by ``url`` and check it.
+
+        ``url`` is ``redis[s]://[[user]:password@]host[:port][/db]``; its query holds
+        the options. Raises ``ConfigurationError`` for bad options, a wrong password or
+        missing permissions, or a Redis Cluster; ``ConsistencyError`` when the server
+        is a replica; ``StoreUnavailable`` when it cannot be reached.
+        """
+        super().__init__(url, **options)
+        self._key_prefix: str = self._opts["key_prefix"]
+        self._wait_replicas: int = self._opts["wait_replicas"]
+        self._wait_timeout_ms: int = self._opts["wait_timeout_ms"]
+        if self._wait_replicas and self._wait_timeout_ms >= self._opts["timeout"] * 1000:
+            raise ConfigurationError(
+                f"wait_timeout_ms ({self._wait_timeout_ms}) must be shorter than timeout "
+                f"({self._opts['timeout']:g} s), or the WAIT would time out the connection"
+            )
+        self._script_sha = hashlib.sha1(self._script_source.encode()).hexdigest()
+        self._backoff = ExponentialWithJitterBackoff(cap=1.0, base=0.05)
+        client = self._opts["client"]
+        if client is not None and not isinstance(client, redis.Redis):
+            raise ConfigurationError(
+                f"client must be a redis.Redis, got {type(client).__name__} "
+                "(Redis Cluster is not supported)"
+            )
+        self._owns_client = client is None
+        self._client: redis.Redis = self._connect() if client is None else client
+        try:
+            with self._translating_errors("connect"):
+                self._probe()
+        except BaseException:
+            self._close()
+            raise
+
+    # ------------------------------------------------------------------ opening
+
+    def _connect(self) -> redis.Redis:
+        """A client with its own pool (fork-safe: redis-py's pool resets in a child)."""
+        url = self._url
+        if url.path in ("", "/"):
+            db = 0
+        elif re.fullmatch(r"/\d{1,5}", url.path):
+            db = int(url.path[1:])
+        else:
+            raise ConfigurationError(
+                f"bad Redis URL {url.masked}: the path must be a database number such as /0"
+            )
+        kwargs: dict[str, Any] = {
+            "host": url.host or "localhost",
+            "port": url.port or 6379,
+            "db": db,
+            "username": url.username or None,
+            "password": url.password or None,
+        }
+        kwargs.update(self._opts.driver_kwargs())
+        if url.scheme == "rediss":
+            kwargs["connection_class"] = SSLConnection
+        elif "ssl_ca_certs" in kwargs or "ssl_cert_reqs" in kwargs:
+            raise ConfigurationError("ssl_ca_certs and ssl_cert_reqs need a rediss:// URL")
+        pool = ConnectionPool(
+            **kwargs,
+            socket_timeout=self._opts["timeout"],
+            socket_connect_timeout=self._opts["connect_timeout"],
+            max_connections=self._opts["max_connections"],
+            retry=Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.05), self._opts["retries"]),
+        )
+        return redis.Redis(connection_pool=pool)
+
+    def _probe(self) -> None:
+        """``PING``; check the server is a primary, not a cluster, and runs our script."""
+        pipe = self._client.pipeline(transaction=False)
+        pipe.ping()
+        pipe.script_load(self._script_source)
+        pipe.info("replication")
+        pipe.info("cluster")
+        _, _, replication, cluster = pipe.execute()
+        if isinstance(cluster, Mapping) and str(cluster.get("cluster_enabled", "0")) == "1":
+            raise ConfigurationError(
+                f"{self.url} is a Redis Cluster node; {type(self).__name__} needs a standalone "
+                "primary (Redis Cluster is not supported yet)"
+            )
+        if isinstance(replication, Mapping) and replication.get("role") not in (None, "master"):
+            raise ConsistencyError(
+                f"{self.url} is a read-only replica (role {replication.get('role')!r}): its reads "
+                "can be stale; point the store at the primary"
+            )
+        self._client.evalsha(self._script_sha, 0)  # refused now if the ACL forbids EVALSHA
+
+    # ------------------------------------------------------------------ the write script
+
+    def _run_script(
+        self, keys: list[str], args: list[str], resent_args: list[str] | None = None
+    ) -> Any:
+        """Run the write script (then ``WAIT`` when configured); return its answer.
+
+        Each attempt takes one pooled connection and sends ``EVALSHA`` (plus ``WAIT``)
+        without redis-py's retry; a connection error or timeout after the request was
+        sent means the script may have run, so the next attempts send
+        ``resent_args`` (``args`` when ``None``). Retried ``retries`` times with
+        backoff, and once more after ``NOSCRIPT`` (a restarted or flushed server).
+        Raises the redis-py error of the last attempt, or ``StoreUnavailable`` when
+        fewer than ``wait_replicas`` replicas confirmed the write in time.
+        """
+        commands: list[tuple[Any, ...]] = [("EVALSHA", self._script_sha, len(keys), *keys, *args)]
+        if self._wait_replicas:
+            commands.append(("WAIT", self._wait_replicas, self._wait_timeout_ms))
+        failures, loaded = 0, False
+        while True:
+            sent: list[bool] = []
+            try:
+                replies = self._send(commands, sent)
+                break
+            except NoScriptError:  # the script did not run
+                if loaded:
+                    raise
+                self._client.script_load(self._script_source)
+                loaded = True
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                if isinstance(exc, AuthenticationError | AuthorizationError):
+                    raise
+                if failures >= self._opts["retries"]:
+                    raise
+                failures += 1
+                if sent and resent_args is not None:
+                    commands[0] = ("EVALSHA", self._script_sha, len(keys), *keys, *resent_args)
+                time.sleep(self._backoff.compute(failures))
+        if self._wait_replicas and int(replies[1]) < self._wait_replicas:
+            raise StoreUnavailable(
+                f"{type(self).__name__} at {self.url}: only {replies[1]} of "
+                f"{self._wait_replicas} replicas acknowledged the write within "
+                f"{self._wait_timeout_ms} ms; {self._unconfirmed}"
+            )
+        return replies[0]
+
+    def _send(self, commands: list[tuple[Any, ...]], sent: list[bool]) -> list[Any]:
+        """Send ``commands`` in one packet on one pooled connection; read every reply.
+
+        Appends to ``sent`` once the request may have reached the server. A dropped
+        or timed-out connection is closed, never reused; error replies are raised
+        after all replies are read (the connection stays in step).
+        """
+        pool = self._client.connection_pool
+        conn: Any = pool.get_connection()  # redis-py leaves these methods untyped
+        try:
+            packet = conn.pack_commands(commands)
+            sent.append(True)
+            conn.send_packed_command(packet)
+            replies: list[Any] = []
+            for _ in commands:
+                try:
+                    replies.append(conn.read_response())
+                except ResponseError as exc:
+                    replies.append(exc)
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+        for reply in replies:
+            if isinstance(reply, ResponseError):
+                raise reply
+        return replies
+
+    # ------------------------------------------------------------------ errors
+
+    def _classify_error(self, exc: BaseException) -> ErrorKind:
+        """Classify a redis-py error.
+
+        Credentials, ACL, foreign keys and cluster redirects: ``ConfigurationError``;
+        connection, timeout, failover (READONLY), loading, busy, OOM and any other
+        redis-py error: ``StoreUnavailable``; an error reply not known to be
+        transient: ``ConfigurationError``.
+        """
+        name, detail = type(self).__name__, self._describe_error(exc)
+        if isinstance(
+            exc, AuthenticationError | AuthorizationError | AuthenticationWrongNumberOfArgsError
+        ):
+            return ConfigurationError(
+                f"{name} cannot log in to {self.url} (wrong or missing username/password): {detail}"
+            )
+        if isinstance(exc, NoPermissionError):
+            return ConfigurationError(
+                f"{name} at {self.url}: the Redis user may not run a command the store needs "
+                f"(grant {self._commands}): {detail}"
+            )
+        if isinstance(exc, RedisConnectionError | RedisTimeoutError | ReadOnlyError):
+            return StoreUnavailable  # also BusyLoadingError, MaxConnectionsError
+        if isinstance(exc, TryAgainError | ClusterDownError):
+            return StoreUnavailable  # also MasterDownError
+        if isinstance(exc, OutOfMemoryError):
+            return StoreUnavailable(
+                f"{name} at {self.url}: Redis is out of memory and refuses writes ({detail}); "
+                "raise maxmemory or free memory (keep maxmemory-policy noeviction)"
+            )
+        if isinstance(exc, ResponseError):
+            # a pipeline prefixes the reply: "Command # 1 (HMGET k b v) of pipeline caused error: "
+            reply = _PIPELINE_PREFIX.sub("", str(exc), count=1)
+            code = reply.split(" ", 1)[0]
+            if code in ("DEDUPSTORE", "WRONGTYPE"):
+                return self._foreign_value_error(detail)
+            if isinstance(exc, AskError | ClusterCrossSlotError):  # also MovedError
+                return ConfigurationError(
+                    f"{name} at {self.url}: the server redirects to a Redis Cluster node; Redis "
+                    f"Cluster is not supported yet: {detail}"
+                )
+            if isinstance(exc, NoScriptError) or code in _TRANSIENT_CODES:
+                return StoreUnavailable
+            return ConfigurationError
+        if type(exc).__module__.split(".", 1)[0] == "redis":
+            return StoreUnavailable
+        return super()._classify_error(exc)
+
+    def _foreign_value_error(self, detail: str = "") -> ConfigurationError:
+        return ConfigurationError(
+            f"{type(self).__name__} at {self.url}: a key under the prefix {self._key_prefix!r} "
+            "holds a value dedupstore did not write; the key_prefix must be reserved for "
+            f"this store{f' ({detail})' if detail else ''}"
+        )
+
+    # ------------------------------------------------------------------ health
+
+    def _health_warnings(self) -> list[str]:
+        """Warn about settings that can lose acknowledged writes."""
+        warnings: list[str] = []
+        config: dict[str, str] = {}
+        pipe = self._client.pipeline(transaction=False)
+        for name in ("appendonly", "appendfsync", "maxmemory", "maxmemory-policy"):
+            pipe.config_get(name)
+        pipe.info("persistence")
+        pipe.info("replication")
+        *answers, persistence, replication = pipe.execute(raise_on_error=False)
+        for answer in answers:
+            if isinstance(answer, Exception):
+                if isinstance(answer, ResponseError):
+                    config.clear()
+                    warnings.append(
+                        "could not check appendfsync and maxmemory-policy: CONFIG GET is not "
+                        f"allowed ({format_error(answer)}); acknowledged records survive a crash "
+                        "only with appendonly yes and appendfsync always, and eviction must be "
+                        "off (maxmemory-policy noeviction)"
+                    )
+                    break
+                raise answer
+            config.update({text_of(k): text_of(v) for k, v in dict(answer).items()})
+        for answer in (persistence, replication):
+            if isinstance(answer, Exception):
+                raise answer
+        aof = config.get(
+            "appendonly", "yes" if str(persistence.get("aof_enabled")) == "1" else "no"
+        )
+        if aof != "yes":
+            warnings.append(
+                "the server has no append-only file (appendonly no): acknowledged records "
+                "are lost when Redis crashes or restarts; set appendonly yes and "
+                "appendfsync always"
+            )
+        elif "appendfsync" in config and config["appendfsync"] != "always":
+            warnings.append(
+                f"appendfsync is {config['appendfsync']!r}, not 'always': records acknowledged "
+                "in the last second or so are lost if the server crashes"
+            )
+        policy = config.get("maxmemory-policy")
+        if policy is not None and policy != "noeviction":
+            warnings.append(
+                f"maxmemory-policy is {policy!r} (maxmemory {config.get('maxmemory')}): when "
+                "memory is full Redis may evict records, silently forgetting what was written; "
+                "use noeviction"
+            )
+        replicas = int(replication.get("connected_slaves", 0))
+        if replicas and not self._wait_replicas:
+            warnings.append(
+                f"the primary has {replicas} replica(s) and replication is asynchronous: after a "
+                "failover, acknowledged records can be missing; set wait_replicas"
+            )
+        return warnings
+
+    def _close(self) -> None:
+        if self._owns_client:
+            self._client.connection_pool.disconnect()

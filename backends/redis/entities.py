@@ -1,0 +1,294 @@
+"""The Redis entity store: :class:`RedisEntityStore`.
+
+Layout (``key_prefix`` ``dedupent:`` by default, same rules as the deduplication
+store's; keep the two prefixes apart):
+
+* one hash per entity, ``<key_prefix>e:<id>`` (the id escaped like the deduplication
+  keys: ``%`` ``:`` ``{`` ``}`` become ``%25`` ``%3A`` ``%7B`` ``%7D``), with the
+  fields ``b`` (the canonical JSON body), ``v`` (the version: 1, 2, 3, ... per
+  save), ``t`` (the random write token of the save that wrote it) and ``p``
+  (``1`` while the outbox is not empty, else ``0``);
+* one set per bucket, ``<key_prefix>pending:<bucket>`` (``bucket_of(id)``, 0..4095),
+  holding the ids of the entities of that bucket whose outbox is not empty.
+
+Token: the version. A save is one ``EVALSHA`` per chunk (up to 100 entities and
+16 MiB of bodies; Redis runs a script atomically): for each entity it compares
+the stored version with the one the entity was loaded at (absent when ``None``) and
+writes body, version + 1, token and pending flag and moves the id into or out of
+its bucket's set, or leaves it alone (a conflict). Every key is checked before any
+is written, so a foreign key fails the whole chunk and nothing is half-written.
+Loads: one pipelined ``HMGET b v`` per id, a chunk of 100 ids per round trip (a
+hash without those two fields loads as absent; saving it is refused).
+
+Lost answers: the script is sent on one connection and retried by the store
+(``retries``). An entity whose hash already holds this save's token was written by
+an earlier attempt and is reported as saved. A re-sent script that meets an entity
+whose version moved on cannot tell "another client saved first" from "our lost
+attempt wrote it and someone saved on top": it writes nothing and the save raises
+``StoreUnavailable`` (outcome unknown: reload before saving again) rather than
+report a conflict that may be false.
+
+Scan: segment ``s`` of ``n`` walks the sets of the buckets ``b % n == s`` with
+``SSCAN`` (64 buckets per pipelined round trip) and reads the bodies with one
+pipelined ``HMGET`` per id, a page of 100 ids at a time; ids whose entity is gone
+or no longer pending are skipped. Memory: one page of bodies plus the ids of one
+round of buckets (an id set per bucket de-duplicates ``SSCAN``'s repeats).
+
+Size limit: 4 MiB of JSON per entity (``max_entity_bytes``). Redis takes values up
+to 512 MB (``proto-max-bulk-len``), but an entity is read whole by every load and
+scan, and a chunk of them travels in one command: 4 MiB keeps a page of a scan and
+a script call within tens of MiB.
+
+Options: ``key_prefix`` and the connection options of :mod:`backends.redis._client`
+(timeouts, retries, pool, ``wait_replicas``, credentials, TLS, ``client``). Errors:
+``StoreUnavailable`` when Redis cannot answer (the outcome of a failed save is
+unknown), ``ConfigurationError`` for credentials, permissions and keys under the
+prefix that dedupstore did not write.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+from backends.redis._client import (
+    CONNECTION_OPTIONS,
+    RedisClient,
+    escape,
+    key_prefix_option,
+)
+from dedupstore.entities import BUCKETS, EntityRecord, EntityStore
+from dedupstore.errors import StoreUnavailable
+from dedupstore.options import OptionSet
+from dedupstore.urls import StoreURL
+
+__all__ = ["RedisEntityStore", "entity_key", "pending_key"]
+
+# KEYS[1..n]: the entity keys; KEYS[n+1..2n]: the pending set of each entity's bucket.
+# ARGV[1]: this save's write token; ARGV[2]: '1' when an earlier attempt of this very
+# call may have run (its answer was lost); then 4 per entity: the expected version
+# ('' = absent, else '=' .. version), '1'/'0' (pending), the id, the body.
+# Checks every key before writing any, so an error leaves nothing half-written.
+# Returns {1, i, version, ...} for the entities saved (now, or by the earlier attempt:
+# their hash holds this token), or {0} having written nothing when a re-sent call meets
+# an entity that moved on (its lost attempt may have written it). No keys: a probe.
+_SAVE_SCRIPT = """
+if #KEYS == 0 then return {} end
+local n = #KEYS / 2
+local token, resent = ARGV[1], ARGV[2] == '1'
+local result, todo, versions = {1}, {}, {}
+for i = 1, n do
+  local key = KEYS[i]
+  local expected = ARGV[3 + (i - 1) * 4]
+  local kind = redis.call('TYPE', key)['ok']
+  if kind == 'none' then
+    if expected == '' then
+      todo[#todo + 1] = i
+      versions[i] = 1
+    end
+  elseif kind ~= 'hash' then
+    return redis.error_reply('WRONGTYPE key ' .. string.sub(key, 1, 200) .. ' holds a '
+      .. kind .. ', not a dedupstore entity')
+  else
+    local fields = redis.call('HMGET', key, 'v', 't')
+    local version = tonumber(fields[1])
+    if not version then
+      return redis.error_reply('DEDUPSTORE key ' .. string.sub(key, 1, 200)
+        .. ' holds a hash dedupstore did not write')
+    end
+    if fields[2] == token then
+      result[#result + 1] = i
+      result[#result + 1] = version
+    elseif expected == '=' .. fields[1] then
+      todo[#todo + 1] = i
+      versions[i] = version + 1
+    elseif resent then
+      return {0}
+    end
+  end
+end
+for i = n + 1, 2 * n do
+  local kind = redis.call('TYPE', KEYS[i])['ok']
+  if kind ~= 'none' and kind ~= 'set' then
+    return redis.error_reply('WRONGTYPE key ' .. string.sub(KEYS[i], 1, 200) .. ' holds a '
+      .. kind .. ', not a dedupstore pending set')
+  end
+end
+for _, i in ipairs(todo) do
+  local at = 3 + (i - 1) * 4
+  redis.call('HSET', KEYS[i], 'b', ARGV[at + 3], 'v', versions[i], 't', token,
+    'p', ARGV[at + 1])
+  if ARGV[at + 1] == '1' then
+    redis.call('SADD', KEYS[n + i], ARGV[at + 2])
+  else
+    redis.call('SREM', KEYS[n + i], ARGV[at + 2])
+  end
+  result[#result + 1] = i
+  result[#result + 1] = versions[i]
+end
+return result
+"""
+
+#: Bodies per script call, in bytes (a call holds at least one entity).
+_MAX_CALL_BYTES = 16 * 1024 * 1024
+#: Pending sets read per pipelined round trip of the scan, and SSCAN's COUNT hint.
+_BUCKETS_PER_ROUND = 64
+_SSCAN_COUNT = 200
+
+
+def entity_key(key_prefix: str, entity_id: str) -> str:
+    """The Redis key of an entity's hash: ``<key_prefix>e:<escaped id>``."""
+    return f"{key_prefix}e:{escape(entity_id)}"
+
+
+def pending_key(key_prefix: str, bucket: int) -> str:
+    """The Redis key of a bucket's set of pending entity ids."""
+    return f"{key_prefix}pending:{bucket}"
+
+
+def _version(value: object) -> int | None:
+    """A stored version as an int; ``None`` when it is not one (not our hash)."""
+    if isinstance(value, bytes | str):
+        text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
+        if text.isdigit():
+            return int(text)
+    return None
+
+
+def _body(value: bytes | str) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
+class RedisEntityStore(RedisClient, EntityStore):
+    """Entities on a Redis primary, one hash each; safe across threads and processes.
+
+    Token: the version field, compared and written by one Lua script per chunk.
+    Needs a standalone Redis primary (not Cluster, not a replica); durable only with
+    ``appendonly yes`` + ``appendfsync always``. Raises ``StoreUnavailable`` (the
+    redis-py error chained) whenever Redis cannot answer or a save's outcome is
+    unknown, ``ConfigurationError`` for credentials, permissions and foreign keys
+    under the prefix.
+    """
+
+    #: Largest entity: 4 MiB of JSON (see the module: memory per page and per call).
+    max_entity_bytes: ClassVar[int] = 4 * 1024 * 1024
+    max_batch: ClassVar[int] = 100
+    declared_options: ClassVar[OptionSet] = EntityStore.declared_options.extend(
+        key_prefix_option("dedupent:"), *CONNECTION_OPTIONS
+    )
+    _script_source: ClassVar[str] = _SAVE_SCRIPT
+    _commands: ClassVar[str] = (
+        "+ping +info +script|load +evalsha +wait +hmget +sscan, and in the script "
+        "+type +hset +sadd +srem"
+    )
+    _unconfirmed: ClassVar[str] = (
+        "the entities are saved on the primary but their durability is unknown (reload "
+        "them before saving again)"
+    )
+
+    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
+        """Connect to the Redis primary named by ``url`` and check it.
+
+        ``url`` is ``redis[s]://[[user]:password@]host[:port][/db]``, as for the
+        deduplication store; its query holds the options (see the module). Raises
+        ``ConfigurationError`` for bad options (before any I/O), a wrong password or
+        missing permissions, or a Redis Cluster; ``ConsistencyError`` when the
+        server is a replica; ``StoreUnavailable`` when it cannot be reached.
+        """
+        super().__init__(url, **options)
+
+    def _key(self, entity_id: str) -> str:
+        return entity_key(self._key_prefix, entity_id)
+
+    # ------------------------------------------------------------------ primitives
+
+    def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
+        """One pipelined ``HMGET`` per id, in one round trip."""
+        pipe = self._client.pipeline(transaction=False)
+        for eid in ids:
+            pipe.hmget(self._key(eid), ["b", "v"])
+        found: dict[str, tuple[str, Any]] = {}
+        for eid, (body, stored) in zip(ids, pipe.execute(), strict=True):
+            if body is None and stored is None:
+                continue
+            version = _version(stored)
+            if body is None or version is None:
+                raise self._foreign_value_error(f"{self._key(eid)[:200]!r} is not an entity")
+            found[eid] = (_body(body), version)
+        return found
+
+    def _save(self, records: list[EntityRecord]) -> dict[str, Any]:
+        """One script call per group of records (up to 16 MiB of bodies)."""
+        token = secrets.token_hex(16)
+        saved: dict[str, Any] = {}
+        group: list[EntityRecord] = []
+        size = 0
+        for record in records:
+            body_size = len(record.body.encode("utf-8"))
+            if group and size + body_size > _MAX_CALL_BYTES:
+                saved.update(self._save_group(group, token))
+                group, size = [], 0
+            group.append(record)
+            size += body_size
+        if group:
+            saved.update(self._save_group(group, token))
+        return saved
+
+    def _save_group(self, records: list[EntityRecord], token: str) -> dict[str, int]:
+        keys = [self._key(r.id) for r in records]
+        keys += [pending_key(self._key_prefix, r.bucket) for r in records]
+        entries: list[str] = []
+        for r in records:
+            expected = "" if r.version is None else f"={r.version}"
+            entries += [expected, "1" if r.pending else "0", r.id, r.body]
+        reply = self._run_script(keys, [token, "0", *entries], [token, "1", *entries])
+        if int(reply[0]) != 1:
+            raise StoreUnavailable(
+                f"{type(self).__name__} at {self.url}: save failed: the answer to an earlier "
+                "attempt was lost and an entity has changed since, so whether this save "
+                "wrote it is unknown; reload the entities before saving again"
+            )
+        pairs = reply[1:]
+        return {records[int(pairs[k]) - 1].id: int(pairs[k + 1]) for k in range(0, len(pairs), 2)}
+
+    def _scan(self, segment: int, segments: int) -> Iterator[tuple[str, str, Any]]:
+        """Pending ids by ``SSCAN`` of the segment's buckets, bodies a page at a time."""
+        page: list[str] = []
+        for ids in self._pending_ids(segment, segments):
+            page += ids
+            while len(page) >= self.max_batch:
+                yield from self._read_page(page[: self.max_batch])
+                page = page[self.max_batch :]
+        if page:
+            yield from self._read_page(page)
+
+    def _pending_ids(self, segment: int, segments: int) -> Iterator[list[str]]:
+        """Lists of ids from the pending sets of the segment's buckets, each id once."""
+        buckets = range(segment, BUCKETS, segments)
+        for start in range(0, len(buckets), _BUCKETS_PER_ROUND):
+            group = buckets[start : start + _BUCKETS_PER_ROUND]
+            pipe = self._client.pipeline(transaction=False)
+            for bucket in group:
+                pipe.sscan(pending_key(self._key_prefix, bucket), 0, count=_SSCAN_COUNT)
+            for bucket, (cursor, members) in zip(group, pipe.execute(), strict=True):
+                seen = {_body(m) for m in members}
+                if seen:
+                    yield list(seen)
+                while int(cursor):
+                    cursor, members = self._client.sscan(
+                        pending_key(self._key_prefix, bucket), cursor, count=_SSCAN_COUNT
+                    )
+                    fresh = {_body(m) for m in members} - seen
+                    if fresh:
+                        seen |= fresh
+                        yield list(fresh)
+
+    def _read_page(self, ids: list[str]) -> Iterator[tuple[str, str, Any]]:
+        pipe = self._client.pipeline(transaction=False)
+        for eid in ids:
+            pipe.hmget(self._key(eid), ["b", "v", "p"])
+        for eid, (body, stored, pending) in zip(ids, pipe.execute(), strict=True):
+            version = _version(stored)
+            if body is not None and version is not None and pending in (b"1", "1"):
+                yield eid, _body(body), version

@@ -1,0 +1,188 @@
+"""The Redis deduplication store: :class:`RedisDeduplicationStore`.
+
+One string key per (endpoint, id): ``<key_prefix><endpoint>:<id>`` (``key_prefix``
+``dedup:`` by default), both parts escaped (``%`` ``:`` ``{`` ``}`` become ``%25``
+``%3A`` ``%7B`` ``%7D``), so no two pairs share a key and no id forms a Redis Cluster
+hash tag. The value is ``dsv1:<token>``, the write token of the call that recorded it.
+
+Writes: one ``EVALSHA`` per chunk of 1000 ids (two chunks in flight). Redis runs a
+script atomically: for each key, absent -> ``SET``; holding a token of this call
+(``request.mine``) -> ``SET`` again and reported as recorded; else left alone. A key
+under the prefix that dedupstore did not write (another value or another type)
+makes the whole chunk fail with ``ConfigurationError`` before anything is written.
+Re-sending the script after a lost answer is therefore safe. Reads: one ``MGET``
+per chunk of 2000 ids (``MGET`` sees a key of another type as absent;
+``has_been_processed`` refuses it).
+
+Expiry is Redis's own (``expiry_clock = "server"``): a record with a retention is
+``SET`` with ``PX`` = the retention in ms, and Redis never returns an expired key,
+so the clients' clocks do not matter. ``purge_expired`` returns 0: Redis deletes
+expired keys itself.
+
+Options: ``endpoint``, ``retention`` and the connection options of
+:mod:`backends.redis._client` (timeouts, retries, pool, ``wait_replicas``,
+credentials, TLS, ``client``).
+
+After a failure: ``StoreUnavailable`` (connection, timeout, loading, failover to a
+replica, out of memory, fewer replicas than ``wait_replicas`` acknowledged): the
+ids in ``recorded`` were recorded by the call, those in ``unknown`` may have been,
+and a retry of them on the same store object reports the latter as recorded by it
+(the store's own retries are safe for the same reason). ``ConfigurationError``:
+credentials, ACL permissions, a foreign key under the prefix, Redis Cluster.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, ClassVar
+
+from backends.redis._client import (
+    CONNECTION_OPTIONS,
+    RedisClient,
+    escape,
+    key_prefix_option,
+)
+from dedupstore.options import OptionSet
+from dedupstore.store import DeduplicationStore, WriteRequest
+from dedupstore.urls import StoreURL
+
+__all__ = ["RedisDeduplicationStore", "record_key"]
+
+#: Every record value starts with this tag; anything else was not written by us.
+_TAG = "dsv1:"
+_TAG_BYTES = _TAG.encode()
+
+# KEYS: record keys. ARGV[1]: the new value; ARGV[2]: PX in ms ('' = no expiry);
+# ARGV[3..]: the values that mean "written by this call" (its tokens, tagged).
+# Decides every key before writing any, so an error leaves nothing half-written.
+# Returns the (1-based) indexes of the keys it recorded. No keys: a permission probe.
+_ADD_SCRIPT = """
+if #KEYS == 0 then return {} end
+local mine = {}
+for i = 3, #ARGV do mine[ARGV[i]] = true end
+local current = redis.call('MGET', unpack(KEYS))
+local todo, absent = {}, {}
+for i = 1, #KEYS do
+  local value = current[i]
+  if not value then
+    todo[#todo + 1] = i
+    absent[#absent + 1] = KEYS[i]
+  elseif mine[value] then
+    todo[#todo + 1] = i
+  elseif string.sub(value, 1, 5) ~= 'dsv1:' then
+    return redis.error_reply('DEDUPSTORE key ' .. string.sub(KEYS[i], 1, 200)
+      .. ' holds a value dedupstore did not write')
+  end
+end
+-- MGET answers nil for a key of another type, which SET would silently replace.
+if #absent > 0 and redis.call('EXISTS', unpack(absent)) > 0 then
+  for _, key in ipairs(absent) do
+    local kind = redis.call('TYPE', key)['ok']
+    if kind ~= 'none' then
+      return redis.error_reply('WRONGTYPE key ' .. string.sub(key, 1, 200) .. ' holds a '
+        .. kind .. ', not a dedupstore record')
+    end
+  end
+end
+if #todo > 0 then
+  if ARGV[2] == '' then
+    local pairs_ = {}
+    for _, i in ipairs(todo) do
+      pairs_[#pairs_ + 1] = KEYS[i]
+      pairs_[#pairs_ + 1] = ARGV[1]
+    end
+    redis.call('MSET', unpack(pairs_))
+  else
+    for _, i in ipairs(todo) do
+      redis.call('SET', KEYS[i], ARGV[1], 'PX', ARGV[2])
+    end
+  end
+end
+return todo
+"""
+
+
+def record_key(key_prefix: str, endpoint: str, message_id: str) -> str:
+    """Return the Redis key of (endpoint, id): injective, no ``:`` or braces in the parts."""
+    return f"{key_prefix}{escape(endpoint)}:{escape(message_id)}"
+
+
+def _is_record(value: object) -> bool:
+    if isinstance(value, bytes):
+        return value.startswith(_TAG_BYTES)
+    return str(value).startswith(_TAG)
+
+
+class RedisDeduplicationStore(RedisClient, DeduplicationStore):
+    """Deduplication store on a Redis primary; safe across threads and processes.
+
+    Needs a standalone Redis primary (not Cluster, not a replica); durable only with
+    ``appendonly yes`` + ``appendfsync always``. Raises ``StoreUnavailable`` (the
+    redis-py error chained) whenever Redis cannot answer, ``ConfigurationError`` for
+    credentials, permissions and foreign keys under the prefix.
+    """
+
+    expiry_clock = "server"
+    # The script unpack()s 2 values per key: Lua's stack allows about 8000.
+    max_write_batch: ClassVar[int] = 1000
+    max_read_batch: ClassVar[int] = 2000
+    # Two chunks in flight: Python builds and parses one while the server runs the
+    # other (each script runs atomically, so first-writer-wins is unaffected).
+    chunk_concurrency: ClassVar[int] = 2
+    declared_options: ClassVar[OptionSet] = DeduplicationStore.declared_options.extend(
+        key_prefix_option("dedup:"), *CONNECTION_OPTIONS
+    )
+    _script_source: ClassVar[str] = _ADD_SCRIPT
+    _commands: ClassVar[str] = (
+        "+ping +info +script|load +evalsha +get +mget +wait, and in the script "
+        "+exists +type +set +mset"
+    )
+    _unconfirmed: ClassVar[str] = (
+        "the records are on the primary but their durability is unknown (retrying on this "
+        "store object reports them as recorded by it)"
+    )
+
+    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
+        """Connect to the Redis primary named by ``url`` and check it.
+
+        ``url`` is ``redis[s]://[[user]:password@]host[:port][/db]``; its query holds
+        the options (see the module). Raises ``ConfigurationError`` for bad options, a
+        wrong password or missing permissions, or a Redis Cluster; ``ConsistencyError``
+        when the server is a replica; ``StoreUnavailable`` when it cannot be reached.
+        """
+        super().__init__(url, **options)
+        self._key_base = f"{self._key_prefix}{escape(self._endpoint)}:"
+        # PX = the retention in whole ms, rounded up (at least 1).
+        self._px = (
+            "" if self._retention is None else str(-(-self._retention // timedelta(milliseconds=1)))
+        )
+
+    # ------------------------------------------------------------------ primitives
+
+    def _add_new(self, request: WriteRequest) -> set[str]:
+        """One script run (plus ``WAIT`` when configured) for the whole chunk."""
+        keys = [self._key_base + escape(mid) for mid in request.ids]
+        args = [_TAG + request.token, self._px, *(_TAG + token for token in request.mine)]
+        indexes = self._run_script(keys, args)
+        return {request.ids[i - 1] for i in indexes}
+
+    def _find(self, ids: list[str], now: float) -> set[str]:
+        """One ``MGET``; Redis never returns an expired key."""
+        values = self._client.mget([self._key_base + escape(mid) for mid in ids])
+        found: set[str] = set()
+        for mid, value in zip(ids, values, strict=True):
+            if value is not None:
+                if not _is_record(value):
+                    raise self._foreign_value_error()
+                found.add(mid)
+        return found
+
+    def _contains_one(self, message_id: str, now: float) -> bool:
+        value = self._client.get(self._key_base + escape(message_id))
+        if value is not None and not _is_record(value):
+            raise self._foreign_value_error()
+        return value is not None
+
+    def _purge(self, now: float) -> int:
+        """Nothing to do: Redis deletes expired records itself (native expiry)."""
+        return 0
