@@ -1,0 +1,318 @@
+"""The Cosmos DB deduplication store: :class:`CosmosDeduplicationStore`.
+
+One item per (endpoint, message id). Its ``id`` is the hex SHA-256 of the
+length-prefixed UTF-8 (endpoint, message id): Cosmos DB ids may not contain
+``/ \\ ? #``, are limited to 255 characters and travel in request URLs, so raw ids
+(up to 1024 bytes, any character) cannot be used. The item also holds the endpoint
+and message id, compared on every read: a mismatch (a SHA-256 collision, or a
+container shared with other data) raises ``ConfigurationError``, never a merge.
+
+The partition key path is ``/id`` (the hashed id): records spread evenly over
+physical partitions. Reads use the SDK's read-many (one ``id IN (...)`` query per
+physical partition); a lone id is a single-partition query, which (unlike a point
+read, whose 404 the SDK reports as "absent") fails loudly if the container is gone.
+
+Correctness rests on three native guarantees:
+
+* ``create_item`` is atomic per id: 409 Conflict means the id is already there, so
+  of concurrent writers exactly one creates it (first writer wins);
+* an expired record is overwritten by ``replace_item`` with ``If-Match`` on the
+  ``_etag`` that was read: a 412 means another writer changed it first;
+* the account's default consistency is **Strong**, checked at open (see the
+  package documentation).
+
+Every item records the write token of the call that wrote it. An item holding a
+token of this call (a create or replace resent by the transport, or a retry on the
+same store object after ``StoreUnavailable``) is this call's own write: reported as
+recorded, exactly once. ``add_many`` sends one ``create_item`` per id (at most
+``max_concurrency`` in flight), then one read-many for the ids that already existed.
+
+Expiry is judged by the CLIENT's clock (``clock``, ``time.time`` by default): every
+client of a container must keep its clock in sync (NTP). Items carry ``expires_at``
+(compared with the clock on every read) and a native ``ttl`` of the retention plus
+``max_clock_skew``, which only reclaims space (the emulator ignores it); records
+without retention carry ``ttl: -1``. Per-item TTL needs the container's default TTL
+set: :func:`create_container` sets ``-1``. ``purge_expired`` deletes (``If-Match``)
+only records expired for longer than ``max_clock_skew``.
+
+Options: those of the package (connection, consistency, ``create``, timeouts)
+plus ``endpoint``, ``retention``, ``max_clock_skew`` (60 s, see above) and ``clock``
+(keyword only). Failures: see the package documentation; ``StoreUnavailable``
+carries ``recorded`` ids (recorded by the call) and ``unknown`` ids (maybe recorded:
+a retry on the same store object reports those as recorded).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Final
+
+from azure.core import MatchConditions
+from azure.cosmos import CosmosClient, PartitionKey
+from azure.cosmos.exceptions import CosmosHttpResponseError
+
+from backends.cosmos._client import CONNECTION_OPTIONS, PARTITION_KEY_PATH, CosmosClientBase
+from dedupstore.errors import ConfigurationError, StoreUnavailable
+from dedupstore.options import OptionSet
+from dedupstore.store import CLOCK, MAX_CLOCK_SKEW, DeduplicationStore, WriteRequest
+from dedupstore.urls import StoreURL
+
+if TYPE_CHECKING:
+    from azure.cosmos import ContainerProxy
+
+__all__ = ["CosmosDeduplicationStore", "create_container", "document_id"]
+
+_ID_NAMESPACE: Final = b"dedupstore/cosmos/v1\x00"
+_MAX_TTL_SECONDS: Final = 2**31 - 1
+#: Rounds of create / read / replace before giving up on a contended id.
+_MAX_ROUNDS: Final = 8
+_INDEXING_POLICY: Final[dict[str, Any]] = {
+    "indexingMode": "consistent",
+    "automatic": True,
+    "includedPaths": [{"path": "/endpoint/?"}, {"path": "/expires_at/?"}],
+    "excludedPaths": [{"path": "/*"}],
+}
+
+
+def document_id(endpoint: str, message_id: str) -> str:
+    """Return the Cosmos DB item id of (``endpoint``, ``message_id``).
+
+    Hex SHA-256 of a namespace tag, the 4-byte length of the UTF-8 endpoint, the
+    endpoint and the message id: 64 characters from ``[0-9a-f]``, valid as a
+    Cosmos DB id and as a URL path segment, injective up to SHA-256 collisions
+    (which reads detect by comparing the stored endpoint and message id).
+    """
+    ep = endpoint.encode("utf-8")
+    digest = hashlib.sha256(_ID_NAMESPACE + len(ep).to_bytes(4, "big") + ep)
+    digest.update(message_id.encode("utf-8"))
+    return digest.hexdigest()
+
+
+def create_container(
+    client: CosmosClient,
+    database: str,
+    container: str,
+    *,
+    offer_throughput: int | None = None,
+) -> ContainerProxy:
+    """Create ``database`` and ``container`` for deduplication records if missing.
+
+    The container gets partition key path ``/id``, a default TTL of ``-1`` (per-item
+    TTL enabled, nothing expires by default) and an indexing policy limited to the
+    fields the store queries. ``offer_throughput`` (RU/s) applies only when the
+    container is created; leave it ``None`` on serverless accounts. An existing
+    container is left as it is. Raises ``CosmosHttpResponseError`` and azure-core
+    errors; :class:`CosmosDeduplicationStore` translates them when it calls this.
+    """
+    db = client.create_database_if_not_exists(database)
+    return db.create_container_if_not_exists(
+        id=container,
+        partition_key=PartitionKey(path=PARTITION_KEY_PATH),
+        indexing_policy=_INDEXING_POLICY,
+        default_ttl=-1,
+        offer_throughput=offer_throughput,
+    )
+
+
+class CosmosDeduplicationStore(CosmosClientBase, DeduplicationStore):
+    """Deduplication store in an Azure Cosmos DB (NoSQL API) container.
+
+    Linearizable on an account whose default consistency is Strong (else
+    ``ConsistencyError`` at open) with a container partitioned on ``/id`` (see
+    :func:`create_container`). Expiry is judged by the client's clock: keep the
+    clients' clocks in sync. ``add_many`` costs one create request per id
+    (``max_concurrency`` in flight) plus one read-many when some ids existed;
+    ``processed_among`` one read-many per chunk of 1000. Raises ``StoreUnavailable``
+    (retry), ``ConfigurationError`` (key, database, container), ``ConsistencyError``,
+    ``StoreClosed``. Thread-safe; after ``fork`` a child opens its own client.
+    """
+
+    schemes: ClassVar[tuple[str, ...]] = ("cosmos",)
+    max_write_batch: ClassVar[int] = 1000
+    max_read_batch: ClassVar[int] = 1000
+    declared_options: ClassVar[OptionSet] = DeduplicationStore.declared_options.extend(
+        CLOCK, MAX_CLOCK_SKEW, *CONNECTION_OPTIONS
+    )
+    _container_kind: ClassVar[str] = "a deduplication container"
+    _create_function: ClassVar[str] = "create_container()"
+    _strong_reason: ClassVar[str] = "exactly-once deduplication"
+    _weak_risk: ClassVar[str] = (
+        "reads may miss acknowledged writes and messages may be processed twice"
+    )
+
+    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
+        """Connect, check the account's consistency and the container.
+
+        ``allow_weak_consistency_for_emulator_only=True`` is UNSAFE in production:
+        it accepts an account weaker than Strong (only for emulators, which report
+        "Session"); a client cannot raise consistency above the account default, so
+        such a store is not linearizable. ``client`` is a ready ``CosmosClient`` (not
+        pickled, not closed, shared with forked children; requests use its own
+        consistency setting; the account is still checked).
+
+        Raises ``ConsistencyError`` for a weak account, ``ConfigurationError`` for a
+        bad URL or option, a missing or rejected key, a missing database or
+        container, and ``StoreUnavailable`` when the service cannot be reached.
+        """
+        self._default_ttl: int | None = None  # set by the container check
+        super().__init__(url, **options)
+        self._max_skew: float = self._opts["max_clock_skew"]
+
+    def _create_container(self, client: CosmosClient) -> None:
+        create_container(client, self._database_name, self._container_name)
+
+    def _container_checked(self, properties: Mapping[str, Any]) -> None:
+        ttl = properties.get("defaultTtl")
+        self._default_ttl = ttl if isinstance(ttl, int) else None
+
+    # ------------------------------------------------------------------ items
+
+    def _body(self, message_id: str, doc_id: str, request: WriteRequest) -> dict[str, Any]:
+        ttl = -1
+        if request.expires_at is not None:
+            ttl = math.ceil(max(request.expires_at - request.now, 0.0) + self._max_skew)
+            if ttl > _MAX_TTL_SECONDS:
+                ttl = -1  # beyond native TTL's range: reclaimed by purge_expired()
+        return {
+            "id": doc_id,
+            "endpoint": self._endpoint,
+            "message_id": message_id,
+            "expires_at": request.expires_at,
+            "ttl": ttl,
+            "write_token": request.token,
+        }
+
+    def _check_item(self, item: Mapping[str, Any], message_id: str) -> None:
+        if item.get("endpoint") != self._endpoint or item.get("message_id") != message_id:
+            raise ConfigurationError(
+                f"{type(self).__name__} at {self.url}: item {item.get('id')!r} holds "
+                f"({item.get('endpoint')!r:.60}, {item.get('message_id')!r:.60}), not "
+                f"({self._endpoint!r:.60}, {message_id!r:.60}): a container shared with "
+                "other data (or a SHA-256 collision); use a container of its own"
+            )
+
+    @staticmethod
+    def _live(item: Mapping[str, Any], now: float) -> bool:
+        expires_at = item.get("expires_at")
+        return expires_at is None or float(expires_at) > now
+
+    # ------------------------------------------------------------------ primitives
+
+    def _add_new(self, request: WriteRequest) -> set[str]:
+        now, container = request.now, self._conn.get().container
+        doc_ids = {mid: document_id(self._endpoint, mid) for mid in request.ids}
+
+        def create(mid: str) -> tuple[str, int]:
+            try:
+                container.create_item(self._body(mid, doc_ids[mid], request), no_response=True)
+            except CosmosHttpResponseError as exc:
+                if exc.status_code == 409:
+                    return mid, 409
+                raise
+            return mid, 201
+
+        def replace(entry: tuple[str, str]) -> tuple[str, int]:
+            mid, etag = entry
+            try:
+                container.replace_item(
+                    doc_ids[mid],
+                    self._body(mid, doc_ids[mid], request),
+                    etag=etag,
+                    match_condition=MatchConditions.IfNotModified,
+                    no_response=True,
+                )
+            except CosmosHttpResponseError as exc:
+                if exc.status_code in (404, 412):
+                    return mid, exc.status_code
+                raise
+            return mid, 200
+
+        recorded: set[str] = set()
+        to_create, to_read = list(request.ids), list[str]()
+        for _ in range(_MAX_ROUNDS):
+            for mid, status in self._parallel(create, to_create) if to_create else []:
+                (recorded.add if status == 201 else to_read.append)(mid)
+            to_create, to_replace = [], []
+            if to_read:
+                found = self._read_many(container, [doc_ids[mid] for mid in to_read])
+                for mid in to_read:
+                    item = found.get(doc_ids[mid])
+                    if item is None:  # deleted since (purge or native TTL): create again
+                        to_create.append(mid)
+                        continue
+                    self._check_item(item, mid)
+                    if not self._live(item, now):
+                        to_replace.append((mid, str(item["_etag"])))
+                    elif item.get("write_token") in request.mine:  # this call's own write
+                        recorded.add(mid)
+                to_read = []
+            for mid, status in self._parallel(replace, to_replace) if to_replace else []:
+                if status == 200:
+                    recorded.add(mid)
+                elif status == 412:  # changed since read: look again
+                    to_read.append(mid)
+                else:
+                    to_create.append(mid)
+            if not to_create and not to_read:
+                return recorded
+        raise StoreUnavailable(
+            f"{type(self).__name__} at {self.url}: {len(to_create) + len(to_read)} id(s) "
+            f"changed under every one of {_MAX_ROUNDS} attempts (heavy contention); retry"
+        )
+
+    def _find(self, ids: list[str], now: float) -> set[str]:
+        doc_ids = {mid: document_id(self._endpoint, mid) for mid in ids}
+        found = self._read_many(self._conn.get().container, list(doc_ids.values()))
+        result: set[str] = set()
+        for mid, doc_id in doc_ids.items():
+            item = found.get(doc_id)
+            if item is not None:
+                self._check_item(item, mid)
+                if self._live(item, now):
+                    result.add(mid)
+        return result
+
+    def _purge(self, now: float) -> int:
+        container = self._conn.get().container
+
+        def delete(entry: tuple[str, str]) -> int:
+            doc_id, etag = entry
+            try:
+                container.delete_item(
+                    doc_id, doc_id, etag=etag, match_condition=MatchConditions.IfNotModified
+                )
+            except CosmosHttpResponseError as exc:
+                if exc.status_code in (404, 412):  # gone already, or re-recorded since
+                    return 0
+                raise
+            return 1
+
+        # Only records expired for longer than max_clock_skew: a client whose clock
+        # runs up to that much ahead never deletes a record others count as live.
+        pages = container.query_items(
+            "SELECT c.id, c._etag FROM c WHERE c.endpoint = @endpoint "
+            "AND IS_NUMBER(c.expires_at) AND c.expires_at <= @cutoff",
+            parameters=[
+                {"name": "@endpoint", "value": self._endpoint},
+                {"name": "@cutoff", "value": now - self._max_skew},
+            ],
+            enable_cross_partition_query=True,
+            max_item_count=self.max_write_batch,
+        ).by_page()
+        deleted = 0
+        for page in pages:
+            entries = [(str(item["id"]), str(item["_etag"])) for item in page]
+            if entries:
+                deleted += sum(self._parallel(delete, entries))
+        return deleted
+
+    def _health_warnings(self) -> list[str]:
+        warnings = super()._health_warnings()
+        if self._retention is not None and self._default_ttl is None:
+            warnings.append(
+                f"container {self._container_name!r} has no default TTL, so per-item TTL is "
+                "off: expired records stay until purge_expired() (set default TTL to -1)"
+            )
+        return warnings
