@@ -1,0 +1,89 @@
+"""``dynamodb://<table>?region=…``: Amazon DynamoDB (or a compatible endpoint).
+
+Two stores, each in a table of its own, named by the URL:
+
+* :class:`DynamoDBDeduplicationStore` (:mod:`backends.dynamodb.store`): key ``pk``
+  (message id) + ``sk`` (endpoint), conditional puts and transactions, expiry by
+  the client's clock, native TTL;
+* :class:`DynamoDBEntityStore` (:mod:`backends.dynamodb.entities`): key ``id``, one
+  item per entity with its JSON ``body``, ``version`` (the concurrency token), a
+  random per-save ``token`` and a ``pending`` flag for DynamoDB's parallel scan.
+
+Both share :class:`DynamoDBClient` (:mod:`backends.dynamodb._client`): connection
+options, one boto3 client per process, error classification, table creation and
+checks, bounded backoff. Open them with ``dedupstore.open_store(url)`` and
+``dedupstore.open_entity_store(url)``; the two URLs name two different tables (a
+table of the other kind is refused: its key schema differs).
+
+Consistency: every read is strongly consistent (``ConsistentRead=True``). Tables with
+global-table replicas (MRSC tables included) are refused with ``ConsistencyError``
+(a strongly consistent read only sees writes made in its own Region, and conditional
+writes in two Regions can both succeed), unless ``allow_global_table=True`` (UNSAFE).
+
+Options of both stores (URL query or keyword; ``client`` keyword only):
+
+======================  =========  ==================================================
+``region``              chain      AWS region (else ``AWS_REGION`` / the profile)
+``endpoint_url``        AWS        another endpoint (DynamoDB Local, moto)
+``aws_access_key_id``   chain      with ``aws_secret_access_key`` (and optionally
+                                   ``aws_session_token``); both secret. Prefer boto3's
+                                   default chain (environment, profile, role)
+``timeout``             10 s       one HTTP request (botocore read timeout)
+``connect_timeout``     5 s        opening a connection
+``retries``             4          botocore "standard" retries of a failed request
+``create``              false      create the table (on demand; TTL on ``ttl`` for
+                                   a deduplication table)
+``allow_global_table``  false      UNSAFE: accept a table with replicas
+``client``              none       a ready boto3 DynamoDB client (not pickled, not
+                                   closed; the connection options are then unused)
+======================  =========  ==================================================
+
+The deduplication store also takes ``endpoint``, ``retention``, ``max_clock_skew``
+(60 s) and ``clock`` (keyword only). One request takes at most ``(retries + 1) *
+(connect_timeout + timeout)`` plus botocore's jittered backoff (at most 90 s with
+the defaults).
+
+Errors: ``StoreUnavailable`` (connection failure, timeout, throttling, 5xx,
+conflicts that outlast the backoff: retry), ``ConfigurationError`` (rejected
+credentials or IAM policy, no credentials, no region, missing table, wrong key
+schema, a request DynamoDB rejects as invalid: fix the setup), ``ConsistencyError``
+(a global table). Each store's module says what a caller may conclude.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+from backends.dynamodb import _client
+from backends.dynamodb._client import _BACKOFF_BASE as _BACKOFF_BASE
+from backends.dynamodb._client import _BACKOFF_CAP as _BACKOFF_CAP
+from backends.dynamodb._client import _MAX_BACKOFF_ROUNDS as _MAX_BACKOFF_ROUNDS
+from backends.dynamodb._client import (
+    MAX_BATCH_GET_KEYS,
+    MAX_TRANSACT_ITEMS,
+    DynamoDBClient,
+)
+from backends.dynamodb.entities import DynamoDBEntityStore
+from backends.dynamodb.store import DynamoDBDeduplicationStore
+
+__all__ = [
+    "MAX_BATCH_GET_KEYS",
+    "MAX_TRANSACT_ITEMS",
+    "DynamoDBClient",
+    "DynamoDBDeduplicationStore",
+    "DynamoDBEntityStore",
+]
+
+
+class _Package(types.ModuleType):
+    """The backoff tunables are re-exported above (tests shorten the pauses by setting
+    ``backends.dynamodb._BACKOFF_CAP``): setting one here sets it where it is read."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in _client.TUNABLES:
+            setattr(_client, name, value)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

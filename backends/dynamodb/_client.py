@@ -1,0 +1,540 @@
+"""The DynamoDB connection layer shared by the deduplication and the entity store.
+
+:class:`DynamoDBClient` owns what both stores of ``dynamodb://<table>`` do alike:
+the URL form and the table name, the connection options, one boto3 client per
+process (a new one after ``fork``), error classification, creating and checking
+the table (key schema, global-table replicas), batched strongly consistent reads
+with bounded retries of unprocessed keys, and conditional ``PutItem`` that tells
+its own write (re-sent by botocore after a lost answer) from someone else's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import boto3
+import botocore.exceptions as boto_errors
+from botocore.config import Config
+
+from dedupstore.client import Client, ErrorKind, ProcessLocal
+from dedupstore.errors import ConfigurationError, ConsistencyError, StoreUnavailable
+from dedupstore.options import (
+    Option,
+    boolean,
+    client_option,
+    connect_timeout_option,
+    retries_option,
+    text,
+    timeout_option,
+)
+from dedupstore.urls import StoreURL
+
+if TYPE_CHECKING:
+    from mypy_boto3_dynamodb.client import DynamoDBClient as Boto3DynamoDB
+    from mypy_boto3_dynamodb.type_defs import (
+        AttributeValueTypeDef,
+        PutItemInputTypeDef,
+        TableDescriptionTypeDef,
+    )
+
+__all__ = [
+    "CONNECTION_OPTIONS",
+    "MAX_BATCH_GET_KEYS",
+    "MAX_TRANSACT_ITEMS",
+    "DynamoDBClient",
+    "PutOutcome",
+]
+
+#: Real DynamoDB limits (moto is laxer: it accepts 26-item BatchWriteItem requests).
+MAX_TRANSACT_ITEMS = 100
+MAX_BATCH_GET_KEYS = 100
+
+_TABLE_NAME = re.compile(r"[A-Za-z0-9_.-]{3,255}")
+_AUTH_ERRORS = frozenset(
+    {
+        "AccessDenied",
+        "AccessDeniedException",
+        "UnrecognizedClientException",
+        "InvalidClientTokenId",
+        "InvalidSignatureException",
+        "SignatureDoesNotMatch",
+        "IncompleteSignature",
+        "IncompleteSignatureException",
+        "MissingAuthenticationToken",
+        "MissingAuthenticationTokenException",
+        "ExpiredToken",
+        "ExpiredTokenException",
+    }
+)
+#: Cancellation reasons worth another transaction after a pause.
+_RETRYABLE_REASONS = frozenset(
+    {
+        "TransactionConflict",
+        "ThrottlingError",
+        "ProvisionedThroughputExceeded",
+        "RequestLimitExceeded",
+    }
+)
+#: Cancellation reasons that no retry cures: the request or the table is wrong.
+_INVALID_REASONS = frozenset({"ValidationError", "ItemCollectionSizeLimitExceeded"})
+#: Error codes botocore does not retry but a new request after a pause may cure
+#: (a write that met an item locked by a concurrent transaction). The request was
+#: not applied, so sending it again is safe.
+_CONFLICT_CODES = frozenset({"TransactionConflictException", "TransactionInProgressException"})
+#: botocore errors that a later attempt may not meet: connection, timeout, checksum.
+_TRANSIENT_ERRORS = (
+    boto_errors.ConnectionError,
+    boto_errors.HTTPClientError,
+    boto_errors.WaiterError,
+    boto_errors.ChecksumError,
+    boto_errors.FlexibleChecksumError,
+    boto_errors.IncompleteReadError,
+    boto_errors.CapacityNotAvailableError,
+)
+#: Rounds without progress (conflicts, throttling, unprocessed keys) before giving up.
+_MAX_BACKOFF_ROUNDS = 10
+_BACKOFF_BASE = 0.025
+_BACKOFF_CAP = 2.0
+#: The tunables above, which ``backends.dynamodb`` forwards here when set on it.
+TUNABLES = frozenset({"_MAX_BACKOFF_ROUNDS", "_BACKOFF_BASE", "_BACKOFF_CAP"})
+
+
+def _number(value: float) -> AttributeValueTypeDef:
+    """A DynamoDB Number holding exactly ``value`` (shortest round-trip decimal)."""
+    return {"N": format(Decimal(repr(float(value))), "f")}
+
+
+def _backoff(round_number: int) -> None:
+    """Sleep with capped exponential backoff and full jitter."""
+    time.sleep(random.uniform(0, min(_BACKOFF_CAP, _BACKOFF_BASE * 2**round_number)))
+
+
+def _error_code(exc: boto_errors.ClientError) -> str:
+    code = str(exc.response.get("Error", {}).get("Code", ""))
+    if code.isdigit():  # an XML error body (a proxy, or moto's IAM emulation)
+        found = re.search(r"<Code>([^<]*)</Code>", _raw_message(exc))
+        return found.group(1) if found else code
+    return code
+
+
+def _raw_message(exc: boto_errors.ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Message", "")).strip()
+
+
+def _error_message(exc: boto_errors.ClientError) -> str:
+    message = _raw_message(exc)
+    if message.startswith("<"):
+        found = re.search(r"<Message>([^<]*)</Message>", message)
+        message = found.group(1) if found else ""
+    return message.splitlines()[0] if message else ""
+
+
+def _retry_attempts(response: Mapping[str, Any]) -> int:
+    """How often botocore re-sent the request that got ``response``."""
+    return int(response.get("ResponseMetadata", {}).get("RetryAttempts") or 0)
+
+
+def _text(pattern: str, what: str) -> Callable[[object], str | None]:
+    """A string matching ``pattern`` (an empty one is refused), or ``None``: not set."""
+    convert = text(pattern, what)
+    return lambda value: None if value is None else convert(value)
+
+
+_REGION = _text(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?", "an AWS region (us-east-1)")
+_NONEMPTY = _text(r"\S+", "a non-empty string without spaces")
+
+#: The options of every ``dynamodb://`` client (each store adds ``create`` and its own).
+CONNECTION_OPTIONS: tuple[Option, ...] = (
+    Option(
+        "region",
+        _REGION,
+        None,
+        "AWS region (default: AWS_REGION, the profile)",
+        formerly=("region_name",),
+    ),
+    Option(
+        "endpoint_url",
+        _text(r"https?://\S+", "an http(s):// URL"),
+        None,
+        "another endpoint (DynamoDB Local, moto)",
+    ),
+    Option("aws_access_key_id", _NONEMPTY, None, "with aws_secret_access_key; default: chain"),
+    Option("aws_secret_access_key", _NONEMPTY, None, "the secret access key", secret=True),
+    Option("aws_session_token", _NONEMPTY, None, "a session token", secret=True),
+    timeout_option(10.0, "seconds one request may take (read timeout)", formerly=("read_timeout",)),
+    connect_timeout_option(5.0),
+    retries_option(
+        4, "botocore 'standard' retries of a failed request", formerly=("max_attempts",)
+    ),
+    Option("allow_global_table", boolean, False, "UNSAFE: accept a table with replicas"),
+    client_option("a ready boto3 DynamoDB client (the connection options are then unused)"),
+)
+
+
+@dataclass(frozen=True)
+class PutOutcome:
+    """What one conditional ``PutItem`` did.
+
+    ``written``: the condition held and the item is stored. Otherwise ``old`` is the
+    item that failed the condition (empty when there is none) and ``resent`` says
+    whether botocore sent the request more than once: an earlier attempt whose
+    answer was lost may then have written the item before the one that failed.
+    """
+
+    written: bool
+    old: Mapping[str, Any]
+    resent: bool
+
+
+class DynamoDBClient(Client):
+    """What both stores of ``dynamodb://<table>`` share: connection, errors, table.
+
+    Subclasses say what their table looks like (:attr:`key_schema`,
+    :attr:`ttl_attribute`, :attr:`table_kind`) and add ``create`` to their options.
+    Safe to share between threads (one boto3 client per process, a new one after
+    ``fork``) and to pickle (by URL and options).
+    """
+
+    schemes: ClassVar[tuple[str, ...]] = ("dynamodb",)
+    #: ``(attribute, key type)`` of the table's key, all of type S.
+    key_schema: ClassVar[tuple[tuple[str, str], ...]] = ()
+    #: The attribute native TTL deletes by (enabled by ``create_table``), if any.
+    ttl_attribute: ClassVar[str | None] = None
+    #: What the table is, for messages ("a deduplication table").
+    table_kind: ClassVar[str] = ""
+
+    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
+        """Open the table named by ``url`` and check that it is usable.
+
+        Raises ``ConfigurationError`` (bad URL or option, no region, rejected
+        credentials, missing table or wrong key schema), ``ConsistencyError`` (global
+        table) and ``StoreUnavailable`` (endpoint unreachable or too slow).
+        """
+        super().__init__(url, **options)
+        self._table = self._url.netloc
+        if (
+            self._url.path not in ("", "/")
+            or self._url.fragment
+            or not _TABLE_NAME.fullmatch(self._table)
+        ):
+            raise ConfigurationError(
+                "a DynamoDB store URL is 'dynamodb://<table>?region=...', the table name 3 "
+                f"to 255 characters among A-Z a-z 0-9 _ . -; got {self.url!r}"
+            )
+        opts = self._opts
+        if (opts["aws_access_key_id"] is None) != (opts["aws_secret_access_key"] is None) or (
+            opts["aws_session_token"] is not None and opts["aws_access_key_id"] is None
+        ):
+            raise ConfigurationError(
+                "aws_access_key_id and aws_secret_access_key must be given together "
+                "(aws_session_token only with both), or none of them"
+            )
+        given = opts["client"]
+        self._clients: ProcessLocal[Boto3DynamoDB] = ProcessLocal(
+            self._new_client if given is None else lambda: given,
+            (lambda client: client.close()) if given is None else None,
+        )
+        try:
+            if opts["create"]:
+                self.create_table(wait=True)
+            self._check_table()
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ client
+
+    def _new_client(self) -> Boto3DynamoDB:
+        """Build this process's low-level client from the connection options."""
+        opts = self._opts
+        config = Config(
+            # botocore's own "max_attempts" key counts retries only; this one the first try too
+            retries={"mode": "standard", "total_max_attempts": opts["retries"] + 1},
+            connect_timeout=opts["connect_timeout"],
+            read_timeout=opts["timeout"],
+            user_agent_extra="dedupstore",
+            # the requests are built here, not by users; validating 100-item
+            # transactions client-side costs more CPU than the round trip
+            parameter_validation=False,
+        )
+        session = boto3.session.Session(
+            aws_access_key_id=opts["aws_access_key_id"],
+            aws_secret_access_key=opts["aws_secret_access_key"],
+            aws_session_token=opts["aws_session_token"],
+            region_name=opts["region"],
+        )
+        try:
+            return session.client("dynamodb", endpoint_url=opts["endpoint_url"], config=config)
+        except ValueError as exc:  # e.g. a malformed endpoint_url
+            raise ConfigurationError(
+                self._scrub(f"cannot create the DynamoDB client: {exc}")
+            ) from None
+
+    @property
+    def _client(self) -> Boto3DynamoDB:
+        return self._clients.get()
+
+    @property
+    def table(self) -> str:
+        """The DynamoDB table name."""
+        return self._table
+
+    def _place(self) -> str:
+        client = self._clients.peek()
+        region = client.meta.region_name if client is not None else self._opts["region"]
+        at = self._opts["endpoint_url"]
+        return f"DynamoDB table {self._table!r} in region {region}" + (f" at {at}" if at else "")
+
+    def _schema_text(self) -> str:
+        return " and ".join(f"{name} (S, {kind})" for name, kind in self.key_schema)
+
+    # ------------------------------------------------------------------ errors
+
+    def _classify_error(self, exc: BaseException) -> ErrorKind:
+        if isinstance(exc, boto_errors.ClientError):
+            code, message = _error_code(exc), _error_message(exc)
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in _AUTH_ERRORS or status in (401, 403):
+                return ConfigurationError(
+                    self._scrub(
+                        f"DynamoDB refused the credentials for {self._place()} ({code}: "
+                        f"{message}); check the credentials (environment, profile or "
+                        "options) and the IAM policy"
+                    )
+                )
+            if code == "ResourceNotFoundException":
+                return ConfigurationError(
+                    f"{self._place()} does not exist; create it with create=True (URL "
+                    f"?create=true) or with key schema {self._schema_text()}"
+                )
+            if code == "TransactionCanceledException":
+                return self._cancelled(exc)
+            if code == "ValidationException":
+                return ConfigurationError
+            # throttling, 5xx, conflicts that outlast the backoff, anything else
+            return StoreUnavailable
+        if isinstance(exc, _TRANSIENT_ERRORS):
+            return StoreUnavailable
+        if isinstance(exc, boto_errors.NoRegionError):
+            return ConfigurationError(
+                f"no AWS region for DynamoDB table {self._table!r}: add ?region=... to the "
+                "URL or set AWS_REGION / AWS_DEFAULT_REGION"
+            )
+        if isinstance(exc, boto_errors.BotoCoreError):  # credentials, profile, config
+            return ConfigurationError(
+                f"cannot use {self._place()}: {self._describe_error(exc)}; check the AWS "
+                "credentials and configuration (environment, profile or options)"
+            )
+        return super()._classify_error(exc)
+
+    def _cancelled(self, exc: boto_errors.ClientError) -> ConfigurationError | StoreUnavailable:
+        """The error for a transaction cancelled for reasons the write loop gave up on."""
+        reasons = [
+            str(r.get("Code") or "None") for r in exc.response.get("CancellationReasons", [])
+        ]
+        odd = sorted({r for r in reasons if r not in ("None", "ConditionalCheckFailed")})
+        invalid = any(r in _INVALID_REASONS for r in odd)
+        hint = "the request or the table is wrong" if invalid else "conflicts or throttling"
+        kind = ConfigurationError if invalid else StoreUnavailable
+        return kind(
+            f"{type(self).__name__} at {self.url}: DynamoDB cancelled a transaction on "
+            f"{self._table!r} ({', '.join(odd or reasons) or _error_message(exc)}): {hint}"
+        )
+
+    # ------------------------------------------------------------------ table
+
+    def create_table(self, wait: bool = True) -> None:
+        """Create the table (on-demand billing) if missing, with this store's key schema.
+
+        A deduplication table also gets native TTL on ``ttl`` (switched on if it is
+        off); an entity table has no TTL. Idempotent and safe to run from several
+        processes at once; an existing table is otherwise left as it is. With
+        ``wait``, returns once the table is ACTIVE (and TTL enabled); without,
+        returns after requesting the creation (TTL needs an ACTIVE table: call again
+        with ``wait``). Raises ``ConfigurationError`` (e.g. no permission) and
+        ``StoreUnavailable``.
+        """
+        self._check_open()
+        with self._translating_errors("create the table"):
+            client = self._client
+            try:
+                client.describe_table(TableName=self._table)
+                exists = True
+            except client.exceptions.ResourceNotFoundException:
+                exists = False
+            if not exists:
+                # ResourceInUse: another process is creating it right now
+                with contextlib.suppress(client.exceptions.ResourceInUseException):
+                    client.create_table(
+                        TableName=self._table,
+                        AttributeDefinitions=[
+                            {"AttributeName": name, "AttributeType": "S"}
+                            for name, _ in self.key_schema
+                        ],
+                        KeySchema=[
+                            {"AttributeName": name, "KeyType": kind}  # type: ignore[typeddict-item]
+                            for name, kind in self.key_schema
+                        ],
+                        BillingMode="PAY_PER_REQUEST",
+                    )
+            if not wait:
+                return
+            self._wait_active()
+            if self.ttl_attribute is not None:
+                self._enable_ttl(self.ttl_attribute)
+
+    def _wait_active(self) -> None:
+        self._client.get_waiter("table_exists").wait(
+            TableName=self._table, WaiterConfig={"Delay": 1, "MaxAttempts": 300}
+        )
+
+    def _enable_ttl(self, attribute: str) -> None:
+        client = self._client
+        ttl = client.describe_time_to_live(TableName=self._table)["TimeToLiveDescription"]
+        if ttl.get("TimeToLiveStatus") in ("ENABLED", "ENABLING"):
+            return
+        try:
+            client.update_time_to_live(
+                TableName=self._table,
+                TimeToLiveSpecification={"Enabled": True, "AttributeName": attribute},
+            )
+        except boto_errors.ClientError as exc:
+            if _error_code(exc) != "ValidationException":
+                raise
+            # most likely a concurrent update; fine if TTL is on now
+            ttl = client.describe_time_to_live(TableName=self._table)["TimeToLiveDescription"]
+            if ttl.get("TimeToLiveStatus") not in ("ENABLED", "ENABLING"):
+                raise
+
+    def _describe_table(self) -> TableDescriptionTypeDef:
+        return self._client.describe_table(TableName=self._table)["Table"]
+
+    def _check_table(self) -> None:
+        """Probe the table: it exists, has this store's key schema and no replicas."""
+        with self._translating_errors("open the table"):
+            table = self._describe_table()
+            if table.get("TableStatus") == "CREATING":
+                self._wait_active()
+                table = self._describe_table()
+        schema = {k["AttributeName"]: k["KeyType"] for k in table.get("KeySchema", [])}
+        types = {
+            a["AttributeName"]: a["AttributeType"] for a in table.get("AttributeDefinitions", [])
+        }
+        if schema != dict(self.key_schema) or any(
+            types.get(name) != "S" for name, _ in self.key_schema
+        ):
+            raise ConfigurationError(
+                f"{self._place()} has key schema {schema}; {self.table_kind} needs "
+                f"{self._schema_text()}"
+            )
+        replicas = sorted(str(r.get("RegionName")) for r in table.get("Replicas", []))
+        if replicas and not self._opts["allow_global_table"]:
+            raise ConsistencyError(
+                f"DynamoDB table {self._table!r} is a global table (replicas: "
+                f"{', '.join(replicas)}): strongly consistent reads and conditional writes "
+                "only hold within one Region, so two Regions could both write one key; "
+                "pass allow_global_table=True (UNSAFE) only if every client uses one Region"
+            )
+
+    def _health_warnings(self) -> list[str]:
+        warnings = super()._health_warnings()
+        if self._describe_table().get("Replicas"):
+            warnings.append(
+                f"table {self._table!r} has global-table replicas and allow_global_table=True: "
+                "clients in different Regions can both write one key"
+            )
+        return warnings
+
+    # ------------------------------------------------------------------ requests
+
+    def _conditional_put(
+        self,
+        item: Mapping[str, AttributeValueTypeDef],
+        condition: str,
+        names: Mapping[str, str],
+        values: Mapping[str, AttributeValueTypeDef],
+    ) -> PutOutcome:
+        """One ``PutItem`` of ``item`` if ``condition`` holds (``ALL_OLD`` on failure).
+
+        botocore may send it more than once (a timeout, a lost answer): the outcome
+        says so. Transaction conflicts (an item locked by someone's transaction:
+        nothing written) are retried after a pause, at most ``_MAX_BACKOFF_ROUNDS``
+        times, then raised like any other error.
+        """
+        request: PutItemInputTypeDef = {
+            "TableName": self._table,
+            "Item": item,
+            "ConditionExpression": condition,
+            "ExpressionAttributeNames": names,
+            "ReturnValuesOnConditionCheckFailure": "ALL_OLD",
+        }
+        if values:  # DynamoDB refuses an empty ExpressionAttributeValues
+            request["ExpressionAttributeValues"] = values
+        resent = False
+        for round_number in range(_MAX_BACKOFF_ROUNDS + 1):
+            try:
+                response = self._client.put_item(**request)
+                return PutOutcome(True, {}, resent or _retry_attempts(response) > 0)
+            except boto_errors.ClientError as exc:
+                resent = resent or _retry_attempts(exc.response) > 0
+                code = _error_code(exc)
+                if code == "ConditionalCheckFailedException":
+                    return PutOutcome(False, exc.response.get("Item") or {}, resent)  # type: ignore[arg-type]
+                if code not in _CONFLICT_CODES or round_number == _MAX_BACKOFF_ROUNDS:
+                    raise
+            _backoff(round_number)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _batch_get(
+        self,
+        keys: Sequence[Mapping[str, AttributeValueTypeDef]],
+        projection: str,
+        names: Mapping[str, str],
+    ) -> list[dict[str, Any]]:
+        """The items of ``keys`` (at most 100) that exist; strongly consistent.
+
+        Unprocessed keys (throttling, or the 16 MB response limit) are asked again
+        after a pause; ``StoreUnavailable`` after ``_MAX_BACKOFF_ROUNDS`` rounds that
+        returned nothing.
+        """
+        found: list[dict[str, Any]] = []
+        pending: Sequence[Mapping[str, Any]] = keys
+        stalled = 0
+        while pending:
+            response = self._client.batch_get_item(
+                RequestItems={
+                    self._table: {
+                        "Keys": pending,
+                        "ConsistentRead": True,
+                        "ProjectionExpression": projection,
+                        "ExpressionAttributeNames": names,
+                    }
+                }
+            )
+            items = response.get("Responses", {}).get(self._table, [])
+            found.extend(items)
+            unprocessed = response.get("UnprocessedKeys", {}).get(self._table)
+            left = list(unprocessed["Keys"]) if unprocessed else []
+            if left and items:
+                _backoff(0)  # progress (or the response size limit): a short pause
+            elif left:
+                if stalled >= _MAX_BACKOFF_ROUNDS:
+                    raise StoreUnavailable(
+                        f"{type(self).__name__} at {self.url}: DynamoDB left {len(left)} "
+                        f"keys of {self._table!r} unprocessed after {_MAX_BACKOFF_ROUNDS} "
+                        "attempts (throttled)"
+                    )
+                _backoff(stalled)
+                stalled += 1
+            pending = left
+        return found
+
+    def _close(self) -> None:
+        self._clients.close()

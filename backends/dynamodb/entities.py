@@ -1,0 +1,224 @@
+"""The DynamoDB entity store: :class:`DynamoDBEntityStore`.
+
+Table: the one named in the URL (``dynamodb://<entity table>?region=...``), of its
+own: partition key ``id`` (S) = the entity id, nothing else in the key
+(``create=true`` / ``create_table()`` makes it, on-demand billing, no TTL). A
+deduplication table (key ``pk``/``sk``) is refused with ``ConfigurationError``, so
+entities and deduplication records never share a table. One item per entity:
+
+==============  ====  ==========================================================
+``id``          S     the entity id (at most 1024 UTF-8 bytes)
+``body``        S     the canonical JSON of the state and the outbox
+``version``     N     the concurrency token: 1 for a new entity, +1 per save
+``token``       S     random per save (128 bits): tells our write from another's
+``pending``     BOOL  ``true``, present only while the outbox is not empty
+==============  ====  ==========================================================
+
+Saves: one conditional ``PutItem`` per entity (the whole item, so nothing is ever
+half-written), ``attribute_not_exists(id)`` for a new entity, ``version =
+:expected`` otherwise. ``save_many`` runs the puts of a chunk (100) in parallel on a
+bounded thread pool (:attr:`DynamoDBEntityStore.save_concurrency`), not as one
+``TransactWriteItems``: a transaction fails whole when one condition fails, and the
+entities of a batch are independent. A put whose condition fails returns the stored
+item (``ReturnValuesOnConditionCheckFailure=ALL_OLD``): if it carries this save's
+token, botocore re-sent a put whose answer was lost after it was applied, and the
+save counts as written. If botocore re-sent the put and the stored item is another
+save's, it matters which: holding ``expected + 1`` (or ``1`` for a new entity), the
+other save made the very step ours wanted, so ours never applied (a conflict); at
+a later version our put may have applied and been overwritten since, so the save
+raises ``StoreUnavailable`` (outcome unknown) instead of guessing. A conflict that
+is not a re-send is a plain conflict.
+
+Loads: ``BatchGetItem`` with ``ConsistentRead=True``, 100 keys per request;
+unprocessed keys (throttling, or the 16 MB response limit) are asked again after a
+pause, at most 10 rounds without progress, then ``StoreUnavailable``.
+
+Scan (``pending_outboxes``): DynamoDB's own parallel scan, ``Segment=segment,
+TotalSegments=segments`` (at most 1,000,000 segments; more is a ``ValueError``),
+``ConsistentRead=True``, ``FilterExpression pending = true``, page by page
+(``LastEvaluatedKey``; a page is at most 1 MB). Segments are DynamoDB's split of the
+key space (disjoint and complete), not :func:`dedupstore.entities.bucket_of`; a
+scan reads every item of the segment (read units for the whole table).
+
+Size limit: DynamoDB refuses items over 400 KB (409,600 bytes), counting attribute
+names and values. The attributes other than the body take at most 1,103 bytes (a
+1024-byte id, a 38-digit version, the 32-character token, the flag, the names), so
+:attr:`DynamoDBEntityStore.max_entity_bytes` is 400,000 bytes of JSON: under the
+service limit with room to spare, and under moto's stricter 405,000-byte check.
+
+Options: those of every ``dynamodb://`` client (see :mod:`backends.dynamodb`) plus
+``create`` (false). Every request is bounded by ``connect_timeout`` and ``timeout``
+(botocore retries ``retries`` times, re-sending writes, which the token makes safe).
+
+Errors: ``StoreUnavailable`` (connection, timeout, throttling, 5xx, an ambiguous
+re-send; a ``save_many`` chunk raises if any put failed, and the puts that
+succeeded stay written: reload to see), ``ConfigurationError`` (credentials, region,
+missing table without ``create``, a table with another key schema, a request
+DynamoDB rejects), ``ConsistencyError`` (a global table, unless
+``allow_global_table=True``: conditional writes in two Regions can both succeed).
+
+Emulator notes (tests run against moto's server): moto ignores TTL (unused here),
+accepts 26-item ``BatchWriteItem`` (unused here) and keeps no data across a
+restart; its parallel scan splits by the first byte of an MD5 of the key (so at
+most 256 non-empty segments), where DynamoDB splits by its own hash. Nothing here
+relies on moto being more lenient than DynamoDB.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from backends.dynamodb._client import (
+    CONNECTION_OPTIONS,
+    MAX_BATCH_GET_KEYS,
+    DynamoDBClient,
+)
+from dedupstore.client import ProcessLocal
+from dedupstore.entities import EntityRecord, EntityStore
+from dedupstore.errors import StoreUnavailable
+from dedupstore.options import OptionSet, create_option
+from dedupstore.urls import StoreURL
+
+if TYPE_CHECKING:
+    from mypy_boto3_dynamodb.type_defs import AttributeValueTypeDef, ScanInputTypeDef
+
+__all__ = ["MAX_ITEM_BYTES", "MAX_SCAN_SEGMENTS", "DynamoDBEntityStore"]
+
+_ID, _BODY, _VERSION, _TOKEN, _PENDING = "id", "body", "version", "token", "pending"
+_NAMES = {"#i": _ID, "#b": _BODY, "#v": _VERSION}
+#: DynamoDB's largest item: attribute names plus values, in bytes.
+MAX_ITEM_BYTES = 400 * 1024
+#: DynamoDB's largest ``TotalSegments`` of a parallel scan.
+MAX_SCAN_SEGMENTS = 1_000_000
+
+
+class DynamoDBEntityStore(DynamoDBClient, EntityStore):
+    """Entities in a DynamoDB table of their own, one item each, ``version`` the token.
+
+    Reads are strongly consistent; each save is one conditional ``PutItem``; the
+    pending scan is DynamoDB's parallel scan. Safe to share between threads (one
+    boto3 client per process, a new one after ``fork``) and to pickle (by URL and
+    options).
+    """
+
+    #: Largest encoded entity: DynamoDB's 400 KB item minus the other attributes.
+    max_entity_bytes: ClassVar[int] = 400_000
+    max_batch: ClassVar[int] = MAX_BATCH_GET_KEYS
+    #: Puts of one ``save_many`` chunk in flight at once (under botocore's 10 connections).
+    save_concurrency: ClassVar[int] = 8
+    key_schema: ClassVar[tuple[tuple[str, str], ...]] = ((_ID, "HASH"),)
+    table_kind: ClassVar[str] = "an entity table"
+    declared_options: ClassVar[OptionSet] = EntityStore.declared_options.extend(
+        *CONNECTION_OPTIONS,
+        create_option(False, "create the entity table (key 'id', on demand) when missing"),
+    )
+
+    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
+        """Open the entity table named by ``url`` and check that it is usable.
+
+        Raises ``ConfigurationError`` (bad URL or option, no region, rejected
+        credentials, missing table or another key schema), ``ConsistencyError``
+        (global table) and ``StoreUnavailable`` (endpoint unreachable or too slow).
+        """
+        # before the table is opened: a failed open closes the store, and the pool with it
+        self._pool: ProcessLocal[ThreadPoolExecutor] = ProcessLocal(
+            lambda: ThreadPoolExecutor(
+                max_workers=self.save_concurrency,
+                thread_name_prefix=f"dedupstore-{type(self).__name__}",
+            ),
+            lambda pool: pool.shutdown(wait=True),
+        )
+        super().__init__(url, **options)
+
+    # ------------------------------------------------------------------ primitives
+
+    def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
+        items = self._batch_get([{_ID: {"S": eid}} for eid in ids], "#i, #b, #v", _NAMES)
+        return {
+            str(item[_ID]["S"]): (str(item[_BODY]["S"]), int(item[_VERSION]["N"])) for item in items
+        }
+
+    def _save(self, records: list[EntityRecord]) -> dict[str, Any]:
+        if len(records) == 1:
+            version = self._save_one(records[0])
+            return {} if version is None else {records[0].id: version}
+        pool = self._pool.get()
+        futures = [pool.submit(self._save_one, record) for record in records]
+        wait(futures)  # every put settles before a failure is raised
+        saved: dict[str, Any] = {}
+        for record, future in zip(records, futures, strict=True):
+            version = future.result()
+            if version is not None:
+                saved[record.id] = version
+        return saved
+
+    def _save_one(self, record: EntityRecord) -> int | None:
+        """Put ``record`` if the stored version is ``record.version``: the new version,
+        or ``None`` for a conflict. Raises ``StoreUnavailable`` when a re-sent put
+        cannot tell whether it was applied."""
+        expected = record.version
+        if expected is not None and (type(expected) is not int or expected < 1):
+            return None  # no stored version equals it
+        new = 1 if expected is None else expected + 1
+        token = secrets.token_hex(16)
+        item: dict[str, AttributeValueTypeDef] = {
+            _ID: {"S": record.id},
+            _BODY: {"S": record.body},
+            _VERSION: {"N": str(new)},
+            _TOKEN: {"S": token},
+        }
+        if record.pending:
+            item[_PENDING] = {"BOOL": True}
+        if expected is None:
+            outcome = self._conditional_put(item, "attribute_not_exists(#i)", {"#i": _ID}, {})
+        else:
+            outcome = self._conditional_put(
+                item, "#v = :expected", {"#v": _VERSION}, {":expected": {"N": str(expected)}}
+            )
+        if outcome.written:
+            return new
+        old = outcome.old
+        if old.get(_TOKEN, {}).get("S") == token:
+            return new  # applied by an attempt whose answer was lost
+        stored = int(old[_VERSION]["N"]) if _VERSION in old else None
+        if not outcome.resent or not old or stored == new:
+            return None  # another save made the step from ``expected``: ours never did
+        raise StoreUnavailable(
+            f"{type(self).__name__} at {self.url}: save of entity {record.id!r:.80} was "
+            f"re-sent after a lost answer and found version {stored} written by another "
+            "save: whether this save was applied before it is unknown; reload and retry"
+        )
+
+    def _scan(self, segment: int, segments: int) -> Iterator[tuple[str, str, Any]]:
+        if segments > MAX_SCAN_SEGMENTS:
+            raise ValueError(
+                f"DynamoDB scans in at most {MAX_SCAN_SEGMENTS} segments, got {segments}"
+            )
+        return self._scan_pages(segment, segments)
+
+    def _scan_pages(self, segment: int, segments: int) -> Iterator[tuple[str, str, Any]]:
+        request: ScanInputTypeDef = {
+            "TableName": self._table,
+            "Segment": segment,
+            "TotalSegments": segments,
+            "ConsistentRead": True,
+            "FilterExpression": "#p = :yes",
+            "ProjectionExpression": "#i, #b, #v",
+            "ExpressionAttributeNames": {**_NAMES, "#p": _PENDING},
+            "ExpressionAttributeValues": {":yes": {"BOOL": True}},
+        }
+        while True:
+            page = self._client.scan(**request)
+            for item in page.get("Items", []):
+                yield str(item[_ID]["S"]), str(item[_BODY]["S"]), int(item[_VERSION]["N"])
+            start = page.get("LastEvaluatedKey")
+            if not start:
+                return
+            request["ExclusiveStartKey"] = start
+
+    def _close(self) -> None:
+        self._pool.close()
+        super()._close()

@@ -1,0 +1,313 @@
+"""The DynamoDB deduplication store: :class:`DynamoDBDeduplicationStore`.
+
+Table layout (``create_table()`` makes it; infrastructure code must match it):
+partition key ``pk`` (S) = the message id, sort key ``sk`` (S) = the endpoint. The
+pair *is* the key, so no encoding is involved and (endpoint, id) maps injectively to
+an item for every valid id and endpoint (ids and endpoints are at most 1024 UTF-8
+bytes, the sort-key limit; a single length-prefixed string key would need up to 2054
+bytes, over the 2048-byte partition-key limit). Keying the partition by id spreads
+the writes of one busy endpoint over the whole table. Other attributes:
+``expires_at`` (N, the exact expiry in epoch seconds, only with a retention), ``ttl``
+(N, ``ceil(expires_at + max_clock_skew)``: native TTL deletes by the service's
+clock, so it waits as long as ``purge_expired`` would for a client whose clock runs
+behind) and ``writer`` (S, the write token of the call that recorded the item).
+
+Expiry is judged by the CLIENT's clock (the ``clock`` option, ``time.time`` by
+default): DynamoDB has no server clock usable in a condition, so every client of a
+table must keep its clock in sync (NTP). ``purge_expired`` only deletes records
+expired for longer than ``max_clock_skew``, so a client whose clock runs up to that
+much ahead never deletes a record another client still counts as live.
+
+Writes: ``add`` is one conditional ``PutItem``; ``add_many`` sends up to 100
+conditional puts per ``TransactWriteItems`` (a transaction costs two write units per
+item). Condition: ``attribute_not_exists(pk) OR expires_at <= :now``. A cancelled
+transaction writes nothing: the ids whose condition failed are already recorded, the
+others are sent again (conflicts and throttling back off, at most 10 rounds of up to
+2 s). An item that fails the condition but holds a token of this call (``writer``,
+returned with ``ReturnValuesOnConditionCheckFailure=ALL_OLD``) is this call's own
+write whose answer was lost (botocore's retry, or the caller's retry on the same
+store object after ``StoreUnavailable``): it is reported as recorded, exactly once.
+Transactions also carry a ``ClientRequestToken``.
+
+Reads: ``processed_among`` uses ``BatchGetItem`` (100 keys per request, unprocessed
+keys retried with backoff, boundedly); expiry is judged by comparing ``expires_at``
+with the client's clock, so lazy native TTL (and moto, which ignores TTL) never
+yields a wrong answer. ``purge_expired`` scans the whole table (read units for every
+item of every endpoint) and deletes the matches with conditional deletes, 100 per
+transaction; with native TTL (``create_table`` enables it) it is rarely needed.
+
+Options: those of every ``dynamodb://`` client (see :mod:`backends.dynamodb`), plus
+``create`` (false: create the table, on demand, TTL on ``ttl``), ``endpoint``,
+``retention``, ``max_clock_skew`` (60 s: purge only records expired for longer than
+this) and ``clock`` (keyword only: an epoch-seconds callable judging expiry, tests).
+
+Errors, and what a caller may conclude: ``StoreUnavailable`` (connection failure,
+timeout, throttling, 5xx, transaction conflicts that outlast the backoff): the ids
+in its ``unknown`` may or may not be recorded; retry (on the same object, ids the
+failed call wrote are then reported as recorded by the retry). ``ConfigurationError``
+(rejected credentials or IAM policy, no credentials, no region, missing table,
+wrong key schema, a request DynamoDB rejects as invalid): fix the setup, retrying
+does not help. ``ConsistencyError``: a global table.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import botocore.exceptions as boto_errors
+
+from backends.dynamodb import _client as connection
+from backends.dynamodb._client import (
+    _CONFLICT_CODES,
+    _RETRYABLE_REASONS,
+    CONNECTION_OPTIONS,
+    MAX_BATCH_GET_KEYS,
+    MAX_TRANSACT_ITEMS,
+    DynamoDBClient,
+    _backoff,
+    _error_code,
+    _number,
+)
+from dedupstore.options import OptionSet, create_option
+from dedupstore.store import CLOCK, MAX_CLOCK_SKEW, DeduplicationStore, WriteRequest
+from dedupstore.urls import StoreURL
+
+if TYPE_CHECKING:
+    from mypy_boto3_dynamodb.type_defs import (
+        AttributeValueTypeDef,
+        ScanInputTypeDef,
+        TransactWriteItemTypeDef,
+    )
+
+__all__ = ["DynamoDBDeduplicationStore"]
+
+_ID, _ENDPOINT, _EXPIRES, _TTL, _WRITER = "pk", "sk", "expires_at", "ttl", "writer"
+_ADD_CONDITION = "attribute_not_exists(#p) OR #e <= :now"
+
+
+def _written_by(old: Mapping[str, Any], request: WriteRequest) -> bool:
+    """Whether an item found in place holds a token of ``request`` (its own write)."""
+    return old.get(_WRITER, {}).get("S") in request.mine
+
+
+class DynamoDBDeduplicationStore(DynamoDBClient, DeduplicationStore):
+    """Deduplication store in one DynamoDB table; strongly consistent reads only.
+
+    Expiry is judged by the client's clock: clients of one table must keep their
+    clocks in sync. Safe to share between threads (one boto3 client per process,
+    a new one after ``fork``) and to pickle (by URL and options).
+    """
+
+    max_write_batch: ClassVar[int] = MAX_TRANSACT_ITEMS
+    max_read_batch: ClassVar[int] = MAX_BATCH_GET_KEYS
+    # Chunks in flight at once: hides the request latency of the service; an id in
+    # two chunks at once is settled by DynamoDB's transaction conflict check.
+    chunk_concurrency: ClassVar[int] = 4
+    key_schema: ClassVar[tuple[tuple[str, str], ...]] = ((_ID, "HASH"), (_ENDPOINT, "RANGE"))
+    ttl_attribute: ClassVar[str | None] = _TTL
+    table_kind: ClassVar[str] = "a deduplication table"
+    declared_options: ClassVar[OptionSet] = DeduplicationStore.declared_options.extend(
+        CLOCK,
+        MAX_CLOCK_SKEW,
+        *CONNECTION_OPTIONS,
+        create_option(
+            False,
+            "create the table (on demand, TTL on 'ttl') when missing",
+            formerly=("create_table",),
+        ),
+    )
+
+    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
+        """Open the table named by ``url`` and check that it is usable.
+
+        Raises ``ConfigurationError`` (bad URL or option, no region, rejected
+        credentials, missing table or wrong key schema), ``ConsistencyError`` (global
+        table) and ``StoreUnavailable`` (endpoint unreachable or too slow).
+        """
+        super().__init__(url, **options)
+        self._endpoint_value: AttributeValueTypeDef = {"S": self._endpoint}
+
+    # ------------------------------------------------------------------ primitives
+
+    def _key(self, message_id: str) -> dict[str, AttributeValueTypeDef]:
+        return {_ID: {"S": message_id}, _ENDPOINT: self._endpoint_value}
+
+    def _item(self, message_id: str, request: WriteRequest) -> dict[str, AttributeValueTypeDef]:
+        item = self._key(message_id)
+        item[_WRITER] = {"S": request.token}
+        if request.expires_at is not None:
+            item[_EXPIRES] = _number(request.expires_at)
+            # native TTL deletes by the service's clock: leave the same slack as purge_expired
+            slack = self._opts["max_clock_skew"]
+            item[_TTL] = {"N": str(math.ceil(request.expires_at + slack))}
+        return item
+
+    def _add_one(self, request: WriteRequest) -> bool:
+        outcome = self._conditional_put(
+            self._item(request.ids[0], request),
+            _ADD_CONDITION,
+            {"#p": _ID, "#e": _EXPIRES},
+            {":now": _number(request.now)},
+        )
+        # a failed condition on an item of ours: a write whose answer was lost
+        return outcome.written or _written_by(outcome.old, request)
+
+    def _add_new(self, request: WriteRequest) -> set[str]:
+        if len(request.ids) == 1:
+            return set(request.ids) if self._add_one(request) else set()
+        values: dict[str, AttributeValueTypeDef] = {":now": _number(request.now)}
+        operations: list[tuple[str, TransactWriteItemTypeDef]] = [
+            (
+                mid,
+                {
+                    "Put": {
+                        "TableName": self._table,
+                        "Item": self._item(mid, request),
+                        "ConditionExpression": _ADD_CONDITION,
+                        "ExpressionAttributeNames": {"#p": _ID, "#e": _EXPIRES},
+                        "ExpressionAttributeValues": values,
+                        "ReturnValuesOnConditionCheckFailure": "ALL_OLD",
+                    }
+                },
+            )
+            for mid in request.ids
+        ]
+        return set(self._transact(operations, lambda old: _written_by(old, request)))
+
+    def _transact(
+        self,
+        pending: Sequence[tuple[str, TransactWriteItemTypeDef]],
+        counts: Callable[[Mapping[str, Any]], bool],
+    ) -> list[str]:
+        """Run conditional operations (at most 100) until each succeeded or failed its
+        condition; return the ids whose operation took effect.
+
+        A cancelled transaction changes nothing: operations that failed their
+        condition are dropped (reported as done when ``counts(old_item)`` says the
+        item is this call's own earlier write), the rest go out again in a new
+        transaction, after a pause if the cancellation was a conflict or throttling.
+        Any other cancellation, or one that outlasts the backoff, is raised (the
+        error hook classifies it).
+        """
+        done: list[str] = []
+        stalled = 0
+        while pending:
+            try:
+                self._client.transact_write_items(
+                    TransactItems=[op for _, op in pending],
+                    ClientRequestToken=str(uuid.uuid4()),
+                )
+                done.extend(mid for mid, _ in pending)
+                return done
+            except boto_errors.ClientError as exc:
+                error = exc
+            code = _error_code(error)
+            reasons: list[Mapping[str, Any]] = list(error.response.get("CancellationReasons", []))
+            if code in _CONFLICT_CODES and stalled < connection._MAX_BACKOFF_ROUNDS:
+                _backoff(stalled)
+                stalled += 1
+                continue
+            if code != "TransactionCanceledException" or len(reasons) != len(pending):
+                raise error
+            retry: list[tuple[str, TransactWriteItemTypeDef]] = []
+            throttled = False
+            for (mid, op), reason in zip(pending, reasons, strict=True):
+                reason_code = str(reason.get("Code") or "None")
+                if reason_code == "ConditionalCheckFailed":
+                    if counts(reason.get("Item") or {}):
+                        done.append(mid)
+                elif reason_code == "None" or reason_code in _RETRYABLE_REASONS:
+                    retry.append((mid, op))
+                    throttled = throttled or reason_code != "None"
+                else:
+                    raise error
+            if throttled or len(retry) == len(pending):
+                if stalled >= connection._MAX_BACKOFF_ROUNDS:
+                    raise error
+                _backoff(stalled)
+                stalled += 1
+            pending = retry
+        return done
+
+    def _find(self, ids: list[str], now: float) -> set[str]:
+        items = self._batch_get(
+            [self._key(mid) for mid in ids], "#p, #e", {"#p": _ID, "#e": _EXPIRES}
+        )
+        return {str(item[_ID]["S"]) for item in items if self._alive(item, now)}
+
+    def _contains_one(self, message_id: str, now: float) -> bool:
+        response = self._client.get_item(
+            TableName=self._table,
+            Key=self._key(message_id),
+            ConsistentRead=True,
+            ProjectionExpression="#p, #e",
+            ExpressionAttributeNames={"#p": _ID, "#e": _EXPIRES},
+        )
+        item = response.get("Item")
+        return item is not None and self._alive(item, now)
+
+    @staticmethod
+    def _alive(item: Mapping[str, Any], now: float) -> bool:
+        """Whether a stored record counts: no expiry, or an expiry after ``now``."""
+        expiry = item.get(_EXPIRES)
+        return expiry is None or float(expiry["N"]) > now
+
+    def _purge(self, now: float) -> int:
+        # Only records expired for longer than max_clock_skew: a client whose clock
+        # runs ahead must not delete a record that others still count as live.
+        values: dict[str, AttributeValueTypeDef] = {
+            ":cut": _number(now - self._opts["max_clock_skew"])
+        }
+        deleted = 0
+        start: Mapping[str, Any] | None = None
+        while True:
+            request: ScanInputTypeDef = {
+                "TableName": self._table,
+                "ConsistentRead": True,
+                "FilterExpression": "#s = :ep AND #e <= :cut",
+                "ProjectionExpression": "#p",
+                "ExpressionAttributeNames": {"#p": _ID, "#s": _ENDPOINT, "#e": _EXPIRES},
+                "ExpressionAttributeValues": {**values, ":ep": self._endpoint_value},
+            }
+            if start:
+                request["ExclusiveStartKey"] = start
+            page = self._client.scan(**request)
+            expired = [str(item[_ID]["S"]) for item in page.get("Items", [])]
+            for first in range(0, len(expired), MAX_TRANSACT_ITEMS):
+                operations: list[tuple[str, TransactWriteItemTypeDef]] = [
+                    (
+                        mid,
+                        {
+                            "Delete": {
+                                "TableName": self._table,
+                                "Key": self._key(mid),
+                                "ConditionExpression": "#e <= :cut",
+                                "ExpressionAttributeNames": {"#e": _EXPIRES},
+                                "ExpressionAttributeValues": values,
+                            }
+                        },
+                    )
+                    for mid in expired[first : first + MAX_TRANSACT_ITEMS]
+                ]
+                deleted += len(self._transact(operations, lambda old: False))
+            start = page.get("LastEvaluatedKey")
+            if not start:
+                return deleted
+
+    def _health_warnings(self) -> list[str]:
+        warnings = super()._health_warnings()
+        ttl = self._client.describe_time_to_live(TableName=self._table)["TimeToLiveDescription"]
+        if ttl.get("TimeToLiveStatus") not in ("ENABLED", "ENABLING"):
+            warnings.append(
+                f"TTL is not enabled on table {self._table!r}: expired records stay until "
+                f"purge_expired() (enable TTL on attribute {_TTL!r})"
+            )
+        elif ttl.get("AttributeName") != _TTL:
+            warnings.append(
+                f"TTL on table {self._table!r} uses attribute {ttl.get('AttributeName')!r}, "
+                f"not {_TTL!r}: expired records stay until purge_expired()"
+            )
+        return warnings
