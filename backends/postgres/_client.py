@@ -1,16 +1,11 @@
-"""``postgresql://`` / ``postgres://``: a deduplication table in PostgreSQL.
+"""The connection layer both PostgreSQL stores share: :class:`PostgresClient`.
 
-The URL is a libpq connection URI. Its query parameters that are dedupstore
-options configure the store; every other libpq keyword (``sslmode``,
-``application_name``, ``options``, ...) goes to libpq unchanged, and libpq's
-environment variables (``PGPASSWORD``, ...) apply. Options (URL query or keyword):
+Options (URL query or keyword) of both stores, besides their own ``table``:
 
 ===================  ===============  ====================================================
 option               default          meaning
 ===================  ===============  ====================================================
-``table``            ``dedup_records`` ``'name'`` or ``'schema.name'``, used verbatim
-``create``           ``false``        create the table (and schema) when missing, add the
-                                      ``writer`` column to an older table
+``create``           ``false``        create the table (and schema) when missing
 ``timeout``          ``10`` s         how long one statement may take
 ``connect_timeout``  ``5`` s          opening a connection, and waiting for a pooled one
 ``pool_min_size``    ``1``            connections kept open
@@ -20,35 +15,26 @@ option               default          meaning
                                       only; not closed by the store)
 ===================  ===============  ====================================================
 
-Records live in one table keyed by ``(endpoint, id)``, both ``text COLLATE "C"``
-(byte-exact: ids differing only in case, accents or trailing spaces never
-collide). Expiry is judged by the server's clock: ``expires_at`` is epoch seconds
-computed from ``now()`` in SQL, so clients with skewed clocks agree. Every
-statement runs in autocommit with ``synchronous_commit`` forced on for the
-store's sessions: a record is committed and flushed before ``add`` returns.
-``INSERT ... ON CONFLICT`` decides the first writer; each record also holds the
-write token (``writer`` column) of the call that wrote it.
+The URL is a libpq connection URI: every query parameter that is not a declared
+option and is a libpq keyword (``sslmode``, ``application_name``, ``options``, ...)
+goes to libpq unchanged, and libpq's environment variables (``PGPASSWORD``, ...)
+apply. Connections are pooled (``psycopg_pool``), one pool per process (a child
+after ``fork()`` opens its own), in autocommit, with ``synchronous_commit`` pinned
+on and ``statement_timeout`` set to ``timeout``.
 
-Every statement is bounded: the server cancels it after ``timeout``
-(``statement_timeout``), TCP keepalives and ``tcp_user_timeout`` detect a
-network partition, and a client-side watchdog closes the connection of a
-statement that got no answer shortly after ``timeout`` (a frozen server still
-accepts TCP). Worst case of one call: ``connect_timeout + timeout`` (plus about
-a second of grace); reads are retried once on a connection that broke under
-them, so twice that.
-
-After a failure: ``StoreUnavailable`` (server down, timeout, failover to a
-replica, contention still failing after 3 attempts) means retry; writes are
-never re-sent by the store, so an ``add`` that failed may or may not have
-recorded its ids, and a retry on the same store object reports the ids it wrote
-as recorded by the retry (``add_many`` also says what it ``recorded`` and what
-is ``unknown``). ``ConfigurationError`` (missing table or database, refused
-credentials or permission, a table of another shape, a value libpq refuses)
-means fix the setup.
+Every statement is bounded: the server cancels it after ``timeout``, TCP
+keepalives and ``tcp_user_timeout`` detect a network partition, and a
+client-side watchdog closes the connection of a statement that got no answer
+shortly after ``timeout`` (a frozen server still accepts TCP). Reads are retried
+once on a connection that broke under them; writes are sent once (retried only
+when the server says it rolled them back: deadlock, serialization failure).
+Errors are classified once, here: ``StoreUnavailable`` (retry) or
+``ConfigurationError`` (fix the setup).
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import hashlib
 import itertools
@@ -60,7 +46,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import psycopg
 import psycopg.conninfo
@@ -69,7 +55,7 @@ from psycopg import sql
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from dedupstore.client import ErrorKind, ProcessLocal
+from dedupstore.client import Client, ErrorKind, ProcessLocal
 from dedupstore.errors import ConfigurationError, StoreUnavailable
 from dedupstore.options import (
     Option,
@@ -81,19 +67,14 @@ from dedupstore.options import (
     text,
     timeout_option,
 )
-from dedupstore.store import DeduplicationStore, WriteRequest
 from dedupstore.urls import StoreURL, register_secret_name
 
 if TYPE_CHECKING:
     Connection = psycopg.Connection[TupleRow]
 
-__all__ = ["DEFAULT_TABLE", "PostgresDeduplicationStore", "StatementTimeout"]
-
-#: The table used when no ``table`` option is given.
-DEFAULT_TABLE = "dedup_records"
+__all__ = ["PostgresClient", "StatementTimeout", "index_name", "postgres_options"]
 
 _IDENTIFIER_MAX_BYTES = 63  # NAMEDATALEN - 1: PostgreSQL truncates longer names
-_PURGE_BATCH = 10_000
 _WRITE_ATTEMPTS = 3  # deadlock / serialization failure: rolled back, safe to retry
 _MAX_MS = 2**31 - 1  # libpq's and the server's limit for millisecond settings
 
@@ -122,6 +103,9 @@ class StatementTimeout(psycopg.OperationalError):
     """A statement got no answer in time; the store closed its connection."""
 
 
+# --------------------------------------------------------------------------- names and options
+
+
 def _split_table(table: str) -> tuple[str, ...]:
     """``'name'`` or ``'schema.name'`` -> identifier parts; ``ValueError`` if bad."""
     parts = tuple(table.split("."))
@@ -142,12 +126,38 @@ def _table_name(value: object) -> str:
     return name
 
 
-def _index_name(table_name: str) -> str:
-    name = f"{table_name}_expires_at"
+def index_name(table_name: str, suffix: str) -> str:
+    """``<table>_<suffix>``, shortened with a digest when longer than PostgreSQL allows."""
+    name = f"{table_name}_{suffix}"
     if len(name.encode("utf-8")) <= _IDENTIFIER_MAX_BYTES:
         return name
     digest = hashlib.sha256(table_name.encode("utf-8")).hexdigest()[:10]
-    return f"{table_name.encode('utf-8')[:40].decode('utf-8', 'ignore')}_{digest}_expires_at"
+    return f"{table_name.encode('utf-8')[:40].decode('utf-8', 'ignore')}_{digest}_{suffix}"
+
+
+def postgres_options(base: OptionSet, table: str, create: Option) -> OptionSet:
+    """``base`` plus the options of a PostgreSQL store: its ``table`` default, ``create``."""
+    return base.extend(
+        Option("table", _table_name, table, "'name' or 'schema.name' of the table"),
+        create,
+        timeout_option(10.0, "seconds one statement may take before StoreUnavailable"),
+        connect_timeout_option(5.0),
+        Option("pool_min_size", integer(0, 1000), 1, "connections kept open"),
+        Option("pool_max_size", integer(1, 1000), 10, "connections at most"),
+        Option(
+            "password",
+            text(r"[^\x00]+", "a non-empty password"),
+            None,
+            "the password (instead of the URL's)",
+            secret=True,
+        ),
+        client_option("a ready psycopg_pool.ConnectionPool to use (not closed by the store)"),
+        driver_params=lambda key: key in _LIBPQ_KEYWORDS,
+    )
+
+
+#: The ``create`` option of a store with nothing to upgrade.
+CREATE = create_option(False, "create the table when missing")
 
 
 # --------------------------------------------------------------------------- watchdog
@@ -246,47 +256,24 @@ def _server_closed(conn: Connection) -> bool:
     return bool(poller.poll(0))
 
 
-class PostgresDeduplicationStore(DeduplicationStore):
-    """Deduplication store in a PostgreSQL table, through a psycopg connection pool.
+class PostgresClient(Client):
+    """A PostgreSQL table through a psycopg connection pool: what both stores share.
 
-    Thread-safe and fork-safe (a child process opens its own pool); it pickles
-    to its URL and options. Raises ``StoreUnavailable`` when the server cannot
-    answer within the timeouts, ``ConfigurationError`` for a missing or unusable
-    table, refused credentials or permissions; ``add``/``add_many`` are never
-    re-sent once sent, so their answer is exact or an error.
+    Resolves the connection options, opens the pool (one per process), checks the
+    database and the table (creating it with ``create``), bounds every statement,
+    and classifies psycopg errors. A store class names its table's kind and
+    privileges, builds its statements in :meth:`_build_statements`, creates its
+    table in :meth:`_create_objects` and checks it in :meth:`_check_table`.
     """
 
     schemes: ClassVar[tuple[str, ...]] = ("postgresql", "postgres")
-    max_write_batch: ClassVar[int] = 2000
-    max_read_batch: ClassVar[int] = 5000
-    # Two chunks in flight: the server works on one while the next is sent (and on
-    # two cores at once); overlapping chunks are sorted, so they cannot deadlock.
-    chunk_concurrency: ClassVar[int] = 2
-    expiry_clock: ClassVar[Literal["client", "server"]] = "server"
-    declared_options: ClassVar[OptionSet] = DeduplicationStore.declared_options.extend(
-        Option("table", _table_name, DEFAULT_TABLE, "'name' or 'schema.name' of the table"),
-        create_option(
-            False,
-            "create the table when missing (and add the writer column to an older one)",
-            formerly=("create_schema",),
-        ),
-        timeout_option(10.0, "seconds one statement may take before StoreUnavailable"),
-        connect_timeout_option(5.0),
-        Option("pool_min_size", integer(0, 1000), 1, "connections kept open"),
-        Option("pool_max_size", integer(1, 1000), 10, "connections at most"),
-        Option(
-            "password",
-            text(r"[^\x00]+", "a non-empty password"),
-            None,
-            "the password (instead of the URL's)",
-            secret=True,
-        ),
-        client_option("a ready psycopg_pool.ConnectionPool to use (not closed by the store)"),
-        driver_params=lambda key: key in _LIBPQ_KEYWORDS,
-    )
+    #: What the table holds, for messages ("a deduplication table").
+    table_kind: ClassVar[str] = "a table of this store"
+    #: The privileges the store needs on its table, for the GRANT hint.
+    table_privileges: ClassVar[str] = "SELECT, INSERT, UPDATE, DELETE"
 
     def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
-        """Connect, check the table (creating it if ``create``) and open the pool.
+        """Resolve the options, connect, check the table (creating it with ``create``).
 
         Raises ``ConfigurationError`` for a bad URL or option, refused credentials,
         a non-UTF8 database or a missing/unusable table, and ``StoreUnavailable``
@@ -310,6 +297,8 @@ class PostgresDeduplicationStore(DeduplicationStore):
                 f"client must be a psycopg_pool.ConnectionPool, got {type(given).__name__}"
             )
         self._table_parts = _split_table(self._opts["table"])
+        self._table = sql.Identifier(*self._table_parts)
+        self._table_text = self._table.as_string(None)
         self._build_statements()
         self._conninfo = self._libpq_conninfo()
         self._connect_failures = _ConnectFailures()
@@ -330,15 +319,33 @@ class PostgresDeduplicationStore(DeduplicationStore):
 
     @classmethod
     def create_schema(cls, url: str | StoreURL, **options: Any) -> None:
-        """Create the table and its expiry index if missing (idempotent).
+        """Create the table and its index if missing (idempotent).
 
-        Takes the same URL and options as :func:`dedupstore.open_store` and opens
-        the store with ``create=true``; needs the CREATE privilege. Safe to run
-        concurrently. Raises like the constructor.
+        Takes the same URL and options as the constructor and opens the store with
+        ``create=true``; needs the CREATE privilege. Safe to run concurrently.
+        Raises like the constructor.
         """
         parsed = StoreURL.parse(url)
         parsed = parsed.with_query([(k, v) for k, v in parsed.query if k != "create"])
         cls(parsed, **{**options, "create": True}).close()
+
+    # ------------------------------------------------------------------ for the stores
+
+    def _render(self, text: str) -> bytes:
+        """``text`` with ``{table}`` filled in, as bytes ready to send."""
+        return sql.SQL(text).format(table=self._table).as_bytes(None)
+
+    @abc.abstractmethod
+    def _build_statements(self) -> None:
+        """Render the store's statements (``self._table`` is set)."""
+
+    @abc.abstractmethod
+    def _create_objects(self, conn: Connection) -> None:
+        """Create the table and its indexes (``IF NOT EXISTS``; the schema lock is held)."""
+
+    @abc.abstractmethod
+    def _check_table(self, conn: Connection) -> None:
+        """Check the existing table has the store's shape (dry runs of its statements)."""
 
     # ------------------------------------------------------------------ opening
 
@@ -381,7 +388,7 @@ class PostgresDeduplicationStore(DeduplicationStore):
         )
 
     def _check_storage(self, conn: Connection) -> None:
-        """Check the encoding and the table (creating or upgrading it if asked) on ``conn``."""
+        """Check the encoding and the table (creating it if asked) on ``conn``."""
         row = self._execute(conn, "SELECT current_setting('server_encoding')")[0]
         if row[0] != "UTF8" or conn.info.encoding != "utf-8":
             raise ConfigurationError(
@@ -394,34 +401,14 @@ class PostgresDeduplicationStore(DeduplicationStore):
             if not self._opts["create"]:
                 raise ConfigurationError(
                     f"table {self._table_text} does not exist in PostgreSQL at {self.url}: "
-                    "call PostgresDeduplicationStore.create_schema(url) once, or open the "
+                    f"call {type(self).__name__}.create_schema(url) once, or open the "
                     "store with create=true"
                 )
             self._create_table(conn)
-        self._execute(conn, self._sql_columns)
-        has_writer = self._execute(
-            conn,
-            "SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass(%s) "
-            "AND attname = 'writer' AND NOT attisdropped",
-            [self._table_text],
-        )
-        if not has_writer[0][0]:
-            if not self._opts["create"]:
-                raise ConfigurationError(
-                    f"table {self._table_text} in PostgreSQL at {self.url} has no writer column "
-                    f"(made by an older dedupstore): run {self._sql_add_writer.decode()} once, "
-                    "or open the store with create=true"
-                )
-            with conn.transaction():
-                self._lock_schema(conn)
-                self._execute(conn, self._sql_add_writer)
-        self._execute(
-            conn,
-            self._sql_add_many,
-            {"endpoint": self._endpoint, "ids": [], "retention": None, "token": "", "mine": []},
-        )
+        self._check_table(conn)
 
     def _lock_schema(self, conn: Connection) -> None:
+        """Serialize schema changes of this table (in the current transaction)."""
         self._execute(
             conn,
             "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
@@ -429,7 +416,7 @@ class PostgresDeduplicationStore(DeduplicationStore):
         )
 
     def _create_table(self, conn: Connection) -> None:
-        """Create the schema, table and index (serialized by an advisory lock)."""
+        """Create the schema, table and indexes (serialized by an advisory lock)."""
         with conn.transaction():
             self._lock_schema(conn)
             if len(self._table_parts) == 2:
@@ -441,73 +428,7 @@ class PostgresDeduplicationStore(DeduplicationStore):
                         conn,
                         sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)),
                     )
-            self._execute(
-                conn,
-                sql.SQL(
-                    "CREATE TABLE IF NOT EXISTS {table} ("
-                    'endpoint text COLLATE "C" NOT NULL, '
-                    'id text COLLATE "C" NOT NULL, '
-                    "expires_at double precision, "
-                    "writer text, "
-                    "PRIMARY KEY (endpoint, id))"
-                ).format(table=self._table),
-            )
-            self._execute(
-                conn,
-                sql.SQL(
-                    "CREATE INDEX IF NOT EXISTS {index} ON {table} (endpoint, expires_at) "
-                    "WHERE expires_at IS NOT NULL"
-                ).format(
-                    index=sql.Identifier(_index_name(self._table_parts[-1])), table=self._table
-                ),
-            )
-
-    def _build_statements(self) -> None:
-        self._table = sql.Identifier(*self._table_parts)
-        self._table_text = self._table.as_string(None)
-
-        def render(text: str) -> bytes:
-            return sql.SQL(text).format(table=self._table).as_bytes(None)
-
-        now = "extract(epoch FROM now())::float8"  # the server's clock, never the client's
-        expires = f"{now} + %(retention)s::float8"  # NULL (forever) without retention
-        on_conflict = (
-            "ON CONFLICT (endpoint, id) DO UPDATE "
-            "SET expires_at = EXCLUDED.expires_at, writer = EXCLUDED.writer "
-            f"WHERE (r.expires_at IS NOT NULL AND r.expires_at <= {now}) "
-            "OR r.writer = ANY(%(mine)s::text[]) "
-        )
-        # Rows are inserted in one order (code points = UTF-8 bytes = COLLATE "C")
-        # by every writer, so overlapping batches wait for each other, never deadlock.
-        self._sql_add_many = render(
-            "INSERT INTO {table} AS r (endpoint, id, expires_at, writer) "
-            f"SELECT %(endpoint)s::text, u.id, {expires}, %(token)s::text "
-            "FROM unnest(%(ids)b::text[]) WITH ORDINALITY AS u(id, n) ORDER BY u.n "
-            f"{on_conflict}RETURNING r.id"
-        )
-        self._sql_add_one = render(
-            "INSERT INTO {table} AS r (endpoint, id, expires_at, writer) "
-            f"VALUES (%(endpoint)s::text, %(id)s::text, {expires}, %(token)s::text) "
-            f"{on_conflict}RETURNING 1"
-        )
-        live = f"(expires_at IS NULL OR expires_at > {now})"
-        self._sql_find = render(
-            "SELECT id FROM {table} "
-            f"WHERE endpoint = %(endpoint)s::text AND id = ANY(%(ids)b::text[]) AND {live}"
-        )
-        self._sql_has = render(
-            "SELECT 1 FROM {table} "
-            f"WHERE endpoint = %(endpoint)s::text AND id = %(id)s::text AND {live}"
-        )
-        expired = f"endpoint = %(endpoint)s::text AND expires_at <= {now}"
-        # The outer condition is re-checked on rows re-recorded meanwhile: never deleted.
-        self._sql_purge = render(
-            f"WITH d AS (DELETE FROM {{table}} WHERE {expired} AND id IN ("
-            f"SELECT id FROM {{table}} WHERE {expired} LIMIT %(limit)s) RETURNING 1) "
-            "SELECT count(*) FROM d"
-        )
-        self._sql_columns = render("SELECT endpoint, id, expires_at FROM {table} WHERE false")
-        self._sql_add_writer = render("ALTER TABLE {table} ADD COLUMN IF NOT EXISTS writer text")
+            self._create_objects(conn)
 
     # ------------------------------------------------------------------ pool
 
@@ -622,81 +543,6 @@ class PostgresDeduplicationStore(DeduplicationStore):
         with self._connection() as conn:
             return self._execute(conn, query, params)
 
-    # ------------------------------------------------------------------ primitives
-
-    def _write_params(self, request: WriteRequest) -> dict[str, Any]:
-        return {
-            "endpoint": self._endpoint,
-            "retention": request.retention,
-            "token": request.token,
-            "mine": list(request.mine),
-        }
-
-    def _add_new(self, request: WriteRequest) -> set[str]:
-        params = {**self._write_params(request), "ids": sorted(request.ids)}
-        return {row[0] for row in self._write(self._sql_add_many, params)}
-
-    def _add_one(self, request: WriteRequest) -> bool:
-        params = {**self._write_params(request), "id": request.ids[0]}
-        return bool(self._write(self._sql_add_one, params))
-
-    def _find(self, ids: list[str], now: float) -> set[str]:
-        rows = self._read(self._sql_find, {"endpoint": self._endpoint, "ids": ids})
-        return {row[0] for row in rows}
-
-    def _contains_one(self, message_id: str, now: float) -> bool:
-        return bool(self._read(self._sql_has, {"endpoint": self._endpoint, "id": message_id}))
-
-    def _purge(self, now: float) -> int:
-        params = {"endpoint": self._endpoint, "limit": _PURGE_BATCH}
-        total = 0
-        while True:
-            with self._connection() as conn:
-                deleted = int(self._execute(conn, self._sql_purge, params)[0][0])
-            total += deleted
-            if deleted < _PURGE_BATCH:
-                return total
-
-    def _health_warnings(self) -> list[str]:
-        with self._connection() as conn:
-            settings = self._execute(
-                conn,
-                "SELECT name, reset_val FROM pg_settings "
-                "WHERE name IN ('fsync', 'synchronous_commit', 'full_page_writes') "
-                "UNION ALL SELECT 'session synchronous_commit', "
-                "current_setting('synchronous_commit') "
-                "UNION ALL SELECT 'relpersistence', relpersistence::text FROM pg_class "
-                "WHERE oid = to_regclass(%s)",
-                [self._table_text],
-            )
-        values = {str(name): str(value) for name, value in settings}
-        warnings: list[str] = []
-        if values.get("fsync") == "off":
-            warnings.append(
-                "fsync is off on the PostgreSQL server: an OS crash or power loss can lose "
-                "or corrupt recorded ids"
-            )
-        if values.get("full_page_writes") == "off":
-            warnings.append(
-                "full_page_writes is off on the PostgreSQL server: a crash can corrupt the "
-                "deduplication table"
-            )
-        if values.get("synchronous_commit") == "off":
-            warnings.append(
-                "synchronous_commit is off on the PostgreSQL server: a crash loses recent "
-                "commits of other clients (this store turns it on for its own sessions)"
-            )
-        if values.get("session synchronous_commit") == "off":
-            warnings.append(
-                "synchronous_commit is off in this store's sessions: a crash can lose ids "
-                "that add() acknowledged"
-            )
-        if values.get("relpersistence") == "u":
-            warnings.append(
-                f"table {self._table_text} is UNLOGGED: PostgreSQL empties it after a crash"
-            )
-        return warnings
-
     def _close(self) -> None:
         self._pools.close()
 
@@ -715,13 +561,14 @@ class PostgresDeduplicationStore(DeduplicationStore):
         if isinstance(exc, errors.UndefinedTable):
             return self._configuration(
                 f"table {self._table_text} does not exist ({self._describe_error(exc)}): "
-                "create it with PostgresDeduplicationStore.create_schema(url), or open the "
+                f"create it with {type(self).__name__}.create_schema(url), or open the "
                 "store with create=true"
             )
         if isinstance(exc, errors.InsufficientPrivilege):
             return self._configuration(
-                f"permission denied ({self._describe_error(exc)}): GRANT SELECT, INSERT, "
-                f"UPDATE, DELETE ON {self._table_text} TO the role the store connects as"
+                f"permission denied ({self._describe_error(exc)}): GRANT "
+                f"{self.table_privileges} ON {self._table_text} TO the role the store "
+                "connects as"
             )
         if isinstance(
             exc,
@@ -743,16 +590,17 @@ class PostgresDeduplicationStore(DeduplicationStore):
             | psycopg.IntegrityError
             | psycopg.NotSupportedError,
         ):
-            hint = ""
-            if isinstance(exc, errors.UndefinedColumn) and "writer" in str(exc):
-                hint = f"; run {self._sql_add_writer.decode()} or open with create=true"
             return self._configuration(
-                f"table {self._table_text} is not usable as a deduplication table: "
-                f"{self._describe_error(exc)}{hint}"
+                f"table {self._table_text} is not usable as {self.table_kind}: "
+                f"{self._describe_error(exc)}{self._shape_hint(exc)}"
             )
         if isinstance(exc, psycopg.Error):
             return StoreUnavailable
         return super()._classify_error(exc)
+
+    def _shape_hint(self, exc: psycopg.Error) -> str:
+        """How to fix a table of another shape, when the store knows (``'; run ...'``)."""
+        return ""
 
     @staticmethod
     def _refused(exc: psycopg.Error) -> bool:

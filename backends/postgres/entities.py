@@ -1,0 +1,254 @@
+"""``PostgresEntityStore``: entities and their outbox, one row each, in PostgreSQL.
+
+Options: those of :mod:`backends.postgres._client` (``create``, ``timeout``,
+``connect_timeout``, ``pool_min_size``, ``pool_max_size``, ``password``,
+``client``, libpq keywords) and ``table`` (default ``dedupstore_entities``;
+``'name'`` or ``'schema.name'``, used verbatim). The URL is the one of the
+deduplication store; the default tables differ, so entities never mix with
+deduplication records.
+
+Table layout (``create=true`` or :meth:`PostgresEntityStore.create_schema`)::
+
+    id       text COLLATE "C" PRIMARY KEY  -- the entity id, byte-exact
+    body     text NOT NULL                 -- canonical JSON of state and outbox
+    version  bigint NOT NULL               -- the token: 1, 2, 3, ... per entity
+    bucket   integer NOT NULL              -- bucket_of(id), 0..4095
+    pending  boolean NOT NULL              -- the outbox is not empty
+    + index <table>_pending ON (id) WHERE pending; fillfactor 80 (in-page updates)
+
+``body`` is ``text`` rather than ``jsonb`` so the canonical JSON comes back byte
+for byte (``jsonb`` reorders keys, turns ``1e20`` into an integer and refuses
+``\\u0000``); ``body::jsonb`` queries it.
+
+Token: ``version``. A save is one ``INSERT ... SELECT FROM unnest(...) ON
+CONFLICT (id) DO UPDATE ... WHERE t.version = <expected> RETURNING id, version``
+per chunk: a new entity (version ``None``) is inserted only if absent; a loaded
+one is updated only if its row still holds the version it was loaded at. Each
+row is compared and written atomically by the server (the row lock of ``ON
+CONFLICT``), so of concurrent savers exactly one wins; rows are written in one
+order (ids sorted) by every saver, so overlapping saves never deadlock. A chunk
+is one round trip unless its bodies exceed about 16 MiB, then one statement per
+16 MiB (each row still all-or-nothing; a failure of a later statement raises).
+A version this store did not hand out (not a positive ``int``) conflicts without
+I/O. The store never deletes entities; a loaded entity whose row was deleted by
+hand conflicts (it is not re-created), except when the delete commits while the
+save is running.
+
+Scan: ``WHERE pending AND mod(bucket, segments) = segment``, keyset-paginated by
+``id`` (the partial index), at most 500 rows and about 16 MiB of bodies per page,
+each page its own statement: memory is bounded by a page and no transaction
+stays open between pages. An entity saved meanwhile is seen as of its page.
+
+Size limit: 4 MiB of canonical JSON per entity (``max_entity_bytes``, checked
+before any I/O). PostgreSQL would hold up to 1 GB per value; 4 MiB keeps the
+answer to one load statement (``max_batch`` = 100 entities) below 400 MiB, a save
+statement and a scan page near 16 MiB (at least one entity each), a statement
+well inside ``timeout``, and matches the base class's default.
+
+Failures: every statement is bounded by ``timeout`` (server and client side). A
+save is sent once: when its answer is lost (``StoreUnavailable``) it may or may
+not have been applied, and the entities' ``version`` is left as it was, so a
+retry of the same save conflicts if the first one was applied (reload: the
+entity then holds that save's state); it is never reported as a conflict
+without an error first. Loads and scan pages are retried once on a connection
+that broke under them. ``ConfigurationError``: a missing table (without
+``create``), a table of another shape, refused credentials or privileges.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import psycopg
+from psycopg import sql
+from psycopg.rows import TupleRow
+
+from backends.postgres._client import CREATE, PostgresClient, index_name, postgres_options
+from dedupstore.entities import EntityRecord, EntityStore
+from dedupstore.options import OptionSet
+from dedupstore.urls import StoreURL
+
+if TYPE_CHECKING:
+    Connection = psycopg.Connection[TupleRow]
+
+__all__ = ["DEFAULT_ENTITY_TABLE", "PostgresEntityStore"]
+
+#: The table used when no ``table`` option is given.
+DEFAULT_ENTITY_TABLE = "dedupstore_entities"
+
+_PAGE_ROWS = 500  # rows per page of the scan, at most
+_PAGE_BYTES = 16 * 1024 * 1024  # bodies per page of the scan, about (one row at least)
+_STATEMENT_BYTES = 16 * 1024 * 1024  # bodies per save statement, about (one row at least)
+_MAX_VERSION = 2**63 - 2  # a bigint that can still be incremented
+
+
+def _expected(version: Any) -> int | None:
+    """The stored version a record may replace (0: absent); ``None``: it cannot match."""
+    if version is None:
+        return 0
+    if type(version) is int and 1 <= version <= _MAX_VERSION:
+        return version
+    return None
+
+
+class PostgresEntityStore(PostgresClient, EntityStore):
+    """Entity store in a PostgreSQL table (one row per entity, ``version`` token).
+
+    Thread-safe and fork-safe (a child process opens its own pool); it pickles to
+    its URL and options. Raises ``StoreUnavailable`` when the server cannot answer
+    within the timeouts (a save is then applied or not: reload), and
+    ``ConfigurationError`` for a missing or unusable table, refused credentials
+    or privileges. See the module documentation for the layout and the guarantees.
+    """
+
+    #: 4 MiB of canonical JSON per entity: see the module documentation.
+    max_entity_bytes: ClassVar[int] = 4 * 1024 * 1024
+    max_batch: ClassVar[int] = 100
+    table_kind: ClassVar[str] = "an entity table"
+    table_privileges: ClassVar[str] = "SELECT, INSERT, UPDATE"
+    declared_options: ClassVar[OptionSet] = postgres_options(
+        EntityStore.declared_options, DEFAULT_ENTITY_TABLE, CREATE
+    )
+
+    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
+        """Connect, check the table (creating it if ``create``) and open the pool.
+
+        Takes the deduplication store's URL forms. Raises ``ConfigurationError``
+        for a bad URL or option (before any I/O), refused credentials, a non-UTF8
+        database or a missing/unusable table, and ``StoreUnavailable`` when the
+        server cannot be reached.
+        """
+        super().__init__(url, **options)
+
+    # ------------------------------------------------------------------ table
+
+    def _create_objects(self, conn: Connection) -> None:
+        self._execute(
+            conn,
+            self._render(
+                "CREATE TABLE IF NOT EXISTS {table} ("
+                'id text COLLATE "C" PRIMARY KEY, '
+                "body text NOT NULL, "
+                "version bigint NOT NULL, "
+                "bucket integer NOT NULL, "
+                "pending boolean NOT NULL) "
+                "WITH (fillfactor = 80)"
+            ),
+        )
+        self._execute(
+            conn,
+            sql.SQL("CREATE INDEX IF NOT EXISTS {index} ON {table} (id) WHERE pending").format(
+                index=sql.Identifier(index_name(self._table_parts[-1], "pending")),
+                table=self._table,
+            ),
+        )
+
+    def _check_table(self, conn: Connection) -> None:
+        """Dry runs of the three statements: columns, types, unique id, privileges."""
+        self._execute(conn, self._sql_save, self._save_params([], []))
+        self._execute(conn, self._sql_load, {"ids": []})
+        self._execute(conn, self._sql_scan, self._scan_params(0, 1, "", 0))
+
+    def _build_statements(self) -> None:
+        render = self._render
+        # ``version`` is the version the row gets: 1 for a new entity, else the
+        # expected one plus one. A new entity is inserted only if absent (on
+        # conflict the stored version is never 0); a loaded one replaces the row
+        # only if it still holds the expected version, and is never inserted when
+        # its row is absent (entities are not deleted by the store: the row of a
+        # version seen exists, unless removed by hand).
+        self._sql_save = render(
+            "INSERT INTO {table} AS t (id, body, version, bucket, pending) "
+            "SELECT u.id, u.body, u.version, u.bucket, u.pending "
+            "FROM unnest(%(ids)b::text[], %(bodies)b::text[], %(versions)b::int8[], "
+            "%(buckets)b::int4[], %(pending)b::bool[]) WITH ORDINALITY "
+            "AS u(id, body, version, bucket, pending, n) "
+            "WHERE u.version = 1 OR EXISTS (SELECT 1 FROM {table} AS e WHERE e.id = u.id) "
+            "ORDER BY u.n "
+            "ON CONFLICT (id) DO UPDATE SET body = EXCLUDED.body, version = EXCLUDED.version, "
+            "bucket = EXCLUDED.bucket, pending = EXCLUDED.pending "
+            "WHERE t.version = EXCLUDED.version - 1 "
+            "RETURNING t.id, t.version"
+        )
+        self._sql_load = render(
+            "SELECT id, body, version FROM {table} WHERE id = ANY(%(ids)b::text[])"
+        )
+        # One page: the next ``rows`` pending ids of the segment after ``after``,
+        # cut after about ``budget`` bytes of bodies (octet_length reads no body).
+        # ``n`` is the page's row count before the cut: fewer than ``rows`` and
+        # nothing cut means the segment is done.
+        self._sql_scan = render(
+            "SELECT id, body, version, n FROM ("
+            "SELECT id, body, version, count(*) OVER () AS n, "
+            "sum(octet_length(body)) OVER (ORDER BY id ROWS UNBOUNDED PRECEDING) "
+            "- octet_length(body) AS before FROM ("
+            "SELECT id, body, version FROM {table} "
+            "WHERE pending AND mod(bucket, %(segments)s::int4) = %(segment)s::int4 "
+            "AND id > %(after)s::text ORDER BY id LIMIT %(rows)s::int4) AS p"
+            ") AS q WHERE before < %(budget)s::int8 ORDER BY id"
+        )
+
+    # ------------------------------------------------------------------ primitives
+
+    def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
+        rows = self._read(self._sql_load, {"ids": ids})
+        return {eid: (body, version) for eid, body, version in rows}
+
+    def _save(self, records: list[EntityRecord]) -> dict[str, Any]:
+        candidates: list[tuple[EntityRecord, int]] = []
+        for record in records:
+            expected = _expected(record.version)
+            if expected is not None:  # else no stored row can hold it: a conflict
+                candidates.append((record, expected + 1))
+        candidates.sort(key=lambda pair: pair[0].id)  # one lock order for every saver
+        saved: dict[str, Any] = {}
+        group: list[tuple[EntityRecord, int]] = []
+        size = 0
+        for pair in candidates:
+            if group and size + len(pair[0].body) > _STATEMENT_BYTES:
+                saved.update(self._save_group(group))
+                group, size = [], 0
+            group.append(pair)
+            size += len(pair[0].body)
+        if group:
+            saved.update(self._save_group(group))
+        return saved
+
+    def _save_group(self, group: list[tuple[EntityRecord, int]]) -> dict[str, int]:
+        """One statement: the rows of ``group`` (sorted by id) that match their version."""
+        params = self._save_params([r for r, _ in group], [v for _, v in group])
+        return {eid: version for eid, version in self._write(self._sql_save, params)}
+
+    def _scan(self, segment: int, segments: int) -> Iterator[tuple[str, str, Any]]:
+        after = ""  # ids are never empty: every id sorts after it
+        while True:
+            params = self._scan_params(segment, segments, after, _PAGE_ROWS)
+            rows = self._read(self._sql_scan, params)
+            for eid, body, version, _ in rows:
+                yield eid, body, version
+            if not rows or (len(rows) == rows[0][3] < _PAGE_ROWS):
+                return
+            after = rows[-1][0]
+
+    # ------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _save_params(records: list[EntityRecord], versions: list[int]) -> dict[str, Any]:
+        return {
+            "ids": [r.id for r in records],
+            "bodies": [r.body for r in records],
+            "versions": versions,
+            "buckets": [r.bucket for r in records],
+            "pending": [r.pending for r in records],
+        }
+
+    @staticmethod
+    def _scan_params(segment: int, segments: int, after: str, rows: int) -> dict[str, Any]:
+        return {
+            "segment": segment,
+            "segments": segments,
+            "after": after,
+            "rows": rows,
+            "budget": _PAGE_BYTES,
+        }

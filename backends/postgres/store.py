@@ -1,0 +1,264 @@
+"""``PostgresDeduplicationStore``: a deduplication table in PostgreSQL.
+
+Options: those of :mod:`backends.postgres._client` (``create``, ``timeout``,
+``connect_timeout``, ``pool_min_size``, ``pool_max_size``, ``password``,
+``client``, libpq keywords), ``endpoint`` and ``retention``, and ``table``
+(default ``dedup_records``; ``'name'`` or ``'schema.name'``, used verbatim).
+``create`` also adds the ``writer`` column to a table made by an older version.
+
+Records live in one table keyed by ``(endpoint, id)``, both ``text COLLATE "C"``
+(byte-exact: ids differing only in case, accents or trailing spaces never
+collide). Expiry is judged by the server's clock: ``expires_at`` is epoch seconds
+computed from ``now()`` in SQL, so clients with skewed clocks agree. Every
+statement runs in autocommit with ``synchronous_commit`` forced on for the
+store's sessions: a record is committed and flushed before ``add`` returns.
+``INSERT ... ON CONFLICT`` decides the first writer; each record also holds the
+write token (``writer`` column) of the call that wrote it.
+
+Worst case of one call: ``connect_timeout + timeout`` (plus about a second of
+grace); reads are retried once on a connection that broke under them, so twice
+that.
+
+After a failure: ``StoreUnavailable`` (server down, timeout, failover to a
+replica, contention still failing after 3 attempts) means retry; writes are
+never re-sent by the store, so an ``add`` that failed may or may not have
+recorded its ids, and a retry on the same store object reports the ids it wrote
+as recorded by the retry (``add_many`` also says what it ``recorded`` and what
+is ``unknown``). ``ConfigurationError`` (missing table or database, refused
+credentials or permission, a table of another shape, a value libpq refuses)
+means fix the setup.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import psycopg
+import psycopg.errors
+from psycopg import sql
+from psycopg.rows import TupleRow
+
+from backends.postgres._client import PostgresClient, index_name, postgres_options
+from dedupstore.errors import ConfigurationError
+from dedupstore.options import OptionSet, create_option
+from dedupstore.store import DeduplicationStore, WriteRequest
+from dedupstore.urls import StoreURL
+
+if TYPE_CHECKING:
+    Connection = psycopg.Connection[TupleRow]
+
+__all__ = ["DEFAULT_TABLE", "PostgresDeduplicationStore"]
+
+#: The table used when no ``table`` option is given.
+DEFAULT_TABLE = "dedup_records"
+
+_PURGE_BATCH = 10_000
+
+
+class PostgresDeduplicationStore(PostgresClient, DeduplicationStore):
+    """Deduplication store in a PostgreSQL table, through a psycopg connection pool.
+
+    Thread-safe and fork-safe (a child process opens its own pool); it pickles
+    to its URL and options. Raises ``StoreUnavailable`` when the server cannot
+    answer within the timeouts, ``ConfigurationError`` for a missing or unusable
+    table, refused credentials or permissions; ``add``/``add_many`` are never
+    re-sent once sent, so their answer is exact or an error.
+    """
+
+    max_write_batch: ClassVar[int] = 2000
+    max_read_batch: ClassVar[int] = 5000
+    # Two chunks in flight: the server works on one while the next is sent (and on
+    # two cores at once); overlapping chunks are sorted, so they cannot deadlock.
+    chunk_concurrency: ClassVar[int] = 2
+    expiry_clock: ClassVar[Literal["client", "server"]] = "server"
+    table_kind: ClassVar[str] = "a deduplication table"
+    declared_options: ClassVar[OptionSet] = postgres_options(
+        DeduplicationStore.declared_options,
+        DEFAULT_TABLE,
+        create_option(
+            False,
+            "create the table when missing (and add the writer column to an older one)",
+            formerly=("create_schema",),
+        ),
+    )
+
+    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
+        """Connect, check the table (creating it if ``create``) and open the pool.
+
+        Raises ``ConfigurationError`` for a bad URL or option, refused credentials,
+        a non-UTF8 database or a missing/unusable table, and ``StoreUnavailable``
+        when the server cannot be reached.
+        """
+        super().__init__(url, **options)
+
+    # ------------------------------------------------------------------ table
+
+    def _create_objects(self, conn: Connection) -> None:
+        self._execute(
+            conn,
+            self._render(
+                "CREATE TABLE IF NOT EXISTS {table} ("
+                'endpoint text COLLATE "C" NOT NULL, '
+                'id text COLLATE "C" NOT NULL, '
+                "expires_at double precision, "
+                "writer text, "
+                "PRIMARY KEY (endpoint, id))"
+            ),
+        )
+        self._execute(
+            conn,
+            sql.SQL(
+                "CREATE INDEX IF NOT EXISTS {index} ON {table} (endpoint, expires_at) "
+                "WHERE expires_at IS NOT NULL"
+            ).format(
+                index=sql.Identifier(index_name(self._table_parts[-1], "expires_at")),
+                table=self._table,
+            ),
+        )
+
+    def _check_table(self, conn: Connection) -> None:
+        """The columns, the ``writer`` column (added with ``create``), a dry-run write."""
+        self._execute(conn, self._sql_columns)
+        has_writer = self._execute(
+            conn,
+            "SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass(%s) "
+            "AND attname = 'writer' AND NOT attisdropped",
+            [self._table_text],
+        )
+        if not has_writer[0][0]:
+            if not self._opts["create"]:
+                raise ConfigurationError(
+                    f"table {self._table_text} in PostgreSQL at {self.url} has no writer column "
+                    f"(made by an older dedupstore): run {self._sql_add_writer.decode()} once, "
+                    "or open the store with create=true"
+                )
+            with conn.transaction():
+                self._lock_schema(conn)
+                self._execute(conn, self._sql_add_writer)
+        self._execute(
+            conn,
+            self._sql_add_many,
+            {"endpoint": self._endpoint, "ids": [], "retention": None, "token": "", "mine": []},
+        )
+
+    def _shape_hint(self, exc: psycopg.Error) -> str:
+        if isinstance(exc, psycopg.errors.UndefinedColumn) and "writer" in str(exc):
+            return f"; run {self._sql_add_writer.decode()} or open with create=true"
+        return ""
+
+    def _build_statements(self) -> None:
+        render = self._render
+        now = "extract(epoch FROM now())::float8"  # the server's clock, never the client's
+        expires = f"{now} + %(retention)s::float8"  # NULL (forever) without retention
+        on_conflict = (
+            "ON CONFLICT (endpoint, id) DO UPDATE "
+            "SET expires_at = EXCLUDED.expires_at, writer = EXCLUDED.writer "
+            f"WHERE (r.expires_at IS NOT NULL AND r.expires_at <= {now}) "
+            "OR r.writer = ANY(%(mine)s::text[]) "
+        )
+        # Rows are inserted in one order (code points = UTF-8 bytes = COLLATE "C")
+        # by every writer, so overlapping batches wait for each other, never deadlock.
+        self._sql_add_many = render(
+            "INSERT INTO {table} AS r (endpoint, id, expires_at, writer) "
+            f"SELECT %(endpoint)s::text, u.id, {expires}, %(token)s::text "
+            "FROM unnest(%(ids)b::text[]) WITH ORDINALITY AS u(id, n) ORDER BY u.n "
+            f"{on_conflict}RETURNING r.id"
+        )
+        self._sql_add_one = render(
+            "INSERT INTO {table} AS r (endpoint, id, expires_at, writer) "
+            f"VALUES (%(endpoint)s::text, %(id)s::text, {expires}, %(token)s::text) "
+            f"{on_conflict}RETURNING 1"
+        )
+        live = f"(expires_at IS NULL OR expires_at > {now})"
+        self._sql_find = render(
+            "SELECT id FROM {table} "
+            f"WHERE endpoint = %(endpoint)s::text AND id = ANY(%(ids)b::text[]) AND {live}"
+        )
+        self._sql_has = render(
+            "SELECT 1 FROM {table} "
+            f"WHERE endpoint = %(endpoint)s::text AND id = %(id)s::text AND {live}"
+        )
+        expired = f"endpoint = %(endpoint)s::text AND expires_at <= {now}"
+        # The outer condition is re-checked on rows re-recorded meanwhile: never deleted.
+        self._sql_purge = render(
+            f"WITH d AS (DELETE FROM {{table}} WHERE {expired} AND id IN ("
+            f"SELECT id FROM {{table}} WHERE {expired} LIMIT %(limit)s) RETURNING 1) "
+            "SELECT count(*) FROM d"
+        )
+        self._sql_columns = render("SELECT endpoint, id, expires_at FROM {table} WHERE false")
+        self._sql_add_writer = render("ALTER TABLE {table} ADD COLUMN IF NOT EXISTS writer text")
+
+    # ------------------------------------------------------------------ primitives
+
+    def _write_params(self, request: WriteRequest) -> dict[str, Any]:
+        return {
+            "endpoint": self._endpoint,
+            "retention": request.retention,
+            "token": request.token,
+            "mine": list(request.mine),
+        }
+
+    def _add_new(self, request: WriteRequest) -> set[str]:
+        params = {**self._write_params(request), "ids": sorted(request.ids)}
+        return {row[0] for row in self._write(self._sql_add_many, params)}
+
+    def _add_one(self, request: WriteRequest) -> bool:
+        params = {**self._write_params(request), "id": request.ids[0]}
+        return bool(self._write(self._sql_add_one, params))
+
+    def _find(self, ids: list[str], now: float) -> set[str]:
+        rows = self._read(self._sql_find, {"endpoint": self._endpoint, "ids": ids})
+        return {row[0] for row in rows}
+
+    def _contains_one(self, message_id: str, now: float) -> bool:
+        return bool(self._read(self._sql_has, {"endpoint": self._endpoint, "id": message_id}))
+
+    def _purge(self, now: float) -> int:
+        params = {"endpoint": self._endpoint, "limit": _PURGE_BATCH}
+        total = 0
+        while True:
+            with self._connection() as conn:
+                deleted = int(self._execute(conn, self._sql_purge, params)[0][0])
+            total += deleted
+            if deleted < _PURGE_BATCH:
+                return total
+
+    def _health_warnings(self) -> list[str]:
+        with self._connection() as conn:
+            settings = self._execute(
+                conn,
+                "SELECT name, reset_val FROM pg_settings "
+                "WHERE name IN ('fsync', 'synchronous_commit', 'full_page_writes') "
+                "UNION ALL SELECT 'session synchronous_commit', "
+                "current_setting('synchronous_commit') "
+                "UNION ALL SELECT 'relpersistence', relpersistence::text FROM pg_class "
+                "WHERE oid = to_regclass(%s)",
+                [self._table_text],
+            )
+        values = {str(name): str(value) for name, value in settings}
+        warnings: list[str] = []
+        if values.get("fsync") == "off":
+            warnings.append(
+                "fsync is off on the PostgreSQL server: an OS crash or power loss can lose "
+                "or corrupt recorded ids"
+            )
+        if values.get("full_page_writes") == "off":
+            warnings.append(
+                "full_page_writes is off on the PostgreSQL server: a crash can corrupt the "
+                "deduplication table"
+            )
+        if values.get("synchronous_commit") == "off":
+            warnings.append(
+                "synchronous_commit is off on the PostgreSQL server: a crash loses recent "
+                "commits of other clients (this store turns it on for its own sessions)"
+            )
+        if values.get("session synchronous_commit") == "off":
+            warnings.append(
+                "synchronous_commit is off in this store's sessions: a crash can lose ids "
+                "that add() acknowledged"
+            )
+        if values.get("relpersistence") == "u":
+            warnings.append(
+                f"table {self._table_text} is UNLOGGED: PostgreSQL empties it after a crash"
+            )
+        return warnings
