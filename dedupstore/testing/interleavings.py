@@ -1,0 +1,605 @@
+"""Exhaustive interleaving and crash tests of the improving outbox, on any backend.
+
+Every call an actor (a consumer running :meth:`OutboxProcessor.process` or
+:meth:`~OutboxProcessor.process_batch`, or a :func:`sweep`) makes to the entity
+store, the deduplication store or the dispatcher is a *step*. Each actor runs in
+its own thread, but a step only runs when the scheduler gives that actor its
+turn, so one run follows exactly one ordering of all the steps, on the real
+backend. :func:`explore` runs EVERY ordering (depth-first over the choices,
+re-running the scenario from the start for each one), optionally with a crash
+injected before or after one step of one actor, and after each run redelivers
+every message, sweeps, and checks the invariants:
+
+``once``
+    no message changes the state twice (at every step, and at the end exactly once);
+``in-outbox-or-store``
+    a message whose change was saved is, at every step, in its entity's outbox or
+    in the deduplication store (otherwise a redelivery would apply it again);
+``ghost``
+    an outgoing message is dispatched only after the state change that produced it
+    was saved;
+``same-output``
+    each logical output has one id, and every dispatch of an id carries the same
+    bytes; after redelivery each expected output was dispatched at least once;
+``right-state``
+    each output shows the state its message produced;
+``settled``
+    after redelivery and a sweep: every message applied, its id in the
+    deduplication store, the outbox empty;
+``honest-result``
+    at most one call reports ``"processed"`` for a message.
+
+A violation raises :class:`InterleavingViolation` naming the invariant and the
+schedule, so a broken processor variant is reported, not just failed.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from dedupstore.entities import Entity, EntityStore, OutgoingMessage
+from dedupstore.outbox import (
+    InMemoryDispatcher,
+    Message,
+    OutboxProcessor,
+    ProcessResult,
+    Send,
+    outgoing_id,
+    sweep,
+)
+from dedupstore.store import DeduplicationStore
+
+__all__ = [
+    "Actor",
+    "Crash",
+    "CrashPoint",
+    "InterleavingViolation",
+    "Run",
+    "Scenario",
+    "explore",
+    "independent",
+    "ledger_handler",
+]
+
+_WAIT = 120.0  # seconds a step may take before the run is declared stuck
+
+
+class Crash(Exception):
+    """Injected: the actor's process dies here (the broker will redeliver)."""
+
+
+class InterleavingViolation(AssertionError):
+    """An invariant did not hold; ``invariant`` names it, ``schedule`` shows the steps."""
+
+    def __init__(self, invariant: str, detail: str, schedule: Sequence[str]) -> None:
+        self.invariant = invariant
+        self.schedule = list(schedule)
+        super().__init__(f"[{invariant}] {detail}\n  schedule: {' -> '.join(schedule)}")
+
+
+def ledger_handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+    """The handler the harness runs: appends the message id to ``state["applied"]``.
+
+    It sends one message showing the state it produced, and a second one when the
+    entity had no change before (so outputs depend on the state).
+    """
+    applied = [*state.get("applied", []), message.id]
+    sends = [Send("ledger", {"mid": message.id, "applied": applied})]
+    if len(applied) == 1:
+        sends.append(Send("welcome", {"mid": message.id, "first": True}))
+    return {**state, "applied": applied}, sends
+
+
+@dataclass(frozen=True)
+class Actor:
+    """One actor: ``kind`` is ``"process"`` (one message), ``"batch"`` or ``"sweep"``.
+
+    ``messages`` index into the scenario's messages.
+    """
+
+    kind: Literal["process", "batch", "sweep"]
+    messages: tuple[int, ...] = ()
+
+    @property
+    def label(self) -> str:
+        """How the actor appears in a schedule."""
+        if self.kind == "sweep":
+            return "sweep"
+        return f"{self.kind}({','.join(f'm{i}' for i in self.messages)})"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Actors run concurrently on ``message_count`` messages of one entity."""
+
+    actors: tuple[Actor, ...]
+    message_count: int
+    cleanup: Literal["inline", "deferred"] = "inline"
+
+
+@dataclass(frozen=True)
+class CrashPoint:
+    """Crash actor ``actor`` at its ``step``-th call, ``"before"`` or ``"after"`` it runs."""
+
+    actor: int
+    step: int
+    when: Literal["before", "after"]
+
+
+@dataclass
+class Run:
+    """What one schedule did (``blocked``: abandoned as equivalent to one already run)."""
+
+    trace: list[str] = field(default_factory=list)
+    results: dict[int, list[ProcessResult] | BaseException | None] = field(default_factory=dict)
+    blocked: bool = False
+
+
+# What each call reads and writes: E the entities, D the deduplication store, X the
+# dispatcher, V "a state the per-step checks look at" (so writes to E and D never
+# commute with each other, and every state the checks see is still visited).
+_ACCESS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "load": (frozenset("E"), frozenset()),
+    "load_many": (frozenset("E"), frozenset()),
+    "scan": (frozenset("E"), frozenset()),
+    "save": (frozenset("E"), frozenset("EV")),
+    "save_many": (frozenset("E"), frozenset("EV")),
+    "has": (frozenset("D"), frozenset()),
+    "processed_among": (frozenset("D"), frozenset()),
+    "add": (frozenset("D"), frozenset("DV")),
+    "add_many": (frozenset("D"), frozenset("DV")),
+    "dispatch": (frozenset("E"), frozenset("X")),  # the ghost check reads the entity
+}
+
+
+def independent(one: str, other: str) -> bool:
+    """Whether two calls of different actors give the same result in either order."""
+    r1, w1 = _ACCESS[one]
+    r2, w2 = _ACCESS[other]
+    return not (w1 & (r2 | w2)) and not (w2 & r1)
+
+
+@dataclass
+class _Node:
+    """One step of the current path: who could go, who sleeps, who went already."""
+
+    ready: dict[int, str]
+    sleep: dict[int, str]
+    chosen: int
+    done: set[int] = field(default_factory=set)
+
+    def child_sleep(self) -> dict[int, str]:
+        """Sleepers after ``chosen``'s step: those whose next call commutes with it."""
+        step = self.ready[self.chosen]
+        asleep = {**self.sleep, **{actor: self.ready[actor] for actor in self.done}}
+        return {a: op for a, op in asleep.items() if a != self.chosen and independent(op, step)}
+
+
+class _Explorer:
+    """Depth-first search over the schedules, with sleep sets.
+
+    Each run re-executes the scenario from the start, replaying the path's choices
+    and then taking the first actor that is not asleep. Two schedules that differ
+    only in the order of commuting calls are equivalent: one of them is run.
+    """
+
+    def __init__(self) -> None:
+        self.path: list[_Node] = []
+        self.finished = False
+
+    def choose(self, position: int, ready: dict[int, str]) -> int | None:
+        """The actor that goes at ``position``; ``None`` when every ready actor sleeps."""
+        if position < len(self.path):
+            node = self.path[position]
+            if node.ready != ready:
+                raise RuntimeError(
+                    f"replay diverged at step {position}: {ready} != {node.ready} "
+                    "(is the backend or the handler nondeterministic?)"
+                )
+            return node.chosen
+        sleep = self.path[-1].child_sleep() if self.path else {}
+        awake = [actor for actor in sorted(ready) if actor not in sleep]
+        if not awake:
+            return None
+        self.path.append(_Node(dict(ready), sleep, awake[0]))
+        return awake[0]
+
+    def backtrack(self) -> None:
+        """Move to the next schedule; set :attr:`finished` when there is none."""
+        while self.path:
+            node = self.path[-1]
+            node.done.add(node.chosen)
+            rest = [a for a in sorted(node.ready) if a not in node.sleep and a not in node.done]
+            if rest:
+                node.chosen = rest[0]
+                return
+            self.path.pop()
+        self.finished = True
+
+
+ProcessorFactory = Callable[..., OutboxProcessor]
+Observer = Callable[[list[str]], None]
+
+
+class _Turns:
+    """Gives one actor at a time the right to make its next call."""
+
+    def __init__(self, actors: int, explorer: _Explorer, crash: CrashPoint | None) -> None:
+        self.cond = threading.Condition()
+        self.waiting: dict[int, str] = {}  # actor -> the call it waits to make
+        self.running: int | None = None
+        self.finished: set[int] = set()
+        self.count = actors
+        self.steps = [0] * actors
+        self.explorer = explorer
+        self.position = 0
+        self.crash = crash
+        self.run = Run()
+        self.aborted = False
+
+    def call(self, actor: int, name: str, action: Callable[[], Any]) -> Any:
+        """Wait for ``actor``'s turn, run ``action``; crash there if told to."""
+        with self.cond:
+            if self.running == actor:  # its previous step is over
+                self.running = None
+            self.waiting[actor] = name
+            self.cond.notify_all()
+            if not self.cond.wait_for(lambda: self.running == actor or self.aborted, _WAIT):
+                raise TimeoutError(f"actor {actor} never got its turn for {name}")
+            if self.aborted:
+                raise Crash("the schedule was abandoned")
+            step = self.steps[actor]
+            self.steps[actor] += 1
+        crash = self.crash
+        here = crash is not None and crash.actor == actor and crash.step == step
+        if here and crash is not None and crash.when == "before":
+            self.run.trace.append(f"{name}!crash-before")
+            raise Crash(f"actor {actor} crashed before {name}")
+        result = action()
+        if here:
+            self.run.trace.append(f"{name}!crash-after")
+            raise Crash(f"actor {actor} crashed after {name}")
+        return result
+
+    def end_turn(self, actor: int, done: bool) -> None:
+        with self.cond:
+            if done:
+                self.finished.add(actor)
+            if self.running == actor:
+                self.running = None
+            self.cond.notify_all()
+
+    def schedule(self, labels: Sequence[str], observe: Observer) -> Run:
+        """Run the actors to the end, one step at a time; return the run."""
+        try:
+            return self._schedule(labels, observe)
+        except BaseException:
+            with self.cond:
+                self.aborted = True
+                self.cond.notify_all()
+            raise
+
+    def _schedule(self, labels: Sequence[str], observe: Observer) -> Run:
+        while True:
+            with self.cond:
+                if not self.cond.wait_for(
+                    lambda: (
+                        self.running is None
+                        and len(self.waiting) + len(self.finished) >= self.count
+                    ),
+                    _WAIT,
+                ):
+                    raise TimeoutError("an actor neither finished nor asked for a turn")
+                if not self.waiting:
+                    return self.run
+                chosen = self.explorer.choose(self.position, dict(self.waiting))
+                self.position += 1
+                if chosen is None:
+                    self.run.blocked = True
+                    self.aborted = True
+                    self.cond.notify_all()
+                    return self.run
+                name = self.waiting.pop(chosen)
+                self.run.trace.append(f"{labels[chosen]}.{name}")
+                self.running = chosen
+                self.cond.notify_all()
+                if not self.cond.wait_for(lambda: self.running is None, _WAIT):
+                    raise TimeoutError(f"{labels[chosen]}.{name} did not return")
+            observe(self.run.trace)
+
+
+class _OneEntity:
+    """An entity store whose scan sees only one entity (the others belong to other runs)."""
+
+    def __init__(self, real: EntityStore, entity_id: str) -> None:
+        self._real, self._entity_id = real, entity_id
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def pending_outboxes(self, segment: int = 0, segments: int = 1) -> Iterator[Entity]:
+        return (
+            e for e in self._real.pending_outboxes(segment, segments) if e.id == self._entity_id
+        )
+
+
+class _Entities:
+    """The entity store as one actor sees it: every call waits for the actor's turn."""
+
+    def __init__(self, real: EntityStore | _OneEntity, turns: _Turns, actor: int) -> None:
+        self._real, self._turns, self._actor = real, turns, actor
+
+    def _call(self, name: str, action: Callable[[], Any]) -> Any:
+        return self._turns.call(self._actor, name, action)
+
+    def load(self, entity_id: str) -> Entity:
+        return self._call("load", lambda: self._real.load(entity_id))  # type: ignore[no-any-return]
+
+    def load_many(self, ids: Sequence[str]) -> dict[str, Entity]:
+        return self._call("load_many", lambda: self._real.load_many(ids))  # type: ignore[no-any-return]
+
+    def save(self, entity: Entity) -> Entity:
+        return self._call("save", lambda: self._real.save(entity))  # type: ignore[no-any-return]
+
+    def save_many(self, entities: Sequence[Entity]) -> set[str]:
+        return self._call("save_many", lambda: self._real.save_many(entities))  # type: ignore[no-any-return]
+
+    def pending_outboxes(self, segment: int = 0, segments: int = 1) -> Iterator[Entity]:
+        page = self._call("scan", lambda: list(self._real.pending_outboxes(segment, segments)))
+        return iter(page)
+
+
+class _Dedup:
+    """The deduplication store as one actor sees it."""
+
+    def __init__(self, real: DeduplicationStore, turns: _Turns, actor: int) -> None:
+        self._real, self._turns, self._actor = real, turns, actor
+
+    def _call(self, name: str, action: Callable[[], Any]) -> Any:
+        return self._turns.call(self._actor, name, action)
+
+    def has_been_processed(self, message_id: str) -> bool:
+        return self._call("has", lambda: self._real.has_been_processed(message_id))  # type: ignore[no-any-return]
+
+    def processed_among(self, ids: Sequence[str]) -> set[str]:
+        return self._call("processed_among", lambda: self._real.processed_among(ids))  # type: ignore[no-any-return]
+
+    def add(self, message_id: str) -> bool:
+        return self._call("add", lambda: self._real.add(message_id))  # type: ignore[no-any-return]
+
+    def add_many(self, ids: Sequence[str]) -> set[str]:
+        return self._call("add_many", lambda: self._real.add_many(ids))  # type: ignore[no-any-return]
+
+
+class _Dispatcher:
+    """The dispatcher as one actor sees it; checks for ghosts when it sends."""
+
+    def __init__(self, real: _Ledger, turns: _Turns, actor: int) -> None:
+        self._real, self._turns, self._actor = real, turns, actor
+
+    def dispatch(self, messages: Sequence[OutgoingMessage]) -> None:
+        self._turns.call(self._actor, "dispatch", lambda: self._real.dispatch(messages))
+
+
+class _Ledger(InMemoryDispatcher):
+    """Records what was sent, and the saved state at that moment (for ``ghost``)."""
+
+    def __init__(self, entities: EntityStore, entity_id: str, trace: list[str]) -> None:
+        super().__init__()
+        self._entities, self._entity_id, self._trace = entities, entity_id, trace
+
+    def dispatch(self, messages: Sequence[OutgoingMessage]) -> None:
+        saved = self._entities.load(self._entity_id).state.get("applied", [])
+        for message in messages:
+            if message.body["mid"] not in saved:
+                raise InterleavingViolation(
+                    "ghost",
+                    f"{message.destination} output of {message.body['mid']!r} dispatched while "
+                    f"the saved state has only {saved}",
+                    self._trace,
+                )
+        super().dispatch(messages)
+
+
+@dataclass
+class _World:
+    """The real stores (one client per actor, plus the checker's) of one exploration."""
+
+    entity_clients: list[EntityStore]
+    dedup_clients: list[DeduplicationStore]
+
+
+def _run_once(
+    scenario: Scenario,
+    world: _World,
+    processor: ProcessorFactory,
+    explorer: _Explorer,
+    crash: CrashPoint | None,
+) -> Run:
+    """Run one schedule of ``scenario`` on fresh ids, then redeliver, sweep and check."""
+    tag = uuid.uuid4().hex[:12]
+    entity_id = f"ent-{tag}"
+    messages = [Message(f"m{n}-{tag}", entity_id, n) for n in range(scenario.message_count)]
+    checker_entities, checker_dedup = world.entity_clients[-1], world.dedup_clients[-1]
+    turns = _Turns(len(scenario.actors), explorer, crash)
+    ledger = _Ledger(checker_entities, entity_id, turns.run.trace)
+    labels = [f"{chr(65 + i)}:{a.label}" for i, a in enumerate(scenario.actors)]
+
+    def actor_main(index: int, actor: Actor) -> None:
+        own = _OneEntity(world.entity_clients[index], entity_id)
+        entities: Any = _Entities(own, turns, index)
+        dedup: Any = _Dedup(world.dedup_clients[index], turns, index)
+        dispatcher = _Dispatcher(ledger, turns, index)
+        result: list[ProcessResult] | BaseException | None = None
+        try:
+            if actor.kind == "sweep":
+                sweep(entities, dedup)
+            else:
+                runner = processor(entities, dedup, dispatcher, cleanup=scenario.cleanup)
+                chosen = [messages[i] for i in actor.messages]
+                if actor.kind == "process":
+                    result = [runner.process(chosen[0], ledger_handler)]
+                else:
+                    result = runner.process_batch(chosen, ledger_handler)
+        except BaseException as exc:  # noqa: BLE001 - reported with the run
+            result = exc
+        finally:
+            turns.run.results[index] = result
+            turns.end_turn(index, done=True)
+
+    def observe(trace: list[str]) -> None:
+        entity = checker_entities.load(entity_id)
+        applied = entity.state.get("applied", [])
+        ids = [m.id for m in messages]
+        if len(applied) != len(set(applied)):
+            raise InterleavingViolation("once", f"a message was applied twice: {applied}", trace)
+        stored = checker_dedup.processed_among(ids)
+        lost = [mid for mid in applied if mid not in entity.outbox and mid not in stored]
+        if lost:
+            raise InterleavingViolation(
+                "in-outbox-or-store",
+                f"{lost} applied but neither in the outbox nor in the deduplication store",
+                trace,
+            )
+
+    threads = [
+        threading.Thread(target=actor_main, args=(i, a), daemon=True, name=labels[i])
+        for i, a in enumerate(scenario.actors)
+    ]
+    for thread in threads:
+        thread.start()
+    run = turns.schedule(labels, observe)
+    for thread in threads:
+        thread.join(_WAIT)
+    if run.blocked:
+        return run
+    for index, result in run.results.items():
+        if isinstance(result, InterleavingViolation):
+            raise result
+        if isinstance(result, BaseException) and not isinstance(result, Crash):
+            raise InterleavingViolation(
+                "no-error", f"{labels[index]} raised {result!r}", run.trace
+            ) from result
+    _settle_and_check(scenario, world, processor, messages, ledger, run)
+    return run
+
+
+def _settle_and_check(
+    scenario: Scenario,
+    world: _World,
+    processor: ProcessorFactory,
+    messages: list[Message],
+    ledger: _Ledger,
+    run: Run,
+) -> None:
+    """Redeliver every message, sweep, and check the end state and every dispatch."""
+    trace = run.trace
+    claimed: dict[str, int] = {}
+    for result in run.results.values():
+        for item in result if isinstance(result, list) else ():
+            if item.outcome == "processed":
+                claimed[item.message_id] = claimed.get(item.message_id, 0) + 1
+    twice = {mid: n for mid, n in claimed.items() if n > 1}
+    if twice:
+        raise InterleavingViolation("honest-result", f"reported processed twice: {twice}", trace)
+    entities, dedup = world.entity_clients[-1], world.dedup_clients[-1]
+    final = processor(entities, dedup, ledger, cleanup=scenario.cleanup)
+    for message in messages:
+        final.process(message, ledger_handler)
+    sweep(_OneEntity(entities, messages[0].correlation_id), dedup)  # type: ignore[arg-type]
+    entity = entities.load(messages[0].correlation_id)
+    applied = entity.state.get("applied", [])
+    ids = [m.id for m in messages]
+    if sorted(applied) != sorted(ids):
+        raise InterleavingViolation(
+            "once", f"after redelivery the state applied {applied}, expected {ids} once each", trace
+        )
+    if entity.outbox or dedup.processed_among(ids) != set(ids):
+        raise InterleavingViolation(
+            "settled",
+            f"after redelivery and a sweep the outbox is {sorted(entity.outbox)} and the "
+            f"store holds {sorted(dedup.processed_among(ids))} of {ids}",
+            trace,
+        )
+    sent: dict[str, OutgoingMessage] = {}
+    for out in ledger.sent:
+        first = sent.setdefault(out.id, out)
+        if first != out:
+            raise InterleavingViolation(
+                "same-output", f"{out.id} dispatched as {first} and as {out}", trace
+            )
+    expected: set[str] = set()
+    for mid in ids:
+        position = applied.index(mid)
+        expected.add(outgoing_id(mid, 0))
+        if position == 0:
+            expected.add(outgoing_id(mid, 1))
+        ledger_out = sent.get(outgoing_id(mid, 0))
+        if ledger_out is not None and ledger_out.body["applied"] != applied[: position + 1]:
+            raise InterleavingViolation(
+                "right-state",
+                f"the output of {mid} shows {ledger_out.body['applied']}, but that message "
+                f"produced {applied[: position + 1]}",
+                trace,
+            )
+    if set(sent) != expected:
+        raise InterleavingViolation(
+            "same-output",
+            f"dispatched ids {sorted(set(sent) - expected)} unexpected, "
+            f"{sorted(expected - set(sent))} never dispatched",
+            trace,
+        )
+
+
+def explore(
+    scenario: Scenario,
+    entity_store: Callable[[], EntityStore],
+    dedup_store: Callable[[], DeduplicationStore],
+    *,
+    processor: ProcessorFactory = OutboxProcessor,
+    crash_actor: int | None = None,
+    limit: int | None = None,
+) -> int:
+    """Run every schedule of ``scenario``; return how many. Raises :class:`InterleavingViolation`.
+
+    ``entity_store``/``dedup_store`` open a client of the backend under test (one
+    per actor, one for the checks; each schedule uses fresh ids). With
+    ``crash_actor``, every schedule is run once more for every step of that actor,
+    crashing before and after it. ``limit`` stops after that many schedules (for
+    slow emulators; ``None``: all).
+    """
+    world = _World(
+        [entity_store() for _ in range(len(scenario.actors) + 1)],
+        [dedup_store() for _ in range(len(scenario.actors) + 1)],
+    )
+    runs = 0
+    try:
+        crashes: Iterator[CrashPoint | None] = iter([None])
+        if crash_actor is not None:
+            crashes = (
+                CrashPoint(crash_actor, step, when)
+                for step in range(10_000)
+                for when in ("before", "after")
+            )
+        for crash in crashes:
+            fired = False
+            explorer = _Explorer()
+            while not explorer.finished:
+                run = _run_once(scenario, world, processor, explorer, crash)
+                explorer.backtrack()
+                if run.blocked:
+                    continue
+                fired = fired or any("!crash" in step for step in run.trace)
+                runs += 1
+                if limit is not None and runs >= limit:
+                    return runs
+            if crash is not None and not fired:
+                return runs  # the actor never makes this many steps: every crash was tried
+        return runs
+    finally:
+        for client in (*world.entity_clients, *world.dedup_clients):
+            client.close()
