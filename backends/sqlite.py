@@ -31,6 +31,7 @@ import contextlib
 import json
 import sqlite3
 import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -95,17 +96,25 @@ def absolute_sqlite_url(url: str | StoreURL) -> StoreURL:
     return StoreURL.parse(f"sqlite:///{quote(str(path))}" + (f"?{query}" if query else ""))
 
 
+class _Connection(sqlite3.Connection):
+    """A connection that can be weakly referenced (the plain class cannot)."""
+
+
 class _Connections:
-    """One connection per thread of one process; all closed together."""
+    """One connection per thread of one process; all closed together.
+
+    The list holds weak references: when a thread ends, its thread-local
+    connection is released and closes, so short-lived threads leak nothing.
+    """
 
     def __init__(self) -> None:
         self.local = threading.local()
-        self.all: list[sqlite3.Connection] = []
+        self.all: weakref.WeakSet[sqlite3.Connection] = weakref.WeakSet()
         self.lock = threading.Lock()
 
     def close(self) -> None:
         with self.lock:
-            connections, self.all = self.all, []
+            connections, self.all = list(self.all), weakref.WeakSet()
         for conn in connections:
             conn.close()
 
@@ -138,12 +147,13 @@ class SqliteFile:
             isolation_level=None,
             check_same_thread=False,
             uri=not self._opts["create"],
+            factory=_Connection,
         )
         conn.execute(f"PRAGMA synchronous = {self._opts['synchronous']}")
         conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
         pool.local.conn = conn
         with pool.lock:
-            pool.all.append(conn)
+            pool.all.add(conn)
         return conn
 
     @contextlib.contextmanager

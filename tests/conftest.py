@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-pytest_plugins = ["pytester", "tests.server_fixtures"]
+pytest_plugins = ["pytester", "tests.server_fixtures", "tests.outbox_backends"]
 
 _skipped: list[str] = []
 

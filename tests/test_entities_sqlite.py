@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+import os
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -89,3 +92,16 @@ def test_default_configuration_opens_the_embedded_file(
     with dedupstore.open_entity_store() as entities:
         assert isinstance(entities, SqliteEntityStore)
         assert entities.url.endswith(".dedupstore/dedup.db")
+
+
+def test_short_lived_threads_leak_no_connections(tmp_path: Path) -> None:
+    """Each thread has its own connection; it closes when the thread is gone."""
+    store = SqliteEntityStore(f"sqlite:///{tmp_path}/x.db")
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(1500):
+        thread = threading.Thread(target=store.load, args=("e",))
+        thread.start()
+        thread.join()
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) < before + 50, "connections of ended threads leak"
+    store.close()

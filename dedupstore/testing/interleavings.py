@@ -137,6 +137,8 @@ class Run:
     trace: list[str] = field(default_factory=list)
     results: dict[int, list[ProcessResult] | BaseException | None] = field(default_factory=dict)
     blocked: bool = False
+    #: The crash point was reached (a crash fired, or was skipped as equivalent).
+    crash_reached: bool = False
 
 
 # What each call reads and writes: E the entities, D the deduplication store, X the
@@ -256,9 +258,17 @@ class _Turns:
             self.steps[actor] += 1
         crash = self.crash
         here = crash is not None and crash.actor == actor and crash.step == step
+        self.run.crash_reached = self.run.crash_reached or here
         if here and crash is not None and crash.when == "before":
             self.run.trace.append(f"{name}!crash-before")
             raise Crash(f"actor {actor} crashed before {name}")
+        if here and not _ACCESS[name][1]:
+            # A crash after a read is a crash before the next call (run under another
+            # crash point), or no crash at all (the scenario without crashes).
+            with self.cond:
+                self.run.blocked = self.aborted = True
+                self.cond.notify_all()
+            raise Crash("equivalent to another schedule")
         result = action()
         if here:
             self.run.trace.append(f"{name}!crash-after")
@@ -309,6 +319,8 @@ class _Turns:
                 self.cond.notify_all()
                 if not self.cond.wait_for(lambda: self.running is None, _WAIT):
                     raise TimeoutError(f"{labels[chosen]}.{name} did not return")
+                if self.run.blocked:
+                    return self.run
             observe(self.run.trace)
 
 
@@ -591,9 +603,9 @@ def explore(
             while not explorer.finished:
                 run = _run_once(scenario, world, processor, explorer, crash)
                 explorer.backtrack()
+                fired = fired or run.crash_reached
                 if run.blocked:
                     continue
-                fired = fired or any("!crash" in step for step in run.trace)
                 runs += 1
                 if limit is not None and runs >= limit:
                     return runs

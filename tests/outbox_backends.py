@@ -1,0 +1,134 @@
+"""A deduplication store and an entity store of one backend, fresh for one test.
+
+The fixture ``outbox_backend`` is parametrized over every backend (marks included);
+each test gets factories that open new clients of the same fresh pair of
+tables / key prefixes / containers, on the real servers of the session.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+from dedupstore.entities import EntityStore
+from dedupstore.registry import entity_stores, stores
+from dedupstore.store import DeduplicationStore
+
+BACKENDS = ("memory", "sqlite", "postgres", "redis", "dynamodb", "cosmos")
+#: Backends whose every call crosses a slow emulator: the heaviest schedules are reduced.
+EMULATED = frozenset({"dynamodb", "cosmos"})
+
+
+@dataclass
+class OutboxBackend:
+    """Factories of clients of one fresh entity store and deduplication store."""
+
+    name: str
+    entities_url: str
+    dedup_url: str
+    options: dict[str, Any]
+
+    def entities(self, **options: Any) -> EntityStore:
+        """A new entity store client."""
+        return entity_stores.open(self.entities_url, **{**self.options, **options})
+
+    def dedup(self, **options: Any) -> DeduplicationStore:
+        """A new deduplication store client."""
+        return stores.open(self.dedup_url, **{**self.options, **options})
+
+
+def backend_params(names: tuple[str, ...] = BACKENDS) -> list[Any]:
+    """``pytest.param`` per backend, with its mark."""
+    return [pytest.param(name, marks=getattr(pytest.mark, name), id=name) for name in names]
+
+
+def _aws(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing-secret")
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+@pytest.fixture
+def outbox_backend(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[OutboxBackend]:
+    """The backend named by the test's parameter, on fresh storage."""
+    name: str = request.param
+    tag = uuid.uuid4().hex[:12]
+    cleanup: list[Callable[[], None]] = []
+    if name == "memory":
+        backend = OutboxBackend(name, f"memory://{tag}", f"memory://{tag}", {})
+    elif name == "sqlite":
+        # synchronous=OFF: these tests check the algorithm, not the disk (power loss
+        # is not simulated); it keeps thousands of schedules fast.
+        url = f"sqlite:///{tmp_path}/outbox.db"
+        backend = OutboxBackend(name, url, url, {"synchronous": "OFF"})
+    elif name == "postgres":
+        server = request.getfixturevalue("postgres_server")
+        backend = OutboxBackend(
+            name,
+            f"{server.url}?table=ent_{tag}&create=true",
+            f"{server.url}?table=dedup_{tag}&create=true",
+            {},
+        )
+        cleanup.append(lambda: _drop_postgres(server.url, [f"ent_{tag}", f"dedup_{tag}"]))
+    elif name == "redis":
+        server = request.getfixturevalue("redis_server")
+        backend = OutboxBackend(
+            name,
+            f"{server.url}?key_prefix=ent{tag}:",
+            f"{server.url}?key_prefix=dd{tag}:",
+            {},
+        )
+    elif name == "dynamodb":
+        _aws(monkeypatch)
+        server = request.getfixturevalue("dynamodb_server")
+        query = f"region={server.region}&endpoint_url={server.endpoint_url}&create=true"
+        backend = OutboxBackend(
+            name, f"dynamodb://ent-{tag}?{query}", f"dynamodb://dd-{tag}?{query}", {}
+        )
+    elif name == "cosmos":
+        server = request.getfixturevalue("cosmos_server")
+        netloc = urlsplit(server.endpoint_url).netloc
+        tls = "true" if server.endpoint_url.startswith("https") else "false"
+        query = (
+            f"tls={tls}&endpoint_discovery=false&allow_weak_consistency_for_emulator_only=true"
+            "&create=true"
+        )
+        base = f"cosmos://{netloc}/dedupstore-outbox-tests"
+        backend = OutboxBackend(
+            name,
+            f"{base}/ent-{tag}?{query}",
+            f"{base}/dd-{tag}?{query}",
+            {"key": server.key},
+        )
+    else:  # pragma: no cover - a typo in a parametrization
+        raise ValueError(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the emulator's weak-consistency warning
+        backend.entities().close()  # create the storage once, before any race
+        backend.dedup().close()
+    yield backend
+    for step in cleanup:
+        step()
+
+
+def _drop_postgres(url: str, tables: list[str]) -> None:
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        for table in tables:
+            conn.execute(f'DROP TABLE IF EXISTS "{table}"')

@@ -1,0 +1,197 @@
+"""Every ordering of concurrent consumers and sweeps, and a crash at every step, on every backend.
+
+The harness (:mod:`dedupstore.testing.interleavings`) forces the order of the calls;
+the stores are the real backends. The anti-tests run the same harness on four
+deliberately broken processors and require it to report the violated invariant.
+
+Reduced on the emulators (DynamoDB on moto, Cosmos DB on cosmosdb-server, where
+every call costs milliseconds): the crash schedules of two concurrent consumers
+and of a batch beside a consumer run on the four fast backends only; the
+emulators run every schedule of the crash-free scenarios and every crash of a
+consumer beside its duplicate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import pytest
+
+from dedupstore.entities import Entity, EntityStore
+from dedupstore.errors import ConcurrencyConflict
+from dedupstore.outbox import Handler, Message, OutboxProcessor, ProcessResult
+from dedupstore.testing.interleavings import (
+    Actor,
+    InterleavingViolation,
+    Scenario,
+    explore,
+    independent,
+)
+from tests.outbox_backends import EMULATED, OutboxBackend, backend_params
+
+ONE = Actor("process", (0,))
+OTHER = Actor("process", (1,))
+BATCH = Actor("batch", (0, 1))
+SWEEP = Actor("sweep")
+MODES = ("inline", "deferred")
+
+#: name -> (actors, messages, which actor crashes or None, fast backends only)
+SCENARIOS: dict[str, tuple[tuple[Actor, ...], int, int | None, bool]] = {
+    "duplicates": ((ONE, ONE), 1, None, False),
+    "two-messages": ((ONE, OTHER), 2, None, False),
+    "duplicates+sweep": ((ONE, ONE, SWEEP), 1, None, False),
+    "batch+duplicate": ((BATCH, ONE), 2, None, False),
+    "crash-beside-duplicate": ((ONE, ONE), 1, 0, False),
+    "crash-sweep": ((ONE, SWEEP), 1, 1, False),
+    "crash-batch-beside-duplicate": ((BATCH, ONE), 2, 0, True),
+    "crash-beside-other-message": ((ONE, OTHER), 2, 0, True),
+}
+
+
+@pytest.mark.parametrize("outbox_backend", backend_params(), indirect=True)
+@pytest.mark.parametrize("cleanup", MODES)
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.timeout(1200)
+def test_every_schedule_keeps_every_invariant(
+    outbox_backend: OutboxBackend, cleanup: Literal["inline", "deferred"], scenario: str
+) -> None:
+    actors, messages, crash, fast_only = SCENARIOS[scenario]
+    if fast_only and outbox_backend.name in EMULATED:
+        return  # reduced on the emulators: see the module docstring
+    runs = explore(
+        Scenario(actors, messages, cleanup),
+        outbox_backend.entities,
+        outbox_backend.dedup,
+        crash_actor=crash,
+    )
+    assert runs >= 3, f"only {runs} schedules: the harness did not interleave"
+
+
+# ---------------------------------------------------------------------- broken variants
+
+
+def _load_apply_save(
+    processor: OutboxProcessor, message: Message, handler: Handler, *, check: bool
+) -> tuple[Entity, list[Any] | None, bool]:
+    """Steps 1-3, with or without the deduplication check after the load."""
+    entity = processor.entities.load(message.correlation_id)
+    if message.id in entity.outbox:
+        return entity, entity.outbox[message.id], False
+    if check and processor.dedup.has_been_processed(message.id):
+        return entity, None, False
+    outgoing = processor._apply(entity, message, handler)
+    return entity, outgoing, True
+
+
+class CheckBeforeLoad(OutboxProcessor):
+    """BROKEN: asks the deduplication store before loading the entity."""
+
+    def process(self, message: Message, handler: Handler) -> ProcessResult:
+        for _ in range(self.max_attempts):
+            try:
+                if self.dedup.has_been_processed(message.id):
+                    return ProcessResult(message.id, "duplicate")
+                entity, outgoing, applied = _load_apply_save(self, message, handler, check=False)
+                if applied:
+                    self.entities.save(entity)
+                if outgoing is not None:
+                    self.dispatcher.dispatch(outgoing)
+                self._clean_up(entity, message.id)
+                return ProcessResult(message.id, "processed" if applied else "duplicate")
+            except ConcurrencyConflict:
+                continue
+        raise ConcurrencyConflict("gave up")
+
+
+class DispatchBeforeSave(OutboxProcessor):
+    """BROKEN: dispatches the outgoing messages before the state change is saved."""
+
+    def process(self, message: Message, handler: Handler) -> ProcessResult:
+        for _ in range(self.max_attempts):
+            try:
+                entity, outgoing, applied = _load_apply_save(self, message, handler, check=True)
+                if outgoing is None and message.id not in entity.outbox:
+                    return ProcessResult(message.id, "duplicate")
+                if outgoing is not None:
+                    self.dispatcher.dispatch(outgoing)
+                if applied:
+                    self.entities.save(entity)
+                self._clean_up(entity, message.id)
+                return ProcessResult(message.id, "processed" if applied else "duplicate")
+            except ConcurrencyConflict:
+                continue
+        raise ConcurrencyConflict("gave up")
+
+
+class RemoveBeforeAdd(OutboxProcessor):
+    """BROKEN: takes the id out of the outbox before it is in the deduplication store."""
+
+    def _clean_up(self, entity: Entity, mid: str) -> None:
+        if self.cleanup == "inline":
+            del entity.outbox[mid]
+            self.entities.save(entity)
+            self.dedup.add(mid)
+        else:
+            super()._clean_up(entity, mid)
+
+
+class _BlindSaves:
+    """Saves whatever was stored since the load: the concurrency token is ignored."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def save(self, entity: Entity) -> Entity:
+        entity.version = self._real.load(entity.id).version
+        return self._real.save(entity)  # type: ignore[no-any-return]
+
+    def save_many(self, entities: Sequence[Entity]) -> set[str]:
+        for entity in entities:
+            entity.version = self._real.load(entity.id).version
+        return self._real.save_many(entities)  # type: ignore[no-any-return]
+
+
+class SaveWithoutToken(OutboxProcessor):
+    """BROKEN: saves without the concurrency token (last writer wins)."""
+
+    def __init__(self, entities: EntityStore, *args: Any, **kwargs: Any) -> None:
+        super().__init__(_BlindSaves(entities), *args, **kwargs)  # type: ignore[arg-type]
+
+
+BROKEN = {
+    "check-before-load": (CheckBeforeLoad, (ONE, ONE), 1, "inline", {"once", "honest-result"}),
+    "dispatch-before-save": (DispatchBeforeSave, (ONE, ONE), 1, "deferred", {"ghost"}),
+    "remove-before-add": (RemoveBeforeAdd, (ONE, ONE), 1, "inline", {"in-outbox-or-store"}),
+    "save-without-token": (SaveWithoutToken, (ONE, OTHER), 2, "deferred", {"once", "ghost"}),
+}
+
+
+@pytest.mark.parametrize("outbox_backend", backend_params(("memory", "sqlite")), indirect=True)
+@pytest.mark.parametrize("variant", list(BROKEN))
+def test_the_harness_catches_a_broken_processor(
+    outbox_backend: OutboxBackend, variant: str
+) -> None:
+    processor, actors, messages, cleanup, invariants = BROKEN[variant]
+    with pytest.raises(InterleavingViolation) as caught:
+        explore(
+            Scenario(actors, messages, cleanup),  # type: ignore[arg-type]
+            outbox_backend.entities,
+            outbox_backend.dedup,
+            processor=processor,
+        )
+    violation = caught.value
+    assert violation.invariant in invariants, str(violation)
+    assert len(violation.schedule) >= 2 and "schedule:" in str(violation)
+
+
+def test_reads_commute_and_writes_to_either_store_do_not() -> None:
+    """The reduction only skips orders of calls that cannot change any check."""
+    assert independent("load", "has") and independent("load", "add")
+    assert independent("has", "save") and independent("dispatch", "add")
+    assert not independent("load", "save") and not independent("has", "add")
+    assert not independent("save", "add"), "a state the per-step checks see would be skipped"
+    assert not independent("dispatch", "save"), "the ghost check reads the saved state"
