@@ -10,6 +10,7 @@ persisted). Expected errors print one line, never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -18,7 +19,8 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from dedupstore import __version__, open_store
+from dedupstore import __version__, open_entity_store, open_store
+from dedupstore.entities import EntityStore
 from dedupstore.errors import (
     ConcurrencyConflict,
     ConfigurationError,
@@ -100,6 +102,35 @@ def _parser() -> argparse.ArgumentParser:
     has.add_argument("ids", metavar="ID", nargs="+")
     with_store("purge", "delete this endpoint's expired records")
     commands.add_parser("config", help="show the resolved configuration (secrets masked)")
+    entities = commands.add_parser(
+        "entities", help="inspect entity stores and move dispatched ids (the sweep)"
+    )
+    entity_commands = entities.add_subparsers(
+        dest="entity_command", required=True, metavar="ACTION"
+    )
+    entity_url = "entity store URL, or 'config' for the configured one"
+    show = entity_commands.add_parser(
+        "show", help="print one entity as JSON: state, outbox, version (absent: version null)"
+    )
+    show.add_argument("url", metavar="URL", help=entity_url)
+    show.add_argument("entity_id", metavar="ID")
+    pending = entity_commands.add_parser(
+        "pending", help="count the entities whose outbox is not empty (scans a segment)"
+    )
+    pending.add_argument("url", metavar="URL", help=entity_url)
+    pending.add_argument("--list", action="store_true", help="also print each id and its entries")
+    sweep = entity_commands.add_parser(
+        "sweep",
+        help="move the ids of dispatched outbox entries into the deduplication store",
+    )
+    sweep.add_argument("url", metavar="URL", help=entity_url)
+    sweep.add_argument(
+        "--dedup", metavar="URL", default="config", help="deduplication store (default: config)"
+    )
+    sweep.add_argument("--endpoint", help="consumer name (default: 'default' or configured)")
+    for sub in (pending, sweep):
+        sub.add_argument("--segment", type=_bounded(0, 999_999), default=0)
+        sub.add_argument("--segments", type=_bounded(1, 1_000_000), default=1)
     demo = commands.add_parser(
         "demo", help="run the main job: an at-least-once stream processed exactly once"
     )
@@ -221,6 +252,51 @@ def _config(_: argparse.Namespace) -> int:
     return 0
 
 
+def _open_entities(url: str) -> EntityStore:
+    return open_entity_store(None if url == "config" else url)
+
+
+def _segment(args: argparse.Namespace) -> tuple[int, int]:
+    if args.segment >= args.segments:
+        raise ConfigurationError(
+            f"--segment must be below --segments ({args.segments}), got {args.segment}"
+        )
+    return args.segment, args.segments
+
+
+def _entities(args: argparse.Namespace) -> int:
+    if args.entity_command == "show":
+        with _open_entities(args.url) as store:
+            entity = store.load(args.entity_id)
+        outbox = {
+            mid: None if entry is None else [m.to_json() for m in entry]
+            for mid, entry in entity.outbox.items()
+        }
+        shown = {"id": entity.id, "version": entity.version, "state": entity.state}
+        print(json.dumps({**shown, "outbox": outbox}, indent=2, ensure_ascii=False, default=str))
+        return 0
+    segment, segments = _segment(args)
+    if args.entity_command == "pending":
+        count = entries = 0
+        with _open_entities(args.url) as store:
+            for entity in store.pending_outboxes(segment, segments):
+                count += 1
+                entries += len(entity.outbox)
+                if args.list:
+                    print(
+                        f"{entity.id}\tpending={len(entity.pending)}\t"
+                        f"dispatched={len(entity.dispatched)}"
+                    )
+        print(f"{count} entities with {entries} outbox entries (segment {segment} of {segments})")
+        return 0
+    from dedupstore.outbox import sweep
+
+    with _open_entities(args.url) as store, _open(args.dedup, args.endpoint) as dedup:
+        result = sweep(store, dedup, segment, segments)
+    print(json.dumps(dataclasses.asdict(result), indent=2))
+    return 0 if result.ids_left == 0 else EXIT_RETRY
+
+
 def _plain(value: object) -> object:
     return str(value) if isinstance(value, timedelta) else value
 
@@ -242,6 +318,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "has": _has,
     "purge": _purge,
     "config": _config,
+    "entities": _entities,
     "demo": _demo,
 }
 

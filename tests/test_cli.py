@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.sqlite
 @pytest.fixture(autouse=True)
 def in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.chdir(tmp_path)
-    for var in ("DEDUPSTORE_ENV", "DEDUPSTORE_URL", "DEDUPSTORE_CONFIG"):
+    for var in ("DEDUPSTORE_ENV", "DEDUPSTORE_URL", "DEDUPSTORE_CONFIG", "DEDUPSTORE_ENTITIES_URL"):
         monkeypatch.delenv(var, raising=False)
     return tmp_path
 
@@ -216,3 +217,53 @@ def test_sqlite_check_warns_about_weak_synchronous(capsys: pytest.CaptureFixture
     assert main(["check", "sqlite:///cli.db?synchronous=off"]) == 0
     out = capsys.readouterr().out
     assert "warning:   synchronous=OFF" in out and "ok with 1 warning(s)" in out
+
+
+def _outbox_fixture() -> None:
+    """Five messages over two entities, processed with deferred clean-up (ids in outboxes)."""
+    from dedupstore import open_entity_store
+    from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send
+
+    with open_entity_store() as entities, open_store() as dedup:
+        processor = OutboxProcessor(entities, dedup, InMemoryDispatcher(), cleanup="deferred")
+        for n in range(5):
+            processor.process(
+                Message(f"m{n}", f"order-{n % 2}", n),
+                lambda state, m: ({"n": state.get("n", 0) + 1}, [Send("x", {"m": m.id})]),
+            )
+
+
+def test_entities_show_pending_and_sweep(capsys: pytest.CaptureFixture[str]) -> None:
+    _outbox_fixture()
+    assert main(["entities", "show", "config", "order-1"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["state"] == {"n": 2} and shown["outbox"] == {"m1": None, "m3": None}
+    assert main(["entities", "show", "config", "nobody"]) == 0
+    assert json.loads(capsys.readouterr().out)["version"] is None
+    assert main(["entities", "pending", "config", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "order-0\tpending=0\tdispatched=3" in out
+    assert out.endswith("2 entities with 5 outbox entries (segment 0 of 1)\n")
+    counted = 0
+    for segment in range(3):
+        assert (
+            main(["entities", "pending", "config", "--segment", str(segment), "--segments", "3"])
+            == 0
+        )
+        counted += int(capsys.readouterr().out.split()[0])
+    assert counted == 2, "segments are disjoint and complete"
+    assert main(["entities", "sweep", "config"]) == 0
+    assert json.loads(capsys.readouterr().out)["ids_moved"] == 5
+    assert main(["has", "config", "m0", "m1", "m2", "m3", "m4"]) == 0
+    capsys.readouterr()
+    assert main(["entities", "pending", "config"]) == 0
+    assert capsys.readouterr().out.startswith("0 entities")
+
+
+def test_entities_bad_input_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["entities", "pending", "config", "--segment", "3", "--segments", "2"]) == 2
+    assert "--segment must be below" in capsys.readouterr().err
+    assert main(["entities", "show", "config", "bad\x00id"]) == 2
+    assert main(["entities", "show", "nosuch://x", "e"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown entity store URL scheme" in err and "Traceback" not in err

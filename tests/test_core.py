@@ -416,3 +416,58 @@ def test_a_short_secret_masks_whole_words_only() -> None:
     long = WithPassword("memory://s", password="correct-horse")
     assert long._scrub("auth correct-horse-battery") == "auth ***-battery"
     assert "e" in short._describe_error(RuntimeError("every letter stays"))
+
+
+def test_entities_url_per_environment(in_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dedupstore import open_entity_store
+
+    monkeypatch.delenv("DEDUPSTORE_ENTITIES_URL", raising=False)
+    _write(
+        in_tmp / "dedupstore.toml",
+        """
+        default_env = "dev"
+        [dev]
+        url = "sqlite:///dev.db"
+        entities_url = "sqlite:///dev.db"
+        [dev.entities_options]
+        table = "orders"
+        [bare]
+        url = "memory://x"
+        [clash]
+        entities_url = "sqlite:///c.db?table=a"
+        [clash.entities_options]
+        table = "b"
+        """,
+    )
+    resolved = resolve_config(entities=True)
+    assert (resolved.url, resolved.options) == ("sqlite:///dev.db", {"table": "orders"})
+    with open_entity_store() as entities:
+        assert entities.option("table") == "orders"
+        entities.save(entities.load("e1"))
+    with pytest.raises(ConfigurationError, match="given both"):
+        open_entity_store(table="other")
+    monkeypatch.setenv("DEDUPSTORE_ENV", "bare")
+    with pytest.raises(ConfigurationError, match="no 'entities_url'"):
+        open_entity_store()
+    assert open_store().url == "memory://x"  # the store side does not need it
+    monkeypatch.setenv("DEDUPSTORE_ENTITIES_URL", "memory://ents")
+    with open_entity_store() as entities:
+        assert entities.url == "memory://ents"
+    monkeypatch.delenv("DEDUPSTORE_ENTITIES_URL")
+    monkeypatch.setenv("DEDUPSTORE_ENV", "clash")
+    with pytest.raises(ConfigurationError, match="set both in the URL's query"):
+        open_entity_store()
+
+
+def test_entity_registry_is_lazy_and_extensible() -> None:
+    from dedupstore.registry import entity_stores, register_entity_backend
+
+    assert entity_stores.view["postgres"].target == "backends.postgres:PostgresEntityStore"
+    register_entity_backend("mymem", "backends.memory:MemoryEntityStore")
+    from dedupstore import open_entity_store
+
+    with open_entity_store("mymem://one") as store:
+        assert type(store).__name__ == "MemoryEntityStore"
+    with pytest.raises(ConfigurationError, match="not a EntityStore subclass"):
+        register_entity_backend("wrong", "backends.memory:MemoryDeduplicationStore")
+        open_entity_store("wrong://x")
