@@ -6,34 +6,50 @@ caller batches of 1k and 10k, a naive loop of single ``add`` calls, and the
 server's own native write rate (Redis: ``redis-benchmark -P 64 -t set``; Postgres:
 raw ``COPY`` of the same ids into an identical table). Only ratios measured in the
 same run are compared: the machine is shared and noisy.
+
+The outbox section (every backend, ``memory`` included): messages/s of
+``OutboxProcessor.process`` and ``process_batch`` (batches of 100 and 1,000), with
+inline and deferred clean-up, ``sweep`` ids/s after a deferred run, the store calls
+each message costs, and on the same Redis, aws-lambda-powertools'
+``idempotent_function`` with ``RedisCachePersistenceLayer`` on the same messages.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import os
 import platform
+import random
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tracemalloc
 import uuid
+import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
-from dedupstore import DeduplicationStore, open_store
+from dedupstore import DeduplicationStore, open_entity_store, open_store
+from dedupstore.entities import EntityStore
+from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send, sweep
 from tests.servers import CosmosServer, MotoServer, PostgresServer, RedisServer
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 BACKENDS = ("sqlite", "postgres", "redis", "dynamodb", "cosmos")
+OUTBOX_BACKENDS = ("memory", *BACKENDS)
+#: Backends served by an emulator at ~100-2k requests/s: fewer ids and messages.
+SLOW = frozenset({"dynamodb", "cosmos"})
 
 
 @dataclass
@@ -45,59 +61,130 @@ class Result:
     native: tuple[str, float] | None = None
     memory: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: Outbox messages/s (ids/s for ``sweep``) by measurement, e.g. ``process/inline``.
+    outbox: dict[str, float] = field(default_factory=dict)
+    #: Store primitive calls (load, save, add, find; one request each) per message.
+    outbox_calls: dict[str, float] = field(default_factory=dict)
+    #: Redis only: requests redis-py sent per message (pipelines count once).
+    redis_requests: dict[str, float] = field(default_factory=dict)
+    #: Batched runs: distinct entities in a batch, on average (messages of one entity
+    #: in one batch share its load and save).
+    outbox_entities: dict[str, float] = field(default_factory=dict)
+    #: Messages per ``process`` run and per ``process_batch`` run.
+    outbox_counts: tuple[int, int] = (0, 0)
 
 
 Opener = Callable[[], DeduplicationStore]
+#: Opens a fresh (entity store, deduplication store) pair on new tables / prefixes.
+PairOpener = Callable[[], tuple[EntityStore, DeduplicationStore]]
+
+
+@dataclass
+class Backend:
+    """A running backend: openers of fresh stores and its server (``None`` if embedded)."""
+
+    dedup: Opener
+    pair: PairOpener
+    server: Any
 
 
 @contextlib.contextmanager
-def _backend(name: str) -> Iterator[tuple[Opener, Any]]:
-    """Start the backend's server; yield (open a fresh store, the server)."""
+def _backend(name: str) -> Iterator[Backend]:
+    """Start the backend's server; yield openers of fresh stores on it."""
     run = uuid.uuid4().hex[:10]
-    if name == "sqlite":
+
+    def tag() -> str:
+        return uuid.uuid4().hex[:12]
+
+    if name == "memory":
+
+        def memory_pair() -> tuple[EntityStore, DeduplicationStore]:
+            url = f"memory://bench-{tag()}"
+            return open_entity_store(url), open_store(url)
+
+        yield Backend(lambda: open_store(f"memory://bench-{tag()}"), memory_pair, None)
+    elif name == "sqlite":
         with tempfile.TemporaryDirectory() as tmp:
-            yield (lambda: open_store(f"sqlite:///{tmp}/bench-{uuid.uuid4().hex}.db")), None
+
+            def sqlite_pair() -> tuple[EntityStore, DeduplicationStore]:
+                url = f"sqlite:///{tmp}/outbox-{tag()}.db"  # entities have a table of their own
+                return open_entity_store(url), open_store(url)
+
+            yield Backend(
+                lambda: open_store(f"sqlite:///{tmp}/bench-{uuid.uuid4().hex}.db"),
+                sqlite_pair,
+                None,
+            )
     elif name == "postgres":
         with PostgresServer() as pg:
-            yield (
-                (lambda: open_store(pg.url, table=f"bench_{uuid.uuid4().hex[:12]}", create=True)),
-                pg,
+
+            def postgres_pair() -> tuple[EntityStore, DeduplicationStore]:
+                t = tag()
+                return (
+                    open_entity_store(pg.url, table=f"ent_{t}", create=True),
+                    open_store(pg.url, table=f"dedup_{t}", create=True),
+                )
+
+            yield Backend(
+                lambda: open_store(pg.url, table=f"bench_{tag()}", create=True), postgres_pair, pg
             )
     elif name == "redis":
         with RedisServer(appendonly=True, appendfsync="everysec") as redis:
-            yield (lambda: open_store(redis.url, key_prefix=f"b{uuid.uuid4().hex[:8]}:")), redis
+
+            def redis_pair() -> tuple[EntityStore, DeduplicationStore]:
+                t = tag()
+                return (
+                    open_entity_store(redis.url, key_prefix=f"ent{t}:"),
+                    open_store(redis.url, key_prefix=f"dd{t}:"),
+                )
+
+            yield Backend(
+                lambda: open_store(redis.url, key_prefix=f"b{uuid.uuid4().hex[:8]}:"),
+                redis_pair,
+                redis,
+            )
     elif name == "dynamodb":
         with MotoServer() as moto:
             os.environ.update(moto.client_env)
-            yield (
-                (
-                    lambda: open_store(
-                        f"dynamodb://bench-{run}-{uuid.uuid4().hex[:8]}",
-                        region="us-east-1",
-                        endpoint_url=moto.endpoint_url,
-                        create=True,
-                    )
-                ),
+            aws = {"region": "us-east-1", "endpoint_url": moto.endpoint_url, "create": True}
+
+            def dynamodb_pair() -> tuple[EntityStore, DeduplicationStore]:
+                t = tag()
+                return (
+                    open_entity_store(f"dynamodb://ent-{run}-{t}", **aws),
+                    open_store(f"dynamodb://dd-{run}-{t}", **aws),
+                )
+
+            yield Backend(
+                lambda: open_store(f"dynamodb://bench-{run}-{uuid.uuid4().hex[:8]}", **aws),
+                dynamodb_pair,
                 moto,
             )
     elif name == "cosmos":
         with CosmosServer() as cosmos:
             host = cosmos.endpoint_url.removeprefix("http://")
-            yield (
-                (
-                    lambda: open_store(
-                        f"cosmos://{host}/bench/c{uuid.uuid4().hex[:12]}",
-                        key=cosmos.key,
-                        tls=False,
-                        endpoint_discovery=False,
-                        create=True,
-                        allow_weak_consistency_for_emulator_only=True,
-                    )
-                ),
+            emulator = {
+                "key": cosmos.key,
+                "tls": False,
+                "endpoint_discovery": False,
+                "create": True,
+                "allow_weak_consistency_for_emulator_only": True,
+            }
+
+            def cosmos_pair() -> tuple[EntityStore, DeduplicationStore]:
+                t = tag()
+                return (
+                    open_entity_store(f"cosmos://{host}/bench/ent{t}", **emulator),
+                    open_store(f"cosmos://{host}/bench/dd{t}", **emulator),
+                )
+
+            yield Backend(
+                lambda: open_store(f"cosmos://{host}/bench/c{tag()}", **emulator),
+                cosmos_pair,
                 cosmos,
             )
     else:
-        raise SystemExit(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")
+        raise SystemExit(f"unknown backend {name!r}; choose from {', '.join(OUTBOX_BACKENDS)}")
 
 
 def _ids(count: int) -> list[str]:
@@ -120,12 +207,10 @@ def _throughput(result: Result, opener: Opener, count: int, naive_count: int) ->
     for size in (1_000, 10_000):
         ids = _ids(count)
         with opener() as store:
-            result.rates[f"add_many/{size // 1000}k"] = _rate(
-                count, lambda s=store, i=ids, n=size: _batched(s, i, n, "add_many")
-            )
-            result.rates[f"processed_among/{size // 1000}k"] = _rate(
-                count, lambda s=store, i=ids, n=size: _batched(s, i, n, "processed_among")
-            )
+            for method in ("add_many", "processed_among"):
+                result.rates[f"{method}/{size // 1000}k"] = _rate(
+                    count, functools.partial(_batched, store, ids, size, method)
+                )
     naive_ids = _ids(naive_count)
     with opener() as store:
         result.rates["naive add loop"] = _rate(
@@ -193,6 +278,225 @@ def _native_postgres(server: PostgresServer, count: int) -> tuple[str, float]:
     return "raw COPY into an identical table", rate
 
 
+# ---------------------------------------------------------------------- outbox
+
+Cleanup = Literal["inline", "deferred"]
+#: (label, clean-up, batch size or None for one ``process`` call per message).
+OUTBOX_RUNS: tuple[tuple[str, Cleanup, int | None], ...] = (
+    ("process/inline", "inline", None),
+    ("process/deferred", "deferred", None),
+    ("batch 100/inline", "inline", 100),
+    ("batch 1000/inline", "inline", 1000),
+    ("batch 100/deferred", "deferred", 100),
+    ("batch 1000/deferred", "deferred", 1000),
+)
+#: The deferred run ``sweep`` is measured after.
+SWEPT_RUN = "batch 1000/deferred"
+_ENTITY_PRIMITIVES = ("_load", "_save")
+_DEDUP_PRIMITIVES = ("_add_new", "_add_one", "_find", "_contains_one")
+
+
+def _workload(count: int, rng: random.Random) -> list[Message]:
+    """``count`` fresh messages spread at random over ``count // 10`` fresh entities."""
+    entities = [f"order-{uuid.uuid4()}" for _ in range(max(1, count // 10))]
+    return [Message(str(uuid.uuid4()), rng.choice(entities), {"amount": i}) for i in range(count)]
+
+
+def _handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+    """Pure and small: a counter and the last message id; one outgoing message."""
+    count = int(state.get("count", 0)) + 1
+    return {"count": count, "last": message.id}, [
+        Send("shipping", {"order": message.correlation_id, "n": count})
+    ]
+
+
+@contextlib.contextmanager
+def _counting_calls(entities: EntityStore, dedup: DeduplicationStore) -> Iterator[Counter[str]]:
+    """Count the store primitives called (outermost only: ``_add_one`` may call ``_add_new``).
+
+    Each primitive is one request to the store (one statement, script, pipeline or
+    API call; a DynamoDB or Cosmos entity save sends one request per entity).
+    """
+    counts: Counter[str] = Counter()
+    lock = threading.Lock()
+    inside = threading.local()
+    patched: list[tuple[object, str]] = []
+    stores: tuple[tuple[object, tuple[str, ...]], ...] = (
+        (entities, _ENTITY_PRIMITIVES),
+        (dedup, _DEDUP_PRIMITIVES),
+    )
+    for store, names in stores:
+        for name in names:
+            original = getattr(store, name)
+
+            def counted(
+                *args: Any, _original: Callable[..., Any] = original, _name: str = name
+            ) -> Any:
+                outer = not getattr(inside, "on", False)
+                if outer:
+                    with lock:
+                        counts[_name] += 1
+                    inside.on = True
+                try:
+                    return _original(*args)
+                finally:
+                    if outer:
+                        inside.on = False
+
+            setattr(store, name, counted)
+            patched.append((store, name))
+    try:
+        yield counts
+    finally:
+        for store, name in patched:
+            delattr(store, name)
+
+
+@contextlib.contextmanager
+def _redis_requests(enabled: bool) -> Iterator[list[int]]:
+    """Count the requests redis-py sends (a pipeline or a script call is one)."""
+    sent = [0]
+    if not enabled:
+        yield sent
+        return
+    from redis.connection import AbstractConnection
+
+    original: Callable[..., None] = AbstractConnection.send_packed_command
+
+    def counting(self: Any, command: Any, check_health: bool = True) -> None:
+        sent[0] += 1
+        original(self, command, check_health)
+
+    AbstractConnection.send_packed_command = counting  # type: ignore[method-assign]
+    try:
+        yield sent
+    finally:
+        AbstractConnection.send_packed_command = original  # type: ignore[method-assign]
+
+
+def _outbox_run(
+    result: Result,
+    backend: Backend,
+    label: str,
+    messages: list[Message],
+    cleanup: Cleanup,
+    batch: int | None,
+) -> None:
+    """Time one run on fresh stores; check it did the work; sweep after ``SWEPT_RUN``."""
+    on_redis = result.backend == "redis"
+    entities, dedup = backend.pair()
+    with entities, dedup:
+        dispatcher = InMemoryDispatcher()
+        processor = OutboxProcessor(entities, dedup, dispatcher, cleanup=cleanup)
+        with _counting_calls(entities, dedup) as calls, _redis_requests(on_redis) as sent:
+            started = time.perf_counter()
+            if batch is None:
+                outcomes = [processor.process(m, _handler).outcome for m in messages]
+            else:
+                outcomes = [
+                    r.outcome
+                    for start in range(0, len(messages), batch)
+                    for r in processor.process_batch(messages[start : start + batch], _handler)
+                ]
+            seconds = time.perf_counter() - started
+        count = len(messages)
+        if outcomes.count("processed") != count or len(dispatcher.sent) != count:
+            raise SystemExit(f"{result.backend} {label}: not every message was processed once")
+        if cleanup == "inline" and len(dedup.processed_among([m.id for m in messages])) != count:
+            raise SystemExit(f"{result.backend} {label}: ids missing from the dedup store")
+        result.outbox[label] = count / seconds
+        if batch is not None:
+            starts = range(0, count, batch)
+            distinct = sum(len({m.correlation_id for m in messages[s : s + batch]}) for s in starts)
+            result.outbox_entities[label] = distinct / len(starts)
+        result.outbox_calls[label] = sum(calls.values()) / count
+        if on_redis:
+            result.redis_requests[label] = sent[0] / count
+        if label == SWEPT_RUN:
+            with _counting_calls(entities, dedup) as calls, _redis_requests(on_redis) as sent:
+                swept = sweep(entities, dedup)
+            if swept.ids_moved != count or swept.ids_left:
+                raise SystemExit(f"{result.backend} sweep: {swept}")
+            result.outbox["sweep"] = count / swept.seconds
+            result.outbox_calls["sweep"] = sum(calls.values()) / count
+            if on_redis:
+                result.redis_requests["sweep"] = sent[0] / count
+
+
+def _powertools(result: Result, server: RedisServer, messages: list[Message]) -> None:
+    """``idempotent_function`` on ``RedisCachePersistenceLayer``, one call per message."""
+    try:
+        import redis
+        from aws_lambda_powertools.utilities.idempotency import (
+            IdempotencyConfig,
+            idempotent_function,
+        )
+        from aws_lambda_powertools.utilities.idempotency.persistence.cache import (
+            CachePersistenceLayer,
+        )
+        from aws_lambda_powertools.utilities.typing import LambdaContext
+    except ImportError as exc:
+        raise SystemExit(f"{exc}: pip install -e '.[dev]' (aws-lambda-powertools[redis])") from exc
+
+    class Invocation(LambdaContext):
+        """Outside Lambda: a fixed 60 s budget, so in-progress records expire like in one."""
+
+        @staticmethod
+        def get_remaining_time_in_millis() -> int:
+            return 60_000
+
+    client = redis.Redis.from_url(server.url)
+    with warnings.catch_warnings():
+        # 3.x deprecates the name RedisCachePersistenceLayer; CachePersistenceLayer is the
+        # same class (an alias), so it warns too.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        layer = CachePersistenceLayer(client=cast(Any, client))
+    # The message id is the idempotency key (as for the outbox); every other setting
+    # is powertools' default: expires_after_seconds=3600, no local cache, md5.
+    config = IdempotencyConfig(event_key_jmespath="id")
+    config.register_lambda_context(Invocation())
+    sent: list[Send] = []
+
+    def work(message: dict[str, Any]) -> dict[str, Any]:
+        incoming = Message(message["id"], message["correlation_id"], message["body"])
+        state, sends = _handler({}, incoming)  # no entity state to load: a fresh one
+        sent.extend(sends)
+        return {"state": state, "sends": [s.body for s in sends]}
+
+    handle: Callable[..., dict[str, Any]] = idempotent_function(
+        data_keyword_argument="message", persistence_store=layer, config=config
+    )(work)
+    payloads = [{"id": m.id, "correlation_id": m.correlation_id, "body": m.body} for m in messages]
+    try:
+        with _redis_requests(True) as requests:
+            result.outbox["powertools"] = _rate(
+                len(payloads), lambda: [handle(message=p) for p in payloads]
+            )
+        again = handle(message=payloads[0])  # a duplicate: answered from Redis, not run
+        if len(sent) != len(messages) or again["sends"] != [sent[0].body]:
+            raise SystemExit("powertools: a message was not handled exactly once")
+        result.redis_requests["powertools"] = requests[0] / len(messages)
+    finally:
+        client.close()
+
+
+def _outbox(
+    result: Result, backend: Backend, count: int, single: int, powertools: bool, seed: int
+) -> None:
+    rng = random.Random(seed)
+    result.outbox_counts = (single, count)
+    process_messages: list[Message] = []
+    for label, cleanup, batch in OUTBOX_RUNS:
+        messages = _workload(single if batch is None else count, rng)
+        if label == "process/inline":
+            process_messages = messages
+        print(f"   outbox {label}: {len(messages):,} messages", file=sys.stderr, flush=True)
+        _outbox_run(result, backend, label, messages, cleanup, batch)
+    if powertools and result.backend == "redis":
+        print("   powertools idempotent_function", file=sys.stderr, flush=True)
+        _powertools(result, backend.server, process_messages)
+
+
 def _fmt(rate: float) -> str:
     return f"{rate:,.0f}"
 
@@ -206,7 +510,21 @@ def _render(results: list[Result], args: argparse.Namespace, seconds: float) -> 
         f"{os.cpu_count()} cores, in one run of {seconds:,.0f} s. Every server ran locally "
         "on loopback on the same shared machine, so compare the ratios inside one run, "
         "not absolute figures across runs.",
-        "",
+    ]
+    dedup = [r for r in results if r.rates]
+    if dedup:
+        lines += ["", *_render_dedup(dedup, args)]
+    outbox = [r for r in results if r.outbox]
+    if outbox:
+        lines += ["", *_render_outbox(outbox, args)]
+    notes = [f"- {r.backend}: {n}" for r in results for n in r.notes]
+    if notes:
+        lines += ["", "## Notes", "", *notes]
+    return "\n".join(lines) + "\n"
+
+
+def _render_dedup(results: list[Result], args: argparse.Namespace) -> list[str]:
+    lines = [
         f"{args.ids:,} fresh UUID ids per measurement, passed to `add_many` / "
         "`processed_among` in caller batches of 1k and 10k (the backend splits them to "
         "its own limits).",
@@ -253,10 +571,7 @@ def _render(results: list[Result], args: argparse.Namespace, seconds: float) -> 
             lines.append(
                 f"| {r.backend} | " + " | ".join(f"{v:.1f} MiB" for v in r.memory.values()) + " |"
             )
-    notes = [f"- {r.backend}: {n}" for r in results for n in r.notes]
-    if notes:
-        lines += ["", "## Notes", "", *notes]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _targets(results: list[Result]) -> list[str]:
@@ -296,38 +611,238 @@ def _targets(results: list[Result]) -> list[str]:
     return rows
 
 
+_OUTBOX_COLUMNS = [label for label, _, _ in OUTBOX_RUNS]
+
+
+def _best_batch(r: Result, cleanup: Cleanup = "inline") -> float:
+    return max(r.outbox[f"batch 100/{cleanup}"], r.outbox[f"batch 1000/{cleanup}"])
+
+
+def _render_outbox(results: list[Result], args: argparse.Namespace) -> list[str]:
+    head = " | ".join(label.replace("/", " ") for label in _OUTBOX_COLUMNS)
+    align = "---:|" * len(_OUTBOX_COLUMNS)
+    lines = [
+        "## Outbox",
+        "",
+        "`OutboxProcessor` on each backend's entity store and deduplication store (fresh "
+        "tables / key prefixes / containers for every run), one thread. Every run has fresh "
+        "messages spread at random over a tenth as many fresh entities (about 10 messages "
+        f"per entity, in random order; seed {args.seed}); the handler is pure and small "
+        "(state: a counter and the last message id; one outgoing message) and the "
+        "dispatcher is in memory. `process`: one call per message; `process_batch`: "
+        "batches of 100 or 1,000 messages; cleanup `inline` moves each id to the "
+        "deduplication store while processing, `deferred` leaves that to `sweep`, which is "
+        "timed after the deferred batch-1,000 run (it moves all of that run's ids). Every "
+        "run is checked afterwards: each message processed once with one outgoing message, "
+        "inline ids in the deduplication store, every id swept.",
+        "",
+        f"| backend | messages (process / batched) | entities per batch (100 / 1000) | {head} "
+        "| sweep | best batch / process (inline) | (deferred) |",
+        f"|---|---:|---:|{align}---:|---:|---:|",
+    ]
+    for r in results:
+        single, batched = r.outbox_counts
+        cells = " | ".join(_fmt(r.outbox[label]) for label in _OUTBOX_COLUMNS)
+        spread = " / ".join(
+            f"{r.outbox_entities.get(f'batch {size}/inline', 0):,.0f}" for size in (100, 1000)
+        )
+        lines.append(
+            f"| {r.backend} | {single:,} / {batched:,} | {spread} | {cells}"
+            f" | {_fmt(r.outbox['sweep'])}"
+            f" | {_best_batch(r) / r.outbox['process/inline']:,.1f}x"
+            f" | {_best_batch(r, 'deferred') / r.outbox['process/deferred']:,.1f}x |"
+        )
+    lines += [
+        "",
+        "Rates are messages per second (`sweep`: ids moved per second). Entities per batch: "
+        "distinct entities in a batch, on average; a batch loads and saves each once, so "
+        "the fewer messages per entity in a batch (the more messages a run spreads over "
+        "its entities), the less a batch saves per message.",
+        "",
+        "### Store calls per message",
+        "",
+        "Calls of the stores' primitives (entity load and save, deduplication add and "
+        "find) per message, counted during the timed runs. On PostgreSQL, Redis and "
+        "SQLite each is one statement, script call or pipeline: one round trip (one "
+        "transaction on SQLite). A DynamoDB or Cosmos entity save sends one request per "
+        "entity, and a Cosmos `add_many` one per id, so there they undercount requests.",
+        "",
+        f"| backend | {head} | sweep (per id, scan not counted) |",
+        f"|---|{align}---:|",
+    ]
+    for r in results:
+        cells = " | ".join(f"{r.outbox_calls[label]:.3f}" for label in _OUTBOX_COLUMNS)
+        lines.append(f"| {r.backend} | {cells} | {r.outbox_calls['sweep']:.3f} |")
+    redis = next((r for r in results if r.backend == "redis"), None)
+    if redis is not None and redis.redis_requests:
+        lines += [
+            "",
+            "Requests redis-py sent per message on Redis (a pipeline or a script call is "
+            "one request, one round trip): "
+            + ", ".join(
+                f"{label.replace('/', ' ')} {value:.3f}"
+                for label, value in redis.redis_requests.items()
+            )
+            + ".",
+        ]
+    if redis is not None and "powertools" in redis.outbox:
+        lines += ["", *_render_powertools(redis)]
+    lines += ["", "### Targets (outbox, ratios in this run)", ""]
+    lines += _outbox_targets(results)
+    return lines
+
+
+def _render_powertools(r: Result) -> list[str]:
+    from importlib.metadata import version
+
+    base = r.outbox["powertools"]
+    rows = [
+        ("powertools `idempotent_function`", "powertools"),
+        ("`process`, inline", "process/inline"),
+        ("`process`, deferred", "process/deferred"),
+        ("`process_batch` 100, inline", "batch 100/inline"),
+        ("`process_batch` 1000, inline", "batch 1000/inline"),
+        ("`process_batch` 1000, deferred", "batch 1000/deferred"),
+    ]
+    lines = [
+        "### Against aws-lambda-powertools on the same Redis",
+        "",
+        f"aws-lambda-powertools {version('aws-lambda-powertools')}: `idempotent_function` "
+        "with `CachePersistenceLayer` (the new name of `RedisCachePersistenceLayer`, the "
+        "same class), given a redis-py client of the same server, "
+        "called once per message, one thread, on the very messages of the `process` "
+        f"inline run ({r.outbox_counts[0]:,}); the decorated function runs the same "
+        "handler (on an empty state: there is none to load) and appends its outgoing "
+        'message to a list. Idempotency key: the message id (`event_key_jmespath="id"`); '
+        "everything else at powertools' defaults: `expires_after_seconds=3600` (a record "
+        "expires after an hour: a redelivery after that runs again), no local cache, md5, "
+        "no payload validation. Outside Lambda it needs `config.register_lambda_context()` "
+        "to set the in-progress expiry (without it, it warns on every call and an "
+        "in-progress record of a crashed call blocks the message until it expires); the "
+        "bench registers a fake context with 60 s remaining.",
+        "",
+        "| | messages/s | Redis requests / message | / powertools |",
+        "|---|---:|---:|---:|",
+    ]
+    for label, key in rows:
+        lines.append(
+            f"| {label} | {_fmt(r.outbox[key])} | {r.redis_requests.get(key, 0):.3f}"
+            f" | {r.outbox[key] / base:.2f}x |"
+        )
+    lines += [
+        "",
+        "It guarantees far less: a `SET NX` of an in-progress record, the function, a `SET` "
+        "of the result. There is no entity state (the function's state changes and the "
+        "record are not written together), no outbox (a crash after the function's side "
+        "effects and before the result is saved runs them again once the in-progress "
+        "record expires; a crash after the `SET NX` blocks redeliveries until then), and "
+        "records expire. The outbox also loads and saves the entity (under its version "
+        "token) and keeps the outgoing messages until they are dispatched.",
+    ]
+    return lines
+
+
+def _outbox_targets(results: list[Result]) -> list[str]:
+    by_name = {r.backend: r for r in results}
+    rows: list[str] = []
+
+    def check(label: str, value: float, goal: float) -> None:
+        verdict = "met" if value >= goal else "NOT met"
+        rows.append(f"- {label}: {value:.2f}x (target >= {goal}x): {verdict}")
+
+    for name in ("postgres", "redis"):
+        if name in by_name:
+            r = by_name[name]
+            check(
+                f"{name} process_batch / process (inline)",
+                _best_batch(r) / r.outbox["process/inline"],
+                10,
+            )
+            rows.append(
+                f"- {name} process_batch / process (deferred, no target): "
+                f"{_best_batch(r, 'deferred') / r.outbox['process/deferred']:.2f}x"
+            )
+    if "redis" in by_name and "powertools" in by_name["redis"].outbox:
+        r = by_name["redis"]
+        base = r.outbox["powertools"]
+        check("redis process (inline) / powertools", r.outbox["process/inline"] / base, 0.5)
+        rows.append(
+            "- redis process (deferred) / powertools (no target): "
+            f"{r.outbox['process/deferred'] / base:.2f}x"
+        )
+        check("redis process_batch (inline) / powertools", _best_batch(r) / base, 5)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and write the results table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--backends", default=",".join(BACKENDS), help="deduplication stores")
     parser.add_argument("--ids", type=int, default=200_000)
     parser.add_argument("--naive-ids", type=int, default=20_000)
     parser.add_argument("--slow-ids", type=int, default=5_000, help="ids for dynamodb/cosmos")
     parser.add_argument("--memory-sizes", default="100000,1000000")
     parser.add_argument("--memory-backends", default="sqlite,postgres,redis")
+    parser.add_argument("--outbox-backends", default=",".join(OUTBOX_BACKENDS))
+    parser.add_argument(
+        "--outbox-messages", type=int, default=20_000, help="messages per process_batch run"
+    )
+    parser.add_argument(
+        "--outbox-single",
+        type=int,
+        default=5_000,
+        help="messages per process run (and for powertools)",
+    )
+    parser.add_argument(
+        "--outbox-slow", type=int, default=2_000, help="outbox messages for dynamodb/cosmos"
+    )
+    parser.add_argument("--skip-outbox", action="store_true")
+    parser.add_argument("--skip-powertools", action="store_true")
+    parser.add_argument("--seed", type=int, default=20_240_601, help="entity of each message")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     sizes = tuple(int(s) for s in args.memory_sizes.split(",") if s)
+    dedup_names = [b for b in args.backends.split(",") if b]
+    outbox_names = [] if args.skip_outbox else [b for b in args.outbox_backends.split(",") if b]
+    unknown = sorted(set(dedup_names + outbox_names) - set(OUTBOX_BACKENDS))
+    if unknown:
+        raise SystemExit(
+            f"unknown backend(s) {', '.join(unknown)}; choose from {', '.join(OUTBOX_BACKENDS)}"
+        )
     started = time.perf_counter()
     results = []
-    for name in [b for b in args.backends.split(",") if b]:
+    for name in [b for b in OUTBOX_BACKENDS if b in dedup_names or b in outbox_names]:
         print(f"== {name}", file=sys.stderr, flush=True)
         result = Result(name)
-        slow = name in ("dynamodb", "cosmos")
-        count = min(args.ids, args.slow_ids) if slow else args.ids
-        naive = min(args.naive_ids, count // 10 if slow else count)
-        if slow and count < args.ids:
-            result.notes.append(
-                f"{count:,} ids instead of {args.ids:,}: the emulator serves ~1-2k requests/s"
-            )
-        with _backend(name) as (opener, server):
-            _throughput(result, opener, count, naive)
-            if name == "redis":
-                result.native = _native_redis(server, args.ids)
-            elif name == "postgres":
-                result.native = _native_postgres(server, args.ids)
-            if name in args.memory_backends.split(","):
-                _memory(result, opener, sizes)
+        slow = name in SLOW
+        with _backend(name) as backend:
+            if name in dedup_names:
+                count = min(args.ids, args.slow_ids) if slow else args.ids
+                naive = min(args.naive_ids, count // 10 if slow else count)
+                if slow and count < args.ids:
+                    result.notes.append(
+                        f"{count:,} ids instead of {args.ids:,}: the emulator serves "
+                        "~1-2k requests/s"
+                    )
+                _throughput(result, backend.dedup, count, naive)
+                if name == "redis":
+                    result.native = _native_redis(backend.server, args.ids)
+                elif name == "postgres":
+                    result.native = _native_postgres(backend.server, args.ids)
+                if name in args.memory_backends.split(","):
+                    _memory(result, backend.dedup, sizes)
+            if name in outbox_names:
+                messages = (
+                    min(args.outbox_messages, args.outbox_slow) if slow else args.outbox_messages
+                )
+                single = min(args.outbox_single, messages // 5) if slow else args.outbox_single
+                if slow and messages < args.outbox_messages:
+                    result.notes.append(
+                        f"outbox: {messages:,} messages per batched run and {single:,} per "
+                        f"process run instead of {args.outbox_messages:,} / "
+                        f"{args.outbox_single:,} (emulator)"
+                    )
+                _outbox(result, backend, messages, single, not args.skip_powertools, args.seed)
         print(f"   {result}", file=sys.stderr, flush=True)
         results.append(result)
     text = _render(results, args, time.perf_counter() - started)
