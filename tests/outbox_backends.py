@@ -21,6 +21,7 @@ import pytest
 from dedupstore.entities import EntityStore
 from dedupstore.registry import entity_stores, stores
 from dedupstore.store import DeduplicationStore
+from tests.servers import RedisServer
 
 BACKENDS = ("memory", "sqlite", "postgres", "redis", "dynamodb", "cosmos")
 #: Backends whose every call crosses a slow emulator: the heaviest schedules are reduced.
@@ -61,6 +62,13 @@ def _aws(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
 
 
+@pytest.fixture(scope="session")
+def unsynced_redis_server() -> Iterator[RedisServer]:
+    """A Redis server with ``appendfsync no``: for the algorithm's tests, not durability ones."""
+    with RedisServer(appendfsync="no") as server:
+        yield server
+
+
 @pytest.fixture
 def outbox_backend(
     request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -77,16 +85,19 @@ def outbox_backend(
         url = f"sqlite:///{tmp_path}/outbox.db"
         backend = OutboxBackend(name, url, url, {"synchronous": "OFF"})
     elif name == "postgres":
+        # synchronous_commit=off (libpq "options"): a commit does not wait for the WAL
+        # flush. These tests check the algorithm, not the disk; it keeps them fast.
         server = request.getfixturevalue("postgres_server")
+        fast = {"options": "-c synchronous_commit=off"}
         backend = OutboxBackend(
             name,
             f"{server.url}?table=ent_{tag}&create=true",
             f"{server.url}?table=dedup_{tag}&create=true",
-            {},
+            fast,
         )
         cleanup.append(lambda: _drop_postgres(server.url, [f"ent_{tag}", f"dedup_{tag}"]))
     elif name == "redis":
-        server = request.getfixturevalue("redis_server")
+        server = request.getfixturevalue("unsynced_redis_server")
         backend = OutboxBackend(
             name,
             f"{server.url}?key_prefix=ent{tag}:",

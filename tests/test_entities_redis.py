@@ -14,6 +14,7 @@ import redis
 import dedupstore
 from backends.redis import (
     RedisEntityStore,
+    buckets_key,
     entity_key,
     pending_key,
     record_key,
@@ -106,6 +107,7 @@ def test_record_layout_on_the_server(store: RedisEntityStore, admin: redis.Redis
     pending = f"{prefix}pending:{bucket_of(eid)}"
     assert pending == pending_key(prefix, bucket_of(eid))
     assert admin.smembers(pending) == {eid.encode()}
+    assert admin.smembers(buckets_key(prefix)) == {str(bucket_of(eid)).encode()}
     first_token = fields[b"t"]
 
     entity.outbox["m-1"] = None  # dispatched, not yet moved to the dedup store: still pending
@@ -118,6 +120,7 @@ def test_record_layout_on_the_server(store: RedisEntityStore, admin: redis.Redis
     store.save(entity)
     assert admin.hmget(key, "v", "p") == [b"3", b"0"]
     assert admin.exists(pending) == 0, "an empty outbox leaves its bucket's set"
+    assert admin.exists(buckets_key(prefix)) == 0, "an empty bucket leaves the index"
     assert sorted(admin.scan_iter(match=f"{prefix}*")) == [key.encode()]
 
 

@@ -17,13 +17,14 @@ failure semantics.
 """
 
 from backends.redis._client import RedisClient
-from backends.redis.entities import RedisEntityStore, entity_key, pending_key
+from backends.redis.entities import RedisEntityStore, buckets_key, entity_key, pending_key
 from backends.redis.store import RedisDeduplicationStore, record_key
 
 __all__ = [
     "RedisClient",
     "RedisDeduplicationStore",
     "RedisEntityStore",
+    "buckets_key",
     "entity_key",
     "pending_key",
     "record_key",

@@ -9,7 +9,9 @@ store's; keep the two prefixes apart):
   save), ``t`` (the random write token of the save that wrote it) and ``p``
   (``1`` while the outbox is not empty, else ``0``);
 * one set per bucket, ``<key_prefix>pending:<bucket>`` (``bucket_of(id)``, 0..4095),
-  holding the ids of the entities of that bucket whose outbox is not empty.
+  holding the ids of the entities of that bucket whose outbox is not empty;
+* one set ``<key_prefix>pending-buckets`` of the buckets whose set is not empty (the
+  scan's index, kept by the same script).
 
 Token: the version. A save is one ``EVALSHA`` per chunk (up to 100 entities and
 16 MiB of bodies; Redis runs a script atomically): for each entity it compares
@@ -28,8 +30,9 @@ attempt wrote it and someone saved on top": it writes nothing and the save raise
 ``StoreUnavailable`` (outcome unknown: reload before saving again) rather than
 report a conflict that may be false.
 
-Scan: segment ``s`` of ``n`` walks the sets of the buckets ``b % n == s`` with
-``SSCAN`` (64 buckets per pipelined round trip) and reads the bodies with one
+Scan: segment ``s`` of ``n`` reads the index (``SMEMBERS``, at most 4096 numbers) and
+walks the sets of its non-empty buckets ``b % n == s`` with ``SSCAN`` (64 buckets per
+pipelined round trip; an empty store costs one round trip) and reads the bodies with one
 pipelined ``HMGET`` per id, a page of 100 ids at a time; ids whose entity is gone
 or no longer pending are skipped. Memory: one page of bodies plus the ids of one
 round of buckets (an id set per bucket de-duplicates ``SSCAN``'s repeats).
@@ -58,14 +61,15 @@ from backends.redis._client import (
     escape,
     key_prefix_option,
 )
-from dedupstore.entities import BUCKETS, EntityRecord, EntityStore
+from dedupstore.entities import EntityRecord, EntityStore
 from dedupstore.errors import StoreUnavailable
 from dedupstore.options import OptionSet
 from dedupstore.urls import StoreURL
 
-__all__ = ["RedisEntityStore", "entity_key", "pending_key"]
+__all__ = ["RedisEntityStore", "buckets_key", "entity_key", "pending_key"]
 
-# KEYS[1..n]: the entity keys; KEYS[n+1..2n]: the pending set of each entity's bucket.
+# KEYS[1..n]: the entity keys; KEYS[n+1..2n]: the pending set of each entity's bucket;
+# KEYS[2n+1]: the set of buckets whose pending set is not empty (the scan's index).
 # ARGV[1]: this save's write token; ARGV[2]: '1' when an earlier attempt of this very
 # call may have run (its answer was lost); then 4 per entity: the expected version
 # ('' = absent, else '=' .. version), '1'/'0' (pending), the id, the body.
@@ -75,7 +79,8 @@ __all__ = ["RedisEntityStore", "entity_key", "pending_key"]
 # an entity that moved on (its lost attempt may have written it). No keys: a probe.
 _SAVE_SCRIPT = """
 if #KEYS == 0 then return {} end
-local n = #KEYS / 2
+local n = (#KEYS - 1) / 2
+local index = KEYS[#KEYS]
 local token, resent = ARGV[1], ARGV[2] == '1'
 local result, todo, versions = {1}, {}, {}
 for i = 1, n do
@@ -108,7 +113,7 @@ for i = 1, n do
     end
   end
 end
-for i = n + 1, 2 * n do
+for i = n + 1, 2 * n + 1 do
   local kind = redis.call('TYPE', KEYS[i])['ok']
   if kind ~= 'none' and kind ~= 'set' then
     return redis.error_reply('WRONGTYPE key ' .. string.sub(KEYS[i], 1, 200) .. ' holds a '
@@ -119,10 +124,13 @@ for _, i in ipairs(todo) do
   local at = 3 + (i - 1) * 4
   redis.call('HSET', KEYS[i], 'b', ARGV[at + 3], 'v', versions[i], 't', token,
     'p', ARGV[at + 1])
+  local bucket = string.match(KEYS[n + i], '(%d+)$')
   if ARGV[at + 1] == '1' then
     redis.call('SADD', KEYS[n + i], ARGV[at + 2])
-  else
-    redis.call('SREM', KEYS[n + i], ARGV[at + 2])
+    redis.call('SADD', index, bucket)
+  elseif redis.call('SREM', KEYS[n + i], ARGV[at + 2]) == 1
+      and redis.call('SCARD', KEYS[n + i]) == 0 then
+    redis.call('SREM', index, bucket)
   end
   result[#result + 1] = i
   result[#result + 1] = versions[i]
@@ -140,6 +148,11 @@ _SSCAN_COUNT = 200
 def entity_key(key_prefix: str, entity_id: str) -> str:
     """The Redis key of an entity's hash: ``<key_prefix>e:<escaped id>``."""
     return f"{key_prefix}e:{escape(entity_id)}"
+
+
+def buckets_key(key_prefix: str) -> str:
+    """The Redis key of the set of buckets that have pending entities (the scan's index)."""
+    return f"{key_prefix}pending-buckets"
 
 
 def pending_key(key_prefix: str, bucket: int) -> str:
@@ -238,6 +251,7 @@ class RedisEntityStore(RedisClient, EntityStore):
     def _save_group(self, records: list[EntityRecord], token: str) -> dict[str, int]:
         keys = [self._key(r.id) for r in records]
         keys += [pending_key(self._key_prefix, r.bucket) for r in records]
+        keys.append(buckets_key(self._key_prefix))
         entries: list[str] = []
         for r in records:
             expected = "" if r.version is None else f"={r.version}"
@@ -265,7 +279,8 @@ class RedisEntityStore(RedisClient, EntityStore):
 
     def _pending_ids(self, segment: int, segments: int) -> Iterator[list[str]]:
         """Lists of ids from the pending sets of the segment's buckets, each id once."""
-        buckets = range(segment, BUCKETS, segments)
+        members = self._client.smembers(buckets_key(self._key_prefix))
+        buckets = sorted(b for b in (int(_body(m)) for m in members) if b % segments == segment)
         for start in range(0, len(buckets), _BUCKETS_PER_ROUND):
             group = buckets[start : start + _BUCKETS_PER_ROUND]
             pipe = self._client.pipeline(transaction=False)
@@ -276,10 +291,10 @@ class RedisEntityStore(RedisClient, EntityStore):
                 if seen:
                     yield list(seen)
                 while int(cursor):
-                    cursor, members = self._client.sscan(
+                    cursor, more = self._client.sscan(
                         pending_key(self._key_prefix, bucket), cursor, count=_SSCAN_COUNT
                     )
-                    fresh = {_body(m) for m in members} - seen
+                    fresh = {_body(m) for m in more} - seen
                     if fresh:
                         seen |= fresh
                         yield list(fresh)

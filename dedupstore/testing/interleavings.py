@@ -321,7 +321,8 @@ class _Turns:
                     raise TimeoutError(f"{labels[chosen]}.{name} did not return")
                 if self.run.blocked:
                     return self.run
-            observe(self.run.trace)
+            if _ACCESS[name][1] - {"X"}:  # only a write to a store can break a state check
+                observe(self.run.trace)
 
 
 class _OneEntity:

@@ -1,0 +1,104 @@
+"""Randomised soak: many messages over many entities, consumers in threads and processes.
+
+Every message is delivered one to three times; copies of one message go to
+different consumers at about the same position of their lists, so duplicates run
+concurrently. Each consumer mixes ``process`` and ``process_batch`` and crashes at
+random before or after any call (then redelivers). Afterwards a sweep runs and every
+count is checked exactly: each message applied once to its entity, in the
+deduplication store, every outbox empty, each output dispatched with one id and one
+byte string, showing the state its message produced.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import multiprocessing
+import random
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dedupstore.outbox import outgoing_id, sweep
+from tests.outbox_backends import OutboxBackend, backend_params
+from tests.soak_worker import run_consumer
+
+#: backend -> (messages, entities, threads, processes)
+SIZES = {
+    "memory": (3000, 300, 4, 0),  # in-process: no processes
+    "sqlite": (3000, 300, 3, 2),
+    "postgres": (3000, 300, 3, 2),
+    "redis": (3000, 300, 3, 2),
+    "dynamodb": (400, 40, 2, 1),
+    "cosmos": (300, 30, 2, 1),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("outbox_backend", backend_params(), indirect=True)
+@pytest.mark.parametrize("cleanup", ["inline", "deferred"])
+def test_randomised_soak_counts_exactly(
+    outbox_backend: OutboxBackend, cleanup: str, tmp_path: Path
+) -> None:
+    count, entity_count, threads, processes = SIZES[outbox_backend.name]
+    rng = random.Random(f"{outbox_backend.name}-{cleanup}")
+    tag = uuid.uuid4().hex[:8]
+    owner = {f"m{n}-{tag}": f"e{rng.randrange(entity_count)}-{tag}" for n in range(count)}
+    workers = threads + processes
+    lists: list[list[tuple[str, str]]] = [[] for _ in range(workers)]
+    for mid, cid in owner.items():
+        copies = rng.choice((1, 2, 2, 3))
+        chosen = rng.sample(range(workers), min(copies, workers))
+        for worker in chosen:  # the copies land at about the same position: concurrent
+            lists[worker].append((mid, cid))
+    outs = [str(tmp_path / f"sent-{w}.jsonl") for w in range(workers)]
+    args = [
+        (outbox_backend, lists[w], rng.randrange(2**32), 0.03, cleanup, outs[w])
+        for w in range(workers)
+    ]
+    context = multiprocessing.get_context("spawn")
+    with (
+        concurrent.futures.ThreadPoolExecutor(threads) as pool,
+        concurrent.futures.ProcessPoolExecutor(max(processes, 1), mp_context=context) as procs,
+    ):
+        futures = [pool.submit(run_consumer, *args[w]) for w in range(threads)]
+        futures += [procs.submit(run_consumer, *args[w]) for w in range(threads, workers)]
+        counts = [future.result() for future in futures]
+    totals: Counter[str] = Counter()
+    for item in counts:
+        totals.update(item)
+    assert totals["crashes"] > 0 and totals["batches"] > 0, totals
+    assert totals["processed"] <= count, f"more 'processed' results than messages: {totals}"
+
+    entities, dedup = outbox_backend.entities(), outbox_backend.dedup()
+    try:
+        result = sweep(entities, dedup)
+        assert result.ids_left == 0
+        loaded = entities.load_many(sorted(set(owner.values())))
+        applied: Counter[str] = Counter()
+        for entity in loaded.values():
+            assert entity.outbox == {}, f"{entity.id} keeps {sorted(entity.outbox)}"
+            for mid in entity.state.get("applied", []):
+                assert owner[mid] == entity.id
+                applied[mid] += 1
+        assert set(applied) == set(owner), f"{len(set(owner) - set(applied))} messages lost"
+        assert max(applied.values()) == 1, "a message was applied twice"
+        assert dedup.processed_among(list(owner)) == set(owner)
+        sent: dict[str, dict[str, Any]] = {}
+        for out in outs:
+            for line in Path(out).read_text(encoding="utf-8").splitlines():
+                message = json.loads(line)
+                first = sent.setdefault(message["id"], message)
+                assert first == message, f"{message['id']} dispatched with two contents"
+        assert set(sent) == {outgoing_id(mid, 0) for mid in owner}, "an output is missing"
+        for mid, cid in owner.items():
+            history = loaded[cid].state["applied"]
+            body = sent[outgoing_id(mid, 0)]["body"]
+            assert body["applied"] == history[: history.index(mid) + 1], "output from a wrong state"
+    finally:
+        entities.close()
+        dedup.close()
