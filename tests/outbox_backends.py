@@ -24,8 +24,6 @@ from dedupstore.store import DeduplicationStore
 from tests.servers import RedisServer
 
 BACKENDS = ("memory", "sqlite", "postgres", "redis", "dynamodb", "cosmos")
-#: Backends whose every call crosses a slow emulator: the heaviest schedules are reduced.
-EMULATED = frozenset({"dynamodb", "cosmos"})
 
 
 @dataclass
