@@ -192,8 +192,8 @@ class RedisEntityStore(RedisClient, EntityStore):
     )
     _script_source: ClassVar[str] = _SAVE_SCRIPT
     _commands: ClassVar[str] = (
-        "+ping +info +script|load +evalsha +wait +hmget +sscan, and in the script "
-        "+type +hset +sadd +srem"
+        "+ping +info +script|load +evalsha +wait +hmget +sscan +smembers, and in the script "
+        "+type +hmget +hset +sadd +srem +scard"
     )
     _unconfirmed: ClassVar[str] = (
         "the entities are saved on the primary but their durability is unknown (reload "
