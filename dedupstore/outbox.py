@@ -120,7 +120,8 @@ class ProcessResult:
 
 def outgoing_id(message_id: str, position: int) -> str:
     """The id of the ``position``-th outgoing message of ``message_id`` (UUIDv5)."""
-    return str(uuid.uuid5(OUTGOING_NAMESPACE, json.dumps([message_id, position])))
+    # "<position>:<id>" is unambiguous: the position is digits, the first ":" ends it.
+    return str(uuid.uuid5(OUTGOING_NAMESPACE, f"{position}:{message_id}"))
 
 
 def _normalized(value: Any) -> Any:
@@ -128,7 +129,9 @@ def _normalized(value: Any) -> Any:
     try:
         return json.loads(json.dumps(value, allow_nan=False))
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"an outgoing message body must be JSON-compatible: {exc}") from None
+        raise ValueError(
+            f"the new state and every outgoing message body must be JSON-compatible: {exc}"
+        ) from None
 
 
 class OutboxProcessor:
@@ -206,16 +209,19 @@ class OutboxProcessor:
         state, sends = handler(copy.deepcopy(entity.state), message)
         if not isinstance(state, dict):
             raise TypeError(f"a handler must return (dict, sends), got {type(state).__name__}")
+        sends = list(sends)
+        # One JSON round trip for the state and every body: what a reload will show.
+        state, bodies = _normalized([state, [send.body for send in sends]])
         outgoing = [
             OutgoingMessage(
                 id=outgoing_id(message.id, position),
                 destination=str(send.destination),
-                body=_normalized(send.body),
+                body=body,
                 headers={str(k): str(v) for k, v in dict(send.headers).items()},
             )
-            for position, send in enumerate(sends)
+            for position, (send, body) in enumerate(zip(sends, bodies, strict=True))
         ]
-        entity.state = _normalized(state)
+        entity.state = state
         entity.outbox[message.id] = outgoing
         return outgoing
 
