@@ -95,13 +95,23 @@ def test_default_configuration_opens_the_embedded_file(
 
 
 def test_short_lived_threads_leak_no_connections(tmp_path: Path) -> None:
-    """Each thread has its own connection; it closes when the thread is gone."""
+    """Each thread has its own connection; it closes when the thread is gone.
+
+    A few may linger until the interpreter reuses their slots, so the check is that
+    the count does not grow with the number of threads (it grew by 3 descriptors a
+    thread before: file, WAL and shared memory).
+    """
     store = SqliteEntityStore(f"sqlite:///{tmp_path}/x.db")
-    before = len(os.listdir("/proc/self/fd"))
-    for _ in range(1500):
-        thread = threading.Thread(target=store.load, args=("e",))
-        thread.start()
-        thread.join()
-    gc.collect()
-    assert len(os.listdir("/proc/self/fd")) < before + 50, "connections of ended threads leak"
+
+    def churn() -> int:
+        for _ in range(1000):
+            thread = threading.Thread(target=store.load, args=("e",))
+            thread.start()
+            thread.join()
+        gc.collect()
+        return len(os.listdir("/proc/self/fd"))
+
+    first = churn()
+    assert churn() <= first + 10, "connections of ended threads leak"
+    assert churn() <= first + 10, "connections of ended threads leak"
     store.close()
