@@ -83,17 +83,13 @@ def outbox_backend(
         url = f"sqlite:///{tmp_path}/outbox.db"
         backend = OutboxBackend(name, url, url, {"synchronous": "OFF"})
     elif name == "postgres":
-        # synchronous_commit=off (libpq "options"): a commit does not wait for the WAL
-        # flush. These tests check the algorithm, not the disk; it keeps them fast.
         server = request.getfixturevalue("postgres_server")
-        fast = {"options": "-c synchronous_commit=off"}
         backend = OutboxBackend(
             name,
             f"{server.url}?table=ent_{tag}&create=true",
             f"{server.url}?table=dedup_{tag}&create=true",
-            fast,
+            {},
         )
-        cleanup.append(lambda: _drop_postgres(server.url, [f"ent_{tag}", f"dedup_{tag}"]))
     elif name == "redis":
         server = request.getfixturevalue("unsynced_redis_server")
         backend = OutboxBackend(

