@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
-CHECKED := dedupstore backends
+CHECKED := dedupstore backends spark_integration
 
 .PHONY: demo test lint format test-deps bench clean
 
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/dedupstore demo
+	$(PY) -m spark_integration.order_pipeline $(DEMO_ARGS)
 
 test-deps:
 	bash scripts/install-test-deps.sh

@@ -1,0 +1,144 @@
+"""What a Spark task needs to open its own clients: a URL and options, checked on the driver.
+
+Nothing live crosses to the executors. The driver checks each URL and its options
+(scheme known, client library installed, every option valid) without any I/O, and
+ships a :class:`ClientSpec`; each task opens its own client from it and closes it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any, Literal
+from urllib.parse import quote, unquote, urlsplit
+
+import dedupstore
+from dedupstore.entities import EntityStore
+from dedupstore.errors import ConfigurationError
+from dedupstore.outbox import Dispatcher
+from dedupstore.registry import entity_stores, stores
+from dedupstore.store import DeduplicationStore
+from dedupstore.urls import StoreURL
+
+Kind = Literal["entities", "dedup", "dispatcher"]
+
+_WHAT = {"entities": "entity store", "dedup": "deduplication store", "dispatcher": "dispatcher"}
+
+
+@dataclass(frozen=True)
+class ClientSpec:
+    """A client to open in each task: ``kind``, ``url`` (or a callable dispatcher), options."""
+
+    kind: Kind
+    url: str | Callable[..., Any]
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def checked(
+        cls, kind: Kind, url: object, options: Mapping[str, Any] | None = None
+    ) -> ClientSpec:
+        """A spec whose URL and options are valid; ``ConfigurationError`` if not (no I/O).
+
+        A relative ``sqlite:///`` path is made absolute here, on the driver, so tasks
+        whose working directory differs (a cluster's executors) open the same file.
+        ``memory://`` is refused: it lives in one process, and Spark tasks run in
+        separate Python workers.
+        """
+        options = dict(options or {})
+        if kind == "dispatcher" and callable(url) and not isinstance(url, str):
+            if options:
+                raise ConfigurationError("a callable dispatcher takes no options")
+            return cls(kind, url, options)
+        if not isinstance(url, str) or not url:
+            raise ConfigurationError(
+                f"the {_WHAT[kind]} URL must be a non-empty string, got {url!r}"
+            )
+        parsed = StoreURL.parse(url)
+        if parsed.scheme == "memory":
+            raise ConfigurationError(
+                f"{parsed.masked!r}: a memory:// {_WHAT[kind]} lives in one process, and Spark "
+                "tasks run in separate Python workers; use sqlite:/// on one machine or a server"
+            )
+        if parsed.scheme == "sqlite":
+            url = _absolute_sqlite(parsed)
+            parsed = StoreURL.parse(url)
+        if kind == "dispatcher":
+            from dedupstore.registry import dispatchers
+
+            target: Any = dispatchers.resolve(parsed.scheme)
+        else:
+            target = (entity_stores if kind == "entities" else stores).resolve(parsed.scheme)
+        target.declared_options.resolve(target.__name__, parsed, options)
+        return cls(kind, url, options)
+
+    @property
+    def shown(self) -> str:
+        """The URL with secrets masked (or the callable's name)."""
+        if isinstance(self.url, str):
+            return StoreURL.parse(self.url).masked
+        return getattr(self.url, "__qualname__", type(self.url).__name__)
+
+    def open(self) -> Any:
+        """Open the client (in a task)."""
+        if self.kind == "entities":
+            return dedupstore.open_entity_store(str(self.url), **self.options)
+        if self.kind == "dedup":
+            return dedupstore.open_store(str(self.url), **self.options)
+        return dedupstore.open_dispatcher(self.url, **self.options)
+
+
+def _absolute_sqlite(parsed: StoreURL) -> str:
+    path = unquote(parsed.path[1:])
+    if not path or path == ":memory:" or os.path.isabs(path):
+        return parsed.text
+    query = urlsplit(parsed.text).query
+    return f"sqlite:///{quote(os.path.abspath(path))}" + (f"?{query}" if query else "")
+
+
+@dataclass(frozen=True)
+class Opened:
+    """The clients one task opened (``None`` for those it was not given)."""
+
+    entities: EntityStore
+    dedup: DeduplicationStore
+    dispatcher: Dispatcher | None
+
+
+class TaskClients:
+    """The clients of one task, opened at first use (an empty partition opens nothing).
+
+    A context manager: every client opened is closed on the way out.
+    """
+
+    def __init__(
+        self,
+        entities: ClientSpec | None = None,
+        dedup: ClientSpec | None = None,
+        dispatcher: ClientSpec | None = None,
+    ) -> None:
+        self._specs = (entities, dedup, dispatcher)
+        self._stack = ExitStack()
+        self._opened: Opened | None = None
+
+    def get(self) -> Opened:
+        """The opened clients (opens them the first time)."""
+        if self._opened is None:
+            self._opened = Opened(*(self._open(spec) for spec in self._specs))
+        return self._opened
+
+    def _open(self, spec: ClientSpec | None) -> Any:
+        if spec is None:
+            return None
+        client = spec.open()
+        close = getattr(client, "close", None)
+        if close is not None:
+            self._stack.callback(close)
+        return client
+
+    def __enter__(self) -> TaskClients:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()

@@ -1,0 +1,427 @@
+"""The main job: an order pipeline on Spark, fed at least once, proven exactly once.
+
+Run it with ``make demo``, ``python -m spark_integration.order_pipeline`` or
+``spark-submit spark_integration/order_pipeline.py``. Steps:
+
+1. generate an order workload delivered at least once (duplicates, reordering);
+2. :func:`~spark_integration.process_messages` with a dispatcher that fails some
+   dispatches on their first attempt, crashes some batches after dispatching and
+   before the clean-up, and kills one Python worker outright (Spark retries it);
+3. :func:`~spark_integration.sweep_outboxes`;
+4. replay the whole input once more;
+5. check the invariants from the stores and the outgoing queue against a model
+   computed from the input alone; print the report; exit 1 if any fails.
+
+By default everything is embedded SQLite under ``.dedupstore/orders-demo/``; flags
+pick other URLs. Every run uses fresh ids, so runs never see each other's data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import uuid
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import dedupstore
+from dedupstore.entities import OutgoingMessage
+from spark_integration.orders import expected_outgoing, handle_order, make_workload
+from spark_integration.pipeline import process_messages, sweep_outboxes
+from spark_integration.session import local_session
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from pyspark.sql import DataFrame, SparkSession
+
+__all__ = ["FlakyDispatcher", "Report", "main", "run"]
+
+INPUT_SCHEMA = "id string, order_id string, seq int, type string, sku string, qty int"
+DEFAULT_DIR = ".dedupstore/orders-demo"
+
+
+class InjectedFailure(RuntimeError):
+    """A failure the demo injects on purpose."""
+
+
+@dataclass(frozen=True)
+class FlakyDispatcher:
+    """Dispatches through ``url``, failing on purpose on the first attempt of some batches.
+
+    Per batch (keyed by its first message id): with probability ``fail`` the
+    dispatch fails before sending; with ``crash`` it sends and then fails (a crash
+    after dispatch, before the clean-up). With ``kill_marker``, the first batch
+    that would crash instead ends its Python worker with ``os._exit`` once per run
+    (the marker file records it). Picklable; opens its dispatcher in the task.
+    """
+
+    url: str
+    fail: float = 0.05
+    crash: float = 0.05
+    kill_marker: str | None = None
+    seed: int = 0
+
+    def __call__(self, messages: list[OutgoingMessage]) -> None:
+        """Dispatch ``messages``, or fail as decided for their batch."""
+        key = messages[0].id if messages else ""
+        roll = (zlib.crc32(f"{self.seed}:{key}".encode()) % 10_000) / 10_000
+        first = key not in _attempted
+        _attempted.add(key)
+        if first and roll < self.fail:
+            raise InjectedFailure("injected: the broker refused the dispatch")
+        _dispatcher(self.url).dispatch(messages)
+        if first and roll < self.fail + self.crash:
+            if self.kill_marker and _claim(self.kill_marker):
+                os._exit(3)  # a real crash: Spark sees the worker die and retries the task
+            raise InjectedFailure("injected: crash after dispatch, before the clean-up")
+
+
+_attempted: set[str] = set()
+_dispatchers: dict[str, Any] = {}
+
+
+def _dispatcher(url: str) -> Any:
+    if url not in _dispatchers:
+        _dispatchers[url] = dedupstore.open_dispatcher(url)
+    return _dispatchers[url]
+
+
+def _claim(path: str) -> bool:
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------- checks
+
+
+@dataclass
+class Check:
+    """One line of the report: what was measured and whether it holds."""
+
+    name: str
+    value: Any
+    expected: Any = None
+    ok: bool = True
+
+
+@dataclass
+class Report:
+    """What the job measured; :attr:`ok` when every invariant holds."""
+
+    checks: list[Check] = field(default_factory=list)
+    info: list[tuple[str, Any]] = field(default_factory=list)
+
+    def check(self, name: str, value: Any, expected: Any) -> None:
+        """Record an invariant ``value == expected``."""
+        self.checks.append(Check(name, value, expected, value == expected))
+
+    def note(self, name: str, value: Any) -> None:
+        """Record a figure that is not an invariant."""
+        self.info.append((name, value))
+
+    @property
+    def ok(self) -> bool:
+        """Whether every invariant held."""
+        return all(c.ok for c in self.checks)
+
+    def render(self) -> str:
+        """The report as text."""
+        lines = ["", "Exactly-once report", "==================="]
+        width = max(len(c.name) for c in self.checks) + 2
+        for c in self.checks:
+            mark = "ok  " if c.ok else "FAIL"
+            want = "" if c.ok else f"   (expected {_fmt(c.expected)})"
+            lines.append(f"  [{mark}] {c.name:<{width}} {_fmt(c.value)}{want}")
+        lines.append("")
+        for name, value in self.info:
+            lines.append(f"         {name:<{width}} {_fmt(value)}")
+        lines.append("")
+        lines.append("all invariants hold" if self.ok else "INVARIANTS FAILED")
+        return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:,.1f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+# ---------------------------------------------------------------------- inspection
+
+
+ENTITY_SCHEMA = "order_id string, applied array<string>, outbox_entries int"
+
+
+def inspect_entities(
+    order_ids: DataFrame, entities_url: str, column: str = "order_id"
+) -> DataFrame:
+    """One row per entity: the message ids its state applied and its outbox size.
+
+    Runs in the tasks with ``load_many`` per Arrow batch; the demo's handler keeps
+    the applied ids in ``state["applied"]``.
+    """
+    from spark_integration._clients import ClientSpec, TaskClients
+
+    spec = ClientSpec.checked("entities", entities_url)
+
+    def load(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        import pyarrow as pa
+
+        with TaskClients(entities=spec) as task:
+            for batch in batches:
+                ids = batch.column(column).to_pylist()
+                if not ids:
+                    continue
+                found = task.get().entities.load_many(ids)
+                rows = [
+                    {
+                        "order_id": eid,
+                        "applied": list(found[eid].state.get("applied", [])),
+                        "outbox_entries": len(found[eid].outbox),
+                    }
+                    for eid in ids
+                ]
+                yield pa.RecordBatch.from_pylist(
+                    rows,
+                    schema=pa.schema(
+                        [
+                            ("order_id", pa.string()),
+                            ("applied", pa.list_(pa.string())),
+                            ("outbox_entries", pa.int32()),
+                        ]
+                    ),
+                )
+
+    return order_ids.select(column).distinct().mapInArrow(load, ENTITY_SCHEMA)
+
+
+def read_outgoing(dispatcher_url: str) -> list[tuple[str, str, str, int, int]]:
+    """``(id, destination, source message id, deliveries, mismatches)`` per outgoing message.
+
+    Reads a ``sqlite:///`` table queue (the receiver's side of the demo).
+    """
+    queue: Any = dedupstore.open_dispatcher(dispatcher_url)
+    with queue:
+        if not hasattr(queue, "messages"):
+            raise SystemExit(f"the report reads a sqlite:/// table queue, not {queue!r}")
+        return [
+            (
+                m.message.id,
+                m.message.destination,
+                m.message.headers.get("source", ""),
+                m.deliveries,
+                m.mismatches,
+            )
+            for m in queue.messages()
+        ]
+
+
+# ---------------------------------------------------------------------- the job
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The job's inputs (see ``--help``)."""
+
+    orders: int = 5000
+    entities_url: str = f"sqlite:///{DEFAULT_DIR}/entities.db"
+    dedup_url: str = f"sqlite:///{DEFAULT_DIR}/dedup.db"
+    dispatcher_url: str = f"sqlite:///{DEFAULT_DIR}/outgoing.db"
+    cleanup: str = "deferred"
+    segments: int = 4
+    batch_size: int = 250
+    duplicates: float = 0.2
+    fail: float = 0.1
+    crash: float = 0.1
+    kill: bool = True
+    seed: int = 7
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def run(spark: SparkSession, settings: Settings, workdir: str) -> Report:
+    """Run the pipeline and check it; the returned report says whether it held."""
+    from pyspark.sql import functions as F
+
+    run_id = uuid.uuid4().hex[:8]
+    report = Report()
+    _say(f"[1/5] generating {settings.orders:,} orders (run {run_id})")
+    workload = make_workload(settings.orders, duplicates=settings.duplicates, seed=settings.seed)
+    rows = [
+        {**row, "id": f"{run_id}/{row['id']}", "order_id": f"{run_id}/{row['order_id']}"}
+        for row in workload.delivered
+    ]
+    commands = [
+        {**row, "id": f"{run_id}/{row['id']}", "order_id": f"{run_id}/{row['order_id']}"}
+        for row in workload.commands
+    ]
+    messages = spark.createDataFrame(rows, INPUT_SCHEMA).cache()
+    messages.count()
+    os.makedirs(workdir, exist_ok=True)
+    flaky = FlakyDispatcher(
+        settings.dispatcher_url,
+        settings.fail,
+        settings.crash,
+        os.path.abspath(os.path.join(workdir, f"killed-{run_id}")) if settings.kill else None,
+        settings.seed,
+    )
+    common: dict[str, Any] = {
+        "entities_url": settings.entities_url,
+        "dedup_url": settings.dedup_url,
+        "cleanup": settings.cleanup,
+        "correlation_col": "order_id",
+        "order_col": "seq",
+        "batch_size": settings.batch_size,
+    }
+
+    _say(f"[2/5] process_messages: {len(rows):,} deliveries of {len(commands):,} messages")
+    started = time.perf_counter()
+    first = _outcomes(process_messages(messages, handle_order, dispatcher_url=flaky, **common))
+    seconds = time.perf_counter() - started
+
+    _say(f"[3/5] sweep_outboxes: {settings.segments} segments")
+    swept = (
+        sweep_outboxes(spark, settings.entities_url, settings.dedup_url, segments=settings.segments)
+        .agg(
+            F.sum("entities_scanned").alias("scanned"),
+            F.sum("ids_moved").alias("moved"),
+            F.sum("ids_left").alias("left"),
+        )
+        .first()
+    )
+
+    _say("[4/5] replaying the whole input")
+    second = _outcomes(
+        process_messages(messages, handle_order, dispatcher_url=settings.dispatcher_url, **common)
+    )
+
+    _say("[5/5] checking the stores and the outgoing queue against the input")
+    expected = expected_outgoing(commands)
+    entities = inspect_entities(messages, settings.entities_url).cache()
+    applied = entities.select(F.explode("applied").alias("id"))
+    distinct_ids = messages.select("id").distinct()
+    totals = entities.agg(
+        F.sum(F.size("applied")).alias("applied"), F.sum("outbox_entries").alias("outbox")
+    ).first()
+    applied_total = int(totals["applied"] or 0)  # type: ignore[index]
+    applied_distinct = applied.distinct().count()
+    lost = distinct_ids.join(applied, "id", "left_anti").count()
+    outgoing = read_outgoing(settings.dispatcher_url)
+    ours = [o for o in outgoing if o[2].startswith(f"{run_id}/")]
+    sources = spark.createDataFrame([(o[2],) for o in ours] or [("",)], "id string")
+    ghosts = sources.join(applied, "id", "left_anti").count() if ours else 0
+    from spark_integration.pipeline import drop_processed
+
+    unrecorded = drop_processed(distinct_ids, settings.dedup_url).count()
+
+    report.check("messages in (deliveries)", len(rows), len(rows))
+    report.check("distinct messages", distinct_ids.count(), len(commands))
+    report.check("state changes applied", applied_total, len(commands))
+    report.check("state changes applied twice", applied_total - applied_distinct, 0)
+    report.check("lost messages", lost, 0)
+    report.check("distinct outgoing ids", len({o[0] for o in ours}), len(expected))
+    report.check("outgoing ids = expected set", {o[0] for o in ours} == set(expected), True)
+    report.check("re-dispatches that differed", sum(o[4] for o in ours), 0)
+    report.check("ghost messages", ghosts, 0)
+    report.check("outbox entries left after the sweep", int(totals["outbox"] or 0), 0)  # type: ignore[index]
+    report.check("ids in the dedup store", len(commands) - unrecorded, len(commands))
+    report.check("processed on replay", second.get("processed", 0), 0)
+    report.note("first run outcomes", _shown(first))
+    report.note("replay outcomes", _shown(second))
+    report.note("batches re-run after a failure", first.get("batch_retries", 0))
+    report.note("outgoing deliveries (re-dispatches)", sum(o[3] for o in ours))
+    if flaky.kill_marker:
+        killed = os.path.exists(flaky.kill_marker)
+        report.note("Python worker killed, task retried", killed)
+    report.note("sweep: entities / ids moved", f"{swept['scanned']:,} / {swept['moved']:,}")  # type: ignore[index]
+    report.note("messages/s (first run)", len(rows) / seconds)
+    return report
+
+
+def _outcomes(results: DataFrame) -> dict[str, int]:
+    from pyspark.sql import functions as F
+
+    counts: dict[str, int] = {}
+    for row in (
+        results.groupBy("outcome")
+        .agg(F.count("*").alias("n"), F.sum((F.col("batch_attempts") > 1).cast("int")).alias("r"))
+        .collect()
+    ):
+        counts[row["outcome"]] = row["n"]
+        counts["batch_retries"] = counts.get("batch_retries", 0) + int(row["r"] or 0)
+    return counts
+
+
+def _shown(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items()) if k != "batch_retries")
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[Settings, str, str]:
+    """Settings, the Spark master and the working directory from the command line."""
+    d = Settings()
+    p = argparse.ArgumentParser(
+        prog="order_pipeline", description="The order pipeline on Spark, proven exactly once."
+    )
+    p.add_argument("--orders", type=int, default=d.orders, help="size: number of orders")
+    p.add_argument("--entities", default=d.entities_url, help="entity store URL")
+    p.add_argument("--store", default=d.dedup_url, help="deduplication store URL")
+    p.add_argument("--dispatcher", default=d.dispatcher_url, help="dispatcher URL (sqlite, redis)")
+    p.add_argument("--cleanup", choices=("deferred", "inline"), default=d.cleanup)
+    p.add_argument("--segments", type=int, default=d.segments, help="sweep segments")
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--duplicates", type=float, default=d.duplicates)
+    p.add_argument("--fail", type=float, default=d.fail, help="first-attempt dispatch failures")
+    p.add_argument("--crash", type=float, default=d.crash, help="crashes after dispatch")
+    p.add_argument("--no-kill", action="store_true", help="do not kill a Python worker")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--master", default="local[2,4]", help="Spark master (local: 4 task attempts)")
+    p.add_argument("--workdir", default=DEFAULT_DIR)
+    a = p.parse_args(argv)
+    if a.orders < 1:
+        p.error("--orders must be >= 1")
+    settings = Settings(
+        a.orders,
+        a.entities,
+        a.store,
+        a.dispatcher,
+        a.cleanup,
+        a.segments,
+        a.batch_size,
+        a.duplicates,
+        a.fail,
+        a.crash,
+        not a.no_kill,
+        a.seed,
+    )
+    return settings, a.master, a.workdir
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the job; 0 if every invariant held, 1 if not."""
+    settings, master, workdir = parse_args(argv)
+    started = time.perf_counter()
+    spark = local_session(master, "dedupstore-order-pipeline")
+    try:
+        report = run(spark, settings, workdir)
+    finally:
+        spark.stop()
+    _say(report.render())
+    _say(f"finished in {time.perf_counter() - started:,.0f} s")
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

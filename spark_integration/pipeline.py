@@ -1,0 +1,398 @@
+"""The improving outbox as Spark jobs: sweep, process, stream, drop processed.
+
+Built on DataFrame APIs only (``mapInArrow``, ``repartition``, ``foreachBatch``), so
+every function runs unchanged on a classic session and on a Spark Connect session.
+Each task opens its own clients from URLs (checked on the driver first, without
+I/O) and closes them; nothing live is pickled and nothing is kept on the driver.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
+
+from dedupstore.errors import (
+    ConfigurationError,
+    EntityTooLarge,
+    InvalidMessageId,
+)
+from dedupstore.outbox import Handler, Message, OutboxProcessor, ProcessResult, sweep
+from spark_integration._clients import ClientSpec, TaskClients
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql.streaming.query import StreamingQuery
+
+__all__ = [
+    "PROCESS_SCHEMA",
+    "SWEEP_SCHEMA",
+    "drop_processed",
+    "process_messages",
+    "process_stream",
+    "sweep_outboxes",
+]
+
+#: One row per segment of :func:`sweep_outboxes`.
+SWEEP_SCHEMA = (
+    "segment int, segments int, entities_scanned long, ids_moved long, "
+    "conflicts_retried long, redispatched long, ids_left long, seconds double"
+)
+
+#: One row per message of :func:`process_messages`.
+PROCESS_SCHEMA = (
+    "message_id string, correlation_id string, outcome string, "
+    "outgoing_ids array<string>, attempts int, batch_attempts int"
+)
+
+_ID, _CID, _SEQ = "__dedupstore_id", "__dedupstore_cid", "__dedupstore_seq"
+_INTERNAL = frozenset({_ID, _CID, _SEQ})
+
+Cleanup = Literal["inline", "deferred"]
+
+
+def _positive_int(name: str, value: object, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigurationError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+# ---------------------------------------------------------------------- the sweep
+
+
+def sweep_outboxes(
+    spark: SparkSession,
+    entities_url: str,
+    dedup_url: str,
+    *,
+    segments: int,
+    redispatch_url: str | Callable[..., Any] | None = None,
+    entities_options: Mapping[str, Any] | None = None,
+    dedup_options: Mapping[str, Any] | None = None,
+    redispatch_options: Mapping[str, Any] | None = None,
+    batch_ids: int = 1000,
+    max_attempts: int = 10,
+) -> DataFrame:
+    """Move dispatched outbox ids into the deduplication store, one Spark task per segment.
+
+    Each task opens its own clients from the URLs and runs
+    :func:`dedupstore.outbox.sweep` on its segment: memory per task is bounded by
+    ``batch_ids``, not by the segment. With ``redispatch_url``, entries still
+    pending dispatch are dispatched first (outbox relay). Runs now (an action) and
+    returns a small DataFrame, one row per segment (:data:`SWEEP_SCHEMA`), sorted
+    by segment. Safe to re-run, to run twice at once and beside live consumers.
+
+    Raises ``ConfigurationError`` (bad URL, option or argument; before any I/O)
+    and, through Spark, whatever a task raised after its retries.
+    """
+    segments = _positive_int("segments", segments)
+    batch_ids = _positive_int("batch_ids", batch_ids)
+    max_attempts = _positive_int("max_attempts", max_attempts)
+    ents = ClientSpec.checked("entities", entities_url, entities_options)
+    dedup = ClientSpec.checked("dedup", dedup_url, dedup_options)
+    relay = (
+        ClientSpec.checked("dispatcher", redispatch_url, redispatch_options)
+        if redispatch_url is not None
+        else None
+    )
+
+    def sweep_segments(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        import pyarrow as pa
+
+        for batch in batches:
+            for segment in batch.column(0).to_pylist():
+                with TaskClients(ents, dedup, relay) as task:
+                    clients = task.get()
+                    done = sweep(
+                        clients.entities,
+                        clients.dedup,
+                        segment,
+                        segments,
+                        clients.dispatcher,
+                        batch_ids=batch_ids,
+                        max_attempts=max_attempts,
+                    )
+                yield pa.RecordBatch.from_pylist([vars(done)], schema=_arrow(SWEEP_SCHEMA))
+
+    plan = spark.range(0, segments, 1, segments).mapInArrow(sweep_segments, SWEEP_SCHEMA)
+    rows = plan.collect()
+    return spark.createDataFrame(rows, SWEEP_SCHEMA).orderBy("segment")
+
+
+def _arrow(ddl: str) -> pa.Schema:
+    import pyarrow as pa
+
+    types = {
+        "int": pa.int32(),
+        "long": pa.int64(),
+        "double": pa.float64(),
+        "string": pa.string(),
+        "array<string>": pa.list_(pa.string()),
+    }
+    fields = []
+    for column in ddl.split(","):
+        name, kind = column.split()
+        fields.append(pa.field(name, types[kind]))
+    return pa.schema(fields)
+
+
+# ---------------------------------------------------------------------- processing
+
+
+def _transient(exc: BaseException) -> bool:
+    """A batch that raised this may succeed when re-run (handler bugs never do)."""
+    return isinstance(exc, Exception) and not isinstance(
+        exc,
+        ConfigurationError | InvalidMessageId | EntityTooLarge | TypeError | ValueError | KeyError,
+    )
+
+
+def process_messages(
+    df: DataFrame,
+    handler: Handler,
+    *,
+    entities_url: str,
+    dedup_url: str,
+    dispatcher_url: str | Callable[..., Any],
+    cleanup: Cleanup = "deferred",
+    id_col: str = "id",
+    correlation_col: str = "correlation_id",
+    order_col: str | None = None,
+    headers_col: str | None = None,
+    batch_size: int = 1000,
+    partitions: int | None = None,
+    retries: int = 3,
+    max_attempts: int = 10,
+    entities_options: Mapping[str, Any] | None = None,
+    dedup_options: Mapping[str, Any] | None = None,
+    dispatcher_options: Mapping[str, Any] | None = None,
+) -> DataFrame:
+    """Process a DataFrame of messages exactly once; one result row per input row.
+
+    Rows are repartitioned by ``correlation_col`` so one entity's messages are
+    handled by one task, in ``order_col`` order when given, else in input order,
+    over ``partitions`` tasks (default ``spark.sql.shuffle.partitions``).
+    Each task opens its own clients and runs
+    :meth:`~dedupstore.outbox.OutboxProcessor.process_batch` over ``batch_size``
+    messages at a time. A message's body is a dict of its row's other columns
+    (``headers_col``, a ``map<string,string>``, becomes its headers). A batch that
+    raises is re-run up to ``retries`` times (every step is restartable), then the
+    task fails and Spark retries it; a killed task or a full re-run of the same
+    input changes nothing further (their messages come out ``duplicate`` or
+    ``redispatched``).
+
+    Lazy, like any transformation: every action on the result runs the processing
+    again (harmlessly); write or cache it once. Result columns: :data:`PROCESS_SCHEMA`.
+
+    Raises ``ConfigurationError`` before any I/O for a bad URL, option, column or
+    argument; tasks raise ``InvalidMessageId`` for a bad id.
+    """
+    if not callable(handler):
+        raise ConfigurationError(f"handler must be callable, got {handler!r}")
+    if cleanup not in ("inline", "deferred"):
+        raise ConfigurationError(f"cleanup must be 'inline' or 'deferred', got {cleanup!r}")
+    batch_size = _positive_int("batch_size", batch_size)
+    retries = _positive_int("retries", retries, 0)
+    max_attempts = _positive_int("max_attempts", max_attempts)
+    if partitions is not None:
+        partitions = _positive_int("partitions", partitions)
+    columns = list(df.columns)
+    for name, value in (
+        ("id_col", id_col),
+        ("correlation_col", correlation_col),
+        ("order_col", order_col),
+        ("headers_col", headers_col),
+    ):
+        if value is not None and value not in columns:
+            raise ConfigurationError(f"{name}={value!r} is not a column of {columns}")
+    ents = ClientSpec.checked("entities", entities_url, entities_options)
+    dedup = ClientSpec.checked("dedup", dedup_url, dedup_options)
+    out = ClientSpec.checked("dispatcher", dispatcher_url, dispatcher_options)
+    body_cols = [c for c in columns if c not in (id_col, correlation_col, headers_col)]
+
+    from pyspark.sql import functions as F
+
+    ordered = df.withColumns(
+        {
+            _ID: F.col(id_col).cast("string"),
+            _CID: F.col(correlation_col).cast("string"),
+            _SEQ: F.col(order_col) if order_col else F.monotonically_increasing_id(),
+        }
+    )
+    if partitions is None:  # an explicit count: adaptive execution must not merge the tasks
+        partitions = int(df.sparkSession.conf.get("spark.sql.shuffle.partitions") or 200)
+    shuffled = ordered.repartition(partitions, _CID).sortWithinPartitions(_CID, _SEQ)
+
+    def process_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        with TaskClients(ents, dedup, out) as task:
+            step = _BatchRunner(task, handler, cleanup, max_attempts, retries)
+            pending: list[Message] = []
+            for batch in batches:
+                for row in batch.to_pylist():
+                    pending.append(_message(row, body_cols, headers_col))
+                    if len(pending) >= batch_size:
+                        yield step.run(pending)
+                        pending = []
+            if pending:
+                yield step.run(pending)
+
+    return shuffled.mapInArrow(process_partition, PROCESS_SCHEMA)
+
+
+def _message(row: dict[str, Any], body_cols: Sequence[str], headers_col: str | None) -> Message:
+    headers: Any = row.get(headers_col) if headers_col else None
+    if isinstance(headers, list):  # an Arrow map arrives as a list of (key, value) pairs
+        headers = dict(headers)
+    return Message(
+        id=row[_ID],
+        correlation_id=row[_CID],
+        body={c: row[c] for c in body_cols if c not in _INTERNAL},
+        headers={str(k): str(v) for k, v in (headers or {}).items()},
+    )
+
+
+class _BatchRunner:
+    """Runs batches of one task through its processor, re-running a batch on a transient error."""
+
+    def __init__(
+        self, task: TaskClients, handler: Handler, cleanup: Cleanup, max_attempts: int, retries: int
+    ) -> None:
+        self._task = task
+        self._handler = handler
+        self._cleanup = cleanup
+        self._max_attempts = max_attempts
+        self._retries = retries
+        self._processor: OutboxProcessor | None = None
+        self._schema = _arrow(PROCESS_SCHEMA)
+
+    def _process(self, messages: list[Message]) -> list[ProcessResult]:
+        if self._processor is None:
+            clients = self._task.get()
+            assert clients.dispatcher is not None
+            self._processor = OutboxProcessor(
+                clients.entities,
+                clients.dedup,
+                clients.dispatcher,
+                cleanup=self._cleanup,
+                max_attempts=self._max_attempts,
+            )
+        return self._processor.process_batch(messages, self._handler)
+
+    def run(self, messages: list[Message]) -> pa.RecordBatch:
+        """The batch's result rows."""
+        import pyarrow as pa
+
+        results: list[ProcessResult] = []
+        attempts = 0
+        for attempt in Retrying(
+            stop=stop_after_attempt(self._retries + 1),
+            wait=wait_exponential(multiplier=0.05, max=2.0),
+            retry=retry_if_exception(_transient),
+            reraise=True,
+        ):
+            with attempt:
+                attempts += 1
+                results = self._process(messages)
+        rows = [
+            {
+                "message_id": r.message_id,
+                "correlation_id": m.correlation_id,
+                "outcome": r.outcome,
+                "outgoing_ids": [o.id for o in r.outgoing],
+                "attempts": r.attempts,
+                "batch_attempts": attempts,
+            }
+            for m, r in zip(messages, results, strict=True)
+        ]
+        return pa.RecordBatch.from_pylist(rows, schema=self._schema)
+
+
+# ---------------------------------------------------------------------- streaming
+
+
+def process_stream(
+    stream_df: DataFrame,
+    handler: Handler,
+    *,
+    checkpoint: str,
+    results_path: str | None = None,
+    trigger: Mapping[str, Any] | None = None,
+    query_name: str | None = None,
+    **options: Any,
+) -> StreamingQuery:
+    """Start a streaming query that runs :func:`process_messages` on every micro-batch.
+
+    ``checkpoint`` is the query's checkpoint location: after a stop or a crash the
+    query restarts from it, and the micro-batch that was in flight is replayed,
+    which is harmless (its messages come out ``duplicate`` or ``redispatched``).
+    With ``results_path`` each micro-batch appends its result rows there as
+    Parquet (with a ``batch_id`` column); without it they are only counted.
+    ``trigger`` is passed to ``DataStreamWriter.trigger`` (e.g.
+    ``{"availableNow": True}``); ``options`` are those of :func:`process_messages`,
+    checked now, before the query starts. Returns the started query.
+    """
+    if not isinstance(checkpoint, str) or not checkpoint:
+        raise ConfigurationError(f"checkpoint must be a non-empty path, got {checkpoint!r}")
+    if not stream_df.isStreaming:
+        raise ConfigurationError("process_stream needs a streaming DataFrame (spark.readStream)")
+    process_messages(stream_df, handler, **options)  # checks every argument, no I/O
+
+    def each_batch(batch_df: DataFrame, batch_id: int) -> None:
+        from pyspark.sql import functions as F
+
+        results = process_messages(batch_df, handler, **options)
+        if results_path is None:
+            results.groupBy("outcome").count().collect()
+        else:
+            results.withColumn("batch_id", F.lit(batch_id)).write.mode("append").parquet(
+                results_path
+            )
+
+    writer = stream_df.writeStream.foreachBatch(each_batch).option("checkpointLocation", checkpoint)
+    if trigger:
+        writer = writer.trigger(**trigger)
+    if query_name:
+        writer = writer.queryName(query_name)
+    return writer.start()
+
+
+# ---------------------------------------------------------------------- drop processed
+
+
+def drop_processed(
+    df: DataFrame,
+    dedup_url: str,
+    id_col: str = "id",
+    *,
+    dedup_options: Mapping[str, Any] | None = None,
+) -> DataFrame:
+    """``df`` without the rows whose id is recorded in the deduplication store.
+
+    One ``processed_among`` per Arrow batch of a partition (the store splits it
+    into its own chunks). Lazy; same schema as ``df``. A store that cannot answer
+    fails the task: a row is never kept or dropped on a guess. Raises
+    ``ConfigurationError`` before any I/O; tasks raise ``InvalidMessageId``.
+    """
+    if id_col not in df.columns:
+        raise ConfigurationError(f"id_col={id_col!r} is not a column of {list(df.columns)}")
+    dedup = ClientSpec.checked("dedup", dedup_url, dedup_options)
+
+    def keep_new(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        import pyarrow as pa
+
+        with TaskClients(dedup=dedup) as task:
+            for batch in batches:
+                if batch.num_rows == 0:
+                    continue
+                raw = batch.column(id_col).to_pylist()
+                if any(v is None for v in raw):
+                    raise InvalidMessageId(f"column {id_col!r} holds a null id")
+                ids = [str(v) for v in raw]
+                done = task.get().dedup.processed_among(ids)
+                if done:
+                    batch = batch.filter(pa.array([v not in done for v in ids]))
+                yield batch
+
+    return df.mapInArrow(keep_new, df.schema)
