@@ -3,6 +3,10 @@
 One store per name per process, shared by every object opened with that URL, so
 two objects behave like two clients of one server. Thread-safe. Nothing survives
 the process. Expiry is judged by the ``clock`` option (``time.time`` by default).
+
+:class:`MemoryDispatcher` is a queue per name, shared the same way: per process
+only, so useless across Spark executors or any other worker processes (each has
+its own, empty queue); use ``sqlite://`` or ``redis://`` there.
 """
 
 from __future__ import annotations
@@ -11,13 +15,14 @@ import threading
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
-from dedupstore.entities import EntityRecord, EntityStore
+from dedupstore.dispatch import EncodedMessage, URLDispatcher
+from dedupstore.entities import EntityRecord, EntityStore, OutgoingMessage
 from dedupstore.errors import ConfigurationError
 from dedupstore.options import OptionSet
 from dedupstore.store import CLOCK, DeduplicationStore, WriteRequest
 from dedupstore.urls import StoreURL
 
-__all__ = ["MemoryDeduplicationStore", "MemoryEntityStore", "namespace_name"]
+__all__ = ["MemoryDeduplicationStore", "MemoryDispatcher", "MemoryEntityStore", "namespace_name"]
 
 
 class _Namespace:
@@ -157,3 +162,68 @@ class MemoryEntityStore(EntityStore):
 
     def _close(self) -> None:
         """Nothing to release."""
+
+
+class _Queue:
+    """The messages dispatched to one ``memory://<name>``, in dispatch order."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sent: list[OutgoingMessage] = []
+
+
+_queues: dict[str, _Queue] = {}
+
+
+def _queue(name: str) -> _Queue:
+    with _namespaces_lock:
+        return _queues.setdefault(name, _Queue())
+
+
+class MemoryDispatcher(URLDispatcher):
+    """A process-wide named queue: every dispatcher opened with ``memory://<name>`` shares it.
+
+    :attr:`sent` holds every delivery in dispatch order (a re-dispatch appears
+    again); :meth:`distinct` the first delivery of each id. The messages are copies
+    as a receiver would decode them (JSON round trip), so later changes to the
+    caller's objects do not show. Per process only: not for Spark executors.
+    Thread-safe; no I/O, so it never raises ``StoreUnavailable``.
+    """
+
+    schemes: ClassVar[tuple[str, ...]] = ("memory",)
+    receiver_dedup: ClassVar[str] = (
+        "by the message id: sent holds every delivery, distinct() the first of each id"
+    )
+
+    def __init__(self, url: str | StoreURL = "memory://", /, **options: Any) -> None:
+        """Open the queue of ``memory://<name>``; ``ConfigurationError`` for another URL."""
+        super().__init__(url, **options)
+        self._queue = _queue(namespace_name(self._url))
+
+    @property
+    def sent(self) -> list[OutgoingMessage]:
+        """Every delivery so far, in dispatch order (a snapshot). Raises ``StoreClosed``."""
+        self._check_open()
+        with self._queue.lock:
+            return list(self._queue.sent)
+
+    def distinct(self) -> list[OutgoingMessage]:
+        """The first delivery of each id, in dispatch order: what a deduplicating receiver keeps."""
+        first: dict[str, OutgoingMessage] = {}
+        for message in self.sent:
+            first.setdefault(message.id, message)
+        return list(first.values())
+
+    def clear(self) -> None:
+        """Empty the queue (for every dispatcher of this name). Raises ``StoreClosed``."""
+        self._check_open()
+        with self._queue.lock:
+            self._queue.sent.clear()
+
+    def _dispatch(self, batch: list[EncodedMessage]) -> None:
+        copies = [encoded.decoded() for encoded in batch]
+        with self._queue.lock:
+            self._queue.sent.extend(copies)
+
+    def _close(self) -> None:
+        """Nothing to release: the queue outlives its dispatcher objects."""

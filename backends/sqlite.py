@@ -17,8 +17,13 @@ canonical JSON), ``version`` (an integer, the concurrency token: a save is
 (``pending AND bucket % segments = segment``, paged by id). A save of many
 entities is one transaction; an entity is at most 4 MiB of JSON.
 
+The dispatcher (:class:`SqliteDispatcher`) is a table queue in its own table
+(``dedup_outgoing``), one row per outgoing message id (the primary key): a
+re-dispatch does not add a row, it counts ``deliveries`` and, when the content
+differs from the stored one, ``mismatches``. One transaction per ``dispatch``.
+
 Options: ``endpoint``, ``retention``, ``clock``; ``table`` (``dedup_records``;
-``dedup_entities`` for the entity store);
+``dedup_entities`` for the entity store, ``dedup_outgoing`` for the dispatcher);
 ``timeout`` (10 s: how long a call waits for another writer's lock before
 ``StoreUnavailable``); ``synchronous`` (``FULL``; ``NORMAL``/``OFF`` can lose
 acknowledged records on power loss and get a health warning); ``create`` (true:
@@ -40,7 +45,8 @@ from urllib.parse import quote, unquote, urlsplit
 import filelock
 
 from dedupstore.client import ErrorKind, ProcessLocal
-from dedupstore.entities import EntityRecord, EntityStore
+from dedupstore.dispatch import DispatchStats, EncodedMessage, StoredMessage, URLDispatcher
+from dedupstore.entities import EntityRecord, EntityStore, OutgoingMessage
 from dedupstore.errors import ConfigurationError, StoreUnavailable
 from dedupstore.options import Option, OptionSet, choice, create_option, text, timeout_option
 from dedupstore.store import CLOCK, DeduplicationStore, WriteRequest
@@ -49,6 +55,7 @@ from dedupstore.urls import StoreURL
 __all__ = [
     "SQLITE_OPTIONS",
     "SqliteDeduplicationStore",
+    "SqliteDispatcher",
     "SqliteEntityStore",
     "absolute_sqlite_url",
     "sqlite_path",
@@ -180,6 +187,21 @@ class SqliteFile:
                 raise StoreUnavailable(f"{self._path}: cannot switch to WAL (got {mode!r})")
             conn.execute(create_sql)
             return conn
+
+    def _require_columns(
+        self, conn: sqlite3.Connection, table: str, wanted: set[str], what: str
+    ) -> None:
+        """Raise ``ConfigurationError`` unless ``table`` exists with at least ``wanted``."""
+        columns = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        if not columns:
+            raise ConfigurationError(
+                f"table {table} does not exist in {self._path} (open with create=true)"
+            )
+        if not wanted <= columns:
+            raise ConfigurationError(
+                f"table {table} in {self._path} has columns {sorted(columns)}, not "
+                f"{sorted(wanted)}: it is not {what}"
+            )
 
     def _sqlite_health_warnings(self) -> list[str]:
         level = self._opts["synchronous"]
@@ -380,17 +402,8 @@ class SqliteEntityStore(SqliteFile, EntityStore):
                 )
             else:
                 conn = self._connection()
-            columns = {row[1] for row in conn.execute(f"PRAGMA table_info({t})")}
             wanted = {"id", "body", "version", "bucket", "pending"}
-            if not columns:
-                raise ConfigurationError(
-                    f"table {t} does not exist in {self._path} (open with create=true)"
-                )
-            if not wanted <= columns:
-                raise ConfigurationError(
-                    f"table {t} in {self._path} has columns {sorted(columns)}, not "
-                    f"{sorted(wanted)}: it is not an entity table"
-                )
+            self._require_columns(conn, t, wanted, "an entity table")
             if self._opts["create"]:
                 index = f'"{self._opts["table"]}_pending"'
                 conn.execute(
@@ -427,6 +440,148 @@ class SqliteEntityStore(SqliteFile, EntityStore):
             if len(page) < self.page_size:
                 return
             after = page[-1][0]
+
+    def _health_warnings(self) -> list[str]:
+        return self._sqlite_health_warnings()
+
+    def _classify_error(self, exc: BaseException) -> ErrorKind:
+        return self._classify_sqlite_error(exc) or super()._classify_error(exc)
+
+    def _close(self) -> None:
+        self._connections.close()
+
+
+_OUTGOING_COLUMNS = (
+    "id",
+    "destination",
+    "body",
+    "headers",
+    "deliveries",
+    "mismatches",
+    "first_at",
+)
+#: Epoch seconds in SQL (``unixepoch('subsec')`` needs SQLite 3.42).
+_SQL_NOW = "((julianday('now') - 2440587.5) * 86400.0)"
+
+
+class SqliteDispatcher(SqliteFile, URLDispatcher):
+    """A table queue in a SQLite file: one row per message id; safe across processes.
+
+    Table (``table``, default ``dedup_outgoing``): ``id`` (PRIMARY KEY), ``destination``,
+    ``body`` (canonical JSON), ``headers`` (JSON), ``deliveries``, ``mismatches``,
+    ``first_at`` (epoch seconds). A dispatch is one write transaction (all messages
+    or none): ``INSERT ... ON CONFLICT(id) DO UPDATE`` adds 1 to ``deliveries`` and,
+    when destination, body or headers differ from the stored ones, to ``mismatches``
+    (the stored content is kept: the first delivery wins). Writers from many threads
+    and processes take SQLite's write lock in turn (waiting up to ``timeout``, then
+    ``StoreUnavailable``). Rows keep their insertion order (SQLite's rowid, assigned
+    under the write lock: a reader paging by ``seq`` never misses a later commit as
+    long as nobody deletes the newest row).
+    """
+
+    schemes: ClassVar[tuple[str, ...]] = ("sqlite",)
+    receiver_dedup: ClassVar[str] = (
+        "by the table: one row per message id (PRIMARY KEY); re-dispatches only count "
+        "deliveries, so a receiver reading rows sees each id once"
+    )
+    #: Rows per page of :meth:`messages`.
+    page_size: ClassVar[int] = 500
+    declared_options: ClassVar[OptionSet] = URLDispatcher.declared_options.extend(
+        Option("table", text(_IDENTIFIER, "a plain SQL identifier"), "dedup_outgoing", "the table"),
+        *SQLITE_OPTIONS,
+    )
+
+    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
+        """Open (and by default create) the queue table in the file named by ``url``.
+
+        Raises ``ConfigurationError`` for a bad URL or option (before any I/O), a
+        missing table (with ``create=false``) or one of another shape,
+        ``StoreUnavailable`` when the file cannot be opened or stays locked.
+        """
+        super().__init__(absolute_sqlite_url(url), **options)
+        self._open_file()
+        t = self._table = f'"{self._opts["table"]}"'
+        self._sql_upsert = (
+            f"INSERT INTO {t} (id, destination, body, headers, deliveries, mismatches, first_at) "
+            f"VALUES (?, ?, ?, ?, 1, 0, {_SQL_NOW}) ON CONFLICT (id) DO UPDATE SET "
+            "deliveries = deliveries + 1, mismatches = mismatches + (destination IS NOT "
+            "excluded.destination OR body IS NOT excluded.body OR headers IS NOT excluded.headers)"
+        )
+        self._sql_receive = (
+            "SELECT rowid, id, destination, body, headers, deliveries, mismatches, first_at "
+            f"FROM {t} WHERE rowid > ? ORDER BY rowid LIMIT ?"
+        )
+        self._sql_stats = (
+            f"SELECT count(*), coalesce(sum(deliveries), 0), coalesce(sum(mismatches), 0) FROM {t}"
+        )
+        with self._translating_errors("open the database"):
+            if self._opts["create"]:
+                conn = self._bootstrap(
+                    f"CREATE TABLE IF NOT EXISTS {t} (id TEXT PRIMARY KEY NOT NULL, "
+                    "destination TEXT NOT NULL, body TEXT NOT NULL, headers TEXT NOT NULL, "
+                    "deliveries INTEGER NOT NULL, mismatches INTEGER NOT NULL, "
+                    "first_at REAL NOT NULL)"
+                )
+            else:
+                conn = self._connection()
+            self._require_columns(conn, t, set(_OUTGOING_COLUMNS), "a dispatcher table")
+
+    def _dispatch(self, batch: list[EncodedMessage]) -> None:
+        rows = [(m.id, m.destination, m.body, m.headers) for m in batch]
+        with self._write_transaction() as conn:
+            conn.executemany(self._sql_upsert, rows)
+
+    # ------------------------------------------------------------------ reading
+
+    def count(self) -> int:
+        """How many distinct message ids the table holds. Raises ``StoreUnavailable``."""
+        return self.stats().rows
+
+    def stats(self) -> DispatchStats:
+        """``(rows, deliveries, mismatches)`` over the table, read in one statement.
+
+        ``deliveries - rows`` is how many re-dispatches the receivers were spared;
+        ``mismatches > 0`` means an id was dispatched with different contents (a
+        handler that is not deterministic). Raises ``StoreUnavailable``.
+        """
+        self._check_open()
+        with self._translating_errors("read"):
+            rows, deliveries, mismatches = self._connection().execute(self._sql_stats).fetchone()
+        return DispatchStats(int(rows), int(deliveries), int(mismatches))
+
+    def receive(self, limit: int = 500, after: int | None = None) -> list[StoredMessage]:
+        """Up to ``limit`` rows after row ``after`` (a ``seq``; ``None``: from the start).
+
+        In insertion order; rows are not removed (a receiver keeps its last ``seq``).
+        Raises ``ValueError`` for a bad ``limit``/``after``, ``StoreUnavailable``.
+        """
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"limit must be an int >= 1, got {limit!r}")
+        start = 0 if after is None else after
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"after must be a seq (an int >= 0) or None, got {after!r}")
+        self._check_open()
+        with self._translating_errors("read"):
+            rows = self._connection().execute(self._sql_receive, (start, limit)).fetchall()
+        return [
+            StoredMessage(
+                seq=row[0],
+                message=OutgoingMessage(row[1], row[2], json.loads(row[3]), json.loads(row[4])),
+                deliveries=row[5],
+                mismatches=row[6],
+                first_at=row[7],
+            )
+            for row in rows
+        ]
+
+    def messages(self, after: int | None = None) -> Iterator[StoredMessage]:
+        """Every row after ``after`` in insertion order, :attr:`page_size` rows per read."""
+        while True:
+            page = self.receive(self.page_size, after)
+            yield from page
+            if len(page) < self.page_size:
+                return
+            after = page[-1].seq
 
     def _health_warnings(self) -> list[str]:
         return self._sqlite_health_warnings()

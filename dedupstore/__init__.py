@@ -19,7 +19,7 @@ Importing this package imports no backend and no database client library.
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from dedupstore.errors import (
     ConcurrencyConflict,
@@ -32,14 +32,25 @@ from dedupstore.errors import (
     StoreUnavailable,
     format_error,
 )
-from dedupstore.registry import known_backends, register_backend, register_entity_backend
+from dedupstore.registry import (
+    known_backends,
+    register_backend,
+    register_dispatcher,
+    register_entity_backend,
+)
 from dedupstore.store import DeduplicationStore
 
 if TYPE_CHECKING:
-    from dedupstore.entities import EntityStore
+    from collections.abc import Callable
+
+    from dedupstore.dispatch import CallableDispatcher, URLDispatcher
+    from dedupstore.entities import EntityStore, OutgoingMessage
+    from dedupstore.outbox import Dispatcher
     from dedupstore.registry import Registry
+    from dedupstore.urls import StoreURL
 
 T = TypeVar("T")
+D = TypeVar("D", bound="Dispatcher")
 
 __all__ = [
     "ConcurrencyConflict",
@@ -54,9 +65,11 @@ __all__ = [
     "__version__",
     "format_error",
     "known_backends",
+    "open_dispatcher",
     "open_entity_store",
     "open_store",
     "register_backend",
+    "register_dispatcher",
     "register_entity_backend",
 ]
 
@@ -99,6 +112,53 @@ def open_entity_store(url: str | None = None, **options: Any) -> EntityStore:
     from dedupstore.registry import entity_stores
 
     return _open(entity_stores, url, options, entities=True)
+
+
+@overload
+def open_dispatcher(url_or_callable: str | StoreURL, /, **options: Any) -> URLDispatcher: ...
+@overload
+def open_dispatcher(url_or_callable: D, /) -> D: ...
+@overload
+def open_dispatcher(
+    url_or_callable: Callable[[list[OutgoingMessage]], object], /
+) -> CallableDispatcher: ...
+def open_dispatcher(
+    url_or_callable: str | StoreURL | Dispatcher | Callable[[list[OutgoingMessage]], object],
+    /,
+    **options: Any,
+) -> Dispatcher:
+    """A dispatcher for the outbox: from a URL, a callable or a ready dispatcher.
+
+    A URL (``memory://<name>``, ``sqlite:///file.db``, ``redis://host:6379/0``, or a
+    registered scheme) opens a :class:`~dedupstore.dispatch.URLDispatcher` with the
+    declared ``options``; an object with a ``dispatch`` method is returned as is; any
+    other callable ``fn(messages)`` is wrapped in a
+    :class:`~dedupstore.dispatch.CallableDispatcher` (picklable if ``fn`` is).
+    Delivery is at least once: receivers deduplicate by message id.
+
+    Raises ``ConfigurationError`` before any I/O for anything else, for options
+    given with a callable or dispatcher, and for a bad URL, unknown scheme or bad
+    option; ``StoreUnavailable`` when the backend cannot be reached.
+    """
+    from dedupstore.dispatch import CallableDispatcher, Dispatcher
+    from dedupstore.registry import dispatchers
+    from dedupstore.urls import StoreURL
+
+    if isinstance(url_or_callable, str | StoreURL):
+        return dispatchers.open(url_or_callable, **options)
+    kind = type(url_or_callable).__name__
+    if options:
+        raise ConfigurationError(
+            f"options ({', '.join(sorted(options))}) apply to a dispatcher URL, not to a {kind}"
+        )
+    if isinstance(url_or_callable, Dispatcher) and callable(url_or_callable.dispatch):
+        return url_or_callable
+    if callable(url_or_callable):
+        return CallableDispatcher(url_or_callable)
+    raise ConfigurationError(
+        f"open_dispatcher takes a URL, a callable fn(messages) or an object with a dispatch "
+        f"method, got {kind}"
+    )
 
 
 def _open(registry: Registry[T], url: str | None, options: dict[str, Any], *, entities: bool) -> T:

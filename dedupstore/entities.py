@@ -33,6 +33,7 @@ __all__ = [
     "EntityStore",
     "OutgoingMessage",
     "bucket_of",
+    "canonical_json",
     "decode_entity",
     "encode_entity",
 ]
@@ -112,6 +113,17 @@ class Entity:
         return Entity(self.id, copy.deepcopy(self.state), dict(self.outbox), self.version)
 
 
+def canonical_json(value: Any) -> str:
+    """``value`` as canonical JSON: sorted keys, no spaces, UTF-8 text, no NaN.
+
+    Equal values give equal text (what the stores and dispatchers compare). Raises
+    ``TypeError``/``ValueError`` when ``value`` is not JSON-compatible.
+    """
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    )
+
+
 def encode_entity(entity: Entity) -> str:
     """Canonical JSON of the entity's state and outbox (sorted keys, no NaN).
 
@@ -123,13 +135,7 @@ def encode_entity(entity: Entity) -> str:
         for mid, entry in entity.outbox.items()
     }
     try:
-        return json.dumps(
-            {"state": entity.state, "outbox": outbox},
-            sort_keys=True,
-            separators=(",", ":"),
-            ensure_ascii=False,
-            allow_nan=False,
-        )
+        return canonical_json({"state": entity.state, "outbox": outbox})
     except (TypeError, ValueError) as exc:
         raise ValueError(
             f"entity {entity.id!r:.80} is not JSON-compatible (state and message bodies must "

@@ -3,9 +3,9 @@
 Importing :mod:`dedupstore` imports no backend and no client library: a backend
 module is imported the first time an object with its scheme is opened. Third-party
 backends register with :func:`register_backend` (entity stores:
-:func:`register_entity_backend`) or through the entry-point group
-``dedupstore.backends`` (``dedupstore.entity_stores``), name: the scheme, value:
-``"package.module:Class"``.
+:func:`register_entity_backend`, dispatchers: :func:`register_dispatcher`) or
+through the entry-point group ``dedupstore.backends`` (``dedupstore.entity_stores``,
+``dedupstore.dispatchers``), name: the scheme, value: ``"package.module:Class"``.
 """
 
 from __future__ import annotations
@@ -23,25 +23,30 @@ from dedupstore.urls import StoreURL
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
+    from dedupstore.dispatch import URLDispatcher
     from dedupstore.entities import EntityStore
     from dedupstore.store import DeduplicationStore
 
 __all__ = [
+    "DISPATCHER_ENTRY_POINT_GROUP",
     "ENTITY_ENTRY_POINT_GROUP",
     "ENTRY_POINT_GROUP",
     "BackendSpec",
     "Registry",
     "backend_class",
+    "dispatchers",
     "entity_stores",
     "known_backends",
     "open_url",
     "register_backend",
+    "register_dispatcher",
     "register_entity_backend",
     "stores",
 ]
 
 ENTRY_POINT_GROUP = "dedupstore.backends"
 ENTITY_ENTRY_POINT_GROUP = "dedupstore.entity_stores"
+DISPATCHER_ENTRY_POINT_GROUP = "dedupstore.dispatchers"
 
 T = TypeVar("T")
 
@@ -189,6 +194,19 @@ entity_stores: Registry[EntityStore] = Registry(
     _builtin("EntityStore"),
 )
 
+#: Dispatchers: their own table (not every store backend has one).
+dispatchers: Registry[URLDispatcher] = Registry(
+    "dispatcher",
+    DISPATCHER_ENTRY_POINT_GROUP,
+    "dedupstore.dispatch:URLDispatcher",
+    {
+        "memory": BackendSpec("backends.memory:MemoryDispatcher"),
+        "sqlite": BackendSpec("backends.sqlite:SqliteDispatcher"),
+        "redis": BackendSpec("backends.redis:RedisDispatcher", ("redis",), "redis"),
+        "rediss": BackendSpec("backends.redis:RedisDispatcher", ("redis",), "redis"),
+    },
+)
+
 #: Read-only view of the registered store schemes.
 known_backends: Mapping[str, BackendSpec] = stores.view
 
@@ -225,3 +243,18 @@ def register_entity_backend(
 ) -> None:
     """Register an entity store class for ``scheme``; see :meth:`Registry.register`."""
     entity_stores.register(scheme, target, clobber=clobber, requires=requires, extra=extra)
+
+
+def register_dispatcher(
+    scheme: str,
+    target: str,
+    *,
+    clobber: bool = False,
+    requires: tuple[str, ...] = (),
+    extra: str | None = None,
+) -> None:
+    """Register a :class:`~dedupstore.dispatch.URLDispatcher` class for ``scheme``.
+
+    See :meth:`Registry.register` (``ValueError`` for a taken scheme or a bad target).
+    """
+    dispatchers.register(scheme, target, clobber=clobber, requires=requires, extra=extra)

@@ -1,7 +1,7 @@
-"""The connection layer both Redis stores share: :class:`RedisClient`.
+"""The connection layer the Redis stores and dispatcher share: :class:`RedisClient`.
 
-Options (URL query or keywords), the same on both stores apart from the default
-``key_prefix``: ``key_prefix`` (``''`` or ending with ``:``), ``timeout`` (5 s per
+Options (URL query or keywords), the same on every Redis object apart from the
+default ``key_prefix``: ``key_prefix`` (``''`` or ending with ``:``), ``timeout`` (5 s per
 command; was ``socket_timeout``), ``connect_timeout`` (5 s; was
 ``socket_connect_timeout``), ``retries`` (3: a command is retried after a connection
 error or timeout, with jittered exponential backoff), ``max_connections`` (pool size,
@@ -358,7 +358,8 @@ class RedisClient(Client):
             return ConfigurationError(
                 f"{name} cannot log in to {self.url} (wrong or missing username/password): {detail}"
             )
-        if isinstance(exc, NoPermissionError):
+        # inside a script an ACL refusal is a plain error reply, not NOPERM
+        if isinstance(exc, NoPermissionError) or "user executing the script can't run" in str(exc):
             return ConfigurationError(
                 f"{name} at {self.url}: the Redis user may not run a command the store needs "
                 f"(grant {self._commands}): {detail}"

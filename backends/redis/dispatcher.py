@@ -1,0 +1,190 @@
+"""The Redis Streams dispatcher: :class:`RedisDispatcher`.
+
+Layout (``key_prefix`` ``dedupout:`` by default, same rules as the stores'; keep
+the prefixes of the stores and the dispatcher apart):
+
+* one stream per destination, ``<key_prefix><destination>`` (the destination
+  escaped like the store keys: ``%`` ``:`` ``{`` ``}`` become ``%25`` ``%3A`` ``%7B``
+  ``%7D``, so no stream key can be a marker key), one entry per message with the
+  fields ``id``, ``body`` (canonical JSON) and ``headers`` (JSON);
+* with ``dedupe_window``: one marker per message id, ``<key_prefix>sent:<id>`` (the
+  id escaped), a string that expires after the window.
+
+A dispatch is ONE ``EVALSHA`` (Redis runs a script atomically). The script checks
+every key's type before writing any (a key of another type fails the call with
+``ConfigurationError``, nothing written), then for each message whose marker is
+absent ``XADD`` and ``SET <marker> 1 NX PX <window>`` (atomically the same as "SET NX,
+and XADD only if it succeeded", but should Redis refuse a write half-way, say an ACL
+without ``SET``, a message ends up appended without its marker, a later duplicate,
+rather than marked and never appended): within the window a re-dispatch of an id
+appends nothing. ``maxlen`` trims each stream approximately (``XADD ... MAXLEN ~ n``).
+
+Lost answers: the script is retried by :class:`~backends.redis._client.RedisClient`
+(``retries``, backoff). With the window a retry is harmless: an attempt that ran
+left its markers, so the retry appends nothing twice. Without it
+(``dedupe_window=0``) a retry of an attempt that may have run is refused by the
+script itself and the call raises ``StoreUnavailable`` (the messages may or may
+not be in their streams: dispatch again, receivers deduplicate).
+
+Receivers still deduplicate by the ``id`` field: the window is finite, ``maxlen``
+trimming and consumer-group redelivery are independent of it, and delivery is at
+least once (``XREADGROUP`` + ``XACK`` redelivers after a receiver crash).
+
+Options: ``key_prefix``, ``dedupe_window`` (7 days; ``0``/``none``: off), ``maxlen``
+(none) and the connection options of :mod:`backends.redis._client` (timeouts,
+retries, pool, ``wait_replicas``, credentials, TLS, ``client``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, ClassVar
+
+from backends.redis._client import (
+    CONNECTION_OPTIONS,
+    RedisClient,
+    escape,
+    key_prefix_option,
+)
+from dedupstore.dispatch import EncodedMessage, URLDispatcher
+from dedupstore.errors import StoreUnavailable
+from dedupstore.options import Option, OptionSet, integer, optional, seconds
+from dedupstore.urls import StoreURL
+
+__all__ = ["RedisDispatcher", "sent_key", "stream_key"]
+
+# KEYS[1..n]: the stream of each message; KEYS[n+1..2n]: its marker key.
+# ARGV[1]: the window in ms ('' = off); ARGV[2]: MAXLEN ('' = none); ARGV[3]: '1' when
+# an earlier attempt of this call may have run; then 3 per message: id, body, headers.
+# Checks every key before writing any. Returns the (1-based) indexes of the messages
+# appended, or {-1} having written nothing (re-sent without a window: may duplicate).
+# No keys: a permission probe.
+_DISPATCH_SCRIPT = """
+if #KEYS == 0 then return {} end
+local window, maxlen = ARGV[1], ARGV[2]
+if ARGV[3] == '1' and window == '' then return {-1} end
+local n = #KEYS / 2
+for i = 1, 2 * n do
+  local kind = redis.call('TYPE', KEYS[i])['ok']
+  local wanted = 'stream'
+  if i > n then wanted = 'string' end
+  if kind ~= 'none' and kind ~= wanted then
+    return redis.error_reply('WRONGTYPE key ' .. string.sub(KEYS[i], 1, 200) .. ' holds a '
+      .. kind .. ', not a dedupstore ' .. wanted)
+  end
+end
+local appended = {}
+for i = 1, n do
+  local at = 4 + (i - 1) * 3
+  -- XADD before SET: should a write be refused half-way (an ACL), a message is
+  -- appended without its marker (a duplicate later), never marked but not appended.
+  if window == '' or redis.call('EXISTS', KEYS[n + i]) == 0 then
+    if maxlen == '' then
+      redis.call('XADD', KEYS[i], '*', 'id', ARGV[at], 'body', ARGV[at + 1],
+        'headers', ARGV[at + 2])
+    else
+      redis.call('XADD', KEYS[i], 'MAXLEN', '~', maxlen, '*', 'id', ARGV[at],
+        'body', ARGV[at + 1], 'headers', ARGV[at + 2])
+    end
+    if window ~= '' then
+      redis.call('SET', KEYS[n + i], '1', 'NX', 'PX', window)
+    end
+    appended[#appended + 1] = i
+  end
+end
+return appended
+"""
+
+_OFF = re.compile(r"\s*(0+(\.0*)?\s*(ms|s|m|h|d|w)?|off|false|no)\s*", re.IGNORECASE)
+
+
+def _window(value: object) -> float | None:
+    """``dedupe_window``: a duration in seconds, or ``0``/``None``/``'off'`` for none."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and value == 0:
+        return None
+    if isinstance(value, str) and _OFF.fullmatch(value):
+        return None
+    converted: float | None = optional(seconds())(value)
+    return converted
+
+
+def stream_key(key_prefix: str, destination: str) -> str:
+    """The stream of ``destination``: ``<key_prefix><escaped destination>``."""
+    return f"{key_prefix}{escape(destination)}"
+
+
+def sent_key(key_prefix: str, message_id: str) -> str:
+    """The dedupe-window marker of a message id: ``<key_prefix>sent:<escaped id>``."""
+    return f"{key_prefix}sent:{escape(message_id)}"
+
+
+class RedisDispatcher(RedisClient, URLDispatcher):
+    """Outgoing messages as Redis Streams entries, one stream per destination.
+
+    One script call per dispatch; a re-dispatch within ``dedupe_window`` appends
+    nothing (so the client's own retries after a lost answer are harmless). Needs a
+    standalone Redis primary (not Cluster, not a replica); durable only with
+    ``appendonly yes`` + ``appendfsync always``. Raises ``StoreUnavailable`` (the
+    redis-py error chained) when Redis cannot answer or whether the messages were
+    appended is unknown, ``ConfigurationError`` for credentials, permissions and
+    keys of another type under the prefix.
+    """
+
+    receiver_dedup: ClassVar[str] = (
+        "by the entry's id field: dedupe_window drops re-dispatches for a while, but "
+        "delivery is at least once (window, trimming, consumer-group redelivery)"
+    )
+    declared_options: ClassVar[OptionSet] = URLDispatcher.declared_options.extend(
+        key_prefix_option("dedupout:"),
+        Option(
+            "dedupe_window",
+            _window,
+            7 * 86400.0,
+            "seconds during which a re-dispatched id is not appended again; 0: off",
+        ),
+        Option("maxlen", optional(integer(1)), None, "trim each stream to about this length"),
+        *CONNECTION_OPTIONS,
+    )
+    _script_source: ClassVar[str] = _DISPATCH_SCRIPT
+    _commands: ClassVar[str] = (
+        "+ping +info +script|load +evalsha +wait, and in the script +type +exists +xadd +set"
+    )
+    _unconfirmed: ClassVar[str] = (
+        "the messages are on the primary but their durability is unknown (dispatch "
+        "them again: receivers deduplicate by id)"
+    )
+
+    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
+        """Connect to the Redis primary named by ``url`` and check it.
+
+        ``url`` is ``redis[s]://[[user]:password@]host[:port][/db]``; its query holds
+        the options (see the module). Raises ``ConfigurationError`` for bad options
+        (before any I/O), a wrong password or missing permissions, or a Redis
+        Cluster; ``ConsistencyError`` when the server is a replica;
+        ``StoreUnavailable`` when it cannot be reached.
+        """
+        super().__init__(url, **options)
+        window: float | None = self._opts["dedupe_window"]
+        self._window_ms = "" if window is None else str(max(1, round(window * 1000)))
+        maxlen: int | None = self._opts["maxlen"]
+        self._maxlen = "" if maxlen is None else str(maxlen)
+
+    def stream_key(self, destination: str) -> str:
+        """The Redis key of ``destination``'s stream (what receivers ``XREADGROUP``)."""
+        return stream_key(self._key_prefix, destination)
+
+    def _dispatch(self, batch: list[EncodedMessage]) -> None:
+        keys = [stream_key(self._key_prefix, m.destination) for m in batch]
+        keys += [sent_key(self._key_prefix, m.id) for m in batch]
+        entries: list[str] = []
+        for m in batch:
+            entries += [m.id, m.body, m.headers]
+        head = [self._window_ms, self._maxlen]
+        reply = self._run_script(keys, [*head, "0", *entries], [*head, "1", *entries])
+        if reply and int(reply[0]) == -1:
+            raise StoreUnavailable(
+                f"{type(self).__name__} at {self.url}: dispatch failed: the answer to an "
+                "earlier attempt was lost and dedupe_window is off, so the messages may or "
+                "may not have been appended (not re-sent, to avoid duplicates); dispatch "
+                "them again (receivers deduplicate by id)"
+            )

@@ -1,0 +1,206 @@
+"""Dispatchers opened by URL: :class:`URLDispatcher`, and :class:`CallableDispatcher`.
+
+A dispatcher sends an entity's outgoing messages (:class:`~dedupstore.outbox.Dispatcher`,
+re-exported here). Delivery is at least once: the outbox re-dispatches after a crash,
+so every receiver deduplicates by message ``id`` (each class's :attr:`receiver_dedup`
+says how). :class:`URLDispatcher` is a :class:`~dedupstore.client.Client`: opened from
+a URL plus declared options (``dedupstore.open_dispatcher``), errors classified into
+``StoreUnavailable``/``ConfigurationError``, secrets masked, pickled by configuration
+(an unpickled copy, in a Spark task say, reopens its URL), ``StoreClosed`` after
+:meth:`~dedupstore.client.Client.close`. Its :meth:`~URLDispatcher.dispatch` validates
+and encodes the whole batch before any I/O; a backend implements ``_dispatch``.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, ClassVar, NamedTuple, Self
+
+from dedupstore.client import Client
+from dedupstore.entities import OutgoingMessage, canonical_json
+from dedupstore.errors import ConfigurationError, StoreClosed
+from dedupstore.ids import validate_message_id
+from dedupstore.options import OptionSet
+from dedupstore.outbox import Dispatcher
+from dedupstore.urls import StoreURL
+
+__all__ = [
+    "CallableDispatcher",
+    "DispatchStats",
+    "Dispatcher",
+    "EncodedMessage",
+    "StoredMessage",
+    "URLDispatcher",
+    "encode_messages",
+]
+
+
+@dataclass(frozen=True)
+class EncodedMessage:
+    """A validated outgoing message with its canonical JSON ``body`` and ``headers`` text."""
+
+    message: OutgoingMessage
+    body: str
+    headers: str
+
+    @property
+    def id(self) -> str:
+        """The message id."""
+        return self.message.id
+
+    @property
+    def destination(self) -> str:
+        """The message destination."""
+        return self.message.destination
+
+    def decoded(self) -> OutgoingMessage:
+        """A copy as a receiver sees it after the JSON round trip (tuples become lists)."""
+        return OutgoingMessage(
+            self.id, self.destination, json.loads(self.body), json.loads(self.headers)
+        )
+
+
+def encode_messages(messages: Sequence[OutgoingMessage]) -> list[EncodedMessage]:
+    """Validate and encode a batch (no I/O).
+
+    Raises ``TypeError`` when ``messages`` is not a sequence (a list or tuple) of
+    :class:`~dedupstore.entities.OutgoingMessage`; ``InvalidMessageId`` (a
+    ``ValueError``) when an id or destination breaks the id rules; ``ValueError``
+    when a body is not JSON-compatible or a header is not ``str`` -> ``str``.
+    """
+    if not isinstance(messages, Sequence) or isinstance(messages, str | bytes | bytearray):
+        raise TypeError(f"dispatch takes a list of OutgoingMessage, got {type(messages).__name__}")
+    batch: list[EncodedMessage] = []
+    for position, message in enumerate(messages):
+        if not isinstance(message, OutgoingMessage):
+            raise TypeError(
+                f"dispatch takes OutgoingMessage items, got {type(message).__name__} "
+                f"at position {position}"
+            )
+        validate_message_id(message.id, "outgoing message id")
+        validate_message_id(message.destination, "destination")
+        headers = message.headers
+        if not isinstance(headers, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in headers.items()
+        ):
+            raise ValueError(
+                f"the headers of outgoing message {message.id!r:.80} must map str to str"
+            )
+        try:
+            body = canonical_json(message.body)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"the body of outgoing message {message.id!r:.80} is not JSON-compatible: {exc}"
+            ) from None
+        batch.append(EncodedMessage(message, body, canonical_json(dict(headers))))
+    return batch
+
+
+class DispatchStats(NamedTuple):
+    """Totals of a table queue: distinct messages, deliveries, content mismatches."""
+
+    rows: int
+    deliveries: int
+    mismatches: int
+
+
+@dataclass(frozen=True)
+class StoredMessage:
+    """One row of a table queue.
+
+    ``seq`` orders rows by first insertion (page with ``after=seq``); ``deliveries``
+    counts the dispatches of the id; ``mismatches`` those whose content differed from
+    the stored one (a handler that is not deterministic); ``first_at`` is epoch seconds.
+    """
+
+    seq: int
+    message: OutgoingMessage
+    deliveries: int
+    mismatches: int
+    first_at: float
+
+
+class URLDispatcher(Client):
+    """Base of the dispatchers opened by URL: validation, errors, pickling, closing.
+
+    Guarantees (every backend): :meth:`dispatch` validates the whole batch before
+    any I/O; an empty batch does no I/O; when it returns, every message is durably
+    handed over (as durable as the backend is); when it raises ``StoreUnavailable``
+    some, all or none may have been sent, and dispatching the batch again is
+    correct. Delivery is at least once: receivers deduplicate by id.
+    """
+
+    #: How a receiver of this dispatcher deduplicates (shown by tools, documented per backend).
+    receiver_dedup: ClassVar[str] = "by the message id: delivery is at least once"
+    declared_options: ClassVar[OptionSet] = OptionSet()
+
+    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
+        """Resolve the options; backends then connect. Raises ``ConfigurationError``."""
+        super().__init__(url, **options)
+
+    def dispatch(self, messages: Sequence[OutgoingMessage]) -> None:
+        """Send ``messages`` at least once; return when every one is handed over.
+
+        Raises ``TypeError``/``ValueError``/``InvalidMessageId`` (bad batch) before any
+        I/O, ``StoreClosed`` after :meth:`close`, ``StoreUnavailable`` when the backend
+        cannot answer (some may have been sent: dispatch again), ``ConfigurationError``
+        for permissions or a resource of another shape.
+        """
+        batch = encode_messages(messages)
+        self._check_open()
+        if not batch:
+            return
+        with self._translating_errors("dispatch"):
+            self._dispatch(batch)
+
+    @abc.abstractmethod
+    def _dispatch(self, batch: list[EncodedMessage]) -> None:
+        """Hand over every message of ``batch`` (not empty, validated, encoded) or raise."""
+
+
+class CallableDispatcher:
+    """Wraps ``fn(messages)`` as a dispatcher; picklable when ``fn`` is.
+
+    :meth:`dispatch` validates the batch like :class:`URLDispatcher` and calls ``fn``
+    with a list of the messages (not for an empty batch). Whatever ``fn`` raises
+    passes through unchanged; ``fn`` must raise if any message may not have been sent.
+    """
+
+    receiver_dedup: ClassVar[str] = "up to the callable's receivers: by the message id"
+
+    def __init__(self, fn: Callable[[list[OutgoingMessage]], object]) -> None:
+        """Raises ``ConfigurationError`` when ``fn`` is not callable."""
+        if not callable(fn):
+            raise ConfigurationError(f"a dispatcher callable is needed, got {type(fn).__name__}")
+        self.fn = fn
+        self._closed = False
+
+    def dispatch(self, messages: Sequence[OutgoingMessage]) -> None:
+        """Validate ``messages`` (no call if invalid or empty), then call ``fn`` with them."""
+        batch = encode_messages(messages)
+        if self._closed:
+            raise StoreClosed(f"{self!r} is closed; open a new one")
+        if batch:
+            self.fn([encoded.message for encoded in batch])
+
+    def close(self) -> None:
+        """Refuse further dispatches (``fn`` itself is not closed)."""
+        self._closed = True
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"CallableDispatcher({self.fn!r})"
