@@ -40,8 +40,6 @@ CHECK_ENDPOINT = "__dedupstore_check__"
 EXIT_CONFIGURATION = 2
 #: Exit code: the store could not answer; retry later.
 EXIT_RETRY = 3
-_MAX_THREADS = 64
-_MAX_MESSAGES = 1_000_000
 
 T = TypeVar("T")
 
@@ -131,17 +129,26 @@ def _parser() -> argparse.ArgumentParser:
     for sub in (pending, sweep):
         sub.add_argument("--segment", type=_bounded(0, 999_999), default=0)
         sub.add_argument("--segments", type=_bounded(1, 1_000_000), default=1)
+    spark_sweep = commands.add_parser(
+        "sweep",
+        help="the Spark sweep: one task per segment moves dispatched ids into the store",
+    )
+    spark_sweep.add_argument("--entities", required=True, metavar="URL", help="entity store URL")
+    spark_sweep.add_argument("--store", required=True, metavar="URL", help="dedup store URL")
+    spark_sweep.add_argument("--segments", type=_bounded(1, 100_000), default=8)
+    spark_sweep.add_argument(
+        "--redispatch", metavar="URL", help="dispatch entries still pending first (outbox relay)"
+    )
+    spark_sweep.add_argument("--batch-ids", type=_bounded(1, 1_000_000), default=1000)
+    spark_sweep.add_argument(
+        "--master", default="local[*]", help="Spark master (ignored under spark-submit)"
+    )
     demo = commands.add_parser(
-        "demo", help="run the main job: an at-least-once stream processed exactly once"
+        "demo",
+        help="run the main job: the order pipeline on Spark (options: dedupstore demo --help)",
+        add_help=False,
     )
-    demo.add_argument("--url", help="store URL (default: the configured or embedded store)")
-    demo.add_argument(
-        "--messages", type=_bounded(1, _MAX_MESSAGES), default=2000, help="distinct messages"
-    )
-    demo.add_argument(
-        "--threads", type=_bounded(1, _MAX_THREADS), default=4, help="concurrent consumers"
-    )
-    demo.add_argument("--seed", type=int, default=None, help="random seed")
+    demo.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -301,15 +308,44 @@ def _plain(value: object) -> object:
     return str(value) if isinstance(value, timedelta) else value
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from dedupstore.demo import run_demo
+def _spark(module: str) -> Any:
+    """Import a ``spark_integration`` module (by name: dedupstore does not depend on it)."""
+    import importlib
 
-    endpoint = f"demo-{uuid.uuid4().hex[:12]}"
-    with _open(args.url, endpoint) as store:
-        report = run_demo(
-            store, messages=args.messages, threads=args.threads, seed=args.seed, out=sys.stdout
+    try:
+        return importlib.import_module(f"spark_integration.{module}")
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"this command runs on Spark: pip install 'dedupstore[spark]' ({exc})"
+        ) from exc
+
+
+def _spark_sweep(args: argparse.Namespace) -> int:
+    spark_integration = _spark("pipeline")
+    spark = _spark("session").local_session(args.master, "dedupstore-sweep")
+    try:
+        result = spark_integration.sweep_outboxes(
+            spark,
+            args.entities,
+            args.store,
+            segments=args.segments,
+            redispatch_url=args.redispatch,
+            batch_ids=args.batch_ids,
         )
-    return 0 if report.exactly_once else 1
+        rows = [row.asDict() for row in result.collect()]
+    finally:
+        spark.stop()
+    columns = ["segment", "entities_scanned", "ids_moved", "conflicts_retried", "ids_left"]
+    print("  ".join(f"{c:>17}" for c in [*columns, "seconds"]))
+    for row in rows:
+        print("  ".join(f"{row[c]:>17}" for c in columns) + f"  {row['seconds']:>17.2f}")
+    totals = {c: sum(row[c] for row in rows) for c in columns[1:]}
+    print("total: " + ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in totals.items()))
+    return 0 if totals["ids_left"] == 0 else EXIT_RETRY
+
+
+def _demo(args: argparse.Namespace) -> int:
+    return int(_spark("order_pipeline").main(args.args))
 
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
@@ -319,6 +355,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "purge": _purge,
     "config": _config,
     "entities": _entities,
+    "sweep": _spark_sweep,
     "demo": _demo,
 }
 

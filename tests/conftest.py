@@ -6,7 +6,12 @@ import os
 
 import pytest
 
-pytest_plugins = ["pytester", "tests.server_fixtures", "tests.outbox_backends"]
+pytest_plugins = [
+    "pytester",
+    "tests.server_fixtures",
+    "tests.outbox_backends",
+    "tests.spark_fixtures",
+]
 
 _skipped: list[str] = []
 

@@ -1,10 +1,8 @@
-"""The ``dedupstore`` command and the demo job."""
+"""The ``dedupstore`` command (the demo job and the Spark sweep: tests/test_spark.py)."""
 
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +10,6 @@ import pytest
 
 from dedupstore import open_store
 from dedupstore.cli import main
-from dedupstore.demo import run_demo
 
 pytestmark = pytest.mark.sqlite
 
@@ -99,52 +96,6 @@ def test_errors_are_one_line_without_traceback(
     assert len(captured.err.strip().splitlines()) == 1
     assert captured.out == ""
     assert "hunter2" not in captured.err and "hun/ter2" not in captured.err
-
-
-def test_console_script_runs_the_demo(in_tmp: Path) -> None:
-    exe = shutil.which("dedupstore") or str(Path(sys.executable).with_name("dedupstore"))
-    result = subprocess.run(
-        [exe, "demo", "--messages", "300", "--threads", "3", "--seed", "7"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    assert "each message claimed exactly once: yes" in result.stdout
-    assert (in_tmp / ".dedupstore" / "dedup.db").is_file()
-
-
-def test_demo_report_counts() -> None:
-    with open_store("memory://demo", endpoint="demo") as store:
-        report = run_demo(store, messages=500, threads=4, burst=50, seed=3)
-    assert report.exactly_once
-    assert report.processed == 500
-    assert report.concurrent_copies == 200
-    assert report.duplicates == report.delivered - 500 > 200
-
-
-def test_demo_detects_double_processing() -> None:
-    """The verdict is not a constant: a store that forgets makes it fail."""
-
-    class Forgetful:
-        url, endpoint = "memory://forgetful", "x"
-
-        def add(self, mid: str) -> bool:
-            return True
-
-        def add_many(self, ids: list[str]) -> set[str]:
-            return set(ids)
-
-    report = run_demo(Forgetful(), messages=100, threads=2, burst=10, seed=1)  # type: ignore[arg-type]
-    assert not report.exactly_once
-    assert "NO" in report.render()
-
-
-def test_demo_refuses_absurd_thread_counts(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as info:
-        main(["demo", "--threads", "100000"])
-    assert info.value.code == 2
-    assert "expected 1 to 64" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

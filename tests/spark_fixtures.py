@@ -1,0 +1,188 @@
+"""Spark for the tests: one session per engine for the whole test session.
+
+The fixture ``spark`` is parametrized indirectly by engine name:
+
+* ``local``: a classic session on ``local[2,3]`` (two threads; a failed task gets up
+  to three attempts, so a killed Python worker is retried as on a cluster);
+* ``connect``: a Spark Connect client session, talking to a Connect server that the
+  harness starts from the installed PySpark (``sbin/start-connect-server.sh``) on a
+  free loopback port. No ``sparkContext``, no RDDs on this side;
+* ``cluster``: a classic session on ``local-cluster[2,1,1024]``: a standalone master
+  and two workers, so tasks run in separate executor JVMs and Python workers.
+
+Only one classic SparkContext can live in a process: tests are grouped by engine
+(pytest orders tests by the parameter of a session fixture) and the previous engine
+is stopped before the next starts. A session that cannot start fails the tests.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.servers import HOST, ServerStartError, free_port
+
+ENGINES = ("local", "connect", "cluster")
+
+#: Test-only AWS settings the executors inherit (moto accepts any credentials).
+TEST_AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing-secret",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+def spark_home() -> Path:
+    """The installed ``pyspark`` package directory: it is a Spark distribution."""
+    import pyspark
+
+    return Path(pyspark.__file__).parent
+
+
+def _worker_env() -> dict[str, str]:
+    env = {"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+    env.update(TEST_AWS_ENV)
+    return env
+
+
+class ConnectServer:
+    """A Spark Connect server process on a free loopback port."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.port = free_port()
+        self.log = log_dir / "connect-server.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """The ``sc://`` address."""
+        return f"sc://{HOST}:{self.port}"
+
+    def start(self, timeout: float = 180.0) -> None:
+        """Start the server and wait until its port accepts connections."""
+        home = spark_home()
+        env = {
+            **os.environ,
+            **_worker_env(),
+            "SPARK_HOME": str(home),
+            "SPARK_LOCAL_IP": HOST,
+            "SPARK_LOG_DIR": str(self.log.parent),
+            "SPARK_PID_DIR": str(self.log.parent),
+        }
+        command = [
+            "bash",
+            str(home / "sbin" / "start-connect-server.sh"),
+            "--wait",
+            "--master",
+            "local[2,3]",
+            "--conf",
+            f"spark.connect.grpc.binding.address={HOST}",
+            "--conf",
+            f"spark.connect.grpc.binding.port={self.port}",
+            "--conf",
+            f"spark.driver.host={HOST}",
+            "--conf",
+            f"spark.driver.bindAddress={HOST}",
+            "--conf",
+            "spark.ui.enabled=false",
+            "--conf",
+            "spark.sql.shuffle.partitions=4",
+        ]
+        with open(self.log, "wb") as log:
+            self.process = subprocess.Popen(
+                command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerStartError("the Spark Connect server exited", self._tail())
+            with socket.socket() as sock:
+                sock.settimeout(1.0)
+                if sock.connect_ex((HOST, self.port)) == 0:
+                    return
+            time.sleep(0.5)
+        raise ServerStartError(f"no Spark Connect server on {self.url} in {timeout:.0f} s")
+
+    def _tail(self) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """Stop the server and its JVM."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+
+def _classic(master: str, work: Path) -> Any:
+    from pyspark.sql import SparkSession
+
+    builder = (
+        SparkSession.builder.master(master)
+        .appName("dedupstore-tests")
+        .config("spark.driver.host", HOST)
+        .config("spark.driver.bindAddress", HOST)
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.shuffle.partitions", "4")
+        .config("spark.worker.dir", str(work / "worker"))
+        .config("spark.local.dir", str(work / "local"))
+        .config("spark.executor.memory", "768m")
+    )
+    for key, value in TEST_AWS_ENV.items():
+        builder = builder.config(f"spark.executorEnv.{key}", value)
+    saved = dict(os.environ)
+    os.environ.update(_worker_env())  # the JVM and its Python workers inherit it
+    try:
+        session = builder.getOrCreate()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    session.sparkContext.setLogLevel("ERROR")
+    return session
+
+
+@pytest.fixture(scope="session")
+def spark(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    """A SparkSession of the engine named by the test's parameter (default ``local``)."""
+    engine: str = getattr(request, "param", "local")
+    work = tmp_path_factory.mktemp(f"spark-{engine}")
+    if engine == "local":
+        session = _classic("local[2,3]", work)
+        yield session
+        session.stop()
+    elif engine == "cluster":
+        session = _classic("local-cluster[2,1,1024]", work)
+        yield session
+        session.stop()
+    elif engine == "connect":
+        from pyspark.sql import SparkSession
+
+        server = ConnectServer(work)
+        try:
+            server.start()
+            session = SparkSession.builder.remote(server.url).create()
+            yield session
+            session.stop()
+        finally:
+            server.stop()
+    else:  # pragma: no cover - a typo in a parametrization
+        raise ValueError(engine)

@@ -1,0 +1,486 @@
+"""The Spark integration on real Spark and real stores.
+
+Engines (see ``tests/spark_fixtures.py``): ``local`` (``local[2,3]``), ``connect``
+(a Spark Connect server started by the harness) and ``cluster``
+(``local-cluster[2,1,1024]``: separate executor JVMs and Python workers). The
+pipeline, the sweep and ``drop_processed`` run on all three; the backend matrix,
+failures, streaming and the jobs run on ``local``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import dedupstore
+from dedupstore.errors import ConfigurationError
+from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send
+from spark_integration import drop_processed, process_messages, process_stream, sweep_outboxes
+from spark_integration.order_pipeline import INPUT_SCHEMA, FlakyDispatcher
+from spark_integration.orders import expected_outgoing, handle_order, make_workload
+from tests.outbox_backends import OutboxBackend
+from tests.spark_fixtures import TEST_AWS_ENV, spark_home
+
+EMULATORS = ("dynamodb", "cosmos")
+
+
+def _pairs(pairs: list[tuple[str, str]]) -> list[Any]:
+    return [
+        pytest.param(engine, backend, marks=getattr(pytest.mark, backend), id=f"{engine}-{backend}")
+        for engine, backend in pairs
+    ]
+
+
+PIPELINE_PAIRS = _pairs(
+    [
+        ("local", "sqlite"),
+        ("local", "postgres"),
+        ("local", "redis"),
+        ("local", "dynamodb"),
+        ("local", "cosmos"),
+        ("connect", "sqlite"),
+        ("connect", "redis"),
+        ("cluster", "sqlite"),
+        ("cluster", "postgres"),
+    ]
+)
+ENGINE_PAIRS = _pairs(
+    [("local", "sqlite"), ("local", "redis"), ("connect", "sqlite"), ("cluster", "redis")]
+)
+LOCAL_SERVERS = _pairs([("local", "sqlite"), ("local", "postgres"), ("local", "redis")])
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _workload(backend: OutboxBackend, orders: int = 40) -> tuple[list[dict[str, Any]], list[Any]]:
+    """(commands, delivered rows) with ids unique to this test."""
+    workload = make_workload(orders if backend.name not in EMULATORS else 12, seed=orders)
+    tag = uuid.uuid4().hex[:8]
+
+    def tagged(row: dict[str, Any]) -> dict[str, Any]:
+        return {**row, "id": f"{tag}/{row['id']}", "order_id": f"{tag}/{row['order_id']}"}
+
+    commands = [tagged(r) for r in workload.commands]
+    delivered = [tagged(r) for r in workload.delivered]
+    rows = [(r["id"], r["order_id"], r["seq"], r["type"], r["sku"], r["qty"]) for r in delivered]
+    return commands, rows
+
+
+def _urls(backend: OutboxBackend) -> dict[str, Any]:
+    return {
+        "entities_url": backend.entities_url,
+        "dedup_url": backend.dedup_url,
+        "entities_options": backend.options,
+        "dedup_options": backend.options,
+    }
+
+
+def _outcomes(results: Any) -> Counter[str]:
+    return Counter({r["outcome"]: r["count"] for r in results.groupBy("outcome").count().collect()})
+
+
+def _sweep(spark: Any, backend: OutboxBackend, segments: int = 3, **kw: Any) -> dict[str, int]:
+    result = sweep_outboxes(
+        spark,
+        backend.entities_url,
+        backend.dedup_url,
+        segments=segments,
+        entities_options=backend.options,
+        dedup_options=backend.options,
+        **kw,
+    )
+    rows = result.collect()
+    assert [r["segment"] for r in rows] == list(range(segments))
+    keys = ("entities_scanned", "ids_moved", "redispatched", "ids_left")
+    return {k: sum(r[k] for r in rows) for k in keys}
+
+
+def _assert_exactly_once(
+    backend: OutboxBackend, commands: list[dict[str, Any]], queue_url: str, *, swept: bool
+) -> None:
+    """Each command applied once, the outgoing queue is the expected set, ids where they belong."""
+    orders = sorted({c["order_id"] for c in commands})
+    with backend.entities() as entities:
+        found = entities.load_many(orders)
+    applied = Counter(mid for e in found.values() for mid in e.state.get("applied", []))
+    assert applied == Counter(c["id"] for c in commands)
+    with dedupstore.open_dispatcher(queue_url) as queue:
+        stored = list(queue.messages())  # type: ignore[attr-defined]
+    prefix = commands[0]["id"].split("/")[0] + "/"
+    ours = [m for m in stored if m.message.id and m.message.headers["source"].startswith(prefix)]
+    assert {m.message.id for m in ours} == set(expected_outgoing(commands))
+    assert sum(m.mismatches for m in ours) == 0
+    ids = [c["id"] for c in commands]
+    with backend.dedup() as dedup:
+        recorded = dedup.processed_among(ids)
+    in_outbox = {mid for e in found.values() for mid in e.outbox}
+    assert set(ids) <= recorded | in_outbox  # every processed id is in one of the two places
+    if swept:
+        assert recorded == set(ids)
+        assert not in_outbox
+
+
+# ---------------------------------------------------------------------- on every engine
+
+
+@pytest.mark.parametrize(("spark", "outbox_backend"), PIPELINE_PAIRS, indirect=True)
+def test_process_sweep_replay_drop_exactly_once(
+    spark: Any, outbox_backend: OutboxBackend, tmp_path: Path
+) -> None:
+    """The whole pipeline: process, sweep, replay everything, drop processed; nothing doubles."""
+    commands, rows = _workload(outbox_backend)
+    queue = f"sqlite:///{tmp_path}/outgoing.db"
+    df = spark.createDataFrame(rows, INPUT_SCHEMA)
+    args: dict[str, Any] = {
+        "dispatcher_url": queue,
+        "correlation_col": "order_id",
+        "order_col": "seq",
+        "batch_size": 25,
+        **_urls(outbox_backend),
+    }
+    first = _outcomes(process_messages(df, handle_order, **args))
+    assert first == Counter({"processed": len(commands), "duplicate": len(rows) - len(commands)})
+    _assert_exactly_once(outbox_backend, commands, queue, swept=False)
+
+    swept = _sweep(spark, outbox_backend)
+    assert swept["ids_moved"] == len(commands) and swept["ids_left"] == 0
+    _assert_exactly_once(outbox_backend, commands, queue, swept=True)
+
+    replay = _outcomes(process_messages(df, handle_order, **args))
+    assert replay == Counter({"duplicate": len(rows)})
+    assert _sweep(spark, outbox_backend)["ids_moved"] == 0
+    _assert_exactly_once(outbox_backend, commands, queue, swept=True)
+
+    ids = df.select("id")
+    assert (
+        drop_processed(ids, outbox_backend.dedup_url, dedup_options=outbox_backend.options).count()
+        == 0
+    )
+
+
+@pytest.mark.parametrize(("spark", "outbox_backend"), ENGINE_PAIRS, indirect=True)
+def test_drop_processed_keeps_exactly_the_new_rows(
+    spark: Any, outbox_backend: OutboxBackend
+) -> None:
+    ids = [f"drop-{uuid.uuid4().hex[:6]}-{n}" for n in range(300)]
+    with outbox_backend.dedup() as dedup:
+        dedup.add_many(ids[::3])
+    df = spark.createDataFrame([(i, n) for n, i in enumerate(ids)], "msg string, n int")
+    kept = drop_processed(df, outbox_backend.dedup_url, "msg", dedup_options=outbox_backend.options)
+    assert kept.columns == ["msg", "n"]
+    assert sorted(r["msg"] for r in kept.collect()) == sorted(set(ids) - set(ids[::3]))
+
+
+def _seed(
+    backend: OutboxBackend, entities: int, per_entity: int, *, fail_dispatch: bool
+) -> list[str]:
+    """Entities whose outboxes hold dispatched entries (or pending ones when dispatch fails)."""
+
+    class Refusing:
+        def dispatch(self, messages: Any) -> None:
+            raise RuntimeError("broker down")
+
+    tag = uuid.uuid4().hex[:6]
+    messages = [
+        Message(f"{tag}-m{e}-{k}", f"{tag}-e{e}", {"n": k})
+        for e in range(entities)
+        for k in range(per_entity)
+    ]
+
+    def count(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+        state["n"] = state.get("n", 0) + 1
+        return state, [Send("counted", {"id": message.id})]
+
+    dispatcher = Refusing() if fail_dispatch else InMemoryDispatcher()
+    with backend.entities() as ents, backend.dedup() as dedup:
+        processor = OutboxProcessor(ents, dedup, dispatcher, cleanup="deferred")  # type: ignore[arg-type]
+        for start in range(0, len(messages), 200):
+            try:
+                processor.process_batch(messages[start : start + 200], count)
+            except RuntimeError:
+                assert fail_dispatch
+    return [m.id for m in messages]
+
+
+@pytest.mark.parametrize(("spark", "outbox_backend"), ENGINE_PAIRS, indirect=True)
+def test_sweep_relays_pending_entries_then_moves_them(
+    spark: Any, outbox_backend: OutboxBackend, tmp_path: Path
+) -> None:
+    ids = _seed(outbox_backend, 30, 3, fail_dispatch=True)
+    queue = f"sqlite:///{tmp_path}/relay.db"
+    done = _sweep(spark, outbox_backend, segments=4, redispatch_url=queue)
+    assert done["redispatched"] == len(ids) and done["ids_moved"] == len(ids)
+    with dedupstore.open_dispatcher(queue) as relay:
+        assert relay.stats().rows == len(ids)  # type: ignore[attr-defined]
+    with outbox_backend.dedup() as dedup:
+        assert dedup.processed_among(ids) == set(ids)
+    with outbox_backend.entities() as ents:
+        assert list(ents.pending_outboxes()) == []
+
+
+# ---------------------------------------------------------------------- local only
+
+
+@pytest.mark.parametrize(("spark", "outbox_backend"), LOCAL_SERVERS, indirect=True)
+def test_sweeps_twice_at_once_beside_live_consumers(
+    spark: Any, outbox_backend: OutboxBackend
+) -> None:
+    """Two sweeps at once while a consumer keeps processing; then one more sweep moves the rest."""
+    seeded = _seed(outbox_backend, 60, 4, fail_dispatch=False)
+    live_ids: list[str] = []
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def consumer() -> None:
+        try:
+            with outbox_backend.entities() as ents, outbox_backend.dedup() as dedup:
+                processor = OutboxProcessor(ents, dedup, InMemoryDispatcher(), cleanup="deferred")
+                n = 0
+                while not stop.is_set() or n < 20:
+                    mid = f"live-{uuid.uuid4().hex[:6]}-{n}"
+                    # the same entities the sweeps are cleaning: conflicts on both sides
+                    eid = seeded[n % len(seeded)].split("-m")[0] + f"-e{n % 60}"
+                    processor.process(Message(mid, eid, {}), handle_live)
+                    live_ids.append(mid)
+                    n += 1
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    worker = threading.Thread(target=consumer)
+    worker.start()
+    results: list[dict[str, int]] = []
+    sweeps = [
+        threading.Thread(target=lambda: results.append(_sweep(spark, outbox_backend, segments=3)))
+        for _ in range(2)
+    ]
+    for t in sweeps:
+        t.start()
+    for t in sweeps:
+        t.join()
+    stop.set()
+    worker.join()
+    assert not errors
+    assert len(results) == 2
+    _sweep(spark, outbox_backend, segments=2)
+    everything = seeded + live_ids
+    with outbox_backend.dedup() as dedup:
+        assert dedup.processed_among(everything) == set(everything)
+    with outbox_backend.entities() as ents:
+        assert list(ents.pending_outboxes()) == []
+
+
+def handle_live(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+    state["live"] = state.get("live", 0) + 1
+    return state, [Send("live", {"id": message.id})]
+
+
+@pytest.mark.parametrize(("spark", "outbox_backend"), LOCAL_SERVERS, indirect=True)
+@pytest.mark.parametrize("cleanup", ["deferred", "inline"])
+def test_a_killed_task_is_retried_and_a_rerun_changes_nothing(
+    spark: Any, outbox_backend: OutboxBackend, tmp_path: Path, cleanup: str
+) -> None:
+    """Every batch crashes after dispatching; the first crash kills its Python worker."""
+    commands, rows = _workload(outbox_backend, orders=60)
+    queue = f"sqlite:///{tmp_path}/outgoing.db"
+    marker = tmp_path / "killed"
+    flaky = FlakyDispatcher(queue, fail=0.0, crash=1.0, kill_marker=str(marker), seed=1)
+    df = spark.createDataFrame(rows, INPUT_SCHEMA)
+    args: dict[str, Any] = {
+        "correlation_col": "order_id",
+        "order_col": "seq",
+        "batch_size": 20,
+        "cleanup": cleanup,
+        **_urls(outbox_backend),
+    }
+    first = _outcomes(process_messages(df, handle_order, dispatcher_url=flaky, **args))
+    assert marker.exists()  # a worker really died, and Spark retried its task
+    assert sum(first.values()) == len(rows)
+    rerun = _outcomes(process_messages(df, handle_order, dispatcher_url=queue, **args))
+    assert rerun == Counter({"duplicate": len(rows)})
+    if cleanup == "deferred":
+        _sweep(spark, outbox_backend)
+    _assert_exactly_once(outbox_backend, commands, queue, swept=True)
+
+
+@pytest.mark.parametrize(("spark", "outbox_backend"), _pairs([("local", "sqlite")]), indirect=True)
+def test_input_order_is_kept_per_entity_without_an_order_column(
+    spark: Any, outbox_backend: OutboxBackend, tmp_path: Path
+) -> None:
+    rows = [(f"m{n:04d}", f"e{n % 7}", n) for n in range(400)]
+    df = spark.createDataFrame(rows, "id string, correlation_id string, n int").repartition(3)
+    # repartition(3) scatters the rows: "input order" is the order of df as it stands
+    order = {r["id"]: i for i, r in enumerate(df.collect())}
+    results = process_messages(
+        df,
+        handle_sequence,
+        dispatcher_url=f"sqlite:///{tmp_path}/q.db",
+        batch_size=16,
+        **_urls(outbox_backend),
+    ).collect()
+    assert Counter(r["outcome"] for r in results) == Counter({"processed": 400})
+    with outbox_backend.entities() as ents:
+        for e in range(7):
+            seen = ents.load(f"e{e}").state["seen"]
+            assert seen == sorted(seen, key=order.__getitem__) and len(seen) == len(set(seen))
+
+
+def handle_sequence(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+    state.setdefault("seen", []).append(message.id)
+    return state, []
+
+
+def _write_json(directory: Path, name: str, rows: list[tuple[Any, ...]]) -> None:
+    import json
+
+    keys = ("id", "order_id", "seq", "type", "sku", "qty")
+    text = "\n".join(json.dumps(dict(zip(keys, row, strict=True))) for row in rows)
+    (directory / f".{name}.tmp").write_text(text + "\n")
+    os.replace(directory / f".{name}.tmp", directory / f"{name}.json")
+
+
+class StopOnFile:
+    """Dispatches, then fails while ``flag`` exists if the batch holds ``poison``."""
+
+    def __init__(self, url: str, flag: str, poison: str) -> None:
+        self.url, self.flag, self.poison = url, flag, poison
+
+    def __call__(self, messages: list[Any]) -> None:
+        with dedupstore.open_dispatcher(self.url) as queue:
+            queue.dispatch(messages)
+        if os.path.exists(self.flag) and any(
+            m.headers.get("source") == self.poison for m in messages
+        ):
+            raise RuntimeError("injected: the query dies after dispatching this micro-batch")
+
+
+@pytest.mark.parametrize(("spark", "outbox_backend"), _pairs([("local", "sqlite")]), indirect=True)
+@pytest.mark.timeout(600)
+def test_stream_stopped_mid_way_restarts_from_its_checkpoint(
+    spark: Any, outbox_backend: OutboxBackend, tmp_path: Path
+) -> None:
+    commands, rows = _workload(outbox_backend, orders=45)
+    inbox, checkpoint, results = tmp_path / "in", tmp_path / "ckpt", tmp_path / "results"
+    inbox.mkdir()
+    # a micro-batch orders an entity's messages, the stream cannot: each file holds whole
+    # orders, and the last one redelivers every third order (in any file order, an order's
+    # commands arrive complete the first time)
+    orders = sorted({r[1] for r in rows})
+    thirds = [[r for r in rows if orders.index(r[1]) % 2 == i] for i in range(2)]
+    thirds.append([r for r in rows if orders.index(r[1]) % 3 == 0])
+    queue = f"sqlite:///{tmp_path}/outgoing.db"
+    flag = tmp_path / "fail"
+    flag.touch()
+    poison = thirds[1][0][0]
+    stream = spark.readStream.schema(INPUT_SCHEMA).option("maxFilesPerTrigger", 1).json(str(inbox))
+    args: dict[str, Any] = {
+        "checkpoint": str(checkpoint),
+        "results_path": str(results),
+        "trigger": {"availableNow": True},
+        "dispatcher_url": StopOnFile(queue, str(flag), poison),
+        "correlation_col": "order_id",
+        "order_col": "seq",
+        "batch_size": 10,
+        "retries": 0,
+        **_urls(outbox_backend),
+    }
+    for n, part in enumerate(thirds):
+        _write_json(inbox, f"part-{n}", part)
+    query = process_stream(stream, handle_order, **args)
+    with pytest.raises(Exception, match="injected"):
+        query.awaitTermination()
+    flag.unlink()
+    query = process_stream(stream, handle_order, **args)  # same checkpoint
+    query.awaitTermination()
+    assert query.exception() is None
+    out = spark.read.parquet(str(results))
+    by_batch = Counter(r["batch_id"] for r in out.select("batch_id").collect())
+    assert len(by_batch) == 3  # the second micro-batch ran twice, its results written once
+    outcomes = Counter(r["outcome"] for r in out.collect())
+    assert outcomes["processed"] <= len(commands)
+    _sweep(spark, outbox_backend)
+    _assert_exactly_once(outbox_backend, commands, queue, swept=True)
+
+
+@pytest.mark.parametrize("spark", ["local"], indirect=True)
+def test_bad_arguments_are_refused_before_any_io(spark: Any, tmp_path: Path) -> None:
+    df = spark.createDataFrame([("a", "e", 1)], "id string, correlation_id string, n int")
+    db = tmp_path / "never.db"
+    good = {
+        "entities_url": f"sqlite:///{db}",
+        "dedup_url": f"sqlite:///{db}",
+        "dispatcher_url": f"sqlite:///{db}",
+    }
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"entities_url": "memory://x"}, "separate Python workers"),
+        ({"dedup_url": "nosuch://x"}, "unknown store URL scheme"),
+        ({"dispatcher_url": "sqlite:///x.db?nosuch=1"}, "nosuch"),
+        ({"cleanup": "later"}, "cleanup"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"order_col": "missing"}, "not a column"),
+        ({"entities_options": {"timeout": "soon"}}, "timeout"),
+    ]
+    for change, fragment in cases:
+        with pytest.raises(ConfigurationError, match=fragment):
+            process_messages(df, handle_sequence, **{**good, **change})
+    with pytest.raises(ConfigurationError, match="segments"):
+        sweep_outboxes(spark, good["entities_url"], good["dedup_url"], segments=0)
+    with pytest.raises(ConfigurationError, match="not a column"):
+        drop_processed(df, good["dedup_url"], "nope")
+    with pytest.raises(ConfigurationError, match="streaming"):
+        process_stream(df, handle_sequence, checkpoint=str(tmp_path / "c"), **good)
+    assert not db.exists()
+
+
+# ---------------------------------------------------------------------- the jobs
+
+
+def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **TEST_AWS_ENV, "PYSPARK_PYTHON": sys.executable}
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, check=False)
+
+
+@pytest.mark.sqlite
+@pytest.mark.slow
+def test_the_demo_job_reports_every_invariant_holding(tmp_path: Path) -> None:
+    result = _run(
+        [sys.executable, "-m", "spark_integration.order_pipeline", "--orders", "300"], tmp_path
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "all invariants hold" in result.stdout
+    assert "[FAIL]" not in result.stdout
+    killed = [line for line in result.stdout.splitlines() if "Python worker killed" in line]
+    assert killed and killed[0].rstrip().endswith("yes")
+    assert (tmp_path / ".dedupstore" / "orders-demo" / "entities.db").is_file()
+
+
+@pytest.mark.sqlite
+@pytest.mark.slow
+def test_the_job_runs_under_spark_submit_and_the_cli_sweeps(tmp_path: Path) -> None:
+    submit = str(spark_home() / "bin" / "spark-submit")
+    job = Path(__file__).resolve().parents[1] / "spark_integration" / "order_pipeline.py"
+    result = _run(
+        [submit, "--master", "local[2,3]", str(job), "--orders", "120", "--no-kill"], tmp_path
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "all invariants hold" in result.stdout
+    backend = OutboxBackend(
+        "sqlite", f"sqlite:///{tmp_path}/e.db", f"sqlite:///{tmp_path}/d.db", {}
+    )
+    ids = _seed(backend, 20, 2, fail_dispatch=False)
+    exe = shutil.which("dedupstore") or str(Path(sys.executable).with_name("dedupstore"))
+    cli = [exe, "sweep", "--entities", backend.entities_url, "--store", backend.dedup_url]
+    result = _run([*cli, "--segments", "3", "--master", "local[2]"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"ids moved {len(ids)}" in result.stdout
+    with backend.dedup() as dedup:
+        assert dedup.processed_among(ids) == set(ids)
