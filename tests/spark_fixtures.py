@@ -177,6 +177,7 @@ def spark(
         from pyspark.sql import SparkSession
 
         server = ConnectServer(work)
+        saved = dict(os.environ)
         try:
             server.start()
             session = SparkSession.builder.remote(server.url).create()
@@ -184,5 +185,9 @@ def spark(
             session.stop()
         finally:
             server.stop()
+            # PySpark marks the process "Connect mode" (SPARK_CONNECT_MODE_ENABLED), which
+            # would turn the next classic session, and every child process, into a client
+            os.environ.clear()
+            os.environ.update(saved)
     else:  # pragma: no cover - a typo in a parametrization
         raise ValueError(engine)
