@@ -33,6 +33,7 @@ test: $(STAMP) test-deps lint
 
 bench: $(STAMP) test-deps
 	$(PY) -m benchmarks.bench $(BENCH_ARGS)
+	$(PY) -m benchmarks.spark_bench $(SPARK_BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .dedupstore .pytest_cache .mypy_cache .ruff_cache node_modules

@@ -38,7 +38,8 @@ __all__ = [
 #: One row per segment of :func:`sweep_outboxes`.
 SWEEP_SCHEMA = (
     "segment int, segments int, entities_scanned long, ids_moved long, "
-    "conflicts_retried long, redispatched long, ids_left long, seconds double"
+    "conflicts_retried long, redispatched long, ids_left long, seconds double, "
+    "worker_peak_rss_bytes long"
 )
 
 #: One row per message of :func:`process_messages`.
@@ -81,8 +82,10 @@ def sweep_outboxes(
     :func:`dedupstore.outbox.sweep` on its segment: memory per task is bounded by
     ``batch_ids``, not by the segment. With ``redispatch_url``, entries still
     pending dispatch are dispatched first (outbox relay). Runs now (an action) and
-    returns a small DataFrame, one row per segment (:data:`SWEEP_SCHEMA`), sorted
-    by segment. Safe to re-run, to run twice at once and beside live consumers.
+    returns a small DataFrame, one row per segment (:data:`SWEEP_SCHEMA`: the
+    counts of :class:`~dedupstore.outbox.SweepResult` plus the peak memory of the
+    Python worker that ran it, since that worker started), sorted by segment.
+    Safe to re-run, to run twice at once and beside live consumers.
 
     Raises ``ConfigurationError`` (bad URL, option or argument; before any I/O)
     and, through Spark, whatever a task raised after its retries.
@@ -114,11 +117,19 @@ def sweep_outboxes(
                         batch_ids=batch_ids,
                         max_attempts=max_attempts,
                     )
-                yield pa.RecordBatch.from_pylist([vars(done)], schema=_arrow(SWEEP_SCHEMA))
+                row = {**vars(done), "worker_peak_rss_bytes": _peak_rss()}
+                yield pa.RecordBatch.from_pylist([row], schema=_arrow(SWEEP_SCHEMA))
 
     plan = spark.range(0, segments, 1, segments).mapInArrow(sweep_segments, SWEEP_SCHEMA)
     rows = plan.collect()
     return spark.createDataFrame(rows, SWEEP_SCHEMA).orderBy("segment")
+
+
+def _peak_rss() -> int:
+    """Peak resident memory of this Python worker so far, in bytes (Linux: ru_maxrss in KiB)."""
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def _arrow(ddl: str) -> pa.Schema:

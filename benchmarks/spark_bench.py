@@ -1,0 +1,245 @@
+"""Spark benchmark: the sweep at 1M and 5M ids, and process_messages against plain Python.
+
+Appends (or replaces) the "Spark" section of benchmarks/RESULTS.md. Run by
+``make bench`` after ``benchmarks.bench``; alone: ``python -m benchmarks.spark_bench``.
+
+* ``sweep_outboxes`` ids/s with 1M and 5M dispatched ids pending in the outboxes
+  (10 per entity), SQLite -> SQLite and PostgreSQL -> Redis, 4 segments on
+  ``local[2]``, and the peak resident memory of the Python workers (each task runs in
+  a fresh worker: ``spark.python.worker.reuse=false``). Seeding is not timed.
+* ``process_messages`` messages/s on the demo's order workload, 20,000 orders (SQLite stores, the
+  table-queue dispatcher, no injected failures) on ``local[1]`` and ``local[2]``,
+  against a plain-Python ``process_batch`` loop over the same messages on one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import platform
+import re
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import dedupstore
+from dedupstore.entities import Entity
+from dedupstore.outbox import Message, OutboxProcessor
+from spark_integration import process_messages, sweep_outboxes
+from spark_integration.order_pipeline import INPUT_SCHEMA
+from spark_integration.orders import handle_order, make_workload
+from spark_integration.session import local_session
+from tests.servers import PostgresServer, RedisServer
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+BEGIN, END = "<!-- spark-bench -->", "<!-- /spark-bench -->"
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _seed(entities_url: str, ids: int, per_entity: int, **options: Any) -> None:
+    """``ids`` dispatched outbox entries, ``per_entity`` per entity (not timed)."""
+    with dedupstore.open_entity_store(entities_url, **options) as store:
+        batch: list[Entity] = []
+        for e in range(ids // per_entity):
+            eid = f"ent-{e:08d}"
+            outbox: dict[str, Any] = {f"{eid}/msg-{k}": None for k in range(per_entity)}
+            batch.append(Entity(eid, {"n": per_entity}, outbox))
+            if len(batch) == 2000:
+                assert not store.save_many(batch)
+                batch = []
+        if batch:
+            assert not store.save_many(batch)
+
+
+@contextlib.contextmanager
+def _pair(name: str, tmp: Path) -> Iterator[tuple[str, str]]:
+    """(entities URL, dedup URL) of a fresh pair."""
+    tag = uuid.uuid4().hex[:10]
+    if name == "sqlite-sqlite":
+        yield f"sqlite:///{tmp}/ent-{tag}.db", f"sqlite:///{tmp}/dedup-{tag}.db"
+    elif name == "postgres-redis":
+        with PostgresServer() as pg, RedisServer(appendonly=True, appendfsync="everysec") as r:
+            yield f"{pg.url}?table=ent_{tag}&create=true", f"{r.url}?key_prefix=sw{tag}:"
+    else:
+        raise ValueError(name)
+
+
+def sweep_rows(sizes: list[int], configs: list[str], segments: int, tmp: Path) -> list[str]:
+    """Sweep ids/s and worker peak memory per configuration and size."""
+    lines = []
+    spark = local_session(
+        "local[2]",
+        "dedupstore-bench-sweep",
+        progress=False,
+        conf={"spark.python.worker.reuse": "false"},
+    )
+    try:
+        for config in configs:
+            with _pair(config, tmp) as (ents, dedup):
+                for size in sizes:
+                    # a fresh table / key prefix per size
+                    ents_n = re.sub(r"(table=ent_)(\w+)", rf"\g<1>\g<2>_{size}", ents)
+                    if ents_n == ents:
+                        ents_n = ents.replace(".db", f"-{size}.db")
+                    dedup_n = dedup.replace("key_prefix=sw", f"key_prefix=sw{size}").replace(
+                        "dedup-", f"dedup-{size}-"
+                    )
+                    _say(f"spark bench: seeding {size:,} ids ({config})")
+                    _seed(ents_n, size, 10)
+                    _say(f"spark bench: sweeping {size:,} ids ({config})")
+                    started = time.perf_counter()
+                    rows = sweep_outboxes(spark, ents_n, dedup_n, segments=segments).collect()
+                    seconds = time.perf_counter() - started
+                    moved = sum(r["ids_moved"] for r in rows)
+                    assert moved == size, (moved, size)
+                    peak = max(r["worker_peak_rss_bytes"] for r in rows) / 2**20
+                    lines.append(
+                        f"| {config} | {size:,} | {segments} | {seconds:,.1f} | "
+                        f"{moved / seconds:,.0f} | {peak:,.0f} |"
+                    )
+    finally:
+        spark.stop()
+    return lines
+
+
+def _messages(rows: list[dict[str, Any]]) -> list[Message]:
+    ordered = sorted(rows, key=lambda r: (r["order_id"], r["seq"]))
+    return [Message(r["id"], r["order_id"], {k: r[k] for k in r if k != "id"}) for r in ordered]
+
+
+def process_rows(orders: int, batch: int, tmp: Path) -> tuple[list[str], dict[str, float], int]:
+    """process_messages on local[1] and local[2] against a plain-Python loop."""
+    workload = make_workload(orders, seed=11)
+    rows = workload.delivered
+    rates: dict[str, float] = {}
+
+    url = f"sqlite:///{tmp}/plain-{uuid.uuid4().hex[:8]}.db"
+    messages = _messages(rows)
+    with (
+        dedupstore.open_entity_store(url) as ents,
+        dedupstore.open_store(url) as dedup,
+        dedupstore.open_dispatcher(url) as out,
+    ):
+        processor = OutboxProcessor(ents, dedup, out, cleanup="deferred")
+        started = time.perf_counter()
+        for start in range(0, len(messages), batch):
+            processor.process_batch(messages[start : start + batch], handle_order)
+        rates["plain Python process_batch loop (1 core)"] = len(messages) / (
+            time.perf_counter() - started
+        )
+
+    for master in ("local[1]", "local[2]"):
+        spark = local_session(master, "dedupstore-bench-process", progress=False)
+        try:
+            url = f"sqlite:///{tmp}/spark-{uuid.uuid4().hex[:8]}.db"
+            df = spark.createDataFrame(
+                [(r["id"], r["order_id"], r["seq"], r["type"], r["sku"], r["qty"]) for r in rows],
+                INPUT_SCHEMA,
+            ).cache()
+            df.count()
+            _say(f"spark bench: process_messages on {master}")
+            started = time.perf_counter()
+            process_messages(
+                df,
+                handle_order,
+                entities_url=url,
+                dedup_url=url,
+                dispatcher_url=url,
+                correlation_col="order_id",
+                order_col="seq",
+                batch_size=batch,
+                partitions=int(master[6]) * 2,
+            ).write.format("noop").mode("overwrite").save()
+            rates[f"process_messages on {master}"] = len(rows) / (time.perf_counter() - started)
+        finally:
+            spark.stop()
+    lines = [f"| {name} | {rate:,.0f} |" for name, rate in rates.items()]
+    return lines, rates, len(rows)
+
+
+def render(
+    sweep: list[str], process: list[str], rates: dict[str, float], deliveries: int, args: Any
+) -> str:
+    """The Spark section of RESULTS.md."""
+    one = rates["process_messages on local[1]"]
+    two = rates["process_messages on local[2]"]
+    plain = rates["plain Python process_batch loop (1 core)"]
+    return "\n".join(
+        [
+            BEGIN,
+            "## Spark",
+            "",
+            f"Measured by `make bench` (`benchmarks/spark_bench.py`) on "
+            f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, CPython {platform.python_version()}, "
+            "PySpark local mode on the same 2 cores as the servers.",
+            "",
+            "### `sweep_outboxes`",
+            "",
+            "Dispatched ids pending in the outboxes, 10 per entity, moved into the "
+            "deduplication store by one Spark task per segment on `local[2]`. Each task "
+            "runs in a fresh Python worker, so its peak resident memory is the task's own.",
+            "",
+            "| entities -> dedup | pending ids | segments | seconds | ids/s | "
+            "peak worker RSS (MiB) |",
+            "|---|---:|---:|---:|---:|---:|",
+            *sweep,
+            "",
+            "### `process_messages`",
+            "",
+            f"The demo's order workload: {args.orders:,} orders, {deliveries:,} "
+            "deliveries with about 20% duplicates, SQLite stores and the SQLite table "
+            f"queue, batches of {args.batch}, deferred clean-up, no injected failures. "
+            "Messages per second, including Spark's scheduling and the shuffle by "
+            "order id.",
+            "",
+            "| run | messages/s |",
+            "|---|---:|",
+            *process,
+            "",
+            f"- `process_messages` on `local[1]` / the plain-Python loop: {one / plain:.2f}x",
+            f"- scaling from `local[1]` to `local[2]`: {two / one:.2f}x (both tasks write "
+            "one SQLite file, whose writers take turns)",
+            END,
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the Spark benchmarks and write their section of RESULTS.md."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--sizes", default="1000000,5000000")
+    parser.add_argument("--configs", default="sqlite-sqlite,postgres-redis")
+    parser.add_argument("--segments", type=int, default=4)
+    parser.add_argument("--orders", type=int, default=20_000)
+    parser.add_argument("--batch", type=int, default=1000)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        process, rates, deliveries = process_rows(args.orders, args.batch, Path(tmp))
+        sweep = sweep_rows(
+            [int(s) for s in args.sizes.split(",")],
+            args.configs.split(","),
+            args.segments,
+            Path(tmp),
+        )
+    section = render(sweep, process, rates, deliveries, args)
+    text = args.out.read_text(encoding="utf-8") if args.out.exists() else "# Benchmark results\n"
+    if BEGIN in text:
+        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END) :]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    args.out.write_text(text, encoding="utf-8")
+    print(section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
