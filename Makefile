@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
+	@command -v java >/dev/null 2>&1 || bash scripts/install-test-deps.sh java
 	$(PY) -m spark_integration.order_pipeline $(DEMO_ARGS)
 
 test-deps:

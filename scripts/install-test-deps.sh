@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Install the servers the test suite runs as local processes (Debian 12):
 #   redis-server + redis-tools, PostgreSQL 15 server binaries (apt),
-#   @vercel/cosmosdb-server (npm ci, pinned in package-lock.json), Node.js if absent.
+#   @vercel/cosmosdb-server (npm ci, pinned in package-lock.json), Node.js if absent, and a
+#   Java runtime for PySpark (OpenJDK 17) if absent. `install-test-deps.sh java` installs
+#   only the Java runtime (what `make demo` needs).
 # moto_server comes with the Python dev dependencies (moto[server]).
 # Idempotent, and quick when everything is present. As non-root, only reports what is
 # missing and exits non-zero.
@@ -24,6 +26,10 @@ pg_bindir() {
 }
 
 missing_apt_packages() {
+    command -v java >/dev/null 2>&1 || echo openjdk-17-jre-headless
+    if [[ "${ONLY_JAVA:-}" == 1 ]]; then
+        return 0
+    fi
     command -v redis-server >/dev/null 2>&1 || echo redis-server
     command -v redis-cli >/dev/null 2>&1 || echo redis-tools
     local bindir
@@ -34,6 +40,10 @@ missing_apt_packages() {
     command -v npm >/dev/null 2>&1 || echo npm
     return 0
 }
+
+if [[ "${1:-}" == java ]]; then
+    ONLY_JAVA=1
+fi
 
 mapfile -t missing < <(missing_apt_packages)
 if ((${#missing[@]})); then
@@ -52,6 +62,10 @@ if ((${#missing[@]})); then
         log "still missing after apt-get install: ${still_missing[*]}"
         exit 1
     fi
+fi
+
+if [[ "${ONLY_JAVA:-}" == 1 ]]; then
+    exit 0
 fi
 
 node_major="$(node -p 'process.versions.node.split(".")[0]')"
