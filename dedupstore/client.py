@@ -28,7 +28,7 @@ from dedupstore.errors import (
 from dedupstore.options import Options, OptionSet
 from dedupstore.urls import MASK, StoreURL, mask_text
 
-__all__ = ["Client", "ErrorKind", "ProcessLocal"]
+__all__ = ["Client", "Closing", "ErrorKind", "ProcessLocal"]
 
 T = TypeVar("T")
 
@@ -85,7 +85,26 @@ class ProcessLocal(Generic[T]):
             self._close(value)
 
 
-class Client(abc.ABC):
+class Closing:
+    """``with`` support for an object with ``close()``: the block's end closes it."""
+
+    def close(self) -> None:
+        """Release what the object holds."""
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class Client(Closing, abc.ABC):
     """Base of every object opened by URL: option resolution, errors, pickling, closing.
 
     Constructors take the URL and keyword options, exactly the set
@@ -138,17 +157,6 @@ class Client(abc.ABC):
     def closed(self) -> bool:
         """Whether :meth:`close` was called."""
         return self._closed
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         shown = {k: v for k, v in self._opts.shown().items() if k not in self._opts.from_url}

@@ -17,10 +17,9 @@ import abc
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any, ClassVar, NamedTuple, Self
+from typing import Any, ClassVar, NamedTuple
 
-from dedupstore.client import Client
+from dedupstore.client import Client, Closing
 from dedupstore.entities import OutgoingMessage, canonical_json
 from dedupstore.errors import ConfigurationError, StoreClosed
 from dedupstore.ids import validate_message_id
@@ -162,7 +161,7 @@ class URLDispatcher(Client):
         """Hand over every message of ``batch`` (not empty, validated, encoded) or raise."""
 
 
-class CallableDispatcher:
+class CallableDispatcher(Closing):
     """Wraps ``fn(messages)`` as a dispatcher; picklable when ``fn`` is.
 
     :meth:`dispatch` validates the batch like :class:`URLDispatcher` and calls ``fn``
@@ -190,17 +189,6 @@ class CallableDispatcher:
     def close(self) -> None:
         """Refuse further dispatches (``fn`` itself is not closed)."""
         self._closed = True
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"CallableDispatcher({self.fn!r})"

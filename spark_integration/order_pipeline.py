@@ -288,6 +288,11 @@ def run(spark: SparkSession, settings: Settings, workdir: str) -> Report:
     }
 
     _say(f"[2/5] process_messages: {len(rows):,} deliveries of {len(commands):,} messages")
+    if flaky.kill_marker:
+        _say(
+            "      (one Python worker is killed on purpose: Spark logs the lost task and "
+            "retries it)"
+        )
     started = time.perf_counter()
     first = _outcomes(process_messages(messages, handle_order, dispatcher_url=flaky, **common))
     seconds = time.perf_counter() - started
@@ -341,7 +346,7 @@ def run(spark: SparkSession, settings: Settings, workdir: str) -> Report:
     report.check("processed on replay", second.get("processed", 0), 0)
     report.note("first run outcomes", _shown(first))
     report.note("replay outcomes", _shown(second))
-    report.note("batches re-run after a failure", first.get("batch_retries", 0))
+    report.note("messages in batches re-run after a failure", first.get("batch_retries", 0))
     report.note("outgoing deliveries (re-dispatches)", sum(o[3] for o in ours))
     if flaky.kill_marker:
         killed = os.path.exists(flaky.kill_marker)
