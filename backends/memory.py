@@ -53,6 +53,7 @@ class MemoryDeduplicationStore(DeduplicationStore):
     """In-process deduplication store; records live as long as the process."""
 
     schemes: ClassVar[tuple[str, ...]] = ("memory",)
+    process_local: ClassVar[bool] = True
     max_write_batch: ClassVar[int] = 10_000
     max_read_batch: ClassVar[int] = 10_000
     declared_options: ClassVar[OptionSet] = DeduplicationStore.declared_options.extend(CLOCK)
@@ -122,6 +123,7 @@ class MemoryEntityStore(EntityStore):
     """In-process entity store (version: a counter per entity); shared per URL name."""
 
     schemes: ClassVar[tuple[str, ...]] = ("memory",)
+    process_local: ClassVar[bool] = True
     max_batch: ClassVar[int] = 1000
 
     def __init__(self, url: str | StoreURL = "memory://", /, **options: object) -> None:
@@ -191,6 +193,7 @@ class MemoryDispatcher(URLDispatcher):
     """
 
     schemes: ClassVar[tuple[str, ...]] = ("memory",)
+    process_local: ClassVar[bool] = True
     receiver_dedup: ClassVar[str] = (
         "by the message id: sent holds every delivery, distinct() the first of each id"
     )

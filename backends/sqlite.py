@@ -94,13 +94,14 @@ def sqlite_path(url: StoreURL) -> Path:
 
 
 def absolute_sqlite_url(url: str | StoreURL) -> StoreURL:
-    """The same URL with the path made absolute (so a pickled copy finds the file)."""
+    """The same URL with the path made absolute (so a pickled copy finds the file).
+
+    The scheme is kept: a subclass registered under a scheme of its own stays itself.
+    """
     parsed = StoreURL.parse(url)
-    if parsed.scheme != "sqlite":
-        raise ConfigurationError(f"not a sqlite:// URL: {parsed.masked!r}")
     path = sqlite_path(parsed).absolute()
     query = urlsplit(parsed.text).query
-    return StoreURL.parse(f"sqlite:///{quote(str(path))}" + (f"?{query}" if query else ""))
+    return StoreURL.parse(f"{parsed.scheme}:///{quote(str(path))}" + (f"?{query}" if query else ""))
 
 
 class _Connection(sqlite3.Connection):
@@ -132,6 +133,11 @@ class SqliteFile:
     _path: Path
     _url: StoreURL
     _opts: Any
+
+    @classmethod
+    def portable_url(cls, url: str | StoreURL) -> StoreURL:
+        """The URL with the file's absolute path (see ``Client.portable_url``)."""
+        return absolute_sqlite_url(url)
 
     def _open_file(self) -> None:
         self._path = sqlite_path(self._url)
@@ -257,7 +263,7 @@ class SqliteDeduplicationStore(SqliteFile, DeduplicationStore):
         (with ``create=false``) or one of another shape, ``StoreUnavailable`` when
         the file cannot be opened or stays locked longer than ``timeout``.
         """
-        super().__init__(absolute_sqlite_url(url), **options)
+        super().__init__(url, **options)
         self._open_file()
         t = f'"{self._opts["table"]}"'
         self._table = t
@@ -375,7 +381,7 @@ class SqliteEntityStore(SqliteFile, EntityStore):
         Raises ``ConfigurationError`` for a bad URL or option or a missing table
         (with ``create=false``), ``StoreUnavailable`` when the file cannot be opened.
         """
-        super().__init__(absolute_sqlite_url(url), **options)
+        super().__init__(url, **options)
         self._open_file()
         t = self._table = f'"{self._opts["table"]}"'
         self._sql_load = (
@@ -498,7 +504,7 @@ class SqliteDispatcher(SqliteFile, URLDispatcher):
         missing table (with ``create=false``) or one of another shape,
         ``StoreUnavailable`` when the file cannot be opened or stays locked.
         """
-        super().__init__(absolute_sqlite_url(url), **options)
+        super().__init__(url, **options)
         self._open_file()
         t = self._table = f'"{self._opts["table"]}"'
         self._sql_upsert = (

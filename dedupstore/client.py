@@ -115,12 +115,30 @@ class Client(Closing, abc.ABC):
     schemes: ClassVar[tuple[str, ...]] = ()
     #: The options this class accepts, declared once.
     declared_options: ClassVar[OptionSet] = OptionSet()
+    #: True when the data lives in this process only (another process opening the same
+    #: URL sees other data): such a client cannot be shared with worker processes.
+    process_local: ClassVar[bool] = False
 
     def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
         """Parse ``url``, resolve ``options``; raise ``ConfigurationError`` if either is bad."""
         self._closed = False
-        self._url = StoreURL.parse(url)
+        self._url = self.portable_url(url)
         self._opts: Options = self.declared_options.resolve(type(self).__name__, self._url, options)
+
+    @classmethod
+    def portable_url(cls, url: str | StoreURL) -> StoreURL:
+        """``url`` as another process on this machine must see it to reach the same data.
+
+        The URL unchanged, unless a backend knows better (SQLite: the file's absolute
+        path, so a pickled copy or a Spark task in another working directory opens the
+        same file). Raises ``ConfigurationError`` for a malformed URL. No I/O.
+        """
+        return StoreURL.parse(url)
+
+    @classmethod
+    def check_options(cls, url: str | StoreURL, **options: Any) -> None:
+        """Raise ``ConfigurationError`` if ``url`` or ``options`` would be refused; no I/O."""
+        cls.declared_options.resolve(cls.__name__, cls.portable_url(url), options)
 
     # ------------------------------------------------------------------ public
 

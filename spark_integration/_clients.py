@@ -7,23 +7,26 @@ ships a :class:`ClientSpec`; each task opens its own client from it and closes i
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Literal
-from urllib.parse import quote, unquote, urlsplit
 
 import dedupstore
 from dedupstore.entities import EntityStore
 from dedupstore.errors import ConfigurationError
 from dedupstore.outbox import Dispatcher
-from dedupstore.registry import entity_stores, stores
+from dedupstore.registry import Registry, dispatchers, entity_stores, stores
 from dedupstore.store import DeduplicationStore
 from dedupstore.urls import StoreURL
 
 Kind = Literal["entities", "dedup", "dispatcher"]
 
+_REGISTRIES: dict[str, Registry[Any]] = {
+    "entities": entity_stores,
+    "dedup": stores,
+    "dispatcher": dispatchers,
+}
 _WHAT = {"entities": "entity store", "dedup": "deduplication store", "dispatcher": "dispatcher"}
 
 
@@ -41,10 +44,10 @@ class ClientSpec:
     ) -> ClientSpec:
         """A spec whose URL and options are valid; ``ConfigurationError`` if not (no I/O).
 
-        A relative ``sqlite:///`` path is made absolute here, on the driver, so tasks
-        whose working directory differs (a cluster's executors) open the same file.
-        ``memory://`` is refused: it lives in one process, and Spark tasks run in
-        separate Python workers.
+        The URL is the backend's ``portable_url`` (a relative ``sqlite:///`` path made
+        absolute here, on the driver, so tasks in another working directory open the
+        same file). A ``process_local`` backend (``memory://``) is refused: Spark tasks
+        run in separate Python workers.
         """
         options = dict(options or {})
         if kind == "dispatcher" and callable(url) and not isinstance(url, str):
@@ -56,29 +59,16 @@ class ClientSpec:
                 f"the {_WHAT[kind]} URL must be a non-empty string, got {url!r}"
             )
         parsed = StoreURL.parse(url)
-        if parsed.scheme == "memory":
+        target: Any = _REGISTRIES[kind].resolve(parsed.scheme)
+        if target.process_local:
             raise ConfigurationError(
-                f"{parsed.masked!r}: a memory:// {_WHAT[kind]} lives in one process, and Spark "
-                "tasks run in separate Python workers; use sqlite:/// on one machine or a server"
+                f"{parsed.masked!r}: this {_WHAT[kind]} lives in one process, and "
+                "Spark tasks run in separate Python workers; use sqlite:/// on one machine or "
+                "a server"
             )
-        if parsed.scheme == "sqlite":
-            url = _absolute_sqlite(parsed)
-            parsed = StoreURL.parse(url)
-        if kind == "dispatcher":
-            from dedupstore.registry import dispatchers
-
-            target: Any = dispatchers.resolve(parsed.scheme)
-        else:
-            target = (entity_stores if kind == "entities" else stores).resolve(parsed.scheme)
-        target.declared_options.resolve(target.__name__, parsed, options)
-        return cls(kind, url, options)
-
-    @property
-    def shown(self) -> str:
-        """The URL with secrets masked (or the callable's name)."""
-        if isinstance(self.url, str):
-            return StoreURL.parse(self.url).masked
-        return getattr(self.url, "__qualname__", type(self.url).__name__)
+        portable = target.portable_url(parsed)
+        target.check_options(portable, **options)
+        return cls(kind, portable.text, options)
 
     def open(self) -> Any:
         """Open the client (in a task)."""
@@ -87,14 +77,6 @@ class ClientSpec:
         if self.kind == "dedup":
             return dedupstore.open_store(str(self.url), **self.options)
         return dedupstore.open_dispatcher(self.url, **self.options)
-
-
-def _absolute_sqlite(parsed: StoreURL) -> str:
-    path = unquote(parsed.path[1:])
-    if not path or path == ":memory:" or os.path.isabs(path):
-        return parsed.text
-    query = urlsplit(parsed.text).query
-    return f"sqlite:///{quote(os.path.abspath(path))}" + (f"?{query}" if query else "")
 
 
 @dataclass(frozen=True)

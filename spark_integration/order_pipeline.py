@@ -28,8 +28,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pyspark.sql.pandas.types import to_arrow_schema
+from pyspark.sql.types import ArrayType, IntegerType, StringType, StructField, StructType
+
 import dedupstore
 from dedupstore.entities import OutgoingMessage
+from dedupstore.outbox import Handler
 from spark_integration.orders import expected_outgoing, handle_order, make_workload
 from spark_integration.pipeline import process_messages, sweep_outboxes
 from spark_integration.session import local_session
@@ -160,7 +164,13 @@ def _fmt(value: Any) -> str:
 # ---------------------------------------------------------------------- inspection
 
 
-ENTITY_SCHEMA = "order_id string, applied array<string>, outbox_entries int"
+ENTITY_SCHEMA = StructType(
+    [
+        StructField("order_id", StringType()),
+        StructField("applied", ArrayType(StringType())),
+        StructField("outbox_entries", IntegerType()),
+    ]
+)
 
 
 def inspect_entities(
@@ -192,16 +202,7 @@ def inspect_entities(
                     }
                     for eid in ids
                 ]
-                yield pa.RecordBatch.from_pylist(
-                    rows,
-                    schema=pa.schema(
-                        [
-                            ("order_id", pa.string()),
-                            ("applied", pa.list_(pa.string())),
-                            ("outbox_entries", pa.int32()),
-                        ]
-                    ),
-                )
+                yield pa.RecordBatch.from_pylist(rows, schema=to_arrow_schema(ENTITY_SCHEMA))
 
     return order_ids.select(column).distinct().mapInArrow(load, ENTITY_SCHEMA)
 
@@ -252,8 +253,14 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-def run(spark: SparkSession, settings: Settings, workdir: str) -> Report:
-    """Run the pipeline and check it; the returned report says whether it held."""
+def run(
+    spark: SparkSession, settings: Settings, workdir: str, handler: Handler = handle_order
+) -> Report:
+    """Run the pipeline and check it; the returned report says whether it held.
+
+    ``handler`` is the order handler (another one only to show the checks catch a
+    handler whose outputs differ from the order rules).
+    """
     from pyspark.sql import functions as F
 
     run_id = uuid.uuid4().hex[:8]
@@ -294,7 +301,7 @@ def run(spark: SparkSession, settings: Settings, workdir: str) -> Report:
             "retries it)"
         )
     started = time.perf_counter()
-    first = _outcomes(process_messages(messages, handle_order, dispatcher_url=flaky, **common))
+    first = _outcomes(process_messages(messages, handler, dispatcher_url=flaky, **common))
     seconds = time.perf_counter() - started
 
     _say(f"[3/5] sweep_outboxes: {settings.segments} segments")
@@ -310,7 +317,7 @@ def run(spark: SparkSession, settings: Settings, workdir: str) -> Report:
 
     _say("[4/5] replaying the whole input")
     second = _outcomes(
-        process_messages(messages, handle_order, dispatcher_url=settings.dispatcher_url, **common)
+        process_messages(messages, handler, dispatcher_url=settings.dispatcher_url, **common)
     )
 
     _say("[5/5] checking the stores and the outgoing queue against the input")

@@ -65,11 +65,6 @@ class Workload:
     delivered: list[dict[str, Any]]
     commands: list[dict[str, Any]]
 
-    @property
-    def distinct(self) -> int:
-        """Distinct message ids."""
-        return len(self.commands)
-
 
 def make_workload(
     orders: int, *, duplicates: float = 0.2, reorder: float = 0.05, window: int = 50, seed: int = 7

@@ -11,6 +11,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+from pyspark.sql.pandas.types import to_arrow_schema
+from pyspark.sql.types import (
+    ArrayType,
+    DataType,
+    DoubleType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+)
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from dedupstore.errors import (
@@ -35,17 +46,32 @@ __all__ = [
     "sweep_outboxes",
 ]
 
+
+def _schema(**columns: DataType) -> StructType:
+    return StructType([StructField(name, kind) for name, kind in columns.items()])
+
+
 #: One row per segment of :func:`sweep_outboxes`.
-SWEEP_SCHEMA = (
-    "segment int, segments int, entities_scanned long, ids_moved long, "
-    "conflicts_retried long, redispatched long, ids_left long, seconds double, "
-    "worker_peak_rss_bytes long"
+SWEEP_SCHEMA = _schema(
+    segment=IntegerType(),
+    segments=IntegerType(),
+    entities_scanned=LongType(),
+    ids_moved=LongType(),
+    conflicts_retried=LongType(),
+    redispatched=LongType(),
+    ids_left=LongType(),
+    seconds=DoubleType(),
+    worker_peak_rss_bytes=LongType(),
 )
 
 #: One row per message of :func:`process_messages`.
-PROCESS_SCHEMA = (
-    "message_id string, correlation_id string, outcome string, "
-    "outgoing_ids array<string>, attempts int, batch_attempts int"
+PROCESS_SCHEMA = _schema(
+    message_id=StringType(),
+    correlation_id=StringType(),
+    outcome=StringType(),
+    outgoing_ids=ArrayType(StringType()),
+    attempts=IntegerType(),
+    batch_attempts=IntegerType(),
 )
 
 _ID, _CID, _SEQ = "__dedupstore_id", "__dedupstore_cid", "__dedupstore_seq"
@@ -118,7 +144,7 @@ def sweep_outboxes(
                         max_attempts=max_attempts,
                     )
                 row = {**vars(done), "worker_peak_rss_bytes": _peak_rss()}
-                yield pa.RecordBatch.from_pylist([row], schema=_arrow(SWEEP_SCHEMA))
+                yield pa.RecordBatch.from_pylist([row], schema=to_arrow_schema(SWEEP_SCHEMA))
 
     plan = spark.range(0, segments, 1, segments).mapInArrow(sweep_segments, SWEEP_SCHEMA)
     rows = plan.collect()
@@ -130,23 +156,6 @@ def _peak_rss() -> int:
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-def _arrow(ddl: str) -> pa.Schema:
-    import pyarrow as pa
-
-    types = {
-        "int": pa.int32(),
-        "long": pa.int64(),
-        "double": pa.float64(),
-        "string": pa.string(),
-        "array<string>": pa.list_(pa.string()),
-    }
-    fields = []
-    for column in ddl.split(","):
-        name, kind = column.split()
-        fields.append(pa.field(name, types[kind]))
-    return pa.schema(fields)
 
 
 # ---------------------------------------------------------------------- processing
@@ -276,7 +285,7 @@ class _BatchRunner:
         self._max_attempts = max_attempts
         self._retries = retries
         self._processor: OutboxProcessor | None = None
-        self._schema = _arrow(PROCESS_SCHEMA)
+        self._schema = to_arrow_schema(PROCESS_SCHEMA)
 
     def _process(self, messages: list[Message]) -> list[ProcessResult]:
         if self._processor is None:
@@ -391,19 +400,26 @@ def drop_processed(
     dedup = ClientSpec.checked("dedup", dedup_url, dedup_options)
 
     def keep_new(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        import pyarrow as pa
-
-        with TaskClients(dedup=dedup) as task:
-            for batch in batches:
-                if batch.num_rows == 0:
-                    continue
-                raw = batch.column(id_col).to_pylist()
-                if any(v is None for v in raw):
-                    raise InvalidMessageId(f"column {id_col!r} holds a null id")
-                ids = [str(v) for v in raw]
-                done = task.get().dedup.processed_among(ids)
-                if done:
-                    batch = batch.filter(pa.array([v not in done for v in ids]))
-                yield batch
+        return _drop_processed_partition(batches, dedup, id_col)
 
     return df.mapInArrow(keep_new, df.schema)
+
+
+def _drop_processed_partition(
+    batches: Iterator[pa.RecordBatch], dedup: ClientSpec, id_col: str
+) -> Iterator[pa.RecordBatch]:
+    """One task of :func:`drop_processed`: one ``processed_among`` per non-empty batch."""
+    import pyarrow as pa
+
+    with TaskClients(dedup=dedup) as task:
+        for batch in batches:
+            if batch.num_rows == 0:
+                continue
+            raw = batch.column(id_col).to_pylist()
+            if any(v is None for v in raw):
+                raise InvalidMessageId(f"column {id_col!r} holds a null id")
+            ids = [str(v) for v in raw]
+            done = task.get().dedup.processed_among(ids)
+            if done:
+                batch = batch.filter(pa.array([v not in done for v in ids]))
+            yield batch

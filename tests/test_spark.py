@@ -16,17 +16,21 @@ import sys
 import threading
 import uuid
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
 import dedupstore
+from backends.sqlite import SqliteDeduplicationStore
 from dedupstore.errors import ConfigurationError
 from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send
 from spark_integration import drop_processed, process_messages, process_stream, sweep_outboxes
-from spark_integration.order_pipeline import INPUT_SCHEMA, FlakyDispatcher
+from spark_integration._clients import ClientSpec
+from spark_integration.order_pipeline import INPUT_SCHEMA, FlakyDispatcher, Settings, run
 from spark_integration.orders import expected_outgoing, handle_order, make_workload
+from spark_integration.pipeline import _drop_processed_partition
 from tests.outbox_backends import OutboxBackend
 from tests.spark_fixtures import TEST_AWS_ENV, spark_home
 
@@ -439,6 +443,63 @@ def test_bad_arguments_are_refused_before_any_io(spark: Any, tmp_path: Path) -> 
     with pytest.raises(ConfigurationError, match="streaming"):
         process_stream(df, handle_sequence, checkpoint=str(tmp_path / "c"), **good)
     assert not db.exists()
+
+
+class CountingSqliteStore(SqliteDeduplicationStore):
+    """Counts ``processed_among`` calls across instances (the test's own process only)."""
+
+    calls: ClassVar[list[int]] = []
+
+    def processed_among(self, message_ids: Iterable[str]) -> set[str]:
+        ids = list(message_ids)
+        CountingSqliteStore.calls.append(len(ids))
+        return super().processed_among(ids)
+
+
+@pytest.mark.sqlite
+def test_drop_processed_asks_the_store_once_per_batch(tmp_path: Path) -> None:
+    """The task function itself, in this process: one look-up per non-empty Arrow batch."""
+    import pyarrow as pa
+
+    dedupstore.register_backend("countsqlite", f"{__name__}:CountingSqliteStore", clobber=True)
+    url = f"countsqlite:///{tmp_path}/count.db"
+    with dedupstore.open_store(f"sqlite:///{tmp_path}/count.db") as store:
+        store.add_many([f"m{n}" for n in range(0, 3000, 2)])
+    batches = [
+        pa.RecordBatch.from_pylist([{"id": f"m{n}", "n": n} for n in range(start, start + 1000)])
+        for start in (0, 1000, 2000)
+    ]
+    empty = batches[0].slice(0, 0)
+    CountingSqliteStore.calls.clear()
+    spec = ClientSpec.checked("dedup", url)
+    kept = list(_drop_processed_partition(iter([batches[0], empty, *batches[1:]]), spec, "id"))
+    assert CountingSqliteStore.calls == [1000, 1000, 1000]
+    assert [row["n"] for b in kept for row in b.to_pylist()] == list(range(1, 3000, 2))
+
+
+def handle_order_without_first_item(
+    state: dict[str, Any], message: Message
+) -> tuple[dict[str, Any], list[Send]]:
+    """A handler that breaks the order rules: it never announces a first item."""
+    state, sends = handle_order(state, message)
+    return state, [s for s in sends if s.destination != "marketing.first-item-added"]
+
+
+@pytest.mark.parametrize("spark", ["local"], indirect=True)
+@pytest.mark.sqlite
+def test_the_demo_report_fails_when_the_outputs_are_wrong(spark: Any, tmp_path: Path) -> None:
+    """The report is not a constant: outputs that differ from the rules fail it."""
+    db = f"sqlite:///{tmp_path}/demo.db"
+    settings = Settings(
+        orders=40, entities_url=db, dedup_url=db, dispatcher_url=db, kill=False, batch_size=50
+    )
+    good = run(spark, settings, str(tmp_path))
+    assert good.ok
+    bad = run(spark, settings, str(tmp_path), handle_order_without_first_item)
+    failed = {c.name for c in bad.checks if not c.ok}
+    assert not bad.ok
+    assert failed == {"distinct outgoing ids", "outgoing ids = expected set"}
+    assert "INVARIANTS FAILED" in bad.render()
 
 
 # ---------------------------------------------------------------------- the jobs
