@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from dedupstore.dispatch import EncodedMessage, URLDispatcher
 from dedupstore.entities import EntityRecord, EntityStore, OutgoingMessage
@@ -33,13 +33,20 @@ class _Namespace:
         self.records: dict[tuple[str, str], tuple[float | None, str]] = {}
 
 
-_namespaces: dict[str, _Namespace] = {}
-_namespaces_lock = threading.Lock()
+S = TypeVar("S")
+#: (kind of data, name) -> the data every object opened with ``memory://<name>`` shares.
+_shared_by_name: dict[tuple[type, str], Any] = {}
+_shared_lock = threading.Lock()
 
 
-def _namespace(name: str) -> _Namespace:
-    with _namespaces_lock:
-        return _namespaces.setdefault(name, _Namespace())
+def _shared(kind: type[S], url: StoreURL) -> S:
+    """The ``kind`` data of ``url``'s name in this process, created on first use."""
+    key = (kind, namespace_name(url))
+    with _shared_lock:
+        if key not in _shared_by_name:
+            _shared_by_name[key] = kind()
+        shared: S = _shared_by_name[key]
+        return shared
 
 
 def namespace_name(url: StoreURL) -> str:
@@ -61,7 +68,7 @@ class MemoryDeduplicationStore(DeduplicationStore):
     def __init__(self, url: str | StoreURL = "memory://", /, **options: object) -> None:
         """Open ``memory://<name>`` (the empty name is a namespace too)."""
         super().__init__(url, **options)
-        self._ns = _namespace(namespace_name(self._url))
+        self._ns = _shared(_Namespace, self._url)
 
     def _add_new(self, request: WriteRequest) -> set[str]:
         endpoint, records, now = self._endpoint, self._ns.records, request.now
@@ -111,14 +118,6 @@ class _Entities:
         self.records: dict[str, tuple[str, int, int, bool]] = {}
 
 
-_entity_namespaces: dict[str, _Entities] = {}
-
-
-def _entities(name: str) -> _Entities:
-    with _namespaces_lock:
-        return _entity_namespaces.setdefault(name, _Entities())
-
-
 class MemoryEntityStore(EntityStore):
     """In-process entity store (version: a counter per entity); shared per URL name."""
 
@@ -129,7 +128,7 @@ class MemoryEntityStore(EntityStore):
     def __init__(self, url: str | StoreURL = "memory://", /, **options: object) -> None:
         """Open ``memory://<name>``'s entities (separate from its deduplication records)."""
         super().__init__(url, **options)
-        self._ns = _entities(namespace_name(self._url))
+        self._ns = _shared(_Entities, self._url)
 
     def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
         with self._ns.lock:
@@ -174,14 +173,6 @@ class _Queue:
         self.sent: list[OutgoingMessage] = []
 
 
-_queues: dict[str, _Queue] = {}
-
-
-def _queue(name: str) -> _Queue:
-    with _namespaces_lock:
-        return _queues.setdefault(name, _Queue())
-
-
 class MemoryDispatcher(URLDispatcher):
     """A process-wide named queue: every dispatcher opened with ``memory://<name>`` shares it.
 
@@ -201,7 +192,7 @@ class MemoryDispatcher(URLDispatcher):
     def __init__(self, url: str | StoreURL = "memory://", /, **options: Any) -> None:
         """Open the queue of ``memory://<name>``; ``ConfigurationError`` for another URL."""
         super().__init__(url, **options)
-        self._queue = _queue(namespace_name(self._url))
+        self._queue = _shared(_Queue, self._url)
 
     @property
     def sent(self) -> list[OutgoingMessage]:

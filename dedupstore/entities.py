@@ -16,15 +16,17 @@ import abc
 import copy
 import hashlib
 import json
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from dedupstore.client import Client
 from dedupstore.errors import ConcurrencyConflict, EntityTooLarge, InvalidMessageId
 from dedupstore.ids import validate_ids, validate_message_id
 from dedupstore.options import OptionSet
 from dedupstore.urls import StoreURL
+
+T = TypeVar("T")
 
 __all__ = [
     "BUCKETS",
@@ -36,6 +38,7 @@ __all__ = [
     "canonical_json",
     "decode_entity",
     "encode_entity",
+    "groups_by_size",
 ]
 
 #: Entities are spread over this many buckets by a hash of their id; segment ``s``
@@ -162,6 +165,28 @@ class EntityRecord:
     version: Any
     bucket: int
     pending: bool
+    #: ``body`` encoded as UTF-8, in bytes (measured once, by the size check).
+    size: int = 0
+
+
+def groups_by_size(
+    items: Sequence[T], max_bytes: int, size: Callable[[T], int]
+) -> Iterator[list[T]]:
+    """``items`` in order, in consecutive groups of at most ``max_bytes`` (by ``size``).
+
+    An item larger than ``max_bytes`` alone makes a group of its own.
+    """
+    group: list[T] = []
+    total = 0
+    for item in items:
+        n = size(item)
+        if group and total + n > max_bytes:
+            yield group
+            group, total = [], 0
+        group.append(item)
+        total += n
+    if group:
+        yield group
 
 
 class EntityStore(Client):
@@ -305,4 +330,4 @@ class EntityStore(Client):
                 f"entity {eid!r:.80} encodes to {size} bytes; {type(self).__name__} holds at "
                 f"most {self.max_entity_bytes} bytes per entity (nothing was written)"
             )
-        return EntityRecord(eid, body, entity.version, bucket_of(eid), bool(entity.outbox))
+        return EntityRecord(eid, body, entity.version, bucket_of(eid), bool(entity.outbox), size)

@@ -35,7 +35,7 @@ import boto3
 import botocore.exceptions
 import pytest
 
-import backends.dynamodb as dynamodb_module
+import backends.dynamodb._client as dynamodb_client
 from backends.dynamodb import DynamoDBDeduplicationStore
 from dedupstore import (
     ConfigurationError,
@@ -184,7 +184,7 @@ def _inject(client: Any, operation: str, answers: list[dict[str, Any] | None]) -
 
 
 def _no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(dynamodb_module, "_BACKOFF_CAP", 0.0)
+    monkeypatch.setattr(dynamodb_client, "_BACKOFF_CAP", 0.0)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -425,13 +425,13 @@ def test_endless_conflicts_raise_store_unavailable(
             store.add_many(["e1", "e2"])
         assert isinstance(info.value.__cause__, botocore.exceptions.ClientError)
         assert store.processed_among(["e1", "e2"]) == set()
-        assert len(seen) == dynamodb_module._MAX_BACKOFF_ROUNDS + 1
+        assert len(seen) == dynamodb_client._MAX_BACKOFF_ROUNDS + 1
         conflict = {"Error": {"Code": "TransactionConflictException", "Message": "locked"}}
         seen = _inject(client, "PutItem", [json.loads(json.dumps(conflict)) for _ in range(50)])
         with pytest.raises(StoreUnavailable, match="TransactionConflictException") as info:
             store.add("e3")
         assert info.value.unknown == {"e3"}
-        assert len(seen) == dynamodb_module._MAX_BACKOFF_ROUNDS + 1
+        assert len(seen) == dynamodb_client._MAX_BACKOFF_ROUNDS + 1
 
 
 @pytest.mark.parametrize(

@@ -440,9 +440,9 @@ def test_throttling_and_server_errors_raise_store_unavailable(
 def test_unprocessed_keys_are_asked_again_then_give_up(
     dynamodb_server: DynamoDBEndpoint, entity_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import backends.dynamodb as package
+    import backends.dynamodb._client as dynamodb_client
 
-    monkeypatch.setattr(package, "_BACKOFF_CAP", 0.0)
+    monkeypatch.setattr(dynamodb_client, "_BACKOFF_CAP", 0.0)
     client = _client(dynamodb_server)
     table = _table(entity_url)
     with DynamoDBEntityStore(entity_url, client=client) as store:
@@ -462,7 +462,7 @@ def test_unprocessed_keys_are_asked_again_then_give_up(
         seen = _inject(client, "BatchGetItem", stuck)
         with pytest.raises(StoreUnavailable, match="unprocessed"):
             store.load("u1")
-        assert len(seen) == package._MAX_BACKOFF_ROUNDS + 1
+        assert len(seen) == dynamodb_client._MAX_BACKOFF_ROUNDS + 1
 
 
 # ---------------------------------------------------------------------- opening and options

@@ -208,6 +208,21 @@ def test_row_layout_beside_the_deduplication_table(
     assert options == [(["fillfactor=80"],)]
 
 
+def test_health_warnings_cover_the_entity_table(
+    postgres_server: Server, factory: EntityStoreFactory, fresh_table: str
+) -> None:
+    """The entity store reports the same risks as the deduplication store (shared client)."""
+    with factory() as store:
+        assert store.health_warnings() == []
+        _exec(
+            postgres_server.url,
+            sql.SQL("ALTER TABLE {} SET UNLOGGED").format(sql.Identifier(fresh_table)),
+        )
+        assert store.health_warnings() == [
+            f'table "{fresh_table}" is UNLOGGED: PostgreSQL empties it after a crash'
+        ]
+
+
 def test_one_statement_per_chunk(factory: EntityStoreFactory, fresh_table: str) -> None:
     store = factory()
     statements = _Statements(store, fresh_table)

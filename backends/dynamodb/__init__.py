@@ -52,13 +52,6 @@ schema, a request DynamoDB rejects as invalid: fix the setup), ``ConsistencyErro
 
 from __future__ import annotations
 
-import sys
-import types
-
-from backends.dynamodb import _client
-from backends.dynamodb._client import _BACKOFF_BASE as _BACKOFF_BASE
-from backends.dynamodb._client import _BACKOFF_CAP as _BACKOFF_CAP
-from backends.dynamodb._client import _MAX_BACKOFF_ROUNDS as _MAX_BACKOFF_ROUNDS
 from backends.dynamodb._client import (
     MAX_BATCH_GET_KEYS,
     MAX_TRANSACT_ITEMS,
@@ -74,16 +67,3 @@ __all__ = [
     "DynamoDBDeduplicationStore",
     "DynamoDBEntityStore",
 ]
-
-
-class _Package(types.ModuleType):
-    """The backoff tunables are re-exported above (tests shorten the pauses by setting
-    ``backends.dynamodb._BACKOFF_CAP``): setting one here sets it where it is read."""
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name in _client.TUNABLES:
-            setattr(_client, name, value)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

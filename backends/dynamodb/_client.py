@@ -102,8 +102,6 @@ _TRANSIENT_ERRORS = (
 _MAX_BACKOFF_ROUNDS = 10
 _BACKOFF_BASE = 0.025
 _BACKOFF_CAP = 2.0
-#: The tunables above, which ``backends.dynamodb`` forwards here when set on it.
-TUNABLES = frozenset({"_MAX_BACKOFF_ROUNDS", "_BACKOFF_BASE", "_BACKOFF_CAP"})
 
 
 def _number(value: float) -> AttributeValueTypeDef:

@@ -256,6 +256,35 @@ def _server_closed(conn: Connection) -> bool:
     return bool(poller.poll(0))
 
 
+#: (setting, value that puts acknowledged writes at risk, warning).
+_RISKY_SETTINGS = (
+    (
+        "fsync",
+        "off",
+        "fsync is off on the PostgreSQL server: an OS crash or power loss can lose or "
+        "corrupt {kind}'s rows",
+    ),
+    (
+        "full_page_writes",
+        "off",
+        "full_page_writes is off on the PostgreSQL server: a crash can corrupt {kind}",
+    ),
+    (
+        "synchronous_commit",
+        "off",
+        "synchronous_commit is off on the PostgreSQL server: a crash loses recent commits "
+        "of other clients (this store turns it on for its own sessions)",
+    ),
+    (
+        "session synchronous_commit",
+        "off",
+        "synchronous_commit is off in this store's sessions: a crash can lose writes it "
+        "acknowledged",
+    ),
+    ("relpersistence", "u", "table {table} is UNLOGGED: PostgreSQL empties it after a crash"),
+)
+
+
 class PostgresClient(Client):
     """A PostgreSQL table through a psycopg connection pool: what both stores share.
 
@@ -527,6 +556,26 @@ class PostgresClient(Client):
                 if attempt >= _WRITE_ATTEMPTS:
                     raise
                 attempt += 1
+
+    def _health_warnings(self) -> list[str]:
+        """The server settings and table persistence that put acknowledged writes at risk."""
+        with self._connection() as conn:
+            settings = self._execute(
+                conn,
+                "SELECT name, reset_val FROM pg_settings "
+                "WHERE name IN ('fsync', 'synchronous_commit', 'full_page_writes') "
+                "UNION ALL SELECT 'session synchronous_commit', "
+                "current_setting('synchronous_commit') "
+                "UNION ALL SELECT 'relpersistence', relpersistence::text FROM pg_class "
+                "WHERE oid = to_regclass(%s)",
+                [self._table_text],
+            )
+        values = {str(name): str(value) for name, value in settings}
+        return [
+            message.format(table=self._table_text, kind=self.table_kind)
+            for setting, bad, message in _RISKY_SETTINGS
+            if values.get(setting) == bad
+        ]
 
     def _read(self, query: bytes, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
         """Run a read; retried once on a connection that broke under it."""

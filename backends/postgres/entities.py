@@ -65,7 +65,7 @@ from psycopg import sql
 from psycopg.rows import TupleRow
 
 from backends.postgres._client import CREATE, PostgresClient, index_name, postgres_options
-from dedupstore.entities import EntityRecord, EntityStore
+from dedupstore.entities import EntityRecord, EntityStore, groups_by_size
 from dedupstore.options import OptionSet
 from dedupstore.urls import StoreURL
 
@@ -203,15 +203,7 @@ class PostgresEntityStore(PostgresClient, EntityStore):
                 candidates.append((record, expected + 1))
         candidates.sort(key=lambda pair: pair[0].id)  # one lock order for every saver
         saved: dict[str, Any] = {}
-        group: list[tuple[EntityRecord, int]] = []
-        size = 0
-        for pair in candidates:
-            if group and size + len(pair[0].body) > _STATEMENT_BYTES:
-                saved.update(self._save_group(group))
-                group, size = [], 0
-            group.append(pair)
-            size += len(pair[0].body)
-        if group:
+        for group in groups_by_size(candidates, _STATEMENT_BYTES, lambda pair: pair[0].size):
             saved.update(self._save_group(group))
         return saved
 

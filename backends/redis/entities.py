@@ -61,7 +61,7 @@ from backends.redis._client import (
     escape,
     key_prefix_option,
 )
-from dedupstore.entities import EntityRecord, EntityStore
+from dedupstore.entities import EntityRecord, EntityStore, groups_by_size
 from dedupstore.errors import StoreUnavailable
 from dedupstore.options import OptionSet
 from dedupstore.urls import StoreURL
@@ -235,16 +235,7 @@ class RedisEntityStore(RedisClient, EntityStore):
         """One script call per group of records (up to 16 MiB of bodies)."""
         token = secrets.token_hex(16)
         saved: dict[str, Any] = {}
-        group: list[EntityRecord] = []
-        size = 0
-        for record in records:
-            body_size = len(record.body.encode("utf-8"))
-            if group and size + body_size > _MAX_CALL_BYTES:
-                saved.update(self._save_group(group, token))
-                group, size = [], 0
-            group.append(record)
-            size += body_size
-        if group:
+        for group in groups_by_size(records, _MAX_CALL_BYTES, lambda r: r.size):
             saved.update(self._save_group(group, token))
         return saved
 
