@@ -172,11 +172,14 @@ class OutboxProcessor:
         ``max_attempts`` conflicts, ``StoreUnavailable``, and whatever the handler or
         the dispatcher raises (then the message must be redelivered).
         """
+        return self._process(message, handler, set())
+
+    def _process(self, message: Message, handler: Handler, dispatched: set[str]) -> ProcessResult:
+        """:meth:`process`, not sending again the outgoing ids in ``dispatched``."""
         mid = validate_message_id(message.id)
         validate_message_id(message.correlation_id, "correlation id")
         applied = False
         outcome: Outcome | None = None
-        dispatched: set[str] = set()
         for attempt in range(1, self.max_attempts + 1):
             try:
                 entity = self.entities.load(message.correlation_id)
@@ -215,7 +218,7 @@ class OutboxProcessor:
         outgoing = [
             OutgoingMessage(
                 id=outgoing_id(message.id, position),
-                destination=str(send.destination),
+                destination=validate_message_id(str(send.destination), "destination"),
                 body=body,
                 headers={str(k): str(v) for k, v in dict(send.headers).items()},
             )
@@ -274,11 +277,11 @@ class OutboxProcessor:
                 changed.add(entity.id)
                 results[index] = ProcessResult(message.id, "processed", tuple(outgoing))
         first_conflicts = self.entities.save_many([entities[cid] for cid in changed])
-        late_conflicts = self._dispatch_and_clean_up(messages, entities, first_conflicts)
+        late_conflicts, sent = self._dispatch_and_clean_up(messages, entities, first_conflicts)
         for index, message in enumerate(messages):
             cid = message.correlation_id
             if cid in first_conflicts or cid in late_conflicts:
-                alone = self.process(message, handler)
+                alone = self._process(message, handler, set(sent))
                 if message.id in applied and cid not in first_conflicts:
                     alone = replace(alone, outcome="processed")  # its change was saved above
                 results[index] = alone
@@ -286,8 +289,12 @@ class OutboxProcessor:
 
     def _dispatch_and_clean_up(
         self, messages: Sequence[Message], entities: dict[str, Entity], skip: set[str]
-    ) -> set[str]:
-        """Steps 4-5 for the entities saved; return the ids of those whose clean-up conflicted."""
+    ) -> tuple[set[str], set[str]]:
+        """Steps 4-5 for the entities saved.
+
+        Returns the ids of the entities whose clean-up conflicted, and the outgoing ids
+        dispatched (a retry of a conflicted entity does not send them again).
+        """
         entries: dict[str, Entity] = {}  # message id -> its (saved) entity holding the entry
         for message in messages:
             entity = entities[message.correlation_id]
@@ -307,7 +314,8 @@ class OutboxProcessor:
             else:
                 continue
             to_save[entity.id] = entity
-        return self.entities.save_many(list(to_save.values())) if to_save else set()
+        conflicts = self.entities.save_many(list(to_save.values())) if to_save else set()
+        return conflicts, {m.id for m in outgoing}
 
 
 # ---------------------------------------------------------------------- the sweep
@@ -350,25 +358,25 @@ def sweep(
     started = time.perf_counter()
     result = SweepResult(segment=segment, segments=segments)
     batch: list[tuple[Entity, list[str]]] = []
+    relay: list[OutgoingMessage] = []  # pending entries of the batch, sent in one call
     size = 0
     for entity in entities.pending_outboxes(segment, segments):
         result.entities_scanned += 1
-        if redispatch is not None and entity.pending:
-            pending = entity.pending
-            redispatch.dispatch([m for mid in pending for m in entity.outbox[mid] or []])
-            result.redispatched += len(pending)
-            for mid in pending:
-                entity.outbox[mid] = None
+        pending = entity.pending if redispatch is not None else []
+        for mid in pending:
+            relay.extend(entity.outbox[mid] or [])
+            entity.outbox[mid] = None
+        result.redispatched += len(pending)
         done = entity.dispatched
         if not done:
             continue
         batch.append((entity, done))
         size += len(done)
         if size >= batch_ids:
-            _flush(entities, dedup, batch, result, max_attempts)
-            batch, size = [], 0
+            _flush(entities, dedup, batch, result, max_attempts, redispatch, relay)
+            batch, relay, size = [], [], 0
     if batch:
-        _flush(entities, dedup, batch, result, max_attempts)
+        _flush(entities, dedup, batch, result, max_attempts, redispatch, relay)
     result.seconds = time.perf_counter() - started
     return result
 
@@ -379,8 +387,12 @@ def _flush(
     batch: list[tuple[Entity, list[str]]],
     result: SweepResult,
     max_attempts: int,
+    redispatch: Dispatcher | None,
+    relay: list[OutgoingMessage],
 ) -> None:
-    """``add_many`` the batch's ids, then remove them from their outboxes."""
+    """Dispatch ``relay`` (one call), ``add_many`` the batch's ids, then remove them."""
+    if redispatch is not None and relay:
+        redispatch.dispatch(relay)
     dedup.add_many([mid for _, ids in batch for mid in ids])
     moved = {entity.id: ids for entity, ids in batch}
     for entity, ids in batch:

@@ -192,7 +192,9 @@ def process_messages(
     """Process a DataFrame of messages exactly once; one result row per input row.
 
     Rows are repartitioned by ``correlation_col`` so one entity's messages are
-    handled by one task, in ``order_col`` order when given, else in input order,
+    handled by one task, in ``order_col`` order when given, else in input order (the
+    order in which ``df``'s partitions hold them; after a shuffle upstream that order
+    can change between evaluations, so give ``order_col`` when order matters),
     over ``partitions`` tasks (default ``spark.sql.shuffle.partitions``).
     Each task opens its own clients and runs
     :meth:`~dedupstore.outbox.OutboxProcessor.process_batch` over ``batch_size``

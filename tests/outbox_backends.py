@@ -90,6 +90,7 @@ def outbox_backend(
             f"{server.url}?table=dedup_{tag}&create=true",
             {},
         )
+        cleanup.append(lambda: _drop_postgres(server.url, [f"ent_{tag}", f"dedup_{tag}"]))
     elif name == "redis":
         server = request.getfixturevalue("unsynced_redis_server")
         backend = OutboxBackend(

@@ -180,11 +180,56 @@ class SaveWithoutToken(OutboxProcessor):
         super().__init__(_BlindSaves(entities), *args, **kwargs)  # type: ignore[arg-type]
 
 
+class _ForgetfulAmong:
+    """A deduplication store whose ``processed_among`` answers "none of them"."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def processed_among(self, ids: Any) -> set[str]:
+        return set()
+
+
+class BatchIgnoresTheStore(OutboxProcessor):
+    """BROKEN: ``process_batch`` never learns which ids the store already holds."""
+
+    def __init__(self, entities: EntityStore, dedup: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(entities, _ForgetfulAmong(dedup), *args, **kwargs)
+
+
+class _DispatchingSaves:
+    """An entity store whose ``save_many`` dispatches the pending outboxes first."""
+
+    def __init__(self, real: Any, dispatcher: Any) -> None:
+        self._real, self._dispatcher = real, dispatcher
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def save_many(self, entities: Sequence[Entity]) -> set[str]:
+        pending = [m for e in entities for entry in e.outbox.values() for m in entry or []]
+        if pending:
+            self._dispatcher.dispatch(pending)
+        return self._real.save_many(entities)  # type: ignore[no-any-return]
+
+
+class BatchDispatchBeforeSave(OutboxProcessor):
+    """BROKEN: ``process_batch`` dispatches the new outgoing messages before saving them."""
+
+    def __init__(self, entities: EntityStore, dedup: Any, dispatcher: Any, **kwargs: Any) -> None:
+        super().__init__(_DispatchingSaves(entities, dispatcher), dedup, dispatcher, **kwargs)  # type: ignore[arg-type]
+
+
 BROKEN = {
     "check-before-load": (CheckBeforeLoad, (ONE, ONE), 1, "inline", {"once", "honest-result"}),
     "dispatch-before-save": (DispatchBeforeSave, (ONE, ONE), 1, "deferred", {"ghost"}),
     "remove-before-add": (RemoveBeforeAdd, (ONE, ONE), 1, "inline", {"in-outbox-or-store"}),
     "save-without-token": (SaveWithoutToken, (ONE, OTHER), 2, "deferred", {"once", "ghost"}),
+    "batch-ignores-the-store": (BatchIgnoresTheStore, (BATCH, ONE), 2, "inline", {"once"}),
+    "batch-dispatch-before-save": (BatchDispatchBeforeSave, (BATCH, ONE), 2, "deferred", {"ghost"}),
 }
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import uuid
+from collections import Counter
 from typing import Any
 
 import pytest
 
 from backends.memory import MemoryDeduplicationStore, MemoryEntityStore
+from dedupstore.errors import InvalidMessageId
 from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send, sweep
 from dedupstore.testing.entities import EntityStoreContract, EntityStoreFactory
 
@@ -95,6 +97,7 @@ def test_process_batch_retries_conflicting_entities_alone(cleanup: str, nth: int
     assert dedup.processed_among([m.id for m in messages]) == {m.id for m in messages}
     sent = {m.id: m for m in dispatcher.sent}
     assert len(sent) == 4 + 2, "one event per item, one first-item event per order"
+    assert len(dispatcher.sent) == len(sent), "a conflict after dispatch does not send again"
     for message in dispatcher.sent:
         assert message == sent[message.id], "a re-dispatch is byte-identical"
 
@@ -111,3 +114,87 @@ def test_sweep_reloads_an_entity_that_changed_under_it() -> None:
     entity = entities.load("order-1")
     assert entity.outbox == {} and entity.state["touched"] == 1
     assert dedup.has_been_processed("m1")
+
+
+class _Counting:
+    """Counts the calls made to the wrapped object's methods."""
+
+    def __init__(self, inner: Any, calls: Counter[str]) -> None:
+        self._inner, self._calls = inner, calls
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._inner, name)
+        if not callable(attribute):
+            return attribute
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self._calls[name] += 1
+            return attribute(*args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.parametrize("count", [100, 1000])
+@pytest.mark.parametrize(
+    ("cleanup", "expected"),
+    [
+        (
+            "inline",
+            {"load_many": 1, "processed_among": 1, "save_many": 2, "dispatch": 1, "add_many": 1},
+        ),
+        ("deferred", {"load_many": 1, "processed_among": 1, "save_many": 2, "dispatch": 1}),
+    ],
+)
+def test_process_batch_makes_round_trips_per_batch_not_per_message(
+    count: int, cleanup: str, expected: dict[str, int]
+) -> None:
+    url = f"memory://{uuid.uuid4().hex}"
+    calls: Counter[str] = Counter()
+    entities = _Counting(MemoryEntityStore(url), calls)
+    dedup = _Counting(MemoryDeduplicationStore(url), calls)
+    dispatcher = _Counting(InMemoryDispatcher(), calls)
+    processor = OutboxProcessor(entities, dedup, dispatcher, cleanup=cleanup)  # type: ignore[arg-type]
+    messages = [Message(f"m{n}", f"order-{n % 37}", f"item-{n}") for n in range(count)]
+    assert [r.outcome for r in processor.process_batch(messages, order_handler)] == [
+        "processed"
+    ] * count
+    assert dict(calls) == expected
+
+
+def test_a_bad_destination_is_refused_before_the_save() -> None:
+    """A handler's destination breaks the id rules: nothing is saved that could never be sent."""
+    url = f"memory://{uuid.uuid4().hex}"
+    entities, dedup = MemoryEntityStore(url), MemoryDeduplicationStore(url)
+    dispatcher = InMemoryDispatcher()
+    processor = OutboxProcessor(entities, dedup, dispatcher)
+
+    def nowhere(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+        return state, [Send("", {"lost": True})]
+
+    with pytest.raises(InvalidMessageId, match="destination"):
+        processor.process(Message("m1", "order-1", "x"), nowhere)
+    with pytest.raises(InvalidMessageId, match="destination"):
+        processor.process_batch([Message("m2", "order-2", "x")], nowhere)
+    assert entities.load("order-1").version is None and entities.load("order-2").version is None
+    assert dispatcher.sent == []
+
+
+def test_the_sweep_relays_pending_entries_in_one_dispatch_per_batch() -> None:
+    url = f"memory://{uuid.uuid4().hex}"
+    entities, dedup = MemoryEntityStore(url), MemoryDeduplicationStore(url)
+
+    class Refusing:
+        def dispatch(self, messages: Any) -> None:
+            raise RuntimeError("broker down")
+
+    processor = OutboxProcessor(entities, dedup, Refusing(), cleanup="deferred")  # type: ignore[arg-type]
+    messages = [Message(f"m{n}", f"order-{n}", f"item-{n}") for n in range(50)]
+    with pytest.raises(RuntimeError):
+        processor.process_batch(messages, order_handler)
+    calls: Counter[str] = Counter()
+    relay = InMemoryDispatcher()
+    result = sweep(entities, dedup, redispatch=_Counting(relay, calls), batch_ids=20)  # type: ignore[arg-type]
+    assert result.redispatched == 50 and result.ids_moved == 50
+    assert calls["dispatch"] == 3  # batches of 20, 20 and 10 ids, not one call per entity
+    assert len({m.id for m in relay.sent}) == len(relay.sent) == 100
+    assert dedup.processed_among([m.id for m in messages]) == {m.id for m in messages}

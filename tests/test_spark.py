@@ -316,26 +316,42 @@ def test_a_killed_task_is_retried_and_a_rerun_changes_nothing(
     _assert_exactly_once(outbox_backend, commands, queue, swept=True)
 
 
-@pytest.mark.parametrize(("spark", "outbox_backend"), _pairs([("local", "sqlite")]), indirect=True)
-def test_input_order_is_kept_per_entity_without_an_order_column(
+@pytest.mark.parametrize(
+    ("spark", "outbox_backend"), _pairs([("local", "sqlite"), ("cluster", "sqlite")]), indirect=True
+)
+def test_each_entity_sees_its_messages_in_order(
     spark: Any, outbox_backend: OutboxBackend, tmp_path: Path
 ) -> None:
-    rows = [(f"m{n:04d}", f"e{n % 7}", n) for n in range(400)]
-    df = spark.createDataFrame(rows, "id string, correlation_id string, n int").repartition(3)
-    # repartition(3) scatters the rows: "input order" is the order of df as it stands
-    order = {r["id"]: i for i, r in enumerate(df.collect())}
-    results = process_messages(
-        df,
-        handle_sequence,
-        dispatcher_url=f"sqlite:///{tmp_path}/q.db",
-        batch_size=16,
-        **_urls(outbox_backend),
-    ).collect()
-    assert Counter(r["outcome"] for r in results) == Counter({"processed": 400})
-    with outbox_backend.entities() as ents:
-        for e in range(7):
-            seen = ents.load(f"e{e}").state["seen"]
-            assert seen == sorted(seen, key=order.__getitem__) and len(seen) == len(set(seen))
+    """Input order without an order column; the column's order, against the input, with one."""
+    # ids out of step with the input order, ranks against it; the input spans partitions,
+    # so on the cluster the shuffle's fetch order differs from the input order
+    rows = [(f"m{(n * 7919) % 400:04d}", f"e{n % 7}", 400 - n) for n in range(400)]
+    df = spark.createDataFrame(rows, "id string, correlation_id string, rank int")
+    order = {r[0]: i for i, r in enumerate(rows)}
+    rank = {r[0]: r[2] for r in rows}
+    from pyspark.sql import functions as F
+
+    for order_col, tag, key in ((None, "in", order.__getitem__), ("rank", "by", rank.__getitem__)):
+        results = process_messages(
+            df.withColumns(
+                {
+                    "id": F.concat(F.lit(f"{tag}-"), df.id),
+                    "correlation_id": F.concat(df.correlation_id, F.lit(f"-{tag}")),
+                }
+            ),
+            handle_sequence,
+            dispatcher_url=f"sqlite:///{tmp_path}/q.db",
+            order_col=order_col,
+            batch_size=16,
+            **_urls(outbox_backend),
+        ).collect()
+        assert Counter(r["outcome"] for r in results) == Counter({"processed": 400})
+        with outbox_backend.entities() as ents:
+            for e in range(7):
+                seen = ents.load(f"e{e}-{tag}").state["seen"]
+                assert len(seen) == len(set(seen)) == len(range(e, 400, 7))
+                seen = [mid.split("-", 1)[1] for mid in seen]
+                assert seen == sorted(seen, key=key), (order_col, e)
 
 
 def handle_sequence(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
