@@ -30,6 +30,7 @@ T = TypeVar("T")
 
 __all__ = [
     "BUCKETS",
+    "ENTITY_FRAME_BYTES",
     "Entity",
     "EntityRecord",
     "EntityStore",
@@ -38,7 +39,9 @@ __all__ = [
     "canonical_json",
     "decode_entity",
     "encode_entity",
+    "entry_size",
     "groups_by_size",
+    "json_size",
 ]
 
 #: Entities are spread over this many buckets by a hash of their id; segment ``s``
@@ -127,6 +130,22 @@ def canonical_json(value: Any) -> str:
     )
 
 
+def json_size(value: Any) -> int:
+    """UTF-8 bytes of :func:`canonical_json` of ``value``."""
+    return len(canonical_json(value).encode("utf-8"))
+
+
+def entry_size(message_id: str, entry: Any) -> int:
+    """UTF-8 bytes of one outbox entry ``"<id>":<entry>`` in :func:`encode_entity`'s text."""
+    return json_size({message_id: entry}) - 2
+
+
+#: Bytes of :func:`encode_entity`'s text around the state and the entries: an entity
+#: encodes to ``ENTITY_FRAME_BYTES + json_size(state) + sum(entry sizes) + (n - 1)``
+#: for ``n >= 1`` entries (the commas), ``ENTITY_FRAME_BYTES + json_size(state)`` with none.
+ENTITY_FRAME_BYTES = len('{"outbox":{},"state":}')
+
+
 def encode_entity(entity: Entity) -> str:
     """Canonical JSON of the entity's state and outbox (sorted keys, no NaN).
 
@@ -209,7 +228,7 @@ class EntityStore(Client):
     #: Largest number of entities handed to one primitive call.
     max_batch: ClassVar[int] = 100
 
-    declared_options: ClassVar[OptionSet] = OptionSet()
+    declared_options: ClassVar[OptionSet] = Client.declared_options
 
     def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
         """Resolve the options; backends then connect. Raises ``ConfigurationError``."""

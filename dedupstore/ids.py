@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
+import uuid
 from collections.abc import Iterable
 
 from dedupstore.errors import ConfigurationError, InvalidMessageId
 
-__all__ = ["MAX_ID_BYTES", "validate_endpoint", "validate_ids", "validate_message_id"]
+__all__ = [
+    "MAX_ID_BYTES",
+    "OUTGOING_NAMESPACE",
+    "message_key",
+    "outgoing_id",
+    "validate_endpoint",
+    "validate_ids",
+    "validate_message_id",
+]
 
 #: The largest message id, in UTF-8 bytes, that every backend accepts.
 MAX_ID_BYTES = 1024
@@ -67,3 +77,45 @@ def validate_endpoint(endpoint: object) -> str:
         return validate_message_id(endpoint, "name")
     except InvalidMessageId as exc:
         raise ConfigurationError(f"invalid endpoint: {exc}") from None
+
+
+# ---------------------------------------------------------------------- message identity
+#
+# A message is identified by (consumer, entity, message id): the consumer is the
+# deduplication store's endpoint (records are kept per endpoint), the entity is the
+# message's correlation id. Producers often make ids unique only per entity
+# (per-account sequence numbers, per-partition offsets), so the same message id under
+# two entities is two messages, and two consumers of one event are two processings.
+
+#: Namespace of the UUIDv5 outgoing message ids (:func:`outgoing_id`).
+OUTGOING_NAMESPACE = uuid.UUID("6f1e6a52-4d0b-5c55-9a57-2a7d1c0b9e41")
+
+_KEY_HASH_PREFIX = "#"
+
+
+def message_key(correlation_id: str, message_id: str) -> str:
+    """The id under which a processed message is recorded in the deduplication store.
+
+    ``"<n>:<correlation id>:<message id>"``, ``n`` being the correlation id's length
+    in characters, so the key is unambiguous and readable (``"5:alice:txn-1"``).
+    When that is longer than :data:`MAX_ID_BYTES` in UTF-8, the key is ``"#"`` and
+    the SHA-256 (hex) of that text instead: a key never starts with ``"#"``
+    otherwise. Both arguments must be valid ids (not checked here: callers validate
+    once, before any I/O). The deduplication store adds the consumer (its endpoint).
+    """
+    key = f"{len(correlation_id)}:{correlation_id}:{message_id}"
+    if len(key) * 4 > MAX_ID_BYTES and len(key.encode("utf-8")) > MAX_ID_BYTES:
+        return _KEY_HASH_PREFIX + hashlib.sha256(key.encode("utf-8")).hexdigest()
+    return key
+
+
+def outgoing_id(consumer: str, correlation_id: str, message_id: str, position: int) -> str:
+    """The id of the ``position``-th outgoing message of one processing (UUIDv5 text).
+
+    Derived from the consumer (the deduplication store's endpoint), the entity
+    (correlation id), the incoming message id and the position, joined by NUL
+    (which no id contains), so a re-run gives the same id and no two processings
+    (another consumer, another entity, another message) share one.
+    """
+    name = f"{consumer}\x00{correlation_id}\x00{message_id}\x00{position}"
+    return str(uuid.uuid5(OUTGOING_NAMESPACE, name))

@@ -28,14 +28,20 @@ import copy
 import json
 import threading
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from dedupstore.entities import Entity, EntityStore, OutgoingMessage
-from dedupstore.errors import ConcurrencyConflict, ConfigurationError
-from dedupstore.ids import validate_message_id
+from dedupstore.entities import (
+    ENTITY_FRAME_BYTES,
+    Entity,
+    EntityStore,
+    OutgoingMessage,
+    entry_size,
+    json_size,
+)
+from dedupstore.errors import ConcurrencyConflict, ConfigurationError, EntityTooLarge
+from dedupstore.ids import MAX_ID_BYTES, message_key, outgoing_id, validate_message_id
 from dedupstore.store import DeduplicationStore
 
 __all__ = [
@@ -47,12 +53,10 @@ __all__ = [
     "ProcessResult",
     "Send",
     "SweepResult",
+    "message_key",
     "outgoing_id",
     "sweep",
 ]
-
-#: Namespace of the UUIDv5 outgoing message ids.
-OUTGOING_NAMESPACE = uuid.UUID("6f1e6a52-4d0b-5c55-9a57-2a7d1c0b9e41")
 
 Outcome = Literal["processed", "duplicate", "redispatched"]
 
@@ -118,12 +122,6 @@ class ProcessResult:
     attempts: int = 1
 
 
-def outgoing_id(message_id: str, position: int) -> str:
-    """The id of the ``position``-th outgoing message of ``message_id`` (UUIDv5)."""
-    # "<position>:<id>" is unambiguous: the position is digits, the first ":" ends it.
-    return str(uuid.uuid5(OUTGOING_NAMESPACE, f"{position}:{message_id}"))
-
-
 def _normalized(value: Any) -> Any:
     """``value`` as it will be after a JSON round trip (tuples become lists, ...)."""
     try:
@@ -137,10 +135,18 @@ def _normalized(value: Any) -> Any:
 class OutboxProcessor:
     """Processes messages exactly once: entity state, outbox, dispatch, then the id.
 
+    A message is identified by (consumer, entity, message id): the consumer is the
+    deduplication store's endpoint, the entity the message's correlation id. The same
+    message id under two entities is two messages; the deduplication store records
+    :func:`~dedupstore.ids.message_key` ``(correlation id, message id)``.
+
     ``cleanup="inline"`` moves each id to the deduplication store as part of
     processing (two more round trips); ``"deferred"`` only marks the outbox entry
-    dispatched and leaves the move to :func:`sweep`. ``max_attempts`` bounds the
-    retries after ``ConcurrencyConflict``. Thread-safe if the stores are.
+    dispatched and leaves the move to :func:`sweep`, except that an entity holding
+    more than ``deferred_limit`` dispatched ids (or more than an eighth of the entity
+    store's ``max_entity_bytes`` of them) has them moved inline, so a hot entity's
+    record never grows with the number of messages it received. ``max_attempts``
+    bounds the retries after ``ConcurrencyConflict``. Thread-safe if the stores are.
     """
 
     def __init__(
@@ -151,17 +157,26 @@ class OutboxProcessor:
         *,
         cleanup: Literal["inline", "deferred"] = "inline",
         max_attempts: int = 10,
+        deferred_limit: int = 1000,
     ) -> None:
-        """Raises ``ConfigurationError`` for an unknown ``cleanup`` or ``max_attempts < 1``."""
+        """Raises ``ConfigurationError`` for an unknown ``cleanup``, ``max_attempts < 1``
+        or ``deferred_limit < 1``."""
         if cleanup not in ("inline", "deferred"):
             raise ConfigurationError(f"cleanup must be 'inline' or 'deferred', got {cleanup!r}")
-        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-            raise ConfigurationError(f"max_attempts must be an int >= 1, got {max_attempts!r}")
+        for name, value in (("max_attempts", max_attempts), ("deferred_limit", deferred_limit)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
         self.entities = entities
         self.dedup = dedup
         self.dispatcher = dispatcher
         self.cleanup = cleanup
         self.max_attempts = max_attempts
+        self.deferred_limit = deferred_limit
+
+    @property
+    def consumer(self) -> str:
+        """The consumer's name: the deduplication store's endpoint."""
+        return self.dedup.endpoint
 
     # ------------------------------------------------------------------ one message
 
@@ -169,27 +184,31 @@ class OutboxProcessor:
         """Run the algorithm for one message; return what it did.
 
         Raises ``InvalidMessageId`` (before any I/O), ``ConcurrencyConflict`` after
-        ``max_attempts`` conflicts, ``StoreUnavailable``, and whatever the handler or
-        the dispatcher raises (then the message must be redelivered).
+        ``max_attempts`` conflicts, ``EntityTooLarge`` when the message's own new
+        state and outgoing messages do not fit in one entity record (nothing of it
+        is saved), ``StoreUnavailable``, and whatever the handler or the dispatcher
+        raises (then the message must be redelivered).
         """
+        _validate(message)
         return self._process(message, handler, set())
 
     def _process(self, message: Message, handler: Handler, dispatched: set[str]) -> ProcessResult:
         """:meth:`process`, not sending again the outgoing ids in ``dispatched``."""
-        mid = validate_message_id(message.id)
-        validate_message_id(message.correlation_id, "correlation id")
+        mid, cid = message.id, message.correlation_id
+        key = message_key(cid, mid)
         applied = False
         outcome: Outcome | None = None
         for attempt in range(1, self.max_attempts + 1):
             try:
-                entity = self.entities.load(message.correlation_id)
+                entity = self.entities.load(cid)
                 if mid not in entity.outbox:
-                    if self.dedup.has_been_processed(mid):
+                    if self.dedup.has_been_processed(key):
                         return ProcessResult(
                             mid, "processed" if applied else "duplicate", (), attempt
                         )
                     outgoing: list[OutgoingMessage] | None = self._apply(entity, message, handler)
-                    self.entities.save(entity)
+                    if not self._save_applied(entity, message):
+                        continue  # dispatched ids made room: start again from the load
                     applied, outcome = True, "processed"
                 else:
                     outgoing = entity.outbox[mid]
@@ -203,40 +222,89 @@ class OutboxProcessor:
             except ConcurrencyConflict:
                 continue
         raise ConcurrencyConflict(
-            f"message {mid!r:.80} of entity {message.correlation_id!r:.80}: the entity kept "
+            f"message {mid!r:.80} of entity {cid!r:.80}: the entity kept "
             f"changing under it for {self.max_attempts} attempts; redeliver it"
         )
 
-    def _apply(self, entity: Entity, message: Message, handler: Handler) -> list[OutgoingMessage]:
-        """Steps 2b-2c in memory: run the handler, record its outputs in the outbox."""
-        state, sends = handler(copy.deepcopy(entity.state), message)
+    def _save_applied(self, entity: Entity, message: Message) -> bool:
+        """Save the entity holding ``message``'s new entry (step 2c).
+
+        When it does not fit and the entity holds dispatched ids, those move to the
+        deduplication store (on a fresh load, under its token) and False says: start
+        again. When it does not fit without them, ``EntityTooLarge`` names the message.
+        """
+        try:
+            self.entities.save(entity)
+            return True
+        except EntityTooLarge as exc:
+            fresh = self.entities.load(entity.id)
+            if not fresh.dispatched:
+                raise _too_large(message, exc) from None
+            self._move_dispatched([fresh])
+            self.entities.save(fresh)
+            return False
+
+    def _run(
+        self, state: dict[str, Any], message: Message, handler: Handler
+    ) -> tuple[dict[str, Any], list[OutgoingMessage]]:
+        """Run the handler on a copy of ``state``: its new state and outgoing messages."""
+        state, sends = handler(copy.deepcopy(state), message)
         if not isinstance(state, dict):
             raise TypeError(f"a handler must return (dict, sends), got {type(state).__name__}")
         sends = list(sends)
         # One JSON round trip for the state and every body: what a reload will show.
         state, bodies = _normalized([state, [send.body for send in sends]])
+        consumer, cid, mid = self.consumer, message.correlation_id, message.id
         outgoing = [
             OutgoingMessage(
-                id=outgoing_id(message.id, position),
+                id=outgoing_id(consumer, cid, mid, position),
                 destination=validate_message_id(str(send.destination), "destination"),
                 body=body,
                 headers={str(k): str(v) for k, v in dict(send.headers).items()},
             )
             for position, (send, body) in enumerate(zip(sends, bodies, strict=True))
         ]
-        entity.state = state
+        return state, outgoing
+
+    def _apply(self, entity: Entity, message: Message, handler: Handler) -> list[OutgoingMessage]:
+        """Steps 2b-2c in memory: run the handler, record its outputs in the outbox."""
+        entity.state, outgoing = self._run(entity.state, message, handler)
         entity.outbox[message.id] = outgoing
         return outgoing
 
     def _clean_up(self, entity: Entity, mid: str) -> None:
         """Step 5 for one message on a loaded entity (saves it)."""
         if self.cleanup == "inline":
-            self.dedup.add(mid)
+            self.dedup.add(message_key(entity.id, mid))
             del entity.outbox[mid]
             self.entities.save(entity)
         elif entity.outbox[mid] is not None:
             entity.outbox[mid] = None
+            if self._over_limit(entity):
+                self._move_dispatched([entity])
             self.entities.save(entity)
+
+    def _over_limit(self, entity: Entity) -> bool:
+        """Whether a deferred entity holds too many dispatched ids to keep them."""
+        done = entity.dispatched
+        if len(done) > self.deferred_limit:
+            return True
+        budget = self.entities.max_entity_bytes // 8
+        return (
+            len(done) * (MAX_ID_BYTES + 8) > budget
+            and sum(len(m.encode()) + 8 for m in done) > budget
+        )
+
+    def _move_dispatched(self, entities: Sequence[Entity]) -> None:
+        """Record the dispatched ids of ``entities`` in the deduplication store, then
+        remove them from the outboxes in memory (the caller saves): the inline clean-up
+        of entries the deferred one left."""
+        keys = [message_key(e.id, mid) for e in entities for mid in e.dispatched]
+        if keys:
+            self.dedup.add_many(keys)
+        for entity in entities:
+            for mid in entity.dispatched:
+                del entity.outbox[mid]
 
     # ------------------------------------------------------------------ batches
 
@@ -247,42 +315,60 @@ class OutboxProcessor:
         ``processed_among``, ``save_many``, one ``dispatch``, then the clean-up
         (``add_many`` + ``save_many`` inline, ``save_many`` deferred). Each entity's
         messages are handled in their order in ``messages``. Entities whose save
-        conflicts are retried alone with :meth:`process`. Same guarantees and errors
-        as :meth:`process` for every message.
+        conflicts are retried alone with :meth:`process`. When one entity's share of
+        the batch does not fit in its record, the batch runs in consecutive rounds
+        that each fit (``EntityTooLarge`` only for a message that does not fit alone).
+        The same message (same entity and id) twice in a batch is applied once: the
+        first copy says ``processed``, the others ``duplicate``. Same guarantees and
+        errors as :meth:`process` for every message.
         """
         for message in messages:
-            validate_message_id(message.id)
-            validate_message_id(message.correlation_id, "correlation id")
+            _validate(message)
         if not messages:
             return []
+        return self._batch(list(messages), handler, 0)
+
+    def _batch(self, messages: list[Message], handler: Handler, depth: int) -> list[ProcessResult]:
         entities = self.entities.load_many([m.correlation_id for m in messages])
-        fresh = [m.id for m in messages if m.id not in entities[m.correlation_id].outbox]
+        keys = [message_key(m.correlation_id, m.id) for m in messages]
+        fresh = [
+            keys[i] for i, m in enumerate(messages) if m.id not in entities[m.correlation_id].outbox
+        ]
         already = self.dedup.processed_among(fresh) if fresh else set()
         results: list[ProcessResult | None] = [None] * len(messages)
-        applied: set[str] = set()
+        applied: dict[tuple[str, str], int] = {}  # (entity, id) -> the copy that applied it
+        seen: set[tuple[str, str]] = set()
         changed: set[str] = set()
         for index, message in enumerate(messages):
+            ident = (message.correlation_id, message.id)
             entity = entities[message.correlation_id]
-            if message.id in entity.outbox:
+            if ident in seen:
+                entry = entity.outbox.get(message.id)
+                results[index] = ProcessResult(message.id, "duplicate", tuple(entry or ()))
+            elif message.id in entity.outbox:
                 entry = entity.outbox[message.id]
-                outcome: Outcome = (
-                    "duplicate" if entry is None or message.id in applied else "redispatched"
-                )
+                outcome: Outcome = "duplicate" if entry is None else "redispatched"
                 results[index] = ProcessResult(message.id, outcome, tuple(entry or ()))
-            elif message.id in already:
+            elif keys[index] in already:
                 results[index] = ProcessResult(message.id, "duplicate")
             else:
                 outgoing = self._apply(entity, message, handler)
-                applied.add(message.id)
+                applied[ident] = index
                 changed.add(entity.id)
                 results[index] = ProcessResult(message.id, "processed", tuple(outgoing))
-        first_conflicts = self.entities.save_many([entities[cid] for cid in changed])
+            seen.add(ident)
+        try:
+            first_conflicts = self.entities.save_many([entities[cid] for cid in changed])
+        except EntityTooLarge:
+            if depth >= 3:  # the rounds were measured to fit: only a racing writer gets here
+                raise
+            return self._in_rounds(messages, handler, depth)
         late_conflicts, sent = self._dispatch_and_clean_up(messages, entities, first_conflicts)
         for index, message in enumerate(messages):
             cid = message.correlation_id
             if cid in first_conflicts or cid in late_conflicts:
                 alone = self._process(message, handler, set(sent))
-                if message.id in applied and cid not in first_conflicts:
+                if applied.get((cid, message.id)) == index and cid not in first_conflicts:
                     alone = replace(alone, outcome="processed")  # its change was saved above
                 results[index] = alone
         return [r for r in results if r is not None]
@@ -295,27 +381,160 @@ class OutboxProcessor:
         Returns the ids of the entities whose clean-up conflicted, and the outgoing ids
         dispatched (a retry of a conflicted entity does not send them again).
         """
-        entries: dict[str, Entity] = {}  # message id -> its (saved) entity holding the entry
+        entries: dict[tuple[str, str], Entity] = {}  # (entity, id) -> the entity holding it
         for message in messages:
             entity = entities[message.correlation_id]
             if entity.id not in skip and message.id in entity.outbox:
-                entries[message.id] = entity
-        outgoing = [m for mid, entity in entries.items() for m in entity.outbox[mid] or []]
+                entries[(entity.id, message.id)] = entity
+        outgoing = [m for (_, mid), entity in entries.items() for m in entity.outbox[mid] or []]
         if outgoing:
             self.dispatcher.dispatch(outgoing)
         to_save: dict[str, Entity] = {}
-        if self.cleanup == "inline" and entries:
-            self.dedup.add_many(list(entries))
-        for mid, entity in entries.items():
+        keys: list[str] = []
+        for (cid, mid), entity in entries.items():
             if self.cleanup == "inline":
+                keys.append(message_key(cid, mid))
                 del entity.outbox[mid]
             elif entity.outbox[mid] is not None:
                 entity.outbox[mid] = None
             else:
                 continue
-            to_save[entity.id] = entity
+            to_save[cid] = entity
+        heavy = [e for e in to_save.values() if self.cleanup == "deferred" and self._over_limit(e)]
+        keys.extend(message_key(e.id, mid) for e in heavy for mid in e.dispatched)
+        # The ids reach the deduplication store before the save that removes them.
+        if keys:
+            self.dedup.add_many(keys)
+        for entity in heavy:
+            for mid in entity.dispatched:
+                del entity.outbox[mid]
         conflicts = self.entities.save_many(list(to_save.values())) if to_save else set()
         return conflicts, {m.id for m in outgoing}
+
+    def _in_rounds(
+        self, messages: list[Message], handler: Handler, depth: int
+    ) -> list[ProcessResult]:
+        """The batch in consecutive rounds in which each entity's new entries fit."""
+        rounds: dict[int, list[int]] = {}
+        for index, number in enumerate(self._rounds(messages, handler)):
+            rounds.setdefault(number, []).append(index)
+        results: list[ProcessResult | None] = [None] * len(messages)
+        for number in sorted(rounds):
+            indexes = rounds[number]
+            done = self._batch([messages[i] for i in indexes], handler, depth + 1)
+            for index, result in zip(indexes, done, strict=True):
+                results[index] = result
+        return [r for r in results if r is not None]
+
+    def _rounds(self, messages: list[Message], handler: Handler) -> list[int]:
+        """The round of each message: per entity, the longest runs that fit in its record.
+
+        Measured exactly (canonical JSON sizes) on the entities as loaded now, after
+        their dispatched ids moved to the deduplication store. A run ends before a
+        message whose entry would not fit; a message that does not fit on a record
+        holding only the entity's state and older pending entries raises
+        ``EntityTooLarge`` naming it.
+        """
+        limit = self.entities.max_entity_bytes
+        entities = self.entities.load_many([m.correlation_id for m in messages])
+        heavy = [e for e in entities.values() if e.dispatched]
+        if heavy:
+            self._move_dispatched(heavy)
+            self.entities.save_many(heavy)  # a conflict only makes this estimate stale
+        keys = [message_key(m.correlation_id, m.id) for m in messages]
+        fresh = [
+            keys[i] for i, m in enumerate(messages) if m.id not in entities[m.correlation_id].outbox
+        ]
+        already = self.dedup.processed_among(fresh) if fresh else set()
+        sizes = {cid: _Sizes.of(entity) for cid, entity in entities.items()}
+        seen: set[tuple[str, str]] = set()
+        numbers: list[int] = []
+        for index, message in enumerate(messages):
+            ident = (message.correlation_id, message.id)
+            entity, size = entities[message.correlation_id], sizes[message.correlation_id]
+            if ident in seen or message.id in entity.outbox or keys[index] in already:
+                numbers.append(size.round)
+                continue
+            seen.add(ident)
+            state, outgoing = self._run(size.state, message, handler)
+            entry = entry_size(message.id, [m.to_json() for m in outgoing])
+            if not size.fits(state, entry, limit) and size.entries_this_round:
+                size.next_round(self.cleanup)
+            if not size.fits(state, entry, limit):
+                total = size.total_with(state, entry)
+                raise _too_large(
+                    message,
+                    EntityTooLarge(
+                        f"entity {entity.id!r:.80} would encode to {total} bytes with it; "
+                        f"{type(self.entities).__name__} holds at most {limit} bytes per entity"
+                    ),
+                )
+            size.add(message.id, state, entry)
+            numbers.append(size.round)
+        return numbers
+
+
+@dataclass
+class _Sizes:
+    """The encoded size of one entity as :meth:`OutboxProcessor._rounds` adds entries."""
+
+    state: dict[str, Any]
+    state_bytes: int
+    entries: int
+    entries_bytes: int
+    round: int = 0
+    this_round: list[tuple[str, int]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, entity: Entity) -> _Sizes:
+        sizes = [entry_size(mid, _entry_json(e)) for mid, e in entity.outbox.items()]
+        return cls(entity.state, json_size(entity.state), len(sizes), sum(sizes))
+
+    @property
+    def entries_this_round(self) -> int:
+        return len(self.this_round)
+
+    def total_with(self, state: dict[str, Any], entry: int) -> int:
+        entries = self.entries + 1
+        return ENTITY_FRAME_BYTES + json_size(state) + self.entries_bytes + entry + entries - 1
+
+    def fits(self, state: dict[str, Any], entry: int, limit: int) -> bool:
+        return self.total_with(state, entry) <= limit
+
+    def add(self, mid: str, state: dict[str, Any], entry: int) -> None:
+        self.state, self.state_bytes = state, json_size(state)
+        self.entries += 1
+        self.entries_bytes += entry
+        self.this_round.append((mid, entry))
+
+    def next_round(self, cleanup: str) -> None:
+        """After a round: inline removes its entries, deferred leaves ``None`` ones."""
+        for mid, entry in self.this_round:
+            if cleanup == "inline":
+                self.entries -= 1
+                self.entries_bytes -= entry
+            else:
+                self.entries_bytes += entry_size(mid, None) - entry
+        self.this_round = []
+        self.round += 1
+
+
+def _entry_json(entry: list[OutgoingMessage] | None) -> list[dict[str, Any]] | None:
+    return None if entry is None else [m.to_json() for m in entry]
+
+
+def _validate(message: Message) -> None:
+    """The message's ids, checked before any I/O."""
+    validate_message_id(message.id)
+    validate_message_id(message.correlation_id, "correlation id")
+
+
+def _too_large(message: Message, exc: EntityTooLarge) -> EntityTooLarge:
+    return EntityTooLarge(
+        f"message {message.id!r:.80} of entity {message.correlation_id!r:.80}: its new state "
+        f"and outgoing messages do not fit in one entity record ({exc}); nothing of it was "
+        "saved. Make the state or the outgoing messages smaller."
+    )
 
 
 # ---------------------------------------------------------------------- the sweep
@@ -352,7 +571,10 @@ def sweep(
     call per ``batch_ids`` ids), then leave the outbox in a save under the entity's
     token (on conflict: reload, remove the ids that were added, save; at most
     ``max_attempts`` times, then the ids stay for the next sweep: ``ids_left``).
-    With ``redispatch``, entries still pending are dispatched first. Safe beside
+    Each id is recorded as :func:`~dedupstore.ids.message_key` of its entity and id.
+    With ``redispatch``, entries still pending are dispatched first; without it they
+    stay and count in ``ids_left`` (so ``ids_left == 0`` means every outbox of the
+    segment was empty when the sweep saved it). Safe beside
     live consumers and other sweeps; memory is bounded by the batch.
     """
     started = time.perf_counter()
@@ -367,6 +589,8 @@ def sweep(
             relay.extend(entity.outbox[mid] or [])
             entity.outbox[mid] = None
         result.redispatched += len(pending)
+        if redispatch is None:
+            result.ids_left += len(entity.pending)  # still awaiting dispatch: not moved
         done = entity.dispatched
         if not done:
             continue
@@ -393,7 +617,7 @@ def _flush(
     """Dispatch ``relay`` (one call), ``add_many`` the batch's ids, then remove them."""
     if redispatch is not None and relay:
         redispatch.dispatch(relay)
-    dedup.add_many([mid for _, ids in batch for mid in ids])
+    dedup.add_many([message_key(entity.id, mid) for entity, ids in batch for mid in ids])
     moved = {entity.id: ids for entity, ids in batch}
     for entity, ids in batch:
         for mid in ids:

@@ -321,7 +321,9 @@ def run(
     )
 
     _say("[5/5] checking the stores and the outgoing queue against the input")
-    expected = expected_outgoing(commands)
+    with dedupstore.open_store(settings.dedup_url) as store:  # the consumer: the store's endpoint
+        consumer = store.endpoint
+    expected = expected_outgoing(commands, consumer)
     entities = inspect_entities(messages, settings.entities_url).cache()
     applied = entities.select(F.explode("applied").alias("id"))
     distinct_ids = messages.select("id").distinct()
@@ -337,7 +339,8 @@ def run(
     ghosts = sources.join(applied, "id", "left_anti").count() if ours else 0
     from spark_integration.pipeline import drop_processed
 
-    unrecorded = drop_processed(distinct_ids, settings.dedup_url).count()
+    pairs = messages.select("id", "order_id").distinct()
+    unrecorded = drop_processed(pairs, settings.dedup_url, correlation_col="order_id").count()
 
     report.check("messages in (deliveries)", len(rows), len(rows))
     report.check("distinct messages", distinct_ids.count(), len(commands))

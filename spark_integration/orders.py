@@ -125,7 +125,9 @@ def make_workload(
     return Workload(delivered, commands)
 
 
-def expected_outgoing(commands: Iterable[Mapping[str, Any]]) -> dict[str, str]:
+def expected_outgoing(
+    commands: Iterable[Mapping[str, Any]], consumer: str = "default"
+) -> dict[str, str]:
     """``{outgoing id: destination}`` that processing every command once, in order, yields.
 
     A plain model of the order rules, written apart from :func:`handle_order` and
@@ -136,7 +138,7 @@ def expected_outgoing(commands: Iterable[Mapping[str, Any]]) -> dict[str, str]:
     for command in commands:
         by_order.setdefault(command["order_id"], []).append(command)
     expected: dict[str, str] = {}
-    for rows in by_order.values():
+    for order_id, rows in by_order.items():
         items = 0
         submitted = False
         for row in sorted(rows, key=lambda r: r["seq"]):
@@ -152,5 +154,5 @@ def expected_outgoing(commands: Iterable[Mapping[str, Any]]) -> dict[str, str]:
             else:
                 names = ["orders.rejected"]
             for position, name in enumerate(names):
-                expected[outgoing_id(mid, position)] = name
+                expected[outgoing_id(consumer, order_id, mid, position)] = name
     return expected

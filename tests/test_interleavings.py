@@ -23,7 +23,7 @@ import pytest
 
 from dedupstore.entities import Entity, EntityStore
 from dedupstore.errors import ConcurrencyConflict
-from dedupstore.outbox import Handler, Message, OutboxProcessor, ProcessResult
+from dedupstore.outbox import Handler, Message, OutboxProcessor, ProcessResult, message_key
 from dedupstore.testing.interleavings import (
     Actor,
     InterleavingViolation,
@@ -96,7 +96,9 @@ def _load_apply_save(
     entity = processor.entities.load(message.correlation_id)
     if message.id in entity.outbox:
         return entity, entity.outbox[message.id], False
-    if check and processor.dedup.has_been_processed(message.id):
+    if check and processor.dedup.has_been_processed(
+        message_key(message.correlation_id, message.id)
+    ):
         return entity, None, False
     outgoing = processor._apply(entity, message, handler)
     return entity, outgoing, True
@@ -108,7 +110,7 @@ class CheckBeforeLoad(OutboxProcessor):
     def process(self, message: Message, handler: Handler) -> ProcessResult:
         for _ in range(self.max_attempts):
             try:
-                if self.dedup.has_been_processed(message.id):
+                if self.dedup.has_been_processed(message_key(message.correlation_id, message.id)):
                     return ProcessResult(message.id, "duplicate")
                 entity, outgoing, applied = _load_apply_save(self, message, handler, check=False)
                 if applied:

@@ -10,7 +10,15 @@ import pytest
 
 from backends.memory import MemoryDeduplicationStore, MemoryEntityStore
 from dedupstore.errors import InvalidMessageId
-from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send, sweep
+from dedupstore.outbox import (
+    InMemoryDispatcher,
+    Message,
+    OutboxProcessor,
+    Send,
+    message_key,
+    sweep,
+)
+from dedupstore.store import DeduplicationStore
 from dedupstore.testing.entities import EntityStoreContract, EntityStoreFactory
 
 pytestmark = pytest.mark.memory
@@ -21,6 +29,12 @@ class TestMemoryEntityStore(EntityStoreContract):
     def entity_store_factory(self) -> EntityStoreFactory:
         url = f"memory://{uuid.uuid4().hex}"
         return lambda **options: MemoryEntityStore(url, **options)
+
+
+def recorded(dedup: DeduplicationStore, messages: list[Message]) -> bool:
+    """Whether every message is recorded under its (entity, id) key."""
+    keys = {message_key(m.correlation_id, m.id) for m in messages}
+    return dedup.processed_among(keys) == keys
 
 
 def order_handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
@@ -50,7 +64,7 @@ def test_process_and_process_batch_apply_each_message_once(cleanup: str) -> None
         assert sorted(entity.state["applied"]) == sorted(
             m.id for m in messages if m.correlation_id == entity.id
         )
-    assert dedup.processed_among([m.id for m in messages]) == {m.id for m in messages}
+    assert recorded(dedup, messages)
     ids = [m.id for m in dispatcher.sent]
     assert len(set(ids)) == 12 + 3  # one shipping event each, one billing event per order
 
@@ -94,7 +108,7 @@ def test_process_batch_retries_conflicting_entities_alone(cleanup: str, nth: int
         assert entity.state["applied"] == applied, "each change applied once, in order"
         assert entity.state["touched"] == 1, "the rival's change was kept"
         assert entity.outbox == {}
-    assert dedup.processed_among([m.id for m in messages]) == {m.id for m in messages}
+    assert recorded(dedup, messages)
     sent = {m.id: m for m in dispatcher.sent}
     assert len(sent) == 4 + 2, "one event per item, one first-item event per order"
     assert len(dispatcher.sent) == len(sent), "a conflict after dispatch does not send again"
@@ -113,7 +127,7 @@ def test_sweep_reloads_an_entity_that_changed_under_it() -> None:
     assert result.ids_moved == 1 and result.conflicts_retried == 1 and result.ids_left == 0
     entity = entities.load("order-1")
     assert entity.outbox == {} and entity.state["touched"] == 1
-    assert dedup.has_been_processed("m1")
+    assert dedup.has_been_processed(message_key("order-1", "m1"))
 
 
 class _Counting:
@@ -197,4 +211,4 @@ def test_the_sweep_relays_pending_entries_in_one_dispatch_per_batch() -> None:
     assert result.redispatched == 50 and result.ids_moved == 50
     assert calls["dispatch"] == 3  # batches of 20, 20 and 10 ids, not one call per entity
     assert len({m.id for m in relay.sent}) == len(relay.sent) == 100
-    assert dedup.processed_among([m.id for m in messages]) == {m.id for m in messages}
+    assert recorded(dedup, messages)

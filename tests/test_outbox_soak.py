@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from dedupstore.outbox import outgoing_id, sweep
+from dedupstore.outbox import message_key, outgoing_id, sweep
 from tests.outbox_backends import OutboxBackend, backend_params
 from tests.soak_worker import run_consumer
 
@@ -87,17 +87,20 @@ def test_randomised_soak_counts_exactly(
                 applied[mid] += 1
         assert set(applied) == set(owner), f"{len(set(owner) - set(applied))} messages lost"
         assert max(applied.values()) == 1, "a message was applied twice"
-        assert dedup.processed_among(list(owner)) == set(owner)
+        keys = [message_key(cid, mid) for mid, cid in owner.items()]
+        assert dedup.processed_among(keys) == set(keys)
         sent: dict[str, dict[str, Any]] = {}
         for out in outs:
             for line in Path(out).read_text(encoding="utf-8").splitlines():
                 message = json.loads(line)
                 first = sent.setdefault(message["id"], message)
                 assert first == message, f"{message['id']} dispatched with two contents"
-        assert set(sent) == {outgoing_id(mid, 0) for mid in owner}, "an output is missing"
+        assert set(sent) == {outgoing_id("default", cid, mid, 0) for mid, cid in owner.items()}, (
+            "an output is missing"
+        )
         for mid, cid in owner.items():
             history = loaded[cid].state["applied"]
-            body = sent[outgoing_id(mid, 0)]["body"]
+            body = sent[outgoing_id("default", cid, mid, 0)]["body"]
             assert body["applied"] == history[: history.index(mid) + 1], "output from a wrong state"
     finally:
         entities.close()

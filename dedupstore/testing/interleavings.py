@@ -48,6 +48,7 @@ from dedupstore.outbox import (
     OutboxProcessor,
     ProcessResult,
     Send,
+    message_key,
     outgoing_id,
     sweep,
 )
@@ -345,6 +346,7 @@ class _Entities:
 
     def __init__(self, real: EntityStore | _OneEntity, turns: _Turns, actor: int) -> None:
         self._real, self._turns, self._actor = real, turns, actor
+        self.max_entity_bytes: int = real.max_entity_bytes
 
     def _call(self, name: str, action: Callable[[], Any]) -> Any:
         return self._turns.call(self._actor, name, action)
@@ -371,6 +373,7 @@ class _Dedup:
 
     def __init__(self, real: DeduplicationStore, turns: _Turns, actor: int) -> None:
         self._real, self._turns, self._actor = real, turns, actor
+        self.endpoint = real.endpoint
 
     def _call(self, name: str, action: Callable[[], Any]) -> Any:
         return self._turns.call(self._actor, name, action)
@@ -470,7 +473,8 @@ def _run_once(
         ids = [m.id for m in messages]
         if len(applied) != len(set(applied)):
             raise InterleavingViolation("once", f"a message was applied twice: {applied}", trace)
-        stored = checker_dedup.processed_among(ids)
+        keys = {message_key(entity_id, mid): mid for mid in ids}
+        stored = {keys[k] for k in checker_dedup.processed_among(list(keys))}
         lost = [mid for mid in applied if mid not in entity.outbox and mid not in stored]
         if lost:
             raise InterleavingViolation(
@@ -531,11 +535,13 @@ def _settle_and_check(
         raise InterleavingViolation(
             "once", f"after redelivery the state applied {applied}, expected {ids} once each", trace
         )
-    if entity.outbox or dedup.processed_among(ids) != set(ids):
+    cid = messages[0].correlation_id
+    keys = [message_key(cid, mid) for mid in ids]
+    if entity.outbox or dedup.processed_among(keys) != set(keys):
         raise InterleavingViolation(
             "settled",
             f"after redelivery and a sweep the outbox is {sorted(entity.outbox)} and the "
-            f"store holds {sorted(dedup.processed_among(ids))} of {ids}",
+            f"store holds {sorted(dedup.processed_among(keys))} of {keys}",
             trace,
         )
     sent: dict[str, OutgoingMessage] = {}
@@ -548,10 +554,10 @@ def _settle_and_check(
     expected: set[str] = set()
     for mid in ids:
         position = applied.index(mid)
-        expected.add(outgoing_id(mid, 0))
+        expected.add(outgoing_id(dedup.endpoint, cid, mid, 0))
         if position == 0:
-            expected.add(outgoing_id(mid, 1))
-        ledger_out = sent.get(outgoing_id(mid, 0))
+            expected.add(outgoing_id(dedup.endpoint, cid, mid, 1))
+        ledger_out = sent.get(outgoing_id(dedup.endpoint, cid, mid, 0))
         if ledger_out is not None and ledger_out.body["applied"] != applied[: position + 1]:
             raise InterleavingViolation(
                 "right-state",
