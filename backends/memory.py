@@ -3,6 +3,8 @@
 One store per name per process, shared by every object opened with that URL, so
 two objects behave like two clients of one server. Thread-safe. Nothing survives
 the process. Expiry is judged by the ``clock`` option (``time.time`` by default).
+There is nothing to create: every name exists (empty until written), so
+``must_exist=True`` is accepted and checks nothing.
 
 :class:`MemoryDispatcher` is a queue per name, shared the same way: per process
 only, so useless across Spark executors or any other worker processes (each has

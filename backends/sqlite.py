@@ -27,13 +27,19 @@ Options: ``endpoint``, ``retention``, ``clock``; ``table`` (``dedup_records``;
 ``timeout`` (10 s: how long a call waits for another writer's lock before
 ``StoreUnavailable``); ``synchronous`` (``FULL``; ``NORMAL``/``OFF`` can lose
 acknowledged records on power loss and get a health warning); ``create`` (true:
-create the directory, the file and the table when missing).
+create the directory, the file and the table when missing). With ``create=false`` or
+``must_exist=True`` nothing is created: the file is opened without creating it
+(``file:...?mode=rw``) and a missing file or table is "no such store". Operating-system
+errors that retrying cannot heal (permission denied, read-only filesystem, not a
+directory, ...) are ``ConfigurationError`` naming the path, not ``StoreUnavailable``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import os
 import sqlite3
 import threading
 import weakref
@@ -44,7 +50,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 import filelock
 
-from dedupstore.client import ErrorKind, ProcessLocal
+from dedupstore.client import Client, ErrorKind, ProcessLocal
 from dedupstore.dispatch import DispatchStats, EncodedMessage, StoredMessage, URLDispatcher
 from dedupstore.entities import EntityRecord, EntityStore, OutgoingMessage
 from dedupstore.errors import ConfigurationError, StoreUnavailable
@@ -62,6 +68,21 @@ __all__ = [
 ]
 
 _IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]{0,62}"
+#: Operating-system errors that retrying cannot heal: a configuration to fix.
+_PERMANENT_ERRNOS = {
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EROFS: "read-only filesystem",
+    errno.ENOENT: "no such file or directory, and it cannot be created there",
+    errno.ENOTDIR: "a part of the path is not a directory",
+    errno.EEXIST: "a part of the path is a file, not a directory",
+    errno.EISDIR: "is a directory",
+    errno.ENAMETOOLONG: "file name too long",
+    errno.ELOOP: "too many symbolic links",
+    errno.EINVAL: "invalid path for this filesystem",
+    errno.ENXIO: "no such device",
+    errno.ENODEV: "no such device",
+}
 _COLUMNS = ("endpoint", "id", "expires_at", "writer")
 
 #: Connection options shared by the SQLite dedup and entity stores.
@@ -127,12 +148,16 @@ class _Connections:
             conn.close()
 
 
-class SqliteFile:
-    """Connection handling shared by the SQLite stores: per-thread connections, errors."""
+class SqliteFile(Client):
+    """Connection handling shared by the SQLite stores: per-thread connections, errors.
+
+    Placed first among the bases (``class S(SqliteFile, DeduplicationStore)``). Without
+    ``create`` (or with ``must_exist``) nothing is created: the file must exist and is
+    opened read-write without creating it (``file:...?mode=rw``), and the table must
+    exist ("no such store").
+    """
 
     _path: Path
-    _url: StoreURL
-    _opts: Any
 
     @classmethod
     def portable_url(cls, url: str | StoreURL) -> StoreURL:
@@ -153,13 +178,14 @@ class SqliteFile:
             return conn
         timeout = float(self._opts["timeout"])
         # Without ``create`` a missing file is an error, not a new empty database.
-        target = self._path if self._opts["create"] else f"file:{quote(str(self._path))}?mode=rw"
+        creates = self._creates
+        target = self._path if creates else f"file:{quote(str(self._path))}?mode=rw"
         conn = sqlite3.connect(
             target,
             timeout=timeout,
             isolation_level=None,
             check_same_thread=False,
-            uri=not self._opts["create"],
+            uri=not creates,
             factory=_Connection,
         )
         conn.execute(f"PRAGMA synchronous = {self._opts['synchronous']}")
@@ -182,11 +208,29 @@ class SqliteFile:
                 conn.execute("ROLLBACK")
             raise
 
+    def _open_existing(self) -> sqlite3.Connection:
+        """This thread's connection to the existing file (``create`` off or ``must_exist``).
+
+        Raises ``ConfigurationError`` ("no such store") naming the missing file or
+        directory; nothing is created.
+        """
+        if not self._path.exists():
+            folder = self._path.absolute().parent
+            what = f"unable to open SQLite file {self._path}: it does not exist" + (
+                "" if folder.is_dir() else f" (nor does the directory {folder})"
+            )
+            raise self._no_such_store(what, "open with create=true to create it")
+        return self._connection()
+
     def _bootstrap(self, create_sql: str) -> sqlite3.Connection:
         """Create the directory, switch to WAL and run ``create_sql`` (idempotent)."""
         if self._path.parent != Path():
             self._path.parent.mkdir(parents=True, exist_ok=True)
-        with filelock.FileLock(f"{self._path}.lock", timeout=float(self._opts["timeout"])):
+        lock = f"{self._path}.lock"
+        # filelock waits out its whole timeout when the lock file cannot be created at
+        # all (a missing or read-only directory); creating it first raises the real error.
+        os.close(os.open(lock, os.O_RDWR | os.O_CREAT, 0o644))
+        with filelock.FileLock(lock, timeout=float(self._opts["timeout"])):
             conn = self._connection()
             mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
             if str(mode).lower() != "wal":
@@ -200,8 +244,9 @@ class SqliteFile:
         """Raise ``ConfigurationError`` unless ``table`` exists with at least ``wanted``."""
         columns = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
         if not columns:
-            raise ConfigurationError(
-                f"table {table} does not exist in {self._path} (open with create=true)"
+            raise self._no_such_store(
+                f"table {table} does not exist in SQLite file {self._path}",
+                "open with create=true to create it",
             )
         if not wanted <= columns:
             raise ConfigurationError(
@@ -218,10 +263,38 @@ class SqliteFile:
             ]
         return []
 
+    def _path_problem(self) -> str | None:
+        """Why the database file cannot be opened, if the filesystem says why."""
+        path = self._path.absolute()
+        if path.is_dir():
+            return f"{path} is a directory"
+        folder = path.parent
+        if not folder.is_dir():
+            return f"the directory {folder} does not exist"
+        if not os.access(folder, os.W_OK | os.X_OK):
+            return f"permission denied on the directory {folder}"
+        if path.exists() and not os.access(path, os.R_OK | os.W_OK):
+            return f"permission denied on {path}"
+        with contextlib.suppress(OSError):
+            if os.statvfs(folder).f_flag & os.ST_RDONLY:
+                return f"{folder} is on a read-only filesystem"
+        return None
+
     def _classify_sqlite_error(self, exc: BaseException) -> ErrorKind:
         message = str(exc).lower()
+        if isinstance(exc, OSError) and exc.errno in _PERMANENT_ERRNOS:
+            where = exc.filename if exc.filename is not None else self._path
+            return ConfigurationError(
+                f"cannot use SQLite file {self._path}: {_PERMANENT_ERRNOS[exc.errno]}: {where}"
+            )
         if isinstance(exc, filelock.Timeout):
             return StoreUnavailable
+        if isinstance(exc, sqlite3.OperationalError) and (
+            "unable to open" in message or "readonly database" in message
+        ):
+            problem = self._path_problem()
+            if problem is not None:
+                return ConfigurationError(f"cannot use SQLite file {self._path}: {problem}")
         if isinstance(exc, sqlite3.OperationalError) and ("locked" in message or "busy" in message):
             return StoreUnavailable
         if isinstance(exc, sqlite3.DatabaseError) and any(
@@ -290,23 +363,24 @@ class SqliteDeduplicationStore(SqliteFile, DeduplicationStore):
             f"DELETE FROM {t} WHERE endpoint = ? AND expires_at IS NOT NULL AND expires_at <= ?"
         )
         with self._translating_errors("open the database"):
-            if self._opts["create"]:
+            if self._creates:
                 conn = self._bootstrap(
                     f"CREATE TABLE IF NOT EXISTS {t} ("
                     "endpoint TEXT NOT NULL, id TEXT NOT NULL, expires_at REAL, writer TEXT, "
                     "PRIMARY KEY (endpoint, id)) WITHOUT ROWID"
                 )
             else:
-                conn = self._connection()
+                conn = self._open_existing()
             self._check_table(conn)
 
     def _check_table(self, conn: sqlite3.Connection) -> None:
         columns = {row[1] for row in conn.execute(f"PRAGMA table_info({self._table})")}
         if not columns:
-            raise ConfigurationError(
-                f"table {self._table} does not exist in {self._path} (open with create=true)"
+            raise self._no_such_store(
+                f"table {self._table} does not exist in SQLite file {self._path}",
+                "open with create=true to create it",
             )
-        if columns == set(_COLUMNS[:3]) and self._opts["create"]:
+        if columns == set(_COLUMNS[:3]) and self._creates:
             with self._write_transaction() as tx:  # a table made before write tokens
                 tx.execute(f"ALTER TABLE {self._table} ADD COLUMN writer TEXT")
             columns.add("writer")
@@ -400,17 +474,17 @@ class SqliteEntityStore(SqliteFile, EntityStore):
             "ORDER BY id LIMIT ?"
         )
         with self._translating_errors("open the database"):
-            if self._opts["create"]:
+            if self._creates:
                 conn = self._bootstrap(
                     f"CREATE TABLE IF NOT EXISTS {t} (id TEXT PRIMARY KEY NOT NULL, "
                     "body TEXT NOT NULL, version INTEGER NOT NULL, bucket INTEGER NOT NULL, "
                     "pending INTEGER NOT NULL) WITHOUT ROWID"
                 )
             else:
-                conn = self._connection()
+                conn = self._open_existing()
             wanted = {"id", "body", "version", "bucket", "pending"}
             self._require_columns(conn, t, wanted, "an entity table")
-            if self._opts["create"]:
+            if self._creates:
                 index = f'"{self._opts["table"]}_pending"'
                 conn.execute(
                     f"CREATE INDEX IF NOT EXISTS {index} ON {t} (bucket, id) WHERE pending"
@@ -521,7 +595,7 @@ class SqliteDispatcher(SqliteFile, URLDispatcher):
             f"SELECT count(*), coalesce(sum(deliveries), 0), coalesce(sum(mismatches), 0) FROM {t}"
         )
         with self._translating_errors("open the database"):
-            if self._opts["create"]:
+            if self._creates:
                 conn = self._bootstrap(
                     f"CREATE TABLE IF NOT EXISTS {t} (id TEXT PRIMARY KEY NOT NULL, "
                     "destination TEXT NOT NULL, body TEXT NOT NULL, headers TEXT NOT NULL, "
@@ -529,7 +603,7 @@ class SqliteDispatcher(SqliteFile, URLDispatcher):
                     "first_at REAL NOT NULL)"
                 )
             else:
-                conn = self._connection()
+                conn = self._open_existing()
             self._require_columns(conn, t, set(_OUTGOING_COLUMNS), "a dispatcher table")
 
     def _dispatch(self, batch: list[EncodedMessage]) -> None:

@@ -1,10 +1,17 @@
 """The ``dedupstore`` command.
 
-Exit codes: 0 success; 1 ``has`` found an id not processed, or the demo saw an
-invariant fail; 2 fix your configuration or input (``ConfigurationError``,
-``InvalidMessageId``, ``ConsistencyError``, ``StoreClosed``); 3 retry later (the
-store could not answer: ``StoreUnavailable``, or a ``ConcurrencyConflict`` that
-persisted). Expected errors print one line, never a traceback.
+Exit codes: 0 success; 1 ``has`` found an id not processed, ``entities show`` found
+no such entity, or the demo saw an invariant fail; 2 fix your configuration or input
+(``ConfigurationError``, ``InvalidMessageId``, ``ConsistencyError``, ``StoreClosed``);
+3 retry later (the store could not answer: ``StoreUnavailable``, or a
+``ConcurrencyConflict`` that persisted). Expected errors print one line, never a
+traceback.
+
+Commands that only read or clean up (``has``, ``purge``, ``entities show/pending/sweep``,
+the Spark ``sweep``, and ``check`` unless the URL or configuration says
+``create=true``) open their stores with ``must_exist=True``: they never create a
+store, and a missing file, table, database or container is "no such store" (exit 2).
+Only ``add`` (and ``check`` with ``create=true``) may create one.
 """
 
 from __future__ import annotations
@@ -28,9 +35,10 @@ from dedupstore.errors import (
     StoreUnavailable,
     format_error,
 )
+from dedupstore.ids import message_key, validate_ids, validate_message_id
 from dedupstore.options import retention
 from dedupstore.store import DeduplicationStore
-from dedupstore.urls import StoreURL
+from dedupstore.urls import StoreURL, format_duration
 
 __all__ = ["CHECK_ENDPOINT", "EXIT_CONFIGURATION", "EXIT_RETRY", "main"]
 
@@ -43,6 +51,10 @@ EXIT_RETRY = 3
 
 T = TypeVar("T")
 
+_NEVER_CREATES = (
+    "Never creates a store: a missing file, table, database or container is an error "
+    "('no such store', exit 2)."
+)
 _AT_MOST_ONCE = (
     "Recording an id and then processing the message is at-most-once per crash: a "
     "crash between the two loses the message. For exactly-once, process messages with "
@@ -85,21 +97,47 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument(
             "url", metavar="URL", help="store URL, or 'config' for the configured store"
         )
-        sub.add_argument("--endpoint", help="consumer name (default: 'default' or configured)")
+        sub.add_argument(
+            "--endpoint", help="consumer name (default: the configured one, else 'default')"
+        )
         return sub
 
-    with_store("check", "open the store, check its consistency, round-trip a probe id")
+    def with_entity(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("ids", metavar="ID", nargs="+")
+        sub.add_argument(
+            "--entity",
+            metavar="CID",
+            help="the entity (correlation id) the messages belong to: use the key the "
+            "OutboxProcessor records, message_key(CID, ID); without it, the ids as given, "
+            "as a store used alone records them",
+        )
+
+    with_store(
+        "check",
+        "open the store, check its consistency, round-trip a probe id",
+        epilog="Never creates a store unless the URL or the configuration says create=true.",
+    )
     add = with_store(
         "add",
         "record message ids; prints 'added' or 'duplicate' for each argument",
-        epilog=_AT_MOST_ONCE,
+        epilog=f"{_AT_MOST_ONCE} Creates the store if the backend's 'create' option says so "
+        "(SQLite: by default).",
     )
-    add.add_argument("ids", metavar="ID", nargs="+")
-    add.add_argument("--retention", type=_retention, help="e.g. 30d, 12h, 900s")
-    has = with_store("has", "tell whether message ids were processed (exit 1 if any was not)")
-    has.add_argument("ids", metavar="ID", nargs="+")
-    with_store("purge", "delete this endpoint's expired records")
-    commands.add_parser("config", help="show the resolved configuration (secrets masked)")
+    with_entity(add)
+    add.add_argument("--retention", type=_retention, help="e.g. 30d, 12h, 1h30m, 900s")
+    has = with_store(
+        "has",
+        "tell whether message ids were processed (exit 1 if any was not)",
+        epilog=_NEVER_CREATES,
+    )
+    with_entity(has)
+    with_store("purge", "delete this endpoint's expired records", epilog=_NEVER_CREATES)
+    commands.add_parser(
+        "config",
+        help="show the resolved configuration (secrets masked, paths resolved)",
+        description="Show the store and entity store the configuration selects: URLs "
+        "(relative paths resolved against the configuration file), options, source.",
+    )
     entities = commands.add_parser(
         "entities", help="inspect entity stores and move dispatched ids (the sweep)"
     )
@@ -108,30 +146,38 @@ def _parser() -> argparse.ArgumentParser:
     )
     entity_url = "entity store URL, or 'config' for the configured one"
     show = entity_commands.add_parser(
-        "show", help="print one entity as JSON: state, outbox, version (absent: version null)"
+        "show",
+        help="print one entity as JSON: state, outbox, version (exit 1 if it does not exist)",
+        epilog=_NEVER_CREATES,
     )
     show.add_argument("url", metavar="URL", help=entity_url)
     show.add_argument("entity_id", metavar="ID")
     pending = entity_commands.add_parser(
-        "pending", help="count the entities whose outbox is not empty (scans a segment)"
+        "pending",
+        help="count the entities whose outbox is not empty (scans a segment)",
+        epilog=_NEVER_CREATES,
     )
     pending.add_argument("url", metavar="URL", help=entity_url)
     pending.add_argument("--list", action="store_true", help="also print each id and its entries")
     sweep = entity_commands.add_parser(
         "sweep",
         help="move the ids of dispatched outbox entries into the deduplication store",
+        epilog=_NEVER_CREATES,
     )
     sweep.add_argument("url", metavar="URL", help=entity_url)
     sweep.add_argument(
         "--dedup", metavar="URL", default="config", help="deduplication store (default: config)"
     )
-    sweep.add_argument("--endpoint", help="consumer name (default: 'default' or configured)")
+    sweep.add_argument(
+        "--endpoint", help="consumer name (default: the configured one, else 'default')"
+    )
     for sub in (pending, sweep):
         sub.add_argument("--segment", type=_bounded(0, 999_999), default=0)
         sub.add_argument("--segments", type=_bounded(1, 1_000_000), default=1)
     spark_sweep = commands.add_parser(
         "sweep",
         help="the Spark sweep: one task per segment moves dispatched ids into the store",
+        epilog=_NEVER_CREATES,
     )
     spark_sweep.add_argument("--entities", required=True, metavar="URL", help="entity store URL")
     spark_sweep.add_argument("--store", required=True, metavar="URL", help="dedup store URL")
@@ -143,34 +189,69 @@ def _parser() -> argparse.ArgumentParser:
     spark_sweep.add_argument(
         "--master", default="local[*]", help="Spark master (ignored under spark-submit)"
     )
-    demo = commands.add_parser(
+    # Parsed by the job itself (main() hands it everything after "demo"); listed here
+    # for the command list and "dedupstore demo --help".
+    commands.add_parser(
         "demo",
         help="run the main job: the order pipeline on Spark (options: dedupstore demo --help)",
         add_help=False,
     )
-    demo.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
 
-def _open(url: str | None, endpoint: str | None, **options: Any) -> DeduplicationStore:
-    if endpoint is not None:
-        options["endpoint"] = endpoint
-    return open_store(None if url in (None, "config") else url, **options)
-
-
-def _open_replacing(url: str | None, **replace: Any) -> DeduplicationStore:
-    """Open the store with some options replaced wherever they were set (for probes)."""
+def _target(url: str | None, entities: bool = False) -> tuple[str, dict[str, Any]]:
+    """The URL and options to open: ``url`` as given, or the configured ones for 'config'."""
     from dedupstore.config import resolve_config
 
     if url in (None, "config"):
-        resolved = resolve_config()
-        target, options = resolved.url, dict(resolved.options)
-    else:
-        target, options = str(url), {}
-    parsed = StoreURL.parse(target)
+        resolved = resolve_config(entities=entities)
+        return resolved.url, dict(resolved.options)
+    return str(url), {}
+
+
+def _replacing(
+    url: str, options: dict[str, Any], replace: dict[str, Any]
+) -> tuple[str, dict[str, Any]]:
+    """``url`` and ``options`` with ``replace`` (values not ``None``) set wherever they were."""
+    replace = {k: v for k, v in replace.items() if v is not None}
+    parsed = StoreURL.parse(url)
     if any(key in replace for key, _ in parsed.query):
         parsed = parsed.with_query([(k, v) for k, v in parsed.query if k not in replace])
-    return open_store(parsed.text, **{**options, **replace})
+    return parsed.text, {**options, **replace}
+
+
+def _open(url: str | None, *, must_exist: bool = True, **replace: Any) -> DeduplicationStore:
+    """Open the deduplication store at ``url`` ('config': the configured one).
+
+    Options given here (those not ``None``) win over the URL's and the configuration's.
+    ``must_exist`` (the default): never create the store ("no such store" instead).
+    """
+    target, options = _replacing(*_target(url), {**replace, "must_exist": must_exist or None})
+    return open_store(target, **options)
+
+
+def _open_entities(url: str) -> EntityStore:
+    """Open an existing entity store (never creates one)."""
+    target, options = _replacing(*_target(url, entities=True), {"must_exist": True})
+    return open_entity_store(target, **options)
+
+
+def _asks_to_create(url: str | None) -> bool:
+    """Whether the URL's query or the configured options set ``create`` (to any value)."""
+    target, options = _target(url)
+    return "create" in options or any(key == "create" for key, _ in StoreURL.parse(target).query)
+
+
+def _keys(args: argparse.Namespace) -> dict[str, str]:
+    """Each ID argument -> the id to look up: itself, or ``message_key(--entity, ID)``.
+
+    Validates the ids and the entity before any I/O (``InvalidMessageId``).
+    """
+    ids = validate_ids(args.ids)
+    if args.entity is None:
+        return {mid: mid for mid in ids}
+    entity = validate_message_id(args.entity, "entity id (--entity)")
+    return {mid: message_key(entity, mid) for mid in ids}
 
 
 def _timed(action: Callable[[], T]) -> tuple[T, float]:
@@ -180,9 +261,13 @@ def _timed(action: Callable[[], T]) -> tuple[T, float]:
 
 
 def _check(args: argparse.Namespace) -> int:
+    must_exist = not _asks_to_create(args.url)  # a health check must not make the store it checks
     store, open_ms = _timed(
-        lambda: _open_replacing(
-            args.url, endpoint=args.endpoint or CHECK_ENDPOINT, retention=timedelta(minutes=10)
+        lambda: _open(
+            args.url,
+            must_exist=must_exist,
+            endpoint=args.endpoint or CHECK_ENDPOINT,
+            retention=timedelta(minutes=10),
         )
     )
     with store:
@@ -201,7 +286,7 @@ def _check(args: argparse.Namespace) -> int:
                 f"re-add={again}): the store is not behaving as a deduplication store",
                 file=sys.stderr,
             )
-            return EXIT_RETRY
+            return EXIT_CONFIGURATION  # retrying would not make it one
         warnings = store.health_warnings()
         for warning in warnings:
             print(f"warning:   {warning}")
@@ -210,57 +295,76 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _add(args: argparse.Namespace) -> int:
-    options = {} if args.retention is None else {"retention": args.retention}
-    with _open(args.url, args.endpoint, **options) as store:
-        recorded = store.add_many(args.ids)
+    keys = _keys(args)
+    with _open(
+        args.url, must_exist=False, endpoint=args.endpoint, retention=args.retention
+    ) as store:
+        recorded = store.add_many(keys[mid] for mid in args.ids)
         for mid in args.ids:
-            print(f"{mid}\t{'added' if mid in recorded else 'duplicate'}")
-            recorded.discard(mid)  # a repeated argument is a duplicate of the first
+            print(f"{mid}\t{'added' if keys[mid] in recorded else 'duplicate'}")
+            recorded.discard(keys[mid])  # a repeated argument is a duplicate of the first
     return 0
 
 
 def _has(args: argparse.Namespace) -> int:
-    with _open(args.url, args.endpoint) as store:
-        found = store.processed_among(args.ids)
+    keys = _keys(args)
+    with _open(args.url, endpoint=args.endpoint) as store:
+        found = store.processed_among(keys.values())
         for mid in args.ids:
-            print(f"{mid}\t{'processed' if mid in found else 'not processed'}")
-    return 0 if all(mid in found for mid in args.ids) else 1
+            print(f"{mid}\t{'processed' if keys[mid] in found else 'not processed'}")
+    return 0 if all(keys[mid] in found for mid in args.ids) else 1
 
 
 def _purge(args: argparse.Namespace) -> int:
-    with _open(args.url, args.endpoint) as store:
+    with _open(args.url, endpoint=args.endpoint) as store:
         print(f"purged {store.purge_expired()} expired record(s) of endpoint {store.endpoint!r}")
     return 0
 
 
+def _describe(url: str, options: dict[str, Any], registry: Any) -> tuple[str, dict[str, Any]]:
+    """The backend's class name and its resolved URL-settable options, secrets masked."""
+    from dedupstore.urls import secret_names
+
+    parsed = StoreURL.parse(url)
+    if parsed.scheme not in registry.view:
+        registry.resolve(parsed.scheme)  # unknown: the ConfigurationError names the known
+    try:
+        cls: Any = registry.resolve(parsed.scheme)
+    except ConfigurationError as exc:  # a missing client library: show what the file says
+        names = secret_names()
+        return f"not loaded ({format_error(exc)})", {
+            k: "***" if k.lower() in names else _plain(v) for k, v in options.items()
+        }
+    declared = cls.declared_options.resolve(cls.__name__, parsed, options)
+    return cls.__name__, {
+        name: ("***" if cls.declared_options[name].secret else _plain(value))
+        for name, value in declared.items()
+        if cls.declared_options[name].in_url
+    }
+
+
 def _config(_: argparse.Namespace) -> int:
     from dedupstore.config import resolve_config
-    from dedupstore.registry import stores
+    from dedupstore.registry import entity_stores, stores
 
     resolved = resolve_config()
     shown = resolved.masked()
-    parsed = StoreURL.parse(resolved.url)
-    if parsed.scheme not in stores.view:
-        stores.resolve(parsed.scheme)  # unknown scheme: the ConfigurationError names the known ones
+    shown["backend"], shown["options"] = _describe(resolved.url, resolved.options, stores)
     try:
-        cls: Any = stores.resolve(parsed.scheme)
-    except ConfigurationError as exc:  # a missing client library: show what the file says
-        shown["backend"] = f"not loaded ({format_error(exc)})"
-        shown["options"] = {k: _plain(v) for k, v in shown["options"].items()}
+        ents = resolve_config(entities=True)
+    except ConfigurationError as exc:
+        if "has no 'entities_url'" not in str(exc):
+            raise
+        shown.update(entities_url=None, entities_backend="not configured", entities_options={})
     else:
-        declared = cls.declared_options.resolve(cls.__name__, parsed, resolved.options)
-        shown["backend"] = cls.__name__
-        shown["options"] = {
-            name: ("***" if cls.declared_options[name].secret else _plain(value))
-            for name, value in declared.items()
-            if cls.declared_options[name].in_url
-        }
+        shown["entities_url"] = ents.masked()["url"]
+        shown["entities_backend"], shown["entities_options"] = _describe(
+            ents.url, ents.options, entity_stores
+        )
+        if ents.source != resolved.source:
+            shown["entities_source"] = ents.source
     print(json.dumps(shown, indent=2, default=str))
     return 0
-
-
-def _open_entities(url: str) -> EntityStore:
-    return open_entity_store(None if url == "config" else url)
 
 
 def _segment(args: argparse.Namespace) -> tuple[int, int]:
@@ -275,6 +379,10 @@ def _entities(args: argparse.Namespace) -> int:
     if args.entity_command == "show":
         with _open_entities(args.url) as store:
             entity = store.load(args.entity_id)
+            where = store.url
+        if entity.version is None:
+            print(f"dedupstore: entity {entity.id!r} does not exist in {where}", file=sys.stderr)
+            return 1
         outbox = {
             mid: None if entry is None else [m.to_json() for m in entry]
             for mid, entry in entity.outbox.items()
@@ -298,14 +406,15 @@ def _entities(args: argparse.Namespace) -> int:
         return 0
     from dedupstore.outbox import sweep
 
-    with _open_entities(args.url) as store, _open(args.dedup, args.endpoint) as dedup:
+    with _open_entities(args.url) as store, _open(args.dedup, endpoint=args.endpoint) as dedup:
         result = sweep(store, dedup, segment, segments)
     print(json.dumps(dataclasses.asdict(result), indent=2))
     return 0 if result.ids_left == 0 else EXIT_RETRY
 
 
 def _plain(value: object) -> object:
-    return str(value) if isinstance(value, timedelta) else value
+    """A value as ``dedupstore config`` shows it: durations as text ('30d', '1h30m')."""
+    return format_duration(value) if isinstance(value, timedelta) else value
 
 
 def _spark(module: str) -> Any:
@@ -321,6 +430,11 @@ def _spark(module: str) -> Any:
 
 
 def _spark_sweep(args: argparse.Namespace) -> int:
+    # The sweep never creates a store: both must exist, checked here before Spark starts
+    # (an error raised in a task would reach us wrapped by Spark), and in every task.
+    existing = {"must_exist": True}
+    open_entity_store(args.entities, **existing).close()
+    open_store(args.store, **existing).close()
     spark_integration = _spark("pipeline")
     spark = _spark("session").local_session(args.master, "dedupstore-sweep")
     try:
@@ -330,6 +444,8 @@ def _spark_sweep(args: argparse.Namespace) -> int:
             args.store,
             segments=args.segments,
             redispatch_url=args.redispatch,
+            entities_options=existing,
+            dedup_options=existing,
             batch_ids=args.batch_ids,
         )
         rows = [row.asDict() for row in result.collect()]
@@ -344,8 +460,13 @@ def _spark_sweep(args: argparse.Namespace) -> int:
     return 0 if totals["ids_left"] == 0 else EXIT_RETRY
 
 
-def _demo(args: argparse.Namespace) -> int:
-    return int(_spark("order_pipeline").main(args.args))
+def _demo(argv: list[str]) -> int:
+    """Run the order pipeline job with ``argv`` (its own options; ``--help`` lists them)."""
+    job = _spark("order_pipeline")
+    try:
+        return int(job.main(argv))
+    except SystemExit as exc:  # the job's argument parser: --help (0) or a usage error (2)
+        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
 
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
@@ -356,7 +477,6 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "config": _config,
     "entities": _entities,
     "sweep": _spark_sweep,
-    "demo": _demo,
 }
 
 
@@ -367,8 +487,11 @@ def exit_code(exc: DedupStoreError) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit code."""
-    args = _parser().parse_args(argv)
+    arguments = list(sys.argv[1:] if argv is None else argv)
     try:
+        if arguments[:1] == ["demo"]:  # everything after "demo" belongs to the job
+            return _demo(arguments[1:])
+        args = _parser().parse_args(arguments)
         return _COMMANDS[args.command](args)
     except DedupStoreError as exc:
         code = exit_code(exc)

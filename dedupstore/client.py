@@ -20,15 +20,16 @@ from types import TracebackType
 from typing import Any, ClassVar, Generic, Self, TypeVar
 
 from dedupstore.errors import (
+    ConfigurationError,
     DedupStoreError,
     StoreClosed,
     StoreUnavailable,
     format_error,
 )
-from dedupstore.options import Options, OptionSet
+from dedupstore.options import Option, Options, OptionSet, boolean
 from dedupstore.urls import MASK, StoreURL, mask_text
 
-__all__ = ["Client", "Closing", "ErrorKind", "ProcessLocal"]
+__all__ = ["MUST_EXIST", "Client", "Closing", "ErrorKind", "ProcessLocal"]
 
 T = TypeVar("T")
 
@@ -39,6 +40,20 @@ ErrorKind = type[DedupStoreError] | DedupStoreError | None
 #: Secrets shorter than this are masked in driver messages only as whole words,
 #: so a one-letter password does not mask every matching letter.
 _SHORT_SECRET = 8
+
+#: ``must_exist`` (keyword only, every store): open an existing store and create
+#: nothing, whatever ``create`` says. A missing file, table, database or container is
+#: a ``ConfigurationError`` starting "no such store:". Read-only commands of the CLI
+#: open with it, so a typo in a URL cannot answer from a new, empty store. Backends
+#: with nothing to create (``redis://``, ``memory://``) accept it and do nothing.
+MUST_EXIST = Option(
+    "must_exist",
+    boolean,
+    False,
+    "open an existing store only: create nothing (whatever 'create' says); a missing "
+    "file, table, database or container is a ConfigurationError 'no such store'",
+    in_url=False,
+)
 
 # Objects inherited through fork(): their sockets belong to the parent, so the
 # child must neither use nor close them. Kept referenced here, never collected.
@@ -113,8 +128,8 @@ class Client(Closing, abc.ABC):
 
     #: URL schemes this class serves (informational: the registry decides).
     schemes: ClassVar[tuple[str, ...]] = ()
-    #: The options this class accepts, declared once.
-    declared_options: ClassVar[OptionSet] = OptionSet()
+    #: The options this class accepts, declared once (stores extend this set).
+    declared_options: ClassVar[OptionSet] = OptionSet(MUST_EXIST)
     #: True when the data lives in this process only (another process opening the same
     #: URL sees other data): such a client cannot be shared with worker processes.
     process_local: ClassVar[bool] = False
@@ -193,6 +208,27 @@ class Client(Closing, abc.ABC):
     def _health_warnings(self) -> list[str]:
         """Backend-specific warnings for ``dedupstore check``; none by default."""
         return []
+
+    @property
+    def _creates(self) -> bool:
+        """Whether opening may create what is missing: ``create``, unless ``must_exist``.
+
+        Backends test this, never the ``create`` option itself.
+        """
+        return bool(self._opts.get("create", False)) and not self._opts.get("must_exist", False)
+
+    def _no_such_store(self, what: str, fix: str) -> ConfigurationError:
+        """The error for a store that does not exist; ``what`` names it in the user's terms.
+
+        ``fix`` says how to create it; with ``must_exist`` the message says instead
+        that nothing was created and the URL should be checked.
+        """
+        if self._opts.get("must_exist", False):
+            return ConfigurationError(
+                f"no such store: {what} (nothing was created: check the URL, or create the "
+                "store first)"
+            )
+        return ConfigurationError(f"no such store: {what}; {fix}")
 
     def _check_open(self) -> None:
         if self._closed:

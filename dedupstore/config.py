@@ -29,6 +29,14 @@ file's ``default_env``, else ``default``)::
 ``url``/``options`` are for ``open_store()``, ``entities_url``/``entities_options``
 for ``open_entity_store()`` (``DEDUPSTORE_ENTITIES_URL`` overrides the latter).
 
+Relative paths in a configuration file are relative to the file's directory, not to
+the current one, so every command finds the same store from any subdirectory: the
+path of a ``sqlite:///relative.db`` URL (``url`` and ``entities_url``) and the
+values of the options naming files (:data:`PATH_OPTIONS`: ``ssl_ca_certs``, libpq's
+``sslrootcert``, ``sslcert``, ``sslkey``, ...), in a table or in a URL's query. A URL
+from ``DEDUPSTORE_URL`` / ``DEDUPSTORE_ENTITIES_URL`` and the embedded default
+(``./.dedupstore/``) stay relative to the current directory.
+
 ``${VAR}`` is expanded from the environment everywhere (``$$`` is a literal ``$``);
 a value inserted into the user-info of a URL (a password) is percent-encoded, so a
 generated secret holding ``/``, ``#``, ``?`` or ``@`` still makes a valid URL. An
@@ -46,12 +54,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 from dedupstore.errors import ConfigurationError
 from dedupstore.urls import MASK, StoreURL, authority_bounds, mask_url, secret_names
 
-__all__ = ["DEFAULT_URL", "ResolvedConfig", "find_config_file", "resolve_config"]
+__all__ = ["DEFAULT_URL", "PATH_OPTIONS", "ResolvedConfig", "find_config_file", "resolve_config"]
 
 #: The embedded default store.
 DEFAULT_URL = "sqlite:///.dedupstore/dedup.db"
@@ -60,6 +68,15 @@ _ENV_KEYS = frozenset(
     {"url", "endpoint", "retention", "options", "entities_url", "entities_options"}
 )
 _TOP_KEYS = frozenset({"default_env"})
+#: Options (and URL query keys) whose value is a file path: relative to the
+#: configuration file when given there. Redis's CA bundle and libpq's file parameters.
+PATH_OPTIONS = frozenset(
+    {"ssl_ca_certs", "sslrootcert", "sslcert", "sslkey", "sslcrl", "sslcrldir", "passfile"}
+)
+#: Values of path options that are not paths (libpq's ``sslrootcert=system``).
+_NOT_PATHS = frozenset({"", "system"})
+#: Schemes whose URL path is a file path.
+_FILE_SCHEMES = frozenset({"sqlite"})
 _VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$\{[^}]*\}?")
 
 
@@ -151,6 +168,31 @@ def _expand_url(template: str, where: str, environ: Mapping[str, str]) -> str:
     userinfo = _substitute(rest[:at], where, environ, encode=True)
     tail = _substitute(rest[at:], where, environ, encode=False)
     return f"{_substitute(scheme, where, environ, encode=False)}://{userinfo}{tail}"
+
+
+def _anchor_path(value: object, base: Path) -> object:
+    """A relative path (text) made absolute against ``base``; anything else unchanged."""
+    if not isinstance(value, str) or value in _NOT_PATHS:
+        return value
+    path = Path(value).expanduser()
+    return value if path.is_absolute() else str(base / path)
+
+
+def _anchor_url(url: str, base: Path) -> str:
+    """``url`` with its relative file path and path-valued query options against ``base``."""
+    parsed = StoreURL.parse(url)
+    if any(key in PATH_OPTIONS for key, _ in parsed.query):
+        query = [
+            (k, str(_anchor_path(v, base)) if k in PATH_OPTIONS else v) for k, v in parsed.query
+        ]
+        parsed = parsed.with_query(query)
+    if parsed.scheme not in _FILE_SCHEMES or parsed.netloc or not parsed.path[1:]:
+        return parsed.text
+    path = unquote(parsed.path[1:])
+    if path == ":memory:" or Path(path).is_absolute():
+        return parsed.text
+    tail = parsed.text[len(f"{parsed.scheme}://{parsed.path}") :]
+    return f"{parsed.scheme}:///{quote(str(base / path))}{tail}"
 
 
 def _expand(value: Any, where: str, environ: Mapping[str, str]) -> Any:
@@ -246,9 +288,13 @@ def resolve_config(
                     f"{where}: {key!r} is set both in the table and under its options; set it once"
                 )
             options[key] = table[key]
+    base = config_path.absolute().parent
+    options = {k: _anchor_path(v, base) if k in PATH_OPTIONS else v for k, v in options.items()}
     url = override or (None if raw_url is None else _expand_url(raw_url, where, env))
     if not url:
         raise ConfigurationError(f"{where} has no {url_key!r} and {override_var} is not set")
+    if not override:
+        url = _anchor_url(url, base)
     in_query = {key for key, _ in StoreURL.parse(url).query} & set(options)
     if in_query:
         raise ConfigurationError(

@@ -117,7 +117,7 @@ class DeduplicationStore(Client):
     #: expiry) or ``"client"`` (the ``clock`` option, ``time.time`` by default).
     expiry_clock: ClassVar[Literal["client", "server"]] = "client"
 
-    declared_options: ClassVar[OptionSet] = OptionSet(
+    declared_options: ClassVar[OptionSet] = Client.declared_options.extend(
         Option("endpoint", _endpoint, "default", "the consumer's name; records are per endpoint"),
         Option(
             "retention",

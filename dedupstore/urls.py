@@ -23,6 +23,7 @@ __all__ = [
     "MASK",
     "StoreURL",
     "authority_bounds",
+    "format_duration",
     "mask_text",
     "mask_url",
     "parse_duration",
@@ -53,6 +54,11 @@ _SCHEME = re.compile(r"[a-z][a-z0-9+.-]*")
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, None: 1}
+#: A compound duration such as ``1h30m`` or ``2s500ms``: units largest first, each once.
+_DURATION_PART = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)")
+_UNIT_ORDER = ("w", "d", "h", "m", "s", "ms")
+#: The units :func:`format_duration` writes, in microseconds.
+_FORMAT_UNITS = (("d", 86_400_000_000), ("h", 3_600_000_000), ("m", 60_000_000), ("s", 1_000_000))
 #: Longest duration accepted anywhere (1000 years): larger values are typos.
 MAX_DURATION_SECONDS = 1000 * 365.25 * 86400
 
@@ -229,13 +235,52 @@ def parse_duration(value: object) -> timedelta | None:
             return None
         match = _DURATION.match(value)
         if not match:
-            raise ValueError(
-                f"expected a duration such as '90s', '15m', '12h', '30d' or seconds, got {value!r}"
-            )
+            compound = _compound_duration(value)
+            check_seconds(compound.total_seconds(), value)
+            return compound
         seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
     else:
         raise ValueError(f"expected a duration, got {type(value).__name__}")
     return timedelta(seconds=check_seconds(seconds, value))
+
+
+def _compound_duration(text: str) -> timedelta:
+    """``'1h30m'``, ``'2s500ms'``: parts summed exactly (each part to the microsecond)."""
+    total, position, last = timedelta(), 0, -1
+    while position < len(text.rstrip()):
+        part = _DURATION_PART.match(text, position)
+        rank = -1 if part is None else _UNIT_ORDER.index(part.group(2))
+        if part is None or rank <= last:
+            raise ValueError(
+                "expected a duration such as '90s', '15m', '12h', '30d', '1h30m' or seconds "
+                f"(units largest first, each once), got {text!r}"
+            )
+        total += timedelta(seconds=float(part.group(1)) * _UNIT_SECONDS[part.group(2)])
+        position, last = part.end(), rank
+    return total
+
+
+def format_duration(duration: timedelta) -> str:
+    """``duration`` as compact text: ``'30d'``, ``'1h30m'``, ``'10s'``, ``'2s500ms'``.
+
+    The inverse of :func:`parse_duration`: parsing the text gives ``duration`` back
+    exactly (to the microsecond; below a millisecond as ``'0.001ms'``). Days are the
+    largest unit; zero is ``'0s'``. Raises ``ValueError`` for a negative duration.
+    """
+    micro = duration // timedelta(microseconds=1)
+    if micro < 0:
+        raise ValueError(f"a duration must not be negative, got {duration!r}")
+    if micro == 0:
+        return "0s"
+    parts = []
+    for unit, size in _FORMAT_UNITS:
+        count, micro = divmod(micro, size)
+        if count:
+            parts.append(f"{count}{unit}")
+    if micro:
+        millis, fraction = divmod(micro, 1000)
+        parts.append(f"{millis}.{fraction:03d}".rstrip("0").rstrip(".") + "ms")
+    return "".join(parts)
 
 
 def check_seconds(seconds: float, given: object) -> float:

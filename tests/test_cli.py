@@ -36,6 +36,7 @@ def test_add_and_has(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_check_round_trips_a_probe(capsys: pytest.CaptureFixture[str]) -> None:
+    open_store("sqlite:///cli.db").close()
     assert main(["check", "sqlite:///cli.db"]) == 0
     out = capsys.readouterr().out
     assert "SqliteDeduplicationStore" in out and "ms" in out and out.rstrip().endswith("ok")
@@ -43,7 +44,20 @@ def test_check_round_trips_a_probe(capsys: pytest.CaptureFixture[str]) -> None:
         assert store.processed_among(["x"]) == set()  # the probe lives under its own endpoint
 
 
+def test_check_of_a_store_that_loses_its_probe_exits_2(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from backends.sqlite import SqliteDeduplicationStore
+
+    open_store("sqlite:///cli.db").close()
+    monkeypatch.setattr(SqliteDeduplicationStore, "_contains_one", lambda *_: False)
+    monkeypatch.setattr(SqliteDeduplicationStore, "_find", lambda *_: set())
+    assert main(["check", "sqlite:///cli.db"]) == 2
+    assert "probe round trip failed" in capsys.readouterr().err
+
+
 def test_purge(capsys: pytest.CaptureFixture[str]) -> None:
+    open_store("sqlite:///cli.db").close()
     assert main(["purge", "sqlite:///cli.db"]) == 0
     assert "purged 0 expired record(s)" in capsys.readouterr().out
 
@@ -165,7 +179,7 @@ def test_a_generated_password_is_encoded_into_the_url(
 
 
 def test_sqlite_check_warns_about_weak_synchronous(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["check", "sqlite:///cli.db?synchronous=off"]) == 0
+    assert main(["check", "sqlite:///cli.db?synchronous=off&create=true"]) == 0
     out = capsys.readouterr().out
     assert "warning:   synchronous=OFF" in out and "ok with 1 warning(s)" in out
 
@@ -189,8 +203,8 @@ def test_entities_show_pending_and_sweep(capsys: pytest.CaptureFixture[str]) -> 
     assert main(["entities", "show", "config", "order-1"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["state"] == {"n": 2} and shown["outbox"] == {"m1": None, "m3": None}
-    assert main(["entities", "show", "config", "nobody"]) == 0
-    assert json.loads(capsys.readouterr().out)["version"] is None
+    assert main(["entities", "show", "config", "nobody"]) == 1
+    assert capsys.readouterr().out == ""
     assert main(["entities", "pending", "config", "--list"]) == 0
     out = capsys.readouterr().out
     assert "order-0\tpending=0\tdispatched=3" in out
@@ -205,7 +219,10 @@ def test_entities_show_pending_and_sweep(capsys: pytest.CaptureFixture[str]) -> 
     assert counted == 2, "segments are disjoint and complete"
     assert main(["entities", "sweep", "config"]) == 0
     assert json.loads(capsys.readouterr().out)["ids_moved"] == 5
-    assert main(["has", "config", "m0", "m1", "m2", "m3", "m4"]) == 0
+    # the processor records message_key(entity, id): --entity finds them
+    assert main(["has", "config", "--entity", "order-0", "m0", "m2", "m4"]) == 0
+    assert main(["has", "config", "--entity", "order-1", "m1", "m3"]) == 0
+    assert main(["has", "config", "--entity", "order-1", "m0"]) == 1
     capsys.readouterr()
     assert main(["entities", "pending", "config"]) == 0
     assert capsys.readouterr().out.startswith("0 entities")
@@ -218,3 +235,308 @@ def test_entities_bad_input_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["entities", "show", "nosuch://x", "e"]) == 2
     err = capsys.readouterr().err
     assert "unknown entity store URL scheme" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------- configuration paths
+
+
+@pytest.mark.parametrize("file_name", ["dedupstore.toml", "pyproject.toml"])
+def test_relative_sqlite_paths_in_a_config_file_are_relative_to_the_file(
+    in_tmp: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    file_name: str,
+) -> None:
+    table = "[tool.dedupstore.default]" if file_name == "pyproject.toml" else "[default]"
+    (in_tmp / file_name).write_text(
+        f"{table}\nurl = 'sqlite:///data/dedup.db'\nentities_url = 'sqlite:///data/ents.db'\n"
+    )
+    assert main(["add", "config", "a"]) == 0
+    sub = in_tmp / "pkg" / "deeper"
+    sub.mkdir(parents=True)
+    monkeypatch.chdir(sub)
+    capsys.readouterr()
+    assert main(["has", "config", "a"]) == 0, capsys.readouterr()
+    assert capsys.readouterr().out == "a\tprocessed\n"
+    assert main(["add", "config", "a"]) == 0
+    assert capsys.readouterr().out == "a\tduplicate\n"
+    assert not (sub / "data").exists(), "nothing may be created beside the current directory"
+    assert main(["config"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["url"] == f"sqlite:///{in_tmp / 'data' / 'dedup.db'}"
+    assert shown["entities_url"] == f"sqlite:///{in_tmp / 'data' / 'ents.db'}"
+
+
+def test_path_options_in_a_config_file_are_relative_to_the_file(
+    in_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dedupstore.config import resolve_config
+
+    (in_tmp / "conf").mkdir()
+    (in_tmp / "conf" / "dedupstore.toml").write_text(
+        "[default]\nurl = 'rediss://cache:6380/0'\n"
+        "entities_url = 'postgresql://app@db/app?sslrootcert=certs/root.pem&sslmode=verify-full'\n"
+        "[default.options]\nssl_ca_certs = 'certs/ca.pem'\n"
+        "[default.entities_options]\nsslkey = '/etc/abs.key'\nsslcert = 'certs/c.pem'\n"
+    )
+    monkeypatch.setenv("DEDUPSTORE_CONFIG", str(in_tmp / "conf" / "dedupstore.toml"))
+    base = in_tmp / "conf"
+    assert resolve_config().options == {"ssl_ca_certs": str(base / "certs" / "ca.pem")}
+    entities = resolve_config(entities=True)
+    assert f"sslrootcert={base}/certs/root.pem".replace("/", "%2F") in entities.url
+    assert "sslmode=verify-full" in entities.url
+    assert entities.options == {"sslkey": "/etc/abs.key", "sslcert": str(base / "certs" / "c.pem")}
+    # a URL from the environment is relative to the current directory, as any command line
+    monkeypatch.setenv("DEDUPSTORE_URL", "sqlite:///here.db")
+    assert resolve_config().url == "sqlite:///here.db"
+
+
+# ---------------------------------------------------------------------- read-only commands
+
+
+READ_ONLY = [
+    pytest.param(["has", "{url}", "a"], id="has"),
+    pytest.param(["purge", "{url}"], id="purge"),
+    pytest.param(["check", "{url}"], id="check"),
+    pytest.param(["entities", "show", "{url}", "e1"], id="entities-show"),
+    pytest.param(["entities", "pending", "{url}"], id="entities-pending"),
+    pytest.param(["entities", "sweep", "{url}", "--dedup", "{url}"], id="entities-sweep"),
+]
+
+
+@pytest.mark.parametrize("argv", READ_ONLY)
+def test_read_only_commands_never_create_a_missing_file(
+    in_tmp: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    url = "sqlite:///typo/dedpu.db"
+    assert main([a.replace("{url}", url) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert "no such store" in err and str(in_tmp / "typo" / "dedpu.db") in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert list(in_tmp.iterdir()) == [], "nothing may be created"
+
+
+@pytest.mark.parametrize("argv", READ_ONLY)
+def test_read_only_commands_never_create_a_missing_table(
+    in_tmp: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    import sqlite3
+
+    sqlite3.connect(in_tmp / "other.db").execute("CREATE TABLE unrelated (x)").connection.close()
+    url = "sqlite:///other.db"
+    assert main([a.replace("{url}", url) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert "no such store" in err and "does not exist" in err, err
+    assert "dedup_records" in err or "dedup_entities" in err
+    tables = sqlite3.connect(in_tmp / "other.db").execute("SELECT name FROM sqlite_master")
+    assert [row[0] for row in tables] == ["unrelated"]
+
+
+def test_read_only_commands_on_the_configured_store_create_nothing(
+    in_tmp: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["has", "config", "a"]) == 2
+    assert "no such store" in capsys.readouterr().err
+    assert main(["entities", "show", "config", "e1"]) == 2
+    assert "no such store" in capsys.readouterr().err
+    assert not (in_tmp / ".dedupstore").exists()
+
+
+def test_the_spark_sweep_refuses_a_missing_store_before_starting_spark(
+    in_tmp: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("pyspark")
+    import spark_integration.session
+
+    def no_spark(*_: object) -> None:
+        raise AssertionError("Spark must not start for a missing store")
+
+    monkeypatch.setattr(spark_integration.session, "local_session", no_spark)
+    url = "sqlite:///typo.db"
+    assert main(["sweep", "--entities", url, "--store", url]) == 2
+    err = capsys.readouterr().err
+    assert "no such store" in err and str(in_tmp / "typo.db") in err
+    assert list(in_tmp.iterdir()) == []
+
+
+def test_check_creates_only_when_asked(in_tmp: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "sqlite:///new.db"]) == 2
+    assert "no such store" in capsys.readouterr().err
+    assert main(["check", "sqlite:///new.db?create=true"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("ok")
+    assert main(["check", "sqlite:///new.db"]) == 0
+
+
+def test_must_exist_is_a_keyword_option_of_every_store(in_tmp: Path) -> None:
+    from dedupstore import ConfigurationError, open_entity_store
+
+    with pytest.raises(ConfigurationError, match="no such store"):
+        open_store("sqlite:///x.db?create=true", must_exist=True)
+    with pytest.raises(ConfigurationError, match="no such store"):
+        open_entity_store("sqlite:///x.db", must_exist=True)
+    assert not (in_tmp / "x.db").exists()
+    with pytest.raises(ConfigurationError, match="unknown option 'must_exist'"):
+        open_store("sqlite:///x.db?must_exist=true")
+    open_store("sqlite:///x.db").close()
+    with open_store("sqlite:///x.db", must_exist=True) as store:
+        assert store.add("a") and "must_exist=True" in repr(store)
+    # memory:// has nothing to create: every name exists
+    open_store("memory://anything", must_exist=True).close()
+
+
+# ---------------------------------------------------------------------- operating-system errors
+
+
+@pytest.mark.parametrize(
+    ("path", "fragment"),
+    [
+        ("/proc/x/y.db", "/proc/x"),
+        ("/proc/self/y.db", "/proc/self"),
+        ("/sys/kernel/y.db", "/sys/kernel"),
+        ("{tmp}/a-file/y.db", "a-file"),
+        ("{tmp}/a-dir", "a-dir"),
+    ],
+)
+def test_os_errors_that_cannot_heal_are_configuration_errors(
+    in_tmp: Path, capsys: pytest.CaptureFixture[str], path: str, fragment: str
+) -> None:
+    (in_tmp / "a-file").write_text("not a directory")
+    (in_tmp / "a-dir").mkdir()
+    url = "sqlite:///" + path.replace("{tmp}", str(in_tmp)) + "?timeout=2"
+    assert main(["add", url, "a"]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "retry later" not in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_read_only_directory_is_a_configuration_error(
+    in_tmp: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import os
+
+    if os.geteuid() == 0:
+        pytest.skip("root writes into read-only directories")
+    (in_tmp / "ro").mkdir(mode=0o500)
+    try:
+        assert main(["add", "sqlite:///ro/x.db?timeout=2", "a"]) == 2
+    finally:
+        (in_tmp / "ro").chmod(0o700)
+    err = capsys.readouterr().err
+    assert "ro" in err and "ermission denied" in err, err
+
+
+# ---------------------------------------------------------------------- entities show
+
+
+def test_entities_show_of_an_unknown_entity_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    _outbox_fixture()
+    capsys.readouterr()
+    assert main(["entities", "show", "config", "nobody"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "entity 'nobody' does not exist" in captured.err
+
+
+# ---------------------------------------------------------------------- demo
+
+
+def test_demo_help_lists_the_job_options(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("pyspark")
+    assert main(["demo", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--orders" in out and "--master" in out
+
+
+def test_demo_hands_its_arguments_to_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("pyspark")
+    import spark_integration.order_pipeline as job
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(job, "main", lambda argv=None, **_: seen.append(list(argv)) or 0)
+    assert main(["demo", "--orders", "10", "--seed", "3"]) == 0
+    assert main(["demo"]) == 0
+    assert seen == [["--orders", "10", "--seed", "3"], []]
+
+
+# ---------------------------------------------------------------------- config output
+
+
+def test_config_shows_entities_url_and_compact_durations(
+    in_tmp: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (in_tmp / "dedupstore.toml").write_text(
+        "[default]\nurl = 'sqlite:///d.db'\nretention = '30d'\n"
+        "entities_url = 'postgresql://app:${PW}@db/app?table=ents'\n"
+    )
+    monkeypatch.setenv("PW", "hunter2-secret")
+    monkeypatch.setitem(sys.modules, "psycopg", None)
+    assert main(["config"]) == 0
+    out = capsys.readouterr().out
+    shown = json.loads(out)
+    assert shown["options"]["retention"] == "30d"
+    assert shown["entities_url"] == "postgresql://app:***@db/app?table=ents"
+    assert "hunter2" not in out and "days" not in out
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("30d", 30 * 86400),
+        ("1h30m", 5400),
+        ("10s", 10),
+        ("1d2h3m4s", 93784),
+        ("250ms", 0.25),
+        ("1m0.5s", 60.5),
+        ("2s500ms", 2.5),
+        ("1.5ms", 0.0015),
+        ("365250d", 365250 * 86400),
+    ],
+)
+def test_durations_round_trip(text: str, seconds: float) -> None:
+    from datetime import timedelta
+
+    from dedupstore.urls import format_duration, parse_duration
+
+    duration = parse_duration(text)
+    assert duration == timedelta(seconds=seconds)
+    assert format_duration(duration) == text.replace("1m0.5s", "1m500ms")
+    assert parse_duration(format_duration(duration)) == duration
+
+
+def test_formatted_durations_parse_back_exactly() -> None:
+    import random
+    from datetime import timedelta
+
+    from dedupstore.urls import format_duration, parse_duration
+
+    rng = random.Random(7)
+    for _ in range(2000):
+        duration = timedelta(microseconds=rng.randint(1, 3 * 10**16))
+        assert parse_duration(format_duration(duration)) == duration, duration
+    assert format_duration(timedelta(weeks=2)) == "14d"
+    assert format_duration(timedelta(hours=1, microseconds=1)) == "1h0.001ms"
+
+
+# ---------------------------------------------------------------------- message identity
+
+
+def test_has_and_add_with_entity_use_the_processor_key(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from dedupstore.ids import message_key
+
+    url = "sqlite:///ids.db"
+    with open_store(url) as store:
+        store.add(message_key("alice", "txn-1"))
+    assert main(["has", url, "txn-1", "--entity", "alice"]) == 0
+    assert capsys.readouterr().out == "txn-1\tprocessed\n"
+    assert main(["has", url, "txn-1", "--entity", "bob"]) == 1
+    assert main(["has", url, "txn-1"]) == 1, "without --entity the bare id is checked"
+    capsys.readouterr()
+    assert main(["add", url, "--entity", "bob", "txn-1"]) == 0
+    assert capsys.readouterr().out == "txn-1\tadded\n"
+    with open_store(url) as store:
+        assert store.has_been_processed(message_key("bob", "txn-1"))
+        assert not store.has_been_processed("txn-1")
+    assert main(["has", url, "txn-1", "--entity", "bad\x00"]) == 2
+    assert "entity" in capsys.readouterr().err

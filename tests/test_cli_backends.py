@@ -228,3 +228,70 @@ def test_check_cosmos_missing_container(
     assert code == 2
     _assert_one_line(err, "does not exist", secret=cosmos_server.key)
     assert "no-such-container" in err or "database 'cli'" in err
+
+
+# ---------------------------------------------------------------------- never create
+
+
+def _read_only_commands(url: str) -> list[list[str]]:
+    """Commands that must never create a store, on a URL that would otherwise create it."""
+    return [
+        ["has", url, "a"],
+        ["purge", url],
+        ["entities", "show", url, "e1"],
+        ["entities", "pending", url],
+        ["entities", "sweep", url, "--dedup", url],
+    ]
+
+
+def _assert_never_created(capsys: pytest.CaptureFixture[str], url: str, *names: str) -> None:
+    for argv in _read_only_commands(url):
+        assert main(argv) == 2, argv
+        _assert_one_line(capsys.readouterr().err, "no such store", *names)
+
+
+@pytest.mark.postgres
+def test_read_only_commands_never_create_a_postgres_table(
+    capsys: pytest.CaptureFixture[str], postgres_server: Server
+) -> None:
+    from dedupstore import ConfigurationError, open_store
+
+    table = f"cli_missing_{uuid.uuid4().hex[:8]}"
+    _assert_never_created(capsys, f"{postgres_server.url}?table={table}&create=true", table)
+    code, _, err = _check(capsys, f"{postgres_server.url}?table={table}")
+    assert code == 2
+    _assert_one_line(err, "no such store", table)
+    with pytest.raises(ConfigurationError, match="does not exist"):
+        open_store(f"{postgres_server.url}?table={table}")
+
+
+@pytest.mark.dynamodb
+def test_read_only_commands_never_create_a_dynamodb_table(
+    capsys: pytest.CaptureFixture[str], dynamodb_server: DynamoDBEndpoint
+) -> None:
+    from dedupstore import ConfigurationError, open_store
+
+    table = f"cli-missing-{uuid.uuid4().hex[:8]}"
+    base = (
+        f"dynamodb://{table}?region={dynamodb_server.region}"
+        f"&endpoint_url={dynamodb_server.endpoint_url}"
+    )
+    _assert_never_created(capsys, f"{base}&create=true", table)
+    with pytest.raises(ConfigurationError, match="does not exist"):
+        open_store(base)
+
+
+@pytest.mark.cosmos
+def test_read_only_commands_never_create_a_cosmos_container(
+    capsys: pytest.CaptureFixture[str],
+    cosmos_server: CosmosEndpoint,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from dedupstore import ConfigurationError, open_store
+
+    monkeypatch.setenv("COSMOS_KEY", cosmos_server.key)
+    container = f"missing{uuid.uuid4().hex[:8]}"
+    weak = "allow_weak_consistency_for_emulator_only=true"
+    _assert_never_created(capsys, _cosmos_url(cosmos_server, container, f"{weak}&create=true"))
+    with pytest.raises(ConfigurationError, match="does not exist"):
+        open_store(_cosmos_url(cosmos_server, container, weak))

@@ -273,7 +273,7 @@ def test_config_file_selects_environment(in_tmp: Path, monkeypatch: pytest.Monke
         """,
     )
     resolved = resolve_config()
-    assert (resolved.url, resolved.environment) == ("sqlite:///dev.db", "dev")
+    assert (resolved.url, resolved.environment) == (f"sqlite:///{in_tmp / 'dev.db'}", "dev")
     with open_store() as store:
         assert store.endpoint == "orders"
     monkeypatch.setenv("DEDUPSTORE_ENV", "test")
@@ -440,7 +440,10 @@ def test_entities_url_per_environment(in_tmp: Path, monkeypatch: pytest.MonkeyPa
         """,
     )
     resolved = resolve_config(entities=True)
-    assert (resolved.url, resolved.options) == ("sqlite:///dev.db", {"table": "orders"})
+    assert (resolved.url, resolved.options) == (
+        f"sqlite:///{in_tmp / 'dev.db'}",
+        {"table": "orders"},
+    )
     with open_entity_store() as entities:
         assert entities.option("table") == "orders"
         entities.save(entities.load("e1"))

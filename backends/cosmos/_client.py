@@ -329,7 +329,7 @@ class CosmosClientBase(Client):
         )
 
     def _check_container(self, client: CosmosClient) -> None:
-        if self._opts["create"]:
+        if self._creates:
             self._create_container(client)
         database = client.get_database_client(self._database_name)
         fix = f"create it with {self._create_function} or open with create=true"
@@ -342,14 +342,16 @@ class CosmosClientBase(Client):
                 database.read()
             except CosmosHttpResponseError as db_exc:
                 if db_exc.status_code == 404:
-                    raise ConfigurationError(
+                    raise self._no_such_store(
                         f"Cosmos DB database {self._database_name!r} does not exist at "
-                        f"{self._endpoint_url}; {fix} (it creates the container too)"
+                        f"{self._endpoint_url}",
+                        f"{fix} (it creates the container too)",
                     ) from None
                 raise
-            raise ConfigurationError(
+            raise self._no_such_store(
                 f"Cosmos DB container {self._container_name!r} does not exist in database "
-                f"{self._database_name!r}; {fix}"
+                f"{self._database_name!r}",
+                fix,
             ) from None
         paths = list((properties.get("partitionKey") or {}).get("paths") or [])
         if paths != [PARTITION_KEY_PATH]:

@@ -240,7 +240,7 @@ class DynamoDBClient(Client):
             (lambda client: client.close()) if given is None else None,
         )
         try:
-            if opts["create"]:
+            if self._creates:
                 self.create_table(wait=True)
             self._check_table()
         except BaseException:
@@ -417,7 +417,16 @@ class DynamoDBClient(Client):
     def _check_table(self) -> None:
         """Probe the table: it exists, has this store's key schema and no replicas."""
         with self._translating_errors("open the table"):
-            table = self._describe_table()
+            try:
+                table = self._describe_table()
+            except boto_errors.ClientError as exc:
+                if _error_code(exc) != "ResourceNotFoundException":
+                    raise
+                raise self._no_such_store(
+                    f"{self._place()} does not exist",
+                    f"create it with create=True (URL ?create=true) or with key schema "
+                    f"{self._schema_text()}",
+                ) from exc
             if table.get("TableStatus") == "CREATING":
                 self._wait_active()
                 table = self._describe_table()

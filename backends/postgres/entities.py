@@ -50,8 +50,11 @@ save is sent once: when its answer is lost (``StoreUnavailable``) it may or may
 not have been applied, and the entities' ``version`` is left as it was, so a
 retry of the same save conflicts if the first one was applied (reload: the
 entity then holds that save's state); it is never reported as a conflict
-without an error first. Loads and scan pages are retried once on a connection
-that broke under them. ``ConfigurationError``: a missing table (without
+without an error first. So a save is not re-sent after a broken connection; it
+is sent on a connection that has just answered an empty query, which a
+connection that died while pooled fails instead. Loads and scan pages are
+re-sent on another connection when one breaks under them, within the
+statement's time. ``ConfigurationError``: a missing table (without
 ``create``), a table of another shape, refused credentials or privileges.
 """
 

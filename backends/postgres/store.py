@@ -15,18 +15,20 @@ store's sessions: a record is committed and flushed before ``add`` returns.
 ``INSERT ... ON CONFLICT`` decides the first writer; each record also holds the
 write token (``writer`` column) of the call that wrote it.
 
-Worst case of one call: ``connect_timeout + timeout`` (plus about a second of
-grace); reads are retried once on a connection that broke under them, so twice
-that.
+Worst case of one statement: ``connect_timeout + timeout`` (plus about a second
+of grace). When a connection breaks under a statement (a reset, a restart, a
+connection that died while pooled) the statement is re-sent on another one
+within that time: reads, and inserts, whose write token makes a re-send answer
+like the first send (the rows holding the call's token are returned, so ids the
+lost first send recorded are reported as recorded by this call).
 
 After a failure: ``StoreUnavailable`` (server down, timeout, failover to a
-replica, contention still failing after 3 attempts) means retry; writes are
-never re-sent by the store, so an ``add`` that failed may or may not have
-recorded its ids, and a retry on the same store object reports the ids it wrote
-as recorded by the retry (``add_many`` also says what it ``recorded`` and what
-is ``unknown``). ``ConfigurationError`` (missing table or database, refused
-credentials or permission, a table of another shape, a value libpq refuses)
-means fix the setup.
+replica, contention still failing after 3 attempts) means retry; an ``add``
+that failed may or may not have recorded its ids, and a retry on the same
+store object reports the ids it wrote as recorded by the retry (``add_many``
+also says what it ``recorded`` and what is ``unknown``). ``ConfigurationError``
+(missing table or database, refused credentials or permission, a table of
+another shape, a value libpq refuses) means fix the setup.
 """
 
 from __future__ import annotations
@@ -61,8 +63,9 @@ class PostgresDeduplicationStore(PostgresClient, DeduplicationStore):
     Thread-safe and fork-safe (a child process opens its own pool); it pickles
     to its URL and options. Raises ``StoreUnavailable`` when the server cannot
     answer within the timeouts, ``ConfigurationError`` for a missing or unusable
-    table, refused credentials or permissions; ``add``/``add_many`` are never
-    re-sent once sent, so their answer is exact or an error.
+    table, refused credentials or permissions; ``add``/``add_many`` are re-sent
+    only after a broken connection, under the same write token, so their answer
+    is exact or an error.
     """
 
     max_write_batch: ClassVar[int] = 2000
@@ -126,7 +129,7 @@ class PostgresDeduplicationStore(PostgresClient, DeduplicationStore):
             [self._table_text],
         )
         if not has_writer[0][0]:
-            if not self._opts["create"]:
+            if not self._creates:
                 raise ConfigurationError(
                     f"table {self._table_text} in PostgreSQL at {self.url} has no writer column "
                     f"(made by an older dedupstore): run {self._sql_add_writer.decode()} once, "
@@ -200,11 +203,11 @@ class PostgresDeduplicationStore(PostgresClient, DeduplicationStore):
 
     def _add_new(self, request: WriteRequest) -> set[str]:
         params = {**self._write_params(request), "ids": sorted(request.ids)}
-        return {row[0] for row in self._write(self._sql_add_many, params)}
+        return {row[0] for row in self._write(self._sql_add_many, params, resend=True)}
 
     def _add_one(self, request: WriteRequest) -> bool:
         params = {**self._write_params(request), "id": request.ids[0]}
-        return bool(self._write(self._sql_add_one, params))
+        return bool(self._write(self._sql_add_one, params, resend=True))
 
     def _find(self, ids: list[str], now: float) -> set[str]:
         rows = self._read(self._sql_find, {"endpoint": self._endpoint, "ids": ids})

@@ -1,0 +1,389 @@
+"""Message identity is (consumer, entity, message id); entity records stay bounded.
+
+The cases a user found on real inputs: the same message id under two entities, two
+consumers of one event, a hot entity in deferred mode, a batch whose outputs for one
+entity do not fit in one record, and exact outcomes for copies inside one batch. The
+identity cases run on every backend; the size cases on the in-process and SQLite
+backends at full size, and on every backend with its own record limit.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backends.memory import MemoryDeduplicationStore, MemoryEntityStore
+from dedupstore import open_dispatcher
+from dedupstore.entities import EntityStore
+from dedupstore.errors import EntityTooLarge
+from dedupstore.ids import MAX_ID_BYTES, message_key, outgoing_id
+from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send, sweep
+from dedupstore.store import DeduplicationStore
+from tests.outbox_backends import OutboxBackend, backend_params
+
+
+def ledger(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+    """Adds the amount to the balance and announces it."""
+    balance = state.get("balance", 0) + message.body
+    return {"balance": balance, "n": state.get("n", 0) + 1}, [
+        Send("ledger.posted", {"entity": message.correlation_id, "amount": message.body})
+    ]
+
+
+def _memory() -> tuple[MemoryEntityStore, MemoryDeduplicationStore]:
+    url = f"memory://{uuid.uuid4().hex}"
+    return MemoryEntityStore(url), MemoryDeduplicationStore(url)
+
+
+# ---------------------------------------------------------------------- identity
+
+
+@pytest.mark.parametrize("outbox_backend", backend_params(), indirect=True)
+@pytest.mark.parametrize("cleanup", ["inline", "deferred"])
+def test_the_same_id_under_two_entities_is_two_messages(
+    outbox_backend: OutboxBackend, cleanup: Any
+) -> None:
+    entities, dedup = outbox_backend.entities(), outbox_backend.dedup()
+    sent = InMemoryDispatcher()
+    processor = OutboxProcessor(entities, dedup, sent, cleanup=cleanup)
+    alice, bob = Message("txn-1", "alice", 100), Message("txn-1", "bob", 250)
+    try:
+        assert processor.process(alice, ledger).outcome == "processed"
+        assert processor.process(bob, ledger).outcome == "processed"
+        carol, dave = Message("txn-1", "carol", 7), Message("txn-1", "dave", 9)
+        batch = processor.process_batch([carol, dave, carol], ledger)
+        assert [r.outcome for r in batch] == ["processed", "processed", "duplicate"]
+        assert sweep(entities, dedup).ids_left == 0
+        again = [alice, bob, carol, dave]
+        assert [processor.process(m, ledger).outcome for m in again] == ["duplicate"] * 4
+        assert [r.outcome for r in processor.process_batch(again, ledger)] == ["duplicate"] * 4
+        balances = {e.id: e.state["balance"] for e in entities.load_many(["alice", "bob"]).values()}
+        assert balances == {"alice": 100, "bob": 250}
+        ids = [m.id for m in sent.sent]
+        assert len(set(ids)) == 4, "four processings, four distinct outgoing ids"
+        assert set(ids) == {
+            outgoing_id(dedup.endpoint, m.correlation_id, "txn-1", 0) for m in again
+        }
+        keys = {message_key(m.correlation_id, m.id) for m in again}
+        assert dedup.processed_among(keys) == keys
+        assert not dedup.has_been_processed("txn-1"), "the bare id is not the record"
+    finally:
+        entities.close()
+        dedup.close()
+
+
+@pytest.mark.sqlite
+def test_two_entities_reach_a_table_queue_as_two_messages(tmp_path: Path) -> None:
+    """process_batch of txn-1 under alice and bob: both events land, nothing stays pending."""
+    url = f"sqlite:///{tmp_path}/s.db"
+    from dedupstore import open_entity_store, open_store
+
+    with (
+        open_entity_store(url) as entities,
+        open_store(url) as dedup,
+        open_dispatcher(f"sqlite:///{tmp_path}/queue.db") as queue,
+    ):
+        processor = OutboxProcessor(entities, dedup, queue, cleanup="deferred")
+        messages = [Message("txn-1", "alice", 100), Message("txn-1", "bob", 250)]
+        assert [r.outcome for r in processor.process_batch(messages, ledger)] == ["processed"] * 2
+        received = list(queue.messages())  # type: ignore[attr-defined]
+        assert sorted(r.message.body["entity"] for r in received) == ["alice", "bob"]
+        assert [r.mismatches for r in received] == [0, 0]
+        result = sweep(entities, dedup)
+        assert (result.ids_moved, result.ids_left) == (2, 0)
+        assert all(not e.outbox for e in entities.load_many(["alice", "bob"]).values())
+        replay = processor.process(Message("txn-1", "bob", 250), ledger)
+        assert replay.outcome == "duplicate"
+        assert entities.load("bob").state["balance"] == 250
+
+
+@pytest.mark.memory
+def test_sweep_counts_pending_entries_as_left() -> None:
+    """An entry still awaiting dispatch is not moved: ids_left says so."""
+    entities, dedup = _memory()
+
+    class Down:
+        def dispatch(self, messages: Any) -> None:
+            raise ConnectionError("broker down")
+
+    processor = OutboxProcessor(entities, dedup, Down(), cleanup="deferred")
+    with pytest.raises(ConnectionError):
+        processor.process(Message("m1", "alice", 1), ledger)
+    result = sweep(entities, dedup)
+    assert (result.ids_moved, result.ids_left) == (0, 1)
+    relayed = sweep(entities, dedup, redispatch=InMemoryDispatcher())
+    assert (relayed.redispatched, relayed.ids_moved, relayed.ids_left) == (1, 1, 0)
+    assert sweep(entities, dedup).ids_left == 0
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        pytest.param("memory", marks=pytest.mark.memory),
+        pytest.param("sqlite", marks=pytest.mark.sqlite),
+    ],
+)
+def test_two_consumers_of_one_event_emit_distinct_ids(kind: str, tmp_path: Path) -> None:
+    """billing and shipping both handle order-placed-42: a saga receives both outputs.
+
+    Each consumer has its own entity store and its own endpoint in one dedup store.
+    """
+    from dedupstore import open_entity_store, open_store
+
+    event = Message("order-placed-42", "order-42", {"total": 10})
+    saga = InMemoryDispatcher()
+    expected = []
+    shared = f"memory://{uuid.uuid4().hex}" if kind == "memory" else f"sqlite:///{tmp_path}/d.db"
+    for consumer, destination in (("billing", "billing.invoiced"), ("shipping", "ship.planned")):
+        own = (
+            f"memory://{uuid.uuid4().hex}"
+            if kind == "memory"
+            else f"sqlite:///{tmp_path}/{consumer}.db"
+        )
+
+        def handle(state: dict[str, Any], m: Message, to: str = destination) -> Any:
+            return {"seen": True}, [Send(to, m.body)]
+
+        with open_entity_store(own) as entities, open_store(shared, endpoint=consumer) as dedup:
+            processor = OutboxProcessor(entities, dedup, saga)
+            assert processor.consumer == consumer
+            assert processor.process(event, handle).outcome == "processed"
+            assert processor.process(event, handle).outcome == "duplicate"
+        expected.append(outgoing_id(consumer, "order-42", event.id, 0))
+    assert [m.id for m in saga.sent] == expected
+    assert len(set(expected)) == 2
+
+
+@pytest.mark.memory
+def test_outgoing_ids_differ_by_consumer_entity_id_and_position() -> None:
+    base = outgoing_id("billing", "order-42", "order-placed-42", 0)
+    assert base == outgoing_id("billing", "order-42", "order-placed-42", 0)
+    others = {
+        outgoing_id("shipping", "order-42", "order-placed-42", 0),
+        outgoing_id("billing", "order-43", "order-placed-42", 0),
+        outgoing_id("billing", "order-42", "order-placed-43", 0),
+        outgoing_id("billing", "order-42", "order-placed-42", 1),
+        # a separator inside a part cannot make two triples collide
+        outgoing_id("billing", "order-4", "2order-placed-42", 0),
+    }
+    assert base not in others and len(others) == 5
+    assert str(uuid.UUID(base)) == base
+
+
+@pytest.mark.memory
+def test_message_keys_are_unambiguous_and_bounded() -> None:
+    assert message_key("alice", "txn-1") == "5:alice:txn-1"
+    assert message_key("a:b", "c") != message_key("a", "b:c")
+    assert message_key("1:a", "b") != message_key("1", "a:b")
+    long = message_key("é" * 1024, "x" * 1024)
+    assert long.startswith("#") and len(long.encode()) <= MAX_ID_BYTES
+    assert long != message_key("é" * 1024, "x" * 1023)
+    fits = message_key("a" * 500, "b" * 500)
+    assert fits.startswith("500:") and len(fits) <= MAX_ID_BYTES
+
+
+# ---------------------------------------------------------------------- sizes
+
+
+def _counter(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+    return {"n": state.get("n", 0) + 1}, [Send("out", {"n": state.get("n", 0) + 1})]
+
+
+@pytest.mark.memory
+def test_a_hot_entity_in_deferred_mode_never_outgrows_its_record() -> None:
+    """200,000 messages for one account, deferred clean-up, no sweep."""
+    entities, dedup = _memory()
+    processor = OutboxProcessor(entities, dedup, InMemoryDispatcher(), cleanup="deferred")
+    total = 200_000
+    for start in range(0, total, 1000):
+        batch = [Message(f"txn-{n:032d}", "hot", None) for n in range(start, start + 1000)]
+        assert all(r.outcome == "processed" for r in processor.process_batch(batch, _counter))
+    entity = entities.load("hot")
+    assert entity.state["n"] == total
+    assert len(entity.outbox) <= processor.deferred_limit
+    kept = set(entity.outbox)
+    moved = {f"txn-{n:032d}" for n in range(total)} - kept
+    keys = [message_key("hot", mid) for mid in moved]
+    assert dedup.processed_among(keys) == set(keys), "every id left the outbox for the store"
+    again = [Message(f"txn-{n:032d}", "hot", None) for n in range(0, total, 997)]
+    assert {r.outcome for r in processor.process_batch(again, _counter)} == {"duplicate"}
+    assert entities.load("hot").state["n"] == total
+
+
+@pytest.mark.parametrize("outbox_backend", backend_params(), indirect=True)
+def test_deferred_limit_moves_dispatched_ids_inline(outbox_backend: OutboxBackend) -> None:
+    entities, dedup = outbox_backend.entities(), outbox_backend.dedup()
+    processor = OutboxProcessor(
+        entities, dedup, InMemoryDispatcher(), cleanup="deferred", deferred_limit=5
+    )
+    try:
+        for n in range(12):
+            processor.process(Message(f"p{n}", "acct", None), _counter)
+        assert len(entities.load("acct").outbox) <= 5
+        batch = [Message(f"b{n}", "acct", None) for n in range(12)]
+        processor.process_batch(batch, _counter)
+        entity = entities.load("acct")
+        assert len(entity.outbox) <= 5 and entity.state["n"] == 24
+        sweep(entities, dedup)
+        everything = [f"p{n}" for n in range(12)] + [f"b{n}" for n in range(12)]
+        keys = {message_key("acct", m) for m in everything}
+        assert dedup.processed_among(keys) == keys
+        replay = [Message(mid, "acct", None) for mid in everything]
+        assert {r.outcome for r in processor.process_batch(replay, _counter)} == {"duplicate"}
+    finally:
+        entities.close()
+        dedup.close()
+
+
+def _blob(size: int) -> Any:
+    def handle(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+        n = state.get("n", 0) + 1
+        return {"n": n}, [Send("blobs", {"n": n, "blob": "x" * size})]
+
+    return handle
+
+
+@pytest.mark.parametrize("cleanup", ["inline", "deferred"])
+@pytest.mark.parametrize(
+    ("count", "size"), [(1000, 5_000), (2, 3_000_000)], ids=["1000x5KB", "2x3MB"]
+)
+@pytest.mark.parametrize(
+    "kind",
+    [
+        pytest.param("memory", marks=pytest.mark.memory),
+        pytest.param("sqlite", marks=pytest.mark.sqlite),
+    ],
+)
+def test_a_batch_whose_outputs_do_not_fit_runs_in_rounds(
+    kind: str, count: int, size: int, cleanup: Any, tmp_path: Path
+) -> None:
+    if kind == "memory":
+        entities: EntityStore
+        dedup: DeduplicationStore
+        entities, dedup = _memory()
+    else:
+        from dedupstore import open_entity_store, open_store
+
+        url = f"sqlite:///{tmp_path}/s.db"
+        entities, dedup = open_entity_store(url), open_store(url)
+    sent = InMemoryDispatcher()
+    processor = OutboxProcessor(entities, dedup, sent, cleanup=cleanup)
+    messages = [Message(f"m{n}", "hot", None) for n in range(count)]
+    results = processor.process_batch([*messages, messages[0]], _blob(size))
+    assert [r.outcome for r in results] == ["processed"] * count + ["duplicate"]
+    assert entities.load("hot").state["n"] == count
+    assert [m.body["n"] for m in sent.sent] == list(range(1, count + 1)), "in order, once each"
+    assert len({m.id for m in sent.sent}) == count
+    sweep(entities, dedup)
+    assert not entities.load("hot").outbox
+    entities.close()
+    dedup.close()
+
+
+@pytest.mark.parametrize("outbox_backend", backend_params(), indirect=True)
+def test_rounds_fit_each_backends_own_limit(outbox_backend: OutboxBackend) -> None:
+    """Ten outputs of a fifth of the record limit each, for one entity, in one batch."""
+    entities, dedup = outbox_backend.entities(), outbox_backend.dedup()
+    size = entities.max_entity_bytes // 5
+    try:
+        processor = OutboxProcessor(entities, dedup, InMemoryDispatcher(), cleanup="deferred")
+        messages = [Message(f"m{n}", "hot", None) for n in range(10)]
+        assert {r.outcome for r in processor.process_batch(messages, _blob(size))} == {"processed"}
+        assert entities.load("hot").state["n"] == 10
+    finally:
+        entities.close()
+        dedup.close()
+
+
+@pytest.mark.memory
+@pytest.mark.parametrize("batch", [False, True], ids=["process", "process_batch"])
+def test_a_message_that_does_not_fit_alone_names_itself(batch: bool) -> None:
+    entities, dedup = _memory()
+    processor = OutboxProcessor(entities, dedup, InMemoryDispatcher())
+    processor.process(Message("small", "acct", None), _blob(10))
+    huge = Message("huge-1", "acct", None)
+    with pytest.raises(EntityTooLarge, match="'huge-1' of entity 'acct'"):
+        if batch:
+            processor.process_batch([huge], _blob(entities.max_entity_bytes))
+        else:
+            processor.process(huge, _blob(entities.max_entity_bytes))
+    entity = entities.load("acct")
+    assert entity.state == {"n": 1} and not entity.outbox, "nothing of it was written"
+
+
+@pytest.mark.memory
+def test_process_moves_dispatched_ids_to_make_room() -> None:
+    """Deferred entries left by an earlier run do not make a fitting message too large."""
+    entities, dedup = _memory()
+    processor = OutboxProcessor(entities, dedup, InMemoryDispatcher(), cleanup="deferred")
+    long_ids = [f"{n:04d}" + "i" * 1000 for n in range(600)]  # ~600 KB of dispatched ids
+    for mid in long_ids:
+        processor.process(Message(mid, "acct", None), _counter)
+    assert entities.load("acct").outbox, "some dispatched ids are kept (deferred)"
+    big = entities.max_entity_bytes - 60_000  # fits alone, not beside the kept ids
+    assert processor.process(Message("big", "acct", None), _blob(big)).outcome == "processed"
+    assert list(entities.load("acct").outbox) == ["big"], "the kept ids moved to the store"
+    keys = [message_key("acct", mid) for mid in long_ids]
+    assert dedup.processed_among(keys) == set(keys)
+
+
+# ---------------------------------------------------------------------- outcomes
+
+
+class _CleanupConflicts(MemoryEntityStore):
+    """The second ``save_many`` (the clean-up) meets a rival save of the same entities."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.calls = 0
+        self.other = MemoryEntityStore(url)
+
+    def save_many(self, entities: Any) -> set[str]:
+        self.calls += 1
+        if self.calls == 2:
+            for entity in entities:
+                rival = self.other.load(entity.id)
+                rival.state = {**rival.state, "touched": True}
+                self.other.save(rival)
+        conflicts: set[str] = super().save_many(entities)
+        return conflicts
+
+
+@pytest.mark.memory
+@pytest.mark.parametrize("cleanup", ["inline", "deferred"])
+def test_copies_in_one_batch_have_exact_outcomes_after_a_conflict(cleanup: Any) -> None:
+    url = f"memory://{uuid.uuid4().hex}"
+    entities, dedup = _CleanupConflicts(url), MemoryDeduplicationStore(url)
+    processor = OutboxProcessor(entities, dedup, InMemoryDispatcher(), cleanup=cleanup)
+    m1, m2 = Message("m1", "acct", 5), Message("m2", "acct", 7)
+    results = processor.process_batch([m1, m1, m2, m1, m2], ledger)
+    assert [r.outcome for r in results] == [
+        "processed",
+        "duplicate",
+        "processed",
+        "duplicate",
+        "duplicate",
+    ]
+    assert entities.load("acct").state["balance"] == 12
+
+
+@pytest.mark.memory
+def test_copies_of_a_pending_message_are_redispatched_once() -> None:
+    entities, dedup = _memory()
+
+    class FailOnce:
+        calls = 0
+
+        def dispatch(self, messages: Any) -> None:
+            FailOnce.calls += 1
+            if FailOnce.calls == 1:
+                raise ConnectionError("down")
+
+    processor = OutboxProcessor(entities, dedup, FailOnce(), cleanup="deferred")
+    with pytest.raises(ConnectionError):
+        processor.process(Message("m1", "acct", 5), ledger)
+    again = processor.process_batch([Message("m1", "acct", 5)] * 3, ledger)
+    assert [r.outcome for r in again] == ["redispatched", "duplicate", "duplicate"]
