@@ -10,6 +10,7 @@ import random
 import signal
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -37,6 +38,7 @@ from dedupstore.testing.entities import (
     EntityStoreFactory,
     EntityStoreRestartContract,
 )
+from tests.proxy import TcpProxy
 from tests.servers import PostgresServer, Server, _freeze_tree, free_port
 
 pytestmark = pytest.mark.postgres
@@ -115,11 +117,11 @@ class _Statements:
         self.sent: list[bytes] = []
         original = store._execute  # type: ignore[attr-defined]
 
-        def execute(conn: Any, query: Any, params: Any = None) -> Any:
+        def execute(conn: Any, query: Any, params: Any = None, **kwargs: Any) -> Any:
             text = query if isinstance(query, bytes) else str(query).encode()
             if table.encode() in text:
                 self.sent.append(text)
-            return original(conn, query, params)
+            return original(conn, query, params, **kwargs)
 
         store._execute = execute  # type: ignore[attr-defined]
 
@@ -435,29 +437,46 @@ def test_overlapping_batches_in_any_order_never_deadlock(factory: EntityStoreFac
 # ---------------------------------------------------------------------- failures
 
 
-def _losing_answers(store: EntityStore, statement: bytes, lose: Callable[[int], bool]) -> None:
-    """Make ``store`` run ``statement`` for real, then raise as if the answer was lost."""
+def _shut_down(conn: Any) -> None:
+    """Shut the socket of ``conn`` down: the connection dies under its next use."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+def _losing_answers(
+    store: EntityStore, statement: bytes, lose: Callable[[int], bool], *, broken: bool = False
+) -> None:
+    """Make ``store`` run ``statement`` for real, then raise as if the answer was lost.
+
+    ``broken``: the connection really dies after the statement (psycopg marks it
+    broken), as when the server or the network fails before the answer arrives.
+    """
     original = store._execute  # type: ignore[attr-defined]
     count = 0
 
-    def execute(conn: Any, query: Any, params: Any = None) -> Any:
+    def execute(conn: Any, query: Any, params: Any = None, **kwargs: Any) -> Any:
         nonlocal count
-        rows = original(conn, query, params)
+        rows = original(conn, query, params, **kwargs)
         if query == statement:
             count += 1
             if lose(count):
+                if broken:
+                    _shut_down(conn)
+                    original(conn, "SELECT 1")  # raises: the connection is broken
                 raise psycopg.OperationalError("server closed the connection unexpectedly")
         return rows
 
     store._execute = execute  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("broken", [False, True], ids=["error", "broken-connection"])
 def test_lost_answer_of_a_save_is_an_error_never_a_wrong_answer(
-    factory: EntityStoreFactory,
+    factory: EntityStoreFactory, broken: bool
 ) -> None:
+    """A save is never re-sent: a re-send would conflict with its own first send."""
     store, other = factory(), factory()
     entity = store.save(_new(store, "lost", n=1))
-    _losing_answers(store, store._sql_save, lambda n: n == 1)  # type: ignore[attr-defined]
+    _losing_answers(store, store._sql_save, lambda n: n == 1, broken=broken)  # type: ignore[attr-defined]
     entity.state = {"n": 2}
     with pytest.raises(StoreUnavailable) as info:
         store.save(entity)
@@ -490,19 +509,18 @@ def test_lost_answer_part_way_through_save_many(factory: EntityStoreFactory) -> 
     store.close()
 
 
-def test_a_read_is_retried_once_on_a_broken_connection(factory: EntityStoreFactory) -> None:
+def test_a_read_is_retried_on_a_broken_connection(factory: EntityStoreFactory) -> None:
     store = factory()
     store.save(_new(store, "r", n=1))
     original = store._execute  # type: ignore[attr-defined]
     broken: list[bytes] = []
 
-    def execute(conn: Any, query: Any, params: Any = None) -> Any:
+    def execute(conn: Any, query: Any, params: Any = None, **kwargs: Any) -> Any:
         reads = (store._sql_load, store._sql_scan)  # type: ignore[attr-defined]
         if query in reads and query not in broken:  # the first of each
             broken.append(query)
-            with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-                sock.shutdown(socket.SHUT_RDWR)  # the connection dies under the read
-        return original(conn, query, params)
+            _shut_down(conn)  # the connection dies under the read
+        return original(conn, query, params, **kwargs)
 
     store._execute = execute  # type: ignore[attr-defined]
     assert store.load("r").state == {"n": 1}
@@ -800,4 +818,110 @@ def test_store_survives_fork(factory: EntityStoreFactory) -> None:
     child.join(60)
     assert child.exitcode == 0
     assert store.load("parent").state == {"by": "child"}
+    store.close()
+
+
+# ---------------------------------------------------------------------- connections reset
+
+
+@pytest.fixture
+def proxy(postgres_server: Server) -> Iterator[TcpProxy]:
+    """A TCP proxy to the session's server, to reset the store's connections."""
+    with TcpProxy.for_url(postgres_server.url) as proxy:
+        yield proxy
+
+
+_POOL = 3  # connections the store keeps open: every one of them is reset
+
+
+def _open_through(proxy: TcpProxy, url: str, table: str) -> PostgresEntityStore:
+    """A store on ``table`` through ``proxy`` holding entity "seen" (pending), its pool full."""
+    store = PostgresEntityStore(
+        proxy.url(url),
+        table=table,
+        create=True,
+        pool_min_size=_POOL,
+        pool_max_size=_POOL + 2,
+        connect_timeout=1,
+        timeout=5,
+    )
+    seen = _new(store, "seen", n=1)
+    seen.outbox["m"] = [_message("m")]
+    store.save(seen)  # a successful call first
+    pool = store._pools.get()
+    while True:  # no connection still opening: it would hang when the network dies
+        stats = pool.get_stats()
+        if stats["pool_available"] >= _POOL and stats["pool_size"] == stats["pool_available"]:
+            return store
+        time.sleep(0.01)
+
+
+def _load_many(store: EntityStore) -> Callable[[], object]:
+    def call() -> object:
+        found = store.load_many(["seen", "absent"])
+        return {eid: (e.state, e.version) for eid, e in found.items()}
+
+    return call
+
+
+def _save_many(store: EntityStore) -> Callable[[], object]:
+    seen, new = store.load("seen"), store.load("new")  # loaded before the connections die
+    seen.state, new.state = {"n": 2}, {"n": 1}
+
+    def call() -> object:
+        conflicts = store.save_many([seen, new])
+        return conflicts, seen.version, new.version, store.load("seen").state
+
+    return call
+
+
+def _scan(store: EntityStore) -> Callable[[], object]:
+    return lambda: [(e.id, e.version) for e in store.pending_outboxes()]
+
+
+#: operation -> (prepare it: returns the call, the call's right answer).
+_OPERATIONS: dict[str, tuple[Callable[[EntityStore], Callable[[], object]], object]] = {
+    "load_many": (_load_many, {"seen": ({"n": 1}, 1), "absent": ({}, None)}),
+    "save_many": (_save_many, (set(), 2, 1, {"n": 2})),
+    "scan": (_scan, [("seen", 1)]),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("silent", [True, False], ids=["silent-reset", "reset"])
+@pytest.mark.parametrize("operation", sorted(_OPERATIONS))
+def test_first_call_after_connections_were_reset(
+    proxy: TcpProxy, postgres_server: Server, fresh_table: str, operation: str, silent: bool
+) -> None:
+    """Every pooled connection dies while idle: the next call still answers, and rightly.
+
+    ``silent``: the client learns it only when it sends (the server's host rebooted,
+    a NAT or proxy dropped the connection); else it gets the RST at once.
+    """
+    store = _open_through(proxy, postgres_server.url, fresh_table)
+    prepare, answer = _OPERATIONS[operation]
+    call = prepare(store)
+    with proxy.down("refuse", silent=silent):  # a short outage, while nobody calls
+        pass
+    assert call() == answer
+    store.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["refuse", "reset", "hang"])
+@pytest.mark.parametrize("operation", sorted(_OPERATIONS))
+def test_a_call_during_an_outage_fails_then_the_first_call_after_succeeds(
+    proxy: TcpProxy, postgres_server: Server, fresh_table: str, operation: str, mode: str
+) -> None:
+    store = _open_through(proxy, postgres_server.url, fresh_table)
+    prepare, answer = _OPERATIONS[operation]
+    call = prepare(store)
+    with proxy.down(mode, silent=True):  # type: ignore[arg-type]
+        # every connection is dead and no new one answers: an error, within the timeouts
+        with pytest.raises(StoreUnavailable) as info:
+            call()
+        assert isinstance(info.value.__cause__, psycopg.Error), repr(info.value.__cause__)
+        assert len(str(info.value).splitlines()) == 1
+    # the same call again (a failed save left the versions as loaded): the right answer
+    assert call() == answer
     store.close()

@@ -8,6 +8,7 @@ import os
 import pickle
 import random
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -29,6 +30,7 @@ from dedupstore.errors import (
     StoreUnavailable,
 )
 from dedupstore.testing import DeduplicationStoreContract, MultiProcessContract, StoreFactory
+from tests.proxy import TcpProxy
 from tests.servers import PostgresServer, Server, _freeze_tree, free_port
 
 pytestmark = pytest.mark.postgres
@@ -894,9 +896,9 @@ def _losing_answers(
     count = 0
     lock = threading.Lock()
 
-    def execute(conn: Any, query: Any, params: Any = None) -> Any:
+    def execute(conn: Any, query: Any, params: Any = None, **kwargs: Any) -> Any:
         nonlocal count
-        rows = original(conn, query, params)
+        rows = original(conn, query, params, **kwargs)
         if query == statement:
             with lock:
                 count += 1
@@ -993,3 +995,131 @@ def test_server_killed_during_a_large_add_many(own_postgres_server: PostgresServ
     assert retry | recorded == set(ids)
     assert store.processed_among(ids) == set(ids)
     store.close()
+
+
+# ---------------------------------------------------------------------- connections reset
+
+
+@pytest.fixture
+def proxy(postgres_server: Server) -> Iterator[TcpProxy]:
+    """A TCP proxy to the session's server, to reset the store's connections."""
+    with TcpProxy.for_url(postgres_server.url) as proxy:
+        yield proxy
+
+
+_POOL = 3  # connections the store keeps open: every one of them is reset
+
+#: operation -> (the call, its right answer); "seen" is recorded, "absent" is not.
+_OPERATIONS: dict[str, tuple[Callable[[DeduplicationStore], object], object]] = {
+    "add": (lambda store: store.add("new-1"), True),
+    "add_many": (lambda store: store.add_many(["seen", "new-1", "new-2"]), {"new-1", "new-2"}),
+    "has_been_processed": (lambda store: store.has_been_processed("seen"), True),
+    "processed_among": (lambda store: store.processed_among(["seen", "absent"]), {"seen"}),
+}
+
+
+def _open_through(proxy: TcpProxy, url: str, table: str) -> DeduplicationStore:
+    """A store on ``table`` through ``proxy``, its pool full (``_POOL`` open connections)."""
+    store = open_store(
+        proxy.url(url),
+        table=table,
+        create=True,
+        pool_min_size=_POOL,
+        pool_max_size=_POOL + 2,
+        connect_timeout=1,
+        timeout=5,
+    )
+    assert store.add_many(["seen"]) == {"seen"}  # a successful call first
+    _wait_for_idle_pool(store)
+    return store
+
+
+def _wait_for_idle_pool(store: DeduplicationStore) -> None:
+    """Until the pool holds ``_POOL`` idle connections and opens no other one.
+
+    A connection still opening when the network dies hangs until libpq's
+    ``connect_timeout`` and holds up the pool's growth meanwhile.
+    """
+    pool = store._pools.get()  # type: ignore[attr-defined]
+    while True:
+        stats = pool.get_stats()
+        if stats["pool_available"] >= _POOL and stats["pool_size"] == stats["pool_available"]:
+            return
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("silent", [True, False], ids=["silent-reset", "reset"])
+@pytest.mark.parametrize("operation", sorted(_OPERATIONS))
+def test_first_call_after_connections_were_reset(
+    proxy: TcpProxy, postgres_server: Server, fresh_table: str, operation: str, silent: bool
+) -> None:
+    """Every pooled connection dies while idle: the next call still answers, and rightly.
+
+    ``silent``: the client learns it only when it sends (the server's host rebooted,
+    a NAT or proxy dropped the connection); else it gets the RST at once.
+    """
+    store = _open_through(proxy, postgres_server.url, fresh_table)
+    call, answer = _OPERATIONS[operation]
+    with proxy.down("refuse", silent=silent):  # a short outage, while nobody calls
+        pass
+    assert call(store) == answer
+    store.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["refuse", "reset", "hang"])
+@pytest.mark.parametrize("operation", sorted(_OPERATIONS))
+def test_a_call_during_an_outage_fails_then_the_first_call_after_succeeds(
+    proxy: TcpProxy, postgres_server: Server, fresh_table: str, operation: str, mode: str
+) -> None:
+    store = _open_through(proxy, postgres_server.url, fresh_table)
+    call, answer = _OPERATIONS[operation]
+    with proxy.down(mode, silent=True):  # type: ignore[arg-type]
+        # every connection is dead and no new one answers: an error, within the timeouts
+        _assert_unavailable(lambda: call(store))
+    assert call(store) == answer
+    store.close()
+
+
+def _breaking_answers(
+    store: DeduplicationStore, statement: bytes, lose: Callable[[int], bool]
+) -> None:
+    """Make ``store`` run ``statement`` for real, then lose the answer with the connection."""
+    original = store._execute  # type: ignore[attr-defined]
+    count = 0
+    lock = threading.Lock()
+
+    def execute(conn: Any, query: Any, params: Any = None, **kwargs: Any) -> Any:
+        nonlocal count
+        rows = original(conn, query, params, **kwargs)
+        if query == statement:
+            with lock:
+                count += 1
+                number = count
+            if lose(number):
+                with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)  # the connection dies after the statement
+                original(conn, "SELECT 1")  # raises: the connection is broken
+                raise AssertionError("the connection should be broken")
+        return rows
+
+    store._execute = execute  # type: ignore[attr-defined]
+
+
+def test_add_applied_then_connection_lost_is_reported_as_recorded(
+    postgres_server: Server, fresh_table: str
+) -> None:
+    """A write re-sent after its answer was lost still reports what this call recorded."""
+    store = open_store(postgres_server.url, table=fresh_table, create=True)
+    other = open_store(postgres_server.url, table=fresh_table)
+    assert other.add("theirs") is True
+    _breaking_answers(store, store._sql_add_one, lambda n: n == 1)  # type: ignore[attr-defined]
+    assert store.add("mine") is True  # applied, answer lost, re-sent: still "recorded now"
+    _breaking_answers(store, store._sql_add_many, lambda n: n == 1)  # type: ignore[attr-defined]
+    ids = [f"many-{i}" for i in range(10)]
+    assert store.add_many([*ids, "theirs"]) == set(ids)
+    assert store.add_many([*ids, "mine"]) == set()  # exactly once
+    assert other.add_many([*ids, "mine"]) == set()
+    store.close()
+    other.close()

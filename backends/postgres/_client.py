@@ -25,9 +25,25 @@ on and ``statement_timeout`` set to ``timeout``.
 Every statement is bounded: the server cancels it after ``timeout``, TCP
 keepalives and ``tcp_user_timeout`` detect a network partition, and a
 client-side watchdog closes the connection of a statement that got no answer
-shortly after ``timeout`` (a frozen server still accepts TCP). Reads are retried
-once on a connection that broke under them; writes are sent once (retried only
-when the server says it rolled them back: deadlock, serialization failure).
+shortly after ``timeout`` (a frozen server still accepts TCP).
+
+Connections that died while pooled (a server restart, a reset, an outage) must
+not fail the first call after the server is back. A pooled connection the server
+closed is readable: it is discarded before use, without a round trip. One that
+died silently (its peer forgot it: the server's host rebooted, a NAT or proxy
+dropped it) only fails when used, so each statement has one deadline (the
+pool's timeout plus the statement's bound, the worst case of one attempt) and:
+
+* a read, or a write the store marks ``resend`` (one whose second application
+  answers like the first: the deduplication store's inserts, by their write
+  token), is re-sent on another connection whenever a connection breaks under
+  it, until the deadline;
+* any other write (an entity save) is sent once, on a connection that has just
+  answered an empty query (``ConnectionPool.check_connection``); a failure after
+  it was sent is raised, as its outcome is unknown.
+
+Writes are also retried when the server says it rolled them back (deadlock,
+serialization failure); a statement the watchdog timed out is never re-sent.
 Errors are classified once, here: ``StoreUnavailable`` (retry) or
 ``ConfigurationError`` (fix the setup).
 """
@@ -427,11 +443,11 @@ class PostgresClient(Client):
             )
         found = self._execute(conn, "SELECT to_regclass(%s) IS NOT NULL", [self._table_text])
         if not found[0][0]:
-            if not self._opts["create"]:
-                raise ConfigurationError(
-                    f"table {self._table_text} does not exist in PostgreSQL at {self.url}: "
+            if not self._creates:
+                raise self._no_such_store(
+                    f"table {self._table_text} does not exist in PostgreSQL at {self.url}",
                     f"call {type(self).__name__}.create_schema(url) once, or open the "
-                    "store with create=true"
+                    "store with create=true",
                 )
             self._create_table(conn)
         self._check_table(conn)
@@ -488,35 +504,51 @@ class PostgresClient(Client):
             pool.close(timeout=5.0)
 
     @contextlib.contextmanager
-    def _connection(self) -> Iterator[Connection]:
+    def _connection(
+        self, *, verify: bool = True, deadline: float | None = None
+    ) -> Iterator[Connection]:
         """A live pooled connection (autocommit), returned to the pool on exit.
 
-        Connections the server has closed (after a restart) are discarded and the
-        next one tried at once. When none comes within the pool's timeout, the
-        ``PoolTimeout`` says why the last connection attempt failed, if known.
+        Connections the server is known to have closed (readable while idle: a
+        restart, a reset that reached us) are discarded and the next one tried at
+        once, without a round trip. With ``verify`` (for a request that must not
+        be re-sent) the connection must also answer an empty query first
+        (``ConnectionPool.check_connection``, bounded like a statement): one that
+        died silently (its peer forgot it: the server's host rebooted, a NAT or
+        proxy dropped it) fails that instead of the request, and is discarded too.
+        Discarded connections are replaced by the pool. Waits at most the pool's
+        timeout, and not past ``deadline``; then the ``PoolTimeout`` says why the
+        last connection attempt failed, if known. A check that gets no answer
+        raises :class:`StatementTimeout`.
         """
         pool = self._pools.get()
-        budget = pool.timeout
         began = time.monotonic()
+        until = began + pool.timeout if deadline is None else min(began + pool.timeout, deadline)
         while True:
             try:
-                conn = pool.getconn(timeout=budget - (time.monotonic() - began))
+                conn = pool.getconn(timeout=until - time.monotonic())
             except PoolTimeout as exc:
-                message = f"timed out after {budget:g} s waiting for a connection"
+                waited = max(0.0, until - began)
+                message = f"timed out after {waited:.3g} s waiting for a connection"
                 failures = self._connect_failures
                 cause: BaseException = exc
-                if failures.error is not None and failures.at >= began - budget:
+                if failures.error is not None and failures.at >= began - pool.timeout:
                     cause = failures.error
                     message += f"; the last connection attempt failed: {failures.error}"
                 raise PoolTimeout(self._scrub(message)) from cause
-            if not _server_closed(conn):
-                if conn.autocommit:
-                    break
+            if not conn.autocommit:
                 pool.putconn(conn)
                 raise ConfigurationError(
                     f"{type(self).__name__} at {self.url}: the connections of the given client "
                     "pool must be in autocommit mode (ConnectionPool(kwargs={'autocommit': True}))"
                 )
+            try:
+                alive = not _server_closed(conn) and (not verify or self._answers(conn, deadline))
+            except BaseException:  # the check timed out (the connection is closed), ...
+                pool.putconn(conn)
+                raise
+            if alive:
+                break
             conn.close()  # the pool replaces it
             pool.putconn(conn)
         try:
@@ -524,15 +556,42 @@ class PostgresClient(Client):
         finally:
             pool.putconn(conn)
 
-    def _execute(self, conn: Connection, query: Any, params: Any = None) -> list[tuple[Any, ...]]:
-        """Run one statement and fetch its rows, bounded by the watchdog."""
+    def _answers(self, conn: Connection, deadline: float | None) -> bool:
+        """Whether ``conn`` answers an empty query; ``StatementTimeout`` if nothing comes."""
+        try:
+            with self._bounded(conn, deadline):
+                ConnectionPool.check_connection(conn)
+        except StatementTimeout:
+            raise
+        except psycopg.Error:
+            return False
+        return True
+
+    def _execute(
+        self, conn: Connection, query: Any, params: Any = None, *, deadline: float | None = None
+    ) -> list[tuple[Any, ...]]:
+        """Run one statement and fetch its rows, bounded by the watchdog (and ``deadline``)."""
+        with self._bounded(conn, deadline):
+            cursor = conn.execute(query, params)
+            return cursor.fetchall() if cursor.description is not None else []
+
+    @contextlib.contextmanager
+    def _bounded(self, conn: Connection, deadline: float | None) -> Iterator[None]:
+        """Close ``conn`` if the round trip in the block gets no answer in time.
+
+        In time: shortly after ``timeout`` (the server cancels the statement at
+        ``timeout``), and not past ``deadline``. A psycopg error after the
+        watchdog fired is raised as :class:`StatementTimeout`.
+        """
+        delay = self._watchdog_delay
+        if deadline is not None:
+            delay = max(0.0, min(delay, deadline - time.monotonic()))
         watchdog = _WATCHDOG.get()
-        alarm = watchdog.arm(self._watchdog_delay, lambda: _shut_down(conn))
+        alarm = watchdog.arm(delay, lambda: _shut_down(conn))
         fired = False
         try:
             try:
-                cursor = conn.execute(query, params)
-                return cursor.fetchall() if cursor.description is not None else []
+                yield
             finally:
                 fired = watchdog.disarm(alarm)
                 if fired:  # the socket is shut down, even if the answer came
@@ -540,18 +599,58 @@ class PostgresClient(Client):
         except psycopg.Error as exc:
             if fired:
                 raise StatementTimeout(
-                    f"timed out after {self._watchdog_delay:g} s (timeout={self._timeout:g}): "
+                    f"timed out after {delay:.3g} s (timeout={self._timeout:g}): "
                     "PostgreSQL did not answer; the connection was closed"
                 ) from exc
             raise
 
-    def _write(self, query: bytes, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
-        """Run a write once; retried only when the server reports it rolled back."""
+    def _run(self, query: Any, params: Any, *, resend: bool) -> list[tuple[Any, ...]]:
+        """Run one statement on a pooled connection; re-send it if allowed and useful.
+
+        The call has one deadline: the pool's timeout plus the statement's bound
+        (``timeout`` and the watchdog's grace), the worst case of one attempt.
+        ``resend=True`` (reads, and writes that recognise their own earlier
+        application): when the connection breaks under the statement (a reset,
+        a restart, a connection that died while pooled) it is sent again on
+        another connection, until the deadline; each attempt waits for a
+        connection and for the answer only until then. ``resend=False``: the
+        statement is sent once, on a connection that has just answered a round
+        trip (so a connection that died while pooled costs that round trip, not
+        the request); a failure after it was sent is raised. A watchdog timeout
+        is never re-sent (the server may still be running the statement).
+        """
+        deadline = time.monotonic() + self._pools.get().timeout + self._watchdog_delay
+        while True:
+            used: Connection | None = None
+            try:
+                with self._connection(verify=not resend, deadline=deadline) as conn:
+                    used = conn
+                    return self._execute(conn, query, params, deadline=deadline)
+            except StatementTimeout:
+                raise
+            except psycopg.OperationalError:
+                broke = used is not None and used.broken
+                if not (resend and broke) or time.monotonic() >= deadline:
+                    raise
+
+    def _write(
+        self, query: bytes, params: Mapping[str, Any], *, resend: bool = False
+    ) -> list[tuple[Any, ...]]:
+        """Run a write; retried when the server reports it rolled back (deadlock, ...).
+
+        ``resend=True`` only for a statement whose second application answers
+        like the first: the deduplication store's inserts return the rows holding
+        the call's write token, so a re-sent ``add`` reports the ids its lost
+        first send recorded (never "already recorded"). An entity save is not
+        re-sent once sent: after a lost answer its own version check would refuse
+        it and the save would be reported as a conflict (harmless: the caller
+        reloads and sees the saved state) where the contract says a lost answer
+        is an error; the connection it is sent on is checked first instead.
+        """
         attempt = 1
         while True:
             try:
-                with self._connection() as conn:
-                    return self._execute(conn, query, params)
+                return self._run(query, params, resend=resend)
             except _RETRYABLE_WRITE_ERRORS:
                 if attempt >= _WRITE_ATTEMPTS:
                     raise
@@ -578,19 +677,8 @@ class PostgresClient(Client):
         ]
 
     def _read(self, query: bytes, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
-        """Run a read; retried once on a connection that broke under it."""
-        used: Connection | None = None
-        try:
-            with self._connection() as conn:
-                used = conn
-                return self._execute(conn, query, params)
-        except StatementTimeout:
-            raise
-        except psycopg.OperationalError:
-            if used is None or not used.broken:
-                raise
-        with self._connection() as conn:
-            return self._execute(conn, query, params)
+        """Run a read; re-sent on another connection when one breaks under it."""
+        return self._run(query, params, resend=True)
 
     def _close(self) -> None:
         self._pools.close()
