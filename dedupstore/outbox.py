@@ -28,7 +28,7 @@ import copy
 import json
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -229,8 +229,8 @@ class OutboxProcessor:
     def _save_applied(self, entity: Entity, message: Message) -> bool:
         """Save the entity holding ``message``'s new entry (step 2c).
 
-        When it does not fit and the entity holds dispatched ids, those move to the
-        deduplication store (on a fresh load, under its token) and False says: start
+        When it does not fit and the entity holds other entries, they are cleared
+        (:meth:`_clear`, on a fresh load, under its token) and False says: start
         again. When it does not fit without them, ``EntityTooLarge`` names the message.
         """
         try:
@@ -238,10 +238,10 @@ class OutboxProcessor:
             return True
         except EntityTooLarge as exc:
             fresh = self.entities.load(entity.id)
-            if not fresh.dispatched:
+            if not fresh.outbox:
                 raise _too_large(message, exc) from None
-            self._move_dispatched([fresh])
-            self.entities.save(fresh)
+            if not self._clear([fresh], set()):
+                raise ConcurrencyConflict(f"entity {entity.id!r:.80} changed") from None
             return False
 
     def _run(
@@ -426,42 +426,72 @@ class OutboxProcessor:
                 results[index] = result
         return [r for r in results if r is not None]
 
+    def _clear(self, entities: Iterable[Entity], keep: set[tuple[str, str]]) -> set[str]:
+        """Empty the outboxes of ``entities`` but for the entries of ``keep`` (and save).
+
+        Entries still pending for other messages are dispatched again (at least once,
+        same ids), then every entry but ``keep``'s moves to the deduplication store
+        before the save that removes it. Returns the ids of the entities saved.
+        """
+        relay: list[OutgoingMessage] = []
+        cleared: list[Entity] = []
+        for entity in entities:
+            for mid in [m for m in entity.pending if (entity.id, m) not in keep]:
+                relay.extend(entity.outbox[mid] or [])
+                entity.outbox[mid] = None
+            if entity.dispatched:
+                cleared.append(entity)
+        if relay:
+            self.dispatcher.dispatch(relay)
+        if not cleared:
+            return set()
+        self._move_dispatched(cleared)
+        conflicts = self.entities.save_many(cleared)
+        return {e.id for e in cleared} - conflicts
+
     def _rounds(self, messages: list[Message], handler: Handler) -> list[int]:
         """The round of each message: per entity, the longest runs that fit in its record.
 
-        Measured exactly (canonical JSON sizes) on the entities as loaded now, after
-        their dispatched ids moved to the deduplication store. A run ends before a
-        message whose entry would not fit; a message that does not fit on a record
-        holding only the entity's state and older pending entries raises
-        ``EntityTooLarge`` naming it.
+        First the entities are cleared of what is not theirs to keep: dispatched ids
+        move to the deduplication store, and entries still pending for messages not
+        in this batch are dispatched again (at least once, same ids) and move too.
+        Then sizes are measured exactly (canonical JSON) as the handlers run: a run
+        ends before a message whose entry would not fit, and the entries of a run
+        leave the record (inline) or shrink to ``None`` (deferred) before the next.
+        A message that does not fit at the start of a run, beside the entity's state
+        alone, raises ``EntityTooLarge`` naming it.
         """
         limit = self.entities.max_entity_bytes
         entities = self.entities.load_many([m.correlation_id for m in messages])
-        heavy = [e for e in entities.values() if e.dispatched]
-        if heavy:
-            self._move_dispatched(heavy)
-            self.entities.save_many(heavy)  # a conflict only makes this estimate stale
+        self._clear(entities.values(), {(m.correlation_id, m.id) for m in messages})
         keys = [message_key(m.correlation_id, m.id) for m in messages]
         fresh = [
             keys[i] for i, m in enumerate(messages) if m.id not in entities[m.correlation_id].outbox
         ]
         already = self.dedup.processed_among(fresh) if fresh else set()
         sizes = {cid: _Sizes.of(entity) for cid, entity in entities.items()}
+        for entity in entities.values():
+            for mid in entity.outbox:  # this batch's own: redispatched, cleaned in the first run
+                sizes[entity.id].carry(mid)
         seen: set[tuple[str, str]] = set()
         numbers: list[int] = []
         for index, message in enumerate(messages):
             ident = (message.correlation_id, message.id)
             entity, size = entities[message.correlation_id], sizes[message.correlation_id]
-            if ident in seen or message.id in entity.outbox or keys[index] in already:
+            if message.id in entity.outbox:
+                numbers.append(0)
+                continue
+            if ident in seen or keys[index] in already:
                 numbers.append(size.round)
                 continue
             seen.add(ident)
             state, outgoing = self._run(size.state, message, handler)
             entry = entry_size(message.id, [m.to_json() for m in outgoing])
-            if not size.fits(state, entry, limit) and size.entries_this_round:
+            total = size.total_with(state, entry)
+            if total > limit and size.this_round:
                 size.next_round(self.cleanup)
-            if not size.fits(state, entry, limit):
                 total = size.total_with(state, entry)
+            if total > limit:
                 raise _too_large(
                     message,
                     EntityTooLarge(
@@ -479,42 +509,39 @@ class _Sizes:
     """The encoded size of one entity as :meth:`OutboxProcessor._rounds` adds entries."""
 
     state: dict[str, Any]
-    state_bytes: int
-    entries: int
+    entries: dict[str, int]  # message id -> bytes of its entry
     entries_bytes: int
     round: int = 0
-    this_round: list[tuple[str, int]] = field(default_factory=list)
+    this_round: list[str] = field(default_factory=list)
 
     @classmethod
     def of(cls, entity: Entity) -> _Sizes:
-        sizes = [entry_size(mid, _entry_json(e)) for mid, e in entity.outbox.items()]
-        return cls(entity.state, json_size(entity.state), len(sizes), sum(sizes))
-
-    @property
-    def entries_this_round(self) -> int:
-        return len(self.this_round)
+        sizes = {mid: entry_size(mid, _entry_json(e)) for mid, e in entity.outbox.items()}
+        return cls(entity.state, sizes, sum(sizes.values()))
 
     def total_with(self, state: dict[str, Any], entry: int) -> int:
-        entries = self.entries + 1
-        return ENTITY_FRAME_BYTES + json_size(state) + self.entries_bytes + entry + entries - 1
-
-    def fits(self, state: dict[str, Any], entry: int, limit: int) -> bool:
-        return self.total_with(state, entry) <= limit
+        """Bytes of the entity with ``state`` and one more entry of ``entry`` bytes."""
+        commas = len(self.entries)  # n + 1 entries, n commas
+        return ENTITY_FRAME_BYTES + json_size(state) + self.entries_bytes + entry + commas
 
     def add(self, mid: str, state: dict[str, Any], entry: int) -> None:
-        self.state, self.state_bytes = state, json_size(state)
-        self.entries += 1
+        self.state = state
+        self.entries[mid] = entry
         self.entries_bytes += entry
-        self.this_round.append((mid, entry))
+        self.this_round.append(mid)
+
+    def carry(self, mid: str) -> None:
+        """A pending entry of this batch: cleaned up with the current run."""
+        self.this_round.append(mid)
 
     def next_round(self, cleanup: str) -> None:
-        """After a round: inline removes its entries, deferred leaves ``None`` ones."""
-        for mid, entry in self.this_round:
-            if cleanup == "inline":
-                self.entries -= 1
-                self.entries_bytes -= entry
-            else:
-                self.entries_bytes += entry_size(mid, None) - entry
+        """After a run: inline removes its entries, deferred leaves ``None`` ones."""
+        for mid in self.this_round:
+            old = self.entries.pop(mid)
+            self.entries_bytes -= old
+            if cleanup != "inline":
+                self.entries[mid] = entry_size(mid, None)
+                self.entries_bytes += self.entries[mid]
         self.this_round = []
         self.round += 1
 

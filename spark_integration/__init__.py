@@ -5,7 +5,7 @@
   for Structured Streaming through ``foreachBatch``.
 * :func:`sweep_outboxes` moves dispatched ids from the entities' outboxes into
   the deduplication store, one task per segment.
-* :func:`drop_processed` removes rows whose id is already recorded.
+* :func:`drop_processed` removes rows whose (correlation id, id) is already recorded.
 
 Everything is built on DataFrame APIs, so it runs on a classic session, on a
 cluster and on Spark Connect alike. Clients are opened in each task from URLs

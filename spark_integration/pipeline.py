@@ -1,19 +1,22 @@
 """The improving outbox as Spark jobs: sweep, process, stream, drop processed.
 
-Built on DataFrame APIs only (``mapInArrow``, ``repartition``, ``foreachBatch``), so
-every function runs unchanged on a classic session and on a Spark Connect session.
-Each task opens its own clients from URLs (checked on the driver first, without
-I/O) and closes them; nothing live is pickled and nothing is kept on the driver.
+Built on DataFrame APIs only (``mapInArrow``, a pandas UDF, ``repartition``,
+``foreachBatch``), so every function runs unchanged on a classic session and on a
+Spark Connect session. Each task opens its own clients from URLs (checked on the
+driver first, without I/O) and closes them; nothing live is pickled and nothing is
+kept on the driver. How columns become ids, order and bodies is
+:mod:`spark_integration._columns`, checked on the driver too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import (
     ArrayType,
+    BooleanType,
     DataType,
     DoubleType,
     IntegerType,
@@ -29,7 +32,9 @@ from dedupstore.errors import (
     EntityTooLarge,
     InvalidMessageId,
 )
+from dedupstore.ids import message_key
 from dedupstore.outbox import Handler, Message, OutboxProcessor, ProcessResult, sweep
+from spark_integration import _columns as C
 from spark_integration._clients import ClientSpec, TaskClients
 
 if TYPE_CHECKING:
@@ -73,9 +78,6 @@ PROCESS_SCHEMA = _schema(
     attempts=IntegerType(),
     batch_attempts=IntegerType(),
 )
-
-_ID, _CID, _SEQ = "__dedupstore_id", "__dedupstore_cid", "__dedupstore_seq"
-_INTERNAL = frozenset({_ID, _CID, _SEQ})
 
 Cleanup = Literal["inline", "deferred"]
 
@@ -191,25 +193,37 @@ def process_messages(
 ) -> DataFrame:
     """Process a DataFrame of messages exactly once; one result row per input row.
 
-    Rows are repartitioned by ``correlation_col`` so one entity's messages are
-    handled by one task, in ``order_col`` order when given, else in input order (the
-    order in which ``df``'s partitions hold them; after a shuffle upstream that order
-    can change between evaluations, so give ``order_col`` when order matters),
-    over ``partitions`` tasks (default ``spark.sql.shuffle.partitions``).
-    Each task opens its own clients and runs
-    :meth:`~dedupstore.outbox.OutboxProcessor.process_batch` over ``batch_size``
-    messages at a time. A message's body is a dict of its row's other columns
-    (``headers_col``, a ``map<string,string>``, becomes its headers). A batch that
-    raises is re-run up to ``retries`` times (every step is restartable), then the
-    task fails and Spark retries it; a killed task or a full re-run of the same
-    input changes nothing further (their messages come out ``duplicate`` or
-    ``redispatched``).
+    A message is identified by its correlation id (the entity) and its id: the text
+    of ``correlation_col`` and of ``id_col``, by one rule from the column's type
+    (strings as they are, integers as digits, timestamps as UTC
+    ``2026-01-01T00:00:00.000000Z``, ...; never the session time zone; see
+    :func:`spark_integration._columns.id_text`); any other type (double, boolean,
+    ...) is a ``ConfigurationError`` naming the column.
+
+    Rows are repartitioned by the correlation id so one entity's messages are
+    handled by one task, over ``partitions`` tasks (default
+    ``spark.sql.shuffle.partitions``), in this order: with ``order_col`` (a number,
+    a date or a timestamp), by its value, null values last, ties by the message id's
+    text (bytewise); without it, in input order, the order in which ``df``'s
+    partitions hold the rows (after a shuffle upstream it can change between
+    evaluations, so give ``order_col`` when order matters). Each task opens its own
+    clients and runs :meth:`~dedupstore.outbox.OutboxProcessor.process_batch` over
+    ``batch_size`` messages at a time. A message's body is a dict of its row's other
+    columns (the order column included), as plain Python values: maps as dicts,
+    timestamps as UTC ``datetime``s (the README lists every type);
+    ``headers_col``, a ``map<string,string>``, becomes its headers (null values
+    left out). A batch that raises is re-run up to ``retries`` times (every step is
+    restartable), then the task fails and Spark retries it; a killed task or a full
+    re-run of the same input changes nothing further (their messages come out
+    ``duplicate`` or ``redispatched``).
 
     Lazy, like any transformation: every action on the result runs the processing
-    again (harmlessly); write or cache it once. Result columns: :data:`PROCESS_SCHEMA`.
+    again (harmlessly); write or cache it once. Result columns: :data:`PROCESS_SCHEMA`
+    (``message_id`` and ``correlation_id`` are the texts above).
 
-    Raises ``ConfigurationError`` before any I/O for a bad URL, option, column or
-    argument; tasks raise ``InvalidMessageId`` for a bad id.
+    Raises ``ConfigurationError`` before any I/O for a bad URL, option, column,
+    column type or argument, or a column named ``__dedupstore_*``; tasks raise
+    ``InvalidMessageId`` for a null or invalid id, naming its column.
     """
     if not callable(handler):
         raise ConfigurationError(f"handler must be callable, got {handler!r}")
@@ -220,32 +234,35 @@ def process_messages(
     max_attempts = _positive_int("max_attempts", max_attempts)
     if partitions is not None:
         partitions = _positive_int("partitions", partitions)
-    columns = list(df.columns)
-    for name, value in (
-        ("id_col", id_col),
-        ("correlation_col", correlation_col),
-        ("order_col", order_col),
-        ("headers_col", headers_col),
-    ):
-        if value is not None and value not in columns:
-            raise ConfigurationError(f"{name}={value!r} is not a column of {columns}")
+    schema = df.schema
+    columns = schema.fieldNames()
+    C.check_names(columns)
+    texts = {
+        C.ID: C.id_text(schema, "id_col", id_col),
+        C.CID: C.id_text(schema, "correlation_col", correlation_col),
+    }
+    from pyspark.sql import functions as F
+
+    seq = C.order_key(schema, order_col) if order_col is not None else None
+    if headers_col is not None:
+        C.check_headers(schema, headers_col)
+    body_cols = [c for c in columns if c not in (id_col, correlation_col, headers_col)]
+    rows = _Rows(id_col, correlation_col, order_col, headers_col, C.body_reader(schema, body_cols))
     ents = ClientSpec.checked("entities", entities_url, entities_options)
     dedup = ClientSpec.checked("dedup", dedup_url, dedup_options)
     out = ClientSpec.checked("dispatcher", dispatcher_url, dispatcher_options)
-    body_cols = [c for c in columns if c not in (id_col, correlation_col, headers_col)]
-
-    from pyspark.sql import functions as F
 
     ordered = df.withColumns(
-        {
-            _ID: F.col(id_col).cast("string"),
-            _CID: F.col(correlation_col).cast("string"),
-            _SEQ: F.col(order_col) if order_col else F.monotonically_increasing_id(),
-        }
+        {**texts, C.SEQ: seq if seq is not None else F.monotonically_increasing_id()}
     )
     if partitions is None:  # an explicit count: adaptive execution must not merge the tasks
         partitions = int(df.sparkSession.conf.get("spark.sql.shuffle.partitions") or 200)
-    shuffled = ordered.repartition(partitions, _CID).sortWithinPartitions(_CID, _SEQ)
+    shuffled = ordered.repartition(partitions, F.col(C.CID)).sortWithinPartitions(
+        F.col(C.CID), F.col(C.SEQ).asc_nulls_last(), F.col(C.ID)
+    )
+    # only what the task reads crosses to Python (a projection keeps the sorted order)
+    wanted = [C.ID, C.CID, *([headers_col] if headers_col else []), *body_cols]
+    to_python = shuffled.select([C.column(c) for c in wanted])
 
     def process_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         with TaskClients(ents, dedup, out) as task:
@@ -253,26 +270,43 @@ def process_messages(
             pending: list[Message] = []
             for batch in batches:
                 for row in batch.to_pylist():
-                    pending.append(_message(row, body_cols, headers_col))
+                    pending.append(rows.message(row))
                     if len(pending) >= batch_size:
                         yield step.run(pending)
                         pending = []
             if pending:
                 yield step.run(pending)
 
-    return shuffled.mapInArrow(process_partition, PROCESS_SCHEMA)
+    return to_python.mapInArrow(process_partition, PROCESS_SCHEMA)
 
 
-def _message(row: dict[str, Any], body_cols: Sequence[str], headers_col: str | None) -> Message:
-    headers: Any = row.get(headers_col) if headers_col else None
-    if isinstance(headers, list):  # an Arrow map arrives as a list of (key, value) pairs
-        headers = dict(headers)
-    return Message(
-        id=row[_ID],
-        correlation_id=row[_CID],
-        body={c: row[c] for c in body_cols if c not in _INTERNAL},
-        headers={str(k): str(v) for k, v in (headers or {}).items()},
-    )
+class _Rows:
+    """Turns one Arrow row of a :func:`process_messages` task into a :class:`Message`."""
+
+    def __init__(
+        self,
+        id_col: str,
+        correlation_col: str,
+        order_col: str | None,
+        headers_col: str | None,
+        body: Callable[[Mapping[str, Any]], dict[str, Any]],
+    ) -> None:
+        self.id_col = id_col
+        self.correlation_col = correlation_col
+        self.order_col = order_col
+        self.headers_col = headers_col
+        self.body = body
+
+    def message(self, row: Mapping[str, Any]) -> Message:
+        """The row's message; ``InvalidMessageId`` for a null or invalid id, naming its column."""
+        body = self.body(row)
+        mid, cid = row[C.ID], row[C.CID]
+        where = ""  # the row's order value, to find a row whose id is null
+        if (mid is None or cid is None) and self.order_col in body:
+            where = f", {self.order_col} {body[self.order_col]!r:.80}"
+        mid, cid = C.message_ids(mid, cid, self.id_col, self.correlation_col, where)
+        headers = C.headers_of(row[self.headers_col]) if self.headers_col else {}
+        return Message(id=mid, correlation_id=cid, body=body, headers=headers)
 
 
 class _BatchRunner:
@@ -353,7 +387,12 @@ def process_stream(
     Parquet (with a ``batch_id`` column); without it they are only counted.
     ``trigger`` is passed to ``DataStreamWriter.trigger`` (e.g.
     ``{"availableNow": True}``); ``options`` are those of :func:`process_messages`,
-    checked now, before the query starts. Returns the started query.
+    checked now, by the same column rules, before the query starts. Returns the
+    started query.
+
+    Order (``order_col``, or input order) holds within one micro-batch only: across
+    micro-batches, an entity's messages are processed in the order the micro-batches
+    run, whatever their ``order_col`` values.
     """
     if not isinstance(checkpoint, str) or not checkpoint:
         raise ConfigurationError(f"checkpoint must be a non-empty path, got {checkpoint!r}")
@@ -387,41 +426,73 @@ def drop_processed(
     df: DataFrame,
     dedup_url: str,
     id_col: str = "id",
+    correlation_col: str = "correlation_id",
     *,
     dedup_options: Mapping[str, Any] | None = None,
 ) -> DataFrame:
-    """``df`` without the rows whose id is recorded in the deduplication store.
+    """``df`` without the rows whose message is recorded in the deduplication store.
 
-    One ``processed_among`` per Arrow batch of a partition (the store splits it
-    into its own chunks). Lazy; same schema as ``df``. A store that cannot answer
-    fails the task: a row is never kept or dropped on a guess. Raises
-    ``ConfigurationError`` before any I/O; tasks raise ``InvalidMessageId``.
+    A row's message is ``message_key(correlation id, message id)``, the key
+    :class:`~dedupstore.outbox.OutboxProcessor` records, the two ids being the texts
+    of ``correlation_col`` and ``id_col`` by the same rule as in
+    :func:`process_messages` (so a row it processed is dropped here, under any
+    session time zone). Only those two texts cross to Python, through a pandas UDF:
+    one ``processed_among`` per Arrow batch of a partition (the store splits it into
+    its own chunks); the other columns, of any type, stay in the JVM. Lazy; same
+    schema as ``df``. A store that cannot answer fails the task: a row is never kept
+    or dropped on a guess. Raises ``ConfigurationError`` before any I/O (a missing
+    column, a refused id type, a column named ``__dedupstore_*``); tasks raise
+    ``InvalidMessageId`` for a null or invalid id, naming its column.
     """
-    if id_col not in df.columns:
-        raise ConfigurationError(f"id_col={id_col!r} is not a column of {list(df.columns)}")
+    from pyspark.sql import functions as F
+
+    schema = df.schema
+    C.check_names(schema.fieldNames(), repeated=())
+    mid = C.id_text(schema, "id_col", id_col)
+    cid = C.id_text(schema, "correlation_col", correlation_col)
     dedup = ClientSpec.checked("dedup", dedup_url, dedup_options)
-
-    def keep_new(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        return _drop_processed_partition(batches, dedup, id_col)
-
-    return df.mapInArrow(keep_new, df.schema)
+    processed = _processed_udf(dedup, id_col, correlation_col)
+    return df.withColumn(C.DONE, processed(mid, cid)).where(~F.col(C.DONE)).drop(F.col(C.DONE))
 
 
-def _drop_processed_partition(
-    batches: Iterator[pa.RecordBatch], dedup: ClientSpec, id_col: str
-) -> Iterator[pa.RecordBatch]:
+def _processed_udf(dedup: ClientSpec, id_col: str, correlation_col: str) -> Any:
+    """A nondeterministic pandas UDF (iterator of batches): (message id, correlation id) -> done."""
+    import pandas as pd  # type: ignore[import-untyped]
+    from pyspark.sql.pandas.functions import pandas_udf
+
+    def processed(batches: Any) -> Any:
+        pairs = ((mids.tolist(), cids.tolist()) for mids, cids in batches)
+        for flags in _processed_flags(pairs, dedup, id_col, correlation_col):
+            yield pd.Series(flags, dtype=bool)
+
+    # real types, not the strings of `from __future__ import annotations`: pandas_udf
+    # reads them to know it is an iterator UDF
+    processed.__annotations__ = {
+        "batches": Iterator[tuple[pd.Series, pd.Series]],
+        "return": Iterator[pd.Series],
+    }
+    make: Any = pandas_udf  # its overloads know no iterator UDF built from hints
+    return make(processed, BooleanType()).asNondeterministic()
+
+
+def _processed_flags(
+    batches: Iterable[tuple[Sequence[str | None], Sequence[str | None]]],
+    dedup: ClientSpec,
+    id_col: str,
+    correlation_col: str,
+) -> Iterator[list[bool]]:
     """One task of :func:`drop_processed`: one ``processed_among`` per non-empty batch."""
-    import pyarrow as pa
-
     with TaskClients(dedup=dedup) as task:
-        for batch in batches:
-            if batch.num_rows == 0:
+        for mids, cids in batches:
+            if not mids:
+                yield []
                 continue
-            raw = batch.column(id_col).to_pylist()
-            if any(v is None for v in raw):
-                raise InvalidMessageId(f"column {id_col!r} holds a null id")
-            ids = [str(v) for v in raw]
-            done = task.get().dedup.processed_among(ids)
-            if done:
-                batch = batch.filter(pa.array([v not in done for v in ids]))
-            yield batch
+            keys = [
+                message_key(cid, mid)
+                for mid, cid in (
+                    C.message_ids(m, c, id_col, correlation_col)
+                    for m, c in zip(mids, cids, strict=True)
+                )
+            ]
+            done = task.get().dedup.processed_among(keys)
+            yield [key in done for key in keys]

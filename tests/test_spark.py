@@ -9,6 +9,7 @@ failures, streaming and the jobs run on ``local``.
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import shutil
 import subprocess
@@ -25,12 +26,13 @@ import pytest
 import dedupstore
 from backends.sqlite import SqliteDeduplicationStore
 from dedupstore.errors import ConfigurationError
+from dedupstore.ids import message_key
 from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send
 from spark_integration import drop_processed, process_messages, process_stream, sweep_outboxes
 from spark_integration._clients import ClientSpec
 from spark_integration.order_pipeline import INPUT_SCHEMA, FlakyDispatcher, Settings, run
 from spark_integration.orders import expected_outgoing, handle_order, make_workload
-from spark_integration.pipeline import _drop_processed_partition
+from spark_integration.pipeline import _processed_flags
 from tests.outbox_backends import OutboxBackend
 from tests.spark_fixtures import TEST_AWS_ENV, spark_home
 
@@ -124,13 +126,13 @@ def _assert_exactly_once(
     ours = [m for m in stored if m.message.id and m.message.headers["source"].startswith(prefix)]
     assert {m.message.id for m in ours} == set(expected_outgoing(commands))
     assert sum(m.mismatches for m in ours) == 0
-    ids = [c["id"] for c in commands]
+    keys = [message_key(c["order_id"], c["id"]) for c in commands]
     with backend.dedup() as dedup:
-        recorded = dedup.processed_among(ids)
-    in_outbox = {mid for e in found.values() for mid in e.outbox}
-    assert set(ids) <= recorded | in_outbox  # every processed id is in one of the two places
+        recorded = dedup.processed_among(keys)
+    in_outbox = {message_key(e.id, mid) for e in found.values() for mid in e.outbox}
+    assert set(keys) <= recorded | in_outbox  # every processed message is in one of the two
     if swept:
-        assert recorded == set(ids)
+        assert recorded == set(keys)
         assert not in_outbox
 
 
@@ -165,24 +167,33 @@ def test_process_sweep_replay_drop_exactly_once(
     assert _sweep(spark, outbox_backend)["ids_moved"] == 0
     _assert_exactly_once(outbox_backend, commands, queue, swept=True)
 
-    ids = df.select("id")
-    assert (
-        drop_processed(ids, outbox_backend.dedup_url, dedup_options=outbox_backend.options).count()
-        == 0
+    pairs = df.select("id", "order_id")
+    dropped = drop_processed(
+        pairs, outbox_backend.dedup_url, "id", "order_id", dedup_options=outbox_backend.options
     )
+    assert dropped.count() == 0
 
 
 @pytest.mark.parametrize(("spark", "outbox_backend"), ENGINE_PAIRS, indirect=True)
 def test_drop_processed_keeps_exactly_the_new_rows(
     spark: Any, outbox_backend: OutboxBackend
 ) -> None:
-    ids = [f"drop-{uuid.uuid4().hex[:6]}-{n}" for n in range(300)]
+    """Keys of (entity, id), ids of any accepted type: here bigint ids of timestamp entities."""
+    base = uuid.uuid4().int % 10**12 * 1000
+    days = [dt.datetime(2026, 1, 1, tzinfo=dt.UTC) + dt.timedelta(days=d) for d in range(3)]
+    rows = [(base + n, days[n % 3], n) for n in range(300)]
+    entity = {d: d.strftime("%Y-%m-%dT%H:%M:%S.%fZ") for d in days}
     with outbox_backend.dedup() as dedup:
-        dedup.add_many(ids[::3])
-    df = spark.createDataFrame([(i, n) for n, i in enumerate(ids)], "msg string, n int")
-    kept = drop_processed(df, outbox_backend.dedup_url, "msg", dedup_options=outbox_backend.options)
-    assert kept.columns == ["msg", "n"]
-    assert sorted(r["msg"] for r in kept.collect()) == sorted(set(ids) - set(ids[::3]))
+        dedup.add_many([message_key(entity[d], str(i)) for i, d, n in rows if n % 3 == 0])
+        # the bare id, or the id under another entity, is another message
+        dedup.add_many([str(i) for i, d, n in rows if n % 3 == 1])
+        dedup.add_many([message_key(entity[days[0]], str(i)) for i, d, n in rows if n % 3 == 2])
+    df = spark.createDataFrame(rows, "msg bigint, day timestamp, n int")
+    kept = drop_processed(
+        df, outbox_backend.dedup_url, "msg", "day", dedup_options=outbox_backend.options
+    )
+    assert kept.columns == ["msg", "day", "n"]
+    assert sorted(r["n"] for r in kept.collect()) == [n for n in range(300) if n % 3]
 
 
 def _seed(
@@ -213,7 +224,7 @@ def _seed(
                 processor.process_batch(messages[start : start + 200], count)
             except RuntimeError:
                 assert fail_dispatch
-    return [m.id for m in messages]
+    return [message_key(m.correlation_id, m.id) for m in messages]  # what the store records
 
 
 @pytest.mark.parametrize(("spark", "outbox_backend"), ENGINE_PAIRS, indirect=True)
@@ -241,6 +252,7 @@ def test_sweeps_twice_at_once_beside_live_consumers(
 ) -> None:
     """Two sweeps at once while a consumer keeps processing; then one more sweep moves the rest."""
     seeded = _seed(outbox_backend, 60, 4, fail_dispatch=False)
+    entity_ids = sorted({key.split(":")[1] for key in seeded})  # keys "<n>:<entity>:<id>"
     live_ids: list[str] = []
     stop = threading.Event()
     errors: list[BaseException] = []
@@ -253,9 +265,9 @@ def test_sweeps_twice_at_once_beside_live_consumers(
                 while not stop.is_set() or n < 20:
                     mid = f"live-{uuid.uuid4().hex[:6]}-{n}"
                     # the same entities the sweeps are cleaning: conflicts on both sides
-                    eid = seeded[n % len(seeded)].split("-m")[0] + f"-e{n % 60}"
+                    eid = entity_ids[n % len(entity_ids)]
                     processor.process(Message(mid, eid, {}), handle_live)
-                    live_ids.append(mid)
+                    live_ids.append(message_key(eid, mid))
                     n += 1
         except Exception as exc:  # noqa: BLE001 - reported by the assertion below
             errors.append(exc)
@@ -456,6 +468,8 @@ def test_bad_arguments_are_refused_before_any_io(spark: Any, tmp_path: Path) -> 
         sweep_outboxes(spark, good["entities_url"], good["dedup_url"], segments=0)
     with pytest.raises(ConfigurationError, match="not a column"):
         drop_processed(df, good["dedup_url"], "nope")
+    with pytest.raises(ConfigurationError, match="correlation_col='order_id' is not a column"):
+        drop_processed(df, good["dedup_url"], "id", "order_id")
     with pytest.raises(ConfigurationError, match="streaming"):
         process_stream(df, handle_sequence, checkpoint=str(tmp_path / "c"), **good)
     assert not db.exists()
@@ -475,22 +489,25 @@ class CountingSqliteStore(SqliteDeduplicationStore):
 @pytest.mark.sqlite
 def test_drop_processed_asks_the_store_once_per_batch(tmp_path: Path) -> None:
     """The task function itself, in this process: one look-up per non-empty Arrow batch."""
-    import pyarrow as pa
-
     dedupstore.register_backend("countsqlite", f"{__name__}:CountingSqliteStore", clobber=True)
     url = f"countsqlite:///{tmp_path}/count.db"
     with dedupstore.open_store(f"sqlite:///{tmp_path}/count.db") as store:
-        store.add_many([f"m{n}" for n in range(0, 3000, 2)])
+        store.add_many([message_key(f"e{n % 7}", f"m{n}") for n in range(0, 3000, 2)])
     batches = [
-        pa.RecordBatch.from_pylist([{"id": f"m{n}", "n": n} for n in range(start, start + 1000)])
+        (
+            [f"m{n}" for n in range(start, start + 1000)],
+            [f"e{n % 7}" for n in range(start, start + 1000)],
+        )
         for start in (0, 1000, 2000)
     ]
-    empty = batches[0].slice(0, 0)
     CountingSqliteStore.calls.clear()
     spec = ClientSpec.checked("dedup", url)
-    kept = list(_drop_processed_partition(iter([batches[0], empty, *batches[1:]]), spec, "id"))
+    flags = list(_processed_flags(iter([batches[0], ([], []), *batches[1:]]), spec, "id", "cid"))
     assert CountingSqliteStore.calls == [1000, 1000, 1000]
-    assert [row["n"] for b in kept for row in b.to_pylist()] == list(range(1, 3000, 2))
+    assert [len(f) for f in flags] == [1000, 0, 1000, 1000]
+    assert [n for n, done in enumerate(f for fs in flags for f in fs) if not done] == list(
+        range(1, 3000, 2)
+    )
 
 
 def handle_order_without_first_item(

@@ -1,0 +1,423 @@
+"""How the Spark functions read a DataFrame's columns: one rule per question.
+
+* :func:`id_text`: the text of an id or correlation column, from its Spark type
+  alone (never the session time zone), or ``ConfigurationError`` on the driver;
+  ``process_messages``, ``process_stream`` and ``drop_processed`` all use it;
+* :func:`order_key`: what ``order_col`` may be (a number, a date, a timestamp);
+* :func:`check_names`: reserved (``__dedupstore_*``) and repeated column names;
+* :func:`check_headers`, :func:`headers_of`: ``headers_col`` is a map of strings;
+* :func:`body_reader`: a row's other columns as the handler's ``message.body``:
+  plain Python values, maps as dicts at any depth, timestamps in UTC;
+* :func:`message_ids`: the task's check of one row's two ids.
+
+Everything that inspects a type runs on the driver, before any job; the functions a
+task runs are plain Python, pickled with the job.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from pyspark.sql import types as T
+
+from dedupstore.errors import ConfigurationError, InvalidMessageId
+from dedupstore.ids import validate_message_id
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column
+
+__all__ = [
+    "CID",
+    "DONE",
+    "ID",
+    "RESERVED_PREFIX",
+    "SEQ",
+    "body_reader",
+    "check_headers",
+    "check_names",
+    "column",
+    "field_type",
+    "headers_of",
+    "id_text",
+    "message_ids",
+    "order_key",
+]
+
+#: Column names starting with this (in any case) are dedupstore's own.
+RESERVED_PREFIX = "__dedupstore_"
+ID, CID, SEQ = f"{RESERVED_PREFIX}id", f"{RESERVED_PREFIX}cid", f"{RESERVED_PREFIX}seq"
+DONE = f"{RESERVED_PREFIX}done"
+
+_DAY_US = 86_400_000_000
+_SECOND_US = 1_000_000
+
+# Geospatial types, when this PySpark release has them (4.1 and later).
+_GEOMETRY: type | None = getattr(T, "GeometryType", None)
+_GEOGRAPHY: type | None = getattr(T, "GeographyType", None)
+_GEOSPATIAL = tuple(t for t in (_GEOMETRY, _GEOGRAPHY) if t is not None)
+#: Map key types whose Python values cannot be dict keys (unhashable).
+_NOT_KEYS = (
+    T.ArrayType,
+    T.MapType,
+    T.StructType,
+    T.VariantType,
+    T.UserDefinedType,
+    *_GEOSPATIAL,
+)
+
+_TEXT = (T.StringType, T.CharType, T.VarcharType)
+_INTEGRAL = (T.ByteType, T.ShortType, T.IntegerType, T.LongType)
+_ORDERABLE = (*_INTEGRAL, T.FloatType, T.DoubleType, T.DecimalType, T.DateType)
+_TIMESTAMPS = (T.TimestampType, T.TimestampNTZType)
+
+#: What an id column may be, for the error message.
+_ID_TYPES = (
+    "string, char, varchar, tinyint, smallint, int, bigint, decimal(p,0), date, "
+    "timestamp, timestamp_ntz or binary"
+)
+
+
+def column(name: str) -> Column:
+    """The top-level column ``name``, quoted (a dot or a backtick is part of the name)."""
+    from pyspark.sql import functions as F
+
+    return F.col("`" + name.replace("`", "``") + "`")
+
+
+def check_names(names: Sequence[str], *, repeated: Iterable[str] | None = None) -> None:
+    """Refuse reserved names, and names that occur twice among ``repeated`` (default all)."""
+    for name in names:
+        if name.lower().startswith(RESERVED_PREFIX):
+            raise ConfigurationError(
+                f"column {name!r}: names starting with {RESERVED_PREFIX!r} are reserved for "
+                "dedupstore's own columns; rename it"
+            )
+    checked = set(names if repeated is None else repeated)
+    for name in checked:
+        if names.count(name) > 1:
+            raise ConfigurationError(
+                f"column {name!r} occurs twice in {list(names)}; a message body is a dict "
+                "by column name, so rename or drop one"
+            )
+
+
+def field_type(schema: T.StructType, argument: str, name: str) -> T.DataType:
+    """The type of the column ``name`` given as ``argument``; ConfigurationError if absent."""
+    kinds = [f.dataType for f in schema.fields if f.name == name]
+    if not kinds:
+        raise ConfigurationError(f"{argument}={name!r} is not a column of {schema.fieldNames()}")
+    if len(kinds) > 1:
+        raise ConfigurationError(
+            f"{argument}={name!r} names {len(kinds)} columns of {schema.fieldNames()}; "
+            "rename them apart"
+        )
+    return kinds[0]
+
+
+def _refusal(argument: str | None, name: str, kind: T.DataType, why: str) -> ConfigurationError:
+    """``<argument>='<name>' has type <type>: <why>`` (``column '<name>'`` without argument)."""
+    what = f"{argument}={name!r}" if argument else f"column {name!r}"
+    return ConfigurationError(f"{what} has type {kind.simpleString()}: {why}")
+
+
+# ---------------------------------------------------------------------- ids
+
+
+def id_text(schema: T.StructType, argument: str, name: str) -> Column:
+    """The canonical text of the id column ``name`` (``argument``: ``id_col``, ...).
+
+    One rule, from the column's Spark type alone, never from the session time zone:
+
+    ===========================  ==============================================
+    string, char, varchar        the value as is (any collation: compared bytewise)
+    tinyint ... bigint           decimal digits, ``-`` for negatives: ``-7``
+    decimal(p,0)                 plain digits, no exponent: ``10000000000000000000``
+    date                         ``YYYY-MM-DD``: ``2026-01-31``
+    timestamp                    the instant in UTC, microseconds, ``Z``:
+                                 ``2026-01-01T00:30:00.500000Z``
+    timestamp_ntz                the wall-clock value the same way, no ``Z``:
+                                 ``2026-03-08T02:30:00.500000``
+    binary                       lowercase hex: ``0aff``
+    ===========================  ==============================================
+
+    Any other type raises ``ConfigurationError`` naming the column and its type:
+    boolean, float and double (no exact text), decimals with a scale, void,
+    intervals, time, variant, geospatial, arrays, maps, structs and UDTs. A null
+    value gives null (the task raises ``InvalidMessageId``).
+    """
+    from pyspark.sql import functions as F
+
+    kind = field_type(schema, argument, name)
+    value = column(name)
+    if isinstance(kind, _TEXT):
+        return F.collate(value.cast("string"), "UTF8_BINARY")
+    if isinstance(kind, _INTEGRAL) or (isinstance(kind, T.DecimalType) and kind.scale == 0):
+        return value.cast("string")
+    if isinstance(kind, T.DateType):
+        return value.cast("string")
+    if isinstance(kind, T.TimestampType):
+        return _micros_text(F.unix_micros(value), "Z")
+    if isinstance(kind, T.TimestampNTZType):
+        return _micros_text(_wall_micros(value), "")
+    if isinstance(kind, T.BinaryType):
+        return F.lower(F.hex(value))
+    raise _refusal(
+        argument,
+        name,
+        kind,
+        f"an id column must be {_ID_TYPES} (see the README's table); cast it to one of "
+        "those first, to a string if its values have their own exact text",
+    )
+
+
+def _wall_micros(value: Column) -> Column:
+    """Microseconds from 1970-01-01 00:00 to a timestamp_ntz, from its fields alone.
+
+    (``timestamp_diff`` and casts to ``timestamp`` go through the session time zone,
+    which moves a wall-clock time that falls in a daylight-saving gap.)
+    """
+    from pyspark.sql import functions as F
+
+    seconds = F.extract(F.lit("SECOND"), value)  # decimal(8,6): seconds and fraction
+    return (
+        F.unix_date(value.cast("date")).cast("long") * F.lit(_DAY_US)
+        + F.hour(value).cast("long") * F.lit(3600 * _SECOND_US)
+        + F.minute(value).cast("long") * F.lit(60 * _SECOND_US)
+        + (seconds * F.lit(_SECOND_US)).cast("long")
+    )
+
+
+def _micros_text(micros: Column, suffix: str) -> Column:
+    """``YYYY-MM-DDTHH:MM:SS.ffffff`` + ``suffix`` of microseconds since 1970-01-01 00:00."""
+    from pyspark.sql import functions as F
+
+    in_day = F.pmod(micros, F.lit(_DAY_US))
+    # exact multiples: a double quotient is within rounding of an integer, never across one
+    days = F.round((micros - in_day) / F.lit(_DAY_US)).cast("int")
+    fraction = F.pmod(in_day, F.lit(_SECOND_US))
+    seconds = F.round((in_day - fraction) / F.lit(_SECOND_US)).cast("int")
+
+    def two(part: Column) -> Column:
+        return F.lpad(part.cast("string"), 2, "0")
+
+    return F.concat(
+        F.date_from_unix_date(days).cast("string"),
+        F.lit("T"),
+        two(F.floor(seconds / F.lit(3600))),
+        F.lit(":"),
+        two(F.floor(F.pmod(seconds, F.lit(3600)) / F.lit(60))),
+        F.lit(":"),
+        two(F.pmod(seconds, F.lit(60))),
+        F.lit("."),
+        F.lpad(fraction.cast("string"), 6, "0"),
+        F.lit(suffix),
+    )
+
+
+def message_ids(
+    mid: str | None, cid: str | None, id_col: str, correlation_col: str, context: str = ""
+) -> tuple[str, str]:
+    """One row's (message id, correlation id) texts, checked; ``InvalidMessageId`` names the column.
+
+    ``context`` (e.g. ``", seq 7"``) is added to a null id's message.
+    """
+    if mid is None and cid is None:
+        where = f" ({context.removeprefix(', ')})" if context else ""
+        raise InvalidMessageId(
+            f"columns {id_col!r} and {correlation_col!r} hold a null message id and a null "
+            f"correlation id{where}"
+        )
+    if mid is None:
+        raise InvalidMessageId(
+            f"column {id_col!r} holds a null message id (correlation id {cid!r:.80}{context})"
+        )
+    if cid is None:
+        raise InvalidMessageId(
+            f"column {correlation_col!r} holds a null correlation id "
+            f"(message id {mid!r:.80}{context})"
+        )
+    return (
+        validate_message_id(mid, f"message id in column {id_col!r}"),
+        validate_message_id(cid, f"correlation id in column {correlation_col!r}"),
+    )
+
+
+# ---------------------------------------------------------------------- order
+
+
+def order_key(schema: T.StructType, name: str) -> Column:
+    """``order_col``, if it is a number, a date or a timestamp; else ConfigurationError."""
+    kind = field_type(schema, "order_col", name)
+    if not isinstance(kind, _ORDERABLE + _TIMESTAMPS):
+        raise _refusal(
+            "order_col",
+            name,
+            kind,
+            "an order column must be a number, a date, a timestamp or a timestamp_ntz "
+            "(a string would sort '10' before '9'); cast it",
+        )
+    return column(name)
+
+
+# ---------------------------------------------------------------------- headers
+
+
+def check_headers(schema: T.StructType, name: str) -> None:
+    """``headers_col`` must be a ``map<string,string>``."""
+    kind = field_type(schema, "headers_col", name)
+    if not (
+        isinstance(kind, T.MapType)
+        and isinstance(kind.keyType, _TEXT)
+        and isinstance(kind.valueType, _TEXT)
+    ):
+        raise _refusal(
+            "headers_col",
+            name,
+            kind,
+            "headers must be a map<string,string> (cast the values to string first)",
+        )
+
+
+def headers_of(value: Any) -> dict[str, str]:
+    """A headers map as it arrives from Arrow (pairs, or None): a dict without null values."""
+    if not value:
+        return {}
+    pairs = value.items() if isinstance(value, Mapping) else value
+    return {str(k): str(v) for k, v in pairs if v is not None}
+
+
+# ---------------------------------------------------------------------- bodies
+
+Convert = Callable[[Any], Any]
+
+
+def body_reader(
+    schema: T.StructType, names: Sequence[str]
+) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
+    """A function from an Arrow row (``to_pylist``) to the body dict of ``names``.
+
+    Checked on the driver: a type that cannot reach Python raises ConfigurationError
+    naming the column and its type. See the README's table for what each type gives.
+    """
+    kinds = {f.name: f.dataType for f in schema.fields}
+    converters: list[tuple[str, Convert]] = []
+    for name in names:
+        convert = _converter(kinds[name], name, kinds[name])
+        if convert is not None:
+            converters.append((name, convert))
+    return _BodyReader(tuple(names), tuple(converters))
+
+
+class _BodyReader:
+    """Picklable: the column names and the converters of the columns that need one."""
+
+    def __init__(self, names: tuple[str, ...], converters: tuple[tuple[str, Convert], ...]) -> None:
+        self.names = names
+        self.converters = converters
+
+    def __call__(self, row: Mapping[str, Any]) -> dict[str, Any]:
+        body = {name: row[name] for name in self.names}
+        for name, convert in self.converters:
+            value = body[name]
+            if value is not None:
+                body[name] = convert(value)
+        return body
+
+
+def _utc(value: dt.datetime) -> dt.datetime:
+    if value.tzinfo is None:
+        return value.replace(tzinfo=dt.UTC)
+    return value.astimezone(dt.UTC)
+
+
+def _converter(kind: T.DataType, name: str, top: T.DataType) -> Convert | None:
+    """How to turn an Arrow value of ``kind`` into the handler's value; None: as it is."""
+    if isinstance(kind, T.TimestampType):
+        return _utc
+    if isinstance(kind, T.ArrayType):
+        return _array_converter(_converter(kind.elementType, name, top))
+    if isinstance(kind, T.MapType):
+        if isinstance(kind.keyType, _NOT_KEYS):
+            raise _refusal(
+                None,
+                name,
+                top,
+                f"a map with {kind.keyType.simpleString()} keys cannot be a Python dict; "
+                "turn it into an array of structs (map_entries) first",
+            )
+        return _map_converter(
+            _converter(kind.keyType, name, top), _converter(kind.valueType, name, top)
+        )
+    if isinstance(kind, T.StructType):
+        fields = [f.name for f in kind.fields]
+        twice = sorted({f for f in fields if fields.count(f) > 1})
+        if twice:
+            raise _refusal(
+                None, name, top, f"its struct repeats the field {twice[0]!r}; rename one"
+            )
+        inner = [(f.name, _converter(f.dataType, name, top)) for f in kind.fields]
+        active = tuple((f, c) for f, c in inner if c is not None)
+        return _StructConverter(active) if active else None
+    if isinstance(kind, T.VariantType):
+        return _variant
+    if _GEOMETRY is not None and isinstance(kind, _GEOMETRY):
+        return _geometry
+    if _GEOGRAPHY is not None and isinstance(kind, _GEOGRAPHY):
+        return _geography
+    if isinstance(kind, T.UserDefinedType):
+        return _converter(kind.sqlType(), name, top)
+    if isinstance(kind, T.YearMonthIntervalType | T.CalendarIntervalType):
+        raise _refusal(
+            None,
+            name,
+            top,
+            f"{kind.simpleString()} values cannot reach a Python handler through Arrow; "
+            "cast them to a string or split them into numbers first",
+        )
+    return None
+
+
+def _array_converter(element: Convert | None) -> Convert | None:
+    if element is None:
+        return None
+
+    def convert(values: list[Any]) -> list[Any]:
+        return [None if v is None else element(v) for v in values]
+
+    return convert
+
+
+def _map_converter(key: Convert | None, value: Convert | None) -> Convert:
+    def convert(pairs: Iterable[tuple[Any, Any]]) -> dict[Any, Any]:
+        return {
+            (k if key is None else key(k)): (v if value is None or v is None else value(v))
+            for k, v in pairs
+        }
+
+    return convert
+
+
+class _StructConverter:
+    def __init__(self, fields: tuple[tuple[str, Convert], ...]) -> None:
+        self.fields = fields
+
+    def __call__(self, value: dict[str, Any]) -> dict[str, Any]:
+        value = dict(value)
+        for name, convert in self.fields:
+            if value[name] is not None:
+                value[name] = convert(value[name])
+        return value
+
+
+def _variant(value: Mapping[str, bytes]) -> Any:
+    return T.VariantVal(value["value"], value["metadata"]).toPython()
+
+
+def _geometry(value: Mapping[str, Any]) -> Any:
+    return getattr(T, "Geometry")(value["wkb"], value["srid"])  # noqa: B009 - PySpark 4.1+
+
+
+def _geography(value: Mapping[str, Any]) -> Any:
+    return getattr(T, "Geography")(value["wkb"], value["srid"])  # noqa: B009 - PySpark 4.1+

@@ -1,0 +1,416 @@
+"""Property-based tests: message streams against a plain model of exactly-once.
+
+Hypothesis generates deliveries of (consumer, entity, message id) with ids reused
+across entities and consumers, duplicates, random batch splits (``process`` or
+``process_batch``), sweeps, and crashes at any store or dispatcher call (before the
+call, or after it: a lost acknowledgement). Crashed deliveries are redelivered, as a
+broker would. After the input drains and a final replay and sweep, every invariant is
+checked against the model:
+
+* each message (consumer, entity, id) is applied exactly once to its entity;
+* the outgoing ids are exactly those the model derives, every copy of one id is
+  identical, and each output carries the state it came from (no ghost);
+* no outbox entry is left, and every message is recorded under its key per consumer;
+* no message is reported ``processed`` twice (exactly once when nothing crashed).
+
+Entity records are small here (a few KB) so batches run in rounds, and
+``deferred_limit`` is tiny so the deferred clean-up moves ids inline. Full runs on the
+in-process and SQLite backends; shorter ones on PostgreSQL and Redis. Anti-tests
+show the harness catches a processor keyed by the bare message id and outgoing ids
+that ignore the consumer.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import dedupstore.outbox as outbox_module
+from backends.memory import MemoryDeduplicationStore, MemoryEntityStore
+from dedupstore.entities import Entity, EntityStore, OutgoingMessage
+from dedupstore.ids import outgoing_id
+from dedupstore.outbox import Message, OutboxProcessor, Send, sweep
+from dedupstore.registry import entity_stores as EntityStoreRegistry
+from dedupstore.store import DeduplicationStore
+from tests.outbox_backends import OutboxBackend, _drop_postgres
+
+ENTITIES = ("a", "b", "c")
+IDS = ("m1", "m2", "m3", "m4")
+CONSUMERS = ("billing", "shipping")
+OPERATIONS = (
+    "load",
+    "load_many",
+    "save",
+    "save_many",
+    "has_been_processed",
+    "processed_among",
+    "add",
+    "add_many",
+    "dispatch",
+)
+RECORD_BYTES = 2200
+
+
+class Crash(Exception):
+    """An injected crash: the caller stops here; the broker redelivers."""
+
+
+class Faults:
+    """Raises :class:`Crash` at the ``nth`` call of ``operation``, before or after it."""
+
+    def __init__(self) -> None:
+        self.armed: tuple[str, int, bool] | None = None
+        self.calls: Counter[str] = Counter()
+
+    def arm(self, crash: tuple[str, int, bool] | None) -> None:
+        self.armed, self.calls = crash, Counter()
+
+    def call(self, name: str, action: Callable[[], Any]) -> Any:
+        self.calls[name] += 1
+        hit = self.armed is not None and self.armed[:2] == (name, self.calls[name])
+        if hit and self.armed is not None and not self.armed[2]:
+            self.armed = None
+            raise Crash(f"before {name}")
+        result = action()
+        if hit:
+            self.armed = None
+            raise Crash(f"after {name}")
+        return result
+
+
+class _Wrapped:
+    def __init__(self, real: Any, faults: Faults) -> None:
+        self._real, self._faults = real, faults
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._real, name)
+        if name not in OPERATIONS:
+            return attr
+        return lambda *a, **k: self._faults.call(name, lambda: attr(*a, **k))
+
+
+class Ledger:
+    """The receivers: every dispatched copy, in order."""
+
+    def __init__(self) -> None:
+        self.sent: list[OutgoingMessage] = []
+
+    def dispatch(self, messages: Any) -> None:
+        self.sent.extend(messages)
+
+
+def handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+    """Appends the id; one output with the history and a pad, a second on the first message."""
+    applied = [*state.get("applied", []), message.id]
+    pad = "x" * ((len(applied) * 397 + len(message.correlation_id) * 131) % 1400)
+    sends = [Send("out", {"applied": applied, "pad": pad})]
+    if len(applied) == 1:
+        sends.append(Send("first", {"entity": message.correlation_id}))
+    return {"applied": applied}, sends
+
+
+@dataclass(frozen=True)
+class Step:
+    size: int
+    batch: bool
+    crash: tuple[str, int, bool] | None
+    sweep: bool
+
+
+@dataclass(frozen=True)
+class Scenario:
+    deliveries: tuple[tuple[str, str, str], ...]
+    steps: tuple[Step, ...]
+    cleanup: dict[str, str]
+
+
+scenarios = st.builds(
+    Scenario,
+    deliveries=st.lists(
+        st.tuples(st.sampled_from(CONSUMERS), st.sampled_from(ENTITIES), st.sampled_from(IDS)),
+        min_size=1,
+        max_size=40,
+    ).map(tuple),
+    steps=st.lists(
+        st.builds(
+            Step,
+            size=st.integers(1, 12),
+            batch=st.booleans(),
+            crash=st.none()
+            | st.tuples(st.sampled_from(OPERATIONS), st.integers(1, 3), st.booleans()),
+            sweep=st.booleans(),
+        ),
+        max_size=12,
+    ).map(tuple),
+    cleanup=st.fixed_dictionaries({c: st.sampled_from(["inline", "deferred"]) for c in CONSUMERS}),
+)
+
+
+@dataclass
+class World:
+    """One consumer's clients: its own entity store, its endpoint of the dedup store."""
+
+    entities: EntityStore
+    dedup: DeduplicationStore
+
+
+Factory = Callable[[str], World]
+
+
+def run(
+    scenario: Scenario,
+    open_world: Factory,
+    tag: str,
+    *,
+    redeliver: bool = True,
+) -> None:
+    """Play ``scenario`` and check every invariant against the plain model.
+
+    ``redeliver=False`` is a broken broker, for the anti-test: a crashed delivery is
+    dropped instead of redelivered. Each consumer has its own entity store: the two
+    use the same entity ids (an entity store holds one consumer's entities; a sweep
+    moves every id it finds into its own endpoint).
+    """
+    tags = dict.fromkeys(CONSUMERS, tag)
+    faults = Faults()
+    ledger = Ledger()
+    worlds = {c: open_world(f"{c}-{tag}") for c in CONSUMERS}
+    try:
+        for world in worlds.values():
+            world.entities.max_entity_bytes = RECORD_BYTES  # type: ignore[misc]
+        processors = {
+            c: OutboxProcessor(
+                _Wrapped(w.entities, faults),  # type: ignore[arg-type]
+                _Wrapped(w.dedup, faults),  # type: ignore[arg-type]
+                _Wrapped(ledger, faults),
+                cleanup=scenario.cleanup[c],  # type: ignore[arg-type]
+                deferred_limit=2,
+            )
+            for c, w in worlds.items()
+        }
+        _play(scenario, processors, worlds, faults, tags, redeliver)
+        _check(scenario, processors, worlds, ledger, tags, replay=redeliver)
+    finally:
+        for world in worlds.values():
+            world.entities.close()
+            world.dedup.close()
+
+
+def _message(consumer: str, cid: str, mid: str, tags: dict[str, str]) -> Message:
+    return Message(mid, f"{cid}-{tags[consumer]}", None)
+
+
+reports: Counter[tuple[str, str, str]] = Counter()
+
+
+def _play(
+    scenario: Scenario,
+    processors: dict[str, OutboxProcessor],
+    worlds: dict[str, World],
+    faults: Faults,
+    tags: dict[str, str],
+    redeliver: bool,
+) -> None:
+    queue = list(scenario.deliveries)
+    reports.clear()
+    steps: Iterator[Step] = iter(scenario.steps)
+    while queue:
+        step = next(steps, Step(5, True, None, False))
+        taken, queue = queue[: step.size], queue[step.size :]
+        for consumer in CONSUMERS:
+            mine = [d for d in taken if d[0] == consumer]
+            if not mine:
+                continue
+            faults.arm(step.crash)
+            messages = [_message(*d, tags) for d in mine]
+            done = 0
+            try:
+                if step.batch:
+                    results = processors[consumer].process_batch(messages, handler)
+                    _report(consumer, results, messages)
+                    done = len(mine)
+                else:
+                    for message in messages:
+                        result = processors[consumer].process(message, handler)
+                        _report(consumer, [result], [message])
+                        done += 1
+            except Crash:
+                if redeliver:
+                    queue.extend(mine[done:])  # not acknowledged: redelivered later
+            faults.arm(None)
+        if step.sweep:
+            for world in worlds.values():
+                sweep(world.entities, world.dedup)
+
+
+def _report(consumer: str, results: list[Any], messages: list[Message]) -> None:
+    for result, message in zip(results, messages, strict=True):
+        if result.outcome == "processed":
+            reports[(consumer, message.correlation_id, message.id)] += 1
+
+
+def _check(
+    scenario: Scenario,
+    processors: dict[str, OutboxProcessor],
+    worlds: dict[str, World],
+    ledger: Ledger,
+    tags: dict[str, str],
+    *,
+    replay: bool,
+) -> None:
+    model: dict[tuple[str, str], set[str]] = {}
+    for consumer, cid, mid in scenario.deliveries:
+        model.setdefault((consumer, f"{cid}-{tags[consumer]}"), set()).add(mid)
+    # a final replay of everything, then a sweep: nothing new may happen
+    for consumer, processor in processors.items():
+        again = [_message(*d, tags) for d in scenario.deliveries if d[0] == consumer and replay]
+        if again:
+            outcomes = {r.outcome for r in processor.process_batch(again, handler)}
+            assert outcomes <= {"duplicate", "redispatched"}, f"replay of {consumer}: {outcomes}"
+        result = sweep(worlds[consumer].entities, worlds[consumer].dedup)
+        assert result.ids_left == 0, result
+    sent: dict[str, OutgoingMessage] = {}
+    for copy in ledger.sent:
+        first = sent.setdefault(copy.id, copy)
+        assert first == copy, f"{copy.id} dispatched as {first} and as {copy}"
+    expected: set[str] = set()
+    for (consumer, cid), mids in model.items():
+        world = worlds[consumer]
+        entity: Entity = world.entities.load(cid)
+        applied = entity.state.get("applied", [])
+        assert sorted(applied) == sorted(mids), f"{consumer}/{cid} applied {applied}, not {mids}"
+        assert not entity.outbox, f"{consumer}/{cid} keeps {entity.outbox}"
+        # the processor's own key function: an anti-test that breaks it must be caught
+        # by the invariants on the entities and the outputs, not by this line
+        keys = {outbox_module.message_key(cid, mid) for mid in mids}
+        assert world.dedup.processed_among(keys) == keys, f"{consumer}/{cid}: ids not recorded"
+        endpoint = world.dedup.endpoint
+        for position, mid in enumerate(applied):
+            out = sent.get(outgoing_id(endpoint, cid, mid, 0))
+            assert out is not None, f"the output of {consumer}/{cid}/{mid} was lost"
+            assert out.body["applied"] == applied[: position + 1], "output from a wrong state"
+            expected.add(out.id)
+            if position == 0:
+                expected.add(outgoing_id(endpoint, cid, mid, 1))
+    assert set(sent) == expected, f"unexpected {set(sent) - expected}, lost {expected - set(sent)}"
+    assert all(n == 1 for n in reports.values()), f"reported processed twice: {reports}"
+    if not any(step.crash for step in scenario.steps):
+        assert sum(reports.values()) == sum(len(m) for m in model.values())
+
+
+# ---------------------------------------------------------------------- the backends
+
+
+def memory_worlds() -> Factory:
+    shared = f"memory://{uuid.uuid4().hex}"
+    return lambda name: World(
+        MemoryEntityStore(f"memory://{uuid.uuid4().hex}"),
+        MemoryDeduplicationStore(shared, endpoint=name),
+    )
+
+
+def backend_worlds(backend: OutboxBackend) -> Factory:
+    """Each consumer gets its own entity table (or key prefix) and its own endpoint.
+
+    Examples share them: each example uses fresh entity ids (its tag).
+    """
+
+    def open_world(name: str) -> World:
+        consumer = name.split("-")[0]
+        url = backend.entities_url
+        if backend.name == "sqlite":
+            entities = EntityStoreRegistry.open(url, table=f"ent_{consumer}", **backend.options)
+        else:
+            url = url.replace("table=ent_", f"table=ent_{consumer}_")
+            url = url.replace("key_prefix=ent", f"key_prefix=ent{consumer}")
+            entities = EntityStoreRegistry.open(url, **backend.options)
+        return World(entities, backend.dedup(endpoint=name))
+
+    return open_world
+
+
+PROPERTY = settings(
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    derandomize=True,
+)
+
+
+@pytest.mark.memory
+@settings(PROPERTY, max_examples=1000)
+@given(scenario=scenarios)
+def test_every_stream_keeps_every_invariant_memory(scenario: Scenario) -> None:
+    run(scenario, memory_worlds(), uuid.uuid4().hex[:8])
+
+
+@pytest.mark.parametrize(
+    ("outbox_backend", "examples"),
+    [
+        pytest.param("sqlite", 300, marks=pytest.mark.sqlite, id="sqlite"),
+        pytest.param("postgres", 100, marks=pytest.mark.postgres, id="postgres"),
+        pytest.param("redis", 100, marks=pytest.mark.redis, id="redis"),
+    ],
+    indirect=["outbox_backend"],
+)
+def test_every_stream_keeps_every_invariant_on_servers(
+    outbox_backend: OutboxBackend, examples: int
+) -> None:
+    @settings(PROPERTY, max_examples=examples)
+    @given(scenario=scenarios)
+    def check(scenario: Scenario) -> None:
+        run(scenario, backend_worlds(outbox_backend), uuid.uuid4().hex[:8])
+
+    try:
+        check()
+    finally:
+        if outbox_backend.name == "postgres":
+            tag = outbox_backend.entities_url.split("table=ent_")[1].split("&")[0]
+            server = outbox_backend.entities_url.split("?")[0]
+            _drop_postgres(server, [f"ent_{c}_{tag}" for c in CONSUMERS])
+
+
+# ---------------------------------------------------------------------- anti-tests
+
+
+@pytest.mark.memory
+@pytest.mark.parametrize(
+    ("target", "broken"),
+    [
+        ("message_key", lambda cid, mid: mid),
+        ("outgoing_id", lambda _c, cid, mid, pos: outgoing_id("x", cid, mid, pos)),
+        ("outgoing_id", lambda c, cid, mid, pos: outgoing_id(c, "x", mid, pos)),
+    ],
+    ids=["dedup-by-bare-id", "outgoing-ids-ignore-the-consumer", "outgoing-ids-ignore-the-entity"],
+)
+def test_the_harness_catches_identity_bugs(
+    monkeypatch: pytest.MonkeyPatch, target: str, broken: Any
+) -> None:
+    monkeypatch.setattr(outbox_module, target, broken)
+
+    @settings(PROPERTY, max_examples=300, report_multiple_bugs=False)
+    @given(scenario=scenarios)
+    def check(scenario: Scenario) -> None:
+        run(scenario, memory_worlds(), uuid.uuid4().hex[:8])
+
+    with pytest.raises(AssertionError):
+        check()
+
+
+@pytest.mark.memory
+def test_the_harness_catches_a_lost_redelivery() -> None:
+    """A broker that drops a crashed delivery (acknowledged before processing) loses it."""
+
+    @settings(PROPERTY, max_examples=300, report_multiple_bugs=False)
+    @given(scenario=scenarios)
+    def check(scenario: Scenario) -> None:
+        run(scenario, memory_worlds(), uuid.uuid4().hex[:8], redeliver=False)
+
+    with pytest.raises(AssertionError):
+        check()
