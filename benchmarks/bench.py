@@ -42,7 +42,14 @@ from typing import Any, Literal, cast
 
 from dedupstore import DeduplicationStore, open_entity_store, open_store
 from dedupstore.entities import EntityStore
-from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send, sweep
+from dedupstore.outbox import (
+    InMemoryDispatcher,
+    Message,
+    OutboxProcessor,
+    Send,
+    message_key,
+    sweep,
+)
 from tests.servers import CosmosServer, MotoServer, PostgresServer, RedisServer
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
@@ -402,7 +409,8 @@ def _outbox_run(
         count = len(messages)
         if outcomes.count("processed") != count or len(dispatcher.sent) != count:
             raise SystemExit(f"{result.backend} {label}: not every message was processed once")
-        if cleanup == "inline" and len(dedup.processed_among([m.id for m in messages])) != count:
+        keys = [message_key(m.correlation_id, m.id) for m in messages]
+        if cleanup == "inline" and len(dedup.processed_among(keys)) != count:
             raise SystemExit(f"{result.backend} {label}: ids missing from the dedup store")
         result.outbox[label] = count / seconds
         if batch is not None:

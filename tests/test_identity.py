@@ -333,17 +333,18 @@ def test_process_moves_dispatched_ids_to_make_room() -> None:
 # ---------------------------------------------------------------------- outcomes
 
 
-class _CleanupConflicts(MemoryEntityStore):
-    """The second ``save_many`` (the clean-up) meets a rival save of the same entities."""
+class _Conflicts(MemoryEntityStore):
+    """The ``nth`` ``save_many`` (1: the state save, 2: the clean-up) meets a rival save."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, nth: int) -> None:
         super().__init__(url)
         self.calls = 0
+        self.nth = nth
         self.other = MemoryEntityStore(url)
 
     def save_many(self, entities: Any) -> set[str]:
         self.calls += 1
-        if self.calls == 2:
+        if self.calls == self.nth:
             for entity in entities:
                 rival = self.other.load(entity.id)
                 rival.state = {**rival.state, "touched": True}
@@ -354,9 +355,10 @@ class _CleanupConflicts(MemoryEntityStore):
 
 @pytest.mark.memory
 @pytest.mark.parametrize("cleanup", ["inline", "deferred"])
-def test_copies_in_one_batch_have_exact_outcomes_after_a_conflict(cleanup: Any) -> None:
+@pytest.mark.parametrize("nth", [1, 2], ids=["state-save-conflicts", "cleanup-save-conflicts"])
+def test_copies_in_one_batch_have_exact_outcomes_after_a_conflict(cleanup: Any, nth: int) -> None:
     url = f"memory://{uuid.uuid4().hex}"
-    entities, dedup = _CleanupConflicts(url), MemoryDeduplicationStore(url)
+    entities, dedup = _Conflicts(url, nth), MemoryDeduplicationStore(url)
     processor = OutboxProcessor(entities, dedup, InMemoryDispatcher(), cleanup=cleanup)
     m1, m2 = Message("m1", "acct", 5), Message("m2", "acct", 7)
     results = processor.process_batch([m1, m1, m2, m1, m2], ledger)

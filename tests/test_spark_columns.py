@@ -556,3 +556,44 @@ def test_null_and_empty_ids_name_their_columns() -> None:
         with pytest.raises(InvalidMessageId, match=pattern):
             message_ids(mid, cid, "msg", "acct")
     assert message_ids("m", "a", "msg", "acct") == ("m", "a")
+
+
+def post_amount(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+    balance = state.get("balance", 0) + message.body["amount"]
+    return {"balance": balance}, [Send("ledger.posted", {"amount": message.body["amount"]})]
+
+
+@LOCAL
+def test_the_same_id_under_two_entities_is_two_messages_in_spark(
+    spark: Any, tmp_path: Path
+) -> None:
+    """Per-account sequence numbers: txn 1 of alice and txn 1 of bob are both applied."""
+    stores = _stores(tmp_path)
+    rows = [(1, "alice", 100), (1, "bob", 250), (2, "alice", 5), (1, "alice", 100)]
+    df = spark.createDataFrame(rows, "id long, correlation_id string, amount long")
+    args: dict[str, Any] = {"cleanup": "deferred", "partitions": 2, **stores}
+    first = process_messages(df, post_amount, **args).collect()
+    outcomes = sorted((r["correlation_id"], r["message_id"], r["outcome"]) for r in first)
+    assert outcomes == [
+        ("alice", "1", "duplicate"),
+        ("alice", "1", "processed"),
+        ("alice", "2", "processed"),
+        ("bob", "1", "processed"),
+    ]
+    outgoing = [i for r in first for i in r["outgoing_ids"] if r["outcome"] == "processed"]
+    assert len(set(outgoing)) == 3, "alice's and bob's txn 1 have distinct outgoing ids"
+    from dedupstore import open_entity_store, open_store
+    from dedupstore.outbox import sweep
+
+    with (
+        open_entity_store(stores["entities_url"]) as entities,
+        open_store(stores["dedup_url"]) as dedup,
+    ):
+        assert sweep(entities, dedup).ids_left == 0
+        balances = {e.id: e.state["balance"] for e in entities.load_many(["alice", "bob"]).values()}
+    assert balances == {"alice": 105, "bob": 250}
+    assert drop_processed(df, stores["dedup_url"]).count() == 0
+    fresh = spark.createDataFrame([(1, "carol", 1)], "id long, correlation_id string, amount long")
+    assert drop_processed(df.unionByName(fresh), stores["dedup_url"]).count() == 1
+    again = process_messages(df, post_amount, **args).collect()
+    assert {r["outcome"] for r in again} == {"duplicate"}
