@@ -23,6 +23,7 @@ from dedupstore.ids import MAX_ID_BYTES, message_key, outgoing_id
 from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send, sweep
 from dedupstore.store import DeduplicationStore
 from tests.outbox_backends import OutboxBackend, backend_params
+from tests.test_outbox_memory import _Interfering
 
 
 def ledger(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
@@ -333,24 +334,11 @@ def test_process_moves_dispatched_ids_to_make_room() -> None:
 # ---------------------------------------------------------------------- outcomes
 
 
-class _Conflicts(MemoryEntityStore):
+def _conflicts(url: str, nth: int) -> MemoryEntityStore:
     """The ``nth`` ``save_many`` (1: the state save, 2: the clean-up) meets a rival save."""
-
-    def __init__(self, url: str, nth: int) -> None:
-        super().__init__(url)
-        self.calls = 0
-        self.nth = nth
-        self.other = MemoryEntityStore(url)
-
-    def save_many(self, entities: Any) -> set[str]:
-        self.calls += 1
-        if self.calls == self.nth:
-            for entity in entities:
-                rival = self.other.load(entity.id)
-                rival.state = {**rival.state, "touched": True}
-                self.other.save(rival)
-        conflicts: set[str] = super().save_many(entities)
-        return conflicts
+    store = _Interfering(url)
+    store.nth = nth
+    return store
 
 
 @pytest.mark.memory
@@ -358,7 +346,7 @@ class _Conflicts(MemoryEntityStore):
 @pytest.mark.parametrize("nth", [1, 2], ids=["state-save-conflicts", "cleanup-save-conflicts"])
 def test_copies_in_one_batch_have_exact_outcomes_after_a_conflict(cleanup: Any, nth: int) -> None:
     url = f"memory://{uuid.uuid4().hex}"
-    entities, dedup = _Conflicts(url, nth), MemoryDeduplicationStore(url)
+    entities, dedup = _conflicts(url, nth), MemoryDeduplicationStore(url)
     processor = OutboxProcessor(entities, dedup, InMemoryDispatcher(), cleanup=cleanup)
     m1, m2 = Message("m1", "acct", 5), Message("m2", "acct", 7)
     results = processor.process_batch([m1, m1, m2, m1, m2], ledger)
