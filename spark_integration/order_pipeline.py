@@ -59,8 +59,8 @@ class FlakyDispatcher:
     Per batch (keyed by its first message id): with probability ``fail`` the
     dispatch fails before sending; with ``crash`` it sends and then fails (a crash
     after dispatch, before the clean-up). With ``kill_marker``, the first batch
-    that would crash instead ends its Python worker with ``os._exit`` once per run
-    (the marker file records it). Picklable; opens its dispatcher in the task.
+    that dispatches ends its Python worker with ``os._exit`` right after sending,
+    once per run (the marker file records it), whatever the rolls say. Picklable; opens its dispatcher in the task.
     """
 
     url: str
@@ -78,9 +78,9 @@ class FlakyDispatcher:
         if first and roll < self.fail:
             raise InjectedFailure("injected: the broker refused the dispatch")
         _dispatcher(self.url).dispatch(messages)
+        if first and self.kill_marker and _claim(self.kill_marker):
+            os._exit(3)  # a real crash: Spark sees the worker die and retries the task
         if first and roll < self.fail + self.crash:
-            if self.kill_marker and _claim(self.kill_marker):
-                os._exit(3)  # a real crash: Spark sees the worker die and retries the task
             raise InjectedFailure("injected: crash after dispatch, before the clean-up")
 
 

@@ -413,16 +413,32 @@ def test_a_read_only_directory_is_a_configuration_error(
     in_tmp: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import os
+    import subprocess
+    import sys
 
-    if os.geteuid() == 0:
-        pytest.skip("root writes into read-only directories")
-    (in_tmp / "ro").mkdir(mode=0o500)
+    if os.geteuid() != 0:
+        (in_tmp / "ro").mkdir(mode=0o500)
+        try:
+            assert main(["add", "sqlite:///ro/x.db?timeout=2", "a"]) == 2
+        finally:
+            (in_tmp / "ro").chmod(0o700)
+        err = capsys.readouterr().err
+        assert "ro" in err and "ermission denied" in err, err
+        return
+    # root writes anywhere: the command runs as root without the capabilities that
+    # override file permissions (util-linux setpriv), so the directory's mode applies
+    (in_tmp / "ro").mkdir(mode=0o555)
+    drop = "-dac_override,-dac_read_search"
+    command = [
+        *("setpriv", f"--inh-caps={drop}", f"--bounding-set={drop}", "--"),
+        *(sys.executable, "-m", "dedupstore.cli", "add", "sqlite:///ro/x.db?timeout=2", "a"),
+    ]
     try:
-        assert main(["add", "sqlite:///ro/x.db?timeout=2", "a"]) == 2
+        done = subprocess.run(command, cwd=in_tmp, capture_output=True, text=True, timeout=120)
     finally:
         (in_tmp / "ro").chmod(0o700)
-    err = capsys.readouterr().err
-    assert "ro" in err and "ermission denied" in err, err
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "ro" in done.stderr and "ermission denied" in done.stderr, done.stderr
 
 
 # ---------------------------------------------------------------------- entities show
