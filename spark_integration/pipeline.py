@@ -30,9 +30,10 @@ from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_expo
 from dedupstore.errors import (
     ConfigurationError,
     EntityTooLarge,
+    HandlerError,
     InvalidMessageId,
 )
-from dedupstore.ids import message_key
+from dedupstore.ids import message_key, validate_message_id
 from dedupstore.outbox import Handler, Message, OutboxProcessor, ProcessResult, sweep
 from spark_integration import _columns as C
 from spark_integration._clients import ClientSpec, TaskClients
@@ -77,6 +78,7 @@ PROCESS_SCHEMA = _schema(
     outgoing_ids=ArrayType(StringType()),
     attempts=IntegerType(),
     batch_attempts=IntegerType(),
+    error=StringType(),
 )
 
 Cleanup = Literal["inline", "deferred"]
@@ -167,7 +169,13 @@ def _transient(exc: BaseException) -> bool:
     """A batch that raised this may succeed when re-run (handler bugs never do)."""
     return isinstance(exc, Exception) and not isinstance(
         exc,
-        ConfigurationError | InvalidMessageId | EntityTooLarge | TypeError | ValueError | KeyError,
+        ConfigurationError
+        | HandlerError
+        | InvalidMessageId
+        | EntityTooLarge
+        | TypeError
+        | ValueError
+        | KeyError,
     )
 
 
@@ -187,6 +195,8 @@ def process_messages(
     partitions: int | None = None,
     retries: int = 3,
     max_attempts: int = 10,
+    dead_letters: str | None = None,
+    handler_attempts: int = 1,
     entities_options: Mapping[str, Any] | None = None,
     dedup_options: Mapping[str, Any] | None = None,
     dispatcher_options: Mapping[str, Any] | None = None,
@@ -217,6 +227,14 @@ def process_messages(
     re-run of the same input changes nothing further (their messages come out
     ``duplicate`` or ``redispatched``).
 
+    A handler that raises (or returns something else than ``(dict, sends)``) fails
+    the task with ``HandlerError`` naming the message and the entity, and is not
+    re-run; with ``dead_letters`` (a destination of the dispatcher) such a message
+    is set aside exactly once instead, after ``handler_attempts`` runs: its result
+    row says ``dead_lettered`` with the ``error``, one dead-letter message carries it,
+    and the rest of the batch, task and job go on (see
+    :class:`~dedupstore.outbox.OutboxProcessor`).
+
     Lazy, like any transformation: every action on the result runs the processing
     again (harmlessly); write or cache it once. Result columns: :data:`PROCESS_SCHEMA`
     (``message_id`` and ``correlation_id`` are the texts above).
@@ -232,6 +250,12 @@ def process_messages(
     batch_size = _positive_int("batch_size", batch_size)
     retries = _positive_int("retries", retries, 0)
     max_attempts = _positive_int("max_attempts", max_attempts)
+    handler_attempts = _positive_int("handler_attempts", handler_attempts)
+    if dead_letters is not None:
+        try:
+            validate_message_id(dead_letters, "dead-letter destination")
+        except InvalidMessageId as exc:
+            raise ConfigurationError(str(exc)) from None
     if partitions is not None:
         partitions = _positive_int("partitions", partitions)
     schema = df.schema
@@ -264,9 +288,16 @@ def process_messages(
     wanted = [C.ID, C.CID, *([headers_col] if headers_col else []), *body_cols]
     to_python = shuffled.select([C.column(c) for c in wanted])
 
+    processor_options: dict[str, Any] = {
+        "cleanup": cleanup,
+        "max_attempts": max_attempts,
+        "dead_letters": dead_letters,
+        "handler_attempts": handler_attempts,
+    }
+
     def process_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         with TaskClients(ents, dedup, out) as task:
-            step = _BatchRunner(task, handler, cleanup, max_attempts, retries)
+            step = _BatchRunner(task, handler, processor_options, retries)
             pending: list[Message] = []
             for batch in batches:
                 for row in batch.to_pylist():
@@ -313,12 +344,11 @@ class _BatchRunner:
     """Runs batches of one task through its processor, re-running a batch on a transient error."""
 
     def __init__(
-        self, task: TaskClients, handler: Handler, cleanup: Cleanup, max_attempts: int, retries: int
+        self, task: TaskClients, handler: Handler, options: Mapping[str, Any], retries: int
     ) -> None:
         self._task = task
         self._handler = handler
-        self._cleanup = cleanup
-        self._max_attempts = max_attempts
+        self._options = dict(options)
         self._retries = retries
         self._processor: OutboxProcessor | None = None
         self._schema = to_arrow_schema(PROCESS_SCHEMA)
@@ -331,8 +361,7 @@ class _BatchRunner:
                 clients.entities,
                 clients.dedup,
                 clients.dispatcher,
-                cleanup=self._cleanup,
-                max_attempts=self._max_attempts,
+                **self._options,
             )
         return self._processor.process_batch(messages, self._handler)
 
@@ -359,6 +388,7 @@ class _BatchRunner:
                 "outgoing_ids": [o.id for o in r.outgoing],
                 "attempts": r.attempts,
                 "batch_attempts": attempts,
+                "error": r.error,
             }
             for m, r in zip(messages, results, strict=True)
         ]
