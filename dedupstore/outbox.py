@@ -218,6 +218,35 @@ class OutboxProcessor:
         _validate(message)
         return self._process(message, handler, set())
 
+    def redrive(
+        self, letter: OutgoingMessage | Mapping[str, Any], handler: Handler
+    ) -> ProcessResult:
+        """Process a dead-lettered message again, after a fix; once per dead letter.
+
+        ``letter`` is the dead-letter message as dispatched (or its body). The
+        original message runs as a message of the same entity whose id is the dead
+        letter's id (deterministic) and whose headers add ``dedupstore-redrive-of``
+        (the original id): the original id stays recorded, so a replay of it is still
+        a duplicate, and redriving one letter twice applies it once. Should the
+        handler fail again, the message is dead-lettered again (a letter of this
+        one). Raises ``ValueError`` for a letter that is not a dead letter of this
+        consumer, and what :meth:`process` raises.
+        """
+        body = letter.body if isinstance(letter, OutgoingMessage) else letter
+        try:
+            original = body["message"]
+            consumer, mid, cid = body["consumer"], original["id"], original["correlation_id"]
+        except (KeyError, TypeError):
+            raise ValueError(f"not a dead letter: {_shown(letter)}") from None
+        if consumer != self.consumer:
+            raise ValueError(
+                f"the dead letter of message {mid!r:.80} of entity {cid!r:.80} belongs to "
+                f"consumer {consumer!r:.80}, not {self.consumer!r:.80}"
+            )
+        letter_id = outgoing_id(consumer, cid, mid, -1)
+        headers = {**dict(original.get("headers") or {}), "dedupstore-redrive-of": mid}
+        return self.process(Message(letter_id, cid, original.get("body"), headers), handler)
+
     def _process(self, message: Message, handler: Handler, dispatched: set[str]) -> ProcessResult:
         """:meth:`process`, not sending again the outgoing ids in ``dispatched``."""
         mid, cid = message.id, message.correlation_id

@@ -10,6 +10,9 @@ kept on the driver. How columns become ids, order and bodies is
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -301,7 +304,7 @@ def process_messages(
             pending: list[Message] = []
             for batch in batches:
                 for row in batch.to_pylist():
-                    pending.append(rows.message(row))
+                    pending.append(rows.message(row, step.invalid if dead_letters else None))
                     if len(pending) >= batch_size:
                         yield step.run(pending)
                         pending = []
@@ -328,16 +331,55 @@ class _Rows:
         self.headers_col = headers_col
         self.body = body
 
-    def message(self, row: Mapping[str, Any]) -> Message:
-        """The row's message; ``InvalidMessageId`` for a null or invalid id, naming its column."""
+    def message(
+        self, row: Mapping[str, Any], invalid: dict[tuple[str, str], str] | None = None
+    ) -> Message:
+        """The row's message; ``InvalidMessageId`` for a null or invalid id, naming its column.
+
+        With ``invalid`` (the task has ``dead_letters``), an invalid row becomes a
+        stand-in message to dead-letter instead: its id is ``invalid-row:`` and a
+        digest of the row (the same row gives the same id on every run), its entity
+        the row's correlation id when that is valid (else :data:`INVALID_ENTITY`), its
+        body the row's columns and both raw ids; ``invalid`` maps it to the error.
+        """
         body = self.body(row)
         mid, cid = row[C.ID], row[C.CID]
         where = ""  # the row's order value, to find a row whose id is null
         if (mid is None or cid is None) and self.order_col in body:
             where = f", {self.order_col} {body[self.order_col]!r:.80}"
-        mid, cid = C.message_ids(mid, cid, self.id_col, self.correlation_col, where)
+        try:
+            mid, cid = C.message_ids(mid, cid, self.id_col, self.correlation_col, where)
+        except InvalidMessageId as exc:
+            if invalid is None:
+                raise
+            return _stand_in(body, mid, cid, str(exc), invalid)
         headers = C.headers_of(row[self.headers_col]) if self.headers_col else {}
         return Message(id=mid, correlation_id=cid, body=body, headers=headers)
+
+
+#: The entity that holds the dead letters of rows whose correlation id is invalid.
+INVALID_ENTITY = "__dedupstore_invalid_rows__"
+
+
+def _stand_in(
+    body: dict[str, Any],
+    mid: str | None,
+    cid: str | None,
+    error: str,
+    invalid: dict[tuple[str, str], str],
+) -> Message:
+    """The message that stands for an invalid row, to be dead-lettered (see ``_Rows``)."""
+    content = {"body": body, "id": mid, "correlation_id": cid}
+    digest = hashlib.sha256(
+        json.dumps(content, sort_keys=True, default=repr).encode("utf-8", "surrogatepass")
+    ).hexdigest()[:32]
+    entity = INVALID_ENTITY
+    if cid is not None:
+        with contextlib.suppress(InvalidMessageId):
+            entity = validate_message_id(cid)
+    message = Message(id=f"invalid-row:{digest}", correlation_id=entity, body=content)
+    invalid[(message.correlation_id, message.id)] = error
+    return message
 
 
 class _BatchRunner:
@@ -352,6 +394,14 @@ class _BatchRunner:
         self._retries = retries
         self._processor: OutboxProcessor | None = None
         self._schema = to_arrow_schema(PROCESS_SCHEMA)
+        #: stand-ins of invalid rows -> their error: dead-lettered, never handled
+        self.invalid: dict[tuple[str, str], str] = {}
+
+    def _guarded(self, state: dict[str, Any], message: Message) -> Any:
+        error = self.invalid.get((message.correlation_id, message.id))
+        if error is not None:
+            raise InvalidMessageId(error)
+        return self._handler(state, message)
 
     def _process(self, messages: list[Message]) -> list[ProcessResult]:
         if self._processor is None:
@@ -363,7 +413,7 @@ class _BatchRunner:
                 clients.dispatcher,
                 **self._options,
             )
-        return self._processor.process_batch(messages, self._handler)
+        return self._processor.process_batch(messages, self._guarded)
 
     def run(self, messages: list[Message]) -> pa.RecordBatch:
         """The batch's result rows."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -226,3 +227,78 @@ def test_process_messages_dead_letters_a_poison_row_and_goes_on(spark: Any, tmp_
     poison = spark.createDataFrame([("p1", "acct-9", -3)], df.schema)
     with pytest.raises(Exception, match="'p1' of entity 'acct-9'"):
         process_messages(poison, deposit, **without).collect()
+
+
+@pytest.mark.memory
+@pytest.mark.parametrize("as_body", [False, True], ids=["letter", "body"])
+def test_a_dead_letter_is_redriven_once_after_a_fix(as_body: bool) -> None:
+    entities, dedup = _memory()
+    sent = InMemoryDispatcher()
+    processor = OutboxProcessor(entities, dedup, sent, dead_letters="dlq")
+    bad = Message("bad-1", "acct-1", {"amount": -5}, {"trace": "t1"})
+    assert processor.process(bad, deposit).outcome == "dead_lettered"
+    letter = sent.sent[-1]
+
+    def fixed(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+        assert message.headers == {"trace": "t1", "dedupstore-redrive-of": "bad-1"}
+        return deposit(state, Message(message.id, message.correlation_id, {"amount": 5}))
+
+    given = letter.body if as_body else letter
+    assert processor.redrive(given, fixed).outcome == "processed"
+    assert processor.redrive(given, fixed).outcome == "duplicate"
+    assert processor.process(bad, deposit).outcome == "duplicate"
+    assert entities.load("acct-1").state == {"balance": 5, "n": 1}
+    again = processor.redrive(given, deposit)  # not fixed: set aside again, once
+    assert again.outcome == "duplicate"
+    with pytest.raises(ValueError, match="not a dead letter"):
+        processor.redrive({"x": 1}, fixed)
+    billing = MemoryDeduplicationStore(f"memory://{uuid.uuid4().hex}", endpoint="billing")
+    with pytest.raises(ValueError, match="belongs to consumer"):
+        OutboxProcessor(entities, billing, sent).redrive(letter, fixed)
+
+
+@pytest.mark.memory
+def test_a_redrive_that_fails_again_is_dead_lettered_again() -> None:
+    entities, dedup = _memory()
+    sent = InMemoryDispatcher()
+    processor = OutboxProcessor(entities, dedup, sent, dead_letters="dlq")
+    processor.process(Message("bad-1", "acct-1", {"amount": -5}), deposit)
+    first = sent.sent[-1]
+    assert processor.redrive(first, deposit).outcome == "dead_lettered"
+    second = sent.sent[-1]
+    assert second.id == outgoing_id(dedup.endpoint, "acct-1", first.id, -1)
+    assert second.body["message"]["headers"] == {"dedupstore-redrive-of": "bad-1"}
+    assert processor.redrive(first, deposit).outcome == "duplicate"
+
+
+@pytest.mark.sqlite
+@pytest.mark.parametrize("spark", ["local"], indirect=True)
+def test_invalid_rows_are_dead_lettered_with_dead_letters(spark: Any, tmp_path: Any) -> None:
+    """A null or invalid id is set aside (once per distinct row) instead of failing the job."""
+    from spark_integration import process_messages
+    from spark_integration.pipeline import INVALID_ENTITY
+
+    db = f"sqlite:///{tmp_path}/stores.db"
+    rows = [("m1", "acct-1", 1), (None, "acct-1", 2), ("m2", None, 3), ("x" * 2000, "acct-2", 4)]
+    df = spark.createDataFrame(rows, "id string, correlation_id string, amount long")
+    args: dict[str, Any] = {
+        "entities_url": db,
+        "dedup_url": db,
+        "dispatcher_url": f"sqlite:///{tmp_path}/queue.db",
+        "partitions": 1,
+        "dead_letters": "dlq",
+    }
+    first = sorted(process_messages(df, deposit, **args).collect(), key=lambda r: r["attempts"])
+    by_outcome = Counter(r["outcome"] for r in first)
+    assert by_outcome == Counter({"processed": 1, "dead_lettered": 3})
+    errors = sorted(r["error"] for r in first if r["outcome"] == "dead_lettered")
+    assert any("null message id" in e and "'acct-1'" in e for e in errors), errors
+    assert any("null correlation id" in e and "'m2'" in e for e in errors), errors
+    assert any("1024" in e for e in errors), errors
+    entities = {r["correlation_id"] for r in first if r["outcome"] == "dead_lettered"}
+    assert entities == {"acct-1", INVALID_ENTITY, "acct-2"}
+    again = process_messages(df, deposit, **args).collect()
+    assert {r["outcome"] for r in again} <= {"duplicate", "redispatched"}
+    without = {k: v for k, v in args.items() if k != "dead_letters"}
+    with pytest.raises(Exception, match="null message id"):
+        process_messages(df, deposit, **without).collect()
