@@ -26,6 +26,7 @@ __all__ = [
     "ConsistencyError",
     "DedupStoreError",
     "EntityTooLarge",
+    "HandlerError",
     "InvalidMessageId",
     "StoreClosed",
     "StoreUnavailable",
@@ -98,6 +99,24 @@ class StoreClosed(DedupStoreError):
 
 class ConcurrencyConflict(DedupStoreError):
     """Somebody else saved the entity since it was loaded: reload and retry."""
+
+
+class HandlerError(DedupStoreError):
+    """A handler raised, or returned something else than ``(dict, sends)``, on a message.
+
+    The text names the message id and the entity; the handler's own exception is
+    ``__cause__`` (and :attr:`error`). Nothing of the message was saved. Retrying
+    does not help (a handler is deterministic): fix the handler, or set
+    ``dead_letters`` on the processor to set such messages aside.
+    """
+
+    def __init__(
+        self, text: str, *, message_id: str, correlation_id: str, error: BaseException | None
+    ) -> None:
+        super().__init__(text)
+        self.message_id = message_id
+        self.correlation_id = correlation_id
+        self.error = error
 
 
 def format_error(exc: BaseException) -> str:

@@ -40,7 +40,14 @@ from dedupstore.entities import (
     entry_size,
     json_size,
 )
-from dedupstore.errors import ConcurrencyConflict, ConfigurationError, EntityTooLarge
+from dedupstore.errors import (
+    ConcurrencyConflict,
+    ConfigurationError,
+    EntityTooLarge,
+    HandlerError,
+    InvalidMessageId,
+    StoreUnavailable,
+)
 from dedupstore.ids import MAX_ID_BYTES, message_key, outgoing_id, validate_message_id
 from dedupstore.store import DeduplicationStore
 
@@ -58,7 +65,7 @@ __all__ = [
     "sweep",
 ]
 
-Outcome = Literal["processed", "duplicate", "redispatched"]
+Outcome = Literal["processed", "duplicate", "redispatched", "dead_lettered"]
 
 
 @dataclass(frozen=True)
@@ -112,14 +119,19 @@ class ProcessResult:
     ``outcome``: ``"processed"`` (this call applied the state change),
     ``"duplicate"`` (applied before; nothing left to do, or only the clean-up), or
     ``"redispatched"`` (applied before, its outgoing messages still pending: this
-    call dispatched them again). ``outgoing``: the message's outgoing messages when
-    known. ``attempts``: loads, including those after a concurrency conflict.
+    call dispatched them again), or ``"dead_lettered"`` (its handler failed and the
+    processor has ``dead_letters``: this call set it aside, exactly once, with one
+    dead-letter message and no state change). ``outgoing``: the message's outgoing
+    messages when known (the dead letter, for ``dead_lettered``). ``attempts``:
+    loads, including those after a concurrency conflict. ``error``: the handler's
+    error (``"<type>: <text>"``) for ``dead_lettered``.
     """
 
     message_id: str
     outcome: Outcome
     outgoing: tuple[OutgoingMessage, ...] = ()
     attempts: int = 1
+    error: str | None = None
 
 
 def _normalized(value: Any) -> Any:
@@ -158,14 +170,28 @@ class OutboxProcessor:
         cleanup: Literal["inline", "deferred"] = "inline",
         max_attempts: int = 10,
         deferred_limit: int = 1000,
+        dead_letters: str | None = None,
+        handler_attempts: int = 1,
     ) -> None:
-        """Raises ``ConfigurationError`` for an unknown ``cleanup``, ``max_attempts < 1``
-        or ``deferred_limit < 1``."""
+        """Raises ``ConfigurationError`` for an unknown ``cleanup``, a bad
+        ``dead_letters`` destination, or ``max_attempts``, ``deferred_limit`` or
+        ``handler_attempts`` below 1."""
         if cleanup not in ("inline", "deferred"):
             raise ConfigurationError(f"cleanup must be 'inline' or 'deferred', got {cleanup!r}")
-        for name, value in (("max_attempts", max_attempts), ("deferred_limit", deferred_limit)):
+        for name, value in (
+            ("max_attempts", max_attempts),
+            ("deferred_limit", deferred_limit),
+            ("handler_attempts", handler_attempts),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
+        if dead_letters is not None:
+            try:
+                validate_message_id(dead_letters, "dead-letter destination")
+            except InvalidMessageId as exc:
+                raise ConfigurationError(str(exc)) from None
+        self.dead_letters = dead_letters
+        self.handler_attempts = handler_attempts
         self.entities = entities
         self.dedup = dedup
         self.dispatcher = dispatcher
@@ -192,24 +218,54 @@ class OutboxProcessor:
         _validate(message)
         return self._process(message, handler, set())
 
+    def redrive(
+        self, letter: OutgoingMessage | Mapping[str, Any], handler: Handler
+    ) -> ProcessResult:
+        """Process a dead-lettered message again, after a fix; once per dead letter.
+
+        ``letter`` is the dead-letter message as dispatched (or its body). The
+        original message runs as a message of the same entity whose id is the dead
+        letter's id (deterministic) and whose headers add ``dedupstore-redrive-of``
+        (the original id): the original id stays recorded, so a replay of it is still
+        a duplicate, and redriving one letter twice applies it once. Should the
+        handler fail again, the message is dead-lettered again (a letter of this
+        one). Raises ``ValueError`` for a letter that is not a dead letter of this
+        consumer, and what :meth:`process` raises.
+        """
+        body = letter.body if isinstance(letter, OutgoingMessage) else letter
+        try:
+            original = body["message"]
+            consumer, mid, cid = body["consumer"], original["id"], original["correlation_id"]
+        except (KeyError, TypeError):
+            raise ValueError(f"not a dead letter: {_shown(letter)}") from None
+        if consumer != self.consumer:
+            raise ValueError(
+                f"the dead letter of message {mid!r:.80} of entity {cid!r:.80} belongs to "
+                f"consumer {consumer!r:.80}, not {self.consumer!r:.80}"
+            )
+        letter_id = outgoing_id(consumer, cid, mid, -1)
+        headers = {**dict(original.get("headers") or {}), "dedupstore-redrive-of": mid}
+        return self.process(Message(letter_id, cid, original.get("body"), headers), handler)
+
     def _process(self, message: Message, handler: Handler, dispatched: set[str]) -> ProcessResult:
         """:meth:`process`, not sending again the outgoing ids in ``dispatched``."""
         mid, cid = message.id, message.correlation_id
         key = message_key(cid, mid)
         applied = False
         outcome: Outcome | None = None
+        error: str | None = None
+        outgoing: list[OutgoingMessage] | None
         for attempt in range(1, self.max_attempts + 1):
             try:
                 entity = self.entities.load(cid)
                 if mid not in entity.outbox:
                     if self.dedup.has_been_processed(key):
-                        return ProcessResult(
-                            mid, "processed" if applied else "duplicate", (), attempt
-                        )
-                    outgoing: list[OutgoingMessage] | None = self._apply(entity, message, handler)
+                        done: Outcome = outcome if applied and outcome else "duplicate"
+                        return ProcessResult(mid, done, (), attempt, error)
+                    outgoing, error = self._apply(entity, message, handler)
                     if not self._save_applied(entity, message):
                         continue  # dispatched ids made room: start again from the load
-                    applied, outcome = True, "processed"
+                    applied, outcome = True, "processed" if error is None else "dead_lettered"
                 else:
                     outgoing = entity.outbox[mid]
                     if outcome is None:
@@ -218,7 +274,7 @@ class OutboxProcessor:
                     self.dispatcher.dispatch(outgoing)
                     dispatched.update(m.id for m in outgoing)
                 self._clean_up(entity, mid)
-                return ProcessResult(mid, outcome, tuple(outgoing or ()), attempt)
+                return ProcessResult(mid, outcome, tuple(outgoing or ()), attempt, error)
             except ConcurrencyConflict:
                 continue
         raise ConcurrencyConflict(
@@ -246,12 +302,43 @@ class OutboxProcessor:
 
     def _run(
         self, state: dict[str, Any], message: Message, handler: Handler
+    ) -> tuple[dict[str, Any], list[OutgoingMessage], str | None]:
+        """Run the handler on a copy of ``state``: new state, outgoing messages, error.
+
+        A handler that raises (a store's ``StoreUnavailable`` excepted: that is never
+        the message's fault) or returns something else than ``(dict, sends)`` with
+        JSON-compatible contents is run up to ``handler_attempts`` times; then, with
+        ``dead_letters``, the state stays as it was and the one outgoing message is
+        the dead letter (the error is the third item); without, ``HandlerError``.
+        """
+        for attempt in range(1, self.handler_attempts + 1):
+            try:
+                return (*self._outputs(state, message, handler), None)
+            except StoreUnavailable:
+                raise
+            except Exception as exc:
+                if attempt < self.handler_attempts:
+                    continue
+                if self.dead_letters is None:
+                    raise _handler_error(message, exc) from exc
+                error = f"{type(exc).__name__}: {exc}"
+                return state, [self._dead_letter(message, exc, attempt)], error
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _outputs(
+        self, state: dict[str, Any], message: Message, handler: Handler
     ) -> tuple[dict[str, Any], list[OutgoingMessage]]:
-        """Run the handler on a copy of ``state``: its new state and outgoing messages."""
-        state, sends = handler(copy.deepcopy(state), message)
+        """The handler's new state and outgoing messages (with their ids), checked."""
+        returned = handler(copy.deepcopy(state), message)
+        if not (isinstance(returned, tuple) and len(returned) == 2):
+            raise _HandlerContract(f"it returned {_shown(returned)}")
+        state, sends = returned
         if not isinstance(state, dict):
-            raise TypeError(f"a handler must return (dict, sends), got {type(state).__name__}")
+            raise _HandlerContract(f"its new state is {_shown(state)}, not a dict")
         sends = list(sends)
+        for send in sends:
+            if not isinstance(send, Send):
+                raise _HandlerContract(f"it asked to send {_shown(send)}, not a Send")
         # One JSON round trip for the state and every body: what a reload will show.
         state, bodies = _normalized([state, [send.body for send in sends]])
         consumer, cid, mid = self.consumer, message.correlation_id, message.id
@@ -266,11 +353,36 @@ class OutboxProcessor:
         ]
         return state, outgoing
 
-    def _apply(self, entity: Entity, message: Message, handler: Handler) -> list[OutgoingMessage]:
-        """Steps 2b-2c in memory: run the handler, record its outputs in the outbox."""
-        entity.state, outgoing = self._run(entity.state, message, handler)
+    def _dead_letter(self, message: Message, exc: Exception, attempts: int) -> OutgoingMessage:
+        """The one dead-letter message of ``message`` (id: :func:`outgoing_id` position -1)."""
+        consumer, cid, mid = self.consumer, message.correlation_id, message.id
+        assert self.dead_letters is not None
+        return OutgoingMessage(
+            id=outgoing_id(consumer, cid, mid, -1),
+            destination=self.dead_letters,
+            body={
+                "message": {
+                    "id": mid,
+                    "correlation_id": cid,
+                    "body": _as_json(message.body),
+                    "headers": {str(k): str(v) for k, v in dict(message.headers).items()},
+                },
+                "error": {"type": _type_name(exc), "text": str(exc)},
+                "attempts": attempts,
+                "consumer": consumer,
+            },
+        )
+
+    def _apply(
+        self, entity: Entity, message: Message, handler: Handler
+    ) -> tuple[list[OutgoingMessage], str | None]:
+        """Steps 2b-2c in memory: run the handler, record its outputs in the outbox.
+
+        Returns the outgoing messages and, for a dead-lettered message, the error.
+        """
+        entity.state, outgoing, error = self._run(entity.state, message, handler)
         entity.outbox[message.id] = outgoing
-        return outgoing
+        return outgoing, error
 
     def _clean_up(self, entity: Entity, mid: str) -> None:
         """Step 5 for one message on a loaded entity (saves it)."""
@@ -352,10 +464,11 @@ class OutboxProcessor:
             elif keys[index] in already:
                 results[index] = ProcessResult(message.id, "duplicate")
             else:
-                outgoing = self._apply(entity, message, handler)
+                outgoing, error = self._apply(entity, message, handler)
                 applied[ident] = index
                 changed.add(entity.id)
-                results[index] = ProcessResult(message.id, "processed", tuple(outgoing))
+                done: Outcome = "processed" if error is None else "dead_lettered"
+                results[index] = ProcessResult(message.id, done, tuple(outgoing), 1, error)
             seen.add(ident)
         try:
             first_conflicts = self.entities.save_many([entities[cid] for cid in changed])
@@ -369,7 +482,9 @@ class OutboxProcessor:
             if cid in first_conflicts or cid in late_conflicts:
                 alone = self._process(message, handler, set(sent))
                 if applied.get((cid, message.id)) == index and cid not in first_conflicts:
-                    alone = replace(alone, outcome="processed")  # its change was saved above
+                    first = results[index]  # its change was saved above: what it did then
+                    assert first is not None
+                    alone = replace(alone, outcome=first.outcome, error=first.error)
                 results[index] = alone
         return [r for r in results if r is not None]
 
@@ -485,7 +600,7 @@ class OutboxProcessor:
                 numbers.append(size.round)
                 continue
             seen.add(ident)
-            state, outgoing = self._run(size.state, message, handler)
+            state, outgoing, _ = self._run(size.state, message, handler)
             entry = entry_size(message.id, [m.to_json() for m in outgoing])
             total = size.total_with(state, entry)
             if total > limit and size.this_round:
@@ -548,6 +663,50 @@ class _Sizes:
 
 def _entry_json(entry: list[OutgoingMessage] | None) -> list[dict[str, Any]] | None:
     return None if entry is None else [m.to_json() for m in entry]
+
+
+class _HandlerContract(TypeError):
+    """A handler returned something else than ``(dict, sends)``."""
+
+    def __str__(self) -> str:
+        return (
+            "a handler must return (new_state: dict, sends: a sequence of Send), "
+            f"with JSON-compatible state and bodies; {self.args[0]}"
+        )
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+def _type_name(exc: BaseException) -> str:
+    kind = type(exc)
+    return (
+        kind.__qualname__
+        if kind.__module__ == "builtins"
+        else f"{kind.__module__}.{kind.__qualname__}"
+    )
+
+
+def _as_json(value: Any) -> Any:
+    """``value`` as JSON (what is not JSON-compatible as its ``repr`` text)."""
+    try:
+        return json.loads(json.dumps(value, default=repr, allow_nan=False))
+    except (TypeError, ValueError):
+        return {"repr": repr(value)}
+
+
+def _handler_error(message: Message, exc: Exception) -> HandlerError:
+    return HandlerError(
+        f"the handler failed on message {message.id!r:.80} of entity "
+        f"{message.correlation_id!r:.80}: {type(exc).__name__}: {exc} (nothing of it was "
+        "saved; fix the handler, or give the processor dead_letters to set such messages "
+        "aside)",
+        message_id=message.id,
+        correlation_id=message.correlation_id,
+        error=exc,
+    )
 
 
 def _validate(message: Message) -> None:

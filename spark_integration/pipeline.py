@@ -10,6 +10,9 @@ kept on the driver. How columns become ids, order and bodies is
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -30,9 +33,10 @@ from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_expo
 from dedupstore.errors import (
     ConfigurationError,
     EntityTooLarge,
+    HandlerError,
     InvalidMessageId,
 )
-from dedupstore.ids import message_key
+from dedupstore.ids import message_key, validate_message_id
 from dedupstore.outbox import Handler, Message, OutboxProcessor, ProcessResult, sweep
 from spark_integration import _columns as C
 from spark_integration._clients import ClientSpec, TaskClients
@@ -77,6 +81,7 @@ PROCESS_SCHEMA = _schema(
     outgoing_ids=ArrayType(StringType()),
     attempts=IntegerType(),
     batch_attempts=IntegerType(),
+    error=StringType(),
 )
 
 Cleanup = Literal["inline", "deferred"]
@@ -167,7 +172,13 @@ def _transient(exc: BaseException) -> bool:
     """A batch that raised this may succeed when re-run (handler bugs never do)."""
     return isinstance(exc, Exception) and not isinstance(
         exc,
-        ConfigurationError | InvalidMessageId | EntityTooLarge | TypeError | ValueError | KeyError,
+        ConfigurationError
+        | HandlerError
+        | InvalidMessageId
+        | EntityTooLarge
+        | TypeError
+        | ValueError
+        | KeyError,
     )
 
 
@@ -187,6 +198,8 @@ def process_messages(
     partitions: int | None = None,
     retries: int = 3,
     max_attempts: int = 10,
+    dead_letters: str | None = None,
+    handler_attempts: int = 1,
     entities_options: Mapping[str, Any] | None = None,
     dedup_options: Mapping[str, Any] | None = None,
     dispatcher_options: Mapping[str, Any] | None = None,
@@ -217,6 +230,14 @@ def process_messages(
     re-run of the same input changes nothing further (their messages come out
     ``duplicate`` or ``redispatched``).
 
+    A handler that raises (or returns something else than ``(dict, sends)``) fails
+    the task with ``HandlerError`` naming the message and the entity, and is not
+    re-run; with ``dead_letters`` (a destination of the dispatcher) such a message
+    is set aside exactly once instead, after ``handler_attempts`` runs: its result
+    row says ``dead_lettered`` with the ``error``, one dead-letter message carries it,
+    and the rest of the batch, task and job go on (see
+    :class:`~dedupstore.outbox.OutboxProcessor`).
+
     Lazy, like any transformation: every action on the result runs the processing
     again (harmlessly); write or cache it once. Result columns: :data:`PROCESS_SCHEMA`
     (``message_id`` and ``correlation_id`` are the texts above).
@@ -232,6 +253,12 @@ def process_messages(
     batch_size = _positive_int("batch_size", batch_size)
     retries = _positive_int("retries", retries, 0)
     max_attempts = _positive_int("max_attempts", max_attempts)
+    handler_attempts = _positive_int("handler_attempts", handler_attempts)
+    if dead_letters is not None:
+        try:
+            validate_message_id(dead_letters, "dead-letter destination")
+        except InvalidMessageId as exc:
+            raise ConfigurationError(str(exc)) from None
     if partitions is not None:
         partitions = _positive_int("partitions", partitions)
     schema = df.schema
@@ -264,13 +291,20 @@ def process_messages(
     wanted = [C.ID, C.CID, *([headers_col] if headers_col else []), *body_cols]
     to_python = shuffled.select([C.column(c) for c in wanted])
 
+    processor_options: dict[str, Any] = {
+        "cleanup": cleanup,
+        "max_attempts": max_attempts,
+        "dead_letters": dead_letters,
+        "handler_attempts": handler_attempts,
+    }
+
     def process_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         with TaskClients(ents, dedup, out) as task:
-            step = _BatchRunner(task, handler, cleanup, max_attempts, retries)
+            step = _BatchRunner(task, handler, processor_options, retries)
             pending: list[Message] = []
             for batch in batches:
                 for row in batch.to_pylist():
-                    pending.append(rows.message(row))
+                    pending.append(rows.message(row, step.invalid if dead_letters else None))
                     if len(pending) >= batch_size:
                         yield step.run(pending)
                         pending = []
@@ -297,31 +331,77 @@ class _Rows:
         self.headers_col = headers_col
         self.body = body
 
-    def message(self, row: Mapping[str, Any]) -> Message:
-        """The row's message; ``InvalidMessageId`` for a null or invalid id, naming its column."""
+    def message(
+        self, row: Mapping[str, Any], invalid: dict[tuple[str, str], str] | None = None
+    ) -> Message:
+        """The row's message; ``InvalidMessageId`` for a null or invalid id, naming its column.
+
+        With ``invalid`` (the task has ``dead_letters``), an invalid row becomes a
+        stand-in message to dead-letter instead: its id is ``invalid-row:`` and a
+        digest of the row (the same row gives the same id on every run), its entity
+        the row's correlation id when that is valid (else :data:`INVALID_ENTITY`), its
+        body the row's columns and both raw ids; ``invalid`` maps it to the error.
+        """
         body = self.body(row)
         mid, cid = row[C.ID], row[C.CID]
         where = ""  # the row's order value, to find a row whose id is null
         if (mid is None or cid is None) and self.order_col in body:
             where = f", {self.order_col} {body[self.order_col]!r:.80}"
-        mid, cid = C.message_ids(mid, cid, self.id_col, self.correlation_col, where)
+        try:
+            mid, cid = C.message_ids(mid, cid, self.id_col, self.correlation_col, where)
+        except InvalidMessageId as exc:
+            if invalid is None:
+                raise
+            return _stand_in(body, mid, cid, str(exc), invalid)
         headers = C.headers_of(row[self.headers_col]) if self.headers_col else {}
         return Message(id=mid, correlation_id=cid, body=body, headers=headers)
+
+
+#: The entity that holds the dead letters of rows whose correlation id is invalid.
+INVALID_ENTITY = "__dedupstore_invalid_rows__"
+
+
+def _stand_in(
+    body: dict[str, Any],
+    mid: str | None,
+    cid: str | None,
+    error: str,
+    invalid: dict[tuple[str, str], str],
+) -> Message:
+    """The message that stands for an invalid row, to be dead-lettered (see ``_Rows``)."""
+    content = {"body": body, "id": mid, "correlation_id": cid}
+    digest = hashlib.sha256(
+        json.dumps(content, sort_keys=True, default=repr).encode("utf-8", "surrogatepass")
+    ).hexdigest()[:32]
+    entity = INVALID_ENTITY
+    if cid is not None:
+        with contextlib.suppress(InvalidMessageId):
+            entity = validate_message_id(cid)
+    message = Message(id=f"invalid-row:{digest}", correlation_id=entity, body=content)
+    invalid[(message.correlation_id, message.id)] = error
+    return message
 
 
 class _BatchRunner:
     """Runs batches of one task through its processor, re-running a batch on a transient error."""
 
     def __init__(
-        self, task: TaskClients, handler: Handler, cleanup: Cleanup, max_attempts: int, retries: int
+        self, task: TaskClients, handler: Handler, options: Mapping[str, Any], retries: int
     ) -> None:
         self._task = task
         self._handler = handler
-        self._cleanup = cleanup
-        self._max_attempts = max_attempts
+        self._options = dict(options)
         self._retries = retries
         self._processor: OutboxProcessor | None = None
         self._schema = to_arrow_schema(PROCESS_SCHEMA)
+        #: stand-ins of invalid rows -> their error: dead-lettered, never handled
+        self.invalid: dict[tuple[str, str], str] = {}
+
+    def _guarded(self, state: dict[str, Any], message: Message) -> Any:
+        error = self.invalid.get((message.correlation_id, message.id))
+        if error is not None:
+            raise InvalidMessageId(error)
+        return self._handler(state, message)
 
     def _process(self, messages: list[Message]) -> list[ProcessResult]:
         if self._processor is None:
@@ -331,10 +411,9 @@ class _BatchRunner:
                 clients.entities,
                 clients.dedup,
                 clients.dispatcher,
-                cleanup=self._cleanup,
-                max_attempts=self._max_attempts,
+                **self._options,
             )
-        return self._processor.process_batch(messages, self._handler)
+        return self._processor.process_batch(messages, self._guarded)
 
     def run(self, messages: list[Message]) -> pa.RecordBatch:
         """The batch's result rows."""
@@ -359,6 +438,7 @@ class _BatchRunner:
                 "outgoing_ids": [o.id for o in r.outgoing],
                 "attempts": r.attempts,
                 "batch_attempts": attempts,
+                "error": r.error,
             }
             for m, r in zip(messages, results, strict=True)
         ]

@@ -116,6 +116,17 @@ def handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], li
     return {"applied": applied}, sends
 
 
+def poisoned(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+    """:func:`handler`, but message m4 of entity c is poison: the handler raises."""
+    if message.id == "m4" and message.correlation_id.startswith("c-"):
+        raise ValueError(f"cannot take {message.id}")
+    return handler(state, message)
+
+
+def is_poison(cid: str, mid: str) -> bool:
+    return mid == "m4" and cid.startswith("c-")
+
+
 @dataclass(frozen=True)
 class Step:
     size: int
@@ -129,6 +140,12 @@ class Scenario:
     deliveries: tuple[tuple[str, str, str], ...]
     steps: tuple[Step, ...]
     cleanup: dict[str, str]
+    #: with ``dead_letters``, and the poison message m4 of entity c
+    poison: bool = False
+
+    @property
+    def handler(self) -> Any:
+        return poisoned if self.poison else handler
 
 
 scenarios = st.builds(
@@ -150,6 +167,7 @@ scenarios = st.builds(
         max_size=12,
     ).map(tuple),
     cleanup=st.fixed_dictionaries({c: st.sampled_from(["inline", "deferred"]) for c in CONSUMERS}),
+    poison=st.booleans(),
 )
 
 
@@ -192,6 +210,7 @@ def run(
                 _Wrapped(ledger, faults),
                 cleanup=scenario.cleanup[c],  # type: ignore[arg-type]
                 deferred_limit=2,
+                dead_letters="dead" if scenario.poison else None,
             )
             for c, w in worlds.items()
         }
@@ -233,12 +252,12 @@ def _play(
             done = 0
             try:
                 if step.batch:
-                    results = processors[consumer].process_batch(messages, handler)
+                    results = processors[consumer].process_batch(messages, scenario.handler)
                     _report(consumer, results, messages)
                     done = len(mine)
                 else:
                     for message in messages:
-                        result = processors[consumer].process(message, handler)
+                        result = processors[consumer].process(message, scenario.handler)
                         _report(consumer, [result], [message])
                         done += 1
             except Crash:
@@ -252,7 +271,7 @@ def _play(
 
 def _report(consumer: str, results: list[Any], messages: list[Message]) -> None:
     for result, message in zip(results, messages, strict=True):
-        if result.outcome == "processed":
+        if result.outcome in ("processed", "dead_lettered"):
             reports[(consumer, message.correlation_id, message.id)] += 1
 
 
@@ -272,7 +291,7 @@ def _check(
     for consumer, processor in processors.items():
         again = [_message(*d, tags) for d in scenario.deliveries if d[0] == consumer and replay]
         if again:
-            outcomes = {r.outcome for r in processor.process_batch(again, handler)}
+            outcomes = {r.outcome for r in processor.process_batch(again, scenario.handler)}
             assert outcomes <= {"duplicate", "redispatched"}, f"replay of {consumer}: {outcomes}"
         result = sweep(worlds[consumer].entities, worlds[consumer].dedup)
         assert result.ids_left == 0, result
@@ -285,13 +304,22 @@ def _check(
         world = worlds[consumer]
         entity: Entity = world.entities.load(cid)
         applied = entity.state.get("applied", [])
-        assert sorted(applied) == sorted(mids), f"{consumer}/{cid} applied {applied}, not {mids}"
+        poison = {mid for mid in mids if scenario.poison and is_poison(cid, mid)}
+        wanted = sorted(mids - poison)
+        assert sorted(applied) == wanted, f"{consumer}/{cid} applied {applied}, not {wanted}"
         assert not entity.outbox, f"{consumer}/{cid} keeps {entity.outbox}"
         # the processor's own key function: an anti-test that breaks it must be caught
         # by the invariants on the entities and the outputs, not by this line
         keys = {outbox_module.message_key(cid, mid) for mid in mids}
         assert world.dedup.processed_among(keys) == keys, f"{consumer}/{cid}: ids not recorded"
         endpoint = world.dedup.endpoint
+        for mid in poison:  # set aside once: one dead letter, never applied
+            letter = sent.get(outgoing_id(endpoint, cid, mid, -1))
+            assert letter is not None, f"the dead letter of {consumer}/{cid}/{mid} was lost"
+            assert letter.destination == "dead"
+            assert letter.body["message"]["id"] == mid
+            assert letter.body["error"] == {"type": "ValueError", "text": f"cannot take {mid}"}
+            expected.add(letter.id)
         for position, mid in enumerate(applied):
             out = sent.get(outgoing_id(endpoint, cid, mid, 0))
             assert out is not None, f"the output of {consumer}/{cid}/{mid} was lost"
@@ -411,6 +439,28 @@ def test_the_harness_catches_a_lost_redelivery() -> None:
     @given(scenario=scenarios)
     def check(scenario: Scenario) -> None:
         run(scenario, memory_worlds(), uuid.uuid4().hex[:8], redeliver=False)
+
+    with pytest.raises(AssertionError):
+        check()
+
+
+@pytest.mark.memory
+def test_the_harness_catches_dead_letters_without_a_stable_id(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A dead letter whose id changes on every run is sent again as another message."""
+    original = OutboxProcessor._dead_letter
+
+    def unstable(self: OutboxProcessor, message: Message, exc: Exception, attempts: int) -> Any:
+        letter = original(self, message, exc, attempts)
+        return OutgoingMessage(str(uuid.uuid4()), letter.destination, letter.body)
+
+    monkeypatch.setattr(OutboxProcessor, "_dead_letter", unstable)
+
+    @settings(PROPERTY, max_examples=300, report_multiple_bugs=False)
+    @given(scenario=scenarios)
+    def check(scenario: Scenario) -> None:
+        run(scenario, memory_worlds(), uuid.uuid4().hex[:8])
 
     with pytest.raises(AssertionError):
         check()
