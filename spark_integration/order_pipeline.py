@@ -60,7 +60,8 @@ class FlakyDispatcher:
     dispatch fails before sending; with ``crash`` it sends and then fails (a crash
     after dispatch, before the clean-up). With ``kill_marker``, the first batch
     that dispatches ends its Python worker with ``os._exit`` right after sending,
-    once per run (the marker file records it), whatever the rolls say. Picklable; opens its dispatcher in the task.
+    once per run (the marker file records it), whatever the rolls say. Picklable;
+    opens its dispatcher in the task.
     """
 
     url: str
