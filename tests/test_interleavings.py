@@ -100,7 +100,7 @@ def _load_apply_save(
         message_key(message.correlation_id, message.id)
     ):
         return entity, None, False
-    outgoing = processor._apply(entity, message, handler)
+    outgoing, _ = processor._apply(entity, message, handler)
     return entity, outgoing, True
 
 
