@@ -10,6 +10,11 @@ Appends (or replaces) the "Spark" section of benchmarks/RESULTS.md. Run by
 * ``process_messages`` messages/s on the demo's order workload, 20,000 orders (SQLite stores, the
   table-queue dispatcher, no injected failures) on ``local[1]`` and ``local[2]``,
   against a plain-Python ``process_batch`` loop over the same messages on one core.
+* a small job: 1,000 messages through ``process_messages`` on a plain ``local[2]``
+  session (Spark's defaults: 200 shuffle partitions, adaptive execution on), on its
+  first call and again on the warm session, with ``partitions=200`` (no merging),
+  against the plain ``process_batch`` loop. Alone: ``--small-job-only`` (replaces
+  only that subsection of RESULTS.md).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from tests.servers import PostgresServer, RedisServer
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 BEGIN, END = "<!-- spark-bench -->", "<!-- /spark-bench -->"
+SMALL_BEGIN, SMALL_END = "<!-- spark-small-job -->", "<!-- /spark-small-job -->"
 
 
 def _say(text: str) -> None:
@@ -165,8 +171,126 @@ def process_rows(orders: int, batch: int, tmp: Path) -> tuple[list[str], dict[st
     return lines, rates, len(rows)
 
 
+def _plain_session(master: str) -> Any:
+    """A SparkSession as a user's job makes one: Spark's defaults but for loopback and quiet."""
+    from pyspark.sql import SparkSession
+
+    session = (
+        SparkSession.builder.master(master)
+        .appName("dedupstore-bench-small-job")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    return session
+
+
+def _rate(count: int, seconds: float, shown: bool) -> str:
+    return f"{count / seconds:,.0f}" if shown else "-"
+
+
+def _last_job_tasks(spark: Any) -> int:
+    """Tasks of the last stage of the session's last job (the merged count, under AQE)."""
+    tracker = spark.sparkContext.statusTracker()
+    job = tracker.getJobInfo(max(tracker.getJobIdsForGroup(None)))
+    stage = tracker.getStageInfo(max(job.stageIds)) if job is not None else None
+    return int(stage.numTasks) if stage is not None else -1
+
+
+def small_job(messages: int, tmp: Path, master: str = "local[2]") -> str:
+    """The small-job subsection: ``messages`` through process_messages, cold, warm, unmerged."""
+    rows = make_workload(messages // 3 + 1, seed=13).delivered[:messages]
+    seconds: dict[str, float] = {}
+    tasks: dict[str, int] = {}
+
+    url = f"sqlite:///{tmp}/small-plain-{uuid.uuid4().hex[:8]}.db"
+    with (
+        dedupstore.open_entity_store(url) as ents,
+        dedupstore.open_store(url) as dedup,
+        dedupstore.open_dispatcher(url) as out,
+    ):
+        processor = OutboxProcessor(ents, dedup, out, cleanup="deferred")
+        started = time.perf_counter()
+        processor.process_batch(_messages(rows), handle_order)
+        seconds["plain Python `process_batch` (one batch, 1 core)"] = time.perf_counter() - started
+
+    _say(f"spark bench: a small job of {len(rows):,} messages on {master}")
+    started = time.perf_counter()
+    spark = _plain_session(master)
+    seconds[f"new plain session on `{master}` (JVM start; not part of a call)"] = (
+        time.perf_counter() - started
+    )
+    try:
+        shuffle = spark.conf.get("spark.sql.shuffle.partitions")
+        df = spark.createDataFrame(
+            [(r["id"], r["order_id"], r["seq"], r["type"], r["sku"], r["qty"]) for r in rows],
+            INPUT_SCHEMA,
+        ).cache()
+        df.count()
+        runs = (
+            ("`process_messages`, first call (Python workers start)", None),
+            ("`process_messages`, again on the warm session", None),
+            ("`process_messages(partitions=200)`, warm: 200 tasks, as before", 200),
+        )
+        for name, partitions in runs:
+            url = f"sqlite:///{tmp}/small-{uuid.uuid4().hex[:8]}.db"  # fresh stores each run
+            started = time.perf_counter()
+            process_messages(
+                df,
+                handle_order,
+                entities_url=url,
+                dedup_url=url,
+                dispatcher_url=url,
+                correlation_col="order_id",
+                order_col="seq",
+                partitions=partitions,
+            ).write.format("noop").mode("overwrite").save()
+            seconds[name] = time.perf_counter() - started
+            tasks[name] = _last_job_tasks(spark)
+    finally:
+        spark.stop()
+    plain = seconds["plain Python `process_batch` (one batch, 1 core)"]
+    warm = seconds["`process_messages`, again on the warm session"]
+    unmerged = seconds["`process_messages(partitions=200)`, warm: 200 tasks, as before"]
+    return "\n".join(
+        [
+            SMALL_BEGIN,
+            "### A small job",
+            "",
+            f"{len(rows):,} deliveries of the order workload (SQLite stores and table queue, "
+            f"batches of 1,000, deferred clean-up) through `process_messages` on a plain "
+            f"`{master}` session with Spark's defaults ({shuffle} shuffle partitions, "
+            "adaptive execution on, which merges them into few tasks for a small input), "
+            f"measured on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC by "
+            "`python -m benchmarks.spark_bench --small-job-only`.",
+            "",
+            "| run | tasks | seconds | messages/s |",
+            "|---|---:|---:|---:|",
+            *(
+                f"| {name} | {tasks.get(name, '-')} | {value:,.2f} | "
+                f"{_rate(len(rows), value, 'JVM' not in name)} |"
+                for name, value in seconds.items()
+            ),
+            "",
+            f"- overhead of a warm small job over the plain loop: {warm - plain:,.2f} s "
+            "(scheduling, the shuffle, starting the task's clients)",
+            f"- merged partitions against 200 tasks on the warm session: {unmerged / warm:.1f}x "
+            "faster",
+            SMALL_END,
+        ]
+    )
+
+
 def render(
-    sweep: list[str], process: list[str], rates: dict[str, float], deliveries: int, args: Any
+    sweep: list[str],
+    process: list[str],
+    rates: dict[str, float],
+    deliveries: int,
+    args: Any,
+    small: str = "",
 ) -> str:
     """The Spark section of RESULTS.md."""
     one = rates["process_messages on local[1]"]
@@ -207,9 +331,25 @@ def render(
             f"- `process_messages` on `local[1]` / the plain-Python loop: {one / plain:.2f}x",
             f"- scaling from `local[1]` to `local[2]`: {two / one:.2f}x (both tasks write "
             "one SQLite file, whose writers take turns)",
+            *(["", small] if small else []),
             END,
         ]
     )
+
+
+def _write_small(section: str, out: Path) -> None:
+    """Replace (or add) the small-job subsection of ``out``, leaving the rest as it is."""
+    text = out.read_text(encoding="utf-8") if out.exists() else "# Benchmark results\n"
+    if SMALL_BEGIN in text:
+        head, tail = text[: text.index(SMALL_BEGIN)], text[text.index(SMALL_END) :]
+        text = head + section + tail[len(SMALL_END) :]
+    elif END in text:
+        text = (
+            text[: text.index(END)].rstrip("\n") + "\n\n" + section + "\n" + text[text.index(END) :]
+        )
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    out.write_text(text, encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,8 +361,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--orders", type=int, default=20_000)
     parser.add_argument("--batch", type=int, default=1000)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--small-messages", type=int, default=1000)
+    parser.add_argument(
+        "--small-job-only",
+        action="store_true",
+        help="measure only the small job and replace only its subsection",
+    )
     args = parser.parse_args(argv)
+    if args.small_job_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            small = small_job(args.small_messages, Path(tmp))
+        _write_small(small, args.out)
+        print(small)
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
+        small = small_job(args.small_messages, Path(tmp))
         process, rates, deliveries = process_rows(args.orders, args.batch, Path(tmp))
         sweep = sweep_rows(
             [int(s) for s in args.sizes.split(",")],
@@ -230,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
             args.segments,
             Path(tmp),
         )
-    section = render(sweep, process, rates, deliveries, args)
+    section = render(sweep, process, rates, deliveries, args, small)
     text = args.out.read_text(encoding="utf-8") if args.out.exists() else "# Benchmark results\n"
     if BEGIN in text:
         text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END) :]

@@ -20,7 +20,7 @@ from spark_integration.pipeline import (
     process_stream,
     sweep_outboxes,
 )
-from spark_integration.session import local_session
+from spark_integration.session import local_session, use_this_python
 
 __all__ = [
     "PROCESS_SCHEMA",
@@ -30,4 +30,5 @@ __all__ = [
     "process_messages",
     "process_stream",
     "sweep_outboxes",
+    "use_this_python",
 ]

@@ -3,10 +3,13 @@
 Run it with ``make demo``, ``python -m spark_integration.order_pipeline`` or
 ``spark-submit spark_integration/order_pipeline.py``. Steps:
 
-1. generate an order workload delivered at least once (duplicates, reordering);
-2. :func:`~spark_integration.process_messages` with a dispatcher that fails some
-   dispatches on their first attempt, crashes some batches after dispatching and
-   before the clean-up, and kills one Python worker outright (Spark retries it);
+1. generate an order workload delivered at least once (duplicates, reordering), with
+   a few poison messages (an ``add_item`` whose sku the handler refuses);
+2. :func:`~spark_integration.process_messages` with ``dead_letters`` and a
+   dispatcher that fails some dispatches on their first attempt, crashes some
+   batches after dispatching and before the clean-up, and kills one Python worker
+   outright (Spark retries its task; the attempt's failure is not logged, it is
+   counted and said in one line);
 3. :func:`~spark_integration.sweep_outboxes`;
 4. replay the whole input once more;
 5. check the invariants from the stores and the outgoing queue against a model
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 import uuid
@@ -33,10 +37,10 @@ from pyspark.sql.types import ArrayType, IntegerType, StringType, StructField, S
 
 import dedupstore
 from dedupstore.entities import OutgoingMessage
-from dedupstore.outbox import Handler
-from spark_integration.orders import expected_outgoing, handle_order, make_workload
+from dedupstore.outbox import Handler, outgoing_id
+from spark_integration.orders import expected_outgoing, handle_order, is_poison, make_workload
 from spark_integration.pipeline import process_messages, sweep_outboxes
-from spark_integration.session import local_session
+from spark_integration.session import local_session, quiet_task_retries
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -58,10 +62,10 @@ class FlakyDispatcher:
 
     Per batch (keyed by its first message id): with probability ``fail`` the
     dispatch fails before sending; with ``crash`` it sends and then fails (a crash
-    after dispatch, before the clean-up). With ``kill_marker``, the first batch
-    that dispatches ends its Python worker with ``os._exit`` right after sending,
-    once per run (the marker file records it), whatever the rolls say. Picklable;
-    opens its dispatcher in the task.
+    after dispatch, before the clean-up). With ``kill_marker``, the first batch sent
+    in the run (whichever task gets there first) then ends its Python worker with
+    ``os._exit``: exactly one kill per run, whatever the rolls (the marker file
+    records it). Picklable; opens its dispatcher in the task.
     """
 
     url: str
@@ -79,7 +83,7 @@ class FlakyDispatcher:
         if first and roll < self.fail:
             raise InjectedFailure("injected: the broker refused the dispatch")
         _dispatcher(self.url).dispatch(messages)
-        if first and self.kill_marker and _claim(self.kill_marker):
+        if self.kill_marker and _claim(self.kill_marker):
             os._exit(3)  # a real crash: Spark sees the worker die and retries the task
         if first and roll < self.fail + self.crash:
             raise InjectedFailure("injected: crash after dispatch, before the clean-up")
@@ -211,7 +215,9 @@ def inspect_entities(
 def read_outgoing(dispatcher_url: str) -> list[tuple[str, str, str, int, int]]:
     """``(id, destination, source message id, deliveries, mismatches)`` per outgoing message.
 
-    Reads a ``sqlite:///`` table queue (the receiver's side of the demo).
+    Reads a ``sqlite:///`` table queue (the receiver's side of the demo). The source
+    is the handler's ``source`` header, or for a dead letter (no headers) the id of
+    the message its body carries.
     """
     queue: Any = dedupstore.open_dispatcher(dispatcher_url)
     with queue:
@@ -221,12 +227,18 @@ def read_outgoing(dispatcher_url: str) -> list[tuple[str, str, str, int, int]]:
             (
                 m.message.id,
                 m.message.destination,
-                m.message.headers.get("source", ""),
+                m.message.headers.get("source") or _carried_id(m.message.body),
                 m.deliveries,
                 m.mismatches,
             )
             for m in queue.messages()
         ]
+
+
+def _carried_id(body: Any) -> str:
+    """The id of the message a dead letter's body carries (``""`` for another body)."""
+    carried = body.get("message") if isinstance(body, dict) else None
+    return str(carried.get("id", "")) if isinstance(carried, dict) else ""
 
 
 # ---------------------------------------------------------------------- the job
@@ -248,6 +260,8 @@ class Settings:
     crash: float = 0.1
     kill: bool = True
     seed: int = 7
+    poison: int = 10
+    dead_letters: str = "orders.dead-letters"
 
 
 def _say(text: str) -> None:
@@ -267,7 +281,12 @@ def run(
     run_id = uuid.uuid4().hex[:8]
     report = Report()
     _say(f"[1/5] generating {settings.orders:,} orders (run {run_id})")
-    workload = make_workload(settings.orders, duplicates=settings.duplicates, seed=settings.seed)
+    workload = make_workload(
+        settings.orders,
+        duplicates=settings.duplicates,
+        seed=settings.seed,
+        poison=settings.poison,
+    )
     rows = [
         {**row, "id": f"{run_id}/{row['id']}", "order_id": f"{run_id}/{row['order_id']}"}
         for row in workload.delivered
@@ -279,11 +298,18 @@ def run(
     messages = spark.createDataFrame(rows, INPUT_SCHEMA).cache()
     messages.count()
     os.makedirs(workdir, exist_ok=True)
+    kill = settings.kill
+    if kill and task_attempts(spark) == 1:
+        _say(
+            "      (no worker is killed: a task gets one attempt on this master, so the kill "
+            "would fail the job; give the attempts as in local[4,4])"
+        )
+        kill = False
     flaky = FlakyDispatcher(
         settings.dispatcher_url,
         settings.fail,
         settings.crash,
-        os.path.abspath(os.path.join(workdir, f"killed-{run_id}")) if settings.kill else None,
+        os.path.abspath(os.path.join(workdir, f"killed-{run_id}")) if kill else None,
         settings.seed,
     )
     common: dict[str, Any] = {
@@ -293,17 +319,22 @@ def run(
         "correlation_col": "order_id",
         "order_col": "seq",
         "batch_size": settings.batch_size,
+        "dead_letters": settings.dead_letters,
     }
+    poison = [c for c in commands if is_poison(c)]
 
-    _say(f"[2/5] process_messages: {len(rows):,} deliveries of {len(commands):,} messages")
-    if flaky.kill_marker:
-        _say(
-            "      (one Python worker is killed on purpose: Spark logs the lost task and "
-            "retries it)"
-        )
+    _say(
+        f"[2/5] process_messages: {len(rows):,} deliveries of {len(commands):,} messages "
+        f"({len(poison):,} poison)"
+    )
     started = time.perf_counter()
-    first = _outcomes(process_messages(messages, handler, dispatcher_url=flaky, **common))
+    with quiet_task_retries(spark, quiet=bool(flaky.kill_marker)) as retries:
+        first = _outcomes(process_messages(messages, handler, dispatcher_url=flaky, **common))
     seconds = time.perf_counter() - started
+    killed = bool(flaky.kill_marker) and os.path.exists(flaky.kill_marker or "")
+    failed = retries.failed_attempts
+    if killed or failed:
+        _say(f"      {_retried(killed, failed)}")
 
     _say(f"[3/5] sweep_outboxes: {settings.segments} segments")
     swept = (
@@ -324,7 +355,8 @@ def run(
     _say("[5/5] checking the stores and the outgoing queue against the input")
     with dedupstore.open_store(settings.dedup_url) as store:  # the consumer: the store's endpoint
         consumer = store.endpoint
-    expected = expected_outgoing(commands, consumer)
+    expected = expected_outgoing(commands, consumer, settings.dead_letters)
+    expected_dead = {outgoing_id(consumer, c["order_id"], c["id"], -1) for c in poison}
     entities = inspect_entities(messages, settings.entities_url).cache()
     applied = entities.select(F.explode("applied").alias("id"))
     distinct_ids = messages.select("id").distinct()
@@ -333,11 +365,20 @@ def run(
     ).first()
     applied_total = int(totals["applied"] or 0)  # type: ignore[index]
     applied_distinct = applied.distinct().count()
-    lost = distinct_ids.join(applied, "id", "left_anti").count()
     outgoing = read_outgoing(settings.dispatcher_url)
     ours = [o for o in outgoing if o[2].startswith(f"{run_id}/")]
-    sources = spark.createDataFrame([(o[2],) for o in ours] or [("",)], "id string")
-    ghosts = sources.join(applied, "id", "left_anti").count() if ours else 0
+    dead = [o for o in ours if o[1] == settings.dead_letters]
+    dead_sources = {o[2] for o in dead}
+    not_applied = {r["id"] for r in distinct_ids.join(applied, "id", "left_anti").collect()}
+    lost = len(not_applied - dead_sources)  # neither applied nor set aside
+    # a ghost: an outgoing message of a change never saved, or a dead letter of one saved
+    sources = spark.createDataFrame(
+        [(o[2], o[1] == settings.dead_letters) for o in ours] or [("", False)],
+        "id string, dead boolean",
+    )
+    marked = sources.join(applied.withColumn("saved", F.lit(True)), "id", "left")
+    saved = F.col("saved").isNotNull()
+    ghosts = marked.where(F.when(F.col("dead"), saved).otherwise(~saved)).count() if ours else 0
     from spark_integration.pipeline import drop_processed
 
     pairs = messages.select("id", "order_id").distinct()
@@ -345,26 +386,61 @@ def run(
 
     report.check("messages in (deliveries)", len(rows), len(rows))
     report.check("distinct messages", distinct_ids.count(), len(commands))
-    report.check("state changes applied", applied_total, len(commands))
+    report.check("state changes applied", applied_total, len(commands) - len(poison))
     report.check("state changes applied twice", applied_total - applied_distinct, 0)
     report.check("lost messages", lost, 0)
+    report.check("dead-lettered messages", len(dead), len(poison))
+    report.check("dead letters = expected ids", {o[0] for o in dead} == expected_dead, True)
+    report.check("dead-lettered changes applied", len(dead_sources - not_applied), 0)
     report.check("distinct outgoing ids", len({o[0] for o in ours}), len(expected))
     report.check("outgoing ids = expected set", {o[0] for o in ours} == set(expected), True)
     report.check("re-dispatches that differed", sum(o[4] for o in ours), 0)
     report.check("ghost messages", ghosts, 0)
     report.check("outbox entries left after the sweep", int(totals["outbox"] or 0), 0)  # type: ignore[index]
     report.check("ids in the dedup store", len(commands) - unrecorded, len(commands))
-    report.check("processed on replay", second.get("processed", 0), 0)
+    replayed = second.get("processed", 0) + second.get("dead_lettered", 0)
+    report.check("processed/dead-lettered on replay", replayed, 0)
     report.note("first run outcomes", _shown(first))
     report.note("replay outcomes", _shown(second))
     report.note("messages in batches re-run after a failure", first.get("batch_retries", 0))
     report.note("outgoing deliveries (re-dispatches)", sum(o[3] for o in ours))
     if flaky.kill_marker:
-        killed = os.path.exists(flaky.kill_marker)
         report.note("Python worker killed, task retried", killed)
+    if failed is not None:
+        report.note("failed task attempts (retried)", failed)
     report.note("sweep: entities / ids moved", f"{swept['scanned']:,} / {swept['moved']:,}")  # type: ignore[index]
     report.note("messages/s (first run)", len(rows) / seconds)
     return report
+
+
+def task_attempts(spark: SparkSession) -> int | None:
+    """How many attempts a task gets on this session (``None``: unknown, Spark Connect).
+
+    ``local`` and ``local[n]`` give one (``local[n,f]``: ``f``); other masters
+    ``spark.task.maxFailures`` (default 4).
+    """
+    if type(spark).__module__.startswith("pyspark.sql.connect"):
+        return None
+    master = str(spark.sparkContext.master)
+    local = re.fullmatch(r"local(?:\[[^,\]]+(?:,\s*(\d+))?\])?", master)
+    if local:
+        return int(local.group(1) or 1)
+    return int(spark.sparkContext.getConf().get("spark.task.maxFailures", "4") or 4)
+
+
+def _retried(killed: bool, failed: int | None) -> str:
+    """One line on the task attempts that failed and were retried in the first run."""
+    if failed is None:  # not counted (Spark Connect)
+        return "a Python worker was killed on purpose; Spark retried its task"
+    attempts = f"{failed:,} failed task attempt{'s' if failed != 1 else ''}"
+    if not killed:
+        return f"{attempts}, retried by Spark (none killed on purpose: see the Spark log above)"
+    if failed <= 1:
+        return f"a Python worker was killed on purpose; Spark retried its task ({attempts})"
+    return (
+        f"a Python worker was killed on purpose; {attempts} retried by Spark: "
+        f"{failed - 1:,} more than the kill (rerun with --no-kill to see their errors)"
+    )
 
 
 def _outcomes(results: DataFrame) -> dict[str, int]:
@@ -403,11 +479,17 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, str, str]:
     p.add_argument("--crash", type=float, default=d.crash, help="crashes after dispatch")
     p.add_argument("--no-kill", action="store_true", help="do not kill a Python worker")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--poison", type=int, default=d.poison, help="orders with one poison add_item (bad sku)"
+    )
+    p.add_argument("--dead-letters", default=d.dead_letters, help="the dead-letter destination")
     p.add_argument("--master", default="local[2,4]", help="Spark master (local: 4 task attempts)")
     p.add_argument("--workdir", default=DEFAULT_DIR)
     a = p.parse_args(argv)
     if a.orders < 1:
         p.error("--orders must be >= 1")
+    if a.poison < 0:
+        p.error("--poison must be >= 0")
     settings = Settings(
         a.orders,
         a.entities,
@@ -421,6 +503,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, str, str]:
         a.crash,
         not a.no_kill,
         a.seed,
+        a.poison,
+        a.dead_letters,
     )
     return settings, a.master, a.workdir
 

@@ -4,6 +4,9 @@ Commands per order: one to four ``add_item`` then one ``submit``. The handler em
 ``ItemAdded`` for every item, ``FirstItemAdded`` when an order gets its first item
 (the event that a naive "just make it idempotent" consumer loses or doubles when a
 dispatch fails and another add-item overtakes the retry), and ``OrderSubmitted``.
+A workload may hold poison: an ``add_item`` whose sku is not in the catalogue
+(:data:`POISON_SKU`), which the handler refuses by raising, so the processor sets it
+aside as a dead letter.
 
 :func:`expected_outgoing` computes the outgoing ids the pipeline must produce,
 straight from the input and independently of every store.
@@ -19,18 +22,35 @@ from typing import Any
 from dedupstore.outbox import Message, Send, outgoing_id
 
 __all__ = [
+    "POISON_SKU",
+    "PRICES",
     "Workload",
     "expected_outgoing",
     "handle_order",
+    "is_poison",
     "make_workload",
 ]
 
 PRICES = {f"sku-{n:03d}": 100 + 7 * n for n in range(50)}
 
+#: The malformed sku of a poison ``add_item``: not in the catalogue.
+POISON_SKU = "SKU #??"
+
+
+def is_poison(command: Mapping[str, Any]) -> bool:
+    """Whether the handler refuses ``command``: an ``add_item`` with a sku not in the catalogue."""
+    return command["type"] == "add_item" and command["sku"] not in PRICES
+
 
 def handle_order(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
-    """The order handler: pure, deterministic; records the message id it applied."""
+    """The order handler: pure, deterministic; records the message id it applied.
+
+    An ``add_item`` naming a sku outside the catalogue raises ``ValueError`` (poison:
+    with ``dead_letters`` the processor sets it aside, the order unchanged).
+    """
     body = message.body
+    if body["type"] == "add_item" and body["sku"] not in PRICES:
+        raise ValueError(f"add_item names an unknown sku {body['sku']!r}")
     order = message.correlation_id
     headers = {"source": message.id, "order": order}
     state.setdefault("items", [])
@@ -67,16 +87,27 @@ class Workload:
 
 
 def make_workload(
-    orders: int, *, duplicates: float = 0.2, reorder: float = 0.05, window: int = 50, seed: int = 7
+    orders: int,
+    *,
+    duplicates: float = 0.2,
+    reorder: float = 0.05,
+    window: int = 50,
+    seed: int = 7,
+    poison: int = 0,
 ) -> Workload:
     """Commands for ``orders`` orders, delivered at least once.
 
     About ``duplicates`` of the messages are delivered again within ``window``
     positions, and about ``reorder`` are swapped with a neighbour within the window.
+    ``poison`` orders (at most ``orders``) get one more ``add_item``, with the sku
+    :data:`POISON_SKU`, somewhere before their ``submit``; with ``poison=0`` the
+    workload is the same as without the argument.
     Each row: ``id``, ``order_id``, ``seq`` (the command's position in its order),
     ``type``, ``sku``, ``qty``.
     """
     rng = random.Random(seed)
+    poison_rng = random.Random(seed + 1)  # its own draws: the rest of the workload is unchanged
+    poisoned = set(poison_rng.sample(range(orders), min(max(poison, 0), orders)))
     commands: list[dict[str, Any]] = []
     per_order: list[list[dict[str, Any]]] = []
     for n in range(orders):
@@ -93,6 +124,14 @@ def make_workload(
                     "qty": rng.randint(1, 5),
                 }
             )
+        if n in poisoned:
+            at = poison_rng.randint(0, len(rows))
+            rows.insert(at, {"type": "add_item", "sku": POISON_SKU, "qty": 1})
+            rows = [  # renumbered: ids and seq follow the new positions
+                {"id": f"{order}/cmd-{seq}", "order_id": order, "seq": seq}
+                | {k: row[k] for k in ("type", "sku", "qty")}
+                for seq, row in enumerate(rows)
+            ]
         rows.append(
             {
                 "id": f"{order}/cmd-{len(rows)}",
@@ -126,13 +165,18 @@ def make_workload(
 
 
 def expected_outgoing(
-    commands: Iterable[Mapping[str, Any]], consumer: str = "default"
+    commands: Iterable[Mapping[str, Any]],
+    consumer: str = "default",
+    dead_letters: str | None = None,
 ) -> dict[str, str]:
     """``{outgoing id: destination}`` that processing every command once, in order, yields.
 
     A plain model of the order rules, written apart from :func:`handle_order` and
     from the stores: if the pipeline applied a message twice, lost one, or
-    produced different outputs on a re-dispatch, the sets differ.
+    produced different outputs on a re-dispatch, the sets differ. A poison command
+    (:func:`is_poison`) changes nothing and yields one dead letter to
+    ``dead_letters``, id ``outgoing_id(consumer, order, message id, -1)``; a
+    workload with poison and no ``dead_letters`` is a ``ValueError``.
     """
     by_order: dict[str, list[Mapping[str, Any]]] = {}
     for command in commands:
@@ -143,6 +187,11 @@ def expected_outgoing(
         submitted = False
         for row in sorted(rows, key=lambda r: r["seq"]):
             mid = row["id"]
+            if is_poison(row):
+                if dead_letters is None:
+                    raise ValueError(f"{mid!r} is poison: give the dead-letter destination")
+                expected[outgoing_id(consumer, order_id, mid, -1)] = dead_letters
+                continue
             if row["type"] == "add_item" and not submitted:
                 items += 1
                 names = ["orders.item-added"]

@@ -40,6 +40,7 @@ from dedupstore.ids import message_key, validate_message_id
 from dedupstore.outbox import Handler, Message, OutboxProcessor, ProcessResult, sweep
 from spark_integration import _columns as C
 from spark_integration._clients import ClientSpec, TaskClients
+from spark_integration.session import use_this_python
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -153,6 +154,7 @@ def sweep_outboxes(
                 row = {**vars(done), "worker_peak_rss_bytes": _peak_rss()}
                 yield pa.RecordBatch.from_pylist([row], schema=to_arrow_schema(SWEEP_SCHEMA))
 
+    use_this_python(spark)  # a local master: the workers run this interpreter
     plan = spark.range(0, segments, 1, segments).mapInArrow(sweep_segments, SWEEP_SCHEMA)
     rows = plan.collect()
     return spark.createDataFrame(rows, SWEEP_SCHEMA).orderBy("segment")
@@ -214,8 +216,12 @@ def process_messages(
     ...) is a ``ConfigurationError`` naming the column.
 
     Rows are repartitioned by the correlation id so one entity's messages are
-    handled by one task, over ``partitions`` tasks (default
-    ``spark.sql.shuffle.partitions``), in this order: with ``order_col`` (a number,
+    handled by one task: over ``partitions`` tasks when given; by default over
+    ``spark.sql.shuffle.partitions`` hash partitions, which adaptive query execution
+    (``spark.sql.adaptive.enabled``, on by default) merges into fewer tasks when they
+    hold little data, so a small input does not pay for 200 tasks each opening its
+    clients (merging keeps every partition whole, so an entity stays in one task).
+    Within a task, in this order: with ``order_col`` (a number,
     a date or a timestamp), by its value, null values last, ties by the message id's
     text (bytewise); without it, in input order, the order in which ``df``'s
     partitions hold the rows (after a shuffle upstream it can change between
@@ -282,9 +288,15 @@ def process_messages(
     ordered = df.withColumns(
         {**texts, C.SEQ: seq if seq is not None else F.monotonically_increasing_id()}
     )
-    if partitions is None:  # an explicit count: adaptive execution must not merge the tasks
-        partitions = int(df.sparkSession.conf.get("spark.sql.shuffle.partitions") or 200)
-    shuffled = ordered.repartition(partitions, F.col(C.CID)).sortWithinPartitions(
+    if partitions is None:
+        # spark.sql.shuffle.partitions hash partitions, which adaptive execution (on by
+        # default) merges into fewer tasks when they are small: it merges whole
+        # partitions, never splits one, so an entity's rows stay in one task
+        by_entity = ordered.repartition(F.col(C.CID))
+    else:  # an explicit count: adaptive execution keeps it
+        by_entity = ordered.repartition(partitions, F.col(C.CID))
+    # sorted within the task's partition (merged or not): each entity's rows together, in order
+    shuffled = by_entity.sortWithinPartitions(
         F.col(C.CID), F.col(C.SEQ).asc_nulls_last(), F.col(C.ID)
     )
     # only what the task reads crosses to Python (a projection keeps the sorted order)
@@ -311,6 +323,7 @@ def process_messages(
             if pending:
                 yield step.run(pending)
 
+    use_this_python(df.sparkSession)  # a local master: the workers run this interpreter
     return to_python.mapInArrow(process_partition, PROCESS_SCHEMA)
 
 
@@ -532,6 +545,7 @@ def drop_processed(
     cid = C.id_text(schema, "correlation_col", correlation_col)
     dedup = ClientSpec.checked("dedup", dedup_url, dedup_options)
     processed = _processed_udf(dedup, id_col, correlation_col)
+    use_this_python(df.sparkSession)  # a local master: the workers run this interpreter
     return df.withColumn(C.DONE, processed(mid, cid)).where(~F.col(C.DONE)).drop(F.col(C.DONE))
 
 

@@ -31,10 +31,10 @@ from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send
 from spark_integration import drop_processed, process_messages, process_stream, sweep_outboxes
 from spark_integration._clients import ClientSpec
 from spark_integration.order_pipeline import INPUT_SCHEMA, FlakyDispatcher, Settings, run
-from spark_integration.orders import expected_outgoing, handle_order, make_workload
+from spark_integration.orders import PRICES, expected_outgoing, handle_order, make_workload
 from spark_integration.pipeline import _processed_flags
 from tests.outbox_backends import OutboxBackend
-from tests.spark_fixtures import TEST_AWS_ENV, spark_home
+from tests.spark_fixtures import TEST_AWS_ENV
 
 EMULATORS = ("dynamodb", "cosmos")
 
@@ -535,6 +535,35 @@ def test_the_demo_report_fails_when_the_outputs_are_wrong(spark: Any, tmp_path: 
     assert "INVARIANTS FAILED" in bad.render()
 
 
+def handle_order_accepting_poison(
+    state: dict[str, Any], message: Message
+) -> tuple[dict[str, Any], list[Send]]:
+    """A handler that applies what it should refuse: a poison add_item as the first sku."""
+    if message.body["type"] == "add_item" and message.body["sku"] not in PRICES:
+        message = Message(message.id, message.correlation_id, {**message.body, "sku": "sku-000"})
+    return handle_order(state, message)
+
+
+@pytest.mark.parametrize("spark", ["local"], indirect=True)
+@pytest.mark.sqlite
+def test_the_demo_report_fails_when_poison_is_applied(spark: Any, tmp_path: Path) -> None:
+    """The dead-letter checks are not constants either: poison applied fails them."""
+    db = f"sqlite:///{tmp_path}/demo.db"
+    settings = Settings(
+        orders=40, entities_url=db, dedup_url=db, dispatcher_url=db, kill=False, batch_size=50
+    )
+    bad = run(spark, settings, str(tmp_path), handle_order_accepting_poison)
+    failed = {c.name for c in bad.checks if not c.ok}
+    caught = {
+        "state changes applied",
+        "dead-lettered messages",
+        "dead letters = expected ids",
+        "outgoing ids = expected set",
+    }
+    # the count of outgoing ids may happen to match (an item-added for a dead letter)
+    assert caught <= failed <= caught | {"distinct outgoing ids"}
+
+
 # ---------------------------------------------------------------------- the jobs
 
 
@@ -554,16 +583,35 @@ def test_the_demo_job_reports_every_invariant_holding(tmp_path: Path) -> None:
     assert "[FAIL]" not in result.stdout
     killed = [line for line in result.stdout.splitlines() if "Python worker killed" in line]
     assert killed and killed[0].rstrip().endswith("yes")
+    # the deliberate kill is said in one line, with no stack trace on either stream
+    said = "a Python worker was killed on purpose; Spark retried its task (1 failed task attempt)"
+    assert said in result.stdout
+    for text in (result.stdout, result.stderr):
+        assert "Exception in task" not in text and "\tat org.apache" not in text
+        assert "Lost task" not in text
+    dead = [line for line in result.stdout.splitlines() if "dead-lettered messages" in line]
+    assert dead and dead[0].split()[-1] == "10"
     assert (tmp_path / ".dedupstore" / "orders-demo" / "entities.db").is_file()
 
 
 @pytest.mark.sqlite
 @pytest.mark.slow
 def test_the_job_runs_under_spark_submit_and_the_cli_sweeps(tmp_path: Path) -> None:
-    submit = str(spark_home() / "bin" / "spark-submit")
+    # the README's line: the venv's spark-submit, the venv not activated, only the
+    # driver's Python named (spark-submit picks it before any code of ours runs); the
+    # library gives the local workers the same interpreter
+    submit = str(Path(sys.executable).with_name("spark-submit"))  # .venv/bin/spark-submit
     job = Path(__file__).resolve().parents[1] / "spark_integration" / "order_pipeline.py"
-    result = _run(
-        [submit, "--master", "local[2,3]", str(job), "--orders", "120", "--no-kill"], tmp_path
+    venv_bin = str(Path(sys.executable).parent)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "VIRTUAL_ENV")}
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != venv_bin)
+    result = subprocess.run(
+        [submit, "--master", "local[2,3]", str(job), "--orders", "120", "--no-kill"],
+        cwd=tmp_path,
+        env={**env, **TEST_AWS_ENV, "PYSPARK_DRIVER_PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "all invariants hold" in result.stdout
