@@ -135,9 +135,13 @@ def json_size(value: Any) -> int:
     return len(canonical_json(value).encode("utf-8"))
 
 
-def entry_size(message_id: str, entry: Any) -> int:
+def _entry_json(entry: list[OutgoingMessage] | None) -> list[dict[str, Any]] | None:
+    return None if entry is None else [m.to_json() for m in entry]
+
+
+def entry_size(message_id: str, entry: list[OutgoingMessage] | None) -> int:
     """UTF-8 bytes of one outbox entry ``"<id>":<entry>`` in :func:`encode_entity`'s text."""
-    return json_size({message_id: entry}) - 2
+    return json_size({message_id: _entry_json(entry)}) - 2
 
 
 #: Bytes of :func:`encode_entity`'s text around the state and the entries: an entity
@@ -152,10 +156,7 @@ def encode_entity(entity: Entity) -> str:
     Raises ``ValueError`` (``InvalidMessageId``'s base) when the state is not
     JSON-compatible.
     """
-    outbox = {
-        mid: None if entry is None else [m.to_json() for m in entry]
-        for mid, entry in entity.outbox.items()
-    }
+    outbox = {mid: _entry_json(entry) for mid, entry in entity.outbox.items()}
     try:
         return canonical_json({"state": entity.state, "outbox": outbox})
     except (TypeError, ValueError) as exc:

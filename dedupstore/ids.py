@@ -16,6 +16,7 @@ __all__ = [
     "validate_endpoint",
     "validate_ids",
     "validate_message_id",
+    "validate_name",
 ]
 
 #: The largest message id, in UTF-8 bytes, that every backend accepts.
@@ -71,12 +72,18 @@ def validate_ids(ids: Iterable[object], what: str = "message id") -> list[str]:
     return [validate_message_id(m, what) for m in items]
 
 
+def validate_name(value: object, what: str) -> str:
+    """Return ``value``, a name given as configuration (``what`` says which), or raise
+    :class:`ConfigurationError`; same rules as ids."""
+    try:
+        return validate_message_id(value, what)
+    except InvalidMessageId as exc:
+        raise ConfigurationError(f"invalid {what}: {exc}") from None
+
+
 def validate_endpoint(endpoint: object) -> str:
     """Return ``endpoint`` or raise :class:`ConfigurationError`; same rules as ids."""
-    try:
-        return validate_message_id(endpoint, "name")
-    except InvalidMessageId as exc:
-        raise ConfigurationError(f"invalid endpoint: {exc}") from None
+    return validate_name(endpoint, "endpoint")
 
 
 # ---------------------------------------------------------------------- message identity

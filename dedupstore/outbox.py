@@ -45,10 +45,15 @@ from dedupstore.errors import (
     ConfigurationError,
     EntityTooLarge,
     HandlerError,
-    InvalidMessageId,
     StoreUnavailable,
 )
-from dedupstore.ids import MAX_ID_BYTES, message_key, outgoing_id, validate_message_id
+from dedupstore.ids import (
+    MAX_ID_BYTES,
+    message_key,
+    outgoing_id,
+    validate_message_id,
+    validate_name,
+)
 from dedupstore.store import DeduplicationStore
 
 __all__ = [
@@ -186,10 +191,7 @@ class OutboxProcessor:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
         if dead_letters is not None:
-            try:
-                validate_message_id(dead_letters, "dead-letter destination")
-            except InvalidMessageId as exc:
-                raise ConfigurationError(str(exc)) from None
+            validate_name(dead_letters, "dead-letter destination")
         self.dead_letters = dead_letters
         self.handler_attempts = handler_attempts
         self.entities = entities
@@ -311,19 +313,20 @@ class OutboxProcessor:
         ``dead_letters``, the state stays as it was and the one outgoing message is
         the dead letter (the error is the third item); without, ``HandlerError``.
         """
-        for attempt in range(1, self.handler_attempts + 1):
+        attempt = 1
+        while True:
             try:
                 return (*self._outputs(state, message, handler), None)
             except StoreUnavailable:
                 raise
             except Exception as exc:
                 if attempt < self.handler_attempts:
+                    attempt += 1
                     continue
                 if self.dead_letters is None:
                     raise _handler_error(message, exc) from exc
                 error = f"{type(exc).__name__}: {exc}"
                 return state, [self._dead_letter(message, exc, attempt)], error
-        raise AssertionError("unreachable")  # pragma: no cover
 
     def _outputs(
         self, state: dict[str, Any], message: Message, handler: Handler
@@ -407,11 +410,11 @@ class OutboxProcessor:
             and sum(len(m.encode()) + 8 for m in done) > budget
         )
 
-    def _move_dispatched(self, entities: Sequence[Entity]) -> None:
-        """Record the dispatched ids of ``entities`` in the deduplication store, then
-        remove them from the outboxes in memory (the caller saves): the inline clean-up
-        of entries the deferred one left."""
-        keys = [message_key(e.id, mid) for e in entities for mid in e.dispatched]
+    def _move_dispatched(self, entities: Sequence[Entity], keys: Sequence[str] = ()) -> None:
+        """Record the dispatched ids of ``entities`` in the deduplication store (with
+        ``keys``, in the same ``add_many``), then remove them from the outboxes in
+        memory (the caller saves): the inline clean-up of entries the deferred one left."""
+        keys = [*keys, *(message_key(e.id, mid) for e in entities for mid in e.dispatched)]
         if keys:
             self.dedup.add_many(keys)
         for entity in entities:
@@ -440,13 +443,19 @@ class OutboxProcessor:
             return []
         return self._batch(list(messages), handler, 0)
 
-    def _batch(self, messages: list[Message], handler: Handler, depth: int) -> list[ProcessResult]:
-        entities = self.entities.load_many([m.correlation_id for m in messages])
+    def _recorded(
+        self, messages: list[Message], entities: dict[str, Entity]
+    ) -> tuple[list[str], set[str]]:
+        """Each message's key, and the keys the store holds among those not in an outbox."""
         keys = [message_key(m.correlation_id, m.id) for m in messages]
         fresh = [
             keys[i] for i, m in enumerate(messages) if m.id not in entities[m.correlation_id].outbox
         ]
-        already = self.dedup.processed_among(fresh) if fresh else set()
+        return keys, self.dedup.processed_among(fresh) if fresh else set()
+
+    def _batch(self, messages: list[Message], handler: Handler, depth: int) -> list[ProcessResult]:
+        entities = self.entities.load_many([m.correlation_id for m in messages])
+        keys, already = self._recorded(messages, entities)
         results: list[ProcessResult | None] = [None] * len(messages)
         applied: dict[tuple[str, str], int] = {}  # (entity, id) -> the copy that applied it
         seen: set[tuple[str, str]] = set()
@@ -516,13 +525,8 @@ class OutboxProcessor:
                 continue
             to_save[cid] = entity
         heavy = [e for e in to_save.values() if self.cleanup == "deferred" and self._over_limit(e)]
-        keys.extend(message_key(e.id, mid) for e in heavy for mid in e.dispatched)
         # The ids reach the deduplication store before the save that removes them.
-        if keys:
-            self.dedup.add_many(keys)
-        for entity in heavy:
-            for mid in entity.dispatched:
-                del entity.outbox[mid]
+        self._move_dispatched(heavy, keys)
         conflicts = self.entities.save_many(list(to_save.values())) if to_save else set()
         return conflicts, {m.id for m in outgoing}
 
@@ -579,11 +583,7 @@ class OutboxProcessor:
         limit = self.entities.max_entity_bytes
         entities = self.entities.load_many([m.correlation_id for m in messages])
         self._clear(entities.values(), {(m.correlation_id, m.id) for m in messages})
-        keys = [message_key(m.correlation_id, m.id) for m in messages]
-        fresh = [
-            keys[i] for i, m in enumerate(messages) if m.id not in entities[m.correlation_id].outbox
-        ]
-        already = self.dedup.processed_among(fresh) if fresh else set()
+        keys, already = self._recorded(messages, entities)
         sizes = {cid: _Sizes.of(entity) for cid, entity in entities.items()}
         for entity in entities.values():
             for mid in entity.outbox:  # this batch's own: redispatched, cleaned in the first run
@@ -601,7 +601,7 @@ class OutboxProcessor:
                 continue
             seen.add(ident)
             state, outgoing, _ = self._run(size.state, message, handler)
-            entry = entry_size(message.id, [m.to_json() for m in outgoing])
+            entry = entry_size(message.id, outgoing)
             total = size.total_with(state, entry)
             if total > limit and size.this_round:
                 size.next_round(self.cleanup)
@@ -631,7 +631,7 @@ class _Sizes:
 
     @classmethod
     def of(cls, entity: Entity) -> _Sizes:
-        sizes = {mid: entry_size(mid, _entry_json(e)) for mid, e in entity.outbox.items()}
+        sizes = {mid: entry_size(mid, e) for mid, e in entity.outbox.items()}
         return cls(entity.state, sizes, sum(sizes.values()))
 
     def total_with(self, state: dict[str, Any], entry: int) -> int:
@@ -659,10 +659,6 @@ class _Sizes:
                 self.entries_bytes += self.entries[mid]
         self.this_round = []
         self.round += 1
-
-
-def _entry_json(entry: list[OutgoingMessage] | None) -> list[dict[str, Any]] | None:
-    return None if entry is None else [m.to_json() for m in entry]
 
 
 class _HandlerContract(TypeError):

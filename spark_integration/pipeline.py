@@ -36,7 +36,7 @@ from dedupstore.errors import (
     HandlerError,
     InvalidMessageId,
 )
-from dedupstore.ids import message_key, validate_message_id
+from dedupstore.ids import message_key, validate_message_id, validate_name
 from dedupstore.outbox import Handler, Message, OutboxProcessor, ProcessResult, sweep
 from spark_integration import _columns as C
 from spark_integration._clients import ClientSpec, TaskClients
@@ -261,10 +261,7 @@ def process_messages(
     max_attempts = _positive_int("max_attempts", max_attempts)
     handler_attempts = _positive_int("handler_attempts", handler_attempts)
     if dead_letters is not None:
-        try:
-            validate_message_id(dead_letters, "dead-letter destination")
-        except InvalidMessageId as exc:
-            raise ConfigurationError(str(exc)) from None
+        validate_name(dead_letters, "dead-letter destination")
     if partitions is not None:
         partitions = _positive_int("partitions", partitions)
     schema = df.schema

@@ -345,7 +345,6 @@ def test_read_only_commands_on_the_configured_store_create_nothing(
 def test_the_spark_sweep_refuses_a_missing_store_before_starting_spark(
     in_tmp: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pytest.importorskip("pyspark")
     import spark_integration.session
 
     def no_spark(*_: object) -> None:
@@ -457,14 +456,12 @@ def test_entities_show_of_an_unknown_entity_exits_1(capsys: pytest.CaptureFixtur
 
 
 def test_demo_help_lists_the_job_options(capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("pyspark")
     assert main(["demo", "--help"]) == 0
     out = capsys.readouterr().out
     assert "--orders" in out and "--master" in out
 
 
 def test_demo_hands_its_arguments_to_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("pyspark")
     import spark_integration.order_pipeline as job
 
     seen: list[list[str]] = []

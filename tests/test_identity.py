@@ -14,10 +14,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from backends.memory import MemoryDeduplicationStore, MemoryEntityStore
 from dedupstore import open_dispatcher
-from dedupstore.entities import EntityStore
+from dedupstore.entities import (
+    ENTITY_FRAME_BYTES,
+    Entity,
+    EntityStore,
+    OutgoingMessage,
+    encode_entity,
+    entry_size,
+    json_size,
+)
 from dedupstore.errors import EntityTooLarge
 from dedupstore.ids import MAX_ID_BYTES, message_key, outgoing_id
 from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send, sweep
@@ -377,3 +387,56 @@ def test_copies_of_a_pending_message_are_redispatched_once() -> None:
         processor.process(Message("m1", "acct", 5), ledger)
     again = processor.process_batch([Message("m1", "acct", 5)] * 3, ledger)
     assert [r.outcome for r in again] == ["redispatched", "duplicate", "duplicate"]
+
+
+# ---------------------------------------------------------------------- exact sizes
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+_ids = st.text(min_size=1, max_size=6).filter(lambda t: "\x00" not in t and t.isprintable())
+_entries = st.none() | st.lists(
+    st.builds(OutgoingMessage, id=_ids, destination=_ids, body=_json), max_size=2
+)
+
+
+@pytest.mark.memory
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    state=st.dictionaries(st.text(max_size=5), _json, max_size=4),
+    outbox=st.dictionaries(_ids, _entries, max_size=4),
+)
+def test_entity_sizes_add_up_to_the_encoded_length(
+    state: dict[str, Any], outbox: dict[str, Any]
+) -> None:
+    """What process_batch's rounds measure is exactly what a store checks."""
+    entity = Entity("e", state, outbox)
+    entries = [entry_size(mid, entry) for mid, entry in outbox.items()]
+    total = ENTITY_FRAME_BYTES + json_size(state) + sum(entries) + max(len(entries) - 1, 0)
+    assert total == len(encode_entity(entity).encode("utf-8"))
+
+
+@pytest.mark.sqlite
+def test_the_sweep_command_exits_3_while_an_entry_awaits_dispatch(tmp_path: Path) -> None:
+    from dedupstore import open_entity_store, open_store
+    from dedupstore.cli import main
+
+    url = f"sqlite:///{tmp_path}/s.db"
+
+    class Down:
+        def dispatch(self, messages: Any) -> None:
+            raise ConnectionError("broker down")
+
+    with (
+        open_entity_store(url) as entities,
+        open_store(url) as dedup,
+        pytest.raises(ConnectionError),
+    ):
+        OutboxProcessor(entities, dedup, Down(), cleanup="deferred").process(
+            Message("m1", "alice", 1), ledger
+        )
+    assert main(["entities", "sweep", url, "--dedup", url]) == 3

@@ -214,8 +214,8 @@ def run(
             )
             for c, w in worlds.items()
         }
-        _play(scenario, processors, worlds, faults, tags, redeliver)
-        _check(scenario, processors, worlds, ledger, tags, replay=redeliver)
+        reports = _play(scenario, processors, worlds, faults, tags, redeliver)
+        _check(scenario, processors, worlds, ledger, tags, reports, replay=redeliver)
     finally:
         for world in worlds.values():
             world.entities.close()
@@ -226,9 +226,6 @@ def _message(consumer: str, cid: str, mid: str, tags: dict[str, str]) -> Message
     return Message(mid, f"{cid}-{tags[consumer]}", None)
 
 
-reports: Counter[tuple[str, str, str]] = Counter()
-
-
 def _play(
     scenario: Scenario,
     processors: dict[str, OutboxProcessor],
@@ -236,9 +233,11 @@ def _play(
     faults: Faults,
     tags: dict[str, str],
     redeliver: bool,
-) -> None:
+) -> Counter[tuple[str, str, str]]:
+    """Deliver everything, redelivering what crashed; how often each message was
+    reported applied (``processed`` or ``dead_lettered``)."""
+    reports: Counter[tuple[str, str, str]] = Counter()
     queue = list(scenario.deliveries)
-    reports.clear()
     steps: Iterator[Step] = iter(scenario.steps)
     while queue:
         step = next(steps, Step(5, True, None, False))
@@ -253,12 +252,12 @@ def _play(
             try:
                 if step.batch:
                     results = processors[consumer].process_batch(messages, scenario.handler)
-                    _report(consumer, results, messages)
+                    _report(reports, consumer, results, messages)
                     done = len(mine)
                 else:
                     for message in messages:
                         result = processors[consumer].process(message, scenario.handler)
-                        _report(consumer, [result], [message])
+                        _report(reports, consumer, [result], [message])
                         done += 1
             except Crash:
                 if redeliver:
@@ -267,9 +266,15 @@ def _play(
         if step.sweep:
             for world in worlds.values():
                 sweep(world.entities, world.dedup)
+    return reports
 
 
-def _report(consumer: str, results: list[Any], messages: list[Message]) -> None:
+def _report(
+    reports: Counter[tuple[str, str, str]],
+    consumer: str,
+    results: list[Any],
+    messages: list[Message],
+) -> None:
     for result, message in zip(results, messages, strict=True):
         if result.outcome in ("processed", "dead_lettered"):
             reports[(consumer, message.correlation_id, message.id)] += 1
@@ -281,6 +286,7 @@ def _check(
     worlds: dict[str, World],
     ledger: Ledger,
     tags: dict[str, str],
+    reports: Counter[tuple[str, str, str]],
     *,
     replay: bool,
 ) -> None:
