@@ -34,6 +34,7 @@ __all__ = [
     "Entity",
     "EntityRecord",
     "EntityStore",
+    "EntryMark",
     "OutgoingMessage",
     "bucket_of",
     "canonical_json",
@@ -92,17 +93,44 @@ class OutgoingMessage:
 Outbox = dict[str, list[OutgoingMessage] | None]
 
 
+@dataclass(frozen=True)
+class EntryMark:
+    """When a pending outbox entry was written, and by which run.
+
+    ``at``: epoch milliseconds (an int, so an entry's encoded size does not depend on
+    the clock's digits); ``run``: the :class:`~dedupstore.outbox.OutboxProcessor`
+    ``run`` that applied the message, if it had one.
+    """
+
+    at: int
+    run: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The mark's fields of the encoded entry."""
+        return {"at": self.at} if self.run is None else {"at": self.at, "run": self.run}
+
+
 @dataclass
 class Entity:
     """One entity: its id, state, outbox and the opaque version it was loaded at.
 
     ``version is None`` means the entity was never saved (or was loaded absent).
+    ``marks`` holds the :class:`EntryMark` of pending entries (the processor marks
+    every entry it writes; a mark whose entry is gone or dispatched is not saved).
     """
 
     id: str
     state: dict[str, Any] = field(default_factory=dict)
     outbox: Outbox = field(default_factory=dict)
     version: Any = None
+    marks: dict[str, EntryMark] = field(default_factory=dict)
+
+    def pending_since(self) -> int | None:
+        """The oldest mark's ``at`` among pending entries (epoch ms), if any is marked."""
+        times = [
+            mark.at for mid, mark in self.marks.items() if self.outbox.get(mid, None) is not None
+        ]
+        return min(times, default=None)
 
     @property
     def pending(self) -> list[str]:
@@ -116,7 +144,9 @@ class Entity:
 
     def copy(self) -> Entity:
         """A deep copy (the state and outbox can be changed without touching this one)."""
-        return Entity(self.id, copy.deepcopy(self.state), dict(self.outbox), self.version)
+        return Entity(
+            self.id, copy.deepcopy(self.state), dict(self.outbox), self.version, dict(self.marks)
+        )
 
 
 def canonical_json(value: Any) -> str:
@@ -135,13 +165,21 @@ def json_size(value: Any) -> int:
     return len(canonical_json(value).encode("utf-8"))
 
 
-def _entry_json(entry: list[OutgoingMessage] | None) -> list[dict[str, Any]] | None:
-    return None if entry is None else [m.to_json() for m in entry]
+def _entry_json(
+    entry: list[OutgoingMessage] | None, mark: EntryMark | None
+) -> dict[str, Any] | None:
+    """A dispatched entry is ``null``; a pending one ``{"at":..,"out":[..],"run":..}``."""
+    if entry is None:
+        return None
+    out = {"out": [m.to_json() for m in entry]}
+    return out if mark is None else {**mark.to_json(), **out}
 
 
-def entry_size(message_id: str, entry: list[OutgoingMessage] | None) -> int:
+def entry_size(
+    message_id: str, entry: list[OutgoingMessage] | None, mark: EntryMark | None = None
+) -> int:
     """UTF-8 bytes of one outbox entry ``"<id>":<entry>`` in :func:`encode_entity`'s text."""
-    return json_size({message_id: _entry_json(entry)}) - 2
+    return json_size({message_id: _entry_json(entry, mark)}) - 2
 
 
 #: Bytes of :func:`encode_entity`'s text around the state and the entries: an entity
@@ -156,7 +194,8 @@ def encode_entity(entity: Entity) -> str:
     Raises ``ValueError`` (``InvalidMessageId``'s base) when the state is not
     JSON-compatible.
     """
-    outbox = {mid: _entry_json(entry) for mid, entry in entity.outbox.items()}
+    marks = entity.marks
+    outbox = {mid: _entry_json(entry, marks.get(mid)) for mid, entry in entity.outbox.items()}
     try:
         return canonical_json({"state": entity.state, "outbox": outbox})
     except (TypeError, ValueError) as exc:
@@ -169,11 +208,16 @@ def encode_entity(entity: Entity) -> str:
 def decode_entity(entity_id: str, text: str | bytes, version: Any) -> Entity:
     """The inverse of :func:`encode_entity`."""
     data = json.loads(text)
-    outbox: Outbox = {
-        mid: None if entry is None else [OutgoingMessage.from_json(m) for m in entry]
-        for mid, entry in data.get("outbox", {}).items()
-    }
-    return Entity(entity_id, dict(data.get("state", {})), outbox, version)
+    outbox: Outbox = {}
+    marks: dict[str, EntryMark] = {}
+    for mid, entry in data.get("outbox", {}).items():
+        if entry is None:
+            outbox[mid] = None
+            continue
+        outbox[mid] = [OutgoingMessage.from_json(m) for m in entry["out"]]
+        if "at" in entry:
+            marks[mid] = EntryMark(int(entry["at"]), entry.get("run"))
+    return Entity(entity_id, dict(data.get("state", {})), outbox, version, marks)
 
 
 @dataclass(frozen=True)

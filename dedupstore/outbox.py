@@ -36,6 +36,7 @@ from dedupstore.entities import (
     ENTITY_FRAME_BYTES,
     Entity,
     EntityStore,
+    EntryMark,
     OutgoingMessage,
     entry_size,
     json_size,
@@ -94,6 +95,9 @@ class Send:
 
 #: ``handler(state, message) -> (new_state, sends)``: pure, deterministic.
 Handler = Callable[[dict[str, Any], Message], tuple[dict[str, Any], Sequence[Send]]]
+
+#: ``before_cleanup(messages, results)``: see :meth:`OutboxProcessor.process_batch`.
+BeforeCleanup = Callable[[Sequence["Message"], Sequence["ProcessResult"]], None]
 
 
 @runtime_checkable
@@ -164,6 +168,14 @@ class OutboxProcessor:
     store's ``max_entity_bytes`` of them) has them moved inline, so a hot entity's
     record never grows with the number of messages it received. ``max_attempts``
     bounds the retries after ``ConcurrencyConflict``. Thread-safe if the stores are.
+
+    Every outbox entry it writes is marked with the time it was written (what
+    :func:`~dedupstore.stats.outbox_backlog` reports as the oldest pending entry) and
+    with ``run``, a name for one run of a job over its input: with a ``run``, a
+    message this run applied (or dead-lettered) in an earlier call whose clean-up did
+    not finish (a crash, a retried task) comes out ``processed`` (or
+    ``dead_lettered``) again, not ``redispatched``: outcomes say what the run did,
+    whichever call of it got through.
     """
 
     def __init__(
@@ -177,10 +189,11 @@ class OutboxProcessor:
         deferred_limit: int = 1000,
         dead_letters: str | None = None,
         handler_attempts: int = 1,
+        run: str | None = None,
     ) -> None:
         """Raises ``ConfigurationError`` for an unknown ``cleanup``, a bad
-        ``dead_letters`` destination, or ``max_attempts``, ``deferred_limit`` or
-        ``handler_attempts`` below 1."""
+        ``dead_letters`` destination or ``run`` name, or ``max_attempts``,
+        ``deferred_limit`` or ``handler_attempts`` below 1."""
         if cleanup not in ("inline", "deferred"):
             raise ConfigurationError(f"cleanup must be 'inline' or 'deferred', got {cleanup!r}")
         for name, value in (
@@ -192,6 +205,9 @@ class OutboxProcessor:
                 raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
         if dead_letters is not None:
             validate_name(dead_letters, "dead-letter destination")
+        if run is not None:
+            validate_name(run, "run")
+        self.run = run
         self.dead_letters = dead_letters
         self.handler_attempts = handler_attempts
         self.entities = entities
@@ -249,8 +265,11 @@ class OutboxProcessor:
         headers = {**dict(original.get("headers") or {}), "dedupstore-redrive-of": mid}
         return self.process(Message(letter_id, cid, original.get("body"), headers), handler)
 
-    def _process(self, message: Message, handler: Handler, dispatched: set[str]) -> ProcessResult:
-        """:meth:`process`, not sending again the outgoing ids in ``dispatched``."""
+    def _process(
+        self, message: Message, handler: Handler, dispatched: set[str], clean: bool = True
+    ) -> ProcessResult:
+        """:meth:`process`, not sending again the outgoing ids in ``dispatched``
+        (which gets those it sends); without ``clean``, steps 1-4 only."""
         mid, cid = message.id, message.correlation_id
         key = message_key(cid, mid)
         applied = False
@@ -271,11 +290,12 @@ class OutboxProcessor:
                 else:
                     outgoing = entity.outbox[mid]
                     if outcome is None:
-                        outcome = "duplicate" if outgoing is None else "redispatched"
+                        outcome, error = self._found(entity, mid)
                 if outgoing is not None and not {m.id for m in outgoing} <= dispatched:
                     self.dispatcher.dispatch(outgoing)
                     dispatched.update(m.id for m in outgoing)
-                self._clean_up(entity, mid)
+                if clean:
+                    self._clean_up(entity, mid)
                 return ProcessResult(mid, outcome, tuple(outgoing or ()), attempt, error)
             except ConcurrencyConflict:
                 continue
@@ -283,6 +303,25 @@ class OutboxProcessor:
             f"message {mid!r:.80} of entity {cid!r:.80}: the entity kept "
             f"changing under it for {self.max_attempts} attempts; redeliver it"
         )
+
+    def _found(self, entity: Entity, mid: str) -> tuple[Outcome, str | None]:
+        """The outcome (and error) of a message found in the entity's outbox.
+
+        ``duplicate`` once dispatched, ``redispatched`` while pending; but a pending
+        entry this processor's ``run`` wrote says what the run did then.
+        """
+        entry = entity.outbox[mid]
+        if entry is None:
+            return "duplicate", None
+        mark = entity.marks.get(mid)
+        if self.run is None or mark is None or mark.run != self.run:
+            return "redispatched", None
+        letter = outgoing_id(self.consumer, entity.id, mid, -1)
+        if len(entry) == 1 and entry[0].id == letter:
+            error = entry[0].body.get("error") or {}
+            kind = str(error.get("type", "")).rsplit(".", 1)[-1]
+            return "dead_lettered", f"{kind}: {error.get('text', '')}"
+        return "processed", None
 
     def _save_applied(self, entity: Entity, message: Message) -> bool:
         """Save the entity holding ``message``'s new entry (step 2c).
@@ -385,16 +424,21 @@ class OutboxProcessor:
         """
         entity.state, outgoing, error = self._run(entity.state, message, handler)
         entity.outbox[message.id] = outgoing
+        entity.marks[message.id] = self._mark()
         return outgoing, error
+
+    def _mark(self) -> EntryMark:
+        """The mark of an entry written now."""
+        return EntryMark(int(time.time() * 1000), self.run)
 
     def _clean_up(self, entity: Entity, mid: str) -> None:
         """Step 5 for one message on a loaded entity (saves it)."""
         if self.cleanup == "inline":
             self.dedup.add(message_key(entity.id, mid))
-            del entity.outbox[mid]
+            _remove(entity, mid)
             self.entities.save(entity)
         elif entity.outbox[mid] is not None:
-            entity.outbox[mid] = None
+            _dispatched(entity, mid)
             if self._over_limit(entity):
                 self._move_dispatched([entity])
             self.entities.save(entity)
@@ -419,11 +463,17 @@ class OutboxProcessor:
             self.dedup.add_many(keys)
         for entity in entities:
             for mid in entity.dispatched:
-                del entity.outbox[mid]
+                _remove(entity, mid)
 
     # ------------------------------------------------------------------ batches
 
-    def process_batch(self, messages: Sequence[Message], handler: Handler) -> list[ProcessResult]:
+    def process_batch(
+        self,
+        messages: Sequence[Message],
+        handler: Handler,
+        *,
+        before_cleanup: BeforeCleanup | None = None,
+    ) -> list[ProcessResult]:
         """Run the algorithm for many messages at once; one result per message, in order.
 
         Round trips per batch, not per message: ``load_many``, one
@@ -436,12 +486,19 @@ class OutboxProcessor:
         The same message (same entity and id) twice in a batch is applied once: the
         first copy says ``processed``, the others ``duplicate``. Same guarantees and
         errors as :meth:`process` for every message.
+
+        ``before_cleanup(messages, results)`` is called once the outcomes of
+        ``messages`` (all of them, or one round's) are final and their outgoing
+        messages dispatched, before any of their entries is cleaned up (step 5):
+        with a ``run``, whatever it records of them (and makes durable) before it
+        returns stays true when the call is cut short and run again. Should it
+        raise, nothing is cleaned up and the error propagates (a later call cleans up).
         """
         for message in messages:
             _validate(message)
         if not messages:
             return []
-        return self._batch(list(messages), handler, 0)
+        return self._batch(list(messages), handler, 0, before_cleanup)
 
     def _recorded(
         self, messages: list[Message], entities: dict[str, Entity]
@@ -453,7 +510,13 @@ class OutboxProcessor:
         ]
         return keys, self.dedup.processed_among(fresh) if fresh else set()
 
-    def _batch(self, messages: list[Message], handler: Handler, depth: int) -> list[ProcessResult]:
+    def _batch(
+        self,
+        messages: list[Message],
+        handler: Handler,
+        depth: int,
+        before_cleanup: BeforeCleanup | None = None,
+    ) -> list[ProcessResult]:
         entities = self.entities.load_many([m.correlation_id for m in messages])
         keys, already = self._recorded(messages, entities)
         results: list[ProcessResult | None] = [None] * len(messages)
@@ -468,8 +531,8 @@ class OutboxProcessor:
                 results[index] = ProcessResult(message.id, "duplicate", tuple(entry or ()))
             elif message.id in entity.outbox:
                 entry = entity.outbox[message.id]
-                outcome: Outcome = "duplicate" if entry is None else "redispatched"
-                results[index] = ProcessResult(message.id, outcome, tuple(entry or ()))
+                outcome, error = self._found(entity, message.id)
+                results[index] = ProcessResult(message.id, outcome, tuple(entry or ()), 1, error)
             elif keys[index] in already:
                 results[index] = ProcessResult(message.id, "duplicate")
             else:
@@ -484,7 +547,11 @@ class OutboxProcessor:
         except EntityTooLarge:
             if depth >= 3:  # the rounds were measured to fit: only a racing writer gets here
                 raise
-            return self._in_rounds(messages, handler, depth)
+            return self._in_rounds(messages, handler, depth, before_cleanup)
+        if before_cleanup is not None:
+            return self._in_two_phases(
+                messages, handler, entities, first_conflicts, results, before_cleanup
+            )
         late_conflicts, sent = self._dispatch_and_clean_up(messages, entities, first_conflicts)
         for index, message in enumerate(messages):
             cid = message.correlation_id
@@ -497,10 +564,65 @@ class OutboxProcessor:
                 results[index] = alone
         return [r for r in results if r is not None]
 
+    def _in_two_phases(
+        self,
+        messages: list[Message],
+        handler: Handler,
+        entities: dict[str, Entity],
+        conflicts: set[str],
+        results: list[ProcessResult | None],
+        before_cleanup: BeforeCleanup,
+    ) -> list[ProcessResult]:
+        """The rest of :meth:`_batch` with ``before_cleanup``: dispatch (steps 1-4 again
+        for the entities whose save conflicted), ``before_cleanup``, then the clean-up."""
+        sent = self._dispatch(messages, entities, conflicts, set())
+        for index, message in enumerate(messages):
+            if message.correlation_id in conflicts:
+                results[index] = self._process(message, handler, sent, clean=False)
+        final = [r for r in results if r is not None]
+        before_cleanup(messages, final)
+        remaining = messages
+        for _attempt in range(self.max_attempts):
+            entities = self.entities.load_many([m.correlation_id for m in remaining])
+            conflicts, _ = self._dispatch_and_clean_up(remaining, entities, set(), sent)
+            remaining = [m for m in remaining if m.correlation_id in conflicts]
+            if not remaining:
+                return final
+        raise ConcurrencyConflict(
+            f"the clean-up of {len(remaining)} messages (entity "
+            f"{remaining[0].correlation_id!r:.80}, ...) kept conflicting for "
+            f"{self.max_attempts} attempts; redeliver them"
+        )
+
+    def _dispatch(
+        self,
+        messages: Sequence[Message],
+        entities: dict[str, Entity],
+        skip: set[str],
+        sent: set[str],
+    ) -> set[str]:
+        """Step 4 for the entities not in ``skip``: one ``dispatch`` of the pending
+        outgoing messages of ``messages`` but those in ``sent``; ``sent`` with them."""
+        outgoing = [
+            m
+            for message in messages
+            if message.correlation_id not in skip
+            for m in entities[message.correlation_id].outbox.get(message.id) or []
+            if m.id not in sent
+        ]
+        unique = list({m.id: m for m in outgoing}.values())
+        if unique:
+            self.dispatcher.dispatch(unique)
+        return sent | {m.id for m in unique}
+
     def _dispatch_and_clean_up(
-        self, messages: Sequence[Message], entities: dict[str, Entity], skip: set[str]
+        self,
+        messages: Sequence[Message],
+        entities: dict[str, Entity],
+        skip: set[str],
+        sent: set[str] | None = None,
     ) -> tuple[set[str], set[str]]:
-        """Steps 4-5 for the entities saved.
+        """Steps 4-5 for the entities not in ``skip`` (not sending ``sent`` again).
 
         Returns the ids of the entities whose clean-up conflicted, and the outgoing ids
         dispatched (a retry of a conflicted entity does not send them again).
@@ -510,17 +632,15 @@ class OutboxProcessor:
             entity = entities[message.correlation_id]
             if entity.id not in skip and message.id in entity.outbox:
                 entries[(entity.id, message.id)] = entity
-        outgoing = [m for (_, mid), entity in entries.items() for m in entity.outbox[mid] or []]
-        if outgoing:
-            self.dispatcher.dispatch(outgoing)
+        sent = self._dispatch(messages, entities, skip, set(sent or ()))
         to_save: dict[str, Entity] = {}
         keys: list[str] = []
         for (cid, mid), entity in entries.items():
             if self.cleanup == "inline":
                 keys.append(message_key(cid, mid))
-                del entity.outbox[mid]
+                _remove(entity, mid)
             elif entity.outbox[mid] is not None:
-                entity.outbox[mid] = None
+                _dispatched(entity, mid)
             else:
                 continue
             to_save[cid] = entity
@@ -528,10 +648,14 @@ class OutboxProcessor:
         # The ids reach the deduplication store before the save that removes them.
         self._move_dispatched(heavy, keys)
         conflicts = self.entities.save_many(list(to_save.values())) if to_save else set()
-        return conflicts, {m.id for m in outgoing}
+        return conflicts, sent
 
     def _in_rounds(
-        self, messages: list[Message], handler: Handler, depth: int
+        self,
+        messages: list[Message],
+        handler: Handler,
+        depth: int,
+        before_cleanup: BeforeCleanup | None = None,
     ) -> list[ProcessResult]:
         """The batch in consecutive rounds in which each entity's new entries fit."""
         rounds: dict[int, list[int]] = {}
@@ -540,7 +664,7 @@ class OutboxProcessor:
         results: list[ProcessResult | None] = [None] * len(messages)
         for number in sorted(rounds):
             indexes = rounds[number]
-            done = self._batch([messages[i] for i in indexes], handler, depth + 1)
+            done = self._batch([messages[i] for i in indexes], handler, depth + 1, before_cleanup)
             for index, result in zip(indexes, done, strict=True):
                 results[index] = result
         return [r for r in results if r is not None]
@@ -557,7 +681,7 @@ class OutboxProcessor:
         for entity in entities:
             for mid in [m for m in entity.pending if (entity.id, m) not in keep]:
                 relay.extend(entity.outbox[mid] or [])
-                entity.outbox[mid] = None
+                _dispatched(entity, mid)
             if entity.dispatched:
                 cleared.append(entity)
         if relay:
@@ -601,7 +725,7 @@ class OutboxProcessor:
                 continue
             seen.add(ident)
             state, outgoing, _ = self._run(size.state, message, handler)
-            entry = entry_size(message.id, outgoing)
+            entry = entry_size(message.id, outgoing, self._mark())
             total = size.total_with(state, entry)
             if total > limit and size.this_round:
                 size.next_round(self.cleanup)
@@ -631,7 +755,7 @@ class _Sizes:
 
     @classmethod
     def of(cls, entity: Entity) -> _Sizes:
-        sizes = {mid: entry_size(mid, e) for mid, e in entity.outbox.items()}
+        sizes = {mid: entry_size(mid, e, entity.marks.get(mid)) for mid, e in entity.outbox.items()}
         return cls(entity.state, sizes, sum(sizes.values()))
 
     def total_with(self, state: dict[str, Any], entry: int) -> int:
@@ -705,6 +829,18 @@ def _handler_error(message: Message, exc: Exception) -> HandlerError:
     )
 
 
+def _dispatched(entity: Entity, mid: str) -> None:
+    """Mark the entry of ``mid`` dispatched (it keeps no mark)."""
+    entity.outbox[mid] = None
+    entity.marks.pop(mid, None)
+
+
+def _remove(entity: Entity, mid: str) -> None:
+    """Remove the entry of ``mid`` (and its mark) from the outbox."""
+    entity.outbox.pop(mid, None)
+    entity.marks.pop(mid, None)
+
+
 def _validate(message: Message) -> None:
     """The message's ids, checked before any I/O."""
     validate_message_id(message.id)
@@ -769,7 +905,7 @@ def sweep(
         pending = entity.pending if redispatch is not None else []
         for mid in pending:
             relay.extend(entity.outbox[mid] or [])
-            entity.outbox[mid] = None
+            _dispatched(entity, mid)
         result.redispatched += len(pending)
         if redispatch is None:
             result.ids_left += len(entity.pending)  # still awaiting dispatch: not moved
@@ -803,7 +939,7 @@ def _flush(
     moved = {entity.id: ids for entity, ids in batch}
     for entity, ids in batch:
         for mid in ids:
-            entity.outbox.pop(mid, None)
+            _remove(entity, mid)
     conflicted = entities.save_many([entity for entity, _ in batch])
     result.ids_moved += sum(len(ids) for eid, ids in moved.items() if eid not in conflicted)
     for eid in conflicted:
@@ -816,7 +952,7 @@ def _flush(
                 result.ids_moved += len(ids)
                 break
             for mid in present:
-                del entity.outbox[mid]
+                _remove(entity, mid)
             if not entities.save_many([entity]):
                 result.ids_moved += len(ids)
                 break
