@@ -2,7 +2,8 @@
 
 * :func:`process_messages` processes a DataFrame of messages exactly once, one
   entity's messages in one task, in order; :func:`process_stream` does the same
-  for Structured Streaming through ``foreachBatch``.
+  for Structured Streaming through ``foreachBatch``; :func:`run_messages` runs it
+  now, once, into an exact record of what the run did (read it many times).
 * :func:`sweep_outboxes` moves dispatched ids from the entities' outboxes into
   the deduplication store, one task per segment.
 * :func:`drop_processed` removes rows whose (correlation id, id) is already recorded.
@@ -14,21 +15,25 @@ cluster and on Spark Connect alike. Clients are opened in each task from URLs
 
 from spark_integration.pipeline import (
     PROCESS_SCHEMA,
+    RECORD_SCHEMA,
     SWEEP_SCHEMA,
     drop_processed,
     process_messages,
     process_stream,
+    run_messages,
     sweep_outboxes,
 )
 from spark_integration.session import local_session, use_this_python
 
 __all__ = [
     "PROCESS_SCHEMA",
+    "RECORD_SCHEMA",
     "SWEEP_SCHEMA",
     "drop_processed",
     "local_session",
     "process_messages",
     "process_stream",
+    "run_messages",
     "sweep_outboxes",
     "use_this_python",
 ]

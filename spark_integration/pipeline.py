@@ -37,7 +37,14 @@ from dedupstore.errors import (
     InvalidMessageId,
 )
 from dedupstore.ids import message_key, validate_message_id, validate_name
-from dedupstore.outbox import Handler, Message, OutboxProcessor, ProcessResult, sweep
+from dedupstore.outbox import (
+    BeforeCleanup,
+    Handler,
+    Message,
+    OutboxProcessor,
+    ProcessResult,
+    sweep,
+)
 from spark_integration import _columns as C
 from spark_integration._clients import ClientSpec, TaskClients
 from spark_integration.session import use_this_python
@@ -49,10 +56,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PROCESS_SCHEMA",
+    "RECORD_SCHEMA",
     "SWEEP_SCHEMA",
     "drop_processed",
     "process_messages",
     "process_stream",
+    "run_messages",
     "sweep_outboxes",
 ]
 
@@ -84,6 +93,10 @@ PROCESS_SCHEMA = _schema(
     batch_attempts=IntegerType(),
     error=StringType(),
 )
+
+#: The files of :func:`run_messages`: :data:`PROCESS_SCHEMA` and where the row is in
+#: its batch (a batch's files are in ``batch=<digest>`` under the results path).
+RECORD_SCHEMA = StructType([*PROCESS_SCHEMA.fields, StructField("position", IntegerType())])
 
 Cleanup = Literal["inline", "deferred"]
 
@@ -252,6 +265,54 @@ def process_messages(
     column type or argument, or a column named ``__dedupstore_*``; tasks raise
     ``InvalidMessageId`` for a null or invalid id, naming its column.
     """
+    return _processing(
+        df,
+        handler,
+        None,
+        entities_url=entities_url,
+        dedup_url=dedup_url,
+        dispatcher_url=dispatcher_url,
+        cleanup=cleanup,
+        id_col=id_col,
+        correlation_col=correlation_col,
+        order_col=order_col,
+        headers_col=headers_col,
+        batch_size=batch_size,
+        partitions=partitions,
+        retries=retries,
+        max_attempts=max_attempts,
+        dead_letters=dead_letters,
+        handler_attempts=handler_attempts,
+        entities_options=entities_options,
+        dedup_options=dedup_options,
+        dispatcher_options=dispatcher_options,
+    )
+
+
+def _processing(
+    df: DataFrame,
+    handler: Handler,
+    journal: _Journal | None,
+    *,
+    entities_url: str,
+    dedup_url: str,
+    dispatcher_url: str | Callable[..., Any],
+    cleanup: Cleanup,
+    id_col: str,
+    correlation_col: str,
+    order_col: str | None,
+    headers_col: str | None,
+    batch_size: int,
+    partitions: int | None,
+    retries: int,
+    max_attempts: int,
+    dead_letters: str | None,
+    handler_attempts: int,
+    entities_options: Mapping[str, Any] | None,
+    dedup_options: Mapping[str, Any] | None,
+    dispatcher_options: Mapping[str, Any] | None,
+) -> DataFrame:
+    """:func:`process_messages`; with a ``journal``, each batch's record goes there."""
     if not callable(handler):
         raise ConfigurationError(f"handler must be callable, got {handler!r}")
     if cleanup not in ("inline", "deferred"):
@@ -305,11 +366,12 @@ def process_messages(
         "max_attempts": max_attempts,
         "dead_letters": dead_letters,
         "handler_attempts": handler_attempts,
+        "run": None if journal is None else journal.run,
     }
 
     def process_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         with TaskClients(ents, dedup, out) as task:
-            step = _BatchRunner(task, handler, processor_options, retries)
+            step = _BatchRunner(task, handler, processor_options, retries, journal)
             pending: list[Message] = []
             for batch in batches:
                 for row in batch.to_pylist():
@@ -396,9 +458,16 @@ class _BatchRunner:
     """Runs batches of one task through its processor, re-running a batch on a transient error."""
 
     def __init__(
-        self, task: TaskClients, handler: Handler, options: Mapping[str, Any], retries: int
+        self,
+        task: TaskClients,
+        handler: Handler,
+        options: Mapping[str, Any],
+        retries: int,
+        journal: _Journal | None = None,
     ) -> None:
         self._task = task
+        self._journal = journal
+        self._batches = 0  # batches of this task so far: part of each batch's name
         self._handler = handler
         self._options = dict(options)
         self._retries = retries
@@ -413,7 +482,9 @@ class _BatchRunner:
             raise InvalidMessageId(error)
         return self._handler(state, message)
 
-    def _process(self, messages: list[Message]) -> list[ProcessResult]:
+    def _process(
+        self, messages: list[Message], record: BeforeCleanup | None
+    ) -> list[ProcessResult]:
         if self._processor is None:
             clients = self._task.get()
             assert clients.dispatcher is not None
@@ -423,12 +494,24 @@ class _BatchRunner:
                 clients.dispatcher,
                 **self._options,
             )
-        return self._processor.process_batch(messages, self._guarded)
+        return self._processor.process_batch(messages, self._guarded, before_cleanup=record)
 
     def run(self, messages: list[Message]) -> pa.RecordBatch:
-        """The batch's result rows."""
+        """The batch's result rows (with a journal: as first recorded there)."""
         import pyarrow as pa
 
+        self._batches += 1
+        if self._journal is None:
+            return pa.RecordBatch.from_pylist(self._rows(messages, None), schema=self._schema)
+        batch = self._journal.batch_name(messages, self._batches)
+        recorded = self._journal.read(batch)
+        rows = self._rows(messages, _Recorder(self._journal, batch, messages, recorded))
+        rows = [recorded.get(position, row) for position, row in enumerate(rows)]
+        for row in rows:
+            row.pop("position", None)
+        return pa.RecordBatch.from_pylist(rows, schema=self._schema)
+
+    def _rows(self, messages: list[Message], record: _Recorder | None) -> list[dict[str, Any]]:
         results: list[ProcessResult] = []
         attempts = 0
         for attempt in Retrying(
@@ -439,20 +522,224 @@ class _BatchRunner:
         ):
             with attempt:
                 attempts += 1
-                results = self._process(messages)
-        rows = [
-            {
-                "message_id": r.message_id,
-                "correlation_id": m.correlation_id,
-                "outcome": r.outcome,
-                "outgoing_ids": [o.id for o in r.outgoing],
-                "attempts": r.attempts,
-                "batch_attempts": attempts,
-                "error": r.error,
-            }
-            for m, r in zip(messages, results, strict=True)
-        ]
-        return pa.RecordBatch.from_pylist(rows, schema=self._schema)
+                if record is not None:
+                    record.batch_attempts = attempts
+                results = self._process(messages, record)
+        return [_row(m, r, attempts) for m, r in zip(messages, results, strict=True)]
+
+
+def _row(message: Message, result: ProcessResult, batch_attempts: int) -> dict[str, Any]:
+    """The result row of one message (:data:`PROCESS_SCHEMA`)."""
+    return {
+        "message_id": result.message_id,
+        "correlation_id": message.correlation_id,
+        "outcome": result.outcome,
+        "outgoing_ids": [o.id for o in result.outgoing],
+        "attempts": result.attempts,
+        "batch_attempts": batch_attempts,
+        "error": result.error,
+    }
+
+
+# ---------------------------------------------------------------------- the record of a run
+
+
+def run_messages(
+    df: DataFrame, handler: Handler, *, results_path: str, **options: Any
+) -> DataFrame:
+    """Process ``df`` now, once, and return its exact record, read from ``results_path``.
+
+    The eager form of :func:`process_messages` (same ``options``, same rules): the
+    processing runs once, when called; each task writes the result rows of each of
+    its batches to ``results_path`` as Parquet (under ``batch=<digest>``, with the
+    row's ``position`` in its batch) after their outgoing messages are dispatched
+    and before any clean-up, and a retried task, a task that crashed or a re-run of
+    the same call keeps what was written first. So the record does not depend on
+    which attempt of a task got through: a message this run applied says
+    ``processed`` (or ``dead_lettered``, with its error) even when a crashed attempt
+    applied it; ``duplicate`` and ``redispatched`` mean applied before this run. The
+    run is named after ``results_path``: a call that failed (a task out of retries,
+    the driver gone) is finished by calling again with the same path, which keeps
+    every batch already recorded. Returns ``spark.read`` of the record
+    (:data:`PROCESS_SCHEMA` columns); read it as often as you like, nothing runs
+    again. ``results_path`` is any path or URI that both the driver and the
+    executors reach through ``pyarrow.fs`` (a local or shared directory, ``hdfs://``,
+    ``s3://``, ``gs://``).
+
+    Exact for this run's own task attempts and re-runs. One gap: should another
+    consumer clean up the entry of a message this run applied in an attempt that
+    crashed before recording it (a sweep with ``redispatch``, the same message in
+    another job), the retry records it ``redispatched`` or ``duplicate``.
+
+    Raises ``ConfigurationError`` (what :func:`process_messages` raises, an unknown
+    option, a ``results_path`` that holds a finished run: ``_SUCCESS``) before any
+    I/O on the stores, and through Spark what a task raised.
+    """
+    journal = _Journal.at(results_path)
+    if journal.finished():
+        raise ConfigurationError(
+            f"results_path {results_path!r} holds a finished run (_SUCCESS): read it with "
+            "spark.read.parquet, or give a new path"
+        )
+    _run_journaled(df, handler, journal, options)
+    return _read_record(df.sparkSession, results_path)
+
+
+def _run_journaled(
+    df: DataFrame, handler: Handler, journal: _Journal, options: Mapping[str, Any]
+) -> None:
+    """Run the processing of ``df`` into ``journal`` and mark it finished."""
+    import inspect
+
+    try:
+        bound = inspect.signature(process_messages).bind(df, handler, **options)
+    except TypeError as exc:
+        raise ConfigurationError(f"run_messages: {exc}") from None
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    del arguments["df"], arguments["handler"]
+    plan = _processing(df, handler, journal, **arguments)
+    plan.groupBy().count().collect()  # every task runs; what they return is in the journal
+    journal.finish()
+
+
+def _read_record(spark: SparkSession, path: str) -> DataFrame:
+    """The record at ``path`` (:data:`PROCESS_SCHEMA` columns)."""
+    from pyspark.sql.types import StringType as S
+
+    schema = StructType([*RECORD_SCHEMA.fields, StructField("batch", S())])
+    return spark.read.schema(schema).parquet(path).select(PROCESS_SCHEMA.fieldNames())
+
+
+class _Journal:
+    """Where the tasks of :func:`run_messages` record each batch, once (Parquet files)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path.rstrip("/") or path
+        digest = hashlib.sha256(self.path.encode("utf-8", "surrogatepass")).hexdigest()
+        #: the processor's ``run``: the same for every attempt, call and re-run
+        self.run = f"run-{digest[:32]}"
+        self._fs: Any = None
+        self._base = ""
+
+    @classmethod
+    def at(cls, path: str) -> _Journal:
+        """The journal at ``path``; ``ConfigurationError`` for a path pyarrow cannot open."""
+        if not isinstance(path, str) or not path:
+            raise ConfigurationError(f"results_path must be a non-empty path, got {path!r}")
+        journal = cls(path)
+        try:
+            journal._filesystem()
+        except (OSError, ValueError) as exc:
+            raise ConfigurationError(f"results_path {path!r}: {exc}") from None
+        return journal
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "run": self.run}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["path"])  # type: ignore[misc]
+
+    def _filesystem(self) -> tuple[Any, str]:
+        if self._fs is None:
+            from pyarrow import fs
+
+            if "://" in self.path:
+                self._fs, self._base = fs.FileSystem.from_uri(self.path)
+            else:
+                import os
+
+                self._fs, self._base = fs.LocalFileSystem(), os.path.abspath(self.path)
+        return self._fs, self._base
+
+    def finished(self) -> bool:
+        """Whether a run completed here (its ``_SUCCESS`` file exists)."""
+        from pyarrow import fs
+
+        filesystem, base = self._filesystem()
+        return bool(filesystem.get_file_info(f"{base}/_SUCCESS").type == fs.FileType.File)
+
+    def finish(self) -> None:
+        """Mark the run complete."""
+        filesystem, base = self._filesystem()
+        filesystem.create_dir(base, recursive=True)
+        with filesystem.open_output_stream(f"{base}/_SUCCESS") as out:
+            out.write(b"")
+
+    def batch_name(self, messages: Sequence[Message], number: int) -> str:
+        """A name for a task's ``number``-th batch, the same in every attempt of the task."""
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        partition = context.partitionId() if context is not None else 0
+        digest = hashlib.sha256(f"{partition}:{number}".encode())
+        for m in messages:
+            digest.update(b"\0" + message_key(m.correlation_id, m.id).encode("utf-8", "replace"))
+        return digest.hexdigest()[:32]
+
+    def read(self, batch: str) -> dict[int, dict[str, Any]]:
+        """The rows recorded for ``batch``, by position."""
+        import pyarrow.parquet as pq
+        from pyarrow import fs
+
+        filesystem, base = self._filesystem()
+        selector = fs.FileSelector(f"{base}/batch={batch}", allow_not_found=True)
+        rows: dict[int, dict[str, Any]] = {}
+        for info in sorted(filesystem.get_file_info(selector), key=lambda i: i.path):
+            if info.is_file and info.base_name.startswith("part-"):
+                for row in pq.read_table(info.path, filesystem=filesystem).to_pylist():
+                    rows.setdefault(row["position"], row)
+        return rows
+
+    def write(self, batch: str, rows: list[dict[str, Any]]) -> None:
+        """Record ``rows`` (with their ``position``) of ``batch`` in one file, atomically."""
+        import uuid
+
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        filesystem, base = self._filesystem()
+        directory = f"{base}/batch={batch}"
+        filesystem.create_dir(directory, recursive=True)
+        positions = ",".join(str(row["position"]) for row in rows)
+        name = hashlib.sha256(positions.encode()).hexdigest()[:16]
+        table = pa.Table.from_pylist(rows, schema=to_arrow_schema(RECORD_SCHEMA))
+        temporary = f"{directory}/_writing-{uuid.uuid4().hex}"
+        pq.write_table(table, temporary, filesystem=filesystem)
+        filesystem.move(temporary, f"{directory}/part-{name}.parquet")
+
+
+class _Recorder:
+    """The ``before_cleanup`` of one batch of :func:`run_messages`: records what is new."""
+
+    def __init__(
+        self,
+        journal: _Journal,
+        batch: str,
+        messages: Sequence[Message],
+        recorded: dict[int, dict[str, Any]],
+    ) -> None:
+        self._journal = journal
+        self._batch = batch
+        self._positions: dict[int, list[int]] = {}
+        for position, message in enumerate(messages):
+            self._positions.setdefault(id(message), []).append(position)
+        self._recorded = recorded
+        self.batch_attempts = 1
+
+    def __call__(self, messages: Sequence[Message], results: Sequence[ProcessResult]) -> None:
+        taken: dict[int, int] = {}
+        rows: list[dict[str, Any]] = []
+        for message, result in zip(messages, results, strict=True):
+            n = taken.get(id(message), 0)
+            taken[id(message)] = n + 1
+            position = self._positions[id(message)][n]
+            if position not in self._recorded:
+                rows.append({**_row(message, result, self.batch_attempts), "position": position})
+        if rows:
+            self._journal.write(self._batch, rows)
+            for row in rows:
+                self._recorded[row["position"]] = row
 
 
 # ---------------------------------------------------------------------- streaming
@@ -473,12 +760,17 @@ def process_stream(
     ``checkpoint`` is the query's checkpoint location: after a stop or a crash the
     query restarts from it, and the micro-batch that was in flight is replayed,
     which is harmless (its messages come out ``duplicate`` or ``redispatched``).
-    With ``results_path`` each micro-batch appends its result rows there as
-    Parquet (with a ``batch_id`` column); without it they are only counted.
+    Without ``results_path`` the result rows are only counted.
     ``trigger`` is passed to ``DataStreamWriter.trigger`` (e.g.
     ``{"availableNow": True}``); ``options`` are those of :func:`process_messages`,
     checked now, by the same column rules, before the query starts. Returns the
     started query.
+
+    With ``results_path`` each micro-batch is run as :func:`run_messages` into
+    ``results_path/batch_id=<n>``: an exact record of what the micro-batch did, kept
+    as first written when the micro-batch is replayed after a crash (a replayed
+    micro-batch whose record is finished is not run again). Read it with
+    ``spark.read.parquet(results_path)`` (``batch_id`` comes from the directories).
 
     Order (``order_col``, or input order) holds within one micro-batch only: across
     micro-batches, an entity's messages are processed in the order the micro-batches
@@ -490,16 +782,16 @@ def process_stream(
         raise ConfigurationError("process_stream needs a streaming DataFrame (spark.readStream)")
     process_messages(stream_df, handler, **options)  # checks every argument, no I/O
 
-    def each_batch(batch_df: DataFrame, batch_id: int) -> None:
-        from pyspark.sql import functions as F
+    if results_path is not None:
+        _Journal.at(results_path)  # checked now
 
-        results = process_messages(batch_df, handler, **options)
+    def each_batch(batch_df: DataFrame, batch_id: int) -> None:
         if results_path is None:
-            results.groupBy("outcome").count().collect()
-        else:
-            results.withColumn("batch_id", F.lit(batch_id)).write.mode("append").parquet(
-                results_path
-            )
+            process_messages(batch_df, handler, **options).groupBy("outcome").count().collect()
+            return
+        journal = _Journal.at(f"{results_path.rstrip('/')}/batch_id={batch_id}")
+        if not journal.finished():
+            _run_journaled(batch_df, handler, journal, options)
 
     writer = stream_df.writeStream.foreachBatch(each_batch).option("checkpointLocation", checkpoint)
     if trigger:

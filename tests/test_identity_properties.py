@@ -11,7 +11,9 @@ checked against the model:
 * the outgoing ids are exactly those the model derives, every copy of one id is
   identical, and each output carries the state it came from (no ghost);
 * no outbox entry is left, and every message is recorded under its key per consumer;
-* no message is reported ``processed`` twice (exactly once when nothing crashed).
+* no message is reported ``processed`` twice (exactly once when nothing crashed);
+* with a run record (``run`` and ``before_cleanup``, a crashed batch retried whole as
+  a Spark task is), every message is recorded applied exactly once, crashes or not.
 
 Entity records are small here (a few KB) so batches run in rounds, and
 ``deferred_limit`` is tiny so the deferred clean-up moves ids inline. Full runs on the
@@ -142,6 +144,8 @@ class Scenario:
     cleanup: dict[str, str]
     #: with ``dead_letters``, and the poison message m4 of entity c
     poison: bool = False
+    #: batches only, each with a run record, a crashed batch retried at once and whole
+    record: bool = False
 
     @property
     def handler(self) -> Any:
@@ -168,6 +172,7 @@ scenarios = st.builds(
     ).map(tuple),
     cleanup=st.fixed_dictionaries({c: st.sampled_from(["inline", "deferred"]) for c in CONSUMERS}),
     poison=st.booleans(),
+    record=st.booleans(),
 )
 
 
@@ -211,6 +216,7 @@ def run(
                 cleanup=scenario.cleanup[c],  # type: ignore[arg-type]
                 deferred_limit=2,
                 dead_letters="dead" if scenario.poison else None,
+                run=f"run-{tag}" if scenario.record else None,
             )
             for c, w in worlds.items()
         }
@@ -248,6 +254,10 @@ def _play(
                 continue
             faults.arm(step.crash)
             messages = [_message(*d, tags) for d in mine]
+            if scenario.record:
+                _record(processors[consumer], messages, scenario.handler, reports, consumer)
+                faults.arm(None)
+                continue
             done = 0
             try:
                 if step.batch:
@@ -267,6 +277,31 @@ def _play(
             for world in worlds.values():
                 sweep(world.entities, world.dedup)
     return reports
+
+
+def _record(
+    processor: OutboxProcessor,
+    messages: list[Message],
+    handler: Any,
+    reports: Counter[tuple[str, str, str]],
+    consumer: str,
+) -> None:
+    """One batch with a run record, retried whole until it gets through (a Spark task
+    retry); reports what the record says, each position as first recorded."""
+    position = {id(m): n for n, m in enumerate(messages)}
+    record: dict[int, Any] = {}
+
+    def before_cleanup(done: Any, results: Any) -> None:
+        for message, result in zip(done, results, strict=True):
+            record.setdefault(position[id(message)], result)
+
+    while True:
+        try:
+            processor.process_batch(messages, handler, before_cleanup=before_cleanup)
+            break
+        except Crash:
+            continue
+    _report(reports, consumer, [record[n] for n in range(len(messages))], messages)
 
 
 def _report(
@@ -335,8 +370,8 @@ def _check(
                 expected.add(outgoing_id(endpoint, cid, mid, 1))
     assert set(sent) == expected, f"unexpected {set(sent) - expected}, lost {expected - set(sent)}"
     assert all(n == 1 for n in reports.values()), f"reported processed twice: {reports}"
-    if not any(step.crash for step in scenario.steps):
-        assert sum(reports.values()) == sum(len(m) for m in model.values())
+    if scenario.record or not any(step.crash for step in scenario.steps):
+        assert sum(reports.values()) == sum(len(m) for m in model.values()), "lost a report"
 
 
 # ---------------------------------------------------------------------- the backends
@@ -427,6 +462,34 @@ def test_the_harness_catches_identity_bugs(
     monkeypatch: pytest.MonkeyPatch, target: str, broken: Any
 ) -> None:
     monkeypatch.setattr(outbox_module, target, broken)
+
+    @settings(PROPERTY, max_examples=300, report_multiple_bugs=False)
+    @given(scenario=scenarios)
+    def check(scenario: Scenario) -> None:
+        run(scenario, memory_worlds(), uuid.uuid4().hex[:8])
+
+    with pytest.raises(AssertionError):
+        check()
+
+
+@pytest.mark.memory
+@pytest.mark.parametrize("broken", ["run-ignored", "record-after-cleanup"])
+def test_the_harness_catches_a_run_record_that_depends_on_the_attempt(
+    monkeypatch: pytest.MonkeyPatch, broken: str
+) -> None:
+    """Outcomes that ignore the run, or a record written after the clean-up, lose reports."""
+    if broken == "run-ignored":
+        monkeypatch.setattr(OutboxProcessor, "_found", lambda self, e, mid: ("redispatched", None))
+    else:
+        original = OutboxProcessor.process_batch
+
+        def late(self: OutboxProcessor, messages: Any, handler: Any, **kw: Any) -> Any:
+            results = original(self, messages, handler)
+            if kw.get("before_cleanup"):
+                kw["before_cleanup"](messages, results)
+            return results
+
+        monkeypatch.setattr(OutboxProcessor, "process_batch", late)
 
     @settings(PROPERTY, max_examples=300, report_multiple_bugs=False)
     @given(scenario=scenarios)
