@@ -108,6 +108,16 @@ class MemoryDeduplicationStore(DeduplicationStore):
                 del self._ns.records[key]
         return len(expired)
 
+    def _count(self, now: float) -> int:
+        """Exact: walks the namespace's records (every endpoint's) under its lock."""
+        endpoint = self._endpoint
+        with self._ns.lock:
+            return sum(
+                1
+                for (ep, _), (expiry, _) in self._ns.records.items()
+                if ep == endpoint and (expiry is None or expiry > now)
+            )
+
     def _close(self) -> None:
         """Nothing to release: the namespace outlives its store objects."""
 

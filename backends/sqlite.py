@@ -362,6 +362,10 @@ class SqliteDeduplicationStore(SqliteFile, DeduplicationStore):
         self._sql_purge = (
             f"DELETE FROM {t} WHERE endpoint = ? AND expires_at IS NOT NULL AND expires_at <= ?"
         )
+        self._sql_count = (
+            f"SELECT count(*) FROM {t} WHERE endpoint = ?1 "
+            "AND (expires_at IS NULL OR expires_at > ?2)"
+        )
         with self._translating_errors("open the database"):
             if self._creates:
                 conn = self._bootstrap(
@@ -422,6 +426,11 @@ class SqliteDeduplicationStore(SqliteFile, DeduplicationStore):
     def _purge(self, now: float) -> int:
         with self._write_transaction() as conn:
             return conn.execute(self._sql_purge, (self._endpoint, now)).rowcount
+
+    def _count(self, now: float) -> int:
+        """Exact, one statement (a snapshot): the endpoint's range of the primary key."""
+        row = self._connection().execute(self._sql_count, (self._endpoint, now)).fetchone()
+        return int(row[0])
 
     def _health_warnings(self) -> list[str]:
         return self._sqlite_health_warnings()

@@ -7,9 +7,9 @@ no such entity, or the demo saw an invariant fail; 2 fix your configuration or i
 ``ConcurrencyConflict`` that persisted). Expected errors print one line, never a
 traceback.
 
-Commands that only read or clean up (``has``, ``purge``, ``entities show/pending/sweep``,
-the Spark ``sweep``, and ``check`` unless the URL or configuration says
-``create=true``) open their stores with ``must_exist=True``: they never create a
+Commands that only read or clean up (``has``, ``purge``, ``stats``, ``entities
+show/pending/sweep``, the Spark ``sweep``, and ``check`` unless the URL or configuration
+says ``create=true``) open their stores with ``must_exist=True``: they never create a
 store, and a missing file, table, database or container is "no such store" (exit 2).
 Only ``add`` (and ``check`` with ``create=true``) may create one.
 """
@@ -37,6 +37,7 @@ from dedupstore.errors import (
 )
 from dedupstore.ids import message_key, validate_ids, validate_message_id
 from dedupstore.options import retention
+from dedupstore.stats import Backlog, outbox_backlog
 from dedupstore.store import DeduplicationStore
 from dedupstore.urls import StoreURL, format_duration
 
@@ -132,6 +133,24 @@ def _parser() -> argparse.ArgumentParser:
     )
     with_entity(has)
     with_store("purge", "delete this endpoint's expired records", epilog=_NEVER_CREATES)
+    stats = commands.add_parser(
+        "stats",
+        help="the outbox backlog of an entity store and the ids recorded for an endpoint",
+        description="Scan the entity store's non-empty outboxes (entries awaiting dispatch, "
+        "outgoing messages, ids awaiting the sweep, the oldest pending entry) and count the "
+        "live ids of the deduplication store's endpoint. Without --entities and --store, "
+        "both configured stores (the entity store only if the configuration names one); "
+        "with either, what they name.",
+        epilog=f"{_NEVER_CREATES} Costs a scan of the non-empty outboxes, and a count: one "
+        "statement on SQLite and PostgreSQL, a query on Cosmos DB, a SCAN of the database "
+        "on Redis, a scan of the table on DynamoDB.",
+    )
+    stats.add_argument("--entities", metavar="URL", help="entity store URL, or 'config'")
+    stats.add_argument("--store", metavar="URL", help="deduplication store URL, or 'config'")
+    stats.add_argument(
+        "--endpoint", help="consumer name (default: the configured one, else 'default')"
+    )
+    stats.add_argument("--json", action="store_true", help="print one JSON object")
     commands.add_parser(
         "config",
         help="show the resolved configuration (secrets masked, paths resolved)",
@@ -412,6 +431,92 @@ def _entities(args: argparse.Namespace) -> int:
     return 0 if result.ids_left == 0 else EXIT_RETRY
 
 
+def _stats(args: argparse.Namespace) -> int:
+    # Neither --entities nor --store: both configured stores; else what they name
+    # (--endpoint alone names the configured store).
+    explicit = args.entities is not None or args.store is not None
+    entities_url = args.entities if explicit else "config"
+    store_url = args.store
+    if store_url is None and (args.endpoint is not None or not explicit):
+        store_url = "config"
+    shown: dict[str, Any] = {"entities": None, "store": None}
+    notes: list[str] = []
+    progress = _scan_progress if not args.json and sys.stderr.isatty() else None
+    if entities_url is not None:
+        try:
+            entities = _open_entities(entities_url)
+        except ConfigurationError as exc:
+            if explicit or "has no 'entities_url'" not in str(exc):
+                raise
+            notes.append(f"no entity store: {format_error(exc)} (give --entities URL)")
+        else:
+            with entities:
+                try:
+                    backlog = outbox_backlog(entities, progress=progress)
+                finally:
+                    if progress is not None:
+                        print("\r\033[K", end="", file=sys.stderr)  # erase the progress line
+                oldest = backlog.oldest_pending_at
+                age = None if oldest is None else max(0.0, time.time() - oldest.timestamp())
+                shown["entities"] = {
+                    "backend": type(entities).__name__,
+                    "url": entities.url,
+                    **backlog.to_json(),
+                    "oldest_pending_age_seconds": None if age is None else round(age, 3),
+                }
+    if store_url is not None:
+        with _open(store_url, endpoint=args.endpoint) as store:
+            shown["store"] = {
+                "backend": type(store).__name__,
+                "url": store.url,
+                "endpoint": store.endpoint,
+                "ids": store.count(),
+            }
+    if args.json:
+        print(json.dumps(shown, indent=2, ensure_ascii=False))
+        return 0
+    _print_stats(shown)
+    for note in notes:
+        print(note)
+    return 0
+
+
+def _scan_progress(backlog: Backlog) -> None:
+    """Where the scan is, on one line of a terminal (erased when it ends)."""
+    print(f"\rscanned {backlog.entities_scanned:,} entities", end="", file=sys.stderr)
+
+
+def _print_stats(shown: dict[str, Any]) -> None:
+    """``dedupstore stats`` for people: one line per figure."""
+    rows: list[tuple[str, object]] = []
+    ents = shown["entities"]
+    if ents is not None:
+        oldest = "none pending"
+        if ents["oldest_pending_at"] is not None:
+            age = format_duration(timedelta(seconds=int(ents["oldest_pending_age_seconds"])))
+            oldest = f"{ents['oldest_pending_at']} ({age} ago)"
+        rows += [
+            ("entities:", f"{ents['backend']} {ents['url']}"),
+            ("  scanned (outbox not empty)", f"{ents['entities_scanned']:,}"),
+            ("  with entries pending", f"{ents['entities_pending']:,}"),
+            ("  messages pending dispatch", f"{ents['messages_pending']:,}"),
+            ("  outgoing messages pending", f"{ents['outgoing_pending']:,}"),
+            ("  ids awaiting the sweep", f"{ents['ids_awaiting_sweep']:,}"),
+            ("  oldest pending entry", oldest),
+        ]
+    store = shown["store"]
+    if store is not None:
+        ids = store["ids"]
+        rows += [
+            ("store:", f"{store['backend']} {store['url']}"),
+            ("  endpoint", store["endpoint"]),
+            ("  live ids", "not countable on this backend" if ids is None else f"{ids:,}"),
+        ]
+    width = max((len(label) for label, _ in rows), default=0)
+    for label, value in rows:
+        print(f"{label:<{width}}  {value}")
+
+
 def _plain(value: object) -> object:
     """A value as ``dedupstore config`` shows it: durations as text ('30d', '1h30m')."""
     return format_duration(value) if isinstance(value, timedelta) else value
@@ -475,6 +580,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "has": _has,
     "purge": _purge,
     "config": _config,
+    "stats": _stats,
     "entities": _entities,
     "sweep": _spark_sweep,
 }

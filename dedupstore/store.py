@@ -218,6 +218,22 @@ class DeduplicationStore(Client):
             self._chunks(message_ids, self.max_read_batch), find_chunk, writes=False
         )
 
+    def count(self) -> int | None:
+        """The number of live (unexpired) ids recorded for this endpoint, or ``None``.
+
+        Exact: the ids :meth:`has_been_processed` answers ``True`` for, expiry judged
+        as it judges it (:attr:`expiry_clock`); expired records not yet purged do not
+        count, nor do other endpoints' records. One statement (a snapshot) on SQL
+        backends; a scan or query over pages elsewhere, so ids recorded or expiring
+        while it runs may or may not be counted. It reads every record of the endpoint
+        at least (all records of the table on DynamoDB): a maintenance read, not a
+        hot path. ``None`` when the backend cannot count exactly (see its
+        ``_count``). Raises ``StoreUnavailable`` and ``StoreClosed``.
+        """
+        self._check_open()
+        with self._translating_errors("count"):
+            return self._count(self._clock())
+
     def purge_expired(self) -> int:
         """Delete this endpoint's expired records; return how many were deleted.
 
@@ -267,6 +283,15 @@ class DeduplicationStore(Client):
     @abc.abstractmethod
     def _purge(self, now: float) -> int:
         """Delete this endpoint's expired records; return the count."""
+
+    def _count(self, now: float) -> int | None:
+        """How many of this endpoint's records are live at ``now`` (the client's clock).
+
+        Exact, or ``None``: a backend that does not override this cannot count (the
+        default, so a backend written before :meth:`count` existed keeps working).
+        Judge expiry exactly as :meth:`_find` does.
+        """
+        return None
 
     # ------------------------------------------------------------------ helpers
 

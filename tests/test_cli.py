@@ -301,6 +301,8 @@ READ_ONLY = [
     pytest.param(["entities", "show", "{url}", "e1"], id="entities-show"),
     pytest.param(["entities", "pending", "{url}"], id="entities-pending"),
     pytest.param(["entities", "sweep", "{url}", "--dedup", "{url}"], id="entities-sweep"),
+    pytest.param(["stats", "--entities", "{url}", "--store", "{url}"], id="stats"),
+    pytest.param(["stats", "--store", "{url}", "--json"], id="stats-store"),
 ]
 
 
@@ -338,6 +340,8 @@ def test_read_only_commands_on_the_configured_store_create_nothing(
     assert main(["has", "config", "a"]) == 2
     assert "no such store" in capsys.readouterr().err
     assert main(["entities", "show", "config", "e1"]) == 2
+    assert "no such store" in capsys.readouterr().err
+    assert main(["stats"]) == 2
     assert "no such store" in capsys.readouterr().err
     assert not (in_tmp / ".dedupstore").exists()
 

@@ -308,6 +308,27 @@ class CosmosDeduplicationStore(CosmosClientBase, DeduplicationStore):
                 deleted += sum(self._parallel(delete, entries))
         return deleted
 
+    def _count(self, now: float) -> int:
+        """Exact: ``SELECT VALUE COUNT(1)`` over this endpoint's live items.
+
+        A cross-partition aggregate (items are partitioned by their hashed id, not by
+        endpoint), answered from the index on ``endpoint`` and ``expires_at``; expiry is
+        judged by the client's clock, as :meth:`_find` judges it. The SDK combines the
+        partitions' counts; the values it returns are summed, so partial counts (one
+        per partition or page) would add up to the same total.
+        """
+        results = self._conn.get().container.query_items(
+            "SELECT VALUE COUNT(1) FROM c WHERE c.endpoint = @endpoint "
+            "AND (NOT IS_NUMBER(c.expires_at) OR c.expires_at > @now)",
+            parameters=[
+                {"name": "@endpoint", "value": self._endpoint},
+                {"name": "@now", "value": now},
+            ],
+            enable_cross_partition_query=True,
+        )
+        values: list[Any] = list(results)
+        return sum(int(value) for value in values)
+
     def _health_warnings(self) -> list[str]:
         warnings = super()._health_warnings()
         if self._retention is not None and self._default_ttl is None:

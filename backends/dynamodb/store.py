@@ -35,6 +35,8 @@ with the client's clock, so lazy native TTL (and moto, which ignores TTL) never
 yields a wrong answer. ``purge_expired`` scans the whole table (read units for every
 item of every endpoint) and deletes the matches with conditional deletes, 100 per
 transaction; with native TTL (``create_table`` enables it) it is rarely needed.
+``count`` scans the whole table too (``Select=COUNT``, filtered on the endpoint and
+``expires_at``): the endpoint is the sort key, so no ``Query`` reaches one endpoint.
 
 Options: those of every ``dynamodb://`` client (see :mod:`backends.dynamodb`), plus
 ``create`` (false: create the table, on demand, TTL on ``ttl``), ``endpoint``,
@@ -296,6 +298,33 @@ class DynamoDBDeduplicationStore(DynamoDBClient, DeduplicationStore):
             start = page.get("LastEvaluatedKey")
             if not start:
                 return deleted
+
+    def _count(self, now: float) -> int:
+        """Exact: a consistent ``Scan`` with ``Select=COUNT``, filtered, page by page.
+
+        The endpoint is the sort key, not the partition key (the id is), so no
+        ``Query`` can reach one endpoint's items: the scan reads the whole table (read
+        units for every item of every endpoint, 1 MB per page) and counts the items
+        of this endpoint that are live by the client's clock, as :meth:`_find` judges.
+        """
+        total = 0
+        start: Mapping[str, Any] | None = None
+        while True:
+            request: ScanInputTypeDef = {
+                "TableName": self._table,
+                "ConsistentRead": True,
+                "Select": "COUNT",
+                "FilterExpression": "#s = :ep AND (attribute_not_exists(#e) OR #e > :now)",
+                "ExpressionAttributeNames": {"#s": _ENDPOINT, "#e": _EXPIRES},
+                "ExpressionAttributeValues": {":ep": self._endpoint_value, ":now": _number(now)},
+            }
+            if start:
+                request["ExclusiveStartKey"] = start
+            page = self._client.scan(**request)
+            total += int(page.get("Count", 0))
+            start = page.get("LastEvaluatedKey")
+            if not start:
+                return total
 
     def _health_warnings(self) -> list[str]:
         warnings = super()._health_warnings()

@@ -181,6 +181,9 @@ class PostgresDeduplicationStore(PostgresClient, DeduplicationStore):
             "SELECT 1 FROM {table} "
             f"WHERE endpoint = %(endpoint)s::text AND id = %(id)s::text AND {live}"
         )
+        self._sql_count = render(
+            f"SELECT count(*) FROM {{table}} WHERE endpoint = %(endpoint)s::text AND {live}"
+        )
         expired = f"endpoint = %(endpoint)s::text AND expires_at <= {now}"
         # The outer condition is re-checked on rows re-recorded meanwhile: never deleted.
         self._sql_purge = render(
@@ -215,6 +218,14 @@ class PostgresDeduplicationStore(PostgresClient, DeduplicationStore):
 
     def _contains_one(self, message_id: str, now: float) -> bool:
         return bool(self._read(self._sql_has, {"endpoint": self._endpoint, "id": message_id}))
+
+    def _count(self, now: float) -> int:
+        """Exact, one statement (a snapshot) judged by the server's ``now()``.
+
+        Reads the endpoint's range of the primary key; bounded by ``timeout`` like any
+        statement (raise it for an endpoint of many millions of ids).
+        """
+        return int(self._read(self._sql_count, {"endpoint": self._endpoint})[0][0])
 
     def _purge(self, now: float) -> int:
         params = {"endpoint": self._endpoint, "limit": _PURGE_BATCH}

@@ -12,7 +12,8 @@ under the prefix that dedupstore did not write (another value or another type)
 makes the whole chunk fail with ``ConfigurationError`` before anything is written.
 Re-sending the script after a lost answer is therefore safe. Reads: one ``MGET``
 per chunk of 2000 ids (``MGET`` sees a key of another type as absent;
-``has_been_processed`` refuses it).
+``has_been_processed`` refuses it). ``count`` walks the database with ``SCAN MATCH
+<key_prefix><endpoint>:*`` and an ``MGET`` per page (exact; see ``_count``).
 
 Expiry is Redis's own (``expiry_clock = "server"``): a record with a retention is
 ``SET`` with ``PX`` = the retention in ms, and Redis never returns an expired key,
@@ -102,6 +103,16 @@ return todo
 """
 
 
+#: Keys asked of each ``SCAN`` round trip by :meth:`RedisDeduplicationStore.count`.
+_SCAN_COUNT = 1000
+_GLOB_SPECIAL = str.maketrans({c: "\\" + c for c in "\\*?[]"})
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` as a ``SCAN MATCH`` pattern matching exactly itself."""
+    return text.translate(_GLOB_SPECIAL)
+
+
 def record_key(key_prefix: str, endpoint: str, message_id: str) -> str:
     """Return the Redis key of (endpoint, id): injective, no ``:`` or braces in the parts."""
     return f"{key_prefix}{escape(endpoint)}:{escape(message_id)}"
@@ -134,7 +145,7 @@ class RedisDeduplicationStore(RedisClient, DeduplicationStore):
     )
     _script_source: ClassVar[str] = _ADD_SCRIPT
     _commands: ClassVar[str] = (
-        "+ping +info +script|load +evalsha +get +mget +wait, and in the script "
+        "+ping +info +script|load +evalsha +get +mget +wait +scan (count), and in the script "
         "+exists +type +set +mset"
     )
     _unconfirmed: ClassVar[str] = (
@@ -186,3 +197,30 @@ class RedisDeduplicationStore(RedisClient, DeduplicationStore):
     def _purge(self, now: float) -> int:
         """Nothing to do: Redis deletes expired records itself (native expiry)."""
         return 0
+
+    def _count(self, now: float) -> int:
+        """Exact: ``SCAN MATCH <prefix><endpoint>:*`` and an ``MGET`` per page of keys.
+
+        The endpoint's keys share that prefix and no other key of dedupstore's does (the
+        endpoint is escaped: it holds no ``:``); ``MGET`` then keeps the records (a key
+        of another type reads as absent, as in :meth:`_find`; a foreign string value is
+        the usual ``ConfigurationError``) and drops keys that expired since the scan saw
+        them. ``SCAN`` may return a key twice, so the keys seen are held in memory to
+        count each once. Cost: ``SCAN`` walks every key of the database (the pattern
+        filters on the server), 1000 per round trip.
+        """
+        pattern = _glob_escape(self._key_base) + "*"
+        seen: set[bytes | str] = set()
+        total, cursor = 0, 0
+        while True:
+            cursor, keys = self._client.scan(cursor=cursor, match=pattern, count=_SCAN_COUNT)
+            fresh = [key for key in dict.fromkeys(keys) if key not in seen]
+            if fresh:
+                seen.update(fresh)
+                for value in self._client.mget(fresh):
+                    if value is not None:
+                        if not _is_record(value):
+                            raise self._foreign_value_error()
+                        total += 1
+            if not int(cursor):
+                return total
