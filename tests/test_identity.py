@@ -23,12 +23,14 @@ from dedupstore.entities import (
     ENTITY_FRAME_BYTES,
     Entity,
     EntityStore,
+    EntryMark,
     OutgoingMessage,
+    decode_entity,
     encode_entity,
     entry_size,
     json_size,
 )
-from dedupstore.errors import EntityTooLarge
+from dedupstore.errors import ConfigurationError, EntityTooLarge
 from dedupstore.ids import MAX_ID_BYTES, message_key, outgoing_id
 from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send, sweep
 from dedupstore.store import DeduplicationStore
@@ -404,20 +406,82 @@ _entries = st.none() | st.lists(
 )
 
 
+_marks = st.none() | st.builds(EntryMark, at=st.integers(10**12, 10**13 - 1), run=st.none() | _ids)
+
+
 @pytest.mark.memory
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(
     state=st.dictionaries(st.text(max_size=5), _json, max_size=4),
-    outbox=st.dictionaries(_ids, _entries, max_size=4),
+    outbox=st.dictionaries(_ids, st.tuples(_entries, _marks), max_size=4),
 )
 def test_entity_sizes_add_up_to_the_encoded_length(
     state: dict[str, Any], outbox: dict[str, Any]
 ) -> None:
-    """What process_batch's rounds measure is exactly what a store checks."""
-    entity = Entity("e", state, outbox)
-    entries = [entry_size(mid, entry) for mid, entry in outbox.items()]
+    """What process_batch's rounds measure is exactly what a store checks; marks round-trip."""
+    marks = {mid: mark for mid, (entry, mark) in outbox.items() if mark and entry is not None}
+    entity = Entity("e", state, {mid: entry for mid, (entry, _) in outbox.items()}, None, marks)
+    entries = [entry_size(mid, entry, marks.get(mid)) for mid, (entry, _) in outbox.items()]
     total = ENTITY_FRAME_BYTES + json_size(state) + sum(entries) + max(len(entries) - 1, 0)
-    assert total == len(encode_entity(entity).encode("utf-8"))
+    text = encode_entity(entity)
+    assert total == len(text.encode("utf-8"))
+    assert decode_entity("e", text, None) == entity
+
+
+@pytest.mark.memory
+def test_entries_are_marked_with_their_time_and_run_and_a_run_says_what_it_did() -> None:
+    import time
+
+    entities, dedup = _memory()
+    refused = {"m2"}
+
+    class Refusing(InMemoryDispatcher):
+        def dispatch(self, messages: Any) -> None:
+            if any(m.body.get("n") in refused for m in messages):
+                raise ConnectionError("the broker is down")
+            super().dispatch(messages)
+
+    out = Refusing()
+    processor = OutboxProcessor(
+        entities, dedup, out, cleanup="deferred", run="run-1", dead_letters="dlq"
+    )
+    before = int(time.time() * 1000)
+    with pytest.raises(ConnectionError):
+        processor.process(Message("m2", "e", {"n": "m2"}), echo)
+    after = int(time.time() * 1000)
+    entity = entities.load("e")
+    assert entity.pending == ["m2"] and entity.marks["m2"].run == "run-1"
+    assert (
+        before <= entity.marks["m2"].at <= after and entity.pending_since() == entity.marks["m2"].at
+    )
+    # the same run finds its own entry: what it did, not "redispatched"; another run: redispatched
+    refused.clear()
+    other = OutboxProcessor(entities, dedup, out, cleanup="deferred", run="run-2")
+    assert processor.process(Message("m2", "e", {"n": "m2"}), echo).outcome == "processed"
+    assert entities.load("e").marks == {}  # dispatched: no mark is kept
+    # a record written before any clean-up; when it fails, nothing is cleaned up
+    seen: list[tuple[str, str]] = []
+
+    def failing(messages: Any, results: Any) -> None:
+        seen.extend((m.id, r.outcome) for m, r in zip(messages, results, strict=True))
+        raise OSError("the record could not be written")
+
+    batch = [Message("m3", "e", {"n": "m3"}), Message("bad", "e", {"n": -1})]
+    with pytest.raises(OSError):
+        processor.process_batch(batch, echo, before_cleanup=failing)
+    assert seen == [("m3", "processed"), ("bad", "dead_lettered")]
+    assert sorted(entities.load("e").pending) == ["bad", "m3"]
+    assert [r.outcome for r in other.process_batch(batch, echo)] == ["redispatched"] * 2
+    assert [r.outcome for r in processor.process_batch(batch, echo)] == ["duplicate"] * 2
+    with pytest.raises(ConfigurationError, match="run"):
+        OutboxProcessor(entities, dedup, out, run="")
+
+
+def echo(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+    """Sends its body back; a negative ``n`` is poison."""
+    if message.body["n"] == -1:
+        raise ValueError("negative")
+    return state, [Send("out", message.body)]
 
 
 @pytest.mark.sqlite
