@@ -24,7 +24,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dedupstore import __version__, open_entity_store, open_store
 from dedupstore.entities import EntityStore
@@ -41,7 +41,10 @@ from dedupstore.stats import Backlog, outbox_backlog
 from dedupstore.store import DeduplicationStore
 from dedupstore.urls import StoreURL, format_duration
 
-__all__ = ["CHECK_ENDPOINT", "EXIT_CONFIGURATION", "EXIT_RETRY", "main"]
+if TYPE_CHECKING:
+    from dedupstore.outbox import SweepResult
+
+__all__ = ["CHECK_ENDPOINT", "EXIT_CONFIGURATION", "EXIT_RETRY", "SweepProgress", "main"]
 
 #: Endpoint reserved for the probe records of ``dedupstore check``.
 CHECK_ENDPOINT = "__dedupstore_check__"
@@ -68,6 +71,16 @@ def _retention(value: str) -> timedelta | None:
         return retention(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _interval(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
+    if not 0 <= number < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected 0 or more seconds, got {value!r}")
+    return number
 
 
 def _bounded(low: int, high: int) -> Callable[[str], int]:
@@ -193,6 +206,21 @@ def _parser() -> argparse.ArgumentParser:
     for sub in (pending, sweep):
         sub.add_argument("--segment", type=_bounded(0, 999_999), default=0)
         sub.add_argument("--segments", type=_bounded(1, 1_000_000), default=1)
+    sweep.add_argument(
+        "--batch-ids",
+        type=_bounded(1, 1_000_000),
+        default=1000,
+        help="ids moved per add_many/save round (default: 1000)",
+    )
+    sweep.add_argument(
+        "--progress",
+        type=_interval,
+        default=2.0,
+        metavar="SECONDS",
+        help="print the running totals to stderr at most this often, and a last line when "
+        "any was printed (default: 2; 0: after every batch)",
+    )
+    sweep.add_argument("--quiet", action="store_true", help="print no progress lines")
     spark_sweep = commands.add_parser(
         "sweep",
         help="the Spark sweep: one task per segment moves dispatched ids into the store",
@@ -425,8 +453,11 @@ def _entities(args: argparse.Namespace) -> int:
         return 0
     from dedupstore.outbox import sweep
 
+    report = None if args.quiet else SweepProgress(args.progress)
     with _open_entities(args.url) as store, _open(args.dedup, endpoint=args.endpoint) as dedup:
-        result = sweep(store, dedup, segment, segments)
+        result = sweep(store, dedup, segment, segments, batch_ids=args.batch_ids, progress=report)
+    if report is not None:
+        report.finish(result)
     print(json.dumps(dataclasses.asdict(result), indent=2))
     return 0 if result.ids_left == 0 else EXIT_RETRY
 
@@ -515,6 +546,44 @@ def _print_stats(shown: dict[str, Any]) -> None:
     width = max((len(label) for label, _ in rows), default=0)
     for label, value in rows:
         print(f"{label:<{width}}  {value}")
+
+
+class SweepProgress:
+    """The progress lines of ``dedupstore entities sweep``, on stderr.
+
+    Called with the running totals after each batch (``sweep(progress=...)``): prints
+    a line when ``interval`` seconds passed since the start or the last line (every
+    batch for 0); :meth:`finish` prints the totals once more if any line was printed,
+    so a short sweep prints nothing here (its result is on stdout).
+    """
+
+    def __init__(self, interval: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval = interval
+        self.clock = clock
+        self.last = clock()
+        self.printed = 0
+
+    def __call__(self, result: SweepResult) -> None:
+        now = self.clock()
+        if now - self.last >= self.interval:
+            self._print("sweeping", result)
+            self.last = now
+
+    def finish(self, result: SweepResult) -> None:
+        """The last line (the final totals), only if a progress line was printed."""
+        if self.printed:
+            self._print("swept", result)
+
+    def _print(self, verb: str, result: SweepResult) -> None:
+        self.printed += 1
+        print(
+            f"dedupstore: {verb} segment {result.segment} of {result.segments}: "
+            f"{result.entities_scanned:,} entities scanned, {result.ids_moved:,} ids moved, "
+            f"{result.conflicts_retried:,} conflicts retried, {result.ids_left:,} ids left, "
+            f"{result.seconds:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _plain(value: object) -> object:

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any, ClassVar, Generic, Self, TypeVar
 
+from dedupstore import metrics
 from dedupstore.errors import (
     ConfigurationError,
     DedupStoreError,
@@ -40,6 +43,8 @@ ErrorKind = type[DedupStoreError] | DedupStoreError | None
 #: Secrets shorter than this are masked in driver messages only as whole words,
 #: so a one-letter password does not mask every matching letter.
 _SHORT_SECRET = 8
+
+_log = logging.getLogger(__name__)
 
 #: ``must_exist`` (keyword only, every store): open an existing store and create
 #: nothing, whatever ``create`` says. A missing file, table, database or container is
@@ -279,20 +284,42 @@ class Client(Closing, abc.ABC):
         """An error of ``kind`` with the standard message for ``operation``."""
         return kind(f"{type(self).__name__} at {self.url}: {operation} failed: {detail}")
 
+    @property
+    def _backend(self) -> str:
+        """The backend's name in metrics: its main URL scheme (``postgres`` -> ``postgresql``)."""
+        scheme = self._url.scheme
+        return self.schemes[0] if scheme in self.schemes else scheme
+
     @contextlib.contextmanager
     def _translating_errors(self, operation: str) -> Iterator[None]:
-        """Classify driver errors raised in the block (chained); library errors pass."""
+        """Classify driver errors raised in the block (chained); library errors pass.
+
+        Every backend call passes here once: its duration is recorded in the
+        ``dedupstore.store.duration`` histogram (:mod:`dedupstore.metrics`), with the
+        class name of the error it raised, and ``StoreUnavailable`` is logged (INFO).
+        """
+        started = time.perf_counter()
+        error: str | None = None
         try:
-            yield
-        except DedupStoreError:
-            raise
-        except Exception as exc:
-            kind = self._classify_error(exc)
-            if kind is None:
+            try:
+                yield
+            except DedupStoreError:
                 raise
-            if isinstance(kind, DedupStoreError):
-                raise kind from exc
-            raise self._error(kind, operation, self._describe_error(exc)) from exc
+            except Exception as exc:
+                kind = self._classify_error(exc)
+                if kind is None:
+                    raise
+                if isinstance(kind, DedupStoreError):
+                    raise kind from exc
+                raise self._error(kind, operation, self._describe_error(exc)) from exc
+        except BaseException as exc:
+            error = type(exc).__name__
+            if isinstance(exc, StoreUnavailable):
+                _log.info("store unavailable: %s", self._scrub(format_error(exc)))
+            raise
+        finally:
+            elapsed = time.perf_counter() - started
+            metrics.record_store_call(self._backend, operation, elapsed, error)
 
 
 def _reopen(cls: type[Client], url: str, options: dict[str, Any]) -> Any:

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from dedupstore import metrics
 from dedupstore.entities import (
     ENTITY_FRAME_BYTES,
     Entity,
@@ -47,6 +49,7 @@ from dedupstore.errors import (
     EntityTooLarge,
     HandlerError,
     StoreUnavailable,
+    format_error,
 )
 from dedupstore.ids import (
     MAX_ID_BYTES,
@@ -70,6 +73,8 @@ __all__ = [
     "outgoing_id",
     "sweep",
 ]
+
+_log = logging.getLogger(__name__)
 
 Outcome = Literal["processed", "duplicate", "redispatched", "dead_lettered"]
 
@@ -234,7 +239,9 @@ class OutboxProcessor:
         raises (then the message must be redelivered).
         """
         _validate(message)
-        return self._process(message, handler, set())
+        result = self._process(message, handler, set())
+        self._report([message], [result])
+        return result
 
     def redrive(
         self, letter: OutgoingMessage | Mapping[str, Any], handler: Handler
@@ -292,12 +299,14 @@ class OutboxProcessor:
                     if outcome is None:
                         outcome, error = self._found(entity, mid)
                 if outgoing is not None and not {m.id for m in outgoing} <= dispatched:
-                    self.dispatcher.dispatch(outgoing)
+                    _send(self.dispatcher, outgoing, self.consumer)
                     dispatched.update(m.id for m in outgoing)
                 if clean:
                     self._clean_up(entity, mid)
                 return ProcessResult(mid, outcome, tuple(outgoing or ()), attempt, error)
             except ConcurrencyConflict:
+                if attempt < self.max_attempts:
+                    _retrying(self.consumer, [cid])
                 continue
         raise ConcurrencyConflict(
             f"message {mid!r:.80} of entity {cid!r:.80}: the entity kept "
@@ -498,7 +507,23 @@ class OutboxProcessor:
             _validate(message)
         if not messages:
             return []
-        return self._batch(list(messages), handler, 0, before_cleanup)
+        results = self._batch(list(messages), handler, 0, before_cleanup)
+        self._report(messages, results)
+        return results
+
+    def _report(self, messages: Sequence[Message], results: Sequence[ProcessResult]) -> None:
+        """Final results: counted in ``dedupstore.messages``; dead letters logged."""
+        metrics.count_outcomes(self.consumer, results)
+        for message, result in zip(messages, results, strict=True):
+            if result.outcome == "dead_lettered":
+                _log.warning(
+                    "consumer %s: message %r of entity %r was dead-lettered to %s: %s",
+                    self.consumer,
+                    message.id,
+                    message.correlation_id,
+                    self.dead_letters,
+                    result.error,
+                )
 
     def _recorded(
         self, messages: list[Message], entities: dict[str, Entity]
@@ -553,6 +578,7 @@ class OutboxProcessor:
                 messages, handler, entities, first_conflicts, results, before_cleanup
             )
         late_conflicts, sent = self._dispatch_and_clean_up(messages, entities, first_conflicts)
+        _retrying(self.consumer, first_conflicts | late_conflicts)
         for index, message in enumerate(messages):
             cid = message.correlation_id
             if cid in first_conflicts or cid in late_conflicts:
@@ -576,18 +602,21 @@ class OutboxProcessor:
         """The rest of :meth:`_batch` with ``before_cleanup``: dispatch (steps 1-4 again
         for the entities whose save conflicted), ``before_cleanup``, then the clean-up."""
         sent = self._dispatch(messages, entities, conflicts, set())
+        _retrying(self.consumer, conflicts)
         for index, message in enumerate(messages):
             if message.correlation_id in conflicts:
                 results[index] = self._process(message, handler, sent, clean=False)
         final = [r for r in results if r is not None]
         before_cleanup(messages, final)
         remaining = messages
-        for _attempt in range(self.max_attempts):
+        for attempt in range(1, self.max_attempts + 1):
             entities = self.entities.load_many([m.correlation_id for m in remaining])
             conflicts, _ = self._dispatch_and_clean_up(remaining, entities, set(), sent)
             remaining = [m for m in remaining if m.correlation_id in conflicts]
             if not remaining:
                 return final
+            if attempt < self.max_attempts:
+                _retrying(self.consumer, conflicts)
         raise ConcurrencyConflict(
             f"the clean-up of {len(remaining)} messages (entity "
             f"{remaining[0].correlation_id!r:.80}, ...) kept conflicting for "
@@ -612,7 +641,7 @@ class OutboxProcessor:
         ]
         unique = list({m.id: m for m in outgoing}.values())
         if unique:
-            self.dispatcher.dispatch(unique)
+            _send(self.dispatcher, unique, self.consumer)
         return sent | {m.id for m in unique}
 
     def _dispatch_and_clean_up(
@@ -685,7 +714,7 @@ class OutboxProcessor:
             if entity.dispatched:
                 cleared.append(entity)
         if relay:
-            self.dispatcher.dispatch(relay)
+            _send(self.dispatcher, relay, self.consumer)
         if not cleared:
             return set()
         self._move_dispatched(cleared)
@@ -841,6 +870,35 @@ def _remove(entity: Entity, mid: str) -> None:
     entity.marks.pop(mid, None)
 
 
+def _send(dispatcher: Dispatcher, messages: Sequence[OutgoingMessage], consumer: str) -> None:
+    """``dispatcher.dispatch(messages)``; a failure is counted and logged, then raised."""
+    try:
+        dispatcher.dispatch(messages)
+    except Exception as exc:
+        metrics.count_dispatch_failure(consumer, exc)
+        _log.warning(
+            "consumer %s: dispatching %d outgoing message(s) failed (they stay in the outbox "
+            "and are dispatched again on redelivery or by a sweep with redispatch): %s: %s",
+            consumer,
+            len(messages),
+            type(exc).__name__,
+            format_error(exc),
+        )
+        raise
+
+
+def _retrying(consumer: str, entity_ids: Collection[str]) -> None:
+    """Count and log the processor's concurrency conflicts about to be retried."""
+    if entity_ids:
+        metrics.count_conflicts(consumer, "processor", len(entity_ids))
+        _log.debug(
+            "consumer %s: concurrency conflict on %d entity(ies) (%s); retrying",
+            consumer,
+            len(entity_ids),
+            ", ".join(sorted(repr(e)[:80] for e in entity_ids)[:5]),
+        )
+
+
 def _validate(message: Message) -> None:
     """The message's ids, checked before any I/O."""
     validate_message_id(message.id)
@@ -881,6 +939,7 @@ def sweep(
     *,
     batch_ids: int = 1000,
     max_attempts: int = 10,
+    progress: Callable[[SweepResult], None] | None = None,
 ) -> SweepResult:
     """Move the ids of dispatched outbox entries into ``dedup``, for one segment.
 
@@ -894,9 +953,15 @@ def sweep(
     stay and count in ``ids_left`` (so ``ids_left == 0`` means every outbox of the
     segment was empty when the sweep saved it). Safe beside
     live consumers and other sweeps; memory is bounded by the batch.
+
+    ``progress``, if given, is called after each batch of ids is moved (not per
+    entity) with a copy of the running totals (``seconds`` so far); what it raises
+    stops the sweep (the batches before it are done). Raises ``StoreUnavailable``,
+    ``ConfigurationError`` (a missing store), and what ``redispatch`` raises.
     """
     started = time.perf_counter()
     result = SweepResult(segment=segment, segments=segments)
+    report = _SweepProgress(result, started, dedup.endpoint, progress)
     batch: list[tuple[Entity, list[str]]] = []
     relay: list[OutgoingMessage] = []  # pending entries of the batch, sent in one call
     size = 0
@@ -916,11 +981,68 @@ def sweep(
         size += len(done)
         if size >= batch_ids:
             _flush(entities, dedup, batch, result, max_attempts, redispatch, relay)
+            report.flushed()
             batch, relay, size = [], [], 0
     if batch:
         _flush(entities, dedup, batch, result, max_attempts, redispatch, relay)
+        report.flushed()
     result.seconds = time.perf_counter() - started
+    report.done()
     return result
+
+
+class _SweepProgress:
+    """After each batch of :func:`sweep`: metrics, a log line, the caller's callback."""
+
+    #: At most one INFO line this often (the others are DEBUG), plus the final one.
+    log_every = 10.0
+
+    def __init__(
+        self,
+        result: SweepResult,
+        started: float,
+        consumer: str,
+        callback: Callable[[SweepResult], None] | None,
+    ) -> None:
+        self.result = result
+        self.started = started
+        self.consumer = consumer
+        self.callback = callback
+        self.moved = self.conflicts = 0
+        self.logged = started
+
+    def _count(self) -> None:
+        """Record what moved and conflicted since the last call."""
+        result = self.result
+        metrics.count_swept(self.consumer, result.ids_moved - self.moved)
+        metrics.count_conflicts(self.consumer, "sweep", result.conflicts_retried - self.conflicts)
+        self.moved, self.conflicts = result.ids_moved, result.conflicts_retried
+
+    def flushed(self) -> None:
+        self._count()
+        now = time.perf_counter()
+        snapshot = replace(self.result, seconds=now - self.started)
+        level = logging.INFO if now - self.logged >= self.log_every else logging.DEBUG
+        if _log.isEnabledFor(level):
+            if level == logging.INFO:
+                self.logged = now
+            _log.log(
+                level, "sweep of consumer %s in progress: %s", self.consumer, _totals(snapshot)
+            )
+        if self.callback is not None:
+            self.callback(snapshot)
+
+    def done(self) -> None:
+        self._count()
+        _log.info("sweep of consumer %s done: %s", self.consumer, _totals(self.result))
+
+
+def _totals(result: SweepResult) -> str:
+    return (
+        f"segment {result.segment} of {result.segments}: {result.entities_scanned} entities "
+        f"scanned, {result.ids_moved} ids moved, {result.conflicts_retried} conflicts retried, "
+        f"{result.redispatched} redispatched, {result.ids_left} ids left, {result.seconds:.1f} s"
+    )
 
 
 def _flush(
@@ -934,7 +1056,7 @@ def _flush(
 ) -> None:
     """Dispatch ``relay`` (one call), ``add_many`` the batch's ids, then remove them."""
     if redispatch is not None and relay:
-        redispatch.dispatch(relay)
+        _send(redispatch, relay, dedup.endpoint)
     dedup.add_many([message_key(entity.id, mid) for entity, ids in batch for mid in ids])
     moved = {entity.id: ids for entity, ids in batch}
     for entity, ids in batch:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -28,13 +29,20 @@ from pyspark.sql.types import (
     StructField,
     StructType,
 )
-from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential,
+)
 
 from dedupstore.errors import (
     ConfigurationError,
     EntityTooLarge,
     HandlerError,
     InvalidMessageId,
+    format_error,
 )
 from dedupstore.ids import message_key, validate_message_id, validate_name
 from dedupstore.outbox import (
@@ -53,6 +61,8 @@ if TYPE_CHECKING:
     import pyarrow as pa
     from pyspark.sql import DataFrame, SparkSession
     from pyspark.sql.streaming.query import StreamingQuery
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "PROCESS_SCHEMA",
@@ -181,6 +191,18 @@ def _peak_rss() -> int:
 
 
 # ---------------------------------------------------------------------- processing
+
+
+def _retrying(state: RetryCallState, size: int) -> None:
+    """Log a batch about to run again after a transient error (WARNING)."""
+    error = state.outcome.exception() if state.outcome is not None else None
+    _log.warning(
+        "a batch of %d message(s) failed on attempt %d (%s); running it again in %.2f s",
+        size,
+        state.attempt_number,
+        "unknown error" if error is None else f"{type(error).__name__}: {format_error(error)}",
+        state.next_action.sleep if state.next_action is not None else 0.0,
+    )
 
 
 def _transient(exc: BaseException) -> bool:
@@ -519,6 +541,7 @@ class _BatchRunner:
             wait=wait_exponential(multiplier=0.05, max=2.0),
             retry=retry_if_exception(_transient),
             reraise=True,
+            before_sleep=lambda state: _retrying(state, len(messages)),
         ):
             with attempt:
                 attempts += 1

@@ -34,6 +34,7 @@ replication is asynchronous unless ``wait_replicas`` is set.
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import time
 from collections.abc import Mapping
@@ -81,6 +82,8 @@ from dedupstore.options import (
 from dedupstore.urls import StoreURL
 
 __all__ = ["CONNECTION_OPTIONS", "RedisClient", "escape", "key_prefix_option"]
+
+_log = logging.getLogger(__name__)
 
 _ESCAPES = str.maketrans({"%": "%25", ":": "%3A", "{": "%7B", "}": "%7D"})
 #: Error replies that mean "retry later": a script runs too long, the server cannot
@@ -301,6 +304,13 @@ class RedisClient(Client):
                 if failures >= self._opts["retries"]:
                     raise
                 failures += 1
+                _log.info(
+                    "%s: the write script failed (%s); retry %d of %d",
+                    self.url,
+                    self._describe_error(exc),
+                    failures,
+                    self._opts["retries"],
+                )
                 if sent and resent_args is not None:
                     commands[0] = ("EVALSHA", self._script_sha, len(keys), *keys, *resent_args)
                 time.sleep(self._backoff.compute(failures))

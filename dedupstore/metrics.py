@@ -1,0 +1,206 @@
+"""Metrics through the OpenTelemetry API, an optional dependency (``dedupstore[metrics]``).
+
+The library records on the meter ``dedupstore`` of the global ``MeterProvider``
+(``opentelemetry.metrics.get_meter``): configure a provider with the SDK as usual
+and the instruments below report through it; until one is configured the API's
+proxies record nothing. Without ``opentelemetry-api`` installed every function here
+does nothing. No function here raises (beyond what the OpenTelemetry API raises,
+which by its own contract is nothing).
+
+Instruments (their names and attributes are the contract):
+
+``dedupstore.messages`` (counter)
+    messages whose processing returned; ``outcome`` (``processed``, ``duplicate``,
+    ``redispatched``, ``dead_lettered``) and ``consumer`` (the deduplication store's
+    endpoint).
+``dedupstore.conflicts`` (counter)
+    concurrency conflicts about to be retried; ``consumer``, ``source``
+    (``processor`` or ``sweep``).
+``dedupstore.dispatch.failures`` (counter)
+    dispatcher calls that raised; ``consumer``, ``error`` (the exception's class name).
+``dedupstore.store.duration`` (histogram, seconds)
+    every backend call (each pass through ``Client._translating_errors``);
+    ``backend`` (the class's main URL scheme: ``memory``, ``sqlite``, ``postgresql``,
+    ``redis``, ``dynamodb``, ``cosmos``, or a registered one), ``operation`` (``load``,
+    ``save``, ``scan``, ``add``, ``add_many``, ``has_been_processed``,
+    ``processed_among``, ``purge_expired``, ``dispatch``, ``connect``...) and, when the
+    call failed, ``error`` (the class name of the exception it raised).
+``dedupstore.sweep.ids`` (counter)
+    ids the sweep moved from outboxes to the deduplication store; ``consumer``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import threading
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+__all__ = [
+    "CONFLICTS",
+    "DISPATCH_FAILURES",
+    "MESSAGES",
+    "STORE_DURATION",
+    "SWEEP_IDS",
+    "available",
+    "count_conflicts",
+    "count_dispatch_failure",
+    "count_outcomes",
+    "count_swept",
+    "record_store_call",
+]
+
+MESSAGES = "dedupstore.messages"
+CONFLICTS = "dedupstore.conflicts"
+DISPATCH_FAILURES = "dedupstore.dispatch.failures"
+STORE_DURATION = "dedupstore.store.duration"
+SWEEP_IDS = "dedupstore.sweep.ids"
+
+#: Bucket boundaries advised for ``dedupstore.store.duration`` (seconds): from an
+#: in-process call (well under a millisecond) to a call that times out. Used by SDKs
+#: that honour the advisory (opentelemetry-sdk 1.30 and later); a View overrides them.
+DURATION_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
+
+
+class _HasOutcome(Protocol):
+    @property
+    def outcome(self) -> str: ...
+
+
+class _Instruments:
+    """The instruments, made once from the global meter."""
+
+    def __init__(self, meter: Any) -> None:
+        self.messages = meter.create_counter(
+            MESSAGES, "{message}", "messages processed, by outcome and consumer"
+        )
+        self.conflicts = meter.create_counter(
+            CONFLICTS, "{conflict}", "concurrency conflicts retried by the processor or the sweep"
+        )
+        self.dispatch_failures = meter.create_counter(
+            DISPATCH_FAILURES, "{call}", "dispatcher calls that raised"
+        )
+        self.sweep_ids = meter.create_counter(
+            SWEEP_IDS, "{id}", "ids moved by the sweep into the deduplication store"
+        )
+        description = "duration of each backend call, by backend, operation and error"
+        try:
+            self.store_duration = meter.create_histogram(
+                STORE_DURATION,
+                "s",
+                description,
+                explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+            )
+        except TypeError:  # opentelemetry-api before 1.30 has no advisory
+            self.store_duration = meter.create_histogram(STORE_DURATION, "s", description)
+
+
+_UNTRIED: Any = object()
+_lock = threading.Lock()
+#: ``opentelemetry.metrics``, imported on first use (so ``import dedupstore`` does not
+#: import it); ``None`` when it is not installed.
+_api: Any = _UNTRIED
+_instruments: _Instruments | None = None
+
+
+def _import_api() -> Any:
+    """Under ``_lock``: import the API once; ``None`` when it is not installed."""
+    global _api
+    if _api is _UNTRIED:
+        try:
+            _api = importlib.import_module("opentelemetry.metrics")
+        except ImportError:  # the optional extra is not installed: every call is a no-op
+            _api = None
+    return _api
+
+
+def _version() -> str | None:
+    """The installed package's version (the meter's), ``None`` when not installed."""
+    try:
+        return importlib.metadata.version("dedupstore")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def available() -> bool:
+    """Whether the OpenTelemetry API is importable (else every call here is a no-op)."""
+    with _lock:
+        return _import_api() is not None
+
+
+def _get() -> _Instruments | None:
+    """The instruments, made on first use; ``None`` without the API."""
+    global _instruments
+    if _api is None:
+        return None
+    made = _instruments
+    if made is None:
+        with _lock:
+            api = _import_api()
+            if api is None:
+                return None
+            if _instruments is None:
+                _instruments = _Instruments(api.get_meter("dedupstore", _version()))
+            made = _instruments
+    return made
+
+
+def count_outcomes(consumer: str, results: Iterable[_HasOutcome]) -> None:
+    """Add each result's outcome to ``dedupstore.messages`` (one add per outcome)."""
+    made = _get()
+    if made is None:
+        return
+    for outcome, n in Counter(r.outcome for r in results).items():
+        made.messages.add(n, {"outcome": outcome, "consumer": consumer})
+
+
+def count_conflicts(consumer: str, source: str, n: int = 1) -> None:
+    """Add ``n`` to ``dedupstore.conflicts`` (``source``: ``processor`` or ``sweep``)."""
+    made = _get()
+    if made is not None and n > 0:
+        made.conflicts.add(n, {"consumer": consumer, "source": source})
+
+
+def count_dispatch_failure(consumer: str, error: BaseException) -> None:
+    """Add one to ``dedupstore.dispatch.failures``."""
+    made = _get()
+    if made is not None:
+        made.dispatch_failures.add(1, {"consumer": consumer, "error": type(error).__name__})
+
+
+def count_swept(consumer: str, ids: int) -> None:
+    """Add ``ids`` to ``dedupstore.sweep.ids``."""
+    made = _get()
+    if made is not None and ids > 0:
+        made.sweep_ids.add(ids, {"consumer": consumer})
+
+
+def record_store_call(backend: str, operation: str, seconds: float, error: str | None) -> None:
+    """Record one backend call in ``dedupstore.store.duration``."""
+    made = _get()
+    if made is None:
+        return
+    attributes = {"backend": backend, "operation": operation}
+    if error is not None:
+        attributes["error"] = error
+    made.store_duration.record(seconds, attributes)
