@@ -21,7 +21,7 @@ from dedupstore.errors import ConfigurationError
 from dedupstore.ids import outgoing_id
 from dedupstore.outbox import Message, Send
 from spark_integration import process_stream, run_messages
-from spark_integration.order_pipeline import FlakyDispatcher
+from spark_integration.order_pipeline import FlakyDispatcher, _claim
 from tests.test_dead_letters import deposit
 
 SCHEMA = "id string, correlation_id string, amount long"
@@ -160,8 +160,8 @@ def test_a_stream_restarted_from_its_checkpoint_keeps_an_exact_record(
     db, queue = f"sqlite:///{tmp_path}/stores.db", f"sqlite:///{tmp_path}/queue.db"
     inbox, checkpoint, results = tmp_path / "in", tmp_path / "ckpt", tmp_path / "results"
     inbox.mkdir()
-    rows = _rows(3_000, 30, poison=2222, copies=100)
-    parts = [rows[:1000], rows[1000:2000], rows[2000:]]  # the last one has the copies
+    rows = _rows(10_000, 30, poison=2222, copies=300)
+    parts = [rows[:4000], rows[4000:8000], rows[8000:]]  # the last one has the copies
     for n, part in enumerate(parts):
         text = "\n".join(f'{{"id":"{m}","correlation_id":"{c}","amount":{a}}}' for m, c, a in part)
         (inbox / f".{n}.tmp").write_text(text + "\n")
@@ -173,10 +173,10 @@ def test_a_stream_restarted_from_its_checkpoint_keeps_an_exact_record(
         "checkpoint": str(checkpoint),
         "results_path": str(results),
         "trigger": {"availableNow": True},
-        "dispatcher_url": DieOnFile(queue, str(flag), "m1500"),
+        "dispatcher_url": DieOnFile(queue, str(flag), "m5500", str(tmp_path / "killed")),
         "entities_url": db,
         "dedup_url": db,
-        "batch_size": 100,
+        "batch_size": 500,
         "retries": 0,
         "dead_letters": "dlq",
     }
@@ -189,18 +189,33 @@ def test_a_stream_restarted_from_its_checkpoint_keeps_an_exact_record(
     assert query.exception() is None
     out = spark.read.parquet(str(results))
     assert sorted({r["batch_id"] for r in out.select("batch_id").collect()}) == [0, 1, 2]
+    assert (tmp_path / "killed").exists()  # a worker died mid-task in the first micro-batch
     _check_record(out.collect(), rows, "m2222", db, queue)
+    replay = run_messages(
+        spark.createDataFrame(rows, SCHEMA),
+        deposit,
+        results_path=str(tmp_path / "replay"),
+        dispatcher_url=queue,
+        entities_url=db,
+        dedup_url=db,
+        dead_letters="dlq",
+    )
+    assert Counter(r["outcome"] for r in replay.collect()) == Counter({"duplicate": len(rows)})
+    _check_record(out.collect(), rows, "m2222", db, queue)  # the replay sent nothing new
 
 
 class DieOnFile:
-    """Dispatches, then fails while ``flag`` exists for a batch holding ``mid``'s outputs."""
+    """Dispatches, then: kills its Python worker once (``kill_marker``), and fails while
+    ``flag`` exists for a batch holding ``mid``'s outputs (the query dies)."""
 
-    def __init__(self, url: str, flag: str, mid: str) -> None:
-        self.url, self.flag, self.mid = url, flag, mid
+    def __init__(self, url: str, flag: str, mid: str, kill_marker: str) -> None:
+        self.url, self.flag, self.mid, self.kill_marker = url, flag, mid, kill_marker
 
     def __call__(self, messages: list[Any]) -> None:
         with dedupstore.open_dispatcher(self.url) as queue:
             queue.dispatch(messages)
+        if _claim(self.kill_marker):
+            os._exit(3)  # a worker killed mid-task: Spark retries the task
         mine = outgoing_id("default", f"acct-{int(self.mid[1:]) % 30}", self.mid, 0)
         if os.path.exists(self.flag) and any(m.id == mine for m in messages):
             raise RuntimeError("injected: the query dies after dispatching this micro-batch")
