@@ -170,8 +170,8 @@ def test_row_layout_beside_the_deduplication_table(
         ("order-1", encode_entity(entity), 2, bucket_of("order-1"), True),
     ]
     assert rows[1][1] == (
-        '{"outbox":{"m-1":[{"body":{"mid":"m-1"},"destination":"shipping","headers":{"h":"v"},'
-        '"id":"m-1/out"}]},"state":{"n":2}}'
+        '{"outbox":{"m-1":{"out":[{"body":{"mid":"m-1"},"destination":"shipping",'
+        '"headers":{"h":"v"},"id":"m-1/out"}]}},"state":{"n":2}}'
     )
     dedup_rows = _exec(
         postgres_server.url,
