@@ -327,9 +327,7 @@ class OutboxProcessor:
             return "redispatched", None
         letter = outgoing_id(self.consumer, entity.id, mid, -1)
         if len(entry) == 1 and entry[0].id == letter:
-            error = entry[0].body.get("error") or {}
-            kind = str(error.get("type", "")).rsplit(".", 1)[-1]
-            return "dead_lettered", f"{kind}: {error.get('text', '')}"
+            return "dead_lettered", _letter_error(entry[0])
         return "processed", None
 
     def _save_applied(self, entity: Entity, message: Message) -> bool:
@@ -373,8 +371,8 @@ class OutboxProcessor:
                     continue
                 if self.dead_letters is None:
                     raise _handler_error(message, exc) from exc
-                error = f"{type(exc).__name__}: {exc}"
-                return state, [self._dead_letter(message, exc, attempt)], error
+                letter = self._dead_letter(message, exc, attempt)
+                return state, [letter], _letter_error(letter)
 
     def _outputs(
         self, state: dict[str, Any], message: Message, handler: Handler
@@ -608,15 +606,19 @@ class OutboxProcessor:
                 results[index] = self._process(message, handler, sent, clean=False)
         final = [r for r in results if r is not None]
         before_cleanup(messages, final)
+        # the entities saved above are as saved (their versions updated); those that
+        # conflicted were handled alone on fresh copies: reload only them
+        if conflicts:
+            entities = {**entities, **self.entities.load_many(sorted(conflicts))}
         remaining = messages
         for attempt in range(1, self.max_attempts + 1):
-            entities = self.entities.load_many([m.correlation_id for m in remaining])
             conflicts, _ = self._dispatch_and_clean_up(remaining, entities, set(), sent)
             remaining = [m for m in remaining if m.correlation_id in conflicts]
             if not remaining:
                 return final
             if attempt < self.max_attempts:
                 _retrying(self.consumer, conflicts)
+            entities = self.entities.load_many([m.correlation_id for m in remaining])
         raise ConcurrencyConflict(
             f"the clean-up of {len(remaining)} messages (entity "
             f"{remaining[0].correlation_id!r:.80}, ...) kept conflicting for "
@@ -856,6 +858,12 @@ def _handler_error(message: Message, exc: Exception) -> HandlerError:
         correlation_id=message.correlation_id,
         error=exc,
     )
+
+
+def _letter_error(letter: OutgoingMessage) -> str:
+    """A dead letter's error as results show it: ``"<class name>: <text>"``."""
+    error = letter.body["error"]
+    return f"{str(error['type']).rsplit('.', 1)[-1]}: {error['text']}"
 
 
 def _dispatched(entity: Entity, mid: str) -> None:

@@ -140,7 +140,7 @@ def test_a_failed_run_is_finished_by_running_it_again_on_its_path(
         "partitions": 4,
         "batch_size": 50,
     }
-    path = str(tmp_path / "run")
+    path = (tmp_path / "run").as_uri()  # a URI: the journal goes through pyarrow.fs
     handler = DepositWithABug(str(tmp_path / "fixed"))
     with pytest.raises(Exception, match="'m77' of entity 'acct-37'"):
         run_messages(df, handler, results_path=path, **args)
