@@ -14,13 +14,13 @@ and encodes the whole batch before any I/O; a backend implements ``_dispatch``.
 from __future__ import annotations
 
 import abc
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
+from dedupstore import canonical
 from dedupstore.client import Client, Closing
-from dedupstore.entities import OutgoingMessage, canonical_json
+from dedupstore.entities import OutgoingMessage, body_text, canonical_json
 from dedupstore.errors import ConfigurationError, StoreClosed
 from dedupstore.ids import validate_message_id
 from dedupstore.options import OptionSet
@@ -59,7 +59,7 @@ class EncodedMessage:
     def decoded(self) -> OutgoingMessage:
         """A copy as a receiver sees it after the JSON round trip (tuples become lists)."""
         return OutgoingMessage(
-            self.id, self.destination, json.loads(self.body), json.loads(self.headers)
+            self.id, self.destination, canonical.loads(self.body), canonical.loads(self.headers)
         )
 
 
@@ -90,12 +90,14 @@ def encode_messages(messages: Sequence[OutgoingMessage]) -> list[EncodedMessage]
                 f"the headers of outgoing message {message.id!r:.80} must map str to str"
             )
         try:
-            body = canonical_json(message.body)
+            body = body_text(message)  # kept from when the processor made it, if it did
         except (TypeError, ValueError) as exc:
             raise ValueError(
                 f"the body of outgoing message {message.id!r:.80} is not JSON-compatible: {exc}"
             ) from None
-        batch.append(EncodedMessage(message, body, canonical_json(dict(headers))))
+        batch.append(
+            EncodedMessage(message, body, canonical_json(dict(headers)) if headers else "{}")
+        )
     return batch
 
 

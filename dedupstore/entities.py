@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import abc
 import copy
+import functools
 import hashlib
-import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
+from dedupstore import canonical
 from dedupstore.client import Client
 from dedupstore.errors import ConcurrencyConflict, EntityTooLarge, InvalidMessageId
 from dedupstore.ids import validate_ids, validate_message_id
@@ -36,6 +37,7 @@ __all__ = [
     "EntityStore",
     "EntryMark",
     "OutgoingMessage",
+    "body_text",
     "bucket_of",
     "canonical_json",
     "decode_entity",
@@ -43,6 +45,7 @@ __all__ = [
     "entry_size",
     "groups_by_size",
     "json_size",
+    "message_text",
 ]
 
 #: Entities are spread over this many buckets by a hash of their id; segment ``s``
@@ -51,6 +54,7 @@ __all__ = [
 BUCKETS = 4096
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def bucket_of(entity_id: str) -> int:
     """The bucket of an entity id (stable across processes, versions and backends)."""
     digest = hashlib.sha256(entity_id.encode("utf-8")).digest()
@@ -89,6 +93,39 @@ class OutgoingMessage:
             headers=dict(data.get("headers") or {}),
         )
 
+    @classmethod
+    def _encoded(
+        cls, id: str, destination: str, body: Any, body_text: str, headers: dict[str, str]
+    ) -> OutgoingMessage:
+        """A message whose ``body`` is the decoded ``body_text`` (canonical JSON): its
+        texts are kept, so it is encoded once whatever saves or dispatches it."""
+        message = object.__new__(cls)  # frozen: fill the fields at once, as __init__ would
+        message.__dict__.update(
+            id=id, destination=destination, body=body, headers=headers, _body_text=body_text
+        )
+        return message
+
+
+def body_text(message: OutgoingMessage) -> str:
+    """Canonical JSON of ``message.body`` (kept from when the processor made it)."""
+    text: str | None = message.__dict__.get("_body_text")
+    return canonical.dumps(message.body) if text is None else text
+
+
+def message_text(message: OutgoingMessage) -> str:
+    """Canonical JSON of ``message.to_json()``, composed from its parts' texts."""
+    text: str | None = message.__dict__.get("_text")
+    if text is None:
+        headers = message.headers
+        text = (
+            f'{{"body":{body_text(message)},"destination":{canonical.string(message.destination)}'
+            f',"headers":{canonical.dumps(dict(headers)) if headers else "{}"}'
+            f',"id":{canonical.string(message.id)}}}'
+        )
+        if "_body_text" in message.__dict__:
+            message.__dict__["_text"] = text
+    return text
+
 
 Outbox = dict[str, list[OutgoingMessage] | None]
 
@@ -124,6 +161,15 @@ class Entity:
     outbox: Outbox = field(default_factory=dict)
     version: Any = None
     marks: dict[str, EntryMark] = field(default_factory=dict)
+    #: ``(state, its canonical text)`` when the processor set the state from that text.
+    _state_text: tuple[dict[str, Any], str] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+
+    def _set_state(self, state: dict[str, Any], text: str) -> None:
+        """Set ``state``, decoded from ``text`` and held by no one else: kept encoded."""
+        self.state = state
+        self._state_text = (state, text)
 
     def pending_since(self) -> int | None:
         """The oldest mark's ``at`` among pending entries (epoch ms), if any is marked."""
@@ -152,34 +198,35 @@ class Entity:
 def canonical_json(value: Any) -> str:
     """``value`` as canonical JSON: sorted keys, no spaces, UTF-8 text, no NaN.
 
-    Equal values give equal text (what the stores and dispatchers compare). Raises
+    Equal values give equal text (what the stores and dispatchers compare); the form
+    is the standard library's, encoded fast (:mod:`dedupstore.canonical`). Raises
     ``TypeError``/``ValueError`` when ``value`` is not JSON-compatible.
     """
-    return json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    )
+    return canonical.dumps(value)
 
 
 def json_size(value: Any) -> int:
     """UTF-8 bytes of :func:`canonical_json` of ``value``."""
-    return len(canonical_json(value).encode("utf-8"))
+    return len(canonical.dumps_bytes(value))
 
 
-def _entry_json(
-    entry: list[OutgoingMessage] | None, mark: EntryMark | None
-) -> dict[str, Any] | None:
+def _entry_text(entry: list[OutgoingMessage] | None, mark: EntryMark | None) -> str:
     """A dispatched entry is ``null``; a pending one ``{"at":..,"out":[..],"run":..}``."""
     if entry is None:
-        return None
-    out = {"out": [m.to_json() for m in entry]}
-    return out if mark is None else {**mark.to_json(), **out}
+        return "null"
+    out = ",".join([message_text(m) for m in entry])
+    if mark is None:
+        return f'{{"out":[{out}]}}'
+    at = str(mark.at) if type(mark.at) is int else canonical.dumps(mark.at)
+    run = "" if mark.run is None else f',"run":{canonical.string(mark.run)}'
+    return f'{{"at":{at},"out":[{out}]{run}}}'
 
 
 def entry_size(
     message_id: str, entry: list[OutgoingMessage] | None, mark: EntryMark | None = None
 ) -> int:
     """UTF-8 bytes of one outbox entry ``"<id>":<entry>`` in :func:`encode_entity`'s text."""
-    return json_size({message_id: _entry_json(entry, mark)}) - 2
+    return len(f"{canonical.string(message_id)}:{_entry_text(entry, mark)}".encode())
 
 
 #: Bytes of :func:`encode_entity`'s text around the state and the entries: an entity
@@ -191,23 +238,33 @@ ENTITY_FRAME_BYTES = len('{"outbox":{},"state":}')
 def encode_entity(entity: Entity) -> str:
     """Canonical JSON of the entity's state and outbox (sorted keys, no NaN).
 
-    Raises ``ValueError`` (``InvalidMessageId``'s base) when the state is not
-    JSON-compatible.
+    The text is ``canonical_json({"state": ..., "outbox": {id: entry}})``, composed
+    from the texts of its parts (each outgoing message the processor made is encoded
+    once). Raises ``ValueError`` (``InvalidMessageId``'s base) when the state or a
+    message body is not JSON-compatible.
     """
-    marks = entity.marks
-    outbox = {mid: _entry_json(entry, marks.get(mid)) for mid, entry in entity.outbox.items()}
+    kept, marks = entity._state_text, entity.marks
     try:
-        return canonical_json({"state": entity.state, "outbox": outbox})
+        state = kept[1] if kept is not None and kept[0] is entity.state else None
+        if state is None:
+            state = canonical.dumps(entity.state)
+        entries = ",".join(
+            [
+                f"{canonical.string(mid)}:{_entry_text(entry, marks.get(mid))}"
+                for mid, entry in sorted(entity.outbox.items())
+            ]
+        )
     except (TypeError, ValueError) as exc:
         raise ValueError(
             f"entity {entity.id!r:.80} is not JSON-compatible (state and message bodies must "
             f"be dicts, lists, str, int, float, bool or None): {exc}"
         ) from None
+    return f'{{"outbox":{{{entries}}},"state":{state}}}'
 
 
 def decode_entity(entity_id: str, text: str | bytes, version: Any) -> Entity:
     """The inverse of :func:`encode_entity`."""
-    data = json.loads(text)
+    data = canonical.loads(text)
     outbox: Outbox = {}
     marks: dict[str, EntryMark] = {}
     for mid, entry in data.get("outbox", {}).items():
@@ -220,8 +277,7 @@ def decode_entity(entity_id: str, text: str | bytes, version: Any) -> Entity:
     return Entity(entity_id, dict(data.get("state", {})), outbox, version, marks)
 
 
-@dataclass(frozen=True)
-class EntityRecord:
+class EntityRecord(NamedTuple):
     """What a backend stores for one entity: the encoded body and scan metadata."""
 
     id: str

@@ -122,7 +122,20 @@ def outgoing_id(consumer: str, correlation_id: str, message_id: str, position: i
     Derived from the consumer (the deduplication store's endpoint), the entity
     (correlation id), the incoming message id and the position, joined by NUL
     (which no id contains), so a re-run gives the same id and no two processings
-    (another consumer, another entity, another message) share one.
+    (another consumer, another entity, another message) share one. The text is
+    ``str(uuid.uuid5(OUTGOING_NAMESPACE, name))``, computed without building a UUID.
     """
     name = f"{consumer}\x00{correlation_id}\x00{message_id}\x00{position}"
-    return str(uuid.uuid5(OUTGOING_NAMESPACE, name))
+    return _uuid5_text(hashlib.sha1(_NAMESPACE_BYTES + name.encode("utf-8")).digest())
+
+
+_NAMESPACE_BYTES = OUTGOING_NAMESPACE.bytes
+
+
+def _uuid5_text(digest: bytes) -> str:
+    """``str(uuid.UUID(bytes=digest[:16], version=5))``."""
+    raw = bytearray(digest[:16])
+    raw[6] = (raw[6] & 0x0F) | 0x50
+    raw[8] = (raw[8] & 0x3F) | 0x80
+    h = raw.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"

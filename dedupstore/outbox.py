@@ -24,7 +24,6 @@ stable across redeliveries; receivers deduplicate outgoing messages by id.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import threading
@@ -33,7 +32,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from dedupstore import metrics
+from dedupstore import canonical, metrics
 from dedupstore.entities import (
     ENTITY_FRAME_BYTES,
     Entity,
@@ -148,10 +147,11 @@ class ProcessResult:
     error: str | None = None
 
 
-def _normalized(value: Any) -> Any:
-    """``value`` as it will be after a JSON round trip (tuples become lists, ...)."""
+def _normalized(value: Any) -> tuple[Any, str]:
+    """``value`` as it will be after a JSON round trip (tuples become lists, ...), and
+    its canonical text."""
     try:
-        return json.loads(json.dumps(value, allow_nan=False))
+        return canonical.normalized(value)
     except (TypeError, ValueError) as exc:
         raise ValueError(
             f"the new state and every outgoing message body must be JSON-compatible: {exc}"
@@ -350,14 +350,16 @@ class OutboxProcessor:
 
     def _run(
         self, state: dict[str, Any], message: Message, handler: Handler
-    ) -> tuple[dict[str, Any], list[OutgoingMessage], str | None]:
-        """Run the handler on a copy of ``state``: new state, outgoing messages, error.
+    ) -> tuple[dict[str, Any], str | None, list[OutgoingMessage], str | None]:
+        """Run the handler on a copy of ``state``: new state and its canonical text,
+        outgoing messages, error.
 
         A handler that raises (a store's ``StoreUnavailable`` excepted: that is never
         the message's fault) or returns something else than ``(dict, sends)`` with
         JSON-compatible contents is run up to ``handler_attempts`` times; then, with
-        ``dead_letters``, the state stays as it was and the one outgoing message is
-        the dead letter (the error is the third item); without, ``HandlerError``.
+        ``dead_letters``, the state stays as it was (no text) and the one outgoing
+        message is the dead letter (the error is the fourth item); without,
+        ``HandlerError``.
         """
         attempt = 1
         while True:
@@ -372,13 +374,14 @@ class OutboxProcessor:
                 if self.dead_letters is None:
                     raise _handler_error(message, exc) from exc
                 letter = self._dead_letter(message, exc, attempt)
-                return state, [letter], _letter_error(letter)
+                return state, None, [letter], _letter_error(letter)
 
     def _outputs(
         self, state: dict[str, Any], message: Message, handler: Handler
-    ) -> tuple[dict[str, Any], list[OutgoingMessage]]:
-        """The handler's new state and outgoing messages (with their ids), checked."""
-        returned = handler(copy.deepcopy(state), message)
+    ) -> tuple[dict[str, Any], str, list[OutgoingMessage]]:
+        """The handler's new state (normalized: what a reload will show) and its text,
+        and the outgoing messages (with their ids, bodies normalized and encoded once)."""
+        returned = handler(canonical.copy(state), message)
         if not (isinstance(returned, tuple) and len(returned) == 2):
             raise _HandlerContract(f"it returned {_shown(returned)}")
         state, sends = returned
@@ -388,19 +391,22 @@ class OutboxProcessor:
         for send in sends:
             if not isinstance(send, Send):
                 raise _HandlerContract(f"it asked to send {_shown(send)}, not a Send")
-        # One JSON round trip for the state and every body: what a reload will show.
-        state, bodies = _normalized([state, [send.body for send in sends]])
+        state, state_text = _normalized(state)
         consumer, cid, mid = self.consumer, message.correlation_id, message.id
-        outgoing = [
-            OutgoingMessage(
-                id=outgoing_id(consumer, cid, mid, position),
-                destination=validate_message_id(str(send.destination), "destination"),
-                body=body,
-                headers={str(k): str(v) for k, v in dict(send.headers).items()},
+        outgoing = []
+        for position, send in enumerate(sends):
+            body, text = _normalized(send.body)
+            headers = send.headers
+            outgoing.append(
+                OutgoingMessage._encoded(
+                    outgoing_id(consumer, cid, mid, position),
+                    validate_message_id(str(send.destination), "destination"),
+                    body,
+                    text,
+                    {str(k): str(v) for k, v in dict(headers).items()} if headers else {},
+                )
             )
-            for position, (send, body) in enumerate(zip(sends, bodies, strict=True))
-        ]
-        return state, outgoing
+        return state, state_text, outgoing
 
     def _dead_letter(self, message: Message, exc: Exception, attempts: int) -> OutgoingMessage:
         """The one dead-letter message of ``message`` (id: :func:`outgoing_id` position -1)."""
@@ -423,15 +429,18 @@ class OutboxProcessor:
         )
 
     def _apply(
-        self, entity: Entity, message: Message, handler: Handler
+        self, entity: Entity, message: Message, handler: Handler, mark: EntryMark | None = None
     ) -> tuple[list[OutgoingMessage], str | None]:
-        """Steps 2b-2c in memory: run the handler, record its outputs in the outbox.
+        """Steps 2b-2c in memory: run the handler, record its outputs in the outbox,
+        marked with ``mark`` (one per batch; a new one by default).
 
         Returns the outgoing messages and, for a dead-lettered message, the error.
         """
-        entity.state, outgoing, error = self._run(entity.state, message, handler)
+        state, text, outgoing, error = self._run(entity.state, message, handler)
+        if text is not None:
+            entity._set_state(state, text)
         entity.outbox[message.id] = outgoing
-        entity.marks[message.id] = self._mark()
+        entity.marks[message.id] = self._mark() if mark is None else mark
         return outgoing, error
 
     def _mark(self) -> EntryMark:
@@ -542,6 +551,7 @@ class OutboxProcessor:
     ) -> list[ProcessResult]:
         entities = self.entities.load_many([m.correlation_id for m in messages])
         keys, already = self._recorded(messages, entities)
+        mark = self._mark()
         results: list[ProcessResult | None] = [None] * len(messages)
         applied: dict[tuple[str, str], int] = {}  # (entity, id) -> the copy that applied it
         seen: set[tuple[str, str]] = set()
@@ -559,7 +569,7 @@ class OutboxProcessor:
             elif keys[index] in already:
                 results[index] = ProcessResult(message.id, "duplicate")
             else:
-                outgoing, error = self._apply(entity, message, handler)
+                outgoing, error = self._apply(entity, message, handler, mark)
                 applied[ident] = index
                 changed.add(entity.id)
                 done: Outcome = "processed" if error is None else "dead_lettered"
@@ -575,7 +585,9 @@ class OutboxProcessor:
             return self._in_two_phases(
                 messages, handler, entities, first_conflicts, results, before_cleanup
             )
-        late_conflicts, sent = self._dispatch_and_clean_up(messages, entities, first_conflicts)
+        late_conflicts, sent = self._dispatch_and_clean_up(
+            messages, entities, first_conflicts, keys=keys
+        )
         _retrying(self.consumer, first_conflicts | late_conflicts)
         for index, message in enumerate(messages):
             cid = message.correlation_id
@@ -599,7 +611,7 @@ class OutboxProcessor:
     ) -> list[ProcessResult]:
         """The rest of :meth:`_batch` with ``before_cleanup``: dispatch (steps 1-4 again
         for the entities whose save conflicted), ``before_cleanup``, then the clean-up."""
-        sent = self._dispatch(messages, entities, conflicts, set())
+        sent = self._dispatch(self._entries(messages, entities, conflicts), set())
         _retrying(self.consumer, conflicts)
         for index, message in enumerate(messages):
             if message.correlation_id in conflicts:
@@ -625,26 +637,37 @@ class OutboxProcessor:
             f"{self.max_attempts} attempts; redeliver them"
         )
 
-    def _dispatch(
+    def _entries(
         self,
         messages: Sequence[Message],
         entities: dict[str, Entity],
-        skip: set[str],
-        sent: set[str],
+        skip: Collection[str],
+        keys: Sequence[str] | None = None,
+    ) -> dict[tuple[str, str], tuple[Entity, str]]:
+        """The outbox entries of ``messages`` on the entities not in ``skip``, each once:
+        ``(entity, message id) -> (the entity holding it, the message's key)``."""
+        entries: dict[tuple[str, str], tuple[Entity, str]] = {}
+        for index, message in enumerate(messages):
+            cid, mid = message.correlation_id, message.id
+            entity = entities[cid]
+            if mid in entity.outbox and cid not in skip and (cid, mid) not in entries:
+                key = message_key(cid, mid) if keys is None else keys[index]
+                entries[(cid, mid)] = (entity, key)
+        return entries
+
+    def _dispatch(
+        self, entries: dict[tuple[str, str], tuple[Entity, str]], sent: set[str]
     ) -> set[str]:
-        """Step 4 for the entities not in ``skip``: one ``dispatch`` of the pending
-        outgoing messages of ``messages`` but those in ``sent``; ``sent`` with them."""
-        outgoing = [
-            m
-            for message in messages
-            if message.correlation_id not in skip
-            for m in entities[message.correlation_id].outbox.get(message.id) or []
-            if m.id not in sent
-        ]
-        unique = list({m.id: m for m in outgoing}.values())
+        """Step 4: one ``dispatch`` of the pending outgoing messages of ``entries`` but
+        those in ``sent``; returns ``sent`` with them."""
+        unique: dict[str, OutgoingMessage] = {}
+        for (_, mid), (entity, _) in entries.items():
+            for m in entity.outbox[mid] or ():
+                if m.id not in sent:
+                    unique.setdefault(m.id, m)
         if unique:
-            _send(self.dispatcher, unique, self.consumer)
-        return sent | {m.id for m in unique}
+            _send(self.dispatcher, list(unique.values()), self.consumer)
+        return sent | unique.keys()
 
     def _dispatch_and_clean_up(
         self,
@@ -652,32 +675,31 @@ class OutboxProcessor:
         entities: dict[str, Entity],
         skip: set[str],
         sent: set[str] | None = None,
+        keys: Sequence[str] | None = None,
     ) -> tuple[set[str], set[str]]:
-        """Steps 4-5 for the entities not in ``skip`` (not sending ``sent`` again).
+        """Steps 4-5 for the entities not in ``skip`` (not sending ``sent`` again);
+        ``keys``: the messages' keys, when known.
 
         Returns the ids of the entities whose clean-up conflicted, and the outgoing ids
         dispatched (a retry of a conflicted entity does not send them again).
         """
-        entries: dict[tuple[str, str], Entity] = {}  # (entity, id) -> the entity holding it
-        for message in messages:
-            entity = entities[message.correlation_id]
-            if entity.id not in skip and message.id in entity.outbox:
-                entries[(entity.id, message.id)] = entity
-        sent = self._dispatch(messages, entities, skip, set(sent or ()))
+        entries = self._entries(messages, entities, skip, keys)
+        sent = self._dispatch(entries, set(sent or ()))
         to_save: dict[str, Entity] = {}
-        keys: list[str] = []
-        for (cid, mid), entity in entries.items():
-            if self.cleanup == "inline":
-                keys.append(message_key(cid, mid))
+        moved: list[str] = []
+        inline = self.cleanup == "inline"
+        for (cid, mid), (entity, key) in entries.items():
+            if inline:
+                moved.append(key)
                 _remove(entity, mid)
             elif entity.outbox[mid] is not None:
                 _dispatched(entity, mid)
             else:
                 continue
             to_save[cid] = entity
-        heavy = [e for e in to_save.values() if self.cleanup == "deferred" and self._over_limit(e)]
+        heavy = [] if inline else [e for e in to_save.values() if self._over_limit(e)]
         # The ids reach the deduplication store before the save that removes them.
-        self._move_dispatched(heavy, keys)
+        self._move_dispatched(heavy, moved)
         conflicts = self.entities.save_many(list(to_save.values())) if to_save else set()
         return conflicts, sent
 
@@ -755,7 +777,7 @@ class OutboxProcessor:
                 numbers.append(size.round)
                 continue
             seen.add(ident)
-            state, outgoing, _ = self._run(size.state, message, handler)
+            state, _, outgoing, _ = self._run(size.state, message, handler)
             entry = entry_size(message.id, outgoing, self._mark())
             total = size.total_with(state, entry)
             if total > limit and size.this_round:
