@@ -29,8 +29,9 @@ from dedupstore.errors import (
     StoreUnavailable,
     format_error,
 )
+from dedupstore.masking import MASK, mask_text, mask_url
 from dedupstore.options import Option, Options, OptionSet, boolean
-from dedupstore.urls import MASK, StoreURL, mask_text
+from dedupstore.urls import StoreURL
 
 __all__ = ["MUST_EXIST", "Client", "Closing", "ErrorKind", "ProcessLocal"]
 
@@ -170,7 +171,7 @@ class Client(Closing, abc.ABC):
     @property
     def url(self) -> str:
         """The URL the object was opened with (secrets masked)."""
-        return self._url.masked
+        return mask_url(self._url.text, self.declared_options.secret_names)
 
     def option(self, name: str) -> Any:
         """The resolved value of a declared option."""
@@ -278,11 +279,13 @@ class Client(Closing, abc.ABC):
                 text = text.replace(secret, MASK)
             else:
                 text = re.sub(rf"(?<![\w]){re.escape(secret)}(?![\w])", MASK, text)
-        return mask_text(text)
+        return mask_text(text, self.declared_options.secret_names)
 
     def _error(self, kind: type[DedupStoreError], operation: str, detail: str) -> DedupStoreError:
-        """An error of ``kind`` with the standard message for ``operation``."""
-        return kind(f"{type(self).__name__} at {self.url}: {operation} failed: {detail}")
+        """An error of ``kind`` with the standard message for ``operation`` (secrets scrubbed)."""
+        return kind(
+            self._scrub(f"{type(self).__name__} at {self.url}: {operation} failed: {detail}")
+        )
 
     @property
     def _backend(self) -> str:

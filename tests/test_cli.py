@@ -512,7 +512,7 @@ def test_config_shows_entities_url_and_compact_durations(
 def test_durations_round_trip(text: str, seconds: float) -> None:
     from datetime import timedelta
 
-    from dedupstore.urls import format_duration, parse_duration
+    from dedupstore.options import format_duration, parse_duration
 
     duration = parse_duration(text)
     assert duration == timedelta(seconds=seconds)
@@ -524,7 +524,7 @@ def test_formatted_durations_parse_back_exactly() -> None:
     import random
     from datetime import timedelta
 
-    from dedupstore.urls import format_duration, parse_duration
+    from dedupstore.options import format_duration, parse_duration
 
     rng = random.Random(7)
     for _ in range(2000):

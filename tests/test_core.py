@@ -24,10 +24,11 @@ from dedupstore import (
     register_backend,
 )
 from dedupstore.config import DEFAULT_URL, resolve_config
+from dedupstore.masking import mask_url
+from dedupstore.options import parse_duration
 from dedupstore.registry import backend_class, known_backends
 from dedupstore.store import validate_message_id
 from dedupstore.testing import INVALID_IDS
-from dedupstore.urls import mask_url, parse_duration
 
 pytestmark = pytest.mark.sqlite
 

@@ -83,7 +83,7 @@ from dedupstore.options import (
     text,
     timeout_option,
 )
-from dedupstore.urls import StoreURL, register_secret_name
+from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
     Connection = psycopg.Connection[TupleRow]
@@ -96,9 +96,7 @@ _MAX_MS = 2**31 - 1  # libpq's and the server's limit for millisecond settings
 
 #: libpq keywords: undeclared URL query keys (and keywords) that pass through.
 _LIBPQ_KEYWORDS = frozenset(o.keyword.decode() for o in psycopg.pq.Conninfo.get_defaults())
-for _name in ("oauth_client_secret", "scram_client_key", "scram_server_key"):
-    if _name in _LIBPQ_KEYWORDS:
-        register_secret_name(_name)
+# Its secret ones (``sslpassword``, ``oauth_client_secret``, ...) are in masking.SECRET_NAMES.
 
 # Connection failures (libpq gives them no SQLSTATE) that a retry will not fix:
 # credentials, unknown role or database, pg_hba.conf, a value libpq refuses.
