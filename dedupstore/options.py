@@ -124,16 +124,20 @@ class OptionSet(Mapping[str, Option]):
         )
 
     def convert(self, owner: str, name: str, value: object) -> Any:
-        """Convert ``value`` for option ``name``, or raise ``ConfigurationError``."""
+        """Convert ``value`` for option ``name``, or raise ``ConfigurationError``.
+
+        The message names the option, ``owner`` and what the option is (its ``doc``).
+        """
         option = self._options[name]
         try:
             return option.convert(value)
         except (ValueError, TypeError, OverflowError) as exc:
+            what = f"{name!r} of {owner}" + (f" ({option.doc})" if option.doc else "")
             if option.secret:
                 raise ConfigurationError(
-                    f"bad value for option {name!r} of {owner} (value hidden): {type(exc).__name__}"
+                    f"bad value for option {what}, value hidden: {type(exc).__name__}"
                 ) from None
-            raise ConfigurationError(f"bad value for option {name!r} of {owner}: {exc}") from None
+            raise ConfigurationError(f"bad value for option {what}: {exc}") from None
 
     def resolve(self, owner: str, url: StoreURL, keywords: Mapping[str, object]) -> Options:
         """Typed values of every option, from ``url``'s query and ``keywords``.

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Literal
 
 from dedupstore.client import Client, ProcessLocal
 from dedupstore.errors import DedupStoreError, InvalidMessageId
-from dedupstore.ids import MAX_ID_BYTES, validate_endpoint, validate_ids, validate_message_id
+from dedupstore.ids import MAX_ID_BYTES, validate_ids, validate_message_id
 from dedupstore.options import Option, OptionSet, callable_, retention, seconds
 from dedupstore.urls import StoreURL
 
@@ -31,7 +31,6 @@ __all__ = [
     "MAX_ID_BYTES",
     "DeduplicationStore",
     "WriteRequest",
-    "validate_endpoint",
     "validate_message_id",
 ]
 

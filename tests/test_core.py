@@ -145,6 +145,8 @@ def test_parse_duration_none_and_bad() -> None:
         ("memory://x?colour=blue", "unknown option 'colour' for MemoryDeduplicationStore"),
         ("sqlite:///x.db?colour=blue", "unknown option 'colour'"),
         ("sqlite:///x.db?timeout=soon", "bad value for option 'timeout'"),
+        # the message says what the option is, in the user's terms (its declared doc)
+        ("sqlite:///x.db?timeout=soon", "(seconds a call waits for another writer's lock)"),
     ],
 )
 def test_bad_urls(populated: DeduplicationStore, url: str, fragment: str) -> None:
