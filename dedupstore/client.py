@@ -36,6 +36,7 @@ from dedupstore.urls import StoreURL
 __all__ = ["MUST_EXIST", "Client", "Closing", "ErrorKind", "ProcessLocal"]
 
 T = TypeVar("T")
+E = TypeVar("E", bound=DedupStoreError)
 
 #: What :meth:`Client._classify_error` returns: an error class (the base writes the
 #: message), a ready error (raised as is), or ``None`` (not a driver error).
@@ -281,11 +282,15 @@ class Client(Closing, abc.ABC):
                 text = re.sub(rf"(?<![\w]){re.escape(secret)}(?![\w])", MASK, text)
         return mask_text(text, self.declared_options.secret_names)
 
-    def _error(self, kind: type[DedupStoreError], operation: str, detail: str) -> DedupStoreError:
-        """An error of ``kind`` with the standard message for ``operation`` (secrets scrubbed)."""
-        return kind(
-            self._scrub(f"{type(self).__name__} at {self.url}: {operation} failed: {detail}")
-        )
+    def _error(self, kind: type[E], operation: str | None, detail: str) -> E:
+        """An error of ``kind`` whose text names this object, secrets scrubbed.
+
+        ``"<Class> at <url>: <operation> failed: <detail>"``; without ``operation``
+        (``None``), ``"<Class> at <url>: <detail>"``. Every message that names the
+        object it comes from is made here.
+        """
+        text = detail if operation is None else f"{operation} failed: {detail}"
+        return kind(self._scrub(f"{type(self).__name__} at {self.url}: {text}"))
 
     @property
     def _backend(self) -> str:

@@ -60,8 +60,8 @@ class Option:
     TOML) into the typed value, raising ``ValueError``/``TypeError`` when it cannot.
     ``in_url``: may come from a URL query or a configuration file (``False`` for
     live objects such as ``client``). ``pickled``: replayed when an unpickled copy
-    reopens. ``driver``: handed to the driver library as is. ``formerly``: old
-    names, which an error points to this one.
+    reopens. ``driver``: handed to the driver library as is. ``doc``: what the
+    option is, named when a value is refused.
     """
 
     name: str
@@ -72,7 +72,6 @@ class Option:
     in_url: bool = True
     pickled: bool = True
     driver: bool = False
-    formerly: tuple[str, ...] = ()
 
 
 class OptionSet(Mapping[str, Option]):
@@ -113,11 +112,6 @@ class OptionSet(Mapping[str, Option]):
         return len(self._options)
 
     def _unknown(self, owner: str, name: str, where: str) -> ConfigurationError:
-        for option in self._options.values():
-            if name in option.formerly:
-                return ConfigurationError(
-                    f"option {name!r} of {owner} is now called {option.name!r} ({where})"
-                )
         known = ", ".join(n for n, o in self._options.items() if o.in_url or where != "in the URL")
         return ConfigurationError(
             f"unknown option {name!r} for {owner} ({where}); known options: {known or 'none'}"
@@ -449,30 +443,29 @@ def callable_(value: object) -> object:
 # One name for one concept on every backend: these build the declarations.
 
 
-def timeout_option(default: float, what: str, formerly: tuple[str, ...] = ()) -> Option:
+def timeout_option(default: float, what: str) -> Option:
     """``timeout``: how long one request to the server may take before ``StoreUnavailable``."""
-    return Option("timeout", seconds(), default, what, formerly=formerly)
+    return Option("timeout", seconds(), default, what)
 
 
-def connect_timeout_option(default: float = 5.0, formerly: tuple[str, ...] = ()) -> Option:
+def connect_timeout_option(default: float = 5.0) -> Option:
     """``connect_timeout``: how long opening a connection may take."""
     return Option(
         "connect_timeout",
         seconds(),
         default,
         "seconds to open a connection before StoreUnavailable",
-        formerly=formerly,
     )
 
 
-def retries_option(default: int, what: str, formerly: tuple[str, ...] = ()) -> Option:
+def retries_option(default: int, what: str) -> Option:
     """``retries``: how often a failed request is retried (0: never)."""
-    return Option("retries", integer(0, 100), default, what, formerly=formerly)
+    return Option("retries", integer(0, 100), default, what)
 
 
-def create_option(default: bool, what: str, formerly: tuple[str, ...] = ()) -> Option:
+def create_option(default: bool, what: str) -> Option:
     """``create``: create the table / schema / container when it is missing."""
-    return Option("create", boolean, default, what, formerly=formerly)
+    return Option("create", boolean, default, what)
 
 
 def client_option(what: str) -> Option:

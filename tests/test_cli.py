@@ -92,7 +92,7 @@ def test_config_masks_secrets(
         (["add", "sqlite:///cli.db?timeout=nan", "a"], 2, "bad value for option 'timeout'"),
         (["add", "sqlite:///cli.db?synchronous=3", "a"], 2, "expected one of OFF, NORMAL"),
         (["add", "sqlite:///cli.db?retention=99999999999d", "a"], 2, "at most 1000 years"),
-        (["add", "sqlite:///cli.db?create_schema=false", "a"], 2, "is now called 'create'"),
+        (["add", "sqlite:///cli.db?create_schema=false", "a"], 2, "unknown option 'create_schema'"),
     ],
 )
 def test_errors_are_one_line_without_traceback(

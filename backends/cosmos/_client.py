@@ -122,11 +122,11 @@ CONNECTION_OPTIONS: Final[tuple[Option, ...]] = (
         False,
         "UNSAFE: accept an account weaker than Strong (emulators only; logged)",
     ),
-    create_option(False, "create the database and container", formerly=("create_container",)),
+    create_option(False, "create the database and container"),
     Option("max_concurrency", integer(1, 1000), 32, "requests in flight per batch"),
     timeout_option(10.0, "seconds: read timeout of each request"),
     connect_timeout_option(5.0),
-    retries_option(3, "SDK retries of a failed or throttled request", formerly=("retry_total",)),
+    retries_option(3, "SDK retries of a failed or throttled request"),
     dataclasses.replace(
         client_option("a ready CosmosClient (key, tls, timeouts and retries are then unused)"),
         convert=_cosmos_client,

@@ -150,13 +150,7 @@ _NONEMPTY = _text(r"\S+", "a non-empty string without spaces")
 
 #: The options of every ``dynamodb://`` client (each store adds ``create`` and its own).
 CONNECTION_OPTIONS: tuple[Option, ...] = (
-    Option(
-        "region",
-        _REGION,
-        None,
-        "AWS region (default: AWS_REGION, the profile)",
-        formerly=("region_name",),
-    ),
+    Option("region", _REGION, None, "AWS region (default: AWS_REGION, the profile)"),
     Option(
         "endpoint_url",
         _text(r"https?://\S+", "an http(s):// URL"),
@@ -166,11 +160,9 @@ CONNECTION_OPTIONS: tuple[Option, ...] = (
     Option("aws_access_key_id", _NONEMPTY, None, "with aws_secret_access_key; default: chain"),
     Option("aws_secret_access_key", _NONEMPTY, None, "the secret access key", secret=True),
     Option("aws_session_token", _NONEMPTY, None, "a session token", secret=True),
-    timeout_option(10.0, "seconds one request may take (read timeout)", formerly=("read_timeout",)),
+    timeout_option(10.0, "seconds one request may take (read timeout)"),
     connect_timeout_option(5.0),
-    retries_option(
-        4, "botocore 'standard' retries of a failed request", formerly=("max_attempts",)
-    ),
+    retries_option(4, "botocore 'standard' retries of a failed request"),
     Option("allow_global_table", boolean, False, "UNSAFE: accept a table with replicas"),
     client_option("a ready boto3 DynamoDB client (the connection options are then unused)"),
 )

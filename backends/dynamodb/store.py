@@ -115,11 +115,7 @@ class DynamoDBDeduplicationStore(DynamoDBClient, DeduplicationStore):
         CLOCK,
         MAX_CLOCK_SKEW,
         *CONNECTION_OPTIONS,
-        create_option(
-            False,
-            "create the table (on demand, TTL on 'ttl') when missing",
-            formerly=("create_table",),
-        ),
+        create_option(False, "create the table (on demand, TTL on 'ttl') when missing"),
     )
 
     def __init__(self, url: str | StoreURL, /, **options: Any) -> None:

@@ -149,11 +149,11 @@ def index_name(table_name: str, suffix: str) -> str:
     return f"{table_name.encode('utf-8')[:40].decode('utf-8', 'ignore')}_{digest}_{suffix}"
 
 
-def postgres_options(base: OptionSet, table: str, create: Option) -> OptionSet:
-    """``base`` plus the options of a PostgreSQL store: its ``table`` default, ``create``."""
+def postgres_options(base: OptionSet, table: str) -> OptionSet:
+    """``base`` plus the options of a PostgreSQL store, with its ``table`` default."""
     return base.extend(
         Option("table", _table_name, table, "'name' or 'schema.name' of the table"),
-        create,
+        create_option(False, "create the table (and its schema) when missing"),
         timeout_option(10.0, "seconds one statement may take before StoreUnavailable"),
         connect_timeout_option(5.0),
         Option("pool_min_size", integer(0, 1000), 1, "connections kept open"),
@@ -168,10 +168,6 @@ def postgres_options(base: OptionSet, table: str, create: Option) -> OptionSet:
         client_option("a ready psycopg_pool.ConnectionPool to use (not closed by the store)"),
         driver_params=lambda key: key in _LIBPQ_KEYWORDS,
     )
-
-
-#: The ``create`` option of a store with nothing to upgrade.
-CREATE = create_option(False, "create the table when missing")
 
 
 # --------------------------------------------------------------------------- watchdog
@@ -727,15 +723,11 @@ class PostgresClient(Client):
         ):
             return self._configuration(
                 f"table {self._table_text} is not usable as {self.table_kind}: "
-                f"{self._describe_error(exc)}{self._shape_hint(exc)}"
+                f"{self._describe_error(exc)}"
             )
         if isinstance(exc, psycopg.Error):
             return StoreUnavailable
         return super()._classify_error(exc)
-
-    def _shape_hint(self, exc: psycopg.Error) -> str:
-        """How to fix a table of another shape, when the store knows (``'; run ...'``)."""
-        return ""
 
     @staticmethod
     def _refused(exc: psycopg.Error) -> bool:

@@ -2,8 +2,7 @@
 
 Options (URL query or keywords), the same on every Redis object apart from the
 default ``key_prefix``: ``key_prefix`` (``''`` or ending with ``:``), ``timeout`` (5 s per
-command; was ``socket_timeout``), ``connect_timeout`` (5 s; was
-``socket_connect_timeout``), ``retries`` (3: a command is retried after a connection
+command), ``connect_timeout`` (5 s), ``retries`` (3: a command is retried after a connection
 error or timeout, with jittered exponential backoff), ``max_connections`` (pool size,
 redis-py's default), ``wait_replicas`` (0) and ``wait_timeout_ms`` (1000, shorter than
 ``timeout``), ``username``, ``password`` (override the URL's), ``ssl_ca_certs``,
@@ -125,12 +124,8 @@ def text_of(value: bytes | str) -> str:
 
 #: The connection options of every Redis store (after its ``key_prefix``).
 CONNECTION_OPTIONS: tuple[Option, ...] = (
-    timeout_option(
-        5.0,
-        "seconds one command may take (each attempt) before it is retried",
-        formerly=("socket_timeout",),
-    ),
-    connect_timeout_option(5.0, formerly=("socket_connect_timeout",)),
+    timeout_option(5.0, "seconds one command may take (each attempt) before it is retried"),
+    connect_timeout_option(5.0),
     retries_option(
         3, "how often a command is retried after a connection error or timeout (with backoff)"
     ),
