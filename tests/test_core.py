@@ -477,3 +477,16 @@ def test_entity_registry_is_lazy_and_extensible() -> None:
     with pytest.raises(ConfigurationError, match="not a EntityStore subclass"):
         register_entity_backend("wrong", "backends.memory:MemoryDeduplicationStore")
         open_entity_store("wrong://x")
+
+
+def test_the_error_prefix_is_written_in_one_place() -> None:
+    """'<Class> at <url>:' comes from Client._error only, never typed by hand."""
+    root = Path(__file__).resolve().parent.parent
+    typed = [
+        f"{path.relative_to(root)}:{number}"
+        for folder in ("dedupstore", "backends", "spark_integration")
+        for path in sorted((root / folder).rglob("*.py"))
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if " at {self.url}:" in line
+    ]
+    assert typed == ["dedupstore/client.py:293"], typed

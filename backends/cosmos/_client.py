@@ -365,7 +365,6 @@ class CosmosClientBase(Client):
     # ------------------------------------------------------------------ errors
 
     def _classify_error(self, exc: BaseException) -> ErrorKind:
-        where = f"{type(self).__name__} at {self.url}"
         if isinstance(exc, HttpResponseError):
             status = exc.status_code or 0
             sub_status = getattr(exc, "sub_status", None) or 0
@@ -377,15 +376,19 @@ class CosmosClientBase(Client):
             ):
                 return StoreUnavailable
             if status in (401, 403):
-                return ConfigurationError(
-                    f"{where}: Cosmos DB refused the credentials ({summary}); "
-                    f"check the key (option 'key' or {KEY_ENV_VAR})"
+                return self._error(
+                    ConfigurationError,
+                    None,
+                    f"Cosmos DB refused the credentials ({summary}); "
+                    f"check the key (option 'key' or {KEY_ENV_VAR})",
                 )
             if status == 404:
-                return ConfigurationError(
-                    f"{where}: database {self._database_name!r} or container "
+                return self._error(
+                    ConfigurationError,
+                    None,
+                    f"database {self._database_name!r} or container "
                     f"{self._container_name!r} does not exist ({summary}); "
-                    f"create it with {self._create_function} or open with create=true"
+                    f"create it with {self._create_function} or open with create=true",
                 )
             if status == 400 and "consisten" in summary.lower():
                 return ConsistencyError

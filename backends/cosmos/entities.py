@@ -213,11 +213,13 @@ class CosmosEntityStore(CosmosClientBase, EntityStore):
 
     def _classify_error(self, exc: BaseException) -> ErrorKind:
         if isinstance(exc, HttpResponseError) and exc.status_code == 413:
-            return EntityTooLarge(
-                f"{type(self).__name__} at {self.url}: Cosmos DB refused an item as too "
+            return self._error(
+                EntityTooLarge,
+                None,
+                f"Cosmos DB refused an item as too "
                 f"large ({self._describe_error(exc)}) although its entity was within "
                 f"max_entity_bytes; that entity was not written (others of the same "
-                "save_many may have been)"
+                "save_many may have been)",
             )
         return super()._classify_error(exc)
 
@@ -244,11 +246,13 @@ class CosmosEntityStore(CosmosClientBase, EntityStore):
             or entity_document_id(stored) != item.get("id")
         ):
             wanted = "not an entity item" if entity_id is None else f"not {entity_id!r:.60}"
-            raise ConfigurationError(
-                f"{type(self).__name__} at {self.url}: item {item.get('id')!r} of container "
+            raise self._error(
+                ConfigurationError,
+                None,
+                f"item {item.get('id')!r} of container "
                 f"{self._container_name!r} holds entity {stored!r:.60}, {wanted}: a "
                 "container shared with other data (or a SHA-256 collision); give the "
-                "entities a container of their own"
+                "entities a container of their own",
             )
         return stored
 

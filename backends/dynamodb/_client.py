@@ -24,7 +24,12 @@ import botocore.exceptions as boto_errors
 from botocore.config import Config
 
 from dedupstore.client import Client, ErrorKind, ProcessLocal
-from dedupstore.errors import ConfigurationError, ConsistencyError, StoreUnavailable
+from dedupstore.errors import (
+    ConfigurationError,
+    ConsistencyError,
+    DedupStoreError,
+    StoreUnavailable,
+)
 from dedupstore.options import (
     Option,
     boolean,
@@ -324,7 +329,7 @@ class DynamoDBClient(Client):
             )
         return super()._classify_error(exc)
 
-    def _cancelled(self, exc: boto_errors.ClientError) -> ConfigurationError | StoreUnavailable:
+    def _cancelled(self, exc: boto_errors.ClientError) -> DedupStoreError:
         """The error for a transaction cancelled for reasons the write loop gave up on."""
         reasons = [
             str(r.get("Code") or "None") for r in exc.response.get("CancellationReasons", [])
@@ -333,9 +338,11 @@ class DynamoDBClient(Client):
         invalid = any(r in _INVALID_REASONS for r in odd)
         hint = "the request or the table is wrong" if invalid else "conflicts or throttling"
         kind = ConfigurationError if invalid else StoreUnavailable
-        return kind(
-            f"{type(self).__name__} at {self.url}: DynamoDB cancelled a transaction on "
-            f"{self._table!r} ({', '.join(odd or reasons) or _error_message(exc)}): {hint}"
+        return self._error(
+            kind,
+            None,
+            f"DynamoDB cancelled a transaction on "
+            f"{self._table!r} ({', '.join(odd or reasons) or _error_message(exc)}): {hint}",
         )
 
     # ------------------------------------------------------------------ table
@@ -525,10 +532,12 @@ class DynamoDBClient(Client):
                 _backoff(0)  # progress (or the response size limit): a short pause
             elif left:
                 if stalled >= _MAX_BACKOFF_ROUNDS:
-                    raise StoreUnavailable(
-                        f"{type(self).__name__} at {self.url}: DynamoDB left {len(left)} "
+                    raise self._error(
+                        StoreUnavailable,
+                        None,
+                        f"DynamoDB left {len(left)} "
                         f"keys of {self._table!r} unprocessed after {_MAX_BACKOFF_ROUNDS} "
-                        "attempts (throttled)"
+                        "attempts (throttled)",
                     )
                 _backoff(stalled)
                 stalled += 1

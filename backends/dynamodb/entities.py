@@ -186,10 +186,12 @@ class DynamoDBEntityStore(DynamoDBClient, EntityStore):
         stored = int(old[_VERSION]["N"]) if _VERSION in old else None
         if not outcome.resent or not old or stored == new:
             return None  # another save made the step from ``expected``: ours never did
-        raise StoreUnavailable(
-            f"{type(self).__name__} at {self.url}: save of entity {record.id!r:.80} was "
+        raise self._error(
+            StoreUnavailable,
+            None,
+            f"save of entity {record.id!r:.80} was "
             f"re-sent after a lost answer and found version {stored} written by another "
-            "save: whether this save was applied before it is unknown; reload and retry"
+            "save: whether this save was applied before it is unknown; reload and retry",
         )
 
     def _scan(self, segment: int, segments: int) -> Iterator[tuple[str, str, Any]]:

@@ -430,10 +430,12 @@ class PostgresClient(Client):
         """Check the encoding and the table (creating it if asked) on ``conn``."""
         row = self._execute(conn, "SELECT current_setting('server_encoding')")[0]
         if row[0] != "UTF8" or conn.info.encoding != "utf-8":
-            raise ConfigurationError(
-                f"PostgreSQL at {self.url}: the database encoding is {row[0]} and the client "
+            raise self._error(
+                ConfigurationError,
+                None,
+                f"the database encoding is {row[0]} and the client "
                 f"encoding {conn.info.encoding}; dedupstore needs UTF8 for both so every id "
-                "round-trips"
+                "round-trips",
             )
         found = self._execute(conn, "SELECT to_regclass(%s) IS NOT NULL", [self._table_text])
         if not found[0][0]:
@@ -532,9 +534,11 @@ class PostgresClient(Client):
                 raise PoolTimeout(self._scrub(message)) from cause
             if not conn.autocommit:
                 pool.putconn(conn)
-                raise ConfigurationError(
-                    f"{type(self).__name__} at {self.url}: the connections of the given client "
-                    "pool must be in autocommit mode (ConnectionPool(kwargs={'autocommit': True}))"
+                raise self._error(
+                    ConfigurationError,
+                    None,
+                    "the connections of the given client pool must be in autocommit mode "
+                    "(ConnectionPool(kwargs={'autocommit': True}))",
                 )
             try:
                 alive = not _server_closed(conn) and (not verify or self._answers(conn, deadline))
@@ -687,19 +691,25 @@ class PostgresClient(Client):
         if isinstance(exc, PoolTimeout):
             cause = exc.__cause__
             if isinstance(cause, psycopg.OperationalError) and self._refused(cause):
-                return self._configuration(f"connecting failed: {self._describe_error(exc)}")
+                return self._error(
+                    ConfigurationError, None, f"connecting failed: {self._describe_error(exc)}"
+                )
             return StoreUnavailable
         if isinstance(exc, errors.UndefinedTable):
-            return self._configuration(
+            return self._error(
+                ConfigurationError,
+                None,
                 f"table {self._table_text} does not exist ({self._describe_error(exc)}): "
                 f"create it with {type(self).__name__}.create_schema(url), or open the "
-                "store with create=true"
+                "store with create=true",
             )
         if isinstance(exc, errors.InsufficientPrivilege):
-            return self._configuration(
+            return self._error(
+                ConfigurationError,
+                None,
                 f"permission denied ({self._describe_error(exc)}): GRANT "
                 f"{self.table_privileges} ON {self._table_text} TO the role the store "
-                "connects as"
+                "connects as",
             )
         if isinstance(
             exc,
@@ -721,9 +731,11 @@ class PostgresClient(Client):
             | psycopg.IntegrityError
             | psycopg.NotSupportedError,
         ):
-            return self._configuration(
+            return self._error(
+                ConfigurationError,
+                None,
                 f"table {self._table_text} is not usable as {self.table_kind}: "
-                f"{self._describe_error(exc)}"
+                f"{self._describe_error(exc)}",
             )
         if isinstance(exc, psycopg.Error):
             return StoreUnavailable
@@ -733,6 +745,3 @@ class PostgresClient(Client):
     def _refused(exc: psycopg.Error) -> bool:
         """A connection attempt refused for a reason a retry will not fix."""
         return exc.sqlstate is None and _REFUSED.search(str(exc)) is not None
-
-    def _configuration(self, detail: str) -> ConfigurationError:
-        return ConfigurationError(f"{type(self).__name__} at {self.url}: {detail}")

@@ -310,10 +310,12 @@ class RedisClient(Client):
                     commands[0] = ("EVALSHA", self._script_sha, len(keys), *keys, *resent_args)
                 time.sleep(self._backoff.compute(failures))
         if self._wait_replicas and int(replies[1]) < self._wait_replicas:
-            raise StoreUnavailable(
-                f"{type(self).__name__} at {self.url}: only {replies[1]} of "
+            raise self._error(
+                StoreUnavailable,
+                None,
+                f"only {replies[1]} of "
                 f"{self._wait_replicas} replicas acknowledged the write within "
-                f"{self._wait_timeout_ms} ms; {self._unconfirmed}"
+                f"{self._wait_timeout_ms} ms; {self._unconfirmed}",
             )
         return replies[0]
 
@@ -365,18 +367,22 @@ class RedisClient(Client):
             )
         # inside a script an ACL refusal is a plain error reply, not NOPERM
         if isinstance(exc, NoPermissionError) or "user executing the script can't run" in str(exc):
-            return ConfigurationError(
-                f"{name} at {self.url}: the Redis user may not run a command the store needs "
-                f"(grant {self._commands}): {detail}"
+            return self._error(
+                ConfigurationError,
+                None,
+                f"the Redis user may not run a command the store needs "
+                f"(grant {self._commands}): {detail}",
             )
         if isinstance(exc, RedisConnectionError | RedisTimeoutError | ReadOnlyError):
             return StoreUnavailable  # also BusyLoadingError, MaxConnectionsError
         if isinstance(exc, TryAgainError | ClusterDownError):
             return StoreUnavailable  # also MasterDownError
         if isinstance(exc, OutOfMemoryError):
-            return StoreUnavailable(
-                f"{name} at {self.url}: Redis is out of memory and refuses writes ({detail}); "
-                "raise maxmemory or free memory (keep maxmemory-policy noeviction)"
+            return self._error(
+                StoreUnavailable,
+                None,
+                f"Redis is out of memory and refuses writes ({detail}); "
+                "raise maxmemory or free memory (keep maxmemory-policy noeviction)",
             )
         if isinstance(exc, ResponseError):
             # a pipeline prefixes the reply: "Command # 1 (HMGET k b v) of pipeline caused error: "
@@ -385,9 +391,11 @@ class RedisClient(Client):
             if code in ("DEDUPSTORE", "WRONGTYPE"):
                 return self._foreign_value_error(detail)
             if isinstance(exc, AskError | ClusterCrossSlotError):  # also MovedError
-                return ConfigurationError(
-                    f"{name} at {self.url}: the server redirects to a Redis Cluster node; Redis "
-                    f"Cluster is not supported yet: {detail}"
+                return self._error(
+                    ConfigurationError,
+                    None,
+                    f"the server redirects to a Redis Cluster node; Redis "
+                    f"Cluster is not supported yet: {detail}",
                 )
             if isinstance(exc, NoScriptError) or code in _TRANSIENT_CODES:
                 return StoreUnavailable
@@ -397,10 +405,12 @@ class RedisClient(Client):
         return super()._classify_error(exc)
 
     def _foreign_value_error(self, detail: str = "") -> ConfigurationError:
-        return ConfigurationError(
-            f"{type(self).__name__} at {self.url}: a key under the prefix {self._key_prefix!r} "
+        return self._error(
+            ConfigurationError,
+            None,
+            f"a key under the prefix {self._key_prefix!r} "
             "holds a value dedupstore did not write; the key_prefix must be reserved for "
-            f"this store{f' ({detail})' if detail else ''}"
+            f"this store{f' ({detail})' if detail else ''}",
         )
 
     # ------------------------------------------------------------------ health

@@ -249,10 +249,12 @@ class RedisEntityStore(RedisClient, EntityStore):
             entries += [expected, "1" if r.pending else "0", r.id, r.body]
         reply = self._run_script(keys, [token, "0", *entries], [token, "1", *entries])
         if int(reply[0]) != 1:
-            raise StoreUnavailable(
-                f"{type(self).__name__} at {self.url}: save failed: the answer to an earlier "
+            raise self._error(
+                StoreUnavailable,
+                "save",
+                "the answer to an earlier "
                 "attempt was lost and an entity has changed since, so whether this save "
-                "wrote it is unknown; reload the entities before saving again"
+                "wrote it is unknown; reload the entities before saving again",
             )
         pairs = reply[1:]
         return {records[int(pairs[k]) - 1].id: int(pairs[k + 1]) for k in range(0, len(pairs), 2)}
