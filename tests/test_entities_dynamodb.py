@@ -517,7 +517,7 @@ def test_tables_of_the_other_kind_are_refused(
         ("&retries=-1", {}, "retries"),
         ("&create=maybe", {}, "create"),
         ("&allow_global_table=perhaps", {}, "allow_global_table"),
-        ("&region_name=us-east-1", {}, "now called 'region'"),
+        ("&region_name=us-east-1", {}, "unknown option 'region_name'"),
         ("", {"aws_secret_access_key": FAKE_SECRET}, "together"),
     ],
 )
