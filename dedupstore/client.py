@@ -142,10 +142,14 @@ class Client(Closing, abc.ABC):
     process_local: ClassVar[bool] = False
 
     def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
-        """Parse ``url``, resolve ``options``; raise ``ConfigurationError`` if either is bad."""
+        """Parse ``url``, resolve and validate ``options``; ``ConfigurationError`` if bad.
+
+        Runs :meth:`_validate`, as :meth:`check_options` does, before any I/O.
+        """
         self._closed = False
         self._url = self.portable_url(url)
         self._opts: Options = self.declared_options.resolve(type(self).__name__, self._url, options)
+        self._validate(self._url, self._opts)
 
     @classmethod
     def portable_url(cls, url: str | StoreURL) -> StoreURL:
@@ -159,8 +163,25 @@ class Client(Closing, abc.ABC):
 
     @classmethod
     def check_options(cls, url: str | StoreURL, **options: Any) -> None:
-        """Raise ``ConfigurationError`` if ``url`` or ``options`` would be refused; no I/O."""
-        cls.declared_options.resolve(cls.__name__, cls.portable_url(url), options)
+        """Raise ``ConfigurationError`` if ``url`` or ``options`` would be refused; no I/O.
+
+        Runs the checks the constructor runs before its first I/O (the option
+        converters and :meth:`_validate`): what passes here fails later only for
+        what needs the server (credentials, a missing table, ...) or this process's
+        environment (Cosmos DB's ``COSMOS_KEY``).
+        """
+        parsed = cls.portable_url(url)
+        cls._validate(parsed, cls.declared_options.resolve(cls.__name__, parsed, options))
+
+    @classmethod
+    def _validate(cls, url: StoreURL, options: Options) -> None:
+        """Refuse, with ``ConfigurationError``, what no single option converter can see.
+
+        The URL's shape, options that contradict each other, the type of a ``client``:
+        every check that needs no I/O and that the converters cannot make alone. Run
+        by the constructor and by :meth:`check_options` (the Spark driver's check), so
+        both refuse the same. Backends extend it, calling ``super()._validate`` first.
+        """
 
     # ------------------------------------------------------------------ public
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import binascii
 import contextlib
-import dataclasses
 import json
 import logging
 import math
@@ -35,6 +34,7 @@ from dedupstore.client import Client, ErrorKind, ProcessLocal
 from dedupstore.errors import ConfigurationError, ConsistencyError, StoreUnavailable
 from dedupstore.options import (
     Option,
+    Options,
     boolean,
     client_option,
     connect_timeout_option,
@@ -99,10 +99,25 @@ def _http_summary(exc: HttpResponseError) -> str:
     return f"{summary}: {line}" if line else summary
 
 
-def _cosmos_client(value: object) -> object:
-    if value is not None and not isinstance(value, CosmosClient):
-        raise TypeError(f"expected an azure.cosmos.CosmosClient, got {type(value).__name__}")
-    return value
+def _names(url: StoreURL) -> tuple[str, str]:
+    """The database and container names of a ``cosmos://`` URL; ``ConfigurationError``."""
+    if url.username is not None or url.password is not None:
+        raise ConfigurationError(
+            "a cosmos:// URL carries no user or password; pass the key as ?key=... "
+            f"or in {KEY_ENV_VAR}"
+        )
+    shape = "'cosmos://<host>[:port]/<database>/<container>'"
+    if not url.host:
+        raise ConfigurationError(
+            f"a cosmos:// URL names the account host: {shape}, got {url.masked!r}"
+        )
+    segments = url.path.split("/")[1:]
+    if len(segments) != 2 or not all(segments):
+        raise ConfigurationError(f"expected {shape}, got {url.masked!r}")
+    return (
+        _check_name("database", unquote(segments[0]), url.masked),
+        _check_name("container", unquote(segments[1]), url.masked),
+    )
 
 
 #: The options of both stores, declared once (each store adds its own).
@@ -127,10 +142,7 @@ CONNECTION_OPTIONS: Final[tuple[Option, ...]] = (
     timeout_option(10.0, "seconds: read timeout of each request"),
     connect_timeout_option(5.0),
     retries_option(3, "SDK retries of a failed or throttled request"),
-    dataclasses.replace(
-        client_option("a ready CosmosClient (key, tls, timeouts and retries are then unused)"),
-        convert=_cosmos_client,
-    ),
+    client_option("a ready CosmosClient (key, tls, timeouts and retries are then unused)"),
 )
 
 
@@ -176,7 +188,7 @@ class CosmosClientBase(Client):
         container, and ``StoreUnavailable`` when the service cannot be reached.
         """
         super().__init__(url, **options)
-        self._database_name, self._container_name = self._names()
+        self._database_name, self._container_name = _names(self._url)
         opts = self._opts
         self._account_consistency = "unknown"
         self._endpoint_url = f"{'https' if opts['tls'] else 'http'}://{self._url.netloc}/"
@@ -201,6 +213,17 @@ class CosmosClientBase(Client):
             self._close()
             raise
 
+    @classmethod
+    def _validate(cls, url: StoreURL, options: Options) -> None:
+        """The URL names a host, a database and a container; ``client`` is a CosmosClient."""
+        super()._validate(url, options)
+        _names(url)
+        client = options["client"]
+        if client is not None and not isinstance(client, CosmosClient):
+            raise ConfigurationError(
+                f"client must be an azure.cosmos.CosmosClient, got {type(client).__name__}"
+            )
+
     # ------------------------------------------------------------------ for the stores
 
     def _create_container(self, client: CosmosClient) -> None:
@@ -215,26 +238,6 @@ class CosmosClientBase(Client):
         return {}
 
     # ------------------------------------------------------------------ opening
-
-    def _names(self) -> tuple[str, str]:
-        url = self._url
-        if url.username is not None or url.password is not None:
-            raise ConfigurationError(
-                "a cosmos:// URL carries no user or password; pass the key as ?key=... "
-                f"or in {KEY_ENV_VAR}"
-            )
-        shape = "'cosmos://<host>[:port]/<database>/<container>'"
-        if not url.host:
-            raise ConfigurationError(
-                f"a cosmos:// URL names the account host: {shape}, got {url.masked!r}"
-            )
-        segments = url.path.split("/")[1:]
-        if len(segments) != 2 or not all(segments):
-            raise ConfigurationError(f"expected {shape}, got {url.masked!r}")
-        return (
-            _check_name("database", unquote(segments[0]), url.masked),
-            _check_name("container", unquote(segments[1]), url.masked),
-        )
 
     def _connect(self) -> _Connection:
         """This process's client (the given one, or a new one) and container proxy."""

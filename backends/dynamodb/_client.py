@@ -32,6 +32,7 @@ from dedupstore.errors import (
 )
 from dedupstore.options import (
     Option,
+    Options,
     boolean,
     client_option,
     connect_timeout_option,
@@ -214,24 +215,7 @@ class DynamoDBClient(Client):
         """
         super().__init__(url, **options)
         self._table = self._url.netloc
-        if (
-            self._url.path not in ("", "/")
-            or self._url.fragment
-            or not _TABLE_NAME.fullmatch(self._table)
-        ):
-            raise ConfigurationError(
-                "a DynamoDB store URL is 'dynamodb://<table>?region=...', the table name 3 "
-                f"to 255 characters among A-Z a-z 0-9 _ . -; got {self.url!r}"
-            )
-        opts = self._opts
-        if (opts["aws_access_key_id"] is None) != (opts["aws_secret_access_key"] is None) or (
-            opts["aws_session_token"] is not None and opts["aws_access_key_id"] is None
-        ):
-            raise ConfigurationError(
-                "aws_access_key_id and aws_secret_access_key must be given together "
-                "(aws_session_token only with both), or none of them"
-            )
-        given = opts["client"]
+        given = self._opts["client"]
         self._clients: ProcessLocal[Boto3DynamoDB] = ProcessLocal(
             self._new_client if given is None else lambda: given,
             (lambda client: client.close()) if given is None else None,
@@ -243,6 +227,23 @@ class DynamoDBClient(Client):
         except BaseException:
             self.close()
             raise
+
+    @classmethod
+    def _validate(cls, url: StoreURL, options: Options) -> None:
+        """The URL names a valid table and nothing else; credentials come in pairs."""
+        super()._validate(url, options)
+        if url.path not in ("", "/") or url.fragment or not _TABLE_NAME.fullmatch(url.netloc):
+            raise ConfigurationError(
+                "a DynamoDB store URL is 'dynamodb://<table>?region=...', the table name 3 "
+                f"to 255 characters among A-Z a-z 0-9 _ . -; got {url.masked!r}"
+            )
+        if (options["aws_access_key_id"] is None) != (options["aws_secret_access_key"] is None) or (
+            options["aws_session_token"] is not None and options["aws_access_key_id"] is None
+        ):
+            raise ConfigurationError(
+                "aws_access_key_id and aws_secret_access_key must be given together "
+                "(aws_session_token only with both), or none of them"
+            )
 
     # ------------------------------------------------------------------ client
 

@@ -75,6 +75,7 @@ from dedupstore.client import Client, ErrorKind, ProcessLocal
 from dedupstore.errors import ConfigurationError, StoreUnavailable
 from dedupstore.options import (
     Option,
+    Options,
     OptionSet,
     client_option,
     connect_timeout_option,
@@ -324,17 +325,7 @@ class PostgresClient(Client):
         # The server cancels a statement at ``timeout``; the watchdog acts a little
         # later, only when the server did not answer at all.
         self._watchdog_delay = self._timeout + min(1.0, self._timeout / 2)
-        minimum, maximum = self._opts["pool_min_size"], self._opts["pool_max_size"]
-        if minimum > maximum:
-            raise ConfigurationError(
-                f"pool_min_size ({minimum}) must not exceed pool_max_size ({maximum}) "
-                f"for {type(self).__name__}"
-            )
         given = self._opts["client"]
-        if given is not None and not isinstance(given, ConnectionPool):
-            raise ConfigurationError(
-                f"client must be a psycopg_pool.ConnectionPool, got {type(given).__name__}"
-            )
         self._table_parts = _split_table(self._opts["table"])
         self._table = sql.Identifier(*self._table_parts)
         self._table_text = self._table.as_string(None)
@@ -355,6 +346,22 @@ class PostgresClient(Client):
                 self._pools.get()
                 with self._connection() as conn:
                     self._check_storage(conn)
+
+    @classmethod
+    def _validate(cls, url: StoreURL, options: Options) -> None:
+        """The pool sizes agree; ``client`` is a ``psycopg_pool.ConnectionPool``."""
+        super()._validate(url, options)
+        minimum, maximum = options["pool_min_size"], options["pool_max_size"]
+        if minimum > maximum:
+            raise ConfigurationError(
+                f"pool_min_size ({minimum}) must not exceed pool_max_size ({maximum}) "
+                f"for {cls.__name__}"
+            )
+        given = options["client"]
+        if given is not None and not isinstance(given, ConnectionPool):
+            raise ConfigurationError(
+                f"client must be a psycopg_pool.ConnectionPool, got {type(given).__name__}"
+            )
 
     @classmethod
     def create_schema(cls, url: str | StoreURL, **options: Any) -> None:

@@ -69,6 +69,7 @@ from dedupstore.errors import (
 )
 from dedupstore.options import (
     Option,
+    Options,
     choice,
     client_option,
     connect_timeout_option,
@@ -88,6 +89,8 @@ _ESCAPES = str.maketrans({"%": "%25", ":": "%3A", "{": "%7B", "}": "%7D"})
 #: Error replies that mean "retry later": a script runs too long, the server cannot
 #: persist, or it lacks the replicas min-replicas-to-write asks for.
 _TRANSIENT_CODES = frozenset({"BUSY", "MISCONF", "NOREPLICAS"})
+#: The path of a Redis URL: none, ``/`` or a database number.
+_DB_PATH = re.compile(r"/?|/\d{1,5}")
 _PIPELINE_PREFIX = re.compile(r"^Command # \d+ \(.*?\) of pipeline caused error: ", re.S)
 
 
@@ -188,19 +191,9 @@ class RedisClient(Client):
         self._key_prefix: str = self._opts["key_prefix"]
         self._wait_replicas: int = self._opts["wait_replicas"]
         self._wait_timeout_ms: int = self._opts["wait_timeout_ms"]
-        if self._wait_replicas and self._wait_timeout_ms >= self._opts["timeout"] * 1000:
-            raise ConfigurationError(
-                f"wait_timeout_ms ({self._wait_timeout_ms}) must be shorter than timeout "
-                f"({self._opts['timeout']:g} s), or the WAIT would time out the connection"
-            )
         self._script_sha = hashlib.sha1(self._script_source.encode()).hexdigest()
         self._backoff = ExponentialWithJitterBackoff(cap=1.0, base=0.05)
         client = self._opts["client"]
-        if client is not None and not isinstance(client, redis.Redis):
-            raise ConfigurationError(
-                f"client must be a redis.Redis, got {type(client).__name__} "
-                "(Redis Cluster is not supported)"
-            )
         self._owns_client = client is None
         self._client: redis.Redis = self._connect() if client is None else client
         try:
@@ -210,31 +203,46 @@ class RedisClient(Client):
             self._close()
             raise
 
+    @classmethod
+    def _validate(cls, url: StoreURL, options: Options) -> None:
+        """The URL's path (a database number), TLS options, ``wait_timeout_ms``, ``client``."""
+        super()._validate(url, options)
+        if not _DB_PATH.fullmatch(url.path):
+            raise ConfigurationError(
+                f"bad Redis URL {url.masked}: the path must be a database number such as /0"
+            )
+        if url.scheme != "rediss" and (
+            options["ssl_ca_certs"] is not None or options["ssl_cert_reqs"] is not None
+        ):
+            raise ConfigurationError("ssl_ca_certs and ssl_cert_reqs need a rediss:// URL")
+        wait_ms, timeout = options["wait_timeout_ms"], options["timeout"]
+        if options["wait_replicas"] and wait_ms >= timeout * 1000:
+            raise ConfigurationError(
+                f"wait_timeout_ms ({wait_ms}) must be shorter than timeout ({timeout:g} s), "
+                "or the WAIT would time out the connection"
+            )
+        client = options["client"]
+        if client is not None and not isinstance(client, redis.Redis):
+            raise ConfigurationError(
+                f"client must be a redis.Redis, got {type(client).__name__} "
+                "(Redis Cluster is not supported)"
+            )
+
     # ------------------------------------------------------------------ opening
 
     def _connect(self) -> redis.Redis:
         """A client with its own pool (fork-safe: redis-py's pool resets in a child)."""
         url = self._url
-        if url.path in ("", "/"):
-            db = 0
-        elif re.fullmatch(r"/\d{1,5}", url.path):
-            db = int(url.path[1:])
-        else:
-            raise ConfigurationError(
-                f"bad Redis URL {url.masked}: the path must be a database number such as /0"
-            )
         kwargs: dict[str, Any] = {
             "host": url.host or "localhost",
             "port": url.port or 6379,
-            "db": db,
+            "db": int(url.path[1:] or 0),
             "username": url.username or None,
             "password": url.password or None,
         }
         kwargs.update(self._opts.driver_kwargs())
         if url.scheme == "rediss":
             kwargs["connection_class"] = SSLConnection
-        elif "ssl_ca_certs" in kwargs or "ssl_cert_reqs" in kwargs:
-            raise ConfigurationError("ssl_ca_certs and ssl_cert_reqs need a rediss:// URL")
         pool = ConnectionPool(
             **kwargs,
             socket_timeout=self._opts["timeout"],
