@@ -733,8 +733,10 @@ def test_acl_user_without_evalsha_is_a_configuration_error(own_redis_server: Red
             for call in (lambda: store.add("refused"), lambda: store.add_many(["a", "b"])):
                 with pytest.raises(ConfigurationError, match="may not run") as info:
                     call()
-                assert not isinstance(info.value, StoreUnavailable)
+                assert "grant" in str(info.value) and "+evalsha" in str(info.value), "the fix"
+                assert not info.value.recorded
             assert store.has_been_processed("allowed") is True, "reads are still allowed"
+            assert store.processed_among(["refused", "a", "b"]) == set(), "nothing was written"
         finally:
             store.close()
     finally:
