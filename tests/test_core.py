@@ -483,10 +483,10 @@ def test_the_error_prefix_is_written_in_one_place() -> None:
     """'<Class> at <url>:' comes from Client._error only, never typed by hand."""
     root = Path(__file__).resolve().parent.parent
     typed = [
-        f"{path.relative_to(root)}:{number}"
+        str(path.relative_to(root))
         for folder in ("dedupstore", "backends", "spark_integration")
         for path in sorted((root / folder).rglob("*.py"))
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        for line in path.read_text(encoding="utf-8").splitlines()
         if " at {self.url}:" in line
     ]
-    assert typed == ["dedupstore/client.py:293"], typed
+    assert typed == ["dedupstore/client.py"], typed  # in Client._error
