@@ -22,10 +22,12 @@ from typing import Any
 
 import botocore.exceptions
 import pytest
+import tenacity
 
 import dedupstore
 from backends.dynamodb import DynamoDBDeduplicationStore, DynamoDBEntityStore
 from backends.dynamodb.entities import MAX_ITEM_BYTES, MAX_SCAN_SEGMENTS
+from dedupstore import calls as dedup_calls
 from dedupstore.entities import Entity, EntityStore, OutgoingMessage, encode_entity
 from dedupstore.errors import (
     ConcurrencyConflict,
@@ -415,10 +417,12 @@ def test_save_many_failing_part_way_raises_and_keeps_what_was_written(
     "code", ["ProvisionedThroughputExceededException", "ThrottlingException", "InternalServerError"]
 )
 def test_throttling_and_server_errors_raise_store_unavailable(
-    dynamodb_server: DynamoDBEndpoint, entity_url: str, code: str
+    dynamodb_server: DynamoDBEndpoint, entity_url: str, code: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Each request is retried once (``retries=1``), then ``StoreUnavailable``."""
+    monkeypatch.setattr(dedup_calls, "BACKOFF", tenacity.wait_none())
     client = _client(dynamodb_server)
-    with DynamoDBEntityStore(entity_url, client=client) as store:
+    with DynamoDBEntityStore(entity_url, client=client, retries=1) as store:
         error = {"Error": {"Code": code, "Message": "slow down"}}
         # (operation, requests the call makes, call): save_many sends two puts in parallel
         calls: list[tuple[str, int, Callable[[], object]]] = [
@@ -428,7 +432,7 @@ def test_throttling_and_server_errors_raise_store_unavailable(
             ("Scan", 1, lambda: list(store.pending_outboxes())),
         ]
         for operation, requests, call in calls:
-            answers = [json.loads(json.dumps(error)) for _ in range(requests)]
+            answers = [json.loads(json.dumps(error)) for _ in range(2 * requests)]
             _inject(client, operation, answers)
             with pytest.raises(StoreUnavailable, match=code) as info:
                 call()
@@ -442,7 +446,7 @@ def test_unprocessed_keys_are_asked_again_then_give_up(
 ) -> None:
     import backends.dynamodb._client as dynamodb_client
 
-    monkeypatch.setattr(dynamodb_client, "_BACKOFF_CAP", 0.0)
+    monkeypatch.setattr(dedup_calls, "BACKOFF", tenacity.wait_none())
     client = _client(dynamodb_server)
     table = _table(entity_url)
     with DynamoDBEntityStore(entity_url, client=client) as store:
@@ -556,7 +560,9 @@ def test_options_convert_round_trip_and_bound_every_request(entity_url: str) -> 
     ) as store:
         config = store._client.meta.config
         assert config.read_timeout == 4.0 and config.connect_timeout == 2.5
-        assert config.retries == {"mode": "standard", "total_max_attempts": 4}
+        # botocore retries nothing: the store does, within the call's deadline
+        assert config.retries == {"mode": "standard", "total_max_attempts": 1}
+        assert store._deadline_seconds() == 2.5 + 4 * 4.0
         store.save(store.load("opt"))
         clone = pickle.loads(pickle.dumps(store))
         assert clone.option("timeout") == 4.0 and clone.load("opt").version == 1

@@ -161,7 +161,7 @@ class _Bounded(Connection):
                 timeout = capped(self._full_timeout)
             except TimeoutError:
                 self.disconnect()  # type: ignore[no-untyped-call]
-                raise RedisTimeoutError("the call's deadline passed") from None
+                raise RedisTimeoutError("timed out: the call's deadline passed") from None
         return super().read_response(disable_decoding, timeout=timeout, **kwargs)
 
 
