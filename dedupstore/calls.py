@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from tenacity import RetryCallState, Retrying, wait_random_exponential
 
@@ -31,6 +32,7 @@ __all__ = [
     "DeadlinePassed",
     "capped",
     "deadline",
+    "executor",
     "fan_out",
     "retry",
     "time_left",
@@ -54,6 +56,9 @@ _worker = threading.local()
 
 class DeadlinePassed(TimeoutError):
     """The call's deadline passed before a request could be sent or answered."""
+
+    def __init__(self, message: str = "timed out: the call's deadline passed") -> None:
+        super().__init__(message)
 
 
 @contextlib.contextmanager
@@ -90,7 +95,7 @@ def capped(seconds: float) -> float:
     if left is None:
         return seconds
     if left <= 0:
-        raise DeadlinePassed("the call's deadline passed")
+        raise DeadlinePassed
     return min(seconds, left)
 
 
@@ -144,24 +149,31 @@ def retry(
 # --------------------------------------------------------------------------- fan-out
 
 
-class _Executor:
-    """The one executor of the process; a child after ``fork()`` starts its own."""
+class _ContextPool(ThreadPoolExecutor):
+    """A thread pool whose calls run in a copy of the submitter's context (its deadline)."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
-        self._pid = 0
-
-    def get(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None or self._pid != os.getpid():
-                # threads are started as needed, up to _WORKERS
-                self._pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="dedupstore")
-                self._pid = os.getpid()
-            return self._pool
+    def submit(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> Future[R]:
+        return super().submit(contextvars.copy_context().run, fn, *args, **kwargs)
 
 
-_EXECUTOR = _Executor()
+_pool: _ContextPool | None = None
+_pool_pid = 0
+_pool_lock = threading.Lock()
+
+
+def executor() -> ThreadPoolExecutor:
+    """The process's one executor (a child after ``fork()`` gets its own).
+
+    Calls submitted to it run in a copy of the submitter's context, so they keep
+    the call's deadline; threads are started as needed. For drivers that take an
+    executor (Cosmos DB's ``read_items``); stores use :func:`fan_out`.
+    """
+    global _pool, _pool_pid
+    with _pool_lock:
+        if _pool is None or _pool_pid != os.getpid():
+            _pool = _ContextPool(_WORKERS, thread_name_prefix="dedupstore")
+            _pool_pid = os.getpid()
+        return _pool
 
 
 def _in_worker(fn: Callable[[T], R], item: T) -> R:
@@ -180,12 +192,18 @@ def fan_out(fn: Callable[[T], R], items: Iterable[T], *, concurrency: int) -> li
     included). One failure rule: once a call failed (or drawing the next item
     raised) no new call starts; every started call is waited for; then the first
     failure in input order is raised. Callers that must say what completed before
-    a failure record it inside ``fn``. With ``concurrency`` 1, or when called from
-    a call of another fan-out, the calls run one by one in the calling thread.
+    a failure record it inside ``fn``. With ``concurrency`` 1, a single item, or
+    when called from a call of another fan-out, the calls run one by one in the
+    calling thread.
     """
     if concurrency <= 1 or getattr(_worker, "active", False):
         return [fn(item) for item in items]
-    pool = _EXECUTOR.get()
+    iterator = iter(items)
+    head = list(itertools.islice(iterator, 2))
+    if len(head) < 2:  # one call: no thread hop
+        return [fn(item) for item in head]
+    items = itertools.chain(head, iterator)
+    pool = executor()
     running: dict[Future[R], int] = {}
     results: dict[int, R] = {}
     errors: dict[int, BaseException] = {}
@@ -205,8 +223,7 @@ def fan_out(fn: Callable[[T], R], items: Iterable[T], *, concurrency: int) -> li
                 settle(wait(running, return_when=FIRST_COMPLETED).done)
             if errors:
                 break
-            context = contextvars.copy_context()
-            running[pool.submit(context.run, _in_worker, fn, item)] = index
+            running[pool.submit(_in_worker, fn, item)] = index
     finally:
         settle(wait(running).done)
     if errors:
