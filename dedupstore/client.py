@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any, ClassVar, Generic, Self, TypeVar
 
-from dedupstore import metrics
+from dedupstore import calls, metrics
 from dedupstore.errors import (
     ConfigurationError,
     DedupStoreError,
@@ -237,6 +237,17 @@ class Client(Closing, abc.ABC):
         """Backend-specific warnings for ``dedupstore check``; none by default."""
         return []
 
+    def _deadline_seconds(self) -> float | None:
+        """How long one call may take in all, retries and reconnections included.
+
+        The bound a backend documents (in one formula of its options): every
+        round trip of one call (of one chunk, for a batch call) runs under this
+        deadline (:func:`dedupstore.calls.deadline`), its retries stop there and
+        its driver timeouts are capped by the time left. ``None`` (the default):
+        no deadline beyond the driver's own timeouts.
+        """
+        return None
+
     @property
     def _creates(self) -> bool:
         """Whether opening may create what is missing: ``create``, unless ``must_exist``.
@@ -323,6 +334,7 @@ class Client(Closing, abc.ABC):
     def _translating_errors(self, operation: str) -> Iterator[None]:
         """Classify driver errors raised in the block (chained); library errors pass.
 
+        The block runs under the call's deadline (:meth:`_deadline_seconds`).
         Every backend call passes here once: its duration is recorded in the
         ``dedupstore.store.duration`` histogram (:mod:`dedupstore.metrics`), with the
         class name of the error it raised, and ``StoreUnavailable`` is logged (INFO).
@@ -331,7 +343,8 @@ class Client(Closing, abc.ABC):
         error: str | None = None
         try:
             try:
-                yield
+                with calls.deadline(self._deadline_seconds()):
+                    yield
             except DedupStoreError:
                 raise
             except Exception as exc:

@@ -34,6 +34,7 @@ from typing import Any
 import boto3
 import botocore.exceptions
 import pytest
+import tenacity
 
 import backends.dynamodb._client as dynamodb_client
 from backends.dynamodb import DynamoDBDeduplicationStore
@@ -43,6 +44,7 @@ from dedupstore import (
     DedupStoreError,
     StoreClosed,
     StoreUnavailable,
+    calls,
     open_store,
 )
 from dedupstore.store import MAX_ID_BYTES, DeduplicationStore
@@ -184,7 +186,7 @@ def _inject(client: Any, operation: str, answers: list[dict[str, Any] | None]) -
 
 
 def _no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(dynamodb_client, "_BACKOFF_CAP", 0.0)
+    monkeypatch.setattr(calls, "BACKOFF", tenacity.wait_none())
 
 
 def _one_line(exc: BaseException) -> str:
@@ -498,10 +500,12 @@ def test_unprocessed_keys_are_retried(
     ],
 )
 def test_throttling_and_server_errors_raise_store_unavailable(
-    dynamodb_server: DynamoDBEndpoint, table_url: str, code: str
+    dynamodb_server: DynamoDBEndpoint, table_url: str, code: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Retried ``retries`` times (the store's own retries), then ``StoreUnavailable``."""
+    _no_backoff(monkeypatch)
     client = _client(dynamodb_server)
-    with open_store(table_url, client=client) as store:
+    with open_store(table_url, client=client, retries=1) as store:
         error = {"Error": {"Code": code, "Message": "slow down"}}
         calls: list[tuple[str, Callable[[], object]]] = [
             ("PutItem", lambda: store.add("t")),
@@ -511,7 +515,10 @@ def test_throttling_and_server_errors_raise_store_unavailable(
             ("Scan", store.purge_expired),
         ]
         for operation, call in calls:
-            _inject(client, operation, [json.loads(json.dumps(error))])
+            seen = _inject(client, operation, [json.loads(json.dumps(error))])
+            call()  # one failure: retried
+            assert len(seen) == 2
+            _inject(client, operation, [json.loads(json.dumps(error)) for _ in range(2)])
             with pytest.raises(StoreUnavailable, match=code) as info:
                 call()
             assert isinstance(info.value.__cause__, botocore.exceptions.ClientError)
@@ -744,7 +751,9 @@ def test_string_options_convert_and_round_trip(
         assert store.option("max_clock_skew") == 90.0
         config = store._client.meta.config  # type: ignore[attr-defined]
         assert config.read_timeout == 4.0 and config.connect_timeout == 2.5
-        assert config.retries == {"mode": "standard", "total_max_attempts": 4}
+        # botocore retries nothing: the store does, within the call's deadline
+        assert config.retries == {"mode": "standard", "total_max_attempts": 1}
+        assert store._deadline_seconds() == 2.5 + 4 * 4.0  # type: ignore[attr-defined]
         clone = pickle.loads(pickle.dumps(store))
         assert store.add("alias") is True
         assert clone.has_been_processed("alias")

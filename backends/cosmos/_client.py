@@ -17,12 +17,12 @@ import logging
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Final, TypeVar
 from urllib.parse import unquote
 
 import requests
+import urllib3
 from azure.core.exceptions import AzureError, HttpResponseError
 from azure.core.pipeline.transport import RequestsTransport
 from azure.cosmos import CosmosClient
@@ -30,6 +30,7 @@ from azure.cosmos.documents import ConnectionPolicy
 from azure.cosmos.exceptions import CosmosHttpResponseError
 from urllib3.util.retry import Retry
 
+from dedupstore.calls import DeadlinePassed, executor, fan_out, time_left
 from dedupstore.client import Client, ErrorKind, ProcessLocal
 from dedupstore.errors import ConfigurationError, ConsistencyError, StoreUnavailable
 from dedupstore.options import (
@@ -72,6 +73,40 @@ _FORBIDDEN_NAME_CHARS: Final = frozenset("/\\?#")
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
+
+
+class _BoundedAdapter(requests.adapters.HTTPAdapter):
+    """Each HTTP attempt (connecting and reading together) ends by the call's deadline.
+
+    The SDK's timeouts apply to each attempt as before; with a deadline the
+    attempt also gets urllib3's ``total`` limit: the time left. None left:
+    a connection timeout, nothing sent.
+    """
+
+    def send(
+        self,
+        request: requests.PreparedRequest,
+        stream: bool = False,
+        timeout: Any = None,
+        verify: bool | str = True,
+        cert: Any = None,
+        proxies: Mapping[str, str] | None = None,
+    ) -> requests.Response:
+        left = time_left()
+        if left is not None:
+            if left <= 0:  # a transport error the SDK reports as a timeout (an AzureError)
+                raise requests.exceptions.ConnectTimeout(str(DeadlinePassed()), request=request)
+            connect, read = timeout if isinstance(timeout, tuple) else (timeout, timeout)
+            timeout = urllib3.Timeout(connect=connect, read=read, total=left)
+        return super().send(request, stream, timeout, verify, cert, dict(proxies or {}))
+
+
+class _BoundedTransport(RequestsTransport):  # type: ignore[misc]
+    """The SDK's pauses between attempts end by the call's deadline."""
+
+    def sleep(self, duration: float) -> None:
+        left = time_left()
+        super().sleep(duration if left is None else max(0.0, min(duration, left)))
 
 
 def _check_name(kind: str, name: str, url: str) -> str:
@@ -197,12 +232,6 @@ class CosmosClientBase(Client):
             raise ConfigurationError(
                 f"no Cosmos DB key for {self.url}: pass key=... or set {KEY_ENV_VAR}"
             )
-        self._pool: ProcessLocal[ThreadPoolExecutor] = ProcessLocal(
-            lambda: ThreadPoolExecutor(
-                max_workers=opts["max_concurrency"], thread_name_prefix="dedupstore-cosmos"
-            ),
-            lambda pool: pool.shutdown(wait=True),
-        )
         self._conn: ProcessLocal[_Connection] = ProcessLocal(self._connect, _close_connection)
         try:
             with self._translating_errors("open"):
@@ -251,7 +280,7 @@ class CosmosClientBase(Client):
     def _new_client(self) -> CosmosClient:
         opts = self._opts
         session = requests.Session()
-        adapter = requests.adapters.HTTPAdapter(
+        adapter = _BoundedAdapter(
             pool_connections=4,
             pool_maxsize=opts["max_concurrency"] + 4,
             max_retries=Retry(total=False, redirect=False, raise_on_status=False),
@@ -271,7 +300,7 @@ class CosmosClientBase(Client):
         policy.RetryOptions = type(policy.RetryOptions)(opts["retries"], None, throttle_wait)
         kwargs: dict[str, Any] = {
             "connection_policy": policy,
-            "transport": RequestsTransport(session=session, session_owner=True),
+            "transport": _BoundedTransport(session=session, session_owner=True),
             "enable_endpoint_discovery": opts["endpoint_discovery"],
             "connection_timeout": opts["connect_timeout"],
             "read_timeout": opts["timeout"],
@@ -442,29 +471,21 @@ class CosmosClientBase(Client):
                 partition_key=doc_ids[0],
             )
         else:
-            items = container.read_items([(d, d) for d in doc_ids], executor=self._pool.get())
+            items = container.read_items([(d, d) for d in doc_ids], executor=executor())
         return {str(item["id"]): item for item in items}
 
     def _parallel(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
         """``[fn(x) for x in items]`` with up to ``max_concurrency`` calls in flight.
 
-        On the first failure, calls not started yet are cancelled; the running ones
-        are awaited, then the first failure is raised.
+        :func:`~dedupstore.calls.fan_out`: after a failure no new call starts, the
+        running ones are awaited, then the first failure in input order is raised.
         """
-        if len(items) <= 1:
-            return [fn(item) for item in items]
-        pool = self._pool.get()
-        futures: list[Future[_R]] = [pool.submit(fn, item) for item in items]
-        pending = wait(futures, return_when=FIRST_EXCEPTION).not_done
-        for future in pending:
-            future.cancel()
-        wait(pending)
-        for future in futures:
-            error = None if future.cancelled() else future.exception()
-            if error is not None:
-                raise error
-        return [future.result() for future in futures]
+        return fan_out(fn, items, concurrency=self._opts["max_concurrency"])
+
+    def _deadline_seconds(self) -> float:
+        """``connect_timeout + (retries + 1) x timeout``: see :mod:`backends.cosmos`."""
+        opts = self._opts
+        return float(opts["connect_timeout"] + (opts["retries"] + 1) * opts["timeout"])
 
     def _close(self) -> None:
-        self._pool.close()
         self._conn.close()

@@ -31,8 +31,8 @@ Connections that died while pooled (a server restart, a reset, an outage) must
 not fail the first call after the server is back. A pooled connection the server
 closed is readable: it is discarded before use, without a round trip. One that
 died silently (its peer forgot it: the server's host rebooted, a NAT or proxy
-dropped it) only fails when used, so each statement has one deadline (the
-pool's timeout plus the statement's bound, the worst case of one attempt) and:
+dropped it) only fails when used, so each call has one deadline (the pool's
+timeout plus the statement's bound, the worst case of one attempt) and:
 
 * a read, or a write the store marks ``resend`` (one whose second application
   answers like the first: the deduplication store's inserts, by their write
@@ -44,6 +44,13 @@ pool's timeout plus the statement's bound, the worst case of one attempt) and:
 
 Writes are also retried when the server says it rolled them back (deadlock,
 serialization failure); a statement the watchdog timed out is never re-sent.
+Re-sends and retries go through :func:`dedupstore.calls.retry`, within the deadline.
+
+Deadline: a call (one chunk of a batch) raises ``StoreUnavailable`` at most
+``connect_timeout + timeout + min(1 s, timeout / 2)`` seconds after it started
+(16 s with the defaults; with a given ``client`` pool, its own timeout stands for
+``connect_timeout``): waiting for a pooled connection, checking it and the
+statement's answer are each capped by the time left.
 Errors are classified once, here: ``StoreUnavailable`` (retry) or
 ``ConfigurationError`` (fix the setup).
 """
@@ -71,6 +78,7 @@ from psycopg import sql
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from dedupstore.calls import retry, time_left
 from dedupstore.client import Client, ErrorKind, ProcessLocal
 from dedupstore.errors import ConfigurationError, StoreUnavailable
 from dedupstore.options import (
@@ -219,6 +227,12 @@ class _Watchdog:
 
 
 _WATCHDOG: ProcessLocal[_Watchdog] = ProcessLocal(_Watchdog)
+
+
+def _call_deadline() -> float | None:
+    """The current call's deadline as a ``time.monotonic()`` instant, if it has one."""
+    left = time_left()
+    return None if left is None else time.monotonic() + left
 
 
 def _shut_down(conn: Connection) -> None:
@@ -526,6 +540,7 @@ class PostgresClient(Client):
         """
         pool = self._pools.get()
         began = time.monotonic()
+        deadline = _call_deadline() if deadline is None else deadline
         until = began + pool.timeout if deadline is None else min(began + pool.timeout, deadline)
         while True:
             try:
@@ -589,6 +604,7 @@ class PostgresClient(Client):
         watchdog fired is raised as :class:`StatementTimeout`.
         """
         delay = self._watchdog_delay
+        deadline = _call_deadline() if deadline is None else deadline
         if deadline is not None:
             delay = max(0.0, min(delay, deadline - time.monotonic()))
         watchdog = _WATCHDOG.get()
@@ -612,36 +628,42 @@ class PostgresClient(Client):
     def _run(self, query: Any, params: Any, *, resend: bool) -> list[tuple[Any, ...]]:
         """Run one statement on a pooled connection; re-send it if allowed and useful.
 
-        The call has one deadline: the pool's timeout plus the statement's bound
-        (``timeout`` and the watchdog's grace), the worst case of one attempt.
-        ``resend=True`` (reads, and writes that recognise their own earlier
-        application): when the connection breaks under the statement (a reset,
-        a restart, a connection that died while pooled) it is sent again on
-        another connection, until the deadline; each attempt waits for a
+        The call has one deadline (:meth:`_deadline_seconds`: the pool's timeout
+        plus the statement's bound, ``timeout`` and the watchdog's grace, the
+        worst case of one attempt). ``resend=True`` (reads, and writes that
+        recognise their own earlier application): when the connection breaks
+        under the statement (a reset, a restart, a connection that died while
+        pooled) it is sent again on another connection, until the deadline; each attempt waits for a
         connection and for the answer only until then. ``resend=False``: the
         statement is sent once, on a connection that has just answered a round
         trip (so a connection that died while pooled costs that round trip, not
         the request); a failure after it was sent is raised. A watchdog timeout
         is never re-sent (the server may still be running the statement).
         """
-        deadline = time.monotonic() + self._pools.get().timeout + self._watchdog_delay
-        while True:
+        broke = False
+
+        def attempt() -> list[tuple[Any, ...]]:
+            nonlocal broke
             used: Connection | None = None
             try:
-                with self._connection(verify=not resend, deadline=deadline) as conn:
+                with self._connection(verify=not resend) as conn:
                     used = conn
-                    return self._execute(conn, query, params, deadline=deadline)
-            except StatementTimeout:
-                raise
+                    return self._execute(conn, query, params)
             except psycopg.OperationalError:
                 broke = used is not None and used.broken
-                if not (resend and broke) or time.monotonic() >= deadline:
-                    raise
+                raise
+
+        def resendable(exc: BaseException) -> bool:
+            return resend and broke and not isinstance(exc, StatementTimeout)
+
+        return retry(attempt, attempts=None, retry_on=resendable)
 
     def _write(
         self, query: bytes, params: Mapping[str, Any], *, resend: bool = False
     ) -> list[tuple[Any, ...]]:
         """Run a write; retried when the server reports it rolled back (deadlock, ...).
+
+        The retries share the call's deadline with the re-sends of :meth:`_run`.
 
         ``resend=True`` only for a statement whose second application answers
         like the first: the deduplication store's inserts return the rows holding
@@ -652,14 +674,11 @@ class PostgresClient(Client):
         reloads and sees the saved state) where the contract says a lost answer
         is an error; the connection it is sent on is checked first instead.
         """
-        attempt = 1
-        while True:
-            try:
-                return self._run(query, params, resend=resend)
-            except _RETRYABLE_WRITE_ERRORS:
-                if attempt >= _WRITE_ATTEMPTS:
-                    raise
-                attempt += 1
+        return retry(
+            lambda: self._run(query, params, resend=resend),
+            attempts=_WRITE_ATTEMPTS,
+            retry_on=lambda exc: isinstance(exc, _RETRYABLE_WRITE_ERRORS),
+        )
 
     def _health_warnings(self) -> list[str]:
         """The server settings and table persistence that put acknowledged writes at risk."""
@@ -680,6 +699,15 @@ class PostgresClient(Client):
             for setting, bad, message in _RISKY_SETTINGS
             if values.get(setting) == bad
         ]
+
+    def _deadline_seconds(self) -> float:
+        """``connect_timeout + timeout + min(1 s, timeout / 2)``: see the module.
+
+        With a given ``client`` pool, its own timeout stands for ``connect_timeout``.
+        """
+        given = self._opts["client"]
+        wait = given.timeout if isinstance(given, ConnectionPool) else self._connect_timeout
+        return float(wait + self._watchdog_delay)
 
     def _read(self, query: bytes, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
         """Run a read; re-sent on another connection when one breaks under it."""
