@@ -17,10 +17,11 @@ import threading
 from collections.abc import Iterator
 from typing import Any, ClassVar, TypeVar
 
+from dedupstore.client import Client
 from dedupstore.dispatch import EncodedMessage, URLDispatcher
 from dedupstore.entities import EntityRecord, EntityStore, OutgoingMessage
 from dedupstore.errors import ConfigurationError
-from dedupstore.options import OptionSet
+from dedupstore.options import Options, OptionSet
 from dedupstore.store import CLOCK, DeduplicationStore, WriteRequest
 from dedupstore.urls import StoreURL
 
@@ -58,11 +59,22 @@ def namespace_name(url: StoreURL) -> str:
     return url.netloc + url.path
 
 
-class MemoryDeduplicationStore(DeduplicationStore):
-    """In-process deduplication store; records live as long as the process."""
+class _InProcess(Client):
+    """What the ``memory://`` classes share: their scheme and URL check (placed first)."""
 
     schemes: ClassVar[tuple[str, ...]] = ("memory",)
     process_local: ClassVar[bool] = True
+
+    @classmethod
+    def _validate(cls, url: StoreURL, options: Options) -> None:
+        """The URL is ``memory://`` or ``memory://<name>``."""
+        super()._validate(url, options)
+        namespace_name(url)
+
+
+class MemoryDeduplicationStore(_InProcess, DeduplicationStore):
+    """In-process deduplication store; records live as long as the process."""
+
     max_write_batch: ClassVar[int] = 10_000
     max_read_batch: ClassVar[int] = 10_000
     declared_options: ClassVar[OptionSet] = DeduplicationStore.declared_options.extend(CLOCK)
@@ -130,11 +142,9 @@ class _Entities:
         self.records: dict[str, tuple[str, int, int, bool]] = {}
 
 
-class MemoryEntityStore(EntityStore):
+class MemoryEntityStore(_InProcess, EntityStore):
     """In-process entity store (version: a counter per entity); shared per URL name."""
 
-    schemes: ClassVar[tuple[str, ...]] = ("memory",)
-    process_local: ClassVar[bool] = True
     max_batch: ClassVar[int] = 1000
 
     def __init__(self, url: str | StoreURL = "memory://", /, **options: object) -> None:
@@ -185,7 +195,7 @@ class _Queue:
         self.sent: list[OutgoingMessage] = []
 
 
-class MemoryDispatcher(URLDispatcher):
+class MemoryDispatcher(_InProcess, URLDispatcher):
     """A process-wide named queue: every dispatcher opened with ``memory://<name>`` shares it.
 
     :attr:`sent` holds every delivery in dispatch order (a re-dispatch appears
@@ -195,8 +205,6 @@ class MemoryDispatcher(URLDispatcher):
     Thread-safe; no I/O, so it never raises ``StoreUnavailable``.
     """
 
-    schemes: ClassVar[tuple[str, ...]] = ("memory",)
-    process_local: ClassVar[bool] = True
     receiver_dedup: ClassVar[str] = (
         "by the message id: sent holds every delivery, distinct() the first of each id"
     )

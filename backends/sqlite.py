@@ -43,7 +43,7 @@ import os
 import sqlite3
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import quote, unquote, urlsplit
@@ -94,7 +94,7 @@ SQLITE_OPTIONS = (
         "FULL",
         "SQLite's synchronous pragma; below FULL a power loss can lose acknowledged writes",
     ),
-    create_option(True, "create the directory, file and table when missing", ("create_schema",)),
+    create_option(True, "create the directory, file and table when missing"),
 )
 
 
@@ -239,19 +239,26 @@ class SqliteFile(Client):
             return conn
 
     def _require_columns(
-        self, conn: sqlite3.Connection, table: str, wanted: set[str], what: str
+        self, conn: sqlite3.Connection, table: str, wanted: Iterable[str], what: str
     ) -> None:
-        """Raise ``ConfigurationError`` unless ``table`` exists with at least ``wanted``."""
+        """Raise ``ConfigurationError`` unless ``table`` exists with every ``wanted`` column.
+
+        The message names the table and the missing columns.
+        """
         columns = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
         if not columns:
             raise self._no_such_store(
                 f"table {table} does not exist in SQLite file {self._path}",
                 "open with create=true to create it",
             )
-        if not wanted <= columns:
-            raise ConfigurationError(
-                f"table {table} in {self._path} has columns {sorted(columns)}, not "
-                f"{sorted(wanted)}: it is not {what}"
+        missing = [c for c in wanted if c not in columns]
+        if missing:
+            raise self._error(
+                ConfigurationError,
+                None,
+                f"table {table} is not usable as {what}: it has no column "
+                f"{', '.join(missing)} (it has {', '.join(sorted(columns))}); drop it or "
+                "name another table",
             )
 
     def _sqlite_health_warnings(self) -> list[str]:
@@ -378,22 +385,7 @@ class SqliteDeduplicationStore(SqliteFile, DeduplicationStore):
             self._check_table(conn)
 
     def _check_table(self, conn: sqlite3.Connection) -> None:
-        columns = {row[1] for row in conn.execute(f"PRAGMA table_info({self._table})")}
-        if not columns:
-            raise self._no_such_store(
-                f"table {self._table} does not exist in SQLite file {self._path}",
-                "open with create=true to create it",
-            )
-        if columns == set(_COLUMNS[:3]) and self._creates:
-            with self._write_transaction() as tx:  # a table made before write tokens
-                tx.execute(f"ALTER TABLE {self._table} ADD COLUMN writer TEXT")
-            columns.add("writer")
-        if not set(_COLUMNS) <= columns:
-            raise ConfigurationError(
-                f"table {self._table} in {self._path} has columns {sorted(columns)}, not "
-                f"{list(_COLUMNS)}: it is not a deduplication table (an older one is upgraded "
-                "when opened with create=true)"
-            )
+        self._require_columns(conn, self._table, _COLUMNS, "a deduplication table")
 
     def _write(self, sql: str, params: tuple[Any, ...]) -> set[str]:
         with self._write_transaction() as conn:
@@ -491,7 +483,7 @@ class SqliteEntityStore(SqliteFile, EntityStore):
                 )
             else:
                 conn = self._open_existing()
-            wanted = {"id", "body", "version", "bucket", "pending"}
+            wanted = ("id", "body", "version", "bucket", "pending")
             self._require_columns(conn, t, wanted, "an entity table")
             if self._creates:
                 index = f'"{self._opts["table"]}_pending"'
@@ -613,7 +605,7 @@ class SqliteDispatcher(SqliteFile, URLDispatcher):
                 )
             else:
                 conn = self._open_existing()
-            self._require_columns(conn, t, set(_OUTGOING_COLUMNS), "a dispatcher table")
+            self._require_columns(conn, t, _OUTGOING_COLUMNS, "a dispatcher table")
 
     def _dispatch(self, batch: list[EncodedMessage]) -> None:
         rows = [(m.id, m.destination, m.body, m.headers) for m in batch]

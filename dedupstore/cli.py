@@ -36,10 +36,11 @@ from dedupstore.errors import (
     format_error,
 )
 from dedupstore.ids import message_key, validate_ids, validate_message_id
-from dedupstore.options import retention
+from dedupstore.masking import MASK, mask_options
+from dedupstore.options import format_duration, retention
 from dedupstore.stats import Backlog, outbox_backlog
 from dedupstore.store import DeduplicationStore
-from dedupstore.urls import StoreURL, format_duration
+from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
     from dedupstore.outbox import SweepResult
@@ -370,21 +371,17 @@ def _purge(args: argparse.Namespace) -> int:
 
 def _describe(url: str, options: dict[str, Any], registry: Any) -> tuple[str, dict[str, Any]]:
     """The backend's class name and its resolved URL-settable options, secrets masked."""
-    from dedupstore.urls import secret_names
-
     parsed = StoreURL.parse(url)
     if parsed.scheme not in registry.view:
         registry.resolve(parsed.scheme)  # unknown: the ConfigurationError names the known
     try:
         cls: Any = registry.resolve(parsed.scheme)
     except ConfigurationError as exc:  # a missing client library: show what the file says
-        names = secret_names()
-        return f"not loaded ({format_error(exc)})", {
-            k: "***" if k.lower() in names else _plain(v) for k, v in options.items()
-        }
+        shown = mask_options({k: _plain(v) for k, v in options.items()})
+        return f"not loaded ({format_error(exc)})", shown
     declared = cls.declared_options.resolve(cls.__name__, parsed, options)
     return cls.__name__, {
-        name: ("***" if cls.declared_options[name].secret else _plain(value))
+        name: (MASK if cls.declared_options[name].secret else _plain(value))
         for name, value in declared.items()
         if cls.declared_options[name].in_url
     }

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any, ClassVar, Generic, Self, TypeVar
 
-from dedupstore import metrics
+from dedupstore import calls, metrics
 from dedupstore.errors import (
     ConfigurationError,
     DedupStoreError,
@@ -29,12 +29,14 @@ from dedupstore.errors import (
     StoreUnavailable,
     format_error,
 )
+from dedupstore.masking import MASK, mask_text, mask_url
 from dedupstore.options import Option, Options, OptionSet, boolean
-from dedupstore.urls import MASK, StoreURL, mask_text
+from dedupstore.urls import StoreURL
 
 __all__ = ["MUST_EXIST", "Client", "Closing", "ErrorKind", "ProcessLocal"]
 
 T = TypeVar("T")
+E = TypeVar("E", bound=DedupStoreError)
 
 #: What :meth:`Client._classify_error` returns: an error class (the base writes the
 #: message), a ready error (raised as is), or ``None`` (not a driver error).
@@ -140,10 +142,14 @@ class Client(Closing, abc.ABC):
     process_local: ClassVar[bool] = False
 
     def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
-        """Parse ``url``, resolve ``options``; raise ``ConfigurationError`` if either is bad."""
+        """Parse ``url``, resolve and validate ``options``; ``ConfigurationError`` if bad.
+
+        Runs :meth:`_validate`, as :meth:`check_options` does, before any I/O.
+        """
         self._closed = False
         self._url = self.portable_url(url)
         self._opts: Options = self.declared_options.resolve(type(self).__name__, self._url, options)
+        self._validate(self._url, self._opts)
 
     @classmethod
     def portable_url(cls, url: str | StoreURL) -> StoreURL:
@@ -157,8 +163,25 @@ class Client(Closing, abc.ABC):
 
     @classmethod
     def check_options(cls, url: str | StoreURL, **options: Any) -> None:
-        """Raise ``ConfigurationError`` if ``url`` or ``options`` would be refused; no I/O."""
-        cls.declared_options.resolve(cls.__name__, cls.portable_url(url), options)
+        """Raise ``ConfigurationError`` if ``url`` or ``options`` would be refused; no I/O.
+
+        Runs the checks the constructor runs before its first I/O (the option
+        converters and :meth:`_validate`): what passes here fails later only for
+        what needs the server (credentials, a missing table, ...) or this process's
+        environment (Cosmos DB's ``COSMOS_KEY``).
+        """
+        parsed = cls.portable_url(url)
+        cls._validate(parsed, cls.declared_options.resolve(cls.__name__, parsed, options))
+
+    @classmethod
+    def _validate(cls, url: StoreURL, options: Options) -> None:
+        """Refuse, with ``ConfigurationError``, what no single option converter can see.
+
+        The URL's shape, options that contradict each other, the type of a ``client``:
+        every check that needs no I/O and that the converters cannot make alone. Run
+        by the constructor and by :meth:`check_options` (the Spark driver's check), so
+        both refuse the same. Backends extend it, calling ``super()._validate`` first.
+        """
 
     # ------------------------------------------------------------------ public
 
@@ -170,7 +193,7 @@ class Client(Closing, abc.ABC):
     @property
     def url(self) -> str:
         """The URL the object was opened with (secrets masked)."""
-        return self._url.masked
+        return mask_url(self._url.text, self.declared_options.secret_names)
 
     def option(self, name: str) -> Any:
         """The resolved value of a declared option."""
@@ -213,6 +236,17 @@ class Client(Closing, abc.ABC):
     def _health_warnings(self) -> list[str]:
         """Backend-specific warnings for ``dedupstore check``; none by default."""
         return []
+
+    def _deadline_seconds(self) -> float | None:
+        """How long one call may take in all, retries and reconnections included.
+
+        The bound a backend documents (in one formula of its options): every
+        round trip of one call (of one chunk, for a batch call) runs under this
+        deadline (:func:`dedupstore.calls.deadline`), its retries stop there and
+        its driver timeouts are capped by the time left. ``None`` (the default):
+        no deadline beyond the driver's own timeouts.
+        """
+        return None
 
     @property
     def _creates(self) -> bool:
@@ -278,11 +312,17 @@ class Client(Closing, abc.ABC):
                 text = text.replace(secret, MASK)
             else:
                 text = re.sub(rf"(?<![\w]){re.escape(secret)}(?![\w])", MASK, text)
-        return mask_text(text)
+        return mask_text(text, self.declared_options.secret_names)
 
-    def _error(self, kind: type[DedupStoreError], operation: str, detail: str) -> DedupStoreError:
-        """An error of ``kind`` with the standard message for ``operation``."""
-        return kind(f"{type(self).__name__} at {self.url}: {operation} failed: {detail}")
+    def _error(self, kind: type[E], operation: str | None, detail: str) -> E:
+        """An error of ``kind`` whose text names this object, secrets scrubbed.
+
+        ``"<Class> at <url>: <operation> failed: <detail>"``; without ``operation``
+        (``None``), ``"<Class> at <url>: <detail>"``. Every message that names the
+        object it comes from is made here.
+        """
+        text = detail if operation is None else f"{operation} failed: {detail}"
+        return kind(self._scrub(f"{type(self).__name__} at {self.url}: {text}"))
 
     @property
     def _backend(self) -> str:
@@ -294,6 +334,7 @@ class Client(Closing, abc.ABC):
     def _translating_errors(self, operation: str) -> Iterator[None]:
         """Classify driver errors raised in the block (chained); library errors pass.
 
+        The block runs under the call's deadline (:meth:`_deadline_seconds`).
         Every backend call passes here once: its duration is recorded in the
         ``dedupstore.store.duration`` histogram (:mod:`dedupstore.metrics`), with the
         class name of the error it raised, and ``StoreUnavailable`` is logged (INFO).
@@ -302,7 +343,8 @@ class Client(Closing, abc.ABC):
         error: str | None = None
         try:
             try:
-                yield
+                with calls.deadline(self._deadline_seconds()):
+                    yield
             except DedupStoreError:
                 raise
             except Exception as exc:

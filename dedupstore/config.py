@@ -57,7 +57,8 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 from dedupstore.errors import ConfigurationError
-from dedupstore.urls import MASK, StoreURL, authority_bounds, mask_url, secret_names
+from dedupstore.masking import authority_bounds, mask_options, mask_url
+from dedupstore.urls import StoreURL
 
 __all__ = ["DEFAULT_URL", "PATH_OPTIONS", "ResolvedConfig", "find_config_file", "resolve_config"]
 
@@ -91,10 +92,9 @@ class ResolvedConfig:
 
     def masked(self) -> dict[str, Any]:
         """Return a printable view with passwords and keys masked."""
-        names = secret_names()
         return {
             "url": mask_url(self.url),
-            "options": {k: MASK if k.lower() in names else v for k, v in self.options.items()},
+            "options": mask_options(self.options),
             "source": self.source,
             "environment": self.environment,
         }

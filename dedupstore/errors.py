@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from dedupstore.masking import mask_text
+
 __all__ = [
     "ConcurrencyConflict",
     "ConfigurationError",
@@ -124,7 +126,5 @@ def format_error(exc: BaseException) -> str:
 
     Used by the CLI, the reports and the error translation of every backend.
     """
-    from dedupstore.urls import mask_text
-
     text = " ".join(str(exc).split())
     return mask_text(text) if text else type(exc).__name__

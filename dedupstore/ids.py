@@ -13,7 +13,6 @@ __all__ = [
     "OUTGOING_NAMESPACE",
     "message_key",
     "outgoing_id",
-    "validate_endpoint",
     "validate_ids",
     "validate_message_id",
     "validate_name",
@@ -79,11 +78,6 @@ def validate_name(value: object, what: str) -> str:
         return validate_message_id(value, what)
     except InvalidMessageId as exc:
         raise ConfigurationError(f"invalid {what}: {exc}") from None
-
-
-def validate_endpoint(endpoint: object) -> str:
-    """Return ``endpoint`` or raise :class:`ConfigurationError`; same rules as ids."""
-    return validate_name(endpoint, "endpoint")
 
 
 # ---------------------------------------------------------------------- message identity

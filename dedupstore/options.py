@@ -7,10 +7,14 @@ same converters, so ``"false"`` from a TOML file or an environment variable is
 ``False`` everywhere, an unknown option is the same ``ConfigurationError`` on every
 backend, and an option given both in the URL and as a keyword with different values
 is refused. ``repr``, pickling and ``dedupstore config`` read the same declaration.
+
+The converters (:func:`boolean`, :func:`integer`, :func:`seconds`, durations such as
+``'5s'``, ``'10 ms'`` or ``'1h30m'`` through :func:`parse_duration`, ...) live here too.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -18,14 +22,8 @@ from datetime import timedelta
 from typing import Any
 
 from dedupstore.errors import ConfigurationError
-from dedupstore.urls import (
-    MASK,
-    StoreURL,
-    check_seconds,
-    parse_duration,
-    register_secret_name,
-    secret_names,
-)
+from dedupstore.masking import MASK, is_secret
+from dedupstore.urls import StoreURL
 
 __all__ = [
     "Option",
@@ -33,13 +31,25 @@ __all__ = [
     "Options",
     "boolean",
     "choice",
+    "format_duration",
     "integer",
     "optional",
+    "parse_duration",
     "seconds",
     "text",
 ]
 
 Converter = Callable[[Any], Any]
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, None: 1}
+#: A compound duration such as ``1h30m`` or ``2s500ms``: units largest first, each once.
+_DURATION_PART = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)")
+_UNIT_ORDER = ("w", "d", "h", "m", "s", "ms")
+#: The units :func:`format_duration` writes, in microseconds.
+_FORMAT_UNITS = (("d", 86_400_000_000), ("h", 3_600_000_000), ("m", 60_000_000), ("s", 1_000_000))
+#: Longest duration accepted anywhere (1000 years): larger values are typos.
+MAX_DURATION_SECONDS = 1000 * 365.25 * 86400
 
 
 @dataclass(frozen=True)
@@ -50,8 +60,8 @@ class Option:
     TOML) into the typed value, raising ``ValueError``/``TypeError`` when it cannot.
     ``in_url``: may come from a URL query or a configuration file (``False`` for
     live objects such as ``client``). ``pickled``: replayed when an unpickled copy
-    reopens. ``driver``: handed to the driver library as is. ``formerly``: old
-    names, which an error points to this one.
+    reopens. ``driver``: handed to the driver library as is. ``doc``: what the
+    option is, named when a value is refused.
     """
 
     name: str
@@ -62,7 +72,6 @@ class Option:
     in_url: bool = True
     pickled: bool = True
     driver: bool = False
-    formerly: tuple[str, ...] = ()
 
 
 class OptionSet(Mapping[str, Option]):
@@ -75,11 +84,11 @@ class OptionSet(Mapping[str, Option]):
     def __init__(
         self, *options: Option, driver_params: Callable[[str], bool] | None = None
     ) -> None:
-        self._options: dict[str, Option] = {}
-        for option in options:
-            self._options[option.name] = option
-            if option.secret:
-                register_secret_name(option.name)
+        self._options: dict[str, Option] = {option.name: option for option in options}
+        #: The names of the options declared ``secret`` (masked wherever this set is known).
+        self.secret_names: frozenset[str] = frozenset(
+            name for name, option in self._options.items() if option.secret
+        )
         self.driver_params = driver_params
 
     def extend(
@@ -103,27 +112,26 @@ class OptionSet(Mapping[str, Option]):
         return len(self._options)
 
     def _unknown(self, owner: str, name: str, where: str) -> ConfigurationError:
-        for option in self._options.values():
-            if name in option.formerly:
-                return ConfigurationError(
-                    f"option {name!r} of {owner} is now called {option.name!r} ({where})"
-                )
         known = ", ".join(n for n, o in self._options.items() if o.in_url or where != "in the URL")
         return ConfigurationError(
             f"unknown option {name!r} for {owner} ({where}); known options: {known or 'none'}"
         )
 
     def convert(self, owner: str, name: str, value: object) -> Any:
-        """Convert ``value`` for option ``name``, or raise ``ConfigurationError``."""
+        """Convert ``value`` for option ``name``, or raise ``ConfigurationError``.
+
+        The message names the option, ``owner`` and what the option is (its ``doc``).
+        """
         option = self._options[name]
         try:
             return option.convert(value)
         except (ValueError, TypeError, OverflowError) as exc:
+            what = f"{name!r} of {owner}" + (f" ({option.doc})" if option.doc else "")
             if option.secret:
                 raise ConfigurationError(
-                    f"bad value for option {name!r} of {owner} (value hidden): {type(exc).__name__}"
+                    f"bad value for option {what}, value hidden: {type(exc).__name__}"
                 ) from None
-            raise ConfigurationError(f"bad value for option {name!r} of {owner}: {exc}") from None
+            raise ConfigurationError(f"bad value for option {what}: {exc}") from None
 
     def resolve(self, owner: str, url: StoreURL, keywords: Mapping[str, object]) -> Options:
         """Typed values of every option, from ``url``'s query and ``keywords``.
@@ -216,9 +224,8 @@ class Options(Mapping[str, Any]):
 
     def shown(self) -> dict[str, Any]:
         """Options that differ from their defaults, secrets masked (for ``repr``)."""
-        names = secret_names()
         return {
-            name: (MASK if (self.declaration[name].secret or name in names) else value)
+            name: (MASK if (self.declaration[name].secret or is_secret(name)) else value)
             for name, value in self._values.items()
             if value is not None
             and value != self.declaration[name].default
@@ -273,6 +280,84 @@ def integer(minimum: int | None = None, maximum: int | None = None) -> Converter
         return number
 
     return convert
+
+
+def parse_duration(value: object) -> timedelta | None:
+    """Parse a retention: a ``timedelta``, seconds, or a string like ``'30d'``, ``'12h'``.
+
+    ``None``, ``''`` and ``'none'`` mean "keep forever". Raises ``ValueError`` when the
+    value is not a positive, finite duration of at most 1000 years.
+    """
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, bool):
+        raise ValueError(f"expected a duration, got {value!r}")
+    elif isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str):
+        if value.strip().lower() in {"", "none", "forever"}:
+            return None
+        match = _DURATION.match(value)
+        if not match:
+            compound = _compound_duration(value)
+            check_seconds(compound.total_seconds(), value)
+            return compound
+        seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+    else:
+        raise ValueError(f"expected a duration, got {type(value).__name__}")
+    return timedelta(seconds=check_seconds(seconds, value))
+
+
+def _compound_duration(text: str) -> timedelta:
+    """``'1h30m'``, ``'2s500ms'``: parts summed exactly (each part to the microsecond)."""
+    total, position, last = timedelta(), 0, -1
+    while position < len(text.rstrip()):
+        part = _DURATION_PART.match(text, position)
+        rank = -1 if part is None else _UNIT_ORDER.index(part.group(2))
+        if part is None or rank <= last:
+            raise ValueError(
+                "expected a duration such as '90s', '15m', '12h', '30d', '1h30m' or seconds "
+                f"(units largest first, each once), got {text!r}"
+            )
+        total += timedelta(seconds=float(part.group(1)) * _UNIT_SECONDS[part.group(2)])
+        position, last = part.end(), rank
+    return total
+
+
+def format_duration(duration: timedelta) -> str:
+    """``duration`` as compact text: ``'30d'``, ``'1h30m'``, ``'10s'``, ``'2s500ms'``.
+
+    The inverse of :func:`parse_duration`: parsing the text gives ``duration`` back
+    exactly (to the microsecond; below a millisecond as ``'0.001ms'``). Days are the
+    largest unit; zero is ``'0s'``. Raises ``ValueError`` for a negative duration.
+    """
+    micro = duration // timedelta(microseconds=1)
+    if micro < 0:
+        raise ValueError(f"a duration must not be negative, got {duration!r}")
+    if micro == 0:
+        return "0s"
+    parts = []
+    for unit, size in _FORMAT_UNITS:
+        count, micro = divmod(micro, size)
+        if count:
+            parts.append(f"{count}{unit}")
+    if micro:
+        millis, fraction = divmod(micro, 1000)
+        parts.append(f"{millis}.{fraction:03d}".rstrip("0").rstrip(".") + "ms")
+    return "".join(parts)
+
+
+def check_seconds(seconds: float, given: object) -> float:
+    """Return ``seconds`` if positive, finite and at most 1000 years, else ``ValueError``."""
+    if math.isnan(seconds) or math.isinf(seconds):
+        raise ValueError(f"expected a finite duration, got {given!r}")
+    if seconds <= 0:
+        raise ValueError(f"a duration must be positive, got {given!r}")
+    if seconds > MAX_DURATION_SECONDS:
+        raise ValueError(f"a duration must be at most 1000 years, got {given!r}")
+    return seconds
 
 
 def seconds(maximum: float | None = None) -> Converter:
@@ -358,30 +443,29 @@ def callable_(value: object) -> object:
 # One name for one concept on every backend: these build the declarations.
 
 
-def timeout_option(default: float, what: str, formerly: tuple[str, ...] = ()) -> Option:
+def timeout_option(default: float, what: str) -> Option:
     """``timeout``: how long one request to the server may take before ``StoreUnavailable``."""
-    return Option("timeout", seconds(), default, what, formerly=formerly)
+    return Option("timeout", seconds(), default, what)
 
 
-def connect_timeout_option(default: float = 5.0, formerly: tuple[str, ...] = ()) -> Option:
+def connect_timeout_option(default: float = 5.0) -> Option:
     """``connect_timeout``: how long opening a connection may take."""
     return Option(
         "connect_timeout",
         seconds(),
         default,
         "seconds to open a connection before StoreUnavailable",
-        formerly=formerly,
     )
 
 
-def retries_option(default: int, what: str, formerly: tuple[str, ...] = ()) -> Option:
+def retries_option(default: int, what: str) -> Option:
     """``retries``: how often a failed request is retried (0: never)."""
-    return Option("retries", integer(0, 100), default, what, formerly=formerly)
+    return Option("retries", integer(0, 100), default, what)
 
 
-def create_option(default: bool, what: str, formerly: tuple[str, ...] = ()) -> Option:
+def create_option(default: bool, what: str) -> Option:
     """``create``: create the table / schema / container when it is missing."""
-    return Option("create", boolean, default, what, formerly=formerly)
+    return Option("create", boolean, default, what)
 
 
 def client_option(what: str) -> Option:

@@ -37,7 +37,6 @@ __all__ = [
     "dispatchers",
     "entity_stores",
     "known_backends",
-    "open_url",
     "register_backend",
     "register_dispatcher",
     "register_entity_backend",
@@ -226,11 +225,6 @@ def register_backend(
 def backend_class(scheme: str) -> type[DeduplicationStore]:
     """Import and return the store class registered for ``scheme``."""
     return stores.resolve(scheme)
-
-
-def open_url(url: str | StoreURL, **options: Any) -> DeduplicationStore:
-    """Open the store for ``url``; see :func:`dedupstore.open_store`."""
-    return stores.open(url, **options)
 
 
 def register_entity_backend(

@@ -14,14 +14,14 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ClassVar, Literal
 
-from dedupstore.client import Client, ProcessLocal
+from dedupstore.calls import fan_out
+from dedupstore.client import Client
 from dedupstore.errors import DedupStoreError, InvalidMessageId
-from dedupstore.ids import MAX_ID_BYTES, validate_endpoint, validate_ids, validate_message_id
+from dedupstore.ids import MAX_ID_BYTES, validate_ids, validate_message_id
 from dedupstore.options import Option, OptionSet, callable_, retention, seconds
 from dedupstore.urls import StoreURL
 
@@ -31,7 +31,6 @@ __all__ = [
     "MAX_ID_BYTES",
     "DeduplicationStore",
     "WriteRequest",
-    "validate_endpoint",
     "validate_message_id",
 ]
 
@@ -137,13 +136,6 @@ class DeduplicationStore(Client):
         )
         clock = self._opts.get("clock")
         self._clock: Clock = clock if clock is not None else time.time
-        self._chunk_pool: ProcessLocal[ThreadPoolExecutor] = ProcessLocal(
-            lambda: ThreadPoolExecutor(
-                max_workers=self.chunk_concurrency,
-                thread_name_prefix=f"dedupstore-{type(self).__name__}",
-            ),
-            lambda pool: pool.shutdown(wait=True),
-        )
         self._pending: dict[str, list[str]] = {}
         self._pending_lock = threading.Lock()
 
@@ -245,12 +237,6 @@ class DeduplicationStore(Client):
         with self._translating_errors("purge_expired"):
             return self._purge(self._clock())
 
-    def close(self) -> None:
-        """Release connections; idempotent. The store cannot be used afterwards."""
-        if not self._closed:
-            self._chunk_pool.close()
-        super().close()
-
     # ------------------------------------------------------------------ primitives
 
     @abc.abstractmethod
@@ -342,76 +328,31 @@ class DeduplicationStore(Client):
     ) -> set[str]:
         """Union of ``work(chunk)``, with up to :attr:`chunk_concurrency` in flight.
 
-        Memory stays bounded (at most that many chunks are held). On an error the
-        chunks in flight are finished (or cancelled before they start), and for
-        writes the error carries ``recorded`` / ``unknown``.
+        :func:`~dedupstore.calls.fan_out`: memory stays bounded (at most that many
+        chunks are held); on an error no new chunk starts, those in flight finish,
+        and for writes the error carries ``recorded`` / ``unknown``.
         """
         result: set[str] = set()
         unknown: set[str] = set()
+        lock = threading.Lock()
+
+        def run(chunk: list[str]) -> None:
+            try:
+                done = work(chunk)
+            except BaseException:
+                with lock:
+                    unknown.update(chunk)
+                raise
+            with lock:
+                result.update(done)
+
         try:
-            first = next(chunks, None)
-            if first is None:
-                return result
-            second = next(chunks, None)
-            if second is None or self.chunk_concurrency <= 1:
-                for chunk in itertools.chain([first], [] if second is None else [second], chunks):
-                    try:
-                        result |= work(chunk)
-                    except BaseException:
-                        unknown.update(chunk)
-                        raise
-                return result
-            self._run_concurrently(itertools.chain([first, second], chunks), work, result, unknown)
-            return result
+            fan_out(run, chunks, concurrency=self.chunk_concurrency)
         except DedupStoreError as exc:
             if writes:
                 raise exc.with_progress(result, unknown) from exc.__cause__
             raise
-
-    def _run_concurrently(
-        self,
-        chunks: Iterator[list[str]],
-        work: Callable[[list[str]], set[str]],
-        result: set[str],
-        unknown: set[str],
-    ) -> None:
-        pool = self._chunk_pool.get()
-        pending: dict[Future[set[str]], list[str]] = {}
-        failure: BaseException | None = None
-
-        def collect(done: Iterable[Future[set[str]]]) -> None:
-            nonlocal failure
-            for future in done:
-                chunk = pending.pop(future)
-                if future.cancelled():
-                    continue
-                error = future.exception()
-                if error is None:
-                    result.update(future.result())
-                else:
-                    unknown.update(chunk)
-                    failure = failure or error
-
-        try:
-            for chunk in chunks:
-                if len(pending) >= self.chunk_concurrency:
-                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                    collect(done)
-                    if failure is not None:
-                        break
-                pending[pool.submit(work, chunk)] = chunk
-        except BaseException:
-            for future in pending:
-                future.cancel()
-            raise
-        finally:
-            if failure is not None:
-                for future in pending:
-                    future.cancel()
-            wait(pending)
-            collect(list(pending))
-        if failure is not None:
-            raise failure
+        return result
 
     def _chunks(self, message_ids: Iterable[str], size: int) -> Iterator[list[str]]:
         """Validate and split ``message_ids`` into duplicate-free chunks of ``size``."""

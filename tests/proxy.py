@@ -12,7 +12,12 @@
 * :meth:`~TcpProxy.outage` starts an outage: new connections are refused
   (``"refuse"``: nothing listens on the port), accepted and reset at once
   (``"reset"``), or accepted and never answered (``"hang"``: a frozen server);
-  :meth:`~TcpProxy.restore` ends it, on the same port.
+  :meth:`~TcpProxy.restore` ends it, on the same port;
+* :meth:`~TcpProxy.freeze` freezes every open connection: it stays open, but
+  nothing sent either way arrives any more (a server that stopped answering on a
+  live connection; with ``outage("hang")``, a server frozen altogether).
+  :meth:`~TcpProxy.restore` resets the frozen connections (their byte streams
+  lost data, so they cannot be resumed).
 
 Every method returns once the proxy is in the new state (the sockets are closed),
 so a test can act on the client right after. ::
@@ -71,6 +76,8 @@ class _Link:
         self.forgotten = False
         #: Accepted during a "hang" outage: never forwarded.
         self.held = False
+        #: Frozen: open, but what either side sends is dropped.
+        self.frozen = False
 
     def abort(self, *, silent: bool = False) -> None:
         if silent:
@@ -165,12 +172,20 @@ class TcpProxy:
         """
         return self._call(self._reset(silent=silent))
 
+    def freeze(self) -> int:
+        """Freeze every open connection (open, nothing forwarded); return how many.
+
+        :meth:`restore` resets them. New connections are not affected: combine
+        with ``outage("hang")`` for a server that stops answering altogether.
+        """
+        return self._call(self._freeze())
+
     def outage(self, mode: OutageMode = "refuse") -> None:
         """From now on new connections are refused, reset at once, or never answered."""
         self._call(self._set_mode(mode))
 
     def restore(self) -> None:
-        """End the outage: new connections are forwarded again (hung ones are reset)."""
+        """End the outage: new connections are forwarded again (hung and frozen ones are reset)."""
         self._call(self._set_mode(None))
 
     @contextlib.contextmanager
@@ -208,16 +223,22 @@ class TcpProxy:
         links = [
             link
             for link in self._links
-            if not (silent and link.forgotten) and (link.held or not held_only)
+            if not (silent and link.forgotten) and (link.held or link.frozen or not held_only)
         ]
         for link in links:
             link.abort(silent=silent)
         await self._settle([] if silent else links)
         return len(links)
 
+    async def _freeze(self) -> int:
+        links = [link for link in self._links if not link.forgotten and not link.held]
+        for link in links:
+            link.frozen = True
+        return len(links)
+
     async def _set_mode(self, mode: OutageMode | None) -> None:
         previous, self._mode = self._mode, mode
-        if previous == "hang":  # the held connections were never forwarded: end them
+        if previous == "hang" or mode is None:  # held or frozen connections: end them
             await self._reset(held_only=True)
         if mode == "refuse" and previous != "refuse":
             await self._stop_listening()
@@ -277,6 +298,8 @@ class TcpProxy:
                 if link.forgotten:  # the client sent to a forgotten connection: RST
                     _abort(link.client)
                     return
+                if link.frozen:  # dropped: the other side waits for bytes that never come
+                    continue
                 writer.write(data)
                 await writer.drain()
         except OSError:

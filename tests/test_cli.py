@@ -92,7 +92,7 @@ def test_config_masks_secrets(
         (["add", "sqlite:///cli.db?timeout=nan", "a"], 2, "bad value for option 'timeout'"),
         (["add", "sqlite:///cli.db?synchronous=3", "a"], 2, "expected one of OFF, NORMAL"),
         (["add", "sqlite:///cli.db?retention=99999999999d", "a"], 2, "at most 1000 years"),
-        (["add", "sqlite:///cli.db?create_schema=false", "a"], 2, "is now called 'create'"),
+        (["add", "sqlite:///cli.db?create_schema=false", "a"], 2, "unknown option 'create_schema'"),
     ],
 )
 def test_errors_are_one_line_without_traceback(
@@ -512,7 +512,7 @@ def test_config_shows_entities_url_and_compact_durations(
 def test_durations_round_trip(text: str, seconds: float) -> None:
     from datetime import timedelta
 
-    from dedupstore.urls import format_duration, parse_duration
+    from dedupstore.options import format_duration, parse_duration
 
     duration = parse_duration(text)
     assert duration == timedelta(seconds=seconds)
@@ -524,7 +524,7 @@ def test_formatted_durations_parse_back_exactly() -> None:
     import random
     from datetime import timedelta
 
-    from dedupstore.urls import format_duration, parse_duration
+    from dedupstore.options import format_duration, parse_duration
 
     rng = random.Random(7)
     for _ in range(2000):

@@ -24,10 +24,11 @@ from dedupstore import (
     register_backend,
 )
 from dedupstore.config import DEFAULT_URL, resolve_config
+from dedupstore.masking import mask_url
+from dedupstore.options import parse_duration
 from dedupstore.registry import backend_class, known_backends
 from dedupstore.store import validate_message_id
 from dedupstore.testing import INVALID_IDS
-from dedupstore.urls import mask_url, parse_duration
 
 pytestmark = pytest.mark.sqlite
 
@@ -144,6 +145,8 @@ def test_parse_duration_none_and_bad() -> None:
         ("memory://x?colour=blue", "unknown option 'colour' for MemoryDeduplicationStore"),
         ("sqlite:///x.db?colour=blue", "unknown option 'colour'"),
         ("sqlite:///x.db?timeout=soon", "bad value for option 'timeout'"),
+        # the message says what the option is, in the user's terms (its declared doc)
+        ("sqlite:///x.db?timeout=soon", "(seconds a call waits for another writer's lock)"),
     ],
 )
 def test_bad_urls(populated: DeduplicationStore, url: str, fragment: str) -> None:
@@ -474,3 +477,16 @@ def test_entity_registry_is_lazy_and_extensible() -> None:
     with pytest.raises(ConfigurationError, match="not a EntityStore subclass"):
         register_entity_backend("wrong", "backends.memory:MemoryDeduplicationStore")
         open_entity_store("wrong://x")
+
+
+def test_the_error_prefix_is_written_in_one_place() -> None:
+    """'<Class> at <url>:' comes from Client._error only, never typed by hand."""
+    root = Path(__file__).resolve().parent.parent
+    typed = [
+        str(path.relative_to(root))
+        for folder in ("dedupstore", "backends", "spark_integration")
+        for path in sorted((root / folder).rglob("*.py"))
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if " at {self.url}:" in line
+    ]
+    assert typed == ["dedupstore/client.py"], typed  # in Client._error

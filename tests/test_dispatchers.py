@@ -582,7 +582,9 @@ class TestSqliteDispatcher:
         path = _path(sqlite_url)
         with sqlite3.connect(path) as conn:
             conn.execute("CREATE TABLE entities (id TEXT PRIMARY KEY, body TEXT)")
-        with pytest.raises(ConfigurationError, match="not a dispatcher table"):
+        with pytest.raises(
+            ConfigurationError, match="not usable as a dispatcher table: it has no col"
+        ):
             open_dispatcher(sqlite_url, table="entities")
         missing = tmp_path / "nowhere.db"
         with pytest.raises(ConfigurationError):

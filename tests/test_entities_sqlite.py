@@ -58,7 +58,9 @@ def test_missing_table_without_create(tmp_path: Path) -> None:
 def test_a_foreign_table_is_refused(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/x.db"
     dedupstore.open_store(url).close()
-    with pytest.raises(ConfigurationError, match="not an entity table"):
+    with pytest.raises(
+        ConfigurationError, match="not usable as an entity table: it has no column body"
+    ):
         SqliteEntityStore(url, table="dedup_records")
 
 

@@ -1,4 +1,4 @@
-"""SQLite-specific behaviour: error classes on real files, the schema upgrade, warnings."""
+"""SQLite-specific behaviour: error classes on real files, tables of another shape, warnings."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_without_create_a_missing_file_is_not_created(tmp_path: Path) -> None:
     assert not (tmp_path / "absent.db").exists()
 
 
-def test_a_table_from_before_write_tokens_is_upgraded_with_create(tmp_path: Path) -> None:
+def test_a_table_of_a_pre_release_shape_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "old.db"
     with sqlite3.connect(path) as conn:
         conn.execute(
@@ -61,11 +61,18 @@ def test_a_table_from_before_write_tokens_is_upgraded_with_create(tmp_path: Path
             "expires_at REAL, PRIMARY KEY (endpoint, id)) WITHOUT ROWID"
         )
         conn.execute("INSERT INTO dedup_records VALUES ('default', 'old', NULL)")
-    with pytest.raises(ConfigurationError, match="create=true"):
-        open_store(f"sqlite:///{path}?create=false")
-    with open_store(f"sqlite:///{path}") as store:
-        assert store.has_been_processed("old")
-        assert store.add("new") is True
+    for create in ("false", "true"):
+        with pytest.raises(ConfigurationError) as info:
+            open_store(f"sqlite:///{path}?create={create}")
+        message = str(info.value)
+        assert 'table "dedup_records"' in message and "has no column writer" in message
+        assert "not usable as a deduplication table" in message and "drop it" in message
+    with sqlite3.connect(path) as conn:
+        assert [row[1] for row in conn.execute("PRAGMA table_info(dedup_records)")] == [
+            "endpoint",
+            "id",
+            "expires_at",
+        ], "the table is left as it was"
 
 
 def test_use_after_close_from_another_thread_is_store_closed(tmp_path: Path) -> None:

@@ -49,15 +49,19 @@ account whose default consistency is weaker than Strong (the emulator reports
 twice, entities may load stale. Logged as a WARNING at every open, and reported by
 ``health_warnings()``.
 
-Failures: a request that gets no answer fails after ``connect_timeout + timeout``;
-connection failures, reads and throttling (429) are retried ``retries`` times (about
-a second apart); a write whose answer was lost is not resent (the deduplication
+Failures: connection failures, reads and throttling (429) are retried by the SDK
+``retries`` times; a write whose answer was lost is not resent (the deduplication
 store's write token settles it on a retry; an entity save raises and the caller
-reloads). So a call gives up after about ``(retries + 1) * (connect_timeout +
-timeout + 1)`` seconds (default 64 s); with endpoint discovery, reads answered
-408/5xx are also tried once per region. ``StoreUnavailable`` (unreachable, timeout,
-throttling, 5xx): retry. ``ConfigurationError``: rejected key, missing database or
-container, a container of another shape or shared with other data.
+reloads). Deadline: a call (one chunk of a batch) raises ``StoreUnavailable`` at
+most ``connect_timeout + (retries + 1) x timeout`` seconds after it started (45 s
+with the defaults), whatever the service does: every HTTP attempt of the SDK
+(connecting and reading together) and every pause between attempts is cut at the
+deadline, and no attempt starts after it. Only the waits a throttling service
+asks for (429 ``retry-after``, at most ``timeout`` rounded up, in all) can extend
+it. A ``client`` given by the user keeps its own transport and retries.
+``StoreUnavailable`` (unreachable, timeout, throttling, 5xx): retry.
+``ConfigurationError``: rejected key, missing database or container, a container
+of another shape or shared with other data.
 ``ConsistencyError``: weaker than Strong. Each store's module says what its
 operations guarantee on failure.
 """

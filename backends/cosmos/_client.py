@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import binascii
 import contextlib
-import dataclasses
 import json
 import logging
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Final, TypeVar
 from urllib.parse import unquote
 
 import requests
+import urllib3
 from azure.core.exceptions import AzureError, HttpResponseError
 from azure.core.pipeline.transport import RequestsTransport
 from azure.cosmos import CosmosClient
@@ -31,10 +30,12 @@ from azure.cosmos.documents import ConnectionPolicy
 from azure.cosmos.exceptions import CosmosHttpResponseError
 from urllib3.util.retry import Retry
 
+from dedupstore.calls import DeadlinePassed, executor, fan_out, time_left
 from dedupstore.client import Client, ErrorKind, ProcessLocal
 from dedupstore.errors import ConfigurationError, ConsistencyError, StoreUnavailable
 from dedupstore.options import (
     Option,
+    Options,
     boolean,
     client_option,
     connect_timeout_option,
@@ -74,6 +75,40 @@ _T = TypeVar("_T")
 _R = TypeVar("_R")
 
 
+class _BoundedAdapter(requests.adapters.HTTPAdapter):
+    """Each HTTP attempt (connecting and reading together) ends by the call's deadline.
+
+    The SDK's timeouts apply to each attempt as before; with a deadline the
+    attempt also gets urllib3's ``total`` limit: the time left. None left:
+    a connection timeout, nothing sent.
+    """
+
+    def send(
+        self,
+        request: requests.PreparedRequest,
+        stream: bool = False,
+        timeout: Any = None,
+        verify: bool | str = True,
+        cert: Any = None,
+        proxies: Mapping[str, str] | None = None,
+    ) -> requests.Response:
+        left = time_left()
+        if left is not None:
+            if left <= 0:  # a transport error the SDK reports as a timeout (an AzureError)
+                raise requests.exceptions.ConnectTimeout(str(DeadlinePassed()), request=request)
+            connect, read = timeout if isinstance(timeout, tuple) else (timeout, timeout)
+            timeout = urllib3.Timeout(connect=connect, read=read, total=left)
+        return super().send(request, stream, timeout, verify, cert, dict(proxies or {}))
+
+
+class _BoundedTransport(RequestsTransport):  # type: ignore[misc]
+    """The SDK's pauses between attempts end by the call's deadline."""
+
+    def sleep(self, duration: float) -> None:
+        left = time_left()
+        super().sleep(duration if left is None else max(0.0, min(duration, left)))
+
+
 def _check_name(kind: str, name: str, url: str) -> str:
     if not name or len(name) > 255 or _FORBIDDEN_NAME_CHARS & set(name) or name != name.strip():
         raise ConfigurationError(
@@ -99,10 +134,25 @@ def _http_summary(exc: HttpResponseError) -> str:
     return f"{summary}: {line}" if line else summary
 
 
-def _cosmos_client(value: object) -> object:
-    if value is not None and not isinstance(value, CosmosClient):
-        raise TypeError(f"expected an azure.cosmos.CosmosClient, got {type(value).__name__}")
-    return value
+def _names(url: StoreURL) -> tuple[str, str]:
+    """The database and container names of a ``cosmos://`` URL; ``ConfigurationError``."""
+    if url.username is not None or url.password is not None:
+        raise ConfigurationError(
+            "a cosmos:// URL carries no user or password; pass the key as ?key=... "
+            f"or in {KEY_ENV_VAR}"
+        )
+    shape = "'cosmos://<host>[:port]/<database>/<container>'"
+    if not url.host:
+        raise ConfigurationError(
+            f"a cosmos:// URL names the account host: {shape}, got {url.masked!r}"
+        )
+    segments = url.path.split("/")[1:]
+    if len(segments) != 2 or not all(segments):
+        raise ConfigurationError(f"expected {shape}, got {url.masked!r}")
+    return (
+        _check_name("database", unquote(segments[0]), url.masked),
+        _check_name("container", unquote(segments[1]), url.masked),
+    )
 
 
 #: The options of both stores, declared once (each store adds its own).
@@ -122,15 +172,12 @@ CONNECTION_OPTIONS: Final[tuple[Option, ...]] = (
         False,
         "UNSAFE: accept an account weaker than Strong (emulators only; logged)",
     ),
-    create_option(False, "create the database and container", formerly=("create_container",)),
+    create_option(False, "create the database and container"),
     Option("max_concurrency", integer(1, 1000), 32, "requests in flight per batch"),
     timeout_option(10.0, "seconds: read timeout of each request"),
     connect_timeout_option(5.0),
-    retries_option(3, "SDK retries of a failed or throttled request", formerly=("retry_total",)),
-    dataclasses.replace(
-        client_option("a ready CosmosClient (key, tls, timeouts and retries are then unused)"),
-        convert=_cosmos_client,
-    ),
+    retries_option(3, "SDK retries of a failed or throttled request"),
+    client_option("a ready CosmosClient (key, tls, timeouts and retries are then unused)"),
 )
 
 
@@ -176,7 +223,7 @@ class CosmosClientBase(Client):
         container, and ``StoreUnavailable`` when the service cannot be reached.
         """
         super().__init__(url, **options)
-        self._database_name, self._container_name = self._names()
+        self._database_name, self._container_name = _names(self._url)
         opts = self._opts
         self._account_consistency = "unknown"
         self._endpoint_url = f"{'https' if opts['tls'] else 'http'}://{self._url.netloc}/"
@@ -185,12 +232,6 @@ class CosmosClientBase(Client):
             raise ConfigurationError(
                 f"no Cosmos DB key for {self.url}: pass key=... or set {KEY_ENV_VAR}"
             )
-        self._pool: ProcessLocal[ThreadPoolExecutor] = ProcessLocal(
-            lambda: ThreadPoolExecutor(
-                max_workers=opts["max_concurrency"], thread_name_prefix="dedupstore-cosmos"
-            ),
-            lambda pool: pool.shutdown(wait=True),
-        )
         self._conn: ProcessLocal[_Connection] = ProcessLocal(self._connect, _close_connection)
         try:
             with self._translating_errors("open"):
@@ -200,6 +241,17 @@ class CosmosClientBase(Client):
         except BaseException:
             self._close()
             raise
+
+    @classmethod
+    def _validate(cls, url: StoreURL, options: Options) -> None:
+        """The URL names a host, a database and a container; ``client`` is a CosmosClient."""
+        super()._validate(url, options)
+        _names(url)
+        client = options["client"]
+        if client is not None and not isinstance(client, CosmosClient):
+            raise ConfigurationError(
+                f"client must be an azure.cosmos.CosmosClient, got {type(client).__name__}"
+            )
 
     # ------------------------------------------------------------------ for the stores
 
@@ -216,26 +268,6 @@ class CosmosClientBase(Client):
 
     # ------------------------------------------------------------------ opening
 
-    def _names(self) -> tuple[str, str]:
-        url = self._url
-        if url.username is not None or url.password is not None:
-            raise ConfigurationError(
-                "a cosmos:// URL carries no user or password; pass the key as ?key=... "
-                f"or in {KEY_ENV_VAR}"
-            )
-        shape = "'cosmos://<host>[:port]/<database>/<container>'"
-        if not url.host:
-            raise ConfigurationError(
-                f"a cosmos:// URL names the account host: {shape}, got {url.masked!r}"
-            )
-        segments = url.path.split("/")[1:]
-        if len(segments) != 2 or not all(segments):
-            raise ConfigurationError(f"expected {shape}, got {url.masked!r}")
-        return (
-            _check_name("database", unquote(segments[0]), url.masked),
-            _check_name("container", unquote(segments[1]), url.masked),
-        )
-
     def _connect(self) -> _Connection:
         """This process's client (the given one, or a new one) and container proxy."""
         client = self._opts["client"]
@@ -248,7 +280,7 @@ class CosmosClientBase(Client):
     def _new_client(self) -> CosmosClient:
         opts = self._opts
         session = requests.Session()
-        adapter = requests.adapters.HTTPAdapter(
+        adapter = _BoundedAdapter(
             pool_connections=4,
             pool_maxsize=opts["max_concurrency"] + 4,
             max_retries=Retry(total=False, redirect=False, raise_on_status=False),
@@ -268,7 +300,7 @@ class CosmosClientBase(Client):
         policy.RetryOptions = type(policy.RetryOptions)(opts["retries"], None, throttle_wait)
         kwargs: dict[str, Any] = {
             "connection_policy": policy,
-            "transport": RequestsTransport(session=session, session_owner=True),
+            "transport": _BoundedTransport(session=session, session_owner=True),
             "enable_endpoint_discovery": opts["endpoint_discovery"],
             "connection_timeout": opts["connect_timeout"],
             "read_timeout": opts["timeout"],
@@ -365,7 +397,6 @@ class CosmosClientBase(Client):
     # ------------------------------------------------------------------ errors
 
     def _classify_error(self, exc: BaseException) -> ErrorKind:
-        where = f"{type(self).__name__} at {self.url}"
         if isinstance(exc, HttpResponseError):
             status = exc.status_code or 0
             sub_status = getattr(exc, "sub_status", None) or 0
@@ -377,15 +408,19 @@ class CosmosClientBase(Client):
             ):
                 return StoreUnavailable
             if status in (401, 403):
-                return ConfigurationError(
-                    f"{where}: Cosmos DB refused the credentials ({summary}); "
-                    f"check the key (option 'key' or {KEY_ENV_VAR})"
+                return self._error(
+                    ConfigurationError,
+                    None,
+                    f"Cosmos DB refused the credentials ({summary}); "
+                    f"check the key (option 'key' or {KEY_ENV_VAR})",
                 )
             if status == 404:
-                return ConfigurationError(
-                    f"{where}: database {self._database_name!r} or container "
+                return self._error(
+                    ConfigurationError,
+                    None,
+                    f"database {self._database_name!r} or container "
                     f"{self._container_name!r} does not exist ({summary}); "
-                    f"create it with {self._create_function} or open with create=true"
+                    f"create it with {self._create_function} or open with create=true",
                 )
             if status == 400 and "consisten" in summary.lower():
                 return ConsistencyError
@@ -436,29 +471,21 @@ class CosmosClientBase(Client):
                 partition_key=doc_ids[0],
             )
         else:
-            items = container.read_items([(d, d) for d in doc_ids], executor=self._pool.get())
+            items = container.read_items([(d, d) for d in doc_ids], executor=executor())
         return {str(item["id"]): item for item in items}
 
     def _parallel(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
         """``[fn(x) for x in items]`` with up to ``max_concurrency`` calls in flight.
 
-        On the first failure, calls not started yet are cancelled; the running ones
-        are awaited, then the first failure is raised.
+        :func:`~dedupstore.calls.fan_out`: after a failure no new call starts, the
+        running ones are awaited, then the first failure in input order is raised.
         """
-        if len(items) <= 1:
-            return [fn(item) for item in items]
-        pool = self._pool.get()
-        futures: list[Future[_R]] = [pool.submit(fn, item) for item in items]
-        pending = wait(futures, return_when=FIRST_EXCEPTION).not_done
-        for future in pending:
-            future.cancel()
-        wait(pending)
-        for future in futures:
-            error = None if future.cancelled() else future.exception()
-            if error is not None:
-                raise error
-        return [future.result() for future in futures]
+        return fan_out(fn, items, concurrency=self._opts["max_concurrency"])
+
+    def _deadline_seconds(self) -> float:
+        """``connect_timeout + (retries + 1) x timeout``: see :mod:`backends.cosmos`."""
+        opts = self._opts
+        return float(opts["connect_timeout"] + (opts["retries"] + 1) * opts["timeout"])
 
     def _close(self) -> None:
-        self._pool.close()
         self._conn.close()

@@ -75,16 +75,11 @@ from azure.core.exceptions import HttpResponseError
 from azure.cosmos import CosmosClient, PartitionKey
 from azure.cosmos.exceptions import CosmosHttpResponseError
 
-from backends.cosmos._client import (
-    CONNECTION_OPTIONS,
-    PARTITION_KEY_PATH,
-    CosmosClientBase,
-    _cosmos_client,
-)
+from backends.cosmos._client import CONNECTION_OPTIONS, PARTITION_KEY_PATH, CosmosClientBase
 from dedupstore.client import ErrorKind
 from dedupstore.entities import EntityRecord, EntityStore
 from dedupstore.errors import ConfigurationError, EntityTooLarge
-from dedupstore.options import OptionSet
+from dedupstore.options import Options, OptionSet
 from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
@@ -140,20 +135,6 @@ def create_entity_container(
     )
 
 
-def _compact_client(value: object) -> object:
-    """A ``CosmosClient`` that writes compact UTF-8 (else the size limit cannot hold)."""
-    client = _cosmos_client(value)
-    connection = getattr(client, "client_connection", None)
-    if getattr(connection, "_enable_compact_utf8_item_writes", None) is False:
-        raise ConfigurationError(  # not ValueError: its message would be hidden (secret)
-            "option 'client' of CosmosEntityStore: the CosmosClient escapes non-ASCII "
-            "text (up to 6 bytes per byte), so an entity within max_entity_bytes could "
-            "exceed Cosmos DB's 2 MiB request limit; create it with "
-            "enable_compact_utf8_item_writes=True"
-        )
-    return client
-
-
 def _etag_of(result: Mapping[str, Any]) -> str | None:
     """The ``_etag`` a write answered with (header; body when the service sent one)."""
     headers = getattr(result, "get_response_headers", None)
@@ -183,7 +164,6 @@ class CosmosEntityStore(CosmosClientBase, EntityStore):
         *CONNECTION_OPTIONS,
         dataclasses.replace(
             CONNECTION_OPTIONS[-1],
-            convert=_compact_client,
             doc="a ready CosmosClient created with enable_compact_utf8_item_writes=True "
             "(key, tls, timeouts and retries are then unused)",
         ),
@@ -205,6 +185,19 @@ class CosmosEntityStore(CosmosClientBase, EntityStore):
         """
         super().__init__(url, **options)
 
+    @classmethod
+    def _validate(cls, url: StoreURL, options: Options) -> None:
+        """Also: a given ``client`` writes compact UTF-8 (else the size limit cannot hold)."""
+        super()._validate(url, options)
+        connection = getattr(options["client"], "client_connection", None)
+        if getattr(connection, "_enable_compact_utf8_item_writes", None) is False:
+            raise ConfigurationError(
+                f"option 'client' of {cls.__name__}: the CosmosClient escapes non-ASCII "
+                "text (up to 6 bytes per byte), so an entity within max_entity_bytes could "
+                "exceed Cosmos DB's 2 MiB request limit; create it with "
+                "enable_compact_utf8_item_writes=True"
+            )
+
     def _create_container(self, client: CosmosClient) -> None:
         create_entity_container(client, self._database_name, self._container_name)
 
@@ -213,11 +206,13 @@ class CosmosEntityStore(CosmosClientBase, EntityStore):
 
     def _classify_error(self, exc: BaseException) -> ErrorKind:
         if isinstance(exc, HttpResponseError) and exc.status_code == 413:
-            return EntityTooLarge(
-                f"{type(self).__name__} at {self.url}: Cosmos DB refused an item as too "
+            return self._error(
+                EntityTooLarge,
+                None,
+                f"Cosmos DB refused an item as too "
                 f"large ({self._describe_error(exc)}) although its entity was within "
                 f"max_entity_bytes; that entity was not written (others of the same "
-                "save_many may have been)"
+                "save_many may have been)",
             )
         return super()._classify_error(exc)
 
@@ -244,11 +239,13 @@ class CosmosEntityStore(CosmosClientBase, EntityStore):
             or entity_document_id(stored) != item.get("id")
         ):
             wanted = "not an entity item" if entity_id is None else f"not {entity_id!r:.60}"
-            raise ConfigurationError(
-                f"{type(self).__name__} at {self.url}: item {item.get('id')!r} of container "
+            raise self._error(
+                ConfigurationError,
+                None,
+                f"item {item.get('id')!r} of container "
                 f"{self._container_name!r} holds entity {stored!r:.60}, {wanted}: a "
                 "container shared with other data (or a SHA-256 collision); give the "
-                "entities a container of their own"
+                "entities a container of their own",
             )
         return stored
 

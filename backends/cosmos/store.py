@@ -186,11 +186,13 @@ class CosmosDeduplicationStore(CosmosClientBase, DeduplicationStore):
 
     def _check_item(self, item: Mapping[str, Any], message_id: str) -> None:
         if item.get("endpoint") != self._endpoint or item.get("message_id") != message_id:
-            raise ConfigurationError(
-                f"{type(self).__name__} at {self.url}: item {item.get('id')!r} holds "
+            raise self._error(
+                ConfigurationError,
+                None,
+                f"item {item.get('id')!r} holds "
                 f"({item.get('endpoint')!r:.60}, {item.get('message_id')!r:.60}), not "
                 f"({self._endpoint!r:.60}, {message_id!r:.60}): a container shared with "
-                "other data (or a SHA-256 collision); use a container of its own"
+                "other data (or a SHA-256 collision); use a container of its own",
             )
 
     @staticmethod
@@ -257,9 +259,11 @@ class CosmosDeduplicationStore(CosmosClientBase, DeduplicationStore):
                     to_create.append(mid)
             if not to_create and not to_read:
                 return recorded
-        raise StoreUnavailable(
-            f"{type(self).__name__} at {self.url}: {len(to_create) + len(to_read)} id(s) "
-            f"changed under every one of {_MAX_ROUNDS} attempts (heavy contention); retry"
+        raise self._error(
+            StoreUnavailable,
+            None,
+            f"{len(to_create) + len(to_read)} id(s) "
+            f"changed under every one of {_MAX_ROUNDS} attempts (heavy contention); retry",
         )
 
     def _find(self, ids: list[str], now: float) -> set[str]:

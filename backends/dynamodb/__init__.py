@@ -30,7 +30,7 @@ Options of both stores (URL query or keyword; ``client`` keyword only):
                                    default chain (environment, profile, role)
 ``timeout``             10 s       one HTTP request (botocore read timeout)
 ``connect_timeout``     5 s        opening a connection
-``retries``             4          botocore "standard" retries of a failed request
+``retries``             4          retries of a failed or throttled request
 ``create``              false      create the table (on demand; TTL on ``ttl`` for
                                    a deduplication table)
 ``allow_global_table``  false      UNSAFE: accept a table with replicas
@@ -39,9 +39,18 @@ Options of both stores (URL query or keyword; ``client`` keyword only):
 ======================  =========  ==================================================
 
 The deduplication store also takes ``endpoint``, ``retention``, ``max_clock_skew``
-(60 s) and ``clock`` (keyword only). One request takes at most ``(retries + 1) *
-(connect_timeout + timeout)`` plus botocore's jittered backoff (at most 90 s with
-the defaults).
+(60 s) and ``clock`` (keyword only).
+
+Deadline: a call (one chunk of a batch) raises ``StoreUnavailable`` at most
+``connect_timeout + (retries + 1) x timeout`` seconds after it started (55 s with
+the defaults), whatever the endpoint does. botocore retries nothing: each request
+is retried by the store (:func:`dedupstore.calls.retry`: connection errors,
+timeouts, throttling, 5xx; 0 to 0.05, 0.1, 0.2, ... s apart, at most 1 s), and
+attempts start and wait for their answer (botocore's per-request read timeout)
+only until ``connect_timeout`` before the deadline, so that a last connection
+attempt still ends within it. Transaction conflicts and unprocessed keys are
+retried within the same deadline. A ``client`` given by the user keeps its own
+timeouts and retries: only the store's own retries stop at the deadline.
 
 Errors: ``StoreUnavailable`` (connection failure, timeout, throttling, 5xx,
 conflicts that outlast the backoff: retry), ``ConfigurationError`` (rejected

@@ -11,22 +11,27 @@ its own write (re-sent by botocore after a lost answer) from someone else's.
 from __future__ import annotations
 
 import contextlib
-import random
 import re
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import boto3
 import botocore.exceptions as boto_errors
 from botocore.config import Config
 
+from dedupstore.calls import capped, deadline, retry, time_left
 from dedupstore.client import Client, ErrorKind, ProcessLocal
-from dedupstore.errors import ConfigurationError, ConsistencyError, StoreUnavailable
+from dedupstore.errors import (
+    ConfigurationError,
+    ConsistencyError,
+    DedupStoreError,
+    StoreUnavailable,
+)
 from dedupstore.options import (
     Option,
+    Options,
     boolean,
     client_option,
     connect_timeout_option,
@@ -41,6 +46,8 @@ if TYPE_CHECKING:
     from mypy_boto3_dynamodb.type_defs import (
         AttributeValueTypeDef,
         PutItemInputTypeDef,
+        ScanInputTypeDef,
+        ScanOutputTypeDef,
         TableDescriptionTypeDef,
     )
 
@@ -98,10 +105,33 @@ _TRANSIENT_ERRORS = (
     boto_errors.IncompleteReadError,
     boto_errors.CapacityNotAvailableError,
 )
+#: Error codes of requests a later attempt may get through (what botocore's
+#: "standard" mode retries: throttling, transient service errors).
+_RETRYABLE_CODES = frozenset(
+    {
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottledException",
+        "TooManyRequestsException",
+        "ProvisionedThroughputExceededException",
+        "TransactionInProgressException",
+        "RequestLimitExceeded",
+        "BandwidthLimitExceeded",
+        "LimitExceededException",
+        "RequestThrottled",
+        "SlowDown",
+        "PriorRequestNotComplete",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "InternalServerError",
+        "ServiceUnavailable",
+    }
+)
 #: Rounds without progress (conflicts, throttling, unprocessed keys) before giving up.
 _MAX_BACKOFF_ROUNDS = 10
-_BACKOFF_BASE = 0.025
-_BACKOFF_CAP = 2.0
+
+T = TypeVar("T")
 
 
 def _number(value: float) -> AttributeValueTypeDef:
@@ -109,9 +139,23 @@ def _number(value: float) -> AttributeValueTypeDef:
     return {"N": format(Decimal(repr(float(value))), "f")}
 
 
-def _backoff(round_number: int) -> None:
-    """Sleep with capped exponential backoff and full jitter."""
-    time.sleep(random.uniform(0, min(_BACKOFF_CAP, _BACKOFF_BASE * 2**round_number)))
+def _retryable(exc: BaseException) -> bool:
+    """A failed request that another attempt may get through (it may have been applied)."""
+    if isinstance(exc, boto_errors.ClientError):
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        return _error_code(exc) in _RETRYABLE_CODES or int(status) >= 500
+    return isinstance(exc, _TRANSIENT_ERRORS)
+
+
+def _conflict(exc: BaseException) -> bool:
+    """An item locked by someone's transaction: nothing written, try again later."""
+    return isinstance(exc, boto_errors.ClientError) and _error_code(exc) in _CONFLICT_CODES
+
+
+def _cap_read_timeout(request: Any, **kwargs: Any) -> None:
+    """``before-send``: this attempt's read timeout, capped by the call's time left."""
+    if time_left() is not None:
+        request.context["read_timeout"] = capped(request.context["dedupstore_timeout"])
 
 
 def _error_code(exc: boto_errors.ClientError) -> str:
@@ -150,13 +194,7 @@ _NONEMPTY = _text(r"\S+", "a non-empty string without spaces")
 
 #: The options of every ``dynamodb://`` client (each store adds ``create`` and its own).
 CONNECTION_OPTIONS: tuple[Option, ...] = (
-    Option(
-        "region",
-        _REGION,
-        None,
-        "AWS region (default: AWS_REGION, the profile)",
-        formerly=("region_name",),
-    ),
+    Option("region", _REGION, None, "AWS region (default: AWS_REGION, the profile)"),
     Option(
         "endpoint_url",
         _text(r"https?://\S+", "an http(s):// URL"),
@@ -166,11 +204,9 @@ CONNECTION_OPTIONS: tuple[Option, ...] = (
     Option("aws_access_key_id", _NONEMPTY, None, "with aws_secret_access_key; default: chain"),
     Option("aws_secret_access_key", _NONEMPTY, None, "the secret access key", secret=True),
     Option("aws_session_token", _NONEMPTY, None, "a session token", secret=True),
-    timeout_option(10.0, "seconds one request may take (read timeout)", formerly=("read_timeout",)),
+    timeout_option(10.0, "seconds one request may take (read timeout)"),
     connect_timeout_option(5.0),
-    retries_option(
-        4, "botocore 'standard' retries of a failed request", formerly=("max_attempts",)
-    ),
+    retries_option(4, "retries of a failed or throttled request"),
     Option("allow_global_table", boolean, False, "UNSAFE: accept a table with replicas"),
     client_option("a ready boto3 DynamoDB client (the connection options are then unused)"),
 )
@@ -217,24 +253,7 @@ class DynamoDBClient(Client):
         """
         super().__init__(url, **options)
         self._table = self._url.netloc
-        if (
-            self._url.path not in ("", "/")
-            or self._url.fragment
-            or not _TABLE_NAME.fullmatch(self._table)
-        ):
-            raise ConfigurationError(
-                "a DynamoDB store URL is 'dynamodb://<table>?region=...', the table name 3 "
-                f"to 255 characters among A-Z a-z 0-9 _ . -; got {self.url!r}"
-            )
-        opts = self._opts
-        if (opts["aws_access_key_id"] is None) != (opts["aws_secret_access_key"] is None) or (
-            opts["aws_session_token"] is not None and opts["aws_access_key_id"] is None
-        ):
-            raise ConfigurationError(
-                "aws_access_key_id and aws_secret_access_key must be given together "
-                "(aws_session_token only with both), or none of them"
-            )
-        given = opts["client"]
+        given = self._opts["client"]
         self._clients: ProcessLocal[Boto3DynamoDB] = ProcessLocal(
             self._new_client if given is None else lambda: given,
             (lambda client: client.close()) if given is None else None,
@@ -247,14 +266,31 @@ class DynamoDBClient(Client):
             self.close()
             raise
 
+    @classmethod
+    def _validate(cls, url: StoreURL, options: Options) -> None:
+        """The URL names a valid table and nothing else; credentials come in pairs."""
+        super()._validate(url, options)
+        if url.path not in ("", "/") or url.fragment or not _TABLE_NAME.fullmatch(url.netloc):
+            raise ConfigurationError(
+                "a DynamoDB store URL is 'dynamodb://<table>?region=...', the table name 3 "
+                f"to 255 characters among A-Z a-z 0-9 _ . -; got {url.masked!r}"
+            )
+        if (options["aws_access_key_id"] is None) != (options["aws_secret_access_key"] is None) or (
+            options["aws_session_token"] is not None and options["aws_access_key_id"] is None
+        ):
+            raise ConfigurationError(
+                "aws_access_key_id and aws_secret_access_key must be given together "
+                "(aws_session_token only with both), or none of them"
+            )
+
     # ------------------------------------------------------------------ client
 
     def _new_client(self) -> Boto3DynamoDB:
         """Build this process's low-level client from the connection options."""
         opts = self._opts
         config = Config(
-            # botocore's own "max_attempts" key counts retries only; this one the first try too
-            retries={"mode": "standard", "total_max_attempts": opts["retries"] + 1},
+            # retried by the store (_request), within the call's deadline
+            retries={"mode": "standard", "total_max_attempts": 1},
             connect_timeout=opts["connect_timeout"],
             read_timeout=opts["timeout"],
             user_agent_extra="dedupstore",
@@ -269,11 +305,41 @@ class DynamoDBClient(Client):
             region_name=opts["region"],
         )
         try:
-            return session.client("dynamodb", endpoint_url=opts["endpoint_url"], config=config)
+            client = session.client("dynamodb", endpoint_url=opts["endpoint_url"], config=config)
         except ValueError as exc:  # e.g. a malformed endpoint_url
             raise ConfigurationError(
                 self._scrub(f"cannot create the DynamoDB client: {exc}")
             ) from None
+        timeout = opts["timeout"]
+
+        def remember_timeout(context: dict[str, Any], **kwargs: Any) -> None:
+            context["dedupstore_timeout"] = timeout
+
+        client.meta.events.register("before-call.dynamodb", remember_timeout)
+        client.meta.events.register("before-send.dynamodb", _cap_read_timeout)
+        return client
+
+    def _deadline_seconds(self) -> float:
+        """``connect_timeout + (retries + 1) x timeout``: see :mod:`backends.dynamodb`."""
+        opts = self._opts
+        return float(opts["connect_timeout"] + (opts["retries"] + 1) * opts["timeout"])
+
+    def _request(self, fn: Callable[[], T]) -> T:
+        """``fn()``, one request, retried after a connection error, timeout, throttling
+        or 5xx (``retries`` times, within the call's deadline).
+
+        Attempts start, and wait for answers, only until ``connect_timeout`` before
+        the call's deadline (and within ``(retries + 1) x timeout``): botocore does
+        not let a request shorten its connection timeout, so a last attempt that
+        must connect still ends within the deadline.
+        """
+        opts = self._opts
+        budget = (opts["retries"] + 1) * opts["timeout"]
+        left = time_left()
+        if left is not None:
+            budget = min(budget, left - opts["connect_timeout"])
+        with deadline(budget):
+            return retry(fn, attempts=opts["retries"] + 1, retry_on=_retryable)
 
     @property
     def _client(self) -> Boto3DynamoDB:
@@ -332,7 +398,7 @@ class DynamoDBClient(Client):
             )
         return super()._classify_error(exc)
 
-    def _cancelled(self, exc: boto_errors.ClientError) -> ConfigurationError | StoreUnavailable:
+    def _cancelled(self, exc: boto_errors.ClientError) -> DedupStoreError:
         """The error for a transaction cancelled for reasons the write loop gave up on."""
         reasons = [
             str(r.get("Code") or "None") for r in exc.response.get("CancellationReasons", [])
@@ -341,9 +407,11 @@ class DynamoDBClient(Client):
         invalid = any(r in _INVALID_REASONS for r in odd)
         hint = "the request or the table is wrong" if invalid else "conflicts or throttling"
         kind = ConfigurationError if invalid else StoreUnavailable
-        return kind(
-            f"{type(self).__name__} at {self.url}: DynamoDB cancelled a transaction on "
-            f"{self._table!r} ({', '.join(odd or reasons) or _error_message(exc)}): {hint}"
+        return self._error(
+            kind,
+            None,
+            f"DynamoDB cancelled a transaction on "
+            f"{self._table!r} ({', '.join(odd or reasons) or _error_message(exc)}): {hint}",
         )
 
     # ------------------------------------------------------------------ table
@@ -363,24 +431,26 @@ class DynamoDBClient(Client):
         with self._translating_errors("create the table"):
             client = self._client
             try:
-                client.describe_table(TableName=self._table)
+                self._describe_table()
                 exists = True
             except client.exceptions.ResourceNotFoundException:
                 exists = False
             if not exists:
                 # ResourceInUse: another process is creating it right now
                 with contextlib.suppress(client.exceptions.ResourceInUseException):
-                    client.create_table(
-                        TableName=self._table,
-                        AttributeDefinitions=[
-                            {"AttributeName": name, "AttributeType": "S"}
-                            for name, _ in self.key_schema
-                        ],
-                        KeySchema=[
-                            {"AttributeName": name, "KeyType": kind}  # type: ignore[typeddict-item]
-                            for name, kind in self.key_schema
-                        ],
-                        BillingMode="PAY_PER_REQUEST",
+                    self._request(
+                        lambda: client.create_table(
+                            TableName=self._table,
+                            AttributeDefinitions=[
+                                {"AttributeName": name, "AttributeType": "S"}
+                                for name, _ in self.key_schema
+                            ],
+                            KeySchema=[
+                                {"AttributeName": name, "KeyType": kind}  # type: ignore[typeddict-item]
+                                for name, kind in self.key_schema
+                            ],
+                            BillingMode="PAY_PER_REQUEST",
+                        )
                     )
             if not wait:
                 return
@@ -393,26 +463,34 @@ class DynamoDBClient(Client):
             TableName=self._table, WaiterConfig={"Delay": 1, "MaxAttempts": 300}
         )
 
+    def _describe_ttl(self) -> Mapping[str, Any]:
+        client = self._client
+        answer = self._request(lambda: client.describe_time_to_live(TableName=self._table))
+        return answer["TimeToLiveDescription"]
+
     def _enable_ttl(self, attribute: str) -> None:
         client = self._client
-        ttl = client.describe_time_to_live(TableName=self._table)["TimeToLiveDescription"]
+        ttl = self._describe_ttl()
         if ttl.get("TimeToLiveStatus") in ("ENABLED", "ENABLING"):
             return
         try:
-            client.update_time_to_live(
-                TableName=self._table,
-                TimeToLiveSpecification={"Enabled": True, "AttributeName": attribute},
+            self._request(
+                lambda: client.update_time_to_live(
+                    TableName=self._table,
+                    TimeToLiveSpecification={"Enabled": True, "AttributeName": attribute},
+                )
             )
         except boto_errors.ClientError as exc:
             if _error_code(exc) != "ValidationException":
                 raise
             # most likely a concurrent update; fine if TTL is on now
-            ttl = client.describe_time_to_live(TableName=self._table)["TimeToLiveDescription"]
+            ttl = self._describe_ttl()
             if ttl.get("TimeToLiveStatus") not in ("ENABLED", "ENABLING"):
                 raise
 
     def _describe_table(self) -> TableDescriptionTypeDef:
-        return self._client.describe_table(TableName=self._table)["Table"]
+        client = self._client
+        return self._request(lambda: client.describe_table(TableName=self._table))["Table"]
 
     def _check_table(self) -> None:
         """Probe the table: it exists, has this store's key schema and no replicas."""
@@ -470,10 +548,11 @@ class DynamoDBClient(Client):
     ) -> PutOutcome:
         """One ``PutItem`` of ``item`` if ``condition`` holds (``ALL_OLD`` on failure).
 
-        botocore may send it more than once (a timeout, a lost answer): the outcome
-        says so. Transaction conflicts (an item locked by someone's transaction:
-        nothing written) are retried after a pause, at most ``_MAX_BACKOFF_ROUNDS``
-        times, then raised like any other error.
+        It may be sent more than once (a timeout, a lost answer: :meth:`_request`):
+        the outcome says so. Transaction conflicts (an item locked by someone's
+        transaction: nothing written) are retried after a pause, at most
+        ``_MAX_BACKOFF_ROUNDS`` times within the deadline, then raised like any
+        other error.
         """
         request: PutItemInputTypeDef = {
             "TableName": self._table,
@@ -484,20 +563,26 @@ class DynamoDBClient(Client):
         }
         if values:  # DynamoDB refuses an empty ExpressionAttributeValues
             request["ExpressionAttributeValues"] = values
-        resent = False
-        for round_number in range(_MAX_BACKOFF_ROUNDS + 1):
+        client, resent = self._client, False
+
+        def attempt() -> PutOutcome:
+            nonlocal resent
             try:
-                response = self._client.put_item(**request)
+                response = client.put_item(**request)
                 return PutOutcome(True, {}, resent or _retry_attempts(response) > 0)
             except boto_errors.ClientError as exc:
-                resent = resent or _retry_attempts(exc.response) > 0
-                code = _error_code(exc)
-                if code == "ConditionalCheckFailedException":
+                resent = resent or _retry_attempts(exc.response) > 0  # a given client's retries
+                if _error_code(exc) == "ConditionalCheckFailedException":
                     return PutOutcome(False, exc.response.get("Item") or {}, resent)  # type: ignore[arg-type]
-                if code not in _CONFLICT_CODES or round_number == _MAX_BACKOFF_ROUNDS:
-                    raise
-            _backoff(round_number)
-        raise AssertionError("unreachable")  # pragma: no cover
+                resent = resent or _retryable(exc)
+                raise
+            except _TRANSIENT_ERRORS:
+                resent = True  # the request may have reached DynamoDB
+                raise
+
+        return retry(
+            lambda: self._request(attempt), attempts=_MAX_BACKOFF_ROUNDS + 1, retry_on=_conflict
+        )
 
     def _batch_get(
         self,
@@ -508,40 +593,42 @@ class DynamoDBClient(Client):
         """The items of ``keys`` (at most 100) that exist; strongly consistent.
 
         Unprocessed keys (throttling, or the 16 MB response limit) are asked again
-        after a pause; ``StoreUnavailable`` after ``_MAX_BACKOFF_ROUNDS`` rounds that
-        returned nothing.
+        after a pause; ``StoreUnavailable`` when some are still left after
+        ``_MAX_BACKOFF_ROUNDS`` more rounds, or at the deadline.
         """
-        found: list[dict[str, Any]] = []
+        client, found = self._client, list[dict[str, Any]]()
         pending: Sequence[Mapping[str, Any]] = keys
-        stalled = 0
-        while pending:
-            response = self._client.batch_get_item(
-                RequestItems={
-                    self._table: {
-                        "Keys": pending,
-                        "ConsistentRead": True,
-                        "ProjectionExpression": projection,
-                        "ExpressionAttributeNames": names,
-                    }
+
+        def one_round() -> bool:
+            """Ask for the pending keys; whether some are left unprocessed."""
+            nonlocal pending
+            asked = {
+                self._table: {
+                    "Keys": pending,
+                    "ConsistentRead": True,
+                    "ProjectionExpression": projection,
+                    "ExpressionAttributeNames": names,
                 }
-            )
-            items = response.get("Responses", {}).get(self._table, [])
-            found.extend(items)
+            }
+            response = self._request(lambda: client.batch_get_item(RequestItems=asked))  # type: ignore[arg-type]
+            found.extend(response.get("Responses", {}).get(self._table, []))
             unprocessed = response.get("UnprocessedKeys", {}).get(self._table)
-            left = list(unprocessed["Keys"]) if unprocessed else []
-            if left and items:
-                _backoff(0)  # progress (or the response size limit): a short pause
-            elif left:
-                if stalled >= _MAX_BACKOFF_ROUNDS:
-                    raise StoreUnavailable(
-                        f"{type(self).__name__} at {self.url}: DynamoDB left {len(left)} "
-                        f"keys of {self._table!r} unprocessed after {_MAX_BACKOFF_ROUNDS} "
-                        "attempts (throttled)"
-                    )
-                _backoff(stalled)
-                stalled += 1
-            pending = left
+            pending = list(unprocessed["Keys"]) if unprocessed else []
+            return bool(pending)
+
+        if retry(one_round, attempts=_MAX_BACKOFF_ROUNDS + 1, again=bool):
+            raise self._error(
+                StoreUnavailable,
+                None,
+                f"DynamoDB left {len(pending)} keys of {self._table!r} unprocessed after "
+                f"{_MAX_BACKOFF_ROUNDS + 1} attempts (throttled)",
+            )
         return found
+
+    def _scan_page(self, request: ScanInputTypeDef) -> ScanOutputTypeDef:
+        """One page of a ``Scan`` (retried as any request)."""
+        client = self._client
+        return self._request(lambda: client.scan(**request))
 
     def _close(self) -> None:
         self._clients.close()

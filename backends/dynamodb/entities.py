@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from backends.dynamodb._client import (
@@ -76,7 +75,7 @@ from backends.dynamodb._client import (
     MAX_BATCH_GET_KEYS,
     DynamoDBClient,
 )
-from dedupstore.client import ProcessLocal
+from dedupstore.calls import fan_out
 from dedupstore.entities import EntityRecord, EntityStore
 from dedupstore.errors import StoreUnavailable
 from dedupstore.options import OptionSet, create_option
@@ -123,14 +122,6 @@ class DynamoDBEntityStore(DynamoDBClient, EntityStore):
         credentials, missing table or another key schema), ``ConsistencyError``
         (global table) and ``StoreUnavailable`` (endpoint unreachable or too slow).
         """
-        # before the table is opened: a failed open closes the store, and the pool with it
-        self._pool: ProcessLocal[ThreadPoolExecutor] = ProcessLocal(
-            lambda: ThreadPoolExecutor(
-                max_workers=self.save_concurrency,
-                thread_name_prefix=f"dedupstore-{type(self).__name__}",
-            ),
-            lambda pool: pool.shutdown(wait=True),
-        )
         super().__init__(url, **options)
 
     # ------------------------------------------------------------------ primitives
@@ -142,18 +133,8 @@ class DynamoDBEntityStore(DynamoDBClient, EntityStore):
         }
 
     def _save(self, records: list[EntityRecord]) -> dict[str, Any]:
-        if len(records) == 1:
-            version = self._save_one(records[0])
-            return {} if version is None else {records[0].id: version}
-        pool = self._pool.get()
-        futures = [pool.submit(self._save_one, record) for record in records]
-        wait(futures)  # every put settles before a failure is raised
-        saved: dict[str, Any] = {}
-        for record, future in zip(records, futures, strict=True):
-            version = future.result()
-            if version is not None:
-                saved[record.id] = version
-        return saved
+        versions = fan_out(self._save_one, records, concurrency=self.save_concurrency)
+        return {r.id: v for r, v in zip(records, versions, strict=True) if v is not None}
 
     def _save_one(self, record: EntityRecord) -> int | None:
         """Put ``record`` if the stored version is ``record.version``: the new version,
@@ -186,10 +167,12 @@ class DynamoDBEntityStore(DynamoDBClient, EntityStore):
         stored = int(old[_VERSION]["N"]) if _VERSION in old else None
         if not outcome.resent or not old or stored == new:
             return None  # another save made the step from ``expected``: ours never did
-        raise StoreUnavailable(
-            f"{type(self).__name__} at {self.url}: save of entity {record.id!r:.80} was "
+        raise self._error(
+            StoreUnavailable,
+            None,
+            f"save of entity {record.id!r:.80} was "
             f"re-sent after a lost answer and found version {stored} written by another "
-            "save: whether this save was applied before it is unknown; reload and retry"
+            "save: whether this save was applied before it is unknown; reload and retry",
         )
 
     def _scan(self, segment: int, segments: int) -> Iterator[tuple[str, str, Any]]:
@@ -211,14 +194,10 @@ class DynamoDBEntityStore(DynamoDBClient, EntityStore):
             "ExpressionAttributeValues": {":yes": {"BOOL": True}},
         }
         while True:
-            page = self._client.scan(**request)
+            page = self._scan_page(request)
             for item in page.get("Items", []):
                 yield str(item[_ID]["S"]), str(item[_BODY]["S"]), int(item[_VERSION]["N"])
             start = page.get("LastEvaluatedKey")
             if not start:
                 return
             request["ExclusiveStartKey"] = start
-
-    def _close(self) -> None:
-        self._pool.close()
-        super()._close()

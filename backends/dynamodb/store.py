@@ -54,6 +54,7 @@ does not help. ``ConsistencyError``: a global table.
 
 from __future__ import annotations
 
+import functools
 import math
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -61,18 +62,18 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import botocore.exceptions as boto_errors
 
-from backends.dynamodb import _client as connection
 from backends.dynamodb._client import (
     _CONFLICT_CODES,
+    _MAX_BACKOFF_ROUNDS,
     _RETRYABLE_REASONS,
     CONNECTION_OPTIONS,
     MAX_BATCH_GET_KEYS,
     MAX_TRANSACT_ITEMS,
     DynamoDBClient,
-    _backoff,
     _error_code,
     _number,
 )
+from dedupstore.calls import retry
 from dedupstore.options import OptionSet, create_option
 from dedupstore.store import CLOCK, MAX_CLOCK_SKEW, DeduplicationStore, WriteRequest
 from dedupstore.urls import StoreURL
@@ -115,11 +116,7 @@ class DynamoDBDeduplicationStore(DynamoDBClient, DeduplicationStore):
         CLOCK,
         MAX_CLOCK_SKEW,
         *CONNECTION_OPTIONS,
-        create_option(
-            False,
-            "create the table (on demand, TTL on 'ttl') when missing",
-            formerly=("create_table",),
-        ),
+        create_option(False, "create the table (on demand, TTL on 'ttl') when missing"),
     )
 
     def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
@@ -191,47 +188,58 @@ class DynamoDBDeduplicationStore(DynamoDBClient, DeduplicationStore):
         condition are dropped (reported as done when ``counts(old_item)`` says the
         item is this call's own earlier write), the rest go out again in a new
         transaction, after a pause if the cancellation was a conflict or throttling.
-        Any other cancellation, or one that outlasts the backoff, is raised (the
+        Any other cancellation, or one that outlasts the backoff (at most
+        ``_MAX_BACKOFF_ROUNDS`` pauses, within the call's deadline), is raised (the
         error hook classifies it).
         """
-        done: list[str] = []
-        stalled = 0
-        while pending:
-            try:
-                self._client.transact_write_items(
-                    TransactItems=[op for _, op in pending],
-                    ClientRequestToken=str(uuid.uuid4()),
+        client, done = self._client, list[str]()
+        failure: boto_errors.ClientError | None = None
+
+        def one_round() -> bool:
+            """Send transactions while they make progress; whether some stalled."""
+            nonlocal pending, failure
+            while pending:
+                try:
+                    self._request(
+                        functools.partial(
+                            client.transact_write_items,
+                            TransactItems=[op for _, op in pending],
+                            ClientRequestToken=str(uuid.uuid4()),  # the same for every attempt
+                        )
+                    )
+                    done.extend(mid for mid, _ in pending)
+                    return False
+                except boto_errors.ClientError as exc:
+                    failure = exc
+                code = _error_code(failure)
+                reasons: list[Mapping[str, Any]] = list(
+                    failure.response.get("CancellationReasons", [])
                 )
-                done.extend(mid for mid, _ in pending)
-                return done
-            except boto_errors.ClientError as exc:
-                error = exc
-            code = _error_code(error)
-            reasons: list[Mapping[str, Any]] = list(error.response.get("CancellationReasons", []))
-            if code in _CONFLICT_CODES and stalled < connection._MAX_BACKOFF_ROUNDS:
-                _backoff(stalled)
-                stalled += 1
-                continue
-            if code != "TransactionCanceledException" or len(reasons) != len(pending):
-                raise error
-            retry: list[tuple[str, TransactWriteItemTypeDef]] = []
-            throttled = False
-            for (mid, op), reason in zip(pending, reasons, strict=True):
-                reason_code = str(reason.get("Code") or "None")
-                if reason_code == "ConditionalCheckFailed":
-                    if counts(reason.get("Item") or {}):
-                        done.append(mid)
-                elif reason_code == "None" or reason_code in _RETRYABLE_REASONS:
-                    retry.append((mid, op))
-                    throttled = throttled or reason_code != "None"
-                else:
-                    raise error
-            if throttled or len(retry) == len(pending):
-                if stalled >= connection._MAX_BACKOFF_ROUNDS:
-                    raise error
-                _backoff(stalled)
-                stalled += 1
-            pending = retry
+                if code in _CONFLICT_CODES:
+                    return True
+                if code != "TransactionCanceledException" or len(reasons) != len(pending):
+                    raise failure
+                again: list[tuple[str, TransactWriteItemTypeDef]] = []
+                throttled = False
+                for (mid, op), reason in zip(pending, reasons, strict=True):
+                    reason_code = str(reason.get("Code") or "None")
+                    if reason_code == "ConditionalCheckFailed":
+                        if counts(reason.get("Item") or {}):
+                            done.append(mid)
+                    elif reason_code == "None" or reason_code in _RETRYABLE_REASONS:
+                        again.append((mid, op))
+                        throttled = throttled or reason_code != "None"
+                    else:
+                        raise failure
+                stalled = throttled or len(again) == len(pending)
+                pending = again
+                if stalled and pending:
+                    return True
+            return False
+
+        if retry(one_round, attempts=_MAX_BACKOFF_ROUNDS + 1, again=bool):
+            assert failure is not None
+            raise failure
         return done
 
     def _find(self, ids: list[str], now: float) -> set[str]:
@@ -241,12 +249,15 @@ class DynamoDBDeduplicationStore(DynamoDBClient, DeduplicationStore):
         return {str(item[_ID]["S"]) for item in items if self._alive(item, now)}
 
     def _contains_one(self, message_id: str, now: float) -> bool:
-        response = self._client.get_item(
-            TableName=self._table,
-            Key=self._key(message_id),
-            ConsistentRead=True,
-            ProjectionExpression="#p, #e",
-            ExpressionAttributeNames={"#p": _ID, "#e": _EXPIRES},
+        client, key = self._client, self._key(message_id)
+        response = self._request(
+            lambda: client.get_item(
+                TableName=self._table,
+                Key=key,
+                ConsistentRead=True,
+                ProjectionExpression="#p, #e",
+                ExpressionAttributeNames={"#p": _ID, "#e": _EXPIRES},
+            )
         )
         item = response.get("Item")
         return item is not None and self._alive(item, now)
@@ -276,7 +287,7 @@ class DynamoDBDeduplicationStore(DynamoDBClient, DeduplicationStore):
             }
             if start:
                 request["ExclusiveStartKey"] = start
-            page = self._client.scan(**request)
+            page = self._scan_page(request)
             expired = [str(item[_ID]["S"]) for item in page.get("Items", [])]
             for first in range(0, len(expired), MAX_TRANSACT_ITEMS):
                 operations: list[tuple[str, TransactWriteItemTypeDef]] = [
@@ -320,7 +331,7 @@ class DynamoDBDeduplicationStore(DynamoDBClient, DeduplicationStore):
             }
             if start:
                 request["ExclusiveStartKey"] = start
-            page = self._client.scan(**request)
+            page = self._scan_page(request)
             total += int(page.get("Count", 0))
             start = page.get("LastEvaluatedKey")
             if not start:
@@ -328,7 +339,7 @@ class DynamoDBDeduplicationStore(DynamoDBClient, DeduplicationStore):
 
     def _health_warnings(self) -> list[str]:
         warnings = super()._health_warnings()
-        ttl = self._client.describe_time_to_live(TableName=self._table)["TimeToLiveDescription"]
+        ttl = self._describe_ttl()
         if ttl.get("TimeToLiveStatus") not in ("ENABLED", "ENABLING"):
             warnings.append(
                 f"TTL is not enabled on table {self._table!r}: expired records stay until "

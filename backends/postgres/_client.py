@@ -31,8 +31,8 @@ Connections that died while pooled (a server restart, a reset, an outage) must
 not fail the first call after the server is back. A pooled connection the server
 closed is readable: it is discarded before use, without a round trip. One that
 died silently (its peer forgot it: the server's host rebooted, a NAT or proxy
-dropped it) only fails when used, so each statement has one deadline (the
-pool's timeout plus the statement's bound, the worst case of one attempt) and:
+dropped it) only fails when used, so each call has one deadline (the pool's
+timeout plus the statement's bound, the worst case of one attempt) and:
 
 * a read, or a write the store marks ``resend`` (one whose second application
   answers like the first: the deduplication store's inserts, by their write
@@ -44,6 +44,13 @@ pool's timeout plus the statement's bound, the worst case of one attempt) and:
 
 Writes are also retried when the server says it rolled them back (deadlock,
 serialization failure); a statement the watchdog timed out is never re-sent.
+Re-sends and retries go through :func:`dedupstore.calls.retry`, within the deadline.
+
+Deadline: a call (one chunk of a batch) raises ``StoreUnavailable`` at most
+``connect_timeout + timeout + min(1 s, timeout / 2)`` seconds after it started
+(16 s with the defaults; with a given ``client`` pool, its own timeout stands for
+``connect_timeout``): waiting for a pooled connection, checking it and the
+statement's answer are each capped by the time left.
 Errors are classified once, here: ``StoreUnavailable`` (retry) or
 ``ConfigurationError`` (fix the setup).
 """
@@ -71,10 +78,12 @@ from psycopg import sql
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from dedupstore.calls import retry, time_left
 from dedupstore.client import Client, ErrorKind, ProcessLocal
 from dedupstore.errors import ConfigurationError, StoreUnavailable
 from dedupstore.options import (
     Option,
+    Options,
     OptionSet,
     client_option,
     connect_timeout_option,
@@ -83,7 +92,7 @@ from dedupstore.options import (
     text,
     timeout_option,
 )
-from dedupstore.urls import StoreURL, register_secret_name
+from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
     Connection = psycopg.Connection[TupleRow]
@@ -96,9 +105,7 @@ _MAX_MS = 2**31 - 1  # libpq's and the server's limit for millisecond settings
 
 #: libpq keywords: undeclared URL query keys (and keywords) that pass through.
 _LIBPQ_KEYWORDS = frozenset(o.keyword.decode() for o in psycopg.pq.Conninfo.get_defaults())
-for _name in ("oauth_client_secret", "scram_client_key", "scram_server_key"):
-    if _name in _LIBPQ_KEYWORDS:
-        register_secret_name(_name)
+# Its secret ones (``sslpassword``, ``oauth_client_secret``, ...) are in masking.SECRET_NAMES.
 
 # Connection failures (libpq gives them no SQLSTATE) that a retry will not fix:
 # credentials, unknown role or database, pg_hba.conf, a value libpq refuses.
@@ -151,11 +158,11 @@ def index_name(table_name: str, suffix: str) -> str:
     return f"{table_name.encode('utf-8')[:40].decode('utf-8', 'ignore')}_{digest}_{suffix}"
 
 
-def postgres_options(base: OptionSet, table: str, create: Option) -> OptionSet:
-    """``base`` plus the options of a PostgreSQL store: its ``table`` default, ``create``."""
+def postgres_options(base: OptionSet, table: str) -> OptionSet:
+    """``base`` plus the options of a PostgreSQL store, with its ``table`` default."""
     return base.extend(
         Option("table", _table_name, table, "'name' or 'schema.name' of the table"),
-        create,
+        create_option(False, "create the table (and its schema) when missing"),
         timeout_option(10.0, "seconds one statement may take before StoreUnavailable"),
         connect_timeout_option(5.0),
         Option("pool_min_size", integer(0, 1000), 1, "connections kept open"),
@@ -170,10 +177,6 @@ def postgres_options(base: OptionSet, table: str, create: Option) -> OptionSet:
         client_option("a ready psycopg_pool.ConnectionPool to use (not closed by the store)"),
         driver_params=lambda key: key in _LIBPQ_KEYWORDS,
     )
-
-
-#: The ``create`` option of a store with nothing to upgrade.
-CREATE = create_option(False, "create the table when missing")
 
 
 # --------------------------------------------------------------------------- watchdog
@@ -224,6 +227,12 @@ class _Watchdog:
 
 
 _WATCHDOG: ProcessLocal[_Watchdog] = ProcessLocal(_Watchdog)
+
+
+def _call_deadline() -> float | None:
+    """The current call's deadline as a ``time.monotonic()`` instant, if it has one."""
+    left = time_left()
+    return None if left is None else time.monotonic() + left
 
 
 def _shut_down(conn: Connection) -> None:
@@ -330,17 +339,7 @@ class PostgresClient(Client):
         # The server cancels a statement at ``timeout``; the watchdog acts a little
         # later, only when the server did not answer at all.
         self._watchdog_delay = self._timeout + min(1.0, self._timeout / 2)
-        minimum, maximum = self._opts["pool_min_size"], self._opts["pool_max_size"]
-        if minimum > maximum:
-            raise ConfigurationError(
-                f"pool_min_size ({minimum}) must not exceed pool_max_size ({maximum}) "
-                f"for {type(self).__name__}"
-            )
         given = self._opts["client"]
-        if given is not None and not isinstance(given, ConnectionPool):
-            raise ConfigurationError(
-                f"client must be a psycopg_pool.ConnectionPool, got {type(given).__name__}"
-            )
         self._table_parts = _split_table(self._opts["table"])
         self._table = sql.Identifier(*self._table_parts)
         self._table_text = self._table.as_string(None)
@@ -361,6 +360,22 @@ class PostgresClient(Client):
                 self._pools.get()
                 with self._connection() as conn:
                     self._check_storage(conn)
+
+    @classmethod
+    def _validate(cls, url: StoreURL, options: Options) -> None:
+        """The pool sizes agree; ``client`` is a ``psycopg_pool.ConnectionPool``."""
+        super()._validate(url, options)
+        minimum, maximum = options["pool_min_size"], options["pool_max_size"]
+        if minimum > maximum:
+            raise ConfigurationError(
+                f"pool_min_size ({minimum}) must not exceed pool_max_size ({maximum}) "
+                f"for {cls.__name__}"
+            )
+        given = options["client"]
+        if given is not None and not isinstance(given, ConnectionPool):
+            raise ConfigurationError(
+                f"client must be a psycopg_pool.ConnectionPool, got {type(given).__name__}"
+            )
 
     @classmethod
     def create_schema(cls, url: str | StoreURL, **options: Any) -> None:
@@ -436,10 +451,12 @@ class PostgresClient(Client):
         """Check the encoding and the table (creating it if asked) on ``conn``."""
         row = self._execute(conn, "SELECT current_setting('server_encoding')")[0]
         if row[0] != "UTF8" or conn.info.encoding != "utf-8":
-            raise ConfigurationError(
-                f"PostgreSQL at {self.url}: the database encoding is {row[0]} and the client "
+            raise self._error(
+                ConfigurationError,
+                None,
+                f"the database encoding is {row[0]} and the client "
                 f"encoding {conn.info.encoding}; dedupstore needs UTF8 for both so every id "
-                "round-trips"
+                "round-trips",
             )
         found = self._execute(conn, "SELECT to_regclass(%s) IS NOT NULL", [self._table_text])
         if not found[0][0]:
@@ -523,6 +540,7 @@ class PostgresClient(Client):
         """
         pool = self._pools.get()
         began = time.monotonic()
+        deadline = _call_deadline() if deadline is None else deadline
         until = began + pool.timeout if deadline is None else min(began + pool.timeout, deadline)
         while True:
             try:
@@ -538,9 +556,11 @@ class PostgresClient(Client):
                 raise PoolTimeout(self._scrub(message)) from cause
             if not conn.autocommit:
                 pool.putconn(conn)
-                raise ConfigurationError(
-                    f"{type(self).__name__} at {self.url}: the connections of the given client "
-                    "pool must be in autocommit mode (ConnectionPool(kwargs={'autocommit': True}))"
+                raise self._error(
+                    ConfigurationError,
+                    None,
+                    "the connections of the given client pool must be in autocommit mode "
+                    "(ConnectionPool(kwargs={'autocommit': True}))",
                 )
             try:
                 alive = not _server_closed(conn) and (not verify or self._answers(conn, deadline))
@@ -584,6 +604,7 @@ class PostgresClient(Client):
         watchdog fired is raised as :class:`StatementTimeout`.
         """
         delay = self._watchdog_delay
+        deadline = _call_deadline() if deadline is None else deadline
         if deadline is not None:
             delay = max(0.0, min(delay, deadline - time.monotonic()))
         watchdog = _WATCHDOG.get()
@@ -607,36 +628,42 @@ class PostgresClient(Client):
     def _run(self, query: Any, params: Any, *, resend: bool) -> list[tuple[Any, ...]]:
         """Run one statement on a pooled connection; re-send it if allowed and useful.
 
-        The call has one deadline: the pool's timeout plus the statement's bound
-        (``timeout`` and the watchdog's grace), the worst case of one attempt.
-        ``resend=True`` (reads, and writes that recognise their own earlier
-        application): when the connection breaks under the statement (a reset,
-        a restart, a connection that died while pooled) it is sent again on
-        another connection, until the deadline; each attempt waits for a
+        The call has one deadline (:meth:`_deadline_seconds`: the pool's timeout
+        plus the statement's bound, ``timeout`` and the watchdog's grace, the
+        worst case of one attempt). ``resend=True`` (reads, and writes that
+        recognise their own earlier application): when the connection breaks
+        under the statement (a reset, a restart, a connection that died while
+        pooled) it is sent again on another connection, until the deadline; each attempt waits for a
         connection and for the answer only until then. ``resend=False``: the
         statement is sent once, on a connection that has just answered a round
         trip (so a connection that died while pooled costs that round trip, not
         the request); a failure after it was sent is raised. A watchdog timeout
         is never re-sent (the server may still be running the statement).
         """
-        deadline = time.monotonic() + self._pools.get().timeout + self._watchdog_delay
-        while True:
+        broke = False
+
+        def attempt() -> list[tuple[Any, ...]]:
+            nonlocal broke
             used: Connection | None = None
             try:
-                with self._connection(verify=not resend, deadline=deadline) as conn:
+                with self._connection(verify=not resend) as conn:
                     used = conn
-                    return self._execute(conn, query, params, deadline=deadline)
-            except StatementTimeout:
-                raise
+                    return self._execute(conn, query, params)
             except psycopg.OperationalError:
                 broke = used is not None and used.broken
-                if not (resend and broke) or time.monotonic() >= deadline:
-                    raise
+                raise
+
+        def resendable(exc: BaseException) -> bool:
+            return resend and broke and not isinstance(exc, StatementTimeout)
+
+        return retry(attempt, attempts=None, retry_on=resendable)
 
     def _write(
         self, query: bytes, params: Mapping[str, Any], *, resend: bool = False
     ) -> list[tuple[Any, ...]]:
         """Run a write; retried when the server reports it rolled back (deadlock, ...).
+
+        The retries share the call's deadline with the re-sends of :meth:`_run`.
 
         ``resend=True`` only for a statement whose second application answers
         like the first: the deduplication store's inserts return the rows holding
@@ -647,14 +674,11 @@ class PostgresClient(Client):
         reloads and sees the saved state) where the contract says a lost answer
         is an error; the connection it is sent on is checked first instead.
         """
-        attempt = 1
-        while True:
-            try:
-                return self._run(query, params, resend=resend)
-            except _RETRYABLE_WRITE_ERRORS:
-                if attempt >= _WRITE_ATTEMPTS:
-                    raise
-                attempt += 1
+        return retry(
+            lambda: self._run(query, params, resend=resend),
+            attempts=_WRITE_ATTEMPTS,
+            retry_on=lambda exc: isinstance(exc, _RETRYABLE_WRITE_ERRORS),
+        )
 
     def _health_warnings(self) -> list[str]:
         """The server settings and table persistence that put acknowledged writes at risk."""
@@ -676,6 +700,15 @@ class PostgresClient(Client):
             if values.get(setting) == bad
         ]
 
+    def _deadline_seconds(self) -> float:
+        """``connect_timeout + timeout + min(1 s, timeout / 2)``: see the module.
+
+        With a given ``client`` pool, its own timeout stands for ``connect_timeout``.
+        """
+        given = self._opts["client"]
+        wait = given.timeout if isinstance(given, ConnectionPool) else self._connect_timeout
+        return float(wait + self._watchdog_delay)
+
     def _read(self, query: bytes, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
         """Run a read; re-sent on another connection when one breaks under it."""
         return self._run(query, params, resend=True)
@@ -693,19 +726,25 @@ class PostgresClient(Client):
         if isinstance(exc, PoolTimeout):
             cause = exc.__cause__
             if isinstance(cause, psycopg.OperationalError) and self._refused(cause):
-                return self._configuration(f"connecting failed: {self._describe_error(exc)}")
+                return self._error(
+                    ConfigurationError, None, f"connecting failed: {self._describe_error(exc)}"
+                )
             return StoreUnavailable
         if isinstance(exc, errors.UndefinedTable):
-            return self._configuration(
+            return self._error(
+                ConfigurationError,
+                None,
                 f"table {self._table_text} does not exist ({self._describe_error(exc)}): "
                 f"create it with {type(self).__name__}.create_schema(url), or open the "
-                "store with create=true"
+                "store with create=true",
             )
         if isinstance(exc, errors.InsufficientPrivilege):
-            return self._configuration(
+            return self._error(
+                ConfigurationError,
+                None,
                 f"permission denied ({self._describe_error(exc)}): GRANT "
                 f"{self.table_privileges} ON {self._table_text} TO the role the store "
-                "connects as"
+                "connects as",
             )
         if isinstance(
             exc,
@@ -727,22 +766,17 @@ class PostgresClient(Client):
             | psycopg.IntegrityError
             | psycopg.NotSupportedError,
         ):
-            return self._configuration(
+            return self._error(
+                ConfigurationError,
+                None,
                 f"table {self._table_text} is not usable as {self.table_kind}: "
-                f"{self._describe_error(exc)}{self._shape_hint(exc)}"
+                f"{self._describe_error(exc)}",
             )
         if isinstance(exc, psycopg.Error):
             return StoreUnavailable
         return super()._classify_error(exc)
 
-    def _shape_hint(self, exc: psycopg.Error) -> str:
-        """How to fix a table of another shape, when the store knows (``'; run ...'``)."""
-        return ""
-
     @staticmethod
     def _refused(exc: psycopg.Error) -> bool:
         """A connection attempt refused for a reason a retry will not fix."""
         return exc.sqlstate is None and _REFUSED.search(str(exc)) is not None
-
-    def _configuration(self, detail: str) -> ConfigurationError:
-        return ConfigurationError(f"{type(self).__name__} at {self.url}: {detail}")

@@ -67,7 +67,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import TupleRow
 
-from backends.postgres._client import CREATE, PostgresClient, index_name, postgres_options
+from backends.postgres._client import PostgresClient, index_name, postgres_options
 from dedupstore.entities import EntityRecord, EntityStore, groups_by_size
 from dedupstore.options import OptionSet
 from dedupstore.urls import StoreURL
@@ -111,7 +111,7 @@ class PostgresEntityStore(PostgresClient, EntityStore):
     table_kind: ClassVar[str] = "an entity table"
     table_privileges: ClassVar[str] = "SELECT, INSERT, UPDATE"
     declared_options: ClassVar[OptionSet] = postgres_options(
-        EntityStore.declared_options, DEFAULT_ENTITY_TABLE, CREATE
+        EntityStore.declared_options, DEFAULT_ENTITY_TABLE
     )
 
     def __init__(self, url: str | StoreURL, /, **options: Any) -> None:

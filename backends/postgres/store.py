@@ -4,7 +4,8 @@ Options: those of :mod:`backends.postgres._client` (``create``, ``timeout``,
 ``connect_timeout``, ``pool_min_size``, ``pool_max_size``, ``password``,
 ``client``, libpq keywords), ``endpoint`` and ``retention``, and ``table``
 (default ``dedup_records``; ``'name'`` or ``'schema.name'``, used verbatim).
-``create`` also adds the ``writer`` column to a table made by an older version.
+A table without one of the columns (``endpoint``, ``id``, ``expires_at``,
+``writer``) is refused with a ``ConfigurationError`` naming what is missing.
 
 Records live in one table keyed by ``(endpoint, id)``, both ``text COLLATE "C"``
 (byte-exact: ids differing only in case, accents or trailing spaces never
@@ -36,13 +37,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import psycopg
-import psycopg.errors
 from psycopg import sql
 from psycopg.rows import TupleRow
 
 from backends.postgres._client import PostgresClient, index_name, postgres_options
 from dedupstore.errors import ConfigurationError
-from dedupstore.options import OptionSet, create_option
+from dedupstore.options import OptionSet
 from dedupstore.store import DeduplicationStore, WriteRequest
 from dedupstore.urls import StoreURL
 
@@ -55,6 +55,8 @@ __all__ = ["DEFAULT_TABLE", "PostgresDeduplicationStore"]
 DEFAULT_TABLE = "dedup_records"
 
 _PURGE_BATCH = 10_000
+#: The columns of a deduplication table.
+_COLUMNS = ("endpoint", "id", "expires_at", "writer")
 
 
 class PostgresDeduplicationStore(PostgresClient, DeduplicationStore):
@@ -76,13 +78,7 @@ class PostgresDeduplicationStore(PostgresClient, DeduplicationStore):
     expiry_clock: ClassVar[Literal["client", "server"]] = "server"
     table_kind: ClassVar[str] = "a deduplication table"
     declared_options: ClassVar[OptionSet] = postgres_options(
-        DeduplicationStore.declared_options,
-        DEFAULT_TABLE,
-        create_option(
-            False,
-            "create the table when missing (and add the writer column to an older one)",
-            formerly=("create_schema",),
-        ),
+        DeduplicationStore.declared_options, DEFAULT_TABLE
     )
 
     def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
@@ -120,34 +116,27 @@ class PostgresDeduplicationStore(PostgresClient, DeduplicationStore):
         )
 
     def _check_table(self, conn: Connection) -> None:
-        """The columns, the ``writer`` column (added with ``create``), a dry-run write."""
-        self._execute(conn, self._sql_columns)
-        has_writer = self._execute(
+        """Every column (one missing is named), then a dry-run write."""
+        found = self._execute(
             conn,
-            "SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass(%s) "
-            "AND attname = 'writer' AND NOT attisdropped",
+            "SELECT array_agg(attname::text) FROM pg_attribute WHERE attrelid = "
+            "to_regclass(%s) AND attnum > 0 AND NOT attisdropped",
             [self._table_text],
         )
-        if not has_writer[0][0]:
-            if not self._creates:
-                raise ConfigurationError(
-                    f"table {self._table_text} in PostgreSQL at {self.url} has no writer column "
-                    f"(made by an older dedupstore): run {self._sql_add_writer.decode()} once, "
-                    "or open the store with create=true"
-                )
-            with conn.transaction():
-                self._lock_schema(conn)
-                self._execute(conn, self._sql_add_writer)
+        missing = [c for c in _COLUMNS if c not in (found[0][0] or [])]
+        if missing:
+            raise self._error(
+                ConfigurationError,
+                None,
+                f"table {self._table_text} is not usable as {self.table_kind}: it has no "
+                f"column {', '.join(missing)} (needed: {', '.join(_COLUMNS)}); drop it or "
+                "name another table, then open with create=true",
+            )
         self._execute(
             conn,
             self._sql_add_many,
             {"endpoint": self._endpoint, "ids": [], "retention": None, "token": "", "mine": []},
         )
-
-    def _shape_hint(self, exc: psycopg.Error) -> str:
-        if isinstance(exc, psycopg.errors.UndefinedColumn) and "writer" in str(exc):
-            return f"; run {self._sql_add_writer.decode()} or open with create=true"
-        return ""
 
     def _build_statements(self) -> None:
         render = self._render
@@ -191,8 +180,6 @@ class PostgresDeduplicationStore(PostgresClient, DeduplicationStore):
             f"SELECT id FROM {{table}} WHERE {expired} LIMIT %(limit)s) RETURNING 1) "
             "SELECT count(*) FROM d"
         )
-        self._sql_columns = render("SELECT endpoint, id, expires_at FROM {table} WHERE false")
-        self._sql_add_writer = render("ALTER TABLE {table} ADD COLUMN IF NOT EXISTS writer text")
 
     # ------------------------------------------------------------------ primitives
 

@@ -2,8 +2,7 @@
 
 Options (URL query or keywords), the same on every Redis object apart from the
 default ``key_prefix``: ``key_prefix`` (``''`` or ending with ``:``), ``timeout`` (5 s per
-command; was ``socket_timeout``), ``connect_timeout`` (5 s; was
-``socket_connect_timeout``), ``retries`` (3: a command is retried after a connection
+command), ``connect_timeout`` (5 s), ``retries`` (3: a command is retried after a connection
 error or timeout, with jittered exponential backoff), ``max_connections`` (pool size,
 redis-py's default), ``wait_replicas`` (0) and ``wait_timeout_ms`` (1000, shorter than
 ``timeout``), ``username``, ``password`` (override the URL's), ``ssl_ca_certs``,
@@ -12,13 +11,19 @@ redis-py's default), ``wait_replicas`` (0) and ``wait_timeout_ms`` (1000, shorte
 
 Every store runs ONE Lua script for its writes, loaded at open and run by
 ``EVALSHA`` through :meth:`RedisClient._run_script`: on one pooled connection,
-followed by ``WAIT`` when ``wait_replicas`` is set, retried here rather than by
-redis-py, so a store knows when an attempt whose answer was lost may have run (the
-entity store sends the script a "re-sent" flag then). Reads go through redis-py
-(its pool retries them). Worst case of a failing call: (retries + 1) x timeout +
-backoff (at most 0.1, 0.2, 0.4, ... s, each at most 1 s), plus ``connect_timeout``
-for each attempt that must open a connection: with the defaults 4 x 5 s + 0.7 s,
-about 21 s (41 s if every attempt also waits to connect).
+followed by ``WAIT`` when ``wait_replicas`` is set, so a store knows when an
+attempt whose answer was lost may have run (the entity store sends the script a
+"re-sent" flag then). Reads go through redis-py. redis-py retries nothing (its
+pool has no ``Retry``): every command, script or read, is retried here, by
+:func:`dedupstore.calls.retry`, after a connection error or a timeout.
+
+Deadline: a call (one chunk of a batch) raises ``StoreUnavailable`` at most
+``connect_timeout + (retries + 1) x timeout`` seconds after it started (25 s with
+the defaults), whatever the server does: attempts stop there, and every wait of
+an attempt (connecting, the handshake, each reply) is capped by the time left.
+Retries wait 0 to 0.05, 0.1, 0.2, ... s (at most 1 s) in between, within the
+deadline. A ``client`` given by the user keeps its own timeouts and retries:
+only the store's own retries stop at the deadline.
 
 Errors (:meth:`RedisClient._classify_error`): ``StoreUnavailable`` for connection
 errors, timeouts, loading, failover to a replica (``READONLY``), out of memory,
@@ -36,13 +41,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import redis
-from redis.backoff import ExponentialWithJitterBackoff
-from redis.connection import ConnectionPool, SSLConnection
+from redis.backoff import NoBackoff
+from redis.connection import Connection, ConnectionPool, SSLConnection
 from redis.exceptions import (
     AskError,
     AuthenticationError,
@@ -60,7 +64,9 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
+from redis.utils import SENTINEL
 
+from dedupstore.calls import capped, retry, time_left
 from dedupstore.client import Client, ErrorKind
 from dedupstore.errors import (
     ConfigurationError,
@@ -70,6 +76,7 @@ from dedupstore.errors import (
 )
 from dedupstore.options import (
     Option,
+    Options,
     choice,
     client_option,
     connect_timeout_option,
@@ -89,6 +96,8 @@ _ESCAPES = str.maketrans({"%": "%25", ":": "%3A", "{": "%7B", "}": "%7D"})
 #: Error replies that mean "retry later": a script runs too long, the server cannot
 #: persist, or it lacks the replicas min-replicas-to-write asks for.
 _TRANSIENT_CODES = frozenset({"BUSY", "MISCONF", "NOREPLICAS"})
+#: The path of a Redis URL: none, ``/`` or a database number.
+_DB_PATH = re.compile(r"/?|/\d{1,5}")
 _PIPELINE_PREFIX = re.compile(r"^Command # \d+ \(.*?\) of pipeline caused error: ", re.S)
 
 
@@ -123,14 +132,56 @@ def text_of(value: bytes | str) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
+class _Bounded(Connection):
+    """A redis-py connection whose every wait is capped by the call's deadline.
+
+    Connecting, sending and each reply wait at most the configured timeouts, and
+    never past :func:`dedupstore.calls.time_left`; once the deadline has passed a
+    read raises ``TimeoutError`` at once (the connection is dropped).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
+        # the pool always sets both (CONNECTION_OPTIONS)
+        self._full_timeout = float(self.socket_timeout or 0)
+        self._full_connect_timeout = float(self.socket_connect_timeout or 0)
+
+    def _connect(self) -> Any:
+        self.socket_connect_timeout = capped(self._full_connect_timeout)
+        return super()._connect()  # type: ignore[no-untyped-call]
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if self._sock is not None:
+            self._sock.settimeout(capped(self._full_timeout))
+        super().send_packed_command(command, check_health)  # type: ignore[no-untyped-call]
+
+    def read_response(
+        self, disable_decoding: bool = False, *, timeout: Any = SENTINEL, **kwargs: Any
+    ) -> Any:
+        if timeout is SENTINEL and time_left() is not None:
+            try:
+                timeout = capped(self._full_timeout)
+            except TimeoutError:
+                self.disconnect()  # type: ignore[no-untyped-call]
+                raise RedisTimeoutError("timed out: the call's deadline passed") from None
+        return super().read_response(disable_decoding, timeout=timeout, **kwargs)
+
+
+class _BoundedSSL(_Bounded, SSLConnection):
+    """:class:`_Bounded` over TLS (``rediss://``)."""
+
+
+def _transient(exc: BaseException) -> bool:
+    """A connection error or timeout that another attempt may not meet."""
+    return isinstance(exc, RedisConnectionError | RedisTimeoutError) and not isinstance(
+        exc, AuthenticationError | AuthorizationError
+    )
+
+
 #: The connection options of every Redis store (after its ``key_prefix``).
 CONNECTION_OPTIONS: tuple[Option, ...] = (
-    timeout_option(
-        5.0,
-        "seconds one command may take (each attempt) before it is retried",
-        formerly=("socket_timeout",),
-    ),
-    connect_timeout_option(5.0, formerly=("socket_connect_timeout",)),
+    timeout_option(5.0, "seconds one command may take (each attempt) before it is retried"),
+    connect_timeout_option(5.0),
     retries_option(
         3, "how often a command is retried after a connection error or timeout (with backoff)"
     ),
@@ -193,19 +244,8 @@ class RedisClient(Client):
         self._key_prefix: str = self._opts["key_prefix"]
         self._wait_replicas: int = self._opts["wait_replicas"]
         self._wait_timeout_ms: int = self._opts["wait_timeout_ms"]
-        if self._wait_replicas and self._wait_timeout_ms >= self._opts["timeout"] * 1000:
-            raise ConfigurationError(
-                f"wait_timeout_ms ({self._wait_timeout_ms}) must be shorter than timeout "
-                f"({self._opts['timeout']:g} s), or the WAIT would time out the connection"
-            )
         self._script_sha = hashlib.sha1(self._script_source.encode()).hexdigest()
-        self._backoff = ExponentialWithJitterBackoff(cap=1.0, base=0.05)
         client = self._opts["client"]
-        if client is not None and not isinstance(client, redis.Redis):
-            raise ConfigurationError(
-                f"client must be a redis.Redis, got {type(client).__name__} "
-                "(Redis Cluster is not supported)"
-            )
         self._owns_client = client is None
         self._client: redis.Redis = self._connect() if client is None else client
         try:
@@ -215,48 +255,84 @@ class RedisClient(Client):
             self._close()
             raise
 
+    @classmethod
+    def _validate(cls, url: StoreURL, options: Options) -> None:
+        """The URL's path (a database number), TLS options, ``wait_timeout_ms``, ``client``."""
+        super()._validate(url, options)
+        if not _DB_PATH.fullmatch(url.path):
+            raise ConfigurationError(
+                f"bad Redis URL {url.masked}: the path must be a database number such as /0"
+            )
+        if url.scheme != "rediss" and (
+            options["ssl_ca_certs"] is not None or options["ssl_cert_reqs"] is not None
+        ):
+            raise ConfigurationError("ssl_ca_certs and ssl_cert_reqs need a rediss:// URL")
+        wait_ms, timeout = options["wait_timeout_ms"], options["timeout"]
+        if options["wait_replicas"] and wait_ms >= timeout * 1000:
+            raise ConfigurationError(
+                f"wait_timeout_ms ({wait_ms}) must be shorter than timeout ({timeout:g} s), "
+                "or the WAIT would time out the connection"
+            )
+        client = options["client"]
+        if client is not None and not isinstance(client, redis.Redis):
+            raise ConfigurationError(
+                f"client must be a redis.Redis, got {type(client).__name__} "
+                "(Redis Cluster is not supported)"
+            )
+
     # ------------------------------------------------------------------ opening
 
     def _connect(self) -> redis.Redis:
         """A client with its own pool (fork-safe: redis-py's pool resets in a child)."""
         url = self._url
-        if url.path in ("", "/"):
-            db = 0
-        elif re.fullmatch(r"/\d{1,5}", url.path):
-            db = int(url.path[1:])
-        else:
-            raise ConfigurationError(
-                f"bad Redis URL {url.masked}: the path must be a database number such as /0"
-            )
         kwargs: dict[str, Any] = {
             "host": url.host or "localhost",
             "port": url.port or 6379,
-            "db": db,
+            "db": int(url.path[1:] or 0),
             "username": url.username or None,
             "password": url.password or None,
         }
         kwargs.update(self._opts.driver_kwargs())
-        if url.scheme == "rediss":
-            kwargs["connection_class"] = SSLConnection
-        elif "ssl_ca_certs" in kwargs or "ssl_cert_reqs" in kwargs:
-            raise ConfigurationError("ssl_ca_certs and ssl_cert_reqs need a rediss:// URL")
+        kwargs["connection_class"] = _BoundedSSL if url.scheme == "rediss" else _Bounded
         pool = ConnectionPool(
             **kwargs,
             socket_timeout=self._opts["timeout"],
             socket_connect_timeout=self._opts["connect_timeout"],
             max_connections=self._opts["max_connections"],
-            retry=Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.05), self._opts["retries"]),
+            retry=Retry(NoBackoff(), 0),  # retried by the store (_read, _run_script)
         )
         return redis.Redis(connection_pool=pool)
 
+    def _deadline_seconds(self) -> float:
+        """``connect_timeout + (retries + 1) x timeout``: see the module."""
+        opts = self._opts
+        return float(opts["connect_timeout"] + (opts["retries"] + 1) * opts["timeout"])
+
+    def _read(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` (redis-py reads), retried after a connection error or timeout."""
+        return retry(fn, attempts=self._opts["retries"] + 1, retry_on=_transient)
+
+    def _pipelined(self, build: Callable[[Any], object], **execute: Any) -> list[Any]:
+        """The replies of the commands ``build(pipe)`` queues, in one round trip (a read)."""
+
+        def attempt() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            build(pipe)
+            return pipe.execute(**execute)
+
+        replies: list[Any] = self._read(attempt)
+        return replies
+
     def _probe(self) -> None:
         """``PING``; check the server is a primary, not a cluster, and runs our script."""
-        pipe = self._client.pipeline(transaction=False)
-        pipe.ping()
-        pipe.script_load(self._script_source)
-        pipe.info("replication")
-        pipe.info("cluster")
-        _, _, replication, cluster = pipe.execute()
+
+        def build(pipe: Any) -> None:
+            pipe.ping()
+            pipe.script_load(self._script_source)
+            pipe.info("replication")
+            pipe.info("cluster")
+
+        _, _, replication, cluster = self._pipelined(build)
         if isinstance(cluster, Mapping) and str(cluster.get("cluster_enabled", "0")) == "1":
             raise ConfigurationError(
                 f"{self.url} is a Redis Cluster node; {type(self).__name__} needs a standalone "
@@ -267,7 +343,8 @@ class RedisClient(Client):
                 f"{self.url} is a read-only replica (role {replication.get('role')!r}): its reads "
                 "can be stale; point the store at the primary"
             )
-        self._client.evalsha(self._script_sha, 0)  # refused now if the ACL forbids EVALSHA
+        # refused now if the ACL forbids EVALSHA
+        self._read(lambda: self._client.evalsha(self._script_sha, 0))
 
     # ------------------------------------------------------------------ the write script
 
@@ -276,49 +353,48 @@ class RedisClient(Client):
     ) -> Any:
         """Run the write script (then ``WAIT`` when configured); return its answer.
 
-        Each attempt takes one pooled connection and sends ``EVALSHA`` (plus ``WAIT``)
-        without redis-py's retry; a connection error or timeout after the request was
-        sent means the script may have run, so the next attempts send
-        ``resent_args`` (``args`` when ``None``). Retried ``retries`` times with
-        backoff, and once more after ``NOSCRIPT`` (a restarted or flushed server).
+        Each attempt takes one pooled connection and sends ``EVALSHA`` (plus ``WAIT``);
+        a connection error or timeout after the request was sent means the script
+        may have run, so the next attempts send ``resent_args`` (``args`` when
+        ``None``). Retried ``retries`` times within the deadline
+        (:func:`dedupstore.calls.retry`); after ``NOSCRIPT`` (a restarted or
+        flushed server) the script is loaded and sent again in the same attempt.
         Raises the redis-py error of the last attempt, or ``StoreUnavailable`` when
         fewer than ``wait_replicas`` replicas confirmed the write in time.
         """
         commands: list[tuple[Any, ...]] = [("EVALSHA", self._script_sha, len(keys), *keys, *args)]
         if self._wait_replicas:
             commands.append(("WAIT", self._wait_replicas, self._wait_timeout_ms))
-        failures, loaded = 0, False
-        while True:
-            sent: list[bool] = []
+        sent: list[bool] = []
+
+        def attempt() -> list[Any]:
+            if sent and resent_args is not None:
+                commands[0] = ("EVALSHA", self._script_sha, len(keys), *keys, *resent_args)
             try:
-                replies = self._send(commands, sent)
-                break
-            except NoScriptError:  # the script did not run
-                if loaded:
-                    raise
+                return self._send(commands, sent)
+            except NoScriptError:  # the script did not run: load it, send again at once
                 self._client.script_load(self._script_source)
-                loaded = True
-            except (RedisConnectionError, RedisTimeoutError) as exc:
-                if isinstance(exc, AuthenticationError | AuthorizationError):
-                    raise
-                if failures >= self._opts["retries"]:
-                    raise
-                failures += 1
-                _log.info(
-                    "%s: the write script failed (%s); retry %d of %d",
-                    self.url,
-                    self._describe_error(exc),
-                    failures,
-                    self._opts["retries"],
-                )
-                if sent and resent_args is not None:
-                    commands[0] = ("EVALSHA", self._script_sha, len(keys), *keys, *resent_args)
-                time.sleep(self._backoff.compute(failures))
+                return self._send(commands, sent)
+
+        def log(state: Any) -> None:
+            _log.info(
+                "%s: the write script failed (%s); retry %d of %d",
+                self.url,
+                self._describe_error(state.outcome.exception()),
+                state.attempt_number,
+                self._opts["retries"],
+            )
+
+        replies = retry(
+            attempt, attempts=self._opts["retries"] + 1, retry_on=_transient, before_sleep=log
+        )
         if self._wait_replicas and int(replies[1]) < self._wait_replicas:
-            raise StoreUnavailable(
-                f"{type(self).__name__} at {self.url}: only {replies[1]} of "
+            raise self._error(
+                StoreUnavailable,
+                None,
+                f"only {replies[1]} of "
                 f"{self._wait_replicas} replicas acknowledged the write within "
-                f"{self._wait_timeout_ms} ms; {self._unconfirmed}"
+                f"{self._wait_timeout_ms} ms; {self._unconfirmed}",
             )
         return replies[0]
 
@@ -370,18 +446,22 @@ class RedisClient(Client):
             )
         # inside a script an ACL refusal is a plain error reply, not NOPERM
         if isinstance(exc, NoPermissionError) or "user executing the script can't run" in str(exc):
-            return ConfigurationError(
-                f"{name} at {self.url}: the Redis user may not run a command the store needs "
-                f"(grant {self._commands}): {detail}"
+            return self._error(
+                ConfigurationError,
+                None,
+                f"the Redis user may not run a command the store needs "
+                f"(grant {self._commands}): {detail}",
             )
         if isinstance(exc, RedisConnectionError | RedisTimeoutError | ReadOnlyError):
             return StoreUnavailable  # also BusyLoadingError, MaxConnectionsError
         if isinstance(exc, TryAgainError | ClusterDownError):
             return StoreUnavailable  # also MasterDownError
         if isinstance(exc, OutOfMemoryError):
-            return StoreUnavailable(
-                f"{name} at {self.url}: Redis is out of memory and refuses writes ({detail}); "
-                "raise maxmemory or free memory (keep maxmemory-policy noeviction)"
+            return self._error(
+                StoreUnavailable,
+                None,
+                f"Redis is out of memory and refuses writes ({detail}); "
+                "raise maxmemory or free memory (keep maxmemory-policy noeviction)",
             )
         if isinstance(exc, ResponseError):
             # a pipeline prefixes the reply: "Command # 1 (HMGET k b v) of pipeline caused error: "
@@ -390,9 +470,11 @@ class RedisClient(Client):
             if code in ("DEDUPSTORE", "WRONGTYPE"):
                 return self._foreign_value_error(detail)
             if isinstance(exc, AskError | ClusterCrossSlotError):  # also MovedError
-                return ConfigurationError(
-                    f"{name} at {self.url}: the server redirects to a Redis Cluster node; Redis "
-                    f"Cluster is not supported yet: {detail}"
+                return self._error(
+                    ConfigurationError,
+                    None,
+                    f"the server redirects to a Redis Cluster node; Redis "
+                    f"Cluster is not supported yet: {detail}",
                 )
             if isinstance(exc, NoScriptError) or code in _TRANSIENT_CODES:
                 return StoreUnavailable
@@ -402,10 +484,12 @@ class RedisClient(Client):
         return super()._classify_error(exc)
 
     def _foreign_value_error(self, detail: str = "") -> ConfigurationError:
-        return ConfigurationError(
-            f"{type(self).__name__} at {self.url}: a key under the prefix {self._key_prefix!r} "
+        return self._error(
+            ConfigurationError,
+            None,
+            f"a key under the prefix {self._key_prefix!r} "
             "holds a value dedupstore did not write; the key_prefix must be reserved for "
-            f"this store{f' ({detail})' if detail else ''}"
+            f"this store{f' ({detail})' if detail else ''}",
         )
 
     # ------------------------------------------------------------------ health
@@ -414,12 +498,14 @@ class RedisClient(Client):
         """Warn about settings that can lose acknowledged writes."""
         warnings: list[str] = []
         config: dict[str, str] = {}
-        pipe = self._client.pipeline(transaction=False)
-        for name in ("appendonly", "appendfsync", "maxmemory", "maxmemory-policy"):
-            pipe.config_get(name)
-        pipe.info("persistence")
-        pipe.info("replication")
-        *answers, persistence, replication = pipe.execute(raise_on_error=False)
+
+        def build(pipe: Any) -> None:
+            for name in ("appendonly", "appendfsync", "maxmemory", "maxmemory-policy"):
+                pipe.config_get(name)
+            pipe.info("persistence")
+            pipe.info("replication")
+
+        *answers, persistence, replication = self._pipelined(build, raise_on_error=False)
         for answer in answers:
             if isinstance(answer, Exception):
                 if isinstance(answer, ResponseError):

@@ -182,9 +182,11 @@ class RedisDispatcher(RedisClient, URLDispatcher):
         head = [self._window_ms, self._maxlen]
         reply = self._run_script(keys, [*head, "0", *entries], [*head, "1", *entries])
         if reply and int(reply[0]) == -1:
-            raise StoreUnavailable(
-                f"{type(self).__name__} at {self.url}: dispatch failed: the answer to an "
+            raise self._error(
+                StoreUnavailable,
+                "dispatch",
+                "the answer to an "
                 "earlier attempt was lost and dedupe_window is off, so the messages may or "
                 "may not have been appended (not re-sent, to avoid duplicates); dispatch "
-                "them again (receivers deduplicate by id)"
+                "them again (receivers deduplicate by id)",
             )

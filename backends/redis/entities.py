@@ -51,6 +51,7 @@ prefix that dedupstore did not write.
 
 from __future__ import annotations
 
+import functools
 import secrets
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -218,11 +219,11 @@ class RedisEntityStore(RedisClient, EntityStore):
 
     def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
         """One pipelined ``HMGET`` per id, in one round trip."""
-        pipe = self._client.pipeline(transaction=False)
-        for eid in ids:
-            pipe.hmget(self._key(eid), ["b", "v"])
+        replies = self._pipelined(
+            lambda pipe: [pipe.hmget(self._key(eid), ["b", "v"]) for eid in ids]
+        )
         found: dict[str, tuple[str, Any]] = {}
-        for eid, (body, stored) in zip(ids, pipe.execute(), strict=True):
+        for eid, (body, stored) in zip(ids, replies, strict=True):
             if body is None and stored is None:
                 continue
             version = _version(stored)
@@ -249,10 +250,12 @@ class RedisEntityStore(RedisClient, EntityStore):
             entries += [expected, "1" if r.pending else "0", r.id, r.body]
         reply = self._run_script(keys, [token, "0", *entries], [token, "1", *entries])
         if int(reply[0]) != 1:
-            raise StoreUnavailable(
-                f"{type(self).__name__} at {self.url}: save failed: the answer to an earlier "
+            raise self._error(
+                StoreUnavailable,
+                "save",
+                "the answer to an earlier "
                 "attempt was lost and an entity has changed since, so whether this save "
-                "wrote it is unknown; reload the entities before saving again"
+                "wrote it is unknown; reload the entities before saving again",
             )
         pairs = reply[1:]
         return {records[int(pairs[k]) - 1].id: int(pairs[k + 1]) for k in range(0, len(pairs), 2)}
@@ -270,31 +273,40 @@ class RedisEntityStore(RedisClient, EntityStore):
 
     def _pending_ids(self, segment: int, segments: int) -> Iterator[list[str]]:
         """Lists of ids from the pending sets of the segment's buckets, each id once."""
-        members = self._client.smembers(buckets_key(self._key_prefix))
+        members = self._read(lambda: self._client.smembers(buckets_key(self._key_prefix)))
         buckets = sorted(b for b in (int(_body(m)) for m in members) if b % segments == segment)
         for start in range(0, len(buckets), _BUCKETS_PER_ROUND):
             group = buckets[start : start + _BUCKETS_PER_ROUND]
-            pipe = self._client.pipeline(transaction=False)
-            for bucket in group:
-                pipe.sscan(pending_key(self._key_prefix, bucket), 0, count=_SSCAN_COUNT)
-            for bucket, (cursor, members) in zip(group, pipe.execute(), strict=True):
+            replies = self._pipelined(functools.partial(self._sscan_first, group))
+            for bucket, (cursor, members) in zip(group, replies, strict=True):
                 seen = {_body(m) for m in members}
                 if seen:
                     yield list(seen)
                 while int(cursor):
-                    cursor, more = self._client.sscan(
-                        pending_key(self._key_prefix, bucket), cursor, count=_SSCAN_COUNT
+                    cursor, more = self._read(
+                        functools.partial(
+                            self._client.sscan,
+                            pending_key(self._key_prefix, bucket),
+                            cursor,
+                            count=_SSCAN_COUNT,
+                        )
                     )
                     fresh = {_body(m) for m in more} - seen
                     if fresh:
                         seen |= fresh
                         yield list(fresh)
 
+    def _sscan_first(self, buckets: list[int], pipe: Any) -> None:
+        for bucket in buckets:
+            pipe.sscan(pending_key(self._key_prefix, bucket), 0, count=_SSCAN_COUNT)
+
     def _read_page(self, ids: list[str]) -> Iterator[tuple[str, str, Any]]:
-        pipe = self._client.pipeline(transaction=False)
-        for eid in ids:
-            pipe.hmget(self._key(eid), ["b", "v", "p"])
-        for eid, (body, stored, pending) in zip(ids, pipe.execute(), strict=True):
+        def build(pipe: Any) -> None:
+            for eid in ids:
+                pipe.hmget(self._key(eid), ["b", "v", "p"])
+
+        replies = self._pipelined(build)
+        for eid, (body, stored, pending) in zip(ids, replies, strict=True):
             version = _version(stored)
             if body is not None and version is not None and pending in (b"1", "1"):
                 yield eid, _body(body), version

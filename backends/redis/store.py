@@ -34,6 +34,7 @@ credentials, ACL permissions, a foreign key under the prefix, Redis Cluster.
 
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -179,7 +180,8 @@ class RedisDeduplicationStore(RedisClient, DeduplicationStore):
 
     def _find(self, ids: list[str], now: float) -> set[str]:
         """One ``MGET``; Redis never returns an expired key."""
-        values = self._client.mget([self._key_base + escape(mid) for mid in ids])
+        keys = [self._key_base + escape(mid) for mid in ids]
+        values = self._read(lambda: self._client.mget(keys))
         found: set[str] = set()
         for mid, value in zip(ids, values, strict=True):
             if value is not None:
@@ -189,7 +191,7 @@ class RedisDeduplicationStore(RedisClient, DeduplicationStore):
         return found
 
     def _contains_one(self, message_id: str, now: float) -> bool:
-        value = self._client.get(self._key_base + escape(message_id))
+        value = self._read(lambda: self._client.get(self._key_base + escape(message_id)))
         if value is not None and not _is_record(value):
             raise self._foreign_value_error()
         return value is not None
@@ -213,11 +215,15 @@ class RedisDeduplicationStore(RedisClient, DeduplicationStore):
         seen: set[bytes | str] = set()
         total, cursor = 0, 0
         while True:
-            cursor, keys = self._client.scan(cursor=cursor, match=pattern, count=_SCAN_COUNT)
+            cursor, keys = self._read(
+                functools.partial(
+                    self._client.scan, cursor=cursor, match=pattern, count=_SCAN_COUNT
+                )
+            )
             fresh = [key for key in dict.fromkeys(keys) if key not in seen]
             if fresh:
                 seen.update(fresh)
-                for value in self._client.mget(fresh):
+                for value in self._read(functools.partial(self._client.mget, fresh)):
                     if value is not None:
                         if not _is_record(value):
                             raise self._foreign_value_error()

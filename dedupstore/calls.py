@@ -1,0 +1,231 @@
+"""How one call to a server runs: its deadline, its retries, its fan-out.
+
+* :func:`deadline`: every round trip a store makes for one public call (one
+  chunk of a batch) runs under ONE deadline, started by
+  :meth:`~dedupstore.client.Client._translating_errors` from the backend's
+  :meth:`~dedupstore.client.Client._deadline_seconds`. Drivers read what is left
+  with :func:`time_left` / :func:`capped` to bound each attempt's timeouts.
+* :func:`retry`: the one retry loop (``tenacity``) with the one backoff policy
+  (:data:`BACKOFF`): it never sleeps past the deadline, and stops retrying once
+  the deadline is reached, whatever ``attempts`` allows.
+* :func:`fan_out`: parallel calls over items, on one executor per process, with
+  one failure rule: after a failure no new call starts, every started call is
+  waited for, and the first failure in input order is raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import itertools
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any, TypeVar
+
+from tenacity import RetryCallState, Retrying, wait_random_exponential
+
+__all__ = [
+    "BACKOFF",
+    "DeadlinePassed",
+    "capped",
+    "deadline",
+    "executor",
+    "fan_out",
+    "retry",
+    "time_left",
+]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+#: The one backoff policy between attempts: full jitter, 50 ms doubling, at most 1 s.
+BACKOFF = wait_random_exponential(multiplier=0.05, max=1.0)
+
+#: The monotonic instant the current call must end by (``None``: no deadline).
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "dedupstore_deadline", default=None
+)
+
+#: Threads of the fan-out executor: nested fan-outs there run inline (no deadlock).
+_WORKERS = 256
+_worker = threading.local()
+
+
+class DeadlinePassed(TimeoutError):
+    """The call's deadline passed before a request could be sent or answered."""
+
+    def __init__(self, message: str = "timed out: the call's deadline passed") -> None:
+        super().__init__(message)
+
+
+@contextlib.contextmanager
+def deadline(seconds: float | None) -> Iterator[None]:
+    """Run the block under a deadline ``seconds`` from now (an earlier one is kept).
+
+    ``None`` adds no deadline (an enclosing one still applies).
+    """
+    if seconds is None:
+        yield
+        return
+    at = time.monotonic() + seconds
+    outer = _DEADLINE.get()
+    token = _DEADLINE.set(at if outer is None else min(outer, at))
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
+def time_left() -> float | None:
+    """Seconds left before the current deadline (negative once past); ``None``: none."""
+    at = _DEADLINE.get()
+    return None if at is None else at - time.monotonic()
+
+
+def capped(seconds: float) -> float:
+    """``seconds``, or the time left if that is shorter: a timeout for one attempt.
+
+    Raises :class:`DeadlinePassed` (a ``TimeoutError``) when no time is left, so no
+    request is sent that could not be answered in time.
+    """
+    left = time_left()
+    if left is None:
+        return seconds
+    if left <= 0:
+        raise DeadlinePassed
+    return min(seconds, left)
+
+
+def retry(
+    fn: Callable[[], T],
+    *,
+    attempts: int | None,
+    retry_on: Callable[[BaseException], bool] = lambda exc: False,
+    again: Callable[[T], bool] | None = None,
+    before_sleep: Callable[[RetryCallState], None] | None = None,
+) -> T:
+    """``fn()``, called again after an error ``retry_on`` accepts (or a result ``again`` refuses).
+
+    At most ``attempts`` calls (``None``: until the deadline), :data:`BACKOFF`
+    between them; never past the current deadline: no sleep ends after it, and
+    no attempt starts once it has passed. Returns the first accepted result, or
+    the last result once out of attempts; raises the last error otherwise.
+    :class:`DeadlinePassed` is never retried.
+    """
+
+    def stop(state: RetryCallState) -> bool:
+        if attempts is not None and state.attempt_number >= attempts:
+            return True
+        left = time_left()
+        return left is not None and left <= (state.upcoming_sleep or 0.0)
+
+    def decide(state: RetryCallState) -> bool:
+        outcome = state.outcome
+        if outcome is None:  # pragma: no cover - tenacity always sets it
+            return False
+        if outcome.failed:
+            error = outcome.exception()
+            return error is not None and not isinstance(error, DeadlinePassed) and retry_on(error)
+        return again is not None and again(outcome.result())
+
+    def give_up(state: RetryCallState) -> T:
+        assert state.outcome is not None
+        result: T = state.outcome.result()  # the last error is raised here
+        return result
+
+    retrying = Retrying(
+        stop=stop,
+        wait=BACKOFF,
+        retry=decide,
+        before_sleep=before_sleep,
+        retry_error_callback=give_up,
+    )
+    return retrying(fn)
+
+
+# --------------------------------------------------------------------------- fan-out
+
+
+class _ContextPool(ThreadPoolExecutor):
+    """A thread pool whose calls run in a copy of the submitter's context (its deadline)."""
+
+    def submit(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> Future[R]:
+        return super().submit(contextvars.copy_context().run, fn, *args, **kwargs)
+
+
+_pool: _ContextPool | None = None
+_pool_pid = 0
+_pool_lock = threading.Lock()
+
+
+def executor() -> ThreadPoolExecutor:
+    """The process's one executor (a child after ``fork()`` gets its own).
+
+    Calls submitted to it run in a copy of the submitter's context, so they keep
+    the call's deadline; threads are started as needed. For drivers that take an
+    executor (Cosmos DB's ``read_items``); stores use :func:`fan_out`.
+    """
+    global _pool, _pool_pid
+    with _pool_lock:
+        if _pool is None or _pool_pid != os.getpid():
+            _pool = _ContextPool(_WORKERS, thread_name_prefix="dedupstore")
+            _pool_pid = os.getpid()
+        return _pool
+
+
+def _in_worker(fn: Callable[[T], R], item: T) -> R:
+    _worker.active = True
+    try:
+        return fn(item)
+    finally:
+        _worker.active = False
+
+
+def fan_out(fn: Callable[[T], R], items: Iterable[T], *, concurrency: int) -> list[R]:
+    """``[fn(x) for x in items]`` with up to ``concurrency`` calls in flight.
+
+    Items are drawn from ``items`` as calls finish, so at most ``concurrency`` are
+    held at once. Each call runs in a copy of the caller's context (its deadline
+    included). One failure rule: once a call failed (or drawing the next item
+    raised) no new call starts; every started call is waited for; then the first
+    failure in input order is raised. Callers that must say what completed before
+    a failure record it inside ``fn``. With ``concurrency`` 1, a single item, or
+    when called from a call of another fan-out, the calls run one by one in the
+    calling thread.
+    """
+    if concurrency <= 1 or getattr(_worker, "active", False):
+        return [fn(item) for item in items]
+    iterator = iter(items)
+    head = list(itertools.islice(iterator, 2))
+    if len(head) < 2:  # one call: no thread hop
+        return [fn(item) for item in head]
+    items = itertools.chain(head, iterator)
+    pool = executor()
+    running: dict[Future[R], int] = {}
+    results: dict[int, R] = {}
+    errors: dict[int, BaseException] = {}
+
+    def settle(finished: Iterable[Future[R]]) -> None:
+        for future in finished:
+            index = running.pop(future)
+            error = future.exception()
+            if error is None:
+                results[index] = future.result()
+            else:
+                errors[index] = error
+
+    try:
+        for index, item in enumerate(items):
+            while len(running) >= concurrency:
+                settle(wait(running, return_when=FIRST_COMPLETED).done)
+            if errors:
+                break
+            running[pool.submit(_in_worker, fn, item)] = index
+    finally:
+        settle(wait(running).done)
+    if errors:
+        raise errors[min(errors)]
+    return [results[index] for index in sorted(results)]

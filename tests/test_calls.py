@@ -1,0 +1,164 @@
+"""``dedupstore.calls``: the deadline, the one retry loop and the one fan-out."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import tenacity
+
+from dedupstore import calls
+from dedupstore.calls import DeadlinePassed, capped, deadline, fan_out, retry, time_left
+
+
+@pytest.fixture
+def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(calls, "BACKOFF", tenacity.wait_none())
+
+
+def test_a_deadline_is_inherited_and_only_shortened() -> None:
+    assert time_left() is None and capped(5.0) == 5.0
+    with deadline(10.0):
+        assert 9.0 < (time_left() or 0) <= 10.0
+        with deadline(60.0):  # an inner, later deadline does not extend the outer one
+            assert (time_left() or 0) <= 10.0
+        with deadline(0.5):
+            assert capped(5.0) <= 0.5
+        with deadline(None):
+            assert (time_left() or 0) > 9.0
+    assert time_left() is None
+    with deadline(-1.0), pytest.raises(DeadlinePassed, match="timed out"):
+        capped(5.0)
+
+
+def test_retry_retries_what_it_is_told_at_most_attempts_times(no_backoff: None) -> None:
+    tries: list[int] = []
+
+    def flaky() -> str:
+        tries.append(1)
+        if len(tries) < 3:
+            raise ConnectionError("down")
+        return "ok"
+
+    assert retry(flaky, attempts=3, retry_on=lambda e: isinstance(e, ConnectionError)) == "ok"
+    tries.clear()
+    with pytest.raises(ConnectionError):
+        retry(flaky, attempts=2, retry_on=lambda e: isinstance(e, ConnectionError))
+    assert len(tries) == 2
+    tries.clear()
+    with pytest.raises(ConnectionError):
+        retry(flaky, attempts=5, retry_on=lambda e: False)
+    assert len(tries) == 1
+
+
+def test_retry_on_a_result_returns_the_last_one(no_backoff: None) -> None:
+    left = iter([3, 2, 1, 0])
+    assert retry(lambda: next(left), attempts=10, again=bool) == 0
+    left = iter([3, 2, 1, 0])
+    assert retry(lambda: next(left), attempts=2, again=bool) == 2
+
+
+def test_retry_stops_at_the_deadline_whatever_attempts_allow() -> None:
+    tries: list[float] = []
+
+    def slow() -> None:
+        tries.append(time.monotonic())
+        time.sleep(0.1)
+        raise TimeoutError("no answer")
+
+    started = time.monotonic()
+    with deadline(0.5), pytest.raises(TimeoutError, match="no answer"):
+        retry(slow, attempts=None, retry_on=lambda e: True)
+    elapsed = time.monotonic() - started
+    assert 0.4 <= elapsed < 0.5 + 0.2, elapsed  # no pause ends after the deadline
+    assert len(tries) >= 2
+    assert all(t - started < 0.5 for t in tries), "no attempt starts after the deadline"
+
+
+def test_deadline_passed_is_never_retried() -> None:
+    tries: list[int] = []
+
+    def late() -> None:
+        tries.append(1)
+        capped(1.0)
+
+    with deadline(-1.0), pytest.raises(DeadlinePassed):
+        retry(late, attempts=5, retry_on=lambda e: True)
+    assert tries == [1]
+
+
+def test_fan_out_keeps_order_context_and_concurrency() -> None:
+    running, peak, lock = 0, 0, threading.Lock()
+
+    def work(n: int) -> tuple[int, float | None]:
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+        time.sleep(0.01)
+        with lock:
+            running -= 1
+        return n * n, time_left()
+
+    with deadline(30.0):
+        results = fan_out(work, range(20), concurrency=4)
+    assert [r for r, _ in results] == [n * n for n in range(20)]
+    assert all(left is not None and left <= 30.0 for _, left in results)  # the caller's deadline
+    assert 1 < peak <= 4
+
+
+def test_fan_out_stops_starting_waits_for_all_and_raises_the_first_in_input_order() -> None:
+    started: list[int] = []
+    finished: list[int] = []
+    lock = threading.Lock()
+
+    def work(n: int) -> int:
+        with lock:
+            started.append(n)
+        if n == 1:
+            time.sleep(0.2)
+            with lock:
+                finished.append(n)
+            raise KeyError(n)
+        if n == 2:
+            raise ValueError(n)
+        time.sleep(0.05)
+        with lock:
+            finished.append(n)
+        return n
+
+    with pytest.raises(KeyError):  # 1 failed after 2, but comes first in the input
+        fan_out(work, range(100), concurrency=3)
+    assert 1 in finished  # waited for
+    assert len(started) < 100  # no new call after a failure
+
+
+def test_fan_out_runs_nested_and_single_calls_inline() -> None:
+    caller = threading.get_ident()
+    assert fan_out(lambda n: threading.get_ident(), [1], concurrency=8) == [caller]
+
+    def outer(n: int) -> list[int]:
+        here = threading.get_ident()
+        inner = fan_out(lambda m: threading.get_ident(), range(3), concurrency=8)
+        assert inner == [here] * 3  # no deadlock on a saturated executor
+        return inner
+
+    assert len(fan_out(outer, range(4), concurrency=4)) == 4
+
+
+def test_the_executor_is_per_process() -> None:
+    pool = calls.executor()
+    assert calls.executor() is pool
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.close(read)
+        ok = calls.executor() is not pool and fan_out(abs, [-1, -2], concurrency=2) == [1, 2]
+        os.write(write, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(write)
+    assert os.read(read, 1) == b"1"
+    os.waitpid(pid, 0)
+    os.close(read)
