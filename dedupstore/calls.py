@@ -44,6 +44,11 @@ R = TypeVar("R")
 #: The one backoff policy between attempts: full jitter, 50 ms doubling, at most 1 s.
 BACKOFF = wait_random_exponential(multiplier=0.05, max=1.0)
 
+#: The clock deadlines are read on, and how a retry pauses (tests replace both with a
+#: simulated clock, to check the deadline without measuring time).
+_now: Callable[[], float] = time.monotonic
+_sleep: Callable[[float], None] = time.sleep
+
 #: The monotonic instant the current call must end by (``None``: no deadline).
 _DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "dedupstore_deadline", default=None
@@ -70,7 +75,7 @@ def deadline(seconds: float | None) -> Iterator[None]:
     if seconds is None:
         yield
         return
-    at = time.monotonic() + seconds
+    at = _now() + seconds
     outer = _DEADLINE.get()
     token = _DEADLINE.set(at if outer is None else min(outer, at))
     try:
@@ -82,7 +87,7 @@ def deadline(seconds: float | None) -> Iterator[None]:
 def time_left() -> float | None:
     """Seconds left before the current deadline (negative once past); ``None``: none."""
     at = _DEADLINE.get()
-    return None if at is None else at - time.monotonic()
+    return None if at is None else at - _now()
 
 
 def capped(seconds: float) -> float:
@@ -142,6 +147,7 @@ def retry(
         retry=decide,
         before_sleep=before_sleep,
         retry_error_callback=give_up,
+        sleep=lambda seconds: _sleep(seconds),
     )
     return retrying(fn)
 

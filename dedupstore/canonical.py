@@ -65,19 +65,24 @@ _DIGITS = bytes(48 if 48 <= i <= 57 else 32 for i in range(256))
 _LONG_NUMBER = b"0" * 19
 
 
-def _fast(value: Any) -> bytes | None:
-    """``orjson``'s encoding when it is the canonical text, else ``None``."""
+def _fast(value: Any) -> tuple[bytes, Any] | None:
+    """``orjson``'s encoding when it is the canonical text, else ``None``; with the
+    decoded value when checking the text decoded it (else ``_UNDECODED``)."""
     try:
         out = orjson.dumps(value, default=_refuse, option=_OPTIONS)
     except TypeError:  # orjson.JSONEncodeError: a type, size or depth it does not take
         return None
     if b"0.0000" in out or _SHORT_EXPONENT.search(out):
         return None
+    if b"null" not in out:
+        return out, _UNDECODED
     # orjson writes NaN and infinity as null: a null that decodes unequal was one
     # (or a tuple, which compares unequal to a list: the reference then encodes it)
-    if b"null" in out and orjson.loads(out) != value:
-        return None
-    return out
+    decoded = orjson.loads(out)
+    return None if decoded != value else (out, decoded)
+
+
+_UNDECODED = object()
 
 
 def dumps(value: Any) -> str:
@@ -86,8 +91,8 @@ def dumps(value: Any) -> str:
     Raises ``TypeError`` for a value JSON cannot hold and ``ValueError`` for NaN,
     infinity or a circular reference.
     """
-    out = _fast(value)
-    return _REFERENCE.encode(value) if out is None else out.decode("utf-8")
+    fast = _fast(value)
+    return _REFERENCE.encode(value) if fast is None else fast[0].decode("utf-8")
 
 
 def string(value: str) -> str:
@@ -102,8 +107,8 @@ def string(value: str) -> str:
 
 def dumps_bytes(value: Any) -> bytes:
     """:func:`dumps` as UTF-8 bytes (raises ``UnicodeEncodeError`` for a lone surrogate)."""
-    out = _fast(value)
-    return _REFERENCE.encode(value).encode("utf-8") if out is None else out
+    fast = _fast(value)
+    return _REFERENCE.encode(value).encode("utf-8") if fast is None else fast[0]
 
 
 def loads(data: str | bytes) -> Any:
@@ -127,13 +132,14 @@ def normalized(value: Any) -> tuple[Any, str]:
 
     Raises what :func:`dumps` raises.
     """
-    out = _fast(value)
-    if out is None:
+    fast = _fast(value)
+    if fast is None:
         # keys that were not text sort as text once decoded: the text of the decoded
         # value is the one every later encoding gives
         normal = json.loads(_REFERENCE.encode(value))
         return normal, dumps(normal)
-    return orjson.loads(out), out.decode("utf-8")
+    out, decoded = fast
+    return (orjson.loads(out) if decoded is _UNDECODED else decoded), out.decode("utf-8")
 
 
 def copy(value: Any) -> Any:

@@ -142,10 +142,6 @@ class EntryMark:
     at: int
     run: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        """The mark's fields of the encoded entry."""
-        return {"at": self.at} if self.run is None else {"at": self.at, "run": self.run}
-
 
 @dataclass
 class Entity:

@@ -60,21 +60,35 @@ def test_retry_on_a_result_returns_the_last_one(no_backoff: None) -> None:
     assert retry(lambda: next(left), attempts=2, again=bool) == 2
 
 
-def test_retry_stops_at_the_deadline_whatever_attempts_allow() -> None:
-    tries: list[float] = []
+def test_retry_stops_at_the_deadline_whatever_attempts_allow(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a simulated clock (no time measured): attempts of 0.12 s and pauses of 0.05 s
+    under a 0.5 s deadline; no pause ends after the deadline, no attempt starts after it."""
+    now = [100.0]
+    pauses: list[float] = []
+
+    def pause(seconds: float) -> None:
+        pauses.append(seconds)
+        now[0] += seconds
+
+    monkeypatch.setattr(calls, "_now", lambda: now[0])
+    monkeypatch.setattr(calls, "_sleep", pause)
+    monkeypatch.setattr(calls, "BACKOFF", tenacity.wait_fixed(0.05))
+    starts: list[float] = []
 
     def slow() -> None:
-        tries.append(time.monotonic())
-        time.sleep(0.1)
+        starts.append(now[0])
+        now[0] += 0.12  # the attempt takes 0.12 s
         raise TimeoutError("no answer")
 
-    started = time.monotonic()
     with deadline(0.5), pytest.raises(TimeoutError, match="no answer"):
         retry(slow, attempts=None, retry_on=lambda e: True)
-    elapsed = time.monotonic() - started
-    assert 0.4 <= elapsed < 0.5 + 0.2, elapsed  # no pause ends after the deadline
-    assert len(tries) >= 2
-    assert all(t - started < 0.5 for t in tries), "no attempt starts after the deadline"
+    # attempts at 0, 0.17 and 0.34 s; then 0.04 s are left: a pause would end after
+    # the deadline, so it stops (a loop that only checked "time left > 0" would pause
+    # and start a fourth attempt at 0.51 s)
+    assert starts == pytest.approx([100.0, 100.17, 100.34]), starts
+    assert pauses == pytest.approx([0.05, 0.05]), pauses
 
 
 def test_deadline_passed_is_never_retried() -> None:
