@@ -17,7 +17,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from types import TracebackType
 from typing import Any, ClassVar, Generic, Self, TypeVar
 
@@ -67,16 +67,46 @@ MUST_EXIST = Option(
 _inherited: list[object] = []
 
 
+class _Slot:
+    """One shared value of one process, and how many handles hold it."""
+
+    __slots__ = ("lock", "pid", "refs", "value")
+
+    def __init__(self, pid: int) -> None:
+        self.lock = threading.Lock()
+        self.pid = pid
+        self.refs = 0
+        self.value: object = None
+
+
+# The values shared by key (ProcessLocal(..., key=...)): at most one per key and process.
+_shared: dict[Hashable, _Slot] = {}
+_shared_lock = threading.Lock()
+
+
 class ProcessLocal(Generic[T]):
-    """One ``T`` per process, made by ``factory`` on first use.
+    """One ``T`` per process, made by ``factory`` on first use; with ``key``, shared.
 
     After ``fork()`` the child makes its own and leaves the parent's alone (never
     used, never closed: closing a socket in the child can end the parent's session).
+
+    With a ``key``, every handle of one process that has the same key gets the same
+    ``T`` (made by the first handle's ``factory``, so equal keys must mean equivalent
+    factories), reference counted: :meth:`close` of the last handle holding it
+    closes it. This is how clients of one server share one connection pool per
+    process (:meth:`Client._connection_handle`).
     """
 
-    def __init__(self, factory: Callable[[], T], close: Callable[[T], None] | None = None) -> None:
+    def __init__(
+        self,
+        factory: Callable[[], T],
+        close: Callable[[T], None] | None = None,
+        *,
+        key: Hashable | None = None,
+    ) -> None:
         self._factory = factory
         self._close = close
+        self._key = key
         self._value: T | None = None
         self._pid = 0
         self._lock = threading.Lock()
@@ -88,22 +118,61 @@ class ProcessLocal(Generic[T]):
             return value
         with self._lock:
             if self._value is None or self._pid != pid:
-                if self._value is not None:
-                    _inherited.append(self._value)
-                self._value = self._factory()
+                if self._key is not None:
+                    self._value = self._acquire(pid)
+                else:
+                    if self._value is not None:
+                        _inherited.append(self._value)
+                    self._value = self._factory()
                 self._pid = pid
             return self._value
+
+    def _acquire(self, pid: int) -> T:
+        """The shared value of ``key`` in this process, made if absent; one more holder."""
+        with _shared_lock:
+            slot = _shared.get(self._key)
+            if slot is None or slot.pid != pid:
+                if slot is not None and slot.value is not None:
+                    _inherited.append(slot.value)  # the parent's, before a fork
+                slot = _shared[self._key] = _Slot(pid)
+            slot.refs += 1
+        try:
+            with slot.lock:  # made once, outside the registry's lock (it may connect)
+                if slot.value is None:
+                    slot.value = self._factory()
+                value: T = slot.value  # type: ignore[assignment]
+                return value
+        except BaseException:
+            self._release(slot)
+            raise
+
+    def _release(self, slot: _Slot) -> bool:
+        """One holder fewer; whether it was the last (then the slot is forgotten)."""
+        with _shared_lock:
+            slot.refs -= 1
+            if slot.refs:
+                return False
+            if _shared.get(self._key) is slot:
+                del _shared[self._key]
+            return True
 
     def peek(self) -> T | None:
         """This process's instance, or ``None`` if it has none yet."""
         return self._value if self._pid == os.getpid() else None
 
     def close(self) -> None:
-        """Close this process's instance, if it made one."""
+        """Let go of this process's instance; close it unless another handle holds it."""
         with self._lock:
             value, self._value = self._value, None
             mine = self._pid == os.getpid()
-        if value is not None and mine and self._close is not None:
+        if value is None or not mine:
+            return
+        if self._key is not None:
+            with _shared_lock:
+                slot = _shared.get(self._key)
+            if slot is None or slot.value is not value or not self._release(slot):
+                return
+        if self._close is not None:
             self._close(value)
 
 
@@ -140,6 +209,9 @@ class Client(Closing, abc.ABC):
     #: True when the data lives in this process only (another process opening the same
     #: URL sees other data): such a client cannot be shared with worker processes.
     process_local: ClassVar[bool] = False
+    #: The options that shape a connection: clients of one server share one connection
+    #: per process when their values of these agree (:meth:`_shared_connection`).
+    connection_options: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
         """Parse ``url``, resolve and validate ``options``; ``ConfigurationError`` if bad.
@@ -247,6 +319,27 @@ class Client(Closing, abc.ABC):
         no deadline beyond the driver's own timeouts.
         """
         return None
+
+    def _shared_connection(
+        self, address: Hashable, factory: Callable[[], T], close: Callable[[T], None]
+    ) -> ProcessLocal[T]:
+        """A handle on the connection this object shares with the other clients of a server.
+
+        One connection object (pool, driver client) per process for every client
+        (deduplication store, entity store, dispatcher) of this class's backend whose
+        ``address`` (the server and the credentials, as the backend defines them) and
+        :attr:`connection_options` agree: made by the first, closed by the close of
+        the last (reference counted), made anew in a child after ``fork``. A
+        ``client`` given by the user is not handled here: the backend uses it as is
+        and never closes it.
+        """
+        options = tuple((name, self._opts[name]) for name in self.connection_options)
+        return ProcessLocal(factory, close, key=(self._connection_family, address, options))
+
+    @property
+    def _connection_family(self) -> str:
+        """Clients whose connections may be shared: the backend's package (by default)."""
+        return type(self).__module__.rpartition(".")[0] or type(self).__module__
 
     @property
     def _creates(self) -> bool:

@@ -310,7 +310,7 @@ def test_an_entity_at_the_limit_is_stored_and_one_byte_more_is_refused(
 ) -> None:
     store = open_entities()
     limit = store.max_entity_bytes
-    client = store._conn.get().client  # type: ignore[attr-defined]
+    client = store._conn.get()  # type: ignore[attr-defined]
     assert client.client_connection._enable_compact_utf8_item_writes is True
     for eid, fill in (("\x01" * 1024, '"'), ("unicode", "é\x7f🦄")):
         too_big = _entity_of_size(eid, limit + 1, fill)
@@ -415,7 +415,7 @@ def test_options_convert_in_the_url_and_as_keywords(
     ) as store:
         assert store.option("timeout") == 5.0 and store.option("connect_timeout") == 2.0
         assert store.option("max_concurrency") == 4 and store.option("create") is False
-        policy = store._conn.get().client.client_connection.connection_policy
+        policy = store._conn.get().client_connection.connection_policy
         assert policy.ReadTimeout == 5.0 and policy.RequestTimeout == 2.0
         assert store.load("x").version is None
     with CosmosEntityStore(bare, key=cosmos_server.key, timeout="5", max_concurrency="4") as kw:

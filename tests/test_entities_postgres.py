@@ -848,7 +848,7 @@ def _open_through(proxy: TcpProxy, url: str, table: str) -> PostgresEntityStore:
     seen = _new(store, "seen", n=1)
     seen.outbox["m"] = [_message("m")]
     store.save(seen)  # a successful call first
-    pool = store._pools.get()
+    pool = store._conn.get()
     while True:  # no connection still opening: it would hang when the network dies
         stats = pool.get_stats()
         if stats["pool_available"] >= _POOL and stats["pool_size"] == stats["pool_available"]:

@@ -533,7 +533,7 @@ def test_health_warnings_on_an_unsafe_server() -> None:
         assert any(w.startswith("full_page_writes is off") for w in warnings)
         assert any(w.startswith("synchronous_commit is off on the PostgreSQL") for w in warnings)
         # the store's own sessions still commit durably
-        pool = store._pools.get()  # type: ignore[attr-defined]
+        pool = store._conn.get()  # type: ignore[attr-defined]
         with pool.connection() as conn:
             assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
         with psycopg.connect(server.url, autocommit=True) as conn:
@@ -1044,7 +1044,7 @@ def _wait_for_idle_pool(store: DeduplicationStore) -> None:
     A connection still opening when the network dies hangs until libpq's
     ``connect_timeout`` and holds up the pool's growth meanwhile.
     """
-    pool = store._pools.get()  # type: ignore[attr-defined]
+    pool = store._conn.get()  # type: ignore[attr-defined]
     while True:
         stats = pool.get_stats()
         if stats["pool_available"] >= _POOL and stats["pool_size"] == stats["pool_available"]:

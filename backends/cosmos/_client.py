@@ -17,7 +17,6 @@ import logging
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Final, TypeVar
 from urllib.parse import unquote
 
@@ -181,20 +180,6 @@ CONNECTION_OPTIONS: Final[tuple[Option, ...]] = (
 )
 
 
-@dataclass(frozen=True)
-class _Connection:
-    """This process's client and container proxy; ``owned``: we close the client."""
-
-    client: CosmosClient
-    container: ContainerProxy
-    owned: bool
-
-
-def _close_connection(connection: _Connection) -> None:
-    if connection.owned:
-        connection.client.close()
-
-
 class CosmosClientBase(Client):
     """What both Cosmos DB stores share: connection, checks, errors, parallel requests.
 
@@ -213,6 +198,15 @@ class CosmosClientBase(Client):
     #: Why Strong is needed, and what a weaker account risks (messages, warnings).
     _strong_reason: ClassVar[str] = ""
     _weak_risk: ClassVar[str] = ""
+    connection_options: ClassVar[tuple[str, ...]] = (
+        "tls",
+        "endpoint_discovery",
+        "allow_weak_consistency_for_emulator_only",
+        "max_concurrency",
+        "timeout",
+        "connect_timeout",
+        "retries",
+    )
 
     def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
         """Resolve the options, connect, check the account's consistency and the container.
@@ -232,10 +226,18 @@ class CosmosClientBase(Client):
             raise ConfigurationError(
                 f"no Cosmos DB key for {self.url}: pass key=... or set {KEY_ENV_VAR}"
             )
-        self._conn: ProcessLocal[_Connection] = ProcessLocal(self._connect, _close_connection)
+        given: CosmosClient | None = opts["client"]
+        self._conn: ProcessLocal[CosmosClient] = (
+            ProcessLocal(lambda: given)
+            if given is not None
+            else self._shared_connection(
+                (self._endpoint_url, self._secret), self._new_client, CosmosClient.close
+            )
+        )
+        self._containers = ProcessLocal(self._container_proxy)
         try:
             with self._translating_errors("open"):
-                client = self._conn.get().client
+                client = self._conn.get()
                 self._check_consistency(client)
                 self._check_container(client)
         except BaseException:
@@ -262,20 +264,16 @@ class CosmosClientBase(Client):
     def _container_checked(self, properties: Mapping[str, Any]) -> None:
         """Called at open with the container's properties (after the common checks)."""
 
-    def _client_kwargs(self) -> dict[str, Any]:
-        """Extra keyword arguments for the ``CosmosClient`` this store creates."""
-        return {}
-
     # ------------------------------------------------------------------ opening
 
-    def _connect(self) -> _Connection:
-        """This process's client (the given one, or a new one) and container proxy."""
-        client = self._opts["client"]
-        owned = client is None
-        if client is None:
-            client = self._new_client()
-        database = client.get_database_client(self._database_name)
-        return _Connection(client, database.get_container_client(self._container_name), owned)
+    def _container_proxy(self) -> ContainerProxy:
+        """This process's proxy of the store's container (no I/O)."""
+        database = self._conn.get().get_database_client(self._database_name)
+        return database.get_container_client(self._container_name)
+
+    @property
+    def _container(self) -> ContainerProxy:
+        return self._containers.get()
 
     def _new_client(self) -> CosmosClient:
         opts = self._opts
@@ -309,7 +307,8 @@ class CosmosClientBase(Client):
             "retry_read": opts["retries"],
             "retry_backoff_max": 1,
             "retry_throttle_backoff_max": throttle_wait,
-            **self._client_kwargs(),
+            # item sizes as the service counts them (the entity store's size limit)
+            "enable_compact_utf8_item_writes": True,
         }
         if not opts["allow_weak_consistency_for_emulator_only"]:
             # Requests then demand Strong: if the account is ever weakened, they fail
@@ -488,4 +487,5 @@ class CosmosClientBase(Client):
         return float(opts["connect_timeout"] + (opts["retries"] + 1) * opts["timeout"])
 
     def _close(self) -> None:
+        self._containers.close()
         self._conn.close()

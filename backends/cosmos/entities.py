@@ -201,9 +201,6 @@ class CosmosEntityStore(CosmosClientBase, EntityStore):
     def _create_container(self, client: CosmosClient) -> None:
         create_entity_container(client, self._database_name, self._container_name)
 
-    def _client_kwargs(self) -> dict[str, Any]:
-        return {"enable_compact_utf8_item_writes": True}
-
     def _classify_error(self, exc: BaseException) -> ErrorKind:
         if isinstance(exc, HttpResponseError) and exc.status_code == 413:
             return self._error(
@@ -253,7 +250,7 @@ class CosmosEntityStore(CosmosClientBase, EntityStore):
 
     def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
         doc_ids = {eid: entity_document_id(eid) for eid in ids}
-        found = self._read_many(self._conn.get().container, list(doc_ids.values()))
+        found = self._read_many(self._container, list(doc_ids.values()))
         result: dict[str, tuple[str, Any]] = {}
         for eid, doc_id in doc_ids.items():
             item = found.get(doc_id)
@@ -263,7 +260,7 @@ class CosmosEntityStore(CosmosClientBase, EntityStore):
         return result
 
     def _save(self, records: list[EntityRecord]) -> dict[str, Any]:
-        container = self._conn.get().container
+        container = self._container
         tokens = {record.id: secrets.token_urlsafe(16) for record in records}
 
         def write(record: EntityRecord) -> str | None:
@@ -306,20 +303,16 @@ class CosmosEntityStore(CosmosClientBase, EntityStore):
         return saved
 
     def _scan(self, segment: int, segments: int) -> Iterator[tuple[str, str, Any]]:
-        pages = (
-            self._conn.get()
-            .container.query_items(
-                "SELECT c.id, c.entity_id, c.body, c._etag FROM c "
-                "WHERE c.pending = true AND c.bucket % @segments = @segment",
-                parameters=[
-                    {"name": "@segments", "value": segments},
-                    {"name": "@segment", "value": segment},
-                ],
-                enable_cross_partition_query=True,
-                max_item_count=_SCAN_PAGE,
-            )
-            .by_page()
-        )
+        pages = self._container.query_items(
+            "SELECT c.id, c.entity_id, c.body, c._etag FROM c "
+            "WHERE c.pending = true AND c.bucket % @segments = @segment",
+            parameters=[
+                {"name": "@segments", "value": segments},
+                {"name": "@segment", "value": segment},
+            ],
+            enable_cross_partition_query=True,
+            max_item_count=_SCAN_PAGE,
+        ).by_page()
         for page in pages:
             for item in page:
                 yield self._check_item(item), item["body"], str(item["_etag"])

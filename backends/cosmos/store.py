@@ -203,7 +203,7 @@ class CosmosDeduplicationStore(CosmosClientBase, DeduplicationStore):
     # ------------------------------------------------------------------ primitives
 
     def _add_new(self, request: WriteRequest) -> set[str]:
-        now, container = request.now, self._conn.get().container
+        now, container = request.now, self._container
         doc_ids = {mid: document_id(self._endpoint, mid) for mid in request.ids}
 
         def create(mid: str) -> tuple[str, int]:
@@ -268,7 +268,7 @@ class CosmosDeduplicationStore(CosmosClientBase, DeduplicationStore):
 
     def _find(self, ids: list[str], now: float) -> set[str]:
         doc_ids = {mid: document_id(self._endpoint, mid) for mid in ids}
-        found = self._read_many(self._conn.get().container, list(doc_ids.values()))
+        found = self._read_many(self._container, list(doc_ids.values()))
         result: set[str] = set()
         for mid, doc_id in doc_ids.items():
             item = found.get(doc_id)
@@ -279,7 +279,7 @@ class CosmosDeduplicationStore(CosmosClientBase, DeduplicationStore):
         return result
 
     def _purge(self, now: float) -> int:
-        container = self._conn.get().container
+        container = self._container
 
         def delete(entry: tuple[str, str]) -> int:
             doc_id, etag = entry
@@ -321,7 +321,7 @@ class CosmosDeduplicationStore(CosmosClientBase, DeduplicationStore):
         partitions' counts; the values it returns are summed, so partial counts (one
         per partition or page) would add up to the same total.
         """
-        results = self._conn.get().container.query_items(
+        results = self._container.query_items(
             "SELECT VALUE COUNT(1) FROM c WHERE c.endpoint = @endpoint "
             "AND (NOT IS_NUMBER(c.expires_at) OR c.expires_at > @now)",
             parameters=[

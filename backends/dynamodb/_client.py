@@ -11,6 +11,7 @@ its own write (re-sent by botocore after a lost answer) from someone else's.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -237,6 +238,15 @@ class DynamoDBClient(Client):
     """
 
     schemes: ClassVar[tuple[str, ...]] = ("dynamodb",)
+    connection_options: ClassVar[tuple[str, ...]] = (
+        "region",
+        "endpoint_url",
+        "aws_access_key_id",
+        "aws_secret_access_key",
+        "aws_session_token",
+        "timeout",
+        "connect_timeout",
+    )
     #: ``(attribute, key type)`` of the table's key, all of type S.
     key_schema: ClassVar[tuple[tuple[str, str], ...]] = ()
     #: The attribute native TTL deletes by (enabled by ``create_table``), if any.
@@ -254,9 +264,15 @@ class DynamoDBClient(Client):
         super().__init__(url, **options)
         self._table = self._url.netloc
         given = self._opts["client"]
-        self._clients: ProcessLocal[Boto3DynamoDB] = ProcessLocal(
-            self._new_client if given is None else lambda: given,
-            (lambda client: client.close()) if given is None else None,
+        # boto3 resolves what the options leave out (region, credentials) from the
+        # environment: clients share a connection only when that agrees too.
+        environment = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+        self._conn: ProcessLocal[Boto3DynamoDB] = (
+            ProcessLocal(lambda: given)
+            if given is not None
+            else self._shared_connection(
+                environment, self._new_client, lambda client: client.close()
+            )
         )
         try:
             if self._creates:
@@ -343,7 +359,7 @@ class DynamoDBClient(Client):
 
     @property
     def _client(self) -> Boto3DynamoDB:
-        return self._clients.get()
+        return self._conn.get()
 
     @property
     def table(self) -> str:
@@ -351,7 +367,7 @@ class DynamoDBClient(Client):
         return self._table
 
     def _place(self) -> str:
-        client = self._clients.peek()
+        client = self._conn.peek()
         region = client.meta.region_name if client is not None else self._opts["region"]
         at = self._opts["endpoint_url"]
         return f"DynamoDB table {self._table!r} in region {region}" + (f" at {at}" if at else "")
@@ -631,4 +647,4 @@ class DynamoDBClient(Client):
         return self._request(lambda: client.scan(**request))
 
     def _close(self) -> None:
-        self._clients.close()
+        self._conn.close()

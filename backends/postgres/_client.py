@@ -252,6 +252,14 @@ class _ConnectFailures:
         self.error: psycopg.Error | None = None
 
 
+class _OwnPool(ConnectionPool["Connection"]):
+    """A pool dedupstore made (closed by it): notes its failed connection attempts."""
+
+    def __init__(self, conninfo: str, failures: _ConnectFailures, **kwargs: Any) -> None:
+        super().__init__(conninfo, connection_class=_recording_connection_class(failures), **kwargs)
+        self.failures = failures
+
+
 def _recording_connection_class(failures: _ConnectFailures) -> type[Connection]:
     """A connection class that notes each failed connection attempt in ``failures``."""
 
@@ -321,6 +329,12 @@ class PostgresClient(Client):
     """
 
     schemes: ClassVar[tuple[str, ...]] = ("postgresql", "postgres")
+    connection_options: ClassVar[tuple[str, ...]] = (
+        "timeout",
+        "connect_timeout",
+        "pool_min_size",
+        "pool_max_size",
+    )
     #: What the table holds, for messages ("a deduplication table").
     table_kind: ClassVar[str] = "a table of this store"
     #: The privileges the store needs on its table, for the GRANT hint.
@@ -345,19 +359,20 @@ class PostgresClient(Client):
         self._table_text = self._table.as_string(None)
         self._build_statements()
         self._conninfo = self._libpq_conninfo()
-        self._connect_failures = _ConnectFailures()
         self._unused_client: ConnectionPool[Connection] | None = given
-        self._pools: ProcessLocal[ConnectionPool[Connection]] = ProcessLocal(
-            self._make_pool, self._close_pool
+        self._conn: ProcessLocal[ConnectionPool[Connection]] = (
+            ProcessLocal(self._given_pool, self._close_pool)
+            if given is not None
+            else self._shared_connection(self._conninfo, self._make_pool, self._close_pool)
         )
         with self._translating_errors("open"):
             if given is None:
                 with psycopg.connect(self._conninfo, autocommit=True) as conn:
                     self._configure(conn)
                     self._check_storage(conn)
-                self._pools.get()
+                self._conn.get()
             else:
-                self._pools.get()
+                self._conn.get()
                 with self._connection() as conn:
                     self._check_storage(conn)
 
@@ -494,14 +509,17 @@ class PostgresClient(Client):
 
     # ------------------------------------------------------------------ pool
 
-    def _make_pool(self) -> ConnectionPool[Connection]:
-        """The given ``client`` in the opening process; a pool of our own elsewhere."""
+    def _given_pool(self) -> ConnectionPool[Connection]:
+        """The given ``client`` in the opening process; a pool of our own after a fork."""
         given, self._unused_client = self._unused_client, None
-        if given is not None:
-            return given
-        pool: ConnectionPool[Connection] = ConnectionPool(
+        return self._make_pool() if given is None else given
+
+    def _make_pool(self) -> ConnectionPool[Connection]:
+        """A pool of our own, shared by the stores of this server (``_shared_connection``)."""
+        failures = _ConnectFailures()
+        pool = _OwnPool(
             self._conninfo,
-            connection_class=_recording_connection_class(self._connect_failures),
+            failures,
             kwargs={"autocommit": True},
             min_size=self._opts["pool_min_size"],
             max_size=self._opts["pool_max_size"],
@@ -511,13 +529,13 @@ class PostgresClient(Client):
             # Stop background reconnection after half the wait: a later call then
             # connects on demand at once instead of waiting for a backed-off retry.
             reconnect_timeout=self._connect_timeout / 2,
-            name=f"dedupstore:{self._table_text}",
+            name="dedupstore",
         )
         pool.open(wait=False)
         return pool
 
     def _close_pool(self, pool: ConnectionPool[Connection]) -> None:
-        if pool is not self._opts["client"]:
+        if isinstance(pool, _OwnPool):
             pool.close(timeout=5.0)
 
     @contextlib.contextmanager
@@ -538,7 +556,7 @@ class PostgresClient(Client):
         last connection attempt failed, if known. A check that gets no answer
         raises :class:`StatementTimeout`.
         """
-        pool = self._pools.get()
+        pool = self._conn.get()
         began = time.monotonic()
         deadline = _call_deadline() if deadline is None else deadline
         until = began + pool.timeout if deadline is None else min(began + pool.timeout, deadline)
@@ -548,7 +566,7 @@ class PostgresClient(Client):
             except PoolTimeout as exc:
                 waited = max(0.0, until - began)
                 message = f"timed out after {waited:.3g} s waiting for a connection"
-                failures = self._connect_failures
+                failures = pool.failures if isinstance(pool, _OwnPool) else _ConnectFailures()
                 cause: BaseException = exc
                 if failures.error is not None and failures.at >= began - pool.timeout:
                     cause = failures.error
@@ -714,7 +732,7 @@ class PostgresClient(Client):
         return self._run(query, params, resend=True)
 
     def _close(self) -> None:
-        self._pools.close()
+        self._conn.close()
 
     # ------------------------------------------------------------------ errors
 

@@ -67,7 +67,7 @@ from redis.retry import Retry
 from redis.utils import SENTINEL
 
 from dedupstore.calls import capped, retry, time_left
-from dedupstore.client import Client, ErrorKind
+from dedupstore.client import Client, ErrorKind, ProcessLocal
 from dedupstore.errors import (
     ConfigurationError,
     ConsistencyError,
@@ -225,6 +225,15 @@ class RedisClient(Client):
     """
 
     schemes: ClassVar[tuple[str, ...]] = ("redis", "rediss")
+    connection_options: ClassVar[tuple[str, ...]] = (
+        "timeout",
+        "connect_timeout",
+        "max_connections",
+        "username",
+        "password",
+        "ssl_ca_certs",
+        "ssl_cert_reqs",
+    )
     #: The Lua source of the store's write script.
     _script_source: ClassVar[str] = "return {}"
     #: The commands the store runs, named when an ACL refuses one.
@@ -245,9 +254,24 @@ class RedisClient(Client):
         self._wait_replicas: int = self._opts["wait_replicas"]
         self._wait_timeout_ms: int = self._opts["wait_timeout_ms"]
         self._script_sha = hashlib.sha1(self._script_source.encode()).hexdigest()
-        client = self._opts["client"]
-        self._owns_client = client is None
-        self._client: redis.Redis = self._connect() if client is None else client
+        given: redis.Redis | None = self._opts["client"]
+        url = self._url
+        self._conn = (
+            ProcessLocal(lambda: given)
+            if given is not None
+            else self._shared_connection(
+                (
+                    url.scheme,
+                    url.host,
+                    url.port,
+                    url.path.strip("/") or "0",
+                    url.username,
+                    url.password,
+                ),
+                self._connect,
+                lambda client: client.connection_pool.disconnect(),
+            )
+        )
         try:
             with self._translating_errors("connect"):
                 self._probe()
@@ -551,6 +575,10 @@ class RedisClient(Client):
             )
         return warnings
 
+    @property
+    def _client(self) -> redis.Redis:
+        """This process's ``redis.Redis``, shared with every client of the same server."""
+        return self._conn.get()
+
     def _close(self) -> None:
-        if self._owns_client:
-            self._client.connection_pool.disconnect()
+        self._conn.close()
