@@ -12,6 +12,8 @@ consumer groups), or a class of your own.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from dedupstore.consumers._base import Broker, Delivery, MessageRules
 from dedupstore.consumers._loop import (
     MALFORMED_ENTITY,
@@ -20,6 +22,9 @@ from dedupstore.consumers._loop import (
     ConsumeStats,
 )
 from dedupstore.errors import MalformedDelivery
+
+if TYPE_CHECKING:
+    from dedupstore.urls import StoreURL
 
 __all__ = [
     "MALFORMED_ENTITY",
@@ -30,4 +35,19 @@ __all__ = [
     "Delivery",
     "MalformedDelivery",
     "MessageRules",
+    "open_broker",
 ]
+
+
+def open_broker(url: str | StoreURL, /, **options: Any) -> Broker:
+    """The broker a URL names, opened with ``options`` (``redis://host:6379/0?stream=...``).
+
+    Schemes come from :data:`dedupstore.registry.brokers` (built in: ``redis``,
+    ``rediss``; others through :func:`dedupstore.registry.register_broker` or the
+    ``dedupstore.brokers`` entry-point group). Raises ``ConfigurationError`` for an
+    unknown scheme, a bad URL or option (before any I/O), and what the broker's
+    constructor raises (``StoreUnavailable`` when it cannot be reached).
+    """
+    from dedupstore.registry import brokers
+
+    return brokers.open(url, **options)
