@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from dedupstore.client import Closing
 from dedupstore.errors import ConfigurationError, InvalidMessageId, MalformedDelivery
 from dedupstore.ids import validate_message_id
 from dedupstore.outbox import Message
@@ -38,12 +39,13 @@ class Delivery:
     deliveries: int | None = None
 
 
-class Broker(abc.ABC):
+class Broker(Closing, abc.ABC):
     """What the consume loop needs from a broker; a new broker is one such class.
 
     Delivery is at least once: whatever is not acknowledged comes back (to this
-    consumer or another). Methods raise ``StoreUnavailable`` when the broker cannot
-    answer (the loop backs off and tries again).
+    consumer or another). A ``with`` block closes it. Methods raise
+    ``StoreUnavailable`` when the broker cannot answer (the loop backs off and tries
+    again).
     """
 
     #: The broker's name in metrics and logs (``dedupstore.consumer.*``'s ``broker``).
@@ -72,8 +74,8 @@ class Broker(abc.ABC):
         """How many deliveries await (pending, lag), when the broker tells; else ``None``."""
         return None
 
-    def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
-        """Release the broker's connections."""
+    def close(self) -> None:
+        """Release the broker's connections (nothing by default)."""
 
 
 #: How a field of a delivery is read: a header name, or a function of the delivery.

@@ -39,7 +39,7 @@ from dedupstore.outbox import Handler, Message, OutboxProcessor
 
 __all__ = ["MALFORMED_ENTITY", "SET_ASIDE_POSITION", "ConsumeStats", "Consumer"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("dedupstore.consumers")
 
 #: The position in :func:`~dedupstore.ids.outgoing_id` of the dead letter a consumer
 #: dispatches for a delivery it sets aside (the processor's own dead letters are -1).
