@@ -1,22 +1,27 @@
-"""The README's outbox example runs as written and prints what it says."""
+"""The README's examples run as written and print what they say."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.sqlite
+from tests.servers import Server
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
+@pytest.mark.sqlite
 def test_the_outbox_example_runs(tmp_path: Path) -> None:
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.S)
-    example = next(block for block in blocks if "OutboxProcessor(" in block)
+    example = next(
+        block for block in blocks if "OutboxProcessor(" in block and "open_broker(" not in block
+    )
     script = tmp_path / "example.py"
     script.write_text(example, encoding="utf-8")
     done = subprocess.run(
@@ -27,3 +32,27 @@ def test_the_outbox_example_runs(tmp_path: Path) -> None:
     assert lines[:2] == ["processed", "duplicate"]
     assert lines[2] == str(["processed"] * 6 + ["duplicate"])
     assert lines[3] == "0"
+
+
+@pytest.mark.redis
+def test_the_redis_streams_consumer_example_runs(tmp_path: Path, redis_server: Server) -> None:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.S)
+    example = next(block for block in blocks if "open_broker(" in block)
+    assert 'REDIS, APP = "redis://localhost:6379/0", "shop"' in example
+    example = example.replace(  # the test's server, and keys of this run only
+        'REDIS, APP = "redis://localhost:6379/0", "shop"',
+        f'REDIS, APP = "{redis_server.url}", "shop-{uuid.uuid4().hex[:8]}"',
+    )
+    script = tmp_path / "example.py"
+    script.write_text(example, encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(README.parent)}
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["3", "{'total': 6}"]

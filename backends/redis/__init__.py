@@ -14,6 +14,10 @@
 * :mod:`backends.redis.dispatcher` -- :class:`RedisDispatcher`: one stream per
   destination under ``key_prefix`` ``dedupout:``, one script call per dispatch, a
   re-dispatch within ``dedupe_window`` appended once.
+* :mod:`backends.redis.consumer` -- :class:`RedisStreamsBroker`: the consume loop's
+  broker (:mod:`dedupstore.consumers`), a consumer group read with ``XREADGROUP``,
+  ``XACK`` after processing, ``XAUTOCLAIM`` after a lease; imported on first use
+  (``dedupstore.consumers.open_broker``).
 
 All take the same URL, ``redis[s]://[[user]:password@]host[:port][/db]``, and the
 same connection options; see each module for the key layout, the token and the
