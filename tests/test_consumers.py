@@ -268,29 +268,54 @@ def test_message_rules_name_the_token_and_what_is_wrong() -> None:
         MessageRules(id="")
 
 
-def test_a_message_delivered_too_often_is_set_aside_not_processed() -> None:
+def test_a_message_delivered_too_often_is_dead_lettered_by_the_processor_once() -> None:
     broker = ListBroker([entry("m1", "acct", 1), entry("m2", "acct", 2)])
     broker.counts = {1: 5, 2: 4}  # m1 comes now for the 6th time, m2 for the 5th
     processor, sent = _processor()
-    consumer = Consumer(broker, processor, deposit, max_deliveries=5)
+    calls: list[str] = []
+
+    def handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+        calls.append(message.id)
+        return deposit(state, message)
+
+    consumer = Consumer(broker, processor, handler, max_deliveries=5)
     stats = consumer.run_once()
-    assert (stats.acked, stats.set_aside, stats.outcomes) == (2, 1, {"processed": 1})
+    assert calls == ["m2"]  # the handler never sees a message delivered too often
+    assert (stats.acked, stats.outcomes) == (2, {"dead_lettered": 1, "processed": 1})
     assert processor.entities.load("acct").state["applied"] == ["m2"]
     (letter,) = [m for m in sent.sent if m.destination == "dlq"]
-    assert letter.id == outgoing_id("billing", "acct", "m1", SET_ASIDE_POSITION)
+    assert letter.id == outgoing_id("billing", "acct", "m1", -1)
     assert letter.body["message"] == {
         "id": "m1",
         "correlation_id": "acct",
         "body": {"amount": 1},
         "headers": {},
     }
+    assert letter.body["error"]["type"].endswith("MaxDeliveriesExceeded")
     assert "max_deliveries=5" in letter.body["error"]["text"]
-    # redelivered again (the ack was lost): the same letter, byte for byte
+    # redelivered again (the ack was lost): recorded, so not a second dead letter
     broker.add(*entry("m1", "acct", 1))
     broker.counts[3] = 9
-    consumer.run_once()
-    letters = [m for m in sent.sent if m.destination == "dlq"]
-    assert letters == [letter, letter]
+    again = consumer.run_once()
+    assert again.acked == 1 and "processed" not in again.outcomes
+    assert {m.id for m in sent.sent if m.destination == "dlq"} == {letter.id}
+    # the redrive applies it exactly once
+    assert processor.redrive(letter, deposit).outcome == "processed"
+    assert processor.redrive(letter, deposit).outcome == "duplicate"
+    assert processor.entities.load("acct").state["balance"] == 3
+
+
+def test_a_message_applied_before_but_delivered_too_often_is_a_duplicate() -> None:
+    """An ack lost again and again: the message was applied; it must not be dead-lettered
+    (a redrive of that letter would apply it a second time)."""
+    processor, sent = _processor()
+    processor.process(Message("m1", "acct", {"amount": 1}), deposit)
+    broker = ListBroker([entry("m1", "acct", 1)])
+    broker.counts = {1: 7}
+    stats = Consumer(broker, processor, deposit, max_deliveries=5).run_once()
+    assert stats.acked == 1 and stats.outcomes == {"duplicate": 1}
+    assert not [m for m in sent.sent if m.destination == "dlq"]
+    assert processor.entities.load("acct").state["balance"] == 1
 
 
 def test_a_poison_message_without_dead_letters_is_left_alone_and_the_rest_done() -> None:

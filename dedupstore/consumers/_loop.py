@@ -2,9 +2,10 @@
 
 Each round (:meth:`Consumer.run_once`): reclaim what a dead consumer left, fetch new
 deliveries (together at most ``batch_size``), set aside those that cannot become a
-message or were delivered too often (a dead letter, then acknowledged), run the
-others through the :class:`~dedupstore.outbox.OutboxProcessor`, acknowledge what is
-done and leave the rest for redelivery. :meth:`Consumer.run` repeats rounds until
+message (a dead letter, then acknowledged), run the others through the
+:class:`~dedupstore.outbox.OutboxProcessor` (those delivered too often with a handler
+that refuses them: dead-lettered unless already done), acknowledge what is done and
+leave the rest for redelivery. :meth:`Consumer.run` repeats rounds until
 :meth:`Consumer.stop` (or SIGTERM/SIGINT), backing off after a round that failed.
 """
 
@@ -37,15 +38,28 @@ from dedupstore.errors import (
 from dedupstore.ids import outgoing_id
 from dedupstore.outbox import Handler, Message, OutboxProcessor
 
-__all__ = ["MALFORMED_ENTITY", "SET_ASIDE_POSITION", "ConsumeStats", "Consumer"]
+__all__ = [
+    "MALFORMED_ENTITY",
+    "SET_ASIDE_POSITION",
+    "ConsumeStats",
+    "Consumer",
+    "MaxDeliveriesExceeded",
+]
 
 _log = logging.getLogger("dedupstore.consumers")
 
 #: The position in :func:`~dedupstore.ids.outgoing_id` of the dead letter a consumer
-#: dispatches for a delivery it sets aside (the processor's own dead letters are -1).
+#: dispatches for a malformed delivery it sets aside (the processor's own dead
+#: letters, a message delivered too often's included, are -1).
 SET_ASIDE_POSITION = -2
 #: The entity under which the dead letter of a malformed delivery is named.
 MALFORMED_ENTITY = "__dedupstore_malformed__"
+
+
+class MaxDeliveriesExceeded(Exception):
+    """Why a message delivered more than ``max_deliveries`` times was dead-lettered."""
+
+
 #: Errors that no retry fixes: the loop leaves the batch for redelivery and raises.
 _FATAL = (ConfigurationError, ConsistencyError, StoreClosed)
 
@@ -57,7 +71,7 @@ class ConsumeStats:
     ``fetched``: new deliveries; ``reclaimed``: taken over from a dead consumer;
     ``acked``: done and acknowledged (processed, duplicate, redispatched,
     dead-lettered or set aside); ``nacked``: left for redelivery; ``set_aside``:
-    malformed or delivered too often (dead-lettered by the consumer, then acked);
+    malformed deliveries (dead-lettered by the consumer, then acked);
     ``failures``: rounds in which something was left for redelivery; ``outcomes``:
     the processor's outcomes by name.
     """
@@ -105,10 +119,14 @@ class Consumer:
     else (``StoreUnavailable``, a conflict that persisted, a dispatcher that
     raised, a crash) leaves it for redelivery, and the loop backs off (jittered
     exponential, at most ``max_backoff`` seconds). A delivery that
-    ``rules`` cannot turn into a message, or that was delivered more than
-    ``max_deliveries`` times, is set aside once: one dead letter to the processor's
-    ``dead_letters`` with a deterministic id (a redelivery dispatches the same id
-    and bytes), then acknowledged. ``mode="batch"`` runs ``process_batch`` over the
+    ``rules`` cannot turn into a message is set aside once: one dead letter to the
+    processor's ``dead_letters`` with a deterministic id (a redelivery dispatches
+    the same id and bytes), then acknowledged. A message delivered more than
+    ``max_deliveries`` times is handed to the processor with a handler that refuses
+    it: a duplicate if an earlier delivery applied it, else dead-lettered by the
+    processor exactly once (recorded in its entity, so ``redrive`` applies it once)
+    without running the handler that may have killed the earlier consumers.
+    ``mode="batch"`` runs ``process_batch`` over the
     round (a batch whose handler raises without ``dead_letters`` is run message by
     message, so only the poison one is left); ``"single"`` runs ``process`` per
     message. :meth:`stop` (and SIGTERM/SIGINT under :meth:`run`) ends the loop after
@@ -272,6 +290,7 @@ class Consumer:
         """Set aside, process; the deliveries done and those left for redelivery."""
         aside: list[tuple[Delivery, OutgoingMessage, str]] = []
         work: list[tuple[Delivery, Message]] = []
+        exceeded: dict[tuple[str, str], int] = {}
         for delivery in deliveries:
             try:
                 message = self.rules.message(delivery)
@@ -281,8 +300,19 @@ class Consumer:
             count = delivery.deliveries
             limit = self.max_deliveries
             if limit is not None and count is not None and count > limit:
-                aside.append((delivery, *self._exceeded_letter(message, count)))
-                continue
+                # Not the consumer's to judge: the processor knows whether the message
+                # was applied already (then a duplicate) and, if not, dead-letters it
+                # exactly once, recorded in its entity (so a redrive applies it once).
+                exceeded[(message.correlation_id, message.id)] = count
+                _log.warning(
+                    "consumer %s: message %r of entity %r was delivered %d times "
+                    "(max_deliveries=%s); dead-lettered unless already done",
+                    self.consumer,
+                    message.id,
+                    message.correlation_id,
+                    count,
+                    limit,
+                )
             work.append((delivery, message))
         done: list[Delivery] = []
         left: list[Delivery] = []
@@ -291,10 +321,11 @@ class Consumer:
             if aside:
                 self._set_aside(aside, done, left, stats)
             if work:
+                handler = self._refusing(exceeded) if exceeded else self.handler
                 if self.mode == "batch":
-                    self._batch(work, done, left, stats)
+                    self._batch(work, handler, done, left, stats)
                 else:
-                    self._single(work, done, left, stats)
+                    self._single(work, handler, done, left, stats)
         except _FATAL as exc:
             fatal = exc
             settled = {id(d) for d in (*done, *left)}
@@ -356,14 +387,15 @@ class Consumer:
     def _batch(
         self,
         work: list[tuple[Delivery, Message]],
+        handler: Handler,
         done: list[Delivery],
         left: list[Delivery],
         stats: ConsumeStats,
     ) -> None:
         try:
-            results = self.processor.process_batch([m for _, m in work], self.handler)
+            results = self.processor.process_batch([m for _, m in work], handler)
         except HandlerError:  # no dead_letters: run them one by one, leave only the poison
-            self._single(work, done, left, stats)
+            self._single(work, handler, done, left, stats)
             return
         except _FATAL:
             raise
@@ -377,13 +409,14 @@ class Consumer:
     def _single(
         self,
         work: list[tuple[Delivery, Message]],
+        handler: Handler,
         done: list[Delivery],
         left: list[Delivery],
         stats: ConsumeStats,
     ) -> None:
         for index, (delivery, message) in enumerate(work):
             try:
-                result = self.processor.process(message, self.handler)
+                result = self.processor.process(message, handler)
             except HandlerError as exc:
                 _log.warning(
                     "consumer %s: %s; left for redelivery", self.consumer, format_error(exc)
@@ -427,25 +460,27 @@ class Consumer:
         error = {"type": "dedupstore.errors.MalformedDelivery", "text": exc.reason}
         return self._letter(letter_id, {"delivery": shown, "error": error}), exc.reason
 
-    def _exceeded_letter(self, message: Message, count: int) -> tuple[OutgoingMessage, str]:
-        """The dead letter of a message delivered too often: named by its entity and id."""
-        reason = (
-            f"message {message.id!r:.80} of entity {message.correlation_id!r:.80} was "
-            f"delivered more than max_deliveries={self.max_deliveries} times without being done"
-        )
-        letter_id = outgoing_id(
-            self.consumer, message.correlation_id, message.id, SET_ASIDE_POSITION
-        )
-        body = {
-            "message": {
-                "id": message.id,
-                "correlation_id": message.correlation_id,
-                "body": _as_json(message.body),
-                "headers": {str(k): str(v) for k, v in message.headers.items()},
-            },
-            "error": {"type": "dedupstore.consumers.MaxDeliveries", "text": reason},
-        }
-        return self._letter(letter_id, body), f"{reason} ({count} deliveries)"
+    def _refusing(self, exceeded: dict[tuple[str, str], int]) -> Handler:
+        """The handler, except for the messages delivered too often: it refuses those.
+
+        The processor calls a handler only for a message not applied yet, so a
+        message applied in an earlier delivery (whose acknowledgement was lost) stays
+        a duplicate; one never applied is dead-lettered by the processor (its
+        ``dead_letters`` are required with ``max_deliveries``) without running the
+        user's handler, which may be what killed the earlier consumers.
+        """
+        limit, handler = self.max_deliveries, self.handler
+
+        def refusing(state: dict[str, Any], message: Message) -> Any:
+            count = exceeded.get((message.correlation_id, message.id))
+            if count is None:
+                return handler(state, message)
+            raise MaxDeliveriesExceeded(
+                f"message {message.id!r:.80} of entity {message.correlation_id!r:.80} was "
+                f"delivered {count} times, more than max_deliveries={limit}, without being done"
+            )
+
+        return refusing
 
     # ------------------------------------------------------------------ metrics
 
