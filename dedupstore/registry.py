@@ -203,6 +203,8 @@ dispatchers: Registry[URLDispatcher] = Registry(
         "sqlite": BackendSpec("backends.sqlite:SqliteDispatcher"),
         "redis": BackendSpec("backends.redis:RedisDispatcher", ("redis",), "redis"),
         "rediss": BackendSpec("backends.redis:RedisDispatcher", ("redis",), "redis"),
+        "amqp": BackendSpec("backends.rabbitmq:RabbitMQDispatcher", ("pika",), "rabbitmq"),
+        "amqps": BackendSpec("backends.rabbitmq:RabbitMQDispatcher", ("pika",), "rabbitmq"),
     },
 )
 
