@@ -36,6 +36,7 @@ from dedupstore.errors import (
 from dedupstore.registry import (
     known_backends,
     register_backend,
+    register_broker,
     register_dispatcher,
     register_entity_backend,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "open_entity_store",
     "open_store",
     "register_backend",
+    "register_broker",
     "register_dispatcher",
     "register_entity_backend",
 ]

@@ -9,6 +9,7 @@ error                  meaning                                 CLI exit code
 =====================  ======================================  ==============
 ``ConfigurationError``  fix the configuration or the input      2
 ``InvalidMessageId``    fix the input (a ``ValueError``)        2
+``MalformedDelivery``   a broker delivery is not a message      2
 ``ConsistencyError``    the store is too weak to be safe        2
 ``StoreClosed``         the object was closed; open a new one   2
 ``StoreUnavailable``    the store could not answer; retry       3
@@ -30,6 +31,7 @@ __all__ = [
     "EntityTooLarge",
     "HandlerError",
     "InvalidMessageId",
+    "MalformedDelivery",
     "StoreClosed",
     "StoreUnavailable",
     "format_error",
@@ -81,6 +83,21 @@ class InvalidMessageId(DedupStoreError, ValueError):
     Valid ids are non-empty ``str`` of at most 1024 UTF-8 bytes with no NUL
     character and no lone surrogate.
     """
+
+
+class MalformedDelivery(DedupStoreError, ValueError):
+    """A broker delivery cannot become a message: an id, correlation id or body is
+    missing or bad (the text names the delivery's broker token and what is wrong).
+
+    A consumer sets such a delivery aside (a dead letter) instead of retrying it.
+    """
+
+    def __init__(self, text: str, *, token: object = None, reason: str = "") -> None:
+        super().__init__(text)
+        #: The delivery's broker token.
+        self.token = token
+        #: What is wrong, without the token (the same for every copy of the delivery).
+        self.reason = reason or text
 
 
 class EntityTooLarge(DedupStoreError, ValueError):

@@ -27,6 +27,16 @@ Instruments (their names and attributes are the contract):
     call failed, ``error`` (the class name of the exception it raised).
 ``dedupstore.sweep.ids`` (counter)
     ids the sweep moved from outboxes to the deduplication store; ``consumer``.
+``dedupstore.consumer.deliveries`` (counter)
+    broker deliveries a consume loop (:mod:`dedupstore.consumers`) handled;
+    ``consumer``, ``broker`` (the broker class's ``kind``: ``redis_streams``, ...) and
+    ``event``: ``fetched`` (new deliveries), ``reclaimed`` (taken over from a dead
+    consumer), ``acked`` (done: never redelivered), ``nacked`` (left for
+    redelivery), ``set_aside`` (malformed or delivered too often: dead-lettered, then
+    acked).
+``dedupstore.consumer.pending`` (observable gauge)
+    deliveries the broker holds for the consumer (pending or lag), as the last
+    batch saw it, for brokers that tell; ``consumer``, ``broker``.
 """
 
 from __future__ import annotations
@@ -40,16 +50,20 @@ from typing import Any, Protocol
 
 __all__ = [
     "CONFLICTS",
+    "CONSUMER_DELIVERIES",
+    "CONSUMER_PENDING",
     "DISPATCH_FAILURES",
     "MESSAGES",
     "STORE_DURATION",
     "SWEEP_IDS",
     "available",
     "count_conflicts",
+    "count_deliveries",
     "count_dispatch_failure",
     "count_outcomes",
     "count_swept",
     "record_store_call",
+    "set_pending",
 ]
 
 MESSAGES = "dedupstore.messages"
@@ -57,6 +71,8 @@ CONFLICTS = "dedupstore.conflicts"
 DISPATCH_FAILURES = "dedupstore.dispatch.failures"
 STORE_DURATION = "dedupstore.store.duration"
 SWEEP_IDS = "dedupstore.sweep.ids"
+CONSUMER_DELIVERIES = "dedupstore.consumer.deliveries"
+CONSUMER_PENDING = "dedupstore.consumer.pending"
 
 #: Bucket boundaries advised for ``dedupstore.store.duration`` (seconds): from an
 #: in-process call (well under a millisecond) to a call that times out. Used by SDKs
@@ -103,6 +119,15 @@ class _Instruments:
         self.sweep_ids = meter.create_counter(
             SWEEP_IDS, "{id}", "ids moved by the sweep into the deduplication store"
         )
+        self.consumer_deliveries = meter.create_counter(
+            CONSUMER_DELIVERIES, "{delivery}", "broker deliveries a consume loop handled, by event"
+        )
+        meter.create_observable_gauge(
+            CONSUMER_PENDING,
+            callbacks=[_observe_pending],
+            unit="{delivery}",
+            description="deliveries the broker holds for the consumer (pending or lag)",
+        )
         description = "duration of each backend call, by backend, operation and error"
         try:
             self.store_duration = meter.create_histogram(
@@ -113,6 +138,24 @@ class _Instruments:
             )
         except TypeError:  # opentelemetry-api before 1.30 has no advisory
             self.store_duration = meter.create_histogram(STORE_DURATION, "s", description)
+
+
+#: ``(consumer, broker) -> pending`` as the consume loops last saw it (the gauge's values).
+_pending: dict[tuple[str, str], int] = {}
+_pending_lock = threading.Lock()  # not _lock: the SDK calls the gauge from its own thread
+
+
+def _observe_pending(options: Any) -> Any:
+    """The gauge's callback: one observation per consume loop that reported a value."""
+    api = _api
+    if api is None:  # pragma: no cover - the gauge exists only with the API
+        return []
+    with _pending_lock:
+        values = list(_pending.items())
+    return [
+        api.Observation(value, {"consumer": consumer, "broker": broker})
+        for (consumer, broker), value in values
+    ]
 
 
 _UNTRIED: Any = object()
@@ -204,3 +247,21 @@ def record_store_call(backend: str, operation: str, seconds: float, error: str |
     if error is not None:
         attributes["error"] = error
     made.store_duration.record(seconds, attributes)
+
+
+def count_deliveries(consumer: str, broker: str, event: str, n: int) -> None:
+    """Add ``n`` to ``dedupstore.consumer.deliveries`` for ``event`` (``fetched``, ...)."""
+    made = _get()
+    if made is not None and n > 0:
+        made.consumer_deliveries.add(n, {"consumer": consumer, "broker": broker, "event": event})
+
+
+def set_pending(consumer: str, broker: str, value: int | None) -> None:
+    """What ``dedupstore.consumer.pending`` reports for this consumer (``None``: nothing)."""
+    if _get() is None:
+        return
+    with _pending_lock:
+        if value is None:
+            _pending.pop((consumer, broker), None)
+        else:
+            _pending[(consumer, broker)] = value

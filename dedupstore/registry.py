@@ -5,7 +5,8 @@ module is imported the first time an object with its scheme is opened. Third-par
 backends register with :func:`register_backend` (entity stores:
 :func:`register_entity_backend`, dispatchers: :func:`register_dispatcher`) or
 through the entry-point group ``dedupstore.backends`` (``dedupstore.entity_stores``,
-``dedupstore.dispatchers``), name: the scheme, value: ``"package.module:Class"``.
+``dedupstore.dispatchers``; brokers: :func:`register_broker`, ``dedupstore.brokers``),
+name: the scheme, value: ``"package.module:Class"``.
 """
 
 from __future__ import annotations
@@ -23,21 +24,25 @@ from dedupstore.urls import StoreURL
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
+    from dedupstore.consumers import Broker
     from dedupstore.dispatch import URLDispatcher
     from dedupstore.entities import EntityStore
     from dedupstore.store import DeduplicationStore
 
 __all__ = [
+    "BROKER_ENTRY_POINT_GROUP",
     "DISPATCHER_ENTRY_POINT_GROUP",
     "ENTITY_ENTRY_POINT_GROUP",
     "ENTRY_POINT_GROUP",
     "BackendSpec",
     "Registry",
     "backend_class",
+    "brokers",
     "dispatchers",
     "entity_stores",
     "known_backends",
     "register_backend",
+    "register_broker",
     "register_dispatcher",
     "register_entity_backend",
     "stores",
@@ -46,6 +51,7 @@ __all__ = [
 ENTRY_POINT_GROUP = "dedupstore.backends"
 ENTITY_ENTRY_POINT_GROUP = "dedupstore.entity_stores"
 DISPATCHER_ENTRY_POINT_GROUP = "dedupstore.dispatchers"
+BROKER_ENTRY_POINT_GROUP = "dedupstore.brokers"
 
 T = TypeVar("T")
 
@@ -208,6 +214,17 @@ dispatchers: Registry[URLDispatcher] = Registry(
     },
 )
 
+#: Brokers a consume loop reads (:mod:`dedupstore.consumers`): their own table too.
+brokers: Registry[Broker] = Registry(
+    "broker",
+    BROKER_ENTRY_POINT_GROUP,
+    "dedupstore.consumers:Broker",
+    {
+        "redis": BackendSpec("backends.redis.consumer:RedisStreamsBroker", ("redis",), "redis"),
+        "rediss": BackendSpec("backends.redis.consumer:RedisStreamsBroker", ("redis",), "redis"),
+    },
+)
+
 #: Read-only view of the registered store schemes.
 known_backends: Mapping[str, BackendSpec] = stores.view
 
@@ -254,3 +271,19 @@ def register_dispatcher(
     See :meth:`Registry.register` (``ValueError`` for a taken scheme or a bad target).
     """
     dispatchers.register(scheme, target, clobber=clobber, requires=requires, extra=extra)
+
+
+def register_broker(
+    scheme: str,
+    target: str,
+    *,
+    clobber: bool = False,
+    requires: tuple[str, ...] = (),
+    extra: str | None = None,
+) -> None:
+    """Register a :class:`~dedupstore.consumers.Broker` class for ``scheme``.
+
+    The class is opened as ``Cls(url, **options)`` by
+    :func:`dedupstore.consumers.open_broker`. See :meth:`Registry.register`.
+    """
+    brokers.register(scheme, target, clobber=clobber, requires=requires, extra=extra)

@@ -486,3 +486,32 @@ def test_the_sweep_command_refuses_a_negative_interval(capsys: pytest.CaptureFix
         main(["entities", "sweep", "sqlite:///x.db", "--progress", "-1"])
     assert info.value.code == 2
     assert "expected 0 or more seconds" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- consume loops
+
+
+@pytest.mark.memory
+def test_a_consume_loop_counts_deliveries_and_reports_pending(
+    reader: InMemoryMetricReader,
+) -> None:
+    from dedupstore.consumers import Consumer
+    from tests.test_consumers import ListBroker, entry
+
+    consumer = _consumer()
+    _, entities, dedup = _memory(consumer)
+    broker = ListBroker([entry("m1", "acct", 1), ("{", {"id": "m2", "correlation_id": "a"})])
+    broker.add(*entry("m3", "acct", 3))
+    processor = OutboxProcessor(entities, dedup, InMemoryDispatcher(), dead_letters="dlq")
+    readings = Readings(reader)
+    loop = Consumer(broker, processor, deposit, batch_size=2)
+    loop.run_once()
+    loop.run_once()
+    name = metrics.CONSUMER_DELIVERIES
+    counts = {
+        event: readings.delta(name, consumer=consumer, broker="list", event=event)
+        for event in ("fetched", "reclaimed", "acked", "nacked", "set_aside")
+    }
+    assert counts == {"fetched": 3, "reclaimed": 0, "acked": 3, "nacked": 0, "set_aside": 1}
+    pending = readings.changed(metrics.CONSUMER_PENDING)
+    assert pending == {frozenset({"consumer": consumer, "broker": "list"}.items()): 1}

@@ -1,0 +1,292 @@
+"""The Redis Streams broker of the consume loop: :class:`RedisStreamsBroker`.
+
+It reads one stream through a consumer group (``XREADGROUP ... >``), acknowledges
+with ``XACK`` after processing, and takes over entries that another consumer of the
+group left pending for longer than ``lease`` (``XAUTOCLAIM``), so a consumer that
+died (SIGKILL, a lost machine) loses nothing: its entries are redelivered to the
+others. ``Delivery.deliveries`` is the group's delivery counter (``XPENDING``):
+1 for a first delivery, and one more for each claim (a nacked entry is claimed
+back by this consumer with ``XCLAIM`` at its next fetch, which counts it).
+
+URL: ``redis[s]://[[user]:password@]host[:port][/db]?group=<group>&destination=<d>``
+(or ``stream=<key>``). Options:
+
+* ``destination`` -- read what :class:`~backends.redis.dispatcher.RedisDispatcher`
+  writes to that destination: the stream ``<key_prefix><destination>``, with the
+  dispatcher's ``key_prefix`` (``dedupout:``) and escaping; or ``stream``, a stream
+  key as is. Exactly one of the two.
+* ``group`` -- the consumer group (required); ``consumer`` -- this consumer's name in
+  it (default ``<host>-<pid>-<random>``: a new name per process, so what a killed
+  process held is reclaimed, never read back as its own).
+* ``create`` (true) -- create the group if it does not exist (``XGROUP CREATE ...
+  MKSTREAM``), at ``start`` (``0``: every entry already in the stream; ``$``: only
+  entries added from now on; or an entry id).
+* ``lease`` (60 s) -- entries pending longer than this are taken over by
+  ``XAUTOCLAIM``; longer than any round takes (``timeout`` and the processing), or
+  live consumers' entries are processed twice (harmless, but wasted). ``0`` takes
+  every pending entry at once (for tests).
+* ``body_field`` (``body``) and ``headers_field`` (``headers``): the entry field
+  holding the payload, and the field holding a JSON object of string headers (as
+  the dispatcher writes them). ``Delivery.headers`` holds every other field of the
+  entry (``id`` among them) plus the entries of that JSON object (a field wins over
+  a JSON header of the same name; a headers field that is not a JSON object is kept
+  as a plain field).
+* the connection options of :mod:`backends.redis._client` (``timeout``, retries,
+  pool, credentials, TLS, ``client``). A fetch blocks at most ``wait`` seconds and
+  never more than half of ``timeout``.
+
+Trimming is left to the user: acknowledged entries stay in the stream until
+``XTRIM``/``MAXLEN`` (the dispatcher's ``maxlen``) or ``XDEL`` removes them. Trim
+only entries every group has acknowledged (below the smallest ``last-delivered-id``
+of ``XINFO GROUPS`` with nothing pending below it): a trimmed entry that was still
+pending is dropped from the pending list on its next claim and never processed.
+
+Consumer names accumulate in the group (``XINFO CONSUMERS``); remove those of
+stopped processes with ``XGROUP DELCONSUMER`` once they hold nothing pending.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from redis.exceptions import ResponseError
+
+from backends.redis._client import CONNECTION_OPTIONS, RedisClient, key_prefix_option, text_of
+from backends.redis.dispatcher import stream_key
+from dedupstore.consumers import Broker, Delivery
+from dedupstore.errors import ConfigurationError
+from dedupstore.options import Option, Options, OptionSet, boolean, optional, seconds, text
+from dedupstore.urls import StoreURL
+
+__all__ = ["RedisStreamsBroker"]
+
+
+def _lease(value: object) -> float:
+    """``lease``: a duration in seconds; ``0`` claims every pending entry (tests only)."""
+    if value in (0, "0"):
+        return 0.0
+    converted: float = seconds()(value)
+    return converted
+
+
+def _default_consumer() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class RedisStreamsBroker(RedisClient, Broker):
+    """A Redis stream read through a consumer group: XREADGROUP, XACK, XAUTOCLAIM.
+
+    See the module for the options. Raises ``ConfigurationError`` for bad options
+    (before any I/O), credentials, ACL permissions, a key of another type, or a
+    missing group without ``create``; ``StoreUnavailable`` when Redis cannot answer.
+    """
+
+    kind: ClassVar[str] = "redis_streams"
+    declared_options: ClassVar[OptionSet] = RedisClient.declared_options.extend(
+        key_prefix_option("dedupout:"),
+        Option("destination", optional(text()), None, "the dispatcher destination to read"),
+        Option("stream", optional(text()), None, "the stream key to read (instead of destination)"),
+        Option("group", optional(text()), None, "the consumer group"),
+        Option("consumer", optional(text()), None, "this consumer's name in the group"),
+        Option("create", boolean, True, "create the group (and the stream) if absent"),
+        Option("start", text(), "0", "where a new group starts: 0, $ or an entry id"),
+        Option("lease", _lease, 60.0, "seconds after which a pending entry is reclaimed"),
+        Option("body_field", text(), "body", "the entry field holding the payload"),
+        Option(
+            "headers_field",
+            optional(text()),
+            "headers",
+            "the entry field holding a JSON object of headers",
+        ),
+        *CONNECTION_OPTIONS,
+    )
+    _commands: ClassVar[str] = (
+        "+ping +info +script|load +evalsha +xgroup|create +xreadgroup +xack +xautoclaim "
+        "+xclaim +xpending +xinfo|groups"
+    )
+
+    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
+        """Connect, check the server, create the group if asked; see the class."""
+        super().__init__(url, **options)
+        opts = self._opts
+        self.stream: str = opts["stream"] or stream_key(self._key_prefix, opts["destination"])
+        self.group: str = opts["group"]
+        self.consumer: str = opts["consumer"] or _default_consumer()
+        self._lease_ms = round(opts["lease"] * 1000)
+        self._block_cap = opts["timeout"] / 2
+        self._body_field: str = opts["body_field"]
+        self._headers_field: str | None = opts["headers_field"]
+        self._nacked: list[str] = []
+        self._cursor = "0-0"
+        self._next_scan = float("-inf")
+        try:
+            self._ensure_group()
+        except BaseException:
+            self._close()
+            raise
+
+    @classmethod
+    def _validate(cls, url: StoreURL, options: Options) -> None:
+        """Exactly one of ``destination`` and ``stream``; a ``group``."""
+        super()._validate(url, options)
+        if (options["destination"] is None) == (options["stream"] is None):
+            raise ConfigurationError(
+                "RedisStreamsBroker needs exactly one of destination=<dispatcher destination> "
+                "and stream=<stream key>"
+            )
+        if not options["group"]:
+            raise ConfigurationError("RedisStreamsBroker needs group=<consumer group name>")
+
+    def _ensure_group(self) -> None:
+        with self._translating_errors("connect"):
+            try:
+                groups = self._read(lambda: self._client.xinfo_groups(self.stream))
+            except ResponseError as exc:
+                if "no such key" not in str(exc).lower():
+                    raise
+                groups = []
+            if any(text_of(g["name"]) == self.group for g in groups):
+                return
+            if not self._opts["create"] or self._opts["must_exist"]:
+                raise self._no_such_store(
+                    f"consumer group {self.group!r} of stream {self.stream!r}",
+                    "create it (XGROUP CREATE) or open with create=true",
+                )
+            try:
+                self._read(
+                    lambda: self._client.xgroup_create(
+                        self.stream, self.group, id=self._opts["start"], mkstream=True
+                    )
+                )
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):  # created meanwhile by another consumer
+                    raise
+
+    # ------------------------------------------------------------------ Broker
+
+    def fetch(self, max_count: int, wait: float) -> list[Delivery]:
+        """Nacked entries first (claimed back, counted), then new ones (``XREADGROUP >``)."""
+        self._check_open()
+        with self._translating_errors("fetch"):
+            if self._nacked:
+                ids: list[Any] = self._nacked[:max_count]
+                self._nacked = self._nacked[max_count:]
+                claimed = self._read(
+                    lambda: self._client.xclaim(self.stream, self.group, self.consumer, 0, ids)
+                )
+                deliveries = self._deliveries(claimed)
+                if deliveries:
+                    return deliveries
+            block = min(wait, self._block_cap)
+            block_ms = round(block * 1000) or None
+            reply = self._read(
+                lambda: self._client.xreadgroup(
+                    self.group, self.consumer, {self.stream: ">"}, count=max_count, block=block_ms
+                )
+            )
+        entries = [entry for _, stream_entries in reply or [] for entry in stream_entries]
+        return [self._delivery(entry, 1) for entry in entries if entry[1] is not None]
+
+    def ack(self, deliveries: Sequence[Delivery]) -> None:
+        """``XACK`` their entry ids (idempotent)."""
+        self._check_open()
+        if deliveries:
+            ids = [d.token for d in deliveries]
+            with self._translating_errors("ack"):
+                self._read(lambda: self._client.xack(self.stream, self.group, *ids))
+
+    def nack(self, deliveries: Sequence[Delivery]) -> None:
+        """Claimed back (``XCLAIM``, counted) at the next fetch; if this process dies
+        first, another consumer reclaims them after ``lease``."""
+        self._nacked.extend(d.token for d in deliveries)
+
+    def reclaim(self, max_count: int) -> list[Delivery]:
+        """``XAUTOCLAIM`` entries idle longer than ``lease``.
+
+        Scans the group's pending list with a cursor; after a full pass that found
+        nothing it rests for a tenth of the lease before scanning again.
+        """
+        self._check_open()
+        if time.monotonic() < self._next_scan:
+            return []
+        with self._translating_errors("reclaim"):
+            reply = self._read(
+                lambda: self._client.xautoclaim(
+                    self.stream,
+                    self.group,
+                    self.consumer,
+                    self._lease_ms,
+                    start_id=self._cursor,
+                    count=max_count,
+                )
+            )
+            cursor, entries = text_of(reply[0]), reply[1]
+            self._cursor = cursor
+            if cursor == "0-0" and not entries:
+                self._next_scan = time.monotonic() + self._lease_ms / 10000
+            return self._deliveries(entries)
+
+    def pending(self) -> int | None:
+        """Entries pending in the group plus those not delivered yet (its lag)."""
+        self._check_open()
+        with self._translating_errors("pending"):
+            groups = self._read(lambda: self._client.xinfo_groups(self.stream))
+        for group in groups:
+            if text_of(group["name"]) == self.group:
+                lag = group.get("lag")
+                return int(group.get("pending") or 0) + int(lag or 0)
+        return None
+
+    # ------------------------------------------------------------------ entries
+
+    def _deliveries(self, entries: list[Any]) -> list[Delivery]:
+        """Claimed entries with their delivery counters (one ``XPENDING`` per entry,
+        pipelined); entries deleted from the stream meanwhile are skipped."""
+        live = [entry for entry in entries if entry and entry[1] is not None]
+        if not live:
+            return []
+
+        def build(pipe: Any) -> None:
+            for entry_id, _ in live:
+                pipe.xpending_range(self.stream, self.group, entry_id, entry_id, 1)
+
+        counts = self._pipelined(build)
+        out = []
+        for (entry_id, fields), info in zip(live, counts, strict=True):
+            count = int(info[0]["times_delivered"]) if info else None
+            out.append(self._delivery((entry_id, fields), count))
+        return out
+
+    def _delivery(self, entry: Any, count: int | None) -> Delivery:
+        entry_id, fields = entry
+        body: bytes | str = b""
+        headers: dict[str, str] = {}
+        nested: dict[str, str] = {}
+        for key, value in fields.items():
+            name = text_of(key)
+            if name == self._body_field:
+                body = value
+            elif name == self._headers_field and (parsed := _json_headers(value)) is not None:
+                nested = parsed
+            else:
+                headers[name] = text_of(value)
+        for name, value in nested.items():
+            headers.setdefault(name, value)
+        return Delivery(text_of(entry_id), body, headers, count)
+
+
+def _json_headers(value: bytes | str) -> dict[str, str] | None:
+    """The dispatcher's ``headers`` field (a JSON object); ``None`` if it is not one."""
+    try:
+        decoded = json.loads(value)
+    except ValueError:
+        return None
+    if not isinstance(decoded, dict):
+        return None
+    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in decoded.items()}

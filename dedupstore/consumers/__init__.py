@@ -1,0 +1,53 @@
+"""Consume loops: read a broker, process exactly once, acknowledge only what is done.
+
+* :class:`Broker` -- the small interface a broker implements (fetch, ack, nack,
+  reclaim, pending); :class:`Delivery` -- one delivery it hands out.
+* :class:`MessageRules` -- how a delivery becomes a :class:`~dedupstore.outbox.Message`.
+* :class:`Consumer` -- the loop: :meth:`Consumer.run_once`, :meth:`Consumer.run`
+  (until :meth:`Consumer.stop`, SIGTERM or SIGINT), :class:`ConsumeStats`.
+
+Brokers: :class:`dedupstore.consumers.redis_streams.RedisStreamsBroker` (Redis Streams
+consumer groups), or a class of your own.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from dedupstore.consumers._base import Broker, Delivery, MessageRules
+from dedupstore.consumers._loop import (
+    MALFORMED_ENTITY,
+    SET_ASIDE_POSITION,
+    Consumer,
+    ConsumeStats,
+)
+from dedupstore.errors import MalformedDelivery
+
+if TYPE_CHECKING:
+    from dedupstore.urls import StoreURL
+
+__all__ = [
+    "MALFORMED_ENTITY",
+    "SET_ASIDE_POSITION",
+    "Broker",
+    "ConsumeStats",
+    "Consumer",
+    "Delivery",
+    "MalformedDelivery",
+    "MessageRules",
+    "open_broker",
+]
+
+
+def open_broker(url: str | StoreURL, /, **options: Any) -> Broker:
+    """The broker a URL names, opened with ``options`` (``redis://host:6379/0?stream=...``).
+
+    Schemes come from :data:`dedupstore.registry.brokers` (built in: ``redis``,
+    ``rediss``; others through :func:`dedupstore.registry.register_broker` or the
+    ``dedupstore.brokers`` entry-point group). Raises ``ConfigurationError`` for an
+    unknown scheme, a bad URL or option (before any I/O), and what the broker's
+    constructor raises (``StoreUnavailable`` when it cannot be reached).
+    """
+    from dedupstore.registry import brokers
+
+    return brokers.open(url, **options)

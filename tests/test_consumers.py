@@ -1,0 +1,369 @@
+"""The consume loop's logic (``dedupstore.consumers.Consumer``) on an in-memory broker.
+
+The broker is a test double (a list of entries, a pending table with delivery
+counts); the stores are the memory backend. What is checked: only what is done is
+acknowledged, and only after it was processed; a failed round is left for
+redelivery and done on the next; a delivery that is not a message, or that was
+delivered too often, is set aside once under a deterministic id; ``stop()`` and
+SIGTERM end the loop after the round in flight. The real brokers' tests (Redis
+Streams) are in ``tests/test_consumer_redis.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from backends.memory import MemoryDeduplicationStore, MemoryEntityStore
+from dedupstore.consumers import (
+    MALFORMED_ENTITY,
+    SET_ASIDE_POSITION,
+    Broker,
+    Consumer,
+    Delivery,
+    MalformedDelivery,
+    MessageRules,
+)
+from dedupstore.entities import OutgoingMessage
+from dedupstore.errors import ConfigurationError, StoreUnavailable
+from dedupstore.ids import message_key, outgoing_id
+from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send
+
+pytestmark = pytest.mark.memory
+
+
+class ListBroker(Broker):
+    """Entries in a list; a pending table with delivery counts; nack puts back in front."""
+
+    kind = "list"
+
+    def __init__(self, entries: Sequence[tuple[str | bytes, dict[str, str]]] = ()) -> None:
+        self.ready: list[int] = []
+        self.entries: dict[int, tuple[str | bytes, dict[str, str]]] = {}
+        self.counts: dict[int, int] = {}
+        self.pending_tokens: set[int] = set()
+        self.acked: list[int] = []
+        self.nacked: list[int] = []
+        self.on_ack: Any = None
+        for body, headers in entries:
+            self.add(body, headers)
+
+    def add(self, body: str | bytes, headers: dict[str, str]) -> int:
+        token = len(self.entries) + 1
+        self.entries[token] = (body, headers)
+        self.ready.append(token)
+        return token
+
+    def fetch(self, max_count: int, wait: float) -> list[Delivery]:
+        taken, self.ready = self.ready[:max_count], self.ready[max_count:]
+        out = []
+        for token in taken:
+            self.counts[token] = self.counts.get(token, 0) + 1
+            self.pending_tokens.add(token)
+            body, headers = self.entries[token]
+            out.append(Delivery(token, body, headers, self.counts[token]))
+        return out
+
+    def ack(self, deliveries: Sequence[Delivery]) -> None:
+        if self.on_ack is not None:
+            self.on_ack(deliveries)
+        for d in deliveries:
+            self.pending_tokens.discard(d.token)
+            self.acked.append(d.token)
+
+    def nack(self, deliveries: Sequence[Delivery]) -> None:
+        for d in deliveries:
+            self.nacked.append(d.token)
+        self.ready[:0] = [d.token for d in deliveries]
+
+    def pending(self) -> int | None:
+        return len(self.pending_tokens) + len(self.ready)
+
+
+def deposit(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+    """Adds the amount; a negative amount is poison (the handler raises)."""
+    amount = message.body["amount"]
+    if amount < 0:
+        raise ValueError(f"a deposit cannot be negative: {amount}")
+    applied = [*state.get("applied", []), message.id]
+    return {"balance": state.get("balance", 0) + amount, "applied": applied}, [
+        Send("deposited", {"id": message.id, "n": amount})
+    ]
+
+
+def entry(mid: str, cid: str, amount: int) -> tuple[str, dict[str, str]]:
+    return json.dumps({"amount": amount}), {"id": mid, "correlation_id": cid}
+
+
+def _processor(
+    dead_letters: str | None = "dlq", dispatcher: Any = None
+) -> tuple[OutboxProcessor, InMemoryDispatcher]:
+    url = f"memory://{uuid.uuid4().hex}"
+    sent = InMemoryDispatcher()
+    processor = OutboxProcessor(
+        MemoryEntityStore(url),
+        MemoryDeduplicationStore(url, endpoint="billing"),
+        sent if dispatcher is None else dispatcher,
+        dead_letters=dead_letters,
+    )
+    return processor, sent
+
+
+def _recorded(processor: OutboxProcessor, mid: str, cid: str) -> bool:
+    entity = processor.entities.load(cid)
+    return mid in entity.outbox or processor.dedup.has_been_processed(message_key(cid, mid))
+
+
+@pytest.mark.parametrize("mode", ["batch", "single"])
+def test_everything_done_is_acknowledged_after_it_was_processed(mode: Any) -> None:
+    entries = [entry(f"m{n}", f"acct-{n % 3}", n) for n in range(1, 8)]
+    entries.append(entry("m3", "acct-0", 3))  # a producer duplicate
+    entries.append(entry("bad", "acct-1", -1))  # poison: dead-lettered by the processor
+    broker = ListBroker(entries)
+    processor, sent = _processor()
+
+    def check(deliveries: Sequence[Delivery]) -> None:  # ack comes after processing
+        for d in deliveries:
+            _, headers = broker.entries[d.token]
+            assert _recorded(processor, headers["id"], headers["correlation_id"]), d
+
+    broker.on_ack = check
+    consumer = Consumer(broker, processor, deposit, batch_size=4, mode=mode)
+    rounds = [consumer.run_once() for _ in range(3)]
+    assert sorted(broker.acked) == list(range(1, 10)) and broker.nacked == []
+    assert sum(r.acked for r in rounds) == 9 and not any(r.failures for r in rounds)
+    outcomes: dict[str, int] = {}
+    for r in rounds:
+        for k, v in r.outcomes.items():
+            outcomes[k] = outcomes.get(k, 0) + v
+    assert outcomes == {"processed": 7, "duplicate": 1, "dead_lettered": 1}
+    balances = {cid: processor.entities.load(cid).state["balance"] for cid in ("acct-0", "acct-1")}
+    assert balances == {"acct-0": 3 + 6, "acct-1": 1 + 4 + 7}
+    assert [m.destination for m in sent.sent].count("dlq") == 1
+
+
+@pytest.mark.parametrize("mode", ["batch", "single"])
+def test_a_round_the_store_cannot_answer_is_nacked_then_done_on_redelivery(mode: Any) -> None:
+    broker = ListBroker([entry(f"m{n}", "acct", n) for n in range(1, 4)])
+    processor, sent = _processor()
+    real = processor.dedup.processed_among, processor.dedup.has_been_processed
+    calls = {"n": 0}
+
+    def down(*args: Any) -> Any:
+        calls["n"] += 1
+        raise StoreUnavailable("the store is down")
+
+    processor.dedup.processed_among = down  # type: ignore[method-assign]
+    processor.dedup.has_been_processed = down  # type: ignore[method-assign]
+    consumer = Consumer(broker, processor, deposit, mode=mode)
+    first = consumer.run_once()
+    assert (first.acked, first.nacked, first.failures) == (0, 3, 1)
+    assert broker.acked == [] and sorted(broker.nacked) == [1, 2, 3]
+    assert calls["n"] >= 1 and processor.entities.load("acct").state == {}
+    processor.dedup.processed_among, processor.dedup.has_been_processed = real  # type: ignore[method-assign]
+    second = consumer.run_once()
+    assert (second.acked, second.nacked, second.failures) == (3, 0, 0)
+    assert processor.entities.load("acct").state["applied"] == ["m1", "m2", "m3"]
+    assert len(sent.sent) == 3
+
+
+def test_the_loop_backs_off_after_a_failed_round_and_goes_on(monkeypatch: Any) -> None:
+    broker = ListBroker([entry("m1", "acct", 1)])
+    processor, _ = _processor()
+    failures = iter([StoreUnavailable("down"), StoreUnavailable("down again")])
+    real_fetch = broker.fetch
+
+    def fetch(max_count: int, wait: float) -> list[Delivery]:
+        error = next(failures, None)
+        if error is not None:
+            raise error
+        return real_fetch(max_count, wait)
+
+    broker.fetch = fetch  # type: ignore[method-assign]
+    consumer = Consumer(broker, processor, deposit)
+    pauses: list[int] = []
+
+    def pause() -> None:
+        pauses.append(consumer._failures)
+        if broker.acked:
+            consumer.stop()
+
+    monkeypatch.setattr(consumer, "_pause", pause)
+    original = consumer.run_once
+
+    def run_once() -> Any:
+        stats = original()
+        if broker.acked:
+            consumer.stop()
+        return stats
+
+    monkeypatch.setattr(consumer, "run_once", run_once)
+    totals = consumer.run(install_signal_handlers=False)
+    assert pauses == [1, 2], "one backoff per failed round, growing"
+    assert totals.acked == 1 and totals.failures == 2
+
+
+def test_a_delivery_that_is_not_a_message_is_set_aside_once_under_a_stable_id() -> None:
+    broker = ListBroker(
+        [
+            ("{not json", {"id": "m1", "correlation_id": "acct"}),
+            ('{"amount": 1}', {"correlation_id": "acct"}),  # no id
+            (b"\xff\xfe", {"id": "m3", "correlation_id": "acct"}),  # not UTF-8
+            entry("m4", "acct", 4),
+        ]
+    )
+    processor, sent = _processor()
+    consumer = Consumer(broker, processor, deposit)
+    stats = consumer.run_once()
+    assert (stats.acked, stats.set_aside, stats.nacked) == (4, 3, 0)
+    letters = [m for m in sent.sent if m.destination == "dlq"]
+    assert len(letters) == 3
+    missing = next(m for m in letters if "delivery" in m.body and "'id'" in m.body["error"]["text"])
+    assert missing.body["delivery"] == {
+        "body": '{"amount": 1}',
+        "headers": {"correlation_id": "acct"},
+    }
+    assert missing.body["error"]["type"] == "dedupstore.errors.MalformedDelivery"
+    assert missing.body["consumer"] == "billing"
+    # the same content again (a redelivery, a producer duplicate): the same id and bytes
+    broker.add('{"amount": 1}', {"correlation_id": "acct"})
+    broker.add(b"\xff\xfe", {"id": "m3", "correlation_id": "acct"})
+    again = consumer.run_once()
+    assert again.set_aside == 2
+    later = [m for m in sent.sent if m.destination == "dlq"][3:]
+    assert {m.id: m for m in later} == {m.id: m for m in letters if m.id in {x.id for x in later}}
+    assert len({m.id for m in later}) == 2
+    assert processor.entities.load("acct").state["applied"] == ["m4"]
+    assert all(
+        m.id != outgoing_id("billing", MALFORMED_ENTITY, "x", SET_ASIDE_POSITION) for m in letters
+    )
+
+
+def test_message_rules_name_the_token_and_what_is_wrong() -> None:
+    rules = MessageRules()
+    with pytest.raises(MalformedDelivery, match=r"delivery '1-0' is not a message: it has no 'id'"):
+        rules.message(Delivery("1-0", "{}", {"correlation_id": "a"}))
+    with pytest.raises(MalformedDelivery, match=r"'2-0'.*correlation id.*empty|'2-0'.*correlation"):
+        rules.message(Delivery("2-0", "{}", {"id": "m", "correlation_id": ""}))
+    with pytest.raises(MalformedDelivery, match=r"'3-0'.*not JSON"):
+        rules.message(Delivery("3-0", "{", {"id": "m", "correlation_id": "a"}))
+    custom = MessageRules(id=lambda d: f"k-{d.token}", correlation_id="acct", body="text")
+    message = custom.message(Delivery(7, "hi", {"acct": "a", "x": "y"}))
+    assert message == Message("k-7", "a", "hi", {"x": "y"})
+    assert (
+        MessageRules(body="bytes")
+        .message(Delivery(1, "é", {"id": "m", "correlation_id": "a"}))
+        .body
+        == "é".encode()
+    )
+    with pytest.raises(ConfigurationError, match=r"MessageRules\.body"):
+        MessageRules(body="xml")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match=r"MessageRules\.id"):
+        MessageRules(id="")
+
+
+def test_a_message_delivered_too_often_is_set_aside_not_processed() -> None:
+    broker = ListBroker([entry("m1", "acct", 1), entry("m2", "acct", 2)])
+    broker.counts = {1: 5, 2: 4}  # m1 comes now for the 6th time, m2 for the 5th
+    processor, sent = _processor()
+    consumer = Consumer(broker, processor, deposit, max_deliveries=5)
+    stats = consumer.run_once()
+    assert (stats.acked, stats.set_aside, stats.outcomes) == (2, 1, {"processed": 1})
+    assert processor.entities.load("acct").state["applied"] == ["m2"]
+    (letter,) = [m for m in sent.sent if m.destination == "dlq"]
+    assert letter.id == outgoing_id("billing", "acct", "m1", SET_ASIDE_POSITION)
+    assert letter.body["message"] == {
+        "id": "m1",
+        "correlation_id": "acct",
+        "body": {"amount": 1},
+        "headers": {},
+    }
+    assert "max_deliveries=5" in letter.body["error"]["text"]
+    # redelivered again (the ack was lost): the same letter, byte for byte
+    broker.add(*entry("m1", "acct", 1))
+    broker.counts[3] = 9
+    consumer.run_once()
+    letters = [m for m in sent.sent if m.destination == "dlq"]
+    assert letters == [letter, letter]
+
+
+def test_a_poison_message_without_dead_letters_is_left_alone_and_the_rest_done() -> None:
+    broker = ListBroker([entry("m1", "acct", 1), entry("bad", "acct", -1), entry("m3", "b", 3)])
+    processor, _ = _processor(dead_letters=None)
+    consumer = Consumer(broker, processor, deposit, max_deliveries=None)
+    stats = consumer.run_once()
+    assert (stats.acked, stats.nacked) == (2, 1) and broker.nacked == [2]
+    assert processor.entities.load("acct").state["applied"] == ["m1"]
+
+
+def test_max_deliveries_needs_dead_letters_and_options_are_checked() -> None:
+    processor, _ = _processor(dead_letters=None)
+    with pytest.raises(ConfigurationError, match="dead_letters"):
+        Consumer(ListBroker(), processor, deposit)
+    Consumer(ListBroker(), processor, deposit, max_deliveries=None)
+    good, _ = _processor()
+    for bad in (
+        {"batch_size": 0},
+        {"mode": "stream"},
+        {"max_deliveries": 0},
+        {"wait": -1},
+        {"max_backoff": 0},
+    ):
+        with pytest.raises(ConfigurationError):
+            Consumer(ListBroker(), good, deposit, **bad)
+    with pytest.raises(ConfigurationError, match="Broker"):
+        Consumer(object(), good, deposit)  # type: ignore[arg-type]
+
+
+def test_dead_letters_that_cannot_be_dispatched_are_left_for_redelivery() -> None:
+    class Down:
+        def dispatch(self, messages: Sequence[OutgoingMessage]) -> None:
+            raise StoreUnavailable("the broker is down")
+
+    broker = ListBroker([("{", {"id": "m1", "correlation_id": "acct"})])
+    processor, _ = _processor(dispatcher=Down())
+    stats = Consumer(broker, processor, deposit).run_once()
+    assert (stats.acked, stats.nacked, stats.set_aside) == (0, 1, 0)
+
+
+def test_a_configuration_error_leaves_the_round_and_ends_the_loop() -> None:
+    broker = ListBroker([entry("m1", "acct", 1)])
+    processor, _ = _processor()
+
+    def broken(*args: Any) -> Any:
+        raise ConfigurationError("no such table")
+
+    processor.entities.load_many = broken  # type: ignore[method-assign]
+    with pytest.raises(ConfigurationError, match="no such table"):
+        Consumer(broker, processor, deposit).run(install_signal_handlers=False)
+    assert broker.acked == [] and broker.nacked == [1]
+
+
+@pytest.mark.parametrize("how", ["stop", "sigterm"])
+def test_stop_ends_the_loop_after_the_round_in_flight(how: str) -> None:
+    broker = ListBroker([entry(f"m{n}", "acct", n) for n in range(1, 10)])
+    processor, _ = _processor()
+    consumer: Consumer
+
+    def stopping(state: dict[str, Any], message: Message) -> Any:
+        if message.id == "m2":
+            if how == "stop":
+                consumer.stop()
+            else:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return deposit(state, message)
+
+    consumer = Consumer(broker, processor, stopping, batch_size=4)
+    before = signal.getsignal(signal.SIGTERM)
+    totals = consumer.run(install_signal_handlers=True)
+    assert signal.getsignal(signal.SIGTERM) is before, "the previous handler is restored"
+    assert broker.acked == [1, 2, 3, 4] and broker.nacked == []
+    assert totals.acked == 4 and totals.rounds == 1
+    assert processor.entities.load("acct").state["applied"] == ["m1", "m2", "m3", "m4"]
+    assert broker.ready == [5, 6, 7, 8, 9], "nothing fetched after the stop"
