@@ -1,8 +1,9 @@
 """The ``dedupstore`` command.
 
-Exit codes: 0 success; 1 ``has`` found an id not processed, ``entities show`` found
-no such entity, or the demo saw an invariant fail; 2 fix your configuration or input
-(``ConfigurationError``, ``InvalidMessageId``, ``ConsistencyError``, ``StoreClosed``);
+Exit codes: 0 success (``consume``: stopped by SIGTERM/SIGINT); 1 ``has`` found an id
+not processed, ``entities show`` found no such entity, or the demo saw an invariant fail;
+2 fix your configuration or input (``ConfigurationError``, ``InvalidMessageId``,
+``ConsistencyError``, ``StoreClosed``);
 3 retry later (the store could not answer: ``StoreUnavailable``, or a
 ``ConcurrencyConflict`` that persisted). Expected errors print one line, never a
 traceback.
@@ -27,6 +28,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from dedupstore import __version__, open_entity_store, open_store
+from dedupstore.consumers import _command as consume_command
 from dedupstore.entities import EntityStore
 from dedupstore.errors import (
     ConcurrencyConflict,
@@ -237,6 +239,7 @@ def _parser() -> argparse.ArgumentParser:
     spark_sweep.add_argument(
         "--master", default="local[*]", help="Spark master (ignored under spark-submit)"
     )
+    consume_command.add_parser(commands, _bounded(1, 1_000_000))
     # Parsed by the job itself (main() hands it everything after "demo"); listed here
     # for the command list and "dedupstore demo --help".
     commands.add_parser(
@@ -649,6 +652,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "stats": _stats,
     "entities": _entities,
     "sweep": _spark_sweep,
+    "consume": consume_command.run,
 }
 
 

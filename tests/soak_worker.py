@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 import random
 import threading
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from dedupstore.entities import OutgoingMessage
-from dedupstore.outbox import Message, OutboxProcessor, Send
+from dedupstore.entities import EntityStore, OutgoingMessage
+from dedupstore.outbox import Message, OutboxProcessor, Send, message_key, outgoing_id, sweep
+from dedupstore.store import DeduplicationStore
 from tests.outbox_backends import OutboxBackend
 
 
@@ -27,6 +30,70 @@ def soak_handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any
     """Appends the message id; sends the list as it is now (outputs depend on the state)."""
     applied = [*state.get("applied", []), message.id]
     return {"applied": applied}, [Send("audit", {"mid": message.id, "applied": applied})]
+
+
+def soak_violations(
+    owner: Mapping[str, str],
+    entities: EntityStore,
+    dedup: DeduplicationStore,
+    sent: Iterable[Mapping[str, Any]],
+    consumer: str = "default",
+) -> list[str]:
+    """Sweep, then check every invariant against the plain model of the input; the
+    violations found (empty: all hold).
+
+    ``owner`` maps each distinct input message id to its entity; ``sent`` holds every
+    copy of every outgoing message (``OutgoingMessage.to_json()`` dicts). The model:
+    each message applied once, to its entity; every outbox empty after the sweep;
+    every key recorded in the deduplication store; the outgoing ids exactly
+    ``outgoing_id(consumer, entity, id, 0)`` of the input (none missing, no ghost),
+    every copy of one id identical, each showing the state its message produced.
+    """
+    violations: list[str] = []
+    result = sweep(entities, dedup)
+    if result.ids_left:
+        violations.append(f"the sweep left {result.ids_left} ids")
+    loaded = entities.load_many(sorted(set(owner.values())))
+    applied: Counter[str] = Counter()
+    for entity in loaded.values():
+        if entity.outbox:
+            violations.append(f"{entity.id} keeps {sorted(entity.outbox)[:5]} in its outbox")
+        for mid in entity.state.get("applied", []):
+            if owner.get(mid) != entity.id:
+                violations.append(f"{mid} applied to {entity.id}, not to its entity")
+            applied[mid] += 1
+    lost = set(owner) - set(applied)
+    if lost:
+        violations.append(f"{len(lost)} messages lost (never applied), e.g. {sorted(lost)[:3]}")
+    twice = sorted(mid for mid, n in applied.items() if n > 1)
+    if twice:
+        violations.append(f"{len(twice)} messages applied twice, e.g. {twice[:3]}")
+    keys = [message_key(cid, mid) for mid, cid in owner.items()]
+    unrecorded = set(keys) - dedup.processed_among(keys)
+    if unrecorded:
+        violations.append(f"{len(unrecorded)} ids not in the deduplication store")
+    first: dict[str, Mapping[str, Any]] = {}
+    differing: set[str] = set()
+    for message in sent:
+        if first.setdefault(message["id"], message) != message:
+            differing.add(message["id"])
+    if differing:
+        violations.append(f"{len(differing)} outgoing ids dispatched with two contents")
+    expected = {outgoing_id(consumer, cid, mid, 0): (mid, cid) for mid, cid in owner.items()}
+    missing, ghosts = set(expected) - set(first), set(first) - set(expected)
+    if missing:
+        violations.append(f"{len(missing)} outgoing messages missing")
+    if ghosts:
+        violations.append(f"{len(ghosts)} ghost outgoing messages (no such message applied)")
+    wrong = 0
+    for out_id, (mid, cid) in expected.items():
+        entity = loaded.get(cid)
+        history = entity.state.get("applied", []) if entity is not None else []
+        if out_id in first and mid in history:
+            wrong += first[out_id]["body"]["applied"] != history[: history.index(mid) + 1]
+    if wrong:
+        violations.append(f"{wrong} outgoing messages show a state their message did not make")
+    return violations
 
 
 class _Flaky:

@@ -1,0 +1,117 @@
+"""A consumer process of the chaos test (``tests/test_consumer_chaos.py``).
+
+``python -m tests.consume_worker <dedupstore consume arguments>`` runs the real
+``dedupstore consume`` command, unless ``DEDUPSTORE_CHAOS_VARIANT`` names a broken
+variant, which this module patches in first:
+
+* ``ack-first``: the broker acknowledges what it fetched before it is processed;
+* ``dispatch-after-cleanup``: the processor cleans up (the id recorded, the outbox
+  entry removed or marked) before it dispatches the outgoing messages.
+
+The handler, :func:`slow_handler`, is the soak's (``tests/soak_worker.py``) with a
+pause, so that a batch takes long enough for a SIGKILL to land inside it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from dedupstore.outbox import Message, OutboxProcessor, Send
+from tests.soak_worker import soak_handler
+
+VARIANT_ENV = "DEDUPSTORE_CHAOS_VARIANT"
+#: Seconds the handler pauses per message.
+PAUSE = float(os.environ.get("DEDUPSTORE_CHAOS_PAUSE", "0.002"))
+
+
+def slow_handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+    """The soak's handler (the same outputs for the same state), after a pause."""
+    time.sleep(PAUSE)
+    return soak_handler(state, message)
+
+
+def _ack_first() -> None:
+    """BROKEN: acknowledge every delivery as soon as it is fetched."""
+    from backends.redis.consumer import RedisStreamsBroker
+
+    fetch = RedisStreamsBroker.fetch
+
+    def acking(self: RedisStreamsBroker, max_count: int, wait: float) -> Any:
+        deliveries = fetch(self, max_count, wait)
+        self.ack(deliveries)
+        return deliveries
+
+    RedisStreamsBroker.fetch = acking  # type: ignore[method-assign]
+
+
+class _Late:
+    """A dispatcher that holds what it is given until :meth:`flush`."""
+
+    def __init__(self, real: Any) -> None:
+        self.real, self.held = real, []
+
+    def dispatch(self, messages: Sequence[Any]) -> None:
+        self.held.extend(messages)
+
+    def flush(self) -> None:
+        if self.held:
+            time.sleep(0.05)  # the window a crash falls into: cleaned up, not yet sent
+            held, self.held = self.held, []
+            self.real.dispatch(held)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+class _FlushAfterSave:
+    """An entity store after whose every save the late dispatcher sends what it holds."""
+
+    def __init__(self, real: Any, late: _Late) -> None:
+        self._real, self._late = real, late
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def save(self, entity: Any) -> Any:
+        saved = self._real.save(entity)
+        self._late.flush()
+        return saved
+
+    def save_many(self, entities: Any) -> Any:
+        conflicts = self._real.save_many(entities)
+        self._late.flush()
+        return conflicts
+
+
+def _dispatch_after_cleanup() -> None:
+    """BROKEN: dispatches go out after the save that follows them (the clean-up)."""
+    init = OutboxProcessor.__init__
+
+    def late_init(
+        self: OutboxProcessor, entities: Any, dedup: Any, dispatcher: Any, **kw: Any
+    ) -> None:
+        late = _Late(dispatcher)
+        init(self, _FlushAfterSave(entities, late), dedup, late, **kw)
+
+    OutboxProcessor.__init__ = late_init  # type: ignore[method-assign]
+
+
+VARIANTS = {"ack-first": _ack_first, "dispatch-after-cleanup": _dispatch_after_cleanup}
+
+
+def main(argv: list[str]) -> int:
+    """Apply the variant named in the environment, then run ``dedupstore consume``."""
+    from dedupstore.cli import main as cli
+
+    variant = os.environ.get(VARIANT_ENV, "")
+    if variant:
+        VARIANTS[variant]()
+    return cli(["consume", *argv])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,223 @@
+"""Chaos on Redis Streams: consumer processes SIGKILLed at random and replaced.
+
+Thousands of deliveries (each message sent one to three times by the producer,
+spread over the stream) over many entities go into one stream; three consumer
+processes (``dedupstore consume``, through ``tests/consume_worker.py``) read it
+through one consumer group, with the entities, the deduplication store and the
+outgoing stream on the same Redis. At random moments one of them is SIGKILLed and
+a new one started, at least ten times; what a killed consumer held is reclaimed
+by the others after the ``lease`` (1 s). Once the input has drained (nothing
+pending, no lag), the survivors get SIGTERM (exit 0), and every invariant is
+checked exactly against the plain model of the input by the soak's check
+(``tests.soak_worker.soak_violations``): each message applied once to its entity,
+the outgoing ids exactly the model's (nothing missing, no ghost), every copy of
+one id identical (the dispatcher's dedupe window is off, so every re-dispatch is
+in the stream), each output showing the state its message made, every id in the
+deduplication store, every outbox empty after the sweep, nothing pending in the
+group. In both modes (``batch``: ``process_batch``; ``single``: ``process``) and
+both clean-ups.
+
+Every kill lands while input is waiting: before a kill, 200 more messages are
+produced when fewer than 200 deliveries are left (the model grows with them).
+
+The anti-tests run the same harness on two broken variants and require the check
+to report what they break: a consumer that acknowledges before processing loses
+messages; a processor that dispatches after its clean-up loses outgoing messages.
+
+Sizes are reduced to stay near a minute on two shared cores: 2,000 messages or a
+few hundred more (about 3,500 to 4,500 deliveries) over 200 entities per run, and
+the handler pauses 2 ms per message so that a kill lands inside a batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from dedupstore import open_entity_store, open_store
+from tests.consume_worker import VARIANT_ENV
+from tests.servers import Server
+from tests.soak_worker import soak_violations
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parent.parent
+MESSAGES, ENTITIES, CONSUMERS, KILLS, TOP_UP = 2000, 200, 3, 10, 200
+
+
+def _with(url: str, **query: Any) -> str:
+    return url + ("&" if "?" in url else "?") + "&".join(f"{k}={v}" for k, v in query.items())
+
+
+class Chaos:
+    """One run: the input in a stream, consumer processes, kills, the drain, the check."""
+
+    def __init__(self, redis_url: str, mode: str, cleanup: str, variant: str, seed: str) -> None:
+        self.url, self.mode, self.cleanup, self.variant = redis_url, mode, cleanup, variant
+        self.rng = random.Random(seed)
+        tag = uuid.uuid4().hex[:8]
+        self.tag = tag
+        self.stream, self.group = f"chaos{tag}:in", "billing"
+        self.admin = redis.Redis.from_url(redis_url)
+        self.owner: dict[str, str] = {}
+        self.entities_url = _with(redis_url, key_prefix=f"chaos{tag}e:")
+        self.store_url = _with(redis_url, key_prefix=f"chaos{tag}d:")
+        self.out_prefix = f"chaos{tag}o:"
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.killed = 0
+        self.logs: list[Path] = []
+
+    def produce(self, count: int) -> int:
+        """``count`` new messages, each one to three times, the copies spread out."""
+        first = len(self.owner)
+        fresh = {f"m{n}": f"e{self.rng.randrange(ENTITIES)}" for n in range(first, first + count)}
+        self.owner.update(fresh)
+        copies = (1, 2, 2, 3)
+        deliveries = [(m, c) for m, c in fresh.items() for _ in range(self.rng.choice(copies))]
+        self.rng.shuffle(deliveries)
+        pipe = self.admin.pipeline(transaction=False)
+        for mid, cid in deliveries:
+            pipe.xadd(self.stream, {"id": mid, "correlation_id": cid, "body": "{}"})
+        pipe.execute()
+        return len(deliveries)
+
+    def start(self, log_dir: Path) -> None:
+        broker = _with(self.url, stream=self.stream, group=self.group, lease=1)
+        dispatcher = _with(self.url, key_prefix=self.out_prefix, dedupe_window=0)
+        log = log_dir / f"consumer-{len(self.logs)}.log"
+        self.logs.append(log)
+        command = [
+            *(sys.executable, "-m", "tests.consume_worker"),
+            *("--broker", broker, "--entities", self.entities_url, "--store", self.store_url),
+            *("--dispatcher", dispatcher, "--handler", "tests.consume_worker:slow_handler"),
+            *("--mode", self.mode, "--cleanup", self.cleanup, "--batch-size", "20"),
+            *("--max-deliveries", "0", "--wait", "0.2", "--log-level", "WARNING"),
+        ]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), VARIANT_ENV: self.variant}
+        with log.open("wb") as out:
+            process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=out)
+        self.processes.append(process)
+
+    def group_state(self) -> tuple[int, int]:
+        """(pending, lag) of the group; (-1, -1) before a consumer created it."""
+        try:
+            groups = self.admin.xinfo_groups(self.stream)
+        except redis.ResponseError:
+            return -1, -1
+        for group in groups:
+            if group["name"].decode() == self.group:
+                return int(group["pending"]), int(group["lag"] or 0)
+        return -1, -1
+
+    def run(self, log_dir: Path) -> None:
+        """Start the consumers, kill and replace one at random KILLS times, drain, stop."""
+        self.produce(MESSAGES)
+        for _ in range(CONSUMERS):
+            self.start(log_dir)
+        while self.group_state() == (-1, -1):
+            time.sleep(0.05)
+        while self.killed < KILLS:
+            time.sleep(self.rng.uniform(0.1, 0.3))
+            if self.group_state()[1] < TOP_UP:  # every kill lands while there is work
+                self.produce(TOP_UP)
+            alive = [p for p in self.processes if p.poll() is None]
+            victim = self.rng.choice(alive)
+            victim.send_signal(signal.SIGKILL)
+            assert victim.wait() == -signal.SIGKILL
+            self.killed += 1
+            self.start(log_dir)
+        while self.group_state() != (0, 0):  # drained: bounded by the test's timeout
+            time.sleep(0.1)
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes:
+            code = process.wait()
+            # 0: stopped by SIGTERM after its batch; a replacement still starting (its
+            # handlers not installed yet, nothing in flight) dies of the SIGTERM itself
+            assert code in (0, -signal.SIGKILL, -signal.SIGTERM), self._log_tail()
+
+    def _log_tail(self) -> str:
+        return "\n".join(log.read_text(errors="replace")[-2000:] for log in self.logs)
+
+    def violations(self) -> list[str]:
+        """The soak's check against the model, plus: nothing pending in the group."""
+        sent = []
+        for _, fields in self.admin.xrange(f"{self.out_prefix}audit"):
+            sent.append(
+                {
+                    "id": fields[b"id"].decode(),
+                    "destination": "audit",
+                    "body": json.loads(fields[b"body"]),
+                    "headers": json.loads(fields[b"headers"]),
+                }
+            )
+        entities = open_entity_store(self.entities_url)
+        dedup = open_store(self.store_url)
+        try:
+            found = soak_violations(self.owner, entities, dedup, sent)
+        finally:
+            entities.close()
+            dedup.close()
+        pending, lag = self.group_state()
+        if (pending, lag) != (0, 0):
+            found.append(f"the group holds {pending} pending and {lag} undelivered entries")
+        return found
+
+    def close(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        self.admin.close()
+
+
+@pytest.fixture
+def chaos(redis_server: Server, tmp_path: Path) -> Any:
+    runs: list[Chaos] = []
+
+    def make(mode: str, cleanup: str, variant: str = "") -> Chaos:
+        run = Chaos(redis_server.url, mode, cleanup, variant, f"{mode}-{cleanup}-{variant}")
+        runs.append(run)
+        run.run(tmp_path)
+        return run
+
+    yield make
+    for run in runs:
+        run.close()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["batch", "single"])
+@pytest.mark.parametrize("cleanup", ["inline", "deferred"])
+def test_consumers_killed_at_random_change_nothing(chaos: Any, mode: str, cleanup: str) -> None:
+    run = chaos(mode, cleanup)
+    assert run.killed >= KILLS
+    assert run.violations() == []
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("variant", "cleanup", "expected"),
+    [
+        ("ack-first", "inline", "messages lost"),
+        ("dispatch-after-cleanup", "deferred", "outgoing messages missing"),
+    ],
+)
+def test_the_chaos_check_catches_a_broken_consumer(
+    chaos: Any, variant: str, cleanup: str, expected: str
+) -> None:
+    run = chaos("batch", cleanup, variant)
+    found = run.violations()
+    assert any(expected in v for v in found), found
