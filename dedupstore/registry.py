@@ -222,6 +222,8 @@ brokers: Registry[Broker] = Registry(
     {
         "redis": BackendSpec("backends.redis.consumer:RedisStreamsBroker", ("redis",), "redis"),
         "rediss": BackendSpec("backends.redis.consumer:RedisStreamsBroker", ("redis",), "redis"),
+        "amqp": BackendSpec("backends.rabbitmq.consumer:RabbitMQBroker", ("pika",), "rabbitmq"),
+        "amqps": BackendSpec("backends.rabbitmq.consumer:RabbitMQBroker", ("pika",), "rabbitmq"),
     },
 )
 

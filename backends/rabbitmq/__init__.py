@@ -7,6 +7,10 @@
 * :mod:`backends.rabbitmq.dispatcher` -- :class:`RabbitMQDispatcher`: persistent,
   ``mandatory`` messages on one exchange, each confirmed by the broker (publisher
   confirms) before :meth:`~RabbitMQDispatcher.dispatch` returns.
+* :mod:`backends.rabbitmq.consumer` -- :class:`RabbitMQBroker`, the consume loop's
+  broker (:mod:`dedupstore.consumers`): manual acknowledgements under a prefetch
+  window, redelivery by the broker after a consumer died, delivery counts from
+  quorum queues. Imported on first use (``open_broker('amqp://...?queue=...')``).
 """
 
 from backends.rabbitmq.dispatcher import RabbitMQDispatcher

@@ -51,6 +51,8 @@ __all__ = [
     "connect",
     "expiring",
     "parse_url",
+    "queue_arguments",
+    "reply_code",
     "vhost",
 ]
 
@@ -157,6 +159,15 @@ def expiring(connection: pika.BlockingConnection, seconds: float) -> Iterator[Ex
     finally:
         with contextlib.suppress(Exception):
             impl.ioloop.remove_timeout(timer)
+
+
+def queue_arguments(queue_type: str) -> dict[str, Any] | None:
+    """The declaration arguments of a queue of ``queue_type``.
+
+    None for ``classic`` (the default type), so that a classic queue declared
+    elsewhere without arguments is not refused as inequivalent.
+    """
+    return None if queue_type == "classic" else {"x-queue-type": queue_type}
 
 
 def reply_code(exc: BaseException) -> int | None:

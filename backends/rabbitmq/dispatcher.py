@@ -64,6 +64,7 @@ from backends.rabbitmq._client import (
     connect,
     expiring,
     parse_url,
+    queue_arguments,
     reply_code,
     vhost,
 )
@@ -267,7 +268,7 @@ class RabbitMQDispatcher(URLDispatcher):
                 channel.queue_declare(
                     destination,
                     durable=True,
-                    arguments={"x-queue-type": self._opts["queue_type"]},
+                    arguments=queue_arguments(self._opts["queue_type"]),
                 )
                 link.declared.add(destination)
             properties = pika.BasicProperties(
