@@ -150,7 +150,10 @@ def test_a_nack_requeues_and_a_classic_queue_only_says_redelivered(
         assert again.token.redelivered
         assert again.deliveries is None  # a classic queue does not count
         broker.ack([again])
+        broker.ack([again])  # idempotent: a second ack would make RabbitMQ close the channel
+        broker.nack([one, two])  # settled already: nothing sent
         assert broker.fetch(10, 0.2) == []
+        assert broker.pending() == 0
 
 
 def test_a_quorum_queue_counts_deliveries_and_max_deliveries_sets_aside(

@@ -109,6 +109,9 @@ class _Link:
         self.channel = channel
         self.generation = generation
         self.received: collections.deque[Delivery] = collections.deque()
+        #: Delivery tags handed out and not settled yet: a second ack or nack of one
+        #: (which RabbitMQ answers by closing the channel) is skipped.
+        self.unsettled: set[int] = set()
 
 
 def _close_link(link: _Link) -> None:
@@ -260,13 +263,16 @@ class RabbitMQBroker(Client, Broker):
                     while not link.received and (left := until - time.monotonic()) > 0:
                         link.connection.process_data_events(time_limit=left)
                 count = min(max_count, len(link.received))
-                return [link.received.popleft() for _ in range(count)]
+                out = [link.received.popleft() for _ in range(count)]
+                link.unsettled.update(d.token.delivery_tag for d in out)
+                return out
         except BaseException:
             self._drop()
             raise
 
     def ack(self, deliveries: Sequence[Delivery]) -> None:
-        """``basic.ack`` each delivery of this channel (others were requeued already)."""
+        """``basic.ack`` each delivery of this channel not settled yet (idempotent;
+        deliveries of a lost channel were requeued by the broker already)."""
         self._settle(deliveries, "ack")
 
     def nack(self, deliveries: Sequence[Delivery]) -> None:
@@ -281,10 +287,13 @@ class RabbitMQBroker(Client, Broker):
         tags = [
             d.token.delivery_tag
             for d in deliveries
-            if isinstance(d.token, RabbitMQToken) and d.token.generation == link.generation
+            if isinstance(d.token, RabbitMQToken)
+            and d.token.generation == link.generation
+            and d.token.delivery_tag in link.unsettled
         ]
         if not tags:
             return
+        link.unsettled.difference_update(tags)
         try:
             with (
                 self._translating_errors(operation),
