@@ -209,6 +209,8 @@ dispatchers: Registry[URLDispatcher] = Registry(
         "sqlite": BackendSpec("backends.sqlite:SqliteDispatcher"),
         "redis": BackendSpec("backends.redis:RedisDispatcher", ("redis",), "redis"),
         "rediss": BackendSpec("backends.redis:RedisDispatcher", ("redis",), "redis"),
+        "amqp": BackendSpec("backends.rabbitmq:RabbitMQDispatcher", ("pika",), "rabbitmq"),
+        "amqps": BackendSpec("backends.rabbitmq:RabbitMQDispatcher", ("pika",), "rabbitmq"),
     },
 )
 
@@ -220,6 +222,8 @@ brokers: Registry[Broker] = Registry(
     {
         "redis": BackendSpec("backends.redis.consumer:RedisStreamsBroker", ("redis",), "redis"),
         "rediss": BackendSpec("backends.redis.consumer:RedisStreamsBroker", ("redis",), "redis"),
+        "amqp": BackendSpec("backends.rabbitmq.consumer:RabbitMQBroker", ("pika",), "rabbitmq"),
+        "amqps": BackendSpec("backends.rabbitmq.consumer:RabbitMQBroker", ("pika",), "rabbitmq"),
     },
 )
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install the servers the test suite runs as local processes (Debian 12):
-#   redis-server + redis-tools, PostgreSQL 15 server binaries (apt),
+#   redis-server + redis-tools, rabbitmq-server, PostgreSQL 15 server binaries (apt),
 #   @vercel/cosmosdb-server (npm ci, pinned in package-lock.json), Node.js if absent, and a
 #   Java runtime for PySpark (OpenJDK 17) if absent. `install-test-deps.sh java` installs
 #   only the Java runtime (what `make demo` needs).
@@ -32,6 +32,8 @@ missing_apt_packages() {
     fi
     command -v redis-server >/dev/null 2>&1 || echo redis-server
     command -v redis-cli >/dev/null 2>&1 || echo redis-tools
+    [[ -x /usr/lib/rabbitmq/bin/rabbitmq-server ]] || command -v rabbitmq-server \
+        >/dev/null 2>&1 || echo rabbitmq-server
     local bindir
     bindir="$(pg_bindir)"
     [[ -x "$bindir/initdb" && -x "$bindir/postgres" && -x "$bindir/pg_isready" ]] \
@@ -55,7 +57,15 @@ if ((${#missing[@]})); then
     log "installing ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
-    # Package scripts may try to start the system services; the tests do not use them.
+    # Package scripts may try to start the system services (rabbitmq-server, redis-server,
+    # postgresql); the tests run their own instances on free ports and do not use them.
+    # Unless a policy is already in place (Docker images have one), forbid starting any
+    # service for the duration of the install (invoke-rc.d exit code 101: action forbidden).
+    if [[ ! -e /usr/sbin/policy-rc.d ]]; then
+        printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
+        chmod 755 /usr/sbin/policy-rc.d
+        trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+    fi
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
     mapfile -t still_missing < <(missing_apt_packages)
     if ((${#still_missing[@]})); then

@@ -35,17 +35,19 @@ def slow_handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any
 
 
 def _ack_first() -> None:
-    """BROKEN: acknowledge every delivery as soon as it is fetched."""
+    """BROKEN: acknowledge every delivery as soon as it is fetched (every broker)."""
+    from backends.rabbitmq.consumer import RabbitMQBroker
     from backends.redis.consumer import RedisStreamsBroker
 
-    fetch = RedisStreamsBroker.fetch
+    for cls in (RedisStreamsBroker, RabbitMQBroker):
+        fetch = cls.fetch
 
-    def acking(self: RedisStreamsBroker, max_count: int, wait: float) -> Any:
-        deliveries = fetch(self, max_count, wait)
-        self.ack(deliveries)
-        return deliveries
+        def acking(self: Any, max_count: int, wait: float, fetch: Any = fetch) -> Any:
+            deliveries = fetch(self, max_count, wait)
+            self.ack(deliveries)
+            return deliveries
 
-    RedisStreamsBroker.fetch = acking  # type: ignore[method-assign]
+        cls.fetch = acking  # type: ignore[method-assign]
 
 
 class _Late:

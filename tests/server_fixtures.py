@@ -10,11 +10,13 @@ fixture                environment variable
 ``postgres_server``    ``DEDUPSTORE_TEST_POSTGRES_URL``
 ``dynamodb_server``    ``DEDUPSTORE_TEST_DYNAMODB_ENDPOINT``
 ``cosmos_server``      ``DEDUPSTORE_TEST_COSMOS_ENDPOINT`` (+ ``DEDUPSTORE_TEST_COSMOS_KEY``)
+``rabbitmq_server``    ``DEDUPSTORE_TEST_RABBITMQ_URL``
 =====================  ==========================================================
 
 External instances cannot be killed or restarted; tests that crash a server use
-``own_redis_server`` / ``own_postgres_server``, a fresh process per test.  A server that
-cannot start makes the tests using it error out (never skip), with its log tail.
+``own_redis_server`` / ``own_postgres_server`` / ``own_rabbitmq_server``, a fresh process
+per test.  A server that cannot start makes the tests using it error out (never skip),
+with its log tail.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from tests.servers import (
     ExternalServer,
     MotoServer,
     PostgresServer,
+    RabbitMQServer,
     RedisServer,
     Server,
 )
@@ -44,12 +47,15 @@ __all__ = [
     "ENV_COSMOS_KEY",
     "ENV_DYNAMODB_ENDPOINT",
     "ENV_POSTGRES_URL",
+    "ENV_RABBITMQ_URL",
     "ENV_REDIS_URL",
     "cosmos_server",
     "dynamodb_server",
     "own_postgres_server",
+    "own_rabbitmq_server",
     "own_redis_server",
     "postgres_server",
+    "rabbitmq_server",
     "redis_server",
 ]
 
@@ -58,6 +64,7 @@ ENV_POSTGRES_URL = "DEDUPSTORE_TEST_POSTGRES_URL"
 ENV_DYNAMODB_ENDPOINT = "DEDUPSTORE_TEST_DYNAMODB_ENDPOINT"
 ENV_COSMOS_ENDPOINT = "DEDUPSTORE_TEST_COSMOS_ENDPOINT"
 ENV_COSMOS_KEY = "DEDUPSTORE_TEST_COSMOS_KEY"
+ENV_RABBITMQ_URL = "DEDUPSTORE_TEST_RABBITMQ_URL"
 
 S = TypeVar("S", bound=Server)
 
@@ -97,6 +104,12 @@ def cosmos_server() -> Iterator[CosmosEndpoint]:
     yield from _serve(ENV_COSMOS_ENDPOINT, lambda url: ExternalCosmos(url, key), CosmosServer)
 
 
+@pytest.fixture(scope="session")
+def rabbitmq_server() -> Iterator[Server]:
+    """A RabbitMQ broker for the session; ``url`` is ``amqp://guest:guest@.../%2F``."""
+    yield from _serve(ENV_RABBITMQ_URL, lambda url: ExternalServer("rabbitmq", url), RabbitMQServer)
+
+
 @pytest.fixture
 def own_redis_server() -> Iterator[RedisServer]:
     """A fresh Redis process owned by this test (for kill/restart), whatever the env says."""
@@ -108,4 +121,11 @@ def own_redis_server() -> Iterator[RedisServer]:
 def own_postgres_server() -> Iterator[PostgresServer]:
     """A fresh PostgreSQL cluster owned by this test (for kill/restart), whatever the env says."""
     with PostgresServer() as server:
+        yield server
+
+
+@pytest.fixture
+def own_rabbitmq_server() -> Iterator[RabbitMQServer]:
+    """A fresh RabbitMQ broker owned by this test (for kill/restart), whatever the env says."""
+    with RabbitMQServer() as server:
         yield server

@@ -45,6 +45,7 @@ __all__ = [
     "LocalServer",
     "MotoServer",
     "PostgresServer",
+    "RabbitMQServer",
     "RedisServer",
     "Server",
     "ServerError",
@@ -294,6 +295,10 @@ class LocalServer(Server):
     def _initialize(self) -> None:
         """Prepare a fresh work dir (called once, before the first start)."""
 
+    def _environment(self) -> dict[str, str] | None:
+        """The server's environment (None: this process's)."""
+        return None
+
     def _main_pid(self) -> int:
         """The process that receives ``stop_signal``."""
         return self._require_proc().pid
@@ -402,6 +407,7 @@ class LocalServer(Server):
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=self.workdir,
+                env=self._environment(),
                 start_new_session=True,
             )
         deadline = began + self.startup_timeout
@@ -797,3 +803,114 @@ class CosmosServer(CosmosEndpoint, LocalServer):
 
     def _is_ready(self) -> bool:
         return _http_answers(f"{self.url}/")
+
+
+_RABBITMQ_SCRIPT = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
+#: The AMQP 0-9-1 protocol header a client opens with; a broker answers Connection.Start.
+_AMQP_HEADER = b"AMQP\x00\x00\x09\x01"
+#: Starts epmd on its own port in the server's process tree (the one Erlang would start
+#: itself daemonizes and escapes stop()/kill()), waits until it answers, runs the broker
+#: script (which turns SIGTERM into a clean shutdown), and stops epmd once the broker has
+#: exited: a graceful stop leaves nothing behind.
+_RABBITMQ_LAUNCHER = """
+epmd -port "$ERL_EPMD_PORT" -address 127.0.0.1 &
+epmd_pid=$!
+tries=0
+until epmd -port "$ERL_EPMD_PORT" -names >/dev/null 2>&1; do
+    tries=$((tries + 1))
+    if [ "$tries" -gt 200 ]; then
+        echo "epmd did not start on port $ERL_EPMD_PORT"
+        kill "$epmd_pid"
+        exit 1
+    fi
+    sleep 0.05
+done
+"$0" &
+broker_pid=$!
+trap 'kill -TERM "$broker_pid" 2>/dev/null' TERM INT
+wait "$broker_pid"
+code=$?
+wait "$broker_pid" 2>/dev/null  # a trapped signal ends the first wait early
+kill "$epmd_pid" 2>/dev/null
+exit "$code"
+"""
+
+
+class RabbitMQServer(LocalServer):
+    """Debian's ``rabbitmq-server`` on free ports: AMQP, distribution and its own epmd.
+
+    Everything lives in the work dir: the node's database (``RABBITMQ_MNESIA_BASE``),
+    logs, an empty config file and env file, and ``HOME`` (the Erlang cookie). The node
+    is ``rabbit-<amqp port>@localhost``; user ``guest``/``guest`` on vhost ``/``
+    (loopback connections only). A kill and restart keep the durable queues and their
+    persistent messages. Runs as the current user (root included).
+    """
+
+    name = "rabbitmq"
+    stop_timeout = 30.0
+    user: ClassVar[str] = "guest"
+    password: ClassVar[str] = "guest"
+
+    def __init__(self, *, startup_timeout: float = 120.0) -> None:
+        super().__init__(startup_timeout=startup_timeout)
+        self.dist_port = 0
+        self.epmd_port = 0
+
+    @property
+    def url(self) -> str:
+        return f"amqp://{self.user}:{self.password}@{self.host}:{self.port}/%2F"
+
+    @property
+    def nodename(self) -> str:
+        return f"rabbit-{self.port}@localhost"
+
+    def _initialize(self) -> None:
+        for sub in ("home", "mnesia", "log"):
+            (self.workdir / sub).mkdir()
+        (self.workdir / "rabbitmq.conf").write_text(
+            "loopback_users.guest = true\n"
+            # the harness's machines are small: no disk-space alarm blocking publishers
+            "disk_free_limit.absolute = 1MB\n"
+            "vm_memory_high_watermark.relative = 0.8\n"
+        )
+        (self.workdir / "rabbitmq-env.conf").write_text("")
+        (self.workdir / "enabled_plugins").write_text("[].\n")
+
+    def _command(self) -> list[str]:
+        script = _RABBITMQ_SCRIPT if _RABBITMQ_SCRIPT.is_file() else Path(_which("rabbitmq-server"))
+        _which("epmd")
+        if not self.dist_port:  # chosen on the first start, kept by restart()
+            self.dist_port, self.epmd_port = free_port(), free_port()
+        return ["sh", "-c", _RABBITMQ_LAUNCHER, str(script)]
+
+    def _environment(self) -> dict[str, str]:
+        work = self.workdir
+        return {
+            **os.environ,
+            "HOME": str(work / "home"),
+            "RABBITMQ_NODENAME": self.nodename,
+            "RABBITMQ_NODE_IP_ADDRESS": self.host,
+            "RABBITMQ_NODE_PORT": str(self.port),
+            "RABBITMQ_DIST_PORT": str(self.dist_port),
+            "ERL_EPMD_PORT": str(self.epmd_port),
+            "ERL_EPMD_ADDRESS": self.host,
+            "RABBITMQ_MNESIA_BASE": str(work / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(work / "log"),
+            "RABBITMQ_LOGS": "-",  # to stdout: server.log
+            "RABBITMQ_CONFIG_FILE": str(work / "rabbitmq.conf"),
+            "RABBITMQ_ADVANCED_CONFIG_FILE": str(work / "advanced.config"),
+            "RABBITMQ_CONF_ENV_FILE": str(work / "rabbitmq-env.conf"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(work / "enabled_plugins"),
+            "RABBITMQ_PID_FILE": str(work / "rabbitmq.pid"),
+            # the harness starts epmd itself (_RABBITMQ_LAUNCHER)
+            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-start_epmd false",
+        }
+
+    def _is_ready(self) -> bool:
+        try:
+            with socket.create_connection((self.host, self.port), timeout=2) as sock:
+                sock.sendall(_AMQP_HEADER)
+                # a method frame (type 1) on channel 0: Connection.Start
+                return sock.recv(8).startswith(b"\x01\x00\x00")
+        except OSError:
+            return False

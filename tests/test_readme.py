@@ -37,7 +37,7 @@ def test_the_outbox_example_runs(tmp_path: Path) -> None:
 @pytest.mark.redis
 def test_the_redis_streams_consumer_example_runs(tmp_path: Path, redis_server: Server) -> None:
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.S)
-    example = next(block for block in blocks if "open_broker(" in block)
+    example = next(block for block in blocks if "REDIS, APP =" in block)
     assert 'REDIS, APP = "redis://localhost:6379/0", "shop"' in example
     example = example.replace(  # the test's server, and keys of this run only
         'REDIS, APP = "redis://localhost:6379/0", "shop"',
@@ -56,3 +56,25 @@ def test_the_redis_streams_consumer_example_runs(tmp_path: Path, redis_server: S
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["3", "{'total': 6}"]
+
+
+@pytest.mark.rabbitmq
+def test_the_rabbitmq_example_runs(tmp_path: Path, rabbitmq_server: Server) -> None:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.S)
+    example = next(block for block in blocks if "open_broker(AMQP" in block)
+    script = tmp_path / "example.py"
+    script.write_text(example, encoding="utf-8")
+    env = {**os.environ, "AMQP_URL": rabbitmq_server.url}
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "3 {'processed': 2, 'duplicate': 1}",
+        "{'balance': 750}",
+    ]

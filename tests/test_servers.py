@@ -14,6 +14,7 @@ from tests.servers import (
     ExternalServer,
     ExternalServerError,
     PostgresServer,
+    RabbitMQServer,
     RedisServer,
     Server,
     ServerStartError,
@@ -97,6 +98,63 @@ def test_start_failure_reports_log_tail() -> None:
     with pytest.raises(ServerStartError, match="no-such-directive") as info, MisconfiguredRedis():
         pass
     assert "exited with code" in str(info.value)
+
+
+# --------------------------------------------------------------------------- rabbitmq
+
+
+@pytest.mark.rabbitmq
+def test_rabbitmq_answers(rabbitmq_server: Server) -> None:
+    import pika
+
+    queue = f"harness-{uuid.uuid4()}"
+    connection = pika.BlockingConnection(pika.URLParameters(rabbitmq_server.url))
+    try:
+        channel = connection.channel()
+        channel.queue_declare(queue, auto_delete=True)
+        channel.basic_publish("", queue, b"v")
+        method, _, body = channel.basic_get(queue, auto_ack=True)
+        assert method is not None
+        assert body == b"v"
+    finally:
+        connection.close()
+
+
+@pytest.mark.rabbitmq
+def test_rabbitmq_survives_kill_and_restart(own_rabbitmq_server: RabbitMQServer) -> None:
+    import pika
+
+    server = own_rabbitmq_server
+    url = server.url
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    channel = connection.channel()
+    channel.queue_declare("before-crash", durable=True)
+    channel.confirm_delivery()
+    channel.basic_publish(
+        "", "before-crash", b"kept", pika.BasicProperties(delivery_mode=2), mandatory=True
+    )
+    server.kill()
+    assert not server.running
+    assert _refuses_connections(server.host, server.port)
+
+    server.restart()
+    assert server.url == url
+    connection = pika.BlockingConnection(pika.URLParameters(server.url))
+    try:
+        method, _, body = connection.channel().basic_get("before-crash", auto_ack=True)
+        assert method is not None
+        assert body == b"kept"
+    finally:
+        connection.close()
+
+
+@pytest.mark.rabbitmq
+def test_rabbitmq_stop_leaves_no_process() -> None:
+    with RabbitMQServer() as server:
+        workdir, port, epmd_port = server.workdir, server.port, server.epmd_port
+    assert not workdir.exists()
+    assert _refuses_connections(server.host, port)
+    assert _refuses_connections(server.host, epmd_port)  # its own epmd went with it
 
 
 # --------------------------------------------------------------------------- postgres

@@ -1,0 +1,194 @@
+"""What the RabbitMQ dispatcher and the RabbitMQ consumer broker share (pika).
+
+* :func:`parse_url` -- ``amqp[s]://[user[:password]@]host[:port][/vhost]`` into pika's
+  ``ConnectionParameters`` ingredients, checked before any I/O: the path is one
+  percent-encoded virtual host (``/%2F`` or nothing: the default vhost ``/``).
+* :data:`CONNECTION_OPTIONS` -- ``timeout``, ``connect_timeout``, ``retries``,
+  ``heartbeat``, ``username``/``password`` (override the URL's), ``ssl_ca_certs``
+  (``amqps://`` only).
+* :func:`connect` -- a ``pika.BlockingConnection`` whose TCP connect and AMQP handshake
+  are each bounded by ``connect_timeout`` and by the time left of the call's deadline
+  (:mod:`dedupstore.calls`).
+* :func:`expiring` -- aborts a connection when the current deadline passes (a broker
+  that stops answering cannot hold a call longer than its deadline).
+* :func:`classify` -- pika's exceptions as ``StoreUnavailable`` (connection lost,
+  refused, timed out, broker shutting down, a confirm nack) or ``ConfigurationError``
+  (credentials, permissions, a missing exchange or queue, a declaration that
+  contradicts the existing one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ssl
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import unquote
+
+import pika
+import pika.exceptions as pe
+from pika.adapters.utils.connection_workflow import AMQPConnectorException
+
+from dedupstore.calls import capped, time_left
+from dedupstore.client import ErrorKind
+from dedupstore.errors import ConfigurationError, StoreUnavailable
+from dedupstore.options import (
+    Option,
+    Options,
+    connect_timeout_option,
+    integer,
+    optional,
+    retries_option,
+    text,
+    timeout_option,
+)
+from dedupstore.urls import StoreURL
+
+__all__ = [
+    "CONNECTION_OPTIONS",
+    "Expiry",
+    "classify",
+    "connect",
+    "expiring",
+    "parse_url",
+    "queue_arguments",
+    "reply_code",
+    "vhost",
+]
+
+#: AMQP reply codes that mean "fix the configuration": access refused (403), not found
+#: (404), resource locked (405, an exclusive queue), precondition failed (406, a
+#: declaration with other arguments), not allowed (530).
+_CONFIGURATION_CODES = frozenset({403, 404, 405, 406, 530})
+
+CONNECTION_OPTIONS: tuple[Option, ...] = (
+    timeout_option(
+        5.0, "seconds one attempt may take, publishing and confirmations (or one fetch)"
+    ),
+    connect_timeout_option(5.0),
+    retries_option(2, "how often an attempt is repeated after the connection was lost"),
+    Option(
+        "heartbeat",
+        optional(integer(0, 3600)),
+        None,
+        "AMQP heartbeat in seconds (0: off; none: the broker's proposal)",
+    ),
+    Option("username", optional(text()), None, "user name (instead of the URL's)"),
+    Option("password", optional(text()), None, "password (instead of the URL's)", secret=True),
+    Option("ssl_ca_certs", optional(text()), None, "CA bundle file (amqps://)"),
+)
+
+
+def vhost(url: StoreURL) -> str:
+    """The virtual host named by the URL's path (``''``, ``/`` or ``/%2F``: ``/``)."""
+    path = url.path[1:] if url.path.startswith("/") else url.path
+    return unquote(path) if path else "/"
+
+
+def parse_url(url: StoreURL, options: Options) -> None:
+    """Refuse, before any I/O, what no AMQP connection can be made of."""
+    if url.scheme not in ("amqp", "amqps"):
+        raise ConfigurationError(f"bad RabbitMQ URL {url.masked}: the scheme must be amqp or amqps")
+    if not url.host:
+        raise ConfigurationError(f"bad RabbitMQ URL {url.masked}: a host is needed")
+    if "/" in url.path[1:]:
+        raise ConfigurationError(
+            f"bad RabbitMQ URL {url.masked}: the path is one virtual host; percent-encode a "
+            "'/' in its name (the default vhost '/' is '/%2F')"
+        )
+    if url.fragment:
+        raise ConfigurationError(f"bad RabbitMQ URL {url.masked}: a fragment means nothing here")
+    if url.scheme != "amqps" and options["ssl_ca_certs"] is not None:
+        raise ConfigurationError("ssl_ca_certs needs an amqps:// URL")
+
+
+def connect(url: StoreURL, options: Options) -> pika.BlockingConnection:
+    """A blocking connection; each step bounded by ``connect_timeout`` and the deadline."""
+    user = options["username"] if options["username"] is not None else url.username
+    password = options["password"] if options["password"] is not None else url.password
+    bound = capped(float(options["connect_timeout"]))
+    params: dict[str, Any] = {
+        "host": url.host,
+        "port": url.port or (5671 if url.scheme == "amqps" else 5672),
+        "virtual_host": vhost(url),
+        "credentials": pika.PlainCredentials(user or "guest", password or "guest"),
+        "connection_attempts": 1,
+        "socket_timeout": bound,
+        "stack_timeout": bound,
+        "blocked_connection_timeout": float(options["timeout"]),
+        "client_properties": {"connection_name": "dedupstore"},
+    }
+    if options["heartbeat"] is not None:
+        params["heartbeat"] = options["heartbeat"]
+    if url.scheme == "amqps":
+        context = ssl.create_default_context(cafile=options["ssl_ca_certs"])
+        params["ssl_options"] = pika.SSLOptions(context, url.host)
+    return pika.BlockingConnection(pika.ConnectionParameters(**params))
+
+
+class Expiry:
+    """Whether :func:`expiring` aborted the connection (the deadline passed)."""
+
+    fired = False
+
+
+@contextlib.contextmanager
+def expiring(connection: pika.BlockingConnection, seconds: float) -> Iterator[Expiry]:
+    """Abort ``connection`` if the block outlives ``seconds`` or the call's deadline.
+
+    pika's blocking calls (a publish waiting for its confirm, a ``basic_get``) wait
+    without a timeout of their own; a timer on the connection's I/O loop drops the
+    TCP stream when the time is up, so the blocked call raises (a
+    ``StreamLostError``) and :attr:`Expiry.fired` says why. The connection is then
+    unusable: the caller opens another.
+    """
+    left = time_left()
+    delay = seconds if left is None else max(0.0, min(seconds, left))
+    expiry = Expiry()
+    impl = connection._impl  # the I/O loop runs its timers inside every blocking call
+
+    def fire() -> None:
+        # what pika's own heartbeat checker does when the broker falls silent
+        expiry.fired = True
+        with contextlib.suppress(Exception):
+            impl._terminate_stream(pe.StreamLostError("no answer from the broker in time"))
+
+    timer = impl.ioloop.call_later(delay, fire)
+    try:
+        yield expiry
+    finally:
+        with contextlib.suppress(Exception):
+            impl.ioloop.remove_timeout(timer)
+
+
+def queue_arguments(queue_type: str) -> dict[str, Any] | None:
+    """The declaration arguments of a queue of ``queue_type``.
+
+    None for ``classic`` (the default type), so that a classic queue declared
+    elsewhere without arguments is not refused as inequivalent.
+    """
+    return None if queue_type == "classic" else {"x-queue-type": queue_type}
+
+
+def reply_code(exc: BaseException) -> int | None:
+    """The AMQP reply code of a channel or connection closed by the broker."""
+    if isinstance(exc, pe.ChannelClosedByBroker | pe.ConnectionClosedByBroker):
+        return int(exc.reply_code)
+    return None
+
+
+def classify(exc: BaseException) -> ErrorKind:
+    """pika's exception as a dedupstore error class (``None``: not pika's)."""
+    if isinstance(
+        exc,
+        pe.ProbableAuthenticationError | pe.ProbableAccessDeniedError | pe.AuthenticationError,
+    ):
+        return ConfigurationError
+    code = reply_code(exc)
+    if code is not None:
+        return ConfigurationError if code in _CONFIGURATION_CODES else StoreUnavailable
+    if isinstance(exc, pe.AMQPError | AMQPConnectorException | OSError | TimeoutError):
+        # connection refused, lost or timed out; the broker shutting down (320);
+        # an unexpected frame on a broken stream
+        return StoreUnavailable
+    return None

@@ -1,0 +1,343 @@
+"""The RabbitMQ broker of the consume loop: :class:`RabbitMQBroker` (pika).
+
+It consumes one queue with manual acknowledgements (``basic_consume``, no
+``auto_ack``) under a prefetch window (``basic_qos(prefetch_count=prefetch)``): the
+broker sends at most ``prefetch`` messages that this consumer has not acknowledged
+yet. :meth:`~RabbitMQBroker.ack` sends ``basic.ack`` once the consume loop has
+processed a delivery, :meth:`~RabbitMQBroker.nack` ``basic.nack`` with
+``requeue=true`` (the message goes back to the queue, to this consumer or another).
+A consumer that dies (SIGKILL, a lost machine) loses nothing: when its connection
+closes, the broker requeues every message it had not acknowledged and delivers them
+to the other consumers, so there is nothing to reclaim
+(:meth:`~dedupstore.consumers.Broker.reclaim` returns none). An acknowledgement
+lost with the connection means the message comes back once more: the outbox
+answers ``duplicate``.
+
+Delivery counts: a quorum queue (``x-queue-type=quorum``) carries the
+``x-delivery-count`` header on a redelivery (the number of earlier deliveries), so
+``Delivery.deliveries`` is that plus one; a first delivery (``redelivered`` unset)
+counts 1. A classic queue only says that a message was redelivered, not how often:
+``Delivery.deliveries`` is then ``None`` and the consume loop's ``max_deliveries`` does
+not apply to it (a handler that fails is still set aside through the processor's
+``dead_letters``). ``redelivered`` is kept on the token (:class:`RabbitMQToken`).
+
+Dead letters go through the library's policy, not RabbitMQ's: the consume loop
+dispatches a dead letter (a deterministic id, recorded like any outgoing message)
+to the processor's ``dead_letters`` destination after ``max_deliveries``, then
+acknowledges the delivery; this broker never rejects with ``requeue=false``. A
+dead-letter exchange (``x-dead-letter-exchange``) on the queue therefore only sees
+what RabbitMQ itself drops: expired messages (TTL), overflow (``x-max-length``) and,
+on a quorum queue, messages over its ``x-delivery-limit``. Leave ``x-delivery-limit``
+unset or above ``max_deliveries``, or RabbitMQ drops (or dead-letters, raw and
+unrecorded) a message before the library could set it aside.
+
+What a delivery carries (the default :class:`~dedupstore.consumers.MessageRules`
+read what :class:`~backends.rabbitmq.dispatcher.RabbitMQDispatcher` publishes):
+``Delivery.body`` the message body (bytes), ``Delivery.headers`` the AMQP headers as
+text, plus ``id`` from the ``message_id`` property and ``correlation_id`` from the
+``correlation_id`` property when they are set (a property wins over a header of the
+same name); ``x-delivery-count`` is left out (it changes with every redelivery).
+
+URL: ``amqp[s]://[user[:password]@]host[:port][/vhost]?queue=<queue>``. Options:
+``queue`` (required; the dispatcher's destination on the default exchange),
+``prefetch`` (100; at least the consume loop's ``batch_size``, or its batches stay
+small), ``create`` (true: declare the queue durable if it does not exist, of
+``queue_type`` ``classic`` or ``quorum``; false or ``must_exist``: a missing queue is
+"no such store"), and the connection options of :mod:`backends.rabbitmq._client`.
+After a lost connection the next call connects again (deliveries of the lost
+channel are requeued by the broker; their tokens are ignored by ``ack``/``nack``).
+One consumer loop per object (not thread-safe).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import pika
+import pika.exceptions as pe
+from pika.adapters.blocking_connection import BlockingChannel
+
+from backends.rabbitmq._client import (
+    CONNECTION_OPTIONS,
+    classify,
+    connect,
+    expiring,
+    parse_url,
+    queue_arguments,
+    reply_code,
+    vhost,
+)
+from dedupstore.client import Client, ErrorKind, ProcessLocal
+from dedupstore.consumers import Broker, Delivery
+from dedupstore.errors import ConfigurationError
+from dedupstore.options import Option, Options, OptionSet, boolean, choice, integer, optional, text
+from dedupstore.urls import StoreURL
+
+__all__ = ["RabbitMQBroker", "RabbitMQToken"]
+
+#: The quorum queues' redelivery counter (earlier deliveries), left out of the headers.
+DELIVERY_COUNT = "x-delivery-count"
+
+
+@dataclass(frozen=True)
+class RabbitMQToken:
+    """A delivery's handle: its channel (``generation``), ``delivery_tag``, ``redelivered``.
+
+    A delivery tag means something only on the channel that delivered it; after a
+    reconnection the old channel's deliveries were requeued by the broker, and
+    ``ack``/``nack`` ignore their tokens.
+    """
+
+    generation: int
+    delivery_tag: int
+    redelivered: bool
+
+
+class _Link:
+    """One connection, its consuming channel, and the deliveries received not yet fetched."""
+
+    def __init__(
+        self, connection: pika.BlockingConnection, channel: BlockingChannel, generation: int
+    ) -> None:
+        self.connection = connection
+        self.channel = channel
+        self.generation = generation
+        self.received: collections.deque[Delivery] = collections.deque()
+        #: Delivery tags handed out and not settled yet: a second ack or nack of one
+        #: (which RabbitMQ answers by closing the channel) is skipped.
+        self.unsettled: set[int] = set()
+
+
+def _close_link(link: _Link) -> None:
+    with contextlib.suppress(Exception):
+        if link.connection.is_open:
+            link.connection.close()
+
+
+def _text(value: object) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return json.dumps(value, default=str, sort_keys=True)
+
+
+class RabbitMQBroker(Client, Broker):
+    """A RabbitMQ queue consumed with manual acknowledgements and a prefetch window.
+
+    See the module. Raises ``ConfigurationError`` for bad options (before any I/O),
+    credentials, permissions, a missing queue without ``create``, or a queue
+    declared with other arguments; ``StoreUnavailable`` when the broker cannot
+    answer (the next call connects again).
+    """
+
+    kind: ClassVar[str] = "rabbitmq"
+    schemes: ClassVar[tuple[str, ...]] = ("amqp", "amqps")
+    declared_options: ClassVar[OptionSet] = Client.declared_options.extend(
+        Option("queue", optional(text()), None, "the queue to consume (required)"),
+        Option(
+            "prefetch",
+            integer(1, 65535),
+            100,
+            "most unacknowledged deliveries the broker sends this consumer",
+        ),
+        Option("create", boolean, True, "declare the queue (durable) if it does not exist"),
+        Option(
+            "queue_type",
+            choice("classic", "quorum"),
+            "classic",
+            "the x-queue-type of a queue this broker declares",
+        ),
+        *CONNECTION_OPTIONS,
+    )
+
+    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
+        """Connect, declare (or check) the queue and start consuming; see the class."""
+        super().__init__(url, **options)
+        self.queue: str = self._opts["queue"]
+        self.prefetch: int = self._opts["prefetch"]
+        self._generation = 0
+        self._link: ProcessLocal[_Link] = ProcessLocal(self._open_link, _close_link)
+        try:
+            with self._translating_errors("connect"):
+                self._current()
+        except BaseException:
+            self._link.close()
+            raise
+
+    @classmethod
+    def _validate(cls, url: StoreURL, options: Options) -> None:
+        """The URL's shape and TLS options; a ``queue``."""
+        super()._validate(url, options)
+        parse_url(url, options)
+        if not options["queue"]:
+            raise ConfigurationError("RabbitMQBroker needs queue=<queue name>")
+        if len(options["queue"].encode("utf-8")) > 255:
+            raise ConfigurationError("queue is longer than the 255 UTF-8 bytes of an AMQP name")
+
+    def _deadline_seconds(self) -> float:
+        """``(retries + 1) x (connect_timeout + timeout)``, as the dispatcher's."""
+        opts = self._opts
+        return float((opts["retries"] + 1) * (opts["connect_timeout"] + opts["timeout"]))
+
+    # ------------------------------------------------------------------ connection
+
+    def _open_link(self) -> _Link:
+        connection = connect(self._url, self._opts)
+        try:
+            with expiring(connection, self._opts["timeout"]):
+                channel = connection.channel()
+                self._declare(channel)
+                channel.basic_qos(prefetch_count=self.prefetch)
+                self._generation += 1
+                link = _Link(connection, channel, self._generation)
+                channel.basic_consume(
+                    self.queue,
+                    lambda _ch, method, properties, body: link.received.append(
+                        self._delivery(link.generation, method, properties, body)
+                    ),
+                    auto_ack=False,
+                )
+        except BaseException:
+            with contextlib.suppress(Exception):
+                connection.close()
+            raise
+        return link
+
+    def _declare(self, channel: BlockingChannel) -> None:
+        passive = not self._creates
+        try:
+            channel.queue_declare(
+                self.queue,
+                passive=passive,
+                durable=True,
+                arguments=None if passive else queue_arguments(self._opts["queue_type"]),
+            )
+        except pe.ChannelClosedByBroker as exc:
+            if passive and exc.reply_code == 404:
+                raise self._no_such_store(
+                    f"queue {self.queue!r} on vhost {vhost(self._url)!r}",
+                    "declare it, or open with create=true",
+                ) from exc
+            raise
+
+    def _current(self) -> _Link:
+        """This process's live link; a broken one is dropped and replaced."""
+        link = self._link.get()
+        if link.connection.is_open and link.channel.is_open:
+            return link
+        self._link.close()
+        return self._link.get()
+
+    def _drop(self) -> None:
+        """Forget the link after an error (its unacknowledged deliveries are requeued)."""
+        self._link.close()
+
+    def _close(self) -> None:
+        self._link.close()
+
+    def _classify_error(self, exc: BaseException) -> ErrorKind:
+        if reply_code(exc) == 404:
+            return self._error(
+                ConfigurationError, None, f"{self._describe_error(exc)} (a missing queue)"
+            )
+        return classify(exc) or super()._classify_error(exc)
+
+    # ------------------------------------------------------------------ Broker
+
+    def fetch(self, max_count: int, wait: float) -> list[Delivery]:
+        """Up to ``max_count`` deliveries, waiting up to ``wait`` seconds for the first."""
+        self._check_open()
+        try:
+            with self._translating_errors("fetch"):
+                link = self._current()
+                with expiring(link.connection, wait + self._opts["timeout"]):
+                    link.connection.process_data_events(time_limit=0)
+                    until = time.monotonic() + wait
+                    while not link.received and (left := until - time.monotonic()) > 0:
+                        link.connection.process_data_events(time_limit=left)
+                count = min(max_count, len(link.received))
+                out = [link.received.popleft() for _ in range(count)]
+                link.unsettled.update(d.token.delivery_tag for d in out)
+                return out
+        except BaseException:
+            self._drop()
+            raise
+
+    def ack(self, deliveries: Sequence[Delivery]) -> None:
+        """``basic.ack`` each delivery of this channel not settled yet (idempotent;
+        deliveries of a lost channel were requeued by the broker already)."""
+        self._settle(deliveries, "ack")
+
+    def nack(self, deliveries: Sequence[Delivery]) -> None:
+        """``basic.nack`` with ``requeue=true``: redelivered, here or to another consumer."""
+        self._settle(deliveries, "nack")
+
+    def _settle(self, deliveries: Sequence[Delivery], operation: str) -> None:
+        self._check_open()
+        link = self._link.peek()
+        if link is None:
+            return
+        tags = [
+            d.token.delivery_tag
+            for d in deliveries
+            if isinstance(d.token, RabbitMQToken)
+            and d.token.generation == link.generation
+            and d.token.delivery_tag in link.unsettled
+        ]
+        if not tags:
+            return
+        link.unsettled.difference_update(tags)
+        try:
+            with (
+                self._translating_errors(operation),
+                expiring(link.connection, self._opts["timeout"]),
+            ):
+                for tag in tags:
+                    if operation == "ack":
+                        link.channel.basic_ack(tag)
+                    else:
+                        link.channel.basic_nack(tag, requeue=True)
+        except BaseException:
+            self._drop()
+            raise
+
+    def pending(self) -> int | None:
+        """Messages ready in the queue (not counting those delivered, unacknowledged)."""
+        self._check_open()
+        try:
+            with self._translating_errors("pending"):
+                link = self._current()
+                with expiring(link.connection, self._opts["timeout"]):
+                    frame = link.channel.queue_declare(self.queue, passive=True)
+                return int(frame.method.message_count)
+        except BaseException:
+            self._drop()
+            raise
+
+    # ------------------------------------------------------------------ deliveries
+
+    @staticmethod
+    def _delivery(
+        generation: int, method: Any, properties: pika.BasicProperties, body: bytes
+    ) -> Delivery:
+        raw = dict(properties.headers or {})
+        count = raw.pop(DELIVERY_COUNT, None)
+        headers = {str(k): _text(v) for k, v in raw.items()}
+        if properties.message_id is not None:
+            headers["id"] = properties.message_id
+        if properties.correlation_id is not None:
+            headers["correlation_id"] = properties.correlation_id
+        redelivered = bool(method.redelivered)
+        if isinstance(count, int) and not isinstance(count, bool):
+            deliveries: int | None = count + 1
+        else:
+            deliveries = None if redelivered else 1
+        token = RabbitMQToken(generation, int(method.delivery_tag), redelivered)
+        return Delivery(token, body, headers, deliveries)

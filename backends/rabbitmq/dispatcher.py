@@ -1,0 +1,317 @@
+"""The RabbitMQ dispatcher: :class:`RabbitMQDispatcher` (pika, publisher confirms).
+
+Layout: every outgoing message is published to ONE exchange (``exchange``; by default
+``''``, the default exchange, which routes a message to the queue named by its
+routing key) with the message's destination as the routing key:
+
+* the body is the message's canonical JSON (``content_type`` ``application/json``),
+  ``message_id`` its id, ``headers`` its headers (``str`` -> ``str``), ``app_id``
+  ``dedupstore``; ``delivery_mode`` 2 (persistent: a durable queue keeps it across a
+  broker restart);
+* ``mandatory``: a message no queue is bound for comes back (``basic.return``) and
+  the dispatch fails with ``ConfigurationError`` (declare the queue, bind it, or set
+  ``declare_queues``) instead of the broker dropping it silently;
+* publisher confirms (``confirm.select``): :meth:`~RabbitMQDispatcher.dispatch`
+  returns only once the broker has confirmed every message of the batch (for a
+  persistent message in a durable queue: written to disk, or, for a quorum queue,
+  to a majority of its replicas). A ``basic.nack`` (the broker could not take the
+  message: an internal error, a queue at its length limit with ``reject-publish``)
+  raises ``StoreUnavailable``. Either way the outbox keeps the batch pending and
+  dispatches it again later.
+
+``declare_queues`` (default exchange only) declares each destination as a durable
+queue (``queue_type`` ``classic`` or ``quorum``) before the first message to it; a
+queue that exists with other arguments fails with ``ConfigurationError``
+(``PRECONDITION_FAILED``).
+
+One round trip per message: each publish waits for its confirmation (pika's
+``BlockingChannel``). Delivery is at least once: a batch that failed part-way (a lost
+connection, an unroutable message, a nack) was partly delivered, and the outbox
+sends all of it again; receivers deduplicate by ``message_id`` (the consume loop of
+:mod:`dedupstore.consumers` does, through the outbox).
+
+Deadline: one dispatch raises ``StoreUnavailable`` at most ``(retries + 1) x
+(connect_timeout + timeout)`` seconds after it started (30 s with the defaults):
+each attempt opens a connection if none is open (``connect_timeout``) and publishes
+the batch with its confirmations (``timeout``, a timer on pika's I/O loop drops the
+connection when it is up, so a broker that stops answering cannot hold the call);
+after a lost connection the batch is published again on a new one, up to
+``retries`` times. A batch that needs longer than ``timeout`` to be confirmed needs a
+larger ``timeout``.
+
+Options: ``exchange``, ``declare_queues``, ``queue_type`` and the connection options
+of :mod:`backends.rabbitmq._client`. Fork-safe (a child process opens its own
+connection) and thread-safe (one dispatch at a time per object); pickled by
+configuration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import pika
+import pika.exceptions as pe
+from pika.adapters.blocking_connection import BlockingChannel
+from pika.adapters.utils.connection_workflow import AMQPConnectorException
+
+from backends.rabbitmq._client import (
+    CONNECTION_OPTIONS,
+    Expiry,
+    classify,
+    connect,
+    expiring,
+    parse_url,
+    queue_arguments,
+    reply_code,
+    vhost,
+)
+from dedupstore.calls import DeadlinePassed, retry, time_left
+from dedupstore.client import ErrorKind, ProcessLocal
+from dedupstore.dispatch import EncodedMessage, URLDispatcher
+from dedupstore.errors import ConfigurationError, StoreUnavailable
+from dedupstore.options import Option, Options, OptionSet, boolean, choice, text
+from dedupstore.urls import StoreURL
+
+__all__ = ["RabbitMQDispatcher"]
+
+#: The longest exchange name or routing key AMQP 0-9-1 carries (a short string).
+_SHORT_STRING_BYTES = 255
+
+
+def _short_string(what: str) -> Any:
+    def convert(value: object) -> str:
+        name: str = text(what=what)(value)
+        if len(name.encode("utf-8")) > _SHORT_STRING_BYTES:
+            raise ValueError(f"{what} is longer than {_SHORT_STRING_BYTES} UTF-8 bytes")
+        return name
+
+    return convert
+
+
+@dataclass
+class _Link:
+    """One process's connection, its confirming channel and the queues it declared."""
+
+    connection: pika.BlockingConnection
+    channel: BlockingChannel
+    declared: set[str] = field(default_factory=set)
+
+
+def _close_link(link: _Link) -> None:
+    with contextlib.suppress(Exception):
+        if link.connection.is_open:
+            link.connection.close()
+
+
+def _transient(exc: BaseException) -> bool:
+    """A lost, refused or timed-out connection: another attempt on a new one may work."""
+    return (
+        isinstance(exc, pe.AMQPConnectionError | AMQPConnectorException | OSError | TimeoutError)
+        and not isinstance(exc, DeadlinePassed)
+        and classify(exc) is StoreUnavailable
+    )
+
+
+class RabbitMQDispatcher(URLDispatcher):
+    """Outgoing messages published to a RabbitMQ exchange, confirmed by the broker.
+
+    :meth:`dispatch` returns once the broker confirmed every message (persistent,
+    ``mandatory``); raises ``ConfigurationError`` for a message no queue is bound for
+    (the broker returned it), credentials, permissions, a missing exchange or a queue
+    declared with other arguments, and ``StoreUnavailable`` (pika's error chained)
+    for a nack, a lost or refused connection, or no confirmation before the deadline.
+    After an error some messages of the batch may have been delivered: dispatch it
+    again (the outbox does), receivers deduplicate by ``message_id``.
+    """
+
+    schemes: ClassVar[tuple[str, ...]] = ("amqp", "amqps")
+    receiver_dedup: ClassVar[str] = (
+        "by the AMQP message_id (the outgoing id): delivery is at least once (a batch "
+        "that failed part-way is published again)"
+    )
+    declared_options: ClassVar[OptionSet] = URLDispatcher.declared_options.extend(
+        Option(
+            "exchange",
+            _short_string("an exchange name"),
+            "",
+            "exchange to publish to; '' (the default exchange): the destination is the queue",
+        ),
+        Option(
+            "declare_queues",
+            boolean,
+            False,
+            "declare each destination as a durable queue first (default exchange only)",
+        ),
+        Option(
+            "queue_type",
+            choice("classic", "quorum"),
+            "classic",
+            "the x-queue-type of the queues declare_queues declares",
+        ),
+        *CONNECTION_OPTIONS,
+    )
+
+    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
+        """Connect to the broker named by ``url`` and check the exchange exists.
+
+        ``url`` is ``amqp[s]://[user[:password]@]host[:port][/vhost]`` (the default
+        vhost ``/`` is ``/%2F`` or no path); its query holds the options. Raises
+        ``ConfigurationError`` for bad options (before any I/O), refused credentials
+        or permissions, a missing exchange; ``StoreUnavailable`` when the broker
+        cannot be reached.
+        """
+        super().__init__(url, **options)
+        self._exchange: str = self._opts["exchange"]
+        self._lock = threading.Lock()
+        self._link: ProcessLocal[_Link] = ProcessLocal(self._open_link, _close_link)
+        try:
+            with self._translating_errors("connect"), self._lock:
+                self._probe()
+        except BaseException:
+            self._link.close()
+            raise
+
+    @classmethod
+    def _validate(cls, url: StoreURL, options: Options) -> None:
+        """The URL's shape, TLS options, ``declare_queues`` only on the default exchange."""
+        super()._validate(url, options)
+        parse_url(url, options)
+        if options["declare_queues"] and options["exchange"]:
+            raise ConfigurationError(
+                "declare_queues needs the default exchange (exchange=''): a queue declared "
+                f"for a destination is not bound to exchange {options['exchange']!r}"
+            )
+
+    def _deadline_seconds(self) -> float:
+        """``(retries + 1) x (connect_timeout + timeout)``: see the module."""
+        opts = self._opts
+        return float((opts["retries"] + 1) * (opts["connect_timeout"] + opts["timeout"]))
+
+    # ------------------------------------------------------------------ connection
+
+    def _open_link(self) -> _Link:
+        connection = connect(self._url, self._opts)
+        try:
+            channel = connection.channel()
+            channel.confirm_delivery()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                connection.close()
+            raise
+        return _Link(connection, channel)
+
+    def _probe(self) -> None:
+        link = self._link.get()
+        if self._exchange:
+            try:
+                link.channel.exchange_declare(self._exchange, passive=True)
+            except pe.ChannelClosedByBroker as exc:
+                self._link.close()
+                if exc.reply_code == 404:
+                    raise self._error(
+                        ConfigurationError,
+                        None,
+                        f"no exchange {self._exchange!r} on vhost {vhost(self._url)!r}; "
+                        "declare it (and bind the destinations' queues to it) first",
+                    ) from exc
+                raise
+
+    def _close(self) -> None:
+        with self._lock:
+            self._link.close()
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _dispatch(self, batch: list[EncodedMessage]) -> None:
+        for message in batch:  # before any I/O
+            if len(message.destination.encode("utf-8")) > _SHORT_STRING_BYTES:
+                raise ValueError(
+                    f"the destination of outgoing message {message.id!r:.80} is longer than "
+                    f"the {_SHORT_STRING_BYTES} UTF-8 bytes of an AMQP routing key"
+                )
+        with self._lock:
+            retry(
+                lambda: self._attempt(batch),
+                attempts=self._opts["retries"] + 1,
+                retry_on=_transient,
+            )
+
+    def _attempt(self, batch: list[EncodedMessage]) -> None:
+        """Publish the whole batch on this process's connection (opened if needed)."""
+        link = self._link.get()
+        expiry = Expiry()
+        try:
+            with expiring(link.connection, self._opts["timeout"]) as expiry:
+                self._publish(link, batch)
+        except BaseException as exc:
+            self._link.close()  # whatever happened, the next attempt starts afresh
+            if expiry.fired:
+                left = time_left()
+                if left is not None and left <= 0:
+                    raise DeadlinePassed(
+                        "the broker did not confirm the batch before the call's deadline"
+                    ) from exc
+                raise TimeoutError(
+                    f"the broker did not confirm the batch within timeout "
+                    f"({self._opts['timeout']:g} s)"
+                ) from exc
+            raise
+
+    def _publish(self, link: _Link, batch: list[EncodedMessage]) -> None:
+        channel = link.channel
+        for message in batch:
+            destination = message.destination
+            if self._opts["declare_queues"] and destination not in link.declared:
+                channel.queue_declare(
+                    destination,
+                    durable=True,
+                    arguments=queue_arguments(self._opts["queue_type"]),
+                )
+                link.declared.add(destination)
+            properties = pika.BasicProperties(
+                content_type="application/json",
+                delivery_mode=pika.DeliveryMode.Persistent,
+                message_id=message.id,
+                headers=dict(message.message.headers) or None,
+                app_id="dedupstore",
+            )
+            try:
+                channel.basic_publish(
+                    self._exchange,
+                    destination,
+                    message.body.encode("utf-8"),
+                    properties,
+                    mandatory=True,
+                )
+            except pe.UnroutableError as exc:
+                raise self._error(
+                    ConfigurationError,
+                    "dispatch",
+                    f"outgoing message {message.id!r:.80} is unroutable: no queue is bound "
+                    f"for routing key {destination!r:.80} on "
+                    f"{'the default exchange' if not self._exchange else repr(self._exchange)} "
+                    "(the broker returned it); declare the queue"
+                    + (" or set declare_queues=true" if not self._exchange else " and bind it")
+                    + ". It stays in the outbox",
+                ) from exc
+            except pe.NackError as exc:
+                raise self._error(
+                    StoreUnavailable,
+                    "dispatch",
+                    f"the broker refused outgoing message {message.id!r:.80} (basic.nack: "
+                    "an internal error, or a queue at its length limit); it stays in the "
+                    "outbox",
+                ) from exc
+
+    def _classify_error(self, exc: BaseException) -> ErrorKind:
+        code = reply_code(exc)
+        if code == 404:
+            return self._error(
+                ConfigurationError,
+                "dispatch",
+                f"{self._describe_error(exc)} (a missing exchange or queue)",
+            )
+        return classify(exc) or super()._classify_error(exc)

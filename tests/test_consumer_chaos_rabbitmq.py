@@ -1,0 +1,243 @@
+"""Chaos on RabbitMQ: consumer processes SIGKILLed at random and replaced.
+
+The same harness as the Redis Streams chaos test (``test_consumer_chaos.py``), on a
+RabbitMQ queue: thousands of deliveries (each message published one to three times
+by the producer, spread over the queue, ``message_id`` the message id and the
+entity in the ``correlation_id`` header) over many entities; three consumer
+processes (``dedupstore consume`` through ``tests/consume_worker.py``) read the queue
+with a ``RabbitMQBroker`` (manual acknowledgements, a prefetch window of 40), keep
+their entities and deduplication store on Redis, and publish their outputs with a
+``RabbitMQDispatcher`` (publisher confirms) to an exchange of the run whose ``audit``
+key is bound to a queue the check reads. At random moments one consumer is
+SIGKILLed (one that has been up long enough to be consuming) and a new one
+started, at least ten times; what a killed consumer held
+(delivered, not acknowledged) is requeued by the broker and delivered to the others.
+
+Draining: RabbitMQ tells over AMQP how many messages are ready, not how many are
+delivered and unacknowledged. Once nothing is ready the consumers get SIGTERM
+(each ends after its batch in flight; what it had prefetched is requeued when its
+connection closes); once all have exited no delivery is outstanding, so a queue
+with nothing ready is empty, else consumers are started again. Then every invariant
+is checked exactly against the plain model of the input by the soak's check
+(``tests.soak_worker.soak_violations``): each message applied once to its entity,
+the outgoing ids exactly the model's (nothing missing, no ghost), every copy of one
+id identical (every confirmed publish is in the audit queue), each output showing
+the state its message made, every id in the deduplication store, every outbox empty
+after the sweep, and the input queue empty. In both modes and both clean-ups, and on
+the two broken variants the check must catch (acknowledge before processing: messages
+lost; dispatch after clean-up: outgoing messages missing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pika
+import pytest
+
+from dedupstore import open_entity_store, open_store
+from tests.consume_worker import VARIANT_ENV
+from tests.servers import Server
+from tests.soak_worker import soak_violations
+from tests.test_consumer_chaos import CONSUMERS, ENTITIES, KILLS, MESSAGES, ROOT, TOP_UP, _with
+
+pytestmark = [pytest.mark.rabbitmq, pytest.mark.redis, pytest.mark.slow]
+
+#: Seconds a consumer process needs to start consuming; victims are older than this.
+WARM_UP = 1.5
+
+
+class RabbitChaos:
+    """One run: the input in a queue, consumer processes, kills, the drain, the check."""
+
+    def __init__(
+        self, amqp_url: str, redis_url: str, mode: str, cleanup: str, variant: str, seed: str
+    ) -> None:
+        self.amqp_url, self.mode, self.cleanup, self.variant = amqp_url, mode, cleanup, variant
+        self.rng = random.Random(seed)
+        tag = uuid.uuid4().hex[:8]
+        self.queue, self.exchange, self.audit = f"chaos{tag}-in", f"chaos{tag}", f"chaos{tag}-audit"
+        self.entities_url = _with(redis_url, key_prefix=f"chaos{tag}e:")
+        self.store_url = _with(redis_url, key_prefix=f"chaos{tag}d:")
+        self.connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+        self.channel = self.connection.channel()
+        self.channel.queue_declare(self.queue, durable=True)
+        self.channel.exchange_declare(self.exchange, "direct", durable=True)
+        self.channel.queue_declare(self.audit, durable=True)
+        self.channel.queue_bind(self.audit, self.exchange, routing_key="audit")
+        self.channel.confirm_delivery()
+        self.owner: dict[str, str] = {}
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.started: dict[int, float] = {}
+        self.killed = 0
+        self.logs: list[Path] = []
+
+    def produce(self, count: int) -> int:
+        """``count`` new messages, each one to three times, the copies spread out."""
+        first = len(self.owner)
+        fresh = {f"m{n}": f"e{self.rng.randrange(ENTITIES)}" for n in range(first, first + count)}
+        self.owner.update(fresh)
+        copies = (1, 2, 2, 3)
+        deliveries = [(m, c) for m, c in fresh.items() for _ in range(self.rng.choice(copies))]
+        self.rng.shuffle(deliveries)
+        for mid, cid in deliveries:
+            properties = pika.BasicProperties(
+                message_id=mid, headers={"correlation_id": cid}, delivery_mode=2
+            )
+            self.channel.basic_publish("", self.queue, b"{}", properties, mandatory=True)
+        return len(deliveries)
+
+    def ready(self) -> int:
+        """Messages ready in the input queue (delivered, unacknowledged ones not counted)."""
+        return int(self.channel.queue_declare(self.queue, passive=True).method.message_count)
+
+    def start(self, log_dir: Path) -> None:
+        broker = _with(self.amqp_url, queue=self.queue, prefetch=40)
+        dispatcher = _with(self.amqp_url, exchange=self.exchange)
+        log = log_dir / f"consumer-{len(self.logs)}.log"
+        self.logs.append(log)
+        command = [
+            *(sys.executable, "-m", "tests.consume_worker"),
+            *("--broker", broker, "--entities", self.entities_url, "--store", self.store_url),
+            *("--dispatcher", dispatcher, "--handler", "tests.consume_worker:slow_handler"),
+            *("--mode", self.mode, "--cleanup", self.cleanup, "--batch-size", "20"),
+            *("--max-deliveries", "0", "--wait", "0.2", "--log-level", "WARNING"),
+        ]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), VARIANT_ENV: self.variant}
+        with log.open("wb") as out:
+            process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=out)
+        self.processes.append(process)
+        self.started[process.pid] = time.monotonic()
+
+    def _stop_all(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes:
+            code = process.wait()
+            # 0: stopped by SIGTERM after its batch; a replacement still starting (its
+            # handlers not installed yet, nothing in flight) dies of the SIGTERM itself
+            assert code in (0, -signal.SIGKILL, -signal.SIGTERM), self._log_tail()
+
+    def run(self, log_dir: Path) -> None:
+        """Start the consumers, kill and replace one at random KILLS times, drain, stop."""
+        self.produce(MESSAGES)
+        for _ in range(CONSUMERS):
+            self.start(log_dir)
+        while self.killed < KILLS:
+            time.sleep(self.rng.uniform(0.3, 0.8))
+            if self.ready() < TOP_UP:  # every kill lands while there is work
+                self.produce(TOP_UP)
+            # a victim has been up long enough to be consuming (imports, connections)
+            warm = time.monotonic() - WARM_UP
+            alive = [p for p in self.processes if p.poll() is None]
+            victim = self.rng.choice([p for p in alive if self.started[p.pid] < warm] or alive)
+            victim.send_signal(signal.SIGKILL)
+            assert victim.wait() == -signal.SIGKILL
+            self.killed += 1
+            self.start(log_dir)
+        while True:  # drained: bounded by the test's timeout
+            while self.ready():
+                time.sleep(0.1)
+            self._stop_all()
+            if not self.ready():  # no consumer left: nothing is delivered and unacknowledged
+                return
+            for _ in range(CONSUMERS):
+                self.start(log_dir)
+
+    def _log_tail(self) -> str:
+        return "\n".join(log.read_text(errors="replace")[-2000:] for log in self.logs)
+
+    def violations(self) -> list[str]:
+        """The soak's check against the model, plus: the input queue is empty."""
+        sent = []
+        while True:
+            method, properties, body = self.channel.basic_get(self.audit, auto_ack=True)
+            if method is None:
+                break
+            sent.append(
+                {
+                    "id": properties.message_id,
+                    "destination": method.routing_key,
+                    "body": json.loads(body),
+                    "headers": properties.headers or {},
+                }
+            )
+        entities = open_entity_store(self.entities_url)
+        dedup = open_store(self.store_url)
+        try:
+            found = soak_violations(self.owner, entities, dedup, sent)
+        finally:
+            entities.close()
+            dedup.close()
+        if ready := self.ready():
+            found.append(f"the input queue holds {ready} messages")
+        return found
+
+    def close(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        for name in (self.queue, self.audit):
+            self.channel.queue_delete(name)
+        self.channel.exchange_delete(self.exchange)
+        self.connection.close()
+
+
+@pytest.fixture
+def chaos(rabbitmq_server: Server, redis_server: Server, tmp_path: Path) -> Any:
+    runs: list[RabbitChaos] = []
+
+    def make(mode: str, cleanup: str, variant: str = "") -> RabbitChaos:
+        run = RabbitChaos(
+            rabbitmq_server.url,
+            redis_server.url,
+            mode,
+            cleanup,
+            variant,
+            f"rabbitmq-{mode}-{cleanup}-{variant}",
+        )
+        runs.append(run)
+        run.run(tmp_path)
+        return run
+
+    yield make
+    for run in runs:
+        run.close()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["batch", "single"])
+@pytest.mark.parametrize("cleanup", ["inline", "deferred"])
+def test_rabbitmq_consumers_killed_at_random_change_nothing(
+    chaos: Any, mode: str, cleanup: str
+) -> None:
+    run = chaos(mode, cleanup)
+    assert run.killed >= KILLS
+    assert run.violations() == []
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("variant", "cleanup", "expected"),
+    [
+        ("ack-first", "inline", "messages lost"),
+        ("dispatch-after-cleanup", "deferred", "outgoing messages missing"),
+    ],
+)
+def test_the_rabbitmq_chaos_check_catches_a_broken_consumer(
+    chaos: Any, variant: str, cleanup: str, expected: str
+) -> None:
+    run = chaos("batch", cleanup, variant)
+    found = run.violations()
+    assert any(expected in v for v in found), found

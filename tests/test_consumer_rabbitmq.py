@@ -1,0 +1,275 @@
+"""The RabbitMQ broker (``backends.rabbitmq.consumer``) against a real broker.
+
+What ``RabbitMQDispatcher`` publishes is read by a ``RabbitMQBroker`` of the same
+queue with the default rules; the prefetch window bounds what one consumer holds;
+a nack requeues; a consumer process SIGKILLed with deliveries in hand loses none
+(the broker requeues them); quorum queues count deliveries, so ``max_deliveries``
+sets a message aside. The chaos test is in ``test_consumer_chaos_rabbitmq.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pika
+import pytest
+
+from backends.memory import MemoryDeduplicationStore, MemoryEntityStore
+from backends.rabbitmq.consumer import RabbitMQBroker, RabbitMQToken
+from dedupstore import open_dispatcher
+from dedupstore.consumers import Consumer, open_broker
+from dedupstore.entities import OutgoingMessage
+from dedupstore.errors import ConfigurationError, StoreUnavailable
+from dedupstore.outbox import Message, OutboxProcessor, Send
+from tests.servers import HOST, RabbitMQServer, Server, free_port
+
+pytestmark = pytest.mark.rabbitmq
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _queue() -> str:
+    return f"q-{uuid.uuid4().hex}"
+
+
+def _msgs(queue: str, count: int, entity: str = "o1", first: int = 0) -> list[OutgoingMessage]:
+    return [
+        OutgoingMessage(f"m{n}", queue, {"n": n}, {"correlation_id": entity})
+        for n in range(first, first + count)
+    ]
+
+
+@pytest.fixture
+def admin(rabbitmq_server: Server) -> Iterator[Any]:
+    connection = pika.BlockingConnection(pika.URLParameters(rabbitmq_server.url))
+    try:
+        yield connection.channel()
+    finally:
+        connection.close()
+
+
+def count(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+    """Appends the id; forwards it downstream with the entity as correlation id."""
+    applied = [*state.get("applied", []), message.id]
+    send = Send("next", {"n": message.body["n"]}, {"correlation_id": message.correlation_id})
+    return {"applied": applied}, [send]
+
+
+def _processor(url: str, next_queue: str) -> tuple[OutboxProcessor, MemoryEntityStore]:
+    name = uuid.uuid4().hex
+    entities = MemoryEntityStore(f"memory://{name}")
+    dispatcher = open_dispatcher(url, declare_queues=True)
+
+    class Renamed:  # "next" goes to this test's own queue
+        def dispatch(self, messages: list[OutgoingMessage]) -> None:
+            dispatcher.dispatch(
+                [
+                    OutgoingMessage(
+                        m.id,
+                        next_queue if m.destination == "next" else m.destination,
+                        m.body,
+                        m.headers,
+                    )
+                    for m in messages
+                ]
+            )
+
+    processor = OutboxProcessor(
+        entities, MemoryDeduplicationStore(f"memory://{name}"), Renamed(), dead_letters="dlq"
+    )
+    return processor, entities
+
+
+def test_a_pipeline_of_services_chains_through_rabbitmq(rabbitmq_server: Server) -> None:
+    url, queue, following = rabbitmq_server.url, _queue(), _queue()
+    with open_dispatcher(url, declare_queues=True) as upstream:
+        upstream.dispatch(_msgs(queue, 10))
+        upstream.dispatch(_msgs(queue, 1, first=4))  # a producer duplicate
+    processor, entities = _processor(url, following)
+    broker = open_broker(url, queue=queue)
+    try:
+        assert isinstance(broker, RabbitMQBroker)
+        consumer = Consumer(broker, processor, count, batch_size=4, wait=0.5)
+        rounds = [consumer.run_once() for _ in range(4)]
+        assert sum(r.acked for r in rounds) == 11
+        assert not any(r.nacked for r in rounds)
+        assert sum(r.outcomes.get("duplicate", 0) for r in rounds) == 1
+        assert entities.load("o1").state["applied"] == [f"m{n}" for n in range(10)]
+        assert broker.pending() == 0
+        # the outputs are the next service's input, read with the same rules
+        nxt = open_broker(url, queue=following)
+        try:
+            got = nxt.fetch(100, 1.0)
+            assert len(got) == 10
+            assert {d.headers["correlation_id"] for d in got} == {"o1"}
+            assert all(d.deliveries == 1 for d in got)
+            nxt.ack(got)
+        finally:
+            nxt.close()
+    finally:
+        broker.close()
+
+
+def test_the_prefetch_window_bounds_what_a_consumer_holds(
+    rabbitmq_server: Server, admin: Any
+) -> None:
+    queue = _queue()
+    with open_dispatcher(rabbitmq_server.url, declare_queues=True) as dispatcher:
+        dispatcher.dispatch(_msgs(queue, 10))
+    with open_broker(rabbitmq_server.url, queue=queue, prefetch=3) as broker:
+        first = broker.fetch(10, 0.5)
+        assert [d.headers["id"] for d in first] == ["m0", "m1", "m2"]
+        assert broker.fetch(10, 0.2) == [], "more than the window was delivered"
+        assert broker.pending() == 7
+        broker.ack(first)
+        second = broker.fetch(10, 0.5)
+        assert [d.headers["id"] for d in second] == ["m3", "m4", "m5"]
+        broker.ack(second)
+
+
+def test_a_nack_requeues_and_a_classic_queue_only_says_redelivered(
+    rabbitmq_server: Server,
+) -> None:
+    queue = _queue()
+    with open_dispatcher(rabbitmq_server.url, declare_queues=True) as dispatcher:
+        dispatcher.dispatch(_msgs(queue, 2))
+    with open_broker(rabbitmq_server.url, queue=queue) as broker:
+        [one, two] = broker.fetch(10, 0.5)
+        assert (one.deliveries, one.token.redelivered) == (1, False)
+        broker.nack([one])
+        broker.ack([two])
+        [again] = broker.fetch(10, 0.5)
+        assert again.headers["id"] == "m0"
+        assert again.token.redelivered
+        assert again.deliveries is None  # a classic queue does not count
+        broker.ack([again])
+        broker.ack([again])  # idempotent: a second ack would make RabbitMQ close the channel
+        broker.nack([one, two])  # settled already: nothing sent
+        assert broker.fetch(10, 0.2) == []
+        assert broker.pending() == 0
+
+
+def test_a_quorum_queue_counts_deliveries_and_max_deliveries_sets_aside(
+    rabbitmq_server: Server, admin: Any
+) -> None:
+    url, queue = rabbitmq_server.url, _queue()
+    admin.queue_declare("dlq", durable=True)
+    with open_dispatcher(url, declare_queues=True, queue_type="quorum") as dispatcher:
+        dispatcher.dispatch(_msgs(queue, 1))
+    with open_broker(url, queue=queue, queue_type="quorum") as broker:
+        for expected in (1, 2, 3):
+            [delivery] = broker.fetch(10, 1.0)
+            assert delivery.deliveries == expected
+            assert "x-delivery-count" not in delivery.headers
+            broker.nack([delivery])
+        processor, entities = _processor(url, _queue())
+        consumer = Consumer(broker, processor, count, max_deliveries=3, wait=1.0)
+        stats = consumer.run_once()
+        assert (stats.set_aside, stats.acked) == (1, 1)
+        assert entities.load("o1").state == {}  # set aside, never applied
+        assert broker.pending() == 0
+    method, _, body = admin.basic_get("dlq", auto_ack=True)
+    assert method is not None
+    assert b"max_deliveries=3" in body
+
+
+def _held_by_a_killed_consumer(url: str, queue: str, hold: int) -> None:
+    """A consumer process fetches ``hold`` deliveries, says so, and is SIGKILLed."""
+    code = (
+        "import sys\n"
+        "from dedupstore.consumers import open_broker\n"
+        f"broker = open_broker({url!r}, queue={queue!r}, prefetch={hold})\n"
+        "got = []\n"
+        f"while len(got) < {hold}:\n"
+        f"    got += broker.fetch({hold}, 1.0)\n"
+        "print('holding', len(got), flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    child = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline() == f"holding {hold}\n".encode()
+    finally:
+        child.send_signal(signal.SIGKILL)
+        assert child.wait() == -signal.SIGKILL
+
+
+def test_what_a_killed_consumer_held_is_redelivered(rabbitmq_server: Server) -> None:
+    url, queue = rabbitmq_server.url, _queue()
+    with open_dispatcher(url, declare_queues=True) as dispatcher:
+        dispatcher.dispatch(_msgs(queue, 8))
+    _held_by_a_killed_consumer(url, queue, 5)
+    with open_broker(url, queue=queue) as survivor:
+        got: list[Any] = []
+        while len(got) < 8:
+            fetched = survivor.fetch(10, 1.0)
+            assert fetched, f"only {sorted(d.headers['id'] for d in got)} came back"
+            got += fetched
+        assert sorted(d.headers["id"] for d in got) == [f"m{n}" for n in range(8)]
+        redelivered = sorted(d.headers["id"] for d in got if d.token.redelivered)
+        assert redelivered == [f"m{n}" for n in range(5)]
+        survivor.ack(got)
+        assert survivor.pending() == 0
+
+
+def test_a_lost_connection_is_unavailable_then_reconnected(
+    own_rabbitmq_server: RabbitMQServer,
+) -> None:
+    url, queue = own_rabbitmq_server.url, _queue()
+    with open_dispatcher(url, declare_queues=True) as dispatcher:
+        dispatcher.dispatch(_msgs(queue, 2))
+    broker = open_broker(url, queue=queue, prefetch=1, connect_timeout=2, timeout=2, retries=0)
+    try:
+        held = broker.fetch(1, 1.0)
+        own_rabbitmq_server.kill()
+        with pytest.raises(StoreUnavailable):
+            broker.fetch(10, 0.5)
+        own_rabbitmq_server.restart()
+        broker.ack(held)  # a token of the lost channel: ignored (the broker requeued it)
+        got = []
+        for _ in range(2):  # one at a time: the window is 1
+            [delivery] = broker.fetch(10, 1.0)
+            broker.ack([delivery])
+            got.append(delivery)
+        assert [d.headers["id"] for d in got] == ["m0", "m1"]
+        assert got[0].token.redelivered, "held when the connection was lost: requeued"
+        assert all(isinstance(d.token, RabbitMQToken) for d in got)
+        assert {d.token.generation for d in got} == {held[0].token.generation + 1}
+        assert broker.pending() == 0
+    finally:
+        broker.close()
+
+
+def test_a_missing_queue_without_create_is_no_such_store(rabbitmq_server: Server) -> None:
+    for options in ({"create": False}, {"must_exist": True}):
+        with pytest.raises(ConfigurationError, match=r"no such store: queue 'q-"):
+            open_broker(rabbitmq_server.url, queue=_queue(), **options)
+
+
+def test_bad_options_are_refused_before_any_io() -> None:
+    nobody = f"amqp://{HOST}:{free_port()}/%2F"  # nothing listens: any I/O would be unavailable
+    for options, match in [
+        ({}, "needs queue="),
+        ({"queue": "q", "prefetch": 0}, "prefetch"),
+        ({"queue": "q", "queue_type": "stream"}, "classic, quorum"),
+        ({"queue": "q" * 256}, "255 UTF-8 bytes"),
+        ({"queue": "q", "lease": 1}, "unknown option"),
+    ]:
+        with pytest.raises(ConfigurationError, match=match):
+            open_broker(nobody, **options)
+    with pytest.raises(ConfigurationError, match="one virtual host"):
+        open_broker(f"amqp://{HOST}:{free_port()}/a/b?queue=q")
