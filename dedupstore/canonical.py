@@ -138,6 +138,21 @@ def normalized(value: Any) -> tuple[Any, str]:
 
     Raises what :func:`dumps` raises.
     """
+    try:  # _fast, inline: this runs for every new state and outgoing body
+        out = orjson.dumps(value, default=_refuse, option=_OPTIONS)
+    except TypeError:
+        return _normalized_slowly(value)
+    text = out.decode("utf-8")
+    if "0.0000" in text or ("e-" in text and _SHORT_EXPONENT.search(text)):
+        return _normalized_slowly(value)
+    decoded = orjson.loads(out)
+    if "null" in text and decoded != value:  # a NaN or infinity (or a tuple holding null)
+        return _normalized_slowly(value)
+    return decoded, text
+
+
+def _normalized_slowly(value: Any) -> tuple[Any, str]:
+    """:func:`normalized` where ``orjson`` does not give the canonical text."""
     fast = _fast(value)
     if fast is None:
         # keys that were not text sort as text once decoded: the text of the decoded
