@@ -28,12 +28,21 @@ from dedupstore.urls import StoreURL
 __all__ = ["MemoryDeduplicationStore", "MemoryDispatcher", "MemoryEntityStore", "namespace_name"]
 
 
+#: One deduplication record: (expiry or None, token).
+_Record = tuple[float | None, str]
+
+
 class _Namespace:
-    """The records of one ``memory://<name>``: (endpoint, id) -> (expiry or None, token)."""
+    """The records of one ``memory://<name>``: endpoint -> id -> (expiry or None, token)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.records: dict[tuple[str, str], tuple[float | None, str]] = {}
+        self.records: dict[str, dict[str, _Record]] = {}
+
+    def of(self, endpoint: str) -> dict[str, _Record]:
+        """The records of ``endpoint`` (created empty on first use)."""
+        with self.lock:
+            return self.records.setdefault(endpoint, {})
 
 
 S = TypeVar("S")
@@ -83,52 +92,43 @@ class MemoryDeduplicationStore(_InProcess, DeduplicationStore):
         """Open ``memory://<name>`` (the empty name is a namespace too)."""
         super().__init__(url, **options)
         self._ns = _shared(_Namespace, self._url)
+        self._records = self._ns.of(self._endpoint)
 
     def _add_new(self, request: WriteRequest) -> set[str]:
-        endpoint, records, now = self._endpoint, self._ns.records, request.now
-        added: set[str] = set()
+        records, ids = self._records, request.ids
         with self._ns.lock:
-            for mid in request.ids:
-                key = (endpoint, mid)
-                current = records.get(key)
-                if current is not None:
-                    expiry, token = current
-                    if token not in request.mine and (expiry is None or expiry > now):
-                        continue
-                records[key] = (request.expires_at, request.token)
-                added.add(mid)
-        return added
+            present = records.keys() & ids
+            if present:  # kept unless expired or written by this call
+                now, mine = request.now, request.mine
+                kept = {
+                    mid
+                    for mid in present
+                    if (record := records[mid])[1] not in mine
+                    and (record[0] is None or record[0] > now)
+                }
+                ids = [mid for mid in ids if mid not in kept] if kept else ids
+            records.update(dict.fromkeys(ids, (request.expires_at, request.token)))
+        return set(ids)
 
     def _find(self, ids: list[str], now: float) -> set[str]:
-        endpoint, records = self._endpoint, self._ns.records
-        found: set[str] = set()
+        records = self._records
         with self._ns.lock:
-            for mid in ids:
-                current = records.get((endpoint, mid))
-                if current is not None and (current[0] is None or current[0] > now):
-                    found.add(mid)
-        return found
+            found = records.keys() & ids
+            expired = {mid for mid in found if (e := records[mid][0]) is not None and e <= now}
+        return found - expired if expired else found
 
     def _purge(self, now: float) -> int:
+        records = self._records
         with self._ns.lock:
-            expired = [
-                key
-                for key, (expiry, _) in self._ns.records.items()
-                if key[0] == self._endpoint and expiry is not None and expiry <= now
-            ]
-            for key in expired:
-                del self._ns.records[key]
+            expired = [mid for mid, (e, _) in records.items() if e is not None and e <= now]
+            for mid in expired:
+                del records[mid]
         return len(expired)
 
     def _count(self, now: float) -> int:
-        """Exact: walks the namespace's records (every endpoint's) under its lock."""
-        endpoint = self._endpoint
+        """Exact: walks the endpoint's records under the namespace's lock."""
         with self._ns.lock:
-            return sum(
-                1
-                for (ep, _), (expiry, _) in self._ns.records.items()
-                if ep == endpoint and (expiry is None or expiry > now)
-            )
+            return sum(1 for e, _ in self._records.values() if e is None or e > now)
 
     def _close(self) -> None:
         """Nothing to release: the namespace outlives its store objects."""

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, NamedTuple, TypeVar
 from dedupstore import canonical
 from dedupstore.client import Client
 from dedupstore.errors import ConcurrencyConflict, EntityTooLarge, InvalidMessageId
-from dedupstore.ids import validate_ids, validate_message_id
+from dedupstore.ids import plain_ids, validate_ids, validate_message_id
 from dedupstore.options import OptionSet
 from dedupstore.urls import StoreURL
 
@@ -95,13 +95,32 @@ class OutgoingMessage:
 
     @classmethod
     def _encoded(
-        cls, id: str, destination: str, body: Any, body_text: str, headers: dict[str, str]
+        cls,
+        id: str,
+        destination: str,
+        body: Any,
+        body_text: str,
+        headers: dict[str, str],
+        destination_text: str | None = None,
     ) -> OutgoingMessage:
         """A message whose ``body`` is the decoded ``body_text`` (canonical JSON): its
-        texts are kept, so it is encoded once whatever saves or dispatches it."""
+        texts are kept, so it is encoded once whatever saves or dispatches it.
+        ``destination_text``: the destination as a JSON string, when known."""
         message = object.__new__(cls)  # frozen: fill the fields at once, as __init__ would
+        if destination_text is None:
+            destination_text = canonical.string(destination)
+        text = (
+            f'{{"body":{body_text},"destination":{destination_text}'
+            f',"headers":{canonical.dumps(headers) if headers else "{}"}'
+            f',"id":{canonical.string(id)}}}'
+        )  # what message_text composes
         message.__dict__.update(
-            id=id, destination=destination, body=body, headers=headers, _body_text=body_text
+            id=id,
+            destination=destination,
+            body=body,
+            headers=headers,
+            _body_text=body_text,
+            _text=text,
         )
         return message
 
@@ -162,10 +181,24 @@ class Entity:
         default=None, init=False, repr=False, compare=False
     )
 
+    #: ``(state, a JSON text it was decoded from)`` when it was loaded so: never used
+    #: to encode (a caller may change a loaded state in place), only by the processor,
+    #: which never does, to decode the state again (:meth:`_source`).
+    _loaded: tuple[dict[str, Any], str] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+
     def _set_state(self, state: dict[str, Any], text: str) -> None:
         """Set ``state``, decoded from ``text`` and held by no one else: kept encoded."""
         self.state = state
         self._state_text = (state, text)
+
+    def _source(self) -> str | None:
+        """A JSON text that decodes to ``state`` (as set or loaded), if one is known."""
+        for kept in (self._state_text, self._loaded):
+            if kept is not None and kept[0] is self.state:
+                return kept[1]
+        return None
 
     def pending_since(self) -> int | None:
         """The oldest mark's ``at`` among pending entries (epoch ms), if any is marked."""
@@ -210,12 +243,16 @@ def _entry_text(entry: list[OutgoingMessage] | None, mark: EntryMark | None) -> 
     """A dispatched entry is ``null``; a pending one ``{"at":..,"out":[..],"run":..}``."""
     if entry is None:
         return "null"
-    out = ",".join([message_text(m) for m in entry])
+    out = message_text(entry[0]) if len(entry) == 1 else ",".join(map(message_text, entry))
     if mark is None:
         return f'{{"out":[{out}]}}'
-    at = str(mark.at) if type(mark.at) is int else canonical.dumps(mark.at)
-    run = "" if mark.run is None else f',"run":{canonical.string(mark.run)}'
-    return f'{{"at":{at},"out":[{out}]{run}}}'
+    frame: tuple[str, str] | None = mark.__dict__.get("_frame")
+    if frame is None:  # one mark serves a whole batch: its text is composed once
+        at = str(mark.at) if type(mark.at) is int else canonical.dumps(mark.at)
+        run = "" if mark.run is None else f',"run":{canonical.string(mark.run)}'
+        frame = (f'{{"at":{at},"out":[', f"]{run}}}")
+        mark.__dict__["_frame"] = frame
+    return f"{frame[0]}{out}{frame[1]}"
 
 
 def entry_size(
@@ -244,12 +281,19 @@ def encode_entity(entity: Entity) -> str:
         state = kept[1] if kept is not None and kept[0] is entity.state else None
         if state is None:
             state = canonical.dumps(entity.state)
-        entries = ",".join(
-            [
-                f"{canonical.string(mid)}:{_entry_text(entry, marks.get(mid))}"
-                for mid, entry in sorted(entity.outbox.items())
-            ]
-        )
+        outbox = entity.outbox
+        if not outbox:
+            entries = ""
+        elif len(outbox) == 1:
+            ((mid, entry),) = outbox.items()
+            entries = f"{canonical.string(mid)}:{_entry_text(entry, marks.get(mid))}"
+        else:
+            entries = ",".join(
+                [
+                    f"{canonical.string(mid)}:{_entry_text(entry, marks.get(mid))}"
+                    for mid, entry in sorted(outbox.items())
+                ]
+            )
     except (TypeError, ValueError) as exc:
         raise ValueError(
             f"entity {entity.id!r:.80} is not JSON-compatible (state and message bodies must "
@@ -258,8 +302,22 @@ def encode_entity(entity: Entity) -> str:
     return f'{{"outbox":{{{entries}}},"state":{state}}}'
 
 
+#: How :func:`encode_entity`'s text starts when the outbox is empty: the state follows.
+_EMPTY_OUTBOX = '{"outbox":{},"state":'
+
+
 def decode_entity(entity_id: str, text: str | bytes, version: Any) -> Entity:
     """The inverse of :func:`encode_entity`."""
+    if type(text) is str and text.startswith(_EMPTY_OUTBOX) and text.endswith("}"):
+        source = text[len(_EMPTY_OUTBOX) : -1]  # most entities: decode the state alone
+        try:
+            state = canonical.loads(source)
+        except ValueError:
+            state = None  # not this layout after all: decode the whole text
+        if type(state) is dict:
+            entity = Entity(entity_id, state, {}, version, {})
+            entity._loaded = (state, source)
+            return entity
     data = canonical.loads(text)
     outbox: Outbox = {}
     marks: dict[str, EntryMark] = {}
@@ -374,7 +432,9 @@ class EntityStore(Client):
         The others are saved and their ``version`` updated in place. No entity is
         half-written. Every entity is encoded and checked before any I/O.
         """
-        records = [self._record(entity) for entity in entities]
+        checked = plain_ids([e.id for e in entities] + [m for e in entities for m in e.outbox])
+        make = self._record
+        records = [make(entity, checked) for entity in entities]
         if len({r.id for r in records}) != len(records):
             raise InvalidMessageId("save_many got the same entity id twice")
         self._check_open()
@@ -435,15 +495,24 @@ class EntityStore(Client):
 
     # ------------------------------------------------------------------ helpers
 
-    def _record(self, entity: Entity) -> EntityRecord:
-        eid = validate_message_id(entity.id, "entity id")
-        for mid in entity.outbox:
-            validate_message_id(mid)
+    def _record(self, entity: Entity, checked: bool = False) -> EntityRecord:
+        """The record of ``entity``; ``checked``: its ids are known to be plain valid ids."""
+        if checked:
+            eid = entity.id
+        else:
+            eid = validate_message_id(entity.id, "entity id")
+            for mid in entity.outbox:
+                validate_message_id(mid)
         body = encode_entity(entity)
-        size = len(body.encode("utf-8"))
+        size = len(body) if body.isascii() else len(body.encode("utf-8"))
         if size > self.max_entity_bytes:
             raise EntityTooLarge(
                 f"entity {eid!r:.80} encodes to {size} bytes; {type(self).__name__} holds at "
                 f"most {self.max_entity_bytes} bytes per entity (nothing was written)"
             )
-        return EntityRecord(eid, body, entity.version, bucket_of(eid), bool(entity.outbox), size)
+        # EntityRecord(...) without its Python-level __new__: one per entity saved
+        fields = (eid, body, entity.version, bucket_of(eid), bool(entity.outbox), size)
+        return _tuple_new(EntityRecord, fields)
+
+
+_tuple_new = tuple.__new__

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from dedupstore.errors import ConfigurationError, InvalidMessageId
 
@@ -54,19 +54,25 @@ def validate_message_id(message_id: object, what: str = "message id") -> str:
     return message_id
 
 
-def validate_ids(ids: Iterable[object], what: str = "message id") -> list[str]:
-    """Validate a batch; a fast path for the common all-plain-ASCII case, same rules."""
-    items = list(ids)
+def plain_ids(items: Sequence[object]) -> bool:
+    """Whether every item is a valid id that is a plain ``str`` of ASCII characters
+    (``False`` says nothing: check each with :func:`validate_message_id`)."""
+    if not items:
+        return True
     try:
         joined = "\x01".join(items)  # type: ignore[arg-type]
     except TypeError:
-        joined = None
-    if (
-        joined is not None
-        and joined.isascii()
-        and "\x00" not in joined
-        and all(type(m) is str and 0 < len(m) <= MAX_ID_BYTES for m in items)
-    ):
+        return False
+    if not joined.isascii() or "\x00" in joined or set(map(type, items)) != {str}:
+        return False
+    sizes = list(map(len, items))  # type: ignore[arg-type]
+    return min(sizes) > 0 and max(sizes) <= MAX_ID_BYTES
+
+
+def validate_ids(ids: Iterable[object], what: str = "message id") -> list[str]:
+    """Validate a batch; a fast path for the common all-plain-ASCII case, same rules."""
+    items = list(ids)
+    if plain_ids(items):
         return items  # type: ignore[return-value]
     return [validate_message_id(m, what) for m in items]
 
@@ -120,16 +126,11 @@ def outgoing_id(consumer: str, correlation_id: str, message_id: str, position: i
     ``str(uuid.uuid5(OUTGOING_NAMESPACE, name))``, computed without building a UUID.
     """
     name = f"{consumer}\x00{correlation_id}\x00{message_id}\x00{position}"
-    return _uuid5_text(hashlib.sha1(_NAMESPACE_BYTES + name.encode("utf-8")).digest())
+    h = hashlib.sha1(_NAMESPACE_BYTES + name.encode("utf-8")).hexdigest()
+    # the UUID's version nibble is 5 and its variant bits 10: digits 12 and 16 change
+    return f"{h[:8]}-{h[8:12]}-5{h[13:16]}-{_VARIANT[h[16]]}{h[17:20]}-{h[20:32]}"
 
 
 _NAMESPACE_BYTES = OUTGOING_NAMESPACE.bytes
-
-
-def _uuid5_text(digest: bytes) -> str:
-    """``str(uuid.UUID(bytes=digest[:16], version=5))``."""
-    raw = bytearray(digest[:16])
-    raw[6] = (raw[6] & 0x0F) | 0x50
-    raw[8] = (raw[8] & 0x3F) | 0x80
-    h = raw.hex()
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+#: The hex digit of a digest's byte 8 high nibble -> that of ``(byte & 0x3F) | 0x80``.
+_VARIANT = {digit: "89ab"[int(digit, 16) & 3] for digit in "0123456789abcdef"}

@@ -54,6 +54,7 @@ from dedupstore.ids import (
     MAX_ID_BYTES,
     message_key,
     outgoing_id,
+    plain_ids,
     validate_message_id,
     validate_name,
 )
@@ -147,6 +148,25 @@ class ProcessResult:
     error: str | None = None
 
 
+_new = object.__new__
+
+
+def _result(
+    message_id: str,
+    outcome: Outcome,
+    outgoing: tuple[OutgoingMessage, ...] = (),
+    attempts: int = 1,
+    error: str | None = None,
+) -> ProcessResult:
+    """``ProcessResult(...)``, made without the frozen dataclass's ``__init__`` (which
+    sets each field through ``object.__setattr__``): one per message of a batch."""
+    result: ProcessResult = _new(ProcessResult)
+    result.__dict__.update(
+        message_id=message_id, outcome=outcome, outgoing=outgoing, attempts=attempts, error=error
+    )
+    return result
+
+
 def _normalized(value: Any) -> tuple[Any, str]:
     """``value`` as it will be after a JSON round trip (tuples become lists, ...), and
     its canonical text."""
@@ -221,6 +241,8 @@ class OutboxProcessor:
         self.cleanup = cleanup
         self.max_attempts = max_attempts
         self.deferred_limit = deferred_limit
+        #: valid destinations the handler named, as JSON strings (checked once each)
+        self._destinations: dict[str, str] = {}
 
     @property
     def consumer(self) -> str:
@@ -349,10 +371,14 @@ class OutboxProcessor:
             return False
 
     def _run(
-        self, state: dict[str, Any], message: Message, handler: Handler
+        self, state: dict[str, Any], message: Message, handler: Handler, source: str | None = None
     ) -> tuple[dict[str, Any], str | None, list[OutgoingMessage], str | None]:
-        """Run the handler on a copy of ``state``: new state and its canonical text,
-        outgoing messages, error.
+        """Run the handler on ``state``: new state and its canonical text, outgoing
+        messages, error.
+
+        The handler gets a copy of ``state``, or, with ``source`` (a JSON text that
+        decodes to it), ``state`` itself: should the handler fail, the state returned
+        is then decoded again from ``source`` (whatever the handler changed in it).
 
         A handler that raises (a store's ``StoreUnavailable`` excepted: that is never
         the message's fault) or returns something else than ``(dict, sends)`` with
@@ -364,10 +390,13 @@ class OutboxProcessor:
         attempt = 1
         while True:
             try:
-                return (*self._outputs(state, message, handler), None)
+                given = canonical.copy(state) if source is None else state
+                return (*self._outputs(given, message, handler), None)
             except StoreUnavailable:
                 raise
             except Exception as exc:
+                if source is not None:
+                    state = canonical.loads(source)  # as it was before the handler ran
                 if attempt < self.handler_attempts:
                     attempt += 1
                     continue
@@ -381,29 +410,41 @@ class OutboxProcessor:
     ) -> tuple[dict[str, Any], str, list[OutgoingMessage]]:
         """The handler's new state (normalized: what a reload will show) and its text,
         and the outgoing messages (with their ids, bodies normalized and encoded once)."""
-        returned = handler(canonical.copy(state), message)
+        returned = handler(state, message)
         if not (isinstance(returned, tuple) and len(returned) == 2):
             raise _HandlerContract(f"it returned {_shown(returned)}")
         state, sends = returned
         if not isinstance(state, dict):
             raise _HandlerContract(f"its new state is {_shown(state)}, not a dict")
-        sends = list(sends)
+        if type(sends) is not list:
+            sends = list(sends)
         for send in sends:
             if not isinstance(send, Send):
                 raise _HandlerContract(f"it asked to send {_shown(send)}, not a Send")
         state, state_text = _normalized(state)
+        if not sends:
+            return state, state_text, []
         consumer, cid, mid = self.consumer, message.correlation_id, message.id
+        destinations = self._destinations
         outgoing = []
         for position, send in enumerate(sends):
             body, text = _normalized(send.body)
             headers = send.headers
+            destination = send.destination
+            known = destinations.get(destination) if type(destination) is str else None
+            if known is None:
+                destination = validate_message_id(str(destination), "destination")
+                known = canonical.string(destination)
+                if len(destinations) < 1000:
+                    destinations[destination] = known
             outgoing.append(
                 OutgoingMessage._encoded(
                     outgoing_id(consumer, cid, mid, position),
-                    validate_message_id(str(send.destination), "destination"),
+                    destination,
                     body,
                     text,
                     {str(k): str(v) for k, v in dict(headers).items()} if headers else {},
+                    known,
                 )
             )
         return state, state_text, outgoing
@@ -436,9 +477,11 @@ class OutboxProcessor:
 
         Returns the outgoing messages and, for a dead-lettered message, the error.
         """
-        state, text, outgoing, error = self._run(entity.state, message, handler)
+        state, text, outgoing, error = self._run(entity.state, message, handler, entity._source())
         if text is not None:
             entity._set_state(state, text)
+        else:  # dead-lettered: the state as it was (decoded again if the handler had it)
+            entity.state = state
         entity.outbox[message.id] = outgoing
         entity.marks[message.id] = self._mark() if mark is None else mark
         return outgoing, error
@@ -510,10 +553,11 @@ class OutboxProcessor:
         returns stays true when the call is cut short and run again. Should it
         raise, nothing is cleaned up and the error propagates (a later call cleans up).
         """
-        for message in messages:
-            _validate(message)
         if not messages:
             return []
+        if not plain_ids([m.id for m in messages] + [m.correlation_id for m in messages]):
+            for message in messages:
+                _validate(message)
         results = self._batch(list(messages), handler, 0, before_cleanup)
         self._report(messages, results)
         return results
@@ -552,31 +596,37 @@ class OutboxProcessor:
         entities = self.entities.load_many([m.correlation_id for m in messages])
         keys, already = self._recorded(messages, entities)
         mark = self._mark()
-        results: list[ProcessResult | None] = [None] * len(messages)
+        results: list[ProcessResult] = []
         applied: dict[tuple[str, str], int] = {}  # (entity, id) -> the copy that applied it
+        # the outbox entries of the batch, each once, in order: what _entries gives
+        entries: dict[tuple[str, str], tuple[Entity, str]] = {}
         seen: set[tuple[str, str]] = set()
-        changed: set[str] = set()
+        changed: dict[str, Entity] = {}
         for index, message in enumerate(messages):
-            ident = (message.correlation_id, message.id)
-            entity = entities[message.correlation_id]
+            mid, cid = message.id, message.correlation_id
+            ident = (cid, mid)
+            entity = entities[cid]
             if ident in seen:
-                entry = entity.outbox.get(message.id)
-                results[index] = ProcessResult(message.id, "duplicate", tuple(entry or ()))
-            elif message.id in entity.outbox:
-                entry = entity.outbox[message.id]
-                outcome, error = self._found(entity, message.id)
-                results[index] = ProcessResult(message.id, outcome, tuple(entry or ()), 1, error)
+                entry = entity.outbox.get(mid)
+                results.append(_result(mid, "duplicate", tuple(entry or ())))
+                continue
+            seen.add(ident)
+            if mid in entity.outbox:
+                entry = entity.outbox[mid]
+                outcome, error = self._found(entity, mid)
+                results.append(_result(mid, outcome, tuple(entry or ()), 1, error))
+                entries[ident] = (entity, keys[index])
             elif keys[index] in already:
-                results[index] = ProcessResult(message.id, "duplicate")
+                results.append(_result(mid, "duplicate"))
             else:
                 outgoing, error = self._apply(entity, message, handler, mark)
                 applied[ident] = index
-                changed.add(entity.id)
+                changed[cid] = entity
                 done: Outcome = "processed" if error is None else "dead_lettered"
-                results[index] = ProcessResult(message.id, done, tuple(outgoing), 1, error)
-            seen.add(ident)
+                results.append(_result(mid, done, tuple(outgoing), 1, error))
+                entries[ident] = (entity, keys[index])
         try:
-            first_conflicts = self.entities.save_many([entities[cid] for cid in changed])
+            first_conflicts = self.entities.save_many(list(changed.values()))
         except EntityTooLarge:
             if depth >= 3:  # the rounds were measured to fit: only a racing writer gets here
                 raise
@@ -585,20 +635,22 @@ class OutboxProcessor:
             return self._in_two_phases(
                 messages, handler, entities, first_conflicts, results, before_cleanup
             )
-        late_conflicts, sent = self._dispatch_and_clean_up(
-            messages, entities, first_conflicts, keys=keys
-        )
-        _retrying(self.consumer, first_conflicts | late_conflicts)
+        if first_conflicts:
+            entries = {i: e for i, e in entries.items() if i[0] not in first_conflicts}
+        late_conflicts, sent = self._dispatch_and_clean_up(entries)
+        conflicts = first_conflicts | late_conflicts
+        if not conflicts:
+            return results
+        _retrying(self.consumer, conflicts)
         for index, message in enumerate(messages):
             cid = message.correlation_id
-            if cid in first_conflicts or cid in late_conflicts:
+            if cid in conflicts:
                 alone = self._process(message, handler, set(sent))
                 if applied.get((cid, message.id)) == index and cid not in first_conflicts:
                     first = results[index]  # its change was saved above: what it did then
-                    assert first is not None
                     alone = replace(alone, outcome=first.outcome, error=first.error)
                 results[index] = alone
-        return [r for r in results if r is not None]
+        return results
 
     def _in_two_phases(
         self,
@@ -606,7 +658,7 @@ class OutboxProcessor:
         handler: Handler,
         entities: dict[str, Entity],
         conflicts: set[str],
-        results: list[ProcessResult | None],
+        results: list[ProcessResult],
         before_cleanup: BeforeCleanup,
     ) -> list[ProcessResult]:
         """The rest of :meth:`_batch` with ``before_cleanup``: dispatch (steps 1-4 again
@@ -616,7 +668,7 @@ class OutboxProcessor:
         for index, message in enumerate(messages):
             if message.correlation_id in conflicts:
                 results[index] = self._process(message, handler, sent, clean=False)
-        final = [r for r in results if r is not None]
+        final = list(results)
         before_cleanup(messages, final)
         # the entities saved above are as saved (their versions updated); those that
         # conflicted were handled alone on fresh copies: reload only them
@@ -624,7 +676,9 @@ class OutboxProcessor:
             entities = {**entities, **self.entities.load_many(sorted(conflicts))}
         remaining = messages
         for attempt in range(1, self.max_attempts + 1):
-            conflicts, _ = self._dispatch_and_clean_up(remaining, entities, set(), sent)
+            conflicts, _ = self._dispatch_and_clean_up(
+                self._entries(remaining, entities, set()), sent
+            )
             remaining = [m for m in remaining if m.correlation_id in conflicts]
             if not remaining:
                 return final
@@ -638,21 +692,16 @@ class OutboxProcessor:
         )
 
     def _entries(
-        self,
-        messages: Sequence[Message],
-        entities: dict[str, Entity],
-        skip: Collection[str],
-        keys: Sequence[str] | None = None,
+        self, messages: Sequence[Message], entities: dict[str, Entity], skip: Collection[str]
     ) -> dict[tuple[str, str], tuple[Entity, str]]:
         """The outbox entries of ``messages`` on the entities not in ``skip``, each once:
         ``(entity, message id) -> (the entity holding it, the message's key)``."""
         entries: dict[tuple[str, str], tuple[Entity, str]] = {}
-        for index, message in enumerate(messages):
+        for message in messages:
             cid, mid = message.correlation_id, message.id
             entity = entities[cid]
             if mid in entity.outbox and cid not in skip and (cid, mid) not in entries:
-                key = message_key(cid, mid) if keys is None else keys[index]
-                entries[(cid, mid)] = (entity, key)
+                entries[(cid, mid)] = (entity, message_key(cid, mid))
         return entries
 
     def _dispatch(
@@ -662,28 +711,24 @@ class OutboxProcessor:
         those in ``sent``; returns ``sent`` with them."""
         unique: dict[str, OutgoingMessage] = {}
         for (_, mid), (entity, _) in entries.items():
-            for m in entity.outbox[mid] or ():
-                if m.id not in sent:
-                    unique.setdefault(m.id, m)
+            entry = entity.outbox[mid]
+            if entry:
+                for m in entry:
+                    if m.id not in unique and m.id not in sent:
+                        unique[m.id] = m
         if unique:
             _send(self.dispatcher, list(unique.values()), self.consumer)
         return sent | unique.keys()
 
     def _dispatch_and_clean_up(
-        self,
-        messages: Sequence[Message],
-        entities: dict[str, Entity],
-        skip: set[str],
-        sent: set[str] | None = None,
-        keys: Sequence[str] | None = None,
+        self, entries: dict[tuple[str, str], tuple[Entity, str]], sent: set[str] | None = None
     ) -> tuple[set[str], set[str]]:
-        """Steps 4-5 for the entities not in ``skip`` (not sending ``sent`` again);
-        ``keys``: the messages' keys, when known.
+        """Steps 4-5 for the outbox ``entries`` (:meth:`_entries`), not sending ``sent``
+        again.
 
         Returns the ids of the entities whose clean-up conflicted, and the outgoing ids
         dispatched (a retry of a conflicted entity does not send them again).
         """
-        entries = self._entries(messages, entities, skip, keys)
         sent = self._dispatch(entries, set(sent or ()))
         to_save: dict[str, Entity] = {}
         moved: list[str] = []

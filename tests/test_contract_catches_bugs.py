@@ -68,7 +68,7 @@ MUTANTS = {
     ),
     "every token counts as mine": (
         "    def _add_new(self, request):\n"
-        "        tokens = {t for _, t in self._ns.records.values()}\n"
+        "        tokens = {t for _, t in self._records.values()}\n"
         "        return super()._add_new(replace(request, mine=request.mine | tokens))\n",
         "test_add_records_once",
     ),

@@ -10,6 +10,7 @@ and a replay does not dead-letter it again.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import uuid
 from collections import Counter
 from typing import Any
@@ -302,3 +303,39 @@ def test_invalid_rows_are_dead_lettered_with_dead_letters(spark: Any, tmp_path: 
     without = {k: v for k, v in args.items() if k != "dead_letters"}
     with pytest.raises(Exception, match=r"null (message|correlation) id"):
         process_messages(df, deposit, **without).collect()
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["process", "process_batch"])
+@pytest.mark.parametrize("first", [True, False], ids=["loaded-state", "state-of-the-batch"])
+def test_a_handler_that_changes_its_state_then_fails_changes_nothing(
+    batch: bool, first: bool
+) -> None:
+    """The handler may be given the entity's own decoded state (not a copy): what a
+    failing attempt changed in it must not reach the next attempt, the next message
+    or the saved entity."""
+    entities, dedup = _memory()
+    processor = OutboxProcessor(
+        entities, dedup, InMemoryDispatcher(), dead_letters="dlq", handler_attempts=2
+    )
+    given: list[dict[str, Any]] = []
+
+    def vandal(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+        given.append(json.loads(json.dumps(state)))
+        if message.body.get("poison"):
+            state["balance"] = -1000
+            state.setdefault("log", []).append("spoiled")
+            raise ValueError("poison")
+        return deposit(state, message)
+
+    processor.process(Message("m1", "acct", {"amount": 5}), vandal)
+    bad = Message("bad", "acct", {"amount": 0, "poison": True})
+    later = [Message("m2", "acct", {"amount": 1}), Message("m3", "acct", {"amount": 2})]
+    messages = [bad, *later] if first else [later[0], bad, later[1]]
+    if batch:
+        outcomes = [r.outcome for r in processor.process_batch(messages, vandal)]
+    else:
+        outcomes = [processor.process(m, vandal).outcome for m in messages]
+    assert outcomes.count("dead_lettered") == 1 and outcomes.count("processed") == 2
+    before_bad = {"balance": 5, "n": 1} if first else {"balance": 6, "n": 2}
+    assert given[1 if first else 2 : 3 if first else 4] == [before_bad, before_bad]  # 2 attempts
+    assert entities.load("acct").state == {"balance": 8, "n": 3}
