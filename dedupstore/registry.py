@@ -224,6 +224,7 @@ brokers: Registry[Broker] = Registry(
         "rediss": BackendSpec("backends.redis.consumer:RedisStreamsBroker", ("redis",), "redis"),
         "amqp": BackendSpec("backends.rabbitmq.consumer:RabbitMQBroker", ("pika",), "rabbitmq"),
         "amqps": BackendSpec("backends.rabbitmq.consumer:RabbitMQBroker", ("pika",), "rabbitmq"),
+        "kafka": BackendSpec("backends.kafka:KafkaBroker", ("confluent_kafka",), "kafka"),
     },
 )
 

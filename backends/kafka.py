@@ -1,0 +1,344 @@
+"""A Kafka adapter for the consume loop: :class:`KafkaBroker` (confluent-kafka).
+
+``pip install 'dedupstore[kafka]'``. The broker reads one topic through a consumer
+group with ``enable.auto.commit=false`` and ``enable.auto.offset.store=false``:
+offsets are committed only after processing, by :meth:`KafkaBroker.ack`.
+
+* **Commit after processing.** Kafka commits a position per partition, not single
+  messages. The broker keeps, per partition, the offsets it handed out in order; an
+  ack marks them done and commits (synchronously) the first offset that is not done,
+  so a committed offset never passes a message that was not processed.
+* **Nack = seek back.** :meth:`KafkaBroker.nack` seeks each partition concerned back to
+  its first offset that is not done: that message and every later one of the
+  partition are fetched again (those done already come back as duplicates, which
+  the outbox answers without running the handler again). Deliveries of a partition
+  handed out before the seek are stale: acking or nacking them does nothing.
+* **Rebalances redeliver.** When partitions are revoked the broker commits what is
+  done and forgets the rest; the new owner reads from the committed offset, so
+  messages in flight are processed again by it (the outbox makes that harmless:
+  ``duplicate``, or ``redispatched`` while the first owner's outbox entry is pending).
+* Kafka does not count deliveries: ``Delivery.deliveries`` is ``None`` (the consume
+  loop's ``max_deliveries`` does not apply; a handler that raises is still set aside
+  through the processor's ``dead_letters``). Nothing to reclaim: a dead consumer's
+  partitions are reassigned by the group.
+
+A delivery carries the record's value as ``body`` and its headers as text
+(``Delivery.headers``), plus ``key`` (the record key as text) when the record has one
+and no header is named ``key``. The default :class:`~dedupstore.consumers.MessageRules`
+read the message id from an ``id`` header and the entity from a ``correlation_id``
+header; use ``MessageRules(correlation_id="key")`` to key entities by the record key.
+
+URL: ``kafka://host:port?topic=<topic>&group=<group id>`` (more bootstrap servers:
+``bootstrap_servers=h1:9092,h2:9092``). Options: ``topic``, ``group`` (required),
+``bootstrap_servers``, ``timeout`` (10 s: commits, seeks and metadata calls), and two
+keyword-only ones: ``config`` (a dict of further librdkafka settings, e.g. security;
+``enable.auto.commit`` and ``enable.auto.offset.store`` may not be turned on) and
+``consumer`` (a ready ``confluent_kafka.Consumer``-like object, not subscribed yet:
+the broker subscribes it; not closed by :meth:`close`).
+
+Not tested against a real Kafka broker: none can be installed from the package
+registries this project uses (see the README's "Kafka"). The unit tests replace confluent-kafka's consumer
+with a small fake (offsets committed only after acks, seeks on nacks, rebalances);
+one test runs the adapter over TCP against librdkafka's built-in mock cluster
+(``test.mock.num.brokers``), which speaks the Kafka protocol but is not Kafka.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from dedupstore.client import Client, ErrorKind
+from dedupstore.consumers import Broker, Delivery
+from dedupstore.errors import ConfigurationError, StoreUnavailable
+from dedupstore.options import Option, Options, OptionSet, anything, optional, text, timeout_option
+from dedupstore.urls import StoreURL
+
+__all__ = ["KafkaBroker", "KafkaToken"]
+
+#: Settings the broker owns: offsets are committed after processing, by ack().
+_FORCED = {"enable.auto.commit": False, "enable.auto.offset.store": False}
+
+
+def _kafka() -> Any:
+    """The ``confluent_kafka`` module, or a ``ConfigurationError`` saying how to get it."""
+    try:
+        return importlib.import_module("confluent_kafka")
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"KafkaBroker needs confluent-kafka ({exc}); pip install 'dedupstore[kafka]'"
+        ) from exc
+
+
+def _config(value: object) -> dict[str, Any]:
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise TypeError(f"expected a dict of librdkafka settings, got {type(value).__name__}")
+    return dict(value)
+
+
+@dataclass(frozen=True)
+class KafkaToken:
+    """A delivery's handle: its record's ``topic``, ``partition``, ``offset``, and the
+    partition's ``epoch`` when it was handed out (a seek or a revocation starts a new
+    one: tokens of an older epoch are stale)."""
+
+    topic: str
+    partition: int
+    offset: int
+    epoch: int
+
+
+class _Partition:
+    """The offsets handed out of one partition, in order, and which are done."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.outstanding: dict[int, bool] = {}  # offset -> done, in fetch order
+
+    def committable(self) -> int | None:
+        """The offset to commit after the done prefix (None: nothing new is done)."""
+        advanced = None
+        for offset, done in list(self.outstanding.items()):
+            if not done:
+                break
+            del self.outstanding[offset]
+            advanced = offset + 1
+        return advanced
+
+    def first_not_done(self) -> int | None:
+        return next((offset for offset, done in self.outstanding.items() if not done), None)
+
+
+class KafkaBroker(Client, Broker):
+    """One Kafka topic read through a consumer group; offsets committed after processing.
+
+    See the module. Raises ``ConfigurationError`` for bad options or a setting that
+    would commit before processing (before any I/O), or when confluent-kafka is not
+    installed; ``StoreUnavailable`` (the Kafka error chained) when a fetch, commit
+    or seek fails.
+    """
+
+    kind: ClassVar[str] = "kafka"
+    schemes: ClassVar[tuple[str, ...]] = ("kafka",)
+    declared_options: ClassVar[OptionSet] = Client.declared_options.extend(
+        Option("topic", optional(text()), None, "the topic to consume (required)"),
+        Option("group", optional(text()), None, "the consumer group id (required)"),
+        Option(
+            "bootstrap_servers",
+            optional(text()),
+            None,
+            "host:port[,host:port...] (instead of the URL's host)",
+        ),
+        timeout_option(10.0, "seconds a commit, seek or metadata call may take"),
+        Option(
+            "config",
+            _config,
+            {},
+            "further librdkafka settings (a dict)",
+            in_url=False,
+            secret=True,
+        ),
+        Option(
+            "consumer",
+            anything,
+            None,
+            "a ready confluent_kafka.Consumer-like object (not closed by close())",
+            in_url=False,
+            pickled=False,
+            secret=True,
+        ),
+    )
+
+    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
+        """Make (or take) the consumer and subscribe it to the topic; see the class."""
+        super().__init__(url, **options)
+        self.topic: str = self._opts["topic"]
+        self.group: str = self._opts["group"]
+        given = self._opts["consumer"]
+        self._owns_consumer = given is None
+        self._partitions: dict[tuple[str, int], _Partition] = {}
+        with self._translating_errors("connect"):
+            self._consumer: Any = self._make_consumer() if given is None else given
+            self._consumer.subscribe(
+                [self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke
+            )
+
+    @classmethod
+    def _validate(cls, url: StoreURL, options: Options) -> None:
+        """A topic, a group, bootstrap servers, and no setting that commits early."""
+        super()._validate(url, options)
+        for name in ("topic", "group"):
+            if not options[name]:
+                raise ConfigurationError(f"KafkaBroker needs {name}=<{name} name>")
+        if options["consumer"] is None:
+            if not (url.host or options["bootstrap_servers"]):
+                raise ConfigurationError(
+                    "KafkaBroker needs bootstrap servers: kafka://host:port or "
+                    "bootstrap_servers=h1:9092,h2:9092"
+                )
+            for key in _FORCED:
+                value = options["config"].get(key)
+                if value not in (None, False, "false", "False"):
+                    raise ConfigurationError(
+                        f"config {key}={value!r} would commit offsets before processing; "
+                        "KafkaBroker commits them itself, after processing"
+                    )
+
+    def _make_consumer(self) -> Any:
+        kafka = _kafka()
+        servers = self._opts["bootstrap_servers"] or (f"{self._url.host}:{self._url.port or 9092}")
+        settings = {
+            "bootstrap.servers": servers,
+            "group.id": self.group,
+            "auto.offset.reset": "earliest",
+            **self._opts["config"],
+            **_FORCED,
+        }
+        try:
+            return kafka.Consumer(settings)
+        except kafka.KafkaException as exc:
+            raise ConfigurationError(f"KafkaBroker: bad consumer settings: {exc}") from exc
+
+    def _close(self) -> None:
+        if self._owns_consumer:
+            with contextlib.suppress(Exception):
+                self._consumer.close()
+
+    def _classify_error(self, exc: BaseException) -> ErrorKind:
+        if type(exc).__name__ == "KafkaException":
+            return StoreUnavailable
+        return super()._classify_error(exc)
+
+    # ------------------------------------------------------------------ rebalances
+
+    def _state(self, topic: str, partition: int) -> _Partition:
+        return self._partitions.setdefault((topic, partition), _Partition())
+
+    def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
+        for tp in partitions:
+            self._state(tp.topic, tp.partition).outstanding.clear()
+
+    def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
+        """Commit what is done of the revoked partitions; forget what is in flight."""
+        offsets = []
+        for tp in partitions:
+            state = self._state(tp.topic, tp.partition)
+            committable = state.committable()
+            if committable is not None:
+                offsets.append(_topic_partition(tp.topic, tp.partition, committable))
+            state.outstanding.clear()
+            state.epoch += 1
+        if offsets:
+            with contextlib.suppress(Exception):  # not committed: redelivered, harmless
+                consumer.commit(offsets=offsets, asynchronous=False)
+
+    # ------------------------------------------------------------------ Broker
+
+    def fetch(self, max_count: int, wait: float) -> list[Delivery]:
+        """Up to ``max_count`` records, waiting up to ``wait`` seconds (``consume``)."""
+        self._check_open()
+        with self._translating_errors("fetch"):
+            records = self._consumer.consume(num_messages=max_count, timeout=wait)
+            out = []
+            for record in records:
+                error = record.error()
+                if error is not None:
+                    if _benign(error):
+                        continue
+                    raise _kafka_exception(error)
+                state = self._state(record.topic(), record.partition())
+                state.outstanding[record.offset()] = False
+                token = KafkaToken(record.topic(), record.partition(), record.offset(), state.epoch)
+                out.append(Delivery(token, record.value() or b"", _headers(record), None))
+            return out
+
+    def ack(self, deliveries: Sequence[Delivery]) -> None:
+        """Mark done; commit each partition's first offset not done (synchronously)."""
+        self._check_open()
+        touched = self._mark(deliveries, done=True)
+        offsets = []
+        for key in touched:
+            committable = self._partitions[key].committable()
+            if committable is not None:
+                offsets.append(_topic_partition(key[0], key[1], committable))
+        if offsets:
+            with self._translating_errors("ack"):
+                self._consumer.commit(offsets=offsets, asynchronous=False)
+
+    def nack(self, deliveries: Sequence[Delivery]) -> None:
+        """Seek each partition concerned back to its first offset not done."""
+        self._check_open()
+        touched = self._mark(deliveries, done=False)
+        with self._translating_errors("nack"):
+            for key in touched:
+                state = self._partitions[key]
+                first = state.first_not_done()
+                if first is None:
+                    continue
+                self._consumer.seek(_topic_partition(key[0], key[1], first))
+                state.outstanding.clear()  # everything from `first` on comes again
+                state.epoch += 1
+
+    def _mark(self, deliveries: Sequence[Delivery], *, done: bool) -> list[tuple[str, int]]:
+        touched: list[tuple[str, int]] = []
+        for delivery in deliveries:
+            token = delivery.token
+            if not isinstance(token, KafkaToken):
+                continue
+            key = (token.topic, token.partition)
+            state = self._partitions.get(key)
+            if state is None or state.epoch != token.epoch:
+                continue  # stale: handed out before a seek or a revocation
+            if token.offset in state.outstanding:
+                if done:
+                    state.outstanding[token.offset] = True
+                if key not in touched:
+                    touched.append(key)
+        return touched
+
+    def pending(self) -> int | None:
+        """The group's lag on this consumer's partitions (high watermark - committed)."""
+        self._check_open()
+        with self._translating_errors("pending"):
+            assigned = list(self._consumer.assignment())
+            if not assigned:
+                return None
+            committed = self._consumer.committed(assigned, timeout=self._opts["timeout"])
+            lag = 0
+            for tp in committed:
+                low, high = self._consumer.get_watermark_offsets(
+                    tp, timeout=self._opts["timeout"], cached=False
+                )
+                position = tp.offset if tp.offset >= 0 else low
+                lag += max(0, high - position)
+            return lag
+
+
+def _topic_partition(topic: str, partition: int, offset: int) -> Any:
+    return _kafka().TopicPartition(topic, partition, offset)
+
+
+def _benign(error: Any) -> bool:
+    """End of partition: not an error for a consume loop."""
+    return bool(error.code() == _kafka().KafkaError._PARTITION_EOF)
+
+
+def _kafka_exception(error: Any) -> BaseException:
+    exception: BaseException = _kafka().KafkaException(error)
+    return exception
+
+
+def _headers(record: Any) -> dict[str, str]:
+    headers = {}
+    for name, value in record.headers() or []:
+        if isinstance(value, bytes):
+            headers[name] = value.decode("utf-8", "replace")
+        elif value is not None:
+            headers[name] = str(value)
+    key = record.key()
+    if key is not None and "key" not in headers:
+        headers["key"] = key.decode("utf-8", "replace") if isinstance(key, bytes) else str(key)
+    return headers

@@ -1,0 +1,256 @@
+"""The Kafka adapter (``backends.kafka.KafkaBroker``).
+
+No real Kafka broker can be installed from the registries this project uses, so the
+logic is tested with confluent-kafka's consumer replaced by a small fake (offsets
+committed only after acks, never past a message not done; a nack seeks back to the
+first offset not done; a rebalance commits what is done and makes in-flight
+deliveries stale), and once over TCP against librdkafka's built-in mock cluster
+(``test.mock.num.brokers``: the Kafka protocol, consumer groups and offset commits,
+but not Kafka itself).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from confluent_kafka import KafkaError, Producer, TopicPartition
+
+from backends.kafka import KafkaBroker, KafkaToken
+from backends.memory import MemoryDeduplicationStore, MemoryDispatcher, MemoryEntityStore
+from dedupstore.consumers import Consumer, open_broker
+from dedupstore.errors import ConfigurationError, StoreUnavailable
+from dedupstore.outbox import Message, OutboxProcessor, Send
+
+URL = "kafka://127.0.0.1:9?topic=orders&group=billing"
+
+
+class _Error:
+    def __init__(self, code: int) -> None:
+        self._code = code
+
+    def code(self) -> int:
+        return self._code
+
+
+class _Record:
+    def __init__(self, partition: int, offset: int, error: int | None = None) -> None:
+        self._partition, self._offset, self._error = partition, offset, error
+
+    def error(self) -> _Error | None:
+        return None if self._error is None else _Error(self._error)
+
+    def topic(self) -> str:
+        return "orders"
+
+    def partition(self) -> int:
+        return self._partition
+
+    def offset(self) -> int:
+        return self._offset
+
+    def value(self) -> bytes:
+        return b'{"n": %d}' % self._offset
+
+    def key(self) -> bytes:
+        return b"o%d" % self._partition
+
+    def headers(self) -> list[tuple[str, bytes]]:
+        return [("id", b"p%d-m%d" % (self._partition, self._offset))]
+
+
+class FakeConsumer:
+    """confluent_kafka.Consumer's surface the adapter uses: partitions of ``size``
+    records each, a position per partition, the commits and seeks it was sent."""
+
+    def __init__(self, partitions: int = 2, size: int = 5) -> None:
+        self.size = size
+        self.position = dict.fromkeys(range(partitions), 0)
+        self.commits: list[dict[int, int]] = []
+        self.seeks: list[tuple[int, int]] = []
+        self.on_assign: Callable[..., None] | None = None
+        self.on_revoke: Callable[..., None] | None = None
+        self.fail_next: Exception | None = None
+
+    def subscribe(self, topics: list[str], on_assign: Any, on_revoke: Any) -> None:
+        assert topics == ["orders"]
+        self.on_assign, self.on_revoke = on_assign, on_revoke
+        on_assign(self, [TopicPartition("orders", p) for p in self.position])
+
+    def consume(self, num_messages: int, timeout: float) -> list[_Record]:
+        if self.fail_next is not None:
+            error, self.fail_next = self.fail_next, None
+            raise error
+        out: list[_Record] = []
+        for partition in self.position:
+            while self.position[partition] < self.size and len(out) < num_messages:
+                out.append(_Record(partition, self.position[partition]))
+                self.position[partition] += 1
+        return out
+
+    def commit(self, offsets: list[TopicPartition], asynchronous: bool) -> None:
+        assert asynchronous is False
+        self.commits.append({tp.partition: tp.offset for tp in offsets})
+
+    def seek(self, tp: TopicPartition) -> None:
+        self.seeks.append((tp.partition, tp.offset))
+        self.position[tp.partition] = tp.offset
+
+    def close(self) -> None:
+        raise AssertionError("a consumer given by the caller is not closed by the broker")
+
+
+@pytest.fixture
+def fake() -> FakeConsumer:
+    return FakeConsumer()
+
+
+@pytest.fixture
+def broker(fake: FakeConsumer) -> Iterator[KafkaBroker]:
+    opened = KafkaBroker(URL, consumer=fake)
+    yield opened
+    opened.close()
+
+
+def _by_offset(deliveries: list[Any], partition: int) -> list[Any]:
+    return [d for d in deliveries if d.token.partition == partition]
+
+
+def test_offsets_are_committed_only_after_acks_and_never_past_a_message_not_done(
+    broker: KafkaBroker, fake: FakeConsumer
+) -> None:
+    got = broker.fetch(10, 0.0)
+    assert len(got) == 10
+    assert fake.commits == [], "committed before processing"
+    first = got[0]
+    assert first.token == KafkaToken("orders", 0, 0, 0)
+    assert first.headers == {"id": "p0-m0", "key": "o0"}
+    assert (first.body, first.deliveries) == (b'{"n": 0}', None)
+    p0 = _by_offset(got, 0)
+    broker.ack([p0[0], p0[1], p0[3]])  # offset 2 is not done yet
+    assert fake.commits == [{0: 2}]
+    broker.ack([p0[2]])
+    assert fake.commits[-1] == {0: 4}
+    broker.ack([p0[2]])  # again: nothing new to commit
+    assert len(fake.commits) == 2
+    broker.ack([*_by_offset(got, 1), p0[4]])
+    assert fake.commits[-1] == {0: 5, 1: 5}
+
+
+def test_a_nack_seeks_back_to_the_first_offset_not_done(
+    broker: KafkaBroker, fake: FakeConsumer
+) -> None:
+    p0 = _by_offset(broker.fetch(10, 0.0), 0)
+    broker.ack([p0[0], p0[3]])
+    broker.nack([p0[2]])
+    assert fake.seeks == [(0, 1)], "not back to the first offset not done (1)"
+    broker.ack([p0[1], p0[4]])  # handed out before the seek: stale, ignored
+    assert fake.commits == [{0: 1}]
+    again = broker.fetch(10, 0.0)
+    assert [d.token.offset for d in again] == [1, 2, 3, 4]
+    assert {d.token.epoch for d in again} == {1}
+    broker.ack(again)
+    assert fake.commits[-1] == {0: 5}
+
+
+def test_a_revocation_commits_what_is_done_and_makes_the_rest_stale(
+    broker: KafkaBroker, fake: FakeConsumer
+) -> None:
+    p1 = _by_offset(broker.fetch(10, 0.0), 1)
+    broker.ack([p1[0]])
+    broker.ack([p1[2]])
+    assert fake.commits == [{1: 1}]
+    assert fake.on_revoke is not None
+    fake.on_revoke(fake, [TopicPartition("orders", 1)])  # a rebalance takes partition 1
+    broker.ack([p1[1]])  # in flight during the rebalance: the new owner redelivers it
+    assert fake.commits == [{1: 1}], "committed past what the new owner must redeliver"
+
+
+def test_end_of_partition_is_skipped_and_kafka_errors_are_unavailable(
+    broker: KafkaBroker, fake: FakeConsumer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from confluent_kafka import KafkaException
+
+    monkeypatch.setattr(
+        fake,
+        "consume",
+        lambda num_messages, timeout: [_Record(0, 0, KafkaError._PARTITION_EOF), _Record(0, 1)],
+    )
+    assert [d.token.offset for d in broker.fetch(10, 0.0)] == [1]
+    monkeypatch.undo()
+    fake.fail_next = KafkaException(KafkaError(KafkaError._TRANSPORT))
+    with pytest.raises(StoreUnavailable):
+        broker.fetch(10, 0.0)
+
+
+def test_bad_options_are_refused_before_any_io(monkeypatch: pytest.MonkeyPatch) -> None:
+    for url, options, match in [
+        ("kafka://127.0.0.1:9?group=g", {}, "needs topic="),
+        ("kafka://127.0.0.1:9?topic=t", {}, "needs group="),
+        ("kafka://?topic=t&group=g", {}, "bootstrap servers"),
+        (URL, {"config": {"enable.auto.commit": True}}, "before processing"),
+        (URL, {"config": {"enable.auto.offset.store": "true"}}, "before processing"),
+        (URL, {"config": "x"}, "config"),
+    ]:
+        with pytest.raises(ConfigurationError, match=match):
+            open_broker(url, **options)
+    monkeypatch.setitem(sys.modules, "confluent_kafka", None)  # not installed
+    with pytest.raises(ConfigurationError, match=r"pip install 'dedupstore\[kafka\]'"):
+        open_broker(URL)
+
+
+# ---------------------------------------------------------------- librdkafka's mock cluster
+
+
+def count(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+    applied = [*state.get("applied", []), message.id]
+    return {"applied": applied}, [Send("next", {"id": message.id})]
+
+
+@pytest.mark.timeout(120)
+def test_over_the_kafka_protocol_a_restarted_consumer_resumes_after_what_was_acked() -> None:
+    """librdkafka's mock cluster: produce, consume with the loop, close half way; a new
+    consumer of the group starts at the committed offset (nothing lost, nothing
+    applied twice: the redelivered message is a duplicate)."""
+    producer = Producer({"test.mock.num.brokers": 1, "log_level": 0})
+    [broker_md] = producer.list_topics(timeout=10).brokers.values()
+    servers, topic = f"{broker_md.host}:{broker_md.port}", f"t-{uuid.uuid4().hex[:8]}"
+    for n in range(6):
+        headers = {"id": f"m{n}", "correlation_id": "o1"}
+        producer.produce(topic, value=b'{"n": %d}' % n, headers=headers, partition=0)
+    assert producer.flush(10) == 0
+    name = uuid.uuid4().hex
+    processor = OutboxProcessor(
+        MemoryEntityStore(f"memory://{name}"),
+        MemoryDeduplicationStore(f"memory://{name}"),
+        MemoryDispatcher(f"memory://{name}"),
+    )
+    fast = {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500, "log_level": 0}
+
+    def opened() -> KafkaBroker:
+        made = open_broker(
+            f"kafka://{servers}?topic={topic}&group=billing-{name}", config=dict(fast)
+        )
+        assert isinstance(made, KafkaBroker)
+        return made
+
+    first = opened()
+    consumer = Consumer(first, processor, count, batch_size=4, max_deliveries=None, wait=1.0)
+    done = 0
+    while done < 4:
+        done += consumer.run_once().acked
+    assert first.pending() == 6 - done
+    first.close()
+
+    second = opened()
+    consumer = Consumer(second, processor, count, batch_size=10, max_deliveries=None, wait=1.0)
+    started = time.monotonic()
+    while processor.entities.load("o1").state.get("applied", []) != [f"m{n}" for n in range(6)]:
+        consumer.run_once()
+        assert time.monotonic() - started < 90, "the second consumer got no assignment"
+    assert second.pending() == 0
+    second.close()
