@@ -22,6 +22,10 @@ from tests.outbox_backends import OutboxBackend, backend_params
 
 NETWORK = ("postgres", "redis", "dynamodb", "cosmos")
 
+#: A connection option no other client of the session has: clients left open by other
+#: tests of the same process must not share (and so count) these tests' connections.
+_ALONE = {"connect_timeout": 3 + uuid.uuid4().int % 10**6 / 10**7}
+
 network = pytest.mark.parametrize("outbox_backend", backend_params(NETWORK), indirect=True)
 
 
@@ -52,9 +56,9 @@ def _works(backend: OutboxBackend, *clients: Client) -> None:
 @network
 def test_the_stores_of_one_server_share_one_connection(outbox_backend: OutboxBackend) -> None:
     entities, dedup, again = (
-        outbox_backend.entities(),
-        outbox_backend.dedup(),
-        outbox_backend.dedup(),
+        outbox_backend.entities(**_ALONE),
+        outbox_backend.dedup(**_ALONE),
+        outbox_backend.dedup(**_ALONE),
     )
     shared = _shared(entities)
     assert _shared(dedup) is shared and _shared(again) is shared
@@ -66,7 +70,7 @@ def test_the_stores_of_one_server_share_one_connection(outbox_backend: OutboxBac
     _works(outbox_backend, again)  # the last holder's connection is still open
     again.close()
     assert _holders(again) == 0  # the last close closed it: a new client makes a new one
-    fresh = outbox_backend.dedup()
+    fresh = outbox_backend.dedup(**_ALONE)
     try:
         assert _shared(fresh) is not shared
         _works(outbox_backend, fresh)
@@ -78,8 +82,8 @@ def test_the_stores_of_one_server_share_one_connection(outbox_backend: OutboxBac
 def test_other_connection_options_get_their_own_connection(
     outbox_backend: OutboxBackend,
 ) -> None:
-    dedup = outbox_backend.dedup()
-    slower = outbox_backend.dedup(timeout=29)
+    dedup = outbox_backend.dedup(**_ALONE)
+    slower = outbox_backend.dedup(timeout=29, **_ALONE)
     try:
         assert _shared(slower) is not _shared(dedup)
         _works(outbox_backend, dedup, slower)
@@ -92,7 +96,7 @@ def test_other_connection_options_get_their_own_connection(
 def test_a_copy_unpickled_in_the_same_process_shares_the_connection(
     outbox_backend: OutboxBackend,
 ) -> None:
-    dedup = outbox_backend.dedup()
+    dedup = outbox_backend.dedup(**_ALONE)
     copy = pickle.loads(pickle.dumps(dedup))
     try:
         assert _shared(copy) is _shared(dedup)
@@ -106,7 +110,7 @@ def test_a_copy_unpickled_in_the_same_process_shares_the_connection(
 def test_a_forked_child_makes_its_own_and_leaves_the_parents_alone(
     outbox_backend: OutboxBackend,
 ) -> None:
-    entities, dedup = outbox_backend.entities(), outbox_backend.dedup()
+    entities, dedup = outbox_backend.entities(**_ALONE), outbox_backend.dedup(**_ALONE)
     _works(outbox_backend, entities, dedup)
     parent_id = id(_shared(dedup))
     read, write = os.pipe()
@@ -139,9 +143,9 @@ def test_a_forked_child_makes_its_own_and_leaves_the_parents_alone(
 def test_the_redis_dispatcher_shares_the_stores_connection(
     outbox_backend: OutboxBackend,
 ) -> None:
-    dedup = outbox_backend.dedup()
+    dedup = outbox_backend.dedup(**_ALONE)
     url = outbox_backend.dedup_url.split("?")[0]
-    dispatcher = dispatchers.open(f"{url}?key_prefix=out{uuid.uuid4().hex[:8]}:")
+    dispatcher = dispatchers.open(f"{url}?key_prefix=out{uuid.uuid4().hex[:8]}:", **_ALONE)
     try:
         assert _shared(dispatcher) is _shared(dedup)  # type: ignore[arg-type]
     finally:
