@@ -12,7 +12,6 @@ but not Kafka itself).
 from __future__ import annotations
 
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -248,9 +247,9 @@ def test_over_the_kafka_protocol_a_restarted_consumer_resumes_after_what_was_ack
 
     second = opened()
     consumer = Consumer(second, processor, count, batch_size=10, max_deliveries=None, wait=1.0)
-    started = time.monotonic()
+    # until the group gives the second consumer the partition: bounded by the test's
+    # timeout (a consumer that never gets an assignment fails it there), not timed here
     while processor.entities.load("o1").state.get("applied", []) != [f"m{n}" for n in range(6)]:
         consumer.run_once()
-        assert time.monotonic() - started < 90, "the second consumer got no assignment"
     assert second.pending() == 0
     second.close()

@@ -79,6 +79,12 @@ CONNECTION_OPTIONS: tuple[Option, ...] = (
 )
 
 
+def deadline_seconds(options: Options) -> float:
+    """One call's bound, for the dispatcher and the broker alike:
+    ``(retries + 1) x (connect_timeout + timeout)`` (each attempt may reconnect)."""
+    return float((options["retries"] + 1) * (options["connect_timeout"] + options["timeout"]))
+
+
 def vhost(url: StoreURL) -> str:
     """The virtual host named by the URL's path (``''``, ``/`` or ``/%2F``: ``/``)."""
     path = url.path[1:] if url.path.startswith("/") else url.path

@@ -67,6 +67,7 @@ from backends.rabbitmq._client import (
     CONNECTION_OPTIONS,
     classify,
     connect,
+    deadline_seconds,
     expiring,
     parse_url,
     queue_arguments,
@@ -183,8 +184,7 @@ class RabbitMQBroker(Client, Broker):
 
     def _deadline_seconds(self) -> float:
         """``(retries + 1) x (connect_timeout + timeout)``, as the dispatcher's."""
-        opts = self._opts
-        return float((opts["retries"] + 1) * (opts["connect_timeout"] + opts["timeout"]))
+        return deadline_seconds(self._opts)
 
     # ------------------------------------------------------------------ connection
 

@@ -62,6 +62,7 @@ from backends.rabbitmq._client import (
     Expiry,
     classify,
     connect,
+    deadline_seconds,
     expiring,
     parse_url,
     queue_arguments,
@@ -187,8 +188,7 @@ class RabbitMQDispatcher(URLDispatcher):
 
     def _deadline_seconds(self) -> float:
         """``(retries + 1) x (connect_timeout + timeout)``: see the module."""
-        opts = self._opts
-        return float((opts["retries"] + 1) * (opts["connect_timeout"] + opts["timeout"]))
+        return deadline_seconds(self._opts)
 
     # ------------------------------------------------------------------ connection
 
