@@ -293,9 +293,7 @@ def headers_of(value: Any) -> dict[str, str]:
 Convert = Callable[[Any], Any]
 
 
-def body_reader(
-    schema: T.StructType, names: Sequence[str]
-) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
+def body_reader(schema: T.StructType, names: Sequence[str]) -> BodyReader:
     """A function from an Arrow row (``to_pylist``) to the body dict of ``names``.
 
     Checked on the driver: a type that cannot reach Python raises ConfigurationError
@@ -307,10 +305,10 @@ def body_reader(
         convert = _converter(kinds[name], name, kinds[name])
         if convert is not None:
             converters.append((name, convert))
-    return _BodyReader(tuple(names), tuple(converters))
+    return BodyReader(tuple(names), tuple(converters))
 
 
-class _BodyReader:
+class BodyReader:
     """Picklable: the column names and the converters of the columns that need one."""
 
     def __init__(self, names: tuple[str, ...], converters: tuple[tuple[str, Convert], ...]) -> None:
@@ -324,6 +322,17 @@ class _BodyReader:
             if value is not None:
                 body[name] = convert(value)
         return body
+
+    def rows(self, columns: Mapping[str, list[Any]], count: int) -> list[dict[str, Any]]:
+        """The bodies of ``count`` rows given as columns (``to_pylist`` of each):
+        what calling this reader on each row gives."""
+        names = self.names
+        if not names:
+            return [{} for _ in range(count)]
+        values = {name: columns[name] for name in names}
+        for name, convert in self.converters:
+            values[name] = [None if v is None else convert(v) for v in values[name]]
+        return [dict(zip(names, row, strict=True)) for row in zip(*values.values(), strict=True)]
 
 
 def _utc(value: dt.datetime) -> dt.datetime:

@@ -44,7 +44,7 @@ from dedupstore.errors import (
     InvalidMessageId,
     format_error,
 )
-from dedupstore.ids import message_key, validate_message_id, validate_name
+from dedupstore.ids import message_key, plain_ids, validate_message_id, validate_name
 from dedupstore.outbox import (
     BeforeCleanup,
     Handler,
@@ -396,11 +396,10 @@ def _processing(
             step = _BatchRunner(task, handler, processor_options, retries, journal)
             pending: list[Message] = []
             for batch in batches:
-                for row in batch.to_pylist():
-                    pending.append(rows.message(row, step.invalid if dead_letters else None))
-                    if len(pending) >= batch_size:
-                        yield step.run(pending)
-                        pending = []
+                pending.extend(rows.messages(batch, step.invalid if dead_letters else None))
+                while len(pending) >= batch_size:
+                    yield step.run(pending[:batch_size])
+                    del pending[:batch_size]
             if pending:
                 yield step.run(pending)
 
@@ -417,13 +416,37 @@ class _Rows:
         correlation_col: str,
         order_col: str | None,
         headers_col: str | None,
-        body: Callable[[Mapping[str, Any]], dict[str, Any]],
+        body: C.BodyReader,
     ) -> None:
         self.id_col = id_col
         self.correlation_col = correlation_col
         self.order_col = order_col
         self.headers_col = headers_col
         self.body = body
+
+    def messages(
+        self, batch: pa.RecordBatch, invalid: dict[tuple[str, str], str] | None = None
+    ) -> list[Message]:
+        """The messages of an Arrow batch's rows, in order, as :meth:`message` makes them.
+
+        Column by column: each column becomes Python values once (``to_pylist``), the
+        bodies are zipped from them, and the ids are checked in one pass; when an id
+        is null or not a plain valid id, every row goes through :meth:`message`.
+        """
+        names = batch.schema.names
+        columns = {name: batch.column(i).to_pylist() for i, name in enumerate(names)}
+        ids, cids = columns[C.ID], columns[C.CID]
+        if not plain_ids(ids) or not plain_ids(cids):
+            return [
+                self.message({name: columns[name][i] for name in names}, invalid)
+                for i in range(batch.num_rows)
+            ]
+        bodies = self.body.rows(columns, batch.num_rows)
+        if self.headers_col:
+            headers = [C.headers_of(value) for value in columns[self.headers_col]]
+        else:
+            headers = [{} for _ in ids]
+        return list(map(Message, ids, cids, bodies, headers))
 
     def message(
         self, row: Mapping[str, Any], invalid: dict[tuple[str, str], str] | None = None
@@ -524,7 +547,8 @@ class _BatchRunner:
 
         self._batches += 1
         if self._journal is None:
-            return pa.RecordBatch.from_pylist(self._rows(messages, None), schema=self._schema)
+            results, attempts = self._results(messages, None)
+            return _result_batch(messages, results, attempts, self._schema)
         batch = self._journal.batch_name(messages, self._batches)
         recorded = self._journal.read(batch)
         rows = self._rows(messages, _Recorder(self._journal, batch, messages, recorded))
@@ -534,6 +558,13 @@ class _BatchRunner:
         return pa.RecordBatch.from_pylist(rows, schema=self._schema)
 
     def _rows(self, messages: list[Message], record: _Recorder | None) -> list[dict[str, Any]]:
+        results, attempts = self._results(messages, record)
+        return [_row(m, r, attempts) for m, r in zip(messages, results, strict=True)]
+
+    def _results(
+        self, messages: list[Message], record: _Recorder | None
+    ) -> tuple[list[ProcessResult], int]:
+        """The batch's results, and the attempts it took (transient errors re-run it)."""
         results: list[ProcessResult] = []
         attempts = 0
         for attempt in Retrying(
@@ -548,7 +579,27 @@ class _BatchRunner:
                 if record is not None:
                     record.batch_attempts = attempts
                 results = self._process(messages, record)
-        return [_row(m, r, attempts) for m, r in zip(messages, results, strict=True)]
+        return results, attempts
+
+
+def _result_batch(
+    messages: list[Message], results: list[ProcessResult], attempts: int, schema: pa.Schema
+) -> pa.RecordBatch:
+    """The result rows of a batch (:data:`PROCESS_SCHEMA`, as :func:`_row` gives them),
+    built column by column."""
+    import pyarrow as pa
+
+    columns = [
+        [r.message_id for r in results],
+        [m.correlation_id for m in messages],
+        [r.outcome for r in results],
+        [[o.id for o in r.outgoing] for r in results],
+        [r.attempts for r in results],
+        [attempts] * len(results),
+        [r.error for r in results],
+    ]
+    arrays = [pa.array(values, type=f.type) for values, f in zip(columns, schema, strict=True)]
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
 def _row(message: Message, result: ProcessResult, batch_attempts: int) -> dict[str, Any]:
