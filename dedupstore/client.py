@@ -334,7 +334,17 @@ class Client(Closing, abc.ABC):
         and never closes it.
         """
         options = tuple((name, self._opts[name]) for name in self.connection_options)
-        return ProcessLocal(factory, close, key=(self._connection_family, address, options))
+        self._connection_key = (self._connection_family, address, options)
+        return ProcessLocal(factory, close, key=self._connection_key)
+
+    #: The key of the shared connection (:meth:`_shared_connection`); None: not shared.
+    _connection_key: Hashable | None = None
+
+    def _shares_connection_with(self, other: Client) -> bool:
+        """Whether ``other`` uses the very connection this object uses (same server,
+        same credentials and connection options, in this process): then one request
+        can carry the work of both (:meth:`EntityStore._joined`)."""
+        return self._connection_key is not None and self._connection_key == other._connection_key
 
     @property
     def _connection_family(self) -> str:

@@ -18,7 +18,7 @@ import functools
 import hashlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
 from dedupstore import canonical
 from dedupstore.client import Client
@@ -26,6 +26,9 @@ from dedupstore.errors import ConcurrencyConflict, EntityTooLarge, InvalidMessag
 from dedupstore.ids import plain_ids, validate_ids, validate_message_id
 from dedupstore.options import OptionSet
 from dedupstore.urls import StoreURL
+
+if TYPE_CHECKING:
+    from dedupstore.store import DeduplicationStore, WriteRequest
 
 T = TypeVar("T")
 
@@ -450,6 +453,85 @@ class EntityStore(Client):
                 else:
                     conflicts.add(record.id)
         return conflicts
+
+    # ------------------------------------------------------------------ with a deduplication store
+
+    def _joined(self, dedup: DeduplicationStore) -> bool:
+        """Whether one request can do the work of this store and ``dedup`` together.
+
+        True when the backend implements :meth:`_load_with` and :meth:`_save_with`
+        and the two stores share one connection (one server, one transaction or
+        script domain). Then :meth:`_load_checked` costs one round trip instead of
+        two and :meth:`_save_recording` one atomic write instead of two.
+        """
+        return False
+
+    def _load_checked(
+        self, entity_id: str, dedup: DeduplicationStore, key: str
+    ) -> tuple[Entity, bool | None]:
+        """The entity and, when joined with ``dedup``, whether ``key`` is recorded there.
+
+        Joined (:meth:`_joined`): one round trip reads both. Otherwise the entity
+        only, and ``None``: the caller asks ``dedup`` if it needs to. Raises what
+        :meth:`load` and ``has_been_processed`` raise.
+        """
+        if not self._joined(dedup):
+            return self.load(entity_id), None
+        eid = validate_message_id(entity_id, "entity id")
+        mid = validate_message_id(key)
+        self._check_open()
+        dedup._check_open()
+        with self._translating_errors("load_and_check"):
+            found, recorded = self._load_with(dedup, eid, mid)
+        entity = Entity(eid) if found is None else decode_entity(eid, found[0], found[1])
+        return entity, recorded
+
+    def _save_recording(self, entity: Entity, dedup: DeduplicationStore, key: str) -> None:
+        """Record ``key`` in ``dedup``, then save ``entity`` (the clean-up of one message).
+
+        Joined (:meth:`_joined`): both in one atomic request, the record written
+        first, so the entity never loses the entry of a message that is not
+        recorded. Otherwise ``dedup.add(key)`` then :meth:`save`. Raises
+        ``ConcurrencyConflict`` when the entity changed since it was loaded (``key``
+        is recorded all the same: the entry stays in the stored outbox and a retry
+        finds it there), and what ``add`` and :meth:`save` raise.
+        """
+        if not self._joined(dedup):
+            dedup.add(key)
+            self.save(entity)
+            return
+        mid = validate_message_id(key)
+        record = self._record(entity)
+        self._check_open()
+        dedup._check_open()
+        versions: dict[str, Any] = {}
+
+        def write(request: WriteRequest) -> set[str]:
+            added, saved = self._save_with(dedup, request, record)
+            versions.update(saved)
+            return added
+
+        dedup._write_chunk([mid], single=True, write=write, operation="add_and_save")
+        if record.id not in versions:
+            raise ConcurrencyConflict(
+                f"entity {entity.id!r:.80} was saved by someone else since it was loaded"
+            )
+        entity.version = versions[record.id]
+
+    def _load_with(
+        self, dedup: DeduplicationStore, entity_id: str, key: str
+    ) -> tuple[tuple[str, Any] | None, bool]:
+        """Joined backends: ``_load([entity_id])``'s record (or None) and whether
+        ``dedup`` holds a live record of ``key``, read in one round trip."""
+        raise NotImplementedError
+
+    def _save_with(
+        self, dedup: DeduplicationStore, request: WriteRequest, record: EntityRecord
+    ) -> tuple[set[str], dict[str, Any]]:
+        """Joined backends, atomically in one request: ``dedup._add_new(request)``,
+        then ``_save([record])``; both results. Nothing of the save is written if the
+        add fails."""
+        raise NotImplementedError
 
     def pending_outboxes(self, segment: int = 0, segments: int = 1) -> Iterator[Entity]:
         """Entities whose outbox is not empty, in segment ``segment`` of ``segments``.

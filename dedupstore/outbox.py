@@ -243,6 +243,11 @@ class OutboxProcessor:
         self.deferred_limit = deferred_limit
         #: valid destinations the handler named, as JSON strings (checked once each)
         self._destinations: dict[str, str] = {}
+        # The two stores share a server: process() loads the entity and checks the id
+        # in one round trip, and the inline clean-up is one atomic write. (getattr: an
+        # entity store that wraps another need not implement the joined calls.)
+        joined = getattr(entities, "_joined", None)
+        self._joined: bool = joined is not None and bool(joined(dedup))
 
     @property
     def consumer(self) -> str:
@@ -307,9 +312,12 @@ class OutboxProcessor:
         outgoing: list[OutgoingMessage] | None
         for attempt in range(1, self.max_attempts + 1):
             try:
-                entity = self.entities.load(cid)
+                if self._joined:
+                    entity, recorded = self.entities._load_checked(cid, self.dedup, key)
+                else:
+                    entity, recorded = self.entities.load(cid), None
                 if mid not in entity.outbox:
-                    if self.dedup.has_been_processed(key):
+                    if recorded if recorded is not None else self.dedup.has_been_processed(key):
                         done: Outcome = outcome if applied and outcome else "duplicate"
                         return ProcessResult(mid, done, (), attempt, error)
                     outgoing, error = self._apply(entity, message, handler)
@@ -493,9 +501,13 @@ class OutboxProcessor:
     def _clean_up(self, entity: Entity, mid: str) -> None:
         """Step 5 for one message on a loaded entity (saves it)."""
         if self.cleanup == "inline":
-            self.dedup.add(message_key(entity.id, mid))
+            key = message_key(entity.id, mid)
             _remove(entity, mid)
-            self.entities.save(entity)
+            if self._joined:  # one atomic request, the id recorded first
+                self.entities._save_recording(entity, self.dedup, key)
+            else:
+                self.dedup.add(key)
+                self.entities.save(entity)
         elif entity.outbox[mid] is not None:
             _dispatched(entity, mid)
             if self._over_limit(entity):

@@ -281,8 +281,20 @@ class DeduplicationStore(Client):
 
     # ------------------------------------------------------------------ helpers
 
-    def _write_chunk(self, ids: list[str], single: bool = False) -> set[str]:
-        """Write one chunk under a fresh token; remember the tokens if it fails."""
+    def _write_chunk(
+        self,
+        ids: list[str],
+        single: bool = False,
+        write: Callable[[WriteRequest], set[str]] | None = None,
+        operation: str | None = None,
+    ) -> set[str]:
+        """Write one chunk under a fresh token; remember the tokens if it fails.
+
+        ``write`` (a request's ids recorded: :meth:`_add_new` by default) lets a
+        caller write the chunk together with other work in one request
+        (:meth:`dedupstore.entities.EntityStore._save_recording`), under
+        ``operation``'s name in errors and metrics.
+        """
         token = secrets.token_urlsafe(12)
         with self._pending_lock:
             popped = (self._pending.pop(mid, ()) for mid in ids) if self._pending else ()
@@ -297,7 +309,9 @@ class DeduplicationStore(Client):
             retention=self._retention_seconds,
         )
         try:
-            with self._translating_errors("add" if single else "add_many"):
+            with self._translating_errors(operation or ("add" if single else "add_many")):
+                if write is not None:
+                    return write(request)
                 if single:
                     return set(ids) if self._add_one(request) else set()
                 return self._add_new(request)

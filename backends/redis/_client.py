@@ -38,6 +38,7 @@ replication is asynchronous unless ``wait_replicas`` is set.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import re
@@ -125,6 +126,12 @@ def key_prefix_option(default: str) -> Option:
     return Option(
         "key_prefix", _key_prefix, default, "namespace of the keys: '' or ending with ':'"
     )
+
+
+@functools.cache
+def _sha1(source: str) -> str:
+    """The SHA-1 ``EVALSHA`` names a script by."""
+    return hashlib.sha1(source.encode()).hexdigest()
 
 
 def text_of(value: bytes | str) -> str:
@@ -253,7 +260,7 @@ class RedisClient(Client):
         self._key_prefix: str = self._opts["key_prefix"]
         self._wait_replicas: int = self._opts["wait_replicas"]
         self._wait_timeout_ms: int = self._opts["wait_timeout_ms"]
-        self._script_sha = hashlib.sha1(self._script_source.encode()).hexdigest()
+        self._script_sha = _sha1(self._script_source)
         given: redis.Redis | None = self._opts["client"]
         url = self._url
         self._conn = (
@@ -372,10 +379,28 @@ class RedisClient(Client):
 
     # ------------------------------------------------------------------ the write script
 
+    def _shares_server_with(self, other: Client) -> bool:
+        """Whether ``other`` is a Redis client of the same connection whose writes wait
+        and retry alike: one script may then do the writes of both."""
+        return (
+            isinstance(other, RedisClient)
+            and self._shares_connection_with(other)
+            and all(
+                self._opts[name] == other._opts[name]
+                for name in ("retries", "wait_replicas", "wait_timeout_ms")
+            )
+        )
+
     def _run_script(
-        self, keys: list[str], args: list[str], resent_args: list[str] | None = None
+        self,
+        keys: list[str],
+        args: list[str],
+        resent_args: list[str] | None = None,
+        source: str | None = None,
     ) -> Any:
         """Run the write script (then ``WAIT`` when configured); return its answer.
+
+        ``source``: another script than the store's own (loaded on first use).
 
         Each attempt takes one pooled connection and sends ``EVALSHA`` (plus ``WAIT``);
         a connection error or timeout after the request was sent means the script
@@ -386,18 +411,22 @@ class RedisClient(Client):
         Raises the redis-py error of the last attempt, or ``StoreUnavailable`` when
         fewer than ``wait_replicas`` replicas confirmed the write in time.
         """
-        commands: list[tuple[Any, ...]] = [("EVALSHA", self._script_sha, len(keys), *keys, *args)]
+        if source is None:
+            source, sha = self._script_source, self._script_sha
+        else:
+            sha = _sha1(source)
+        commands: list[tuple[Any, ...]] = [("EVALSHA", sha, len(keys), *keys, *args)]
         if self._wait_replicas:
             commands.append(("WAIT", self._wait_replicas, self._wait_timeout_ms))
         sent: list[bool] = []
 
         def attempt() -> list[Any]:
             if sent and resent_args is not None:
-                commands[0] = ("EVALSHA", self._script_sha, len(keys), *keys, *resent_args)
+                commands[0] = ("EVALSHA", sha, len(keys), *keys, *resent_args)
             try:
                 return self._send(commands, sent)
             except NoScriptError:  # the script did not run: load it, send again at once
-                self._client.script_load(self._script_source)
+                self._client.script_load(source)
                 return self._send(commands, sent)
 
         def log(state: Any) -> None:

@@ -62,9 +62,11 @@ from backends.redis._client import (
     escape,
     key_prefix_option,
 )
+from backends.redis.store import RedisDeduplicationStore
 from dedupstore.entities import EntityRecord, EntityStore, groups_by_size
 from dedupstore.errors import StoreUnavailable
 from dedupstore.options import OptionSet
+from dedupstore.store import DeduplicationStore, WriteRequest
 from dedupstore.urls import StoreURL
 
 __all__ = ["RedisEntityStore", "buckets_key", "entity_key", "pending_key"]
@@ -138,6 +140,42 @@ for _, i in ipairs(todo) do
 end
 return result
 """
+
+
+@functools.cache
+def _joint_script(add_source: str) -> str:
+    """One script running the deduplication store's write script, then the save script.
+
+    KEYS: the add's keys, then the save's; ARGV: the number of the add's keys and of
+    its arguments, its arguments, then the save's. An error of the add returns before
+    the save runs; the answer is ``{add's answer, save's answer}``. Redis runs it
+    atomically: the record and the entity are written together or, on an error reply
+    of the save (a foreign key), the record alone, as the two calls in turn would.
+    """
+    return f"""
+local function add(KEYS, ARGV)
+{add_source}
+end
+local function save(KEYS, ARGV)
+{_SAVE_SCRIPT}
+end
+local nkeys, nargs = tonumber(ARGV[1]), tonumber(ARGV[2])
+local add_keys, add_args, save_keys, save_args = {{}}, {{}}, {{}}, {{}}
+for i = 1, #KEYS do
+  local into = i <= nkeys and add_keys or save_keys
+  into[#into + 1] = KEYS[i]
+end
+for i = 3, #ARGV do
+  local into = i - 2 <= nargs and add_args or save_args
+  into[#into + 1] = ARGV[i]
+end
+local added = add(add_keys, add_args)
+if added['err'] then return added end
+local saved = save(save_keys, save_args)
+if saved['err'] then return saved end
+return {{added, saved}}
+"""
+
 
 #: Bodies per script call, in bytes (a call holds at least one entity).
 _MAX_CALL_BYTES = 16 * 1024 * 1024
@@ -223,14 +261,54 @@ class RedisEntityStore(RedisClient, EntityStore):
             lambda pipe: [pipe.hmget(self._key(eid), ["b", "v"]) for eid in ids]
         )
         found: dict[str, tuple[str, Any]] = {}
-        for eid, (body, stored) in zip(ids, replies, strict=True):
-            if body is None and stored is None:
-                continue
-            version = _version(stored)
-            if body is None or version is None:
-                raise self._foreign_value_error(f"{self._key(eid)[:200]!r} is not an entity")
-            found[eid] = (_body(body), version)
+        for eid, reply in zip(ids, replies, strict=True):
+            record = self._loaded(eid, reply)
+            if record is not None:
+                found[eid] = record
         return found
+
+    def _loaded(self, entity_id: str, reply: list[Any]) -> tuple[str, int] | None:
+        """``(body, version)`` from an ``HMGET b v`` answer; None for no entity."""
+        body, stored = reply
+        if body is None and stored is None:
+            return None
+        version = _version(stored)
+        if body is None or version is None:
+            raise self._foreign_value_error(f"{self._key(entity_id)[:200]!r} is not an entity")
+        return _body(body), version
+
+    # ------------------------------------------------------------------ with a dedup store
+
+    def _joined(self, dedup: DeduplicationStore) -> bool:
+        """A Redis deduplication store on this store's connection (same server)."""
+        return isinstance(dedup, RedisDeduplicationStore) and self._shares_server_with(dedup)
+
+    def _load_with(
+        self, dedup: DeduplicationStore, entity_id: str, key: str
+    ) -> tuple[tuple[str, Any] | None, bool]:
+        """``HMGET`` of the entity and ``GET`` of the record, pipelined: one round trip."""
+        assert isinstance(dedup, RedisDeduplicationStore)
+        record_key = dedup._record_key(key)
+
+        def build(pipe: Any) -> None:
+            pipe.hmget(self._key(entity_id), ["b", "v"])
+            pipe.get(record_key)
+
+        entity, record = self._pipelined(build)
+        return self._loaded(entity_id, entity), dedup._recorded(record)
+
+    def _save_with(
+        self, dedup: DeduplicationStore, request: WriteRequest, record: EntityRecord
+    ) -> tuple[set[str], dict[str, Any]]:
+        """The deduplication store's script, then this store's, in one script run."""
+        assert isinstance(dedup, RedisDeduplicationStore)
+        add_keys, add_args = dedup._add_call(request)
+        keys, args, resent = self._save_call([record], secrets.token_hex(16))
+        head = [str(len(add_keys)), str(len(add_args)), *add_args]
+        added, saved = self._run_script(
+            add_keys + keys, head + args, head + resent, _joint_script(dedup._script_source)
+        )
+        return dedup._added(request, added), self._saved([record], saved)
 
     def _save(self, records: list[EntityRecord]) -> dict[str, Any]:
         """One script call per group of records (up to 16 MiB of bodies)."""
@@ -241,6 +319,13 @@ class RedisEntityStore(RedisClient, EntityStore):
         return saved
 
     def _save_group(self, records: list[EntityRecord], token: str) -> dict[str, int]:
+        keys, args, resent = self._save_call(records, token)
+        return self._saved(records, self._run_script(keys, args, resent))
+
+    def _save_call(
+        self, records: list[EntityRecord], token: str
+    ) -> tuple[list[str], list[str], list[str]]:
+        """The keys and arguments of the save script, first sent and re-sent."""
         keys = [self._key(r.id) for r in records]
         keys += [pending_key(self._key_prefix, r.bucket) for r in records]
         keys.append(buckets_key(self._key_prefix))
@@ -248,7 +333,10 @@ class RedisEntityStore(RedisClient, EntityStore):
         for r in records:
             expected = "" if r.version is None else f"={r.version}"
             entries += [expected, "1" if r.pending else "0", r.id, r.body]
-        reply = self._run_script(keys, [token, "0", *entries], [token, "1", *entries])
+        return keys, [token, "0", *entries], [token, "1", *entries]
+
+    def _saved(self, records: list[EntityRecord], reply: list[Any]) -> dict[str, int]:
+        """``{id: new version}`` from the save script's answer."""
         if int(reply[0]) != 1:
             raise self._error(
                 StoreUnavailable,

@@ -173,10 +173,18 @@ class RedisDeduplicationStore(RedisClient, DeduplicationStore):
 
     def _add_new(self, request: WriteRequest) -> set[str]:
         """One script run (plus ``WAIT`` when configured) for the whole chunk."""
+        return self._added(request, self._run_script(*self._add_call(request)))
+
+    def _add_call(self, request: WriteRequest) -> tuple[list[str], list[str]]:
+        """The keys and arguments of the write script for ``request``."""
         keys = [self._key_base + escape(mid) for mid in request.ids]
         args = [_TAG + request.token, self._px, *(_TAG + token for token in request.mine)]
-        indexes = self._run_script(keys, args)
-        return {request.ids[i - 1] for i in indexes}
+        return keys, args
+
+    @staticmethod
+    def _added(request: WriteRequest, indexes: list[Any]) -> set[str]:
+        """The ids the write script's answer says it recorded."""
+        return {request.ids[int(i) - 1] for i in indexes}
 
     def _find(self, ids: list[str], now: float) -> set[str]:
         """One ``MGET``; Redis never returns an expired key."""
@@ -191,7 +199,13 @@ class RedisDeduplicationStore(RedisClient, DeduplicationStore):
         return found
 
     def _contains_one(self, message_id: str, now: float) -> bool:
-        value = self._read(lambda: self._client.get(self._key_base + escape(message_id)))
+        return self._recorded(self._read(lambda: self._client.get(self._record_key(message_id))))
+
+    def _record_key(self, message_id: str) -> str:
+        return self._key_base + escape(message_id)
+
+    def _recorded(self, value: object) -> bool:
+        """Whether ``GET``'s answer is a record (a foreign value: ``ConfigurationError``)."""
         if value is not None and not _is_record(value):
             raise self._foreign_value_error()
         return value is not None

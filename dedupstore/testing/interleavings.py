@@ -156,6 +156,9 @@ _ACCESS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "add": (frozenset("D"), frozenset("DV")),
     "add_many": (frozenset("D"), frozenset("DV")),
     "dispatch": (frozenset("E"), frozenset("X")),  # the ghost check reads the entity
+    # the two stores of one server, in one request (EntityStore._joined)
+    "load_and_check": (frozenset("ED"), frozenset()),
+    "add_and_save": (frozenset("ED"), frozenset("EDV")),
 }
 
 
@@ -366,6 +369,17 @@ class _Entities:
     def pending_outboxes(self, segment: int = 0, segments: int = 1) -> Iterator[Entity]:
         page = self._call("scan", lambda: list(self._real.pending_outboxes(segment, segments)))
         return iter(page)
+
+    def _joined(self, dedup: _Dedup) -> bool:
+        return self._real._joined(dedup._real)
+
+    def _load_checked(self, entity_id: str, dedup: _Dedup, key: str) -> tuple[Entity, bool | None]:
+        return self._call(  # type: ignore[no-any-return]
+            "load_and_check", lambda: self._real._load_checked(entity_id, dedup._real, key)
+        )
+
+    def _save_recording(self, entity: Entity, dedup: _Dedup, key: str) -> None:
+        self._call("add_and_save", lambda: self._real._save_recording(entity, dedup._real, key))
 
 
 class _Dedup:

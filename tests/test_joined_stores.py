@@ -1,0 +1,272 @@
+"""An entity store and a deduplication store on one server, joined in one request.
+
+When the two stores share a connection (:meth:`EntityStore._joined`), ``process``
+loads the entity and checks the id in one round trip and the inline clean-up
+records the id and saves the entity in one atomic request. These tests check the
+joining rule, the round trips, and every failure of the joint calls: a record that
+cannot be written, a conflict, a lost answer; and that the interleaving harness
+catches a joint write that forgets the record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from backends.redis import RedisEntityStore
+from backends.redis._client import _Bounded
+from dedupstore.entities import Entity, EntityStore
+from dedupstore.errors import ConcurrencyConflict, ConfigurationError, StoreUnavailable
+from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send, message_key
+from dedupstore.store import DeduplicationStore
+from dedupstore.testing.interleavings import (
+    Actor,
+    InterleavingViolation,
+    Scenario,
+    explore,
+)
+from tests.outbox_backends import OutboxBackend, backend_params
+
+JOINED = ("redis",)
+
+
+def _handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+    return {"n": state.get("n", 0) + 1}, [Send("out", {"of": message.id})]
+
+
+@pytest.fixture
+def pair(outbox_backend: OutboxBackend) -> Iterator[tuple[EntityStore, DeduplicationStore]]:
+    entities, dedup = outbox_backend.entities(), outbox_backend.dedup()
+    yield entities, dedup
+    entities.close()
+    dedup.close()
+
+
+@pytest.fixture
+def requests(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Requests sent to Redis (a pipeline or a script call is one), counted."""
+    sent = [0]
+    original = _Bounded.send_packed_command
+
+    def counting(self: Any, command: Any, check_health: bool = True) -> None:
+        sent[0] += 1
+        original(self, command, check_health)
+
+    monkeypatch.setattr(_Bounded, "send_packed_command", counting)
+    return sent
+
+
+# ---------------------------------------------------------------------- which stores join
+
+
+@pytest.mark.parametrize("outbox_backend", backend_params(JOINED), indirect=True)
+def test_the_stores_of_one_connection_are_joined(outbox_backend: OutboxBackend) -> None:
+    entities = outbox_backend.entities()
+    same = outbox_backend.dedup()
+    other_endpoint = outbox_backend.dedup(endpoint="another-consumer")
+    other_retries = outbox_backend.dedup(retries=1)
+    other_timeout = outbox_backend.dedup(timeout=4.5)
+    try:
+        assert entities._joined(same) and entities._joined(other_endpoint)
+        assert OutboxProcessor(entities, same, InMemoryDispatcher())._joined
+        # another connection (its options differ) or other retries: two requests
+        assert not entities._joined(other_timeout)
+        assert not entities._joined(other_retries)
+        assert not OutboxProcessor(entities, other_retries, InMemoryDispatcher())._joined
+    finally:
+        for store in (entities, same, other_endpoint, other_retries, other_timeout):
+            store.close()
+
+
+@pytest.mark.parametrize("outbox_backend", backend_params(("memory", "sqlite")), indirect=True)
+def test_stores_without_a_joint_request_are_not_joined(
+    pair: tuple[EntityStore, DeduplicationStore],
+) -> None:
+    entities, dedup = pair
+    assert not entities._joined(dedup)
+    assert not OutboxProcessor(entities, dedup, InMemoryDispatcher())._joined
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("outbox_backend", backend_params(("redis",)), indirect=True)
+@pytest.mark.parametrize(("cleanup", "expected"), [("inline", 3), ("deferred", 3)])
+def test_process_costs_three_requests_on_one_redis(
+    pair: tuple[EntityStore, DeduplicationStore],
+    requests: list[int],
+    cleanup: Any,
+    expected: int,
+) -> None:
+    """Load and check (one pipeline), save, clean-up (one script): 3, not 5 (or 4)."""
+    entities, dedup = pair
+    dispatcher = InMemoryDispatcher()
+    processor = OutboxProcessor(entities, dedup, dispatcher, cleanup=cleanup)
+    processor.process(Message("warm-up", "e", {}), _handler)
+    requests[0] = 0
+    for i in range(10):
+        assert processor.process(Message(f"m{i}", "e", {}), _handler).outcome == "processed"
+    assert requests[0] == 10 * expected
+    requests[0] = 0
+    assert processor.process(Message("m3", "e", {}), _handler).outcome == "duplicate"
+    assert requests[0] == 1, "a duplicate costs the one joint read"
+    assert entities.load("e").state == {"n": 11}
+    if cleanup == "inline":
+        assert dedup.processed_among([message_key("e", f"m{i}") for i in range(10)]) == {
+            message_key("e", f"m{i}") for i in range(10)
+        }
+
+
+# ---------------------------------------------------------------------- failures of joint calls
+
+
+def _pending(entities: EntityStore, dedup: DeduplicationStore, mid: str) -> Entity:
+    """An entity holding ``mid`` pending, saved (steps 1-4 of ``process``)."""
+    processor = OutboxProcessor(entities, dedup, InMemoryDispatcher())
+    processor._process(Message(mid, "e", {}), _handler, set(), clean=False)
+    entity = entities.load("e")
+    assert entity.outbox.get(mid)
+    return entity
+
+
+@pytest.mark.parametrize("outbox_backend", backend_params(JOINED), indirect=True)
+def test_a_conflict_leaves_the_entity_and_keeps_the_record(
+    pair: tuple[EntityStore, DeduplicationStore],
+) -> None:
+    entities, dedup = pair
+    stale = _pending(entities, dedup, "m")
+    rival = entities.load("e")
+    rival.state = {"rival": True}
+    entities.save(rival)
+    del stale.outbox["m"]
+    with pytest.raises(ConcurrencyConflict):
+        entities._save_recording(stale, dedup, message_key("e", "m"))
+    assert dedup.has_been_processed(message_key("e", "m")), "the record is written first"
+    stored = entities.load("e")
+    assert stored.state == {"rival": True} and "m" in stored.outbox
+    assert stale.version != stored.version
+    # the processor retries: the entry is found, cleaned up, and the result honest
+    processor = OutboxProcessor(entities, dedup, InMemoryDispatcher())
+    assert processor.process(Message("m", "e", {}), _handler).outcome == "redispatched"
+    assert "m" not in entities.load("e").outbox
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("outbox_backend", backend_params(("redis",)), indirect=True)
+def test_a_record_that_cannot_be_written_saves_nothing(
+    pair: tuple[EntityStore, DeduplicationStore], outbox_backend: OutboxBackend
+) -> None:
+    """A foreign value where the record goes: the whole joint write is refused."""
+    entities, dedup = pair
+    entity = _pending(entities, dedup, "m")
+    admin = redis.Redis.from_url(outbox_backend.dedup_url.split("?")[0])
+    try:
+        admin.set(dedup._record_key(message_key("e", "m")), "not ours")  # type: ignore[attr-defined]
+        processor = OutboxProcessor(entities, dedup, InMemoryDispatcher())
+        with pytest.raises(ConfigurationError, match="did not write"):
+            processor.process(Message("m", "e", {}), _handler)
+        stored = entities.load("e")
+        assert stored.version == entity.version and stored.outbox == entity.outbox
+        # the joint read refuses it as well, and a hash where the record goes
+        admin.delete(dedup._record_key(message_key("e", "m")))  # type: ignore[attr-defined]
+        admin.hset(dedup._record_key(message_key("e", "other")), "x", "1")  # type: ignore[attr-defined]
+        with pytest.raises(ConfigurationError):
+            processor.process(Message("other", "e", {}), _handler)
+        assert "other" not in entities.load("e").outbox
+    finally:
+        admin.close()
+
+
+class _LosingAnswers(RedisEntityStore):
+    """Runs each script, then loses the answer of the first ``losses``; ``meddle`` in between."""
+
+    losses = 0
+    meddle: Callable[[], None] = staticmethod(lambda: None)
+    _connection_family = "backends.redis"  # shares the stores' connection
+
+    def _send(self, commands: list[tuple[Any, ...]], sent: list[bool]) -> list[Any]:
+        replies = super()._send(commands, sent)
+        if commands[0][0] == "EVALSHA" and self.losses > 0:
+            self.losses -= 1
+            self.meddle()
+            raise redis.ConnectionError("answer lost (simulated)")
+        return replies
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("outbox_backend", backend_params(("redis",)), indirect=True)
+def test_a_lost_answer_of_the_joint_write(
+    pair: tuple[EntityStore, DeduplicationStore], outbox_backend: OutboxBackend
+) -> None:
+    entities, dedup = pair
+    losing = _LosingAnswers(outbox_backend.entities_url)
+    try:
+        assert losing._joined(dedup)
+        entity = _pending(entities, dedup, "m")
+        version = entity.version
+        del entity.outbox["m"]
+        # the script ran, its answer was lost: the re-sent one finds its own token
+        losing.losses = 1
+        losing._save_recording(entity, dedup, message_key("e", "m"))
+        assert entity.version == version + 1
+        assert dedup.has_been_processed(message_key("e", "m"))
+        assert "m" not in entities.load("e").outbox
+
+        # lost, and a rival saved on top before the re-send: unknown, never a conflict
+        entity = _pending(entities, dedup, "n")
+        del entity.outbox["n"]
+
+        def rival_saves_on_top() -> None:
+            rival = entities.load("e")
+            assert "n" not in rival.outbox, "the lost attempt wrote"
+            rival.state = {"rival": True}
+            entities.save(rival)
+
+        losing.losses, losing.meddle = 1, rival_saves_on_top
+        with pytest.raises(StoreUnavailable, match="unknown") as caught:
+            losing._save_recording(entity, dedup, message_key("e", "n"))
+        assert caught.value.unknown == {message_key("e", "n")}
+        assert dedup.has_been_processed(message_key("e", "n"))
+        assert entities.load("e").state == {"rival": True}
+    finally:
+        losing.close()
+
+
+# ---------------------------------------------------------------------- the harness
+
+
+class _JointWithoutRecord:
+    """BROKEN: a joint clean-up that saves the entity and forgets the record."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def _save_recording(self, entity: Entity, dedup: Any, key: str) -> None:
+        self._real.save(entity)
+
+
+class JointForgetsTheRecord(OutboxProcessor):
+    """BROKEN: the inline clean-up removes the entry without recording the id."""
+
+    def __init__(self, entities: EntityStore, *args: Any, **kwargs: Any) -> None:
+        super().__init__(_JointWithoutRecord(entities), *args, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("outbox_backend", backend_params(JOINED), indirect=True)
+def test_the_harness_explores_and_checks_the_joint_calls(outbox_backend: OutboxBackend) -> None:
+    one = Actor("process", (0,))
+    runs = explore(Scenario((one, one), 1, "inline"), outbox_backend.entities, outbox_backend.dedup)
+    assert runs >= 3
+    with pytest.raises(InterleavingViolation) as caught:
+        explore(
+            Scenario((one, one), 1, "inline"),
+            outbox_backend.entities,
+            outbox_backend.dedup,
+            processor=JointForgetsTheRecord,
+        )
+    assert caught.value.invariant in {"in-outbox-or-store", "once"}, str(caught.value)
+    assert any("load_and_check" in step for step in caught.value.schedule)
