@@ -11,7 +11,26 @@ The outbox section (every backend, ``memory`` included): messages/s of
 ``OutboxProcessor.process`` and ``process_batch`` (batches of 100 and 1,000), with
 inline and deferred clean-up, ``sweep`` ids/s after a deferred run, the store calls
 each message costs, and on the same Redis, aws-lambda-powertools'
-``idempotent_function`` with ``RedisCachePersistenceLayer`` on the same messages.
+``idempotent_function`` with ``RedisCachePersistenceLayer`` (median of ``--rounds``).
+PostgreSQL and Redis run in each server configuration of ``CONFIGS``: ``durable``
+(Redis ``appendfsync always``; PostgreSQL ``fsync=on``, ``synchronous_commit=on``)
+and ``fast`` (Redis ``appendfsync no``; PostgreSQL ``fsync=off``,
+``synchronous_commit=off``); the ids tables use the first one.
+
+This tree against the baseline commit (``BASELINE``, extracted with ``git archive``
+into a temporary directory; a clear error if the clone lacks it): ``process_batch``
+of 1,000 on ``memory://`` in process CPU time (``--cpu-rounds`` alternating
+rounds), and ``process_batch`` of 1,000 and ``process`` on the same PostgreSQL and
+Redis servers in wall-clock time (``--rounds``), each tree in child processes
+(:mod:`benchmarks.cpu_compare`). Every target is printed as "ratio (target >= X):
+met / NOT met", with the reasons the run can state for a missed one.
+
+Flags for a quick run (``make bench BENCH_ARGS="..."``): ``--backends`` (ids
+tables; ``''`` for none), ``--outbox-backends``, ``--configs durable|fast``,
+``--ids``, ``--naive-ids``, ``--memory-sizes``, ``--outbox-messages``
+(``process_batch`` runs), ``--outbox-single`` (``process`` and powertools runs),
+``--rounds``, ``--cpu-rounds``, ``--baseline <commit>``, ``--skip-baseline``,
+``--skip-powertools``, ``--skip-outbox``, ``--out`` (another file than RESULTS.md).
 """
 
 from __future__ import annotations
@@ -25,6 +44,7 @@ import platform
 import random
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,6 +60,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal, cast
 
+from benchmarks.cpu_compare import THIS_TREE, Measured, Run, Stores, compare, extracted
+from benchmarks.cpu_compare import handler as _handler
+from benchmarks.cpu_compare import workload as _workload
 from dedupstore import DeduplicationStore, open_entity_store, open_store
 from dedupstore.entities import EntityStore
 from dedupstore.outbox import (
@@ -57,13 +80,44 @@ BACKENDS = ("sqlite", "postgres", "redis", "dynamodb", "cosmos")
 OUTBOX_BACKENDS = ("memory", *BACKENDS)
 #: Backends served by an emulator at ~100-2k requests/s: fewer ids and messages.
 SLOW = frozenset({"dynamodb", "cosmos"})
+#: Backends whose server runs in each configuration of ``CONFIGS``.
+SERVERS = frozenset({"postgres", "redis"})
+#: The commit the outbox is compared against ("today" in issue 14).
+BASELINE = "efcfb74"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the Redis and PostgreSQL servers are started (keyword arguments)."""
+
+    description: str
+    redis: dict[str, Any]
+    postgres: dict[str, Any]
+
+
+CONFIGS = {
+    "durable": ServerConfig(
+        "Redis `appendonly yes`, `appendfsync always`; PostgreSQL `fsync=on`, "
+        "`synchronous_commit=on` (every commit on disk before it is acknowledged)",
+        {"appendonly": True, "appendfsync": "always"},
+        {"durable": True},
+    ),
+    "fast": ServerConfig(
+        "Redis `appendonly yes`, `appendfsync no`; PostgreSQL `fsync=off`, "
+        "`synchronous_commit=off` (the stores' sessions still ask for synchronous commits, "
+        "which without fsync do not wait for the disk)",
+        {"appendonly": True, "appendfsync": "no"},
+        {"durable": False},
+    ),
+}
 
 
 @dataclass
 class Result:
-    """Measurements of one backend."""
+    """Measurements of one backend (in one server configuration, for ``SERVERS``)."""
 
     backend: str
+    config: str = ""
     rates: dict[str, float] = field(default_factory=dict)
     native: tuple[str, float] | None = None
     memory: dict[str, float] = field(default_factory=dict)
@@ -79,25 +133,43 @@ class Result:
     outbox_entities: dict[str, float] = field(default_factory=dict)
     #: Messages per ``process`` run and per ``process_batch`` run.
     outbox_counts: tuple[int, int] = (0, 0)
+    #: This tree against ``BASELINE`` by outbox run label (``batch 1000/inline``...).
+    trees: dict[str, dict[str, Measured]] = field(default_factory=dict)
+    #: The 1-minute load average after the outbox measurements.
+    load: float = 0.0
+
+    @property
+    def label(self) -> str:
+        return f"{self.backend} ({self.config})" if self.config else self.backend
 
 
 Opener = Callable[[], DeduplicationStore]
-#: Opens a fresh (entity store, deduplication store) pair on new tables / prefixes.
-PairOpener = Callable[[], tuple[EntityStore, DeduplicationStore]]
 
 
 @dataclass
 class Backend:
-    """A running backend: openers of fresh stores and its server (``None`` if embedded)."""
+    """A running backend: fresh stores on it, and its server (``None`` if embedded).
+
+    ``stores()`` names a fresh (entity store, deduplication store) pair on new tables /
+    prefixes, which this process opens with ``pair()`` and a child process (another
+    source tree) opens the same way.
+    """
 
     dedup: Opener
-    pair: PairOpener
+    stores: Callable[[], Stores]
     server: Any
+
+    def pair(self) -> tuple[EntityStore, DeduplicationStore]:
+        s = self.stores()
+        return (
+            open_entity_store(s.entities_url, **s.entities_options),
+            open_store(s.dedup_url, **s.dedup_options),
+        )
 
 
 @contextlib.contextmanager
-def _backend(name: str) -> Iterator[Backend]:
-    """Start the backend's server; yield openers of fresh stores on it."""
+def _backend(name: str, config: ServerConfig) -> Iterator[Backend]:
+    """Start the backend's server (in ``config``); yield fresh stores on it."""
     run = uuid.uuid4().hex[:10]
 
     def tag() -> str:
@@ -105,17 +177,17 @@ def _backend(name: str) -> Iterator[Backend]:
 
     if name == "memory":
 
-        def memory_pair() -> tuple[EntityStore, DeduplicationStore]:
+        def memory_pair() -> Stores:
             url = f"memory://bench-{tag()}"
-            return open_entity_store(url), open_store(url)
+            return Stores(url, url)
 
         yield Backend(lambda: open_store(f"memory://bench-{tag()}"), memory_pair, None)
     elif name == "sqlite":
         with tempfile.TemporaryDirectory() as tmp:
 
-            def sqlite_pair() -> tuple[EntityStore, DeduplicationStore]:
+            def sqlite_pair() -> Stores:
                 url = f"sqlite:///{tmp}/outbox-{tag()}.db"  # entities have a table of their own
-                return open_entity_store(url), open_store(url)
+                return Stores(url, url)
 
             yield Backend(
                 lambda: open_store(f"sqlite:///{tmp}/bench-{uuid.uuid4().hex}.db"),
@@ -123,26 +195,27 @@ def _backend(name: str) -> Iterator[Backend]:
                 None,
             )
     elif name == "postgres":
-        with PostgresServer() as pg:
+        with PostgresServer(**config.postgres) as pg:
 
-            def postgres_pair() -> tuple[EntityStore, DeduplicationStore]:
+            def postgres_pair() -> Stores:
                 t = tag()
-                return (
-                    open_entity_store(pg.url, table=f"ent_{t}", create=True),
-                    open_store(pg.url, table=f"dedup_{t}", create=True),
+                return Stores(
+                    pg.url,
+                    pg.url,
+                    {"table": f"ent_{t}", "create": True},
+                    {"table": f"dedup_{t}", "create": True},
                 )
 
             yield Backend(
                 lambda: open_store(pg.url, table=f"bench_{tag()}", create=True), postgres_pair, pg
             )
     elif name == "redis":
-        with RedisServer(appendonly=True, appendfsync="everysec") as redis:
+        with RedisServer(**config.redis) as redis:
 
-            def redis_pair() -> tuple[EntityStore, DeduplicationStore]:
+            def redis_pair() -> Stores:
                 t = tag()
-                return (
-                    open_entity_store(redis.url, key_prefix=f"ent{t}:"),
-                    open_store(redis.url, key_prefix=f"dd{t}:"),
+                return Stores(
+                    redis.url, redis.url, {"key_prefix": f"ent{t}:"}, {"key_prefix": f"dd{t}:"}
                 )
 
             yield Backend(
@@ -155,12 +228,9 @@ def _backend(name: str) -> Iterator[Backend]:
             os.environ.update(moto.client_env)
             aws = {"region": "us-east-1", "endpoint_url": moto.endpoint_url, "create": True}
 
-            def dynamodb_pair() -> tuple[EntityStore, DeduplicationStore]:
+            def dynamodb_pair() -> Stores:
                 t = tag()
-                return (
-                    open_entity_store(f"dynamodb://ent-{run}-{t}", **aws),
-                    open_store(f"dynamodb://dd-{run}-{t}", **aws),
-                )
+                return Stores(f"dynamodb://ent-{run}-{t}", f"dynamodb://dd-{run}-{t}", aws, aws)
 
             yield Backend(
                 lambda: open_store(f"dynamodb://bench-{run}-{uuid.uuid4().hex[:8]}", **aws),
@@ -178,11 +248,13 @@ def _backend(name: str) -> Iterator[Backend]:
                 "allow_weak_consistency_for_emulator_only": True,
             }
 
-            def cosmos_pair() -> tuple[EntityStore, DeduplicationStore]:
+            def cosmos_pair() -> Stores:
                 t = tag()
-                return (
-                    open_entity_store(f"cosmos://{host}/bench/ent{t}", **emulator),
-                    open_store(f"cosmos://{host}/bench/dd{t}", **emulator),
+                return Stores(
+                    f"cosmos://{host}/bench/ent{t}",
+                    f"cosmos://{host}/bench/dd{t}",
+                    emulator,
+                    emulator,
                 )
 
             yield Backend(
@@ -303,20 +375,6 @@ _ENTITY_PRIMITIVES = ("_load", "_save")
 _DEDUP_PRIMITIVES = ("_add_new", "_add_one", "_find", "_contains_one")
 
 
-def _workload(count: int, rng: random.Random) -> list[Message]:
-    """``count`` fresh messages spread at random over ``count // 10`` fresh entities."""
-    entities = [f"order-{uuid.uuid4()}" for _ in range(max(1, count // 10))]
-    return [Message(str(uuid.uuid4()), rng.choice(entities), {"amount": i}) for i in range(count)]
-
-
-def _handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
-    """Pure and small: a counter and the last message id; one outgoing message."""
-    count = int(state.get("count", 0)) + 1
-    return {"count": count, "last": message.id}, [
-        Send("shipping", {"order": message.correlation_id, "n": count})
-    ]
-
-
 @contextlib.contextmanager
 def _counting_calls(entities: EntityStore, dedup: DeduplicationStore) -> Iterator[Counter[str]]:
     """Count the store primitives called (outermost only: ``_add_one`` may call ``_add_new``).
@@ -431,8 +489,18 @@ def _outbox_run(
                 result.redis_requests["sweep"] = sent[0] / count
 
 
-def _powertools(result: Result, server: RedisServer, messages: list[Message]) -> None:
-    """``idempotent_function`` on ``RedisCachePersistenceLayer``, one call per message."""
+def _each(call: Callable[..., object], payloads: list[dict[str, Any]]) -> None:
+    for payload in payloads:
+        call(message=payload)
+
+
+def _powertools(
+    result: Result, server: RedisServer, count: int, rounds: int, rng: random.Random
+) -> None:
+    """``idempotent_function`` on ``RedisCachePersistenceLayer``, one call per message.
+
+    ``rounds`` runs of ``count`` fresh messages; the median rate.
+    """
     try:
         import redis
         from aws_lambda_powertools.utilities.idempotency import (
@@ -474,35 +542,60 @@ def _powertools(result: Result, server: RedisServer, messages: list[Message]) ->
     handle: Callable[..., dict[str, Any]] = idempotent_function(
         data_keyword_argument="message", persistence_store=layer, config=config
     )(work)
-    payloads = [{"id": m.id, "correlation_id": m.correlation_id, "body": m.body} for m in messages]
+    rates: list[float] = []
     try:
-        with _redis_requests(True) as requests:
-            result.outbox["powertools"] = _rate(
-                len(payloads), lambda: [handle(message=p) for p in payloads]
-            )
-        again = handle(message=payloads[0])  # a duplicate: answered from Redis, not run
-        if len(sent) != len(messages) or again["sends"] != [sent[0].body]:
-            raise SystemExit("powertools: a message was not handled exactly once")
-        result.redis_requests["powertools"] = requests[0] / len(messages)
+        for _ in range(rounds):
+            payloads = [
+                {"id": m.id, "correlation_id": m.correlation_id, "body": m.body}
+                for m in _workload(count, rng)
+            ]
+            sent.clear()
+            with _redis_requests(True) as requests:
+                rates.append(_rate(count, functools.partial(_each, handle, payloads)))
+            again = handle(message=payloads[0])  # a duplicate: answered from Redis, not run
+            if len(sent) != count or again["sends"] != [sent[0].body]:
+                raise SystemExit("powertools: a message was not handled exactly once")
+            result.redis_requests["powertools"] = requests[0] / count
     finally:
         client.close()
+    result.outbox["powertools"] = statistics.median(rates)
 
 
 def _outbox(
-    result: Result, backend: Backend, count: int, single: int, powertools: bool, seed: int
+    result: Result, backend: Backend, count: int, single: int, args: argparse.Namespace
 ) -> None:
-    rng = random.Random(seed)
+    rng = random.Random(args.seed)
     result.outbox_counts = (single, count)
-    process_messages: list[Message] = []
     for label, cleanup, batch in OUTBOX_RUNS:
         messages = _workload(single if batch is None else count, rng)
-        if label == "process/inline":
-            process_messages = messages
         print(f"   outbox {label}: {len(messages):,} messages", file=sys.stderr, flush=True)
         _outbox_run(result, backend, label, messages, cleanup, batch)
-    if powertools and result.backend == "redis":
-        print("   powertools idempotent_function", file=sys.stderr, flush=True)
-        _powertools(result, backend.server, process_messages)
+    if not args.skip_powertools and result.backend == "redis":
+        print(f"   powertools idempotent_function, {args.rounds} rounds", file=sys.stderr)
+        _powertools(result, backend.server, single, args.rounds, rng)
+
+
+#: The runs compared with the baseline (label, clock, on which backends): CPU time on
+#: the in-process stores, wall-clock time on a server.
+TREE_RUNS: tuple[tuple[str, Literal["cpu", "wall"], frozenset[str]], ...] = (
+    ("batch 1000/inline", "cpu", frozenset({"memory"})),
+    ("batch 1000/inline", "wall", SERVERS),
+    ("process/inline", "wall", SERVERS),
+)
+
+
+def _trees(result: Result, backend: Backend, baseline: Path, args: argparse.Namespace) -> None:
+    """This tree against the baseline tree on the same stores, each in child processes."""
+    single, count = result.outbox_counts
+    for label, clock, backends in TREE_RUNS:
+        if result.backend not in backends:
+            continue
+        _, cleanup, batch = next(run for run in OUTBOX_RUNS if run[0] == label)
+        rounds = args.cpu_rounds if clock == "cpu" else args.rounds
+        run = Run(single if batch is None else count, batch, cleanup, clock)
+        print(f"   {label} against {args.baseline}, {rounds} rounds", file=sys.stderr, flush=True)
+        trees = {"this": THIS_TREE, args.baseline: baseline}
+        result.trees[label] = compare(trees, run, backend.stores, rounds=rounds)
 
 
 def _fmt(rate: float) -> str:
@@ -525,7 +618,7 @@ def _render(results: list[Result], args: argparse.Namespace, seconds: float) -> 
     outbox = [r for r in results if r.outbox]
     if outbox:
         lines += ["", *_render_outbox(outbox, args)]
-    notes = [f"- {r.backend}: {n}" for r in results for n in r.notes]
+    notes = [f"- {r.label}: {n}" for r in results for n in r.notes]
     if notes:
         lines += ["", "## Notes", "", *notes]
     return "\n".join(lines) + "\n"
@@ -535,7 +628,8 @@ def _render_dedup(results: list[Result], args: argparse.Namespace) -> list[str]:
     lines = [
         f"{args.ids:,} fresh UUID ids per measurement, passed to `add_many` / "
         "`processed_among` in caller batches of 1k and 10k (the backend splits them to "
-        "its own limits).",
+        "its own limits). PostgreSQL and Redis run in the "
+        f"`{args.configs.split(',')[0]}` configuration (see the outbox section).",
         "",
         "| backend | add_many 1k | add_many 10k | processed_among 1k | processed_among 10k "
         "| naive add loop | batch / naive | native rate | add_many / native "
@@ -548,7 +642,7 @@ def _render_dedup(results: list[Result], args: argparse.Namespace) -> list[str]:
         naive = r.rates["naive add loop"]
         native = r.native[1] if r.native else None
         lines.append(
-            f"| {r.backend} | {_fmt(r.rates['add_many/1k'])} | {_fmt(r.rates['add_many/10k'])}"
+            f"| {r.label} | {_fmt(r.rates['add_many/1k'])} | {_fmt(r.rates['add_many/10k'])}"
             f" | {_fmt(r.rates['processed_among/1k'])} | {_fmt(r.rates['processed_among/10k'])}"
             f" | {_fmt(naive)} | {best_add / naive:,.1f}x"
             f" | {_fmt(native) if native else '-'}"
@@ -558,7 +652,7 @@ def _render_dedup(results: list[Result], args: argparse.Namespace) -> list[str]:
     lines += ["", "Rates are ids per second. Native rates:", ""]
     for r in results:
         if r.native:
-            lines.append(f"- {r.backend}: {r.native[0]}: {_fmt(r.native[1])} ids/s")
+            lines.append(f"- {r.label}: {r.native[0]}: {_fmt(r.native[1])} ids/s")
     lines += ["", "## Targets (ratios in this run)", ""]
     lines += _targets(results)
     memory = [r for r in results if r.memory]
@@ -577,7 +671,7 @@ def _render_dedup(results: list[Result], args: argparse.Namespace) -> list[str]:
         ]
         for r in memory:
             lines.append(
-                f"| {r.backend} | " + " | ".join(f"{v:.1f} MiB" for v in r.memory.values()) + " |"
+                f"| {r.label} | " + " | ".join(f"{v:.1f} MiB" for v in r.memory.values()) + " |"
             )
     return lines
 
@@ -644,6 +738,10 @@ def _render_outbox(results: list[Result], args: argparse.Namespace) -> list[str]
         "run is checked afterwards: each message processed once with one outgoing message, "
         "inline ids in the deduplication store, every id swept.",
         "",
+        "PostgreSQL and Redis run in each server configuration:",
+        "",
+        *(f"- {name}: {CONFIGS[name].description}" for name in args.configs.split(",")),
+        "",
         f"| backend | messages (process / batched) | entities per batch (100 / 1000) | {head} "
         "| sweep | best batch / process (inline) | (deferred) |",
         f"|---|---:|---:|{align}---:|---:|---:|",
@@ -655,7 +753,7 @@ def _render_outbox(results: list[Result], args: argparse.Namespace) -> list[str]
             f"{r.outbox_entities.get(f'batch {size}/inline', 0):,.0f}" for size in (100, 1000)
         )
         lines.append(
-            f"| {r.backend} | {single:,} / {batched:,} | {spread} | {cells}"
+            f"| {r.label} | {single:,} / {batched:,} | {spread} | {cells}"
             f" | {_fmt(r.outbox['sweep'])}"
             f" | {_best_batch(r) / r.outbox['process/inline']:,.1f}x"
             f" | {_best_batch(r, 'deferred') / r.outbox['process/deferred']:,.1f}x |"
@@ -680,30 +778,61 @@ def _render_outbox(results: list[Result], args: argparse.Namespace) -> list[str]
     ]
     for r in results:
         cells = " | ".join(f"{r.outbox_calls[label]:.3f}" for label in _OUTBOX_COLUMNS)
-        lines.append(f"| {r.backend} | {cells} | {r.outbox_calls['sweep']:.3f} |")
-    redis = next((r for r in results if r.backend == "redis"), None)
-    if redis is not None and redis.redis_requests:
+        lines.append(f"| {r.label} | {cells} | {r.outbox_calls['sweep']:.3f} |")
+    for redis in (r for r in results if r.backend == "redis" and r.redis_requests):
         lines += [
             "",
-            "Requests redis-py sent per message on Redis (a pipeline or a script call is "
-            "one request, one round trip): "
+            f"Requests redis-py sent per message on {redis.label} (a pipeline or a script "
+            "call is one request, one round trip): "
             + ", ".join(
                 f"{label.replace('/', ' ')} {value:.3f}"
                 for label, value in redis.redis_requests.items()
             )
             + ".",
         ]
-    if redis is not None and "powertools" in redis.outbox:
-        lines += ["", *_render_powertools(redis)]
+    compared = [r for r in results if r.trees]
+    if compared:
+        lines += ["", *_render_trees(compared, args)]
+    powertools = [r for r in results if "powertools" in r.outbox]
+    if powertools:
+        lines += ["", *_render_powertools(powertools, args)]
     lines += ["", "### Targets (outbox, ratios in this run)", ""]
-    lines += _outbox_targets(results)
+    lines += _outbox_targets(results, args)
     return lines
 
 
-def _render_powertools(r: Result) -> list[str]:
+def _render_trees(results: list[Result], args: argparse.Namespace) -> list[str]:
+    base = args.baseline
+    lines = [
+        f"### This tree against {base}",
+        "",
+        f"The same runs by the source tree of commit {base} (extracted with `git archive`), "
+        "on the same stores (fresh ones for each run, on the same server), each run in a "
+        "child process whose `PYTHONPATH` is its tree, the same workload and handler, in "
+        "alternating rounds; the median round of each. On `memory://` the figure is process "
+        "CPU time (the processor's Python CPU is all there is to measure, and the machine "
+        "is shared); on the servers it is wall-clock time (they do I/O).",
+        "",
+        f"| backend | run | clock | rounds | this (messages/s) | {base} | "
+        f"this, rounds (slowest-fastest) | {base}, rounds | this / {base} |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        for label, trees in r.trees.items():
+            this, other = trees["this"], trees[base]
+            clock = "CPU" if r.backend == "memory" else "wall"
+            lines.append(
+                f"| {r.label} | {label.replace('/', ' ')} | {clock} | {len(this.seconds)} "
+                f"| {_fmt(this.rate)} | {_fmt(other.rate)} | {this.spread} | {other.spread} "
+                f"| {this.rate / other.rate:.2f}x |"
+            )
+    return lines
+
+
+def _render_powertools(results: list[Result], args: argparse.Namespace) -> list[str]:
     from importlib.metadata import version
 
-    base = r.outbox["powertools"]
+    r = results[0]
     rows = [
         ("powertools `idempotent_function`", "powertools"),
         ("`process`, inline", "process/inline"),
@@ -718,8 +847,10 @@ def _render_powertools(r: Result) -> list[str]:
         f"aws-lambda-powertools {version('aws-lambda-powertools')}: `idempotent_function` "
         "with `CachePersistenceLayer` (the new name of `RedisCachePersistenceLayer`, the "
         "same class), given a redis-py client of the same server, "
-        "called once per message, one thread, on the very messages of the `process` "
-        f"inline run ({r.outbox_counts[0]:,}); the decorated function runs the same "
+        "called once per message, one thread, on fresh messages of the `process` workload "
+        f"({r.outbox_counts[0]:,} a round, the median of {args.rounds} rounds; `process` and "
+        "`process_batch` are the medians of this tree against the baseline when it was "
+        "measured, else the single run above); the decorated function runs the same "
         "handler (on an empty state: there is none to load) and appends its outgoing "
         'message to a list. Idempotency key: the message id (`event_key_jmespath="id"`); '
         "everything else at powertools' defaults: `expires_after_seconds=3600` (a record "
@@ -729,14 +860,16 @@ def _render_powertools(r: Result) -> list[str]:
         "in-progress record of a crashed call blocks the message until it expires); the "
         "bench registers a fake context with 60 s remaining.",
         "",
-        "| | messages/s | Redis requests / message | / powertools |",
-        "|---|---:|---:|---:|",
+        "| Redis | | messages/s | Redis requests / message | / powertools |",
+        "|---|---|---:|---:|---:|",
     ]
-    for label, key in rows:
-        lines.append(
-            f"| {label} | {_fmt(r.outbox[key])} | {r.redis_requests.get(key, 0):.3f}"
-            f" | {r.outbox[key] / base:.2f}x |"
-        )
+    for r in results:
+        base = r.outbox["powertools"]
+        for label, key in rows:
+            lines.append(
+                f"| {r.config} | {label} | {_fmt(_rate_of(r, key))} "
+                f"| {r.redis_requests.get(key, 0):.3f} | {_rate_of(r, key) / base:.2f}x |"
+            )
     lines += [
         "",
         "It guarantees far less: a `SET NX` of an in-progress record, the function, a `SET` "
@@ -750,35 +883,60 @@ def _render_powertools(r: Result) -> list[str]:
     return lines
 
 
-def _outbox_targets(results: list[Result]) -> list[str]:
-    by_name = {r.backend: r for r in results}
+def _rate_of(r: Result, key: str) -> float:
+    """The median of this tree against the baseline if measured, else the single run."""
+    return r.trees[key]["this"].rate if key in r.trees else r.outbox[key]
+
+
+def _outbox_targets(results: list[Result], args: argparse.Namespace) -> list[str]:
     rows: list[str] = []
 
-    def check(label: str, value: float, goal: float) -> None:
+    def check(label: str, value: float, goal: float, reasons: list[str]) -> None:
         verdict = "met" if value >= goal else "NOT met"
-        rows.append(f"- {label}: {value:.2f}x (target >= {goal}x): {verdict}")
+        rows.append(f"- {label}: {value:.2f}x (target >= {goal:g}x): {verdict}")
+        if value < goal:
+            rows.extend(f"  - {reason}" for reason in reasons)
 
-    for name in ("postgres", "redis"):
-        if name in by_name:
-            r = by_name[name]
+    for r in results:
+        shared = (
+            f"the run was on {os.cpu_count()} cores shared by the client, the servers and "
+            f"the rest of the machine (1-minute load average {r.load:.1f} after it)"
+        )
+        if r.backend in SERVERS:
             check(
-                f"{name} process_batch / process (inline)",
+                f"{r.label} process_batch / process (inline)",
                 _best_batch(r) / r.outbox["process/inline"],
                 10,
+                [shared],
             )
             rows.append(
-                f"- {name} process_batch / process (deferred, no target): "
+                f"- {r.label} process_batch / process (deferred, no target): "
                 f"{_best_batch(r, 'deferred') / r.outbox['process/deferred']:.2f}x"
             )
-    if "redis" in by_name and "powertools" in by_name["redis"].outbox:
-        r = by_name["redis"]
-        base = r.outbox["powertools"]
-        check("redis process (inline) / powertools", r.outbox["process/inline"] / base, 0.5)
-        rows.append(
-            "- redis process (deferred) / powertools (no target): "
-            f"{r.outbox['process/deferred'] / base:.2f}x"
-        )
-        check("redis process_batch (inline) / powertools", _best_batch(r) / base, 5)
+        for label, trees in r.trees.items():
+            this, other = trees["this"], trees[args.baseline]
+            goal = 3 if r.backend == "memory" else 2 if label.startswith("batch") else 0
+            name = f"{r.label} {label.replace('/', ' ')}, this / {args.baseline}"
+            noise = f"rounds: this {this.spread}, {args.baseline} {other.spread} messages/s"
+            if goal:
+                check(name, this.rate / other.rate, goal, [shared, noise])
+            else:
+                rows.append(f"- {name} (no target): {this.rate / other.rate:.2f}x")
+        if "powertools" in r.outbox:
+            base = r.outbox["powertools"]
+            calls = (
+                f"requests a message: powertools {r.redis_requests['powertools']:.2f}, "
+                f"`process` {r.redis_requests['process/inline']:.2f}, `process_batch` 1000 "
+                f"{r.redis_requests['batch 1000/inline']:.3f} (one round trip each"
+                + (", each write waiting for its fsync)" if r.config == "durable" else ")")
+            )
+            for key, goal in (("batch 1000/inline", 10), ("process/inline", 1)):
+                check(
+                    f"{r.label} {key.replace('/', ' ')} / powertools",
+                    _rate_of(r, key) / base,
+                    goal,
+                    [shared, calls],
+                )
     return rows
 
 
@@ -806,6 +964,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--skip-outbox", action="store_true")
     parser.add_argument("--skip-powertools", action="store_true")
+    parser.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help="server configurations of postgres and redis (the first one for the ids tables)",
+    )
+    parser.add_argument("--baseline", default=BASELINE, help="the commit compared against")
+    parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds on servers (baseline, powertools)"
+    )
+    parser.add_argument("--cpu-rounds", type=int, default=7, help="rounds on memory:// (CPU)")
     parser.add_argument("--seed", type=int, default=20_240_601, help="entity of each message")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -817,46 +986,68 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(
             f"unknown backend(s) {', '.join(unknown)}; choose from {', '.join(OUTBOX_BACKENDS)}"
         )
+    configs = [c for c in args.configs.split(",") if c]
+    if not configs or set(configs) - set(CONFIGS):
+        raise SystemExit(f"--configs: choose from {', '.join(CONFIGS)}")
     started = time.perf_counter()
     results = []
-    for name in [b for b in OUTBOX_BACKENDS if b in dedup_names or b in outbox_names]:
-        print(f"== {name}", file=sys.stderr, flush=True)
-        result = Result(name)
-        slow = name in SLOW
-        with _backend(name) as backend:
-            if name in dedup_names:
-                count = min(args.ids, args.slow_ids) if slow else args.ids
-                naive = min(args.naive_ids, count // 10 if slow else count)
-                if slow and count < args.ids:
-                    result.notes.append(
-                        f"{count:,} ids instead of {args.ids:,}: the emulator serves "
-                        "~1-2k requests/s"
-                    )
-                _throughput(result, backend.dedup, count, naive)
-                if name == "redis":
-                    result.native = _native_redis(backend.server, args.ids)
-                elif name == "postgres":
-                    result.native = _native_postgres(backend.server, args.ids)
-                if name in args.memory_backends.split(","):
-                    _memory(result, backend.dedup, sizes)
-            if name in outbox_names:
-                messages = (
-                    min(args.outbox_messages, args.outbox_slow) if slow else args.outbox_messages
-                )
-                single = min(args.outbox_single, messages // 5) if slow else args.outbox_single
-                if slow and messages < args.outbox_messages:
-                    result.notes.append(
-                        f"outbox: {messages:,} messages per batched run and {single:,} per "
-                        f"process run instead of {args.outbox_messages:,} / "
-                        f"{args.outbox_single:,} (emulator)"
-                    )
-                _outbox(result, backend, messages, single, not args.skip_powertools, args.seed)
-        print(f"   {result}", file=sys.stderr, flush=True)
-        results.append(result)
+    with contextlib.ExitStack() as stack:
+        baseline = (
+            None
+            if args.skip_baseline or not outbox_names
+            else stack.enter_context(extracted(args.baseline))
+        )
+        for name in [b for b in OUTBOX_BACKENDS if b in dedup_names or b in outbox_names]:
+            for config in configs if name in SERVERS else [""]:
+                result = Result(name, config)
+                print(f"== {result.label}", file=sys.stderr, flush=True)
+                with _backend(name, CONFIGS[config or configs[0]]) as backend:
+                    if name in dedup_names and config in ("", configs[0]):
+                        _ids_section(result, backend, args, sizes)
+                    if name in outbox_names:
+                        _outbox_section(result, backend, args)
+                        if baseline is not None:
+                            _trees(result, backend, baseline, args)
+                        result.load = os.getloadavg()[0]
+                print(f"   {result}", file=sys.stderr, flush=True)
+                results.append(result)
     text = _render(results, args, time.perf_counter() - started)
     args.out.write_text(text, encoding="utf-8")
     print(text)
     return 0
+
+
+def _ids_section(
+    result: Result, backend: Backend, args: argparse.Namespace, sizes: tuple[int, ...]
+) -> None:
+    """Deduplication ids/s, the server's native rate, peak memory."""
+    name, slow = result.backend, result.backend in SLOW
+    count = min(args.ids, args.slow_ids) if slow else args.ids
+    naive = min(args.naive_ids, count // 10 if slow else count)
+    if slow and count < args.ids:
+        result.notes.append(
+            f"{count:,} ids instead of {args.ids:,}: the emulator serves ~1-2k requests/s"
+        )
+    _throughput(result, backend.dedup, count, naive)
+    if name == "redis":
+        result.native = _native_redis(backend.server, args.ids)
+    elif name == "postgres":
+        result.native = _native_postgres(backend.server, args.ids)
+    if name in args.memory_backends.split(","):
+        _memory(result, backend.dedup, sizes)
+
+
+def _outbox_section(result: Result, backend: Backend, args: argparse.Namespace) -> None:
+    slow = result.backend in SLOW
+    messages = min(args.outbox_messages, args.outbox_slow) if slow else args.outbox_messages
+    single = min(args.outbox_single, messages // 5) if slow else args.outbox_single
+    if slow and messages < args.outbox_messages:
+        result.notes.append(
+            f"outbox: {messages:,} messages per batched run and {single:,} per "
+            f"process run instead of {args.outbox_messages:,} / "
+            f"{args.outbox_single:,} (emulator)"
+        )
+    _outbox(result, backend, messages, single, args)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,24 @@
-"""CPU time of ``process_batch`` on the in-process backend, this tree against others.
+"""The outbox of this tree against other source trees, each in a child process.
 
-The processor's Python CPU is what limits ``process_batch`` (the stores answer far
-faster), and the machine is shared: wall-clock rates of two runs cannot be
-compared. This measures process CPU time (``time.process_time``) of the same work
-as :mod:`benchmarks.bench`'s ``batch 1000/inline`` outbox run (its ``_workload``
-and ``_handler``, on ``memory://`` stores) for several source trees, each in its
-own Python process with ``PYTHONPATH`` set to that tree, in alternating rounds;
-it reports the median of each tree and the ratios between them.
+Each measurement runs in its own Python process with ``PYTHONPATH`` set to the
+measured tree (so ``dedupstore`` is that tree's), on stores given by URL and
+options, with the same workload and handler (defined here, on the API every
+measured tree shares: ``open_store``, ``open_entity_store``, ``OutboxProcessor``,
+``Message``, ``Send``, ``InMemoryDispatcher``); the trees are measured in
+alternating rounds and each reports its median. :mod:`benchmarks.bench` uses it
+(``make bench`` compares this tree with the baseline commit, extracted by
+:func:`extracted`) for:
 
-Usage (a baseline tree made with ``git worktree add <dir> <commit>``)::
+* ``process_batch`` on the in-process ``memory://`` stores, in process CPU time
+  (``time.process_time``): the processor's Python CPU is what limits it there, and
+  on a shared machine wall-clock rates of two runs cannot be compared;
+* ``process_batch`` and ``process`` on the same Redis or PostgreSQL server, in
+  wall-clock time (the server does I/O).
 
-    python -m benchmarks.cpu_compare --tree base=<dir> [--tree other=<dir> ...]
+Alone, CPU time on ``memory://`` (a baseline tree made with
+``git worktree add <dir> <commit>``, or ``--commit`` to extract one)::
+
+    python -m benchmarks.cpu_compare --tree base=<dir> [--commit <rev> ...]
 
 The tree this file belongs to is always measured, as ``this``.
 """
@@ -18,74 +26,106 @@ The tree this file belongs to is always measured, as ``this``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
+import random
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
+
+from dedupstore.outbox import Message, Send
 
 THIS_TREE = Path(__file__).resolve().parent.parent
+Clock = Literal["cpu", "wall"]
+
+
+def workload(count: int, rng: random.Random) -> list[Message]:
+    """``count`` fresh messages spread at random over ``count // 10`` fresh entities."""
+    entities = [f"order-{uuid.uuid4()}" for _ in range(max(1, count // 10))]
+    return [Message(str(uuid.uuid4()), rng.choice(entities), {"amount": i}) for i in range(count)]
+
+
+def handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+    """Pure and small: a counter and the last message id; one outgoing message."""
+    count = int(state.get("count", 0)) + 1
+    return {"count": count, "last": message.id}, [
+        Send("shipping", {"order": message.correlation_id, "n": count})
+    ]
 
 
 @dataclass(frozen=True)
-class Measured:
-    """The CPU seconds of each round of one tree, and the messages per round."""
+class Stores:
+    """A fresh (entity store, deduplication store) pair, as URL and options (JSON)."""
 
-    tree: str
-    seconds: list[float]
+    entities_url: str
+    dedup_url: str
+    entities_options: dict[str, Any] = field(default_factory=dict)
+    dedup_options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One measurement: ``batch`` ``None`` is one ``process`` call per message."""
+
     messages: int
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.seconds)
-
-    @property
-    def rate(self) -> float:
-        """Messages per CPU second (median round)."""
-        return self.messages / self.median
+    batch: int | None = 1000
+    cleanup: str = "inline"
+    clock: Clock = "cpu"
 
 
-def _child(messages: int, batch: int, cleanup: str) -> dict[str, object]:
+def _child(spec: dict[str, Any]) -> dict[str, object]:
     """One measurement in this process (whose ``PYTHONPATH`` is the measured tree)."""
-    import random
-
     import dedupstore
-    from benchmarks.bench import _handler, _workload
     from dedupstore import open_entity_store, open_store
     from dedupstore.outbox import InMemoryDispatcher, OutboxProcessor
 
-    def run(count: int) -> float:
-        url = f"memory://cpu-{uuid.uuid4().hex[:12]}"
-        workload = _workload(count, random.Random(count))
-        dispatcher = InMemoryDispatcher()
-        with open_entity_store(url) as entities, open_store(url) as dedup:
-            processor = OutboxProcessor(entities, dedup, dispatcher, cleanup=cleanup)  # type: ignore[arg-type]
+    run = Run(**spec["run"])
+    stores = Stores(**spec["stores"])
+    clock = time.process_time if run.clock == "cpu" else time.perf_counter
+    with (
+        open_entity_store(stores.entities_url, **stores.entities_options) as entities,
+        open_store(stores.dedup_url, **stores.dedup_options) as dedup,
+    ):
+
+        def measure(count: int) -> float:
+            messages = workload(count, random.Random(count))
+            dispatcher = InMemoryDispatcher()
+            processor = OutboxProcessor(entities, dedup, dispatcher, cleanup=run.cleanup)  # type: ignore[arg-type]
             gc.collect()
-            started = time.process_time()
-            outcomes = [
-                r.outcome
-                for start in range(0, count, batch)
-                for r in processor.process_batch(workload[start : start + batch], _handler)
-            ]
-            seconds = time.process_time() - started
-        if outcomes.count("processed") != count or len(dispatcher.sent) != count:
-            raise SystemExit("not every message was processed once")
-        return seconds
+            started = clock()
+            if run.batch is None:
+                outcomes = [processor.process(m, handler).outcome for m in messages]
+            else:
+                outcomes = [
+                    r.outcome
+                    for start in range(0, count, run.batch)
+                    for r in processor.process_batch(messages[start : start + run.batch], handler)
+                ]
+            seconds = clock() - started
+            if outcomes.count("processed") != count or len(dispatcher.sent) != count:
+                raise SystemExit("not every message was processed once")
+            return seconds
 
-    run(min(messages, 2 * batch))  # warm-up: imports, caches
-    return {"seconds": run(messages), "dedupstore": dedupstore.__file__}
+        measure(min(run.messages, 2 * (run.batch or 100)))  # warm-up: imports, caches
+        return {"seconds": measure(run.messages), "dedupstore": dedupstore.__file__}
 
 
-def _measure_once(tree: Path, messages: int, batch: int, cleanup: str) -> float:
+def measure_once(tree: Path, run: Run, stores: Stores) -> float:
+    """Seconds of ``run`` by ``tree``'s dedupstore, in a child process."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    command = [sys.executable, __file__, "--child", str(messages), "--batch", str(batch)]
+    spec = {"run": run.__dict__, "stores": stores.__dict__}
     out = subprocess.run(
-        [*command, "--cleanup", cleanup],
+        [sys.executable, __file__, "--child", json.dumps(spec)],
         cwd=tree,
         env=env,
         check=True,
@@ -99,57 +139,114 @@ def _measure_once(tree: Path, messages: int, batch: int, cleanup: str) -> float:
     return float(report["seconds"])
 
 
+@dataclass(frozen=True)
+class Measured:
+    """The seconds of each round of one tree, and the messages per round."""
+
+    tree: str
+    seconds: list[float]
+    messages: int
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def rate(self) -> float:
+        """Messages per second (median round)."""
+        return self.messages / self.median
+
+    @property
+    def spread(self) -> str:
+        """The slowest and fastest rounds, in messages per second."""
+        return f"{self.messages / max(self.seconds):,.0f}-{self.messages / min(self.seconds):,.0f}"
+
+
+def _memory_stores() -> Stores:
+    url = f"memory://cpu-{uuid.uuid4().hex[:12]}"
+    return Stores(url, url)
+
+
 def compare(
     trees: dict[str, Path],
+    run: Run,
+    stores: Callable[[], Stores] | None = None,
     *,
     rounds: int = 7,
-    messages: int = 20_000,
-    batch: int = 1000,
-    cleanup: str = "inline",
 ) -> dict[str, Measured]:
-    """CPU seconds of each tree over ``rounds`` alternating rounds (order rotated)."""
+    """Seconds of each tree over ``rounds`` alternating rounds (order rotated).
+
+    ``stores()`` gives each measurement fresh stores (default: ``memory://`` ones).
+    """
+    fresh = stores or _memory_stores
     names = list(trees)
     seconds: dict[str, list[float]] = {name: [] for name in names}
     for number in range(rounds):
         order = names[number % len(names) :] + names[: number % len(names)]
         for name in order:
-            seconds[name].append(_measure_once(trees[name], messages, batch, cleanup))
+            seconds[name].append(measure_once(trees[name], run, fresh()))
         print(
-            f"round {number + 1}/{rounds}: "
+            f"   round {number + 1}/{rounds}: "
             + ", ".join(f"{n} {seconds[n][-1]:.3f} s" for n in names),
             file=sys.stderr,
             flush=True,
         )
-    return {name: Measured(name, seconds[name], messages) for name in names}
+    return {name: Measured(name, seconds[name], run.messages) for name in names}
 
 
-def render(results: dict[str, Measured]) -> str:
-    """A Markdown table: median CPU seconds, messages per CPU second, ratios."""
+@contextlib.contextmanager
+def extracted(commit: str) -> Iterator[Path]:
+    """The source tree of ``commit`` (``git archive | tar -x``) in a temporary directory."""
+    git = ["git", "-C", str(THIS_TREE)]
+    found = subprocess.run(
+        [*git, "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True, check=False
+    )
+    if found.returncode != 0:
+        raise SystemExit(
+            f"commit {commit} is not in this repository (a shallow clone? "
+            "`git fetch --unshallow`); it is the baseline the benchmark compares against"
+        )
+    tmp = tempfile.mkdtemp(prefix=f"dedupstore-{commit}-")
+    try:
+        archive = subprocess.Popen([*git, "archive", commit], stdout=subprocess.PIPE)
+        subprocess.run(["tar", "-x", "-C", tmp], stdin=archive.stdout, check=True)
+        if archive.wait() != 0:
+            raise SystemExit(f"git archive {commit} failed")
+        yield Path(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def render(results: dict[str, Measured], unit: str = "messages / CPU s") -> str:
+    """A Markdown table: median seconds, messages per second, ratios to the others."""
     names = list(results)
     lines = [
-        "| tree | median CPU s | messages / CPU s | "
+        f"| tree | median s | {unit} | rounds (slowest-fastest) | "
         + " | ".join(f"x {n}" for n in names if n != "this")
         + " |",
-        "|---|---:|---:|" + "---:|" * (len(names) - 1),
+        "|---|---:|---:|---:|" + "---:|" * (len(names) - 1),
     ]
     for name in names:
         r = results[name]
         ratios = [f"{r.rate / results[o].rate:.2f}" for o in names if o != "this"]
-        lines.append(f"| {name} | {r.median:.3f} | {r.rate:,.0f} | " + " | ".join(ratios) + " |")
+        lines.append(
+            f"| {name} | {r.median:.3f} | {r.rate:,.0f} | {r.spread} | " + " | ".join(ratios) + " |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--tree", action="append", default=[], help="name=path of a tree")
+    parser.add_argument("--commit", action="append", default=[], help="a commit to extract")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument("--batch", type=int, default=1000)
     parser.add_argument("--cleanup", choices=("inline", "deferred"), default="inline")
-    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
-        print(json.dumps(_child(args.child, args.batch, args.cleanup)))
+        print(json.dumps(_child(json.loads(args.child))))
         return 0
     trees = {"this": THIS_TREE}
     for item in args.tree:
@@ -157,9 +254,12 @@ def main(argv: list[str] | None = None) -> int:
         if not sep or name in trees:
             parser.error(f"--tree takes a new name=path, got {item!r}")
         trees[name] = Path(path)
-    results = compare(
-        trees, rounds=args.rounds, messages=args.messages, batch=args.batch, cleanup=args.cleanup
-    )
+    with contextlib.ExitStack() as stack:
+        for commit in args.commit:
+            trees[commit] = stack.enter_context(extracted(commit))
+        results = compare(
+            trees, Run(args.messages, args.batch, args.cleanup, "cpu"), rounds=args.rounds
+        )
     print(
         f"process_batch of {args.batch}, cleanup {args.cleanup}, memory://, "
         f"{args.messages:,} messages per round, median of {args.rounds} rounds (process CPU time)"

@@ -629,8 +629,10 @@ class PostgresServer(LocalServer):
     password: ClassVar[str] = "dedup"
     database: ClassVar[str] = "dedup"
 
-    def __init__(self, *, startup_timeout: float = 60.0) -> None:
+    def __init__(self, *, durable: bool = True, startup_timeout: float = 60.0) -> None:
+        """``durable=False``: ``fsync=off`` and ``synchronous_commit=off`` (benchmarks only)."""
         super().__init__(startup_timeout=startup_timeout)
+        self.durable = durable
         self._bindir: Path | None = None
 
     @property
@@ -714,8 +716,8 @@ class PostgresServer(LocalServer):
             "-p", str(self.port),
             "-c", f"listen_addresses={self.host}",
             "-c", f"unix_socket_directories={self.socket_dir}",
-            "-c", "fsync=on",
-            "-c", "synchronous_commit=on",
+            "-c", f"fsync={'on' if self.durable else 'off'}",
+            "-c", f"synchronous_commit={'on' if self.durable else 'off'}",
             "-c", "full_page_writes=on",
             "-c", "max_connections=200",
         ])  # fmt: skip
