@@ -68,8 +68,10 @@ from psycopg import sql
 from psycopg.rows import TupleRow
 
 from backends.postgres._client import PostgresClient, index_name, postgres_options
+from backends.postgres.store import PostgresDeduplicationStore
 from dedupstore.entities import EntityRecord, EntityStore, groups_by_size
 from dedupstore.options import OptionSet
+from dedupstore.store import DeduplicationStore, WriteRequest
 from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
@@ -197,6 +199,49 @@ class PostgresEntityStore(PostgresClient, EntityStore):
     def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
         rows = self._read(self._sql_load, {"ids": ids})
         return {eid: (body, version) for eid, body, version in rows}
+
+    # ------------------------------------------------------------------ with a dedup store
+
+    def _joined(self, dedup: DeduplicationStore) -> bool:
+        """A PostgreSQL deduplication store on this store's pool (same database)."""
+        return isinstance(dedup, PostgresDeduplicationStore) and self._shares_connection_with(dedup)
+
+    def _load_with(
+        self, dedup: DeduplicationStore, entity_id: str, key: str
+    ) -> tuple[tuple[str, Any] | None, bool]:
+        """The entity's row and the record's, in one statement (a ``UNION ALL``)."""
+        assert isinstance(dedup, PostgresDeduplicationStore)
+        query = (
+            b"SELECT l.body, l.version FROM (" + self._sql_load + b") AS l "
+            b"UNION ALL SELECT NULL, NULL FROM (" + dedup._sql_has + b") AS h"
+        )
+        rows = self._read(query, {"ids": [entity_id], **dedup._has_params(key)})
+        entity = next(((body, version) for body, version in rows if body is not None), None)
+        return entity, any(body is None for body, _ in rows)
+
+    def _save_with(
+        self, dedup: DeduplicationStore, request: WriteRequest, record: EntityRecord
+    ) -> tuple[set[str], dict[str, Any]]:
+        """The record's insert and the entity's save in one statement: one transaction.
+
+        Two data-modifying ``WITH`` queries commit together or not at all (a
+        conflicting save writes no row; the record is written all the same). Not
+        re-sent after a lost answer (the save's version check would refuse it).
+        """
+        assert isinstance(dedup, PostgresDeduplicationStore)
+        expected = _expected(record.version)
+        saves = [] if expected is None else [(record, expected + 1)]
+        query = (
+            b"WITH a AS (" + dedup._sql_add_one + b"), s AS (" + self._sql_save + b") "
+            b"SELECT NULL::text, NULL::int8 FROM a UNION ALL SELECT s.id, s.version FROM s"
+        )
+        params = {
+            **dedup._add_one_params(request),
+            **self._save_params([r for r, _ in saves], [v for _, v in saves]),
+        }
+        rows = self._write(query, params)
+        added = set(request.ids) if any(eid is None for eid, _ in rows) else set()
+        return added, {eid: version for eid, version in rows if eid is not None}
 
     def _save(self, records: list[EntityRecord]) -> dict[str, Any]:
         candidates: list[tuple[EntityRecord, int]] = []

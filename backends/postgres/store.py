@@ -196,15 +196,22 @@ class PostgresDeduplicationStore(PostgresClient, DeduplicationStore):
         return {row[0] for row in self._write(self._sql_add_many, params, resend=True)}
 
     def _add_one(self, request: WriteRequest) -> bool:
-        params = {**self._write_params(request), "id": request.ids[0]}
-        return bool(self._write(self._sql_add_one, params, resend=True))
+        return bool(self._write(self._sql_add_one, self._add_one_params(request), resend=True))
+
+    def _add_one_params(self, request: WriteRequest) -> dict[str, Any]:
+        """The parameters of ``_sql_add_one`` (one id)."""
+        return {**self._write_params(request), "id": request.ids[0]}
 
     def _find(self, ids: list[str], now: float) -> set[str]:
         rows = self._read(self._sql_find, {"endpoint": self._endpoint, "ids": ids})
         return {row[0] for row in rows}
 
     def _contains_one(self, message_id: str, now: float) -> bool:
-        return bool(self._read(self._sql_has, {"endpoint": self._endpoint, "id": message_id}))
+        return bool(self._read(self._sql_has, self._has_params(message_id)))
+
+    def _has_params(self, message_id: str) -> dict[str, Any]:
+        """The parameters of ``_sql_has``."""
+        return {"endpoint": self._endpoint, "id": message_id}
 
     def _count(self, now: float) -> int:
         """Exact, one statement (a snapshot) judged by the server's ``now()``.
