@@ -438,10 +438,23 @@ class LocalServer(Server):
         if proc is None:
             return
         if graceful and proc.poll() is None:
+            # The server's processes may outlive the one spawned (a launcher that
+            # exits first leaves them to init): wait for each, then kill what is left,
+            # so no old server still answers on the port when a new one starts.
+            tree = _descendants(proc.pid)
+            give_up = time.monotonic() + self.stop_timeout
             with contextlib.suppress(ProcessLookupError, ServerError):
                 os.kill(self._main_pid(), self.stop_signal)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(self.stop_timeout)
+            _wait_gone(tree, max(0.0, give_up - time.monotonic()))
+            if proc.poll() is not None:  # the tree below it is not _kill_processes' to find
+                for pid in tree:
+                    state = _read_stat(pid)
+                    if state is not None and state[0] not in "ZX":  # alive still
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+                _wait_gone(tree, timeout=10.0)
         self._kill_processes()
         self._proc = None
 
@@ -844,8 +857,10 @@ class RabbitMQServer(LocalServer):
     Everything lives in the work dir: the node's database (``RABBITMQ_MNESIA_BASE``),
     logs, an empty config file and env file, and ``HOME`` (the Erlang cookie). The node
     is ``rabbit-<amqp port>@localhost``; user ``guest``/``guest`` on vhost ``/``
-    (loopback connections only). A kill and restart keep the durable queues and their
-    persistent messages. Runs as the current user (root included).
+    (loopback connections only). A kill and restart keep the durable queues and the
+    persistent messages they confirmed, but not always a queue declared an instant
+    before the kill (RabbitMQ answers declare-ok before its metadata is on disk).
+    Runs as the current user (root included).
     """
 
     name = "rabbitmq"
