@@ -434,6 +434,22 @@ class Client(Closing, abc.ABC):
         return self.schemes[0] if scheme in self.schemes else scheme
 
     @contextlib.contextmanager
+    def _opening(self, operation: str | None = "connect") -> Iterator[None]:
+        """The block finishes a constructor: on any error this object's connections
+        are released (:meth:`_close`) before the error is raised, so a failed open
+        leaves nothing open behind it. Driver errors are classified as
+        ``operation``'s (``None``: the block classifies its own)."""
+        try:
+            if operation is None:
+                yield
+            else:
+                with self._translating_errors(operation):
+                    yield
+        except BaseException:
+            self._close()
+            raise
+
+    @contextlib.contextmanager
     def _translating_errors(self, operation: str) -> Iterator[None]:
         """Classify driver errors raised in the block (chained); library errors pass.
 

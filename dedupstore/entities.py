@@ -424,9 +424,7 @@ class EntityStore(Client):
         ``EntityTooLarge``/``InvalidMessageId`` before any I/O, ``StoreUnavailable``.
         """
         if self.save_many([entity]):
-            raise ConcurrencyConflict(
-                f"entity {entity.id!r:.80} was saved by someone else since it was loaded"
-            )
+            raise _conflict(entity.id)
         return entity
 
     def save_many(self, entities: Sequence[Entity]) -> set[str]:
@@ -456,27 +454,33 @@ class EntityStore(Client):
 
     # ------------------------------------------------------------------ with a deduplication store
 
+    #: The deduplication store class this store can share requests with (set by a
+    #: backend that implements :meth:`_load_with` and :meth:`_save_with`).
+    _joins: ClassVar[type[Client] | None] = None
+
     def _joined(self, dedup: DeduplicationStore) -> bool:
         """Whether one request can do the work of this store and ``dedup`` together.
 
-        True when the backend implements :meth:`_load_with` and :meth:`_save_with`
-        and the two stores share one connection (one server, one transaction or
-        script domain). Then :meth:`_load_checked` costs one round trip instead of
-        two and :meth:`_save_recording` one atomic write instead of two.
+        True when ``dedup`` is of the class the backend joins (:attr:`_joins`) and
+        the two share one connection (one server: one transaction or script
+        domain). Then :meth:`_load_checked` costs one round trip instead of two and
+        :meth:`_save_recording` one atomic write instead of two. The processor asks
+        once; the two calls assume it.
         """
-        return False
+        return (
+            self._joins is not None
+            and isinstance(dedup, self._joins)
+            and self._shares_connection_with(dedup)
+        )
 
     def _load_checked(
         self, entity_id: str, dedup: DeduplicationStore, key: str
-    ) -> tuple[Entity, bool | None]:
-        """The entity and, when joined with ``dedup``, whether ``key`` is recorded there.
+    ) -> tuple[Entity, bool]:
+        """The entity and whether ``key`` is recorded in ``dedup``, in one round trip.
 
-        Joined (:meth:`_joined`): one round trip reads both. Otherwise the entity
-        only, and ``None``: the caller asks ``dedup`` if it needs to. Raises what
-        :meth:`load` and ``has_been_processed`` raise.
+        Only for a joined ``dedup`` (:meth:`_joined`). Raises what :meth:`load` and
+        ``has_been_processed`` raise.
         """
-        if not self._joined(dedup):
-            return self.load(entity_id), None
         eid = validate_message_id(entity_id, "entity id")
         mid = validate_message_id(key)
         self._check_open()
@@ -487,19 +491,15 @@ class EntityStore(Client):
         return entity, recorded
 
     def _save_recording(self, entity: Entity, dedup: DeduplicationStore, key: str) -> None:
-        """Record ``key`` in ``dedup``, then save ``entity`` (the clean-up of one message).
+        """Record ``key`` in ``dedup`` and save ``entity`` in one atomic request.
 
-        Joined (:meth:`_joined`): both in one atomic request, the record written
+        Only for a joined ``dedup`` (:meth:`_joined`): the clean-up of one message,
+        as ``dedup.add(key)`` then :meth:`save` would do it, the record written
         first, so the entity never loses the entry of a message that is not
-        recorded. Otherwise ``dedup.add(key)`` then :meth:`save`. Raises
-        ``ConcurrencyConflict`` when the entity changed since it was loaded (``key``
-        is recorded all the same: the entry stays in the stored outbox and a retry
-        finds it there), and what ``add`` and :meth:`save` raise.
+        recorded. Raises ``ConcurrencyConflict`` when the entity changed since it
+        was loaded (``key`` is recorded all the same: the entry stays in the stored
+        outbox and a retry finds it there), and what ``add`` and :meth:`save` raise.
         """
-        if not self._joined(dedup):
-            dedup.add(key)
-            self.save(entity)
-            return
         mid = validate_message_id(key)
         record = self._record(entity)
         self._check_open()
@@ -513,9 +513,7 @@ class EntityStore(Client):
 
         dedup._write_chunk([mid], single=True, write=write, operation="add_and_save")
         if record.id not in versions:
-            raise ConcurrencyConflict(
-                f"entity {entity.id!r:.80} was saved by someone else since it was loaded"
-            )
+            raise _conflict(entity.id)
         entity.version = versions[record.id]
 
     def _load_with(
@@ -598,3 +596,9 @@ class EntityStore(Client):
 
 
 _tuple_new = tuple.__new__
+
+
+def _conflict(entity_id: str) -> ConcurrencyConflict:
+    return ConcurrencyConflict(
+        f"entity {entity_id!r:.80} was saved by someone else since it was loaded"
+    )

@@ -10,17 +10,22 @@ catches a joint write that forgets the record.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
+import psycopg
 import pytest
 import redis
 
 from backends.postgres._client import PostgresClient
-from backends.redis import RedisEntityStore
 from backends.redis._client import _Bounded
 from dedupstore.entities import Entity, EntityStore
-from dedupstore.errors import ConcurrencyConflict, ConfigurationError, StoreUnavailable
+from dedupstore.errors import (
+    ConcurrencyConflict,
+    ConfigurationError,
+    DedupStoreError,
+    StoreUnavailable,
+)
 from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send, message_key
 from dedupstore.store import DeduplicationStore
 from dedupstore.testing.interleavings import (
@@ -30,6 +35,7 @@ from dedupstore.testing.interleavings import (
     explore,
 )
 from tests.outbox_backends import OutboxBackend, backend_params
+from tests.test_entities_redis import _LosingAnswers as LosingAnswers
 
 JOINED = ("redis", "postgres")
 
@@ -200,20 +206,43 @@ def test_a_record_that_cannot_be_written_saves_nothing(
         admin.close()
 
 
-class _LosingAnswers(RedisEntityStore):
-    """Runs each script, then loses the answer of the first ``losses``; ``meddle`` in between."""
+class _LosingAnswers(LosingAnswers):
+    """Loses the answer of a script (see its base), sharing the stores' connection."""
 
     losses = 0
-    meddle: Callable[[], None] = staticmethod(lambda: None)
-    _connection_family = "backends.redis"  # shares the stores' connection
+    _connection_family = "backends.redis"
 
-    def _send(self, commands: list[tuple[Any, ...]], sent: list[bool]) -> list[Any]:
-        replies = super()._send(commands, sent)
-        if commands[0][0] == "EVALSHA" and self.losses > 0:
-            self.losses -= 1
-            self.meddle()
-            raise redis.ConnectionError("answer lost (simulated)")
-        return replies
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("outbox_backend", backend_params(("postgres",)), indirect=True)
+def test_a_record_the_database_refuses_saves_nothing_on_postgres(
+    pair: tuple[EntityStore, DeduplicationStore], outbox_backend: OutboxBackend
+) -> None:
+    """A trigger refuses the record's insert: the statement, save included, rolls back."""
+    entities, dedup = pair
+    entity = _pending(entities, dedup, "m")
+    table = dedup.option("table")
+    url = outbox_backend.dedup_url.split("?")[0]
+    with psycopg.connect(url, autocommit=True) as admin:
+        admin.execute(
+            f'CREATE FUNCTION "refuse_{table}"() RETURNS trigger LANGUAGE plpgsql '
+            "AS $$ BEGIN RAISE EXCEPTION 'refused by a trigger'; END $$"
+        )
+        admin.execute(
+            f'CREATE TRIGGER refuse BEFORE INSERT ON "{table}" '
+            f'FOR EACH ROW EXECUTE FUNCTION "refuse_{table}"()'
+        )
+    try:
+        processor = OutboxProcessor(entities, dedup, InMemoryDispatcher())
+        with pytest.raises(DedupStoreError, match="refused by a trigger"):
+            processor.process(Message("m", "e", {}), _handler)
+        stored = entities.load("e")
+        assert stored.version == entity.version and stored.outbox == entity.outbox
+        assert not dedup.has_been_processed(message_key("e", "m"))
+    finally:
+        with psycopg.connect(url, autocommit=True) as admin:
+            admin.execute(f'DROP TRIGGER refuse ON "{table}"')
+            admin.execute(f'DROP FUNCTION "refuse_{table}"()')
 
 
 @pytest.mark.redis

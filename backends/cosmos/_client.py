@@ -235,14 +235,10 @@ class CosmosClientBase(Client):
             )
         )
         self._containers = ProcessLocal(self._container_proxy)
-        try:
-            with self._translating_errors("open"):
-                client = self._conn.get()
-                self._check_consistency(client)
-                self._check_container(client)
-        except BaseException:
-            self._close()
-            raise
+        with self._opening("open"):
+            client = self._conn.get()
+            self._check_consistency(client)
+            self._check_container(client)
 
     @classmethod
     def _validate(cls, url: StoreURL, options: Options) -> None:

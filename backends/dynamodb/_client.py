@@ -274,13 +274,10 @@ class DynamoDBClient(Client):
                 environment, self._new_client, lambda client: client.close()
             )
         )
-        try:
+        with self._opening(None):  # each step classifies its own errors
             if self._creates:
                 self.create_table(wait=True)
             self._check_table()
-        except BaseException:
-            self.close()
-            raise
 
     @classmethod
     def _validate(cls, url: StoreURL, options: Options) -> None:

@@ -97,6 +97,17 @@ def _expected(version: Any) -> int | None:
     return None
 
 
+def _candidates(records: list[EntityRecord]) -> list[tuple[EntityRecord, int]]:
+    """(record, the version it gets) for each record a stored row can match; the
+    others conflict without a statement."""
+    pairs = []
+    for record in records:
+        expected = _expected(record.version)
+        if expected is not None:
+            pairs.append((record, expected + 1))
+    return pairs
+
+
 class PostgresEntityStore(PostgresClient, EntityStore):
     """Entity store in a PostgreSQL table (one row per entity, ``version`` token).
 
@@ -111,6 +122,7 @@ class PostgresEntityStore(PostgresClient, EntityStore):
     max_entity_bytes: ClassVar[int] = 4 * 1024 * 1024
     max_batch: ClassVar[int] = 100
     table_kind: ClassVar[str] = "an entity table"
+    _joins = PostgresDeduplicationStore
     table_privileges: ClassVar[str] = "SELECT, INSERT, UPDATE"
     declared_options: ClassVar[OptionSet] = postgres_options(
         EntityStore.declared_options, DEFAULT_ENTITY_TABLE
@@ -151,7 +163,7 @@ class PostgresEntityStore(PostgresClient, EntityStore):
 
     def _check_table(self, conn: Connection) -> None:
         """Dry runs of the three statements: columns, types, unique id, privileges."""
-        self._execute(conn, self._sql_save, self._save_params([], []))
+        self._execute(conn, self._sql_save, self._save_params([]))
         self._execute(conn, self._sql_load, {"ids": []})
         self._execute(conn, self._sql_scan, self._scan_params(0, 1, "", 0))
 
@@ -202,10 +214,6 @@ class PostgresEntityStore(PostgresClient, EntityStore):
 
     # ------------------------------------------------------------------ with a dedup store
 
-    def _joined(self, dedup: DeduplicationStore) -> bool:
-        """A PostgreSQL deduplication store on this store's pool (same database)."""
-        return isinstance(dedup, PostgresDeduplicationStore) and self._shares_connection_with(dedup)
-
     def _load_with(
         self, dedup: DeduplicationStore, entity_id: str, key: str
     ) -> tuple[tuple[str, Any] | None, bool]:
@@ -229,26 +237,20 @@ class PostgresEntityStore(PostgresClient, EntityStore):
         re-sent after a lost answer (the save's version check would refuse it).
         """
         assert isinstance(dedup, PostgresDeduplicationStore)
-        expected = _expected(record.version)
-        saves = [] if expected is None else [(record, expected + 1)]
         query = (
             b"WITH a AS (" + dedup._sql_add_one + b"), s AS (" + self._sql_save + b") "
             b"SELECT NULL::text, NULL::int8 FROM a UNION ALL SELECT s.id, s.version FROM s"
         )
         params = {
             **dedup._add_one_params(request),
-            **self._save_params([r for r, _ in saves], [v for _, v in saves]),
+            **self._save_params(_candidates([record])),
         }
         rows = self._write(query, params)
         added = set(request.ids) if any(eid is None for eid, _ in rows) else set()
         return added, {eid: version for eid, version in rows if eid is not None}
 
     def _save(self, records: list[EntityRecord]) -> dict[str, Any]:
-        candidates: list[tuple[EntityRecord, int]] = []
-        for record in records:
-            expected = _expected(record.version)
-            if expected is not None:  # else no stored row can hold it: a conflict
-                candidates.append((record, expected + 1))
+        candidates = _candidates(records)
         candidates.sort(key=lambda pair: pair[0].id)  # one lock order for every saver
         saved: dict[str, Any] = {}
         for group in groups_by_size(candidates, _STATEMENT_BYTES, lambda pair: pair[0].size):
@@ -257,7 +259,7 @@ class PostgresEntityStore(PostgresClient, EntityStore):
 
     def _save_group(self, group: list[tuple[EntityRecord, int]]) -> dict[str, int]:
         """One statement: the rows of ``group`` (sorted by id) that match their version."""
-        params = self._save_params([r for r, _ in group], [v for _, v in group])
+        params = self._save_params(group)
         return {eid: version for eid, version in self._write(self._sql_save, params)}
 
     def _scan(self, segment: int, segments: int) -> Iterator[tuple[str, str, Any]]:
@@ -274,13 +276,14 @@ class PostgresEntityStore(PostgresClient, EntityStore):
     # ------------------------------------------------------------------ helpers
 
     @staticmethod
-    def _save_params(records: list[EntityRecord], versions: list[int]) -> dict[str, Any]:
+    def _save_params(candidates: list[tuple[EntityRecord, int]]) -> dict[str, Any]:
+        """The parameters of ``_sql_save`` for (record, version it gets) pairs."""
         return {
-            "ids": [r.id for r in records],
-            "bodies": [r.body for r in records],
-            "versions": versions,
-            "buckets": [r.bucket for r in records],
-            "pending": [r.pending for r in records],
+            "ids": [r.id for r, _ in candidates],
+            "bodies": [r.body for r, _ in candidates],
+            "versions": [v for _, v in candidates],
+            "buckets": [r.bucket for r, _ in candidates],
+            "pending": [r.pending for r, _ in candidates],
         }
 
     @staticmethod

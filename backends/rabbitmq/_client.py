@@ -48,6 +48,7 @@ __all__ = [
     "CONNECTION_OPTIONS",
     "Expiry",
     "classify",
+    "close_quietly",
     "connect",
     "expiring",
     "parse_url",
@@ -77,6 +78,13 @@ CONNECTION_OPTIONS: tuple[Option, ...] = (
     Option("password", optional(text()), None, "password (instead of the URL's)", secret=True),
     Option("ssl_ca_certs", optional(text()), None, "CA bundle file (amqps://)"),
 )
+
+
+def close_quietly(connection: pika.BlockingConnection) -> None:
+    """Close ``connection`` if it is open, ignoring any error (it may be dead already)."""
+    with contextlib.suppress(Exception):
+        if connection.is_open:
+            connection.close()
 
 
 def deadline_seconds(options: Options) -> float:

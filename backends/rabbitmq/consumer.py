@@ -52,7 +52,6 @@ One consumer loop per object (not thread-safe).
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import time
 from collections.abc import Sequence
@@ -66,6 +65,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 from backends.rabbitmq._client import (
     CONNECTION_OPTIONS,
     classify,
+    close_quietly,
     connect,
     deadline_seconds,
     expiring,
@@ -116,9 +116,7 @@ class _Link:
 
 
 def _close_link(link: _Link) -> None:
-    with contextlib.suppress(Exception):
-        if link.connection.is_open:
-            link.connection.close()
+    close_quietly(link.connection)
 
 
 def _text(value: object) -> str:
@@ -165,12 +163,8 @@ class RabbitMQBroker(Client, Broker):
         self.prefetch: int = self._opts["prefetch"]
         self._generation = 0
         self._link: ProcessLocal[_Link] = ProcessLocal(self._open_link, _close_link)
-        try:
-            with self._translating_errors("connect"):
-                self._current()
-        except BaseException:
-            self._link.close()
-            raise
+        with self._opening():
+            self._current()
 
     @classmethod
     def _validate(cls, url: StoreURL, options: Options) -> None:
@@ -205,8 +199,7 @@ class RabbitMQBroker(Client, Broker):
                     auto_ack=False,
                 )
         except BaseException:
-            with contextlib.suppress(Exception):
-                connection.close()
+            close_quietly(connection)
             raise
         return link
 

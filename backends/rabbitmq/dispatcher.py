@@ -47,7 +47,6 @@ configuration.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -61,6 +60,7 @@ from backends.rabbitmq._client import (
     CONNECTION_OPTIONS,
     Expiry,
     classify,
+    close_quietly,
     connect,
     deadline_seconds,
     expiring,
@@ -102,9 +102,7 @@ class _Link:
 
 
 def _close_link(link: _Link) -> None:
-    with contextlib.suppress(Exception):
-        if link.connection.is_open:
-            link.connection.close()
+    close_quietly(link.connection)
 
 
 def _transient(exc: BaseException) -> bool:
@@ -168,12 +166,8 @@ class RabbitMQDispatcher(URLDispatcher):
         self._exchange: str = self._opts["exchange"]
         self._lock = threading.Lock()
         self._link: ProcessLocal[_Link] = ProcessLocal(self._open_link, _close_link)
-        try:
-            with self._translating_errors("connect"), self._lock:
-                self._probe()
-        except BaseException:
-            self._link.close()
-            raise
+        with self._opening(), self._lock:
+            self._probe()
 
     @classmethod
     def _validate(cls, url: StoreURL, options: Options) -> None:
@@ -198,8 +192,7 @@ class RabbitMQDispatcher(URLDispatcher):
             channel = connection.channel()
             channel.confirm_delivery()
         except BaseException:
-            with contextlib.suppress(Exception):
-                connection.close()
+            close_quietly(connection)
             raise
         return _Link(connection, channel)
 

@@ -279,12 +279,8 @@ class RedisClient(Client):
                 lambda client: client.connection_pool.disconnect(),
             )
         )
-        try:
-            with self._translating_errors("connect"):
-                self._probe()
-        except BaseException:
-            self._close()
-            raise
+        with self._opening():
+            self._probe()
 
     @classmethod
     def _validate(cls, url: StoreURL, options: Options) -> None:
@@ -378,18 +374,6 @@ class RedisClient(Client):
         self._read(lambda: self._client.evalsha(self._script_sha, 0))
 
     # ------------------------------------------------------------------ the write script
-
-    def _shares_server_with(self, other: Client) -> bool:
-        """Whether ``other`` is a Redis client of the same connection whose writes wait
-        and retry alike: one script may then do the writes of both."""
-        return (
-            isinstance(other, RedisClient)
-            and self._shares_connection_with(other)
-            and all(
-                self._opts[name] == other._opts[name]
-                for name in ("retries", "wait_replicas", "wait_timeout_ms")
-            )
-        )
 
     def _run_script(
         self,

@@ -125,11 +125,8 @@ class RedisStreamsBroker(RedisClient, Broker):
         self._nacked: list[str] = []
         self._cursor = "0-0"
         self._next_scan = float("-inf")
-        try:
+        with self._opening():
             self._ensure_group()
-        except BaseException:
-            self._close()
-            raise
 
     @classmethod
     def _validate(cls, url: StoreURL, options: Options) -> None:
@@ -144,29 +141,29 @@ class RedisStreamsBroker(RedisClient, Broker):
             raise ConfigurationError("RedisStreamsBroker needs group=<consumer group name>")
 
     def _ensure_group(self) -> None:
-        with self._translating_errors("connect"):
-            try:
-                groups = self._read(lambda: self._client.xinfo_groups(self.stream))
-            except ResponseError as exc:
-                if "no such key" not in str(exc).lower():
-                    raise
-                groups = []
-            if any(text_of(g["name"]) == self.group for g in groups):
-                return
-            if not self._opts["create"] or self._opts["must_exist"]:
-                raise self._no_such_store(
-                    f"consumer group {self.group!r} of stream {self.stream!r}",
-                    "create it (XGROUP CREATE) or open with create=true",
+        """The consumer group exists (created with ``create``); see the class."""
+        try:
+            groups = self._read(lambda: self._client.xinfo_groups(self.stream))
+        except ResponseError as exc:
+            if "no such key" not in str(exc).lower():
+                raise
+            groups = []
+        if any(text_of(g["name"]) == self.group for g in groups):
+            return
+        if not self._creates:
+            raise self._no_such_store(
+                f"consumer group {self.group!r} of stream {self.stream!r}",
+                "create it (XGROUP CREATE) or open with create=true",
+            )
+        try:
+            self._read(
+                lambda: self._client.xgroup_create(
+                    self.stream, self.group, id=self._opts["start"], mkstream=True
                 )
-            try:
-                self._read(
-                    lambda: self._client.xgroup_create(
-                        self.stream, self.group, id=self._opts["start"], mkstream=True
-                    )
-                )
-            except ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):  # created meanwhile by another consumer
-                    raise
+            )
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):  # created meanwhile by another consumer
+                raise
 
     # ------------------------------------------------------------------ Broker
 

@@ -230,6 +230,7 @@ class RedisEntityStore(RedisClient, EntityStore):
         key_prefix_option("dedupent:"), *CONNECTION_OPTIONS
     )
     _script_source: ClassVar[str] = _SAVE_SCRIPT
+    _joins = RedisDeduplicationStore
     _commands: ClassVar[str] = (
         "+ping +info +script|load +evalsha +wait +hmget +sscan +smembers, and in the script "
         "+type +hmget +hset +sadd +srem +scard"
@@ -280,8 +281,11 @@ class RedisEntityStore(RedisClient, EntityStore):
     # ------------------------------------------------------------------ with a dedup store
 
     def _joined(self, dedup: DeduplicationStore) -> bool:
-        """A Redis deduplication store on this store's connection (same server)."""
-        return isinstance(dedup, RedisDeduplicationStore) and self._shares_server_with(dedup)
+        """Also: writes that retry and wait for replicas alike (one script does both)."""
+        return super()._joined(dedup) and all(
+            self._opts[name] == dedup._opts[name]
+            for name in ("retries", "wait_replicas", "wait_timeout_ms")
+        )
 
     def _load_with(
         self, dedup: DeduplicationStore, entity_id: str, key: str

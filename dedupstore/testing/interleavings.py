@@ -373,7 +373,7 @@ class _Entities:
     def _joined(self, dedup: _Dedup) -> bool:
         return self._real._joined(dedup._real)
 
-    def _load_checked(self, entity_id: str, dedup: _Dedup, key: str) -> tuple[Entity, bool | None]:
+    def _load_checked(self, entity_id: str, dedup: _Dedup, key: str) -> tuple[Entity, bool]:
         return self._call(  # type: ignore[no-any-return]
             "load_and_check", lambda: self._real._load_checked(entity_id, dedup._real, key)
         )
