@@ -149,6 +149,7 @@ class ProcessResult:
 
 
 _new = object.__new__
+_encoded = OutgoingMessage._encoded
 
 
 def _result(
@@ -167,11 +168,14 @@ def _result(
     return result
 
 
-def _normalized(value: Any) -> tuple[Any, str]:
+def _normalized(
+    value: Any, normalize: Callable[[Any], tuple[Any, str]] = canonical.normalized
+) -> tuple[Any, str]:
     """``value`` as it will be after a JSON round trip (tuples become lists, ...), and
-    its canonical text."""
+    its canonical text (``normalize``: :func:`canonical.normalized` or
+    :func:`canonical.normalized_text`)."""
     try:
-        return canonical.normalized(value)
+        return normalize(value)
     except (TypeError, ValueError) as exc:
         raise ValueError(
             f"the new state and every outgoing message body must be JSON-compatible: {exc}"
@@ -409,17 +413,18 @@ class OutboxProcessor:
         self, state: dict[str, Any], message: Message, handler: Handler
     ) -> tuple[dict[str, Any], str, list[OutgoingMessage]]:
         """The handler's new state (normalized: what a reload will show) and its text,
-        and the outgoing messages (with their ids, bodies normalized and encoded once)."""
+        and the outgoing messages (with their ids, bodies encoded once and decoded only
+        when read: see :meth:`OutgoingMessage.__getattr__`)."""
         returned = handler(state, message)
         if not (isinstance(returned, tuple) and len(returned) == 2):
             raise _HandlerContract(f"it returned {_shown(returned)}")
         state, sends = returned
-        if not isinstance(state, dict):
+        if type(state) is not dict and not isinstance(state, dict):
             raise _HandlerContract(f"its new state is {_shown(state)}, not a dict")
         if type(sends) is not list:
             sends = list(sends)
         for send in sends:
-            if not isinstance(send, Send):
+            if type(send) is not Send and not isinstance(send, Send):
                 raise _HandlerContract(f"it asked to send {_shown(send)}, not a Send")
         state, state_text = _normalized(state)
         if not sends:
@@ -428,7 +433,7 @@ class OutboxProcessor:
         destinations = self._destinations
         outgoing = []
         for position, send in enumerate(sends):
-            body, text = _normalized(send.body)
+            body, text = _normalized(send.body, canonical.normalized_text)
             headers = send.headers
             destination = send.destination
             known = destinations.get(destination) if type(destination) is str else None
@@ -438,7 +443,7 @@ class OutboxProcessor:
                 if len(destinations) < 1000:
                     destinations[destination] = known
             outgoing.append(
-                OutgoingMessage._encoded(
+                _encoded(
                     outgoing_id(consumer, cid, mid, position),
                     destination,
                     body,
