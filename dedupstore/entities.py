@@ -119,19 +119,20 @@ class OutgoingMessage:
         body_text: str,
         headers: dict[str, str],
         destination_text: str | None = None,
+        id_text: str | None = None,
     ) -> OutgoingMessage:
         """A message whose ``body`` is the decoded ``body_text`` (canonical JSON): its
         texts are kept, so it is encoded once whatever saves or dispatches it.
         ``body`` may be :data:`~dedupstore.canonical.UNDECODED`: then it is decoded from
-        ``body_text`` when first read. ``destination_text``: the destination as a JSON
-        string, when known."""
+        ``body_text`` when first read. ``destination_text`` and ``id_text``: the
+        destination and the id as JSON strings, when known."""
         message = _new(cls)  # frozen: fill the fields at once, as __init__ would
         if destination_text is None:
             destination_text = canonical.string(destination)
         text = (
             f'{{"body":{body_text},"destination":{destination_text}'
             f',"headers":{canonical.dumps(headers) if headers else "{}"}'
-            f',"id":{canonical.string(id)}}}'
+            f',"id":{canonical.string(id) if id_text is None else id_text}}}'
         )  # what message_text composes
         if body is canonical.UNDECODED:
             message.__dict__.update(
