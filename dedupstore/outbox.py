@@ -24,7 +24,6 @@ stable across redeliveries; receivers deduplicate outgoing messages by id.
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import threading
@@ -167,24 +166,6 @@ def _result(
         message_id=message_id, outcome=outcome, outgoing=outgoing, attempts=attempts, error=error
     )
     return result
-
-
-def _freeze() -> bool:
-    """``gc.freeze()`` for the duration of a batch: every object that exists now moves
-    to the collector's permanent generation; ``False`` (nothing done) when someone
-    froze objects already (theirs to unfreeze) or the collector is off.
-
-    A batch allocates enough containers that collections run during it, and its
-    survivors (entities, results, outgoing messages) trigger full collections, which
-    would walk the caller's whole heap each time. The batch's objects form no cycles;
-    frozen, a collection walks only what was made since the batch began. The caller
-    gets ``gc.unfreeze()`` back after it (everything returns to the oldest generation,
-    so what became cyclic garbage meanwhile is collected by the next full collection).
-    """
-    if gc.get_freeze_count() or not gc.isenabled():
-        return False
-    gc.freeze()
-    return True
 
 
 def _not_json(exc: Exception) -> ValueError:
@@ -586,12 +567,7 @@ class OutboxProcessor:
         if not plain_ids([m.id for m in messages] + [m.correlation_id for m in messages]):
             for message in messages:
                 _validate(message)
-        frozen = _freeze()
-        try:
-            results = self._batch(list(messages), handler, 0, before_cleanup)
-        finally:
-            if frozen:
-                gc.unfreeze()
+        results = self._batch(list(messages), handler, 0, before_cleanup)
         self._report(messages, results)
         return results
 

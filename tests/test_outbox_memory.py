@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import pickle
 import uuid
 from collections import Counter
@@ -242,29 +241,3 @@ def test_an_outgoing_body_is_decoded_from_its_text_when_first_read() -> None:
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         sent.nothing  # noqa: B018
     assert not hasattr(OutgoingMessage("i", "d", 1), "nothing")
-
-
-def test_process_batch_freezes_the_older_objects_for_the_collector_while_it_runs() -> None:
-    url = f"memory://{uuid.uuid4().hex}"
-    processor = OutboxProcessor(
-        MemoryEntityStore(url), MemoryDeduplicationStore(url), InMemoryDispatcher()
-    )
-    during: list[int] = []
-
-    def handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
-        during.append(gc.get_freeze_count())
-        return state, []
-
-    assert gc.get_freeze_count() == 0
-    processor.process_batch([Message("m1", "e1", 1)], handler)
-    assert during[0] > 0  # frozen while the batch ran
-    assert gc.get_freeze_count() == 0  # and given back
-    with pytest.raises(HandlerError):  # given back when the batch raises too
-        processor.process_batch([Message("m2", "e1", 1)], lambda s, m: 1 / 0)  # type: ignore[arg-type,return-value]
-    assert gc.get_freeze_count() == 0
-    gc.freeze()  # the caller's own freeze is theirs: left as it is
-    try:
-        processor.process_batch([Message("m3", "e1", 1)], handler)
-        assert gc.get_freeze_count() > 0  # not unfrozen by the batch
-    finally:
-        gc.unfreeze()
