@@ -96,6 +96,23 @@ class OutgoingMessage:
             headers=dict(data.get("headers") or {}),
         )
 
+    #: Canonical JSON of ``body`` and of :meth:`to_json`, kept on the messages the
+    #: processor makes (``None`` on others): see :func:`body_text`, :func:`message_text`.
+    _body_text: ClassVar[str | None] = None
+    _text: ClassVar[str | None] = None
+
+    if not TYPE_CHECKING:  # (hidden from type checkers: every other name stays checked)
+
+        def __getattr__(self, name: str) -> Any:
+            """The ``body`` of a message :meth:`_encoded` made without it: decoded from its
+            text on first read (the same value on every read, from every thread)."""
+            text = self._body_text
+            if name != "body" or text is None:
+                raise AttributeError(
+                    f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self
+                )
+            return self.__dict__.setdefault("body", canonical.loads(text))
+
     @classmethod
     def _encoded(
         cls,
@@ -105,38 +122,49 @@ class OutgoingMessage:
         body_text: str,
         headers: dict[str, str],
         destination_text: str | None = None,
+        id_text: str | None = None,
     ) -> OutgoingMessage:
         """A message whose ``body`` is the decoded ``body_text`` (canonical JSON): its
         texts are kept, so it is encoded once whatever saves or dispatches it.
-        ``destination_text``: the destination as a JSON string, when known."""
-        message = object.__new__(cls)  # frozen: fill the fields at once, as __init__ would
+        ``body`` may be :data:`~dedupstore.canonical.UNDECODED`: then it is decoded from
+        ``body_text`` when first read. ``destination_text`` and ``id_text``: the
+        destination and the id as JSON strings, when known."""
+        message = _new(cls)  # frozen: fill the fields at once, as __init__ would
         if destination_text is None:
             destination_text = canonical.string(destination)
         text = (
             f'{{"body":{body_text},"destination":{destination_text}'
             f',"headers":{canonical.dumps(headers) if headers else "{}"}'
-            f',"id":{canonical.string(id)}}}'
+            f',"id":{canonical.string(id) if id_text is None else id_text}}}'
         )  # what message_text composes
-        message.__dict__.update(
-            id=id,
-            destination=destination,
-            body=body,
-            headers=headers,
-            _body_text=body_text,
-            _text=text,
-        )
+        if body is canonical.UNDECODED:
+            message.__dict__.update(
+                id=id, destination=destination, headers=headers, _body_text=body_text, _text=text
+            )
+        else:
+            message.__dict__.update(
+                id=id,
+                destination=destination,
+                body=body,
+                headers=headers,
+                _body_text=body_text,
+                _text=text,
+            )
         return message
+
+
+_new = object.__new__
 
 
 def body_text(message: OutgoingMessage) -> str:
     """Canonical JSON of ``message.body`` (kept from when the processor made it)."""
-    text: str | None = message.__dict__.get("_body_text")
+    text = message._body_text
     return canonical.dumps(message.body) if text is None else text
 
 
 def message_text(message: OutgoingMessage) -> str:
     """Canonical JSON of ``message.to_json()``, composed from its parts' texts."""
-    text: str | None = message.__dict__.get("_text")
+    text = message._text
     if text is None:
         headers = message.headers
         text = (
@@ -144,7 +172,7 @@ def message_text(message: OutgoingMessage) -> str:
             f',"headers":{canonical.dumps(dict(headers)) if headers else "{}"}'
             f',"id":{canonical.string(message.id)}}}'
         )
-        if "_body_text" in message.__dict__:
+        if message._body_text is not None:
             message.__dict__["_text"] = text
     return text
 

@@ -149,6 +149,7 @@ class ProcessResult:
 
 
 _new = object.__new__
+_encoded = OutgoingMessage._encoded
 
 
 def _result(
@@ -167,15 +168,12 @@ def _result(
     return result
 
 
-def _normalized(value: Any) -> tuple[Any, str]:
-    """``value`` as it will be after a JSON round trip (tuples become lists, ...), and
-    its canonical text."""
-    try:
-        return canonical.normalized(value)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(
-            f"the new state and every outgoing message body must be JSON-compatible: {exc}"
-        ) from None
+def _not_json(exc: Exception) -> ValueError:
+    """What :meth:`OutboxProcessor._outputs` raises for a state or body that
+    :func:`canonical.normalized` (or ``normalized_text``) refused with ``exc``."""
+    return ValueError(
+        f"the new state and every outgoing message body must be JSON-compatible: {exc}"
+    )
 
 
 class OutboxProcessor:
@@ -417,26 +415,35 @@ class OutboxProcessor:
         self, state: dict[str, Any], message: Message, handler: Handler
     ) -> tuple[dict[str, Any], str, list[OutgoingMessage]]:
         """The handler's new state (normalized: what a reload will show) and its text,
-        and the outgoing messages (with their ids, bodies normalized and encoded once)."""
+        and the outgoing messages (with their ids, bodies encoded once and decoded only
+        when read: see :meth:`OutgoingMessage.__getattr__`)."""
         returned = handler(state, message)
         if not (isinstance(returned, tuple) and len(returned) == 2):
             raise _HandlerContract(f"it returned {_shown(returned)}")
         state, sends = returned
-        if not isinstance(state, dict):
+        if type(state) is not dict and not isinstance(state, dict):
             raise _HandlerContract(f"its new state is {_shown(state)}, not a dict")
         if type(sends) is not list:
             sends = list(sends)
         for send in sends:
-            if not isinstance(send, Send):
+            if type(send) is not Send and not isinstance(send, Send):
                 raise _HandlerContract(f"it asked to send {_shown(send)}, not a Send")
-        state, state_text = _normalized(state)
+        # (canonical.normalized: the state as a reload will show it, and its text)
+        normalized, normalized_text = canonical.normalized, canonical.normalized_text
+        try:
+            state, state_text = normalized(state)
+        except (TypeError, ValueError) as exc:
+            raise _not_json(exc) from None
         if not sends:
             return state, state_text, []
         consumer, cid, mid = self.consumer, message.correlation_id, message.id
         destinations = self._destinations
         outgoing = []
         for position, send in enumerate(sends):
-            body, text = _normalized(send.body)
+            try:
+                body, text = normalized_text(send.body)  # body: UNDECODED, most often
+            except (TypeError, ValueError) as exc:
+                raise _not_json(exc) from None
             headers = send.headers
             destination = send.destination
             known = destinations.get(destination) if type(destination) is str else None
@@ -445,14 +452,16 @@ class OutboxProcessor:
                 known = canonical.string(destination)
                 if len(destinations) < 1000:
                     destinations[destination] = known
+            oid = outgoing_id(consumer, cid, mid, position)  # UUID text: no JSON escapes
             outgoing.append(
-                OutgoingMessage._encoded(
-                    outgoing_id(consumer, cid, mid, position),
+                _encoded(
+                    oid,
                     destination,
                     body,
                     text,
                     {str(k): str(v) for k, v in dict(headers).items()} if headers else {},
                     known,
+                    f'"{oid}"',
                 )
             )
         return state, state_text, outgoing
@@ -609,34 +618,35 @@ class OutboxProcessor:
         keys, already = self._recorded(messages, entities)
         mark = self._mark()
         results: list[ProcessResult] = []
-        applied: dict[tuple[str, str], int] = {}  # (entity, id) -> the copy that applied it
+        # A message (entity and id) is known by its key (message_key: one per pair).
+        applied: dict[str, int] = {}  # key -> the copy that applied it
         # the outbox entries of the batch, each once, in order: what _entries gives
-        entries: dict[tuple[str, str], tuple[Entity, str]] = {}
-        seen: set[tuple[str, str]] = set()
+        entries: dict[str, tuple[Entity, str]] = {}
+        seen: set[str] = set()
         changed: dict[str, Entity] = {}
         for index, message in enumerate(messages):
-            mid, cid = message.id, message.correlation_id
-            ident = (cid, mid)
-            entity = entities[cid]
-            if ident in seen:
-                entry = entity.outbox.get(mid)
+            mid, key = message.id, keys[index]
+            entity = entities[message.correlation_id]
+            outbox = entity.outbox
+            if key in seen:
+                entry = outbox.get(mid)
                 results.append(_result(mid, "duplicate", tuple(entry or ())))
                 continue
-            seen.add(ident)
-            if mid in entity.outbox:
-                entry = entity.outbox[mid]
+            seen.add(key)
+            if mid in outbox:
+                entry = outbox[mid]
                 outcome, error = self._found(entity, mid)
                 results.append(_result(mid, outcome, tuple(entry or ()), 1, error))
-                entries[ident] = (entity, keys[index])
-            elif keys[index] in already:
+                entries[key] = (entity, mid)
+            elif key in already:
                 results.append(_result(mid, "duplicate"))
             else:
                 outgoing, error = self._apply(entity, message, handler, mark)
-                applied[ident] = index
-                changed[cid] = entity
+                applied[key] = index
+                changed[entity.id] = entity
                 done: Outcome = "processed" if error is None else "dead_lettered"
                 results.append(_result(mid, done, tuple(outgoing), 1, error))
-                entries[ident] = (entity, keys[index])
+                entries[key] = (entity, mid)
         try:
             first_conflicts = self.entities.save_many(list(changed.values()))
         except EntityTooLarge:
@@ -648,7 +658,7 @@ class OutboxProcessor:
                 messages, handler, entities, first_conflicts, results, before_cleanup
             )
         if first_conflicts:
-            entries = {i: e for i, e in entries.items() if i[0] not in first_conflicts}
+            entries = {k: e for k, e in entries.items() if e[0].id not in first_conflicts}
         late_conflicts, sent = self._dispatch_and_clean_up(entries)
         conflicts = first_conflicts | late_conflicts
         if not conflicts:
@@ -658,7 +668,7 @@ class OutboxProcessor:
             cid = message.correlation_id
             if cid in conflicts:
                 alone = self._process(message, handler, set(sent))
-                if applied.get((cid, message.id)) == index and cid not in first_conflicts:
+                if applied.get(keys[index]) == index and cid not in first_conflicts:
                     first = results[index]  # its change was saved above: what it did then
                     alone = replace(alone, outcome=first.outcome, error=first.error)
                 results[index] = alone
@@ -705,24 +715,24 @@ class OutboxProcessor:
 
     def _entries(
         self, messages: Sequence[Message], entities: dict[str, Entity], skip: Collection[str]
-    ) -> dict[tuple[str, str], tuple[Entity, str]]:
+    ) -> dict[str, tuple[Entity, str]]:
         """The outbox entries of ``messages`` on the entities not in ``skip``, each once:
-        ``(entity, message id) -> (the entity holding it, the message's key)``."""
-        entries: dict[tuple[str, str], tuple[Entity, str]] = {}
+        ``message key -> (the entity holding it, the message id)``."""
+        entries: dict[str, tuple[Entity, str]] = {}
         for message in messages:
             cid, mid = message.correlation_id, message.id
             entity = entities[cid]
-            if mid in entity.outbox and cid not in skip and (cid, mid) not in entries:
-                entries[(cid, mid)] = (entity, message_key(cid, mid))
+            if mid in entity.outbox and cid not in skip:
+                key = message_key(cid, mid)
+                if key not in entries:
+                    entries[key] = (entity, mid)
         return entries
 
-    def _dispatch(
-        self, entries: dict[tuple[str, str], tuple[Entity, str]], sent: set[str]
-    ) -> set[str]:
+    def _dispatch(self, entries: dict[str, tuple[Entity, str]], sent: set[str]) -> set[str]:
         """Step 4: one ``dispatch`` of the pending outgoing messages of ``entries`` but
         those in ``sent``; returns ``sent`` with them."""
         unique: dict[str, OutgoingMessage] = {}
-        for (_, mid), (entity, _) in entries.items():
+        for entity, mid in entries.values():
             entry = entity.outbox[mid]
             if entry:
                 for m in entry:
@@ -733,7 +743,7 @@ class OutboxProcessor:
         return sent | unique.keys()
 
     def _dispatch_and_clean_up(
-        self, entries: dict[tuple[str, str], tuple[Entity, str]], sent: set[str] | None = None
+        self, entries: dict[str, tuple[Entity, str]], sent: set[str] | None = None
     ) -> tuple[set[str], set[str]]:
         """Steps 4-5 for the outbox ``entries`` (:meth:`_entries`), not sending ``sent``
         again.
@@ -745,15 +755,16 @@ class OutboxProcessor:
         to_save: dict[str, Entity] = {}
         moved: list[str] = []
         inline = self.cleanup == "inline"
-        for (cid, mid), (entity, key) in entries.items():
+        for key, (entity, mid) in entries.items():
             if inline:
                 moved.append(key)
-                _remove(entity, mid)
+                entity.outbox.pop(mid, None)  # _remove, inline
+                entity.marks.pop(mid, None)
             elif entity.outbox[mid] is not None:
                 _dispatched(entity, mid)
             else:
                 continue
-            to_save[cid] = entity
+            to_save[entity.id] = entity
         heavy = [] if inline else [e for e in to_save.values() if self._over_limit(e)]
         # The ids reach the deduplication store before the save that removes them.
         self._move_dispatched(heavy, moved)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import uuid
 from collections import Counter
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import pytest
 
 from backends.memory import MemoryDeduplicationStore, MemoryEntityStore
+from dedupstore.entities import OutgoingMessage, message_text
 from dedupstore.errors import HandlerError, InvalidMessageId
 from dedupstore.outbox import (
     InMemoryDispatcher,
@@ -215,3 +217,28 @@ def test_the_sweep_relays_pending_entries_in_one_dispatch_per_batch() -> None:
     assert calls["dispatch"] == 3  # batches of 20, 20 and 10 ids, not one call per entity
     assert len({m.id for m in relay.sent}) == len(relay.sent) == 100
     assert recorded(dedup, messages)
+
+
+def test_an_outgoing_body_is_decoded_from_its_text_when_first_read() -> None:
+    url = f"memory://{uuid.uuid4().hex}"
+    dispatcher = InMemoryDispatcher()
+    processor = OutboxProcessor(MemoryEntityStore(url), MemoryDeduplicationStore(url), dispatcher)
+
+    def handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+        return state, [Send("out", {"pair": (1, 2), "n": message.body, "s": "é"})]
+
+    (result,) = processor.process_batch([Message("m1", "e1", 7)], handler)
+    (sent,) = result.outgoing
+    assert "body" not in vars(sent)  # not decoded yet
+    assert message_text(sent) == (
+        f'{{"body":{{"n":7,"pair":[1,2],"s":"é"}},"destination":"out","headers":{{}},"id":"{sent.id}"}}'
+    )
+    body = sent.body
+    assert body == {"pair": [1, 2], "n": 7, "s": "é"}  # as a reload shows it
+    assert sent.body is body  # decoded once
+    assert sent == OutgoingMessage(sent.id, "out", {"pair": [1, 2], "n": 7, "s": "é"})
+    (copied,) = pickle.loads(pickle.dumps([dispatcher.sent[0]]))
+    assert copied == sent and copied.body == body
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        sent.nothing  # noqa: B018
+    assert not hasattr(OutgoingMessage("i", "d", 1), "nothing")
