@@ -29,16 +29,7 @@ from typing import Any
 
 import orjson
 
-__all__ = [
-    "UNDECODED",
-    "copy",
-    "dumps",
-    "dumps_bytes",
-    "loads",
-    "normalized",
-    "normalized_text",
-    "string",
-]
+__all__ = ["copy", "dumps", "dumps_bytes", "loads", "normalized", "string"]
 
 _OPTIONS = (
     orjson.OPT_SORT_KEYS
@@ -77,7 +68,7 @@ _LONG_NUMBER = "0" * 19
 def _fast(value: Any) -> tuple[str, bytes, Any] | None:
     """``orjson``'s encoding when it is the canonical text (as text and as bytes),
     else ``None``; with the decoded value when checking the text decoded it (else
-    ``UNDECODED``). The checks look at the text (``in`` on ``str`` is the fast one)."""
+    ``_UNDECODED``). The checks look at the text (``in`` on ``str`` is the fast one)."""
     try:
         out = orjson.dumps(value, default=_refuse, option=_OPTIONS)
     except TypeError:  # orjson.JSONEncodeError: a type, size or depth it does not take
@@ -86,15 +77,15 @@ def _fast(value: Any) -> tuple[str, bytes, Any] | None:
     if "0.0000" in text or ("e-" in text and _SHORT_EXPONENT.search(text)):
         return None
     if "null" not in text:
-        return text, out, UNDECODED
+        return text, out, _UNDECODED
     # orjson writes NaN and infinity as null: a null that decodes unequal was one
     # (or a tuple, which compares unequal to a list: the reference then encodes it)
     decoded = orjson.loads(out)
     return None if decoded != value else (text, out, decoded)
 
 
-#: What :func:`normalized_text` (and ``_fast``) give for a value they did not decode.
-UNDECODED: Any = object()
+#: What :func:`_normalized_text` (and ``_fast``) give for a value they did not decode.
+_UNDECODED: Any = object()
 
 
 def dumps(value: Any) -> str:
@@ -161,26 +152,16 @@ def normalized(value: Any) -> tuple[Any, str]:
     return decoded, text
 
 
-def normalized_text(value: Any) -> tuple[Any, str]:
+def _normalized_text(value: Any) -> tuple[Any, str]:
     """:func:`normalized`, but where the text alone shows that decoding it gives a value
     equal to ``value`` (no ``null`` in it: no NaN or infinity was written as one), the
-    value is :data:`UNDECODED`: decode the text (:func:`loads`) when it is needed.
+    value is ``_UNDECODED``: the caller decodes the text (:func:`loads`) when it needs it.
+    For the processor's outgoing bodies, most of which are never read back.
 
     Raises what :func:`dumps` raises.
     """
-    try:
-        out = orjson.dumps(value, default=_refuse, option=_OPTIONS)
-    except TypeError:
-        return _normalized_slowly(value)
-    text = out.decode("utf-8")
-    if "0.0000" in text or ("e-" in text and _SHORT_EXPONENT.search(text)):
-        return _normalized_slowly(value)
-    if "null" not in text:
-        return UNDECODED, text
-    decoded = orjson.loads(out)
-    if decoded != value:  # a NaN or infinity (or a tuple holding null)
-        return _normalized_slowly(value)
-    return decoded, text
+    fast = _fast(value)
+    return _normalized_slowly(value) if fast is None else (fast[2], fast[0])
 
 
 def _normalized_slowly(value: Any) -> tuple[Any, str]:
@@ -192,7 +173,7 @@ def _normalized_slowly(value: Any) -> tuple[Any, str]:
         normal = json.loads(_REFERENCE.encode(value))
         return normal, dumps(normal)
     text, out, decoded = fast
-    return (orjson.loads(out) if decoded is UNDECODED else decoded), text
+    return (orjson.loads(out) if decoded is _UNDECODED else decoded), text
 
 
 def copy(value: Any) -> Any:

@@ -126,7 +126,7 @@ class OutgoingMessage:
     ) -> OutgoingMessage:
         """A message whose ``body`` is the decoded ``body_text`` (canonical JSON): its
         texts are kept, so it is encoded once whatever saves or dispatches it.
-        ``body`` may be :data:`~dedupstore.canonical.UNDECODED`: then it is decoded from
+        ``body`` may be ``canonical._UNDECODED``: then it is decoded from
         ``body_text`` when first read. ``destination_text`` and ``id_text``: the
         destination and the id as JSON strings, when known."""
         message = _new(cls)  # frozen: fill the fields at once, as __init__ would
@@ -137,7 +137,7 @@ class OutgoingMessage:
             f',"headers":{canonical.dumps(headers) if headers else "{}"}'
             f',"id":{canonical.string(id) if id_text is None else id_text}}}'
         )  # what message_text composes
-        if body is canonical.UNDECODED:
+        if body is canonical._UNDECODED:
             message.__dict__.update(
                 id=id, destination=destination, headers=headers, _body_text=body_text, _text=text
             )

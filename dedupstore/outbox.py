@@ -170,7 +170,7 @@ def _result(
 
 def _not_json(exc: Exception) -> ValueError:
     """What :meth:`OutboxProcessor._outputs` raises for a state or body that
-    :func:`canonical.normalized` (or ``normalized_text``) refused with ``exc``."""
+    :func:`canonical.normalized` (or ``_normalized_text``) refused with ``exc``."""
     return ValueError(
         f"the new state and every outgoing message body must be JSON-compatible: {exc}"
     )
@@ -429,7 +429,7 @@ class OutboxProcessor:
             if type(send) is not Send and not isinstance(send, Send):
                 raise _HandlerContract(f"it asked to send {_shown(send)}, not a Send")
         # (canonical.normalized: the state as a reload will show it, and its text)
-        normalized, normalized_text = canonical.normalized, canonical.normalized_text
+        normalized, normalized_text = canonical.normalized, canonical._normalized_text
         try:
             state, state_text = normalized(state)
         except (TypeError, ValueError) as exc:
@@ -441,7 +441,7 @@ class OutboxProcessor:
         outgoing = []
         for position, send in enumerate(sends):
             try:
-                body, text = normalized_text(send.body)  # body: UNDECODED, most often
+                body, text = normalized_text(send.body)  # body: _UNDECODED, most often
             except (TypeError, ValueError) as exc:
                 raise _not_json(exc) from None
             headers = send.headers

@@ -367,6 +367,7 @@ class LocalServer(Server):
             raise ServerError(f"{self.name} server is not running")
         self._kill_processes()
         self._proc = None
+        _check_port_released(self.name, self.host, self.port)
         self._after_kill()
 
     def restart(self) -> None:
@@ -441,7 +442,7 @@ class LocalServer(Server):
             # The server's processes may outlive the one spawned (a launcher that
             # exits first leaves them to init): wait for each, then kill what is left,
             # so no old server still answers on the port when a new one starts.
-            tree = _descendants(proc.pid)
+            tree = _server_processes(proc.pid)
             give_up = time.monotonic() + self.stop_timeout
             with contextlib.suppress(ProcessLookupError, ServerError):
                 os.kill(self._main_pid(), self.stop_signal)
@@ -450,11 +451,10 @@ class LocalServer(Server):
             _wait_gone(tree, max(0.0, give_up - time.monotonic()))
             if proc.poll() is not None:  # the tree below it is not _kill_processes' to find
                 for pid in tree:
-                    state = _read_stat(pid)
-                    if state is not None and state[0] not in "ZX":  # alive still
+                    if _alive(pid):
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(pid, signal.SIGKILL)
-                _wait_gone(tree, timeout=10.0)
+                _require_gone(self.name, tree)
         self._kill_processes()
         self._proc = None
 
@@ -470,7 +470,7 @@ class LocalServer(Server):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        _wait_gone(pids - {proc.pid}, timeout=10.0)
+        _require_gone(self.name, pids - {proc.pid})
 
     def _discard_workdir(self) -> None:
         _live_servers.discard(self)
@@ -479,14 +479,31 @@ class LocalServer(Server):
             self._workdir = None
 
 
-def _read_stat(pid: int) -> tuple[str, int] | None:
-    """(state, ppid) of a process, or None when it is gone."""
+def _read_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, ppid, session id) of a process, or None when it is gone."""
+    return _read_stat_of(f"/proc/{pid}")
+
+
+def _read_stat_of(directory: str) -> tuple[str, int, int] | None:
+    """(state, ppid, session id) from ``directory``/stat (a process or one of its threads)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        stat = Path(f"{directory}/stat").read_text()
     except OSError:
         return None
     fields = stat.rsplit(")", 1)[1].split()
-    return fields[0], int(fields[1])
+    return fields[0], int(fields[1]), int(fields[3])
+
+
+def _server_processes(root: int) -> set[int]:
+    """The descendants of ``root`` and the other processes of its session (``root``
+    was started in a new session: a server process reparented to init stays in it)."""
+    session = set()
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and int(entry.name) != root:
+            stat = _read_stat(int(entry.name))
+            if stat is not None and stat[2] == root:
+                session.add(int(entry.name))
+    return session | _descendants(root)
 
 
 def _descendants(root: int) -> set[int]:
@@ -507,7 +524,7 @@ def _descendants(root: int) -> set[int]:
 def _freeze_tree(root: int) -> set[int]:
     """SIGSTOP ``root`` and its descendants until no new ones appear; return them all."""
     frozen: set[int] = set()
-    while new := ({root} | _descendants(root)) - frozen:
+    while new := ({root} | _server_processes(root)) - frozen:
         for pid in new:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
@@ -515,14 +532,87 @@ def _freeze_tree(root: int) -> set[int]:
     return frozen
 
 
-def _wait_gone(pids: set[int], timeout: float) -> None:
-    """Wait until the processes have exited (zombies count as gone)."""
+def _wait_gone(pids: set[int], timeout: float) -> set[int]:
+    """Wait until the processes have exited (zombies count as gone); those still alive."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        states = (_read_stat(pid) for pid in pids)
-        if all(state is None or state[0] in "ZX" for state in states):
-            return
+    while True:
+        alive = {pid for pid in pids if _alive(pid)}
+        if not alive or time.monotonic() >= deadline:
+            return alive
         time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process still runs: a zombie main thread whose other threads are still
+    exiting (a SIGKILLed beam.smp flushing a file) still holds the process's sockets."""
+    stat = _read_stat(pid)
+    if stat is None:
+        return False
+    if stat[0] not in "ZX":
+        return True
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    return any(
+        (t := _read_stat_of(f"/proc/{pid}/task/{task}")) and t[0] not in "ZX" for task in tasks
+    )
+
+
+#: How long SIGKILLed server processes may take to exit (a process in uninterruptible
+#: sleep, an fsync on a loaded disk, dies only when the call returns).
+_EXIT_TIMEOUT = 60.0
+
+
+def _require_gone(name: str, pids: set[int]) -> None:
+    """Wait for SIGKILLed processes to exit; raise, naming them, if some do not."""
+    alive = _wait_gone(pids, _EXIT_TIMEOUT)
+    if alive:
+        shown = ", ".join(f"{pid} ({_described(pid)})" for pid in sorted(alive))
+        raise ServerError(
+            f"{name} server processes outlived SIGKILL by {_EXIT_TIMEOUT:.0f} s: {shown}"
+        )
+
+
+def _described(pid: int) -> str:
+    """A process's state, kernel wait channel and command line, as far as readable."""
+    parts = []
+    for name in ("stat", "wchan", "cmdline"):
+        with contextlib.suppress(OSError):
+            text = Path(f"/proc/{pid}/{name}").read_bytes().replace(b"\0", b" ").decode()
+            parts.append(text.rsplit(")", 1)[1].split()[0] if name == "stat" else text.strip())
+    return " ".join(parts)[:200]
+
+
+def _check_port_released(name: str, host: str, port: int) -> None:
+    """After all of a server's processes exited, nothing may listen on its port: if
+    something does, raise naming the processes that hold it."""
+    listening, holders = _listeners(port)
+    if listening:
+        shown = ", ".join(f"{pid} ({_described(pid)})" for pid in sorted(holders)) or "?"
+        raise ServerError(f"{name} server killed, but port {host}:{port} is still held by {shown}")
+
+
+def _listeners(port: int) -> tuple[bool, set[int]]:
+    """Whether a TCP socket listens on ``port``, and the pids of the processes holding it
+    (as far as their open files can be read)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f"socket:[{fields[9]}]")
+    holders = set()
+    if inodes:
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):
+                    for fd in os.scandir(f"/proc/{entry.name}/fd"):
+                        with contextlib.suppress(OSError):
+                            if os.readlink(fd.path) in inodes:
+                                holders.add(int(entry.name))
+    return bool(inodes), holders
 
 
 @atexit.register
@@ -880,6 +970,23 @@ class RabbitMQServer(LocalServer):
     @property
     def nodename(self) -> str:
         return f"rabbit-{self.port}@localhost"
+
+    def declare_queues(self, *queues: str, queue_type: str = "classic") -> None:
+        """Declare durable ``queues`` (as the dispatcher and the broker of ``queue_type``
+        do) and restart gracefully, so that a later kill keeps them: RabbitMQ answers
+        declare-ok before its metadata store has the record on disk."""
+        import pika
+
+        from backends.rabbitmq._client import queue_arguments
+
+        connection = pika.BlockingConnection(pika.URLParameters(self.url))
+        try:
+            channel = connection.channel()
+            for queue in queues:
+                channel.queue_declare(queue, durable=True, arguments=queue_arguments(queue_type))
+        finally:
+            connection.close()
+        self.restart()
 
     def _initialize(self) -> None:
         for sub in ("home", "mnesia", "log"):

@@ -103,6 +103,11 @@ def test_loads_and_normalized_give_the_reference_values(value: Any) -> None:
     normal, normal_text = canonical.normalized(value)
     assert exact(normal) == exact(json.loads(text))
     assert normal_text == reference(json.loads(text))  # the text encoding it again gives
+    # the processor's outgoing bodies: the same text, the value decoded from it or kept
+    lazy, lazy_text = canonical._normalized_text(value)
+    assert lazy_text == normal_text
+    lazy = canonical.loads(lazy_text) if lazy is canonical._UNDECODED else lazy
+    assert exact(lazy) == exact(normal)
     copied = canonical.copy(json.loads(text))
     assert exact(copied) == exact(json.loads(text))
 

@@ -106,7 +106,7 @@ def test_a_pipeline_of_services_chains_through_rabbitmq(rabbitmq_server: Server)
         # the outputs are the next service's input, read with the same rules
         nxt = open_broker(url, queue=following)
         try:
-            got = nxt.fetch(100, 1.0)
+            got = _fetch_until(nxt, 10)
             assert len(got) == 10
             assert {d.headers["correlation_id"] for d in got} == {"o1"}
             assert all(d.deliveries == 1 for d in got)
@@ -124,19 +124,19 @@ def test_the_prefetch_window_bounds_what_a_consumer_holds(
     with open_dispatcher(rabbitmq_server.url, declare_queues=True) as dispatcher:
         dispatcher.dispatch(_msgs(queue, 10))
     with open_broker(rabbitmq_server.url, queue=queue, prefetch=3) as broker:
-        first = _fetch_window(broker, 3)
+        first = _fetch_until(broker, 3)
         assert [d.headers["id"] for d in first] == ["m0", "m1", "m2"]
         assert broker.fetch(10, 0.2) == [], "more than the window was delivered"
         assert broker.pending() == 7
         broker.ack(first)
-        second = _fetch_window(broker, 3)
+        second = _fetch_until(broker, 3)
         assert [d.headers["id"] for d in second] == ["m3", "m4", "m5"]
         broker.ack(second)
 
 
-def _fetch_window(broker: Any, size: int) -> list[Any]:
-    """Fetch until ``size`` deliveries came (a fetch returns once the first arrived, and
-    the broker may send a window in several frames), at most 20 fetches."""
+def _fetch_until(broker: Any, size: int) -> list[Any]:
+    """Fetch until ``size`` deliveries came, at most 20 fetches: a fetch returns once the
+    first delivery arrived, and the broker may send the rest in later frames."""
     got: list[Any] = []
     for _ in range(20):
         got += broker.fetch(10, 0.5)
@@ -152,7 +152,7 @@ def test_a_nack_requeues_and_a_classic_queue_only_says_redelivered(
     with open_dispatcher(rabbitmq_server.url, declare_queues=True) as dispatcher:
         dispatcher.dispatch(_msgs(queue, 2))
     with open_broker(rabbitmq_server.url, queue=queue) as broker:
-        [one, two] = broker.fetch(10, 0.5)
+        [one, two] = _fetch_until(broker, 2)
         assert (one.deliveries, one.token.redelivered) == (1, False)
         broker.nack([one])
         broker.ack([two])
@@ -242,6 +242,7 @@ def test_a_lost_connection_is_unavailable_then_reconnected(
     own_rabbitmq_server: RabbitMQServer,
 ) -> None:
     url, queue = own_rabbitmq_server.url, _queue()
+    own_rabbitmq_server.declare_queues(queue)  # so that the kill below keeps it
     with open_dispatcher(url, declare_queues=True) as dispatcher:
         dispatcher.dispatch(_msgs(queue, 2))
     broker = open_broker(url, queue=queue, prefetch=1, connect_timeout=2, timeout=2, retries=0)
@@ -254,7 +255,7 @@ def test_a_lost_connection_is_unavailable_then_reconnected(
         broker.ack(held)  # a token of the lost channel: ignored (the broker requeued it)
         got = []
         for _ in range(2):  # one at a time: the window is 1
-            [delivery] = broker.fetch(10, 1.0)
+            [delivery] = _fetch_until(broker, 1)  # the restarted queue may take a while
             broker.ack([delivery])
             got.append(delivery)
         assert [d.headers["id"] for d in got] == ["m0", "m1"]

@@ -228,6 +228,7 @@ def _options() -> dict[str, Any]:
 def stopped(own_rabbitmq_server: RabbitMQServer) -> Iterator[RabbitMQDispatcher]:
     """A dispatcher that has dispatched, on a broker that is then killed; after the
     test the broker restarts and the same dispatcher works again."""
+    own_rabbitmq_server.declare_queues("kept")  # so that the kill keeps it
     dispatcher = open_dispatcher(own_rabbitmq_server.url, declare_queues=True, **_options())
     assert isinstance(dispatcher, RabbitMQDispatcher)
     assert dispatcher._deadline_seconds() == DEADLINE

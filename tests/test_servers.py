@@ -126,15 +126,10 @@ def test_rabbitmq_survives_kill_and_restart(own_rabbitmq_server: RabbitMQServer)
 
     server = own_rabbitmq_server
     url = server.url
-    connection = pika.BlockingConnection(pika.URLParameters(url))
-    channel = connection.channel()
-    channel.queue_declare("before-crash", durable=True)
-    # A queue declared an instant before a SIGKILL can be lost with it: RabbitMQ
-    # answers declare-ok before its metadata store has the record on disk (seen
-    # under load). A graceful restart writes it; what a kill must keep is then the
-    # durable queue and the persistent message it confirmed.
-    connection.close()
-    server.restart()
+    # (a queue declared an instant before a SIGKILL can be lost with it: see
+    # declare_queues. What a kill must keep is the durable queue and the persistent
+    # message it confirmed.)
+    server.declare_queues("before-crash")
     connection = pika.BlockingConnection(pika.URLParameters(url))
     channel = connection.channel()
     channel.confirm_delivery()
