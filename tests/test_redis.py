@@ -17,9 +17,12 @@ from typing import Any
 
 import pytest
 import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from redis.crc import key_slot
 
 from backends.redis import RedisDeduplicationStore, record_key
+from backends.redis._client import escape
 from dedupstore import DeduplicationStore, open_store
 from dedupstore.errors import (
     ConfigurationError,
@@ -114,6 +117,14 @@ def test_key_encoding_is_injective() -> None:
             key = record_key(prefix, endpoint, mid)
             assert key not in keys, (keys.get(key), (prefix, endpoint, mid))
             keys[key] = (prefix, endpoint, mid)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.text(alphabet=st.sampled_from("%:{}a7BD3é"), max_size=12) | st.text(max_size=12))
+def test_escape_is_the_percent_escaping_of_its_four_characters(part: str) -> None:
+    # the stored key layout: each of % : { } as %XX, one character at a time
+    expected = "".join(f"%{ord(c):02X}" if c in "%:{}" else c for c in part)
+    assert escape(part) == expected
 
 
 def test_keys_have_no_hash_tag_and_spread_over_slots() -> None:

@@ -93,7 +93,6 @@ __all__ = ["CONNECTION_OPTIONS", "RedisClient", "escape", "key_prefix_option"]
 
 _log = logging.getLogger(__name__)
 
-_ESCAPES = str.maketrans({"%": "%25", ":": "%3A", "{": "%7B", "}": "%7D"})
 #: Error replies that mean "retry later": a script runs too long, the server cannot
 #: persist, or it lacks the replicas min-replicas-to-write asks for.
 _TRANSIENT_CODES = frozenset({"BUSY", "MISCONF", "NOREPLICAS"})
@@ -104,9 +103,14 @@ _PIPELINE_PREFIX = re.compile(r"^Command # \d+ \(.*?\) of pipeline caused error:
 
 def escape(part: str) -> str:
     """``part`` with ``%`` ``:`` ``{`` ``}`` percent-escaped (injective; no ``:``, no hash tag)."""
-    # str.translate with a mapping costs microseconds; most ids need no escaping at all.
-    if "%" in part or ":" in part or "{" in part or "}" in part:
-        return part.translate(_ESCAPES)
+    # ``str.translate`` with a mapping costs about 4 us; these replace calls a twentieth of
+    # that. Every deduplication key has a ``:`` (see ``message_key``). ``%`` goes first.
+    if "%" in part:
+        part = part.replace("%", "%25")
+    if ":" in part:
+        part = part.replace(":", "%3A")
+    if "{" in part or "}" in part:
+        part = part.replace("{", "%7B").replace("}", "%7D")
     return part
 
 
