@@ -496,23 +496,16 @@ def _read_stat_of(directory: str) -> tuple[str, int, int] | None:
 
 def _server_processes(root: int) -> set[int]:
     """The descendants of ``root`` and the other processes of its session (``root``
-    was started in a new session: a server process reparented to init stays in it)."""
-    session = set()
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and int(entry.name) != root:
-            stat = _read_stat(int(entry.name))
-            if stat is not None and stat[2] == root:
-                session.add(int(entry.name))
-    return session | _descendants(root)
-
-
-def _descendants(root: int) -> set[int]:
+    was started in a new session: a server process reparented to init stays in it),
+    from one scan of ``/proc``."""
     children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and (stat := _read_stat(int(entry.name))) is not None:
-            children.setdefault(stat[1], []).append(int(entry.name))
     found: set[int] = set()
-    stack = [root]
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and (stat := _read_stat(pid := int(entry.name))) is not None:
+            children.setdefault(stat[1], []).append(pid)
+            if stat[2] == root and pid != root:
+                found.add(pid)
+    stack = [root, *found]
     while stack:
         for child in children.get(stack.pop(), []):
             if child not in found:
@@ -533,7 +526,7 @@ def _freeze_tree(root: int) -> set[int]:
 
 
 def _wait_gone(pids: set[int], timeout: float) -> set[int]:
-    """Wait until the processes have exited (zombies count as gone); those still alive."""
+    """Wait until the processes have exited (see :func:`_alive`); those still alive."""
     deadline = time.monotonic() + timeout
     while True:
         alive = {pid for pid in pids if _alive(pid)}

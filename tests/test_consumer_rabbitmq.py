@@ -226,11 +226,7 @@ def test_what_a_killed_consumer_held_is_redelivered(rabbitmq_server: Server) -> 
         dispatcher.dispatch(_msgs(queue, 8))
     _held_by_a_killed_consumer(url, queue, 5)
     with open_broker(url, queue=queue) as survivor:
-        got: list[Any] = []
-        while len(got) < 8:
-            fetched = survivor.fetch(10, 1.0)
-            assert fetched, f"only {sorted(d.headers['id'] for d in got)} came back"
-            got += fetched
+        got = _fetch_until(survivor, 8)
         assert sorted(d.headers["id"] for d in got) == [f"m{n}" for n in range(8)]
         redelivered = sorted(d.headers["id"] for d in got if d.token.redelivered)
         assert redelivered == [f"m{n}" for n in range(5)]

@@ -3,7 +3,10 @@ the harness owns keep committed data across a SIGKILL and restart."""
 
 from __future__ import annotations
 
+import signal
 import socket
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -18,6 +21,8 @@ from tests.servers import (
     RedisServer,
     Server,
     ServerStartError,
+    _alive,
+    _wait_gone,
     free_port,
 )
 
@@ -28,6 +33,33 @@ def _refuses_connections(host: str, port: int) -> bool:
     except OSError:
         return True
     return False
+
+
+#: A process whose main thread exits while another thread holds a listening socket.
+_HALF_EXITED = """
+import ctypes, socket, sys, threading
+listener = socket.create_server(("127.0.0.1", 0))
+print(listener.getsockname()[1], flush=True)
+threading.Thread(target=threading.Event().wait).start()
+ctypes.CDLL(None).pthread_exit(None)
+"""
+
+
+def test_a_zombie_main_thread_with_running_threads_is_alive() -> None:
+    # what a SIGKILLed beam.smp looks like while its threads exit: "Z", sockets held
+    child = subprocess.Popen([sys.executable, "-c", _HALF_EXITED], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None
+        port = int(child.stdout.readline())
+        assert _wait_gone({child.pid}, timeout=0.5) == {child.pid}
+        assert not _refuses_connections("127.0.0.1", port)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        assert not _alive(child.pid)
+        assert _refuses_connections("127.0.0.1", port)
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_free_port_hands_out_distinct_ports() -> None:
