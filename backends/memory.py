@@ -145,7 +145,8 @@ class _Entities:
 class MemoryEntityStore(_InProcess, EntityStore):
     """In-process entity store (version: a counter per entity); shared per URL name."""
 
-    max_batch: ClassVar[int] = 1000
+    max_load_batch: ClassVar[int] = 1000
+    max_save_batch: ClassVar[int] = 1000
 
     def __init__(self, url: str | StoreURL = "memory://", /, **options: object) -> None:
         """Open ``memory://<name>``'s entities (separate from its deduplication records)."""

@@ -442,7 +442,8 @@ class SqliteEntityStore(SqliteFile, EntityStore):
     """
 
     schemes: ClassVar[tuple[str, ...]] = ("sqlite",)
-    max_batch: ClassVar[int] = 500
+    max_load_batch: ClassVar[int] = 500
+    max_save_batch: ClassVar[int] = 500
     #: Rows per page of the pending scan.
     page_size: ClassVar[int] = 500
     declared_options: ClassVar[OptionSet] = EntityStore.declared_options.extend(

@@ -165,15 +165,12 @@ def _normalized_text(value: Any) -> tuple[Any, str]:
 
 
 def _normalized_slowly(value: Any) -> tuple[Any, str]:
-    """:func:`normalized` where ``orjson`` does not give the canonical text."""
-    fast = _fast(value)
-    if fast is None:
-        # keys that were not text sort as text once decoded: the text of the decoded
-        # value is the one every later encoding gives
-        normal = json.loads(_REFERENCE.encode(value))
-        return normal, dumps(normal)
-    text, out, decoded = fast
-    return (orjson.loads(out) if decoded is _UNDECODED else decoded), text
+    """:func:`normalized` where ``orjson`` does not give the canonical text (its callers
+    found so): through the reference encoder. Keys that were not text sort as text
+    once decoded, so the text of the decoded value is the one every later encoding
+    gives."""
+    normal = json.loads(_REFERENCE.encode(value))
+    return normal, dumps(normal)
 
 
 def copy(value: Any) -> Any:

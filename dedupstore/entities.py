@@ -137,19 +137,12 @@ class OutgoingMessage:
             f',"headers":{canonical.dumps(headers) if headers else "{}"}'
             f',"id":{canonical.string(id) if id_text is None else id_text}}}'
         )  # what message_text composes
-        if body is canonical._UNDECODED:
-            message.__dict__.update(
-                id=id, destination=destination, headers=headers, _body_text=body_text, _text=text
-            )
-        else:
-            message.__dict__.update(
-                id=id,
-                destination=destination,
-                body=body,
-                headers=headers,
-                _body_text=body_text,
-                _text=text,
-            )
+        fields = message.__dict__
+        fields.update(
+            id=id, destination=destination, headers=headers, _body_text=body_text, _text=text
+        )
+        if body is not canonical._UNDECODED:
+            fields["body"] = body
         return message
 
 
@@ -411,8 +404,14 @@ class EntityStore(Client):
 
     #: Largest encoded entity (UTF-8 bytes of the canonical JSON) a record holds.
     max_entity_bytes: ClassVar[int] = 4 * 1024 * 1024
-    #: Largest number of entities handed to one primitive call.
-    max_batch: ClassVar[int] = 100
+    #: Largest number of ids handed to one :meth:`_load` call: one answer holds at most
+    #: ``max_load_batch * max_entity_bytes`` bytes.
+    max_load_batch: ClassVar[int] = 100
+    #: Largest number of records handed to one :meth:`_save` call (the backend may split
+    #: them further, by bytes). Saves know their sizes before they are sent, so a backend
+    #: whose save is one request per call (a script, a statement) sets this higher than
+    #: :attr:`max_load_batch`: on a durable server every request waits for its own flush.
+    max_save_batch: ClassVar[int] = 100
 
     declared_options: ClassVar[OptionSet] = Client.declared_options
 
@@ -434,8 +433,8 @@ class EntityStore(Client):
         ids = list(dict.fromkeys(validate_ids(entity_ids, "entity id")))
         self._check_open()
         result: dict[str, Entity] = {}
-        for start in range(0, len(ids), self.max_batch):
-            chunk = ids[start : start + self.max_batch]
+        for start in range(0, len(ids), self.max_load_batch):
+            chunk = ids[start : start + self.max_load_batch]
             with self._translating_errors("load"):
                 found = self._load(chunk)
             for eid in chunk:
@@ -469,8 +468,9 @@ class EntityStore(Client):
         self._check_open()
         by_id = {entity.id: entity for entity in entities}
         conflicts: set[str] = set()
-        for start in range(0, len(records), self.max_batch):
-            chunk = records[start : start + self.max_batch]
+        size = self.max_save_batch
+        for start in range(0, len(records), size):
+            chunk = records[start : start + size]
             with self._translating_errors("save"):
                 versions = self._save(chunk)
             for record in chunk:

@@ -421,12 +421,12 @@ class OutboxProcessor:
         if not (isinstance(returned, tuple) and len(returned) == 2):
             raise _HandlerContract(f"it returned {_shown(returned)}")
         state, sends = returned
-        if type(state) is not dict and not isinstance(state, dict):
+        if not isinstance(state, dict):
             raise _HandlerContract(f"its new state is {_shown(state)}, not a dict")
         if type(sends) is not list:
             sends = list(sends)
         for send in sends:
-            if type(send) is not Send and not isinstance(send, Send):
+            if not isinstance(send, Send):
                 raise _HandlerContract(f"it asked to send {_shown(send)}, not a Send")
         # (canonical.normalized: the state as a reload will show it, and its text)
         normalized, normalized_text = canonical.normalized, canonical._normalized_text
@@ -758,8 +758,7 @@ class OutboxProcessor:
         for key, (entity, mid) in entries.items():
             if inline:
                 moved.append(key)
-                entity.outbox.pop(mid, None)  # _remove, inline
-                entity.marks.pop(mid, None)
+                _remove(entity, mid)
             elif entity.outbox[mid] is not None:
                 _dispatched(entity, mid)
             else:

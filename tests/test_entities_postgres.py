@@ -228,9 +228,11 @@ def test_health_warnings_cover_the_entity_table(
 def test_one_statement_per_chunk(factory: EntityStoreFactory, fresh_table: str) -> None:
     store = factory()
     statements = _Statements(store, fresh_table)
-    ids = [f"chunk-{i}" for i in range(store.max_batch * 2 + 5)]
+    # loads: max_load_batch (100) ids a statement; saves: max_save_batch (1,000) entities
+    assert (store.max_load_batch, store.max_save_batch) == (100, 1000)
+    ids = [f"chunk-{i}" for i in range(store.max_save_batch * 2 + 5)]
     loaded = store.load_many(ids)
-    assert len(statements.sent) == 3 == statements.count(store._sql_load)  # type: ignore[attr-defined]
+    assert len(statements.sent) == 21 == statements.count(store._sql_load)  # type: ignore[attr-defined]
     statements.sent.clear()
     for eid in ids:
         loaded[eid].outbox["m"] = None
@@ -238,7 +240,7 @@ def test_one_statement_per_chunk(factory: EntityStoreFactory, fresh_table: str) 
     assert len(statements.sent) == 3 == statements.count(store._sql_save)  # type: ignore[attr-defined]
     statements.sent.clear()
     assert {e.id for e in store.pending_outboxes()} == set(ids)
-    assert len(statements.sent) == 1  # 205 rows: one page
+    assert len(statements.sent) == 5  # 2,005 rows: pages of 500
     store.close()
 
 
@@ -494,12 +496,13 @@ def test_lost_answer_of_a_save_is_an_error_never_a_wrong_answer(
 
 def test_lost_answer_part_way_through_save_many(factory: EntityStoreFactory) -> None:
     store = factory()
-    ids = [f"part-{i:04d}" for i in range(store.max_batch * 3)]
+    chunk = store.max_save_batch
+    ids = [f"part-{i:04d}" for i in range(chunk * 3)]
     loaded = store.load_many(ids)
     _losing_answers(store, store._sql_save, lambda n: n == 2)  # type: ignore[attr-defined]
     with pytest.raises(StoreUnavailable):
         store.save_many([loaded[eid] for eid in ids])
-    first, second, third = (ids[i * store.max_batch : (i + 1) * store.max_batch] for i in range(3))
+    first, second, third = (ids[i * chunk : (i + 1) * chunk] for i in range(3))
     assert all(loaded[eid].version == 1 for eid in first), "the chunk before: saved"
     assert all(loaded[eid].version is None for eid in second + third)
     after = store.load_many(ids)

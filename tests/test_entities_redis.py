@@ -215,10 +215,12 @@ def test_a_batch_of_large_entities_is_split_by_bytes(own_redis_server: RedisServ
 
 
 def test_one_round_trip_per_chunk(own_redis_server: RedisServer) -> None:
+    """A save script carries up to max_save_batch (500) entities: one flush each."""
     store = RedisEntityStore(own_redis_server.url, key_prefix=_prefix())
     admin = _admin(own_redis_server.url)
     try:
-        ids = [f"rt-{n}" for n in range(2 * store.max_batch + 1)]
+        assert store.max_save_batch == 500
+        ids = [f"rt-{n}" for n in range(2 * store.max_save_batch + 1)]
         loaded = store.load_many(ids)
         for entity in loaded.values():
             entity.state = {"id": entity.id}
@@ -273,7 +275,7 @@ def test_scan_pages_through_a_big_bucket_and_skips_stale_ids(
     segments = 8
     seen = [e.id for e in store.pending_outboxes(bucket % segments, segments)]
     assert sorted(seen) == sorted(ids[2:]), "each pending id once"
-    assert max(pages) <= store.max_batch and sum(pages) == len(ids)
+    assert max(pages) <= store.max_load_batch and sum(pages) == len(ids)
     others = [
         e.id
         for s in range(segments)

@@ -102,15 +102,20 @@ def test_stores_without_a_joint_request_are_not_joined(
 
 @pytest.fixture
 def statements(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Statements sent to PostgreSQL, counted."""
+    """Requests the stores sent to PostgreSQL (one statement each), counted.
+
+    Counted where a store sends a request (``_run``), not per ``_execute``: the pool
+    opens connections in the background (up to ``pool_min_size``), and each new one
+    runs its set-up statement whenever the pool gets to it.
+    """
     sent = [0]
-    original = PostgresClient._execute
+    original = PostgresClient._run
 
     def counting(self: Any, *args: Any, **kwargs: Any) -> list[tuple[Any, ...]]:
         sent[0] += 1
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(PostgresClient, "_execute", counting)
+    monkeypatch.setattr(PostgresClient, "_run", counting)
     return sent
 
 

@@ -159,7 +159,7 @@ class CosmosEntityStore(CosmosClientBase, EntityStore):
 
     schemes: ClassVar[tuple[str, ...]] = ("cosmos",)
     max_entity_bytes: ClassVar[int] = (MAX_REQUEST_BYTES - ITEM_OVERHEAD_BYTES) // 2
-    max_batch: ClassVar[int] = 100
+    max_load_batch: ClassVar[int] = 100
     declared_options: ClassVar[OptionSet] = EntityStore.declared_options.extend(
         *CONNECTION_OPTIONS,
         dataclasses.replace(

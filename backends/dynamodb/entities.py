@@ -105,7 +105,7 @@ class DynamoDBEntityStore(DynamoDBClient, EntityStore):
 
     #: Largest encoded entity: DynamoDB's 400 KB item minus the other attributes.
     max_entity_bytes: ClassVar[int] = 400_000
-    max_batch: ClassVar[int] = MAX_BATCH_GET_KEYS
+    max_load_batch: ClassVar[int] = MAX_BATCH_GET_KEYS
     #: Puts of one ``save_many`` chunk in flight at once (under botocore's 10 connections).
     save_concurrency: ClassVar[int] = 8
     key_schema: ClassVar[tuple[tuple[str, str], ...]] = ((_ID, "HASH"),)

@@ -20,18 +20,18 @@ Table layout (``create=true`` or :meth:`PostgresEntityStore.create_schema`)::
 for byte (``jsonb`` reorders keys, turns ``1e20`` into an integer and refuses
 ``\\u0000``); ``body::jsonb`` queries it.
 
-Token: ``version``. A save is one ``INSERT ... SELECT FROM unnest(...) ON
-CONFLICT (id) DO UPDATE ... WHERE t.version = <expected> RETURNING id, version``
-per chunk: a new entity (version ``None``) is inserted only if absent; a loaded
-one is updated only if its row still holds the version it was loaded at. Each
-row is compared and written atomically by the server (the row lock of ``ON
-CONFLICT``), so of concurrent savers exactly one wins; rows are written in one
-order (ids sorted) by every saver, so overlapping saves never deadlock. A chunk
-is one round trip unless its bodies exceed about 16 MiB, then one statement per
-16 MiB (each row still all-or-nothing; a failure of a later statement raises).
-A version this store did not hand out (not a positive ``int``) conflicts without
-I/O. The store never deletes entities; a loaded entity whose row was deleted by
-hand conflicts (it is not re-created), except when the delete commits while the
+Token: ``version``. A save is one ``INSERT ... SELECT FROM unnest(...) ON CONFLICT
+(id) DO UPDATE ... WHERE t.version = <expected> RETURNING id, version`` per chunk
+(up to 1,000 entities, ``max_save_batch``): a new entity (version ``None``) is
+inserted only if absent; a loaded one is updated only if its row still holds the
+version it was loaded at. Each row is compared and written atomically by the server
+(the row lock of ``ON CONFLICT``), so of concurrent savers exactly one wins; rows
+are written in one order (ids sorted) by every saver, so overlapping saves never
+deadlock. A chunk is one round trip unless its bodies exceed about 16 MiB, then one
+statement per 16 MiB (each row still all-or-nothing; a failure of a later statement
+raises). A version this store did not hand out (not a positive ``int``) conflicts
+without I/O. The store never deletes entities; a loaded entity whose row was deleted
+by hand conflicts (it is not re-created), except when the delete commits while the
 save is running.
 
 Scan: ``WHERE pending AND mod(bucket, segments) = segment``, keyset-paginated by
@@ -41,8 +41,8 @@ stays open between pages. An entity saved meanwhile is seen as of its page.
 
 Size limit: 4 MiB of canonical JSON per entity (``max_entity_bytes``, checked
 before any I/O). PostgreSQL would hold up to 1 GB per value; 4 MiB keeps the
-answer to one load statement (``max_batch`` = 100 entities) below 400 MiB, a save
-statement and a scan page near 16 MiB (at least one entity each), a statement
+answer to one load statement (``max_load_batch`` = 100 entities) below 400 MiB, a
+save statement and a scan page near 16 MiB (at least one entity each), a statement
 well inside ``timeout``, and matches the base class's default.
 
 Failures: every statement is bounded by ``timeout`` (server and client side). A
@@ -120,7 +120,9 @@ class PostgresEntityStore(PostgresClient, EntityStore):
 
     #: 4 MiB of canonical JSON per entity: see the module documentation.
     max_entity_bytes: ClassVar[int] = 4 * 1024 * 1024
-    max_batch: ClassVar[int] = 100
+    max_load_batch: ClassVar[int] = 100
+    #: Entities per save statement (one commit, one flush on a durable server).
+    max_save_batch: ClassVar[int] = 1000
     table_kind: ClassVar[str] = "an entity table"
     _joins = PostgresDeduplicationStore
     table_privileges: ClassVar[str] = "SELECT, INSERT, UPDATE"

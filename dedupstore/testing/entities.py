@@ -161,7 +161,10 @@ class EntityStoreContract:
         ]
 
     def test_many_entities_in_several_chunks(self, entities: EntityStore) -> None:
-        ids = [_eid("chunk") for _ in range(entities.max_batch * 2 + 3)]
+        ids = [
+            _eid("chunk")
+            for _ in range(max(entities.max_load_batch, entities.max_save_batch) * 2 + 3)
+        ]
         loaded = entities.load_many(ids)
         for eid in ids:
             loaded[eid].state = {"id": eid}
