@@ -17,7 +17,11 @@
   nothing sent either way arrives any more (a server that stopped answering on a
   live connection; with ``outage("hang")``, a server frozen altogether).
   :meth:`~TcpProxy.restore` resets the frozen connections (their byte streams
-  lost data, so they cannot be resumed).
+  lost data, so they cannot be resumed);
+* :meth:`~TcpProxy.cut_replies` cuts every reply short: the proxy gathers the
+  server's reply, forwards only its first ``keep(reply)`` bytes and closes the
+  connection in order (FIN), as a server killed while writing it would;
+  :meth:`~TcpProxy.restore` ends that.
 
 Every method returns once the proxy is in the new state (the sockets are closed),
 so a test can act on the client right after. ::
@@ -39,7 +43,7 @@ import contextlib
 import socket
 import struct
 import threading
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar
 from urllib.parse import urlsplit, urlunsplit
@@ -52,6 +56,8 @@ _HOST = "127.0.0.1"
 _CHUNK = 64 * 1024
 _COMMAND_TIMEOUT = 30.0
 _RESET_LINGER = struct.pack("ii", 1, 0)  # l_onoff=1, l_linger=0: close() sends RST
+#: A reply to cut ends when the server sends nothing more for this long.
+_REPLY_QUIET = 0.05
 
 T = TypeVar("T")
 
@@ -106,6 +112,7 @@ class TcpProxy:
         self._server: asyncio.Server | None = None
         self._links: set[_Link] = set()
         self._mode: OutageMode | None = None
+        self._cut: Callable[[bytes], int] | None = None
         self._port = 0
         #: Connections accepted so far (including those reset or held by an outage).
         self.accepted = 0
@@ -180,12 +187,24 @@ class TcpProxy:
         """
         return self._call(self._freeze())
 
+    def cut_replies(self, keep: Callable[[bytes], int]) -> None:
+        """From now on every reply is cut: its first ``keep(reply)`` bytes, then FIN.
+
+        The reply is what the server sends until it is quiet for 50 ms. The
+        connection is then closed in order on the client's side (it reads the
+        bytes kept, then end of file) and reset on the server's. :meth:`restore`
+        ends it.
+        """
+        self._cut = keep
+
     def outage(self, mode: OutageMode = "refuse") -> None:
         """From now on new connections are refused, reset at once, or never answered."""
         self._call(self._set_mode(mode))
 
     def restore(self) -> None:
-        """End the outage: new connections are forwarded again (hung and frozen ones are reset)."""
+        """End the outage or the cutting: connections are forwarded again (hung and
+        frozen ones are reset)."""
+        self._cut = None
         self._call(self._set_mode(None))
 
     @contextlib.contextmanager
@@ -199,6 +218,15 @@ class TcpProxy:
             self.restore()
 
     # ------------------------------------------------------------------ in the loop
+
+    @staticmethod
+    async def _rest_of_reply(reader: asyncio.StreamReader) -> bytes:
+        """What the server sends next until it is quiet for ``_REPLY_QUIET``."""
+        rest = b""
+        with contextlib.suppress(TimeoutError):
+            while more := await asyncio.wait_for(reader.read(_CHUNK), _REPLY_QUIET):
+                rest += more
+        return rest
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(_COMMAND_TIMEOUT)
@@ -276,7 +304,8 @@ class TcpProxy:
                 link.abort()
                 return
             await asyncio.gather(
-                self._pump(link, reader, link.target), self._pump(link, target_reader, writer)
+                self._pump(link, reader, link.target),
+                self._pump(link, target_reader, writer, replies=True),
             )
         except OSError:
             pass
@@ -288,11 +317,18 @@ class TcpProxy:
                 if side is not None:
                     link.close(side)
 
-    @staticmethod
     async def _pump(
-        link: _Link, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self,
+        link: _Link,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        replies: bool = False,
     ) -> None:
-        """Copy ``reader`` to ``writer`` until either ends; then close ``writer``."""
+        """Copy ``reader`` to ``writer`` until either ends; then close ``writer``.
+
+        ``replies``: this is the server's side, whose replies :meth:`cut_replies` cuts.
+        """
         try:
             while data := await reader.read(_CHUNK):
                 if link.forgotten:  # the client sent to a forgotten connection: RST
@@ -300,6 +336,14 @@ class TcpProxy:
                     return
                 if link.frozen:  # dropped: the other side waits for bytes that never come
                     continue
+                cut = self._cut if replies else None
+                if cut is not None:
+                    data += await self._rest_of_reply(reader)
+                    writer.write(data[: cut(data)])
+                    await writer.drain()
+                    if link.target is not None:
+                        _abort(link.target)
+                    return  # finally: FIN to the client after the bytes kept
                 writer.write(data)
                 await writer.drain()
         except OSError:

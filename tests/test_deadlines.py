@@ -189,3 +189,78 @@ def test_a_call_to_a_frozen_server_ends_within_its_deadline(opened: Opened, froz
     """Only the frozen call runs here, under pytest-timeout's limit (deadline + slack)."""
     with pytest.raises(StoreUnavailable):
         frozen.call(frozen.prepare())
+
+
+# --------------------------------------------------------------------------- cut replies
+
+#: Where a reply is cut: a server killed while writing it. The client then reads
+#: what was kept and an orderly end of file.
+CUTS: dict[str, Callable[[bytes], int]] = {
+    "nothing": lambda reply: 0,
+    "first-byte": lambda reply: 1,
+    "half": lambda reply: len(reply) // 2,
+    "all-but-one": lambda reply: len(reply) - 1,
+    # HTTP: the status line and headers, no body; elsewhere a third of the reply
+    "headers": lambda reply: (reply.find(b"\r\n\r\n") + 4) or len(reply) // 3,
+}
+
+
+def _reads(store: DeduplicationStore, entities: EntityStore) -> dict[str, Callable[[], object]]:
+    """Reads whose every shorter answer is wrong, with what they must answer.
+
+    Run once before the cut to record their answers; each later call must give the
+    same answer or raise ``StoreUnavailable``.
+    """
+    tag = uuid.uuid4().hex
+    recorded = [f"cut-{tag}-{i}" for i in range(150)]  # two chunks on every backend
+    store.add_many(recorded)
+    kept = {f"ent-{tag}-{i}": Entity(f"ent-{tag}-{i}", {"n": i}) for i in range(3)}
+    kept[f"ent-{tag}-0"].outbox["in-1"] = [OutgoingMessage(f"out-{tag}", "queue", {"n": 1})]
+    entities.save_many(list(kept.values()))
+
+    def load_state() -> object:
+        return entities.load(f"ent-{tag}-0").state
+
+    def load_many_states() -> object:
+        return {eid: e.state for eid, e in entities.load_many(kept).items()}
+
+    def pending() -> object:  # a scan: a cut page must not look like the last one
+        return {e.id for e in entities.pending_outboxes() if e.id in kept}
+
+    return {
+        "has_been_processed": lambda: store.has_been_processed(recorded[0]),
+        "processed_among": lambda: store.processed_among(recorded),
+        "count": store.count,
+        "load": load_state,
+        "load_many": load_many_states,
+        "pending_outboxes": pending,
+    }
+
+
+@pytest.mark.parametrize("cut", list(CUTS))
+@pytest.mark.parametrize(
+    "opened",
+    [pytest.param(b, marks=getattr(pytest.mark, b), id=b) for b in BOUNDS],
+    indirect=True,
+)
+def test_a_reply_cut_short_is_never_taken_for_an_answer(opened: Opened, cut: str) -> None:
+    """A reply cut short (headers without their body, half a body, nothing) makes
+    the call raise ``StoreUnavailable``: never "not processed", a smaller set, a
+    new entity. Once replies are whole again, the same answers come back."""
+    store, entities = opened.clients[0], opened.clients[1]
+    assert isinstance(store, DeduplicationStore) and isinstance(entities, EntityStore)
+    reads = _reads(store, entities)
+    answers = {name: read() for name, read in reads.items()}
+    assert answers["has_been_processed"] is True and answers["count"] is not None
+    assert len(answers["processed_among"]) == 150 and answers["pending_outboxes"]  # type: ignore[arg-type]
+    opened.proxy.cut_replies(CUTS[cut])
+    try:
+        for name, read in reads.items():
+            try:
+                answer = read()
+            except StoreUnavailable:
+                continue
+            assert answer == answers[name], f"{name} answered from a reply cut short"
+    finally:
+        opened.proxy.restore()
+    assert {name: read() for name, read in reads.items()} == answers

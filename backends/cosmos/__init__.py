@@ -59,7 +59,7 @@ with the defaults), whatever the service does: every HTTP attempt of the SDK
 deadline, and no attempt starts after it. Only the waits a throttling service
 asks for (429 ``retry-after``, at most ``timeout`` rounded up, in all) can extend
 it. A ``client`` given by the user keeps its own transport and retries.
-``StoreUnavailable`` (unreachable, timeout, throttling, 5xx): retry.
+``StoreUnavailable`` (unreachable, timeout, throttling, 5xx, a reply cut short): retry.
 ``ConfigurationError``: rejected key, missing database or container, a container
 of another shape or shared with other data.
 ``ConsistencyError``: weaker than Strong. Each store's module says what its

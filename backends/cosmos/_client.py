@@ -22,13 +22,14 @@ from urllib.parse import unquote
 
 import requests
 import urllib3
-from azure.core.exceptions import AzureError, HttpResponseError
+from azure.core.exceptions import AzureError, HttpResponseError, ServiceResponseError
 from azure.core.pipeline.transport import RequestsTransport
 from azure.cosmos import CosmosClient
 from azure.cosmos.documents import ConnectionPolicy
 from azure.cosmos.exceptions import CosmosHttpResponseError
 from urllib3.util.retry import Retry
 
+from backends._http import cut_short
 from dedupstore.calls import DeadlinePassed, executor, fan_out, time_left
 from dedupstore.client import Client, ErrorKind, ProcessLocal
 from dedupstore.errors import ConfigurationError, ConsistencyError, StoreUnavailable
@@ -101,7 +102,17 @@ class _BoundedAdapter(requests.adapters.HTTPAdapter):
 
 
 class _BoundedTransport(RequestsTransport):  # type: ignore[misc]
-    """The SDK's pauses between attempts end by the call's deadline."""
+    """The SDK's pauses between attempts end by the call's deadline; a reply that is
+    not whole is a lost answer (:mod:`backends._http`), not an empty one."""
+
+    def send(self, request: Any, **kwargs: Any) -> Any:
+        response = super().send(request, **kwargs)
+        if not kwargs.get("stream"):  # read whole: urllib3 checked the length it was given
+            raw = response.internal_response
+            reason = cut_short(raw.status_code, raw.headers, raw.raw.tell())
+            if reason is not None:
+                raise ServiceResponseError(f"Cosmos DB's reply was cut short: {reason}")
+        return response
 
     def sleep(self, duration: float) -> None:
         left = time_left()

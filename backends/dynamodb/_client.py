@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
@@ -22,6 +23,7 @@ import boto3
 import botocore.exceptions as boto_errors
 from botocore.config import Config
 
+from backends._http import cut_short
 from dedupstore.calls import capped, deadline, retry, time_left
 from dedupstore.client import Client, ErrorKind, ProcessLocal
 from dedupstore.errors import (
@@ -133,6 +135,31 @@ _RETRYABLE_CODES = frozenset(
 _MAX_BACKOFF_ROUNDS = 10
 
 T = TypeVar("T")
+
+
+class _CutShort(boto_errors.IncompleteReadError):
+    """A reply that is not whole: retried as a lost answer (:data:`_TRANSIENT_ERRORS`)."""
+
+    fmt = "DynamoDB's reply was cut short: {reason}"
+
+
+def _refuse_cut_replies(response_dict: Mapping[str, Any], **kwargs: Any) -> None:
+    """Raise :class:`_CutShort` before botocore parses a reply that is not whole.
+
+    botocore reads a body without checking its length and would parse a cut one as
+    an empty answer ("no item"); see :mod:`backends._http`. The ``x-amz-crc32``
+    DynamoDB sends is checked too: botocore checks it only to decide on a retry
+    of its own, and the store makes those (``total_max_attempts`` 1).
+    """
+    headers, body = response_dict["headers"], response_dict["body"]
+    reason = cut_short(response_dict["status_code"], headers, len(body))
+    checksum = headers.get("x-amz-crc32")
+    if reason is None and checksum is not None and checksum != str(zlib.crc32(body)):
+        reason = f"CRC32 {zlib.crc32(body)} of {len(body)} bytes, not {checksum}"
+    if reason is not None:
+        declared = headers.get("content-length", "")
+        expected = int(declared) if declared.isdigit() else -1
+        raise _CutShort(reason=reason, actual_bytes=len(body), expected_bytes=expected)
 
 
 def _number(value: float) -> AttributeValueTypeDef:
@@ -330,6 +357,7 @@ class DynamoDBClient(Client):
 
         client.meta.events.register("before-call.dynamodb", remember_timeout)
         client.meta.events.register("before-send.dynamodb", _cap_read_timeout)
+        client.meta.events.register("before-parse.dynamodb", _refuse_cut_replies)
         return client
 
     def _deadline_seconds(self) -> float:

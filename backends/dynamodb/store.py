@@ -44,12 +44,12 @@ Options: those of every ``dynamodb://`` client (see :mod:`backends.dynamodb`), p
 this) and ``clock`` (keyword only: an epoch-seconds callable judging expiry, tests).
 
 Errors, and what a caller may conclude: ``StoreUnavailable`` (connection failure,
-timeout, throttling, 5xx, transaction conflicts that outlast the backoff): the ids
-in its ``unknown`` may or may not be recorded; retry (on the same object, ids the
-failed call wrote are then reported as recorded by the retry). ``ConfigurationError``
-(rejected credentials or IAM policy, no credentials, no region, missing table,
-wrong key schema, a request DynamoDB rejects as invalid): fix the setup, retrying
-does not help. ``ConsistencyError``: a global table.
+a reply cut short, timeout, throttling, 5xx, transaction conflicts that outlast the
+backoff): the ids in its ``unknown`` may or may not be recorded; retry (on the same
+object, ids the failed call wrote are then reported as recorded by the retry).
+``ConfigurationError`` (rejected credentials or IAM policy, no credentials, no
+region, missing table, wrong key schema, a request DynamoDB rejects as invalid): fix
+the setup, retrying does not help. ``ConsistencyError``: a global table.
 """
 
 from __future__ import annotations
