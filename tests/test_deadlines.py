@@ -17,6 +17,7 @@ run in the fixture, outside that limit.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -264,3 +265,35 @@ def test_a_reply_cut_short_is_never_taken_for_an_answer(opened: Opened, cut: str
     finally:
         opened.proxy.restore()
     assert {name: read() for name, read in reads.items()} == answers
+
+
+@pytest.mark.parametrize("cut", ["half", "all-but-one", "headers"])
+@pytest.mark.parametrize(
+    "opened",
+    [pytest.param(b, marks=getattr(pytest.mark, b), id=b) for b in BOUNDS],
+    indirect=True,
+)
+def test_a_write_whose_reply_is_cut_is_reported_new_exactly_once(opened: Opened, cut: str) -> None:
+    """``add`` and ``add_many`` whose replies are cut either answer or raise
+    ``StoreUnavailable``; retried on the same object once replies are whole, each
+    new id is reported new exactly once over both calls."""
+    store = opened.clients[0]
+    assert isinstance(store, DeduplicationStore)
+    tag = uuid.uuid4().hex
+    one, many = f"w-{tag}", [f"w-{tag}-{i}" for i in range(5)]
+    first: dict[str, bool] = {}
+    opened.proxy.cut_replies(CUTS[cut])
+    try:
+        with contextlib.suppress(StoreUnavailable):
+            first[one] = store.add(one)
+        try:
+            new = store.add_many(many)
+            first.update((mid, mid in new) for mid in many)
+        except StoreUnavailable as exc:
+            first.update((mid, True) for mid in exc.recorded)
+    finally:
+        opened.proxy.restore()
+    new_again = store.add_many(many)
+    again = {one: store.add(one), **{mid: mid in new_again for mid in many}}
+    for mid in [one, *many]:
+        assert [first.get(mid, False), again[mid]].count(True) == 1, mid
