@@ -13,6 +13,11 @@ backend's documented deadline (asserted equal to ``_deadline_seconds()``, the on
 the stores apply) plus a slack for a loaded machine: a call that outlives it fails
 the test. Opening, the first call, restoring and the call that must work again
 run in the fixture, outside that limit.
+
+The same proxy also cuts every reply short (``TcpProxy.cut_replies``), as a server
+killed while writing it would: reads must then raise ``StoreUnavailable`` or give
+the whole answer (never "not processed", a smaller set, a new entity, a shorter
+scan), and writes must report each new id exactly once over a retry.
 """
 
 from __future__ import annotations
