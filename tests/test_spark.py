@@ -29,7 +29,7 @@ from dedupstore.errors import ConfigurationError
 from dedupstore.ids import message_key
 from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send
 from spark_integration import drop_processed, process_messages, process_stream, sweep_outboxes
-from spark_integration._clients import ClientSpec
+from spark_integration._clients import ClientSpec, TaskClients
 from spark_integration.order_pipeline import INPUT_SCHEMA, FlakyDispatcher, Settings, run
 from spark_integration.orders import PRICES, expected_outgoing, handle_order, make_workload
 from spark_integration.pipeline import _processed_flags
@@ -326,6 +326,42 @@ def test_a_killed_task_is_retried_and_a_rerun_changes_nothing(
     if cleanup == "deferred":
         _sweep(spark, outbox_backend)
     _assert_exactly_once(outbox_backend, commands, queue, swept=True)
+
+
+def _connections_of_a_task(specs: list[ClientSpec | None]) -> Any:
+    """A partition function: (worker pid, clients opened, distinct connection objects)."""
+
+    def task(rows: Iterable[Any]) -> Iterable[tuple[int, int, int]]:
+        with TaskClients(*specs) as clients:
+            opened = clients.get()
+            used = [c for c in (opened.entities, opened.dedup, opened.dispatcher) if c]
+            yield os.getpid(), len(used), len({id(c._conn.get()) for c in used})
+
+    return task
+
+
+@pytest.mark.parametrize(
+    ("spark", "outbox_backend"),
+    _pairs([("local", "postgres"), ("cluster", "redis")]),
+    indirect=True,
+)
+def test_the_clients_of_a_task_share_one_connection_per_server(
+    spark: Any, outbox_backend: OutboxBackend
+) -> None:
+    """In each task, the entity store, the deduplication store and (Redis) the
+    dispatcher of one server hold one connection object between them: one pool per
+    server and Python worker, not one per client."""
+    backend = outbox_backend
+    specs: list[ClientSpec | None] = [
+        ClientSpec.checked("entities", backend.entities_url, backend.options),
+        ClientSpec.checked("dedup", backend.dedup_url, backend.options),
+        ClientSpec.checked("dispatcher", backend.entities_url) if backend.name == "redis" else None,
+    ]
+    clients = sum(spec is not None for spec in specs)
+    rows = spark.sparkContext.parallelize(range(4), 4)
+    seen = rows.mapPartitions(_connections_of_a_task(specs)).collect()
+    assert len(seen) == 4 and os.getpid() not in {pid for pid, _, _ in seen}  # in the workers
+    assert {(opened, connections) for _, opened, connections in seen} == {(clients, 1)}
 
 
 @pytest.mark.parametrize(
