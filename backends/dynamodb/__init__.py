@@ -53,9 +53,9 @@ retried within the same deadline. A ``client`` given by the user keeps its own
 timeouts and retries: only the store's own retries stop at the deadline.
 
 Errors: ``StoreUnavailable`` (connection failure, a reply cut short, timeout,
-throttling, 5xx, conflicts that outlast the backoff: retry), ``ConfigurationError`` (rejected
-credentials or IAM policy, no credentials, no region, missing table, wrong key
-schema, a request DynamoDB rejects as invalid: fix the setup), ``ConsistencyError``
+throttling, 5xx, conflicts that outlast the backoff: retry), ``ConfigurationError``
+(rejected credentials or IAM policy, no credentials, no region, missing table, wrong
+key schema, a request DynamoDB rejects as invalid: fix the setup), ``ConsistencyError``
 (a global table). Each store's module says what a caller may conclude.
 """
 
