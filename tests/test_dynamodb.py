@@ -54,6 +54,7 @@ from dedupstore.testing import (
     MultiProcessContract,
     StoreFactory,
 )
+from tests.proxy import TcpProxy
 from tests.servers import DynamoDBEndpoint, MotoServer, free_port
 
 pytestmark = pytest.mark.dynamodb
@@ -1063,3 +1064,27 @@ def test_purge_by_a_client_whose_clock_runs_ahead_keeps_live_records(table_url: 
     assert writer.add("skewed") is True
     writer.close()
     purger.close()
+
+
+def test_a_given_client_refuses_replies_cut_short(dynamodb_server: DynamoDBEndpoint) -> None:
+    """A boto3 client passed as ``client=`` (here to two stores) gets the store's
+    check of cut replies: a cut reply raises, never "not processed"."""
+    table = f"given-{uuid.uuid4().hex}"
+    with TcpProxy.for_url(dynamodb_server.endpoint_url) as proxy:
+        given = boto3.client(
+            "dynamodb",
+            endpoint_url=proxy.url(dynamodb_server.endpoint_url),
+            region_name=dynamodb_server.region,
+            aws_access_key_id=FAKE_KEY_ID,
+            aws_secret_access_key=FAKE_SECRET,
+        )
+        url = _url(dynamodb_server, table, create="true")
+        with open_store(url, client=given, retries=1) as store, open_store(url, client=given):
+            store.add("kept")
+            proxy.cut_replies(lambda reply: reply.find(b"\r\n\r\n") + 4)  # headers only
+            try:
+                with pytest.raises(StoreUnavailable):
+                    store.has_been_processed("kept")
+            finally:
+                proxy.restore()
+            assert store.has_been_processed("kept")

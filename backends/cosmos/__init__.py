@@ -58,7 +58,10 @@ with the defaults), whatever the service does: every HTTP attempt of the SDK
 (connecting and reading together) and every pause between attempts is cut at the
 deadline, and no attempt starts after it. Only the waits a throttling service
 asks for (429 ``retry-after``, at most ``timeout`` rounded up, in all) can extend
-it. A ``client`` given by the user keeps its own transport and retries.
+it. A ``client`` given by the user keeps its own transport and retries, and so
+lacks the store's check of a reply cut short (``backends._http``): azure-core's
+default transport still refuses a body shorter than its length, but not a reply
+cut inside its headers.
 ``StoreUnavailable`` (unreachable, timeout, throttling, 5xx, a reply cut short): retry.
 ``ConfigurationError``: rejected key, missing database or container, a container
 of another shape or shared with other data.

@@ -50,7 +50,9 @@ attempts start and wait for their answer (botocore's per-request read timeout)
 only until ``connect_timeout`` before the deadline, so that a last connection
 attempt still ends within it. Transaction conflicts and unprocessed keys are
 retried within the same deadline. A ``client`` given by the user keeps its own
-timeouts and retries: only the store's own retries stop at the deadline.
+timeouts and retries: only the store's own retries stop at the deadline. Every
+client, a given one included, refuses a reply cut short (``backends._http``): the
+store registers that check on its events (once, under one ``unique_id``).
 
 Errors: ``StoreUnavailable`` (connection failure, a reply cut short, timeout,
 throttling, 5xx, conflicts that outlast the backoff: retry), ``ConfigurationError``

@@ -154,12 +154,20 @@ def _refuse_cut_replies(response_dict: Mapping[str, Any], **kwargs: Any) -> None
     headers, body = response_dict["headers"], response_dict["body"]
     reason = cut_short(response_dict["status_code"], headers, len(body))
     checksum = headers.get("x-amz-crc32")
-    if reason is None and checksum is not None and checksum != str(zlib.crc32(body)):
-        reason = f"CRC32 {zlib.crc32(body)} of {len(body)} bytes, not {checksum}"
+    if reason is None and checksum is not None:
+        crc = zlib.crc32(body)
+        if str(crc) != checksum:
+            reason = f"CRC32 {crc} of {len(body)} bytes, not {checksum}"
     if reason is not None:
-        declared = headers.get("content-length", "")
-        expected = int(declared) if declared.isdigit() else -1
-        raise _CutShort(reason=reason, actual_bytes=len(body), expected_bytes=expected)
+        raise _CutShort(reason=reason)
+
+
+def _refusing_cut_replies(client: Boto3DynamoDB) -> Boto3DynamoDB:
+    """``client``, with :func:`_refuse_cut_replies` on its replies (registered once)."""
+    client.meta.events.register(
+        "before-parse.dynamodb", _refuse_cut_replies, unique_id="dedupstore-cut-replies"
+    )
+    return client
 
 
 def _number(value: float) -> AttributeValueTypeDef:
@@ -295,7 +303,7 @@ class DynamoDBClient(Client):
         # environment: clients share a connection only when that agrees too.
         environment = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
         self._conn: ProcessLocal[Boto3DynamoDB] = (
-            ProcessLocal(lambda: given)
+            ProcessLocal(lambda: _refusing_cut_replies(given))
             if given is not None
             else self._shared_connection(
                 environment, self._new_client, lambda client: client.close()
@@ -357,8 +365,7 @@ class DynamoDBClient(Client):
 
         client.meta.events.register("before-call.dynamodb", remember_timeout)
         client.meta.events.register("before-send.dynamodb", _cap_read_timeout)
-        client.meta.events.register("before-parse.dynamodb", _refuse_cut_replies)
-        return client
+        return _refusing_cut_replies(client)
 
     def _deadline_seconds(self) -> float:
         """``connect_timeout + (retries + 1) x timeout``: see :mod:`backends.dynamodb`."""
