@@ -17,7 +17,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any, ClassVar, TypeVar
 
-from dedupstore.client import Client
+from dedupstore.client import Connection
 from dedupstore.dispatch import EncodedMessage, URLDispatcher
 from dedupstore.entities import EntityRecord, EntityStore, OutgoingMessage
 from dedupstore.errors import ConfigurationError
@@ -68,21 +68,24 @@ def namespace_name(url: StoreURL) -> str:
     return url.netloc + url.path
 
 
-class _InProcess(Client):
-    """What the ``memory://`` classes share: their scheme and URL check (placed first)."""
+class MemoryConnection(Connection):
+    """``memory://<name>``: nothing to open or close (the data outlives its clients)."""
+
+    @classmethod
+    def validate(cls, url: StoreURL, options: Options) -> None:
+        """The URL is ``memory://`` or ``memory://<name>``."""
+        namespace_name(url)
+
+    def close(self) -> None:
+        """Nothing to release: the data of a name lives as long as the process."""
+
+
+class MemoryDeduplicationStore(DeduplicationStore):
+    """In-process deduplication store; records live as long as the process."""
 
     schemes: ClassVar[tuple[str, ...]] = ("memory",)
     process_local: ClassVar[bool] = True
-
-    @classmethod
-    def _validate(cls, url: StoreURL, options: Options) -> None:
-        """The URL is ``memory://`` or ``memory://<name>``."""
-        super()._validate(url, options)
-        namespace_name(url)
-
-
-class MemoryDeduplicationStore(_InProcess, DeduplicationStore):
-    """In-process deduplication store; records live as long as the process."""
+    connection_class = MemoryConnection
 
     max_write_batch: ClassVar[int] = 10_000
     max_read_batch: ClassVar[int] = 10_000
@@ -130,9 +133,6 @@ class MemoryDeduplicationStore(_InProcess, DeduplicationStore):
         with self._ns.lock:
             return sum(1 for e, _ in self._records.values() if e is None or e > now)
 
-    def _close(self) -> None:
-        """Nothing to release: the namespace outlives its store objects."""
-
 
 class _Entities:
     """The entities of one ``memory://<name>``: id -> (body, version, bucket, pending)."""
@@ -142,8 +142,12 @@ class _Entities:
         self.records: dict[str, tuple[str, int, int, bool]] = {}
 
 
-class MemoryEntityStore(_InProcess, EntityStore):
+class MemoryEntityStore(EntityStore):
     """In-process entity store (version: a counter per entity); shared per URL name."""
+
+    schemes: ClassVar[tuple[str, ...]] = ("memory",)
+    process_local: ClassVar[bool] = True
+    connection_class = MemoryConnection
 
     max_load_batch: ClassVar[int] = 1000
     max_save_batch: ClassVar[int] = 1000
@@ -184,9 +188,6 @@ class MemoryEntityStore(_InProcess, EntityStore):
                 if record is not None and record[3]:
                     yield eid, record[0], record[1]
 
-    def _close(self) -> None:
-        """Nothing to release."""
-
 
 class _Queue:
     """The messages dispatched to one ``memory://<name>``, in dispatch order."""
@@ -196,7 +197,7 @@ class _Queue:
         self.sent: list[OutgoingMessage] = []
 
 
-class MemoryDispatcher(_InProcess, URLDispatcher):
+class MemoryDispatcher(URLDispatcher):
     """A process-wide named queue: every dispatcher opened with ``memory://<name>`` shares it.
 
     :attr:`sent` holds every delivery in dispatch order (a re-dispatch appears
@@ -206,6 +207,9 @@ class MemoryDispatcher(_InProcess, URLDispatcher):
     Thread-safe; no I/O, so it never raises ``StoreUnavailable``.
     """
 
+    schemes: ClassVar[tuple[str, ...]] = ("memory",)
+    process_local: ClassVar[bool] = True
+    connection_class = MemoryConnection
     receiver_dedup: ClassVar[str] = (
         "by the message id: sent holds every delivery, distinct() the first of each id"
     )
@@ -239,6 +243,3 @@ class MemoryDispatcher(_InProcess, URLDispatcher):
         copies = [encoded.decoded() for encoded in batch]
         with self._queue.lock:
             self._queue.sent.extend(copies)
-
-    def _close(self) -> None:
-        """Nothing to release: the queue outlives its dispatcher objects."""

@@ -43,18 +43,26 @@ import os
 import sqlite3
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import quote, unquote, urlsplit
 
 import filelock
 
-from dedupstore.client import Client, ErrorKind, ProcessLocal
+from dedupstore.client import Client, Connected, Connection, ErrorKind
 from dedupstore.dispatch import DispatchStats, EncodedMessage, StoredMessage, URLDispatcher
 from dedupstore.entities import EntityRecord, EntityStore, OutgoingMessage
 from dedupstore.errors import ConfigurationError, StoreUnavailable
-from dedupstore.options import Option, OptionSet, choice, create_option, text, timeout_option
+from dedupstore.options import (
+    Option,
+    Options,
+    OptionSet,
+    choice,
+    create_option,
+    text,
+    timeout_option,
+)
 from dedupstore.store import CLOCK, DeduplicationStore, WriteRequest
 from dedupstore.urls import StoreURL
 
@@ -129,76 +137,67 @@ class _Connection(sqlite3.Connection):
     """A connection that can be weakly referenced (the plain class cannot)."""
 
 
-class _Connections:
-    """One connection per thread of one process; all closed together.
+class SqliteConnection(Connection):
+    """One SQLite file in one process: a connection per thread, shared by its clients.
 
-    The list holds weak references: when a thread ends, its thread-local
-    connection is released and closes, so short-lived threads leak nothing.
+    The deduplication store, the entity store and the dispatcher of one file (and
+    the same ``timeout``, ``synchronous`` and ``create``) hold one of these. Each
+    thread gets its own ``sqlite3`` connection, closed with this object; weak
+    references let the connection of a thread that ended close, so short-lived
+    threads leak nothing. Without ``create`` (or with ``must_exist``) nothing is
+    created: the file must exist and is opened read-write without creating it
+    (``file:...?mode=rw``), and the table must exist ("no such store").
     """
 
-    def __init__(self) -> None:
-        self.local = threading.local()
-        self.all: weakref.WeakSet[sqlite3.Connection] = weakref.WeakSet()
-        self.lock = threading.Lock()
+    shaped_by: ClassVar[tuple[str, ...]] = ("timeout", "synchronous", "create", "must_exist")
 
-    def close(self) -> None:
-        with self.lock:
-            connections, self.all = list(self.all), weakref.WeakSet()
-        for conn in connections:
-            conn.close()
-
-
-class SqliteFile(Client):
-    """Connection handling shared by the SQLite stores: per-thread connections, errors.
-
-    Placed first among the bases (``class S(SqliteFile, DeduplicationStore)``). Without
-    ``create`` (or with ``must_exist``) nothing is created: the file must exist and is
-    opened read-write without creating it (``file:...?mode=rw``), and the table must
-    exist ("no such store").
-    """
-
-    _path: Path
+    def __init__(self, url: StoreURL, options: Options) -> None:
+        """No I/O: each thread connects on first use (:meth:`thread_connection`)."""
+        super().__init__(url, options)
+        self.path = sqlite_path(url)
+        self._timeout = float(options["timeout"])
+        self._creates = bool(options.get("create")) and not options.get("must_exist")
+        self._local = threading.local()
+        self._all: weakref.WeakSet[sqlite3.Connection] = weakref.WeakSet()
+        self._lock = threading.Lock()
 
     @classmethod
     def portable_url(cls, url: str | StoreURL) -> StoreURL:
         """The URL with the file's absolute path (see ``Client.portable_url``)."""
         return absolute_sqlite_url(url)
 
-    def _open_file(self) -> None:
-        self._path = sqlite_path(self._url)
-        self._connections: ProcessLocal[_Connections] = ProcessLocal(
-            _Connections, _Connections.close
-        )
+    @classmethod
+    def address(cls, url: StoreURL) -> Hashable:
+        """The database file (the URL's path is absolute: :meth:`portable_url`)."""
+        return sqlite_path(url)
 
-    def _connection(self) -> sqlite3.Connection:
-        """This thread's connection (a new one after ``fork``)."""
-        pool = self._connections.get()
-        conn: sqlite3.Connection | None = getattr(pool.local, "conn", None)
+    def thread_connection(self) -> sqlite3.Connection:
+        """This thread's connection."""
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
         if conn is not None:
             return conn
-        timeout = float(self._opts["timeout"])
         # Without ``create`` a missing file is an error, not a new empty database.
         creates = self._creates
-        target = self._path if creates else f"file:{quote(str(self._path))}?mode=rw"
+        target = self.path if creates else f"file:{quote(str(self.path))}?mode=rw"
         conn = sqlite3.connect(
             target,
-            timeout=timeout,
+            timeout=self._timeout,
             isolation_level=None,
             check_same_thread=False,
             uri=not creates,
             factory=_Connection,
         )
-        conn.execute(f"PRAGMA synchronous = {self._opts['synchronous']}")
-        conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
-        pool.local.conn = conn
-        with pool.lock:
-            pool.all.add(conn)
+        conn.execute(f"PRAGMA synchronous = {self.options['synchronous']}")
+        conn.execute(f"PRAGMA busy_timeout = {int(self._timeout * 1000)}")
+        self._local.conn = conn
+        with self._lock:
+            self._all.add(conn)
         return conn
 
     @contextlib.contextmanager
-    def _write_transaction(self) -> Iterator[sqlite3.Connection]:
+    def write_transaction(self) -> Iterator[sqlite3.Connection]:
         """Hold SQLite's write lock for the block; commit on success."""
-        conn = self._connection()
+        conn = self.thread_connection()
         conn.execute("BEGIN IMMEDIATE")
         try:
             yield conn
@@ -208,61 +207,63 @@ class SqliteFile(Client):
                 conn.execute("ROLLBACK")
             raise
 
-    def _open_existing(self) -> sqlite3.Connection:
-        """This thread's connection to the existing file (``create`` off or ``must_exist``).
+    def open_table(
+        self, client: Client, table: str, create_sql: str, columns: Iterable[str], what: str
+    ) -> sqlite3.Connection:
+        """This thread's connection, ``table`` checked to have ``columns``.
 
-        Raises ``ConfigurationError`` ("no such store") naming the missing file or
-        directory; nothing is created.
+        With ``create``: the directory, the file (in WAL mode) and the table are
+        created first (``create_sql``, idempotent). Without: a missing file or table
+        is ``ConfigurationError`` "no such store"; nothing is created. ``what`` names
+        the table's use in messages ("an entity table").
         """
-        if not self._path.exists():
-            folder = self._path.absolute().parent
-            what = f"unable to open SQLite file {self._path}: it does not exist" + (
-                "" if folder.is_dir() else f" (nor does the directory {folder})"
-            )
-            raise self._no_such_store(what, "open with create=true to create it")
-        return self._connection()
-
-    def _bootstrap(self, create_sql: str) -> sqlite3.Connection:
-        """Create the directory, switch to WAL and run ``create_sql`` (idempotent)."""
-        if self._path.parent != Path():
-            self._path.parent.mkdir(parents=True, exist_ok=True)
-        lock = f"{self._path}.lock"
-        # filelock waits out its whole timeout when the lock file cannot be created at
-        # all (a missing or read-only directory); creating it first raises the real error.
-        os.close(os.open(lock, os.O_RDWR | os.O_CREAT, 0o644))
-        with filelock.FileLock(lock, timeout=float(self._opts["timeout"])):
-            conn = self._connection()
-            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
-                raise StoreUnavailable(f"{self._path}: cannot switch to WAL (got {mode!r})")
-            conn.execute(create_sql)
-            return conn
-
-    def _require_columns(
-        self, conn: sqlite3.Connection, table: str, wanted: Iterable[str], what: str
-    ) -> None:
-        """Raise ``ConfigurationError`` unless ``table`` exists with every ``wanted`` column.
-
-        The message names the table and the missing columns.
-        """
-        columns = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
-        if not columns:
-            raise self._no_such_store(
-                f"table {table} does not exist in SQLite file {self._path}",
+        conn = self._bootstrap(create_sql) if self._creates else self._open_existing(client)
+        names = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        if not names:
+            raise client._no_such_store(
+                f"table {table} does not exist in SQLite file {self.path}",
                 "open with create=true to create it",
             )
-        missing = [c for c in wanted if c not in columns]
+        missing = [c for c in columns if c not in names]
         if missing:
-            raise self._error(
+            raise client._error(
                 ConfigurationError,
                 None,
                 f"table {table} is not usable as {what}: it has no column "
-                f"{', '.join(missing)} (it has {', '.join(sorted(columns))}); drop it or "
+                f"{', '.join(missing)} (it has {', '.join(sorted(names))}); drop it or "
                 "name another table",
             )
+        return conn
 
-    def _sqlite_health_warnings(self) -> list[str]:
-        level = self._opts["synchronous"]
+    def _open_existing(self, client: Client) -> sqlite3.Connection:
+        """This thread's connection to the existing file; "no such store" if missing."""
+        if not self.path.exists():
+            folder = self.path.absolute().parent
+            what = f"unable to open SQLite file {self.path}: it does not exist" + (
+                "" if folder.is_dir() else f" (nor does the directory {folder})"
+            )
+            raise client._no_such_store(what, "open with create=true to create it")
+        return self.thread_connection()
+
+    def _bootstrap(self, create_sql: str) -> sqlite3.Connection:
+        """Create the directory, switch to WAL and run ``create_sql`` (idempotent)."""
+        if self.path.parent != Path():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        lock = f"{self.path}.lock"
+        # filelock waits out its whole timeout when the lock file cannot be created at
+        # all (a missing or read-only directory); creating it first raises the real error.
+        os.close(os.open(lock, os.O_RDWR | os.O_CREAT, 0o644))
+        with filelock.FileLock(lock, timeout=self._timeout):
+            conn = self.thread_connection()
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise StoreUnavailable(f"{self.path}: cannot switch to WAL (got {mode!r})")
+            conn.execute(create_sql)
+            return conn
+
+    def health_warnings(self, client: Client) -> list[str]:
+        """A ``synchronous`` level that can lose acknowledged writes."""
+        level = self.options["synchronous"]
         if level in ("OFF", "NORMAL"):
             return [
                 f"synchronous={level}: a power loss or OS crash can lose records that were "
@@ -270,38 +271,24 @@ class SqliteFile(Client):
             ]
         return []
 
-    def _path_problem(self) -> str | None:
-        """Why the database file cannot be opened, if the filesystem says why."""
-        path = self._path.absolute()
-        if path.is_dir():
-            return f"{path} is a directory"
-        folder = path.parent
-        if not folder.is_dir():
-            return f"the directory {folder} does not exist"
-        if not os.access(folder, os.W_OK | os.X_OK):
-            return f"permission denied on the directory {folder}"
-        if path.exists() and not os.access(path, os.R_OK | os.W_OK):
-            return f"permission denied on {path}"
-        with contextlib.suppress(OSError):
-            if os.statvfs(folder).f_flag & os.ST_RDONLY:
-                return f"{folder} is on a read-only filesystem"
-        return None
-
-    def _classify_sqlite_error(self, exc: BaseException) -> ErrorKind:
+    @classmethod
+    def classify_error(cls, client: Client, exc: BaseException) -> ErrorKind:
+        """Errors of the file system (what to fix, named with the path) and of SQLite."""
+        path = sqlite_path(client._url)
         message = str(exc).lower()
         if isinstance(exc, OSError) and exc.errno in _PERMANENT_ERRNOS:
-            where = exc.filename if exc.filename is not None else self._path
+            where = exc.filename if exc.filename is not None else path
             return ConfigurationError(
-                f"cannot use SQLite file {self._path}: {_PERMANENT_ERRNOS[exc.errno]}: {where}"
+                f"cannot use SQLite file {path}: {_PERMANENT_ERRNOS[exc.errno]}: {where}"
             )
         if isinstance(exc, filelock.Timeout):
             return StoreUnavailable
         if isinstance(exc, sqlite3.OperationalError) and (
             "unable to open" in message or "readonly database" in message
         ):
-            problem = self._path_problem()
+            problem = _path_problem(path)
             if problem is not None:
-                return ConfigurationError(f"cannot use SQLite file {self._path}: {problem}")
+                return ConfigurationError(f"cannot use SQLite file {path}: {problem}")
         if isinstance(exc, sqlite3.OperationalError) and ("locked" in message or "busy" in message):
             return StoreUnavailable
         if isinstance(exc, sqlite3.DatabaseError) and any(
@@ -323,9 +310,37 @@ class SqliteFile(Client):
             return StoreUnavailable
         return None
 
+    def close(self) -> None:
+        """Close every thread's connection."""
+        with self._lock:
+            connections, self._all = list(self._all), weakref.WeakSet()
+        for conn in connections:
+            conn.close()
 
-class SqliteDeduplicationStore(SqliteFile, DeduplicationStore):
+
+def _path_problem(path: Path) -> str | None:
+    """Why the database file cannot be opened, if the filesystem says why."""
+    path = path.absolute()
+    if path.is_dir():
+        return f"{path} is a directory"
+    folder = path.parent
+    if not folder.is_dir():
+        return f"the directory {folder} does not exist"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"permission denied on the directory {folder}"
+    if path.exists() and not os.access(path, os.R_OK | os.W_OK):
+        return f"permission denied on {path}"
+    with contextlib.suppress(OSError):
+        if os.statvfs(folder).f_flag & os.ST_RDONLY:
+            return f"{folder} is on a read-only filesystem"
+    return None
+
+
+class SqliteDeduplicationStore(DeduplicationStore):
     """Deduplication store in one SQLite file; safe across threads and processes."""
+
+    connection_class = SqliteConnection
+    _sqlite = Connected[SqliteConnection]()
 
     schemes: ClassVar[tuple[str, ...]] = ("sqlite",)
     max_write_batch: ClassVar[int] = 5000
@@ -344,7 +359,6 @@ class SqliteDeduplicationStore(SqliteFile, DeduplicationStore):
         the file cannot be opened or stays locked longer than ``timeout``.
         """
         super().__init__(url, **options)
-        self._open_file()
         t = f'"{self._opts["table"]}"'
         self._table = t
         upsert = (
@@ -374,21 +388,18 @@ class SqliteDeduplicationStore(SqliteFile, DeduplicationStore):
             "AND (expires_at IS NULL OR expires_at > ?2)"
         )
         with self._translating_errors("open the database"):
-            if self._creates:
-                conn = self._bootstrap(
-                    f"CREATE TABLE IF NOT EXISTS {t} ("
-                    "endpoint TEXT NOT NULL, id TEXT NOT NULL, expires_at REAL, writer TEXT, "
-                    "PRIMARY KEY (endpoint, id)) WITHOUT ROWID"
-                )
-            else:
-                conn = self._open_existing()
-            self._check_table(conn)
-
-    def _check_table(self, conn: sqlite3.Connection) -> None:
-        self._require_columns(conn, self._table, _COLUMNS, "a deduplication table")
+            self._sqlite.open_table(
+                self,
+                t,
+                f"CREATE TABLE IF NOT EXISTS {t} ("
+                "endpoint TEXT NOT NULL, id TEXT NOT NULL, expires_at REAL, writer TEXT, "
+                "PRIMARY KEY (endpoint, id)) WITHOUT ROWID",
+                _COLUMNS,
+                "a deduplication table",
+            )
 
     def _write(self, sql: str, params: tuple[Any, ...]) -> set[str]:
-        with self._write_transaction() as conn:
+        with self._sqlite.write_transaction() as conn:
             return {row[0] for row in conn.execute(sql, params).fetchall()}
 
     def _params(self, request: WriteRequest, ids: str) -> tuple[Any, ...]:
@@ -408,38 +419,40 @@ class SqliteDeduplicationStore(SqliteFile, DeduplicationStore):
         return bool(self._write(self._sql_add_one, self._params(request, request.ids[0])))
 
     def _find(self, ids: list[str], now: float) -> set[str]:
-        rows = self._connection().execute(self._sql_find, (self._endpoint, json.dumps(ids), now))
+        rows = self._sqlite.thread_connection().execute(
+            self._sql_find, (self._endpoint, json.dumps(ids), now)
+        )
         return {row[0] for row in rows}
 
     def _contains_one(self, message_id: str, now: float) -> bool:
-        query = self._connection().execute(self._sql_has, (self._endpoint, message_id, now))
+        query = self._sqlite.thread_connection().execute(
+            self._sql_has, (self._endpoint, message_id, now)
+        )
         return query.fetchone() is not None
 
     def _purge(self, now: float) -> int:
-        with self._write_transaction() as conn:
+        with self._sqlite.write_transaction() as conn:
             return conn.execute(self._sql_purge, (self._endpoint, now)).rowcount
 
     def _count(self, now: float) -> int:
         """Exact, one statement (a snapshot): the endpoint's range of the primary key."""
-        row = self._connection().execute(self._sql_count, (self._endpoint, now)).fetchone()
+        row = (
+            self._sqlite.thread_connection()
+            .execute(self._sql_count, (self._endpoint, now))
+            .fetchone()
+        )
         return int(row[0])
 
-    def _health_warnings(self) -> list[str]:
-        return self._sqlite_health_warnings()
 
-    def _classify_error(self, exc: BaseException) -> ErrorKind:
-        return self._classify_sqlite_error(exc) or super()._classify_error(exc)
-
-    def _close(self) -> None:
-        self._connections.close()
-
-
-class SqliteEntityStore(SqliteFile, EntityStore):
+class SqliteEntityStore(EntityStore):
     """Entities in one table of a SQLite file; safe across threads and processes.
 
     Token: the ``version`` column (``UPDATE ... WHERE version = ?``). A ``save_many``
     chunk is one write transaction: it commits every entity that did not conflict.
     """
+
+    connection_class = SqliteConnection
+    _sqlite = Connected[SqliteConnection]()
 
     schemes: ClassVar[tuple[str, ...]] = ("sqlite",)
     max_load_batch: ClassVar[int] = 500
@@ -458,7 +471,6 @@ class SqliteEntityStore(SqliteFile, EntityStore):
         (with ``create=false``), ``StoreUnavailable`` when the file cannot be opened.
         """
         super().__init__(url, **options)
-        self._open_file()
         t = self._table = f'"{self._opts["table"]}"'
         self._sql_load = (
             f"SELECT id, body, version FROM {t} WHERE id IN (SELECT value FROM json_each(?))"
@@ -476,16 +488,15 @@ class SqliteEntityStore(SqliteFile, EntityStore):
             "ORDER BY id LIMIT ?"
         )
         with self._translating_errors("open the database"):
-            if self._creates:
-                conn = self._bootstrap(
-                    f"CREATE TABLE IF NOT EXISTS {t} (id TEXT PRIMARY KEY NOT NULL, "
-                    "body TEXT NOT NULL, version INTEGER NOT NULL, bucket INTEGER NOT NULL, "
-                    "pending INTEGER NOT NULL) WITHOUT ROWID"
-                )
-            else:
-                conn = self._open_existing()
-            wanted = ("id", "body", "version", "bucket", "pending")
-            self._require_columns(conn, t, wanted, "an entity table")
+            conn = self._sqlite.open_table(
+                self,
+                t,
+                f"CREATE TABLE IF NOT EXISTS {t} (id TEXT PRIMARY KEY NOT NULL, "
+                "body TEXT NOT NULL, version INTEGER NOT NULL, bucket INTEGER NOT NULL, "
+                "pending INTEGER NOT NULL) WITHOUT ROWID",
+                ("id", "body", "version", "bucket", "pending"),
+                "an entity table",
+            )
             if self._creates:
                 index = f'"{self._opts["table"]}_pending"'
                 conn.execute(
@@ -493,12 +504,12 @@ class SqliteEntityStore(SqliteFile, EntityStore):
                 )
 
     def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
-        rows = self._connection().execute(self._sql_load, (json.dumps(ids),))
+        rows = self._sqlite.thread_connection().execute(self._sql_load, (json.dumps(ids),))
         return {row[0]: (row[1], row[2]) for row in rows}
 
     def _save(self, records: list[EntityRecord]) -> dict[str, Any]:
         saved: dict[str, Any] = {}
-        with self._write_transaction() as conn:
+        with self._sqlite.write_transaction() as conn:
             for r in records:
                 if r.version is None:
                     cursor = conn.execute(self._sql_insert, (r.id, r.body, r.bucket, r.pending))
@@ -514,7 +525,7 @@ class SqliteEntityStore(SqliteFile, EntityStore):
         after = ""
         while True:
             page = (
-                self._connection()
+                self._sqlite.thread_connection()
                 .execute(self._sql_scan, (segments, segment, after, self.page_size))
                 .fetchall()
             )
@@ -522,15 +533,6 @@ class SqliteEntityStore(SqliteFile, EntityStore):
             if len(page) < self.page_size:
                 return
             after = page[-1][0]
-
-    def _health_warnings(self) -> list[str]:
-        return self._sqlite_health_warnings()
-
-    def _classify_error(self, exc: BaseException) -> ErrorKind:
-        return self._classify_sqlite_error(exc) or super()._classify_error(exc)
-
-    def _close(self) -> None:
-        self._connections.close()
 
 
 _OUTGOING_COLUMNS = (
@@ -546,7 +548,7 @@ _OUTGOING_COLUMNS = (
 _SQL_NOW = "((julianday('now') - 2440587.5) * 86400.0)"
 
 
-class SqliteDispatcher(SqliteFile, URLDispatcher):
+class SqliteDispatcher(URLDispatcher):
     """A table queue in a SQLite file: one row per message id; safe across processes.
 
     Table (``table``, default ``dedup_outgoing``): ``id`` (PRIMARY KEY), ``destination``,
@@ -560,6 +562,9 @@ class SqliteDispatcher(SqliteFile, URLDispatcher):
     under the write lock: a reader paging by ``seq`` never misses a later commit as
     long as nobody deletes the newest row).
     """
+
+    connection_class = SqliteConnection
+    _sqlite = Connected[SqliteConnection]()
 
     schemes: ClassVar[tuple[str, ...]] = ("sqlite",)
     receiver_dedup: ClassVar[str] = (
@@ -581,7 +586,6 @@ class SqliteDispatcher(SqliteFile, URLDispatcher):
         ``StoreUnavailable`` when the file cannot be opened or stays locked.
         """
         super().__init__(url, **options)
-        self._open_file()
         t = self._table = f'"{self._opts["table"]}"'
         self._sql_upsert = (
             f"INSERT INTO {t} (id, destination, body, headers, deliveries, mismatches, first_at) "
@@ -597,20 +601,20 @@ class SqliteDispatcher(SqliteFile, URLDispatcher):
             f"SELECT count(*), coalesce(sum(deliveries), 0), coalesce(sum(mismatches), 0) FROM {t}"
         )
         with self._translating_errors("open the database"):
-            if self._creates:
-                conn = self._bootstrap(
-                    f"CREATE TABLE IF NOT EXISTS {t} (id TEXT PRIMARY KEY NOT NULL, "
-                    "destination TEXT NOT NULL, body TEXT NOT NULL, headers TEXT NOT NULL, "
-                    "deliveries INTEGER NOT NULL, mismatches INTEGER NOT NULL, "
-                    "first_at REAL NOT NULL)"
-                )
-            else:
-                conn = self._open_existing()
-            self._require_columns(conn, t, _OUTGOING_COLUMNS, "a dispatcher table")
+            self._sqlite.open_table(
+                self,
+                t,
+                f"CREATE TABLE IF NOT EXISTS {t} (id TEXT PRIMARY KEY NOT NULL, "
+                "destination TEXT NOT NULL, body TEXT NOT NULL, headers TEXT NOT NULL, "
+                "deliveries INTEGER NOT NULL, mismatches INTEGER NOT NULL, "
+                "first_at REAL NOT NULL)",
+                _OUTGOING_COLUMNS,
+                "a dispatcher table",
+            )
 
     def _dispatch(self, batch: list[EncodedMessage]) -> None:
         rows = [(m.id, m.destination, m.body, m.headers) for m in batch]
-        with self._write_transaction() as conn:
+        with self._sqlite.write_transaction() as conn:
             conn.executemany(self._sql_upsert, rows)
 
     # ------------------------------------------------------------------ reading
@@ -628,7 +632,9 @@ class SqliteDispatcher(SqliteFile, URLDispatcher):
         """
         self._check_open()
         with self._translating_errors("read"):
-            rows, deliveries, mismatches = self._connection().execute(self._sql_stats).fetchone()
+            rows, deliveries, mismatches = (
+                self._sqlite.thread_connection().execute(self._sql_stats).fetchone()
+            )
         return DispatchStats(int(rows), int(deliveries), int(mismatches))
 
     def receive(self, limit: int = 500, after: int | None = None) -> list[StoredMessage]:
@@ -644,7 +650,11 @@ class SqliteDispatcher(SqliteFile, URLDispatcher):
             raise ValueError(f"after must be a seq (an int >= 0) or None, got {after!r}")
         self._check_open()
         with self._translating_errors("read"):
-            rows = self._connection().execute(self._sql_receive, (start, limit)).fetchall()
+            rows = (
+                self._sqlite.thread_connection()
+                .execute(self._sql_receive, (start, limit))
+                .fetchall()
+            )
         return [
             StoredMessage(
                 seq=row[0],
@@ -664,12 +674,3 @@ class SqliteDispatcher(SqliteFile, URLDispatcher):
             if len(page) < self.page_size:
                 return
             after = page[-1].seq
-
-    def _health_warnings(self) -> list[str]:
-        return self._sqlite_health_warnings()
-
-    def _classify_error(self, exc: BaseException) -> ErrorKind:
-        return self._classify_sqlite_error(exc) or super()._classify_error(exc)
-
-    def _close(self) -> None:
-        self._connections.close()

@@ -1,11 +1,17 @@
-"""What every object opened by URL shares: :class:`Client`.
+"""What every object opened by URL shares: :class:`Client` and its :class:`Connection`.
 
 Deduplication stores, entity stores and dispatchers are all opened from a URL
 plus options. The base class parses the URL once (:class:`~dedupstore.urls.StoreURL`),
 resolves the declared options (:mod:`dedupstore.options`), classifies driver
 errors through one hook (:meth:`Client._classify_error`), masks secrets, pickles
 by configuration and refuses use after :meth:`Client.close` (``StoreClosed``).
-A backend adds its key layout and its driver calls.
+
+A backend is two parts, held together by composition: its :class:`Connection`
+(the driver's pool or client for one server, with the driver-level mechanisms:
+validation of the URL, error classification, the deadline, health checks),
+one per server and process, shared by every client of that server; and its
+clients (``class RedisDeduplicationStore(DeduplicationStore)``, ...), which name
+it in :attr:`Client.connection_class` and add their key layout and calls.
 """
 
 from __future__ import annotations
@@ -33,10 +39,19 @@ from dedupstore.masking import MASK, mask_text, mask_url
 from dedupstore.options import Option, Options, OptionSet, boolean
 from dedupstore.urls import StoreURL
 
-__all__ = ["MUST_EXIST", "Client", "Closing", "ErrorKind", "ProcessLocal"]
+__all__ = [
+    "MUST_EXIST",
+    "Client",
+    "Closing",
+    "Connected",
+    "Connection",
+    "ErrorKind",
+    "ProcessLocal",
+]
 
 T = TypeVar("T")
 E = TypeVar("E", bound=DedupStoreError)
+C = TypeVar("C", bound="Connection")
 
 #: What :meth:`Client._classify_error` returns: an error class (the base writes the
 #: message), a ready error (raised as is), or ``None`` (not a driver error).
@@ -94,7 +109,7 @@ class ProcessLocal(Generic[T]):
     ``T`` (made by the first handle's ``factory``, so equal keys must mean equivalent
     factories), reference counted: :meth:`close` of the last handle holding it
     closes it. This is how clients of one server share one connection pool per
-    process (:meth:`Client._connection_handle`).
+    process (:class:`Connection`).
     """
 
     def __init__(
@@ -156,6 +171,11 @@ class ProcessLocal(Generic[T]):
                 del _shared[self._key]
             return True
 
+    @property
+    def key(self) -> Hashable | None:
+        """The key this handle shares its value by (``None``: not shared)."""
+        return self._key
+
     def peek(self) -> T | None:
         """This process's instance, or ``None`` if it has none yet."""
         return self._value if self._pid == os.getpid() else None
@@ -195,6 +215,92 @@ class Closing:
         self.close()
 
 
+class Connection(abc.ABC):
+    """A backend's connection to one server in one process, shared by its clients.
+
+    Made by the first client of the server (:meth:`Client._connection`, on first
+    use) from that client's URL and options; every client of the same backend in the
+    same process whose :meth:`key` agrees (the server, the credentials, the
+    options of :attr:`shaped_by`) holds the same object, reference counted:
+    :meth:`close` runs when the last holder closes, and a child after ``fork``
+    makes its own (the parent's is never used or closed there). A ``client`` given
+    by the user (the ``client`` option) is wrapped, never closed.
+
+    A backend subclasses it with its driver calls, and with the driver-level rules
+    every client of the backend follows, as class methods the base
+    :class:`Client` calls: :meth:`validate`, :meth:`deadline_seconds`,
+    :meth:`classify_error` and :meth:`health_warnings`.
+    """
+
+    #: The options, besides the URL's server and credentials, that shape the driver's
+    #: connection: clients whose values agree share one.
+    shaped_by: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, url: StoreURL, options: Options) -> None:
+        """Open the connection (it may do I/O) from the first client's URL and options."""
+        self.url = url
+        self.options = options
+
+    @classmethod
+    def portable_url(cls, url: str | StoreURL) -> StoreURL:
+        """``url`` as another process must see it: see :meth:`Client.portable_url`."""
+        return StoreURL.parse(url)
+
+    @classmethod
+    def key(cls, url: StoreURL, options: Options) -> Hashable:
+        """What clients must agree on to share a connection: the backend, the URL's
+        server and credentials (:meth:`address`), the options of :attr:`shaped_by`;
+        a given ``client`` by identity."""
+        given = options.get("client")
+        if given is not None:
+            return (cls, "client", id(given))
+        return (cls, cls.address(url), tuple(options.get(name) for name in cls.shaped_by))
+
+    @classmethod
+    def address(cls, url: StoreURL) -> Hashable:
+        """The server and credentials of ``url`` (the whole URL by default)."""
+        return url.text
+
+    @classmethod
+    def validate(cls, url: StoreURL, options: Options) -> None:
+        """Refuse (``ConfigurationError``) what the backend's driver cannot use; no I/O.
+
+        Run by :meth:`Client._validate`, so by every constructor and by
+        :meth:`Client.check_options` alike.
+        """
+        return None
+
+    @classmethod
+    def deadline_seconds(cls, options: Options) -> float | None:
+        """How long one call of a client may take in all: see :meth:`Client._deadline_seconds`."""
+        return None
+
+    @classmethod
+    def classify_error(cls, client: Client, exc: BaseException) -> ErrorKind:
+        """The driver's errors judged for ``client``: see :meth:`Client._classify_error`."""
+        return None
+
+    def health_warnings(self, client: Client) -> list[str]:
+        """Warnings about the server's durability or consistency settings; none by default."""
+        return []
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the driver's connections (not a given ``client``); called once."""
+
+
+class Connected(Generic[C]):
+    """``self._<name>`` in a client class: this process's :class:`Connection`, typed.
+
+    ``_redis = Connected[RedisConnection]()`` in a class body reads as
+    ``self._connection``, typed as the backend's connection class.
+    """
+
+    def __get__(self, client: Client, owner: type[Client] | None = None) -> C:
+        connection: C = client._connection  # type: ignore[assignment]
+        return connection
+
+
 class Client(Closing, abc.ABC):
     """Base of every object opened by URL: option resolution, errors, pickling, closing.
 
@@ -209,9 +315,9 @@ class Client(Closing, abc.ABC):
     #: True when the data lives in this process only (another process opening the same
     #: URL sees other data): such a client cannot be shared with worker processes.
     process_local: ClassVar[bool] = False
-    #: The options that shape a connection: clients of one server share one connection
-    #: per process when their values of these agree (:meth:`_shared_connection`).
-    connection_options: ClassVar[tuple[str, ...]] = ()
+    #: The backend's connection class: every client of one server holds one instance
+    #: per process (:meth:`_connection`); ``None``: the client keeps no connection.
+    connection_class: ClassVar[type[Connection] | None] = None
 
     def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
         """Parse ``url``, resolve and validate ``options``; ``ConfigurationError`` if bad.
@@ -222,6 +328,13 @@ class Client(Closing, abc.ABC):
         self._url = self.portable_url(url)
         self._opts: Options = self.declared_options.resolve(type(self).__name__, self._url, options)
         self._validate(self._url, self._opts)
+        kind = self.connection_class
+        self._connection_handle: ProcessLocal[Connection] | None = None
+        if kind is not None:
+            url, opts = self._url, self._opts
+            self._connection_handle = ProcessLocal(
+                lambda: kind(url, opts), kind.close, key=kind.key(url, opts)
+            )
 
     @classmethod
     def portable_url(cls, url: str | StoreURL) -> StoreURL:
@@ -229,9 +342,11 @@ class Client(Closing, abc.ABC):
 
         The URL unchanged, unless a backend knows better (SQLite: the file's absolute
         path, so a pickled copy or a Spark task in another working directory opens the
-        same file). Raises ``ConfigurationError`` for a malformed URL. No I/O.
+        same file): the connection class's (:meth:`Connection.portable_url`). Raises
+        ``ConfigurationError`` for a malformed URL. No I/O.
         """
-        return StoreURL.parse(url)
+        kind = cls.connection_class
+        return StoreURL.parse(url) if kind is None else kind.portable_url(url)
 
     @classmethod
     def check_options(cls, url: str | StoreURL, **options: Any) -> None:
@@ -252,8 +367,11 @@ class Client(Closing, abc.ABC):
         The URL's shape, options that contradict each other, the type of a ``client``:
         every check that needs no I/O and that the converters cannot make alone. Run
         by the constructor and by :meth:`check_options` (the Spark driver's check), so
-        both refuse the same. Backends extend it, calling ``super()._validate`` first.
+        both refuse the same. Runs the connection class's :meth:`Connection.validate`;
+        clients extend it, calling ``super()._validate`` first.
         """
+        if cls.connection_class is not None:
+            cls.connection_class.validate(url, options)
 
     # ------------------------------------------------------------------ public
 
@@ -301,13 +419,26 @@ class Client(Closing, abc.ABC):
 
     # ------------------------------------------------------------------ for backends
 
-    @abc.abstractmethod
     def _close(self) -> None:
-        """Release the backend's connections (called once)."""
+        """Let go of the connection (closed if no other client holds it); called once."""
+        if self._connection_handle is not None:
+            self._connection_handle.close()
+
+    @property
+    def _connection(self) -> Connection:
+        """This process's connection to the server, shared with its other clients.
+
+        Made (opened) on first use; see :class:`Connection`. Only for a class with a
+        :attr:`connection_class`.
+        """
+        assert self._connection_handle is not None, f"{type(self).__name__} has no connection_class"
+        return self._connection_handle.get()
 
     def _health_warnings(self) -> list[str]:
-        """Backend-specific warnings for ``dedupstore check``; none by default."""
-        return []
+        """Warnings for ``dedupstore check``: :meth:`Connection.health_warnings`."""
+        if self.connection_class is None:
+            return []
+        return self._connection.health_warnings(self)
 
     def _deadline_seconds(self) -> float | None:
         """How long one call may take in all, retries and reconnections included.
@@ -316,40 +447,39 @@ class Client(Closing, abc.ABC):
         round trip of one call (of one chunk, for a batch call) runs under this
         deadline (:func:`dedupstore.calls.deadline`), its retries stop there and
         its driver timeouts are capped by the time left. ``None`` (the default):
-        no deadline beyond the driver's own timeouts.
+        no deadline beyond the driver's own timeouts. The connection class's
+        (:meth:`Connection.deadline_seconds`).
         """
-        return None
+        kind = self.connection_class
+        return None if kind is None else kind.deadline_seconds(self._opts)
+
+    def _shares_connection_with(self, other: Client) -> bool:
+        """Whether ``other`` uses the very connection this object uses (same backend,
+        server, credentials and connection options, in this process): then one
+        request can carry the work of both (:meth:`EntityStore._joined`)."""
+        mine, theirs = self._connection_key(), other._connection_key()
+        return mine is not None and mine == theirs
+
+    def _connection_key(self) -> Hashable | None:
+        """The key the connection is shared by (``None``: not shared)."""
+        handle = self._connection_handle
+        return self._legacy_key if handle is None else handle.key
+
+    # Backends not yet moved to a connection_class (PostgreSQL, DynamoDB, Cosmos DB)
+    # share their driver object through _shared_connection, keyed by the options of
+    # connection_options; both go once every backend has its Connection.
+    connection_options: ClassVar[tuple[str, ...]] = ()
+    _legacy_key: Hashable | None = None
 
     def _shared_connection(
         self, address: Hashable, factory: Callable[[], T], close: Callable[[T], None]
     ) -> ProcessLocal[T]:
-        """A handle on the connection this object shares with the other clients of a server.
-
-        One connection object (pool, driver client) per process for every client
-        (deduplication store, entity store, dispatcher) of this class's backend whose
-        ``address`` (the server and the credentials, as the backend defines them) and
-        :attr:`connection_options` agree: made by the first, closed by the close of
-        the last (reference counted), made anew in a child after ``fork``. A
-        ``client`` given by the user is not handled here: the backend uses it as is
-        and never closes it.
-        """
+        """A handle on the driver object this client shares with the other clients of
+        its backend's ``address`` and :attr:`connection_options` (see :class:`ProcessLocal`)."""
         options = tuple((name, self._opts[name]) for name in self.connection_options)
-        self._connection_key = (self._connection_family, address, options)
-        return ProcessLocal(factory, close, key=self._connection_key)
-
-    #: The key of the shared connection (:meth:`_shared_connection`); None: not shared.
-    _connection_key: Hashable | None = None
-
-    def _shares_connection_with(self, other: Client) -> bool:
-        """Whether ``other`` uses the very connection this object uses (same server,
-        same credentials and connection options, in this process): then one request
-        can carry the work of both (:meth:`EntityStore._joined`)."""
-        return self._connection_key is not None and self._connection_key == other._connection_key
-
-    @property
-    def _connection_family(self) -> str:
-        """Clients whose connections may be shared: the backend's package (by default)."""
-        return type(self).__module__.rpartition(".")[0] or type(self).__module__
+        family = type(self).__module__.rpartition(".")[0]
+        self._legacy_key = (family, address, options)
+        return ProcessLocal(factory, close, key=self._legacy_key)
 
     @property
     def _creates(self) -> bool:
@@ -382,8 +512,14 @@ class Client(Closing, abc.ABC):
         Backends override this, the one place where driver errors are judged:
         ``StoreUnavailable`` (connection, timeout, throttling, failover: retry),
         ``ConfigurationError`` (missing table, permissions, credentials, a resource
-        of another shape: fix it), ``ConsistencyError``. Call ``super()`` last.
+        of another shape: fix it), ``ConsistencyError``. The connection class judges
+        first (:meth:`Connection.classify_error`); clients that override this call
+        ``super()`` last.
         """
+        if self.connection_class is not None:
+            kind = self.connection_class.classify_error(self, exc)
+            if kind is not None:
+                return kind
         if isinstance(exc, TimeoutError | ConnectionError):
             return StoreUnavailable
         return None

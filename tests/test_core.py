@@ -53,7 +53,7 @@ def populated(in_tmp: Path) -> Iterator[DeduplicationStore]:
 def _contents(store: DeduplicationStore) -> set[str]:
     import sqlite3
 
-    with sqlite3.connect(f"{store._path}") as conn:  # type: ignore[attr-defined]
+    with sqlite3.connect(f"{store._sqlite.path}") as conn:  # type: ignore[attr-defined]
         return {row[0] for row in conn.execute("SELECT id FROM dedup_records")}
 
 

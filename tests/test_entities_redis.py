@@ -5,7 +5,7 @@ from __future__ import annotations
 import pickle
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import pytest
@@ -19,6 +19,8 @@ from backends.redis import (
     pending_key,
     record_key,
 )
+from backends.redis._client import RedisConnection
+from dedupstore.client import Connected
 from dedupstore.entities import Entity, OutgoingMessage, bucket_of, encode_entity
 from dedupstore.errors import (
     ConcurrencyConflict,
@@ -26,12 +28,14 @@ from dedupstore.errors import (
     EntityTooLarge,
     StoreUnavailable,
 )
+from dedupstore.options import Options
 from dedupstore.registry import entity_stores
 from dedupstore.testing.entities import (
     EntityStoreContract,
     EntityStoreFactory,
     EntityStoreRestartContract,
 )
+from dedupstore.urls import StoreURL
 from tests.servers import HOST, RedisServer, Server, free_port
 from tests.test_redis import _ReplyDroppingProxy
 
@@ -431,11 +435,15 @@ def test_a_lost_answer_is_not_a_conflict(redis_server: Server, proxy: _ReplyDrop
         other.close()
 
 
-class _LosingAnswers(RedisEntityStore):
-    """Runs the script, then loses its answer; ``meddle`` runs in between."""
+class _LosingConnection(RedisConnection):
+    """Runs the script, then loses its answer; ``meddle`` runs in between. One per store."""
 
     losses = 1
     meddle: Callable[[], None] = staticmethod(lambda: None)
+
+    @classmethod
+    def key(cls, url: StoreURL, options: Options) -> Hashable:
+        return object()
 
     def _send(self, commands: list[tuple[Any, ...]], sent: list[bool]) -> list[Any]:
         replies = super()._send(commands, sent)
@@ -444,6 +452,13 @@ class _LosingAnswers(RedisEntityStore):
             self.meddle()
             raise redis.ConnectionError("answer lost (simulated)")
         return replies
+
+
+class _LosingAnswers(RedisEntityStore):
+    """An entity store on a :class:`_LosingConnection` of its own (``_redis``)."""
+
+    connection_class = _LosingConnection
+    _redis = Connected[_LosingConnection]()
 
 
 def test_a_lost_answer_then_a_rival_save_is_unknown_never_a_conflict(
@@ -464,7 +479,7 @@ def test_a_lost_answer_then_a_rival_save_is_unknown_never_a_conflict(
             rival.state = {"count": 3}
             other.save(rival)
 
-        store.losses, store.meddle = 1, rival_saves_on_top
+        store._redis.losses, store._redis.meddle = 1, rival_saves_on_top
         entity.state = {"count": 2}
         with pytest.raises(StoreUnavailable, match="unknown"):
             store.save(entity)
@@ -472,7 +487,7 @@ def test_a_lost_answer_then_a_rival_save_is_unknown_never_a_conflict(
         assert other.load("raced").state == {"count": 3}, "the rival's save stands"
         # a lost answer whose re-send meets a real conflict: unknown as well
         stale = entity.copy()
-        store.losses, store.meddle = 1, lambda: None
+        store._redis.losses, store._redis.meddle = 1, lambda: None
         with pytest.raises(StoreUnavailable):
             store.save(stale)
         # without a lost answer a conflict is a conflict
@@ -486,7 +501,7 @@ def test_a_lost_answer_then_a_rival_save_is_unknown_never_a_conflict(
 def test_retries_run_out(redis_server: Server) -> None:
     store = _LosingAnswers(redis_server.url, key_prefix=_prefix(), retries=1)
     try:
-        store.losses = 2
+        store._redis.losses = 2
         entity = Entity("tired", {"n": 1})
         with pytest.raises(StoreUnavailable) as info:
             store.save(entity)
@@ -507,7 +522,7 @@ def test_concurrent_savers_with_lost_answers(redis_server: Server) -> None:
     def work(index: int) -> None:
         store = stores[index]
         for n in range(20):
-            store.losses = int(n % 2 == 0)
+            store._redis.losses = int(n % 2 == 0)
             entity = store.load("contended")
             tag = f"{index}-{n}"
             entity.state = {"tags": [*entity.state.get("tags", []), tag]}

@@ -877,7 +877,7 @@ def test_url_and_keyword_options_are_converted_and_pickled(redis_server: Server)
         assert clone.option("max_connections") == 4
         assert clone.option("connect_timeout") == 2.5
         assert "connect_timeout=2.5" in repr(clone) and "username" not in repr(clone)
-        pool = clone._client.connection_pool
+        pool = clone._redis.client.connection_pool  # type: ignore[attr-defined]
         assert pool.connection_kwargs["socket_timeout"] == 3.0
         assert pool.connection_kwargs["socket_connect_timeout"] == 2.5
         assert pool.max_connections == 4

@@ -1,6 +1,7 @@
 """One connection object per server and process, shared by the clients of that server.
 
-On every network backend the deduplication store and the entity store of one
+On every network backend, and on SQLite (whose "server" is the file: one
+``sqlite3`` connection per thread), the deduplication store and the entity store of one
 server (and, on Redis, the dispatcher) share one pool or driver client in a
 process: reference counted, closed by the close of the last client, made anew in
 a child after ``fork``; a ``client`` the user gives is never closed by us.
@@ -20,23 +21,31 @@ from dedupstore.client import Client
 from dedupstore.registry import dispatchers
 from tests.outbox_backends import OutboxBackend, backend_params
 
-NETWORK = ("postgres", "redis", "dynamodb", "cosmos")
+SHARING = ("postgres", "redis", "dynamodb", "cosmos", "sqlite")
 
 #: A connection option no other client of the session has: clients left open by other
 #: tests of the same process must not share (and so count) these tests' connections.
 _ALONE = {"connect_timeout": 3 + uuid.uuid4().int % 10**6 / 10**7}
 
-network = pytest.mark.parametrize("outbox_backend", backend_params(NETWORK), indirect=True)
+
+def _alone(backend: OutboxBackend) -> dict[str, Any]:
+    """:data:`_ALONE` where the backend has servers (each SQLite test has files of its own)."""
+    return {} if backend.name == "sqlite" else _ALONE
+
+
+network = pytest.mark.parametrize("outbox_backend", backend_params(SHARING), indirect=True)
 
 
 def _shared(client: Client) -> Any:
     """The connection object ``client`` uses in this process."""
-    return client._conn.get()  # type: ignore[attr-defined]
+    if client.connection_class is None:  # a backend not yet moved to a Connection
+        return client._conn.get()  # type: ignore[attr-defined]
+    return client._connection
 
 
 def _holders(client: Client) -> int:
     """How many open clients of this process hold ``client``'s connection."""
-    key = client._conn._key  # type: ignore[attr-defined]
+    key = client._connection_key()
     slot = client_module._shared.get(key)
     return 0 if slot is None or slot.pid != os.getpid() else slot.refs
 
@@ -56,9 +65,9 @@ def _works(backend: OutboxBackend, *clients: Client) -> None:
 @network
 def test_the_stores_of_one_server_share_one_connection(outbox_backend: OutboxBackend) -> None:
     entities, dedup, again = (
-        outbox_backend.entities(**_ALONE),
-        outbox_backend.dedup(**_ALONE),
-        outbox_backend.dedup(**_ALONE),
+        outbox_backend.entities(**_alone(outbox_backend)),
+        outbox_backend.dedup(**_alone(outbox_backend)),
+        outbox_backend.dedup(**_alone(outbox_backend)),
     )
     shared = _shared(entities)
     assert _shared(dedup) is shared and _shared(again) is shared
@@ -70,7 +79,7 @@ def test_the_stores_of_one_server_share_one_connection(outbox_backend: OutboxBac
     _works(outbox_backend, again)  # the last holder's connection is still open
     again.close()
     assert _holders(again) == 0  # the last close closed it: a new client makes a new one
-    fresh = outbox_backend.dedup(**_ALONE)
+    fresh = outbox_backend.dedup(**_alone(outbox_backend))
     try:
         assert _shared(fresh) is not shared
         _works(outbox_backend, fresh)
@@ -82,8 +91,8 @@ def test_the_stores_of_one_server_share_one_connection(outbox_backend: OutboxBac
 def test_other_connection_options_get_their_own_connection(
     outbox_backend: OutboxBackend,
 ) -> None:
-    dedup = outbox_backend.dedup(**_ALONE)
-    slower = outbox_backend.dedup(timeout=29, **_ALONE)
+    dedup = outbox_backend.dedup(**_alone(outbox_backend))
+    slower = outbox_backend.dedup(timeout=29, **_alone(outbox_backend))
     try:
         assert _shared(slower) is not _shared(dedup)
         _works(outbox_backend, dedup, slower)
@@ -96,7 +105,7 @@ def test_other_connection_options_get_their_own_connection(
 def test_a_copy_unpickled_in_the_same_process_shares_the_connection(
     outbox_backend: OutboxBackend,
 ) -> None:
-    dedup = outbox_backend.dedup(**_ALONE)
+    dedup = outbox_backend.dedup(**_alone(outbox_backend))
     copy = pickle.loads(pickle.dumps(dedup))
     try:
         assert _shared(copy) is _shared(dedup)
@@ -110,7 +119,10 @@ def test_a_copy_unpickled_in_the_same_process_shares_the_connection(
 def test_a_forked_child_makes_its_own_and_leaves_the_parents_alone(
     outbox_backend: OutboxBackend,
 ) -> None:
-    entities, dedup = outbox_backend.entities(**_ALONE), outbox_backend.dedup(**_ALONE)
+    entities, dedup = (
+        outbox_backend.entities(**_alone(outbox_backend)),
+        outbox_backend.dedup(**_alone(outbox_backend)),
+    )
     _works(outbox_backend, entities, dedup)
     parent_id = id(_shared(dedup))
     read, write = os.pipe()
@@ -143,9 +155,11 @@ def test_a_forked_child_makes_its_own_and_leaves_the_parents_alone(
 def test_the_redis_dispatcher_shares_the_stores_connection(
     outbox_backend: OutboxBackend,
 ) -> None:
-    dedup = outbox_backend.dedup(**_ALONE)
+    dedup = outbox_backend.dedup(**_alone(outbox_backend))
     url = outbox_backend.dedup_url.split("?")[0]
-    dispatcher = dispatchers.open(f"{url}?key_prefix=out{uuid.uuid4().hex[:8]}:", **_ALONE)
+    dispatcher = dispatchers.open(
+        f"{url}?key_prefix=out{uuid.uuid4().hex[:8]}:", **_alone(outbox_backend)
+    )
     try:
         assert _shared(dispatcher) is _shared(dedup)  # type: ignore[arg-type]
     finally:

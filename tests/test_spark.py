@@ -335,7 +335,11 @@ def _connections_of_a_task(specs: list[ClientSpec | None]) -> Any:
         with TaskClients(*specs) as clients:
             opened = clients.get()
             used = [c for c in (opened.entities, opened.dedup, opened.dispatcher) if c]
-            yield os.getpid(), len(used), len({id(c._conn.get()) for c in used})
+            yield (
+                os.getpid(),
+                len(used),
+                len({id(c._connection if c.connection_class else c._conn.get()) for c in used}),
+            )
 
     return task
 

@@ -373,7 +373,7 @@ class PostgresClient(Client):
                 self._conn.get()
             else:
                 self._conn.get()
-                with self._connection() as conn:
+                with self._pooled() as conn:
                     self._check_storage(conn)
 
     @classmethod
@@ -539,7 +539,7 @@ class PostgresClient(Client):
             pool.close(timeout=5.0)
 
     @contextlib.contextmanager
-    def _connection(
+    def _pooled(
         self, *, verify: bool = True, deadline: float | None = None
     ) -> Iterator[Connection]:
         """A live pooled connection (autocommit), returned to the pool on exit.
@@ -664,7 +664,7 @@ class PostgresClient(Client):
             nonlocal broke
             used: Connection | None = None
             try:
-                with self._connection(verify=not resend) as conn:
+                with self._pooled(verify=not resend) as conn:
                     used = conn
                     return self._execute(conn, query, params)
             except psycopg.OperationalError:
@@ -700,7 +700,7 @@ class PostgresClient(Client):
 
     def _health_warnings(self) -> list[str]:
         """The server settings and table persistence that put acknowledged writes at risk."""
-        with self._connection() as conn:
+        with self._pooled() as conn:
             settings = self._execute(
                 conn,
                 "SELECT name, reset_val FROM pg_settings "

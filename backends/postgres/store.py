@@ -225,7 +225,7 @@ class PostgresDeduplicationStore(PostgresClient, DeduplicationStore):
         params = {"endpoint": self._endpoint, "limit": _PURGE_BATCH}
         total = 0
         while True:
-            with self._connection() as conn:
+            with self._pooled() as conn:
                 deleted = int(self._execute(conn, self._sql_purge, params)[0][0])
             total += deleted
             if deleted < _PURGE_BATCH:

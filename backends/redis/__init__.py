@@ -1,8 +1,9 @@
 """``redis://`` and ``rediss://``: stores and a dispatcher on a Redis primary.
 
-* :mod:`backends.redis._client` -- :class:`RedisClient`, the connection layer the
-  stores and the dispatcher share: options, the connection pool, fork safety,
-  timeouts and retries, the one write script per object (``EVALSHA``, plus ``WAIT``
+* :mod:`backends.redis._client` -- :class:`RedisConnection`, the connection the
+  stores, the dispatcher and the broker of one server share in a process (each
+  holds it, none inherits from it): options, the connection pool, timeouts and
+  retries, the one write script per object (``EVALSHA``, plus ``WAIT``
   with ``wait_replicas``), error classification, health warnings (AOF,
   ``appendfsync``, eviction, asynchronous replicas), and the refusal of Redis
   Cluster and of replicas.
@@ -24,13 +25,13 @@ same connection options; see each module for the key layout, the token and the
 failure semantics.
 """
 
-from backends.redis._client import RedisClient
+from backends.redis._client import RedisConnection
 from backends.redis.dispatcher import RedisDispatcher, sent_key, stream_key
 from backends.redis.entities import RedisEntityStore, buckets_key, entity_key, pending_key
 from backends.redis.store import RedisDeduplicationStore, record_key
 
 __all__ = [
-    "RedisClient",
+    "RedisConnection",
     "RedisDeduplicationStore",
     "RedisDispatcher",
     "RedisEntityStore",

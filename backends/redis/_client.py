@@ -1,4 +1,4 @@
-"""The connection layer the Redis stores and dispatcher share: :class:`RedisClient`.
+"""The connection the Redis stores, dispatcher and broker share: :class:`RedisConnection`.
 
 Options (URL query or keywords), the same on every Redis object apart from the
 default ``key_prefix``: ``key_prefix`` (``''`` or ending with ``:``), ``timeout`` (5 s per
@@ -10,7 +10,7 @@ redis-py's default), ``wait_replicas`` (0) and ``wait_timeout_ms`` (1000, shorte
 ``redis.Redis``: its own settings apply; neither closed nor pickled).
 
 Every store runs ONE Lua script for its writes, loaded at open and run by
-``EVALSHA`` through :meth:`RedisClient._run_script`: on one pooled connection,
+``EVALSHA`` through :meth:`RedisConnection.run_script`: on one pooled connection,
 followed by ``WAIT`` when ``wait_replicas`` is set, so a store knows when an
 attempt whose answer was lost may have run (the entity store sends the script a
 "re-sent" flag then). Reads go through redis-py. redis-py retries nothing (its
@@ -25,7 +25,7 @@ Retries wait 0 to 0.05, 0.1, 0.2, ... s (at most 1 s) in between, within the
 deadline. A ``client`` given by the user keeps its own timeouts and retries:
 only the store's own retries stop at the deadline.
 
-Errors (:meth:`RedisClient._classify_error`): ``StoreUnavailable`` for connection
+Errors (:meth:`RedisConnection.classify_error`): ``StoreUnavailable`` for connection
 errors, timeouts, loading, failover to a replica (``READONLY``), out of memory,
 ``BUSY``/``MISCONF``/``NOREPLICAS`` and fewer replicas than ``wait_replicas``
 acknowledging; ``ConfigurationError`` for credentials, ACL permissions, a key under
@@ -42,12 +42,13 @@ import functools
 import hashlib
 import logging
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any, ClassVar
 
 import redis
 from redis.backoff import NoBackoff
-from redis.connection import Connection, ConnectionPool, SSLConnection
+from redis.connection import Connection as DriverConnection
+from redis.connection import ConnectionPool, SSLConnection
 from redis.exceptions import (
     AskError,
     AuthenticationError,
@@ -68,7 +69,7 @@ from redis.retry import Retry
 from redis.utils import SENTINEL
 
 from dedupstore.calls import capped, retry, time_left
-from dedupstore.client import Client, ErrorKind, ProcessLocal
+from dedupstore.client import Client, Connection, ErrorKind
 from dedupstore.errors import (
     ConfigurationError,
     ConsistencyError,
@@ -89,7 +90,13 @@ from dedupstore.options import (
 )
 from dedupstore.urls import StoreURL
 
-__all__ = ["CONNECTION_OPTIONS", "RedisClient", "escape", "key_prefix_option"]
+__all__ = [
+    "CONNECTION_OPTIONS",
+    "RedisConnection",
+    "escape",
+    "foreign_value_error",
+    "key_prefix_option",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -98,6 +105,8 @@ _log = logging.getLogger(__name__)
 _TRANSIENT_CODES = frozenset({"BUSY", "MISCONF", "NOREPLICAS"})
 #: The path of a Redis URL: none, ``/`` or a database number.
 _DB_PATH = re.compile(r"/?|/\d{1,5}")
+#: The commands every Redis client runs (a client's ``_commands`` names all of its own).
+_COMMANDS = "+ping +info +script|load +evalsha +wait"
 _PIPELINE_PREFIX = re.compile(r"^Command # \d+ \(.*?\) of pipeline caused error: ", re.S)
 
 
@@ -143,7 +152,7 @@ def text_of(value: bytes | str) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
-class _Bounded(Connection):
+class _Bounded(DriverConnection):
     """A redis-py connection whose every wait is capped by the call's deadline.
 
     Connecting, sending and each reply wait at most the configured timeouts, and
@@ -225,71 +234,57 @@ CONNECTION_OPTIONS: tuple[Option, ...] = (
 )
 
 
-class RedisClient(Client):
-    """A client of one standalone Redis primary: pool, script, errors, health checks.
+class RedisConnection(Connection):
+    """The ``redis.Redis`` of one standalone Redis primary, shared by its clients.
 
-    Subclasses set :attr:`_script_source` (their one write script; called with no
-    keys it must return at once, as a permission probe), :attr:`_commands` and
-    :attr:`_unconfirmed` (see below), declare ``key_prefix_option(...)`` plus
-    :data:`CONNECTION_OPTIONS`, and come first in the bases:
-    ``class RedisXStore(RedisClient, XStore)``.
+    Every Redis client (the stores, the dispatcher, the Streams broker) names it as
+    its ``connection_class`` and reaches it as ``self._redis``: reads through
+    :meth:`read` and :meth:`pipelined`, its one write script through
+    :meth:`run_script`. Each client declares ``key_prefix_option(...)`` plus
+    :data:`CONNECTION_OPTIONS`, checks the server once at open (:meth:`probe`) and
+    may set, read by the error texts: ``_commands`` (the commands it runs, named
+    when an ACL refuses one) and ``_unconfirmed`` (what a write the replicas did not
+    confirm means for its caller).
     """
 
-    schemes: ClassVar[tuple[str, ...]] = ("redis", "rediss")
-    connection_options: ClassVar[tuple[str, ...]] = (
+    shaped_by: ClassVar[tuple[str, ...]] = (
         "timeout",
         "connect_timeout",
+        "retries",
         "max_connections",
+        "wait_replicas",
+        "wait_timeout_ms",
         "username",
         "password",
         "ssl_ca_certs",
         "ssl_cert_reqs",
     )
-    #: The Lua source of the store's write script.
-    _script_source: ClassVar[str] = "return {}"
-    #: The commands the store runs, named when an ACL refuses one.
-    _commands: ClassVar[str] = "+ping +info +script|load +evalsha +wait"
-    #: What a write that replicas did not confirm means for the caller.
-    _unconfirmed: ClassVar[str] = "its outcome is on the primary but its durability is unknown"
 
-    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
-        """Resolve the options, connect to the Redis primary named by ``url`` and check it.
-
-        ``url`` is ``redis[s]://[[user]:password@]host[:port][/db]``; its query holds
-        the options. Raises ``ConfigurationError`` for bad options, a wrong password or
-        missing permissions, or a Redis Cluster; ``ConsistencyError`` when the server
-        is a replica; ``StoreUnavailable`` when it cannot be reached.
-        """
-        super().__init__(url, **options)
-        self._key_prefix: str = self._opts["key_prefix"]
-        self._wait_replicas: int = self._opts["wait_replicas"]
-        self._wait_timeout_ms: int = self._opts["wait_timeout_ms"]
-        self._script_sha = _sha1(self._script_source)
-        given: redis.Redis | None = self._opts["client"]
-        url = self._url
-        self._conn = (
-            ProcessLocal(lambda: given)
-            if given is not None
-            else self._shared_connection(
-                (
-                    url.scheme,
-                    url.host,
-                    url.port,
-                    url.path.strip("/") or "0",
-                    url.username,
-                    url.password,
-                ),
-                self._connect,
-                lambda client: client.connection_pool.disconnect(),
-            )
-        )
-        with self._opening():
-            self._probe()
+    def __init__(self, url: StoreURL, options: Options) -> None:
+        """A pool of our own on the server of ``url`` (or the given ``client``); no I/O."""
+        super().__init__(url, options)
+        given: redis.Redis | None = options["client"]
+        self._given = given is not None
+        self.client: redis.Redis = given if given is not None else self._connect()
+        self._attempts: int = options["retries"] + 1
+        self._wait_replicas: int = options["wait_replicas"]
+        self._wait_timeout_ms: int = options["wait_timeout_ms"]
 
     @classmethod
-    def _validate(cls, url: StoreURL, options: Options) -> None:
+    def address(cls, url: StoreURL) -> Hashable:
+        """The server, the database and the URL's credentials."""
+        return (
+            url.scheme,
+            url.host,
+            url.port,
+            url.path.strip("/") or "0",
+            url.username,
+            url.password,
+        )
+
+    @classmethod
+    def validate(cls, url: StoreURL, options: Options) -> None:
         """The URL's path (a database number), TLS options, ``wait_timeout_ms``, ``client``."""
-        super()._validate(url, options)
         if not _DB_PATH.fullmatch(url.path):
             raise ConfigurationError(
                 f"bad Redis URL {url.masked}: the path must be a database number such as /0"
@@ -315,7 +310,7 @@ class RedisClient(Client):
 
     def _connect(self) -> redis.Redis:
         """A client with its own pool (fork-safe: redis-py's pool resets in a child)."""
-        url = self._url
+        url = self.url
         kwargs: dict[str, Any] = {
             "host": url.host or "localhost",
             "port": url.port or 6379,
@@ -323,72 +318,74 @@ class RedisClient(Client):
             "username": url.username or None,
             "password": url.password or None,
         }
-        kwargs.update(self._opts.driver_kwargs())
+        kwargs.update(self.options.driver_kwargs())
         kwargs["connection_class"] = _BoundedSSL if url.scheme == "rediss" else _Bounded
         pool = ConnectionPool(
             **kwargs,
-            socket_timeout=self._opts["timeout"],
-            socket_connect_timeout=self._opts["connect_timeout"],
-            max_connections=self._opts["max_connections"],
-            retry=Retry(NoBackoff(), 0),  # retried by the store (_read, _run_script)
+            socket_timeout=self.options["timeout"],
+            socket_connect_timeout=self.options["connect_timeout"],
+            max_connections=self.options["max_connections"],
+            retry=Retry(NoBackoff(), 0),  # retried here (read, run_script)
         )
         return redis.Redis(connection_pool=pool)
 
-    def _deadline_seconds(self) -> float:
+    @classmethod
+    def deadline_seconds(cls, options: Options) -> float:
         """``connect_timeout + (retries + 1) x timeout``: see the module."""
-        opts = self._opts
-        return float(opts["connect_timeout"] + (opts["retries"] + 1) * opts["timeout"])
+        return float(options["connect_timeout"] + (options["retries"] + 1) * options["timeout"])
 
-    def _read(self, fn: Callable[[], Any]) -> Any:
+    def read(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` (redis-py reads), retried after a connection error or timeout."""
-        return retry(fn, attempts=self._opts["retries"] + 1, retry_on=_transient)
+        return retry(fn, attempts=self._attempts, retry_on=_transient)
 
-    def _pipelined(self, build: Callable[[Any], object], **execute: Any) -> list[Any]:
+    def pipelined(self, build: Callable[[Any], object], **execute: Any) -> list[Any]:
         """The replies of the commands ``build(pipe)`` queues, in one round trip (a read)."""
 
         def attempt() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
+            pipe = self.client.pipeline(transaction=False)
             build(pipe)
             return pipe.execute(**execute)
 
-        replies: list[Any] = self._read(attempt)
+        replies: list[Any] = self.read(attempt)
         return replies
 
-    def _probe(self) -> None:
-        """``PING``; check the server is a primary, not a cluster, and runs our script."""
+    def probe(self, client: Client, script: str) -> None:
+        """``PING``; check the server is a primary, not a cluster, and runs ``script``
+        (the write script of ``client``, loaded now; ``""``: none)."""
 
         def build(pipe: Any) -> None:
             pipe.ping()
-            pipe.script_load(self._script_source)
+            if script:
+                pipe.script_load(script)
             pipe.info("replication")
             pipe.info("cluster")
 
-        _, _, replication, cluster = self._pipelined(build)
+        *_, replication, cluster = self.pipelined(build)
         if isinstance(cluster, Mapping) and str(cluster.get("cluster_enabled", "0")) == "1":
             raise ConfigurationError(
-                f"{self.url} is a Redis Cluster node; {type(self).__name__} needs a standalone "
-                "primary (Redis Cluster is not supported yet)"
+                f"{client.url} is a Redis Cluster node; {type(client).__name__} needs a "
+                "standalone primary (Redis Cluster is not supported yet)"
             )
         if isinstance(replication, Mapping) and replication.get("role") not in (None, "master"):
             raise ConsistencyError(
-                f"{self.url} is a read-only replica (role {replication.get('role')!r}): its reads "
-                "can be stale; point the store at the primary"
+                f"{client.url} is a read-only replica (role {replication.get('role')!r}): its "
+                "reads can be stale; point the store at the primary"
             )
-        # refused now if the ACL forbids EVALSHA
-        self._read(lambda: self._client.evalsha(self._script_sha, 0))
+        if script:  # refused now if the ACL forbids EVALSHA
+            self.read(lambda: self.client.evalsha(_sha1(script), 0))
 
     # ------------------------------------------------------------------ the write script
 
-    def _run_script(
+    def run_script(
         self,
+        client: Client,
+        source: str,
         keys: list[str],
         args: list[str],
         resent_args: list[str] | None = None,
-        source: str | None = None,
     ) -> Any:
-        """Run the write script (then ``WAIT`` when configured); return its answer.
-
-        ``source``: another script than the store's own (loaded on first use).
+        """Run the write script ``source`` of ``client`` (then ``WAIT`` when
+        configured); return its answer.
 
         Each attempt takes one pooled connection and sends ``EVALSHA`` (plus ``WAIT``);
         a connection error or timeout after the request was sent means the script
@@ -399,10 +396,7 @@ class RedisClient(Client):
         Raises the redis-py error of the last attempt, or ``StoreUnavailable`` when
         fewer than ``wait_replicas`` replicas confirmed the write in time.
         """
-        if source is None:
-            source, sha = self._script_source, self._script_sha
-        else:
-            sha = _sha1(source)
+        sha = _sha1(source)
         commands: list[tuple[Any, ...]] = [("EVALSHA", sha, len(keys), *keys, *args)]
         if self._wait_replicas:
             commands.append(("WAIT", self._wait_replicas, self._wait_timeout_ms))
@@ -414,28 +408,27 @@ class RedisClient(Client):
             try:
                 return self._send(commands, sent)
             except NoScriptError:  # the script did not run: load it, send again at once
-                self._client.script_load(source)
+                self.client.script_load(source)
                 return self._send(commands, sent)
 
         def log(state: Any) -> None:
             _log.info(
                 "%s: the write script failed (%s); retry %d of %d",
-                self.url,
-                self._describe_error(state.outcome.exception()),
+                client.url,
+                client._describe_error(state.outcome.exception()),
                 state.attempt_number,
-                self._opts["retries"],
+                self._attempts - 1,
             )
 
-        replies = retry(
-            attempt, attempts=self._opts["retries"] + 1, retry_on=_transient, before_sleep=log
-        )
+        replies = retry(attempt, attempts=self._attempts, retry_on=_transient, before_sleep=log)
         if self._wait_replicas and int(replies[1]) < self._wait_replicas:
-            raise self._error(
+            unconfirmed = getattr(client, "_unconfirmed", "its durability is unknown")
+            raise client._error(
                 StoreUnavailable,
                 None,
                 f"only {replies[1]} of "
                 f"{self._wait_replicas} replicas acknowledged the write within "
-                f"{self._wait_timeout_ms} ms; {self._unconfirmed}",
+                f"{self._wait_timeout_ms} ms; {unconfirmed}",
             )
         return replies[0]
 
@@ -446,7 +439,7 @@ class RedisClient(Client):
         or timed-out connection is closed, never reused; error replies are raised
         after all replies are read (the connection stays in step).
         """
-        pool = self._client.connection_pool
+        pool = self.client.connection_pool
         conn: Any = pool.get_connection()  # redis-py leaves these methods untyped
         try:
             packet = conn.pack_commands(commands)
@@ -470,7 +463,8 @@ class RedisClient(Client):
 
     # ------------------------------------------------------------------ errors
 
-    def _classify_error(self, exc: BaseException) -> ErrorKind:
+    @classmethod
+    def classify_error(cls, client: Client, exc: BaseException) -> ErrorKind:
         """Classify a redis-py error.
 
         Credentials, ACL, foreign keys and cluster redirects: ``ConfigurationError``;
@@ -478,27 +472,29 @@ class RedisClient(Client):
         redis-py error: ``StoreUnavailable``; an error reply not known to be
         transient: ``ConfigurationError``.
         """
-        name, detail = type(self).__name__, self._describe_error(exc)
+        name, detail = type(client).__name__, client._describe_error(exc)
         if isinstance(
             exc, AuthenticationError | AuthorizationError | AuthenticationWrongNumberOfArgsError
         ):
             return ConfigurationError(
-                f"{name} cannot log in to {self.url} (wrong or missing username/password): {detail}"
+                f"{name} cannot log in to {client.url} (wrong or missing username/password): "
+                f"{detail}"
             )
         # inside a script an ACL refusal is a plain error reply, not NOPERM
         if isinstance(exc, NoPermissionError) or "user executing the script can't run" in str(exc):
-            return self._error(
+            commands = getattr(client, "_commands", _COMMANDS)
+            return client._error(
                 ConfigurationError,
                 None,
-                f"the Redis user may not run a command the store needs "
-                f"(grant {self._commands}): {detail}",
+                f"the Redis user may not run a command the store needs (grant {commands}): "
+                f"{detail}",
             )
         if isinstance(exc, RedisConnectionError | RedisTimeoutError | ReadOnlyError):
             return StoreUnavailable  # also BusyLoadingError, MaxConnectionsError
         if isinstance(exc, TryAgainError | ClusterDownError):
             return StoreUnavailable  # also MasterDownError
         if isinstance(exc, OutOfMemoryError):
-            return self._error(
+            return client._error(
                 StoreUnavailable,
                 None,
                 f"Redis is out of memory and refuses writes ({detail}); "
@@ -509,9 +505,9 @@ class RedisClient(Client):
             reply = _PIPELINE_PREFIX.sub("", str(exc), count=1)
             code = reply.split(" ", 1)[0]
             if code in ("DEDUPSTORE", "WRONGTYPE"):
-                return self._foreign_value_error(detail)
+                return foreign_value_error(client, detail)
             if isinstance(exc, AskError | ClusterCrossSlotError):  # also MovedError
-                return self._error(
+                return client._error(
                     ConfigurationError,
                     None,
                     f"the server redirects to a Redis Cluster node; Redis "
@@ -522,20 +518,11 @@ class RedisClient(Client):
             return ConfigurationError
         if type(exc).__module__.split(".", 1)[0] == "redis":
             return StoreUnavailable
-        return super()._classify_error(exc)
-
-    def _foreign_value_error(self, detail: str = "") -> ConfigurationError:
-        return self._error(
-            ConfigurationError,
-            None,
-            f"a key under the prefix {self._key_prefix!r} "
-            "holds a value dedupstore did not write; the key_prefix must be reserved for "
-            f"this store{f' ({detail})' if detail else ''}",
-        )
+        return None
 
     # ------------------------------------------------------------------ health
 
-    def _health_warnings(self) -> list[str]:
+    def health_warnings(self, client: Client) -> list[str]:
         """Warn about settings that can lose acknowledged writes."""
         warnings: list[str] = []
         config: dict[str, str] = {}
@@ -546,7 +533,7 @@ class RedisClient(Client):
             pipe.info("persistence")
             pipe.info("replication")
 
-        *answers, persistence, replication = self._pipelined(build, raise_on_error=False)
+        *answers, persistence, replication = self.pipelined(build, raise_on_error=False)
         for answer in answers:
             if isinstance(answer, Exception):
                 if isinstance(answer, ResponseError):
@@ -592,10 +579,18 @@ class RedisClient(Client):
             )
         return warnings
 
-    @property
-    def _client(self) -> redis.Redis:
-        """This process's ``redis.Redis``, shared with every client of the same server."""
-        return self._conn.get()
+    def close(self) -> None:
+        """Disconnect the pool (not a given ``client``'s)."""
+        if not self._given:
+            self.client.connection_pool.disconnect()
 
-    def _close(self) -> None:
-        self._conn.close()
+
+def foreign_value_error(client: Client, detail: str = "") -> ConfigurationError:
+    """The error for a key under ``client``'s ``key_prefix`` that dedupstore did not write."""
+    return client._error(
+        ConfigurationError,
+        None,
+        f"a key under the prefix {client.option('key_prefix')!r} "
+        "holds a value dedupstore did not write; the key_prefix must be reserved for "
+        f"this store{f' ({detail})' if detail else ''}",
+    )

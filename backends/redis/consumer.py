@@ -57,8 +57,9 @@ from typing import Any, ClassVar
 
 from redis.exceptions import ResponseError
 
-from backends.redis._client import CONNECTION_OPTIONS, RedisClient, key_prefix_option, text_of
+from backends.redis._client import CONNECTION_OPTIONS, RedisConnection, key_prefix_option, text_of
 from backends.redis.dispatcher import stream_key
+from dedupstore.client import Client, Connected
 from dedupstore.consumers import Broker, Delivery
 from dedupstore.errors import ConfigurationError
 from dedupstore.options import Option, Options, OptionSet, boolean, optional, seconds, text
@@ -79,7 +80,7 @@ def _default_consumer() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-class RedisStreamsBroker(RedisClient, Broker):
+class RedisStreamsBroker(Client, Broker):
     """A Redis stream read through a consumer group: XREADGROUP, XACK, XAUTOCLAIM.
 
     See the module for the options. Raises ``ConfigurationError`` for bad options
@@ -88,7 +89,7 @@ class RedisStreamsBroker(RedisClient, Broker):
     """
 
     kind: ClassVar[str] = "redis_streams"
-    declared_options: ClassVar[OptionSet] = RedisClient.declared_options.extend(
+    declared_options: ClassVar[OptionSet] = Client.declared_options.extend(
         key_prefix_option("dedupout:"),
         Option("destination", optional(text()), None, "the dispatcher destination to read"),
         Option("stream", optional(text()), None, "the stream key to read (instead of destination)"),
@@ -106,16 +107,17 @@ class RedisStreamsBroker(RedisClient, Broker):
         ),
         *CONNECTION_OPTIONS,
     )
+    connection_class = RedisConnection
+    _redis = Connected[RedisConnection]()
     _commands: ClassVar[str] = (
-        "+ping +info +script|load +evalsha +xgroup|create +xreadgroup +xack +xautoclaim "
-        "+xclaim +xpending +xinfo|groups"
+        "+ping +info +xgroup|create +xreadgroup +xack +xautoclaim +xclaim +xpending +xinfo|groups"
     )
 
     def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
         """Connect, check the server, create the group if asked; see the class."""
         super().__init__(url, **options)
         opts = self._opts
-        self.stream: str = opts["stream"] or stream_key(self._key_prefix, opts["destination"])
+        self.stream: str = opts["stream"] or stream_key(opts["key_prefix"], opts["destination"])
         self.group: str = opts["group"]
         self.consumer: str = opts["consumer"] or _default_consumer()
         self._lease_ms = round(opts["lease"] * 1000)
@@ -126,6 +128,7 @@ class RedisStreamsBroker(RedisClient, Broker):
         self._cursor = "0-0"
         self._next_scan = float("-inf")
         with self._opening():
+            self._redis.probe(self, "")
             self._ensure_group()
 
     @classmethod
@@ -143,7 +146,7 @@ class RedisStreamsBroker(RedisClient, Broker):
     def _ensure_group(self) -> None:
         """The consumer group exists (created with ``create``); see the class."""
         try:
-            groups = self._read(lambda: self._client.xinfo_groups(self.stream))
+            groups = self._redis.read(lambda: self._redis.client.xinfo_groups(self.stream))
         except ResponseError as exc:
             if "no such key" not in str(exc).lower():
                 raise
@@ -156,8 +159,8 @@ class RedisStreamsBroker(RedisClient, Broker):
                 "create it (XGROUP CREATE) or open with create=true",
             )
         try:
-            self._read(
-                lambda: self._client.xgroup_create(
+            self._redis.read(
+                lambda: self._redis.client.xgroup_create(
                     self.stream, self.group, id=self._opts["start"], mkstream=True
                 )
             )
@@ -174,16 +177,18 @@ class RedisStreamsBroker(RedisClient, Broker):
             if self._nacked:
                 ids: list[Any] = self._nacked[:max_count]
                 self._nacked = self._nacked[max_count:]
-                claimed = self._read(
-                    lambda: self._client.xclaim(self.stream, self.group, self.consumer, 0, ids)
+                claimed = self._redis.read(
+                    lambda: self._redis.client.xclaim(
+                        self.stream, self.group, self.consumer, 0, ids
+                    )
                 )
                 deliveries = self._deliveries(claimed)
                 if deliveries:
                     return deliveries
             block = min(wait, self._block_cap)
             block_ms = round(block * 1000) or None
-            reply = self._read(
-                lambda: self._client.xreadgroup(
+            reply = self._redis.read(
+                lambda: self._redis.client.xreadgroup(
                     self.group, self.consumer, {self.stream: ">"}, count=max_count, block=block_ms
                 )
             )
@@ -196,7 +201,7 @@ class RedisStreamsBroker(RedisClient, Broker):
         if deliveries:
             ids = [d.token for d in deliveries]
             with self._translating_errors("ack"):
-                self._read(lambda: self._client.xack(self.stream, self.group, *ids))
+                self._redis.read(lambda: self._redis.client.xack(self.stream, self.group, *ids))
 
     def nack(self, deliveries: Sequence[Delivery]) -> None:
         """Claimed back (``XCLAIM``, counted) at the next fetch; if this process dies
@@ -213,8 +218,8 @@ class RedisStreamsBroker(RedisClient, Broker):
         if time.monotonic() < self._next_scan:
             return []
         with self._translating_errors("reclaim"):
-            reply = self._read(
-                lambda: self._client.xautoclaim(
+            reply = self._redis.read(
+                lambda: self._redis.client.xautoclaim(
                     self.stream,
                     self.group,
                     self.consumer,
@@ -233,7 +238,7 @@ class RedisStreamsBroker(RedisClient, Broker):
         """Entries pending in the group plus those not delivered yet (its lag)."""
         self._check_open()
         with self._translating_errors("pending"):
-            groups = self._read(lambda: self._client.xinfo_groups(self.stream))
+            groups = self._redis.read(lambda: self._redis.client.xinfo_groups(self.stream))
         for group in groups:
             if text_of(group["name"]) == self.group:
                 lag = group.get("lag")
@@ -253,7 +258,7 @@ class RedisStreamsBroker(RedisClient, Broker):
             for entry_id, _ in live:
                 pipe.xpending_range(self.stream, self.group, entry_id, entry_id, 1)
 
-        counts = self._pipelined(build)
+        counts = self._redis.pipelined(build)
         out = []
         for (entry_id, fields), info in zip(live, counts, strict=True):
             count = int(info[0]["times_delivered"]) if info else None

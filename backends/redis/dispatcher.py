@@ -19,7 +19,7 @@ without ``SET``, a message ends up appended without its marker, a later duplicat
 rather than marked and never appended): within the window a re-dispatch of an id
 appends nothing. ``maxlen`` trims each stream approximately (``XADD ... MAXLEN ~ n``).
 
-Lost answers: the script is retried by :class:`~backends.redis._client.RedisClient`
+Lost answers: the script is retried by :class:`~backends.redis._client.RedisConnection`
 (``retries``, backoff). With the window a retry is harmless: an attempt that ran
 left its markers, so the retry appends nothing twice. Without it
 (``dedupe_window=0``) a retry of an attempt that may have run is refused by the
@@ -42,10 +42,11 @@ from typing import Any, ClassVar
 
 from backends.redis._client import (
     CONNECTION_OPTIONS,
-    RedisClient,
+    RedisConnection,
     escape,
     key_prefix_option,
 )
+from dedupstore.client import Connected
 from dedupstore.dispatch import EncodedMessage, URLDispatcher
 from dedupstore.errors import StoreUnavailable
 from dedupstore.options import Option, OptionSet, integer, optional, seconds
@@ -118,7 +119,7 @@ def sent_key(key_prefix: str, message_id: str) -> str:
     return f"{key_prefix}sent:{escape(message_id)}"
 
 
-class RedisDispatcher(RedisClient, URLDispatcher):
+class RedisDispatcher(URLDispatcher):
     """Outgoing messages as Redis Streams entries, one stream per destination.
 
     One script call per dispatch; a re-dispatch within ``dedupe_window`` appends
@@ -145,7 +146,8 @@ class RedisDispatcher(RedisClient, URLDispatcher):
         Option("maxlen", optional(integer(1)), None, "trim each stream to about this length"),
         *CONNECTION_OPTIONS,
     )
-    _script_source: ClassVar[str] = _DISPATCH_SCRIPT
+    connection_class = RedisConnection
+    _redis = Connected[RedisConnection]()
     _commands: ClassVar[str] = (
         "+ping +info +script|load +evalsha +wait, and in the script +type +exists +xadd +set"
     )
@@ -164,10 +166,13 @@ class RedisDispatcher(RedisClient, URLDispatcher):
         ``StoreUnavailable`` when it cannot be reached.
         """
         super().__init__(url, **options)
+        self._key_prefix: str = self._opts["key_prefix"]
         window: float | None = self._opts["dedupe_window"]
         self._window_ms = "" if window is None else str(max(1, round(window * 1000)))
         maxlen: int | None = self._opts["maxlen"]
         self._maxlen = "" if maxlen is None else str(maxlen)
+        with self._opening():
+            self._redis.probe(self, _DISPATCH_SCRIPT)
 
     def stream_key(self, destination: str) -> str:
         """The Redis key of ``destination``'s stream (what receivers ``XREADGROUP``)."""
@@ -180,7 +185,9 @@ class RedisDispatcher(RedisClient, URLDispatcher):
         for m in batch:
             entries += [m.id, m.body, m.headers]
         head = [self._window_ms, self._maxlen]
-        reply = self._run_script(keys, [*head, "0", *entries], [*head, "1", *entries])
+        reply = self._redis.run_script(
+            self, _DISPATCH_SCRIPT, keys, [*head, "0", *entries], [*head, "1", *entries]
+        )
         if reply and int(reply[0]) == -1:
             raise self._error(
                 StoreUnavailable,

@@ -59,11 +59,13 @@ from typing import Any, ClassVar
 
 from backends.redis._client import (
     CONNECTION_OPTIONS,
-    RedisClient,
+    RedisConnection,
     escape,
+    foreign_value_error,
     key_prefix_option,
 )
-from backends.redis.store import RedisDeduplicationStore
+from backends.redis.store import ADD_SCRIPT, RedisDeduplicationStore
+from dedupstore.client import Connected
 from dedupstore.entities import EntityRecord, EntityStore, groups_by_size
 from dedupstore.errors import StoreUnavailable
 from dedupstore.options import OptionSet
@@ -143,19 +145,15 @@ return result
 """
 
 
-@functools.cache
-def _joint_script(add_source: str) -> str:
-    """One script running the deduplication store's write script, then the save script.
-
-    KEYS: the add's keys, then the save's; ARGV: the number of the add's keys and of
-    its arguments, its arguments, then the save's. An error of the add returns before
-    the save runs; the answer is ``{add's answer, save's answer}``. Redis runs it
-    atomically: the record and the entity are written together or, on an error reply
-    of the save (a foreign key), the record alone, as the two calls in turn would.
-    """
-    return f"""
+#: One script running the deduplication store's write script, then the save script.
+#: KEYS: the add's keys, then the save's; ARGV: the number of the add's keys and of
+#: its arguments, its arguments, then the save's. An error of the add returns before
+#: the save runs; the answer is ``{add's answer, save's answer}``. Redis runs it
+#: atomically: the record and the entity are written together or, on an error reply
+#: of the save (a foreign key), the record alone, as the two calls in turn would.
+_JOINT_SCRIPT = f"""
 local function add(KEYS, ARGV)
-{add_source}
+{ADD_SCRIPT}
 end
 local function save(KEYS, ARGV)
 {_SAVE_SCRIPT}
@@ -213,7 +211,7 @@ def _body(value: bytes | str) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else value
 
 
-class RedisEntityStore(RedisClient, EntityStore):
+class RedisEntityStore(EntityStore):
     """Entities on a Redis primary, one hash each; safe across threads and processes.
 
     Token: the version field, compared and written by one Lua script per chunk.
@@ -233,7 +231,8 @@ class RedisEntityStore(RedisClient, EntityStore):
     declared_options: ClassVar[OptionSet] = EntityStore.declared_options.extend(
         key_prefix_option("dedupent:"), *CONNECTION_OPTIONS
     )
-    _script_source: ClassVar[str] = _SAVE_SCRIPT
+    connection_class = RedisConnection
+    _redis = Connected[RedisConnection]()
     _joins = RedisDeduplicationStore
     _commands: ClassVar[str] = (
         "+ping +info +script|load +evalsha +wait +hmget +sscan +smembers, and in the script "
@@ -254,6 +253,9 @@ class RedisEntityStore(RedisClient, EntityStore):
         server is a replica; ``StoreUnavailable`` when it cannot be reached.
         """
         super().__init__(url, **options)
+        self._key_prefix: str = self._opts["key_prefix"]
+        with self._opening():
+            self._redis.probe(self, _SAVE_SCRIPT)
 
     def _key(self, entity_id: str) -> str:
         return entity_key(self._key_prefix, entity_id)
@@ -262,7 +264,7 @@ class RedisEntityStore(RedisClient, EntityStore):
 
     def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
         """One pipelined ``HMGET`` per id, in one round trip."""
-        replies = self._pipelined(
+        replies = self._redis.pipelined(
             lambda pipe: [pipe.hmget(self._key(eid), ["b", "v"]) for eid in ids]
         )
         found: dict[str, tuple[str, Any]] = {}
@@ -279,17 +281,10 @@ class RedisEntityStore(RedisClient, EntityStore):
             return None
         version = _version(stored)
         if body is None or version is None:
-            raise self._foreign_value_error(f"{self._key(entity_id)[:200]!r} is not an entity")
+            raise foreign_value_error(self, f"{self._key(entity_id)[:200]!r} is not an entity")
         return _body(body), version
 
     # ------------------------------------------------------------------ with a dedup store
-
-    def _joined(self, dedup: DeduplicationStore) -> bool:
-        """Also: writes that retry and wait for replicas alike (one script does both)."""
-        return super()._joined(dedup) and all(
-            self._opts[name] == dedup._opts[name]
-            for name in ("retries", "wait_replicas", "wait_timeout_ms")
-        )
 
     def _load_with(
         self, dedup: DeduplicationStore, entity_id: str, key: str
@@ -302,7 +297,7 @@ class RedisEntityStore(RedisClient, EntityStore):
             pipe.hmget(self._key(entity_id), ["b", "v"])
             pipe.get(record_key)
 
-        entity, record = self._pipelined(build)
+        entity, record = self._redis.pipelined(build)
         return self._loaded(entity_id, entity), dedup._recorded(record)
 
     def _save_with(
@@ -313,8 +308,8 @@ class RedisEntityStore(RedisClient, EntityStore):
         add_keys, add_args = dedup._add_call(request)
         keys, args, resent = self._save_call([record], secrets.token_hex(16))
         head = [str(len(add_keys)), str(len(add_args)), *add_args]
-        added, saved = self._run_script(
-            add_keys + keys, head + args, head + resent, _joint_script(dedup._script_source)
+        added, saved = self._redis.run_script(
+            self, _JOINT_SCRIPT, add_keys + keys, head + args, head + resent
         )
         return dedup._added(request, added), self._saved([record], saved)
 
@@ -328,7 +323,7 @@ class RedisEntityStore(RedisClient, EntityStore):
 
     def _save_group(self, records: list[EntityRecord], token: str) -> dict[str, int]:
         keys, args, resent = self._save_call(records, token)
-        return self._saved(records, self._run_script(keys, args, resent))
+        return self._saved(records, self._redis.run_script(self, _SAVE_SCRIPT, keys, args, resent))
 
     def _save_call(
         self, records: list[EntityRecord], token: str
@@ -369,19 +364,21 @@ class RedisEntityStore(RedisClient, EntityStore):
 
     def _pending_ids(self, segment: int, segments: int) -> Iterator[list[str]]:
         """Lists of ids from the pending sets of the segment's buckets, each id once."""
-        members = self._read(lambda: self._client.smembers(buckets_key(self._key_prefix)))
+        members = self._redis.read(
+            lambda: self._redis.client.smembers(buckets_key(self._key_prefix))
+        )
         buckets = sorted(b for b in (int(_body(m)) for m in members) if b % segments == segment)
         for start in range(0, len(buckets), _BUCKETS_PER_ROUND):
             group = buckets[start : start + _BUCKETS_PER_ROUND]
-            replies = self._pipelined(functools.partial(self._sscan_first, group))
+            replies = self._redis.pipelined(functools.partial(self._sscan_first, group))
             for bucket, (cursor, members) in zip(group, replies, strict=True):
                 seen = {_body(m) for m in members}
                 if seen:
                     yield list(seen)
                 while int(cursor):
-                    cursor, more = self._read(
+                    cursor, more = self._redis.read(
                         functools.partial(
-                            self._client.sscan,
+                            self._redis.client.sscan,
                             pending_key(self._key_prefix, bucket),
                             cursor,
                             count=_SSCAN_COUNT,
@@ -401,7 +398,7 @@ class RedisEntityStore(RedisClient, EntityStore):
             for eid in ids:
                 pipe.hmget(self._key(eid), ["b", "v", "p"])
 
-        replies = self._pipelined(build)
+        replies = self._redis.pipelined(build)
         for eid, (body, stored, pending) in zip(ids, replies, strict=True):
             version = _version(stored)
             if body is not None and version is not None and pending in (b"1", "1"):

@@ -40,15 +40,17 @@ from typing import Any, ClassVar
 
 from backends.redis._client import (
     CONNECTION_OPTIONS,
-    RedisClient,
+    RedisConnection,
     escape,
+    foreign_value_error,
     key_prefix_option,
 )
+from dedupstore.client import Connected
 from dedupstore.options import OptionSet
 from dedupstore.store import DeduplicationStore, WriteRequest
 from dedupstore.urls import StoreURL
 
-__all__ = ["RedisDeduplicationStore", "record_key"]
+__all__ = ["ADD_SCRIPT", "RedisDeduplicationStore", "record_key"]
 
 #: Every record value starts with this tag; anything else was not written by us.
 _TAG = "dsv1:"
@@ -58,7 +60,7 @@ _TAG_BYTES = _TAG.encode()
 # ARGV[3..]: the values that mean "written by this call" (its tokens, tagged).
 # Decides every key before writing any, so an error leaves nothing half-written.
 # Returns the (1-based) indexes of the keys it recorded. No keys: a permission probe.
-_ADD_SCRIPT = """
+ADD_SCRIPT = """
 if #KEYS == 0 then return {} end
 local mine = {}
 for i = 3, #ARGV do mine[ARGV[i]] = true end
@@ -125,7 +127,7 @@ def _is_record(value: object) -> bool:
     return str(value).startswith(_TAG)
 
 
-class RedisDeduplicationStore(RedisClient, DeduplicationStore):
+class RedisDeduplicationStore(DeduplicationStore):
     """Deduplication store on a Redis primary; safe across threads and processes.
 
     Needs a standalone Redis primary (not Cluster, not a replica); durable only with
@@ -144,7 +146,8 @@ class RedisDeduplicationStore(RedisClient, DeduplicationStore):
     declared_options: ClassVar[OptionSet] = DeduplicationStore.declared_options.extend(
         key_prefix_option("dedup:"), *CONNECTION_OPTIONS
     )
-    _script_source: ClassVar[str] = _ADD_SCRIPT
+    connection_class = RedisConnection
+    _redis = Connected[RedisConnection]()
     _commands: ClassVar[str] = (
         "+ping +info +script|load +evalsha +get +mget +wait +scan (count), and in the script "
         "+exists +type +set +mset"
@@ -163,17 +166,20 @@ class RedisDeduplicationStore(RedisClient, DeduplicationStore):
         when the server is a replica; ``StoreUnavailable`` when it cannot be reached.
         """
         super().__init__(url, **options)
-        self._key_base = f"{self._key_prefix}{escape(self._endpoint)}:"
+        self._key_base = f"{self._opts['key_prefix']}{escape(self._endpoint)}:"
         # PX = the retention in whole ms, rounded up (at least 1).
         self._px = (
             "" if self._retention is None else str(-(-self._retention // timedelta(milliseconds=1)))
         )
+        with self._opening():
+            self._redis.probe(self, ADD_SCRIPT)
 
     # ------------------------------------------------------------------ primitives
 
     def _add_new(self, request: WriteRequest) -> set[str]:
         """One script run (plus ``WAIT`` when configured) for the whole chunk."""
-        return self._added(request, self._run_script(*self._add_call(request)))
+        keys, args = self._add_call(request)
+        return self._added(request, self._redis.run_script(self, ADD_SCRIPT, keys, args))
 
     def _add_call(self, request: WriteRequest) -> tuple[list[str], list[str]]:
         """The keys and arguments of the write script for ``request``."""
@@ -189,17 +195,19 @@ class RedisDeduplicationStore(RedisClient, DeduplicationStore):
     def _find(self, ids: list[str], now: float) -> set[str]:
         """One ``MGET``; Redis never returns an expired key."""
         keys = [self._key_base + escape(mid) for mid in ids]
-        values = self._read(lambda: self._client.mget(keys))
+        values = self._redis.read(lambda: self._redis.client.mget(keys))
         found: set[str] = set()
         for mid, value in zip(ids, values, strict=True):
             if value is not None:
                 if not _is_record(value):
-                    raise self._foreign_value_error()
+                    raise foreign_value_error(self)
                 found.add(mid)
         return found
 
     def _contains_one(self, message_id: str, now: float) -> bool:
-        return self._recorded(self._read(lambda: self._client.get(self._record_key(message_id))))
+        return self._recorded(
+            self._redis.read(lambda: self._redis.client.get(self._record_key(message_id)))
+        )
 
     def _record_key(self, message_id: str) -> str:
         return self._key_base + escape(message_id)
@@ -207,7 +215,7 @@ class RedisDeduplicationStore(RedisClient, DeduplicationStore):
     def _recorded(self, value: object) -> bool:
         """Whether ``GET``'s answer is a record (a foreign value: ``ConfigurationError``)."""
         if value is not None and not _is_record(value):
-            raise self._foreign_value_error()
+            raise foreign_value_error(self)
         return value is not None
 
     def _purge(self, now: float) -> int:
@@ -229,18 +237,18 @@ class RedisDeduplicationStore(RedisClient, DeduplicationStore):
         seen: set[bytes | str] = set()
         total, cursor = 0, 0
         while True:
-            cursor, keys = self._read(
+            cursor, keys = self._redis.read(
                 functools.partial(
-                    self._client.scan, cursor=cursor, match=pattern, count=_SCAN_COUNT
+                    self._redis.client.scan, cursor=cursor, match=pattern, count=_SCAN_COUNT
                 )
             )
             fresh = [key for key in dict.fromkeys(keys) if key not in seen]
             if fresh:
                 seen.update(fresh)
-                for value in self._read(functools.partial(self._client.mget, fresh)):
+                for value in self._redis.read(functools.partial(self._redis.client.mget, fresh)):
                     if value is not None:
                         if not _is_record(value):
-                            raise self._foreign_value_error()
+                            raise foreign_value_error(self)
                         total += 1
             if not int(cursor):
                 return total
