@@ -251,10 +251,11 @@ class Connection(abc.ABC):
         """What clients must agree on to share a connection: the backend, the URL's
         server and credentials (:meth:`address`), the options of :attr:`shaped_by`;
         a given ``client`` by identity."""
+        shaped = tuple(options.get(name) for name in cls.shaped_by)
         given = options.get("client")
         if given is not None:
-            return (cls, "client", id(given))
-        return (cls, cls.address(url), tuple(options.get(name) for name in cls.shaped_by))
+            return (cls, "client", id(given), shaped)
+        return (cls, cls.address(url), shaped)
 
     @classmethod
     def address(cls, url: StoreURL) -> Hashable:

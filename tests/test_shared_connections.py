@@ -15,6 +15,7 @@ import uuid
 from typing import Any
 
 import pytest
+import redis
 
 from dedupstore import client as client_module
 from dedupstore.client import Client
@@ -165,3 +166,26 @@ def test_the_redis_dispatcher_shares_the_stores_connection(
     finally:
         dispatcher.close()  # type: ignore[attr-defined]
         dedup.close()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("outbox_backend", backend_params(("redis",)), indirect=True)
+def test_a_given_client_is_shared_only_where_the_connection_options_agree(
+    outbox_backend: OutboxBackend,
+) -> None:
+    """Clients given one ``redis.Redis`` share a connection only with the same retries
+    and replica waits: those shape the connection's own calls (its retries, its WAIT)."""
+    given = redis.Redis.from_url(outbox_backend.dedup_url.split("?")[0])
+    one = outbox_backend.dedup(client=given, retries=0)
+    two = outbox_backend.dedup(client=given, retries=0)
+    more = outbox_backend.dedup(client=given, retries=3)
+    try:
+        assert _shared(one) is _shared(two)
+        assert _shared(more) is not _shared(one)
+        assert (_shared(one)._attempts, _shared(more)._attempts) == (1, 4)
+        _works(outbox_backend, one, more)
+    finally:
+        for client in (one, two, more):
+            client.close()
+        assert given.ping(), "a given client is never closed"
+        given.close()
