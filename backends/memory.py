@@ -71,6 +71,9 @@ def namespace_name(url: StoreURL) -> str:
 class MemoryConnection(Connection):
     """``memory://<name>``: nothing to open or close (the data outlives its clients)."""
 
+    schemes: ClassVar[tuple[str, ...]] = ("memory",)
+    process_local: ClassVar[bool] = True
+
     @classmethod
     def validate(cls, url: StoreURL, options: Options) -> None:
         """The URL is ``memory://`` or ``memory://<name>``."""
@@ -83,8 +86,6 @@ class MemoryConnection(Connection):
 class MemoryDeduplicationStore(DeduplicationStore):
     """In-process deduplication store; records live as long as the process."""
 
-    schemes: ClassVar[tuple[str, ...]] = ("memory",)
-    process_local: ClassVar[bool] = True
     connection_class = MemoryConnection
 
     max_write_batch: ClassVar[int] = 10_000
@@ -145,8 +146,6 @@ class _Entities:
 class MemoryEntityStore(EntityStore):
     """In-process entity store (version: a counter per entity); shared per URL name."""
 
-    schemes: ClassVar[tuple[str, ...]] = ("memory",)
-    process_local: ClassVar[bool] = True
     connection_class = MemoryConnection
 
     max_load_batch: ClassVar[int] = 1000
@@ -207,8 +206,6 @@ class MemoryDispatcher(URLDispatcher):
     Thread-safe; no I/O, so it never raises ``StoreUnavailable``.
     """
 
-    schemes: ClassVar[tuple[str, ...]] = ("memory",)
-    process_local: ClassVar[bool] = True
     connection_class = MemoryConnection
     receiver_dedup: ClassVar[str] = (
         "by the message id: sent holds every delivery, distinct() the first of each id"

@@ -50,7 +50,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 import filelock
 
-from dedupstore.client import Client, Connected, Connection, ErrorKind
+from dedupstore.client import Client, Connected, Connection, ErrorKind, creates
 from dedupstore.dispatch import DispatchStats, EncodedMessage, StoredMessage, URLDispatcher
 from dedupstore.entities import EntityRecord, EntityStore, OutgoingMessage
 from dedupstore.errors import ConfigurationError, StoreUnavailable
@@ -149,6 +149,7 @@ class SqliteConnection(Connection):
     (``file:...?mode=rw``), and the table must exist ("no such store").
     """
 
+    schemes: ClassVar[tuple[str, ...]] = ("sqlite",)
     shaped_by: ClassVar[tuple[str, ...]] = ("timeout", "synchronous", "create", "must_exist")
 
     def __init__(self, url: StoreURL, options: Options) -> None:
@@ -156,7 +157,7 @@ class SqliteConnection(Connection):
         super().__init__(url, options)
         self.path = sqlite_path(url)
         self._timeout = float(options["timeout"])
-        self._creates = bool(options.get("create")) and not options.get("must_exist")
+        self._creates = creates(options)
         self._local = threading.local()
         self._all: weakref.WeakSet[sqlite3.Connection] = weakref.WeakSet()
         self._lock = threading.Lock()
@@ -342,7 +343,6 @@ class SqliteDeduplicationStore(DeduplicationStore):
     connection_class = SqliteConnection
     _sqlite = Connected[SqliteConnection]()
 
-    schemes: ClassVar[tuple[str, ...]] = ("sqlite",)
     max_write_batch: ClassVar[int] = 5000
     max_read_batch: ClassVar[int] = 5000
     declared_options: ClassVar[OptionSet] = DeduplicationStore.declared_options.extend(
@@ -454,7 +454,6 @@ class SqliteEntityStore(EntityStore):
     connection_class = SqliteConnection
     _sqlite = Connected[SqliteConnection]()
 
-    schemes: ClassVar[tuple[str, ...]] = ("sqlite",)
     max_load_batch: ClassVar[int] = 500
     max_save_batch: ClassVar[int] = 500
     #: Rows per page of the pending scan.
@@ -566,7 +565,6 @@ class SqliteDispatcher(URLDispatcher):
     connection_class = SqliteConnection
     _sqlite = Connected[SqliteConnection]()
 
-    schemes: ClassVar[tuple[str, ...]] = ("sqlite",)
     receiver_dedup: ClassVar[str] = (
         "by the table: one row per message id (PRIMARY KEY); re-dispatches only count "
         "deliveries, so a receiver reading rows sees each id once"

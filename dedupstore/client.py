@@ -47,6 +47,7 @@ __all__ = [
     "Connection",
     "ErrorKind",
     "ProcessLocal",
+    "creates",
 ]
 
 T = TypeVar("T")
@@ -215,6 +216,12 @@ class Closing:
         self.close()
 
 
+def creates(options: Options) -> bool:
+    """Whether opening with ``options`` may create what is missing: ``create``, unless
+    ``must_exist`` (:attr:`Client._creates`, for a :class:`Connection`)."""
+    return bool(options.get("create", False)) and not options.get("must_exist", False)
+
+
 class Connection(abc.ABC):
     """A backend's connection to one server in one process, shared by its clients.
 
@@ -235,6 +242,10 @@ class Connection(abc.ABC):
     #: The options, besides the URL's server and credentials, that shape the driver's
     #: connection: clients whose values agree share one.
     shaped_by: ClassVar[tuple[str, ...]] = ()
+    #: The backend's URL schemes, the first its name in metrics; its clients' default.
+    schemes: ClassVar[tuple[str, ...]] = ()
+    #: True when the data lives in this process only: its clients' default.
+    process_local: ClassVar[bool] = False
 
     def __init__(self, url: StoreURL, options: Options) -> None:
         """Open the connection (it may do I/O) from the first client's URL and options."""
@@ -319,6 +330,17 @@ class Client(Closing, abc.ABC):
     #: The backend's connection class: every client of one server holds one instance
     #: per process (:meth:`_connection`); ``None``: the client keeps no connection.
     connection_class: ClassVar[type[Connection] | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A class naming a ``connection_class`` takes its backend's :attr:`schemes` and
+        :attr:`process_local` from it, unless it sets its own."""
+        super().__init_subclass__(**kwargs)
+        kind = cls.__dict__.get("connection_class")
+        if kind is not None:
+            if "schemes" not in cls.__dict__:
+                cls.schemes = kind.schemes
+            if "process_local" not in cls.__dict__:
+                cls.process_local = kind.process_local
 
     def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
         """Parse ``url``, resolve and validate ``options``; ``ConfigurationError`` if bad.
@@ -478,7 +500,7 @@ class Client(Closing, abc.ABC):
         """A handle on the driver object this client shares with the other clients of
         its backend's ``address`` and :attr:`connection_options` (see :class:`ProcessLocal`)."""
         options = tuple((name, self._opts[name]) for name in self.connection_options)
-        family = type(self).__module__.rpartition(".")[0]
+        family = type(self).__module__.rpartition(".")[0] or type(self).__module__
         self._legacy_key = (family, address, options)
         return ProcessLocal(factory, close, key=self._legacy_key)
 
@@ -486,9 +508,9 @@ class Client(Closing, abc.ABC):
     def _creates(self) -> bool:
         """Whether opening may create what is missing: ``create``, unless ``must_exist``.
 
-        Backends test this, never the ``create`` option itself.
+        Backends test this (or :func:`creates`), never the ``create`` option itself.
         """
-        return bool(self._opts.get("create", False)) and not self._opts.get("must_exist", False)
+        return creates(self._opts)
 
     def _no_such_store(self, what: str, fix: str) -> ConfigurationError:
         """The error for a store that does not exist; ``what`` names it in the user's terms.

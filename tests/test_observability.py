@@ -36,6 +36,7 @@ from dedupstore.outbox import (
     SweepResult,
     sweep,
 )
+from dedupstore.registry import Registry, brokers, dispatchers, entity_stores, stores
 from tests.outbox_backends import OutboxBackend, backend_params
 from tests.servers import HOST, free_port
 
@@ -520,3 +521,23 @@ def test_a_consume_loop_counts_deliveries_and_reports_pending(
     assert counts == {"fetched": 3, "reclaimed": 0, "acked": 3, "nacked": 0, "set_aside": 1}
     pending = readings.changed(metrics.CONSUMER_PENDING)
     assert pending == {frozenset({"consumer": consumer, "broker": "list"}.items()): 1}
+
+
+def test_every_built_in_scheme_is_named_by_its_backend_in_metrics() -> None:
+    """Every class a scheme opens lists that scheme, and the metrics name the backend by
+    the first (``rediss`` counts as ``redis``, ``postgres`` as ``postgresql``); only the
+    in-process ``memory://`` classes say their data lives in one process."""
+    stored = ("memory", "sqlite", "postgresql", "postgres", "redis", "rediss", "dynamodb", "cosmos")
+    built_in: dict[Registry[Any], tuple[str, ...]] = {  # (other tests register schemes too)
+        stores: stored,
+        entity_stores: stored,
+        dispatchers: ("memory", "sqlite", "redis", "rediss", "amqp", "amqps"),
+        brokers: ("redis", "rediss", "amqp", "amqps", "kafka"),
+    }
+    for registry, schemes in built_in.items():
+        for scheme in schemes:
+            opened = registry.resolve(scheme)
+            assert scheme in opened.schemes, (registry.kind, scheme, opened)
+            assert opened.process_local == (scheme == "memory"), (registry.kind, scheme)
+    assert stores.resolve("rediss").schemes[0] == "redis"
+    assert entity_stores.resolve("postgres").schemes[0] == "postgresql"

@@ -1111,6 +1111,33 @@ def _breaking_answers(
     store._execute = execute  # type: ignore[attr-defined]
 
 
+def test_a_socket_closed_before_libpq_noticed_is_resent_too(
+    postgres_server: Server, fresh_table: str
+) -> None:
+    """psycopg's wait can raise "connection socket closed" (the poll saw the socket hang
+    up) while libpq still reports the connection OK, so it is not ``broken``: a
+    statement the store may re-send is re-sent all the same, and reports its own ids."""
+    store = open_store(postgres_server.url, table=fresh_table, create=True)
+    original = store._execute  # type: ignore[attr-defined]
+    lost = [False]
+
+    def execute(conn: Any, query: Any, params: Any = None, **kwargs: Any) -> Any:
+        rows = original(conn, query, params, **kwargs)
+        if query == store._sql_add_many and not lost[0]:  # type: ignore[attr-defined]
+            lost[0] = True
+            with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+                sock.shutdown(socket.SHUT_RDWR)  # dead, but libpq has not looked yet
+            assert not conn.broken
+            raise psycopg.OperationalError("connection socket closed")
+        return rows
+
+    store._execute = execute  # type: ignore[attr-defined]
+    ids = [f"id-{i}" for i in range(5)]
+    assert store.add_many(ids) == set(ids)  # ran, answer lost, re-sent: still ours
+    assert lost[0] and store.add_many(ids) == set()
+    store.close()
+
+
 def test_add_applied_then_connection_lost_is_reported_as_recorded(
     postgres_server: Server, fresh_table: str
 ) -> None:

@@ -662,14 +662,16 @@ class PostgresClient(Client):
 
         def attempt() -> list[tuple[Any, ...]]:
             nonlocal broke
-            used: Connection | None = None
-            try:
-                with self._pooled(verify=not resend) as conn:
-                    used = conn
+            broke = False  # a connection that never came (PoolTimeout) broke nothing
+            with self._pooled(verify=not resend) as conn:
+                try:
                     return self._execute(conn, query, params)
-            except psycopg.OperationalError:
-                broke = used is not None and used.broken
-                raise
+                except psycopg.OperationalError:
+                    # The connection failed under the statement: libpq saw it (broken),
+                    # or psycopg's wait saw the socket hang up before libpq did
+                    # ("connection socket closed", the connection still reported OK).
+                    broke = _server_closed(conn)
+                    raise
 
         def resendable(exc: BaseException) -> bool:
             return resend and broke and not isinstance(exc, StatementTimeout)

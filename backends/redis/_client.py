@@ -247,6 +247,7 @@ class RedisConnection(Connection):
     confirm means for its caller).
     """
 
+    schemes: ClassVar[tuple[str, ...]] = ("redis", "rediss")
     shaped_by: ClassVar[tuple[str, ...]] = (
         "timeout",
         "connect_timeout",
