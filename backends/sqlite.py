@@ -168,7 +168,7 @@ class SqliteConnection(Connection):
         return absolute_sqlite_url(url)
 
     @classmethod
-    def address(cls, url: StoreURL) -> Hashable:
+    def address(cls, url: StoreURL, options: Options) -> Hashable:
         """The database file (the URL's path is absolute: :meth:`portable_url`)."""
         return sqlite_path(url)
 

@@ -266,11 +266,11 @@ class Connection(abc.ABC):
         given = options.get("client")
         if given is not None:
             return (cls, "client", id(given), shaped)
-        return (cls, cls.address(url), shaped)
+        return (cls, cls.address(url, options), shaped)
 
     @classmethod
-    def address(cls, url: StoreURL) -> Hashable:
-        """The server and credentials of ``url`` (the whole URL by default)."""
+    def address(cls, url: StoreURL, options: Options) -> Hashable:
+        """The server and credentials ``url`` and ``options`` name (the whole URL by default)."""
         return url.text
 
     @classmethod

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from dedupstore.client import Client, ProcessLocal
 from dedupstore.entities import EntityStore
 from dedupstore.registry import entity_stores, stores
 from dedupstore.store import DeduplicationStore
@@ -138,3 +139,16 @@ def _drop_postgres(url: str, tables: list[str]) -> None:
     with psycopg.connect(url, autocommit=True) as conn:
         for table in tables:
             conn.execute(f'DROP TABLE IF EXISTS "{table}"')
+
+
+def own_connection(client: Client) -> Any:
+    """Give ``client`` a connection no other client shares, and return it: a test may
+    then patch the connection's methods without reaching any other client."""
+    kind = client.connection_class
+    assert kind is not None and client._connection_handle is not None
+    client._connection_handle.close()
+    url, opts = client._url, client._opts
+    client._connection_handle = ProcessLocal(
+        lambda: kind(url, opts), kind.close, key=("own", id(client))
+    )
+    return client._connection

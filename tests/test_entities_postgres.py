@@ -38,6 +38,7 @@ from dedupstore.testing.entities import (
     EntityStoreFactory,
     EntityStoreRestartContract,
 )
+from tests.outbox_backends import own_connection
 from tests.proxy import TcpProxy
 from tests.servers import PostgresServer, Server, _freeze_tree, free_port
 
@@ -115,7 +116,8 @@ class _Statements:
 
     def __init__(self, store: EntityStore, table: str) -> None:
         self.sent: list[bytes] = []
-        original = store._execute  # type: ignore[attr-defined]
+        connection = own_connection(store)
+        original = connection.execute
 
         def execute(conn: Any, query: Any, params: Any = None, **kwargs: Any) -> Any:
             text = query if isinstance(query, bytes) else str(query).encode()
@@ -123,7 +125,7 @@ class _Statements:
                 self.sent.append(text)
             return original(conn, query, params, **kwargs)
 
-        store._execute = execute  # type: ignore[attr-defined]
+        connection.execute = execute
 
     def count(self, statement: bytes) -> int:
         return sum(1 for sent in self.sent if sent == statement)
@@ -453,7 +455,8 @@ def _losing_answers(
     ``broken``: the connection really dies after the statement (psycopg marks it
     broken), as when the server or the network fails before the answer arrives.
     """
-    original = store._execute  # type: ignore[attr-defined]
+    connection = own_connection(store)
+    original = connection.execute
     count = 0
 
     def execute(conn: Any, query: Any, params: Any = None, **kwargs: Any) -> Any:
@@ -468,7 +471,7 @@ def _losing_answers(
                 raise psycopg.OperationalError("server closed the connection unexpectedly")
         return rows
 
-    store._execute = execute  # type: ignore[attr-defined]
+    connection.execute = execute
 
 
 @pytest.mark.parametrize("broken", [False, True], ids=["error", "broken-connection"])
@@ -515,7 +518,8 @@ def test_lost_answer_part_way_through_save_many(factory: EntityStoreFactory) -> 
 def test_a_read_is_retried_on_a_broken_connection(factory: EntityStoreFactory) -> None:
     store = factory()
     store.save(_new(store, "r", n=1))
-    original = store._execute  # type: ignore[attr-defined]
+    connection = own_connection(store)
+    original = connection.execute
     broken: list[bytes] = []
 
     def execute(conn: Any, query: Any, params: Any = None, **kwargs: Any) -> Any:
@@ -525,7 +529,7 @@ def test_a_read_is_retried_on_a_broken_connection(factory: EntityStoreFactory) -
             _shut_down(conn)  # the connection dies under the read
         return original(conn, query, params, **kwargs)
 
-    store._execute = execute  # type: ignore[attr-defined]
+    connection.execute = execute
     assert store.load("r").state == {"n": 1}
     assert [e.id for e in store.pending_outboxes()] == []
     assert len(broken) == 2
@@ -851,7 +855,7 @@ def _open_through(proxy: TcpProxy, url: str, table: str) -> PostgresEntityStore:
     seen = _new(store, "seen", n=1)
     seen.outbox["m"] = [_message("m")]
     store.save(seen)  # a successful call first
-    pool = store._conn.get()
+    pool = store._pg.pool  # type: ignore[attr-defined]
     while True:  # no connection still opening: it would hang when the network dies
         stats = pool.get_stats()
         if stats["pool_available"] >= _POOL and stats["pool_size"] == stats["pool_available"]:

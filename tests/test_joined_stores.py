@@ -17,7 +17,7 @@ import psycopg
 import pytest
 import redis
 
-from backends.postgres._client import PostgresClient
+from backends.postgres._client import PostgresConnection
 from backends.redis._client import _Bounded
 from dedupstore.client import Client
 from dedupstore.entities import Entity, EntityStore
@@ -105,18 +105,18 @@ def test_stores_without_a_joint_request_are_not_joined(
 def statements(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Requests the stores sent to PostgreSQL (one statement each), counted.
 
-    Counted where a store sends a request (``_run``), not per ``_execute``: the pool
+    Counted where a store sends a request (``run``), not per ``execute``: the pool
     opens connections in the background (up to ``pool_min_size``), and each new one
     runs its set-up statement whenever the pool gets to it.
     """
     sent = [0]
-    original = PostgresClient._run
+    original = PostgresConnection.run
 
     def counting(self: Any, *args: Any, **kwargs: Any) -> list[tuple[Any, ...]]:
         sent[0] += 1
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(PostgresClient, "_run", counting)
+    monkeypatch.setattr(PostgresConnection, "run", counting)
     return sent
 
 

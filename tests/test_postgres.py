@@ -32,6 +32,7 @@ from dedupstore.errors import (
     StoreUnavailable,
 )
 from dedupstore.testing import DeduplicationStoreContract, MultiProcessContract, StoreFactory
+from tests.outbox_backends import own_connection
 from tests.proxy import TcpProxy
 from tests.servers import PostgresServer, Server, _freeze_tree, free_port
 
@@ -533,7 +534,7 @@ def test_health_warnings_on_an_unsafe_server() -> None:
         assert any(w.startswith("full_page_writes is off") for w in warnings)
         assert any(w.startswith("synchronous_commit is off on the PostgreSQL") for w in warnings)
         # the store's own sessions still commit durably
-        pool = store._conn.get()  # type: ignore[attr-defined]
+        pool = store._pg.pool  # type: ignore[attr-defined]
         with pool.connection() as conn:
             assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
         with psycopg.connect(server.url, autocommit=True) as conn:
@@ -589,6 +590,33 @@ def test_store_survives_fork(postgres_server: Server, fresh_table: str) -> None:
     assert store.has_been_processed("from-child")
     assert store.add("parent-again") is True
     store.close()
+
+
+def _child_of_a_given_pool(store: DeduplicationStore, given: int) -> None:
+    assert id(store._pg.pool) != given  # type: ignore[attr-defined]
+    _forked_child(store)
+
+
+def test_a_given_pool_is_not_used_after_fork(postgres_server: Server, fresh_table: str) -> None:
+    """The given pool's sockets are the parent's: a child opens a pool of its own."""
+    pool: ConnectionPool[psycopg.Connection[Any]] = ConnectionPool(
+        postgres_server.url, min_size=1, max_size=2, kwargs={"autocommit": True}, open=True
+    )
+    try:
+        store = open_store(postgres_server.url, table=fresh_table, create=True, client=pool)
+        assert store.add("from-parent") is True
+        assert store._pg.pool is pool  # type: ignore[attr-defined]
+        child = multiprocessing.get_context("fork").Process(
+            target=_child_of_a_given_pool, args=(store, id(pool))
+        )
+        child.start()
+        child.join(60)
+        assert child.exitcode == 0
+        assert store.has_been_processed("from-child")
+        store.close()
+        assert not pool.closed
+    finally:
+        pool.close()
 
 
 def test_postgres_scheme_alias(postgres_server: Server, fresh_table: str) -> None:
@@ -896,7 +924,8 @@ def _losing_answers(
     store: DeduplicationStore, statement: bytes, lose: Callable[[int], bool]
 ) -> None:
     """Make ``store`` run ``statement`` for real, then raise as if the answer was lost."""
-    original = store._execute  # type: ignore[attr-defined]
+    connection = own_connection(store)
+    original = connection.execute
     count = 0
     lock = threading.Lock()
 
@@ -911,7 +940,7 @@ def _losing_answers(
                 raise psycopg.OperationalError("server closed the connection unexpectedly")
         return rows
 
-    store._execute = execute  # type: ignore[attr-defined]
+    connection.execute = execute
 
 
 def test_lost_answer_of_add_is_recorded_by_the_retry(
@@ -1044,7 +1073,7 @@ def _wait_for_idle_pool(store: DeduplicationStore) -> None:
     A connection still opening when the network dies hangs until libpq's
     ``connect_timeout`` and holds up the pool's growth meanwhile.
     """
-    pool = store._conn.get()  # type: ignore[attr-defined]
+    pool = store._pg.pool  # type: ignore[attr-defined]
     while True:
         stats = pool.get_stats()
         if stats["pool_available"] >= _POOL and stats["pool_size"] == stats["pool_available"]:
@@ -1090,7 +1119,8 @@ def _breaking_answers(
     store: DeduplicationStore, statement: bytes, lose: Callable[[int], bool]
 ) -> None:
     """Make ``store`` run ``statement`` for real, then lose the answer with the connection."""
-    original = store._execute  # type: ignore[attr-defined]
+    connection = own_connection(store)
+    original = connection.execute
     count = 0
     lock = threading.Lock()
 
@@ -1108,7 +1138,7 @@ def _breaking_answers(
                 raise AssertionError("the connection should be broken")
         return rows
 
-    store._execute = execute  # type: ignore[attr-defined]
+    connection.execute = execute
 
 
 def test_a_socket_closed_before_libpq_noticed_is_resent_too(
@@ -1118,7 +1148,8 @@ def test_a_socket_closed_before_libpq_noticed_is_resent_too(
     up) while libpq still reports the connection OK, so it is not ``broken``: a
     statement the store may re-send is re-sent all the same, and reports its own ids."""
     store = open_store(postgres_server.url, table=fresh_table, create=True)
-    original = store._execute  # type: ignore[attr-defined]
+    connection = own_connection(store)
+    original = connection.execute
     lost = [False]
 
     def execute(conn: Any, query: Any, params: Any = None, **kwargs: Any) -> Any:
@@ -1131,7 +1162,7 @@ def test_a_socket_closed_before_libpq_noticed_is_resent_too(
             raise psycopg.OperationalError("connection socket closed")
         return rows
 
-    store._execute = execute  # type: ignore[attr-defined]
+    connection.execute = execute
     ids = [f"id-{i}" for i in range(5)]
     assert store.add_many(ids) == set(ids)  # ran, answer lost, re-sent: still ours
     assert lost[0] and store.add_many(ids) == set()

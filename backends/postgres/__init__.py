@@ -9,22 +9,23 @@ are dedupstore options configure the store, every other libpq keyword
 * :class:`PostgresEntityStore` (:mod:`.entities`): entities and their outbox, one
   row each under a ``version`` token, in ``dedupstore_entities`` by default.
 
-Both share one connection layer (:mod:`._client`, :class:`PostgresClient`): the
-options ``table``, ``create``, ``timeout`` (10 s per statement), ``connect_timeout``
-(5 s), ``pool_min_size``, ``pool_max_size``, ``password`` and ``client``; the pool
-(one per process), the statement watchdog, durable commits, and one error
-classification: ``StoreUnavailable`` (retry) or ``ConfigurationError`` (fix the
-setup). Writes are never re-sent after a lost answer.
+Both hold one connection (:mod:`._client`, :class:`PostgresConnection`) per server
+and process: the options ``create``, ``timeout`` (10 s per statement),
+``connect_timeout`` (5 s), ``pool_min_size``, ``pool_max_size``, ``password`` and
+``client`` (besides each store's ``table``); the pool, the statement watchdog,
+durable commits, and one error classification: ``StoreUnavailable`` (retry) or
+``ConfigurationError`` (fix the setup). An entity save is never re-sent after a lost
+answer; the deduplication store's inserts are, under their write token.
 """
 
-from backends.postgres._client import PostgresClient, StatementTimeout
+from backends.postgres._client import PostgresConnection, StatementTimeout
 from backends.postgres.entities import DEFAULT_ENTITY_TABLE, PostgresEntityStore
 from backends.postgres.store import DEFAULT_TABLE, PostgresDeduplicationStore
 
 __all__ = [
     "DEFAULT_ENTITY_TABLE",
     "DEFAULT_TABLE",
-    "PostgresClient",
+    "PostgresConnection",
     "PostgresDeduplicationStore",
     "PostgresEntityStore",
     "StatementTimeout",

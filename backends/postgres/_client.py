@@ -1,4 +1,4 @@
-"""The connection layer both PostgreSQL stores share: :class:`PostgresClient`.
+"""The connection both PostgreSQL stores share: :class:`PostgresConnection`.
 
 Options (URL query or keyword) of both stores, besides their own ``table``:
 
@@ -18,8 +18,9 @@ option               default          meaning
 The URL is a libpq connection URI: every query parameter that is not a declared
 option and is a libpq keyword (``sslmode``, ``application_name``, ``options``, ...)
 goes to libpq unchanged, and libpq's environment variables (``PGPASSWORD``, ...)
-apply. Connections are pooled (``psycopg_pool``), one pool per process (a child
-after ``fork()`` opens its own), in autocommit, with ``synchronous_commit`` pinned
+apply. Connections are pooled (``psycopg_pool``), one pool per server, options
+and process, shared by the stores of the server (a child after ``fork()`` opens
+its own), in autocommit, with ``synchronous_commit`` pinned
 on and ``statement_timeout`` set to ``timeout``.
 
 Every statement is bounded: the server cancels it after ``timeout``, TCP
@@ -57,7 +58,6 @@ Errors are classified once, here: ``StoreUnavailable`` (retry) or
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import hashlib
 import itertools
@@ -68,7 +68,8 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+import weakref
+from collections.abc import Callable, Hashable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import psycopg
@@ -79,8 +80,9 @@ from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from dedupstore.calls import retry, time_left
-from dedupstore.client import Client, ErrorKind, ProcessLocal
-from dedupstore.errors import ConfigurationError, StoreUnavailable
+from dedupstore.client import Client, Connection, ErrorKind, ProcessLocal, creates
+from dedupstore.errors import ConfigurationError, StoreUnavailable, format_error
+from dedupstore.masking import MASK
 from dedupstore.options import (
     Option,
     Options,
@@ -95,9 +97,16 @@ from dedupstore.options import (
 from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
-    Connection = psycopg.Connection[TupleRow]
+    PgConnection = psycopg.Connection[TupleRow]
 
-__all__ = ["PostgresClient", "StatementTimeout", "index_name", "postgres_options"]
+__all__ = [
+    "PostgresConnection",
+    "StatementTimeout",
+    "Table",
+    "create_schema",
+    "index_name",
+    "postgres_options",
+]
 
 _IDENTIFIER_MAX_BYTES = 63  # NAMEDATALEN - 1: PostgreSQL truncates longer names
 _WRITE_ATTEMPTS = 3  # deadlock / serialization failure: rolled back, safe to retry
@@ -235,7 +244,7 @@ def _call_deadline() -> float | None:
     return None if left is None else time.monotonic() + left
 
 
-def _shut_down(conn: Connection) -> None:
+def _shut_down(conn: PgConnection) -> None:
     """Shut the connection's socket down: a call blocked on it fails at once."""
     with socket.socket(fileno=os.dup(conn.fileno())) as sock:
         sock.shutdown(socket.SHUT_RDWR)
@@ -252,7 +261,7 @@ class _ConnectFailures:
         self.error: psycopg.Error | None = None
 
 
-class _OwnPool(ConnectionPool["Connection"]):
+class _OwnPool(ConnectionPool["PgConnection"]):
     """A pool dedupstore made (closed by it): notes its failed connection attempts."""
 
     def __init__(self, conninfo: str, failures: _ConnectFailures, **kwargs: Any) -> None:
@@ -260,7 +269,7 @@ class _OwnPool(ConnectionPool["Connection"]):
         self.failures = failures
 
 
-def _recording_connection_class(failures: _ConnectFailures) -> type[Connection]:
+def _recording_connection_class(failures: _ConnectFailures) -> type[PgConnection]:
     """A connection class that notes each failed connection attempt in ``failures``."""
 
     class RecordingConnection(psycopg.Connection[TupleRow]):
@@ -276,7 +285,7 @@ def _recording_connection_class(failures: _ConnectFailures) -> type[Connection]:
     return RecordingConnection
 
 
-def _server_closed(conn: Connection) -> bool:
+def _server_closed(conn: PgConnection) -> bool:
     """Whether the server ended this idle connection; checked without a round trip.
 
     An idle connection has nothing to read: readable means the server closed the
@@ -318,230 +327,241 @@ _RISKY_SETTINGS = (
 )
 
 
-class PostgresClient(Client):
-    """A PostgreSQL table through a psycopg connection pool: what both stores share.
+class Table:
+    """A store's table (its ``table`` option): identifiers, and how messages name it."""
 
-    Resolves the connection options, opens the pool (one per process), checks the
-    database and the table (creating it with ``create``), bounds every statement,
-    and classifies psycopg errors. A store class names its table's kind and
-    privileges, builds its statements in :meth:`_build_statements`, creates its
-    table in :meth:`_create_objects` and checks it in :meth:`_check_table`.
+    def __init__(self, name: str, kind: str, privileges: str) -> None:
+        #: ``('name',)`` or ``('schema', 'name')``.
+        self.parts = _split_table(name)
+        self.identifier = sql.Identifier(*self.parts)
+        #: The quoted name, as in SQL and in messages.
+        self.text: str = self.identifier.as_string(None)
+        #: What the table holds ("a deduplication table") and the privileges it needs.
+        self.kind, self.privileges = kind, privileges
+
+    def render(self, text: str) -> bytes:
+        """``text`` with ``{table}`` filled in, as bytes ready to send."""
+        return sql.SQL(text).format(table=self.identifier).as_bytes(None)
+
+    def index(self, suffix: str) -> sql.Identifier:
+        """The identifier of the table's index named by ``suffix``."""
+        return sql.Identifier(index_name(self.parts[-1], suffix))
+
+
+def _table_of(client: Client) -> Table | None:
+    """The table of a PostgreSQL store (its ``_table``), for messages."""
+    table = getattr(client, "_table", None)
+    return table if isinstance(table, Table) else None
+
+
+def _watchdog_delay(options: Options) -> float:
+    """When the watchdog closes a silent statement's connection: shortly after the
+    server's own cancel at ``timeout``."""
+    timeout: float = options["timeout"]
+    return timeout + min(1.0, timeout / 2)
+
+
+def _conninfo(url: StoreURL, options: Options) -> str:
+    """The URL without its query, plus the libpq parameters, validated by libpq."""
+    timeout, connect_timeout = options["timeout"], options["connect_timeout"]
+    params: dict[str, Any] = {
+        "keepalives": 1,
+        "keepalives_idle": max(1, math.ceil(timeout)),
+        "keepalives_interval": max(1, math.ceil(timeout / 3)),
+        "keepalives_count": 3,
+        "tcp_user_timeout": min(_MAX_MS, math.ceil(timeout * 1000)),
+        "fallback_application_name": "dedupstore",
+        **options.driver_params,
+        "client_encoding": "UTF8",
+        "connect_timeout": max(2, math.ceil(connect_timeout)),
+    }
+    if options["password"] is not None:
+        params["password"] = options["password"]
+    try:
+        return psycopg.conninfo.make_conninfo(url.with_query([]).text, **params)
+    except psycopg.Error as exc:
+        detail = format_error(exc)
+        for secret in (url.password, options["password"]):
+            if secret:
+                detail = detail.replace(secret, MASK)
+        raise ConfigurationError(f"bad PostgreSQL URL {url.masked}: {detail}") from None
+
+
+# Given pools and the process that was given each: a child after fork makes its own.
+_given_in: weakref.WeakKeyDictionary[ConnectionPool[Any], int] = weakref.WeakKeyDictionary()
+
+
+class PostgresConnection(Connection):
+    """The psycopg connection pool of one PostgreSQL server, shared by its stores.
+
+    Both stores name it as their ``connection_class`` and reach it as ``self._pg``:
+    statements through :meth:`read` and :meth:`write` (bounded, re-sent or
+    retried as the module says), a table opened by :meth:`open_table`. A store
+    keeps its :class:`Table` as ``_table``, which the error texts and the health
+    check name.
     """
 
     schemes: ClassVar[tuple[str, ...]] = ("postgresql", "postgres")
-    connection_options: ClassVar[tuple[str, ...]] = (
+    shaped_by: ClassVar[tuple[str, ...]] = (
         "timeout",
         "connect_timeout",
         "pool_min_size",
         "pool_max_size",
     )
-    #: What the table holds, for messages ("a deduplication table").
-    table_kind: ClassVar[str] = "a table of this store"
-    #: The privileges the store needs on its table, for the GRANT hint.
-    table_privileges: ClassVar[str] = "SELECT, INSERT, UPDATE, DELETE"
 
-    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
-        """Resolve the options, connect, check the table (creating it with ``create``).
-
-        Raises ``ConfigurationError`` for a bad URL or option, refused credentials,
-        a non-UTF8 database or a missing/unusable table, and ``StoreUnavailable``
-        when the server cannot be reached.
-        """
-        super().__init__(url, **options)
-        self._timeout: float = self._opts["timeout"]
-        self._connect_timeout: float = self._opts["connect_timeout"]
-        # The server cancels a statement at ``timeout``; the watchdog acts a little
-        # later, only when the server did not answer at all.
-        self._watchdog_delay = self._timeout + min(1.0, self._timeout / 2)
-        given = self._opts["client"]
-        self._table_parts = _split_table(self._opts["table"])
-        self._table = sql.Identifier(*self._table_parts)
-        self._table_text = self._table.as_string(None)
-        self._build_statements()
-        self._conninfo = self._libpq_conninfo()
-        self._unused_client: ConnectionPool[Connection] | None = given
-        self._conn: ProcessLocal[ConnectionPool[Connection]] = (
-            ProcessLocal(self._given_pool, self._close_pool)
-            if given is not None
-            else self._shared_connection(self._conninfo, self._make_pool, self._close_pool)
-        )
-        with self._translating_errors("open"):
-            if given is None:
-                with psycopg.connect(self._conninfo, autocommit=True) as conn:
-                    self._configure(conn)
-                    self._check_storage(conn)
-                self._conn.get()
-            else:
-                self._conn.get()
-                with self._pooled() as conn:
-                    self._check_storage(conn)
+    def __init__(self, url: StoreURL, options: Options) -> None:
+        """The given ``client`` pool in the process it was given in, else a pool of our
+        own (opened in the background)."""
+        super().__init__(url, options)
+        self.timeout: float = options["timeout"]
+        self.watchdog_delay = _watchdog_delay(options)
+        self.conninfo = _conninfo(url, options)
+        given: ConnectionPool[PgConnection] | None = options["client"]
+        if given is not None and _given_in.setdefault(given, os.getpid()) == os.getpid():
+            self.pool = given
+        else:
+            self.pool = self._make_pool()
 
     @classmethod
-    def _validate(cls, url: StoreURL, options: Options) -> None:
-        """The pool sizes agree; ``client`` is a ``psycopg_pool.ConnectionPool``."""
-        super()._validate(url, options)
+    def address(cls, url: StoreURL, options: Options) -> Hashable:
+        """libpq's connection string: the server, database, credentials and parameters."""
+        return _conninfo(url, options)
+
+    @classmethod
+    def validate(cls, url: StoreURL, options: Options) -> None:
+        """The pool sizes agree; libpq takes the URL; ``client`` is a ``ConnectionPool``."""
         minimum, maximum = options["pool_min_size"], options["pool_max_size"]
         if minimum > maximum:
             raise ConfigurationError(
-                f"pool_min_size ({minimum}) must not exceed pool_max_size ({maximum}) "
-                f"for {cls.__name__}"
+                f"pool_min_size ({minimum}) must not exceed pool_max_size ({maximum})"
             )
         given = options["client"]
         if given is not None and not isinstance(given, ConnectionPool):
             raise ConfigurationError(
                 f"client must be a psycopg_pool.ConnectionPool, got {type(given).__name__}"
             )
+        _conninfo(url, options)
 
     @classmethod
-    def create_schema(cls, url: str | StoreURL, **options: Any) -> None:
-        """Create the table and its index if missing (idempotent).
+    def deadline_seconds(cls, options: Options) -> float:
+        """``connect_timeout + timeout + min(1 s, timeout / 2)``: see the module.
 
-        Takes the same URL and options as the constructor and opens the store with
-        ``create=true``; needs the CREATE privilege. Safe to run concurrently.
-        Raises like the constructor.
+        With a given ``client`` pool, its own timeout stands for ``connect_timeout``.
         """
-        parsed = StoreURL.parse(url)
-        parsed = parsed.with_query([(k, v) for k, v in parsed.query if k != "create"])
-        cls(parsed, **{**options, "create": True}).close()
+        given = options["client"]
+        wait = given.timeout if isinstance(given, ConnectionPool) else options["connect_timeout"]
+        return float(wait + _watchdog_delay(options))
 
-    # ------------------------------------------------------------------ for the stores
+    def _make_pool(self) -> ConnectionPool[PgConnection]:
+        connect_timeout: float = self.options["connect_timeout"]
+        pool = _OwnPool(
+            self.conninfo,
+            _ConnectFailures(),
+            kwargs={"autocommit": True},
+            min_size=self.options["pool_min_size"],
+            max_size=self.options["pool_max_size"],
+            open=False,
+            configure=self.configure,
+            timeout=connect_timeout,
+            # Stop background reconnection after half the wait: a later call then
+            # connects on demand at once instead of waiting for a backed-off retry.
+            reconnect_timeout=connect_timeout / 2,
+            name="dedupstore",
+        )
+        pool.open(wait=False)
+        return pool
 
-    def _render(self, text: str) -> bytes:
-        """``text`` with ``{table}`` filled in, as bytes ready to send."""
-        return sql.SQL(text).format(table=self._table).as_bytes(None)
+    def close(self) -> None:
+        """Close our own pool (never a given one)."""
+        if isinstance(self.pool, _OwnPool):
+            self.pool.close(timeout=5.0)
 
-    @abc.abstractmethod
-    def _build_statements(self) -> None:
-        """Render the store's statements (``self._table`` is set)."""
-
-    @abc.abstractmethod
-    def _create_objects(self, conn: Connection) -> None:
-        """Create the table and its indexes (``IF NOT EXISTS``; the schema lock is held)."""
-
-    @abc.abstractmethod
-    def _check_table(self, conn: Connection) -> None:
-        """Check the existing table has the store's shape (dry runs of its statements)."""
-
-    # ------------------------------------------------------------------ opening
-
-    def _libpq_conninfo(self) -> str:
-        """The URL without its query, plus the libpq parameters, validated by libpq."""
-        timeout_s = max(1, math.ceil(self._timeout))
-        params: dict[str, Any] = {
-            "keepalives": 1,
-            "keepalives_idle": timeout_s,
-            "keepalives_interval": max(1, math.ceil(self._timeout / 3)),
-            "keepalives_count": 3,
-            "tcp_user_timeout": min(_MAX_MS, math.ceil(self._timeout * 1000)),
-            "fallback_application_name": "dedupstore",
-            **self._opts.driver_params,
-            "client_encoding": "UTF8",
-            "connect_timeout": max(2, math.ceil(self._connect_timeout)),
-        }
-        if self._opts["password"] is not None:
-            params["password"] = self._opts["password"]
-        try:
-            return psycopg.conninfo.make_conninfo(self._url.with_query([]).text, **params)
-        except psycopg.Error as exc:
-            raise ConfigurationError(
-                f"bad PostgreSQL URL {self.url}: {self._describe_error(exc)}"
-            ) from None
-
-    def _configure(self, conn: Connection) -> None:
+    def configure(self, conn: PgConnection) -> None:
         """New connection: pin a durable ``synchronous_commit`` and the statement timeout.
 
         The server's ``synchronous_commit`` is kept unless it is ``off`` (then
         ``on``); pinning it in the session means a later configuration reload
         cannot turn it off under the pool.
         """
-        self._execute(
+        self.execute(
             conn,
             "SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit') "
             "WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END, false), "
             "set_config('statement_timeout', %s, false)",
-            [str(min(_MAX_MS, math.ceil(self._timeout * 1000)))],
+            [str(min(_MAX_MS, math.ceil(self.timeout * 1000)))],
         )
 
-    def _check_storage(self, conn: Connection) -> None:
-        """Check the encoding and the table (creating it if asked) on ``conn``."""
-        row = self._execute(conn, "SELECT current_setting('server_encoding')")[0]
+    # ------------------------------------------------------------------ tables
+
+    def open_table(
+        self,
+        client: Client,
+        table: Table,
+        create: Callable[[PgConnection], None],
+        check: Callable[[PgConnection], None],
+    ) -> None:
+        """Check the encoding and ``table`` (``create`` it if missing and allowed, then
+        ``check`` its shape), for ``client``; on a connection of its own when the pool
+        is ours (so refused credentials are the error, not a pool timeout)."""
+        if isinstance(self.pool, _OwnPool):
+            with psycopg.connect(self.conninfo, autocommit=True) as conn:
+                self.configure(conn)
+                self._open_table(client, conn, table, create, check)
+        else:
+            with self.pooled(client) as conn:
+                self._open_table(client, conn, table, create, check)
+
+    def _open_table(
+        self,
+        client: Client,
+        conn: PgConnection,
+        table: Table,
+        create: Callable[[PgConnection], None],
+        check: Callable[[PgConnection], None],
+    ) -> None:
+        row = self.execute(conn, "SELECT current_setting('server_encoding')")[0]
         if row[0] != "UTF8" or conn.info.encoding != "utf-8":
-            raise self._error(
+            raise client._error(
                 ConfigurationError,
                 None,
                 f"the database encoding is {row[0]} and the client "
                 f"encoding {conn.info.encoding}; dedupstore needs UTF8 for both so every id "
                 "round-trips",
             )
-        found = self._execute(conn, "SELECT to_regclass(%s) IS NOT NULL", [self._table_text])
+        found = self.execute(conn, "SELECT to_regclass(%s) IS NOT NULL", [table.text])
         if not found[0][0]:
-            if not self._creates:
-                raise self._no_such_store(
-                    f"table {self._table_text} does not exist in PostgreSQL at {self.url}",
-                    f"call {type(self).__name__}.create_schema(url) once, or open the "
+            if not creates(client._opts):
+                raise client._no_such_store(
+                    f"table {table.text} does not exist in PostgreSQL at {client.url}",
+                    f"call {type(client).__name__}.create_schema(url) once, or open the "
                     "store with create=true",
                 )
-            self._create_table(conn)
-        self._check_table(conn)
+            with conn.transaction():  # schema changes of one table, one at a time
+                self.execute(
+                    conn,
+                    "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+                    [f"dedupstore:{table.text}"],
+                )
+                if len(table.parts) == 2:
+                    schema = table.parts[0]
+                    if not self.execute(
+                        conn, "SELECT 1 FROM pg_namespace WHERE nspname = %s", [schema]
+                    ):
+                        self.execute(
+                            conn,
+                            sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
+                                sql.Identifier(schema)
+                            ),
+                        )
+                create(conn)
+        check(conn)
 
-    def _lock_schema(self, conn: Connection) -> None:
-        """Serialize schema changes of this table (in the current transaction)."""
-        self._execute(
-            conn,
-            "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
-            [f"dedupstore:{self._table_text}"],
-        )
-
-    def _create_table(self, conn: Connection) -> None:
-        """Create the schema, table and indexes (serialized by an advisory lock)."""
-        with conn.transaction():
-            self._lock_schema(conn)
-            if len(self._table_parts) == 2:
-                schema = self._table_parts[0]
-                if not self._execute(
-                    conn, "SELECT 1 FROM pg_namespace WHERE nspname = %s", [schema]
-                ):
-                    self._execute(
-                        conn,
-                        sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)),
-                    )
-            self._create_objects(conn)
-
-    # ------------------------------------------------------------------ pool
-
-    def _given_pool(self) -> ConnectionPool[Connection]:
-        """The given ``client`` in the opening process; a pool of our own after a fork."""
-        given, self._unused_client = self._unused_client, None
-        return self._make_pool() if given is None else given
-
-    def _make_pool(self) -> ConnectionPool[Connection]:
-        """A pool of our own, shared by the stores of this server (``_shared_connection``)."""
-        failures = _ConnectFailures()
-        pool = _OwnPool(
-            self._conninfo,
-            failures,
-            kwargs={"autocommit": True},
-            min_size=self._opts["pool_min_size"],
-            max_size=self._opts["pool_max_size"],
-            open=False,
-            configure=self._configure,
-            timeout=self._connect_timeout,
-            # Stop background reconnection after half the wait: a later call then
-            # connects on demand at once instead of waiting for a backed-off retry.
-            reconnect_timeout=self._connect_timeout / 2,
-            name="dedupstore",
-        )
-        pool.open(wait=False)
-        return pool
-
-    def _close_pool(self, pool: ConnectionPool[Connection]) -> None:
-        if isinstance(pool, _OwnPool):
-            pool.close(timeout=5.0)
+    # ------------------------------------------------------------------ statements
 
     @contextlib.contextmanager
-    def _pooled(
-        self, *, verify: bool = True, deadline: float | None = None
-    ) -> Iterator[Connection]:
+    def pooled(
+        self, client: Client, *, verify: bool = True, deadline: float | None = None
+    ) -> Iterator[PgConnection]:
         """A live pooled connection (autocommit), returned to the pool on exit.
 
         Connections the server is known to have closed (readable while idle: a
@@ -556,7 +576,7 @@ class PostgresClient(Client):
         last connection attempt failed, if known. A check that gets no answer
         raises :class:`StatementTimeout`.
         """
-        pool = self._conn.get()
+        pool = self.pool
         began = time.monotonic()
         deadline = _call_deadline() if deadline is None else deadline
         until = began + pool.timeout if deadline is None else min(began + pool.timeout, deadline)
@@ -571,10 +591,10 @@ class PostgresClient(Client):
                 if failures.error is not None and failures.at >= began - pool.timeout:
                     cause = failures.error
                     message += f"; the last connection attempt failed: {failures.error}"
-                raise PoolTimeout(self._scrub(message)) from cause
+                raise PoolTimeout(client._scrub(message)) from cause
             if not conn.autocommit:
                 pool.putconn(conn)
-                raise self._error(
+                raise client._error(
                     ConfigurationError,
                     None,
                     "the connections of the given client pool must be in autocommit mode "
@@ -594,7 +614,7 @@ class PostgresClient(Client):
         finally:
             pool.putconn(conn)
 
-    def _answers(self, conn: Connection, deadline: float | None) -> bool:
+    def _answers(self, conn: PgConnection, deadline: float | None) -> bool:
         """Whether ``conn`` answers an empty query; ``StatementTimeout`` if nothing comes."""
         try:
             with self._bounded(conn, deadline):
@@ -605,8 +625,8 @@ class PostgresClient(Client):
             return False
         return True
 
-    def _execute(
-        self, conn: Connection, query: Any, params: Any = None, *, deadline: float | None = None
+    def execute(
+        self, conn: PgConnection, query: Any, params: Any = None, *, deadline: float | None = None
     ) -> list[tuple[Any, ...]]:
         """Run one statement and fetch its rows, bounded by the watchdog (and ``deadline``)."""
         with self._bounded(conn, deadline):
@@ -614,14 +634,14 @@ class PostgresClient(Client):
             return cursor.fetchall() if cursor.description is not None else []
 
     @contextlib.contextmanager
-    def _bounded(self, conn: Connection, deadline: float | None) -> Iterator[None]:
+    def _bounded(self, conn: PgConnection, deadline: float | None) -> Iterator[None]:
         """Close ``conn`` if the round trip in the block gets no answer in time.
 
         In time: shortly after ``timeout`` (the server cancels the statement at
         ``timeout``), and not past ``deadline``. A psycopg error after the
         watchdog fired is raised as :class:`StatementTimeout`.
         """
-        delay = self._watchdog_delay
+        delay = self.watchdog_delay
         deadline = _call_deadline() if deadline is None else deadline
         if deadline is not None:
             delay = max(0.0, min(delay, deadline - time.monotonic()))
@@ -638,34 +658,36 @@ class PostgresClient(Client):
         except psycopg.Error as exc:
             if fired:
                 raise StatementTimeout(
-                    f"timed out after {delay:.3g} s (timeout={self._timeout:g}): "
+                    f"timed out after {delay:.3g} s (timeout={self.timeout:g}): "
                     "PostgreSQL did not answer; the connection was closed"
                 ) from exc
             raise
 
-    def _run(self, query: Any, params: Any, *, resend: bool) -> list[tuple[Any, ...]]:
+    def run(
+        self, client: Client, query: Any, params: Any, *, resend: bool
+    ) -> list[tuple[Any, ...]]:
         """Run one statement on a pooled connection; re-send it if allowed and useful.
 
-        The call has one deadline (:meth:`_deadline_seconds`: the pool's timeout
+        The call has one deadline (:meth:`deadline_seconds`: the pool's timeout
         plus the statement's bound, ``timeout`` and the watchdog's grace, the
         worst case of one attempt). ``resend=True`` (reads, and writes that
         recognise their own earlier application): when the connection breaks
         under the statement (a reset, a restart, a connection that died while
-        pooled) it is sent again on another connection, until the deadline; each attempt waits for a
-        connection and for the answer only until then. ``resend=False``: the
-        statement is sent once, on a connection that has just answered a round
-        trip (so a connection that died while pooled costs that round trip, not
-        the request); a failure after it was sent is raised. A watchdog timeout
-        is never re-sent (the server may still be running the statement).
+        pooled) it is sent again on another connection, until the deadline; each
+        attempt waits for a connection and for the answer only until then.
+        ``resend=False``: the statement is sent once, on a connection that has
+        just answered a round trip (so a connection that died while pooled costs
+        that round trip, not the request); a failure after it was sent is raised.
+        A watchdog timeout is never re-sent (the server may still be running it).
         """
         broke = False
 
         def attempt() -> list[tuple[Any, ...]]:
             nonlocal broke
             broke = False  # a connection that never came (PoolTimeout) broke nothing
-            with self._pooled(verify=not resend) as conn:
+            with self.pooled(client, verify=not resend) as conn:
                 try:
-                    return self._execute(conn, query, params)
+                    return self.execute(conn, query, params)
                 except psycopg.OperationalError:
                     # The connection failed under the statement: libpq saw it (broken),
                     # or psycopg's wait saw the socket hang up before libpq did
@@ -678,12 +700,16 @@ class PostgresClient(Client):
 
         return retry(attempt, attempts=None, retry_on=resendable)
 
-    def _write(
-        self, query: bytes, params: Mapping[str, Any], *, resend: bool = False
+    def read(self, client: Client, query: bytes, params: Any) -> list[tuple[Any, ...]]:
+        """Run a read; re-sent on another connection when one breaks under it."""
+        return self.run(client, query, params, resend=True)
+
+    def write(
+        self, client: Client, query: bytes, params: Any, *, resend: bool = False
     ) -> list[tuple[Any, ...]]:
         """Run a write; retried when the server reports it rolled back (deadlock, ...).
 
-        The retries share the call's deadline with the re-sends of :meth:`_run`.
+        The retries share the call's deadline with the re-sends of :meth:`run`.
 
         ``resend=True`` only for a statement whose second application answers
         like the first: the deduplication store's inserts return the rows holding
@@ -695,15 +721,20 @@ class PostgresClient(Client):
         is an error; the connection it is sent on is checked first instead.
         """
         return retry(
-            lambda: self._run(query, params, resend=resend),
+            lambda: self.run(client, query, params, resend=resend),
             attempts=_WRITE_ATTEMPTS,
             retry_on=lambda exc: isinstance(exc, _RETRYABLE_WRITE_ERRORS),
         )
 
-    def _health_warnings(self) -> list[str]:
-        """The server settings and table persistence that put acknowledged writes at risk."""
-        with self._pooled() as conn:
-            settings = self._execute(
+    # ------------------------------------------------------------------ checks and errors
+
+    def health_warnings(self, client: Client) -> list[str]:
+        """The server settings and the table's persistence that put acknowledged writes
+        at risk."""
+        table = _table_of(client)
+        name = "" if table is None else table.text
+        with self.pooled(client) as conn:
+            settings = self.execute(
                 conn,
                 "SELECT name, reset_val FROM pg_settings "
                 "WHERE name IN ('fsync', 'synchronous_commit', 'full_page_writes') "
@@ -711,60 +742,49 @@ class PostgresClient(Client):
                 "current_setting('synchronous_commit') "
                 "UNION ALL SELECT 'relpersistence', relpersistence::text FROM pg_class "
                 "WHERE oid = to_regclass(%s)",
-                [self._table_text],
+                [name],
             )
-        values = {str(name): str(value) for name, value in settings}
+        values = {str(setting): str(value) for setting, value in settings}
+        kind = "the store" if table is None else table.kind
         return [
-            message.format(table=self._table_text, kind=self.table_kind)
+            message.format(table=name, kind=kind)
             for setting, bad, message in _RISKY_SETTINGS
             if values.get(setting) == bad
         ]
 
-    def _deadline_seconds(self) -> float:
-        """``connect_timeout + timeout + min(1 s, timeout / 2)``: see the module.
+    @classmethod
+    def classify_error(cls, client: Client, exc: BaseException) -> ErrorKind:
+        """psycopg errors: what to fix (``ConfigurationError``) or retry (``StoreUnavailable``).
 
-        With a given ``client`` pool, its own timeout stands for ``connect_timeout``.
+        Errors about the table name the client's :class:`Table` and how to fix it.
         """
-        given = self._opts["client"]
-        wait = given.timeout if isinstance(given, ConnectionPool) else self._connect_timeout
-        return float(wait + self._watchdog_delay)
-
-    def _read(self, query: bytes, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
-        """Run a read; re-sent on another connection when one breaks under it."""
-        return self._run(query, params, resend=True)
-
-    def _close(self) -> None:
-        self._conn.close()
-
-    # ------------------------------------------------------------------ errors
-
-    def _classify_error(self, exc: BaseException) -> ErrorKind:
-        """psycopg errors: what to fix (``ConfigurationError``) or retry (``StoreUnavailable``)."""
         errors = psycopg.errors
-        if isinstance(exc, StatementTimeout):
-            return StoreUnavailable
+        table = _table_of(client)
+        name, kind = ("its table", "a table") if table is None else (table.text, table.kind)
+        if isinstance(exc, StatementTimeout | errors.ReadOnlySqlTransaction):
+            return StoreUnavailable  # ReadOnlySqlTransaction: failed over to a replica
         if isinstance(exc, PoolTimeout):
             cause = exc.__cause__
-            if isinstance(cause, psycopg.OperationalError) and self._refused(cause):
-                return self._error(
-                    ConfigurationError, None, f"connecting failed: {self._describe_error(exc)}"
+            if isinstance(cause, psycopg.OperationalError) and _refused(cause):
+                return client._error(
+                    ConfigurationError, None, f"connecting failed: {client._describe_error(exc)}"
                 )
             return StoreUnavailable
         if isinstance(exc, errors.UndefinedTable):
-            return self._error(
+            return client._error(
                 ConfigurationError,
                 None,
-                f"table {self._table_text} does not exist ({self._describe_error(exc)}): "
-                f"create it with {type(self).__name__}.create_schema(url), or open the "
+                f"table {name} does not exist ({client._describe_error(exc)}): "
+                f"create it with {type(client).__name__}.create_schema(url), or open the "
                 "store with create=true",
             )
         if isinstance(exc, errors.InsufficientPrivilege):
-            return self._error(
+            privileges = "SELECT, INSERT, UPDATE" if table is None else table.privileges
+            return client._error(
                 ConfigurationError,
                 None,
-                f"permission denied ({self._describe_error(exc)}): GRANT "
-                f"{self.table_privileges} ON {self._table_text} TO the role the store "
-                "connects as",
+                f"permission denied ({client._describe_error(exc)}): GRANT "
+                f"{privileges} ON {name} TO the role the store connects as",
             )
         if isinstance(
             exc,
@@ -776,9 +796,7 @@ class PostgresClient(Client):
         if isinstance(exc, psycopg.OperationalError):
             # lost or refused connections, QueryCanceled (statement_timeout),
             # AdminShutdown, CannotConnectNow, deadlocks after retries, ...
-            return ConfigurationError if self._refused(exc) else StoreUnavailable
-        if isinstance(exc, errors.ReadOnlySqlTransaction):
-            return StoreUnavailable  # failed over to a replica: retry later
+            return ConfigurationError if _refused(exc) else StoreUnavailable
         if isinstance(
             exc,
             psycopg.ProgrammingError
@@ -786,17 +804,28 @@ class PostgresClient(Client):
             | psycopg.IntegrityError
             | psycopg.NotSupportedError,
         ):
-            return self._error(
+            return client._error(
                 ConfigurationError,
                 None,
-                f"table {self._table_text} is not usable as {self.table_kind}: "
-                f"{self._describe_error(exc)}",
+                f"table {name} is not usable as {kind}: {client._describe_error(exc)}",
             )
         if isinstance(exc, psycopg.Error):
             return StoreUnavailable
-        return super()._classify_error(exc)
+        return None
 
-    @staticmethod
-    def _refused(exc: psycopg.Error) -> bool:
-        """A connection attempt refused for a reason a retry will not fix."""
-        return exc.sqlstate is None and _REFUSED.search(str(exc)) is not None
+
+def _refused(exc: psycopg.Error) -> bool:
+    """A connection attempt refused for a reason a retry will not fix."""
+    return exc.sqlstate is None and _REFUSED.search(str(exc)) is not None
+
+
+def create_schema(cls: type[Client], /, url: str | StoreURL, **options: Any) -> None:
+    """Create the table and its index if missing (idempotent).
+
+    Takes the same URL and options as the constructor and opens the store with
+    ``create=true``; needs the CREATE privilege. Safe to run concurrently.
+    Raises like the constructor.
+    """
+    parsed = StoreURL.parse(url)
+    parsed = parsed.with_query([(k, v) for k, v in parsed.query if k != "create"])
+    cls(parsed, **{**options, "create": True}).close()

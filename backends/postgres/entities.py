@@ -67,8 +67,14 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import TupleRow
 
-from backends.postgres._client import PostgresClient, index_name, postgres_options
+from backends.postgres._client import (
+    PostgresConnection,
+    Table,
+    create_schema,
+    postgres_options,
+)
 from backends.postgres.store import PostgresDeduplicationStore
+from dedupstore.client import Connected
 from dedupstore.entities import EntityRecord, EntityStore, groups_by_size
 from dedupstore.options import OptionSet
 from dedupstore.store import DeduplicationStore, WriteRequest
@@ -108,7 +114,7 @@ def _candidates(records: list[EntityRecord]) -> list[tuple[EntityRecord, int]]:
     return pairs
 
 
-class PostgresEntityStore(PostgresClient, EntityStore):
+class PostgresEntityStore(EntityStore):
     """Entity store in a PostgreSQL table (one row per entity, ``version`` token).
 
     Thread-safe and fork-safe (a child process opens its own pool); it pickles to
@@ -123,9 +129,9 @@ class PostgresEntityStore(PostgresClient, EntityStore):
     max_load_batch: ClassVar[int] = 100
     #: Entities per save statement (one commit, one flush on a durable server).
     max_save_batch: ClassVar[int] = 1000
-    table_kind: ClassVar[str] = "an entity table"
     _joins = PostgresDeduplicationStore
-    table_privileges: ClassVar[str] = "SELECT, INSERT, UPDATE"
+    connection_class = PostgresConnection
+    _pg = Connected[PostgresConnection]()
     declared_options: ClassVar[OptionSet] = postgres_options(
         EntityStore.declared_options, DEFAULT_ENTITY_TABLE
     )
@@ -139,13 +145,19 @@ class PostgresEntityStore(PostgresClient, EntityStore):
         server cannot be reached.
         """
         super().__init__(url, **options)
+        self._table = Table(self._opts["table"], "an entity table", "SELECT, INSERT, UPDATE")
+        self._build_statements()
+        with self._opening("open"):
+            self._pg.open_table(self, self._table, self._create_objects, self._check_table)
+
+    create_schema = classmethod(create_schema)
 
     # ------------------------------------------------------------------ table
 
     def _create_objects(self, conn: Connection) -> None:
-        self._execute(
+        self._pg.execute(
             conn,
-            self._render(
+            self._table.render(
                 "CREATE TABLE IF NOT EXISTS {table} ("
                 'id text COLLATE "C" PRIMARY KEY, '
                 "body text NOT NULL, "
@@ -155,22 +167,22 @@ class PostgresEntityStore(PostgresClient, EntityStore):
                 "WITH (fillfactor = 80)"
             ),
         )
-        self._execute(
+        self._pg.execute(
             conn,
             sql.SQL("CREATE INDEX IF NOT EXISTS {index} ON {table} (id) WHERE pending").format(
-                index=sql.Identifier(index_name(self._table_parts[-1], "pending")),
-                table=self._table,
+                index=self._table.index("pending"), table=self._table.identifier
             ),
         )
 
     def _check_table(self, conn: Connection) -> None:
         """Dry runs of the three statements: columns, types, unique id, privileges."""
-        self._execute(conn, self._sql_save, self._save_params([]))
-        self._execute(conn, self._sql_load, {"ids": []})
-        self._execute(conn, self._sql_scan, self._scan_params(0, 1, "", 0))
+        execute = self._pg.execute
+        execute(conn, self._sql_save, self._save_params([]))
+        execute(conn, self._sql_load, {"ids": []})
+        execute(conn, self._sql_scan, self._scan_params(0, 1, "", 0))
 
     def _build_statements(self) -> None:
-        render = self._render
+        render = self._table.render
         # ``version`` is the version the row gets: 1 for a new entity, else the
         # expected one plus one. A new entity is inserted only if absent (on
         # conflict the stored version is never 0); a loaded one replaces the row
@@ -211,7 +223,7 @@ class PostgresEntityStore(PostgresClient, EntityStore):
     # ------------------------------------------------------------------ primitives
 
     def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
-        rows = self._read(self._sql_load, {"ids": ids})
+        rows = self._pg.read(self, self._sql_load, {"ids": ids})
         return {eid: (body, version) for eid, body, version in rows}
 
     # ------------------------------------------------------------------ with a dedup store
@@ -225,7 +237,7 @@ class PostgresEntityStore(PostgresClient, EntityStore):
             b"SELECT l.body, l.version FROM (" + self._sql_load + b") AS l "
             b"UNION ALL SELECT NULL, NULL FROM (" + dedup._sql_has + b") AS h"
         )
-        rows = self._read(query, {"ids": [entity_id], **dedup._has_params(key)})
+        rows = self._pg.read(self, query, {"ids": [entity_id], **dedup._has_params(key)})
         entity = next(((body, version) for body, version in rows if body is not None), None)
         return entity, any(body is None for body, _ in rows)
 
@@ -247,7 +259,7 @@ class PostgresEntityStore(PostgresClient, EntityStore):
             **dedup._add_one_params(request),
             **self._save_params(_candidates([record])),
         }
-        rows = self._write(query, params)
+        rows = self._pg.write(self, query, params)
         added = set(request.ids) if any(eid is None for eid, _ in rows) else set()
         return added, {eid: version for eid, version in rows if eid is not None}
 
@@ -262,13 +274,13 @@ class PostgresEntityStore(PostgresClient, EntityStore):
     def _save_group(self, group: list[tuple[EntityRecord, int]]) -> dict[str, int]:
         """One statement: the rows of ``group`` (sorted by id) that match their version."""
         params = self._save_params(group)
-        return {eid: version for eid, version in self._write(self._sql_save, params)}
+        return {eid: version for eid, version in self._pg.write(self, self._sql_save, params)}
 
     def _scan(self, segment: int, segments: int) -> Iterator[tuple[str, str, Any]]:
         after = ""  # ids are never empty: every id sorts after it
         while True:
             params = self._scan_params(segment, segments, after, _PAGE_ROWS)
-            rows = self._read(self._sql_scan, params)
+            rows = self._pg.read(self, self._sql_scan, params)
             for eid, body, version, _ in rows:
                 yield eid, body, version
             if not rows or (len(rows) == rows[0][3] < _PAGE_ROWS):

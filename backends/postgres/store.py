@@ -40,7 +40,13 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import TupleRow
 
-from backends.postgres._client import PostgresClient, index_name, postgres_options
+from backends.postgres._client import (
+    PostgresConnection,
+    Table,
+    create_schema,
+    postgres_options,
+)
+from dedupstore.client import Connected
 from dedupstore.errors import ConfigurationError
 from dedupstore.options import OptionSet
 from dedupstore.store import DeduplicationStore, WriteRequest
@@ -59,7 +65,7 @@ _PURGE_BATCH = 10_000
 _COLUMNS = ("endpoint", "id", "expires_at", "writer")
 
 
-class PostgresDeduplicationStore(PostgresClient, DeduplicationStore):
+class PostgresDeduplicationStore(DeduplicationStore):
     """Deduplication store in a PostgreSQL table, through a psycopg connection pool.
 
     Thread-safe and fork-safe (a child process opens its own pool); it pickles
@@ -76,7 +82,8 @@ class PostgresDeduplicationStore(PostgresClient, DeduplicationStore):
     # two cores at once); overlapping chunks are sorted, so they cannot deadlock.
     chunk_concurrency: ClassVar[int] = 2
     expiry_clock: ClassVar[Literal["client", "server"]] = "server"
-    table_kind: ClassVar[str] = "a deduplication table"
+    connection_class = PostgresConnection
+    _pg = Connected[PostgresConnection]()
     declared_options: ClassVar[OptionSet] = postgres_options(
         DeduplicationStore.declared_options, DEFAULT_TABLE
     )
@@ -89,13 +96,21 @@ class PostgresDeduplicationStore(PostgresClient, DeduplicationStore):
         when the server cannot be reached.
         """
         super().__init__(url, **options)
+        self._table = Table(
+            self._opts["table"], "a deduplication table", "SELECT, INSERT, UPDATE, DELETE"
+        )
+        self._build_statements()
+        with self._opening("open"):
+            self._pg.open_table(self, self._table, self._create_objects, self._check_table)
+
+    create_schema = classmethod(create_schema)
 
     # ------------------------------------------------------------------ table
 
     def _create_objects(self, conn: Connection) -> None:
-        self._execute(
+        self._pg.execute(
             conn,
-            self._render(
+            self._table.render(
                 "CREATE TABLE IF NOT EXISTS {table} ("
                 'endpoint text COLLATE "C" NOT NULL, '
                 'id text COLLATE "C" NOT NULL, '
@@ -104,42 +119,39 @@ class PostgresDeduplicationStore(PostgresClient, DeduplicationStore):
                 "PRIMARY KEY (endpoint, id))"
             ),
         )
-        self._execute(
+        self._pg.execute(
             conn,
             sql.SQL(
                 "CREATE INDEX IF NOT EXISTS {index} ON {table} (endpoint, expires_at) "
                 "WHERE expires_at IS NOT NULL"
-            ).format(
-                index=sql.Identifier(index_name(self._table_parts[-1], "expires_at")),
-                table=self._table,
-            ),
+            ).format(index=self._table.index("expires_at"), table=self._table.identifier),
         )
 
     def _check_table(self, conn: Connection) -> None:
         """Every column (one missing is named), then a dry-run write."""
-        found = self._execute(
+        found = self._pg.execute(
             conn,
             "SELECT array_agg(attname::text) FROM pg_attribute WHERE attrelid = "
             "to_regclass(%s) AND attnum > 0 AND NOT attisdropped",
-            [self._table_text],
+            [self._table.text],
         )
         missing = [c for c in _COLUMNS if c not in (found[0][0] or [])]
         if missing:
             raise self._error(
                 ConfigurationError,
                 None,
-                f"table {self._table_text} is not usable as {self.table_kind}: it has no "
+                f"table {self._table.text} is not usable as {self._table.kind}: it has no "
                 f"column {', '.join(missing)} (needed: {', '.join(_COLUMNS)}); drop it or "
                 "name another table, then open with create=true",
             )
-        self._execute(
+        self._pg.execute(
             conn,
             self._sql_add_many,
             {"endpoint": self._endpoint, "ids": [], "retention": None, "token": "", "mine": []},
         )
 
     def _build_statements(self) -> None:
-        render = self._render
+        render = self._table.render
         now = "extract(epoch FROM now())::float8"  # the server's clock, never the client's
         expires = f"{now} + %(retention)s::float8"  # NULL (forever) without retention
         on_conflict = (
@@ -193,21 +205,22 @@ class PostgresDeduplicationStore(PostgresClient, DeduplicationStore):
 
     def _add_new(self, request: WriteRequest) -> set[str]:
         params = {**self._write_params(request), "ids": sorted(request.ids)}
-        return {row[0] for row in self._write(self._sql_add_many, params, resend=True)}
+        return {row[0] for row in self._pg.write(self, self._sql_add_many, params, resend=True)}
 
     def _add_one(self, request: WriteRequest) -> bool:
-        return bool(self._write(self._sql_add_one, self._add_one_params(request), resend=True))
+        params = self._add_one_params(request)
+        return bool(self._pg.write(self, self._sql_add_one, params, resend=True))
 
     def _add_one_params(self, request: WriteRequest) -> dict[str, Any]:
         """The parameters of ``_sql_add_one`` (one id)."""
         return {**self._write_params(request), "id": request.ids[0]}
 
     def _find(self, ids: list[str], now: float) -> set[str]:
-        rows = self._read(self._sql_find, {"endpoint": self._endpoint, "ids": ids})
+        rows = self._pg.read(self, self._sql_find, {"endpoint": self._endpoint, "ids": ids})
         return {row[0] for row in rows}
 
     def _contains_one(self, message_id: str, now: float) -> bool:
-        return bool(self._read(self._sql_has, self._has_params(message_id)))
+        return bool(self._pg.read(self, self._sql_has, self._has_params(message_id)))
 
     def _has_params(self, message_id: str) -> dict[str, Any]:
         """The parameters of ``_sql_has``."""
@@ -219,14 +232,14 @@ class PostgresDeduplicationStore(PostgresClient, DeduplicationStore):
         Reads the endpoint's range of the primary key; bounded by ``timeout`` like any
         statement (raise it for an endpoint of many millions of ids).
         """
-        return int(self._read(self._sql_count, {"endpoint": self._endpoint})[0][0])
+        return int(self._pg.read(self, self._sql_count, {"endpoint": self._endpoint})[0][0])
 
     def _purge(self, now: float) -> int:
         params = {"endpoint": self._endpoint, "limit": _PURGE_BATCH}
         total = 0
         while True:
-            with self._pooled() as conn:
-                deleted = int(self._execute(conn, self._sql_purge, params)[0][0])
+            with self._pg.pooled(self) as conn:
+                deleted = int(self._pg.execute(conn, self._sql_purge, params)[0][0])
             total += deleted
             if deleted < _PURGE_BATCH:
                 return total

@@ -272,7 +272,7 @@ class RedisConnection(Connection):
         self._wait_timeout_ms: int = options["wait_timeout_ms"]
 
     @classmethod
-    def address(cls, url: StoreURL) -> Hashable:
+    def address(cls, url: StoreURL, options: Options) -> Hashable:
         """The server, the database and the URL's credentials."""
         return (
             url.scheme,
