@@ -292,6 +292,18 @@ class Connection(abc.ABC):
         """The driver's errors judged for ``client``: see :meth:`Client._classify_error`."""
         return None
 
+    @classmethod
+    def describe_error(cls, client: Client, exc: BaseException) -> str | None:
+        """A driver error as one short line for ``client`` (``None``: the default line,
+        see :meth:`Client._describe_error`)."""
+        return None
+
+    @classmethod
+    def secrets(cls, options: Options) -> set[str]:
+        """Secrets the options lead to besides the declared ones (say, an environment
+        variable's key): masked in every message too."""
+        return set()
+
     def health_warnings(self, client: Client) -> list[str]:
         """Warnings about the server's durability or consistency settings; none by default."""
         return []
@@ -486,23 +498,7 @@ class Client(Closing, abc.ABC):
     def _connection_key(self) -> Hashable | None:
         """The key the connection is shared by (``None``: not shared)."""
         handle = self._connection_handle
-        return self._legacy_key if handle is None else handle.key
-
-    # Backends not yet moved to a connection_class (PostgreSQL, DynamoDB, Cosmos DB)
-    # share their driver object through _shared_connection, keyed by the options of
-    # connection_options; both go once every backend has its Connection.
-    connection_options: ClassVar[tuple[str, ...]] = ()
-    _legacy_key: Hashable | None = None
-
-    def _shared_connection(
-        self, address: Hashable, factory: Callable[[], T], close: Callable[[T], None]
-    ) -> ProcessLocal[T]:
-        """A handle on the driver object this client shares with the other clients of
-        its backend's ``address`` and :attr:`connection_options` (see :class:`ProcessLocal`)."""
-        options = tuple((name, self._opts[name]) for name in self.connection_options)
-        family = type(self).__module__.rpartition(".")[0] or type(self).__module__
-        self._legacy_key = (family, address, options)
-        return ProcessLocal(factory, close, key=self._legacy_key)
+        return None if handle is None else handle.key
 
     @property
     def _creates(self) -> bool:
@@ -548,14 +544,20 @@ class Client(Closing, abc.ABC):
         return None
 
     def _describe_error(self, exc: BaseException) -> str:
-        """The driver error as one short line, secrets scrubbed."""
+        """The driver error as one short line, secrets scrubbed (the connection class's
+        :meth:`Connection.describe_error` first)."""
+        kind = self.connection_class
+        described = None if kind is None else kind.describe_error(self, exc)
+        if described is not None:
+            return described
         line = format_error(exc)
         if len(line) > 300:
             line = line[:297] + "..."
         return self._scrub(f"{type(exc).__name__}: {line}" if str(exc) else type(exc).__name__)
 
     def _secret_values(self) -> set[str]:
-        """Every secret this object knows (URL password, secret options); extend if more."""
+        """Every secret this object knows: the URL's password, secret options and the
+        connection class's :meth:`Connection.secrets`."""
         secrets = {self._url.password or ""}
         raw_userinfo = self._url.netloc.rpartition("@")[0]
         if ":" in raw_userinfo:
@@ -564,6 +566,8 @@ class Client(Closing, abc.ABC):
             value = self._opts.get(name)
             if option.secret and isinstance(value, str):
                 secrets.add(value)
+        if self.connection_class is not None:
+            secrets |= self.connection_class.secrets(self._opts)
         secrets.discard("")
         return secrets
 

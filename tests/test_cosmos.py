@@ -643,7 +643,7 @@ def test_string_options_convert_in_the_url_and_as_keywords(
         assert from_url.option("timeout") == 5.0 and from_url.option("connect_timeout") == 2.0
         assert from_url.option("create") is False and from_url.option("max_concurrency") == 4
         assert from_url.option("max_clock_skew") == 90.0
-        client = from_url._conn.get()  # type: ignore[attr-defined]
+        client = from_url._cosmos.client  # type: ignore[attr-defined]
         policy = client.client_connection.connection_policy
         assert policy.ReadTimeout == 5.0 and policy.RequestTimeout == 2.0
         assert policy.DBAReadTimeout == 5.0 and policy.RetryOptions.MaxRetryAttemptCount == 1
@@ -870,12 +870,12 @@ def test_purge_spares_records_expired_less_than_max_clock_skew_ago(
 def test_a_forked_child_opens_its_own_client(open_cosmos: StoreFactory) -> None:
     store = open_cosmos()
     assert store.add_many(["p1", "p2"]) == {"p1", "p2"}
-    parent_client = store._conn.get()  # type: ignore[attr-defined]
+    parent_client = store._cosmos.client  # type: ignore[attr-defined]
     pid = os.fork()
     if pid == 0:  # the child: never touches the parent's client or sockets
         code = 1
         try:
-            own = store._conn.get() is not parent_client  # type: ignore[attr-defined]
+            own = store._cosmos.client is not parent_client  # type: ignore[attr-defined]
             ok = own and store.add("c1") and not store.add("p1")
             code = (
                 0 if ok and store.processed_among(["p1", "p2", "c1"]) == {"p1", "p2", "c1"} else 2
@@ -884,6 +884,6 @@ def test_a_forked_child_opens_its_own_client(open_cosmos: StoreFactory) -> None:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert store._conn.get() is parent_client  # type: ignore[attr-defined]
+    assert store._cosmos.client is parent_client  # type: ignore[attr-defined]
     assert store.add("c1") is False
     assert store.add_many(["p3", "p4"]) == {"p3", "p4"}

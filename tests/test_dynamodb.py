@@ -750,7 +750,7 @@ def test_string_options_convert_and_round_trip(
         assert store.option("timeout") == 4.0 and store.option("retries") == 3
         assert store.option("connect_timeout") == 2.5 and store.option("create") is False
         assert store.option("max_clock_skew") == 90.0
-        config = store._client.meta.config  # type: ignore[attr-defined]
+        config = store._dynamodb.client.meta.config  # type: ignore[attr-defined]
         assert config.read_timeout == 4.0 and config.connect_timeout == 2.5
         # botocore retries nothing: the store does, within the call's deadline
         assert config.retries == {"mode": "standard", "total_max_attempts": 1}
@@ -764,7 +764,7 @@ def test_string_options_convert_and_round_trip(
         clone.close()
     with open_store(table_url, timeout="5", retries="0", create="false") as store:
         assert store.option("timeout") == 5.0 and store.option("retries") == 0
-        config = store._client.meta.config  # type: ignore[attr-defined]
+        config = store._dynamodb.client.meta.config  # type: ignore[attr-defined]
         assert config.retries == {"mode": "standard", "total_max_attempts": 1}
 
 
@@ -925,7 +925,7 @@ def _lose_answers(
 ) -> list[int]:
     """Make the store's client perform the real call, then raise ``error()`` instead of
     answering, for the successful calls numbered in ``fail`` (1 = the first)."""
-    client = store._client  # type: ignore[attr-defined]
+    client = store._dynamodb.client  # type: ignore[attr-defined]
     real = getattr(client, method)
     done: list[int] = []
     lock = threading.Lock()

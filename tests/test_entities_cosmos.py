@@ -39,8 +39,10 @@ from azure.cosmos.exceptions import CosmosHttpResponseError
 import dedupstore
 from backends import cosmos as cosmos_backend
 from backends.cosmos import (
+    CosmosConnection,
     CosmosDeduplicationStore,
     CosmosEntityStore,
+    create_container,
     create_entity_container,
     entity_document_id,
 )
@@ -60,6 +62,7 @@ from dedupstore.errors import (
     EntityTooLarge,
     StoreUnavailable,
 )
+from dedupstore.store import DeduplicationStore
 from dedupstore.testing.entities import EntityStoreContract, EntityStoreFactory
 from tests.servers import CosmosEndpoint
 
@@ -157,7 +160,7 @@ def _item(container: ContainerProxy, entity_id: str) -> dict[str, Any]:
 def test_opens_by_url_as_the_cosmos_entity_store(open_entities: EntityStoreFactory) -> None:
     store = open_entities()
     assert type(store) is CosmosEntityStore
-    assert isinstance(store, cosmos_backend.CosmosClientBase)
+    assert isinstance(store._cosmos, cosmos_backend.CosmosConnection)  # type: ignore[attr-defined]
     assert "UNSAFE in production" in (CosmosEntityStore.__init__.__doc__ or "")
 
 
@@ -310,7 +313,7 @@ def test_an_entity_at_the_limit_is_stored_and_one_byte_more_is_refused(
 ) -> None:
     store = open_entities()
     limit = store.max_entity_bytes
-    client = store._conn.get()  # type: ignore[attr-defined]
+    client = store._cosmos.client  # type: ignore[attr-defined]
     assert client.client_connection._enable_compact_utf8_item_writes is True
     for eid, fill in (("\x01" * 1024, '"'), ("unicode", "é\x7f🦄")):
         too_big = _entity_of_size(eid, limit + 1, fill)
@@ -415,7 +418,7 @@ def test_options_convert_in_the_url_and_as_keywords(
     ) as store:
         assert store.option("timeout") == 5.0 and store.option("connect_timeout") == 2.0
         assert store.option("max_concurrency") == 4 and store.option("create") is False
-        policy = store._conn.get().client_connection.connection_policy
+        policy = store._cosmos.client.client_connection.connection_policy
         assert policy.ReadTimeout == 5.0 and policy.RequestTimeout == 2.0
         assert store.load("x").version is None
     with CosmosEntityStore(bare, key=cosmos_server.key, timeout="5", max_concurrency="4") as kw:
@@ -774,12 +777,35 @@ def test_an_endpoint_that_stops_answering_is_store_unavailable_then_works_again(
     store.close()
 
 
-def test_dedup_and_entity_stores_share_one_connection_layer() -> None:
-    base = cosmos_backend.CosmosClientBase
-    shared = ("_new_client", "_check_consistency", "_check_container", "_read_many", "_parallel")
-    for cls in (CosmosDeduplicationStore, CosmosEntityStore):
-        assert issubclass(cls, base)
-        assert all(getattr(cls, name) is getattr(base, name) for name in shared)
+def test_dedup_and_entity_stores_of_one_account_share_one_cosmos_client(
+    cosmos_server: CosmosEndpoint, raw_client: CosmosClient, url: str
+) -> None:
+    """Each store holds a CosmosConnection (neither inherits one): the stores of one
+    account, key and connection options share one CosmosClient, whatever container."""
+    for cls, role in (
+        (CosmosDeduplicationStore, DeduplicationStore),
+        (CosmosEntityStore, EntityStore),
+    ):
+        assert cls.__bases__ == (role,) and cls.connection_class is CosmosConnection
+        assert cls.schemes == ("cosmos",)
         assert {"key", "tls", "timeout", "connect_timeout", "retries", "create"} <= set(
             cls.declared_options
         )
+    name = f"d-{uuid.uuid4().hex[:12]}"
+    create_container(raw_client, DATABASE, name)
+    dedup_url = entity_url(_netloc(cosmos_server), DATABASE, name)
+    try:
+        with (
+            CosmosEntityStore(url, key=cosmos_server.key) as entities,
+            CosmosDeduplicationStore(dedup_url, key=cosmos_server.key) as dedup,
+            CosmosDeduplicationStore(dedup_url, key=cosmos_server.key, connect_timeout=4) as slower,
+        ):
+            assert dedup._cosmos is entities._cosmos and dedup._shares_connection_with(entities)
+            assert slower._cosmos is not dedup._cosmos
+            assert (
+                dedup.add("m")
+                and entities.load("e").version is None
+                and slower.has_been_processed("m")
+            )
+    finally:
+        raw_client.get_database_client(DATABASE).delete_container(name)

@@ -365,7 +365,7 @@ def test_a_save_whose_answer_is_lost_raises_and_never_reports_a_wrong_outcome(
     entity_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store, other = DynamoDBEntityStore(entity_url, retries=0), DynamoDBEntityStore(entity_url)
-    client = store._client
+    client = store._dynamodb.client
     real = client.put_item
 
     def applied_then_lost(**kwargs: Any) -> Any:
@@ -394,7 +394,7 @@ def test_save_many_failing_part_way_raises_and_keeps_what_was_written(
     entity_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = DynamoDBEntityStore(entity_url, retries=0)
-    client = store._client
+    client = store._dynamodb.client
     real = client.put_item
 
     def fail_one(**kwargs: Any) -> Any:
@@ -570,7 +570,7 @@ def test_options_convert_round_trip_and_bound_every_request(entity_url: str) -> 
         aws_secret_access_key=FAKE_SECRET,
         aws_session_token=FAKE_TOKEN,
     ) as store:
-        config = store._client.meta.config
+        config = store._dynamodb.client.meta.config
         assert config.read_timeout == 4.0 and config.connect_timeout == 2.5
         # botocore retries nothing: the store does, within the call's deadline
         assert config.retries == {"mode": "standard", "total_max_attempts": 1}
@@ -588,10 +588,10 @@ def test_client_option_is_used_not_pickled_not_closed(
 ) -> None:
     client = _client(dynamodb_server)
     with DynamoDBEntityStore(entity_url, client=client) as store:
-        assert store._client is client
+        assert store._dynamodb.client is client
         store.save(store.load("via-client"))
         clone = pickle.loads(pickle.dumps(store))
-        assert clone._client is not client and clone.load("via-client").version == 1
+        assert clone._dynamodb.client is not client and clone.load("via-client").version == 1
         clone.close()
     assert client.describe_table(TableName=_table(entity_url))["Table"]["TableName"]
 

@@ -39,8 +39,6 @@ network = pytest.mark.parametrize("outbox_backend", backend_params(SHARING), ind
 
 def _shared(client: Client) -> Any:
     """The connection object ``client`` uses in this process."""
-    if client.connection_class is None:  # a backend not yet moved to a Connection
-        return client._conn.get()  # type: ignore[attr-defined]
     return client._connection
 
 

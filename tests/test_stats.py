@@ -160,7 +160,7 @@ def test_count_leaves_out_other_endpoints_and_expired_records(
     other, similar = store("ep1"), store("ep[*]:x%")
     bulk = 150 if outbox_backend.name == "cosmos" else 2500  # several pages of a Redis SCAN
     if outbox_backend.name == "dynamodb":  # pages of 700 items: the count adds pages up
-        client: Any = other._client  # type: ignore[attr-defined]
+        client: Any = other._dynamodb.client  # type: ignore[attr-defined]
         scan = client.scan
         monkeypatch.setattr(client, "scan", lambda **request: scan(**request, Limit=700))
     try:

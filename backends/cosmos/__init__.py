@@ -1,6 +1,6 @@
 """``cosmos://<host>[:port]/<database>/<container>?...``: Azure Cosmos DB (NoSQL API).
 
-Two stores share one connection layer (:class:`CosmosClientBase`, in ``_client``):
+Two stores share one ``CosmosClient`` per account and process (:class:`CosmosConnection`):
 
 * :class:`CosmosDeduplicationStore` (``open_store``; :mod:`backends.cosmos.store`):
   one item per (endpoint, message id) in a container made by :func:`create_container`;
@@ -71,7 +71,7 @@ operations guarantee on failure.
 
 from __future__ import annotations
 
-from backends.cosmos._client import KEY_ENV_VAR, PARTITION_KEY_PATH, CosmosClientBase
+from backends.cosmos._client import KEY_ENV_VAR, PARTITION_KEY_PATH, CosmosConnection
 from backends.cosmos.entities import (
     CosmosEntityStore,
     create_entity_container,
@@ -82,7 +82,7 @@ from backends.cosmos.store import CosmosDeduplicationStore, create_container, do
 __all__ = [
     "KEY_ENV_VAR",
     "PARTITION_KEY_PATH",
-    "CosmosClientBase",
+    "CosmosConnection",
     "CosmosDeduplicationStore",
     "CosmosEntityStore",
     "create_container",

@@ -1,22 +1,24 @@
-"""The connection layer both Cosmos DB stores share: :class:`CosmosClientBase`.
+"""The connection both Cosmos DB stores share: :class:`CosmosConnection`.
 
-Options, the ``cosmos://`` URL, client creation (timeouts, retries, transport), the
-account's consistency check, the container check (it exists and is partitioned on
-``/id``; created with ``create=true``), error classification, secret masking,
-read-many and bounded parallel requests. The deduplication store
-(:mod:`backends.cosmos.store`) and the entity store (:mod:`backends.cosmos.entities`)
-add their item layout and their requests.
+Options, the ``cosmos://`` URL, the ``CosmosClient`` of one account in one process
+(timeouts, retries, transport), the account's consistency check, the check of each
+store's container (it exists and is partitioned on ``/id``; created with
+``create=true``), error classification, read-many and bounded parallel requests.
+The deduplication store (:mod:`backends.cosmos.store`) and the entity store
+(:mod:`backends.cosmos.entities`) hold the connection, say what their container is
+(:class:`ContainerKind`) and add their item layout and their requests.
 """
 
 from __future__ import annotations
 
 import binascii
 import contextlib
+import dataclasses
 import json
 import logging
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Final, TypeVar
 from urllib.parse import unquote
 
@@ -24,15 +26,16 @@ import requests
 import urllib3
 from azure.core.exceptions import AzureError, HttpResponseError, ServiceResponseError
 from azure.core.pipeline.transport import RequestsTransport
-from azure.cosmos import CosmosClient
+from azure.cosmos import CosmosClient, PartitionKey
 from azure.cosmos.documents import ConnectionPolicy
 from azure.cosmos.exceptions import CosmosHttpResponseError
 from urllib3.util.retry import Retry
 
 from backends._http import cut_short
 from dedupstore.calls import DeadlinePassed, executor, fan_out, time_left
-from dedupstore.client import Client, ErrorKind, ProcessLocal
-from dedupstore.errors import ConfigurationError, ConsistencyError, StoreUnavailable
+from dedupstore.client import Client, Connection, ErrorKind
+from dedupstore.errors import ConfigurationError, ConsistencyError, StoreUnavailable, format_error
+from dedupstore.masking import MASK
 from dedupstore.options import (
     Option,
     Options,
@@ -54,7 +57,8 @@ __all__ = [
     "CONNECTION_OPTIONS",
     "KEY_ENV_VAR",
     "PARTITION_KEY_PATH",
-    "CosmosClientBase",
+    "ContainerKind",
+    "CosmosConnection",
 ]
 
 #: One logger for the package (``backends.cosmos``), whichever store logs.
@@ -128,22 +132,6 @@ def _check_name(kind: str, name: str, url: str) -> str:
     return name
 
 
-def _http_summary(exc: HttpResponseError) -> str:
-    """``HTTP <status> <code>: <message>`` on one line, from a Cosmos error."""
-    status = exc.status_code or 0
-    message = str(getattr(exc, "http_error_message", None) or exc.message or "")
-    code = ""
-    with contextlib.suppress(ValueError, TypeError, AttributeError):
-        body = json.loads(message)
-        code, message = str(body.get("code") or ""), str(body.get("message") or "")
-    line = next((part.strip() for part in message.splitlines() if part.strip()), "")
-    line = line.removesuffix(",")
-    if len(line) > 200:
-        line = line[:197] + "..."
-    summary = f"HTTP {status}" + (f" {code}" if code else "")
-    return f"{summary}: {line}" if line else summary
-
-
 def _names(url: StoreURL) -> tuple[str, str]:
     """The database and container names of a ``cosmos://`` URL; ``ConfigurationError``."""
     if url.username is not None or url.password is not None:
@@ -163,6 +151,41 @@ def _names(url: StoreURL) -> tuple[str, str]:
         _check_name("database", unquote(segments[0]), url.masked),
         _check_name("container", unquote(segments[1]), url.masked),
     )
+
+
+def _key(options: Options) -> str:
+    """The account key: option ``key``, else ``COSMOS_KEY`` (``""``: none)."""
+    return str(options["key"] or os.environ.get(KEY_ENV_VAR, ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class ContainerKind:
+    """What a store keeps in its container (its ``_kind``): its use ("a deduplication
+    container"), the function that creates one, the container's properties besides
+    the partition key, why Strong is needed and what a weaker account risks."""
+
+    what: str
+    function: str
+    properties: Mapping[str, Any]
+    strong_reason: str
+    weak_risk: str
+
+    def create(
+        self, client: CosmosClient, database: str, container: str, throughput: int | None = None
+    ) -> ContainerProxy:
+        """Create ``database`` and ``container`` (partitioned on ``/id``) if missing."""
+        db = client.create_database_if_not_exists(database)
+        proxy: ContainerProxy = db.create_container_if_not_exists(
+            id=container,
+            partition_key=PartitionKey(path=PARTITION_KEY_PATH),
+            offer_throughput=throughput,
+            **self.properties,
+        )
+        return proxy
+
+
+def _kind(client: Client) -> ContainerKind:
+    return client._kind  # type: ignore[attr-defined, no-any-return]
 
 
 #: The options of both stores, declared once (each store adds its own).
@@ -191,25 +214,17 @@ CONNECTION_OPTIONS: Final[tuple[Option, ...]] = (
 )
 
 
-class CosmosClientBase(Client):
-    """What both Cosmos DB stores share: connection, checks, errors, parallel requests.
-
-    A mixin placed first among the bases (``class S(CosmosClientBase,
-    DeduplicationStore)``); named so as not to shadow ``azure.cosmos.CosmosClient``.
-    Opening connects (one client per process, made again after ``fork``), checks
-    that the account's default consistency is Strong and that the container exists
-    and is partitioned on ``/id`` (creating it with ``create=true``). Every request
-    has the ``connect_timeout`` + ``timeout`` bound and ``retries`` SDK retries.
+class CosmosConnection(Connection):
+    """The ``CosmosClient`` of one account (host, port, key) in one process, shared by the
+    stores of every database and container there. Each store names it as its
+    ``connection_class``, reaches it as ``self._cosmos``, says what its container is in
+    ``_kind`` (a :class:`ContainerKind`) and opens the container with
+    :meth:`open_container`. Every request has the ``connect_timeout`` + ``timeout``
+    bound and ``retries`` SDK retries.
     """
 
-    #: What the container is, for error messages ("a deduplication container").
-    _container_kind: ClassVar[str] = ""
-    #: The function that creates such a container, for error messages.
-    _create_function: ClassVar[str] = ""
-    #: Why Strong is needed, and what a weaker account risks (messages, warnings).
-    _strong_reason: ClassVar[str] = ""
-    _weak_risk: ClassVar[str] = ""
-    connection_options: ClassVar[tuple[str, ...]] = (
+    schemes: ClassVar[tuple[str, ...]] = ("cosmos",)
+    shaped_by: ClassVar[tuple[str, ...]] = (
         "tls",
         "endpoint_discovery",
         "allow_weak_consistency_for_emulator_only",
@@ -219,42 +234,25 @@ class CosmosClientBase(Client):
         "retries",
     )
 
-    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
-        """Resolve the options, connect, check the account's consistency and the container.
-
-        Raises ``ConsistencyError`` for an account weaker than Strong (unless
-        ``allow_weak_consistency_for_emulator_only``), ``ConfigurationError`` for a
-        bad URL or option, a missing or rejected key, a missing database or
-        container, and ``StoreUnavailable`` when the service cannot be reached.
-        """
-        super().__init__(url, **options)
-        self._database_name, self._container_name = _names(self._url)
-        opts = self._opts
-        self._account_consistency = "unknown"
-        self._endpoint_url = f"{'https' if opts['tls'] else 'http'}://{self._url.netloc}/"
-        self._secret: str = opts["key"] or os.environ.get(KEY_ENV_VAR, "")
-        if opts["client"] is None and not self._secret:
-            raise ConfigurationError(
-                f"no Cosmos DB key for {self.url}: pass key=... or set {KEY_ENV_VAR}"
-            )
-        given: CosmosClient | None = opts["client"]
-        self._conn: ProcessLocal[CosmosClient] = (
-            ProcessLocal(lambda: given)
-            if given is not None
-            else self._shared_connection(
-                (self._endpoint_url, self._secret), self._new_client, CosmosClient.close
-            )
-        )
-        self._containers = ProcessLocal(self._container_proxy)
-        with self._opening("open"):
-            client = self._conn.get()
-            self._check_consistency(client)
-            self._check_container(client)
+    def __init__(self, url: StoreURL, options: Options) -> None:
+        """The given ``client``, or our own (no I/O; ``ConfigurationError`` without a key)."""
+        super().__init__(url, options)
+        self.endpoint = f"{'https' if options['tls'] else 'http'}://{url.netloc}/"
+        #: The account's default consistency, as the last :meth:`open_container` read it.
+        self.consistency = "unknown"
+        self._containers: dict[str, ContainerProxy] = {}
+        given: CosmosClient | None = options["client"]
+        self._given = given is not None
+        self.client: CosmosClient = given if given is not None else self._connect()
 
     @classmethod
-    def _validate(cls, url: StoreURL, options: Options) -> None:
+    def address(cls, url: StoreURL, options: Options) -> Hashable:
+        """The account: host, port and key (the database and container are the stores')."""
+        return url.netloc, _key(options)
+
+    @classmethod
+    def validate(cls, url: StoreURL, options: Options) -> None:
         """The URL names a host, a database and a container; ``client`` is a CosmosClient."""
-        super()._validate(url, options)
         _names(url)
         client = options["client"]
         if client is not None and not isinstance(client, CosmosClient):
@@ -262,28 +260,17 @@ class CosmosClientBase(Client):
                 f"client must be an azure.cosmos.CosmosClient, got {type(client).__name__}"
             )
 
-    # ------------------------------------------------------------------ for the stores
+    @classmethod
+    def deadline_seconds(cls, options: Options) -> float:
+        """``connect_timeout + (retries + 1) x timeout``: see :mod:`backends.cosmos`."""
+        return float(options["connect_timeout"] + (options["retries"] + 1) * options["timeout"])
 
-    def _create_container(self, client: CosmosClient) -> None:
-        """Create the database and the container if missing (``create=true``)."""
-        raise NotImplementedError
-
-    def _container_checked(self, properties: Mapping[str, Any]) -> None:
-        """Called at open with the container's properties (after the common checks)."""
-
-    # ------------------------------------------------------------------ opening
-
-    def _container_proxy(self) -> ContainerProxy:
-        """This process's proxy of the store's container (no I/O)."""
-        database = self._conn.get().get_database_client(self._database_name)
-        return database.get_container_client(self._container_name)
-
-    @property
-    def _container(self) -> ContainerProxy:
-        return self._containers.get()
-
-    def _new_client(self) -> CosmosClient:
-        opts = self._opts
+    def _connect(self) -> CosmosClient:
+        opts, secret = self.options, _key(self.options)
+        if not secret:
+            raise ConfigurationError(
+                f"no Cosmos DB key for {self.url.masked}: pass key=... or set {KEY_ENV_VAR}"
+            )
         session = requests.Session()
         adapter = _BoundedAdapter(
             pool_connections=4,
@@ -323,90 +310,159 @@ class CosmosClientBase(Client):
             # for more than the account default, so this is off for emulators.
             kwargs["consistency_level"] = "Strong"
         try:
-            return CosmosClient(self._endpoint_url, credential=self._secret, **kwargs)
+            return CosmosClient(self.endpoint, credential=secret, **kwargs)
         except binascii.Error:
             session.close()
             raise ConfigurationError(
-                f"the Cosmos DB key for {self.url} is not valid base64: expected the "
+                f"the Cosmos DB key for {self.url.masked} is not valid base64: expected the "
                 "account's primary or secondary key"
             ) from None
         except (ValueError, TypeError) as exc:
             session.close()
+            detail = f"{type(exc).__name__}: {format_error(exc)}".replace(secret, MASK)
             raise ConfigurationError(
-                f"cannot create a Cosmos DB client for {self.url}: {self._describe_error(exc)}"
+                f"cannot create a Cosmos DB client for {self.url.masked}: {detail}"
             ) from None
         except BaseException:
             session.close()
             raise
 
-    def _check_consistency(self, client: CosmosClient) -> None:
-        policy = client.get_database_account().ConsistencyPolicy or {}
-        level = str(policy.get("defaultConsistencyLevel", "unknown"))
-        self._account_consistency = level
-        allow_weak = self._opts["allow_weak_consistency_for_emulator_only"]
+    # ------------------------------------------------------------------ the stores' containers
+
+    def open_container(self, client: Client) -> Mapping[str, Any]:
+        """Check the account's consistency (``ConsistencyError``) and ``client``'s container
+        (created first if ``client`` creates; missing or not partitioned on ``/id``:
+        ``ConfigurationError``); return the container's properties."""
+        kind = _kind(client)
+        policy = self.client.get_database_account().ConsistencyPolicy or {}
+        level = self.consistency = str(policy.get("defaultConsistencyLevel", "unknown"))
         if level == "Strong":
-            if allow_weak:
+            if self.options["allow_weak_consistency_for_emulator_only"]:
                 _log.warning(
                     "%s: allow_weak_consistency_for_emulator_only=True has no effect: the "
                     "account is already Strong; remove the option",
-                    self.url,
+                    client.url,
                 )
-            return
-        if not allow_weak:
+        elif not self.options["allow_weak_consistency_for_emulator_only"]:
             raise ConsistencyError(
-                f"the Cosmos DB account at {self._endpoint_url} has default consistency "
-                f"{level!r}; {self._strong_reason} needs 'Strong' (set it on the account; "
+                f"the Cosmos DB account at {self.endpoint} has default consistency "
+                f"{level!r}; {kind.strong_reason} needs 'Strong' (set it on the account; "
                 "allow_weak_consistency_for_emulator_only=True exists for emulators only)"
             )
-        _log.warning(
-            "UNSAFE: %s opened with allow_weak_consistency_for_emulator_only=True on an account "
-            "with default consistency %r: %s; never use this option in production",
-            self.url,
-            level,
-            self._weak_risk,
-        )
-
-    def _check_container(self, client: CosmosClient) -> None:
-        if self._creates:
-            self._create_container(client)
-        database = client.get_database_client(self._database_name)
-        fix = f"create it with {self._create_function} or open with create=true"
+        else:
+            _log.warning(
+                "UNSAFE: %s opened with allow_weak_consistency_for_emulator_only=True on an "
+                "account with default consistency %r: %s; never use this option in production",
+                client.url,
+                level,
+                kind.weak_risk,
+            )
+        database_name, container_name = _names(client._url)
+        if client._creates:
+            kind.create(self.client, database_name, container_name)
+        fix = f"create it with {kind.function} or open with create=true"
         try:
-            properties = database.get_container_client(self._container_name).read()
+            properties: Mapping[str, Any] = self.container(client).read()
         except CosmosHttpResponseError as exc:
             if exc.status_code != 404:
                 raise
             try:
-                database.read()
+                self.client.get_database_client(database_name).read()
             except CosmosHttpResponseError as db_exc:
                 if db_exc.status_code == 404:
-                    raise self._no_such_store(
-                        f"Cosmos DB database {self._database_name!r} does not exist at "
-                        f"{self._endpoint_url}",
+                    raise client._no_such_store(
+                        f"Cosmos DB database {database_name!r} does not exist at {self.endpoint}",
                         f"{fix} (it creates the container too)",
                     ) from None
                 raise
-            raise self._no_such_store(
-                f"Cosmos DB container {self._container_name!r} does not exist in database "
-                f"{self._database_name!r}",
+            raise client._no_such_store(
+                f"Cosmos DB container {container_name!r} does not exist in database "
+                f"{database_name!r}",
                 fix,
             ) from None
         paths = list((properties.get("partitionKey") or {}).get("paths") or [])
         if paths != [PARTITION_KEY_PATH]:
             raise ConfigurationError(
-                f"Cosmos DB container {self._container_name!r} is partitioned on {paths}; "
-                f"{self._container_kind} needs partition key path "
-                f"{PARTITION_KEY_PATH!r} (create it with {self._create_function})"
+                f"Cosmos DB container {container_name!r} is partitioned on {paths}; "
+                f"{kind.what} needs partition key path "
+                f"{PARTITION_KEY_PATH!r} (create it with {kind.function})"
             )
-        self._container_checked(properties)
+        return properties
 
-    # ------------------------------------------------------------------ errors
+    def container(self, client: Client) -> ContainerProxy:
+        """The proxy of ``client``'s container (no I/O; one per container and process)."""
+        path = client._url.path
+        proxy = self._containers.get(path)
+        if proxy is None:
+            database_name, container_name = _names(client._url)
+            database = self.client.get_database_client(database_name)
+            proxy = self._containers[path] = database.get_container_client(container_name)
+        return proxy
 
-    def _classify_error(self, exc: BaseException) -> ErrorKind:
+    def read_many(self, client: Client, doc_ids: Sequence[str]) -> dict[str, Any]:
+        """Items of ``client``'s container by id; absent ids are missing from the result.
+
+        Strongly consistent. Never a point read: the SDK reports a point read's 404 as
+        "absent" whether the item or the container is missing (and cosmosdb-server
+        answers 500). A lone id is a single-partition query; several are the SDK's
+        read-many (one ``id IN (...)`` query per physical partition, in parallel).
+        Both fail loudly (404) when the container is gone.
+        """
+        if not doc_ids:
+            return {}
+        if len(doc_ids) == 1:
+            items: Any = self.container(client).query_items(
+                "SELECT * FROM c WHERE c.id = @id",
+                parameters=[{"name": "@id", "value": doc_ids[0]}],
+                partition_key=doc_ids[0],
+            )
+        else:
+            items = self.container(client).read_items(
+                [(d, d) for d in doc_ids], executor=executor()
+            )
+        return {str(item["id"]): item for item in items}
+
+    def parallel(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
+        """``[fn(x) for x in items]`` with up to ``max_concurrency`` calls in flight.
+
+        :func:`~dedupstore.calls.fan_out`: after a failure no new call starts, the
+        running ones are awaited, then the first failure in input order is raised.
+        """
+        return fan_out(fn, items, concurrency=self.options["max_concurrency"])
+
+    # ------------------------------------------------------------------ errors, health
+
+    @classmethod
+    def describe_error(cls, client: Client, exc: BaseException) -> str | None:
+        """A Cosmos DB answer as ``HTTP <status> <code>: <message>`` on one line, scrubbed;
+        ``None`` for any other error."""
+        if not isinstance(exc, HttpResponseError):
+            return None
+        status = exc.status_code or 0
+        message = str(getattr(exc, "http_error_message", None) or exc.message or "")
+        code = ""
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            body = json.loads(message)
+            code, message = str(body.get("code") or ""), str(body.get("message") or "")
+        line = next((part.strip() for part in message.splitlines() if part.strip()), "")
+        line = line.removesuffix(",")
+        if len(line) > 200:
+            line = line[:197] + "..."
+        summary = f"HTTP {status}" + (f" {code}" if code else "")
+        return client._scrub(f"{summary}: {line}" if line else summary)
+
+    @classmethod
+    def secrets(cls, options: Options) -> set[str]:
+        """The account key, also from ``COSMOS_KEY``."""
+        return {_key(options)} - {""}
+
+    @classmethod
+    def classify_error(cls, client: Client, exc: BaseException) -> ErrorKind:
+        """Cosmos DB's answers by status; the transport's failures: ``StoreUnavailable``."""
         if isinstance(exc, HttpResponseError):
             status = exc.status_code or 0
             sub_status = getattr(exc, "sub_status", None) or 0
-            summary = self._describe_error(exc)
+            summary = client._describe_error(exc)
             if (
                 status in _UNAVAILABLE_STATUSES
                 or status >= 500
@@ -414,19 +470,20 @@ class CosmosClientBase(Client):
             ):
                 return StoreUnavailable
             if status in (401, 403):
-                return self._error(
+                return client._error(
                     ConfigurationError,
                     None,
                     f"Cosmos DB refused the credentials ({summary}); "
                     f"check the key (option 'key' or {KEY_ENV_VAR})",
                 )
             if status == 404:
-                return self._error(
+                database_name, container_name = _names(client._url)
+                return client._error(
                     ConfigurationError,
                     None,
-                    f"database {self._database_name!r} or container "
-                    f"{self._container_name!r} does not exist ({summary}); "
-                    f"create it with {self._create_function} or open with create=true",
+                    f"database {database_name!r} or container "
+                    f"{container_name!r} does not exist ({summary}); create it with "
+                    f"{_kind(client).function} or open with create=true",
                 )
             if status == 400 and "consisten" in summary.lower():
                 return ConsistencyError
@@ -437,62 +494,19 @@ class CosmosClientBase(Client):
         # the transport failed or gave up (connection, timeout).
         if isinstance(exc, AzureError | requests.RequestException):
             return StoreUnavailable
-        return super()._classify_error(exc)
+        return None
 
-    def _describe_error(self, exc: BaseException) -> str:
-        if isinstance(exc, HttpResponseError):
-            return self._scrub(_http_summary(exc))
-        return super()._describe_error(exc)
-
-    def _secret_values(self) -> set[str]:
-        """Also the key taken from the environment (not an option value)."""
-        return super()._secret_values() | {getattr(self, "_secret", "")} - {""}
-
-    def _health_warnings(self) -> list[str]:
-        if self._account_consistency == "Strong":
+    def health_warnings(self, client: Client) -> list[str]:
+        """An account weaker than Strong (opened with the unsafe option)."""
+        if self.consistency == "Strong":
             return []
         return [
             f"UNSAFE: the Cosmos DB account's default consistency is "
-            f"{self._account_consistency!r}, not 'Strong' "
-            f"(allow_weak_consistency_for_emulator_only=True): {self._weak_risk}"
+            f"{self.consistency!r}, not 'Strong' "
+            f"(allow_weak_consistency_for_emulator_only=True): {_kind(client).weak_risk}"
         ]
 
-    # ------------------------------------------------------------------ requests
-
-    def _read_many(self, container: ContainerProxy, doc_ids: Sequence[str]) -> dict[str, Any]:
-        """Items by id; absent ids are missing from the result. Strongly consistent.
-
-        Never a point read: the SDK reports a point read's 404 as "absent" whether
-        the item or the container is missing (and cosmosdb-server answers 500). A
-        lone id is a single-partition query; several are the SDK's read-many (one
-        ``id IN (...)`` query per physical partition, in parallel). Both fail loudly
-        (404) when the container is gone.
-        """
-        if not doc_ids:
-            return {}
-        if len(doc_ids) == 1:
-            items: Any = container.query_items(
-                "SELECT * FROM c WHERE c.id = @id",
-                parameters=[{"name": "@id", "value": doc_ids[0]}],
-                partition_key=doc_ids[0],
-            )
-        else:
-            items = container.read_items([(d, d) for d in doc_ids], executor=executor())
-        return {str(item["id"]): item for item in items}
-
-    def _parallel(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
-        """``[fn(x) for x in items]`` with up to ``max_concurrency`` calls in flight.
-
-        :func:`~dedupstore.calls.fan_out`: after a failure no new call starts, the
-        running ones are awaited, then the first failure in input order is raised.
-        """
-        return fan_out(fn, items, concurrency=self._opts["max_concurrency"])
-
-    def _deadline_seconds(self) -> float:
-        """``connect_timeout + (retries + 1) x timeout``: see :mod:`backends.cosmos`."""
-        opts = self._opts
-        return float(opts["connect_timeout"] + (opts["retries"] + 1) * opts["timeout"])
-
-    def _close(self) -> None:
-        self._containers.close()
-        self._conn.close()
+    def close(self) -> None:
+        """Close our own ``CosmosClient`` (not a given one)."""
+        if not self._given:
+            self.client.close()

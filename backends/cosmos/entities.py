@@ -36,7 +36,7 @@ on ``/id``. Each entity is one item::
   both writes: the third writer saved on top of ours).
 * Loads are read-many queries (one per physical partition, in parallel; a lone id a
   single-partition query), strongly consistent, never point reads (see
-  :meth:`CosmosClientBase._read_many`).
+  :meth:`CosmosConnection.read_many`).
 * ``pending_outboxes(segment, segments)`` is a cross-partition query
   ``WHERE c.pending = true AND c.bucket % @segments = @segment``, read page by page
   (continuation tokens, at most 100 items a page): segments follow the stored
@@ -72,11 +72,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from azure.core import MatchConditions
 from azure.core.exceptions import HttpResponseError
-from azure.cosmos import CosmosClient, PartitionKey
+from azure.cosmos import CosmosClient
 from azure.cosmos.exceptions import CosmosHttpResponseError
 
-from backends.cosmos._client import CONNECTION_OPTIONS, PARTITION_KEY_PATH, CosmosClientBase
-from dedupstore.client import ErrorKind
+from backends.cosmos._client import CONNECTION_OPTIONS, ContainerKind, CosmosConnection
+from dedupstore.client import Connected, ErrorKind
 from dedupstore.entities import EntityRecord, EntityStore
 from dedupstore.errors import ConfigurationError, EntityTooLarge
 from dedupstore.options import Options, OptionSet
@@ -126,13 +126,7 @@ def create_entity_container(
     existing container is left as it is. Raises ``CosmosHttpResponseError`` and
     azure-core errors; :class:`CosmosEntityStore` translates them when it calls this.
     """
-    db = client.create_database_if_not_exists(database)
-    return db.create_container_if_not_exists(
-        id=container,
-        partition_key=PartitionKey(path=PARTITION_KEY_PATH),
-        indexing_policy=_INDEXING_POLICY,
-        offer_throughput=offer_throughput,
-    )
+    return CosmosEntityStore._kind.create(client, database, container, offer_throughput)
 
 
 def _etag_of(result: Mapping[str, Any]) -> str | None:
@@ -143,7 +137,7 @@ def _etag_of(result: Mapping[str, Any]) -> str | None:
     return str(etag) if etag else None
 
 
-class CosmosEntityStore(CosmosClientBase, EntityStore):
+class CosmosEntityStore(EntityStore):
     """Entities in an Azure Cosmos DB (NoSQL API) container, one item each.
 
     The version is the item's ``_etag``; a save writes only if it is unchanged
@@ -157,7 +151,8 @@ class CosmosEntityStore(CosmosClientBase, EntityStore):
     a child opens its own client.
     """
 
-    schemes: ClassVar[tuple[str, ...]] = ("cosmos",)
+    connection_class = CosmosConnection
+    _cosmos = Connected[CosmosConnection]()
     max_entity_bytes: ClassVar[int] = (MAX_REQUEST_BYTES - ITEM_OVERHEAD_BYTES) // 2
     max_load_batch: ClassVar[int] = 100
     declared_options: ClassVar[OptionSet] = EntityStore.declared_options.extend(
@@ -168,10 +163,13 @@ class CosmosEntityStore(CosmosClientBase, EntityStore):
             "(key, tls, timeouts and retries are then unused)",
         ),
     )
-    _container_kind: ClassVar[str] = "an entity container"
-    _create_function: ClassVar[str] = "create_entity_container()"
-    _strong_reason: ClassVar[str] = "a strongly consistent entity store"
-    _weak_risk: ClassVar[str] = "loads may miss acknowledged saves and return stale entities"
+    _kind: ClassVar[ContainerKind] = ContainerKind(
+        "an entity container",
+        "create_entity_container()",
+        {"indexing_policy": _INDEXING_POLICY},
+        "a strongly consistent entity store",
+        "loads may miss acknowledged saves and return stale entities",
+    )
 
     def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
         """Connect, check the account's consistency and the entity container.
@@ -184,6 +182,8 @@ class CosmosEntityStore(CosmosClientBase, EntityStore):
         cannot be reached.
         """
         super().__init__(url, **options)
+        with self._opening("open"):
+            self._cosmos.open_container(self)
 
     @classmethod
     def _validate(cls, url: StoreURL, options: Options) -> None:
@@ -197,9 +197,6 @@ class CosmosEntityStore(CosmosClientBase, EntityStore):
                 "exceed Cosmos DB's 2 MiB request limit; create it with "
                 "enable_compact_utf8_item_writes=True"
             )
-
-    def _create_container(self, client: CosmosClient) -> None:
-        create_entity_container(client, self._database_name, self._container_name)
 
     def _classify_error(self, exc: BaseException) -> ErrorKind:
         if isinstance(exc, HttpResponseError) and exc.status_code == 413:
@@ -240,7 +237,7 @@ class CosmosEntityStore(CosmosClientBase, EntityStore):
                 ConfigurationError,
                 None,
                 f"item {item.get('id')!r} of container "
-                f"{self._container_name!r} holds entity {stored!r:.60}, {wanted}: a "
+                f"{self._cosmos.container(self).id!r} holds entity {stored!r:.60}, {wanted}: a "
                 "container shared with other data (or a SHA-256 collision); give the "
                 "entities a container of their own",
             )
@@ -250,7 +247,7 @@ class CosmosEntityStore(CosmosClientBase, EntityStore):
 
     def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
         doc_ids = {eid: entity_document_id(eid) for eid in ids}
-        found = self._read_many(self._container, list(doc_ids.values()))
+        found = self._cosmos.read_many(self, list(doc_ids.values()))
         result: dict[str, tuple[str, Any]] = {}
         for eid, doc_id in doc_ids.items():
             item = found.get(doc_id)
@@ -260,7 +257,7 @@ class CosmosEntityStore(CosmosClientBase, EntityStore):
         return result
 
     def _save(self, records: list[EntityRecord]) -> dict[str, Any]:
-        container = self._container
+        container = self._cosmos.container(self)
         tokens = {record.id: secrets.token_urlsafe(16) for record in records}
 
         def write(record: EntityRecord) -> str | None:
@@ -289,12 +286,12 @@ class CosmosEntityStore(CosmosClientBase, EntityStore):
 
         # A version that is not an etag string (from another store) matches nothing.
         sendable = [r for r in records if r.version is None or isinstance(r.version, str)]
-        etags = self._parallel(write, sendable)
+        etags = self._cosmos.parallel(write, sendable)
         saved = {r.id: etag for r, etag in zip(sendable, etags, strict=True) if etag}
         refused = [r.id for r, etag in zip(sendable, etags, strict=True) if not etag]
         if refused:
             # Our own write, resent by the SDK and refused the second time, is ours.
-            found = self._read_many(container, [entity_document_id(eid) for eid in refused])
+            found = self._cosmos.read_many(self, [entity_document_id(eid) for eid in refused])
             for eid in refused:
                 item = found.get(entity_document_id(eid))
                 if item is not None and item.get("token") == tokens[eid]:
@@ -303,7 +300,8 @@ class CosmosEntityStore(CosmosClientBase, EntityStore):
         return saved
 
     def _scan(self, segment: int, segments: int) -> Iterator[tuple[str, str, Any]]:
-        pages = self._container.query_items(
+        container = self._cosmos.container(self)
+        pages = container.query_items(
             "SELECT c.id, c.entity_id, c.body, c._etag FROM c "
             "WHERE c.pending = true AND c.bucket % @segments = @segment",
             parameters=[

@@ -50,10 +50,11 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from azure.core import MatchConditions
-from azure.cosmos import CosmosClient, PartitionKey
+from azure.cosmos import CosmosClient
 from azure.cosmos.exceptions import CosmosHttpResponseError
 
-from backends.cosmos._client import CONNECTION_OPTIONS, PARTITION_KEY_PATH, CosmosClientBase
+from backends.cosmos._client import CONNECTION_OPTIONS, ContainerKind, CosmosConnection
+from dedupstore.client import Connected
 from dedupstore.errors import ConfigurationError, StoreUnavailable
 from dedupstore.options import OptionSet
 from dedupstore.store import CLOCK, MAX_CLOCK_SKEW, DeduplicationStore, WriteRequest
@@ -106,17 +107,10 @@ def create_container(
     container is left as it is. Raises ``CosmosHttpResponseError`` and azure-core
     errors; :class:`CosmosDeduplicationStore` translates them when it calls this.
     """
-    db = client.create_database_if_not_exists(database)
-    return db.create_container_if_not_exists(
-        id=container,
-        partition_key=PartitionKey(path=PARTITION_KEY_PATH),
-        indexing_policy=_INDEXING_POLICY,
-        default_ttl=-1,
-        offer_throughput=offer_throughput,
-    )
+    return CosmosDeduplicationStore._kind.create(client, database, container, offer_throughput)
 
 
-class CosmosDeduplicationStore(CosmosClientBase, DeduplicationStore):
+class CosmosDeduplicationStore(DeduplicationStore):
     """Deduplication store in an Azure Cosmos DB (NoSQL API) container.
 
     Linearizable on an account whose default consistency is Strong (else
@@ -129,17 +123,19 @@ class CosmosDeduplicationStore(CosmosClientBase, DeduplicationStore):
     ``StoreClosed``. Thread-safe; after ``fork`` a child opens its own client.
     """
 
-    schemes: ClassVar[tuple[str, ...]] = ("cosmos",)
+    connection_class = CosmosConnection
+    _cosmos = Connected[CosmosConnection]()
     max_write_batch: ClassVar[int] = 1000
     max_read_batch: ClassVar[int] = 1000
     declared_options: ClassVar[OptionSet] = DeduplicationStore.declared_options.extend(
         CLOCK, MAX_CLOCK_SKEW, *CONNECTION_OPTIONS
     )
-    _container_kind: ClassVar[str] = "a deduplication container"
-    _create_function: ClassVar[str] = "create_container()"
-    _strong_reason: ClassVar[str] = "exactly-once deduplication"
-    _weak_risk: ClassVar[str] = (
-        "reads may miss acknowledged writes and messages may be processed twice"
+    _kind: ClassVar[ContainerKind] = ContainerKind(
+        "a deduplication container",
+        "create_container()",
+        {"indexing_policy": _INDEXING_POLICY, "default_ttl": -1},
+        "exactly-once deduplication",
+        "reads may miss acknowledged writes and messages may be processed twice",
     )
 
     def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
@@ -156,15 +152,10 @@ class CosmosDeduplicationStore(CosmosClientBase, DeduplicationStore):
         bad URL or option, a missing or rejected key, a missing database or
         container, and ``StoreUnavailable`` when the service cannot be reached.
         """
-        self._default_ttl: int | None = None  # set by the container check
         super().__init__(url, **options)
         self._max_skew: float = self._opts["max_clock_skew"]
-
-    def _create_container(self, client: CosmosClient) -> None:
-        create_container(client, self._database_name, self._container_name)
-
-    def _container_checked(self, properties: Mapping[str, Any]) -> None:
-        ttl = properties.get("defaultTtl")
+        with self._opening("open"):
+            ttl = self._cosmos.open_container(self).get("defaultTtl")
         self._default_ttl = ttl if isinstance(ttl, int) else None
 
     # ------------------------------------------------------------------ items
@@ -203,7 +194,7 @@ class CosmosDeduplicationStore(CosmosClientBase, DeduplicationStore):
     # ------------------------------------------------------------------ primitives
 
     def _add_new(self, request: WriteRequest) -> set[str]:
-        now, container = request.now, self._container
+        now, container = request.now, self._cosmos.container(self)
         doc_ids = {mid: document_id(self._endpoint, mid) for mid in request.ids}
 
         def create(mid: str) -> tuple[str, int]:
@@ -234,11 +225,11 @@ class CosmosDeduplicationStore(CosmosClientBase, DeduplicationStore):
         recorded: set[str] = set()
         to_create, to_read = list(request.ids), list[str]()
         for _ in range(_MAX_ROUNDS):
-            for mid, status in self._parallel(create, to_create) if to_create else []:
+            for mid, status in self._cosmos.parallel(create, to_create) if to_create else []:
                 (recorded.add if status == 201 else to_read.append)(mid)
             to_create, to_replace = [], []
             if to_read:
-                found = self._read_many(container, [doc_ids[mid] for mid in to_read])
+                found = self._cosmos.read_many(self, [doc_ids[mid] for mid in to_read])
                 for mid in to_read:
                     item = found.get(doc_ids[mid])
                     if item is None:  # deleted since (purge or native TTL): create again
@@ -250,7 +241,7 @@ class CosmosDeduplicationStore(CosmosClientBase, DeduplicationStore):
                     elif item.get("write_token") in request.mine:  # this call's own write
                         recorded.add(mid)
                 to_read = []
-            for mid, status in self._parallel(replace, to_replace) if to_replace else []:
+            for mid, status in self._cosmos.parallel(replace, to_replace) if to_replace else []:
                 if status == 200:
                     recorded.add(mid)
                 elif status == 412:  # changed since read: look again
@@ -268,7 +259,7 @@ class CosmosDeduplicationStore(CosmosClientBase, DeduplicationStore):
 
     def _find(self, ids: list[str], now: float) -> set[str]:
         doc_ids = {mid: document_id(self._endpoint, mid) for mid in ids}
-        found = self._read_many(self._container, list(doc_ids.values()))
+        found = self._cosmos.read_many(self, list(doc_ids.values()))
         result: set[str] = set()
         for mid, doc_id in doc_ids.items():
             item = found.get(doc_id)
@@ -279,7 +270,7 @@ class CosmosDeduplicationStore(CosmosClientBase, DeduplicationStore):
         return result
 
     def _purge(self, now: float) -> int:
-        container = self._container
+        container = self._cosmos.container(self)
 
         def delete(entry: tuple[str, str]) -> int:
             doc_id, etag = entry
@@ -309,7 +300,7 @@ class CosmosDeduplicationStore(CosmosClientBase, DeduplicationStore):
         for page in pages:
             entries = [(str(item["id"]), str(item["_etag"])) for item in page]
             if entries:
-                deleted += sum(self._parallel(delete, entries))
+                deleted += sum(self._cosmos.parallel(delete, entries))
         return deleted
 
     def _count(self, now: float) -> int:
@@ -321,7 +312,7 @@ class CosmosDeduplicationStore(CosmosClientBase, DeduplicationStore):
         partitions' counts; the values it returns are summed, so partial counts (one
         per partition or page) would add up to the same total.
         """
-        results = self._container.query_items(
+        results = self._cosmos.container(self).query_items(
             "SELECT VALUE COUNT(1) FROM c WHERE c.endpoint = @endpoint "
             "AND (NOT IS_NUMBER(c.expires_at) OR c.expires_at > @now)",
             parameters=[
@@ -337,7 +328,8 @@ class CosmosDeduplicationStore(CosmosClientBase, DeduplicationStore):
         warnings = super()._health_warnings()
         if self._retention is not None and self._default_ttl is None:
             warnings.append(
-                f"container {self._container_name!r} has no default TTL, so per-item TTL is "
-                "off: expired records stay until purge_expired() (set default TTL to -1)"
+                f"container {self._cosmos.container(self).id!r} has no default TTL, so "
+                "per-item TTL is off: expired records stay until purge_expired() (set default "
+                "TTL to -1)"
             )
         return warnings

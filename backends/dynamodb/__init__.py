@@ -9,11 +9,11 @@ Two stores, each in a table of its own, named by the URL:
   item per entity with its JSON ``body``, ``version`` (the concurrency token), a
   random per-save ``token`` and a ``pending`` flag for DynamoDB's parallel scan.
 
-Both share :class:`DynamoDBClient` (:mod:`backends.dynamodb._client`): connection
-options, one boto3 client per process, error classification, table creation and
-checks, bounded backoff. Open them with ``dedupstore.open_store(url)`` and
-``dedupstore.open_entity_store(url)``; the two URLs name two different tables (a
-table of the other kind is refused: its key schema differs).
+Both hold a :class:`DynamoDBConnection` (:mod:`backends.dynamodb._client`): one boto3
+client per process, endpoint, credentials and connection options, whatever the table;
+error classification, table creation and checks, bounded backoff. Open them with
+``dedupstore.open_store(url)`` and ``dedupstore.open_entity_store(url)``; the two URLs
+name two different tables (a table of the other kind is refused: its key schema differs).
 
 Consistency: every read is strongly consistent (``ConsistentRead=True``). Tables with
 global-table replicas (MRSC tables included) are refused with ``ConsistencyError``
@@ -52,7 +52,7 @@ attempt still ends within it. Transaction conflicts and unprocessed keys are
 retried within the same deadline. A ``client`` given by the user keeps its own
 timeouts and retries: only the store's own retries stop at the deadline. Every
 client, a given one included, refuses a reply cut short (``backends._http``): the
-store registers that check on its events (once, under one ``unique_id``).
+connection registers that check on its events (once, under one ``unique_id``).
 
 Errors: ``StoreUnavailable`` (connection failure, a reply cut short, timeout,
 throttling, 5xx, conflicts that outlast the backoff: retry), ``ConfigurationError``
@@ -63,18 +63,14 @@ key schema, a request DynamoDB rejects as invalid: fix the setup), ``Consistency
 
 from __future__ import annotations
 
-from backends.dynamodb._client import (
-    MAX_BATCH_GET_KEYS,
-    MAX_TRANSACT_ITEMS,
-    DynamoDBClient,
-)
+from backends.dynamodb._client import MAX_BATCH_GET_KEYS, MAX_TRANSACT_ITEMS, DynamoDBConnection
 from backends.dynamodb.entities import DynamoDBEntityStore
 from backends.dynamodb.store import DynamoDBDeduplicationStore
 
 __all__ = [
     "MAX_BATCH_GET_KEYS",
     "MAX_TRANSACT_ITEMS",
-    "DynamoDBClient",
+    "DynamoDBConnection",
     "DynamoDBDeduplicationStore",
     "DynamoDBEntityStore",
 ]

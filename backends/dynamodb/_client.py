@@ -1,20 +1,22 @@
-"""The DynamoDB connection layer shared by the deduplication and the entity store.
+"""The connection the DynamoDB stores share: :class:`DynamoDBConnection`.
 
-:class:`DynamoDBClient` owns what both stores of ``dynamodb://<table>`` do alike:
-the URL form and the table name, the connection options, one boto3 client per
-process (a new one after ``fork``), error classification, creating and checking
-the table (key schema, global-table replicas), batched strongly consistent reads
-with bounded retries of unprocessed keys, and conditional ``PutItem`` that tells
-its own write (re-sent by botocore after a lost answer) from someone else's.
+One boto3 client per process (a new one after ``fork``), endpoint, credentials and
+connection options, whatever the table, with what both stores of ``dynamodb://<table>``
+do alike: the URL form, the deadline, error classification, the retry of each request,
+creating and checking a store's table (its :class:`TableKind`; global tables refused),
+batched strongly consistent reads with bounded retries of unprocessed keys, and
+conditional ``PutItem`` that tells its own write (re-sent after a lost answer) from
+someone else's. Per-table calls take the store: its URL names the table.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -25,13 +27,14 @@ from botocore.config import Config
 
 from backends._http import cut_short
 from dedupstore.calls import capped, deadline, retry, time_left
-from dedupstore.client import Client, ErrorKind, ProcessLocal
+from dedupstore.client import Client, Connection, ErrorKind
 from dedupstore.errors import (
     ConfigurationError,
     ConsistencyError,
     DedupStoreError,
     StoreUnavailable,
 )
+from dedupstore.masking import mask_text
 from dedupstore.options import (
     Option,
     Options,
@@ -58,8 +61,9 @@ __all__ = [
     "CONNECTION_OPTIONS",
     "MAX_BATCH_GET_KEYS",
     "MAX_TRANSACT_ITEMS",
-    "DynamoDBClient",
+    "DynamoDBConnection",
     "PutOutcome",
+    "TableKind",
 ]
 
 #: Real DynamoDB limits (moto is laxer: it accepts 26-item BatchWriteItem requests).
@@ -188,12 +192,6 @@ def _conflict(exc: BaseException) -> bool:
     return isinstance(exc, boto_errors.ClientError) and _error_code(exc) in _CONFLICT_CODES
 
 
-def _cap_read_timeout(request: Any, **kwargs: Any) -> None:
-    """``before-send``: this attempt's read timeout, capped by the call's time left."""
-    if time_left() is not None:
-        request.context["read_timeout"] = capped(request.context["dedupstore_timeout"])
-
-
 def _error_code(exc: boto_errors.ClientError) -> str:
     code = str(exc.response.get("Error", {}).get("Code", ""))
     if code.isdigit():  # an XML error body (a proxy, or moto's IAM emulation)
@@ -263,17 +261,38 @@ class PutOutcome:
     resent: bool
 
 
-class DynamoDBClient(Client):
-    """What both stores of ``dynamodb://<table>`` share: connection, errors, table.
+@dataclass(frozen=True)
+class TableKind:
+    """What a store's table looks like: each store's ``table_kind``."""
 
-    Subclasses say what their table looks like (:attr:`key_schema`,
-    :attr:`ttl_attribute`, :attr:`table_kind`) and add ``create`` to their options.
-    Safe to share between threads (one boto3 client per process, a new one after
-    ``fork``) and to pickle (by URL and options).
+    #: What the table is, for messages ("a deduplication table").
+    what: str
+    #: ``(attribute, key type)`` of the table's key, all of type S.
+    key_schema: tuple[tuple[str, str], ...]
+    #: The attribute native TTL deletes by (enabled by ``create_table``), if any.
+    ttl_attribute: str | None = None
+
+    @classmethod
+    def of(cls, client: Client) -> TableKind:
+        """The kind of ``client``'s table."""
+        kind = getattr(client, "table_kind", None)
+        assert isinstance(kind, cls), f"{type(client).__name__} has no table_kind"
+        return kind
+
+    def schema_text(self) -> str:
+        return " and ".join(f"{name} (S, {kind})" for name, kind in self.key_schema)
+
+
+class DynamoDBConnection(Connection):
+    """This process's boto3 DynamoDB client for one endpoint and set of credentials.
+
+    Shared by the stores of every table there: each reaches it as ``self._dynamodb``
+    and passes itself to the per-table calls, which take the table from its URL, its
+    shape from its ``table_kind`` (:class:`TableKind`), ``retries`` from its options.
     """
 
     schemes: ClassVar[tuple[str, ...]] = ("dynamodb",)
-    connection_options: ClassVar[tuple[str, ...]] = (
+    shaped_by: ClassVar[tuple[str, ...]] = (
         "region",
         "endpoint_url",
         "aws_access_key_id",
@@ -282,42 +301,23 @@ class DynamoDBClient(Client):
         "timeout",
         "connect_timeout",
     )
-    #: ``(attribute, key type)`` of the table's key, all of type S.
-    key_schema: ClassVar[tuple[tuple[str, str], ...]] = ()
-    #: The attribute native TTL deletes by (enabled by ``create_table``), if any.
-    ttl_attribute: ClassVar[str | None] = None
-    #: What the table is, for messages ("a deduplication table").
-    table_kind: ClassVar[str] = ""
 
-    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
-        """Open the table named by ``url`` and check that it is usable.
-
-        Raises ``ConfigurationError`` (bad URL or option, no region, rejected
-        credentials, missing table or wrong key schema), ``ConsistencyError`` (global
-        table) and ``StoreUnavailable`` (endpoint unreachable or too slow).
-        """
-        super().__init__(url, **options)
-        self._table = self._url.netloc
-        given = self._opts["client"]
-        # boto3 resolves what the options leave out (region, credentials) from the
-        # environment: clients share a connection only when that agrees too.
-        environment = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
-        self._conn: ProcessLocal[Boto3DynamoDB] = (
-            ProcessLocal(lambda: _refusing_cut_replies(given))
-            if given is not None
-            else self._shared_connection(
-                environment, self._new_client, lambda client: client.close()
-            )
-        )
-        with self._opening(None):  # each step classifies its own errors
-            if self._creates:
-                self.create_table(wait=True)
-            self._check_table()
+    def __init__(self, url: StoreURL, options: Options) -> None:
+        """The given ``client``, or one of our own from the options (no I/O)."""
+        super().__init__(url, options)
+        given = options["client"]
+        self._given = given is not None
+        self.client = _refusing_cut_replies(given if self._given else self._new_client())
 
     @classmethod
-    def _validate(cls, url: StoreURL, options: Options) -> None:
+    def address(cls, url: StoreURL, options: Options) -> Hashable:
+        """Not the table: the ``AWS_*`` environment, from which boto3 resolves what the
+        options leave out (region, credentials)."""
+        return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+
+    @classmethod
+    def validate(cls, url: StoreURL, options: Options) -> None:
         """The URL names a valid table and nothing else; credentials come in pairs."""
-        super()._validate(url, options)
         if url.path not in ("", "/") or url.fragment or not _TABLE_NAME.fullmatch(url.netloc):
             raise ConfigurationError(
                 "a DynamoDB store URL is 'dynamodb://<table>?region=...', the table name 3 "
@@ -331,13 +331,11 @@ class DynamoDBClient(Client):
                 "(aws_session_token only with both), or none of them"
             )
 
-    # ------------------------------------------------------------------ client
-
     def _new_client(self) -> Boto3DynamoDB:
         """Build this process's low-level client from the connection options."""
-        opts = self._opts
+        opts = self.options
         config = Config(
-            # retried by the store (_request), within the call's deadline
+            # retried by the store (request), within the call's deadline
             retries={"mode": "standard", "total_max_attempts": 1},
             connect_timeout=opts["connect_timeout"],
             read_timeout=opts["timeout"],
@@ -356,32 +354,32 @@ class DynamoDBClient(Client):
             client = session.client("dynamodb", endpoint_url=opts["endpoint_url"], config=config)
         except ValueError as exc:  # e.g. a malformed endpoint_url
             raise ConfigurationError(
-                self._scrub(f"cannot create the DynamoDB client: {exc}")
+                mask_text(f"cannot create the DynamoDB client: {exc}")
             ) from None
-        timeout = opts["timeout"]
 
-        def remember_timeout(context: dict[str, Any], **kwargs: Any) -> None:
-            context["dedupstore_timeout"] = timeout
+        def cap_read_timeout(request: Any, **kwargs: Any) -> None:
+            """``before-send``: this attempt's read timeout, capped by the call's time left."""
+            if time_left() is not None:
+                request.context["read_timeout"] = capped(opts["timeout"])
 
-        client.meta.events.register("before-call.dynamodb", remember_timeout)
-        client.meta.events.register("before-send.dynamodb", _cap_read_timeout)
-        return _refusing_cut_replies(client)
+        client.meta.events.register("before-send.dynamodb", cap_read_timeout)
+        return client
 
-    def _deadline_seconds(self) -> float:
+    @classmethod
+    def deadline_seconds(cls, options: Options) -> float:
         """``connect_timeout + (retries + 1) x timeout``: see :mod:`backends.dynamodb`."""
-        opts = self._opts
-        return float(opts["connect_timeout"] + (opts["retries"] + 1) * opts["timeout"])
+        return float(options["connect_timeout"] + (options["retries"] + 1) * options["timeout"])
 
-    def _request(self, fn: Callable[[], T]) -> T:
-        """``fn()``, one request, retried after a connection error, timeout, throttling
-        or 5xx (``retries`` times, within the call's deadline).
+    def request(self, client: Client, fn: Callable[[], T]) -> T:
+        """``fn()``, one request of ``client``, retried after a connection error,
+        timeout, throttling or 5xx (its ``retries`` times, within the call's deadline).
 
         Attempts start, and wait for answers, only until ``connect_timeout`` before
         the call's deadline (and within ``(retries + 1) x timeout``): botocore does
         not let a request shorten its connection timeout, so a last attempt that
         must connect still ends within the deadline.
         """
-        opts = self._opts
+        opts = client._opts
         budget = (opts["retries"] + 1) * opts["timeout"]
         left = time_left()
         if left is not None:
@@ -389,45 +387,38 @@ class DynamoDBClient(Client):
         with deadline(budget):
             return retry(fn, attempts=opts["retries"] + 1, retry_on=_retryable)
 
-    @property
-    def _client(self) -> Boto3DynamoDB:
-        return self._conn.get()
-
-    @property
-    def table(self) -> str:
-        """The DynamoDB table name."""
-        return self._table
-
-    def _place(self) -> str:
-        client = self._conn.peek()
-        region = client.meta.region_name if client is not None else self._opts["region"]
-        at = self._opts["endpoint_url"]
-        return f"DynamoDB table {self._table!r} in region {region}" + (f" at {at}" if at else "")
-
-    def _schema_text(self) -> str:
-        return " and ".join(f"{name} (S, {kind})" for name, kind in self.key_schema)
+    @classmethod
+    def _place(cls, client: Client) -> str:
+        """``client``'s table, its region (boto3's, once the connection is made) and endpoint."""
+        made = client._connection_handle.peek() if client._connection_handle else None
+        region = made.client.meta.region_name if isinstance(made, cls) else client._opts["region"]
+        at = client._opts["endpoint_url"]
+        place = f"DynamoDB table {client._url.netloc!r} in region {region}"
+        return place + (f" at {at}" if at else "")
 
     # ------------------------------------------------------------------ errors
 
-    def _classify_error(self, exc: BaseException) -> ErrorKind:
+    @classmethod
+    def classify_error(cls, client: Client, exc: BaseException) -> ErrorKind:
+        """Classify a botocore error of ``client`` (see :mod:`backends.dynamodb`)."""
         if isinstance(exc, boto_errors.ClientError):
             code, message = _error_code(exc), _error_message(exc)
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if code in _AUTH_ERRORS or status in (401, 403):
                 return ConfigurationError(
-                    self._scrub(
-                        f"DynamoDB refused the credentials for {self._place()} ({code}: "
+                    client._scrub(
+                        f"DynamoDB refused the credentials for {cls._place(client)} ({code}: "
                         f"{message}); check the credentials (environment, profile or "
                         "options) and the IAM policy"
                     )
                 )
             if code == "ResourceNotFoundException":
                 return ConfigurationError(
-                    f"{self._place()} does not exist; create it with create=True (URL "
-                    f"?create=true) or with key schema {self._schema_text()}"
+                    f"{cls._place(client)} does not exist; create it with create=True (URL "
+                    f"?create=true) or with key schema {TableKind.of(client).schema_text()}"
                 )
             if code == "TransactionCanceledException":
-                return self._cancelled(exc)
+                return cls._cancelled(client, exc)
             if code == "ValidationException":
                 return ConfigurationError
             # throttling, 5xx, conflicts that outlast the backoff, anything else
@@ -436,17 +427,18 @@ class DynamoDBClient(Client):
             return StoreUnavailable
         if isinstance(exc, boto_errors.NoRegionError):
             return ConfigurationError(
-                f"no AWS region for DynamoDB table {self._table!r}: add ?region=... to the "
-                "URL or set AWS_REGION / AWS_DEFAULT_REGION"
+                f"no AWS region for DynamoDB table {client._url.netloc!r}: add ?region=... to "
+                "the URL or set AWS_REGION / AWS_DEFAULT_REGION"
             )
         if isinstance(exc, boto_errors.BotoCoreError):  # credentials, profile, config
             return ConfigurationError(
-                f"cannot use {self._place()}: {self._describe_error(exc)}; check the AWS "
+                f"cannot use {cls._place(client)}: {client._describe_error(exc)}; check the AWS "
                 "credentials and configuration (environment, profile or options)"
             )
-        return super()._classify_error(exc)
+        return None
 
-    def _cancelled(self, exc: boto_errors.ClientError) -> DedupStoreError:
+    @staticmethod
+    def _cancelled(client: Client, exc: boto_errors.ClientError) -> DedupStoreError:
         """The error for a transaction cancelled for reasons the write loop gave up on."""
         reasons = [
             str(r.get("Code") or "None") for r in exc.response.get("CancellationReasons", [])
@@ -455,140 +447,161 @@ class DynamoDBClient(Client):
         invalid = any(r in _INVALID_REASONS for r in odd)
         hint = "the request or the table is wrong" if invalid else "conflicts or throttling"
         kind = ConfigurationError if invalid else StoreUnavailable
-        return self._error(
+        return client._error(
             kind,
             None,
-            f"DynamoDB cancelled a transaction on "
-            f"{self._table!r} ({', '.join(odd or reasons) or _error_message(exc)}): {hint}",
+            f"DynamoDB cancelled a transaction on {client._url.netloc!r} "
+            f"({', '.join(odd or reasons) or _error_message(exc)}): {hint}",
         )
 
-    # ------------------------------------------------------------------ table
+    # ------------------------------------------------------------------ tables
 
-    def create_table(self, wait: bool = True) -> None:
-        """Create the table (on-demand billing) if missing, with this store's key schema.
+    @staticmethod
+    def open_table(client: Client) -> None:
+        """Open ``client``'s table: create it if ``client`` creates, then check it
+        (:meth:`check_table`). Each step's errors, making this process's connection
+        included, are classified as its own; a failure releases what ``client`` opened."""
+        with client._opening(None):
+            if client._creates:
+                with client._translating_errors("create the table"):
+                    DynamoDBConnection._of(client).create_table(client, True)
+            with client._translating_errors("open the table"):
+                DynamoDBConnection._of(client).check_table(client)
 
-        A deduplication table also gets native TTL on ``ttl`` (switched on if it is
-        off); an entity table has no TTL. Idempotent and safe to run from several
-        processes at once; an existing table is otherwise left as it is. With
-        ``wait``, returns once the table is ACTIVE (and TTL enabled); without,
-        returns after requesting the creation (TTL needs an ACTIVE table: call again
-        with ``wait``). Raises ``ConfigurationError`` (e.g. no permission) and
-        ``StoreUnavailable``.
-        """
-        self._check_open()
-        with self._translating_errors("create the table"):
-            client = self._client
-            try:
-                self._describe_table()
-                exists = True
-            except client.exceptions.ResourceNotFoundException:
-                exists = False
-            if not exists:
-                # ResourceInUse: another process is creating it right now
-                with contextlib.suppress(client.exceptions.ResourceInUseException):
-                    self._request(
-                        lambda: client.create_table(
-                            TableName=self._table,
-                            AttributeDefinitions=[
-                                {"AttributeName": name, "AttributeType": "S"}
-                                for name, _ in self.key_schema
-                            ],
-                            KeySchema=[
-                                {"AttributeName": name, "KeyType": kind}  # type: ignore[typeddict-item]
-                                for name, kind in self.key_schema
-                            ],
-                            BillingMode="PAY_PER_REQUEST",
-                        )
-                    )
-            if not wait:
-                return
-            self._wait_active()
-            if self.ttl_attribute is not None:
-                self._enable_ttl(self.ttl_attribute)
+    @staticmethod
+    def _of(client: Client) -> DynamoDBConnection:
+        """``client``'s connection in this process (made now if needed)."""
+        connection = client._connection
+        assert isinstance(connection, DynamoDBConnection)
+        return connection
 
-    def _wait_active(self) -> None:
-        self._client.get_waiter("table_exists").wait(
-            TableName=self._table, WaiterConfig={"Delay": 1, "MaxAttempts": 300}
+    def create_table(self, client: Client, wait: bool) -> None:
+        """Create ``client``'s table if missing: see the stores' ``create_table``."""
+        dynamodb, table, kind = self.client, client._url.netloc, TableKind.of(client)
+        try:
+            self._describe_table(client)
+            exists = True
+        except dynamodb.exceptions.ResourceNotFoundException:
+            exists = False
+        if not exists:
+            create = functools.partial(
+                dynamodb.create_table,
+                TableName=table,
+                AttributeDefinitions=[
+                    {"AttributeName": name, "AttributeType": "S"} for name, _ in kind.key_schema
+                ],
+                KeySchema=[
+                    {"AttributeName": name, "KeyType": key}  # type: ignore[typeddict-item]
+                    for name, key in kind.key_schema
+                ],
+                BillingMode="PAY_PER_REQUEST",
+            )
+            # ResourceInUse: another process is creating it right now
+            with contextlib.suppress(dynamodb.exceptions.ResourceInUseException):
+                self.request(client, create)
+        if not wait:
+            return
+        self._wait_active(table)
+        if kind.ttl_attribute is not None:
+            self._enable_ttl(client, kind.ttl_attribute)
+
+    def _wait_active(self, table: str) -> None:
+        self.client.get_waiter("table_exists").wait(
+            TableName=table, WaiterConfig={"Delay": 1, "MaxAttempts": 300}
         )
 
-    def _describe_ttl(self) -> Mapping[str, Any]:
-        client = self._client
-        answer = self._request(lambda: client.describe_time_to_live(TableName=self._table))
+    def _describe_ttl(self, client: Client) -> Mapping[str, Any]:
+        table = client._url.netloc
+        answer = self.request(client, lambda: self.client.describe_time_to_live(TableName=table))
         return answer["TimeToLiveDescription"]
 
-    def _enable_ttl(self, attribute: str) -> None:
-        client = self._client
-        ttl = self._describe_ttl()
-        if ttl.get("TimeToLiveStatus") in ("ENABLED", "ENABLING"):
+    def _enable_ttl(self, client: Client, attribute: str) -> None:
+        if self._describe_ttl(client).get("TimeToLiveStatus") in ("ENABLED", "ENABLING"):
             return
+        update = functools.partial(
+            self.client.update_time_to_live,
+            TableName=client._url.netloc,
+            TimeToLiveSpecification={"Enabled": True, "AttributeName": attribute},
+        )
         try:
-            self._request(
-                lambda: client.update_time_to_live(
-                    TableName=self._table,
-                    TimeToLiveSpecification={"Enabled": True, "AttributeName": attribute},
-                )
-            )
+            self.request(client, update)
         except boto_errors.ClientError as exc:
             if _error_code(exc) != "ValidationException":
                 raise
             # most likely a concurrent update; fine if TTL is on now
-            ttl = self._describe_ttl()
-            if ttl.get("TimeToLiveStatus") not in ("ENABLED", "ENABLING"):
+            if self._describe_ttl(client).get("TimeToLiveStatus") not in ("ENABLED", "ENABLING"):
                 raise
 
-    def _describe_table(self) -> TableDescriptionTypeDef:
-        client = self._client
-        return self._request(lambda: client.describe_table(TableName=self._table))["Table"]
+    def _describe_table(self, client: Client) -> TableDescriptionTypeDef:
+        """``DescribeTable`` of ``client``'s table."""
+        table = client._url.netloc
+        return self.request(client, lambda: self.client.describe_table(TableName=table))["Table"]
 
-    def _check_table(self) -> None:
-        """Probe the table: it exists, has this store's key schema and no replicas."""
-        with self._translating_errors("open the table"):
-            try:
-                table = self._describe_table()
-            except boto_errors.ClientError as exc:
-                if _error_code(exc) != "ResourceNotFoundException":
-                    raise
-                raise self._no_such_store(
-                    f"{self._place()} does not exist",
-                    f"create it with create=True (URL ?create=true) or with key schema "
-                    f"{self._schema_text()}",
-                ) from exc
-            if table.get("TableStatus") == "CREATING":
-                self._wait_active()
-                table = self._describe_table()
+    def check_table(self, client: Client) -> None:
+        """Probe ``client``'s table: it exists, has its key schema and no replicas."""
+        kind = TableKind.of(client)
+        try:
+            table = self._describe_table(client)
+        except boto_errors.ClientError as exc:
+            if _error_code(exc) != "ResourceNotFoundException":
+                raise
+            raise client._no_such_store(
+                f"{self._place(client)} does not exist",
+                f"create it with create=True (URL ?create=true) or with key schema "
+                f"{kind.schema_text()}",
+            ) from exc
+        if table.get("TableStatus") == "CREATING":
+            self._wait_active(client._url.netloc)
+            table = self._describe_table(client)
         schema = {k["AttributeName"]: k["KeyType"] for k in table.get("KeySchema", [])}
         types = {
             a["AttributeName"]: a["AttributeType"] for a in table.get("AttributeDefinitions", [])
         }
-        if schema != dict(self.key_schema) or any(
-            types.get(name) != "S" for name, _ in self.key_schema
+        if schema != dict(kind.key_schema) or any(
+            types.get(name) != "S" for name, _ in kind.key_schema
         ):
             raise ConfigurationError(
-                f"{self._place()} has key schema {schema}; {self.table_kind} needs "
-                f"{self._schema_text()}"
+                f"{self._place(client)} has key schema {schema}; {kind.what} needs "
+                f"{kind.schema_text()}"
             )
         replicas = sorted(str(r.get("RegionName")) for r in table.get("Replicas", []))
-        if replicas and not self._opts["allow_global_table"]:
+        if replicas and not client._opts["allow_global_table"]:
             raise ConsistencyError(
-                f"DynamoDB table {self._table!r} is a global table (replicas: "
+                f"DynamoDB table {client._url.netloc!r} is a global table (replicas: "
                 f"{', '.join(replicas)}): strongly consistent reads and conditional writes "
                 "only hold within one Region, so two Regions could both write one key; "
                 "pass allow_global_table=True (UNSAFE) only if every client uses one Region"
             )
 
-    def _health_warnings(self) -> list[str]:
-        warnings = super()._health_warnings()
-        if self._describe_table().get("Replicas"):
+    def health_warnings(self, client: Client) -> list[str]:
+        """Replicas (allowed by ``allow_global_table``); TTL off or on another attribute."""
+        table, warnings = client._url.netloc, []
+        if self._describe_table(client).get("Replicas"):
             warnings.append(
-                f"table {self._table!r} has global-table replicas and allow_global_table=True: "
+                f"table {table!r} has global-table replicas and allow_global_table=True: "
                 "clients in different Regions can both write one key"
+            )
+        attribute = TableKind.of(client).ttl_attribute
+        if attribute is None:
+            return warnings
+        ttl = self._describe_ttl(client)
+        if ttl.get("TimeToLiveStatus") not in ("ENABLED", "ENABLING"):
+            warnings.append(
+                f"TTL is not enabled on table {table!r}: expired records stay until "
+                f"purge_expired() (enable TTL on attribute {attribute!r})"
+            )
+        elif ttl.get("AttributeName") != attribute:
+            warnings.append(
+                f"TTL on table {table!r} uses attribute {ttl.get('AttributeName')!r}, "
+                f"not {attribute!r}: expired records stay until purge_expired()"
             )
         return warnings
 
     # ------------------------------------------------------------------ requests
 
-    def _conditional_put(
+    def conditional_put(
         self,
+        client: Client,
         item: Mapping[str, AttributeValueTypeDef],
         condition: str,
         names: Mapping[str, str],
@@ -596,14 +609,14 @@ class DynamoDBClient(Client):
     ) -> PutOutcome:
         """One ``PutItem`` of ``item`` if ``condition`` holds (``ALL_OLD`` on failure).
 
-        It may be sent more than once (a timeout, a lost answer: :meth:`_request`):
+        It may be sent more than once (a timeout, a lost answer: :meth:`request`):
         the outcome says so. Transaction conflicts (an item locked by someone's
         transaction: nothing written) are retried after a pause, at most
         ``_MAX_BACKOFF_ROUNDS`` times within the deadline, then raised like any
         other error.
         """
         request: PutItemInputTypeDef = {
-            "TableName": self._table,
+            "TableName": client._url.netloc,
             "Item": item,
             "ConditionExpression": condition,
             "ExpressionAttributeNames": names,
@@ -611,12 +624,12 @@ class DynamoDBClient(Client):
         }
         if values:  # DynamoDB refuses an empty ExpressionAttributeValues
             request["ExpressionAttributeValues"] = values
-        client, resent = self._client, False
+        resent = False
 
         def attempt() -> PutOutcome:
             nonlocal resent
             try:
-                response = client.put_item(**request)
+                response = self.client.put_item(**request)
                 return PutOutcome(True, {}, resent or _retry_attempts(response) > 0)
             except boto_errors.ClientError as exc:
                 resent = resent or _retry_attempts(exc.response) > 0  # a given client's retries
@@ -628,12 +641,12 @@ class DynamoDBClient(Client):
                 resent = True  # the request may have reached DynamoDB
                 raise
 
-        return retry(
-            lambda: self._request(attempt), attempts=_MAX_BACKOFF_ROUNDS + 1, retry_on=_conflict
-        )
+        once = functools.partial(self.request, client, attempt)
+        return retry(once, attempts=_MAX_BACKOFF_ROUNDS + 1, retry_on=_conflict)
 
-    def _batch_get(
+    def batch_get(
         self,
+        client: Client,
         keys: Sequence[Mapping[str, AttributeValueTypeDef]],
         projection: str,
         names: Mapping[str, str],
@@ -644,39 +657,40 @@ class DynamoDBClient(Client):
         after a pause; ``StoreUnavailable`` when some are still left after
         ``_MAX_BACKOFF_ROUNDS`` more rounds, or at the deadline.
         """
-        client, found = self._client, list[dict[str, Any]]()
+        table, found = client._url.netloc, list[dict[str, Any]]()
         pending: Sequence[Mapping[str, Any]] = keys
 
         def one_round() -> bool:
             """Ask for the pending keys; whether some are left unprocessed."""
             nonlocal pending
             asked = {
-                self._table: {
+                table: {
                     "Keys": pending,
                     "ConsistentRead": True,
                     "ProjectionExpression": projection,
                     "ExpressionAttributeNames": names,
                 }
             }
-            response = self._request(lambda: client.batch_get_item(RequestItems=asked))  # type: ignore[arg-type]
-            found.extend(response.get("Responses", {}).get(self._table, []))
-            unprocessed = response.get("UnprocessedKeys", {}).get(self._table)
+            response = self.request(client, lambda: self.client.batch_get_item(RequestItems=asked))  # type: ignore[arg-type]
+            found.extend(response.get("Responses", {}).get(table, []))
+            unprocessed = response.get("UnprocessedKeys", {}).get(table)
             pending = list(unprocessed["Keys"]) if unprocessed else []
             return bool(pending)
 
         if retry(one_round, attempts=_MAX_BACKOFF_ROUNDS + 1, again=bool):
-            raise self._error(
+            raise client._error(
                 StoreUnavailable,
                 None,
-                f"DynamoDB left {len(pending)} keys of {self._table!r} unprocessed after "
+                f"DynamoDB left {len(pending)} keys of {table!r} unprocessed after "
                 f"{_MAX_BACKOFF_ROUNDS + 1} attempts (throttled)",
             )
         return found
 
-    def _scan_page(self, request: ScanInputTypeDef) -> ScanOutputTypeDef:
+    def scan(self, client: Client, request: ScanInputTypeDef) -> ScanOutputTypeDef:
         """One page of a ``Scan`` (retried as any request)."""
-        client = self._client
-        return self._request(lambda: client.scan(**request))
+        return self.request(client, lambda: self.client.scan(**request))
 
-    def _close(self) -> None:
-        self._conn.close()
+    def close(self) -> None:
+        """Close the boto3 client (not a given ``client``)."""
+        if not self._given:
+            self.client.close()

@@ -48,7 +48,7 @@ service limit with room to spare, and under moto's stricter 405,000-byte check.
 
 Options: those of every ``dynamodb://`` client (see :mod:`backends.dynamodb`) plus
 ``create`` (false). Every request is bounded by ``connect_timeout`` and ``timeout``
-(botocore retries ``retries`` times, re-sending writes, which the token makes safe).
+(each is retried ``retries`` times, re-sending writes, which the token makes safe).
 
 Errors: ``StoreUnavailable`` (connection, timeout, throttling, 5xx, an ambiguous
 re-send; a ``save_many`` chunk raises if any put failed, and the puts that
@@ -73,9 +73,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from backends.dynamodb._client import (
     CONNECTION_OPTIONS,
     MAX_BATCH_GET_KEYS,
-    DynamoDBClient,
+    DynamoDBConnection,
+    TableKind,
 )
 from dedupstore.calls import fan_out
+from dedupstore.client import Connected
 from dedupstore.entities import EntityRecord, EntityStore
 from dedupstore.errors import StoreUnavailable
 from dedupstore.options import OptionSet, create_option
@@ -94,7 +96,7 @@ MAX_ITEM_BYTES = 400 * 1024
 MAX_SCAN_SEGMENTS = 1_000_000
 
 
-class DynamoDBEntityStore(DynamoDBClient, EntityStore):
+class DynamoDBEntityStore(EntityStore):
     """Entities in a DynamoDB table of their own, one item each, ``version`` the token.
 
     Reads are strongly consistent; each save is one conditional ``PutItem``; the
@@ -103,13 +105,15 @@ class DynamoDBEntityStore(DynamoDBClient, EntityStore):
     options).
     """
 
+    connection_class = DynamoDBConnection
+    _dynamodb = Connected[DynamoDBConnection]()
+
     #: Largest encoded entity: DynamoDB's 400 KB item minus the other attributes.
     max_entity_bytes: ClassVar[int] = 400_000
     max_load_batch: ClassVar[int] = MAX_BATCH_GET_KEYS
     #: Puts of one ``save_many`` chunk in flight at once (under botocore's 10 connections).
     save_concurrency: ClassVar[int] = 8
-    key_schema: ClassVar[tuple[tuple[str, str], ...]] = ((_ID, "HASH"),)
-    table_kind: ClassVar[str] = "an entity table"
+    table_kind: ClassVar[TableKind] = TableKind("an entity table", ((_ID, "HASH"),))
     declared_options: ClassVar[OptionSet] = EntityStore.declared_options.extend(
         *CONNECTION_OPTIONS,
         create_option(False, "create the entity table (key 'id', on demand) when missing"),
@@ -123,11 +127,28 @@ class DynamoDBEntityStore(DynamoDBClient, EntityStore):
         (global table) and ``StoreUnavailable`` (endpoint unreachable or too slow).
         """
         super().__init__(url, **options)
+        DynamoDBConnection.open_table(self)
+
+    def create_table(self, wait: bool = True) -> None:
+        """Create the table (on demand, key ``id``, no TTL) if missing. Idempotent, safe
+        in several processes at once; an existing table is left as it is. With ``wait``,
+        return once it is ACTIVE; without, once its creation is requested. Raises
+        ``ConfigurationError`` (e.g. no permission) and ``StoreUnavailable``."""
+        self._check_open()
+        with self._translating_errors("create the table"):
+            self._dynamodb.create_table(self, wait)
+
+    @property
+    def table(self) -> str:
+        """The DynamoDB table name."""
+        return self._url.netloc
 
     # ------------------------------------------------------------------ primitives
 
     def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
-        items = self._batch_get([{_ID: {"S": eid}} for eid in ids], "#i, #b, #v", _NAMES)
+        items = self._dynamodb.batch_get(
+            self, [{_ID: {"S": eid}} for eid in ids], "#i, #b, #v", _NAMES
+        )
         return {
             str(item[_ID]["S"]): (str(item[_BODY]["S"]), int(item[_VERSION]["N"])) for item in items
         }
@@ -154,10 +175,12 @@ class DynamoDBEntityStore(DynamoDBClient, EntityStore):
         if record.pending:
             item[_PENDING] = {"BOOL": True}
         if expected is None:
-            outcome = self._conditional_put(item, "attribute_not_exists(#i)", {"#i": _ID}, {})
+            outcome = self._dynamodb.conditional_put(
+                self, item, "attribute_not_exists(#i)", {"#i": _ID}, {}
+            )
         else:
-            outcome = self._conditional_put(
-                item, "#v = :expected", {"#v": _VERSION}, {":expected": {"N": str(expected)}}
+            outcome = self._dynamodb.conditional_put(
+                self, item, "#v = :expected", {"#v": _VERSION}, {":expected": {"N": str(expected)}}
             )
         if outcome.written:
             return new
@@ -184,7 +207,7 @@ class DynamoDBEntityStore(DynamoDBClient, EntityStore):
 
     def _scan_pages(self, segment: int, segments: int) -> Iterator[tuple[str, str, Any]]:
         request: ScanInputTypeDef = {
-            "TableName": self._table,
+            "TableName": self.table,
             "Segment": segment,
             "TotalSegments": segments,
             "ConsistentRead": True,
@@ -194,7 +217,7 @@ class DynamoDBEntityStore(DynamoDBClient, EntityStore):
             "ExpressionAttributeValues": {":yes": {"BOOL": True}},
         }
         while True:
-            page = self._scan_page(request)
+            page = self._dynamodb.scan(self, request)
             for item in page.get("Items", []):
                 yield str(item[_ID]["S"]), str(item[_BODY]["S"]), int(item[_VERSION]["N"])
             start = page.get("LastEvaluatedKey")

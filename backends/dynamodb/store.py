@@ -69,11 +69,13 @@ from backends.dynamodb._client import (
     CONNECTION_OPTIONS,
     MAX_BATCH_GET_KEYS,
     MAX_TRANSACT_ITEMS,
-    DynamoDBClient,
+    DynamoDBConnection,
+    TableKind,
     _error_code,
     _number,
 )
 from dedupstore.calls import retry
+from dedupstore.client import Connected
 from dedupstore.options import OptionSet, create_option
 from dedupstore.store import CLOCK, MAX_CLOCK_SKEW, DeduplicationStore, WriteRequest
 from dedupstore.urls import StoreURL
@@ -96,7 +98,7 @@ def _written_by(old: Mapping[str, Any], request: WriteRequest) -> bool:
     return old.get(_WRITER, {}).get("S") in request.mine
 
 
-class DynamoDBDeduplicationStore(DynamoDBClient, DeduplicationStore):
+class DynamoDBDeduplicationStore(DeduplicationStore):
     """Deduplication store in one DynamoDB table; strongly consistent reads only.
 
     Expiry is judged by the client's clock: clients of one table must keep their
@@ -104,14 +106,17 @@ class DynamoDBDeduplicationStore(DynamoDBClient, DeduplicationStore):
     a new one after ``fork``) and to pickle (by URL and options).
     """
 
+    connection_class = DynamoDBConnection
+    _dynamodb = Connected[DynamoDBConnection]()
+
     max_write_batch: ClassVar[int] = MAX_TRANSACT_ITEMS
     max_read_batch: ClassVar[int] = MAX_BATCH_GET_KEYS
     # Chunks in flight at once: hides the request latency of the service; an id in
     # two chunks at once is settled by DynamoDB's transaction conflict check.
     chunk_concurrency: ClassVar[int] = 4
-    key_schema: ClassVar[tuple[tuple[str, str], ...]] = ((_ID, "HASH"), (_ENDPOINT, "RANGE"))
-    ttl_attribute: ClassVar[str | None] = _TTL
-    table_kind: ClassVar[str] = "a deduplication table"
+    table_kind: ClassVar[TableKind] = TableKind(
+        "a deduplication table", ((_ID, "HASH"), (_ENDPOINT, "RANGE")), _TTL
+    )
     declared_options: ClassVar[OptionSet] = DeduplicationStore.declared_options.extend(
         CLOCK,
         MAX_CLOCK_SKEW,
@@ -128,6 +133,22 @@ class DynamoDBDeduplicationStore(DynamoDBClient, DeduplicationStore):
         """
         super().__init__(url, **options)
         self._endpoint_value: AttributeValueTypeDef = {"S": self._endpoint}
+        DynamoDBConnection.open_table(self)
+
+    def create_table(self, wait: bool = True) -> None:
+        """Create the table (on demand, key ``pk``/``sk``) if missing; switch TTL on ``ttl``
+        on. Idempotent, safe in several processes at once; an existing table is otherwise
+        left as it is. With ``wait``, return once it is ACTIVE and TTL is on; without, once
+        its creation is requested (TTL needs an ACTIVE table: call again with ``wait``).
+        Raises ``ConfigurationError`` (e.g. no permission) and ``StoreUnavailable``."""
+        self._check_open()
+        with self._translating_errors("create the table"):
+            self._dynamodb.create_table(self, wait)
+
+    @property
+    def table(self) -> str:
+        """The DynamoDB table name."""
+        return self._url.netloc
 
     # ------------------------------------------------------------------ primitives
 
@@ -145,7 +166,8 @@ class DynamoDBDeduplicationStore(DynamoDBClient, DeduplicationStore):
         return item
 
     def _add_one(self, request: WriteRequest) -> bool:
-        outcome = self._conditional_put(
+        outcome = self._dynamodb.conditional_put(
+            self,
             self._item(request.ids[0], request),
             _ADD_CONDITION,
             {"#p": _ID, "#e": _EXPIRES},
@@ -163,7 +185,7 @@ class DynamoDBDeduplicationStore(DynamoDBClient, DeduplicationStore):
                 mid,
                 {
                     "Put": {
-                        "TableName": self._table,
+                        "TableName": self.table,
                         "Item": self._item(mid, request),
                         "ConditionExpression": _ADD_CONDITION,
                         "ExpressionAttributeNames": {"#p": _ID, "#e": _EXPIRES},
@@ -192,7 +214,7 @@ class DynamoDBDeduplicationStore(DynamoDBClient, DeduplicationStore):
         ``_MAX_BACKOFF_ROUNDS`` pauses, within the call's deadline), is raised (the
         error hook classifies it).
         """
-        client, done = self._client, list[str]()
+        dynamodb, done = self._dynamodb, list[str]()
         failure: boto_errors.ClientError | None = None
 
         def one_round() -> bool:
@@ -200,13 +222,12 @@ class DynamoDBDeduplicationStore(DynamoDBClient, DeduplicationStore):
             nonlocal pending, failure
             while pending:
                 try:
-                    self._request(
-                        functools.partial(
-                            client.transact_write_items,
-                            TransactItems=[op for _, op in pending],
-                            ClientRequestToken=str(uuid.uuid4()),  # the same for every attempt
-                        )
+                    transact = functools.partial(
+                        dynamodb.client.transact_write_items,
+                        TransactItems=[op for _, op in pending],
+                        ClientRequestToken=str(uuid.uuid4()),  # the same for every attempt
                     )
+                    dynamodb.request(self, transact)
                     done.extend(mid for mid, _ in pending)
                     return False
                 except boto_errors.ClientError as exc:
@@ -243,23 +264,22 @@ class DynamoDBDeduplicationStore(DynamoDBClient, DeduplicationStore):
         return done
 
     def _find(self, ids: list[str], now: float) -> set[str]:
-        items = self._batch_get(
-            [self._key(mid) for mid in ids], "#p, #e", {"#p": _ID, "#e": _EXPIRES}
+        items = self._dynamodb.batch_get(
+            self, [self._key(mid) for mid in ids], "#p, #e", {"#p": _ID, "#e": _EXPIRES}
         )
         return {str(item[_ID]["S"]) for item in items if self._alive(item, now)}
 
     def _contains_one(self, message_id: str, now: float) -> bool:
-        client, key = self._client, self._key(message_id)
-        response = self._request(
-            lambda: client.get_item(
-                TableName=self._table,
-                Key=key,
-                ConsistentRead=True,
-                ProjectionExpression="#p, #e",
-                ExpressionAttributeNames={"#p": _ID, "#e": _EXPIRES},
-            )
+        dynamodb = self._dynamodb
+        get = functools.partial(
+            dynamodb.client.get_item,
+            TableName=self.table,
+            Key=self._key(message_id),
+            ConsistentRead=True,
+            ProjectionExpression="#p, #e",
+            ExpressionAttributeNames={"#p": _ID, "#e": _EXPIRES},
         )
-        item = response.get("Item")
+        item = dynamodb.request(self, get).get("Item")
         return item is not None and self._alive(item, now)
 
     @staticmethod
@@ -278,7 +298,7 @@ class DynamoDBDeduplicationStore(DynamoDBClient, DeduplicationStore):
         start: Mapping[str, Any] | None = None
         while True:
             request: ScanInputTypeDef = {
-                "TableName": self._table,
+                "TableName": self.table,
                 "ConsistentRead": True,
                 "FilterExpression": "#s = :ep AND #e <= :cut",
                 "ProjectionExpression": "#p",
@@ -287,7 +307,7 @@ class DynamoDBDeduplicationStore(DynamoDBClient, DeduplicationStore):
             }
             if start:
                 request["ExclusiveStartKey"] = start
-            page = self._scan_page(request)
+            page = self._dynamodb.scan(self, request)
             expired = [str(item[_ID]["S"]) for item in page.get("Items", [])]
             for first in range(0, len(expired), MAX_TRANSACT_ITEMS):
                 operations: list[tuple[str, TransactWriteItemTypeDef]] = [
@@ -295,7 +315,7 @@ class DynamoDBDeduplicationStore(DynamoDBClient, DeduplicationStore):
                         mid,
                         {
                             "Delete": {
-                                "TableName": self._table,
+                                "TableName": self.table,
                                 "Key": self._key(mid),
                                 "ConditionExpression": "#e <= :cut",
                                 "ExpressionAttributeNames": {"#e": _EXPIRES},
@@ -322,7 +342,7 @@ class DynamoDBDeduplicationStore(DynamoDBClient, DeduplicationStore):
         start: Mapping[str, Any] | None = None
         while True:
             request: ScanInputTypeDef = {
-                "TableName": self._table,
+                "TableName": self.table,
                 "ConsistentRead": True,
                 "Select": "COUNT",
                 "FilterExpression": "#s = :ep AND (attribute_not_exists(#e) OR #e > :now)",
@@ -331,23 +351,8 @@ class DynamoDBDeduplicationStore(DynamoDBClient, DeduplicationStore):
             }
             if start:
                 request["ExclusiveStartKey"] = start
-            page = self._scan_page(request)
+            page = self._dynamodb.scan(self, request)
             total += int(page.get("Count", 0))
             start = page.get("LastEvaluatedKey")
             if not start:
                 return total
-
-    def _health_warnings(self) -> list[str]:
-        warnings = super()._health_warnings()
-        ttl = self._describe_ttl()
-        if ttl.get("TimeToLiveStatus") not in ("ENABLED", "ENABLING"):
-            warnings.append(
-                f"TTL is not enabled on table {self._table!r}: expired records stay until "
-                f"purge_expired() (enable TTL on attribute {_TTL!r})"
-            )
-        elif ttl.get("AttributeName") != _TTL:
-            warnings.append(
-                f"TTL on table {self._table!r} uses attribute {ttl.get('AttributeName')!r}, "
-                f"not {_TTL!r}: expired records stay until purge_expired()"
-            )
-        return warnings
