@@ -20,7 +20,6 @@ import abc
 import contextlib
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
@@ -35,7 +34,7 @@ from dedupstore.errors import (
     StoreUnavailable,
     format_error,
 )
-from dedupstore.masking import MASK, mask_text, mask_url
+from dedupstore.masking import mask_url, scrub
 from dedupstore.options import Option, Options, OptionSet, boolean
 from dedupstore.urls import StoreURL
 
@@ -48,6 +47,8 @@ __all__ = [
     "ErrorKind",
     "ProcessLocal",
     "creates",
+    "part_of",
+    "retried_deadline",
 ]
 
 T = TypeVar("T")
@@ -57,10 +58,6 @@ C = TypeVar("C", bound="Connection")
 #: What :meth:`Client._classify_error` returns: an error class (the base writes the
 #: message), a ready error (raised as is), or ``None`` (not a driver error).
 ErrorKind = type[DedupStoreError] | DedupStoreError | None
-
-#: Secrets shorter than this are masked in driver messages only as whole words,
-#: so a one-letter password does not mask every matching letter.
-_SHORT_SECRET = 8
 
 _log = logging.getLogger(__name__)
 
@@ -220,6 +217,22 @@ def creates(options: Options) -> bool:
     """Whether opening with ``options`` may create what is missing: ``create``, unless
     ``must_exist`` (:attr:`Client._creates`, for a :class:`Connection`)."""
     return bool(options.get("create", False)) and not options.get("must_exist", False)
+
+
+def retried_deadline(options: Options) -> float:
+    """``connect_timeout + (retries + 1) x timeout``: the deadline of a call of at most
+    ``retries + 1`` attempts of ``timeout`` each after connecting once, for a
+    :meth:`Connection.deadline_seconds` (Redis, DynamoDB, Cosmos DB)."""
+    return float(options["connect_timeout"] + (options["retries"] + 1) * options["timeout"])
+
+
+def part_of(client: Client, name: str, kind: type[T]) -> T:
+    """``client.<name>``, a ``kind``: what a client tells its connection about itself
+    (its table, its container), read by the connection's rules that get only the client
+    (:meth:`Connection.classify_error`, :meth:`Connection.health_warnings`)."""
+    value = getattr(client, name, None)
+    assert isinstance(value, kind), f"{type(client).__name__}.{name} is not a {kind.__name__}"
+    return value
 
 
 class Connection(abc.ABC):
@@ -572,13 +585,8 @@ class Client(Closing, abc.ABC):
         return secrets
 
     def _scrub(self, text: str) -> str:
-        """Remove this object's secrets from ``text`` (short ones only as whole words)."""
-        for secret in sorted(self._secret_values(), key=len, reverse=True):
-            if len(secret) >= _SHORT_SECRET:
-                text = text.replace(secret, MASK)
-            else:
-                text = re.sub(rf"(?<![\w]){re.escape(secret)}(?![\w])", MASK, text)
-        return mask_text(text, self.declared_options.secret_names)
+        """Remove this object's secrets from ``text`` (:func:`dedupstore.masking.scrub`)."""
+        return scrub(text, self._secret_values(), self.declared_options.secret_names)
 
     def _error(self, kind: type[E], operation: str | None, detail: str) -> E:
         """An error of ``kind`` whose text names this object, secrets scrubbed.

@@ -23,6 +23,7 @@ __all__ = [
     "mask_options",
     "mask_text",
     "mask_url",
+    "scrub",
 ]
 
 MASK = "***"
@@ -48,6 +49,10 @@ SECRET_NAMES: frozenset[str] = frozenset(
         "scram_server_key",
     }
 )
+
+#: Secrets shorter than this are masked only as whole words, so a one-letter password
+#: does not mask every matching letter.
+_SHORT_SECRET = 8
 
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*")
 
@@ -119,3 +124,14 @@ def mask_options(
     """``options`` with the values of secret names replaced by ``***``."""
     extra = tuple(secret_names)
     return {k: MASK if is_secret(k, extra) else v for k, v in options.items()}
+
+
+def scrub(text: str, secrets: Iterable[str | None], secret_names: Iterable[str] = ()) -> str:
+    """``text`` without the values ``secrets`` (short ones only as whole words; empty
+    ones ignored), then :func:`mask_text`."""
+    for secret in sorted({s for s in secrets if s}, key=len, reverse=True):
+        if len(secret) >= _SHORT_SECRET:
+            text = text.replace(secret, MASK)
+        else:
+            text = re.sub(rf"(?<![\w]){re.escape(secret)}(?![\w])", MASK, text)
+    return mask_text(text, secret_names)

@@ -543,22 +543,28 @@ def test_health_warnings_on_an_unsafe_server() -> None:
         store.close()
 
 
-def test_given_pool_is_used_and_not_closed(postgres_server: Server, fresh_table: str) -> None:
-    pool: ConnectionPool[psycopg.Connection[Any]] = ConnectionPool(
+@pytest.fixture
+def given_pool(postgres_server: Server) -> Iterator[ConnectionPool[psycopg.Connection[Any]]]:
+    """A pool of the user's (autocommit), closed after the test."""
+    with ConnectionPool(
         postgres_server.url, min_size=1, max_size=2, kwargs={"autocommit": True}, open=True
-    )
-    try:
-        store = open_store(postgres_server.url, table=fresh_table, create=True, client=pool)
-        assert store.add("pooled") is True
-        clone = pickle.loads(pickle.dumps(store))  # reconnects by configuration
-        assert clone.has_been_processed("pooled")
-        clone.close()
-        store.close()
-        assert not pool.closed
-        with pool.connection() as conn:
-            conn.execute("SELECT 1")
-    finally:
-        pool.close()
+    ) as pool:
+        yield pool
+
+
+def test_given_pool_is_used_and_not_closed(
+    postgres_server: Server, fresh_table: str, given_pool: ConnectionPool[Any]
+) -> None:
+    pool = given_pool
+    store = open_store(postgres_server.url, table=fresh_table, create=True, client=pool)
+    assert store.add("pooled") is True
+    clone = pickle.loads(pickle.dumps(store))  # reconnects by configuration
+    assert clone.has_been_processed("pooled")
+    clone.close()
+    store.close()
+    assert not pool.closed
+    with pool.connection() as conn:
+        conn.execute("SELECT 1")
 
 
 def test_given_pool_must_make_autocommit_connections(
@@ -597,26 +603,23 @@ def _child_of_a_given_pool(store: DeduplicationStore, given: int) -> None:
     _forked_child(store)
 
 
-def test_a_given_pool_is_not_used_after_fork(postgres_server: Server, fresh_table: str) -> None:
+def test_a_given_pool_is_not_used_after_fork(
+    postgres_server: Server, fresh_table: str, given_pool: ConnectionPool[Any]
+) -> None:
     """The given pool's sockets are the parent's: a child opens a pool of its own."""
-    pool: ConnectionPool[psycopg.Connection[Any]] = ConnectionPool(
-        postgres_server.url, min_size=1, max_size=2, kwargs={"autocommit": True}, open=True
+    pool = given_pool
+    store = open_store(postgres_server.url, table=fresh_table, create=True, client=pool)
+    assert store.add("from-parent") is True
+    assert store._pg.pool is pool  # type: ignore[attr-defined]
+    child = multiprocessing.get_context("fork").Process(
+        target=_child_of_a_given_pool, args=(store, id(pool))
     )
-    try:
-        store = open_store(postgres_server.url, table=fresh_table, create=True, client=pool)
-        assert store.add("from-parent") is True
-        assert store._pg.pool is pool  # type: ignore[attr-defined]
-        child = multiprocessing.get_context("fork").Process(
-            target=_child_of_a_given_pool, args=(store, id(pool))
-        )
-        child.start()
-        child.join(60)
-        assert child.exitcode == 0
-        assert store.has_been_processed("from-child")
-        store.close()
-        assert not pool.closed
-    finally:
-        pool.close()
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    assert store.has_been_processed("from-child")
+    store.close()
+    assert not pool.closed
 
 
 def test_postgres_scheme_alias(postgres_server: Server, fresh_table: str) -> None:

@@ -35,6 +35,9 @@ CASES: list[tuple[str, str, dict[str, Any], str]] = [
     ("postgresql", f"{_PG}&pool_min_size=5&pool_max_size=2", {}, "must not exceed"),
     ("postgresql", _PG, {"client": object()}, "psycopg_pool.ConnectionPool"),
     ("postgresql", f"{_PG}&table=a.b.c", {}, "'name' or 'schema.name'"),
+    # refused by libpq's parser (not by the URL's): the password masked in the message
+    ("postgresql", "postgresql://dedup@127.0.0.1:1/d%00b", {}, "forbidden value %00"),
+    ("postgresql", "postgresql://u:p%ZZ@127.0.0.1:1/d", {}, 'percent-encoded token: "***"'),
     ("redis", f"{_REDIS}/notadb", {}, "the path must be a database number"),
     ("redis", f"{_REDIS}/0/1", {}, "the path must be a database number"),
     ("redis", f"{_REDIS}/0?ssl_ca_certs=/tmp/ca.pem", {}, "need a rediss:// URL"),

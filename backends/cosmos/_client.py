@@ -33,7 +33,7 @@ from urllib3.util.retry import Retry
 
 from backends._http import cut_short
 from dedupstore.calls import DeadlinePassed, executor, fan_out, time_left
-from dedupstore.client import Client, Connection, ErrorKind
+from dedupstore.client import Client, Connection, ErrorKind, part_of, retried_deadline
 from dedupstore.errors import ConfigurationError, ConsistencyError, StoreUnavailable, format_error
 from dedupstore.masking import MASK
 from dedupstore.options import (
@@ -185,7 +185,8 @@ class ContainerKind:
 
 
 def _kind(client: Client) -> ContainerKind:
-    return client._kind  # type: ignore[attr-defined, no-any-return]
+    """What a store keeps in its container (its ``_kind``)."""
+    return part_of(client, "_kind", ContainerKind)
 
 
 #: The options of both stores, declared once (each store adds its own).
@@ -263,7 +264,7 @@ class CosmosConnection(Connection):
     @classmethod
     def deadline_seconds(cls, options: Options) -> float:
         """``connect_timeout + (retries + 1) x timeout``: see :mod:`backends.cosmos`."""
-        return float(options["connect_timeout"] + (options["retries"] + 1) * options["timeout"])
+        return retried_deadline(options)
 
     def _connect(self) -> CosmosClient:
         opts, secret = self.options, _key(self.options)

@@ -27,7 +27,7 @@ from botocore.config import Config
 
 from backends._http import cut_short
 from dedupstore.calls import capped, deadline, retry, time_left
-from dedupstore.client import Client, Connection, ErrorKind
+from dedupstore.client import Client, Connection, ErrorKind, part_of, retried_deadline
 from dedupstore.errors import (
     ConfigurationError,
     ConsistencyError,
@@ -64,6 +64,8 @@ __all__ = [
     "DynamoDBConnection",
     "PutOutcome",
     "TableKind",
+    "create_table",
+    "open_table",
 ]
 
 #: Real DynamoDB limits (moto is laxer: it accepts 26-item BatchWriteItem requests).
@@ -272,15 +274,13 @@ class TableKind:
     #: The attribute native TTL deletes by (enabled by ``create_table``), if any.
     ttl_attribute: str | None = None
 
-    @classmethod
-    def of(cls, client: Client) -> TableKind:
-        """The kind of ``client``'s table."""
-        kind = getattr(client, "table_kind", None)
-        assert isinstance(kind, cls), f"{type(client).__name__} has no table_kind"
-        return kind
-
     def schema_text(self) -> str:
         return " and ".join(f"{name} (S, {kind})" for name, kind in self.key_schema)
+
+
+def _kind(client: Client) -> TableKind:
+    """The kind of a store's table (its ``table_kind``)."""
+    return part_of(client, "table_kind", TableKind)
 
 
 class DynamoDBConnection(Connection):
@@ -368,7 +368,7 @@ class DynamoDBConnection(Connection):
     @classmethod
     def deadline_seconds(cls, options: Options) -> float:
         """``connect_timeout + (retries + 1) x timeout``: see :mod:`backends.dynamodb`."""
-        return float(options["connect_timeout"] + (options["retries"] + 1) * options["timeout"])
+        return retried_deadline(options)
 
     def request(self, client: Client, fn: Callable[[], T]) -> T:
         """``fn()``, one request of ``client``, retried after a connection error,
@@ -415,7 +415,7 @@ class DynamoDBConnection(Connection):
             if code == "ResourceNotFoundException":
                 return ConfigurationError(
                     f"{cls._place(client)} does not exist; create it with create=True (URL "
-                    f"?create=true) or with key schema {TableKind.of(client).schema_text()}"
+                    f"?create=true) or with key schema {_kind(client).schema_text()}"
                 )
             if code == "TransactionCanceledException":
                 return cls._cancelled(client, exc)
@@ -456,28 +456,9 @@ class DynamoDBConnection(Connection):
 
     # ------------------------------------------------------------------ tables
 
-    @staticmethod
-    def open_table(client: Client) -> None:
-        """Open ``client``'s table: create it if ``client`` creates, then check it
-        (:meth:`check_table`). Each step's errors, making this process's connection
-        included, are classified as its own; a failure releases what ``client`` opened."""
-        with client._opening(None):
-            if client._creates:
-                with client._translating_errors("create the table"):
-                    DynamoDBConnection._of(client).create_table(client, True)
-            with client._translating_errors("open the table"):
-                DynamoDBConnection._of(client).check_table(client)
-
-    @staticmethod
-    def _of(client: Client) -> DynamoDBConnection:
-        """``client``'s connection in this process (made now if needed)."""
-        connection = client._connection
-        assert isinstance(connection, DynamoDBConnection)
-        return connection
-
     def create_table(self, client: Client, wait: bool) -> None:
-        """Create ``client``'s table if missing: see the stores' ``create_table``."""
-        dynamodb, table, kind = self.client, client._url.netloc, TableKind.of(client)
+        """Create ``client``'s table if missing: see :func:`create_table`."""
+        dynamodb, table, kind = self.client, client._url.netloc, _kind(client)
         try:
             self._describe_table(client)
             exists = True
@@ -539,7 +520,7 @@ class DynamoDBConnection(Connection):
 
     def check_table(self, client: Client) -> None:
         """Probe ``client``'s table: it exists, has its key schema and no replicas."""
-        kind = TableKind.of(client)
+        kind = _kind(client)
         try:
             table = self._describe_table(client)
         except boto_errors.ClientError as exc:
@@ -581,7 +562,7 @@ class DynamoDBConnection(Connection):
                 f"table {table!r} has global-table replicas and allow_global_table=True: "
                 "clients in different Regions can both write one key"
             )
-        attribute = TableKind.of(client).ttl_attribute
+        attribute = _kind(client).ttl_attribute
         if attribute is None:
             return warnings
         ttl = self._describe_ttl(client)
@@ -694,3 +675,37 @@ class DynamoDBConnection(Connection):
         """Close the boto3 client (not a given ``client``)."""
         if not self._given:
             self.client.close()
+
+
+def _connection_of(client: Client) -> DynamoDBConnection:
+    """``client``'s connection in this process (made now if needed)."""
+    connection = client._connection
+    assert isinstance(connection, DynamoDBConnection)
+    return connection
+
+
+def open_table(client: Client) -> None:
+    """Open a store's table: create it if the store creates (:func:`create_table`), then
+    check it (:meth:`DynamoDBConnection.check_table`). Each step's errors, making this
+    process's connection included, are classified as its own; a failure releases what
+    the store opened."""
+    with client._opening(None):
+        if client._creates:
+            create_table(client)
+        with client._translating_errors("open the table"):
+            _connection_of(client).check_table(client)
+
+
+def create_table(client: Client, wait: bool = True) -> None:
+    """Create the table if missing (on demand, the store's key schema, all of type S) and
+    switch TTL on on the store's TTL attribute, if it has one. Idempotent, safe in
+    several processes at once; an existing table is otherwise left as it is. With
+    ``wait``, return once it is ACTIVE (and TTL is on); without, once its creation is
+    requested (TTL needs an ACTIVE table: call again with ``wait``). Raises
+    ``ConfigurationError`` (e.g. no permission) and ``StoreUnavailable``.
+
+    Each store's ``create_table`` method.
+    """
+    client._check_open()
+    with client._translating_errors("create the table"):
+        _connection_of(client).create_table(client, wait)

@@ -75,6 +75,8 @@ from backends.dynamodb._client import (
     MAX_BATCH_GET_KEYS,
     DynamoDBConnection,
     TableKind,
+    create_table,
+    open_table,
 )
 from dedupstore.calls import fan_out
 from dedupstore.client import Connected
@@ -127,16 +129,9 @@ class DynamoDBEntityStore(EntityStore):
         (global table) and ``StoreUnavailable`` (endpoint unreachable or too slow).
         """
         super().__init__(url, **options)
-        DynamoDBConnection.open_table(self)
+        open_table(self)
 
-    def create_table(self, wait: bool = True) -> None:
-        """Create the table (on demand, key ``id``, no TTL) if missing. Idempotent, safe
-        in several processes at once; an existing table is left as it is. With ``wait``,
-        return once it is ACTIVE; without, once its creation is requested. Raises
-        ``ConfigurationError`` (e.g. no permission) and ``StoreUnavailable``."""
-        self._check_open()
-        with self._translating_errors("create the table"):
-            self._dynamodb.create_table(self, wait)
+    create_table = create_table
 
     @property
     def table(self) -> str:

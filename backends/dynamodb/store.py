@@ -73,6 +73,8 @@ from backends.dynamodb._client import (
     TableKind,
     _error_code,
     _number,
+    create_table,
+    open_table,
 )
 from dedupstore.calls import retry
 from dedupstore.client import Connected
@@ -133,17 +135,9 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
         """
         super().__init__(url, **options)
         self._endpoint_value: AttributeValueTypeDef = {"S": self._endpoint}
-        DynamoDBConnection.open_table(self)
+        open_table(self)
 
-    def create_table(self, wait: bool = True) -> None:
-        """Create the table (on demand, key ``pk``/``sk``) if missing; switch TTL on ``ttl``
-        on. Idempotent, safe in several processes at once; an existing table is otherwise
-        left as it is. With ``wait``, return once it is ACTIVE and TTL is on; without, once
-        its creation is requested (TTL needs an ACTIVE table: call again with ``wait``).
-        Raises ``ConfigurationError`` (e.g. no permission) and ``StoreUnavailable``."""
-        self._check_open()
-        with self._translating_errors("create the table"):
-            self._dynamodb.create_table(self, wait)
+    create_table = create_table
 
     @property
     def table(self) -> str:

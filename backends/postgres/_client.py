@@ -80,9 +80,9 @@ from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from dedupstore.calls import retry, time_left
-from dedupstore.client import Client, Connection, ErrorKind, ProcessLocal, creates
+from dedupstore.client import Client, Connection, ErrorKind, ProcessLocal, creates, part_of
 from dedupstore.errors import ConfigurationError, StoreUnavailable, format_error
-from dedupstore.masking import MASK
+from dedupstore.masking import scrub
 from dedupstore.options import (
     Option,
     Options,
@@ -348,12 +348,6 @@ class Table:
         return sql.Identifier(index_name(self.parts[-1], suffix))
 
 
-def _table_of(client: Client) -> Table | None:
-    """The table of a PostgreSQL store (its ``_table``), for messages."""
-    table = getattr(client, "_table", None)
-    return table if isinstance(table, Table) else None
-
-
 def _watchdog_delay(options: Options) -> float:
     """When the watchdog closes a silent statement's connection: shortly after the
     server's own cancel at ``timeout``."""
@@ -380,10 +374,7 @@ def _conninfo(url: StoreURL, options: Options) -> str:
     try:
         return psycopg.conninfo.make_conninfo(url.with_query([]).text, **params)
     except psycopg.Error as exc:
-        detail = format_error(exc)
-        for secret in (url.password, options["password"]):
-            if secret:
-                detail = detail.replace(secret, MASK)
+        detail = scrub(format_error(exc), (url.password, options["password"]))
         raise ConfigurationError(f"bad PostgreSQL URL {url.masked}: {detail}") from None
 
 
@@ -496,65 +487,52 @@ class PostgresConnection(Connection):
     def open_table(
         self,
         client: Client,
-        table: Table,
         create: Callable[[PgConnection], None],
         check: Callable[[PgConnection], None],
     ) -> None:
-        """Check the encoding and ``table`` (``create`` it if missing and allowed, then
-        ``check`` its shape), for ``client``; on a connection of its own when the pool
-        is ours (so refused credentials are the error, not a pool timeout)."""
-        if isinstance(self.pool, _OwnPool):
-            with psycopg.connect(self.conninfo, autocommit=True) as conn:
+        """Check the encoding and ``client``'s table (``create`` it if missing and allowed,
+        then ``check`` its shape); on a connection of its own when the pool is ours (so
+        refused credentials are the error, not a pool timeout)."""
+        table = part_of(client, "_table", Table)
+        with contextlib.ExitStack() as stack:
+            if isinstance(self.pool, _OwnPool):
+                conn = stack.enter_context(psycopg.connect(self.conninfo, autocommit=True))
                 self.configure(conn)
-                self._open_table(client, conn, table, create, check)
-        else:
-            with self.pooled(client) as conn:
-                self._open_table(client, conn, table, create, check)
+            else:
+                conn = stack.enter_context(self.pooled(client))
+            row = self.execute(conn, "SELECT current_setting('server_encoding')")[0]
+            if row[0] != "UTF8" or conn.info.encoding != "utf-8":
+                raise client._error(
+                    ConfigurationError,
+                    None,
+                    f"the database encoding is {row[0]} and the client encoding "
+                    f"{conn.info.encoding}; dedupstore needs UTF8 for both so every id "
+                    "round-trips",
+                )
+            if not self.execute(conn, "SELECT to_regclass(%s) IS NOT NULL", [table.text])[0][0]:
+                if not creates(client._opts):
+                    raise client._no_such_store(
+                        f"table {table.text} does not exist in PostgreSQL at {client.url}",
+                        f"call {type(client).__name__}.create_schema(url) once, or open the "
+                        "store with create=true",
+                    )
+                self._create_table(conn, table, create)
+            check(conn)
 
-    def _open_table(
-        self,
-        client: Client,
-        conn: PgConnection,
-        table: Table,
-        create: Callable[[PgConnection], None],
-        check: Callable[[PgConnection], None],
+    def _create_table(
+        self, conn: PgConnection, table: Table, create: Callable[[PgConnection], None]
     ) -> None:
-        row = self.execute(conn, "SELECT current_setting('server_encoding')")[0]
-        if row[0] != "UTF8" or conn.info.encoding != "utf-8":
-            raise client._error(
-                ConfigurationError,
-                None,
-                f"the database encoding is {row[0]} and the client "
-                f"encoding {conn.info.encoding}; dedupstore needs UTF8 for both so every id "
-                "round-trips",
-            )
-        found = self.execute(conn, "SELECT to_regclass(%s) IS NOT NULL", [table.text])
-        if not found[0][0]:
-            if not creates(client._opts):
-                raise client._no_such_store(
-                    f"table {table.text} does not exist in PostgreSQL at {client.url}",
-                    f"call {type(client).__name__}.create_schema(url) once, or open the "
-                    "store with create=true",
-                )
-            with conn.transaction():  # schema changes of one table, one at a time
-                self.execute(
-                    conn,
-                    "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
-                    [f"dedupstore:{table.text}"],
-                )
-                if len(table.parts) == 2:
-                    schema = table.parts[0]
-                    if not self.execute(
-                        conn, "SELECT 1 FROM pg_namespace WHERE nspname = %s", [schema]
-                    ):
-                        self.execute(
-                            conn,
-                            sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
-                                sql.Identifier(schema)
-                            ),
-                        )
-                create(conn)
-        check(conn)
+        """The schema (if named) and ``create``, one process at a time (an advisory lock)."""
+        with conn.transaction():
+            lock = "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))"
+            self.execute(conn, lock, [f"dedupstore:{table.text}"])
+            schema = table.parts[0] if len(table.parts) == 2 else None
+            # CREATE SCHEMA needs the database's CREATE privilege even when it exists
+            exists = "SELECT 1 FROM pg_namespace WHERE nspname = %s"
+            if schema is not None and not self.execute(conn, exists, [schema]):
+                statement = sql.SQL("CREATE SCHEMA IF NOT EXISTS {}")
+                self.execute(conn, statement.format(sql.Identifier(schema)))
+            create(conn)
 
     # ------------------------------------------------------------------ statements
 
@@ -731,8 +709,7 @@ class PostgresConnection(Connection):
     def health_warnings(self, client: Client) -> list[str]:
         """The server settings and the table's persistence that put acknowledged writes
         at risk."""
-        table = _table_of(client)
-        name = "" if table is None else table.text
+        table = part_of(client, "_table", Table)
         with self.pooled(client) as conn:
             settings = self.execute(
                 conn,
@@ -742,12 +719,11 @@ class PostgresConnection(Connection):
                 "current_setting('synchronous_commit') "
                 "UNION ALL SELECT 'relpersistence', relpersistence::text FROM pg_class "
                 "WHERE oid = to_regclass(%s)",
-                [name],
+                [table.text],
             )
         values = {str(setting): str(value) for setting, value in settings}
-        kind = "the store" if table is None else table.kind
         return [
-            message.format(table=name, kind=kind)
+            message.format(table=table.text, kind=table.kind)
             for setting, bad, message in _RISKY_SETTINGS
             if values.get(setting) == bad
         ]
@@ -759,8 +735,7 @@ class PostgresConnection(Connection):
         Errors about the table name the client's :class:`Table` and how to fix it.
         """
         errors = psycopg.errors
-        table = _table_of(client)
-        name, kind = ("its table", "a table") if table is None else (table.text, table.kind)
+        table = part_of(client, "_table", Table)
         if isinstance(exc, StatementTimeout | errors.ReadOnlySqlTransaction):
             return StoreUnavailable  # ReadOnlySqlTransaction: failed over to a replica
         if isinstance(exc, PoolTimeout):
@@ -774,17 +749,16 @@ class PostgresConnection(Connection):
             return client._error(
                 ConfigurationError,
                 None,
-                f"table {name} does not exist ({client._describe_error(exc)}): "
+                f"table {table.text} does not exist ({client._describe_error(exc)}): "
                 f"create it with {type(client).__name__}.create_schema(url), or open the "
                 "store with create=true",
             )
         if isinstance(exc, errors.InsufficientPrivilege):
-            privileges = "SELECT, INSERT, UPDATE" if table is None else table.privileges
             return client._error(
                 ConfigurationError,
                 None,
                 f"permission denied ({client._describe_error(exc)}): GRANT "
-                f"{privileges} ON {name} TO the role the store connects as",
+                f"{table.privileges} ON {table.text} TO the role the store connects as",
             )
         if isinstance(
             exc,
@@ -807,7 +781,7 @@ class PostgresConnection(Connection):
             return client._error(
                 ConfigurationError,
                 None,
-                f"table {name} is not usable as {kind}: {client._describe_error(exc)}",
+                f"table {table.text} is not usable as {table.kind}: {client._describe_error(exc)}",
             )
         if isinstance(exc, psycopg.Error):
             return StoreUnavailable

@@ -101,7 +101,7 @@ class PostgresDeduplicationStore(DeduplicationStore):
         )
         self._build_statements()
         with self._opening("open"):
-            self._pg.open_table(self, self._table, self._create_objects, self._check_table)
+            self._pg.open_table(self, self._create_objects, self._check_table)
 
     create_schema = classmethod(create_schema)
 

@@ -69,7 +69,7 @@ from redis.retry import Retry
 from redis.utils import SENTINEL
 
 from dedupstore.calls import capped, retry, time_left
-from dedupstore.client import Client, Connection, ErrorKind
+from dedupstore.client import Client, Connection, ErrorKind, retried_deadline
 from dedupstore.errors import (
     ConfigurationError,
     ConsistencyError,
@@ -333,7 +333,7 @@ class RedisConnection(Connection):
     @classmethod
     def deadline_seconds(cls, options: Options) -> float:
         """``connect_timeout + (retries + 1) x timeout``: see the module."""
-        return float(options["connect_timeout"] + (options["retries"] + 1) * options["timeout"])
+        return retried_deadline(options)
 
     def read(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` (redis-py reads), retried after a connection error or timeout."""
