@@ -351,14 +351,7 @@ class SqliteDeduplicationStore(DeduplicationStore):
         *SQLITE_OPTIONS,
     )
 
-    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
-        """Open (and by default create) the database file named by ``url``.
-
-        Raises ``ConfigurationError`` for a bad URL or option, a missing table
-        (with ``create=false``) or one of another shape, ``StoreUnavailable`` when
-        the file cannot be opened or stays locked longer than ``timeout``.
-        """
-        super().__init__(url, **options)
+    def _open(self) -> None:
         t = f'"{self._opts["table"]}"'
         self._table = t
         upsert = (
@@ -387,16 +380,15 @@ class SqliteDeduplicationStore(DeduplicationStore):
             f"SELECT count(*) FROM {t} WHERE endpoint = ?1 "
             "AND (expires_at IS NULL OR expires_at > ?2)"
         )
-        with self._translating_errors("open the database"):
-            self._sqlite.open_table(
-                self,
-                t,
-                f"CREATE TABLE IF NOT EXISTS {t} ("
-                "endpoint TEXT NOT NULL, id TEXT NOT NULL, expires_at REAL, writer TEXT, "
-                "PRIMARY KEY (endpoint, id)) WITHOUT ROWID",
-                _COLUMNS,
-                "a deduplication table",
-            )
+        self._sqlite.open_table(
+            self,
+            t,
+            f"CREATE TABLE IF NOT EXISTS {t} ("
+            "endpoint TEXT NOT NULL, id TEXT NOT NULL, expires_at REAL, writer TEXT, "
+            "PRIMARY KEY (endpoint, id)) WITHOUT ROWID",
+            _COLUMNS,
+            "a deduplication table",
+        )
 
     def _write(self, sql: str, params: tuple[Any, ...]) -> set[str]:
         with self._sqlite.write_transaction() as conn:
@@ -463,13 +455,7 @@ class SqliteEntityStore(EntityStore):
         *SQLITE_OPTIONS,
     )
 
-    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
-        """Open (and by default create) the entity table in the file named by ``url``.
-
-        Raises ``ConfigurationError`` for a bad URL or option or a missing table
-        (with ``create=false``), ``StoreUnavailable`` when the file cannot be opened.
-        """
-        super().__init__(url, **options)
+    def _open(self) -> None:
         t = self._table = f'"{self._opts["table"]}"'
         self._sql_load = (
             f"SELECT id, body, version FROM {t} WHERE id IN (SELECT value FROM json_each(?))"
@@ -486,21 +472,18 @@ class SqliteEntityStore(EntityStore):
             f"SELECT id, body, version FROM {t} WHERE pending AND bucket % ? = ? AND id > ? "
             "ORDER BY id LIMIT ?"
         )
-        with self._translating_errors("open the database"):
-            conn = self._sqlite.open_table(
-                self,
-                t,
-                f"CREATE TABLE IF NOT EXISTS {t} (id TEXT PRIMARY KEY NOT NULL, "
-                "body TEXT NOT NULL, version INTEGER NOT NULL, bucket INTEGER NOT NULL, "
-                "pending INTEGER NOT NULL) WITHOUT ROWID",
-                ("id", "body", "version", "bucket", "pending"),
-                "an entity table",
-            )
-            if self._creates:
-                index = f'"{self._opts["table"]}_pending"'
-                conn.execute(
-                    f"CREATE INDEX IF NOT EXISTS {index} ON {t} (bucket, id) WHERE pending"
-                )
+        conn = self._sqlite.open_table(
+            self,
+            t,
+            f"CREATE TABLE IF NOT EXISTS {t} (id TEXT PRIMARY KEY NOT NULL, "
+            "body TEXT NOT NULL, version INTEGER NOT NULL, bucket INTEGER NOT NULL, "
+            "pending INTEGER NOT NULL) WITHOUT ROWID",
+            ("id", "body", "version", "bucket", "pending"),
+            "an entity table",
+        )
+        if self._creates:
+            index = f'"{self._opts["table"]}_pending"'
+            conn.execute(f"CREATE INDEX IF NOT EXISTS {index} ON {t} (bucket, id) WHERE pending")
 
     def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
         rows = self._sqlite.thread_connection().execute(self._sql_load, (json.dumps(ids),))
@@ -576,14 +559,7 @@ class SqliteDispatcher(URLDispatcher):
         *SQLITE_OPTIONS,
     )
 
-    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
-        """Open (and by default create) the queue table in the file named by ``url``.
-
-        Raises ``ConfigurationError`` for a bad URL or option (before any I/O), a
-        missing table (with ``create=false``) or one of another shape,
-        ``StoreUnavailable`` when the file cannot be opened or stays locked.
-        """
-        super().__init__(url, **options)
+    def _open(self) -> None:
         t = self._table = f'"{self._opts["table"]}"'
         self._sql_upsert = (
             f"INSERT INTO {t} (id, destination, body, headers, deliveries, mismatches, first_at) "
@@ -598,17 +574,16 @@ class SqliteDispatcher(URLDispatcher):
         self._sql_stats = (
             f"SELECT count(*), coalesce(sum(deliveries), 0), coalesce(sum(mismatches), 0) FROM {t}"
         )
-        with self._translating_errors("open the database"):
-            self._sqlite.open_table(
-                self,
-                t,
-                f"CREATE TABLE IF NOT EXISTS {t} (id TEXT PRIMARY KEY NOT NULL, "
-                "destination TEXT NOT NULL, body TEXT NOT NULL, headers TEXT NOT NULL, "
-                "deliveries INTEGER NOT NULL, mismatches INTEGER NOT NULL, "
-                "first_at REAL NOT NULL)",
-                _OUTGOING_COLUMNS,
-                "a dispatcher table",
-            )
+        self._sqlite.open_table(
+            self,
+            t,
+            f"CREATE TABLE IF NOT EXISTS {t} (id TEXT PRIMARY KEY NOT NULL, "
+            "destination TEXT NOT NULL, body TEXT NOT NULL, headers TEXT NOT NULL, "
+            "deliveries INTEGER NOT NULL, mismatches INTEGER NOT NULL, "
+            "first_at REAL NOT NULL)",
+            _OUTGOING_COLUMNS,
+            "a dispatcher table",
+        )
 
     def _dispatch(self, batch: list[EncodedMessage]) -> None:
         rows = [(m.id, m.destination, m.body, m.headers) for m in batch]

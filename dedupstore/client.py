@@ -355,6 +355,8 @@ class Client(Closing, abc.ABC):
     #: The backend's connection class: every client of one server holds one instance
     #: per process (:meth:`_connection`); ``None``: the client keeps no connection.
     connection_class: ClassVar[type[Connection] | None] = None
+    #: How :meth:`_open`'s driver errors are classified (``None``: it classifies its own).
+    _open_operation: ClassVar[str | None] = "open"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A class naming a ``connection_class`` takes its backend's :attr:`schemes` and
@@ -368,9 +370,15 @@ class Client(Closing, abc.ABC):
                 cls.process_local = kind.process_local
 
     def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
-        """Parse ``url``, resolve and validate ``options``; ``ConfigurationError`` if bad.
+        """Open the store, table or queue named by ``url`` and check that it is usable.
 
-        Runs :meth:`_validate`, as :meth:`check_options` does, before any I/O.
+        ``options`` come as keywords or in the URL's query (the backend's module lists
+        them). Raises ``ConfigurationError`` for a bad URL or option before any I/O
+        (the checks :meth:`check_options` runs), and for what the server refuses:
+        credentials, permissions, a missing table (without ``create``) or one of
+        another shape; ``ConsistencyError`` for a server that cannot give the
+        backend's guarantees; ``StoreUnavailable`` when the server cannot be reached
+        within the deadline. A failed open leaves no connection behind.
         """
         self._closed = False
         self._url = self.portable_url(url)
@@ -383,6 +391,10 @@ class Client(Closing, abc.ABC):
             self._connection_handle = ProcessLocal(
                 lambda: kind(url, opts), kind.close, key=kind.key(url, opts)
             )
+        self._configure()
+        if type(self)._open is not Client._open:  # no I/O, no call to record
+            with self._opening(self._open_operation):
+                self._open()
 
     @classmethod
     def portable_url(cls, url: str | StoreURL) -> StoreURL:
@@ -466,6 +478,13 @@ class Client(Closing, abc.ABC):
         return (_reopen, (type(self), self._url.text, self._opts.pickled_keywords()))
 
     # ------------------------------------------------------------------ for backends
+
+    def _configure(self) -> None:
+        """Set up what the options decide, without I/O (role classes extend it)."""
+
+    def _open(self) -> None:
+        """The backend's I/O that opens this object (check the server, open the table),
+        run by the constructor under :meth:`_opening`, after :meth:`_configure`."""
 
     def _close(self) -> None:
         """Let go of the connection (closed if no other client holds it); called once."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple
 
 from dedupstore import canonical
 from dedupstore.client import Client, Closing
@@ -25,7 +25,6 @@ from dedupstore.errors import ConfigurationError, StoreClosed
 from dedupstore.ids import validate_message_id
 from dedupstore.options import OptionSet
 from dedupstore.outbox import Dispatcher
-from dedupstore.urls import StoreURL
 
 __all__ = [
     "CallableDispatcher",
@@ -138,10 +137,6 @@ class URLDispatcher(Client):
     #: How a receiver of this dispatcher deduplicates (shown by tools, documented per backend).
     receiver_dedup: ClassVar[str] = "by the message id: delivery is at least once"
     declared_options: ClassVar[OptionSet] = OptionSet()
-
-    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
-        """Resolve the options; backends then connect. Raises ``ConfigurationError``."""
-        super().__init__(url, **options)
 
     def dispatch(self, messages: Sequence[OutgoingMessage]) -> None:
         """Send ``messages`` at least once; return when every one is handed over.

@@ -25,7 +25,6 @@ from dedupstore.client import Client
 from dedupstore.errors import ConcurrencyConflict, EntityTooLarge, InvalidMessageId
 from dedupstore.ids import plain_ids, validate_ids, validate_message_id
 from dedupstore.options import OptionSet
-from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
     from dedupstore.store import DeduplicationStore, WriteRequest
@@ -414,10 +413,6 @@ class EntityStore(Client):
     max_save_batch: ClassVar[int] = 100
 
     declared_options: ClassVar[OptionSet] = Client.declared_options
-
-    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
-        """Resolve the options; backends then connect. Raises ``ConfigurationError``."""
-        super().__init__(url, **options)
 
     # ------------------------------------------------------------------ public API
 

@@ -16,14 +16,13 @@ import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from dedupstore.calls import fan_out
 from dedupstore.client import Client
 from dedupstore.errors import DedupStoreError, InvalidMessageId
 from dedupstore.ids import MAX_ID_BYTES, validate_ids, validate_message_id
 from dedupstore.options import Option, OptionSet, callable_, retention, seconds
-from dedupstore.urls import StoreURL
 
 __all__ = [
     "CLOCK",
@@ -126,9 +125,8 @@ class DeduplicationStore(Client):
         ),
     )
 
-    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
-        """Resolve the options; backends then connect. Raises ``ConfigurationError``."""
-        super().__init__(url, **options)
+    def _configure(self) -> None:
+        super()._configure()
         self._endpoint: str = self._opts["endpoint"]
         self._retention: timedelta | None = self._opts["retention"]
         self._retention_seconds = (

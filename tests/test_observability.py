@@ -363,7 +363,7 @@ def test_no_secret_reaches_a_log_record(
     readings = Readings(reader)
     with caplog.at_level(logging.DEBUG), pytest.raises(StoreUnavailable):
         open_store(url, connect_timeout=1, retries=0)
-    attributes = {"backend": "redis", "operation": "connect", "error": "StoreUnavailable"}
+    attributes = {"backend": "redis", "operation": "open", "error": "StoreUnavailable"}
     assert readings.delta(metrics.STORE_DURATION, **attributes) == 1
     ours = [r for r in caplog.records if r.name.startswith(("dedupstore", "backends"))]
     assert any("redis://:***@" in r.getMessage() for r in ours), [r.getMessage() for r in ours]

@@ -171,19 +171,8 @@ class CosmosEntityStore(EntityStore):
         "loads may miss acknowledged saves and return stale entities",
     )
 
-    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
-        """Connect, check the account's consistency and the entity container.
-
-        ``allow_weak_consistency_for_emulator_only=True`` is UNSAFE in production
-        (loads may return stale entities). Raises ``ConsistencyError`` for a weak
-        account, ``ConfigurationError`` for a bad URL or option (a ``client``
-        without compact UTF-8 writes included), a missing or rejected key, a
-        missing database or container, and ``StoreUnavailable`` when the service
-        cannot be reached.
-        """
-        super().__init__(url, **options)
-        with self._opening("open"):
-            self._cosmos.open_container(self)
+    def _open(self) -> None:
+        self._cosmos.open_container(self)
 
     @classmethod
     def _validate(cls, url: StoreURL, options: Options) -> None:

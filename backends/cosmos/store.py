@@ -58,7 +58,6 @@ from dedupstore.client import Connected
 from dedupstore.errors import ConfigurationError, StoreUnavailable
 from dedupstore.options import OptionSet
 from dedupstore.store import CLOCK, MAX_CLOCK_SKEW, DeduplicationStore, WriteRequest
-from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
     from azure.cosmos import ContainerProxy
@@ -138,24 +137,9 @@ class CosmosDeduplicationStore(DeduplicationStore):
         "reads may miss acknowledged writes and messages may be processed twice",
     )
 
-    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
-        """Connect, check the account's consistency and the container.
-
-        ``allow_weak_consistency_for_emulator_only=True`` is UNSAFE in production:
-        it accepts an account weaker than Strong (only for emulators, which report
-        "Session"); a client cannot raise consistency above the account default, so
-        such a store is not linearizable. ``client`` is a ready ``CosmosClient`` (not
-        pickled, not closed, shared with forked children; requests use its own
-        consistency setting; the account is still checked).
-
-        Raises ``ConsistencyError`` for a weak account, ``ConfigurationError`` for a
-        bad URL or option, a missing or rejected key, a missing database or
-        container, and ``StoreUnavailable`` when the service cannot be reached.
-        """
-        super().__init__(url, **options)
+    def _open(self) -> None:
         self._max_skew: float = self._opts["max_clock_skew"]
-        with self._opening("open"):
-            ttl = self._cosmos.open_container(self).get("defaultTtl")
+        ttl = self._cosmos.open_container(self).get("defaultTtl")
         self._default_ttl = ttl if isinstance(ttl, int) else None
 
     # ------------------------------------------------------------------ items

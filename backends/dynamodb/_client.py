@@ -685,15 +685,14 @@ def _connection_of(client: Client) -> DynamoDBConnection:
 
 
 def open_table(client: Client) -> None:
-    """Open a store's table: create it if the store creates (:func:`create_table`), then
-    check it (:meth:`DynamoDBConnection.check_table`). Each step's errors, making this
-    process's connection included, are classified as its own; a failure releases what
-    the store opened."""
-    with client._opening(None):
-        if client._creates:
-            create_table(client)
-        with client._translating_errors("open the table"):
-            _connection_of(client).check_table(client)
+    """A store's ``_open``: create its table if the store creates (:func:`create_table`),
+    then check it (:meth:`DynamoDBConnection.check_table`). Each step's errors, making
+    this process's connection included, are classified as its own (the stores'
+    ``_open_operation`` is ``None``)."""
+    if client._creates:
+        create_table(client)
+    with client._translating_errors("open the table"):
+        _connection_of(client).check_table(client)
 
 
 def create_table(client: Client, wait: bool = True) -> None:

@@ -83,7 +83,6 @@ from dedupstore.client import Connected
 from dedupstore.entities import EntityRecord, EntityStore
 from dedupstore.errors import StoreUnavailable
 from dedupstore.options import OptionSet, create_option
-from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb.type_defs import AttributeValueTypeDef, ScanInputTypeDef
@@ -121,14 +120,9 @@ class DynamoDBEntityStore(EntityStore):
         create_option(False, "create the entity table (key 'id', on demand) when missing"),
     )
 
-    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
-        """Open the entity table named by ``url`` and check that it is usable.
+    _open_operation = None
 
-        Raises ``ConfigurationError`` (bad URL or option, no region, rejected
-        credentials, missing table or another key schema), ``ConsistencyError``
-        (global table) and ``StoreUnavailable`` (endpoint unreachable or too slow).
-        """
-        super().__init__(url, **options)
+    def _open(self) -> None:
         open_table(self)
 
     create_table = create_table

@@ -80,7 +80,6 @@ from dedupstore.calls import retry
 from dedupstore.client import Connected
 from dedupstore.options import OptionSet, create_option
 from dedupstore.store import CLOCK, MAX_CLOCK_SKEW, DeduplicationStore, WriteRequest
-from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb.type_defs import (
@@ -126,14 +125,9 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
         create_option(False, "create the table (on demand, TTL on 'ttl') when missing"),
     )
 
-    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
-        """Open the table named by ``url`` and check that it is usable.
+    _open_operation = None
 
-        Raises ``ConfigurationError`` (bad URL or option, no region, rejected
-        credentials, missing table or wrong key schema), ``ConsistencyError`` (global
-        table) and ``StoreUnavailable`` (endpoint unreachable or too slow).
-        """
-        super().__init__(url, **options)
+    def _open(self) -> None:
         self._endpoint_value: AttributeValueTypeDef = {"S": self._endpoint}
         open_table(self)
 

@@ -78,7 +78,6 @@ from dedupstore.client import Connected
 from dedupstore.entities import EntityRecord, EntityStore, groups_by_size
 from dedupstore.options import OptionSet
 from dedupstore.store import DeduplicationStore, WriteRequest
-from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
     Connection = psycopg.Connection[TupleRow]
@@ -136,19 +135,10 @@ class PostgresEntityStore(EntityStore):
         EntityStore.declared_options, DEFAULT_ENTITY_TABLE
     )
 
-    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
-        """Connect, check the table (creating it if ``create``) and open the pool.
-
-        Takes the deduplication store's URL forms. Raises ``ConfigurationError``
-        for a bad URL or option (before any I/O), refused credentials, a non-UTF8
-        database or a missing/unusable table, and ``StoreUnavailable`` when the
-        server cannot be reached.
-        """
-        super().__init__(url, **options)
+    def _open(self) -> None:
         self._table = Table(self._opts["table"], "an entity table", "SELECT, INSERT, UPDATE")
         self._build_statements()
-        with self._opening("open"):
-            self._pg.open_table(self, self._create_objects, self._check_table)
+        self._pg.open_table(self, self._create_objects, self._check_table)
 
     create_schema = classmethod(create_schema)
 

@@ -50,7 +50,6 @@ from dedupstore.client import Connected
 from dedupstore.errors import ConfigurationError
 from dedupstore.options import OptionSet
 from dedupstore.store import DeduplicationStore, WriteRequest
-from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
     Connection = psycopg.Connection[TupleRow]
@@ -88,20 +87,12 @@ class PostgresDeduplicationStore(DeduplicationStore):
         DeduplicationStore.declared_options, DEFAULT_TABLE
     )
 
-    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
-        """Connect, check the table (creating it if ``create``) and open the pool.
-
-        Raises ``ConfigurationError`` for a bad URL or option, refused credentials,
-        a non-UTF8 database or a missing/unusable table, and ``StoreUnavailable``
-        when the server cannot be reached.
-        """
-        super().__init__(url, **options)
+    def _open(self) -> None:
         self._table = Table(
             self._opts["table"], "a deduplication table", "SELECT, INSERT, UPDATE, DELETE"
         )
         self._build_statements()
-        with self._opening("open"):
-            self._pg.open_table(self, self._create_objects, self._check_table)
+        self._pg.open_table(self, self._create_objects, self._check_table)
 
     create_schema = classmethod(create_schema)
 

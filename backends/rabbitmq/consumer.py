@@ -156,15 +156,12 @@ class RabbitMQBroker(Client, Broker):
         *CONNECTION_OPTIONS,
     )
 
-    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
-        """Connect, declare (or check) the queue and start consuming; see the class."""
-        super().__init__(url, **options)
+    def _open(self) -> None:
         self.queue: str = self._opts["queue"]
         self.prefetch: int = self._opts["prefetch"]
         self._generation = 0
         self._link: ProcessLocal[_Link] = ProcessLocal(self._open_link, _close_link)
-        with self._opening():
-            self._current()
+        self._current()
 
     @classmethod
     def _validate(cls, url: StoreURL, options: Options) -> None:

@@ -153,20 +153,11 @@ class RabbitMQDispatcher(URLDispatcher):
         *CONNECTION_OPTIONS,
     )
 
-    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
-        """Connect to the broker named by ``url`` and check the exchange exists.
-
-        ``url`` is ``amqp[s]://[user[:password]@]host[:port][/vhost]`` (the default
-        vhost ``/`` is ``/%2F`` or no path); its query holds the options. Raises
-        ``ConfigurationError`` for bad options (before any I/O), refused credentials
-        or permissions, a missing exchange; ``StoreUnavailable`` when the broker
-        cannot be reached.
-        """
-        super().__init__(url, **options)
+    def _open(self) -> None:
         self._exchange: str = self._opts["exchange"]
         self._lock = threading.Lock()
         self._link: ProcessLocal[_Link] = ProcessLocal(self._open_link, _close_link)
-        with self._opening(), self._lock:
+        with self._lock:
             self._probe()
 
     @classmethod

@@ -113,9 +113,7 @@ class RedisStreamsBroker(Client, Broker):
         "+ping +info +xgroup|create +xreadgroup +xack +xautoclaim +xclaim +xpending +xinfo|groups"
     )
 
-    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
-        """Connect, check the server, create the group if asked; see the class."""
-        super().__init__(url, **options)
+    def _open(self) -> None:
         opts = self._opts
         self.stream: str = opts["stream"] or stream_key(opts["key_prefix"], opts["destination"])
         self.group: str = opts["group"]
@@ -127,9 +125,8 @@ class RedisStreamsBroker(Client, Broker):
         self._nacked: list[str] = []
         self._cursor = "0-0"
         self._next_scan = float("-inf")
-        with self._opening():
-            self._redis.probe(self, "")
-            self._ensure_group()
+        self._redis.probe(self, "")
+        self._ensure_group()
 
     @classmethod
     def _validate(cls, url: StoreURL, options: Options) -> None:

@@ -38,7 +38,7 @@ retries, pool, ``wait_replicas``, credentials, TLS, ``client``).
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from backends.redis._client import (
     CONNECTION_OPTIONS,
@@ -50,7 +50,6 @@ from dedupstore.client import Connected
 from dedupstore.dispatch import EncodedMessage, URLDispatcher
 from dedupstore.errors import StoreUnavailable
 from dedupstore.options import Option, OptionSet, integer, optional, seconds
-from dedupstore.urls import StoreURL
 
 __all__ = ["RedisDispatcher", "sent_key", "stream_key"]
 
@@ -156,23 +155,13 @@ class RedisDispatcher(URLDispatcher):
         "them again: receivers deduplicate by id)"
     )
 
-    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
-        """Connect to the Redis primary named by ``url`` and check it.
-
-        ``url`` is ``redis[s]://[[user]:password@]host[:port][/db]``; its query holds
-        the options (see the module). Raises ``ConfigurationError`` for bad options
-        (before any I/O), a wrong password or missing permissions, or a Redis
-        Cluster; ``ConsistencyError`` when the server is a replica;
-        ``StoreUnavailable`` when it cannot be reached.
-        """
-        super().__init__(url, **options)
+    def _open(self) -> None:
         self._key_prefix: str = self._opts["key_prefix"]
         window: float | None = self._opts["dedupe_window"]
         self._window_ms = "" if window is None else str(max(1, round(window * 1000)))
         maxlen: int | None = self._opts["maxlen"]
         self._maxlen = "" if maxlen is None else str(maxlen)
-        with self._opening():
-            self._redis.probe(self, _DISPATCH_SCRIPT)
+        self._redis.probe(self, _DISPATCH_SCRIPT)
 
     def stream_key(self, destination: str) -> str:
         """The Redis key of ``destination``'s stream (what receivers ``XREADGROUP``)."""

@@ -70,7 +70,6 @@ from dedupstore.entities import EntityRecord, EntityStore, groups_by_size
 from dedupstore.errors import StoreUnavailable
 from dedupstore.options import OptionSet
 from dedupstore.store import DeduplicationStore, WriteRequest
-from dedupstore.urls import StoreURL
 
 __all__ = ["RedisEntityStore", "buckets_key", "entity_key", "pending_key"]
 
@@ -243,19 +242,9 @@ class RedisEntityStore(EntityStore):
         "them before saving again)"
     )
 
-    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
-        """Connect to the Redis primary named by ``url`` and check it.
-
-        ``url`` is ``redis[s]://[[user]:password@]host[:port][/db]``, as for the
-        deduplication store; its query holds the options (see the module). Raises
-        ``ConfigurationError`` for bad options (before any I/O), a wrong password or
-        missing permissions, or a Redis Cluster; ``ConsistencyError`` when the
-        server is a replica; ``StoreUnavailable`` when it cannot be reached.
-        """
-        super().__init__(url, **options)
+    def _open(self) -> None:
         self._key_prefix: str = self._opts["key_prefix"]
-        with self._opening():
-            self._redis.probe(self, _SAVE_SCRIPT)
+        self._redis.probe(self, _SAVE_SCRIPT)
 
     def _key(self, entity_id: str) -> str:
         return entity_key(self._key_prefix, entity_id)

@@ -48,7 +48,6 @@ from backends.redis._client import (
 from dedupstore.client import Connected
 from dedupstore.options import OptionSet
 from dedupstore.store import DeduplicationStore, WriteRequest
-from dedupstore.urls import StoreURL
 
 __all__ = ["ADD_SCRIPT", "RedisDeduplicationStore", "record_key"]
 
@@ -157,22 +156,13 @@ class RedisDeduplicationStore(DeduplicationStore):
         "store object reports them as recorded by it)"
     )
 
-    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
-        """Connect to the Redis primary named by ``url`` and check it.
-
-        ``url`` is ``redis[s]://[[user]:password@]host[:port][/db]``; its query holds
-        the options (see the module). Raises ``ConfigurationError`` for bad options, a
-        wrong password or missing permissions, or a Redis Cluster; ``ConsistencyError``
-        when the server is a replica; ``StoreUnavailable`` when it cannot be reached.
-        """
-        super().__init__(url, **options)
+    def _open(self) -> None:
         self._key_base = f"{self._opts['key_prefix']}{escape(self._endpoint)}:"
         # PX = the retention in whole ms, rounded up (at least 1).
         self._px = (
             "" if self._retention is None else str(-(-self._retention // timedelta(milliseconds=1)))
         )
-        with self._opening():
-            self._redis.probe(self, ADD_SCRIPT)
+        self._redis.probe(self, ADD_SCRIPT)
 
     # ------------------------------------------------------------------ primitives
 
