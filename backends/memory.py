@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 from dedupstore.client import Connection
 from dedupstore.dispatch import EncodedMessage, URLDispatcher
@@ -32,33 +32,26 @@ __all__ = ["MemoryDeduplicationStore", "MemoryDispatcher", "MemoryEntityStore", 
 _Record = tuple[float | None, str]
 
 
-class _Namespace:
-    """The records of one ``memory://<name>``: endpoint -> id -> (expiry or None, token)."""
+class _Space:
+    """The data of one ``memory://<name>``: deduplication records (endpoint -> id ->
+    record), entities (id -> (body, version, bucket, pending)) and dispatched messages."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.records: dict[str, dict[str, _Record]] = {}
-
-    def of(self, endpoint: str) -> dict[str, _Record]:
-        """The records of ``endpoint`` (created empty on first use)."""
-        with self.lock:
-            return self.records.setdefault(endpoint, {})
+        self.entities: dict[str, tuple[str, int, int, bool]] = {}
+        self.sent: list[OutgoingMessage] = []
 
 
-S = TypeVar("S")
-#: (kind of data, name) -> the data every object opened with ``memory://<name>`` shares.
-_shared_by_name: dict[tuple[type, str], Any] = {}
-_shared_lock = threading.Lock()
+#: name -> its data, shared by every object opened with ``memory://<name>``.
+_spaces: dict[str, _Space] = {}
+_spaces_lock = threading.Lock()
 
 
-def _shared(kind: type[S], url: StoreURL) -> S:
-    """The ``kind`` data of ``url``'s name in this process, created on first use."""
-    key = (kind, namespace_name(url))
-    with _shared_lock:
-        if key not in _shared_by_name:
-            _shared_by_name[key] = kind()
-        shared: S = _shared_by_name[key]
-        return shared
+def _space(url: StoreURL) -> _Space:
+    """The data of ``url``'s name in this process, created on first use."""
+    with _spaces_lock:
+        return _spaces.setdefault(namespace_name(url), _Space())
 
 
 def namespace_name(url: StoreURL) -> str:
@@ -92,11 +85,11 @@ class MemoryDeduplicationStore(DeduplicationStore):
     max_read_batch: ClassVar[int] = 10_000
     declared_options: ClassVar[OptionSet] = DeduplicationStore.declared_options.extend(CLOCK)
 
-    def __init__(self, url: str | StoreURL = "memory://", /, **options: object) -> None:
-        """Open ``memory://<name>`` (the empty name is a namespace too)."""
-        super().__init__(url, **options)
-        self._ns = _shared(_Namespace, self._url)
-        self._records = self._ns.of(self._endpoint)
+    def _configure(self) -> None:
+        super()._configure()
+        self._ns = _space(self._url)
+        with self._ns.lock:
+            self._records = self._ns.records.setdefault(self._endpoint, {})
 
     def _add_new(self, request: WriteRequest) -> set[str]:
         records, ids = self._records, request.ids
@@ -135,14 +128,6 @@ class MemoryDeduplicationStore(DeduplicationStore):
             return sum(1 for e, _ in self._records.values() if e is None or e > now)
 
 
-class _Entities:
-    """The entities of one ``memory://<name>``: id -> (body, version, bucket, pending)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.records: dict[str, tuple[str, int, int, bool]] = {}
-
-
 class MemoryEntityStore(EntityStore):
     """In-process entity store (version: a counter per entity); shared per URL name."""
 
@@ -151,25 +136,24 @@ class MemoryEntityStore(EntityStore):
     max_load_batch: ClassVar[int] = 1000
     max_save_batch: ClassVar[int] = 1000
 
-    def __init__(self, url: str | StoreURL = "memory://", /, **options: object) -> None:
-        """Open ``memory://<name>``'s entities (separate from its deduplication records)."""
-        super().__init__(url, **options)
-        self._ns = _shared(_Entities, self._url)
+    def _configure(self) -> None:
+        super()._configure()
+        self._ns = _space(self._url)
 
     def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
         with self._ns.lock:
-            found = {eid: self._ns.records.get(eid) for eid in ids}
+            found = {eid: self._ns.entities.get(eid) for eid in ids}
         return {eid: (rec[0], rec[1]) for eid, rec in found.items() if rec is not None}
 
     def _save(self, records: list[EntityRecord]) -> dict[str, Any]:
         saved: dict[str, Any] = {}
         with self._ns.lock:
             for record in records:
-                current = self._ns.records.get(record.id)
+                current = self._ns.entities.get(record.id)
                 if (current[1] if current else None) != record.version:
                     continue
                 version = (current[1] if current else 0) + 1
-                self._ns.records[record.id] = (record.body, version, record.bucket, record.pending)
+                self._ns.entities[record.id] = (record.body, version, record.bucket, record.pending)
                 saved[record.id] = version
         return saved
 
@@ -177,23 +161,15 @@ class MemoryEntityStore(EntityStore):
         with self._ns.lock:
             ids = sorted(
                 eid
-                for eid, (_, _, bucket, pending) in self._ns.records.items()
+                for eid, (_, _, bucket, pending) in self._ns.entities.items()
                 if pending and bucket % segments == segment
             )
         for start in range(0, len(ids), 1000):  # page by page, like the servers
             with self._ns.lock:
-                page = [(eid, self._ns.records.get(eid)) for eid in ids[start : start + 1000]]
+                page = [(eid, self._ns.entities.get(eid)) for eid in ids[start : start + 1000]]
             for eid, record in page:
                 if record is not None and record[3]:
                     yield eid, record[0], record[1]
-
-
-class _Queue:
-    """The messages dispatched to one ``memory://<name>``, in dispatch order."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.sent: list[OutgoingMessage] = []
 
 
 class MemoryDispatcher(URLDispatcher):
@@ -211,10 +187,9 @@ class MemoryDispatcher(URLDispatcher):
         "by the message id: sent holds every delivery, distinct() the first of each id"
     )
 
-    def __init__(self, url: str | StoreURL = "memory://", /, **options: Any) -> None:
-        """Open the queue of ``memory://<name>``; ``ConfigurationError`` for another URL."""
-        super().__init__(url, **options)
-        self._queue = _shared(_Queue, self._url)
+    def _configure(self) -> None:
+        super()._configure()
+        self._queue = _space(self._url)
 
     @property
     def sent(self) -> list[OutgoingMessage]:

@@ -7,20 +7,8 @@ directory. The database runs in WAL mode with ``synchronous=FULL``: a record is
 on disk when ``add`` returns, and several threads and processes may use one file
 at once (each write takes SQLite's write lock; ``INSERT ... ON CONFLICT`` decides
 the first writer). Expiry is judged by the ``clock`` option (the machine's clock:
-every client of one file runs on one machine).
-
-The entity store (:class:`SqliteEntityStore`) keeps one row per entity in its own
-table of the same file (``dedup_entities``): ``id`` (primary key), ``body`` (the
-canonical JSON), ``version`` (an integer, the concurrency token: a save is
-``UPDATE ... WHERE version = ?``, or ``INSERT`` that must not find the id), and
-``bucket``/``pending`` with a partial index for the segmented scan
-(``pending AND bucket % segments = segment``, paged by id). A save of many
-entities is one transaction; an entity is at most 4 MiB of JSON.
-
-The dispatcher (:class:`SqliteDispatcher`) is a table queue in its own table
-(``dedup_outgoing``), one row per outgoing message id (the primary key): a
-re-dispatch does not add a row, it counts ``deliveries`` and, when the content
-differs from the stored one, ``mismatches``. One transaction per ``dispatch``.
+every client of one file runs on one machine). The entity store and the dispatcher
+keep their own tables in the same file (see their classes).
 
 Options: ``endpoint``, ``retention``, ``clock``; ``table`` (``dedup_records``;
 ``dedup_entities`` for the entity store, ``dedup_outgoing`` for the dispatcher);
@@ -43,7 +31,7 @@ import os
 import sqlite3
 import threading
 import weakref
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Hashable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import quote, unquote, urlsplit
@@ -91,9 +79,7 @@ _PERMANENT_ERRNOS = {
     errno.ENXIO: "no such device",
     errno.ENODEV: "no such device",
 }
-_COLUMNS = ("endpoint", "id", "expires_at", "writer")
-
-#: Connection options shared by the SQLite dedup and entity stores.
+#: Options shared by the SQLite deduplication store, entity store and dispatcher.
 SQLITE_OPTIONS = (
     timeout_option(10.0, "seconds a call waits for another writer's lock"),
     Option(
@@ -104,6 +90,10 @@ SQLITE_OPTIONS = (
     ),
     create_option(True, "create the directory, file and table when missing"),
 )
+
+
+def _table_option(default: str) -> Option:
+    return Option("table", text(_IDENTIFIER, "a plain SQL identifier"), default, "the table")
 
 
 def sqlite_path(url: StoreURL) -> Path:
@@ -138,16 +128,9 @@ class _Connection(sqlite3.Connection):
 
 
 class SqliteConnection(Connection):
-    """One SQLite file in one process: a connection per thread, shared by its clients.
-
-    The deduplication store, the entity store and the dispatcher of one file (and
-    the same ``timeout``, ``synchronous`` and ``create``) hold one of these. Each
-    thread gets its own ``sqlite3`` connection, closed with this object; weak
-    references let the connection of a thread that ended close, so short-lived
-    threads leak nothing. Without ``create`` (or with ``must_exist``) nothing is
-    created: the file must exist and is opened read-write without creating it
-    (``file:...?mode=rw``), and the table must exist ("no such store").
-    """
+    """One SQLite file in one process: a ``sqlite3`` connection per thread, shared by
+    the file's clients of the same ``timeout``, ``synchronous`` and ``create``, and
+    closed with this object (weakly held: a thread that ended leaks nothing)."""
 
     schemes: ClassVar[tuple[str, ...]] = ("sqlite",)
     shaped_by: ClassVar[tuple[str, ...]] = ("timeout", "synchronous", "create", "must_exist")
@@ -209,15 +192,19 @@ class SqliteConnection(Connection):
             raise
 
     def open_table(
-        self, client: Client, table: str, create_sql: str, columns: Iterable[str], what: str
-    ) -> sqlite3.Connection:
-        """This thread's connection, ``table`` checked to have ``columns``.
+        self, client: Client, what: str, columns: dict[str, str], suffix: str = ")"
+    ) -> tuple[sqlite3.Connection, str]:
+        """This thread's connection and the quoted name of ``client``'s ``table``, checked
+        to have ``columns`` (name: declaration).
 
-        With ``create``: the directory, the file (in WAL mode) and the table are
-        created first (``create_sql``, idempotent). Without: a missing file or table
-        is ``ConfigurationError`` "no such store"; nothing is created. ``what`` names
-        the table's use in messages ("an entity table").
+        With ``create``: the directory, the file (in WAL mode) and the table
+        (``CREATE TABLE IF NOT EXISTS t (<columns><suffix>``) are created
+        first. Without: a missing file or table is ``ConfigurationError`` "no such
+        store"; nothing is created. ``what`` names the table's use in messages.
         """
+        table = f'"{client._opts["table"]}"'
+        declared = ", ".join(f"{name} {kind}" for name, kind in columns.items())
+        create_sql = f"CREATE TABLE IF NOT EXISTS {table} ({declared}{suffix}"
         conn = self._bootstrap(create_sql) if self._creates else self._open_existing(client)
         names = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
         if not names:
@@ -234,7 +221,7 @@ class SqliteConnection(Connection):
                 f"{', '.join(missing)} (it has {', '.join(sorted(names))}); drop it or "
                 "name another table",
             )
-        return conn
+        return conn, table
 
     def _open_existing(self, client: Client) -> sqlite3.Connection:
         """This thread's connection to the existing file; "no such store" if missing."""
@@ -347,13 +334,22 @@ class SqliteDeduplicationStore(DeduplicationStore):
     max_read_batch: ClassVar[int] = 5000
     declared_options: ClassVar[OptionSet] = DeduplicationStore.declared_options.extend(
         CLOCK,
-        Option("table", text(_IDENTIFIER, "a plain SQL identifier"), "dedup_records", "the table"),
+        _table_option("dedup_records"),
         *SQLITE_OPTIONS,
     )
 
     def _open(self) -> None:
-        t = f'"{self._opts["table"]}"'
-        self._table = t
+        _, t = self._sqlite.open_table(
+            self,
+            "a deduplication table",
+            {
+                "endpoint": "TEXT NOT NULL",
+                "id": "TEXT NOT NULL",
+                "expires_at": "REAL",
+                "writer": "TEXT",
+            },
+            ", PRIMARY KEY (endpoint, id)) WITHOUT ROWID",
+        )
         upsert = (
             "ON CONFLICT (endpoint, id) DO UPDATE SET expires_at = excluded.expires_at, "
             "writer = excluded.writer "
@@ -379,15 +375,6 @@ class SqliteDeduplicationStore(DeduplicationStore):
         self._sql_count = (
             f"SELECT count(*) FROM {t} WHERE endpoint = ?1 "
             "AND (expires_at IS NULL OR expires_at > ?2)"
-        )
-        self._sqlite.open_table(
-            self,
-            t,
-            f"CREATE TABLE IF NOT EXISTS {t} ("
-            "endpoint TEXT NOT NULL, id TEXT NOT NULL, expires_at REAL, writer TEXT, "
-            "PRIMARY KEY (endpoint, id)) WITHOUT ROWID",
-            _COLUMNS,
-            "a deduplication table",
         )
 
     def _write(self, sql: str, params: tuple[Any, ...]) -> set[str]:
@@ -439,8 +426,10 @@ class SqliteDeduplicationStore(DeduplicationStore):
 class SqliteEntityStore(EntityStore):
     """Entities in one table of a SQLite file; safe across threads and processes.
 
-    Token: the ``version`` column (``UPDATE ... WHERE version = ?``). A ``save_many``
-    chunk is one write transaction: it commits every entity that did not conflict.
+    Token: the ``version`` column (``UPDATE ... WHERE version = ?``, or an ``INSERT``
+    that must not find the id). A ``save_many`` chunk is one write transaction: it
+    commits every entity that did not conflict. The scan pages by id through a
+    partial index on ``(bucket, id) WHERE pending``.
     """
 
     connection_class = SqliteConnection
@@ -451,12 +440,26 @@ class SqliteEntityStore(EntityStore):
     #: Rows per page of the pending scan.
     page_size: ClassVar[int] = 500
     declared_options: ClassVar[OptionSet] = EntityStore.declared_options.extend(
-        Option("table", text(_IDENTIFIER, "a plain SQL identifier"), "dedup_entities", "the table"),
+        _table_option("dedup_entities"),
         *SQLITE_OPTIONS,
     )
 
     def _open(self) -> None:
-        t = self._table = f'"{self._opts["table"]}"'
+        conn, t = self._sqlite.open_table(
+            self,
+            "an entity table",
+            {
+                "id": "TEXT PRIMARY KEY NOT NULL",
+                "body": "TEXT NOT NULL",
+                "version": "INTEGER NOT NULL",
+                "bucket": "INTEGER NOT NULL",
+                "pending": "INTEGER NOT NULL",
+            },
+            ") WITHOUT ROWID",
+        )
+        if self._creates:
+            index = f'"{self._opts["table"]}_pending"'
+            conn.execute(f"CREATE INDEX IF NOT EXISTS {index} ON {t} (bucket, id) WHERE pending")
         self._sql_load = (
             f"SELECT id, body, version FROM {t} WHERE id IN (SELECT value FROM json_each(?))"
         )
@@ -472,18 +475,6 @@ class SqliteEntityStore(EntityStore):
             f"SELECT id, body, version FROM {t} WHERE pending AND bucket % ? = ? AND id > ? "
             "ORDER BY id LIMIT ?"
         )
-        conn = self._sqlite.open_table(
-            self,
-            t,
-            f"CREATE TABLE IF NOT EXISTS {t} (id TEXT PRIMARY KEY NOT NULL, "
-            "body TEXT NOT NULL, version INTEGER NOT NULL, bucket INTEGER NOT NULL, "
-            "pending INTEGER NOT NULL) WITHOUT ROWID",
-            ("id", "body", "version", "bucket", "pending"),
-            "an entity table",
-        )
-        if self._creates:
-            index = f'"{self._opts["table"]}_pending"'
-            conn.execute(f"CREATE INDEX IF NOT EXISTS {index} ON {t} (bucket, id) WHERE pending")
 
     def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
         rows = self._sqlite.thread_connection().execute(self._sql_load, (json.dumps(ids),))
@@ -517,15 +508,6 @@ class SqliteEntityStore(EntityStore):
             after = page[-1][0]
 
 
-_OUTGOING_COLUMNS = (
-    "id",
-    "destination",
-    "body",
-    "headers",
-    "deliveries",
-    "mismatches",
-    "first_at",
-)
 #: Epoch seconds in SQL (``unixepoch('subsec')`` needs SQLite 3.42).
 _SQL_NOW = "((julianday('now') - 2440587.5) * 86400.0)"
 
@@ -555,12 +537,24 @@ class SqliteDispatcher(URLDispatcher):
     #: Rows per page of :meth:`messages`.
     page_size: ClassVar[int] = 500
     declared_options: ClassVar[OptionSet] = URLDispatcher.declared_options.extend(
-        Option("table", text(_IDENTIFIER, "a plain SQL identifier"), "dedup_outgoing", "the table"),
+        _table_option("dedup_outgoing"),
         *SQLITE_OPTIONS,
     )
 
     def _open(self) -> None:
-        t = self._table = f'"{self._opts["table"]}"'
+        _, t = self._sqlite.open_table(
+            self,
+            "a dispatcher table",
+            {
+                "id": "TEXT PRIMARY KEY NOT NULL",
+                "destination": "TEXT NOT NULL",
+                "body": "TEXT NOT NULL",
+                "headers": "TEXT NOT NULL",
+                "deliveries": "INTEGER NOT NULL",
+                "mismatches": "INTEGER NOT NULL",
+                "first_at": "REAL NOT NULL",
+            },
+        )
         self._sql_upsert = (
             f"INSERT INTO {t} (id, destination, body, headers, deliveries, mismatches, first_at) "
             f"VALUES (?, ?, ?, ?, 1, 0, {_SQL_NOW}) ON CONFLICT (id) DO UPDATE SET "
@@ -573,16 +567,6 @@ class SqliteDispatcher(URLDispatcher):
         )
         self._sql_stats = (
             f"SELECT count(*), coalesce(sum(deliveries), 0), coalesce(sum(mismatches), 0) FROM {t}"
-        )
-        self._sqlite.open_table(
-            self,
-            t,
-            f"CREATE TABLE IF NOT EXISTS {t} (id TEXT PRIMARY KEY NOT NULL, "
-            "destination TEXT NOT NULL, body TEXT NOT NULL, headers TEXT NOT NULL, "
-            "deliveries INTEGER NOT NULL, mismatches INTEGER NOT NULL, "
-            "first_at REAL NOT NULL)",
-            _OUTGOING_COLUMNS,
-            "a dispatcher table",
         )
 
     def _dispatch(self, batch: list[EncodedMessage]) -> None:
