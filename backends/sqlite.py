@@ -327,8 +327,7 @@ def _path_problem(path: Path) -> str | None:
 class SqliteDeduplicationStore(DeduplicationStore):
     """Deduplication store in one SQLite file; safe across threads and processes."""
 
-    connection_class = SqliteConnection
-    _sqlite = Connected[SqliteConnection]()
+    _sqlite = Connected(SqliteConnection)
 
     max_write_batch: ClassVar[int] = 5000
     max_read_batch: ClassVar[int] = 5000
@@ -432,8 +431,7 @@ class SqliteEntityStore(EntityStore):
     partial index on ``(bucket, id) WHERE pending``.
     """
 
-    connection_class = SqliteConnection
-    _sqlite = Connected[SqliteConnection]()
+    _sqlite = Connected(SqliteConnection)
 
     max_load_batch: ClassVar[int] = 500
     max_save_batch: ClassVar[int] = 500
@@ -527,8 +525,7 @@ class SqliteDispatcher(URLDispatcher):
     long as nobody deletes the newest row).
     """
 
-    connection_class = SqliteConnection
-    _sqlite = Connected[SqliteConnection]()
+    _sqlite = Connected(SqliteConnection)
 
     receiver_dedup: ClassVar[str] = (
         "by the table: one row per message id (PRIMARY KEY); re-dispatches only count "

@@ -48,7 +48,6 @@ __all__ = [
     "ProcessLocal",
     "creates",
     "part_of",
-    "retried_deadline",
 ]
 
 T = TypeVar("T")
@@ -219,13 +218,6 @@ def creates(options: Options) -> bool:
     return bool(options.get("create", False)) and not options.get("must_exist", False)
 
 
-def retried_deadline(options: Options) -> float:
-    """``connect_timeout + (retries + 1) x timeout``: the deadline of a call of at most
-    ``retries + 1`` attempts of ``timeout`` each after connecting once, for a
-    :meth:`Connection.deadline_seconds` (Redis, DynamoDB, Cosmos DB)."""
-    return float(options["connect_timeout"] + (options["retries"] + 1) * options["timeout"])
-
-
 def part_of(client: Client, name: str, kind: type[T]) -> T:
     """``client.<name>``, a ``kind``: what a client tells its connection about itself
     (its table, its container), read by the connection's rules that get only the client
@@ -297,7 +289,11 @@ class Connection(abc.ABC):
 
     @classmethod
     def deadline_seconds(cls, options: Options) -> float | None:
-        """How long one call of a client may take in all: see :meth:`Client._deadline_seconds`."""
+        """How long one call of a client may take in all (:meth:`Client._deadline_seconds`):
+        ``connect_timeout + (retries + 1) x timeout`` (connecting once, then attempts of
+        at most ``timeout`` each) for a backend with those three options, else ``None``."""
+        if {"connect_timeout", "retries", "timeout"} <= options.keys():
+            return float(options["connect_timeout"] + (options["retries"] + 1) * options["timeout"])
         return None
 
     @classmethod
@@ -327,11 +323,15 @@ class Connection(abc.ABC):
 
 
 class Connected(Generic[C]):
-    """``self._<name>`` in a client class: this process's :class:`Connection`, typed.
+    """``_redis = Connected(RedisConnection)`` in a client class body: the class's
+    :attr:`Client.connection_class`, and ``self._redis`` reads as ``self._connection``,
+    typed as the backend's connection class."""
 
-    ``_redis = Connected[RedisConnection]()`` in a class body reads as
-    ``self._connection``, typed as the backend's connection class.
-    """
+    def __init__(self, kind: type[C]) -> None:
+        self.kind = kind
+
+    def __set_name__(self, owner: type[Client], name: str) -> None:
+        owner.connection_class = self.kind  # before Client.__init_subclass__ reads it
 
     def __get__(self, client: Client, owner: type[Client] | None = None) -> C:
         connection: C = client._connection  # type: ignore[assignment]

@@ -161,7 +161,8 @@ def test_opens_by_url_as_the_cosmos_entity_store(open_entities: EntityStoreFacto
     store = open_entities()
     assert type(store) is CosmosEntityStore
     assert isinstance(store._cosmos, cosmos_backend.CosmosConnection)  # type: ignore[attr-defined]
-    assert "UNSAFE in production" in (CosmosEntityStore.__init__.__doc__ or "")
+    option = CosmosEntityStore.declared_options["allow_weak_consistency_for_emulator_only"]
+    assert option.doc.startswith("UNSAFE")
 
 
 def test_one_item_per_entity_with_body_bucket_pending_token(

@@ -457,8 +457,7 @@ class _LosingConnection(RedisConnection):
 class _LosingAnswers(RedisEntityStore):
     """An entity store on a :class:`_LosingConnection` of its own (``_redis``)."""
 
-    connection_class = _LosingConnection
-    _redis = Connected[_LosingConnection]()
+    _redis = Connected(_LosingConnection)
 
 
 def test_a_lost_answer_then_a_rival_save_is_unknown_never_a_conflict(

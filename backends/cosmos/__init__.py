@@ -1,6 +1,7 @@
 """``cosmos://<host>[:port]/<database>/<container>?...``: Azure Cosmos DB (NoSQL API).
 
-Two stores share one ``CosmosClient`` per account and process (:class:`CosmosConnection`):
+Two thread-safe stores share one ``CosmosClient`` per account and process
+(:class:`CosmosConnection`; a child after ``fork`` opens its own):
 
 * :class:`CosmosDeduplicationStore` (``open_store``; :mod:`backends.cosmos.store`):
   one item per (endpoint, message id) in a container made by :func:`create_container`;
@@ -9,10 +10,18 @@ Two stores share one ``CosmosClient`` per account and process (:class:`CosmosCon
   :func:`create_entity_container`. Give each kind its own container: the URL names
   the container of the store it opens.
 
-Both containers are partitioned on ``/id`` (a SHA-256 of the record's key: Cosmos DB
-ids may not contain ``/ \\ ? #``); opening checks that the container exists and has
-that partition key (``ConfigurationError`` otherwise), or creates database and
-container with ``create=true``.
+An item's ``id`` is a hex SHA-256 of its key (:func:`document_id`,
+:func:`entity_document_id`): Cosmos DB ids may not contain ``/ \\ ? #``, have at most
+255 characters and travel in URLs; keys are up to 1024 bytes of anything. The item
+keeps the key, compared on every read: a mismatch (a SHA-256 collision, or a
+container shared with other data) raises ``ConfigurationError``, never a merge.
+Containers are partitioned on ``/id`` (items spread evenly); reads are read-many
+queries, never point reads (:meth:`CosmosConnection.read_many`). Opening checks the
+container's partition key (missing or another: ``ConfigurationError``), or creates
+database and container with ``create=true``. The creation functions leave an
+existing container as it is (``offer_throughput``, RU/s, applies to a new one only;
+``None`` on serverless accounts) and raise the SDK's errors (``CosmosHttpResponseError``,
+azure-core's), which a store opening with ``create=true`` translates.
 
 Correctness needs the account's default consistency to be **Strong**, checked at
 open (weaker accounts raise ``ConsistencyError``); requests then ask for Strong
@@ -21,10 +30,9 @@ stale data.
 
 Options of both stores (URL query or keyword; ``client`` keyword only):
 
-=============================================  ==========  ==========================
-``key``                                        COSMOS_KEY  account key (secret; one
-                                                           from the environment is
-                                                           not pickled)
+=============================================  ==========  =========================================
+``key``                                        COSMOS_KEY  account key (secret; one from the
+                                                           environment is not pickled)
 ``tls``                                        true        false: plain ``http://``
 ``endpoint_discovery``                         true        follow regional endpoints
 ``allow_weak_consistency_for_emulator_only``   false       see below
@@ -33,11 +41,10 @@ Options of both stores (URL query or keyword; ``client`` keyword only):
 ``timeout``                                    10 s        read timeout per request
 ``connect_timeout``                            5 s         connect timeout per request
 ``retries``                                    3           SDK retries per request
-``client``                                     none        a ready ``CosmosClient``
-                                                           (not pickled, not closed;
-                                                           key, tls, timeouts and
+``client``                                     none        a ready ``CosmosClient`` (not pickled,
+                                                           not closed; key, tls, timeouts and
                                                            retries then unused)
-=============================================  ==========  ==========================
+=============================================  ==========  =========================================
 
 The deduplication store adds ``endpoint``, ``retention``, ``max_clock_skew`` (60 s)
 and ``clock`` (keyword only); the entity store's ``client`` must have been created
@@ -49,19 +56,18 @@ account whose default consistency is weaker than Strong (the emulator reports
 twice, entities may load stale. Logged as a WARNING at every open, and reported by
 ``health_warnings()``.
 
-Failures: connection failures, reads and throttling (429) are retried by the SDK
-``retries`` times; a write whose answer was lost is not resent (the deduplication
-store's write token settles it on a retry; an entity save raises and the caller
-reloads). Deadline: a call (one chunk of a batch) raises ``StoreUnavailable`` at
-most ``connect_timeout + (retries + 1) x timeout`` seconds after it started (45 s
-with the defaults), whatever the service does: every HTTP attempt of the SDK
-(connecting and reading together) and every pause between attempts is cut at the
-deadline, and no attempt starts after it. Only the waits a throttling service
-asks for (429 ``retry-after``, at most ``timeout`` rounded up, in all) can extend
-it. A ``client`` given by the user keeps its own transport and retries, and so
-lacks the store's check of a reply cut short (``backends._http``): azure-core's
-default transport still refuses a body shorter than its length, but not a reply
-cut inside its headers.
+Failures: the SDK retries connection failures, reads and throttling (429) ``retries``
+times, but never resends a write whose answer was lost (the deduplication store's
+write token settles it on a retry; an entity save raises and the caller reloads). A
+call (one chunk of a batch) raises ``StoreUnavailable`` at most ``connect_timeout +
+(retries + 1) x timeout`` seconds after it started (45 s with the defaults), whatever
+the service does: every HTTP attempt of the SDK (connecting and reading together) and
+every pause between attempts is cut at that deadline, and no attempt starts after it;
+only the waits a throttling service asks for (429 ``retry-after``, at most ``timeout``
+rounded up, in all) can extend it. A given ``client`` keeps its own transport and
+retries, so lacks the store's check of a reply cut short (``backends._http``):
+azure-core's default transport still refuses a body shorter than its length, but not
+a reply cut inside its headers.
 ``StoreUnavailable`` (unreachable, timeout, throttling, 5xx, a reply cut short): retry.
 ``ConfigurationError``: rejected key, missing database or container, a container
 of another shape or shared with other data.

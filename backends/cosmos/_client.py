@@ -1,12 +1,7 @@
-"""The connection both Cosmos DB stores share: :class:`CosmosConnection`.
-
-Options, the ``cosmos://`` URL, the ``CosmosClient`` of one account in one process
-(timeouts, retries, transport), the account's consistency check, the check of each
-store's container (it exists and is partitioned on ``/id``; created with
-``create=true``), error classification, read-many and bounded parallel requests.
-The deduplication store (:mod:`backends.cosmos.store`) and the entity store
-(:mod:`backends.cosmos.entities`) hold the connection, say what their container is
-(:class:`ContainerKind`) and add their item layout and their requests.
+"""The connection both Cosmos DB stores share: :class:`CosmosConnection` (the
+``CosmosClient`` of one account in one process, its consistency check, the check of
+each store's container, error classification, read-many, queries and parallel
+requests); each store says what its container is in a :class:`ContainerKind`.
 """
 
 from __future__ import annotations
@@ -18,12 +13,13 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Final, TypeVar
 from urllib.parse import unquote
 
 import requests
 import urllib3
+from azure.core import MatchConditions
 from azure.core.exceptions import AzureError, HttpResponseError, ServiceResponseError
 from azure.core.pipeline.transport import RequestsTransport
 from azure.cosmos import CosmosClient, PartitionKey
@@ -33,7 +29,7 @@ from urllib3.util.retry import Retry
 
 from backends._http import cut_short
 from dedupstore.calls import DeadlinePassed, executor, fan_out, time_left
-from dedupstore.client import Client, Connection, ErrorKind, part_of, retried_deadline
+from dedupstore.client import Client, Connection, ErrorKind, part_of
 from dedupstore.errors import ConfigurationError, ConsistencyError, StoreUnavailable, format_error
 from dedupstore.masking import MASK
 from dedupstore.options import (
@@ -80,12 +76,9 @@ _R = TypeVar("_R")
 
 
 class _BoundedAdapter(requests.adapters.HTTPAdapter):
-    """Each HTTP attempt (connecting and reading together) ends by the call's deadline.
-
-    The SDK's timeouts apply to each attempt as before; with a deadline the
-    attempt also gets urllib3's ``total`` limit: the time left. None left:
-    a connection timeout, nothing sent.
-    """
+    """Each HTTP attempt (connecting and reading together) ends by the call's deadline:
+    besides the SDK's timeouts it gets urllib3's ``total`` limit, the time left (none
+    left: a connection timeout, nothing sent)."""
 
     def send(
         self,
@@ -185,7 +178,6 @@ class ContainerKind:
 
 
 def _kind(client: Client) -> ContainerKind:
-    """What a store keeps in its container (its ``_kind``)."""
     return part_of(client, "_kind", ContainerKind)
 
 
@@ -218,11 +210,8 @@ CONNECTION_OPTIONS: Final[tuple[Option, ...]] = (
 class CosmosConnection(Connection):
     """The ``CosmosClient`` of one account (host, port, key) in one process, shared by the
     stores of every database and container there. Each store names it as its
-    ``connection_class``, reaches it as ``self._cosmos``, says what its container is in
-    ``_kind`` (a :class:`ContainerKind`) and opens the container with
-    :meth:`open_container`. Every request has the ``connect_timeout`` + ``timeout``
-    bound and ``retries`` SDK retries.
-    """
+    ``connection_class``, reaches it as ``self._cosmos`` and opens its container (its
+    ``_kind``) with :meth:`open_container`."""
 
     schemes: ClassVar[tuple[str, ...]] = ("cosmos",)
     shaped_by: ClassVar[tuple[str, ...]] = (
@@ -242,9 +231,8 @@ class CosmosConnection(Connection):
         #: The account's default consistency, as the last :meth:`open_container` read it.
         self.consistency = "unknown"
         self._containers: dict[str, ContainerProxy] = {}
-        given: CosmosClient | None = options["client"]
-        self._given = given is not None
-        self.client: CosmosClient = given if given is not None else self._connect()
+        self._given = options["client"] is not None
+        self.client: CosmosClient = options["client"] if self._given else self._connect()
 
     @classmethod
     def address(cls, url: StoreURL, options: Options) -> Hashable:
@@ -260,11 +248,6 @@ class CosmosConnection(Connection):
             raise ConfigurationError(
                 f"client must be an azure.cosmos.CosmosClient, got {type(client).__name__}"
             )
-
-    @classmethod
-    def deadline_seconds(cls, options: Options) -> float:
-        """``connect_timeout + (retries + 1) x timeout``: see :mod:`backends.cosmos`."""
-        return retried_deadline(options)
 
     def _connect(self) -> CosmosClient:
         opts, secret = self.options, _key(self.options)
@@ -283,49 +266,46 @@ class CosmosConnection(Connection):
         # Every request, account reads included, gets our timeouts; throttling (429)
         # is retried as often as anything else, waiting at most `timeout` in all.
         policy = ConnectionPolicy()
-        for name, value in (
-            ("DBAConnectionTimeout", opts["connect_timeout"]),
-            ("DBAReadTimeout", opts["timeout"]),
-            ("RecoveryReadTimeout", min(policy.RecoveryReadTimeout, opts["timeout"])),
-        ):
-            setattr(policy, name, value)
+        policy.DBAConnectionTimeout = opts["connect_timeout"]
+        policy.DBAReadTimeout = opts["timeout"]
+        policy.RecoveryReadTimeout = min(policy.RecoveryReadTimeout, opts["timeout"])
         throttle_wait = max(1, math.ceil(opts["timeout"]))
         policy.RetryOptions = type(policy.RetryOptions)(opts["retries"], None, throttle_wait)
-        kwargs: dict[str, Any] = {
-            "connection_policy": policy,
-            "transport": _BoundedTransport(session=session, session_owner=True),
-            "enable_endpoint_discovery": opts["endpoint_discovery"],
-            "connection_timeout": opts["connect_timeout"],
-            "read_timeout": opts["timeout"],
-            "retry_total": opts["retries"],
-            "retry_connect": opts["retries"],
-            "retry_read": opts["retries"],
-            "retry_backoff_max": 1,
-            "retry_throttle_backoff_max": throttle_wait,
-            # item sizes as the service counts them (the entity store's size limit)
-            "enable_compact_utf8_item_writes": True,
-        }
-        if not opts["allow_weak_consistency_for_emulator_only"]:
-            # Requests then demand Strong: if the account is ever weakened, they fail
-            # (HTTP 400) instead of silently reading stale data. A client cannot ask
-            # for more than the account default, so this is off for emulators.
-            kwargs["consistency_level"] = "Strong"
         try:
-            return CosmosClient(self.endpoint, credential=secret, **kwargs)
-        except binascii.Error:
+            return CosmosClient(
+                self.endpoint,
+                credential=secret,
+                connection_policy=policy,
+                transport=_BoundedTransport(session=session, session_owner=True),
+                enable_endpoint_discovery=opts["endpoint_discovery"],
+                connection_timeout=opts["connect_timeout"],
+                read_timeout=opts["timeout"],
+                retry_total=opts["retries"],
+                retry_connect=opts["retries"],
+                retry_read=opts["retries"],
+                retry_backoff_max=1,
+                retry_throttle_backoff_max=throttle_wait,
+                # item sizes as the service counts them (the entity store's size limit)
+                enable_compact_utf8_item_writes=True,
+                # Requests demand Strong: if the account is ever weakened, they fail (HTTP
+                # 400) instead of silently reading stale data. A client cannot ask for
+                # more than the account default, so emulators (the option) get None.
+                consistency_level=(
+                    None if opts["allow_weak_consistency_for_emulator_only"] else "Strong"
+                ),
+            )
+        except BaseException as exc:
             session.close()
-            raise ConfigurationError(
-                f"the Cosmos DB key for {self.url.masked} is not valid base64: expected the "
-                "account's primary or secondary key"
-            ) from None
-        except (ValueError, TypeError) as exc:
-            session.close()
-            detail = f"{type(exc).__name__}: {format_error(exc)}".replace(secret, MASK)
-            raise ConfigurationError(
-                f"cannot create a Cosmos DB client for {self.url.masked}: {detail}"
-            ) from None
-        except BaseException:
-            session.close()
+            if isinstance(exc, binascii.Error):
+                raise ConfigurationError(
+                    f"the Cosmos DB key for {self.url.masked} is not valid base64: expected "
+                    "the account's primary or secondary key"
+                ) from None
+            if isinstance(exc, ValueError | TypeError):
+                detail = f"{type(exc).__name__}: {format_error(exc)}".replace(secret, MASK)
+                raise ConfigurationError(
+                    f"cannot create a Cosmos DB client for {self.url.masked}: {detail}"
+                ) from None
             raise
 
     # ------------------------------------------------------------------ the stores' containers
@@ -400,8 +380,9 @@ class CosmosConnection(Connection):
             proxy = self._containers[path] = database.get_container_client(container_name)
         return proxy
 
-    def read_many(self, client: Client, doc_ids: Sequence[str]) -> dict[str, Any]:
-        """Items of ``client``'s container by id; absent ids are missing from the result.
+    def read_many(self, client: Client, doc_ids: Mapping[str, str]) -> dict[str, Any]:
+        """The items of ``client``'s container with ids ``doc_ids.values()``, under their
+        keys in ``doc_ids``; absent items are missing from the result.
 
         Strongly consistent. Never a point read: the SDK reports a point read's 404 as
         "absent" whether the item or the container is missing (and cosmosdb-server
@@ -409,26 +390,61 @@ class CosmosConnection(Connection):
         read-many (one ``id IN (...)`` query per physical partition, in parallel).
         Both fail loudly (404) when the container is gone.
         """
-        if not doc_ids:
+        ids = list(doc_ids.values())
+        if not ids:
             return {}
-        if len(doc_ids) == 1:
+        if len(ids) == 1:
             items: Any = self.container(client).query_items(
                 "SELECT * FROM c WHERE c.id = @id",
-                parameters=[{"name": "@id", "value": doc_ids[0]}],
-                partition_key=doc_ids[0],
+                parameters=[{"name": "@id", "value": ids[0]}],
+                partition_key=ids[0],
             )
         else:
-            items = self.container(client).read_items(
-                [(d, d) for d in doc_ids], executor=executor()
-            )
-        return {str(item["id"]): item for item in items}
+            items = self.container(client).read_items([(d, d) for d in ids], executor=executor())
+        found = {str(item["id"]): item for item in items}
+        return {key: found[d] for key, d in doc_ids.items() if d in found}
 
-    def parallel(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
-        """``[fn(x) for x in items]`` with up to ``max_concurrency`` calls in flight.
+    def write(
+        self, client: Client, item: dict[str, Any], etag: str | None = None
+    ) -> tuple[int, str | None]:
+        """Create ``item`` (no ``etag``; 201) or replace it if its ``_etag`` is still
+        ``etag`` (200): that status and the new ``_etag`` (``None`` if not answered),
+        or the status of a refusal and ``None``: 409 on a create (the id exists), 412
+        (changed since) or 404 (gone; a missing container fails the next read) on a
+        replace. Other errors propagate."""
+        container = self.container(client)
+        try:
+            if etag is None:
+                result = container.create_item(item, no_response=True)
+            else:
+                result = container.replace_item(
+                    item["id"],
+                    item,
+                    etag=etag,
+                    match_condition=MatchConditions.IfNotModified,
+                    no_response=True,
+                )
+        except CosmosHttpResponseError as exc:
+            status = exc.status_code or 0
+            if status in ((409,) if etag is None else (404, 412)):
+                return status, None
+            raise
+        headers = getattr(result, "get_response_headers", None)  # else the body's, if sent
+        new_etag = (headers().get("etag") if callable(headers) else None) or result.get("_etag")
+        return (201 if etag is None else 200), str(new_etag) if new_etag else None
 
-        :func:`~dedupstore.calls.fan_out`: after a failure no new call starts, the
-        running ones are awaited, then the first failure in input order is raised.
-        """
+    def query(self, client: Client, sql: str, page_size: int | None = None, **params: Any) -> Any:
+        """A cross-partition query of ``client``'s container, ``@<name>`` bound to each
+        keyword; pages of at most ``page_size`` items (by default the service's)."""
+        return self.container(client).query_items(
+            sql,
+            parameters=[{"name": f"@{name}", "value": value} for name, value in params.items()],
+            enable_cross_partition_query=True,
+            max_item_count=page_size,
+        )
+
+    def parallel(self, fn: Callable[[_T], _R], items: Iterable[_T]) -> list[_R]:
+        """:func:`~dedupstore.calls.fan_out` with up to ``max_concurrency`` calls in flight."""
         return fan_out(fn, items, concurrency=self.options["max_concurrency"])
 
     # ------------------------------------------------------------------ errors, health

@@ -1,31 +1,21 @@
 """The Cosmos DB deduplication store: :class:`CosmosDeduplicationStore`.
 
-One item per (endpoint, message id). Its ``id`` is the hex SHA-256 of the
-length-prefixed UTF-8 (endpoint, message id): Cosmos DB ids may not contain
-``/ \\ ? #``, are limited to 255 characters and travel in request URLs, so raw ids
-(up to 1024 bytes, any character) cannot be used. The item also holds the endpoint
-and message id, compared on every read: a mismatch (a SHA-256 collision, or a
-container shared with other data) raises ``ConfigurationError``, never a merge.
-
-The partition key path is ``/id`` (the hashed id): records spread evenly over
-physical partitions. Reads use the SDK's read-many (one ``id IN (...)`` query per
-physical partition); a lone id is a single-partition query, which (unlike a point
-read, whose 404 the SDK reports as "absent") fails loudly if the container is gone.
-
-Correctness rests on three native guarantees:
+One item per (endpoint, message id): ``id`` (:func:`document_id`), ``endpoint``,
+``message_id``, ``expires_at``, ``ttl`` and ``write_token``. Correctness rests on
+three native guarantees:
 
 * ``create_item`` is atomic per id: 409 Conflict means the id is already there, so
   of concurrent writers exactly one creates it (first writer wins);
 * an expired record is overwritten by ``replace_item`` with ``If-Match`` on the
   ``_etag`` that was read: a 412 means another writer changed it first;
-* the account's default consistency is **Strong**, checked at open (see the
-  package documentation).
+* Strong consistency (see the package documentation).
 
 Every item records the write token of the call that wrote it. An item holding a
 token of this call (a create or replace resent by the transport, or a retry on the
 same store object after ``StoreUnavailable``) is this call's own write: reported as
 recorded, exactly once. ``add_many`` sends one ``create_item`` per id (at most
-``max_concurrency`` in flight), then one read-many for the ids that already existed.
+``max_concurrency`` in flight), then one read-many for the ids that already existed;
+``processed_among`` one read-many per chunk of 1000.
 
 Expiry is judged by the CLIENT's clock (``clock``, ``time.time`` by default): every
 client of a container must keep its clock in sync (NTP). Items carry ``expires_at``
@@ -35,18 +25,14 @@ without retention carry ``ttl: -1``. Per-item TTL needs the container's default 
 set: :func:`create_container` sets ``-1``. ``purge_expired`` deletes (``If-Match``)
 only records expired for longer than ``max_clock_skew``.
 
-Options: those of the package (connection, consistency, ``create``, timeouts)
-plus ``endpoint``, ``retention``, ``max_clock_skew`` (60 s, see above) and ``clock``
-(keyword only). Failures: see the package documentation; ``StoreUnavailable``
-carries ``recorded`` ids (recorded by the call) and ``unknown`` ids (maybe recorded:
-a retry on the same store object reports those as recorded).
+``StoreUnavailable`` carries ``recorded`` ids (recorded by the call) and ``unknown``
+ids (maybe recorded: a retry on the same store object reports those as recorded).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from azure.core import MatchConditions
@@ -60,6 +46,8 @@ from dedupstore.options import OptionSet
 from dedupstore.store import CLOCK, MAX_CLOCK_SKEW, DeduplicationStore, WriteRequest
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from azure.cosmos import ContainerProxy
 
 __all__ = ["CosmosDeduplicationStore", "create_container", "document_id"]
@@ -77,13 +65,9 @@ _INDEXING_POLICY: Final[dict[str, Any]] = {
 
 
 def document_id(endpoint: str, message_id: str) -> str:
-    """Return the Cosmos DB item id of (``endpoint``, ``message_id``).
-
-    Hex SHA-256 of a namespace tag, the 4-byte length of the UTF-8 endpoint, the
-    endpoint and the message id: 64 characters from ``[0-9a-f]``, valid as a
-    Cosmos DB id and as a URL path segment, injective up to SHA-256 collisions
-    (which reads detect by comparing the stored endpoint and message id).
-    """
+    """The Cosmos DB item id of (``endpoint``, ``message_id``): the hex SHA-256 of a
+    namespace tag, the 4-byte length of the UTF-8 endpoint, the endpoint and the
+    message id (injective up to SHA-256 collisions, which reads detect)."""
     ep = endpoint.encode("utf-8")
     digest = hashlib.sha256(_ID_NAMESPACE + len(ep).to_bytes(4, "big") + ep)
     digest.update(message_id.encode("utf-8"))
@@ -97,33 +81,18 @@ def create_container(
     *,
     offer_throughput: int | None = None,
 ) -> ContainerProxy:
-    """Create ``database`` and ``container`` for deduplication records if missing.
-
-    The container gets partition key path ``/id``, a default TTL of ``-1`` (per-item
-    TTL enabled, nothing expires by default) and an indexing policy limited to the
-    fields the store queries. ``offer_throughput`` (RU/s) applies only when the
-    container is created; leave it ``None`` on serverless accounts. An existing
-    container is left as it is. Raises ``CosmosHttpResponseError`` and azure-core
-    errors; :class:`CosmosDeduplicationStore` translates them when it calls this.
-    """
+    """Create ``database`` and a deduplication ``container`` if missing: default TTL
+    ``-1`` (per-item TTL on, nothing expires by default), only ``endpoint`` and
+    ``expires_at`` indexed. See :mod:`backends.cosmos` for ``offer_throughput`` and
+    errors."""
     return CosmosDeduplicationStore._kind.create(client, database, container, offer_throughput)
 
 
 class CosmosDeduplicationStore(DeduplicationStore):
-    """Deduplication store in an Azure Cosmos DB (NoSQL API) container.
+    """Deduplication store in an Azure Cosmos DB (NoSQL API) container: linearizable
+    on a Strong account, expiry by the client's clock (:mod:`backends.cosmos.store`)."""
 
-    Linearizable on an account whose default consistency is Strong (else
-    ``ConsistencyError`` at open) with a container partitioned on ``/id`` (see
-    :func:`create_container`). Expiry is judged by the client's clock: keep the
-    clients' clocks in sync. ``add_many`` costs one create request per id
-    (``max_concurrency`` in flight) plus one read-many when some ids existed;
-    ``processed_among`` one read-many per chunk of 1000. Raises ``StoreUnavailable``
-    (retry), ``ConfigurationError`` (key, database, container), ``ConsistencyError``,
-    ``StoreClosed``. Thread-safe; after ``fork`` a child opens its own client.
-    """
-
-    connection_class = CosmosConnection
-    _cosmos = Connected[CosmosConnection]()
+    _cosmos = Connected(CosmosConnection)
     max_write_batch: ClassVar[int] = 1000
     max_read_batch: ClassVar[int] = 1000
     declared_options: ClassVar[OptionSet] = DeduplicationStore.declared_options.extend(
@@ -144,14 +113,14 @@ class CosmosDeduplicationStore(DeduplicationStore):
 
     # ------------------------------------------------------------------ items
 
-    def _body(self, message_id: str, doc_id: str, request: WriteRequest) -> dict[str, Any]:
+    def _item(self, message_id: str, request: WriteRequest) -> dict[str, Any]:
         ttl = -1
         if request.expires_at is not None:
             ttl = math.ceil(max(request.expires_at - request.now, 0.0) + self._max_skew)
             if ttl > _MAX_TTL_SECONDS:
                 ttl = -1  # beyond native TTL's range: reclaimed by purge_expired()
         return {
-            "id": doc_id,
+            "id": document_id(self._endpoint, message_id),
             "endpoint": self._endpoint,
             "message_id": message_id,
             "expires_at": request.expires_at,
@@ -159,16 +128,20 @@ class CosmosDeduplicationStore(DeduplicationStore):
             "write_token": request.token,
         }
 
-    def _check_item(self, item: Mapping[str, Any], message_id: str) -> None:
-        if item.get("endpoint") != self._endpoint or item.get("message_id") != message_id:
-            raise self._error(
-                ConfigurationError,
-                None,
-                f"item {item.get('id')!r} holds "
-                f"({item.get('endpoint')!r:.60}, {item.get('message_id')!r:.60}), not "
-                f"({self._endpoint!r:.60}, {message_id!r:.60}): a container shared with "
-                "other data (or a SHA-256 collision); use a container of its own",
-            )
+    def _read(self, ids: list[str]) -> dict[str, Mapping[str, Any]]:
+        """The items of those ``ids`` that exist; ``ConfigurationError`` if one is not ours."""
+        found = self._cosmos.read_many(self, {mid: document_id(self._endpoint, mid) for mid in ids})
+        for mid, item in found.items():
+            if item.get("endpoint") != self._endpoint or item.get("message_id") != mid:
+                raise self._error(
+                    ConfigurationError,
+                    None,
+                    f"item {item.get('id')!r} holds "
+                    f"({item.get('endpoint')!r:.60}, {item.get('message_id')!r:.60}), not "
+                    f"({self._endpoint!r:.60}, {mid!r:.60}): a container shared with "
+                    "other data (or a SHA-256 collision); use a container of its own",
+                )
+        return found
 
     @staticmethod
     def _live(item: Mapping[str, Any], now: float) -> bool:
@@ -178,54 +151,29 @@ class CosmosDeduplicationStore(DeduplicationStore):
     # ------------------------------------------------------------------ primitives
 
     def _add_new(self, request: WriteRequest) -> set[str]:
-        now, container = request.now, self._cosmos.container(self)
-        doc_ids = {mid: document_id(self._endpoint, mid) for mid in request.ids}
-
         def create(mid: str) -> tuple[str, int]:
-            try:
-                container.create_item(self._body(mid, doc_ids[mid], request), no_response=True)
-            except CosmosHttpResponseError as exc:
-                if exc.status_code == 409:
-                    return mid, 409
-                raise
-            return mid, 201
+            return mid, self._cosmos.write(self, self._item(mid, request))[0]
 
         def replace(entry: tuple[str, str]) -> tuple[str, int]:
-            mid, etag = entry
-            try:
-                container.replace_item(
-                    doc_ids[mid],
-                    self._body(mid, doc_ids[mid], request),
-                    etag=etag,
-                    match_condition=MatchConditions.IfNotModified,
-                    no_response=True,
-                )
-            except CosmosHttpResponseError as exc:
-                if exc.status_code in (404, 412):
-                    return mid, exc.status_code
-                raise
-            return mid, 200
+            return entry[0], self._cosmos.write(self, self._item(entry[0], request), entry[1])[0]
 
         recorded: set[str] = set()
         to_create, to_read = list(request.ids), list[str]()
         for _ in range(_MAX_ROUNDS):
-            for mid, status in self._cosmos.parallel(create, to_create) if to_create else []:
+            for mid, status in self._cosmos.parallel(create, to_create):
                 (recorded.add if status == 201 else to_read.append)(mid)
             to_create, to_replace = [], []
-            if to_read:
-                found = self._cosmos.read_many(self, [doc_ids[mid] for mid in to_read])
-                for mid in to_read:
-                    item = found.get(doc_ids[mid])
-                    if item is None:  # deleted since (purge or native TTL): create again
-                        to_create.append(mid)
-                        continue
-                    self._check_item(item, mid)
-                    if not self._live(item, now):
-                        to_replace.append((mid, str(item["_etag"])))
-                    elif item.get("write_token") in request.mine:  # this call's own write
-                        recorded.add(mid)
-                to_read = []
-            for mid, status in self._cosmos.parallel(replace, to_replace) if to_replace else []:
+            found = self._read(to_read)
+            for mid in to_read:
+                item = found.get(mid)
+                if item is None:  # deleted since (purge or native TTL): create again
+                    to_create.append(mid)
+                elif not self._live(item, request.now):
+                    to_replace.append((mid, str(item["_etag"])))
+                elif item.get("write_token") in request.mine:  # this call's own write
+                    recorded.add(mid)
+            to_read = []
+            for mid, status in self._cosmos.parallel(replace, to_replace):
                 if status == 200:
                     recorded.add(mid)
                 elif status == 412:  # changed since read: look again
@@ -242,22 +190,13 @@ class CosmosDeduplicationStore(DeduplicationStore):
         )
 
     def _find(self, ids: list[str], now: float) -> set[str]:
-        doc_ids = {mid: document_id(self._endpoint, mid) for mid in ids}
-        found = self._cosmos.read_many(self, list(doc_ids.values()))
-        result: set[str] = set()
-        for mid, doc_id in doc_ids.items():
-            item = found.get(doc_id)
-            if item is not None:
-                self._check_item(item, mid)
-                if self._live(item, now):
-                    result.add(mid)
-        return result
+        return {mid for mid, item in self._read(ids).items() if self._live(item, now)}
 
     def _purge(self, now: float) -> int:
         container = self._cosmos.container(self)
 
-        def delete(entry: tuple[str, str]) -> int:
-            doc_id, etag = entry
+        def delete(item: Mapping[str, Any]) -> int:
+            doc_id, etag = str(item["id"]), str(item["_etag"])
             try:
                 container.delete_item(
                     doc_id, doc_id, etag=etag, match_condition=MatchConditions.IfNotModified
@@ -270,43 +209,31 @@ class CosmosDeduplicationStore(DeduplicationStore):
 
         # Only records expired for longer than max_clock_skew: a client whose clock
         # runs up to that much ahead never deletes a record others count as live.
-        pages = container.query_items(
+        pages = self._cosmos.query(
+            self,
             "SELECT c.id, c._etag FROM c WHERE c.endpoint = @endpoint "
             "AND IS_NUMBER(c.expires_at) AND c.expires_at <= @cutoff",
-            parameters=[
-                {"name": "@endpoint", "value": self._endpoint},
-                {"name": "@cutoff", "value": now - self._max_skew},
-            ],
-            enable_cross_partition_query=True,
-            max_item_count=self.max_write_batch,
+            self.max_write_batch,
+            endpoint=self._endpoint,
+            cutoff=now - self._max_skew,
         ).by_page()
         deleted = 0
         for page in pages:
-            entries = [(str(item["id"]), str(item["_etag"])) for item in page]
-            if entries:
-                deleted += sum(self._cosmos.parallel(delete, entries))
+            deleted += sum(self._cosmos.parallel(delete, list(page)))
         return deleted
 
     def _count(self, now: float) -> int:
-        """Exact: ``SELECT VALUE COUNT(1)`` over this endpoint's live items.
-
-        A cross-partition aggregate (items are partitioned by their hashed id, not by
-        endpoint), answered from the index on ``endpoint`` and ``expires_at``; expiry is
-        judged by the client's clock, as :meth:`_find` judges it. The SDK combines the
-        partitions' counts; the values it returns are summed, so partial counts (one
-        per partition or page) would add up to the same total.
-        """
-        results = self._cosmos.container(self).query_items(
+        """Exact: ``SELECT VALUE COUNT(1)`` over this endpoint's live items (by the
+        client's clock, as :meth:`_find` judges them), answered from the index; the
+        SDK's values are summed, so partial counts (per partition or page) add up."""
+        results = self._cosmos.query(
+            self,
             "SELECT VALUE COUNT(1) FROM c WHERE c.endpoint = @endpoint "
             "AND (NOT IS_NUMBER(c.expires_at) OR c.expires_at > @now)",
-            parameters=[
-                {"name": "@endpoint", "value": self._endpoint},
-                {"name": "@now", "value": now},
-            ],
-            enable_cross_partition_query=True,
+            endpoint=self._endpoint,
+            now=now,
         )
-        values: list[Any] = list(results)
-        return sum(int(value) for value in values)
+        return sum(int(value) for value in results)
 
     def _health_warnings(self) -> list[str]:
         warnings = super()._health_warnings()

@@ -1,19 +1,17 @@
 """``dynamodb://<table>?region=…``: Amazon DynamoDB (or a compatible endpoint).
 
-Two stores, each in a table of its own, named by the URL:
+Two stores, each in a table of its own named by the URL (a table of the other kind is
+refused: its key schema differs), opened by ``dedupstore.open_store(url)`` and
+``dedupstore.open_entity_store(url)``:
 
 * :class:`DynamoDBDeduplicationStore` (:mod:`backends.dynamodb.store`): key ``pk``
-  (message id) + ``sk`` (endpoint), conditional puts and transactions, expiry by
-  the client's clock, native TTL;
+  (message id) + ``sk`` (endpoint), expiry by the client's clock, native TTL;
 * :class:`DynamoDBEntityStore` (:mod:`backends.dynamodb.entities`): key ``id``, one
-  item per entity with its JSON ``body``, ``version`` (the concurrency token), a
-  random per-save ``token`` and a ``pending`` flag for DynamoDB's parallel scan.
+  item per entity, ``version`` the concurrency token.
 
 Both hold a :class:`DynamoDBConnection` (:mod:`backends.dynamodb._client`): one boto3
-client per process, endpoint, credentials and connection options, whatever the table;
-error classification, table creation and checks, bounded backoff. Open them with
-``dedupstore.open_store(url)`` and ``dedupstore.open_entity_store(url)``; the two URLs
-name two different tables (a table of the other kind is refused: its key schema differs).
+client per process (a new one after ``fork``), endpoint, credentials and connection
+options, whatever the table.
 
 Consistency: every read is strongly consistent (``ConsistentRead=True``). Tables with
 global-table replicas (MRSC tables included) are refused with ``ConsistencyError``
@@ -42,17 +40,15 @@ The deduplication store also takes ``endpoint``, ``retention``, ``max_clock_skew
 (60 s) and ``clock`` (keyword only).
 
 Deadline: a call (one chunk of a batch) raises ``StoreUnavailable`` at most
-``connect_timeout + (retries + 1) x timeout`` seconds after it started (55 s with
-the defaults), whatever the endpoint does. botocore retries nothing: each request
-is retried by the store (:func:`dedupstore.calls.retry`: connection errors,
-timeouts, throttling, 5xx; 0 to 0.05, 0.1, 0.2, ... s apart, at most 1 s), and
-attempts start and wait for their answer (botocore's per-request read timeout)
-only until ``connect_timeout`` before the deadline, so that a last connection
-attempt still ends within it. Transaction conflicts and unprocessed keys are
-retried within the same deadline. A ``client`` given by the user keeps its own
-timeouts and retries: only the store's own retries stop at the deadline. Every
-client, a given one included, refuses a reply cut short (``backends._http``): the
-connection registers that check on its events (once, under one ``unique_id``).
+``connect_timeout + (retries + 1) x timeout`` seconds after it started (55 s with the
+defaults), whatever the endpoint does. The store, not botocore, retries each request
+(connection errors, timeouts, throttling, 5xx; :func:`dedupstore.calls.retry`: 0 to
+0.05, 0.1, 0.2, ... s apart, at most 1 s), transaction conflicts and unprocessed keys;
+attempts start and wait for an answer (botocore's read timeout) only until
+``connect_timeout`` before the deadline, so a last connection attempt still ends within
+it. A ``client`` given by the user keeps its own timeouts and retries (only the store's
+stop at the deadline). Every client, a given one included, refuses a reply cut short
+(:mod:`backends._http`).
 
 Errors: ``StoreUnavailable`` (connection failure, a reply cut short, timeout,
 throttling, 5xx, conflicts that outlast the backoff: retry), ``ConfigurationError``

@@ -1,12 +1,5 @@
-"""The connection the DynamoDB stores share: :class:`DynamoDBConnection`.
-
-One boto3 client per process (a new one after ``fork``), endpoint, credentials and
-connection options, whatever the table, with what both stores of ``dynamodb://<table>``
-do alike: the URL form, the deadline, error classification, the retry of each request,
-creating and checking a store's table (its :class:`TableKind`; global tables refused),
-batched strongly consistent reads with bounded retries of unprocessed keys, and
-conditional ``PutItem`` that tells its own write (re-sent after a lost answer) from
-someone else's. Per-table calls take the store: its URL names the table.
+"""The connection both DynamoDB stores hold (:class:`DynamoDBConnection`) and what they do
+alike: URL, deadline, errors, retries, tables (:class:`TableKind`), reads, conditional puts.
 """
 
 from __future__ import annotations
@@ -16,10 +9,10 @@ import functools
 import os
 import re
 import zlib
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 import boto3
 import botocore.exceptions as boto_errors
@@ -27,7 +20,7 @@ from botocore.config import Config
 
 from backends._http import cut_short
 from dedupstore.calls import capped, deadline, retry, time_left
-from dedupstore.client import Client, Connection, ErrorKind, part_of, retried_deadline
+from dedupstore.client import Client, Connection, ErrorKind, part_of
 from dedupstore.errors import (
     ConfigurationError,
     ConsistencyError,
@@ -150,13 +143,9 @@ class _CutShort(boto_errors.IncompleteReadError):
 
 
 def _refuse_cut_replies(response_dict: Mapping[str, Any], **kwargs: Any) -> None:
-    """Raise :class:`_CutShort` before botocore parses a reply that is not whole.
-
-    botocore reads a body without checking its length and would parse a cut one as
-    an empty answer ("no item"); see :mod:`backends._http`. The ``x-amz-crc32``
-    DynamoDB sends is checked too: botocore checks it only to decide on a retry
-    of its own, and the store makes those (``total_max_attempts`` 1).
-    """
+    """Raise :class:`_CutShort` before botocore parses a reply that is not whole
+    (:mod:`backends._http`) or fails its ``x-amz-crc32``: botocore checks that only to
+    decide on a retry of its own, and the store makes those (``total_max_attempts`` 1)."""
     headers, body = response_dict["headers"], response_dict["body"]
     reason = cut_short(response_dict["status_code"], headers, len(body))
     checksum = headers.get("x-amz-crc32")
@@ -166,14 +155,6 @@ def _refuse_cut_replies(response_dict: Mapping[str, Any], **kwargs: Any) -> None
             reason = f"CRC32 {crc} of {len(body)} bytes, not {checksum}"
     if reason is not None:
         raise _CutShort(reason=reason)
-
-
-def _refusing_cut_replies(client: Boto3DynamoDB) -> Boto3DynamoDB:
-    """``client``, with :func:`_refuse_cut_replies` on its replies (registered once)."""
-    client.meta.events.register(
-        "before-parse.dynamodb", _refuse_cut_replies, unique_id="dedupstore-cut-replies"
-    )
-    return client
 
 
 def _number(value: float) -> AttributeValueTypeDef:
@@ -250,12 +231,9 @@ CONNECTION_OPTIONS: tuple[Option, ...] = (
 
 @dataclass(frozen=True)
 class PutOutcome:
-    """What one conditional ``PutItem`` did.
-
-    ``written``: the condition held and the item is stored. Otherwise ``old`` is the
-    item that failed the condition (empty when there is none) and ``resent`` says
-    whether botocore sent the request more than once: an earlier attempt whose
-    answer was lost may then have written the item before the one that failed.
+    """What one conditional ``PutItem`` did: ``written``, or else ``old``, the item that
+    failed the condition (empty if none), and ``resent``: the request went out more than
+    once, so an attempt whose answer was lost may have written before the one that failed.
     """
 
     written: bool
@@ -284,11 +262,9 @@ def _kind(client: Client) -> TableKind:
 
 
 class DynamoDBConnection(Connection):
-    """This process's boto3 DynamoDB client for one endpoint and set of credentials.
-
-    Shared by the stores of every table there: each reaches it as ``self._dynamodb``
-    and passes itself to the per-table calls, which take the table from its URL, its
-    shape from its ``table_kind`` (:class:`TableKind`), ``retries`` from its options.
+    """This process's boto3 client for one endpoint and set of credentials, shared by the
+    stores of every table there (``self._dynamodb``). Per-table calls take the store: the
+    table from its URL, its shape from its ``table_kind``, ``retries`` from its options.
     """
 
     schemes: ClassVar[tuple[str, ...]] = ("dynamodb",)
@@ -307,7 +283,10 @@ class DynamoDBConnection(Connection):
         super().__init__(url, options)
         given = options["client"]
         self._given = given is not None
-        self.client = _refusing_cut_replies(given if self._given else self._new_client())
+        self.client: Boto3DynamoDB = given if self._given else self._new_client()
+        self.client.meta.events.register(
+            "before-parse.dynamodb", _refuse_cut_replies, unique_id="dedupstore-cut-replies"
+        )
 
     @classmethod
     def address(cls, url: StoreURL, options: Options) -> Hashable:
@@ -365,19 +344,10 @@ class DynamoDBConnection(Connection):
         client.meta.events.register("before-send.dynamodb", cap_read_timeout)
         return client
 
-    @classmethod
-    def deadline_seconds(cls, options: Options) -> float:
-        """``connect_timeout + (retries + 1) x timeout``: see :mod:`backends.dynamodb`."""
-        return retried_deadline(options)
-
     def request(self, client: Client, fn: Callable[[], T]) -> T:
-        """``fn()``, one request of ``client``, retried after a connection error,
-        timeout, throttling or 5xx (its ``retries`` times, within the call's deadline).
-
-        Attempts start, and wait for answers, only until ``connect_timeout`` before
-        the call's deadline (and within ``(retries + 1) x timeout``): botocore does
-        not let a request shorten its connection timeout, so a last attempt that
-        must connect still ends within the deadline.
+        """``fn()``, one request of ``client``, retried (its ``retries`` times) after a
+        connection error, timeout, throttling or 5xx, until ``connect_timeout`` before the
+        deadline (botocore cannot shorten a connection timeout): see :mod:`backends.dynamodb`.
         """
         opts = client._opts
         budget = (opts["retries"] + 1) * opts["timeout"]
@@ -480,11 +450,10 @@ class DynamoDBConnection(Connection):
             # ResourceInUse: another process is creating it right now
             with contextlib.suppress(dynamodb.exceptions.ResourceInUseException):
                 self.request(client, create)
-        if not wait:
-            return
-        self._wait_active(table)
-        if kind.ttl_attribute is not None:
-            self._enable_ttl(client, kind.ttl_attribute)
+        if wait:
+            self._wait_active(table)
+            if kind.ttl_attribute is not None:
+                self._enable_ttl(client, kind.ttl_attribute)
 
     def _wait_active(self, table: str) -> None:
         self.client.get_waiter("table_exists").wait(
@@ -514,7 +483,6 @@ class DynamoDBConnection(Connection):
                 raise
 
     def _describe_table(self, client: Client) -> TableDescriptionTypeDef:
-        """``DescribeTable`` of ``client``'s table."""
         table = client._url.netloc
         return self.request(client, lambda: self.client.describe_table(TableName=table))["Table"]
 
@@ -535,12 +503,10 @@ class DynamoDBConnection(Connection):
             self._wait_active(client._url.netloc)
             table = self._describe_table(client)
         schema = {k["AttributeName"]: k["KeyType"] for k in table.get("KeySchema", [])}
-        types = {
-            a["AttributeName"]: a["AttributeType"] for a in table.get("AttributeDefinitions", [])
+        typed = {
+            (a["AttributeName"], a["AttributeType"]) for a in table.get("AttributeDefinitions", [])
         }
-        if schema != dict(kind.key_schema) or any(
-            types.get(name) != "S" for name, _ in kind.key_schema
-        ):
+        if schema != dict(kind.key_schema) or any((name, "S") not in typed for name in schema):
             raise ConfigurationError(
                 f"{self._place(client)} has key schema {schema}; {kind.what} needs "
                 f"{kind.schema_text()}"
@@ -588,13 +554,9 @@ class DynamoDBConnection(Connection):
         names: Mapping[str, str],
         values: Mapping[str, AttributeValueTypeDef],
     ) -> PutOutcome:
-        """One ``PutItem`` of ``item`` if ``condition`` holds (``ALL_OLD`` on failure).
-
-        It may be sent more than once (a timeout, a lost answer: :meth:`request`):
-        the outcome says so. Transaction conflicts (an item locked by someone's
-        transaction: nothing written) are retried after a pause, at most
-        ``_MAX_BACKOFF_ROUNDS`` times within the deadline, then raised like any
-        other error.
+        """One ``PutItem`` of ``item`` if ``condition`` holds, maybe sent more than once (the
+        outcome says so). Transaction conflicts (nothing written) are retried after a
+        pause, at most ``_MAX_BACKOFF_ROUNDS`` times within the deadline, then raised.
         """
         request: PutItemInputTypeDef = {
             "TableName": client._url.netloc,
@@ -632,11 +594,9 @@ class DynamoDBConnection(Connection):
         projection: str,
         names: Mapping[str, str],
     ) -> list[dict[str, Any]]:
-        """The items of ``keys`` (at most 100) that exist; strongly consistent.
-
-        Unprocessed keys (throttling, or the 16 MB response limit) are asked again
-        after a pause; ``StoreUnavailable`` when some are still left after
-        ``_MAX_BACKOFF_ROUNDS`` more rounds, or at the deadline.
+        """The items of ``keys`` (at most 100) that exist; strongly consistent. Unprocessed
+        keys are asked again after a pause; ``StoreUnavailable`` when some are still left
+        after ``_MAX_BACKOFF_ROUNDS`` more rounds, or at the deadline.
         """
         table, found = client._url.netloc, list[dict[str, Any]]()
         pending: Sequence[Mapping[str, Any]] = keys
@@ -667,9 +627,14 @@ class DynamoDBConnection(Connection):
             )
         return found
 
-    def scan(self, client: Client, request: ScanInputTypeDef) -> ScanOutputTypeDef:
-        """One page of a ``Scan`` (retried as any request)."""
-        return self.request(client, lambda: self.client.scan(**request))
+    def scan(self, client: Client, request: ScanInputTypeDef) -> Iterator[ScanOutputTypeDef]:
+        """The pages of a ``Scan``, each read when it is needed (and retried as any request)."""
+        while True:
+            page = self.request(client, lambda: self.client.scan(**request))
+            yield page
+            if not page.get("LastEvaluatedKey"):
+                return
+            request["ExclusiveStartKey"] = page["LastEvaluatedKey"]
 
     def close(self) -> None:
         """Close the boto3 client (not a given ``client``)."""
@@ -677,22 +642,13 @@ class DynamoDBConnection(Connection):
             self.client.close()
 
 
-def _connection_of(client: Client) -> DynamoDBConnection:
-    """``client``'s connection in this process (made now if needed)."""
-    connection = client._connection
-    assert isinstance(connection, DynamoDBConnection)
-    return connection
-
-
 def open_table(client: Client) -> None:
-    """A store's ``_open``: create its table if the store creates (:func:`create_table`),
-    then check it (:meth:`DynamoDBConnection.check_table`). Each step's errors, making
-    this process's connection included, are classified as its own (the stores'
-    ``_open_operation`` is ``None``)."""
+    """A store's ``_open``: :func:`create_table` if it creates, then check the table; each
+    step classifies its own errors (the stores' ``_open_operation`` is ``None``)."""
     if client._creates:
         create_table(client)
     with client._translating_errors("open the table"):
-        _connection_of(client).check_table(client)
+        cast(DynamoDBConnection, client._connection).check_table(client)
 
 
 def create_table(client: Client, wait: bool = True) -> None:
@@ -702,9 +658,7 @@ def create_table(client: Client, wait: bool = True) -> None:
     ``wait``, return once it is ACTIVE (and TTL is on); without, once its creation is
     requested (TTL needs an ACTIVE table: call again with ``wait``). Raises
     ``ConfigurationError`` (e.g. no permission) and ``StoreUnavailable``.
-
-    Each store's ``create_table`` method.
     """
     client._check_open()
     with client._translating_errors("create the table"):
-        _connection_of(client).create_table(client, wait)
+        cast(DynamoDBConnection, client._connection).create_table(client, wait)

@@ -1,10 +1,7 @@
 """The DynamoDB entity store: :class:`DynamoDBEntityStore`.
 
-Table: the one named in the URL (``dynamodb://<entity table>?region=...``), of its
-own: partition key ``id`` (S) = the entity id, nothing else in the key
-(``create=true`` / ``create_table()`` makes it, on-demand billing, no TTL). A
-deduplication table (key ``pk``/``sk``) is refused with ``ConfigurationError``, so
-entities and deduplication records never share a table. One item per entity:
+Table: partition key ``id`` (S) = the entity id, nothing else in the key (``create=true``
+or ``create_table()`` makes it: on demand, no TTL). One item per entity:
 
 ==============  ====  ==========================================================
 ``id``          S     the entity id (at most 1024 UTF-8 bytes)
@@ -14,31 +11,27 @@ entities and deduplication records never share a table. One item per entity:
 ``pending``     BOOL  ``true``, present only while the outbox is not empty
 ==============  ====  ==========================================================
 
-Saves: one conditional ``PutItem`` per entity (the whole item, so nothing is ever
-half-written), ``attribute_not_exists(id)`` for a new entity, ``version =
-:expected`` otherwise. ``save_many`` runs the puts of a chunk (100) in parallel on a
-bounded thread pool (:attr:`DynamoDBEntityStore.save_concurrency`), not as one
-``TransactWriteItems``: a transaction fails whole when one condition fails, and the
-entities of a batch are independent. A put whose condition fails returns the stored
-item (``ReturnValuesOnConditionCheckFailure=ALL_OLD``): if it carries this save's
-token, botocore re-sent a put whose answer was lost after it was applied, and the
-save counts as written. If botocore re-sent the put and the stored item is another
-save's, it matters which: holding ``expected + 1`` (or ``1`` for a new entity), the
-other save made the very step ours wanted, so ours never applied (a conflict); at
-a later version our put may have applied and been overwritten since, so the save
-raises ``StoreUnavailable`` (outcome unknown) instead of guessing. A conflict that
-is not a re-send is a plain conflict.
+Saves: one conditional ``PutItem`` per entity (the whole item: nothing is ever
+half-written), ``attribute_not_exists(id)`` for a new entity, ``version = :expected``
+otherwise. ``save_many`` runs a chunk's puts (100) in parallel (at most
+:attr:`DynamoDBEntityStore.save_concurrency`), not as one ``TransactWriteItems``, which
+fails whole when one condition fails: the entities of a batch are independent. A put
+whose condition fails returns the stored item (``ALL_OLD``): if it carries this save's
+token, a re-sent put was applied before, and the save counts as written. If the put was
+re-sent and the item is another save's holding ``expected + 1`` (or ``1`` for a new
+entity), that save made the very step ours wanted, so ours never applied (a conflict);
+at a later version ours may have applied and been overwritten since, so the save raises
+``StoreUnavailable`` (outcome unknown) rather than guess. Without a re-send, a failed
+condition is a plain conflict.
 
-Loads: ``BatchGetItem`` with ``ConsistentRead=True``, 100 keys per request;
-unprocessed keys (throttling, or the 16 MB response limit) are asked again after a
-pause, at most 10 rounds without progress, then ``StoreUnavailable``.
+Loads: consistent ``BatchGetItem``, 100 keys per request; unprocessed keys (throttling,
+the 16 MB response limit) are asked again, at most 10 rounds, then ``StoreUnavailable``.
 
-Scan (``pending_outboxes``): DynamoDB's own parallel scan, ``Segment=segment,
-TotalSegments=segments`` (at most 1,000,000 segments; more is a ``ValueError``),
-``ConsistentRead=True``, ``FilterExpression pending = true``, page by page
-(``LastEvaluatedKey``; a page is at most 1 MB). Segments are DynamoDB's split of the
-key space (disjoint and complete), not :func:`dedupstore.entities.bucket_of`; a
-scan reads every item of the segment (read units for the whole table).
+Scan (``pending_outboxes``): DynamoDB's own consistent parallel scan, ``Segment=segment,
+TotalSegments=segments`` (at most 1,000,000; more is a ``ValueError``), filtered on
+``pending = true``, page by page (at most 1 MB each). Segments are DynamoDB's split of
+the key space (disjoint and complete), not :func:`dedupstore.entities.bucket_of`; a scan
+reads every item of the segment (read units for the whole table).
 
 Size limit: DynamoDB refuses items over 400 KB (409,600 bytes), counting attribute
 names and values. The attributes other than the body take at most 1,103 bytes (a
@@ -46,22 +39,14 @@ names and values. The attributes other than the body take at most 1,103 bytes (a
 :attr:`DynamoDBEntityStore.max_entity_bytes` is 400,000 bytes of JSON: under the
 service limit with room to spare, and under moto's stricter 405,000-byte check.
 
-Options: those of every ``dynamodb://`` client (see :mod:`backends.dynamodb`) plus
-``create`` (false). Every request is bounded by ``connect_timeout`` and ``timeout``
-(each is retried ``retries`` times, re-sending writes, which the token makes safe).
+Options and errors: see :mod:`backends.dynamodb`; ``StoreUnavailable`` also for an
+ambiguous re-send, and a ``save_many`` chunk that raises leaves the puts that succeeded
+written (reload to see).
 
-Errors: ``StoreUnavailable`` (connection, timeout, throttling, 5xx, an ambiguous
-re-send; a ``save_many`` chunk raises if any put failed, and the puts that
-succeeded stay written: reload to see), ``ConfigurationError`` (credentials, region,
-missing table without ``create``, a table with another key schema, a request
-DynamoDB rejects), ``ConsistencyError`` (a global table, unless
-``allow_global_table=True``: conditional writes in two Regions can both succeed).
-
-Emulator notes (tests run against moto's server): moto ignores TTL (unused here),
-accepts 26-item ``BatchWriteItem`` (unused here) and keeps no data across a
-restart; its parallel scan splits by the first byte of an MD5 of the key (so at
-most 256 non-empty segments), where DynamoDB splits by its own hash. Nothing here
-relies on moto being more lenient than DynamoDB.
+Emulator notes (tests run against moto's server, which keeps no data across a restart):
+moto's parallel scan splits by the first byte of an MD5 of the key (so at most 256
+non-empty segments), where DynamoDB splits by its own hash. Nothing here relies on moto
+being more lenient than DynamoDB.
 """
 
 from __future__ import annotations
@@ -98,16 +83,11 @@ MAX_SCAN_SEGMENTS = 1_000_000
 
 
 class DynamoDBEntityStore(EntityStore):
-    """Entities in a DynamoDB table of their own, one item each, ``version`` the token.
-
-    Reads are strongly consistent; each save is one conditional ``PutItem``; the
-    pending scan is DynamoDB's parallel scan. Safe to share between threads (one
-    boto3 client per process, a new one after ``fork``) and to pickle (by URL and
-    options).
+    """Entities in a DynamoDB table of their own (see the module), one item each, ``version``
+    the token; strongly consistent. Safe to share between threads and to pickle (by URL).
     """
 
-    connection_class = DynamoDBConnection
-    _dynamodb = Connected[DynamoDBConnection]()
+    _dynamodb = Connected(DynamoDBConnection)
 
     #: Largest encoded entity: DynamoDB's 400 KB item minus the other attributes.
     max_entity_bytes: ClassVar[int] = 400_000
@@ -147,9 +127,8 @@ class DynamoDBEntityStore(EntityStore):
         return {r.id: v for r, v in zip(records, versions, strict=True) if v is not None}
 
     def _save_one(self, record: EntityRecord) -> int | None:
-        """Put ``record`` if the stored version is ``record.version``: the new version,
-        or ``None`` for a conflict. Raises ``StoreUnavailable`` when a re-sent put
-        cannot tell whether it was applied."""
+        """Put ``record`` if the stored version is ``record.version``: the new version, or
+        ``None`` for a conflict; ``StoreUnavailable`` for an ambiguous re-send."""
         expected = record.version
         if expected is not None and (type(expected) is not int or expected < 1):
             return None  # no stored version equals it
@@ -182,9 +161,9 @@ class DynamoDBEntityStore(EntityStore):
         raise self._error(
             StoreUnavailable,
             None,
-            f"save of entity {record.id!r:.80} was "
-            f"re-sent after a lost answer and found version {stored} written by another "
-            "save: whether this save was applied before it is unknown; reload and retry",
+            f"save of entity {record.id!r:.80} was re-sent after a lost answer and found version "
+            f"{stored} written by another save: whether this save was applied before it is "
+            "unknown; reload and retry",
         )
 
     def _scan(self, segment: int, segments: int) -> Iterator[tuple[str, str, Any]]:
@@ -192,9 +171,6 @@ class DynamoDBEntityStore(EntityStore):
             raise ValueError(
                 f"DynamoDB scans in at most {MAX_SCAN_SEGMENTS} segments, got {segments}"
             )
-        return self._scan_pages(segment, segments)
-
-    def _scan_pages(self, segment: int, segments: int) -> Iterator[tuple[str, str, Any]]:
         request: ScanInputTypeDef = {
             "TableName": self.table,
             "Segment": segment,
@@ -205,11 +181,10 @@ class DynamoDBEntityStore(EntityStore):
             "ExpressionAttributeNames": {**_NAMES, "#p": _PENDING},
             "ExpressionAttributeValues": {":yes": {"BOOL": True}},
         }
-        while True:
-            page = self._dynamodb.scan(self, request)
+        return self._items(request)
+
+    def _items(self, request: ScanInputTypeDef) -> Iterator[tuple[str, str, Any]]:
+        """The items of a scan, paged when they are needed."""
+        for page in self._dynamodb.scan(self, request):
             for item in page.get("Items", []):
                 yield str(item[_ID]["S"]), str(item[_BODY]["S"]), int(item[_VERSION]["N"])
-            start = page.get("LastEvaluatedKey")
-            if not start:
-                return
-            request["ExclusiveStartKey"] = start

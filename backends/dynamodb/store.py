@@ -19,37 +19,28 @@ expired for longer than ``max_clock_skew``, so a client whose clock runs up to t
 much ahead never deletes a record another client still counts as live.
 
 Writes: ``add`` is one conditional ``PutItem``; ``add_many`` sends up to 100
-conditional puts per ``TransactWriteItems`` (a transaction costs two write units per
-item). Condition: ``attribute_not_exists(pk) OR expires_at <= :now``. A cancelled
-transaction writes nothing: the ids whose condition failed are already recorded, the
-others are sent again (conflicts and throttling back off, at most 10 rounds of up to
-2 s). An item that fails the condition but holds a token of this call (``writer``,
-returned with ``ReturnValuesOnConditionCheckFailure=ALL_OLD``) is this call's own
-write whose answer was lost (botocore's retry, or the caller's retry on the same
-store object after ``StoreUnavailable``): it is reported as recorded, exactly once.
-Transactions also carry a ``ClientRequestToken``.
+conditional puts per ``TransactWriteItems`` (two write units per item), with a
+``ClientRequestToken``. Condition: ``attribute_not_exists(pk) OR expires_at <= :now``.
+A cancelled transaction writes nothing: the ids whose condition failed are already
+recorded, the others are sent again (conflicts and throttling back off, at most 10
+rounds of up to 1 s). An item failing the condition that holds a token of this call
+(``writer``, returned by ``ReturnValuesOnConditionCheckFailure=ALL_OLD``) is this
+call's own write whose answer was lost (a re-sent request, or the caller's retry on the
+same object after ``StoreUnavailable``): it is reported as recorded, exactly once.
 
 Reads: ``processed_among`` uses ``BatchGetItem`` (100 keys per request, unprocessed
-keys retried with backoff, boundedly); expiry is judged by comparing ``expires_at``
-with the client's clock, so lazy native TTL (and moto, which ignores TTL) never
-yields a wrong answer. ``purge_expired`` scans the whole table (read units for every
-item of every endpoint) and deletes the matches with conditional deletes, 100 per
-transaction; with native TTL (``create_table`` enables it) it is rarely needed.
-``count`` scans the whole table too (``Select=COUNT``, filtered on the endpoint and
-``expires_at``): the endpoint is the sort key, so no ``Query`` reaches one endpoint.
+keys asked again, boundedly) and compares ``expires_at`` with the client's clock, so
+lazy native TTL (and moto, which ignores TTL) never yields a wrong answer.
+``purge_expired`` and ``count`` (``Select=COUNT``) scan the whole table, filtered on
+the endpoint and ``expires_at`` (read units for every item of every endpoint: the
+endpoint is the sort key, so no ``Query`` reaches one endpoint); ``purge_expired``
+deletes the matches with conditional deletes, 100 per transaction, and is rarely
+needed with native TTL (``create_table`` enables it).
 
-Options: those of every ``dynamodb://`` client (see :mod:`backends.dynamodb`), plus
-``create`` (false: create the table, on demand, TTL on ``ttl``), ``endpoint``,
-``retention``, ``max_clock_skew`` (60 s: purge only records expired for longer than
-this) and ``clock`` (keyword only: an epoch-seconds callable judging expiry, tests).
-
-Errors, and what a caller may conclude: ``StoreUnavailable`` (connection failure,
-a reply cut short, timeout, throttling, 5xx, transaction conflicts that outlast the
-backoff): the ids in its ``unknown`` may or may not be recorded; retry (on the same
-object, ids the failed call wrote are then reported as recorded by the retry).
-``ConfigurationError`` (rejected credentials or IAM policy, no credentials, no
-region, missing table, wrong key schema, a request DynamoDB rejects as invalid): fix
-the setup, retrying does not help. ``ConsistencyError``: a global table.
+Options and errors: see :mod:`backends.dynamodb`. After ``StoreUnavailable`` the ids
+in its ``unknown`` may or may not be recorded: retry (on the same object, the ids the
+failed call wrote are then reported as recorded). After ``ConfigurationError``, fix the
+setup: retrying does not help.
 """
 
 from __future__ import annotations
@@ -91,6 +82,7 @@ if TYPE_CHECKING:
 __all__ = ["DynamoDBDeduplicationStore"]
 
 _ID, _ENDPOINT, _EXPIRES, _TTL, _WRITER = "pk", "sk", "expires_at", "ttl", "writer"
+_NAMES = {"#p": _ID, "#e": _EXPIRES}
 _ADD_CONDITION = "attribute_not_exists(#p) OR #e <= :now"
 
 
@@ -100,15 +92,11 @@ def _written_by(old: Mapping[str, Any], request: WriteRequest) -> bool:
 
 
 class DynamoDBDeduplicationStore(DeduplicationStore):
-    """Deduplication store in one DynamoDB table; strongly consistent reads only.
-
-    Expiry is judged by the client's clock: clients of one table must keep their
-    clocks in sync. Safe to share between threads (one boto3 client per process,
-    a new one after ``fork``) and to pickle (by URL and options).
+    """Deduplication store in one DynamoDB table (see the module); strongly consistent,
+    expiry by the client's clock. Safe to share between threads and to pickle (by URL).
     """
 
-    connection_class = DynamoDBConnection
-    _dynamodb = Connected[DynamoDBConnection]()
+    _dynamodb = Connected(DynamoDBConnection)
 
     max_write_batch: ClassVar[int] = MAX_TRANSACT_ITEMS
     max_read_batch: ClassVar[int] = MAX_BATCH_GET_KEYS
@@ -148,26 +136,17 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
         item[_WRITER] = {"S": request.token}
         if request.expires_at is not None:
             item[_EXPIRES] = _number(request.expires_at)
-            # native TTL deletes by the service's clock: leave the same slack as purge_expired
-            slack = self._opts["max_clock_skew"]
-            item[_TTL] = {"N": str(math.ceil(request.expires_at + slack))}
+            item[_TTL] = {"N": str(math.ceil(request.expires_at + self._opts["max_clock_skew"]))}
         return item
 
-    def _add_one(self, request: WriteRequest) -> bool:
-        outcome = self._dynamodb.conditional_put(
-            self,
-            self._item(request.ids[0], request),
-            _ADD_CONDITION,
-            {"#p": _ID, "#e": _EXPIRES},
-            {":now": _number(request.now)},
-        )
-        # a failed condition on an item of ours: a write whose answer was lost
-        return outcome.written or _written_by(outcome.old, request)
-
     def _add_new(self, request: WriteRequest) -> set[str]:
-        if len(request.ids) == 1:
-            return set(request.ids) if self._add_one(request) else set()
         values: dict[str, AttributeValueTypeDef] = {":now": _number(request.now)}
+        if len(request.ids) == 1:
+            item = self._item(request.ids[0], request)
+            outcome = self._dynamodb.conditional_put(self, item, _ADD_CONDITION, _NAMES, values)
+            # a failed condition on an item of ours: a write whose answer was lost
+            mine = outcome.written or _written_by(outcome.old, request)
+            return set(request.ids) if mine else set()
         operations: list[tuple[str, TransactWriteItemTypeDef]] = [
             (
                 mid,
@@ -176,7 +155,7 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
                         "TableName": self.table,
                         "Item": self._item(mid, request),
                         "ConditionExpression": _ADD_CONDITION,
-                        "ExpressionAttributeNames": {"#p": _ID, "#e": _EXPIRES},
+                        "ExpressionAttributeNames": _NAMES,
                         "ExpressionAttributeValues": values,
                         "ReturnValuesOnConditionCheckFailure": "ALL_OLD",
                     }
@@ -191,16 +170,11 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
         pending: Sequence[tuple[str, TransactWriteItemTypeDef]],
         counts: Callable[[Mapping[str, Any]], bool],
     ) -> list[str]:
-        """Run conditional operations (at most 100) until each succeeded or failed its
-        condition; return the ids whose operation took effect.
-
-        A cancelled transaction changes nothing: operations that failed their
-        condition are dropped (reported as done when ``counts(old_item)`` says the
-        item is this call's own earlier write), the rest go out again in a new
-        transaction, after a pause if the cancellation was a conflict or throttling.
-        Any other cancellation, or one that outlasts the backoff (at most
-        ``_MAX_BACKOFF_ROUNDS`` pauses, within the call's deadline), is raised (the
-        error hook classifies it).
+        """Run conditional operations (at most 100) until each took effect or failed its
+        condition; the ids that took effect or whose failed one ``counts`` (this call's own
+        earlier write). A cancelled transaction is sent again without the failed ones (after
+        a pause for a conflict or throttling); any other cancellation, or one outlasting
+        ``_MAX_BACKOFF_ROUNDS`` pauses (within the deadline), is raised.
         """
         dynamodb, done = self._dynamodb, list[str]()
         failure: boto_errors.ClientError | None = None
@@ -252,9 +226,7 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
         return done
 
     def _find(self, ids: list[str], now: float) -> set[str]:
-        items = self._dynamodb.batch_get(
-            self, [self._key(mid) for mid in ids], "#p, #e", {"#p": _ID, "#e": _EXPIRES}
-        )
+        items = self._dynamodb.batch_get(self, [self._key(mid) for mid in ids], "#p, #e", _NAMES)
         return {str(item[_ID]["S"]) for item in items if self._alive(item, now)}
 
     def _contains_one(self, message_id: str, now: float) -> bool:
@@ -265,7 +237,7 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
             Key=self._key(message_id),
             ConsistentRead=True,
             ProjectionExpression="#p, #e",
-            ExpressionAttributeNames={"#p": _ID, "#e": _EXPIRES},
+            ExpressionAttributeNames=_NAMES,
         )
         item = dynamodb.request(self, get).get("Item")
         return item is not None and self._alive(item, now)
@@ -277,25 +249,17 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
         return expiry is None or float(expiry["N"]) > now
 
     def _purge(self, now: float) -> int:
-        # Only records expired for longer than max_clock_skew: a client whose clock
-        # runs ahead must not delete a record that others still count as live.
-        values: dict[str, AttributeValueTypeDef] = {
-            ":cut": _number(now - self._opts["max_clock_skew"])
+        values = {":cut": _number(now - self._opts["max_clock_skew"])}
+        request: ScanInputTypeDef = {
+            "TableName": self.table,
+            "ConsistentRead": True,
+            "FilterExpression": "#s = :ep AND #e <= :cut",
+            "ProjectionExpression": "#p",
+            "ExpressionAttributeNames": {"#p": _ID, "#s": _ENDPOINT, "#e": _EXPIRES},
+            "ExpressionAttributeValues": {**values, ":ep": self._endpoint_value},
         }
         deleted = 0
-        start: Mapping[str, Any] | None = None
-        while True:
-            request: ScanInputTypeDef = {
-                "TableName": self.table,
-                "ConsistentRead": True,
-                "FilterExpression": "#s = :ep AND #e <= :cut",
-                "ProjectionExpression": "#p",
-                "ExpressionAttributeNames": {"#p": _ID, "#s": _ENDPOINT, "#e": _EXPIRES},
-                "ExpressionAttributeValues": {**values, ":ep": self._endpoint_value},
-            }
-            if start:
-                request["ExclusiveStartKey"] = start
-            page = self._dynamodb.scan(self, request)
+        for page in self._dynamodb.scan(self, request):
             expired = [str(item[_ID]["S"]) for item in page.get("Items", [])]
             for first in range(0, len(expired), MAX_TRANSACT_ITEMS):
                 operations: list[tuple[str, TransactWriteItemTypeDef]] = [
@@ -314,33 +278,17 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
                     for mid in expired[first : first + MAX_TRANSACT_ITEMS]
                 ]
                 deleted += len(self._transact(operations, lambda old: False))
-            start = page.get("LastEvaluatedKey")
-            if not start:
-                return deleted
+        return deleted
 
     def _count(self, now: float) -> int:
-        """Exact: a consistent ``Scan`` with ``Select=COUNT``, filtered, page by page.
-
-        The endpoint is the sort key, not the partition key (the id is), so no
-        ``Query`` can reach one endpoint's items: the scan reads the whole table (read
-        units for every item of every endpoint, 1 MB per page) and counts the items
-        of this endpoint that are live by the client's clock, as :meth:`_find` judges.
-        """
-        total = 0
-        start: Mapping[str, Any] | None = None
-        while True:
-            request: ScanInputTypeDef = {
-                "TableName": self.table,
-                "ConsistentRead": True,
-                "Select": "COUNT",
-                "FilterExpression": "#s = :ep AND (attribute_not_exists(#e) OR #e > :now)",
-                "ExpressionAttributeNames": {"#s": _ENDPOINT, "#e": _EXPIRES},
-                "ExpressionAttributeValues": {":ep": self._endpoint_value, ":now": _number(now)},
-            }
-            if start:
-                request["ExclusiveStartKey"] = start
-            page = self._dynamodb.scan(self, request)
-            total += int(page.get("Count", 0))
-            start = page.get("LastEvaluatedKey")
-            if not start:
-                return total
+        """Exact: a consistent ``Scan`` of the whole table (see the module), ``Select=COUNT``
+        of this endpoint's items live by the client's clock, as :meth:`_find` judges."""
+        request: ScanInputTypeDef = {
+            "TableName": self.table,
+            "ConsistentRead": True,
+            "Select": "COUNT",
+            "FilterExpression": "#s = :ep AND (attribute_not_exists(#e) OR #e > :now)",
+            "ExpressionAttributeNames": {"#s": _ENDPOINT, "#e": _EXPIRES},
+            "ExpressionAttributeValues": {":ep": self._endpoint_value, ":now": _number(now)},
+        }
+        return sum(int(page.get("Count", 0)) for page in self._dynamodb.scan(self, request))

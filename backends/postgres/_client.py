@@ -1,10 +1,11 @@
 """The connection both PostgreSQL stores share: :class:`PostgresConnection`.
 
-Options (URL query or keyword) of both stores, besides their own ``table``:
+Options (URL query or keyword) of both stores:
 
 ===================  ===============  ====================================================
 option               default          meaning
 ===================  ===============  ====================================================
+``table``            per store        ``'name'`` or ``'schema.name'``, used verbatim
 ``create``           ``false``        create the table (and schema) when missing
 ``timeout``          ``10`` s         how long one statement may take
 ``connect_timeout``  ``5`` s          opening a connection, and waiting for a pooled one
@@ -20,40 +21,36 @@ option and is a libpq keyword (``sslmode``, ``application_name``, ``options``, .
 goes to libpq unchanged, and libpq's environment variables (``PGPASSWORD``, ...)
 apply. Connections are pooled (``psycopg_pool``), one pool per server, options
 and process, shared by the stores of the server (a child after ``fork()`` opens
-its own), in autocommit, with ``synchronous_commit`` pinned
-on and ``statement_timeout`` set to ``timeout``.
+its own), in autocommit, with ``synchronous_commit`` pinned on and
+``statement_timeout`` set to ``timeout``.
 
 Every statement is bounded: the server cancels it after ``timeout``, TCP
 keepalives and ``tcp_user_timeout`` detect a network partition, and a
 client-side watchdog closes the connection of a statement that got no answer
 shortly after ``timeout`` (a frozen server still accepts TCP).
 
-Connections that died while pooled (a server restart, a reset, an outage) must
-not fail the first call after the server is back. A pooled connection the server
-closed is readable: it is discarded before use, without a round trip. One that
-died silently (its peer forgot it: the server's host rebooted, a NAT or proxy
-dropped it) only fails when used, so each call has one deadline (the pool's
-timeout plus the statement's bound, the worst case of one attempt) and:
+So that connections that died while pooled do not fail the first call after an
+outage: one the server closed (a restart, a reset) is readable, and discarded
+before use without a round trip; one that died silently (the server's host
+rebooted, a NAT or proxy dropped it) only fails when used, so
 
-* a read, or a write the store marks ``resend`` (one whose second application
-  answers like the first: the deduplication store's inserts, by their write
-  token), is re-sent on another connection whenever a connection breaks under
-  it, until the deadline;
+* a read, or a write the store marks ``resend`` (its second application answers
+  like the first: the deduplication store's inserts, by their write token), is
+  re-sent on another connection whenever one breaks under it, until the deadline;
 * any other write (an entity save) is sent once, on a connection that has just
-  answered an empty query (``ConnectionPool.check_connection``); a failure after
-  it was sent is raised, as its outcome is unknown.
+  answered an empty query; a failure after it was sent is raised (outcome unknown).
 
-Writes are also retried when the server says it rolled them back (deadlock,
-serialization failure); a statement the watchdog timed out is never re-sent.
-Re-sends and retries go through :func:`dedupstore.calls.retry`, within the deadline.
+Writes the server rolled back (deadlock, serialization failure) are retried, 3
+attempts in all; a statement the watchdog timed out is never re-sent.
 
 Deadline: a call (one chunk of a batch) raises ``StoreUnavailable`` at most
 ``connect_timeout + timeout + min(1 s, timeout / 2)`` seconds after it started
 (16 s with the defaults; with a given ``client`` pool, its own timeout stands for
-``connect_timeout``): waiting for a pooled connection, checking it and the
-statement's answer are each capped by the time left.
-Errors are classified once, here: ``StoreUnavailable`` (retry) or
-``ConfigurationError`` (fix the setup).
+``connect_timeout``): waiting for a connection, checking it and the answer are
+each capped by the time left. Errors are classified once, here:
+``StoreUnavailable`` (retry: server down, timeout, failover to a replica) or
+``ConfigurationError`` (fix the setup: a missing table or database, refused
+credentials or privileges, a table of another shape, a value libpq refuses).
 """
 
 from __future__ import annotations
@@ -122,12 +119,6 @@ _REFUSED = re.compile(
     r"authentication failed|no password supplied|password is required|pg_hba\.conf"
     r"|does not exist|permission denied|not permitted to log in|invalid \S+ value"
     r"|invalid integer value|invalid connection option|invalid URI|SSL was required"
-)
-
-# Contention errors raised by the server for a statement that was rolled back.
-_RETRYABLE_WRITE_ERRORS: tuple[type[psycopg.Error], ...] = (
-    psycopg.errors.DeadlockDetected,
-    psycopg.errors.SerializationFailure,
 )
 
 
@@ -238,12 +229,6 @@ class _Watchdog:
 _WATCHDOG: ProcessLocal[_Watchdog] = ProcessLocal(_Watchdog)
 
 
-def _call_deadline() -> float | None:
-    """The current call's deadline as a ``time.monotonic()`` instant, if it has one."""
-    left = time_left()
-    return None if left is None else time.monotonic() + left
-
-
 def _shut_down(conn: PgConnection) -> None:
     """Shut the connection's socket down: a call blocked on it fails at once."""
     with socket.socket(fileno=os.dup(conn.fileno())) as sock:
@@ -253,36 +238,25 @@ def _shut_down(conn: PgConnection) -> None:
 # --------------------------------------------------------------------------- connections
 
 
-class _ConnectFailures:
-    """The last failed connection attempt of a pool, to explain its timeouts."""
-
-    def __init__(self) -> None:
-        self.at = -math.inf
-        self.error: psycopg.Error | None = None
-
-
 class _OwnPool(ConnectionPool["PgConnection"]):
-    """A pool dedupstore made (closed by it): notes its failed connection attempts."""
+    """A pool dedupstore made (closed by it): notes its last failed connection attempt."""
 
-    def __init__(self, conninfo: str, failures: _ConnectFailures, **kwargs: Any) -> None:
-        super().__init__(conninfo, connection_class=_recording_connection_class(failures), **kwargs)
-        self.failures = failures
+    def __init__(self, conninfo: str, **kwargs: Any) -> None:
+        self.failed_at = -math.inf
+        self.failure: psycopg.Error | None = None
+        pool = self
 
+        class RecordingConnection(psycopg.Connection[TupleRow]):
+            @classmethod
+            def connect(cls, conninfo: str = "", **kwargs: Any) -> Self:
+                try:
+                    return super().connect(conninfo, **kwargs)
+                except psycopg.Error as exc:
+                    pool.failed_at, pool.failure = time.monotonic(), exc
+                    raise
 
-def _recording_connection_class(failures: _ConnectFailures) -> type[PgConnection]:
-    """A connection class that notes each failed connection attempt in ``failures``."""
-
-    class RecordingConnection(psycopg.Connection[TupleRow]):
-        @classmethod
-        def connect(cls, conninfo: str = "", **kwargs: Any) -> Self:
-            try:
-                return super().connect(conninfo, **kwargs)
-            except psycopg.Error as exc:
-                failures.at, failures.error = time.monotonic(), exc
-                raise
-
-    RecordingConnection.__qualname__ = RecordingConnection.__name__
-    return RecordingConnection
+        RecordingConnection.__qualname__ = RecordingConnection.__name__
+        super().__init__(conninfo, connection_class=RecordingConnection, **kwargs)
 
 
 def _server_closed(conn: PgConnection) -> bool:
@@ -339,13 +313,11 @@ class Table:
         #: What the table holds ("a deduplication table") and the privileges it needs.
         self.kind, self.privileges = kind, privileges
 
-    def render(self, text: str) -> bytes:
-        """``text`` with ``{table}`` filled in, as bytes ready to send."""
-        return sql.SQL(text).format(table=self.identifier).as_bytes(None)
-
-    def index(self, suffix: str) -> sql.Identifier:
-        """The identifier of the table's index named by ``suffix``."""
-        return sql.Identifier(index_name(self.parts[-1], suffix))
+    def render(self, text: str, index: str = "") -> bytes:
+        """``text`` with ``{table}``, and ``{index}`` (the table's index named by ``index``),
+        filled in, as bytes ready to send."""
+        index_id = sql.Identifier(index_name(self.parts[-1], index))
+        return sql.SQL(text).format(table=self.identifier, index=index_id).as_bytes(None)
 
 
 def _watchdog_delay(options: Options) -> float:
@@ -383,13 +355,11 @@ _given_in: weakref.WeakKeyDictionary[ConnectionPool[Any], int] = weakref.WeakKey
 
 
 class PostgresConnection(Connection):
-    """The psycopg connection pool of one PostgreSQL server, shared by its stores.
+    """The psycopg pool of one PostgreSQL server, shared by its stores (``self._pg``).
 
-    Both stores name it as their ``connection_class`` and reach it as ``self._pg``:
-    statements through :meth:`read` and :meth:`write` (bounded, re-sent or
-    retried as the module says), a table opened by :meth:`open_table`. A store
-    keeps its :class:`Table` as ``_table``, which the error texts and the health
-    check name.
+    Statements go through :meth:`read` and :meth:`write` (bounded, re-sent or retried
+    as the module says); a store keeps its :class:`Table` as ``_table``, which
+    :meth:`open_table`, the error texts and the health check read.
     """
 
     schemes: ClassVar[tuple[str, ...]] = ("postgresql", "postgres")
@@ -435,10 +405,7 @@ class PostgresConnection(Connection):
 
     @classmethod
     def deadline_seconds(cls, options: Options) -> float:
-        """``connect_timeout + timeout + min(1 s, timeout / 2)``: see the module.
-
-        With a given ``client`` pool, its own timeout stands for ``connect_timeout``.
-        """
+        """``connect_timeout`` (a given pool's timeout) ``+ timeout + min(1 s, timeout / 2)``."""
         given = options["client"]
         wait = given.timeout if isinstance(given, ConnectionPool) else options["connect_timeout"]
         return float(wait + _watchdog_delay(options))
@@ -447,7 +414,6 @@ class PostgresConnection(Connection):
         connect_timeout: float = self.options["connect_timeout"]
         pool = _OwnPool(
             self.conninfo,
-            _ConnectFailures(),
             kwargs={"autocommit": True},
             min_size=self.options["pool_min_size"],
             max_size=self.options["pool_max_size"],
@@ -485,14 +451,11 @@ class PostgresConnection(Connection):
     # ------------------------------------------------------------------ tables
 
     def open_table(
-        self,
-        client: Client,
-        create: Callable[[PgConnection], None],
-        check: Callable[[PgConnection], None],
+        self, client: Client, create: list[bytes], check: Callable[[PgConnection], None]
     ) -> None:
-        """Check the encoding and ``client``'s table (``create`` it if missing and allowed,
-        then ``check`` its shape); on a connection of its own when the pool is ours (so
-        refused credentials are the error, not a pool timeout)."""
+        """Check the encoding and ``client``'s table (run the ``create`` statements if it is
+        missing and that is allowed, then ``check`` its shape); on a connection of its own
+        when the pool is ours (so refused credentials are the error, not a pool timeout)."""
         table = part_of(client, "_table", Table)
         with contextlib.ExitStack() as stack:
             if isinstance(self.pool, _OwnPool):
@@ -519,9 +482,7 @@ class PostgresConnection(Connection):
                 self._create_table(conn, table, create)
             check(conn)
 
-    def _create_table(
-        self, conn: PgConnection, table: Table, create: Callable[[PgConnection], None]
-    ) -> None:
+    def _create_table(self, conn: PgConnection, table: Table, create: list[bytes]) -> None:
         """The schema (if named) and ``create``, one process at a time (an advisory lock)."""
         with conn.transaction():
             lock = "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))"
@@ -532,43 +493,36 @@ class PostgresConnection(Connection):
             if schema is not None and not self.execute(conn, exists, [schema]):
                 statement = sql.SQL("CREATE SCHEMA IF NOT EXISTS {}")
                 self.execute(conn, statement.format(sql.Identifier(schema)))
-            create(conn)
+            for ddl in create:
+                self.execute(conn, ddl)
 
     # ------------------------------------------------------------------ statements
 
     @contextlib.contextmanager
-    def pooled(
-        self, client: Client, *, verify: bool = True, deadline: float | None = None
-    ) -> Iterator[PgConnection]:
+    def pooled(self, client: Client, *, verify: bool = True) -> Iterator[PgConnection]:
         """A live pooled connection (autocommit), returned to the pool on exit.
 
-        Connections the server is known to have closed (readable while idle: a
-        restart, a reset that reached us) are discarded and the next one tried at
-        once, without a round trip. With ``verify`` (for a request that must not
-        be re-sent) the connection must also answer an empty query first
-        (``ConnectionPool.check_connection``, bounded like a statement): one that
-        died silently (its peer forgot it: the server's host rebooted, a NAT or
-        proxy dropped it) fails that instead of the request, and is discarded too.
-        Discarded connections are replaced by the pool. Waits at most the pool's
-        timeout, and not past ``deadline``; then the ``PoolTimeout`` says why the
-        last connection attempt failed, if known. A check that gets no answer
-        raises :class:`StatementTimeout`.
+        Connections the server closed are discarded (replaced by the pool) and the
+        next one tried at once; with ``verify`` (a request that must not be re-sent)
+        it must also answer an empty query (``ConnectionPool.check_connection``,
+        bounded like a statement). Waits at most the pool's timeout, capped by the
+        call's deadline; then the ``PoolTimeout`` says why the last connection attempt
+        failed, if known. A check that gets no answer raises :class:`StatementTimeout`.
         """
         pool = self.pool
         began = time.monotonic()
-        deadline = _call_deadline() if deadline is None else deadline
-        until = began + pool.timeout if deadline is None else min(began + pool.timeout, deadline)
+        left = time_left()
+        until = began + (pool.timeout if left is None else min(pool.timeout, left))
         while True:
             try:
                 conn = pool.getconn(timeout=until - time.monotonic())
             except PoolTimeout as exc:
                 waited = max(0.0, until - began)
                 message = f"timed out after {waited:.3g} s waiting for a connection"
-                failures = pool.failures if isinstance(pool, _OwnPool) else _ConnectFailures()
                 cause: BaseException = exc
-                if failures.error is not None and failures.at >= began - pool.timeout:
-                    cause = failures.error
-                    message += f"; the last connection attempt failed: {failures.error}"
+                if isinstance(pool, _OwnPool) and pool.failed_at >= began - pool.timeout:
+                    cause = pool.failure or exc
+                    message += f"; the last connection attempt failed: {cause}"
                 raise PoolTimeout(client._scrub(message)) from cause
             if not conn.autocommit:
                 pool.putconn(conn)
@@ -579,7 +533,7 @@ class PostgresConnection(Connection):
                     "(ConnectionPool(kwargs={'autocommit': True}))",
                 )
             try:
-                alive = not _server_closed(conn) and (not verify or self._answers(conn, deadline))
+                alive = not _server_closed(conn) and (not verify or self._answers(conn))
             except BaseException:  # the check timed out (the connection is closed), ...
                 pool.putconn(conn)
                 raise
@@ -592,10 +546,10 @@ class PostgresConnection(Connection):
         finally:
             pool.putconn(conn)
 
-    def _answers(self, conn: PgConnection, deadline: float | None) -> bool:
+    def _answers(self, conn: PgConnection) -> bool:
         """Whether ``conn`` answers an empty query; ``StatementTimeout`` if nothing comes."""
         try:
-            with self._bounded(conn, deadline):
+            with self._bounded(conn):
                 ConnectionPool.check_connection(conn)
         except StatementTimeout:
             raise
@@ -603,26 +557,21 @@ class PostgresConnection(Connection):
             return False
         return True
 
-    def execute(
-        self, conn: PgConnection, query: Any, params: Any = None, *, deadline: float | None = None
-    ) -> list[tuple[Any, ...]]:
-        """Run one statement and fetch its rows, bounded by the watchdog (and ``deadline``)."""
-        with self._bounded(conn, deadline):
+    def execute(self, conn: PgConnection, query: Any, params: Any = None) -> list[tuple[Any, ...]]:
+        """Run one statement and fetch its rows, bounded by the watchdog."""
+        with self._bounded(conn):
             cursor = conn.execute(query, params)
             return cursor.fetchall() if cursor.description is not None else []
 
     @contextlib.contextmanager
-    def _bounded(self, conn: PgConnection, deadline: float | None) -> Iterator[None]:
-        """Close ``conn`` if the round trip in the block gets no answer in time.
-
-        In time: shortly after ``timeout`` (the server cancels the statement at
-        ``timeout``), and not past ``deadline``. A psycopg error after the
-        watchdog fired is raised as :class:`StatementTimeout`.
-        """
+    def _bounded(self, conn: PgConnection) -> Iterator[None]:
+        """Close ``conn`` if the round trip in the block gets no answer shortly after
+        ``timeout`` (or by the call's deadline); a psycopg error after that is raised as
+        :class:`StatementTimeout`."""
         delay = self.watchdog_delay
-        deadline = _call_deadline() if deadline is None else deadline
-        if deadline is not None:
-            delay = max(0.0, min(delay, deadline - time.monotonic()))
+        left = time_left()
+        if left is not None:
+            delay = max(0.0, min(delay, left))
         watchdog = _WATCHDOG.get()
         alarm = watchdog.arm(delay, lambda: _shut_down(conn))
         fired = False
@@ -644,19 +593,11 @@ class PostgresConnection(Connection):
     def run(
         self, client: Client, query: Any, params: Any, *, resend: bool
     ) -> list[tuple[Any, ...]]:
-        """Run one statement on a pooled connection; re-send it if allowed and useful.
+        """Run one statement on a pooled connection, within the call's deadline.
 
-        The call has one deadline (:meth:`deadline_seconds`: the pool's timeout
-        plus the statement's bound, ``timeout`` and the watchdog's grace, the
-        worst case of one attempt). ``resend=True`` (reads, and writes that
-        recognise their own earlier application): when the connection breaks
-        under the statement (a reset, a restart, a connection that died while
-        pooled) it is sent again on another connection, until the deadline; each
-        attempt waits for a connection and for the answer only until then.
-        ``resend=False``: the statement is sent once, on a connection that has
-        just answered a round trip (so a connection that died while pooled costs
-        that round trip, not the request); a failure after it was sent is raised.
-        A watchdog timeout is never re-sent (the server may still be running it).
+        ``resend``: re-sent on another connection whenever one breaks under it; else
+        sent once, on a connection that has just answered a round trip. Never re-sent
+        after a watchdog timeout (the server may still be running it).
         """
         broke = False
 
@@ -685,23 +626,13 @@ class PostgresConnection(Connection):
     def write(
         self, client: Client, query: bytes, params: Any, *, resend: bool = False
     ) -> list[tuple[Any, ...]]:
-        """Run a write; retried when the server reports it rolled back (deadlock, ...).
-
-        The retries share the call's deadline with the re-sends of :meth:`run`.
-
-        ``resend=True`` only for a statement whose second application answers
-        like the first: the deduplication store's inserts return the rows holding
-        the call's write token, so a re-sent ``add`` reports the ids its lost
-        first send recorded (never "already recorded"). An entity save is not
-        re-sent once sent: after a lost answer its own version check would refuse
-        it and the save would be reported as a conflict (harmless: the caller
-        reloads and sees the saved state) where the contract says a lost answer
-        is an error; the connection it is sent on is checked first instead.
-        """
+        """Run a write (``resend`` only for one whose second application answers like the
+        first); retried within the call's deadline when the server rolled it back."""
+        rolled_back = psycopg.errors.DeadlockDetected | psycopg.errors.SerializationFailure
         return retry(
             lambda: self.run(client, query, params, resend=resend),
             attempts=_WRITE_ATTEMPTS,
-            retry_on=lambda exc: isinstance(exc, _RETRYABLE_WRITE_ERRORS),
+            retry_on=lambda exc: isinstance(exc, rolled_back),
         )
 
     # ------------------------------------------------------------------ checks and errors
@@ -736,29 +667,27 @@ class PostgresConnection(Connection):
         """
         errors = psycopg.errors
         table = part_of(client, "_table", Table)
+
+        def fix(detail: str) -> ConfigurationError:
+            return client._error(ConfigurationError, None, detail)
+
         if isinstance(exc, StatementTimeout | errors.ReadOnlySqlTransaction):
             return StoreUnavailable  # ReadOnlySqlTransaction: failed over to a replica
         if isinstance(exc, PoolTimeout):
             cause = exc.__cause__
             if isinstance(cause, psycopg.OperationalError) and _refused(cause):
-                return client._error(
-                    ConfigurationError, None, f"connecting failed: {client._describe_error(exc)}"
-                )
+                return fix(f"connecting failed: {client._describe_error(exc)}")
             return StoreUnavailable
         if isinstance(exc, errors.UndefinedTable):
-            return client._error(
-                ConfigurationError,
-                None,
+            return fix(
                 f"table {table.text} does not exist ({client._describe_error(exc)}): "
                 f"create it with {type(client).__name__}.create_schema(url), or open the "
-                "store with create=true",
+                "store with create=true"
             )
         if isinstance(exc, errors.InsufficientPrivilege):
-            return client._error(
-                ConfigurationError,
-                None,
+            return fix(
                 f"permission denied ({client._describe_error(exc)}): GRANT "
-                f"{table.privileges} ON {table.text} TO the role the store connects as",
+                f"{table.privileges} ON {table.text} TO the role the store connects as"
             )
         if isinstance(
             exc,
@@ -778,10 +707,8 @@ class PostgresConnection(Connection):
             | psycopg.IntegrityError
             | psycopg.NotSupportedError,
         ):
-            return client._error(
-                ConfigurationError,
-                None,
-                f"table {table.text} is not usable as {table.kind}: {client._describe_error(exc)}",
+            return fix(
+                f"table {table.text} is not usable as {table.kind}: {client._describe_error(exc)}"
             )
         if isinstance(exc, psycopg.Error):
             return StoreUnavailable

@@ -1,11 +1,8 @@
 """``PostgresEntityStore``: entities and their outbox, one row each, in PostgreSQL.
 
-Options: those of :mod:`backends.postgres._client` (``create``, ``timeout``,
-``connect_timeout``, ``pool_min_size``, ``pool_max_size``, ``password``,
-``client``, libpq keywords) and ``table`` (default ``dedupstore_entities``;
-``'name'`` or ``'schema.name'``, used verbatim). The URL is the one of the
-deduplication store; the default tables differ, so entities never mix with
-deduplication records.
+Options: those of :mod:`backends.postgres._client` (``table`` defaults to
+``dedupstore_entities``). The URL is the one of the deduplication store; the
+default tables differ, so entities never mix with deduplication records.
 
 Table layout (``create=true`` or :meth:`PostgresEntityStore.create_schema`)::
 
@@ -45,17 +42,12 @@ answer to one load statement (``max_load_batch`` = 100 entities) below 400 MiB, 
 save statement and a scan page near 16 MiB (at least one entity each), a statement
 well inside ``timeout``, and matches the base class's default.
 
-Failures: every statement is bounded by ``timeout`` (server and client side). A
-save is sent once: when its answer is lost (``StoreUnavailable``) it may or may
-not have been applied, and the entities' ``version`` is left as it was, so a
-retry of the same save conflicts if the first one was applied (reload: the
-entity then holds that save's state); it is never reported as a conflict
-without an error first. So a save is not re-sent after a broken connection; it
-is sent on a connection that has just answered an empty query, which a
-connection that died while pooled fails instead. Loads and scan pages are
-re-sent on another connection when one breaks under them, within the
-statement's time. ``ConfigurationError``: a missing table (without
-``create``), a table of another shape, refused credentials or privileges.
+Failures (see :mod:`backends.postgres._client`): a save is sent once. When its
+answer is lost (``StoreUnavailable``) it may or may not have been applied, and the
+entities' ``version`` is left as it was, so a retry of the same save conflicts if
+the first one was applied (reload: the entity then holds that save's state). A
+re-send would conflict the same way, so the store never re-sends a save: a lost
+answer is an error, never reported as a conflict.
 """
 
 from __future__ import annotations
@@ -63,16 +55,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import psycopg
-from psycopg import sql
-from psycopg.rows import TupleRow
-
-from backends.postgres._client import (
-    PostgresConnection,
-    Table,
-    create_schema,
-    postgres_options,
-)
+from backends.postgres._client import PostgresConnection, Table, create_schema, postgres_options
 from backends.postgres.store import PostgresDeduplicationStore
 from dedupstore.client import Connected
 from dedupstore.entities import EntityRecord, EntityStore, groups_by_size
@@ -80,7 +63,7 @@ from dedupstore.options import OptionSet
 from dedupstore.store import DeduplicationStore, WriteRequest
 
 if TYPE_CHECKING:
-    Connection = psycopg.Connection[TupleRow]
+    from backends.postgres._client import PgConnection
 
 __all__ = ["DEFAULT_ENTITY_TABLE", "PostgresEntityStore"]
 
@@ -93,34 +76,22 @@ _STATEMENT_BYTES = 16 * 1024 * 1024  # bodies per save statement, about (one row
 _MAX_VERSION = 2**63 - 2  # a bigint that can still be incremented
 
 
-def _expected(version: Any) -> int | None:
-    """The stored version a record may replace (0: absent); ``None``: it cannot match."""
-    if version is None:
-        return 0
-    if type(version) is int and 1 <= version <= _MAX_VERSION:
-        return version
-    return None
-
-
 def _candidates(records: list[EntityRecord]) -> list[tuple[EntityRecord, int]]:
-    """(record, the version it gets) for each record a stored row can match; the
-    others conflict without a statement."""
-    pairs = []
-    for record in records:
-        expected = _expected(record.version)
-        if expected is not None:
-            pairs.append((record, expected + 1))
-    return pairs
+    """(record, the version it gets) for each record a stored row can match; the others
+    conflict without a statement."""
+    return [
+        (record, 1 if record.version is None else record.version + 1)
+        for record in records
+        if record.version is None
+        or (type(record.version) is int and 1 <= record.version <= _MAX_VERSION)
+    ]
 
 
 class PostgresEntityStore(EntityStore):
     """Entity store in a PostgreSQL table (one row per entity, ``version`` token).
 
-    Thread-safe and fork-safe (a child process opens its own pool); it pickles to
-    its URL and options. Raises ``StoreUnavailable`` when the server cannot answer
-    within the timeouts (a save is then applied or not: reload), and
-    ``ConfigurationError`` for a missing or unusable table, refused credentials
-    or privileges. See the module documentation for the layout and the guarantees.
+    Thread-safe and fork-safe (a child process opens its own pool); it pickles to its
+    URL and options. See the module for the layout, the guarantees and the errors.
     """
 
     #: 4 MiB of canonical JSON per entity: see the module documentation.
@@ -129,8 +100,7 @@ class PostgresEntityStore(EntityStore):
     #: Entities per save statement (one commit, one flush on a durable server).
     max_save_batch: ClassVar[int] = 1000
     _joins = PostgresDeduplicationStore
-    connection_class = PostgresConnection
-    _pg = Connected[PostgresConnection]()
+    _pg = Connected(PostgresConnection)
     declared_options: ClassVar[OptionSet] = postgres_options(
         EntityStore.declared_options, DEFAULT_ENTITY_TABLE
     )
@@ -138,33 +108,13 @@ class PostgresEntityStore(EntityStore):
     def _open(self) -> None:
         self._table = Table(self._opts["table"], "an entity table", "SELECT, INSERT, UPDATE")
         self._build_statements()
-        self._pg.open_table(self, self._create_objects, self._check_table)
+        self._pg.open_table(self, self._sql_create, self._check_table)
 
     create_schema = classmethod(create_schema)
 
     # ------------------------------------------------------------------ table
 
-    def _create_objects(self, conn: Connection) -> None:
-        self._pg.execute(
-            conn,
-            self._table.render(
-                "CREATE TABLE IF NOT EXISTS {table} ("
-                'id text COLLATE "C" PRIMARY KEY, '
-                "body text NOT NULL, "
-                "version bigint NOT NULL, "
-                "bucket integer NOT NULL, "
-                "pending boolean NOT NULL) "
-                "WITH (fillfactor = 80)"
-            ),
-        )
-        self._pg.execute(
-            conn,
-            sql.SQL("CREATE INDEX IF NOT EXISTS {index} ON {table} (id) WHERE pending").format(
-                index=self._table.index("pending"), table=self._table.identifier
-            ),
-        )
-
-    def _check_table(self, conn: Connection) -> None:
+    def _check_table(self, conn: PgConnection) -> None:
         """Dry runs of the three statements: columns, types, unique id, privileges."""
         execute = self._pg.execute
         execute(conn, self._sql_save, self._save_params([]))
@@ -173,12 +123,24 @@ class PostgresEntityStore(EntityStore):
 
     def _build_statements(self) -> None:
         render = self._table.render
-        # ``version`` is the version the row gets: 1 for a new entity, else the
-        # expected one plus one. A new entity is inserted only if absent (on
-        # conflict the stored version is never 0); a loaded one replaces the row
-        # only if it still holds the expected version, and is never inserted when
-        # its row is absent (entities are not deleted by the store: the row of a
-        # version seen exists, unless removed by hand).
+        self._sql_create = [
+            render(
+                "CREATE TABLE IF NOT EXISTS {table} ("
+                'id text COLLATE "C" PRIMARY KEY, '
+                "body text NOT NULL, "
+                "version bigint NOT NULL, "
+                "bucket integer NOT NULL, "
+                "pending boolean NOT NULL) "
+                "WITH (fillfactor = 80)"
+            ),
+            render(
+                "CREATE INDEX IF NOT EXISTS {index} ON {table} (id) WHERE pending", index="pending"
+            ),
+        ]
+        # ``u.version`` is the version the row gets (1: new, else the expected one + 1).
+        # A new entity is inserted only if absent (a stored version is never 0); a
+        # loaded one replaces only a row holding the expected version and is never
+        # inserted (the store deletes no rows: the row of a version seen exists).
         self._sql_save = render(
             "INSERT INTO {table} AS t (id, body, version, bucket, pending) "
             "SELECT u.id, u.body, u.version, u.bucket, u.pending "
@@ -258,13 +220,9 @@ class PostgresEntityStore(EntityStore):
         candidates.sort(key=lambda pair: pair[0].id)  # one lock order for every saver
         saved: dict[str, Any] = {}
         for group in groups_by_size(candidates, _STATEMENT_BYTES, lambda pair: pair[0].size):
-            saved.update(self._save_group(group))
+            rows = self._pg.write(self, self._sql_save, self._save_params(group))
+            saved.update((eid, version) for eid, version in rows)
         return saved
-
-    def _save_group(self, group: list[tuple[EntityRecord, int]]) -> dict[str, int]:
-        """One statement: the rows of ``group`` (sorted by id) that match their version."""
-        params = self._save_params(group)
-        return {eid: version for eid, version in self._pg.write(self, self._sql_save, params)}
 
     def _scan(self, segment: int, segments: int) -> Iterator[tuple[str, str, Any]]:
         after = ""  # ids are never empty: every id sorts after it

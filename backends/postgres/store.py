@@ -1,58 +1,37 @@
 """``PostgresDeduplicationStore``: a deduplication table in PostgreSQL.
 
-Options: those of :mod:`backends.postgres._client` (``create``, ``timeout``,
-``connect_timeout``, ``pool_min_size``, ``pool_max_size``, ``password``,
-``client``, libpq keywords), ``endpoint`` and ``retention``, and ``table``
-(default ``dedup_records``; ``'name'`` or ``'schema.name'``, used verbatim).
-A table without one of the columns (``endpoint``, ``id``, ``expires_at``,
-``writer``) is refused with a ``ConfigurationError`` naming what is missing.
+Options: those of :mod:`backends.postgres._client` (``table`` defaults to
+``dedup_records``), ``endpoint`` and ``retention``. A table without one of the
+columns (``endpoint``, ``id``, ``expires_at``, ``writer``) is refused with a
+``ConfigurationError`` naming what is missing.
 
 Records live in one table keyed by ``(endpoint, id)``, both ``text COLLATE "C"``
 (byte-exact: ids differing only in case, accents or trailing spaces never
 collide). Expiry is judged by the server's clock: ``expires_at`` is epoch seconds
-computed from ``now()`` in SQL, so clients with skewed clocks agree. Every
-statement runs in autocommit with ``synchronous_commit`` forced on for the
-store's sessions: a record is committed and flushed before ``add`` returns.
+computed from ``now()`` in SQL, so clients with skewed clocks agree. A record is
+committed and flushed (``synchronous_commit`` on) before ``add`` returns.
 ``INSERT ... ON CONFLICT`` decides the first writer; each record also holds the
-write token (``writer`` column) of the call that wrote it.
+write token (``writer`` column) of the call that wrote it, so an insert re-sent
+after a broken connection returns the rows holding the call's token: the ids its
+lost first send recorded are reported as recorded by this call.
 
-Worst case of one statement: ``connect_timeout + timeout`` (plus about a second
-of grace). When a connection breaks under a statement (a reset, a restart, a
-connection that died while pooled) the statement is re-sent on another one
-within that time: reads, and inserts, whose write token makes a re-send answer
-like the first send (the rows holding the call's token are returned, so ids the
-lost first send recorded are reported as recorded by this call).
-
-After a failure: ``StoreUnavailable`` (server down, timeout, failover to a
-replica, contention still failing after 3 attempts) means retry; an ``add``
-that failed may or may not have recorded its ids, and a retry on the same
-store object reports the ids it wrote as recorded by the retry (``add_many``
-also says what it ``recorded`` and what is ``unknown``). ``ConfigurationError``
-(missing table or database, refused credentials or permission, a table of
-another shape, a value libpq refuses) means fix the setup.
+After ``StoreUnavailable`` an ``add`` may or may not have recorded its ids; a
+retry on the same store object reports the ids it wrote as recorded by the retry
+(``add_many`` also says what it ``recorded`` and what is ``unknown``).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import psycopg
-from psycopg import sql
-from psycopg.rows import TupleRow
-
-from backends.postgres._client import (
-    PostgresConnection,
-    Table,
-    create_schema,
-    postgres_options,
-)
+from backends.postgres._client import PostgresConnection, Table, create_schema, postgres_options
 from dedupstore.client import Connected
 from dedupstore.errors import ConfigurationError
 from dedupstore.options import OptionSet
 from dedupstore.store import DeduplicationStore, WriteRequest
 
 if TYPE_CHECKING:
-    Connection = psycopg.Connection[TupleRow]
+    from backends.postgres._client import PgConnection
 
 __all__ = ["DEFAULT_TABLE", "PostgresDeduplicationStore"]
 
@@ -67,12 +46,8 @@ _COLUMNS = ("endpoint", "id", "expires_at", "writer")
 class PostgresDeduplicationStore(DeduplicationStore):
     """Deduplication store in a PostgreSQL table, through a psycopg connection pool.
 
-    Thread-safe and fork-safe (a child process opens its own pool); it pickles
-    to its URL and options. Raises ``StoreUnavailable`` when the server cannot
-    answer within the timeouts, ``ConfigurationError`` for a missing or unusable
-    table, refused credentials or permissions; ``add``/``add_many`` are re-sent
-    only after a broken connection, under the same write token, so their answer
-    is exact or an error.
+    Thread-safe and fork-safe (a child process opens its own pool); it pickles to its
+    URL and options. See the module for the guarantees and the errors.
     """
 
     max_write_batch: ClassVar[int] = 2000
@@ -81,8 +56,7 @@ class PostgresDeduplicationStore(DeduplicationStore):
     # two cores at once); overlapping chunks are sorted, so they cannot deadlock.
     chunk_concurrency: ClassVar[int] = 2
     expiry_clock: ClassVar[Literal["client", "server"]] = "server"
-    connection_class = PostgresConnection
-    _pg = Connected[PostgresConnection]()
+    _pg = Connected(PostgresConnection)
     declared_options: ClassVar[OptionSet] = postgres_options(
         DeduplicationStore.declared_options, DEFAULT_TABLE
     )
@@ -92,33 +66,13 @@ class PostgresDeduplicationStore(DeduplicationStore):
             self._opts["table"], "a deduplication table", "SELECT, INSERT, UPDATE, DELETE"
         )
         self._build_statements()
-        self._pg.open_table(self, self._create_objects, self._check_table)
+        self._pg.open_table(self, self._sql_create, self._check_table)
 
     create_schema = classmethod(create_schema)
 
     # ------------------------------------------------------------------ table
 
-    def _create_objects(self, conn: Connection) -> None:
-        self._pg.execute(
-            conn,
-            self._table.render(
-                "CREATE TABLE IF NOT EXISTS {table} ("
-                'endpoint text COLLATE "C" NOT NULL, '
-                'id text COLLATE "C" NOT NULL, '
-                "expires_at double precision, "
-                "writer text, "
-                "PRIMARY KEY (endpoint, id))"
-            ),
-        )
-        self._pg.execute(
-            conn,
-            sql.SQL(
-                "CREATE INDEX IF NOT EXISTS {index} ON {table} (endpoint, expires_at) "
-                "WHERE expires_at IS NOT NULL"
-            ).format(index=self._table.index("expires_at"), table=self._table.identifier),
-        )
-
-    def _check_table(self, conn: Connection) -> None:
+    def _check_table(self, conn: PgConnection) -> None:
         """Every column (one missing is named), then a dry-run write."""
         found = self._pg.execute(
             conn,
@@ -143,6 +97,21 @@ class PostgresDeduplicationStore(DeduplicationStore):
 
     def _build_statements(self) -> None:
         render = self._table.render
+        self._sql_create = [
+            render(
+                "CREATE TABLE IF NOT EXISTS {table} ("
+                'endpoint text COLLATE "C" NOT NULL, '
+                'id text COLLATE "C" NOT NULL, '
+                "expires_at double precision, "
+                "writer text, "
+                "PRIMARY KEY (endpoint, id))"
+            ),
+            render(
+                "CREATE INDEX IF NOT EXISTS {index} ON {table} (endpoint, expires_at) "
+                "WHERE expires_at IS NOT NULL",
+                index="expires_at",
+            ),
+        ]
         now = "extract(epoch FROM now())::float8"  # the server's clock, never the client's
         expires = f"{now} + %(retention)s::float8"  # NULL (forever) without retention
         on_conflict = (
@@ -203,7 +172,6 @@ class PostgresDeduplicationStore(DeduplicationStore):
         return bool(self._pg.write(self, self._sql_add_one, params, resend=True))
 
     def _add_one_params(self, request: WriteRequest) -> dict[str, Any]:
-        """The parameters of ``_sql_add_one`` (one id)."""
         return {**self._write_params(request), "id": request.ids[0]}
 
     def _find(self, ids: list[str], now: float) -> set[str]:
@@ -214,15 +182,12 @@ class PostgresDeduplicationStore(DeduplicationStore):
         return bool(self._pg.read(self, self._sql_has, self._has_params(message_id)))
 
     def _has_params(self, message_id: str) -> dict[str, Any]:
-        """The parameters of ``_sql_has``."""
         return {"endpoint": self._endpoint, "id": message_id}
 
     def _count(self, now: float) -> int:
-        """Exact, one statement (a snapshot) judged by the server's ``now()``.
-
-        Reads the endpoint's range of the primary key; bounded by ``timeout`` like any
-        statement (raise it for an endpoint of many millions of ids).
-        """
+        """Exact, one statement (a snapshot) judged by the server's ``now()``: reads the
+        endpoint's range of the primary key within ``timeout`` (raise it for an endpoint
+        of many millions of ids)."""
         return int(self._pg.read(self, self._sql_count, {"endpoint": self._endpoint})[0][0])
 
     def _purge(self, now: float) -> int:

@@ -1,28 +1,17 @@
 """``redis://`` and ``rediss://``: stores and a dispatcher on a Redis primary.
 
-* :mod:`backends.redis._client` -- :class:`RedisConnection`, the connection the
-  stores, the dispatcher and the broker of one server share in a process (each
-  holds it, none inherits from it): options, the connection pool, timeouts and
-  retries, the one write script per object (``EVALSHA``, plus ``WAIT``
-  with ``wait_replicas``), error classification, health warnings (AOF,
-  ``appendfsync``, eviction, asynchronous replicas), and the refusal of Redis
-  Cluster and of replicas.
-* :mod:`backends.redis.store` -- :class:`RedisDeduplicationStore`: one string key per
-  (endpoint, id) under ``key_prefix`` ``dedup:``, native expiry.
-* :mod:`backends.redis.entities` -- :class:`RedisEntityStore`: one hash per entity
-  under ``key_prefix`` ``dedupent:``, the version compared by a Lua script, a set of
-  pending ids per bucket for the segmented scan, 4 MiB per entity.
-* :mod:`backends.redis.dispatcher` -- :class:`RedisDispatcher`: one stream per
-  destination under ``key_prefix`` ``dedupout:``, one script call per dispatch, a
-  re-dispatch within ``dedupe_window`` appended once.
+* :mod:`backends.redis._client` -- :class:`RedisConnection`, shared by the objects of
+  one server in a process: the options, the pool, timeouts and retries, the write
+  script, errors, health warnings; it refuses Redis Cluster and replicas.
+* :mod:`backends.redis.store` -- :class:`RedisDeduplicationStore`: a string key per
+  (endpoint, id), native expiry.
+* :mod:`backends.redis.entities` -- :class:`RedisEntityStore`: a hash per entity.
+* :mod:`backends.redis.dispatcher` -- :class:`RedisDispatcher`: a stream per destination.
 * :mod:`backends.redis.consumer` -- :class:`RedisStreamsBroker`: the consume loop's
-  broker (:mod:`dedupstore.consumers`), a consumer group read with ``XREADGROUP``,
-  ``XACK`` after processing, ``XAUTOCLAIM`` after a lease; imported on first use
-  (``dedupstore.consumers.open_broker``).
+  broker, a consumer group; imported on first use (``dedupstore.consumers.open_broker``).
 
-All take the same URL, ``redis[s]://[[user]:password@]host[:port][/db]``, and the
-same connection options; see each module for the key layout, the token and the
-failure semantics.
+All take the URL ``redis[s]://[[user]:password@]host[:port][/db]`` and the connection
+options; each module documents its key layout, token and failure semantics.
 """
 
 from backends.redis._client import RedisConnection

@@ -9,12 +9,16 @@ redis-py's default), ``wait_replicas`` (0) and ``wait_timeout_ms`` (1000, shorte
 ``ssl_cert_reqs`` (``rediss://`` only), and keyword-only ``client`` (a ready
 ``redis.Redis``: its own settings apply; neither closed nor pickled).
 
-Every store runs ONE Lua script for its writes, loaded at open and run by
+Keys: ``key_prefix`` (keep the prefixes of the stores and the dispatcher apart), then
+parts escaped by :func:`escape` (``%`` ``:`` ``{`` ``}`` become ``%25`` ``%3A`` ``%7B``
+``%7D``): no two parts share a key and none forms a Redis Cluster hash tag.
+
+Each store and the dispatcher runs ONE Lua script for its writes, loaded at open and run by
 ``EVALSHA`` through :meth:`RedisConnection.run_script`: on one pooled connection,
-followed by ``WAIT`` when ``wait_replicas`` is set, so a store knows when an
-attempt whose answer was lost may have run (the entity store sends the script a
-"re-sent" flag then). Reads go through redis-py. redis-py retries nothing (its
-pool has no ``Retry``): every command, script or read, is retried here, by
+followed by ``WAIT`` when ``wait_replicas`` is set, so the caller knows when an
+attempt whose answer was lost may have run (and may send the script a "re-sent"
+flag then). Reads go through redis-py. redis-py retries nothing (its pool has no
+``Retry``): every command, script or read, is retried here, by
 :func:`dedupstore.calls.retry`, after a connection error or a timeout.
 
 Deadline: a call (one chunk of a batch) raises ``StoreUnavailable`` at most
@@ -27,13 +31,14 @@ only the store's own retries stop at the deadline.
 
 Errors (:meth:`RedisConnection.classify_error`): ``StoreUnavailable`` for connection
 errors, timeouts, loading, failover to a replica (``READONLY``), out of memory,
-``BUSY``/``MISCONF``/``NOREPLICAS`` and fewer replicas than ``wait_replicas``
-acknowledging; ``ConfigurationError`` for credentials, ACL permissions, a key under
-the prefix that dedupstore did not write, Redis Cluster. Opening refuses a Redis
-Cluster node (``ConfigurationError``) and a replica (``ConsistencyError``).
-Durability needs ``appendonly yes`` + ``appendfsync always`` and ``maxmemory-policy
-noeviction`` (:meth:`~dedupstore.client.Client.health_warnings` says when not);
-replication is asynchronous unless ``wait_replicas`` is set.
+``BUSY``/``MISCONF``/``NOREPLICAS``/``NOSCRIPT``, any other redis-py error, and fewer
+replicas than ``wait_replicas`` acknowledging; ``ConfigurationError`` for credentials,
+ACL permissions, a key under the prefix that dedupstore did not write, Redis Cluster
+(redirects) and any other error reply. Opening refuses a Redis Cluster node
+(``ConfigurationError``) and a replica (``ConsistencyError``). Durability needs
+``appendonly yes`` + ``appendfsync always`` and ``maxmemory-policy noeviction``
+(:meth:`~dedupstore.client.Client.health_warnings` says when not); replication is
+asynchronous unless ``wait_replicas`` is set.
 """
 
 from __future__ import annotations
@@ -69,13 +74,8 @@ from redis.retry import Retry
 from redis.utils import SENTINEL
 
 from dedupstore.calls import capped, retry, time_left
-from dedupstore.client import Client, Connection, ErrorKind, retried_deadline
-from dedupstore.errors import (
-    ConfigurationError,
-    ConsistencyError,
-    StoreUnavailable,
-    format_error,
-)
+from dedupstore.client import Client, Connection, ErrorKind, part_of
+from dedupstore.errors import ConfigurationError, ConsistencyError, StoreUnavailable, format_error
 from dedupstore.options import (
     Option,
     Options,
@@ -105,8 +105,6 @@ _log = logging.getLogger(__name__)
 _TRANSIENT_CODES = frozenset({"BUSY", "MISCONF", "NOREPLICAS"})
 #: The path of a Redis URL: none, ``/`` or a database number.
 _DB_PATH = re.compile(r"/?|/\d{1,5}")
-#: The commands every Redis client runs (a client's ``_commands`` names all of its own).
-_COMMANDS = "+ping +info +script|load +evalsha +wait"
 _PIPELINE_PREFIX = re.compile(r"^Command # \d+ \(.*?\) of pipeline caused error: ", re.S)
 
 
@@ -153,12 +151,8 @@ def text_of(value: bytes | str) -> str:
 
 
 class _Bounded(DriverConnection):
-    """A redis-py connection whose every wait is capped by the call's deadline.
-
-    Connecting, sending and each reply wait at most the configured timeouts, and
-    never past :func:`dedupstore.calls.time_left`; once the deadline has passed a
-    read raises ``TimeoutError`` at once (the connection is dropped).
-    """
+    """A redis-py connection whose every wait is capped by the call's deadline (see the
+    module); past the deadline a read drops the connection and raises ``TimeoutError``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
@@ -188,7 +182,7 @@ class _Bounded(DriverConnection):
 
 
 class _BoundedSSL(_Bounded, SSLConnection):
-    """:class:`_Bounded` over TLS (``rediss://``)."""
+    """Over TLS (``rediss://``)."""
 
 
 def _transient(exc: BaseException) -> bool:
@@ -237,28 +231,15 @@ CONNECTION_OPTIONS: tuple[Option, ...] = (
 class RedisConnection(Connection):
     """The ``redis.Redis`` of one standalone Redis primary, shared by its clients.
 
-    Every Redis client (the stores, the dispatcher, the Streams broker) names it as
-    its ``connection_class`` and reaches it as ``self._redis``: reads through
-    :meth:`read` and :meth:`pipelined`, its one write script through
-    :meth:`run_script`. Each client declares ``key_prefix_option(...)`` plus
-    :data:`CONNECTION_OPTIONS`, checks the server once at open (:meth:`probe`) and
-    may set, read by the error texts: ``_commands`` (the commands it runs, named
-    when an ACL refuses one) and ``_unconfirmed`` (what a write the replicas did not
-    confirm means for its caller).
+    Each client names it as ``connection_class``, reaches it as ``self._redis``, declares
+    ``key_prefix_option(...)`` plus :data:`CONNECTION_OPTIONS`, calls :meth:`probe` at
+    open and may set ``_commands`` (the commands it runs, named when an ACL refuses one)
+    and ``_unconfirmed`` (what a write the replicas did not confirm means for its caller).
     """
 
     schemes: ClassVar[tuple[str, ...]] = ("redis", "rediss")
-    shaped_by: ClassVar[tuple[str, ...]] = (
-        "timeout",
-        "connect_timeout",
-        "retries",
-        "max_connections",
-        "wait_replicas",
-        "wait_timeout_ms",
-        "username",
-        "password",
-        "ssl_ca_certs",
-        "ssl_cert_reqs",
+    shaped_by: ClassVar[tuple[str, ...]] = tuple(
+        option.name for option in CONNECTION_OPTIONS if option.name != "client"
     )
 
     def __init__(self, url: StoreURL, options: Options) -> None:
@@ -318,22 +299,17 @@ class RedisConnection(Connection):
             "db": int(url.path[1:] or 0),
             "username": url.username or None,
             "password": url.password or None,
+            **self.options.driver_kwargs(),
         }
-        kwargs.update(self.options.driver_kwargs())
-        kwargs["connection_class"] = _BoundedSSL if url.scheme == "rediss" else _Bounded
         pool = ConnectionPool(
             **kwargs,
+            connection_class=_BoundedSSL if url.scheme == "rediss" else _Bounded,
             socket_timeout=self.options["timeout"],
             socket_connect_timeout=self.options["connect_timeout"],
             max_connections=self.options["max_connections"],
             retry=Retry(NoBackoff(), 0),  # retried here (read, run_script)
         )
         return redis.Redis(connection_pool=pool)
-
-    @classmethod
-    def deadline_seconds(cls, options: Options) -> float:
-        """``connect_timeout + (retries + 1) x timeout``: see the module."""
-        return retried_deadline(options)
 
     def read(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` (redis-py reads), retried after a connection error or timeout."""
@@ -385,17 +361,13 @@ class RedisConnection(Connection):
         args: list[str],
         resent_args: list[str] | None = None,
     ) -> Any:
-        """Run the write script ``source`` of ``client`` (then ``WAIT`` when
-        configured); return its answer.
+        """Run ``client``'s write script ``source`` (then ``WAIT``); return its answer.
 
-        Each attempt takes one pooled connection and sends ``EVALSHA`` (plus ``WAIT``);
-        a connection error or timeout after the request was sent means the script
-        may have run, so the next attempts send ``resent_args`` (``args`` when
-        ``None``). Retried ``retries`` times within the deadline
-        (:func:`dedupstore.calls.retry`); after ``NOSCRIPT`` (a restarted or
-        flushed server) the script is loaded and sent again in the same attempt.
-        Raises the redis-py error of the last attempt, or ``StoreUnavailable`` when
-        fewer than ``wait_replicas`` replicas confirmed the write in time.
+        Once an attempt's request may have reached the server, the next attempts send
+        ``resent_args`` (``args`` when ``None``); after ``NOSCRIPT`` (a restarted or
+        flushed server) the script is loaded and sent again in the same attempt. Raises
+        the last attempt's redis-py error, or ``StoreUnavailable`` when fewer than
+        ``wait_replicas`` replicas confirmed the write in time.
         """
         sha = _sha1(source)
         commands: list[tuple[Any, ...]] = [("EVALSHA", sha, len(keys), *keys, *args)]
@@ -423,22 +395,21 @@ class RedisConnection(Connection):
 
         replies = retry(attempt, attempts=self._attempts, retry_on=_transient, before_sleep=log)
         if self._wait_replicas and int(replies[1]) < self._wait_replicas:
-            unconfirmed = getattr(client, "_unconfirmed", "its durability is unknown")
+            unconfirmed = part_of(client, "_unconfirmed", str)
             raise client._error(
                 StoreUnavailable,
                 None,
-                f"only {replies[1]} of "
-                f"{self._wait_replicas} replicas acknowledged the write within "
-                f"{self._wait_timeout_ms} ms; {unconfirmed}",
+                f"only {replies[1]} of {self._wait_replicas} replicas acknowledged the write "
+                f"within {self._wait_timeout_ms} ms; {unconfirmed}",
             )
         return replies[0]
 
     def _send(self, commands: list[tuple[Any, ...]], sent: list[bool]) -> list[Any]:
         """Send ``commands`` in one packet on one pooled connection; read every reply.
 
-        Appends to ``sent`` once the request may have reached the server. A dropped
-        or timed-out connection is closed, never reused; error replies are raised
-        after all replies are read (the connection stays in step).
+        Appends to ``sent`` once the request may have reached the server. A failed
+        connection is closed, never reused; error replies are raised once all replies
+        are read (the connection stays in step).
         """
         pool = self.client.connection_pool
         conn: Any = pool.get_connection()  # redis-py leaves these methods untyped
@@ -466,13 +437,7 @@ class RedisConnection(Connection):
 
     @classmethod
     def classify_error(cls, client: Client, exc: BaseException) -> ErrorKind:
-        """Classify a redis-py error.
-
-        Credentials, ACL, foreign keys and cluster redirects: ``ConfigurationError``;
-        connection, timeout, failover (READONLY), loading, busy, OOM and any other
-        redis-py error: ``StoreUnavailable``; an error reply not known to be
-        transient: ``ConfigurationError``.
-        """
+        """Classify a redis-py error (the rules: see the module)."""
         name, detail = type(client).__name__, client._describe_error(exc)
         if isinstance(
             exc, AuthenticationError | AuthorizationError | AuthenticationWrongNumberOfArgsError
@@ -483,17 +448,17 @@ class RedisConnection(Connection):
             )
         # inside a script an ACL refusal is a plain error reply, not NOPERM
         if isinstance(exc, NoPermissionError) or "user executing the script can't run" in str(exc):
-            commands = getattr(client, "_commands", _COMMANDS)
+            commands = part_of(client, "_commands", str)
             return client._error(
                 ConfigurationError,
                 None,
                 f"the Redis user may not run a command the store needs (grant {commands}): "
                 f"{detail}",
             )
-        if isinstance(exc, RedisConnectionError | RedisTimeoutError | ReadOnlyError):
-            return StoreUnavailable  # also BusyLoadingError, MaxConnectionsError
-        if isinstance(exc, TryAgainError | ClusterDownError):
-            return StoreUnavailable  # also MasterDownError
+        # also BusyLoadingError, MaxConnectionsError, MasterDownError
+        transient = RedisConnectionError | RedisTimeoutError | ReadOnlyError | TryAgainError
+        if isinstance(exc, transient | ClusterDownError):
+            return StoreUnavailable
         if isinstance(exc, OutOfMemoryError):
             return client._error(
                 StoreUnavailable,
@@ -535,30 +500,27 @@ class RedisConnection(Connection):
             pipe.info("replication")
 
         *answers, persistence, replication = self.pipelined(build, raise_on_error=False)
-        for answer in answers:
-            if isinstance(answer, Exception):
-                if isinstance(answer, ResponseError):
-                    config.clear()
-                    warnings.append(
-                        "could not check appendfsync and maxmemory-policy: CONFIG GET is not "
-                        f"allowed ({format_error(answer)}); acknowledged records survive a crash "
-                        "only with appendonly yes and appendfsync always, and eviction must be "
-                        "off (maxmemory-policy noeviction)"
-                    )
-                    break
-                raise answer
-            config.update({text_of(k): text_of(v) for k, v in dict(answer).items()})
         for answer in (persistence, replication):
             if isinstance(answer, Exception):
                 raise answer
+        refused = [answer for answer in answers if isinstance(answer, ResponseError)]
+        if refused:
+            warnings.append(
+                "could not check appendfsync and maxmemory-policy: CONFIG GET is not "
+                f"allowed ({format_error(refused[0])}); acknowledged records survive a crash "
+                "only with appendonly yes and appendfsync always, and eviction must be "
+                "off (maxmemory-policy noeviction)"
+            )
+        else:
+            for answer in answers:
+                config.update({text_of(k): text_of(v) for k, v in dict(answer).items()})
         aof = config.get(
             "appendonly", "yes" if str(persistence.get("aof_enabled")) == "1" else "no"
         )
         if aof != "yes":
             warnings.append(
-                "the server has no append-only file (appendonly no): acknowledged records "
-                "are lost when Redis crashes or restarts; set appendonly yes and "
-                "appendfsync always"
+                "the server has no append-only file (appendonly no): acknowledged records are "
+                "lost when Redis crashes or restarts; set appendonly yes and appendfsync always"
             )
         elif "appendfsync" in config and config["appendfsync"] != "always":
             warnings.append(

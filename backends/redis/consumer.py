@@ -107,8 +107,7 @@ class RedisStreamsBroker(Client, Broker):
         ),
         *CONNECTION_OPTIONS,
     )
-    connection_class = RedisConnection
-    _redis = Connected[RedisConnection]()
+    _redis = Connected(RedisConnection)
     _commands: ClassVar[str] = (
         "+ping +info +xgroup|create +xreadgroup +xack +xautoclaim +xclaim +xpending +xinfo|groups"
     )

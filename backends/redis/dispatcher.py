@@ -1,38 +1,34 @@
 """The Redis Streams dispatcher: :class:`RedisDispatcher`.
 
-Layout (``key_prefix`` ``dedupout:`` by default, same rules as the stores'; keep
-the prefixes of the stores and the dispatcher apart):
+Layout (``key_prefix`` ``dedupout:`` by default; keys: see :mod:`backends.redis._client`):
 
 * one stream per destination, ``<key_prefix><destination>`` (the destination
-  escaped like the store keys: ``%`` ``:`` ``{`` ``}`` become ``%25`` ``%3A`` ``%7B``
-  ``%7D``, so no stream key can be a marker key), one entry per message with the
-  fields ``id``, ``body`` (canonical JSON) and ``headers`` (JSON);
+  escaped: it holds no ``:``, so no stream key can be a marker key), one entry per
+  message with the fields ``id``, ``body`` (canonical JSON) and ``headers`` (JSON);
 * with ``dedupe_window``: one marker per message id, ``<key_prefix>sent:<id>`` (the
   id escaped), a string that expires after the window.
 
 A dispatch is ONE ``EVALSHA`` (Redis runs a script atomically). The script checks
-every key's type before writing any (a key of another type fails the call with
-``ConfigurationError``, nothing written), then for each message whose marker is
-absent ``XADD`` and ``SET <marker> 1 NX PX <window>`` (atomically the same as "SET NX,
-and XADD only if it succeeded", but should Redis refuse a write half-way, say an ACL
-without ``SET``, a message ends up appended without its marker, a later duplicate,
-rather than marked and never appended): within the window a re-dispatch of an id
-appends nothing. ``maxlen`` trims each stream approximately (``XADD ... MAXLEN ~ n``).
+every key's type before writing any (a key of another type: ``ConfigurationError``,
+nothing written), then for each message whose marker is absent runs ``XADD``, then
+``SET <marker> 1 NX PX <window>`` (atomically "SET NX, and XADD only if it succeeded",
+but should Redis refuse a write half-way, say an ACL without ``SET``, a message ends up
+appended without its marker, a later duplicate, rather than marked and never appended):
+within the window a re-dispatch of an id appends nothing. ``maxlen`` trims each stream
+approximately (``XADD ... MAXLEN ~ n``).
 
-Lost answers: the script is retried by :class:`~backends.redis._client.RedisConnection`
-(``retries``, backoff). With the window a retry is harmless: an attempt that ran
-left its markers, so the retry appends nothing twice. Without it
-(``dedupe_window=0``) a retry of an attempt that may have run is refused by the
-script itself and the call raises ``StoreUnavailable`` (the messages may or may
-not be in their streams: dispatch again, receivers deduplicate).
+Lost answers: the script is retried (``retries``). With the window a retry is harmless
+(an attempt that ran left its markers); without it (``dedupe_window=0``) the script
+refuses a retry of an attempt that may have run and the call raises ``StoreUnavailable``
+(the messages may or may not be in their streams: dispatch again).
 
-Receivers still deduplicate by the ``id`` field: the window is finite, ``maxlen``
-trimming and consumer-group redelivery are independent of it, and delivery is at
-least once (``XREADGROUP`` + ``XACK`` redelivers after a receiver crash).
+Receivers still deduplicate by the ``id`` field: the window is finite, and ``maxlen``
+trimming and consumer-group redelivery (``XREADGROUP`` + ``XACK``, after a receiver
+crash) are independent of it: delivery is at least once.
 
 Options: ``key_prefix``, ``dedupe_window`` (7 days; ``0``/``none``: off), ``maxlen``
-(none) and the connection options of :mod:`backends.redis._client` (timeouts,
-retries, pool, ``wait_replicas``, credentials, TLS, ``client``).
+(none) and those of :mod:`backends.redis._client`, which also says when
+``StoreUnavailable`` and ``ConfigurationError`` are raised.
 """
 
 from __future__ import annotations
@@ -40,12 +36,7 @@ from __future__ import annotations
 import re
 from typing import ClassVar
 
-from backends.redis._client import (
-    CONNECTION_OPTIONS,
-    RedisConnection,
-    escape,
-    key_prefix_option,
-)
+from backends.redis._client import CONNECTION_OPTIONS, RedisConnection, escape, key_prefix_option
 from dedupstore.client import Connected
 from dedupstore.dispatch import EncodedMessage, URLDispatcher
 from dedupstore.errors import StoreUnavailable
@@ -56,7 +47,7 @@ __all__ = ["RedisDispatcher", "sent_key", "stream_key"]
 # KEYS[1..n]: the stream of each message; KEYS[n+1..2n]: its marker key.
 # ARGV[1]: the window in ms ('' = off); ARGV[2]: MAXLEN ('' = none); ARGV[3]: '1' when
 # an earlier attempt of this call may have run; then 3 per message: id, body, headers.
-# Checks every key before writing any. Returns the (1-based) indexes of the messages
+# Returns the (1-based) indexes of the messages
 # appended, or {-1} having written nothing (re-sent without a window: may duplicate).
 # No keys: a permission probe.
 _DISPATCH_SCRIPT = """
@@ -76,8 +67,6 @@ end
 local appended = {}
 for i = 1, n do
   local at = 4 + (i - 1) * 3
-  -- XADD before SET: should a write be refused half-way (an ACL), a message is
-  -- appended without its marker (a duplicate later), never marked but not appended.
   if window == '' or redis.call('EXISTS', KEYS[n + i]) == 0 then
     if maxlen == '' then
       redis.call('XADD', KEYS[i], '*', 'id', ARGV[at], 'body', ARGV[at + 1],
@@ -119,16 +108,7 @@ def sent_key(key_prefix: str, message_id: str) -> str:
 
 
 class RedisDispatcher(URLDispatcher):
-    """Outgoing messages as Redis Streams entries, one stream per destination.
-
-    One script call per dispatch; a re-dispatch within ``dedupe_window`` appends
-    nothing (so the client's own retries after a lost answer are harmless). Needs a
-    standalone Redis primary (not Cluster, not a replica); durable only with
-    ``appendonly yes`` + ``appendfsync always``. Raises ``StoreUnavailable`` (the
-    redis-py error chained) when Redis cannot answer or whether the messages were
-    appended is unknown, ``ConfigurationError`` for credentials, permissions and
-    keys of another type under the prefix.
-    """
+    """Outgoing messages as Redis Streams entries, one stream per destination (see the module)."""
 
     receiver_dedup: ClassVar[str] = (
         "by the entry's id field: dedupe_window drops re-dispatches for a while, but "
@@ -145,8 +125,7 @@ class RedisDispatcher(URLDispatcher):
         Option("maxlen", optional(integer(1)), None, "trim each stream to about this length"),
         *CONNECTION_OPTIONS,
     )
-    connection_class = RedisConnection
-    _redis = Connected[RedisConnection]()
+    _redis = Connected(RedisConnection)
     _commands: ClassVar[str] = (
         "+ping +info +script|load +evalsha +wait, and in the script +type +exists +xadd +set"
     )
@@ -181,8 +160,7 @@ class RedisDispatcher(URLDispatcher):
             raise self._error(
                 StoreUnavailable,
                 "dispatch",
-                "the answer to an "
-                "earlier attempt was lost and dedupe_window is off, so the messages may or "
-                "may not have been appended (not re-sent, to avoid duplicates); dispatch "
-                "them again (receivers deduplicate by id)",
+                "the answer to an earlier attempt was lost and dedupe_window is off, so the "
+                "messages may or may not have been appended (not re-sent, to avoid duplicates); "
+                "dispatch them again (receivers deduplicate by id)",
             )

@@ -1,35 +1,32 @@
 """The Redis entity store: :class:`RedisEntityStore`.
 
-Layout (``key_prefix`` ``dedupent:`` by default, same rules as the deduplication
-store's; keep the two prefixes apart):
+Layout (``key_prefix`` ``dedupent:`` by default; keys: see :mod:`backends.redis._client`):
 
-* one hash per entity, ``<key_prefix>e:<id>`` (the id escaped like the deduplication
-  keys: ``%`` ``:`` ``{`` ``}`` become ``%25`` ``%3A`` ``%7B`` ``%7D``), with the
-  fields ``b`` (the canonical JSON body), ``v`` (the version: 1, 2, 3, ... per
-  save), ``t`` (the random write token of the save that wrote it) and ``p``
-  (``1`` while the outbox is not empty, else ``0``);
+* one hash per entity, ``<key_prefix>e:<id>`` (the id escaped), with the fields ``b``
+  (the canonical JSON body), ``v`` (the version: 1, 2, 3, ... per save), ``t`` (the
+  random write token of the save that wrote it) and ``p`` (``1`` while the outbox is
+  not empty, else ``0``);
 * one set per bucket, ``<key_prefix>pending:<bucket>`` (``bucket_of(id)``, 0..4095),
   holding the ids of the entities of that bucket whose outbox is not empty;
 * one set ``<key_prefix>pending-buckets`` of the buckets whose set is not empty (the
   scan's index, kept by the same script).
 
-Token: the version. A save is one ``EVALSHA`` per chunk (up to 500 entities and
-16 MiB of bodies; Redis runs a script atomically and serves no other client
-meanwhile: about 5 ms for 500 small entities): for each entity it compares
-the stored version with the one the entity was loaded at (absent when ``None``) and
-writes body, version + 1, token and pending flag and moves the id into or out of
-its bucket's set, or leaves it alone (a conflict). Every key is checked before any
-is written, so a foreign key fails the whole chunk and nothing is half-written.
-Loads: one pipelined ``HMGET b v`` per id, a chunk of 100 ids per round trip (a
-hash without those two fields loads as absent; saving it is refused).
+Token: the version. A save is one ``EVALSHA`` per chunk of up to 500 entities and 16 MiB
+of bodies (one flush on a durable server; Redis runs a script atomically and serves no
+other client meanwhile: about 5 ms for 500 small entities). For each entity the script
+compares the stored version with the one the entity was loaded at (absent when ``None``)
+and either writes body, version + 1, token and pending flag and moves the id into or out
+of its bucket's set, or leaves it alone (a conflict). Every key is checked before any is
+written: a foreign key fails the whole chunk, nothing half-written. Loads: one pipelined
+``HMGET b v`` per id, 100 ids per round trip (a hash without those two fields loads as
+absent; saving it is refused).
 
-Lost answers: the script is sent on one connection and retried by the store
-(``retries``). An entity whose hash already holds this save's token was written by
-an earlier attempt and is reported as saved. A re-sent script that meets an entity
-whose version moved on cannot tell "another client saved first" from "our lost
-attempt wrote it and someone saved on top": it writes nothing and the save raises
-``StoreUnavailable`` (outcome unknown: reload before saving again) rather than
-report a conflict that may be false.
+Lost answers: an entity whose hash already holds this save's token was written by an
+earlier attempt and is reported as saved. A re-sent script that meets an entity whose
+version moved on cannot tell "another client saved first" from "our lost attempt wrote
+it and someone saved on top": it writes nothing and the save raises ``StoreUnavailable``
+(outcome unknown: reload before saving again) rather than report a conflict that may be
+false.
 
 Scan: segment ``s`` of ``n`` reads the index (``SMEMBERS``, at most 4096 numbers) and
 walks the sets of its non-empty buckets ``b % n == s`` with ``SSCAN`` (64 buckets per
@@ -43,11 +40,8 @@ to 512 MB (``proto-max-bulk-len``), but an entity is read whole by every load an
 scan, and a chunk of them travels in one command: 4 MiB keeps a page of a scan and
 a script call within tens of MiB.
 
-Options: ``key_prefix`` and the connection options of :mod:`backends.redis._client`
-(timeouts, retries, pool, ``wait_replicas``, credentials, TLS, ``client``). Errors:
-``StoreUnavailable`` when Redis cannot answer (the outcome of a failed save is
-unknown), ``ConfigurationError`` for credentials, permissions and keys under the
-prefix that dedupstore did not write.
+Options and errors: see :mod:`backends.redis._client` (after ``StoreUnavailable`` the
+outcome of a save is unknown).
 """
 
 from __future__ import annotations
@@ -78,7 +72,6 @@ __all__ = ["RedisEntityStore", "buckets_key", "entity_key", "pending_key"]
 # ARGV[1]: this save's write token; ARGV[2]: '1' when an earlier attempt of this very
 # call may have run (its answer was lost); then 4 per entity: the expected version
 # ('' = absent, else '=' .. version), '1'/'0' (pending), the id, the body.
-# Checks every key before writing any, so an error leaves nothing half-written.
 # Returns {1, i, version, ...} for the entities saved (now, or by the earlier attempt:
 # their hash holds this token), or {0} having written nothing when a re-sent call meets
 # an entity that moved on (its lost attempt may have written it). No keys: a probe.
@@ -199,11 +192,8 @@ def pending_key(key_prefix: str, bucket: int) -> str:
 
 def _version(value: object) -> int | None:
     """A stored version as an int; ``None`` when it is not one (not our hash)."""
-    if isinstance(value, bytes | str):
-        text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
-        if text.isdigit():
-            return int(text)
-    return None
+    text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
+    return int(text) if isinstance(text, str) and text.isdigit() else None
 
 
 def _body(value: bytes | str) -> str:
@@ -211,27 +201,15 @@ def _body(value: bytes | str) -> str:
 
 
 class RedisEntityStore(EntityStore):
-    """Entities on a Redis primary, one hash each; safe across threads and processes.
+    """Entities on a Redis primary, one hash each; thread- and process-safe (see the module)."""
 
-    Token: the version field, compared and written by one Lua script per chunk.
-    Needs a standalone Redis primary (not Cluster, not a replica); durable only with
-    ``appendonly yes`` + ``appendfsync always``. Raises ``StoreUnavailable`` (the
-    redis-py error chained) whenever Redis cannot answer or a save's outcome is
-    unknown, ``ConfigurationError`` for credentials, permissions and foreign keys
-    under the prefix.
-    """
-
-    #: Largest entity: 4 MiB of JSON (see the module: memory per page and per call).
     max_entity_bytes: ClassVar[int] = 4 * 1024 * 1024
     max_load_batch: ClassVar[int] = 100
-    #: Entities per save script: one ``EVALSHA``, one flush on a durable server, and
-    #: a few ms in which Redis serves no other client.
     max_save_batch: ClassVar[int] = 500
     declared_options: ClassVar[OptionSet] = EntityStore.declared_options.extend(
         key_prefix_option("dedupent:"), *CONNECTION_OPTIONS
     )
-    connection_class = RedisConnection
-    _redis = Connected[RedisConnection]()
+    _redis = Connected(RedisConnection)
     _joins = RedisDeduplicationStore
     _commands: ClassVar[str] = (
         "+ping +info +script|load +evalsha +wait +hmget +sscan +smembers, and in the script "
@@ -256,12 +234,8 @@ class RedisEntityStore(EntityStore):
         replies = self._redis.pipelined(
             lambda pipe: [pipe.hmget(self._key(eid), ["b", "v"]) for eid in ids]
         )
-        found: dict[str, tuple[str, Any]] = {}
-        for eid, reply in zip(ids, replies, strict=True):
-            record = self._loaded(eid, reply)
-            if record is not None:
-                found[eid] = record
-        return found
+        loaded = {eid: self._loaded(eid, reply) for eid, reply in zip(ids, replies, strict=True)}
+        return {eid: record for eid, record in loaded.items() if record is not None}
 
     def _loaded(self, entity_id: str, reply: list[Any]) -> tuple[str, int] | None:
         """``(body, version)`` from an ``HMGET b v`` answer; None for no entity."""
@@ -281,12 +255,9 @@ class RedisEntityStore(EntityStore):
         """``HMGET`` of the entity and ``GET`` of the record, pipelined: one round trip."""
         assert isinstance(dedup, RedisDeduplicationStore)
         record_key = dedup._record_key(key)
-
-        def build(pipe: Any) -> None:
-            pipe.hmget(self._key(entity_id), ["b", "v"])
-            pipe.get(record_key)
-
-        entity, record = self._redis.pipelined(build)
+        entity, record = self._redis.pipelined(
+            lambda pipe: (pipe.hmget(self._key(entity_id), ["b", "v"]), pipe.get(record_key))
+        )
         return self._loaded(entity_id, entity), dedup._recorded(record)
 
     def _save_with(
@@ -307,12 +278,11 @@ class RedisEntityStore(EntityStore):
         token = secrets.token_hex(16)
         saved: dict[str, Any] = {}
         for group in groups_by_size(records, _MAX_CALL_BYTES, lambda r: r.size):
-            saved.update(self._save_group(group, token))
+            keys, args, resent = self._save_call(group, token)
+            saved.update(
+                self._saved(group, self._redis.run_script(self, _SAVE_SCRIPT, keys, args, resent))
+            )
         return saved
-
-    def _save_group(self, records: list[EntityRecord], token: str) -> dict[str, int]:
-        keys, args, resent = self._save_call(records, token)
-        return self._saved(records, self._redis.run_script(self, _SAVE_SCRIPT, keys, args, resent))
 
     def _save_call(
         self, records: list[EntityRecord], token: str
@@ -333,9 +303,8 @@ class RedisEntityStore(EntityStore):
             raise self._error(
                 StoreUnavailable,
                 "save",
-                "the answer to an earlier "
-                "attempt was lost and an entity has changed since, so whether this save "
-                "wrote it is unknown; reload the entities before saving again",
+                "the answer to an earlier attempt was lost and an entity has changed since, so "
+                "whether this save wrote it is unknown; reload the entities before saving again",
             )
         pairs = reply[1:]
         return {records[int(pairs[k]) - 1].id: int(pairs[k + 1]) for k in range(0, len(pairs), 2)}
@@ -383,11 +352,9 @@ class RedisEntityStore(EntityStore):
             pipe.sscan(pending_key(self._key_prefix, bucket), 0, count=_SSCAN_COUNT)
 
     def _read_page(self, ids: list[str]) -> Iterator[tuple[str, str, Any]]:
-        def build(pipe: Any) -> None:
-            for eid in ids:
-                pipe.hmget(self._key(eid), ["b", "v", "p"])
-
-        replies = self._redis.pipelined(build)
+        replies = self._redis.pipelined(
+            lambda pipe: [pipe.hmget(self._key(eid), ["b", "v", "p"]) for eid in ids]
+        )
         for eid, (body, stored, pending) in zip(ids, replies, strict=True):
             version = _version(stored)
             if body is not None and version is not None and pending in (b"1", "1"):

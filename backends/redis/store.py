@@ -1,9 +1,8 @@
 """The Redis deduplication store: :class:`RedisDeduplicationStore`.
 
 One string key per (endpoint, id): ``<key_prefix><endpoint>:<id>`` (``key_prefix``
-``dedup:`` by default), both parts escaped (``%`` ``:`` ``{`` ``}`` become ``%25``
-``%3A`` ``%7B`` ``%7D``), so no two pairs share a key and no id forms a Redis Cluster
-hash tag. The value is ``dsv1:<token>``, the write token of the call that recorded it.
+``dedup:`` by default), both parts escaped (see :mod:`backends.redis._client`). The
+value is ``dsv1:<token>``, the write token of the call that recorded it.
 
 Writes: one ``EVALSHA`` per chunk of 1000 ids (two chunks in flight). Redis runs a
 script atomically: for each key, absent -> ``SET``; holding a token of this call
@@ -20,16 +19,11 @@ Expiry is Redis's own (``expiry_clock = "server"``): a record with a retention i
 so the clients' clocks do not matter. ``purge_expired`` returns 0: Redis deletes
 expired keys itself.
 
-Options: ``endpoint``, ``retention`` and the connection options of
-:mod:`backends.redis._client` (timeouts, retries, pool, ``wait_replicas``,
-credentials, TLS, ``client``).
-
-After a failure: ``StoreUnavailable`` (connection, timeout, loading, failover to a
-replica, out of memory, fewer replicas than ``wait_replicas`` acknowledged): the
-ids in ``recorded`` were recorded by the call, those in ``unknown`` may have been,
-and a retry of them on the same store object reports the latter as recorded by it
-(the store's own retries are safe for the same reason). ``ConfigurationError``:
-credentials, ACL permissions, a foreign key under the prefix, Redis Cluster.
+Options: ``endpoint``, ``retention`` and those of :mod:`backends.redis._client`,
+which says when ``StoreUnavailable`` and ``ConfigurationError`` are raised. After
+``StoreUnavailable`` the ids in ``recorded`` were recorded by the call, those in
+``unknown`` may have been, and a retry of them on the same store object reports the
+latter as recorded by it (the store's own retries are safe for the same reason).
 """
 
 from __future__ import annotations
@@ -44,6 +38,7 @@ from backends.redis._client import (
     escape,
     foreign_value_error,
     key_prefix_option,
+    text_of,
 )
 from dedupstore.client import Connected
 from dedupstore.options import OptionSet
@@ -53,11 +48,9 @@ __all__ = ["ADD_SCRIPT", "RedisDeduplicationStore", "record_key"]
 
 #: Every record value starts with this tag; anything else was not written by us.
 _TAG = "dsv1:"
-_TAG_BYTES = _TAG.encode()
 
 # KEYS: record keys. ARGV[1]: the new value; ARGV[2]: PX in ms ('' = no expiry);
 # ARGV[3..]: the values that mean "written by this call" (its tokens, tagged).
-# Decides every key before writing any, so an error leaves nothing half-written.
 # Returns the (1-based) indexes of the keys it recorded. No keys: a permission probe.
 ADD_SCRIPT = """
 if #KEYS == 0 then return {} end
@@ -107,12 +100,8 @@ return todo
 
 #: Keys asked of each ``SCAN`` round trip by :meth:`RedisDeduplicationStore.count`.
 _SCAN_COUNT = 1000
-_GLOB_SPECIAL = str.maketrans({c: "\\" + c for c in "\\*?[]"})
-
-
-def _glob_escape(text: str) -> str:
-    """``text`` as a ``SCAN MATCH`` pattern matching exactly itself."""
-    return text.translate(_GLOB_SPECIAL)
+#: Makes a text a ``SCAN MATCH`` pattern matching exactly itself.
+_GLOB_ESCAPE = str.maketrans({c: "\\" + c for c in "\\*?[]"})
 
 
 def record_key(key_prefix: str, endpoint: str, message_id: str) -> str:
@@ -120,20 +109,8 @@ def record_key(key_prefix: str, endpoint: str, message_id: str) -> str:
     return f"{key_prefix}{escape(endpoint)}:{escape(message_id)}"
 
 
-def _is_record(value: object) -> bool:
-    if isinstance(value, bytes):
-        return value.startswith(_TAG_BYTES)
-    return str(value).startswith(_TAG)
-
-
 class RedisDeduplicationStore(DeduplicationStore):
-    """Deduplication store on a Redis primary; safe across threads and processes.
-
-    Needs a standalone Redis primary (not Cluster, not a replica); durable only with
-    ``appendonly yes`` + ``appendfsync always``. Raises ``StoreUnavailable`` (the
-    redis-py error chained) whenever Redis cannot answer, ``ConfigurationError`` for
-    credentials, permissions and foreign keys under the prefix.
-    """
+    """Deduplication store on a Redis primary; thread- and process-safe (see the module)."""
 
     expiry_clock = "server"
     # The script unpack()s 2 values per key: Lua's stack allows about 8000.
@@ -145,8 +122,7 @@ class RedisDeduplicationStore(DeduplicationStore):
     declared_options: ClassVar[OptionSet] = DeduplicationStore.declared_options.extend(
         key_prefix_option("dedup:"), *CONNECTION_OPTIONS
     )
-    connection_class = RedisConnection
-    _redis = Connected[RedisConnection]()
+    _redis = Connected(RedisConnection)
     _commands: ClassVar[str] = (
         "+ping +info +script|load +evalsha +get +mget +wait +scan (count), and in the script "
         "+exists +type +set +mset"
@@ -173,7 +149,7 @@ class RedisDeduplicationStore(DeduplicationStore):
 
     def _add_call(self, request: WriteRequest) -> tuple[list[str], list[str]]:
         """The keys and arguments of the write script for ``request``."""
-        keys = [self._key_base + escape(mid) for mid in request.ids]
+        keys = [self._record_key(mid) for mid in request.ids]
         args = [_TAG + request.token, self._px, *(_TAG + token for token in request.mine)]
         return keys, args
 
@@ -184,15 +160,9 @@ class RedisDeduplicationStore(DeduplicationStore):
 
     def _find(self, ids: list[str], now: float) -> set[str]:
         """One ``MGET``; Redis never returns an expired key."""
-        keys = [self._key_base + escape(mid) for mid in ids]
+        keys = [self._record_key(mid) for mid in ids]
         values = self._redis.read(lambda: self._redis.client.mget(keys))
-        found: set[str] = set()
-        for mid, value in zip(ids, values, strict=True):
-            if value is not None:
-                if not _is_record(value):
-                    raise foreign_value_error(self)
-                found.add(mid)
-        return found
+        return {mid for mid, value in zip(ids, values, strict=True) if self._recorded(value)}
 
     def _contains_one(self, message_id: str, now: float) -> bool:
         return self._recorded(
@@ -202,9 +172,9 @@ class RedisDeduplicationStore(DeduplicationStore):
     def _record_key(self, message_id: str) -> str:
         return self._key_base + escape(message_id)
 
-    def _recorded(self, value: object) -> bool:
-        """Whether ``GET``'s answer is a record (a foreign value: ``ConfigurationError``)."""
-        if value is not None and not _is_record(value):
+    def _recorded(self, value: bytes | str | None) -> bool:
+        """Whether a ``GET`` answer is a record (a foreign value: ``ConfigurationError``)."""
+        if value is not None and not text_of(value).startswith(_TAG):
             raise foreign_value_error(self)
         return value is not None
 
@@ -213,17 +183,14 @@ class RedisDeduplicationStore(DeduplicationStore):
         return 0
 
     def _count(self, now: float) -> int:
-        """Exact: ``SCAN MATCH <prefix><endpoint>:*`` and an ``MGET`` per page of keys.
-
-        The endpoint's keys share that prefix and no other key of dedupstore's does (the
-        endpoint is escaped: it holds no ``:``); ``MGET`` then keeps the records (a key
-        of another type reads as absent, as in :meth:`_find`; a foreign string value is
-        the usual ``ConfigurationError``) and drops keys that expired since the scan saw
-        them. ``SCAN`` may return a key twice, so the keys seen are held in memory to
-        count each once. Cost: ``SCAN`` walks every key of the database (the pattern
-        filters on the server), 1000 per round trip.
+        """Exact: the endpoint's keys share the ``SCAN MATCH`` prefix and no other key of
+        dedupstore's does (the endpoint is escaped: it holds no ``:``); ``MGET`` keeps the
+        records (a key of another type reads as absent, a foreign string value is
+        ``ConfigurationError``) and drops keys that expired since the scan saw them.
+        ``SCAN`` may return a key twice: the keys seen are held in memory to count each
+        once. Cost: ``SCAN`` walks every key of the database (filtering on the server).
         """
-        pattern = _glob_escape(self._key_base) + "*"
+        pattern = self._key_base.translate(_GLOB_ESCAPE) + "*"
         seen: set[bytes | str] = set()
         total, cursor = 0, 0
         while True:
@@ -235,10 +202,7 @@ class RedisDeduplicationStore(DeduplicationStore):
             fresh = [key for key in dict.fromkeys(keys) if key not in seen]
             if fresh:
                 seen.update(fresh)
-                for value in self._redis.read(functools.partial(self._redis.client.mget, fresh)):
-                    if value is not None:
-                        if not _is_record(value):
-                            raise foreign_value_error(self)
-                        total += 1
+                values = self._redis.read(functools.partial(self._redis.client.mget, fresh))
+                total += sum(self._recorded(value) for value in values)
             if not int(cursor):
                 return total
