@@ -153,19 +153,18 @@ class KafkaBroker(Client, Broker):
         ),
     )
 
-    def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
-        """Make (or take) the consumer and subscribe it to the topic; see the class."""
-        super().__init__(url, **options)
+    def _configure(self) -> None:
+        super()._configure()
         self.topic: str = self._opts["topic"]
         self.group: str = self._opts["group"]
-        given = self._opts["consumer"]
-        self._owns_consumer = given is None
+        self._owns_consumer = self._opts["consumer"] is None
         self._partitions: dict[tuple[str, int], _Partition] = {}
-        with self._translating_errors("connect"):
-            self._consumer: Any = self._make_consumer() if given is None else given
-            self._consumer.subscribe(
-                [self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke
-            )
+
+    def _open(self) -> None:
+        """Make (or take) the consumer and subscribe it to the topic; see the class."""
+        given = self._opts["consumer"]
+        self._consumer: Any = self._make_consumer() if given is None else given
+        self._consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
 
     @classmethod
     def _validate(cls, url: StoreURL, options: Options) -> None:

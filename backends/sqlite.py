@@ -192,19 +192,26 @@ class SqliteConnection(Connection):
             raise
 
     def open_table(
-        self, client: Client, what: str, columns: dict[str, str], suffix: str = ")"
+        self,
+        client: Client,
+        what: str,
+        columns: dict[str, str],
+        *,
+        key: str = "",
+        rowid: bool = False,
     ) -> tuple[sqlite3.Connection, str]:
         """This thread's connection and the quoted name of ``client``'s ``table``, checked
         to have ``columns`` (name: declaration).
 
-        With ``create``: the directory, the file (in WAL mode) and the table
-        (``CREATE TABLE IF NOT EXISTS t (<columns><suffix>``) are created
-        first. Without: a missing file or table is ``ConfigurationError`` "no such
-        store"; nothing is created. ``what`` names the table's use in messages.
+        With ``create``: the directory, the file (in WAL mode) and the table (its
+        ``columns``, the table constraint ``key``, ``WITHOUT ROWID`` unless ``rowid``)
+        are created first. Without: a missing file or table is ``ConfigurationError``
+        "no such store"; nothing is created. ``what`` names the table's use in messages.
         """
         table = f'"{client._opts["table"]}"'
-        declared = ", ".join(f"{name} {kind}" for name, kind in columns.items())
-        create_sql = f"CREATE TABLE IF NOT EXISTS {table} ({declared}{suffix}"
+        declared = [f"{name} {kind}" for name, kind in columns.items()] + ([key] if key else [])
+        create_sql = f"CREATE TABLE IF NOT EXISTS {table} ({', '.join(declared)})"
+        create_sql += "" if rowid else " WITHOUT ROWID"
         conn = self._bootstrap(create_sql) if self._creates else self._open_existing(client)
         names = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
         if not names:
@@ -347,7 +354,7 @@ class SqliteDeduplicationStore(DeduplicationStore):
                 "expires_at": "REAL",
                 "writer": "TEXT",
             },
-            ", PRIMARY KEY (endpoint, id)) WITHOUT ROWID",
+            key="PRIMARY KEY (endpoint, id)",
         )
         upsert = (
             "ON CONFLICT (endpoint, id) DO UPDATE SET expires_at = excluded.expires_at, "
@@ -453,7 +460,6 @@ class SqliteEntityStore(EntityStore):
                 "bucket": "INTEGER NOT NULL",
                 "pending": "INTEGER NOT NULL",
             },
-            ") WITHOUT ROWID",
         )
         if self._creates:
             index = f'"{self._opts["table"]}_pending"'
@@ -551,6 +557,7 @@ class SqliteDispatcher(URLDispatcher):
                 "mismatches": "INTEGER NOT NULL",
                 "first_at": "REAL NOT NULL",
             },
+            rowid=True,  # the seq of receive()
         )
         self._sql_upsert = (
             f"INSERT INTO {t} (id, destination, body, headers, deliveries, mismatches, first_at) "

@@ -355,8 +355,6 @@ class Client(Closing, abc.ABC):
     #: The backend's connection class: every client of one server holds one instance
     #: per process (:meth:`_connection`); ``None``: the client keeps no connection.
     connection_class: ClassVar[type[Connection] | None] = None
-    #: How :meth:`_open`'s driver errors are classified (``None``: it classifies its own).
-    _open_operation: ClassVar[str | None] = "open"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A class naming a ``connection_class`` takes its backend's :attr:`schemes` and
@@ -393,7 +391,7 @@ class Client(Closing, abc.ABC):
             )
         self._configure()
         if type(self)._open is not Client._open:  # no I/O, no call to record
-            with self._opening(self._open_operation):
+            with self._opening("open"):
                 self._open()
 
     @classmethod
@@ -590,10 +588,7 @@ class Client(Closing, abc.ABC):
     def _secret_values(self) -> set[str]:
         """Every secret this object knows: the URL's password, secret options and the
         connection class's :meth:`Connection.secrets`."""
-        secrets = {self._url.password or ""}
-        raw_userinfo = self._url.netloc.rpartition("@")[0]
-        if ":" in raw_userinfo:
-            secrets.add(raw_userinfo.split(":", 1)[1])  # as written, maybe percent-encoded
+        secrets = self._url.secrets
         for name, option in self.declared_options.items():
             value = self._opts.get(name)
             if option.secret and isinstance(value, str):
@@ -624,7 +619,7 @@ class Client(Closing, abc.ABC):
         return self.schemes[0] if scheme in self.schemes else scheme
 
     @contextlib.contextmanager
-    def _opening(self, operation: str | None = "connect") -> Iterator[None]:
+    def _opening(self, operation: str | None) -> Iterator[None]:
         """The block finishes a constructor: on any error this object's connections
         are released (:meth:`_close`) before the error is raised, so a failed open
         leaves nothing open behind it. Driver errors are classified as

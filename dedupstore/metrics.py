@@ -23,7 +23,7 @@ Instruments (their names and attributes are the contract):
     ``backend`` (the class's main URL scheme: ``memory``, ``sqlite``, ``postgresql``,
     ``redis``, ``dynamodb``, ``cosmos``, or a registered one), ``operation`` (``load``,
     ``save``, ``scan``, ``add``, ``add_many``, ``has_been_processed``,
-    ``processed_among``, ``purge_expired``, ``dispatch``, ``connect``, and where the
+    ``processed_among``, ``purge_expired``, ``dispatch``, ``open``, and where the
     entity store and the deduplication store share a server ``load_and_check`` and
     ``add_and_save``...) and, when the
     call failed, ``error`` (the class name of the exception it raised).

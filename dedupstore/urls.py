@@ -93,6 +93,13 @@ class StoreURL:
         """The raw ``[user[:password]@]host[:port]`` part (secrets included)."""
         return urlsplit(self.text).netloc
 
+    @property
+    def secrets(self) -> set[str]:
+        """The password, decoded and as written (maybe percent-encoded); empty if none."""
+        raw_userinfo = self.netloc.rpartition("@")[0]
+        written = raw_userinfo.split(":", 1)[1] if ":" in raw_userinfo else ""
+        return {self.password or "", written} - {""}
+
     def with_query(self, pairs: list[tuple[str, str]] | tuple[tuple[str, str], ...]) -> StoreURL:
         """The same URL with its query replaced by ``pairs`` (encoded)."""
         # string surgery: urlunsplit() drops the empty host of 'sqlite:////abs/path'

@@ -283,6 +283,31 @@ def test_a_strong_account_opens_and_requests_ask_for_strong(
     store.close()
 
 
+def test_a_forked_child_reads_the_accounts_consistency_itself(
+    stub: Callable[..., _StubCosmos],
+) -> None:
+    """The child makes its own connection (no open of its own): its health check asks
+    the account, never reports a level it has not read."""
+    service = stub(consistency="Strong")
+    store = open_store(service.url, key=_STUB_KEY, retries=0)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            os.write(write, json.dumps(store.health_warnings()).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        answer = os.read(read, 65536)
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+    assert json.loads(answer) == []
+    assert store.health_warnings() == []
+    store.close()
+
+
 @pytest.mark.parametrize("level", ["BoundedStaleness", "Session", "ConsistentPrefix", "Eventual"])
 def test_a_weaker_account_is_refused(stub: Callable[..., _StubCosmos], level: str) -> None:
     service = stub(consistency=level)

@@ -1088,3 +1088,19 @@ def test_a_given_client_refuses_replies_cut_short(dynamodb_server: DynamoDBEndpo
             finally:
                 proxy.restore()
             assert store.has_been_processed("kept")
+
+
+def test_another_aws_environment_gets_a_client_of_its_own(
+    table_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """boto3 resolves what the options leave out (region, credentials, retries) from the
+    ``AWS_*`` environment when it makes a client: stores opened under another one must
+    not share a client made for the first."""
+    with open_store(table_url) as first:
+        monkeypatch.setenv("AWS_MAX_ATTEMPTS", "7")
+        with open_store(table_url) as second:
+            assert second._dynamodb is not first._dynamodb  # type: ignore[attr-defined]
+            assert second.add("m") is True
+        monkeypatch.delenv("AWS_MAX_ATTEMPTS")
+        with open_store(table_url) as third:
+            assert third._dynamodb is first._dynamodb  # type: ignore[attr-defined]

@@ -213,6 +213,31 @@ def test_wrong_password_is_a_one_line_configuration_error(
     assert "***" in message
 
 
+def test_a_refused_open_tries_to_log_in_once(
+    postgres_server: Server, fresh_table: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pool starts only once the open's own check passed: a server refusing the
+    credentials (counted toward an account lockout, say) sees one attempt, not the
+    pool's background ones too."""
+    from backends.postgres import _client
+
+    started: list[object] = []
+    real_open = _client._OwnPool.open
+
+    def recording_open(pool: Any, *args: Any, **kwargs: Any) -> None:
+        started.append(pool)
+        real_open(pool, *args, **kwargs)
+
+    monkeypatch.setattr(_client._OwnPool, "open", recording_open)
+    alone = {"connect_timeout": 3 + uuid.uuid4().int % 10**6 / 10**7}  # a pool of its own
+    with pytest.raises(ConfigurationError, match="password authentication failed"):
+        open_store(_with_password(postgres_server.url, "not-the-pw"), table=fresh_table, **alone)
+    assert started == []
+    with open_store(postgres_server.url, table=fresh_table, create=True, **alone) as store:
+        assert len(started) == 1  # started by the open that passed
+        assert store.add("after") is True
+
+
 def test_wrong_password_option_is_masked(postgres_server: Server, fresh_table: str) -> None:
     url = _with_password(postgres_server.url, "").replace(":@", "@")
     with pytest.raises(ConfigurationError) as info:
@@ -442,10 +467,16 @@ def test_secrets_absent_from_repr_and_pickle_of_errors(
         assert "***" in repr(store)
 
 
-def test_bad_url_does_not_echo_the_password() -> None:
-    with pytest.raises(ConfigurationError) as info:
-        open_store("postgresql://dedup:Top%zzSecret@127.0.0.1/dedup")
-    assert "Top" not in str(info.value) and "Secret" not in str(info.value)
+@pytest.mark.parametrize(
+    "password",
+    ["Top%zzSecret", "Top%41Secret%zz"],  # the second decodes to another text than it reads
+)
+def test_bad_url_does_not_echo_the_password(password: str) -> None:
+    url = f"postgresql://dedup:{password}@127.0.0.1/dedup"
+    for check in (open_store, PostgresDeduplicationStore.check_options):
+        with pytest.raises(ConfigurationError) as info:
+            check(url)
+        assert "Top" not in str(info.value) and "Secret" not in str(info.value)
 
 
 # ---------------------------------------------------------------------- behaviour
@@ -586,40 +617,33 @@ def _forked_child(store: DeduplicationStore) -> None:
     assert store.has_been_processed("from-parent")
 
 
-def test_store_survives_fork(postgres_server: Server, fresh_table: str) -> None:
-    store = open_store(postgres_server.url, table=fresh_table, create=True)
+def _child_with_a_pool_of_its_own(store: DeduplicationStore, parents: int) -> None:
+    assert id(store._pg.pool) != parents  # type: ignore[attr-defined]
+    _forked_child(store)
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["own pool", "given pool"])
+def test_store_survives_fork(
+    postgres_server: Server, fresh_table: str, request: pytest.FixtureRequest, given: bool
+) -> None:
+    """A child uses a pool of its own (the parent's sockets are the parent's), a given
+    pool included, and leaves the parent's working (a given one open)."""
+    pool = request.getfixturevalue("given_pool") if given else None
+    options = {"client": pool} if given else {}
+    store = open_store(postgres_server.url, table=fresh_table, create=True, **options)
     assert store.add("from-parent") is True
-    child = multiprocessing.get_context("fork").Process(target=_forked_child, args=(store,))
+    parents = store._pg.pool  # type: ignore[attr-defined]
+    assert pool is None or parents is pool
+    child = multiprocessing.get_context("fork").Process(
+        target=_child_with_a_pool_of_its_own, args=(store, id(parents))
+    )
     child.start()
     child.join(60)
     assert child.exitcode == 0
     assert store.has_been_processed("from-child")
     assert store.add("parent-again") is True
     store.close()
-
-
-def _child_of_a_given_pool(store: DeduplicationStore, given: int) -> None:
-    assert id(store._pg.pool) != given  # type: ignore[attr-defined]
-    _forked_child(store)
-
-
-def test_a_given_pool_is_not_used_after_fork(
-    postgres_server: Server, fresh_table: str, given_pool: ConnectionPool[Any]
-) -> None:
-    """The given pool's sockets are the parent's: a child opens a pool of its own."""
-    pool = given_pool
-    store = open_store(postgres_server.url, table=fresh_table, create=True, client=pool)
-    assert store.add("from-parent") is True
-    assert store._pg.pool is pool  # type: ignore[attr-defined]
-    child = multiprocessing.get_context("fork").Process(
-        target=_child_of_a_given_pool, args=(store, id(pool))
-    )
-    child.start()
-    child.join(60)
-    assert child.exitcode == 0
-    assert store.has_been_processed("from-child")
-    store.close()
-    assert not pool.closed
+    assert pool is None or not pool.closed
 
 
 def test_postgres_scheme_alias(postgres_server: Server, fresh_table: str) -> None:

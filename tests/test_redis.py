@@ -6,6 +6,7 @@ import contextlib
 import itertools
 import os
 import pickle
+import re
 import signal
 import socket
 import threading
@@ -21,8 +22,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from redis.crc import key_slot
 
-from backends.redis import RedisDeduplicationStore, record_key
+from backends.redis import RedisDeduplicationStore, RedisEntityStore, record_key
+from backends.redis import dispatcher as redis_dispatcher
+from backends.redis import entities as redis_entities
+from backends.redis import store as redis_store
 from backends.redis._client import escape
+from backends.redis.consumer import RedisStreamsBroker
+from backends.redis.dispatcher import RedisDispatcher
 from dedupstore import DeduplicationStore, open_store
 from dedupstore.errors import (
     ConfigurationError,
@@ -911,3 +917,33 @@ def test_ready_client_is_used_and_not_closed(redis_server: Server) -> None:
         store.close()
     assert client.ping() is True, "close() must leave a caller's client alone"
     client.close()
+
+
+# ---------------------------------------------------------------------- ACL hints
+
+
+def _script_commands(script: str) -> set[str]:
+    return {f"+{name.lower()}" for name in re.findall(r"redis\.call\('(\w+)'", script)}
+
+
+@pytest.mark.parametrize(
+    ("cls", "script"),
+    [
+        (RedisDeduplicationStore, redis_store.ADD_SCRIPT),
+        (RedisEntityStore, redis_entities._JOINT_SCRIPT),  # the save script and the add's
+        (RedisDispatcher, redis_dispatcher._DISPATCH_SCRIPT),
+    ],
+    ids=["store", "entities", "dispatcher"],
+)
+def test_the_grant_hint_names_every_command_a_script_runs(cls: Any, script: str) -> None:
+    """What an ACL refusal tells the operator to grant (``_commands``) covers the client's
+    script, the joined one included; and a script's client says what an unconfirmed
+    write means (``_unconfirmed``)."""
+    named = set(cls._commands.replace(",", " ").split())
+    assert _script_commands(script) - named == set()
+    assert {"+evalsha", "+script|load", "+ping", "+info"} <= named
+    assert isinstance(cls._unconfirmed, str) and cls._unconfirmed
+
+
+def test_the_broker_names_its_commands() -> None:
+    assert "+xreadgroup" in RedisStreamsBroker._commands.split()

@@ -19,6 +19,7 @@ import redis
 
 from dedupstore import client as client_module
 from dedupstore.client import Client
+from dedupstore.errors import StoreUnavailable
 from dedupstore.registry import dispatchers
 from tests.outbox_backends import OutboxBackend, backend_params
 
@@ -98,6 +99,38 @@ def test_other_connection_options_get_their_own_connection(
     finally:
         dedup.close()
         slower.close()
+
+
+@network
+def test_a_failed_open_releases_the_connection_it_made(
+    outbox_backend: OutboxBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The base's open (``Client.__init__`` running ``_open`` under ``_opening``) gives
+    back what a failing ``_open`` took, on every backend: no backend writes it."""
+    entities = outbox_backend.entities(**_alone(outbox_backend))
+    probe = outbox_backend.dedup(**_alone(outbox_backend))
+    probe.close()
+    cls = type(probe)
+    real_open, held = cls._open, []
+
+    def failing_open(self: Client) -> None:
+        real_open(self)  # type: ignore[arg-type]
+        held.append(_holders(self))
+        raise StoreUnavailable("the server went away just after the open")
+
+    try:
+        assert _holders(entities) == 1
+        with monkeypatch.context() as patch, pytest.raises(StoreUnavailable, match="went away"):
+            patch.setattr(cls, "_open", failing_open)
+            outbox_backend.dedup(**_alone(outbox_backend))
+        assert held == [2]  # the failed open shared the entity store's connection...
+        assert _holders(entities) == 1  # ...and gave it back
+        dedup = outbox_backend.dedup(**_alone(outbox_backend))
+        assert _holders(entities) == 2
+        _works(outbox_backend, entities, dedup)
+        dedup.close()
+    finally:
+        entities.close()
 
 
 @network

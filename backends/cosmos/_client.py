@@ -31,7 +31,7 @@ from backends._http import cut_short
 from dedupstore.calls import DeadlinePassed, executor, fan_out, time_left
 from dedupstore.client import Client, Connection, ErrorKind, part_of
 from dedupstore.errors import ConfigurationError, ConsistencyError, StoreUnavailable, format_error
-from dedupstore.masking import MASK
+from dedupstore.masking import scrub
 from dedupstore.options import (
     Option,
     Options,
@@ -225,11 +225,10 @@ class CosmosConnection(Connection):
     )
 
     def __init__(self, url: StoreURL, options: Options) -> None:
-        """The given ``client``, or our own (no I/O; ``ConfigurationError`` without a key)."""
+        """The given ``client``, or our own (the SDK reads the account as it makes one;
+        ``ConfigurationError`` without a key)."""
         super().__init__(url, options)
         self.endpoint = f"{'https' if options['tls'] else 'http'}://{url.netloc}/"
-        #: The account's default consistency, as the last :meth:`open_container` read it.
-        self.consistency = "unknown"
         self._containers: dict[str, ContainerProxy] = {}
         self._given = options["client"] is not None
         self.client: CosmosClient = options["client"] if self._given else self._connect()
@@ -302,7 +301,7 @@ class CosmosConnection(Connection):
                     "the account's primary or secondary key"
                 ) from None
             if isinstance(exc, ValueError | TypeError):
-                detail = f"{type(exc).__name__}: {format_error(exc)}".replace(secret, MASK)
+                detail = scrub(f"{type(exc).__name__}: {format_error(exc)}", (secret,))
                 raise ConfigurationError(
                     f"cannot create a Cosmos DB client for {self.url.masked}: {detail}"
                 ) from None
@@ -315,8 +314,7 @@ class CosmosConnection(Connection):
         (created first if ``client`` creates; missing or not partitioned on ``/id``:
         ``ConfigurationError``); return the container's properties."""
         kind = _kind(client)
-        policy = self.client.get_database_account().ConsistencyPolicy or {}
-        level = self.consistency = str(policy.get("defaultConsistencyLevel", "unknown"))
+        level = self._consistency()
         if level == "Strong":
             if self.options["allow_weak_consistency_for_emulator_only"]:
                 _log.warning(
@@ -433,7 +431,9 @@ class CosmosConnection(Connection):
         new_etag = (headers().get("etag") if callable(headers) else None) or result.get("_etag")
         return (201 if etag is None else 200), str(new_etag) if new_etag else None
 
-    def query(self, client: Client, sql: str, page_size: int | None = None, **params: Any) -> Any:
+    def query(
+        self, client: Client, sql: str, page_size: int | None = None, /, **params: Any
+    ) -> Any:
         """A cross-partition query of ``client``'s container, ``@<name>`` bound to each
         keyword; pages of at most ``page_size`` items (by default the service's)."""
         return self.container(client).query_items(
@@ -513,13 +513,19 @@ class CosmosConnection(Connection):
             return StoreUnavailable
         return None
 
+    def _consistency(self) -> str:
+        """The account's default consistency, read now (one request)."""
+        policy = self.client.get_database_account().ConsistencyPolicy or {}
+        return str(policy.get("defaultConsistencyLevel", "unknown"))
+
     def health_warnings(self, client: Client) -> list[str]:
-        """An account weaker than Strong (opened with the unsafe option)."""
-        if self.consistency == "Strong":
+        """An account weaker than Strong (opened with the unsafe option), read now."""
+        level = self._consistency()
+        if level == "Strong":
             return []
         return [
             f"UNSAFE: the Cosmos DB account's default consistency is "
-            f"{self.consistency!r}, not 'Strong' "
+            f"{level!r}, not 'Strong' "
             f"(allow_weak_consistency_for_emulator_only=True): {_kind(client).weak_risk}"
         ]
 

@@ -27,7 +27,7 @@ from dedupstore.errors import (
     DedupStoreError,
     StoreUnavailable,
 )
-from dedupstore.masking import mask_text
+from dedupstore.masking import scrub
 from dedupstore.options import (
     Option,
     Options,
@@ -58,7 +58,6 @@ __all__ = [
     "PutOutcome",
     "TableKind",
     "create_table",
-    "open_table",
 ]
 
 #: Real DynamoDB limits (moto is laxer: it accepts 26-item BatchWriteItem requests).
@@ -333,7 +332,10 @@ class DynamoDBConnection(Connection):
             client = session.client("dynamodb", endpoint_url=opts["endpoint_url"], config=config)
         except ValueError as exc:  # e.g. a malformed endpoint_url
             raise ConfigurationError(
-                mask_text(f"cannot create the DynamoDB client: {exc}")
+                scrub(
+                    f"cannot create the DynamoDB client: {exc}",
+                    (opts["aws_secret_access_key"], opts["aws_session_token"]),
+                )
             ) from None
 
         def cap_read_timeout(request: Any, **kwargs: Any) -> None:
@@ -425,6 +427,12 @@ class DynamoDBConnection(Connection):
         )
 
     # ------------------------------------------------------------------ tables
+
+    def open_table(self, client: Client) -> None:
+        """A store's ``_open``: :meth:`create_table` if it creates, then :meth:`check_table`."""
+        if client._creates:
+            self.create_table(client, wait=True)
+        self.check_table(client)
 
     def create_table(self, client: Client, wait: bool) -> None:
         """Create ``client``'s table if missing: see :func:`create_table`."""
@@ -640,15 +648,6 @@ class DynamoDBConnection(Connection):
         """Close the boto3 client (not a given ``client``)."""
         if not self._given:
             self.client.close()
-
-
-def open_table(client: Client) -> None:
-    """A store's ``_open``: :func:`create_table` if it creates, then check the table; each
-    step classifies its own errors (the stores' ``_open_operation`` is ``None``)."""
-    if client._creates:
-        create_table(client)
-    with client._translating_errors("open the table"):
-        cast(DynamoDBConnection, client._connection).check_table(client)
 
 
 def create_table(client: Client, wait: bool = True) -> None:

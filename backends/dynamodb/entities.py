@@ -61,7 +61,6 @@ from backends.dynamodb._client import (
     DynamoDBConnection,
     TableKind,
     create_table,
-    open_table,
 )
 from dedupstore.calls import fan_out
 from dedupstore.client import Connected
@@ -100,10 +99,8 @@ class DynamoDBEntityStore(EntityStore):
         create_option(False, "create the entity table (key 'id', on demand) when missing"),
     )
 
-    _open_operation = None
-
     def _open(self) -> None:
-        open_table(self)
+        self._dynamodb.open_table(self)
 
     create_table = create_table
 

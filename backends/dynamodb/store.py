@@ -65,7 +65,6 @@ from backends.dynamodb._client import (
     _error_code,
     _number,
     create_table,
-    open_table,
 )
 from dedupstore.calls import retry
 from dedupstore.client import Connected
@@ -113,11 +112,9 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
         create_option(False, "create the table (on demand, TTL on 'ttl') when missing"),
     )
 
-    _open_operation = None
-
     def _open(self) -> None:
         self._endpoint_value: AttributeValueTypeDef = {"S": self._endpoint}
-        open_table(self)
+        self._dynamodb.open_table(self)
 
     create_table = create_table
 

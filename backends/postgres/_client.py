@@ -239,11 +239,13 @@ def _shut_down(conn: PgConnection) -> None:
 
 
 class _OwnPool(ConnectionPool["PgConnection"]):
-    """A pool dedupstore made (closed by it): notes its last failed connection attempt."""
+    """A pool dedupstore made (closed by it): filled from its first use on (so an open
+    refused by the server costs one login attempt, the open's own), and noting its last
+    failed connection attempt: ``(time.monotonic(), error)``."""
 
     def __init__(self, conninfo: str, **kwargs: Any) -> None:
-        self.failed_at = -math.inf
-        self.failure: psycopg.Error | None = None
+        self.last_failure: tuple[float, psycopg.Error] | None = None
+        self._started = False
         pool = self
 
         class RecordingConnection(psycopg.Connection[TupleRow]):
@@ -252,11 +254,26 @@ class _OwnPool(ConnectionPool["PgConnection"]):
                 try:
                     return super().connect(conninfo, **kwargs)
                 except psycopg.Error as exc:
-                    pool.failed_at, pool.failure = time.monotonic(), exc
+                    pool.last_failure = (time.monotonic(), exc)
                     raise
 
         RecordingConnection.__qualname__ = RecordingConnection.__name__
-        super().__init__(conninfo, connection_class=RecordingConnection, **kwargs)
+        super().__init__(conninfo, connection_class=RecordingConnection, open=False, **kwargs)
+
+    def start(self) -> None:
+        """Start filling the pool in the background (the first call only)."""
+        if not self._started:
+            self._started = True
+            self.open(wait=False)
+
+    def getconn(self, timeout: float | None = None) -> PgConnection:
+        self.start()
+        return super().getconn(timeout)
+
+
+def _rolled_back(exc: BaseException) -> bool:
+    """A write the server rolled back (deadlock, serialization failure): run it again."""
+    return isinstance(exc, psycopg.errors.DeadlockDetected | psycopg.errors.SerializationFailure)
 
 
 def _server_closed(conn: PgConnection) -> bool:
@@ -346,7 +363,7 @@ def _conninfo(url: StoreURL, options: Options) -> str:
     try:
         return psycopg.conninfo.make_conninfo(url.with_query([]).text, **params)
     except psycopg.Error as exc:
-        detail = scrub(format_error(exc), (url.password, options["password"]))
+        detail = scrub(format_error(exc), {*url.secrets, options["password"]})
         raise ConfigurationError(f"bad PostgreSQL URL {url.masked}: {detail}") from None
 
 
@@ -412,12 +429,11 @@ class PostgresConnection(Connection):
 
     def _make_pool(self) -> ConnectionPool[PgConnection]:
         connect_timeout: float = self.options["connect_timeout"]
-        pool = _OwnPool(
+        return _OwnPool(
             self.conninfo,
             kwargs={"autocommit": True},
             min_size=self.options["pool_min_size"],
             max_size=self.options["pool_max_size"],
-            open=False,
             configure=self.configure,
             timeout=connect_timeout,
             # Stop background reconnection after half the wait: a later call then
@@ -425,8 +441,6 @@ class PostgresConnection(Connection):
             reconnect_timeout=connect_timeout / 2,
             name="dedupstore",
         )
-        pool.open(wait=False)
-        return pool
 
     def close(self) -> None:
         """Close our own pool (never a given one)."""
@@ -481,6 +495,8 @@ class PostgresConnection(Connection):
                     )
                 self._create_table(conn, table, create)
             check(conn)
+        if isinstance(self.pool, _OwnPool):
+            self.pool.start()  # usable: fill it while the caller goes on
 
     def _create_table(self, conn: PgConnection, table: Table, create: list[bytes]) -> None:
         """The schema (if named) and ``create``, one process at a time (an advisory lock)."""
@@ -520,8 +536,9 @@ class PostgresConnection(Connection):
                 waited = max(0.0, until - began)
                 message = f"timed out after {waited:.3g} s waiting for a connection"
                 cause: BaseException = exc
-                if isinstance(pool, _OwnPool) and pool.failed_at >= began - pool.timeout:
-                    cause = pool.failure or exc
+                failure = pool.last_failure if isinstance(pool, _OwnPool) else None
+                if failure is not None and failure[0] >= began - pool.timeout:
+                    cause = failure[1]
                     message += f"; the last connection attempt failed: {cause}"
                 raise PoolTimeout(client._scrub(message)) from cause
             if not conn.autocommit:
@@ -628,11 +645,10 @@ class PostgresConnection(Connection):
     ) -> list[tuple[Any, ...]]:
         """Run a write (``resend`` only for one whose second application answers like the
         first); retried within the call's deadline when the server rolled it back."""
-        rolled_back = psycopg.errors.DeadlockDetected | psycopg.errors.SerializationFailure
         return retry(
             lambda: self.run(client, query, params, resend=resend),
             attempts=_WRITE_ATTEMPTS,
-            retry_on=lambda exc: isinstance(exc, rolled_back),
+            retry_on=_rolled_back,
         )
 
     # ------------------------------------------------------------------ checks and errors

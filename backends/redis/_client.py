@@ -233,8 +233,9 @@ class RedisConnection(Connection):
 
     Each client names it as ``connection_class``, reaches it as ``self._redis``, declares
     ``key_prefix_option(...)`` plus :data:`CONNECTION_OPTIONS`, calls :meth:`probe` at
-    open and may set ``_commands`` (the commands it runs, named when an ACL refuses one)
-    and ``_unconfirmed`` (what a write the replicas did not confirm means for its caller).
+    open, and sets ``_commands`` (the commands it runs, named when an ACL refuses one)
+    and, if it calls :meth:`run_script`, ``_unconfirmed`` (what a write the replicas did
+    not confirm means for its caller).
     """
 
     schemes: ClassVar[tuple[str, ...]] = ("redis", "rediss")

@@ -211,9 +211,9 @@ class RedisEntityStore(EntityStore):
     )
     _redis = Connected(RedisConnection)
     _joins = RedisDeduplicationStore
-    _commands: ClassVar[str] = (
-        "+ping +info +script|load +evalsha +wait +hmget +sscan +smembers, and in the script "
-        "+type +hmget +hset +sadd +srem +scard"
+    _commands: ClassVar[str] = (  # with the deduplication store's (the joined calls)
+        "+ping +info +script|load +evalsha +wait +hmget +get +sscan +smembers, and in the "
+        "script +type +hmget +hset +sadd +srem +scard +exists +mget +set +mset"
     )
     _unconfirmed: ClassVar[str] = (
         "the entities are saved on the primary but their durability is unknown (reload "

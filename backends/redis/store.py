@@ -38,7 +38,6 @@ from backends.redis._client import (
     escape,
     foreign_value_error,
     key_prefix_option,
-    text_of,
 )
 from dedupstore.client import Connected
 from dedupstore.options import OptionSet
@@ -48,6 +47,7 @@ __all__ = ["ADD_SCRIPT", "RedisDeduplicationStore", "record_key"]
 
 #: Every record value starts with this tag; anything else was not written by us.
 _TAG = "dsv1:"
+_TAG_BYTES = _TAG.encode()
 
 # KEYS: record keys. ARGV[1]: the new value; ARGV[2]: PX in ms ('' = no expiry);
 # ARGV[3..]: the values that mean "written by this call" (its tokens, tagged).
@@ -149,7 +149,8 @@ class RedisDeduplicationStore(DeduplicationStore):
 
     def _add_call(self, request: WriteRequest) -> tuple[list[str], list[str]]:
         """The keys and arguments of the write script for ``request``."""
-        keys = [self._record_key(mid) for mid in request.ids]
+        base = self._key_base
+        keys = [base + escape(mid) for mid in request.ids]
         args = [_TAG + request.token, self._px, *(_TAG + token for token in request.mine)]
         return keys, args
 
@@ -160,7 +161,8 @@ class RedisDeduplicationStore(DeduplicationStore):
 
     def _find(self, ids: list[str], now: float) -> set[str]:
         """One ``MGET``; Redis never returns an expired key."""
-        keys = [self._record_key(mid) for mid in ids]
+        base = self._key_base
+        keys = [base + escape(mid) for mid in ids]
         values = self._redis.read(lambda: self._redis.client.mget(keys))
         return {mid for mid, value in zip(ids, values, strict=True) if self._recorded(value)}
 
@@ -174,9 +176,12 @@ class RedisDeduplicationStore(DeduplicationStore):
 
     def _recorded(self, value: bytes | str | None) -> bool:
         """Whether a ``GET`` answer is a record (a foreign value: ``ConfigurationError``)."""
-        if value is not None and not text_of(value).startswith(_TAG):
+        if value is None:
+            return False
+        ours = value.startswith(_TAG_BYTES) if isinstance(value, bytes) else value.startswith(_TAG)
+        if not ours:
             raise foreign_value_error(self)
-        return value is not None
+        return True
 
     def _purge(self, now: float) -> int:
         """Nothing to do: Redis deletes expired records itself (native expiry)."""
