@@ -121,6 +121,31 @@ def retry(
     :class:`DeadlinePassed` is never retried.
     """
 
+    # The first attempt runs outside tenacity (whose bookkeeping costs more than a
+    # loopback round trip); should it fail or be refused, tenacity takes over as if
+    # it had made that attempt: its outcome is replayed, not sent again.
+    first: list[Any] = []
+    try:
+        result = fn()
+    except DeadlinePassed:
+        raise
+    except Exception as exc:
+        if not retry_on(exc):
+            raise
+        first.append(exc)
+    else:
+        if again is None or not again(result):
+            return result
+        first.append(_Result(result))
+
+    def attempt() -> T:
+        if first:
+            outcome = first.pop()
+            if isinstance(outcome, _Result):
+                return outcome.value  # type: ignore[no-any-return]
+            raise outcome
+        return fn()
+
     def stop(state: RetryCallState) -> bool:
         if attempts is not None and state.attempt_number >= attempts:
             return True
@@ -149,7 +174,16 @@ def retry(
         retry_error_callback=give_up,
         sleep=lambda seconds: _sleep(seconds),
     )
-    return retrying(fn)
+    return retrying(attempt)
+
+
+class _Result:
+    """A result of the first attempt that ``again`` refused (replayed to tenacity)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
 
 
 # --------------------------------------------------------------------------- fan-out

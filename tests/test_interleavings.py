@@ -225,6 +225,33 @@ class BatchDispatchBeforeSave(OutboxProcessor):
         super().__init__(_DispatchingSaves(entities, dispatcher), dedup, dispatcher, **kwargs)  # type: ignore[arg-type]
 
 
+class _HeldDispatches:
+    """A dispatcher that holds what it is given until :meth:`flush`."""
+
+    def __init__(self, real: Any) -> None:
+        self._real, self.held = real, []
+
+    def dispatch(self, messages: Sequence[Any]) -> None:
+        self.held.extend(messages)
+
+    def flush(self) -> None:
+        if self.held:
+            self._real.dispatch(self.held)
+            self.held = []
+
+
+class DispatchAfterCleanUp(OutboxProcessor):
+    """BROKEN: dispatches only once the clean-up removed the entry; right unless it crashes."""
+
+    def __init__(self, entities: EntityStore, dedup: Any, dispatcher: Any, **kwargs: Any) -> None:
+        self._held = _HeldDispatches(dispatcher)
+        super().__init__(entities, dedup, self._held, **kwargs)  # type: ignore[arg-type]
+
+    def _clean_up(self, entity: Entity, mid: str) -> None:
+        super()._clean_up(entity, mid)
+        self._held.flush()
+
+
 BROKEN = {
     "check-before-load": (CheckBeforeLoad, (ONE, ONE), 1, "inline", {"once", "honest-result"}),
     "dispatch-before-save": (DispatchBeforeSave, (ONE, ONE), 1, "deferred", {"ghost"}),
@@ -251,6 +278,19 @@ def test_the_harness_catches_a_broken_processor(
     violation = caught.value
     assert violation.invariant in invariants, str(violation)
     assert len(violation.schedule) >= 2 and "schedule:" in str(violation)
+
+
+@pytest.mark.parametrize("outbox_backend", backend_params(("memory", "sqlite")), indirect=True)
+def test_the_crashes_reach_a_bug_only_a_crash_shows(outbox_backend: OutboxBackend) -> None:
+    """Every schedule of a processor that dispatches after its clean-up is right; a
+    crash between the clean-up and the dispatch loses the outgoing message."""
+    scenario = Scenario((ONE, ONE), 1, "inline")
+    factory, entities, dedup = DispatchAfterCleanUp, outbox_backend.entities, outbox_backend.dedup
+    assert explore(scenario, entities, dedup, processor=factory) >= 3
+    with pytest.raises(InterleavingViolation) as caught:
+        explore(scenario, entities, dedup, processor=factory, crash_actor=0)
+    assert caught.value.invariant == "same-output", str(caught.value)
+    assert "never dispatched" in str(caught.value)
 
 
 def test_reads_commute_and_writes_to_either_store_do_not() -> None:

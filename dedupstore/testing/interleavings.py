@@ -7,7 +7,7 @@ its own thread, but a step only runs when the scheduler gives that actor its
 turn, so one run follows exactly one ordering of all the steps, on the real
 backend. :func:`explore` runs EVERY ordering (depth-first over the choices,
 re-running the scenario from the start for each one), optionally with a crash
-injected before or after one step of one actor, and after each run redelivers
+injected into one actor (before its first step, or after any one), and after each run redelivers
 every message, sweeps, and checks the invariants:
 
 ``once``
@@ -35,6 +35,7 @@ schedule, so a broken processor variant is reported, not just failed.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -138,7 +139,7 @@ class Run:
     trace: list[str] = field(default_factory=list)
     results: dict[int, list[ProcessResult] | BaseException | None] = field(default_factory=dict)
     blocked: bool = False
-    #: The crash point was reached (a crash fired, or was skipped as equivalent).
+    #: The crash point was reached (the crash fired).
     crash_reached: bool = False
 
 
@@ -266,13 +267,6 @@ class _Turns:
         if here and crash is not None and crash.when == "before":
             self.run.trace.append(f"{name}!crash-before")
             raise Crash(f"actor {actor} crashed before {name}")
-        if here and not _ACCESS[name][1]:
-            # A crash after a read is a crash before the next call (run under another
-            # crash point), or no crash at all (the scenario without crashes).
-            with self.cond:
-                self.run.blocked = self.aborted = True
-                self.cond.notify_all()
-            raise Crash("equivalent to another schedule")
         result = action()
         if here:
             self.run.trace.append(f"{name}!crash-after")
@@ -601,8 +595,9 @@ def explore(
 
     ``entity_store``/``dedup_store`` open a client of the backend under test (one
     per actor, one for the checks; each schedule uses fresh ids). With
-    ``crash_actor``, every schedule is run once more for every step of that actor,
-    crashing before and after it. ``limit`` stops after that many schedules (for
+    ``crash_actor``, every schedule is run once more for every gap between that
+    actor's steps, crashing there: before its first step, then after each step.
+    ``limit`` stops after that many schedules (for
     slow emulators; ``None``: all).
     """
     world = _World(
@@ -613,10 +608,12 @@ def explore(
     try:
         crashes: Iterator[CrashPoint | None] = iter([None])
         if crash_actor is not None:
-            crashes = (
-                CrashPoint(crash_actor, step, when)
-                for step in range(10_000)
-                for when in ("before", "after")
+            # An actor does nothing the others can see between two of its calls, so a
+            # crash before a call is a crash after the one before it: each gap between
+            # calls is crashed in once (before the first call, then after each).
+            crashes = itertools.chain(
+                [CrashPoint(crash_actor, 0, "before")],
+                (CrashPoint(crash_actor, step, "after") for step in range(10_000)),
             )
         for crash in crashes:
             fired = False
