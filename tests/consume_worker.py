@@ -50,21 +50,20 @@ def _ack_first() -> None:
         cls.fetch = acking  # type: ignore[method-assign]
 
 
-class _Late:
-    """A dispatcher that holds what it is given until :meth:`flush`."""
+class Late:
+    """A dispatcher that holds what it is given until :meth:`flush`, which pauses
+    ``pause`` seconds before it sends (the window a crash falls into: cleaned up, not
+    yet sent; also used by ``tests/test_interleavings.py``, without a pause)."""
 
-    def __init__(self, real: Any) -> None:
-        self.real, self.held = real, []
+    def __init__(self, real: Any, pause: float = 0.0) -> None:
+        self.real, self.held, self.pause = real, [], pause
 
     def dispatch(self, messages: Sequence[Any]) -> None:
         self.held.extend(messages)
 
     def flush(self) -> None:
         if self.held:
-            # the window a crash falls into: cleaned up, not yet sent. Long enough that
-            # most of the random kills land in one (at 0.05 s, one run in a full suite
-            # saw none of its 10 kills lose a message)
-            time.sleep(0.2)
+            time.sleep(self.pause)
             held, self.held = self.held, []
             self.real.dispatch(held)
 
@@ -75,7 +74,7 @@ class _Late:
 class _FlushAfterSave:
     """An entity store after whose every save the late dispatcher sends what it holds."""
 
-    def __init__(self, real: Any, late: _Late) -> None:
+    def __init__(self, real: Any, late: Late) -> None:
         self._real, self._late = real, late
 
     def __getattr__(self, name: str) -> Any:
@@ -99,7 +98,9 @@ def _dispatch_after_cleanup() -> None:
     def late_init(
         self: OutboxProcessor, entities: Any, dedup: Any, dispatcher: Any, **kw: Any
     ) -> None:
-        late = _Late(dispatcher)
+        # 0.2 s: long enough that most of the random kills land in the window (at
+        # 0.05 s, one run in a full suite saw none of its 10 kills lose a message)
+        late = Late(dispatcher, pause=0.2)
         init(self, _FlushAfterSave(entities, late), dedup, late, **kw)
 
     OutboxProcessor.__init__ = late_init  # type: ignore[method-assign]

@@ -31,6 +31,7 @@ from dedupstore.testing.interleavings import (
     explore,
     independent,
 )
+from tests.consume_worker import Late
 from tests.outbox_backends import OutboxBackend, backend_params
 
 ONE = Actor("process", (0,))
@@ -225,26 +226,11 @@ class BatchDispatchBeforeSave(OutboxProcessor):
         super().__init__(_DispatchingSaves(entities, dispatcher), dedup, dispatcher, **kwargs)  # type: ignore[arg-type]
 
 
-class _HeldDispatches:
-    """A dispatcher that holds what it is given until :meth:`flush`."""
-
-    def __init__(self, real: Any) -> None:
-        self._real, self.held = real, []
-
-    def dispatch(self, messages: Sequence[Any]) -> None:
-        self.held.extend(messages)
-
-    def flush(self) -> None:
-        if self.held:
-            self._real.dispatch(self.held)
-            self.held = []
-
-
 class DispatchAfterCleanUp(OutboxProcessor):
     """BROKEN: dispatches only once the clean-up removed the entry; right unless it crashes."""
 
     def __init__(self, entities: EntityStore, dedup: Any, dispatcher: Any, **kwargs: Any) -> None:
-        self._held = _HeldDispatches(dispatcher)
+        self._held = Late(dispatcher)
         super().__init__(entities, dedup, self._held, **kwargs)  # type: ignore[arg-type]
 
     def _clean_up(self, entity: Entity, mid: str) -> None:
