@@ -121,30 +121,36 @@ def retry(
     :class:`DeadlinePassed` is never retried.
     """
 
-    # The first attempt runs outside tenacity (whose bookkeeping costs more than a
-    # loopback round trip); should it fail or be refused, tenacity takes over as if
-    # it had made that attempt: its outcome is replayed, not sent again.
-    first: list[Any] = []
+    def wanted(error: BaseException | None, result: Any = None) -> bool:
+        """Whether an attempt that raised ``error`` (or returned ``result``) is made again."""
+        if error is not None:
+            return not isinstance(error, DeadlinePassed) and retry_on(error)
+        return again is not None and again(result)
+
+    # The first attempt runs outside tenacity, whose bookkeeping a call that succeeds
+    # need not pay; should it be made again, tenacity takes over with that attempt's
+    # outcome replayed as its own first (not sent again), so attempt numbers, pauses
+    # and ``before_sleep`` are tenacity's.
+    failed: BaseException | None = None
     try:
-        result = fn()
-    except DeadlinePassed:
-        raise
+        first = fn()
     except Exception as exc:
-        if not retry_on(exc):
+        if not wanted(exc):
             raise
-        first.append(exc)
+        failed = exc
     else:
-        if again is None or not again(result):
-            return result
-        first.append(_Result(result))
+        if not wanted(None, first):
+            return first
+    replayed = False
 
     def attempt() -> T:
-        if first:
-            outcome = first.pop()
-            if isinstance(outcome, _Result):
-                return outcome.value  # type: ignore[no-any-return]
-            raise outcome
-        return fn()
+        nonlocal replayed
+        if replayed:
+            return fn()
+        replayed = True
+        if failed is not None:
+            raise failed
+        return first
 
     def stop(state: RetryCallState) -> bool:
         if attempts is not None and state.attempt_number >= attempts:
@@ -156,10 +162,11 @@ def retry(
         outcome = state.outcome
         if outcome is None:  # pragma: no cover - tenacity always sets it
             return False
+        if state.attempt_number == 1:  # the replayed first attempt: judged above
+            return True
         if outcome.failed:
-            error = outcome.exception()
-            return error is not None and not isinstance(error, DeadlinePassed) and retry_on(error)
-        return again is not None and again(outcome.result())
+            return wanted(outcome.exception())
+        return wanted(None, outcome.result())
 
     def give_up(state: RetryCallState) -> T:
         assert state.outcome is not None
@@ -175,15 +182,6 @@ def retry(
         sleep=lambda seconds: _sleep(seconds),
     )
     return retrying(attempt)
-
-
-class _Result:
-    """A result of the first attempt that ``again`` refused (replayed to tenacity)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
 
 
 # --------------------------------------------------------------------------- fan-out

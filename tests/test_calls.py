@@ -53,6 +53,33 @@ def test_retry_retries_what_it_is_told_at_most_attempts_times(no_backoff: None) 
     assert len(tries) == 1
 
 
+def test_a_retry_judges_each_attempt_once_and_reports_it_by_its_number(
+    no_backoff: None,
+) -> None:
+    """The first attempt runs before tenacity takes over: it is neither sent nor judged
+    again, and ``before_sleep`` sees it as attempt 1, with its own error."""
+    errors = [ConnectionError("first"), ConnectionError("second")]
+    judged: list[BaseException] = []
+    slept: list[tuple[int, BaseException | None]] = []
+
+    def flaky() -> str:
+        if errors:
+            raise errors.pop(0)
+        return "ok"
+
+    def retry_on(exc: BaseException) -> bool:
+        judged.append(exc)
+        return True
+
+    def before_sleep(state: tenacity.RetryCallState) -> None:
+        assert state.outcome is not None
+        slept.append((state.attempt_number, state.outcome.exception()))
+
+    assert retry(flaky, attempts=5, retry_on=retry_on, before_sleep=before_sleep) == "ok"
+    assert [str(e) for e in judged] == ["first", "second"]
+    assert [(n, str(e)) for n, e in slept] == [(1, "first"), (2, "second")]
+
+
 def test_retry_on_a_result_returns_the_last_one(no_backoff: None) -> None:
     left = iter([3, 2, 1, 0])
     assert retry(lambda: next(left), attempts=10, again=bool) == 0

@@ -149,8 +149,7 @@ class RedisDeduplicationStore(DeduplicationStore):
 
     def _add_call(self, request: WriteRequest) -> tuple[list[str], list[str]]:
         """The keys and arguments of the write script for ``request``."""
-        base = self._key_base
-        keys = [base + escape(mid) for mid in request.ids]
+        keys = self._record_keys(request.ids)
         args = [_TAG + request.token, self._px, *(_TAG + token for token in request.mine)]
         return keys, args
 
@@ -161,8 +160,7 @@ class RedisDeduplicationStore(DeduplicationStore):
 
     def _find(self, ids: list[str], now: float) -> set[str]:
         """One ``MGET``; Redis never returns an expired key."""
-        base = self._key_base
-        keys = [base + escape(mid) for mid in ids]
+        keys = self._record_keys(ids)
         values = self._redis.read(lambda: self._redis.client.mget(keys))
         return {mid for mid, value in zip(ids, values, strict=True) if self._recorded(value)}
 
@@ -173,6 +171,11 @@ class RedisDeduplicationStore(DeduplicationStore):
 
     def _record_key(self, message_id: str) -> str:
         return self._key_base + escape(message_id)
+
+    def _record_keys(self, message_ids: list[str]) -> list[str]:
+        """:meth:`_record_key` of each id (one call for a batch: this is its hot path)."""
+        base = self._key_base
+        return [base + escape(mid) for mid in message_ids]
 
     def _recorded(self, value: bytes | str | None) -> bool:
         """Whether a ``GET`` answer is a record (a foreign value: ``ConfigurationError``)."""

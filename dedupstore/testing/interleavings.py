@@ -7,8 +7,8 @@ its own thread, but a step only runs when the scheduler gives that actor its
 turn, so one run follows exactly one ordering of all the steps, on the real
 backend. :func:`explore` runs EVERY ordering (depth-first over the choices,
 re-running the scenario from the start for each one), optionally with a crash
-injected into one actor (before its first step, or after any one), and after each run redelivers
-every message, sweeps, and checks the invariants:
+injected into one actor (before its first step, or after any one), and after each
+run redelivers every message, sweeps, and checks the invariants:
 
 ``once``
     no message changes the state twice (at every step, and at the end exactly once);
@@ -139,7 +139,7 @@ class Run:
     trace: list[str] = field(default_factory=list)
     results: dict[int, list[ProcessResult] | BaseException | None] = field(default_factory=dict)
     blocked: bool = False
-    #: The crash point was reached (the crash fired).
+    #: The crash point was reached (its actor made that many calls).
     crash_reached: bool = False
 
 
@@ -597,8 +597,7 @@ def explore(
     per actor, one for the checks; each schedule uses fresh ids). With
     ``crash_actor``, every schedule is run once more for every gap between that
     actor's steps, crashing there: before its first step, then after each step.
-    ``limit`` stops after that many schedules (for
-    slow emulators; ``None``: all).
+    ``limit`` stops after that many schedules (for slow emulators; ``None``: all).
     """
     world = _World(
         [entity_store() for _ in range(len(scenario.actors) + 1)],
