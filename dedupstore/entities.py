@@ -486,9 +486,9 @@ class EntityStore(Client):
 
         True when ``dedup`` is of the class the backend joins (:attr:`_joins`) and
         the two share one connection (one server: one transaction or script
-        domain). Then :meth:`_load_checked` costs one round trip instead of two and
-        :meth:`_save_recording` one atomic write instead of two. The processor asks
-        once; the two calls assume it.
+        domain). Then :meth:`_load_checked` costs one round trip instead of two,
+        :meth:`_save_checked` one instead of two, and :meth:`_save_recording` one
+        atomic write instead of two. The processor asks once; the calls assume it.
         """
         return (
             self._joins is not None
@@ -539,6 +539,30 @@ class EntityStore(Client):
             raise _conflict(entity.id)
         entity.version = versions[record.id]
 
+    def _save_checked(self, entity: Entity, dedup: DeduplicationStore, key: str) -> bool:
+        """Save ``entity`` unless ``dedup`` holds ``key``, in one request; whether it held it.
+
+        Only for a joined ``dedup`` (:meth:`_joined`): :meth:`save` of an entity the
+        processor kept from an earlier save (no load), checking the id of the message
+        applied to it on the same request. True: the id is recorded and nothing was
+        written (the message is a duplicate). A save whose earlier attempt wrote it
+        (a lost answer) reports False even when the id got recorded since. Raises what
+        :meth:`save` raises (``ConcurrencyConflict`` when the entity changed since
+        that save: reload) and what ``has_been_processed`` raises.
+        """
+        mid = validate_message_id(key)
+        record = self._record(entity)
+        self._check_open()
+        dedup._check_open()
+        with self._translating_errors("check_and_save"):
+            recorded, versions = self._save_unless(dedup, mid, record)
+        if recorded:
+            return True
+        if record.id not in versions:
+            raise _conflict(entity.id)
+        entity.version = versions[record.id]
+        return False
+
     def _load_with(
         self, dedup: DeduplicationStore, entity_id: str, key: str
     ) -> tuple[tuple[str, Any] | None, bool]:
@@ -552,6 +576,14 @@ class EntityStore(Client):
         """Joined backends, atomically in one request: ``dedup._add_new(request)``,
         then ``_save([record])``; both results. Nothing of the save is written if the
         add fails."""
+        raise NotImplementedError
+
+    def _save_unless(
+        self, dedup: DeduplicationStore, key: str, record: EntityRecord
+    ) -> tuple[bool, dict[str, Any]]:
+        """Joined backends, atomically in one request: whether ``dedup`` holds a live
+        record of ``key``, and if not (or if this call's earlier attempt saved the
+        record), ``_save([record])``'s result; nothing written when it does."""
         raise NotImplementedError
 
     def pending_outboxes(self, segment: int = 0, segments: int = 1) -> Iterator[Entity]:

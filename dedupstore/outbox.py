@@ -213,10 +213,12 @@ class OutboxProcessor:
         dead_letters: str | None = None,
         handler_attempts: int = 1,
         run: str | None = None,
+        entity_cache: int = 1000,
     ) -> None:
         """Raises ``ConfigurationError`` for an unknown ``cleanup``, a bad
-        ``dead_letters`` destination or ``run`` name, or ``max_attempts``,
-        ``deferred_limit`` or ``handler_attempts`` below 1."""
+        ``dead_letters`` destination or ``run`` name, ``max_attempts``,
+        ``deferred_limit`` or ``handler_attempts`` below 1, or ``entity_cache``
+        below 0."""
         if cleanup not in ("inline", "deferred"):
             raise ConfigurationError(f"cleanup must be 'inline' or 'deferred', got {cleanup!r}")
         for name, value in (
@@ -226,6 +228,8 @@ class OutboxProcessor:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
+        if isinstance(entity_cache, bool) or not isinstance(entity_cache, int) or entity_cache < 0:
+            raise ConfigurationError(f"entity_cache must be an int >= 0, got {entity_cache!r}")
         if dead_letters is not None:
             validate_name(dead_letters, "dead-letter destination")
         if run is not None:
@@ -241,6 +245,8 @@ class OutboxProcessor:
         self.deferred_limit = deferred_limit
         #: valid destinations the handler named, as JSON strings (checked once each)
         self._destinations: dict[str, str] = {}
+        #: the entities process() saved last, at the version of that save
+        self._kept = _EntityCache(entity_cache)
         # The two stores share a server: process() loads the entity and checks the id
         # in one round trip, and the inline clean-up is one atomic write. (getattr: an
         # entity store that wraps another need not implement the joined calls.)
@@ -310,18 +316,33 @@ class OutboxProcessor:
         outgoing: list[OutgoingMessage] | None
         for attempt in range(1, self.max_attempts + 1):
             try:
-                if self._joined:
-                    entity, recorded = self.entities._load_checked(cid, self.dedup, key)
-                else:
-                    entity, recorded = self.entities.load(cid), None
+                # A kept entity stands for a load: the save's token refuses it if anyone
+                # saved the entity since (then the next attempt loads it).
+                entity: Entity | None = self._kept.take(cid)
+                recorded: bool | None = None
+                if entity is None:
+                    if self._joined:
+                        entity, recorded = self.entities._load_checked(cid, self.dedup, key)
+                    else:
+                        entity = self.entities.load(cid)
                 if mid not in entity.outbox:
-                    if recorded if recorded is not None else self.dedup.has_been_processed(key):
+                    # (a kept entity of joined stores: the save itself checks the id)
+                    checked = self._joined and recorded is None
+                    if not checked and (
+                        recorded if recorded is not None else self.dedup.has_been_processed(key)
+                    ):
+                        self._kept.keep(entity)
                         done: Outcome = outcome if applied and outcome else "duplicate"
                         return ProcessResult(mid, done, (), attempt, error)
-                    outgoing, error = self._apply(entity, message, handler)
-                    if not self._save_applied(entity, message):
+                    outgoing, failed = self._apply(entity, message, handler)
+                    saved = self._save_applied(entity, message, key if checked else None)
+                    if saved is None:  # the save found the id recorded: nothing written
+                        done = outcome if applied and outcome else "duplicate"
+                        return ProcessResult(mid, done, (), attempt, error)
+                    if not saved:
                         continue  # dispatched ids made room: start again from the load
-                    applied, outcome = True, "processed" if error is None else "dead_lettered"
+                    applied, error = True, failed
+                    outcome = "processed" if error is None else "dead_lettered"
                 else:
                     outgoing = entity.outbox[mid]
                     if outcome is None:
@@ -331,6 +352,7 @@ class OutboxProcessor:
                     dispatched.update(m.id for m in outgoing)
                 if clean:
                     self._clean_up(entity, mid)
+                    self._kept.keep(entity)
                 return ProcessResult(mid, outcome, tuple(outgoing or ()), attempt, error)
             except ConcurrencyConflict:
                 if attempt < self.max_attempts:
@@ -358,17 +380,23 @@ class OutboxProcessor:
             return "dead_lettered", _letter_error(entry[0])
         return "processed", None
 
-    def _save_applied(self, entity: Entity, message: Message) -> bool:
-        """Save the entity holding ``message``'s new entry (step 2c).
+    def _save_applied(self, entity: Entity, message: Message, checked: str | None) -> bool | None:
+        """Save the entity holding ``message``'s new entry (step 2c); with ``checked``
+        (the message's key), unless the deduplication store holds it: None then.
 
         When it does not fit and the entity holds other entries, they are cleared
         (:meth:`_clear`, on a fresh load, under its token) and False says: start
         again. When it does not fit without them, ``EntityTooLarge`` names the message.
         """
         try:
-            self.entities.save(entity)
+            if checked is None:
+                self.entities.save(entity)
+            elif self.entities._save_checked(entity, self.dedup, checked):
+                return None
             return True
         except EntityTooLarge as exc:
+            if checked is not None and self.dedup.has_been_processed(checked):
+                return None
             fresh = self.entities.load(entity.id)
             if not fresh.outbox:
                 raise _too_large(message, exc) from None
@@ -615,6 +643,7 @@ class OutboxProcessor:
         before_cleanup: BeforeCleanup | None = None,
     ) -> list[ProcessResult]:
         entities = self.entities.load_many([m.correlation_id for m in messages])
+        self._kept.drop(entities)  # this batch saves them: kept versions would conflict
         keys, already = self._recorded(messages, entities)
         mark = self._mark()
         results: list[ProcessResult] = []
@@ -861,6 +890,67 @@ class OutboxProcessor:
             size.add(message.id, state, entry)
             numbers.append(size.round)
         return numbers
+
+
+class _EntityCache:
+    """The entities :meth:`OutboxProcessor.process` saved last, as of that save: each
+    stands for a load of the entity (least recently kept dropped first, at most
+    ``size`` entities and ``_CACHE_BYTES`` of their state texts and outbox ids).
+
+    An entity taken is the taker's alone (it is changed in place); one is kept only
+    once its processing is over. Its version is the save's, so a save of it after
+    anyone else saved the entity conflicts: a stale entity costs a conflict and a
+    load, never a wrong answer. Thread-safe.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._entities: dict[str, tuple[Entity, int]] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, entity_id: str) -> Entity | None:
+        """The kept entity of ``entity_id`` (no longer kept), or None."""
+        if not self._entities:
+            return None
+        with self._lock:
+            kept = self._entities.pop(entity_id, None)
+            if kept is None:
+                return None
+            self._bytes -= kept[1]
+            return kept[0]
+
+    def keep(self, entity: Entity) -> None:
+        """Keep ``entity``, saved or loaded and not changed since, unless it is large,
+        holds pending entries or its state's text is not known."""
+        source = entity._source()
+        if not self.size or source is None or entity.version is None:
+            return
+        size = len(source)
+        for mid, entry in entity.outbox.items():
+            if entry is not None:
+                return
+            size += len(mid) + 8
+        if size > _CACHE_ENTITY_BYTES:
+            return
+        with self._lock:
+            old = self._entities.pop(entity.id, None)
+            self._entities[entity.id] = (entity, size)
+            self._bytes += size - (0 if old is None else old[1])
+            while len(self._entities) > self.size or self._bytes > _CACHE_BYTES:
+                self._bytes -= self._entities.pop(next(iter(self._entities)))[1]
+
+    def drop(self, entity_ids: Iterable[str]) -> None:
+        """Forget the kept entities of ``entity_ids``."""
+        if self._entities:
+            for entity_id in entity_ids:
+                self.take(entity_id)
+
+
+#: Bytes of the entities one processor keeps (see :class:`_EntityCache`), at most.
+_CACHE_BYTES = 16 * 1024 * 1024
+#: Bytes of one entity a processor keeps, at most (a larger one is loaded each time).
+_CACHE_ENTITY_BYTES = 256 * 1024
 
 
 @dataclass

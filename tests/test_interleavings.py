@@ -38,6 +38,10 @@ ONE = Actor("process", (0,))
 OTHER = Actor("process", (1,))
 BATCH = Actor("batch", (0, 1))
 SWEEP = Actor("sweep")
+#: a consumer that processed m0 alone before the run: it holds the entity it saved
+KEPT = Actor("process", (1,), after=(0,))
+#: the same, and m0 is redelivered to it (the anti-test of the kept entity's check)
+KEPT_AGAIN = Actor("process", (0,), after=(0,))
 MODES = ("inline", "deferred")
 
 IN_PROCESS = ("memory", "sqlite")
@@ -54,6 +58,14 @@ SCENARIOS: dict[str, tuple[tuple[Actor, ...], int, int | None, dict[str, tuple[s
     "crash-sweep": ((ONE, SWEEP), 1, 1, {"inline": ALL, "deferred": ALL}),
     "crash-batch-beside-duplicate": ((BATCH, ONE), 2, 0, {"inline": IN_PROCESS, "deferred": FAST}),
     "crash-beside-other-message": ((ONE, OTHER), 2, 0, {"inline": IN_PROCESS, "deferred": FAST}),
+    "kept-beside-duplicate": ((KEPT, OTHER), 2, None, {"inline": FAST, "deferred": FAST}),
+    "kept-beside-other": (
+        (KEPT, Actor("process", (2,))),
+        3,
+        None,
+        {"inline": FAST, "deferred": FAST},
+    ),
+    "crash-kept-beside-duplicate": ((KEPT, OTHER), 2, 0, {"inline": FAST, "deferred": FAST}),
 }
 
 CASES = [
@@ -238,6 +250,38 @@ class DispatchAfterCleanUp(OutboxProcessor):
         self._held.flush()
 
 
+class _KeptUnchecked:
+    """Joint calls made of the plain ones, but the save of a kept entity does not
+    check the message's id."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def _joined(self, dedup: Any) -> bool:
+        return True
+
+    def _load_checked(self, entity_id: str, dedup: Any, key: str) -> tuple[Entity, bool]:
+        return self._real.load(entity_id), dedup.has_been_processed(key)
+
+    def _save_checked(self, entity: Entity, dedup: Any, key: str) -> bool:
+        self._real.save(entity)
+        return False
+
+    def _save_recording(self, entity: Entity, dedup: Any, key: str) -> None:
+        dedup.add(key)
+        self._real.save(entity)
+
+
+class KeptEntityUnchecked(OutboxProcessor):
+    """BROKEN: takes a message missing from the outbox of the entity it kept for a new one."""
+
+    def __init__(self, entities: EntityStore, *args: Any, **kwargs: Any) -> None:
+        super().__init__(_KeptUnchecked(entities), *args, **kwargs)  # type: ignore[arg-type]
+
+
 BROKEN = {
     "check-before-load": (CheckBeforeLoad, (ONE, ONE), 1, "inline", {"once", "honest-result"}),
     "dispatch-before-save": (DispatchBeforeSave, (ONE, ONE), 1, "deferred", {"ghost"}),
@@ -245,6 +289,7 @@ BROKEN = {
     "save-without-token": (SaveWithoutToken, (ONE, OTHER), 2, "deferred", {"once", "ghost"}),
     "batch-ignores-the-store": (BatchIgnoresTheStore, (BATCH, ONE), 2, "inline", {"once"}),
     "batch-dispatch-before-save": (BatchDispatchBeforeSave, (BATCH, ONE), 2, "deferred", {"ghost"}),
+    "kept-entity-unchecked": (KeptEntityUnchecked, (KEPT_AGAIN, OTHER), 2, "inline", {"once"}),
 }
 
 
@@ -263,7 +308,7 @@ def test_the_harness_catches_a_broken_processor(
         )
     violation = caught.value
     assert violation.invariant in invariants, str(violation)
-    assert len(violation.schedule) >= 2 and "schedule:" in str(violation)
+    assert violation.schedule and "schedule:" in str(violation)
 
 
 @pytest.mark.parametrize("outbox_backend", backend_params(("memory", "sqlite")), indirect=True)

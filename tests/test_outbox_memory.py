@@ -11,7 +11,7 @@ import pytest
 
 from backends.memory import MemoryDeduplicationStore, MemoryEntityStore
 from dedupstore.entities import OutgoingMessage, message_text
-from dedupstore.errors import HandlerError, InvalidMessageId
+from dedupstore.errors import ConfigurationError, HandlerError, InvalidMessageId
 from dedupstore.outbox import (
     InMemoryDispatcher,
     Message,
@@ -242,3 +242,100 @@ def test_an_outgoing_body_is_decoded_from_its_text_when_first_read() -> None:
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         sent.nothing  # noqa: B018
     assert not hasattr(OutgoingMessage("i", "d", 1), "nothing")
+
+
+# ---------------------------------------------------------------------- the kept entity
+
+
+def _counted(cleanup: str = "inline", **options: Any) -> tuple[OutboxProcessor, Counter[str]]:
+    """A processor on fresh in-process stores whose calls are counted."""
+    url = f"memory://{uuid.uuid4().hex}"
+    calls: Counter[str] = Counter()
+    entities = _Counting(MemoryEntityStore(url), calls)
+    dedup = _Counting(MemoryDeduplicationStore(url), calls)
+    processor = OutboxProcessor(entities, dedup, InMemoryDispatcher(), cleanup=cleanup, **options)  # type: ignore[arg-type]
+    calls.clear()
+    return processor, calls
+
+
+@pytest.mark.parametrize("cleanup", ["inline", "deferred"])
+def test_process_saves_the_entity_it_kept_without_loading_it(cleanup: str) -> None:
+    processor, calls = _counted(cleanup)
+    for n in range(5):
+        assert processor.process(Message(f"m{n}", "e", n), order_handler).outcome == "processed"
+    assert calls["load"] == 1, "the entity is loaded for its first message only"
+    calls.clear()
+    # a redelivery to the processor that keeps the entity is still a duplicate
+    assert processor.process(Message("m2", "e", 2), order_handler).outcome == "duplicate"
+    assert calls["save"] == 0 and calls["load"] == 0
+    assert calls["has_been_processed"] == (1 if cleanup == "inline" else 0)
+    assert processor.entities.load("e").state["applied"] == [f"m{n}" for n in range(5)]
+
+
+def test_an_entity_saved_by_another_processor_conflicts_then_loads() -> None:
+    url = f"memory://{uuid.uuid4().hex}"
+    entities, dedup = MemoryEntityStore(url), MemoryDeduplicationStore(url)
+    one, other = (OutboxProcessor(entities, dedup, InMemoryDispatcher()) for _ in range(2))
+    for n in range(6):  # each processor's kept entity is stale at its next message
+        processor = one if n % 2 == 0 else other
+        result = processor.process(Message(f"m{n}", "e", n), order_handler)
+        assert result.outcome == "processed" and result.attempts == (1 if n < 2 else 2)
+    for n in range(6):  # and a kept entity that is stale still finds the duplicate
+        assert one.process(Message(f"m{n}", "e", n), order_handler).outcome == "duplicate"
+    assert entities.load("e").state["applied"] == [f"m{n}" for n in range(6)]
+    assert recorded(dedup, [Message(f"m{n}", "e", n) for n in range(6)])
+
+
+def test_entity_cache_0_loads_every_time_and_a_bad_size_is_refused() -> None:
+    processor, calls = _counted(entity_cache=0)
+    for n in range(3):
+        processor.process(Message(f"m{n}", "e", n), order_handler)
+    assert calls["load"] == 3
+    for bad in (-1, True, 1.5, "10"):
+        with pytest.raises(ConfigurationError, match="entity_cache"):
+            OutboxProcessor(
+                processor.entities, processor.dedup, InMemoryDispatcher(), entity_cache=bad
+            )  # type: ignore[arg-type]
+
+
+def test_the_kept_entities_are_bounded() -> None:
+    processor, calls = _counted(entity_cache=2)
+    for n in range(3):  # e0, e1, e2: e0 is dropped
+        processor.process(Message(f"m{n}", f"e{n}", n), order_handler)
+    calls.clear()
+    processor.process(Message("again-2", "e2", 0), order_handler)
+    processor.process(Message("again-1", "e1", 0), order_handler)
+    assert calls["load"] == 0
+    processor.process(Message("again-0", "e0", 0), order_handler)
+    assert calls["load"] == 1
+    # an entity whose state is larger than a kept one may be is loaded each time
+    big = "x" * 300_000
+    processor.process(Message("big-1", "big", big), order_handler)
+    calls.clear()
+    processor.process(Message("big-2", "big", "y"), order_handler)
+    assert calls["load"] == 1
+
+
+def test_an_entity_is_not_kept_after_a_failure() -> None:
+    processor, calls = _counted()
+    processor.process(Message("m0", "e", 0), order_handler)
+
+    def failing(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+        state["items"].append("changed in place")  # then fails: nothing of it is saved
+        raise RuntimeError("boom")
+
+    with pytest.raises(HandlerError):
+        processor.process(Message("m1", "e", 1), failing)
+    calls.clear()
+    assert processor.process(Message("m2", "e", 2), order_handler).outcome == "processed"
+    assert calls["load"] == 1
+    assert processor.entities.load("e").state["items"] == [0, 2]
+
+
+def test_process_batch_forgets_the_entities_it_saves() -> None:
+    processor, calls = _counted()
+    processor.process(Message("m0", "e", 0), order_handler)
+    processor.process_batch([Message("m1", "e", 1)], order_handler)
+    calls.clear()
+    assert processor.process(Message("m2", "e", 2), order_handler).attempts == 1
+    assert calls["load"] == 1

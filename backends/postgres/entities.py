@@ -141,19 +141,24 @@ class PostgresEntityStore(EntityStore):
         # A new entity is inserted only if absent (a stored version is never 0); a
         # loaded one replaces only a row holding the expected version and is never
         # inserted (the store deletes no rows: the row of a version seen exists).
-        self._sql_save = render(
-            "INSERT INTO {table} AS t (id, body, version, bucket, pending) "
-            "SELECT u.id, u.body, u.version, u.bucket, u.pending "
-            "FROM unnest(%(ids)b::text[], %(bodies)b::text[], %(versions)b::int8[], "
-            "%(buckets)b::int4[], %(pending)b::bool[]) WITH ORDINALITY "
-            "AS u(id, body, version, bucket, pending, n) "
-            "WHERE u.version = 1 OR EXISTS (SELECT 1 FROM {table} AS e WHERE e.id = u.id) "
-            "ORDER BY u.n "
-            "ON CONFLICT (id) DO UPDATE SET body = EXCLUDED.body, version = EXCLUDED.version, "
-            "bucket = EXCLUDED.bucket, pending = EXCLUDED.pending "
-            "WHERE t.version = EXCLUDED.version - 1 "
-            "RETURNING t.id, t.version"
-        )
+        # ``guard``: a further condition on the rows written (_save_unless's).
+        def save(guard: str = "") -> bytes:
+            return render(
+                "INSERT INTO {table} AS t (id, body, version, bucket, pending) "
+                "SELECT u.id, u.body, u.version, u.bucket, u.pending "
+                "FROM unnest(%(ids)b::text[], %(bodies)b::text[], %(versions)b::int8[], "
+                "%(buckets)b::int4[], %(pending)b::bool[]) WITH ORDINALITY "
+                "AS u(id, body, version, bucket, pending, n) "
+                "WHERE (u.version = 1 OR EXISTS (SELECT 1 FROM {table} AS e WHERE e.id = u.id))"
+                f"{guard} ORDER BY u.n "
+                "ON CONFLICT (id) DO UPDATE SET body = EXCLUDED.body, "
+                "version = EXCLUDED.version, bucket = EXCLUDED.bucket, pending = EXCLUDED.pending "
+                "WHERE t.version = EXCLUDED.version - 1 "
+                "RETURNING t.id, t.version"
+            )
+
+        self._sql_save = save()
+        self._sql_save_unless = save(" AND NOT EXISTS (SELECT 1 FROM h)")
         self._sql_load = render(
             "SELECT id, body, version FROM {table} WHERE id = ANY(%(ids)b::text[])"
         )
@@ -214,6 +219,22 @@ class PostgresEntityStore(EntityStore):
         rows = self._pg.write(self, query, params)
         added = set(request.ids) if any(eid is None for eid, _ in rows) else set()
         return added, {eid: version for eid, version in rows if eid is not None}
+
+    def _save_unless(
+        self, dedup: DeduplicationStore, key: str, record: EntityRecord
+    ) -> tuple[bool, dict[str, Any]]:
+        """The record's read and the entity's save in one statement; the save writes
+        nothing when the read found the record. Not re-sent after a lost answer."""
+        assert isinstance(dedup, PostgresDeduplicationStore)
+        query = (
+            b"WITH h AS (" + dedup._sql_has + b"), s AS (" + self._sql_save_unless + b") "
+            b"SELECT s.id, s.version FROM s UNION ALL SELECT NULL, NULL FROM h"
+        )
+        params = {**dedup._has_params(key), **self._save_params(_candidates([record]))}
+        rows = self._pg.write(self, query, params)
+        if any(eid is None for eid, _ in rows):
+            return True, {}
+        return False, dict(rows)
 
     def _save(self, records: list[EntityRecord]) -> dict[str, Any]:
         candidates = _candidates(records)

@@ -168,6 +168,34 @@ return {{added, saved}}
 """
 
 
+#: The save script of one entity, unless the deduplication store holds the record of
+#: the message applied to it. KEYS: the save's, then the record key; ARGV: the save's.
+#: Returns ``{2}`` having written nothing when the record is there (unless the entity
+#: holds this call's token: the earlier attempt of a re-sent call saved it), else the
+#: save's answer. GET refuses a key of another type; a foreign value is refused here.
+_SAVE_UNLESS_SCRIPT = f"""
+local function save(KEYS, ARGV)
+{_SAVE_SCRIPT}
+end
+if #KEYS == 0 then return {{}} end
+local record = KEYS[#KEYS]
+local value = redis.call('GET', record)
+if value then
+  if string.sub(value, 1, 5) ~= 'dsv1:' then
+    return redis.error_reply('DEDUPSTORE key ' .. string.sub(record, 1, 200)
+      .. ' holds a value dedupstore did not write')
+  end
+  if redis.call('TYPE', KEYS[1])['ok'] ~= 'hash'
+      or redis.call('HGET', KEYS[1], 't') ~= ARGV[1] then
+    return {{2}}
+  end
+end
+local keys = {{}}
+for i = 1, #KEYS - 1 do keys[i] = KEYS[i] end
+return save(keys, ARGV)
+"""
+
+
 #: Bodies per script call, in bytes (a call holds at least one entity).
 _MAX_CALL_BYTES = 16 * 1024 * 1024
 #: Pending sets read per pipelined round trip of the scan, and SSCAN's COUNT hint.
@@ -213,7 +241,7 @@ class RedisEntityStore(EntityStore):
     _joins = RedisDeduplicationStore
     _commands: ClassVar[str] = (  # with the deduplication store's (the joined calls)
         "+ping +info +script|load +evalsha +wait +hmget +get +sscan +smembers, and in the "
-        "script +type +hmget +hset +sadd +srem +scard +exists +mget +set +mset"
+        "script +type +hget +hmget +hset +sadd +srem +scard +exists +mget +set +mset"
     )
     _unconfirmed: ClassVar[str] = (
         "the entities are saved on the primary but their durability is unknown (reload "
@@ -272,6 +300,18 @@ class RedisEntityStore(EntityStore):
             self, _JOINT_SCRIPT, add_keys + keys, head + args, head + resent
         )
         return dedup._added(request, added), self._saved([record], saved)
+
+    def _save_unless(
+        self, dedup: DeduplicationStore, key: str, record: EntityRecord
+    ) -> tuple[bool, dict[str, Any]]:
+        """``GET`` of the record, then (if absent) the save script, in one script run."""
+        assert isinstance(dedup, RedisDeduplicationStore)
+        keys, args, resent = self._save_call([record], secrets.token_hex(16))
+        keys.append(dedup._record_key(key))
+        reply = self._redis.run_script(self, _SAVE_UNLESS_SCRIPT, keys, args, resent)
+        if reply and int(reply[0]) == 2:
+            return True, {}
+        return False, self._saved([record], reply)
 
     def _save(self, records: list[EntityRecord]) -> dict[str, Any]:
         """One script call per group of records (up to 16 MiB of bodies)."""

@@ -100,18 +100,23 @@ def ledger_handler(state: dict[str, Any], message: Message) -> tuple[dict[str, A
 class Actor:
     """One actor: ``kind`` is ``"process"`` (one message), ``"batch"`` or ``"sweep"``.
 
-    ``messages`` index into the scenario's messages.
+    ``messages`` index into the scenario's messages. ``after``: messages a
+    ``"process"`` actor's processor processed, alone, before the run starts, so it
+    holds the entity it saved then (:class:`~dedupstore.outbox.OutboxProcessor`'s
+    ``entity_cache``) when its message comes.
     """
 
     kind: Literal["process", "batch", "sweep"]
     messages: tuple[int, ...] = ()
+    after: tuple[int, ...] = ()
 
     @property
     def label(self) -> str:
         """How the actor appears in a schedule."""
         if self.kind == "sweep":
             return "sweep"
-        return f"{self.kind}({','.join(f'm{i}' for i in self.messages)})"
+        after = f" after {','.join(f'm{i}' for i in self.after)}" if self.after else ""
+        return f"{self.kind}({','.join(f'm{i}' for i in self.messages)}{after})"
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,7 @@ _ACCESS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "dispatch": (frozenset("E"), frozenset("X")),  # the ghost check reads the entity
     # the two stores of one server, in one request (EntityStore._joined)
     "load_and_check": (frozenset("ED"), frozenset()),
+    "check_and_save": (frozenset("ED"), frozenset("EV")),
     "add_and_save": (frozenset("ED"), frozenset("EDV")),
 }
 
@@ -372,6 +378,11 @@ class _Entities:
             "load_and_check", lambda: self._real._load_checked(entity_id, dedup._real, key)
         )
 
+    def _save_checked(self, entity: Entity, dedup: _Dedup, key: str) -> bool:
+        return self._call(  # type: ignore[no-any-return]
+            "check_and_save", lambda: self._real._save_checked(entity, dedup._real, key)
+        )
+
     def _save_recording(self, entity: Entity, dedup: _Dedup, key: str) -> None:
         self._call("add_and_save", lambda: self._real._save_recording(entity, dedup._real, key))
 
@@ -453,6 +464,20 @@ def _run_once(
     ledger = _Ledger(checker_entities, entity_id, turns.run.trace)
     labels = [f"{chr(65 + i)}:{a.label}" for i, a in enumerate(scenario.actors)]
 
+    # what the actors' processors did before the run, alone: the entity each kept
+    kept = {}
+    for index, actor in enumerate(scenario.actors):
+        if actor.after:
+            earlier = processor(
+                world.entity_clients[index],
+                world.dedup_clients[index],
+                ledger,
+                cleanup=scenario.cleanup,
+            )
+            for i in actor.after:
+                earlier.process(messages[i], ledger_handler)
+            kept[index] = earlier._kept
+
     def actor_main(index: int, actor: Actor) -> None:
         own = _OneEntity(world.entity_clients[index], entity_id)
         entities: Any = _Entities(own, turns, index)
@@ -466,6 +491,7 @@ def _run_once(
                 runner = processor(entities, dedup, dispatcher, cleanup=scenario.cleanup)
                 chosen = [messages[i] for i in actor.messages]
                 if actor.kind == "process":
+                    runner._kept = kept.get(index, runner._kept)
                     result = [runner.process(chosen[0], ledger_handler)]
                 else:
                     result = runner.process_batch(chosen, ledger_handler)
