@@ -137,6 +137,7 @@ class PostgresEntityStore(EntityStore):
                 "CREATE INDEX IF NOT EXISTS {index} ON {table} (id) WHERE pending", index="pending"
             ),
         ]
+
         # ``u.version`` is the version the row gets (1: new, else the expected one + 1).
         # A new entity is inserted only if absent (a stored version is never 0); a
         # loaded one replaces only a row holding the expected version and is never
