@@ -24,8 +24,8 @@ Instruments (their names and attributes are the contract):
     ``redis``, ``dynamodb``, ``cosmos``, or a registered one), ``operation`` (``load``,
     ``save``, ``scan``, ``add``, ``add_many``, ``has_been_processed``,
     ``processed_among``, ``purge_expired``, ``dispatch``, ``open``, and where the
-    entity store and the deduplication store share a server ``load_and_check`` and
-    ``add_and_save``...) and, when the
+    entity store and the deduplication store share a server ``load_and_check``,
+    ``check_and_save`` and ``add_and_save``...) and, when the
     call failed, ``error`` (the class name of the exception it raised).
 ``dedupstore.sweep.ids`` (counter)
     ids the sweep moved from outboxes to the deduplication store; ``consumer``.

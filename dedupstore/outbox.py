@@ -2,12 +2,15 @@
 
 For an incoming message ``m`` (id ``mid``) of entity ``cid``:
 
-1. load the entity;
+1. load the entity (or take the one this processor saved last: its version is that
+   save's token, so it stands for a load made then);
 2. if ``mid`` is not in its outbox: if the deduplication store has ``mid``, it is a
    duplicate (this check comes AFTER the load, so a concurrent copy that cleans the
    outbox in between makes this copy's save fail on the token instead of applying
-   the change twice); else run the handler on the state, put the outgoing messages
-   (ids derived from ``mid`` and their position) in ``outbox[mid]`` and save;
+   the change twice; for a kept entity of stores on one server it is made by the
+   save itself, which then writes nothing); else run the handler on the state, put
+   the outgoing messages (ids derived from ``mid`` and their position) in
+   ``outbox[mid]`` and save;
 3. else take ``outbox[mid]``;
 4. dispatch the outgoing messages if they are not ``None``;
 5. clean up: ``inline`` adds ``mid`` to the deduplication store, then removes it from
@@ -191,6 +194,11 @@ class OutboxProcessor:
     store's ``max_entity_bytes`` of them) has them moved inline, so a hot entity's
     record never grows with the number of messages it received. ``max_attempts``
     bounds the retries after ``ConcurrencyConflict``. Thread-safe if the stores are.
+
+    The processor keeps up to ``entity_cache`` entities it saved (0: none), as of
+    that save, and takes one instead of loading it for the entity's next message;
+    the save's token refuses it if anyone saved the entity since (one conflict, then
+    a load), so keeping never changes an answer, only the requests a message costs.
 
     Every outbox entry it writes is marked with the time it was written (what
     :func:`~dedupstore.stats.outbox_backlog` reports as the oldest pending entry) and
@@ -642,8 +650,11 @@ class OutboxProcessor:
         depth: int,
         before_cleanup: BeforeCleanup | None = None,
     ) -> list[ProcessResult]:
-        entities = self.entities.load_many([m.correlation_id for m in messages])
-        self._kept.drop(entities)  # this batch saves them: kept versions would conflict
+        # the kept entities stand for loads (a stale one conflicts: retried alone below)
+        entities = self._kept.take_many([m.correlation_id for m in messages])
+        missing = [m.correlation_id for m in messages if m.correlation_id not in entities]
+        if missing:
+            entities.update(self.entities.load_many(missing))
         keys, already = self._recorded(messages, entities)
         mark = self._mark()
         results: list[ProcessResult] = []
@@ -690,6 +701,9 @@ class OutboxProcessor:
             entries = {k: e for k, e in entries.items() if e[0].id not in first_conflicts}
         late_conflicts, sent = self._dispatch_and_clean_up(entries)
         conflicts = first_conflicts | late_conflicts
+        for entity in entities.values():  # as saved (or loaded): each stands for a load
+            if entity.id not in conflicts:
+                self._kept.keep(entity)
         if not conflicts:
             return results
         _retrying(self.consumer, conflicts)
@@ -893,7 +907,7 @@ class OutboxProcessor:
 
 
 class _EntityCache:
-    """The entities :meth:`OutboxProcessor.process` saved last, as of that save: each
+    """The entities the processor saved (or loaded) last, as of that save: each
     stands for a load of the entity (least recently kept dropped first, at most
     ``size`` entities and ``_CACHE_BYTES`` of their state texts and outbox ids).
 
@@ -940,11 +954,19 @@ class _EntityCache:
             while len(self._entities) > self.size or self._bytes > _CACHE_BYTES:
                 self._bytes -= self._entities.pop(next(iter(self._entities)))[1]
 
-    def drop(self, entity_ids: Iterable[str]) -> None:
-        """Forget the kept entities of ``entity_ids``."""
-        if self._entities:
+    def take_many(self, entity_ids: Iterable[str]) -> dict[str, Entity]:
+        """The kept entities among ``entity_ids`` (no longer kept), by id."""
+        if not self._entities:
+            return {}
+        taken: dict[str, Entity] = {}
+        with self._lock:
+            kept = self._entities
             for entity_id in entity_ids:
-                self.take(entity_id)
+                found = kept.pop(entity_id, None)
+                if found is not None:
+                    self._bytes -= found[1]
+                    taken[entity_id] = found[0]
+        return taken
 
 
 #: Bytes of the entities one processor keeps (see :class:`_EntityCache`), at most.

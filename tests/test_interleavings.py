@@ -65,6 +65,12 @@ SCENARIOS: dict[str, tuple[tuple[Actor, ...], int, int | None, dict[str, tuple[s
         None,
         {"inline": FAST, "deferred": FAST},
     ),
+    "kept-batch-beside-duplicate": (
+        (Actor("batch", (1, 2), after=(0,)), OTHER),
+        3,
+        None,
+        {"inline": FAST, "deferred": FAST},
+    ),
     "crash-kept-beside-duplicate": ((KEPT, OTHER), 2, 0, {"inline": FAST, "deferred": FAST}),
 }
 

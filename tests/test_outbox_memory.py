@@ -332,10 +332,25 @@ def test_an_entity_is_not_kept_after_a_failure() -> None:
     assert processor.entities.load("e").state["items"] == [0, 2]
 
 
-def test_process_batch_forgets_the_entities_it_saves() -> None:
+def test_process_batch_takes_and_keeps_entities_as_process_does() -> None:
     processor, calls = _counted()
     processor.process(Message("m0", "e", 0), order_handler)
-    processor.process_batch([Message("m1", "e", 1)], order_handler)
+    processor.process_batch([Message("m1", "e", 1), Message("n1", "f", 1)], order_handler)
+    assert calls["load_many"] == 1 and calls["load"] == 1, "f loaded, e kept"
     calls.clear()
-    assert processor.process(Message("m2", "e", 2), order_handler).attempts == 1
-    assert calls["load"] == 1
+    batch = [Message("m0", "e", 0), Message("m2", "e", 2), Message("n2", "f", 2)]
+    outcomes = [r.outcome for r in processor.process_batch(batch, order_handler)]
+    assert outcomes == ["duplicate", "processed", "processed"]
+    assert calls["load_many"] == 0 and calls["load"] == 0
+    assert processor.process(Message("m3", "e", 3), order_handler).attempts == 1
+    assert calls["load"] == 0
+    # another processor saved "e": the batch's save of it conflicts, it is retried alone
+    other = OutboxProcessor(processor.entities, processor.dedup, InMemoryDispatcher())
+    other.process(Message("m4", "e", 4), order_handler)
+    calls.clear()
+    batch = [Message("m5", "e", 5), Message("m4", "e", 4), Message("n3", "f", 3)]
+    results = processor.process_batch(batch, order_handler)
+    assert [r.outcome for r in results] == ["processed", "duplicate", "processed"]
+    assert calls["load"] == 1, "e retried alone, from a load"
+    assert processor.entities.load("e").state["applied"] == [f"m{n}" for n in range(6)]
+    assert processor.entities.load("f").state["applied"] == ["n1", "n2", "n3"]

@@ -100,9 +100,9 @@ def ledger_handler(state: dict[str, Any], message: Message) -> tuple[dict[str, A
 class Actor:
     """One actor: ``kind`` is ``"process"`` (one message), ``"batch"`` or ``"sweep"``.
 
-    ``messages`` index into the scenario's messages. ``after``: messages a
-    ``"process"`` actor's processor processed, alone, before the run starts, so it
-    holds the entity it saved then (:class:`~dedupstore.outbox.OutboxProcessor`'s
+    ``messages`` index into the scenario's messages. ``after``: messages the actor's
+    processor processed, alone, before the run starts, so it holds the entity it
+    saved then (:class:`~dedupstore.outbox.OutboxProcessor`'s
     ``entity_cache``) when its message comes.
     """
 
@@ -489,9 +489,9 @@ def _run_once(
                 sweep(entities, dedup)
             else:
                 runner = processor(entities, dedup, dispatcher, cleanup=scenario.cleanup)
+                runner._kept = kept.get(index, runner._kept)
                 chosen = [messages[i] for i in actor.messages]
                 if actor.kind == "process":
-                    runner._kept = kept.get(index, runner._kept)
                     result = [runner.process(chosen[0], ledger_handler)]
                 else:
                     result = runner.process_batch(chosen, ledger_handler)
