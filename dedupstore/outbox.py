@@ -31,6 +31,7 @@ import json
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -221,7 +222,7 @@ class OutboxProcessor:
         dead_letters: str | None = None,
         handler_attempts: int = 1,
         run: str | None = None,
-        entity_cache: int = 1000,
+        entity_cache: int = 10_000,
     ) -> None:
         """Raises ``ConfigurationError`` for an unknown ``cleanup``, a bad
         ``dead_letters`` destination or ``run`` name, ``max_attempts``,
@@ -919,7 +920,8 @@ class _EntityCache:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._entities: dict[str, tuple[Entity, int]] = {}
+        # (an OrderedDict: a dict's oldest entry is found by skipping the ones removed)
+        self._entities: OrderedDict[str, tuple[Entity, int]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -952,7 +954,7 @@ class _EntityCache:
             self._entities[entity.id] = (entity, size)
             self._bytes += size - (0 if old is None else old[1])
             while len(self._entities) > self.size or self._bytes > _CACHE_BYTES:
-                self._bytes -= self._entities.pop(next(iter(self._entities)))[1]
+                self._bytes -= self._entities.popitem(last=False)[1][1]
 
     def take_many(self, entity_ids: Iterable[str]) -> dict[str, Entity]:
         """The kept entities among ``entity_ids`` (no longer kept), by id."""
