@@ -25,6 +25,7 @@ from dedupstore.errors import (
     ConcurrencyConflict,
     ConfigurationError,
     DedupStoreError,
+    EntityTooLarge,
     StoreUnavailable,
 )
 from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send, message_key
@@ -446,3 +447,24 @@ def test_a_lost_answer_of_the_save_of_a_kept_entity(
     kept.state = {"n": 3}
     assert losing._save_checked(kept, dedup, message_key("e", "m")) is True
     assert entities.load("e").version == 2
+
+
+@pytest.mark.parametrize("outbox_backend", backend_params(JOINED), indirect=True)
+def test_a_kept_entity_too_large_for_the_message_is_checked_before_the_error(
+    pair: tuple[EntityStore, DeduplicationStore],
+) -> None:
+    """The save of a kept entity is refused before any I/O when the message makes it
+    too large: a recorded id is still a duplicate, a new one ``EntityTooLarge``."""
+    entities, dedup = pair
+    processor = OutboxProcessor(entities, dedup, InMemoryDispatcher())
+
+    def huge(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+        return {"blob": "x" * entities.max_entity_bytes}, []
+
+    processor.process(Message("m0", "e", {}), _handler)  # kept
+    dedup.add(message_key("e", "m1"))
+    assert processor.process(Message("m1", "e", {}), huge).outcome == "duplicate"
+    processor.process(Message("m2", "e", {}), _handler)  # kept again
+    with pytest.raises(EntityTooLarge, match="m3"):
+        processor.process(Message("m3", "e", {}), huge)
+    assert entities.load("e").state == {"n": 2}
