@@ -208,6 +208,9 @@ class Options(Mapping[str, Any]):
     def __getitem__(self, name: str) -> Any:
         return self._values[name]
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._values
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._values)
 
