@@ -894,14 +894,17 @@ _CPU_PATH = (
     "1000 on `memory://`, outside this run): the handler and turning its outputs into "
     "records (the state's and each body's canonical encoding, the outgoing ids) about "
     "40%, encoding the touched entities twice per batch (the save before the dispatch, "
-    "the clean-up's save) about 25%, loading them about 12%; no one change left gives "
+    "the clean-up's save) about 25%, loading those not kept about 12%; no one change left gives "
     "the missing factor (on a server, the requests' own time comes on top)"
 )
-_THIRD_REQUEST = (
-    "`process` makes three requests (the load with the check, the save, the clean-up "
-    "with the id recorded) where powertools makes two: two per message needs the "
-    "entity's state without a read (an entity cache checked by the save's version "
-    "token), an algorithm change not made here"
+_HEAVIER_REQUESTS = (
+    "`process` makes two requests a message on an entity it kept (the save that checks "
+    "the id, the clean-up that records it and saves again; a first message of an entity "
+    "also loads it), as many as powertools' `SET NX` and `SET`, but each is heavier: a "
+    "Lua script that checks the record, compares the version and writes the entity's "
+    "hash and its pending-set entry, with the entity's body as an argument; and the "
+    "processor's own Python per message (the handler, the state's and the outgoing "
+    "message's encoding, the outgoing id, the kept entity) comes on top"
 )
 
 
@@ -951,7 +954,7 @@ def _outbox_targets(results: list[Result], args: argparse.Namespace) -> list[str
                 "requests a second: powertools "
                 f"{base * r.redis_requests['powertools']:,.0f}, `process` "
                 f"{_rate_of(r, 'process/inline') * r.redis_requests['process/inline']:,.0f}; "
-                + _THIRD_REQUEST
+                + _HEAVIER_REQUESTS
             )
             for key, goal in (("batch 1000/inline", 10), ("process/inline", 1)):
                 check(
