@@ -141,7 +141,8 @@ class ProcessResult:
     processor has ``dead_letters``: this call set it aside, exactly once, with one
     dead-letter message and no state change). ``outgoing``: the message's outgoing
     messages when known (the dead letter, for ``dead_lettered``). ``attempts``:
-    loads, including those after a concurrency conflict. ``error``: the handler's
+    loads (or kept entities taken), including those after a concurrency conflict
+    (one more when the entity kept was stale). ``error``: the handler's
     error (``"<type>: <text>"``) for ``dead_lettered``.
     """
 
