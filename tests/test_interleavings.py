@@ -11,7 +11,9 @@ mode, but not the crash schedules of a batch beside a consumer or of two
 consumers of different messages (see ``SCENARIOS``). Those two crash scenarios
 in inline mode (several thousand schedules each) run on memory and SQLite only, to
 keep ``make test`` near 20 minutes; everything else runs on memory, SQLite,
-PostgreSQL and Redis in both modes.
+PostgreSQL and Redis in both modes. The scenarios of a consumer that kept the entity
+run on those four only: on DynamoDB and Cosmos DB (not joined) a kept entity takes
+the memory and SQLite path, ``has_been_processed`` then the conditional save.
 """
 
 from __future__ import annotations
