@@ -142,8 +142,7 @@ class PostgresEntityStore(EntityStore):
         # A new entity is inserted only if absent (a stored version is never 0); a
         # loaded one replaces only a row holding the expected version and is never
         # inserted (the store deletes no rows: the row of a version seen exists).
-        # ``guard``: a further condition on the rows written (_save_unless's).
-        def save(guard: str = "") -> bytes:
+        def save(guard: str = "") -> bytes:  # guard: a condition on the rows written
             return render(
                 "INSERT INTO {table} AS t (id, body, version, bucket, pending) "
                 "SELECT u.id, u.body, u.version, u.bucket, u.pending "
@@ -159,7 +158,7 @@ class PostgresEntityStore(EntityStore):
             )
 
         self._sql_save = save()
-        self._sql_save_unless = save(" AND NOT EXISTS (SELECT 1 FROM h)")
+        self._sql_save_unless = save(" AND NOT EXISTS (SELECT 1 FROM a)")
         self._sql_load = render(
             "SELECT id, body, version FROM {table} WHERE id = ANY(%(ids)b::text[])"
         )
@@ -202,40 +201,35 @@ class PostgresEntityStore(EntityStore):
     def _save_with(
         self, dedup: DeduplicationStore, request: WriteRequest, record: EntityRecord
     ) -> tuple[set[str], dict[str, Any]]:
-        """The record's insert and the entity's save in one statement: one transaction.
-
-        Two data-modifying ``WITH`` queries commit together or not at all (a
-        conflicting save writes no row; the record is written all the same). Not
-        re-sent after a lost answer (the save's version check would refuse it).
-        """
+        """The record's insert and the entity's save in one statement (:meth:`_joint`);
+        a conflicting save writes no row, the record is written all the same."""
         assert isinstance(dedup, PostgresDeduplicationStore)
-        query = (
-            b"WITH a AS (" + dedup._sql_add_one + b"), s AS (" + self._sql_save + b") "
-            b"SELECT NULL::text, NULL::int8 FROM a UNION ALL SELECT s.id, s.version FROM s"
-        )
-        params = {
-            **dedup._add_one_params(request),
-            **self._save_params(_candidates([record])),
-        }
-        rows = self._pg.write(self, query, params)
-        added = set(request.ids) if any(eid is None for eid, _ in rows) else set()
-        return added, {eid: version for eid, version in rows if eid is not None}
+        params = dedup._add_one_params(request)
+        added, versions = self._joint(dedup._sql_add_one, self._sql_save, params, record)
+        return set(request.ids) if added else set(), versions
 
     def _save_unless(
         self, dedup: DeduplicationStore, key: str, record: EntityRecord
     ) -> tuple[bool, dict[str, Any]]:
-        """The record's read and the entity's save in one statement; the save writes
-        nothing when the read found the record. Not re-sent after a lost answer."""
+        """The record's read and the entity's save, guarded by it, in one statement."""
         assert isinstance(dedup, PostgresDeduplicationStore)
+        params = dedup._has_params(key)
+        return self._joint(dedup._sql_has, self._sql_save_unless, params, record)
+
+    def _joint(
+        self, first: bytes, save: bytes, params: dict[str, Any], record: EntityRecord
+    ) -> tuple[bool, dict[str, Any]]:
+        """``first`` (as ``a``) and ``save`` of ``record`` in one statement, so one
+        transaction (two data-modifying ``WITH`` queries commit together or not at
+        all); whether ``first`` returned a row, and the versions saved. Not re-sent
+        after a lost answer (the save's version check would refuse it)."""
         query = (
-            b"WITH h AS (" + dedup._sql_has + b"), s AS (" + self._sql_save_unless + b") "
-            b"SELECT s.id, s.version FROM s UNION ALL SELECT NULL, NULL FROM h"
+            b"WITH a AS (" + first + b"), s AS (" + save + b") "
+            b"SELECT NULL::text, NULL::int8 FROM a UNION ALL SELECT s.id, s.version FROM s"
         )
-        params = {**dedup._has_params(key), **self._save_params(_candidates([record]))}
+        params = {**params, **self._save_params(_candidates([record]))}
         rows = self._pg.write(self, query, params)
-        if any(eid is None for eid, _ in rows):
-            return True, {}
-        return False, dict(rows)
+        return any(eid is None for eid, _ in rows), {e: v for e, v in rows if e is not None}
 
     def _save(self, records: list[EntityRecord]) -> dict[str, Any]:
         candidates = _candidates(records)
