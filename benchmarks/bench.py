@@ -371,7 +371,9 @@ OUTBOX_RUNS: tuple[tuple[str, Cleanup, int | None], ...] = (
 )
 #: The deferred run ``sweep`` is measured after.
 SWEPT_RUN = "batch 1000/deferred"
-_ENTITY_PRIMITIVES = ("_load", "_save")
+#: (with the joint calls of stores on one server: ``_load_with``, ``_save_unless``,
+#: ``_save_with``, each one request doing the work of an entity and a dedup primitive)
+_ENTITY_PRIMITIVES = ("_load", "_save", "_load_with", "_save_unless", "_save_with")
 _DEDUP_PRIMITIVES = ("_add_new", "_add_one", "_find", "_contains_one")
 
 
@@ -768,7 +770,8 @@ def _render_outbox(results: list[Result], args: argparse.Namespace) -> list[str]
         "### Store calls per message",
         "",
         "Calls of the stores' primitives (entity load and save, deduplication add and "
-        "find) per message, counted during the timed runs. On PostgreSQL, Redis and "
+        "find, and where both stores share a server the joint calls that do the work of "
+        "one of each) per message, counted during the timed runs. On PostgreSQL, Redis and "
         "SQLite each is one statement, script call or pipeline: one round trip (one "
         "transaction on SQLite). A DynamoDB or Cosmos entity save sends one request per "
         "entity, and a Cosmos `add_many` one per id, so there they undercount requests.",
