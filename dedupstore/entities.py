@@ -523,10 +523,7 @@ class EntityStore(Client):
         was loaded (``key`` is recorded all the same: the entry stays in the stored
         outbox and a retry finds it there), and what ``add`` and :meth:`save` raise.
         """
-        mid = validate_message_id(key)
-        record = self._record(entity)
-        self._check_open()
-        dedup._check_open()
+        mid, record = self._joint_record(entity, dedup, key)
         versions: dict[str, Any] = {}
 
         def write(request: WriteRequest) -> set[str]:
@@ -535,9 +532,7 @@ class EntityStore(Client):
             return added
 
         dedup._write_chunk([mid], single=True, write=write, operation="add_and_save")
-        if record.id not in versions:
-            raise _conflict(entity.id)
-        entity.version = versions[record.id]
+        _take_version(entity, versions)
 
     def _save_checked(self, entity: Entity, dedup: DeduplicationStore, key: str) -> bool:
         """Save ``entity`` unless ``dedup`` holds ``key``, in one request; whether it held it.
@@ -550,18 +545,22 @@ class EntityStore(Client):
         :meth:`save` raises (``ConcurrencyConflict`` when the entity changed since
         that save: reload) and what ``has_been_processed`` raises.
         """
+        mid, record = self._joint_record(entity, dedup, key)
+        with self._translating_errors("check_and_save"):
+            recorded, versions = self._save_unless(dedup, mid, record)
+        if not recorded:
+            _take_version(entity, versions)
+        return recorded
+
+    def _joint_record(
+        self, entity: Entity, dedup: DeduplicationStore, key: str
+    ) -> tuple[str, EntityRecord]:
+        """A joint save's id and record, checked before any I/O; both stores open."""
         mid = validate_message_id(key)
         record = self._record(entity)
         self._check_open()
         dedup._check_open()
-        with self._translating_errors("check_and_save"):
-            recorded, versions = self._save_unless(dedup, mid, record)
-        if recorded:
-            return True
-        if record.id not in versions:
-            raise _conflict(entity.id)
-        entity.version = versions[record.id]
-        return False
+        return mid, record
 
     def _load_with(
         self, dedup: DeduplicationStore, entity_id: str, key: str
@@ -651,6 +650,13 @@ class EntityStore(Client):
 
 
 _tuple_new = tuple.__new__
+
+
+def _take_version(entity: Entity, versions: dict[str, Any]) -> None:
+    """Give ``entity`` its new version from a save's answer, or raise its conflict."""
+    if entity.id not in versions:
+        raise _conflict(entity.id)
+    entity.version = versions[entity.id]
 
 
 def _conflict(entity_id: str) -> ConcurrencyConflict:

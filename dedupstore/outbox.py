@@ -338,19 +338,19 @@ class OutboxProcessor:
                 if mid not in entity.outbox:
                     # (a kept entity of joined stores: the save itself checks the id)
                     checked = self._joined and recorded is None
-                    if not checked and (
-                        recorded if recorded is not None else self.dedup.has_been_processed(key)
-                    ):
+                    if not checked and recorded is None:
+                        recorded = self.dedup.has_been_processed(key)
+                    if recorded:  # the entity is as taken: kept again
                         self._kept.keep(entity)
+                    else:
+                        outgoing, failed = self._apply(entity, message, handler)
+                        saved = self._save_applied(entity, message, key if checked else None)
+                        if saved is False:
+                            continue  # dispatched ids made room: start again from the load
+                        recorded = saved is None  # the save found it recorded: no write
+                    if recorded:
                         done: Outcome = outcome if applied and outcome else "duplicate"
                         return ProcessResult(mid, done, (), attempt, error)
-                    outgoing, failed = self._apply(entity, message, handler)
-                    saved = self._save_applied(entity, message, key if checked else None)
-                    if saved is None:  # the save found the id recorded: nothing written
-                        done = outcome if applied and outcome else "duplicate"
-                        return ProcessResult(mid, done, (), attempt, error)
-                    if not saved:
-                        continue  # dispatched ids made room: start again from the load
                     applied, error = True, failed
                     outcome = "processed" if error is None else "dead_lettered"
                 else:

@@ -40,6 +40,12 @@ from tests.outbox_backends import OutboxBackend, backend_params
 from tests.test_entities_redis import _LosingAnswers as LosingAnswers
 
 JOINED = ("redis", "postgres")
+#: the tests' backends (each parameter carries its backend's mark)
+ON_JOINED = pytest.mark.parametrize("outbox_backend", backend_params(JOINED), indirect=True)
+ON_REDIS = pytest.mark.parametrize("outbox_backend", backend_params(("redis",)), indirect=True)
+ON_POSTGRES = pytest.mark.parametrize(
+    "outbox_backend", backend_params(("postgres",)), indirect=True
+)
 
 
 def _handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
@@ -71,7 +77,7 @@ def requests(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 # ---------------------------------------------------------------------- which stores join
 
 
-@pytest.mark.parametrize("outbox_backend", backend_params(JOINED), indirect=True)
+@ON_JOINED
 def test_the_stores_of_one_connection_are_joined(outbox_backend: OutboxBackend) -> None:
     entities = outbox_backend.entities()
     same = outbox_backend.dedup()
@@ -121,7 +127,7 @@ def statements(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return sent
 
 
-@pytest.mark.parametrize("outbox_backend", backend_params(JOINED), indirect=True)
+@ON_JOINED
 @pytest.mark.parametrize("cleanup", ["inline", "deferred"])
 def test_process_costs_two_requests_on_one_server_once_it_kept_the_entity(
     pair: tuple[EntityStore, DeduplicationStore],
@@ -179,7 +185,7 @@ def _pending(entities: EntityStore, dedup: DeduplicationStore, mid: str) -> Enti
     return entity
 
 
-@pytest.mark.parametrize("outbox_backend", backend_params(JOINED), indirect=True)
+@ON_JOINED
 def test_a_conflict_leaves_the_entity_and_keeps_the_record(
     pair: tuple[EntityStore, DeduplicationStore],
 ) -> None:
@@ -201,8 +207,7 @@ def test_a_conflict_leaves_the_entity_and_keeps_the_record(
     assert "m" not in entities.load("e").outbox
 
 
-@pytest.mark.redis
-@pytest.mark.parametrize("outbox_backend", backend_params(("redis",)), indirect=True)
+@ON_REDIS
 def test_a_record_that_cannot_be_written_saves_nothing(
     pair: tuple[EntityStore, DeduplicationStore], outbox_backend: OutboxBackend
 ) -> None:
@@ -243,8 +248,7 @@ def losing(outbox_backend: OutboxBackend) -> Iterator[_LosingAnswers]:
     store.close()
 
 
-@pytest.mark.postgres
-@pytest.mark.parametrize("outbox_backend", backend_params(("postgres",)), indirect=True)
+@ON_POSTGRES
 def test_a_record_the_database_refuses_saves_nothing_on_postgres(
     pair: tuple[EntityStore, DeduplicationStore], outbox_backend: OutboxBackend
 ) -> None:
@@ -275,8 +279,7 @@ def test_a_record_the_database_refuses_saves_nothing_on_postgres(
             admin.execute(f'DROP FUNCTION "refuse_{table}"()')
 
 
-@pytest.mark.redis
-@pytest.mark.parametrize("outbox_backend", backend_params(("redis",)), indirect=True)
+@ON_REDIS
 def test_a_lost_answer_of_the_joint_write(
     pair: tuple[EntityStore, DeduplicationStore], losing: _LosingAnswers
 ) -> None:
@@ -350,7 +353,7 @@ class JointForgetsTheCheck(OutboxProcessor):
         super().__init__(_JointWithoutRecord(entities, check=False), *args, **kwargs)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("outbox_backend", backend_params(JOINED), indirect=True)
+@ON_JOINED
 def test_the_harness_explores_and_checks_the_joint_calls(outbox_backend: OutboxBackend) -> None:
     one = Actor("process", (0,))
     runs = explore(Scenario((one, one), 1, "inline"), outbox_backend.entities, outbox_backend.dedup)
@@ -378,7 +381,7 @@ def test_the_harness_explores_and_checks_the_joint_calls(outbox_backend: OutboxB
 # ---------------------------------------------------------------------- the save of a kept entity
 
 
-@pytest.mark.parametrize("outbox_backend", backend_params(JOINED), indirect=True)
+@ON_JOINED
 def test_the_save_of_a_kept_entity_writes_nothing_when_the_id_is_recorded(
     pair: tuple[EntityStore, DeduplicationStore],
 ) -> None:
@@ -404,8 +407,7 @@ def test_the_save_of_a_kept_entity_writes_nothing_when_the_id_is_recorded(
         entities._save_checked(Entity("f", {"n": 9}), dedup, message_key("f", "m2"))
 
 
-@pytest.mark.redis
-@pytest.mark.parametrize("outbox_backend", backend_params(("redis",)), indirect=True)
+@ON_REDIS
 def test_the_save_of_a_kept_entity_refuses_a_foreign_record(
     pair: tuple[EntityStore, DeduplicationStore], outbox_backend: OutboxBackend
 ) -> None:
@@ -419,12 +421,18 @@ def test_the_save_of_a_kept_entity_refuses_a_foreign_record(
         with pytest.raises(ConfigurationError, match="did not write"):
             processor.process(Message("m1", "e", {}), _handler)
         assert entities.load("e").version == stored.version
+        # a key of another type where the record goes: refused as well
+        processor.process(Message("m2", "e", {}), _handler)  # kept again
+        stored = entities.load("e")
+        admin.hset(dedup._record_key(message_key("e", "m3")), "x", "1")  # type: ignore[attr-defined]
+        with pytest.raises(ConfigurationError):
+            processor.process(Message("m3", "e", {}), _handler)
+        assert entities.load("e").version == stored.version
     finally:
         admin.close()
 
 
-@pytest.mark.redis
-@pytest.mark.parametrize("outbox_backend", backend_params(("redis",)), indirect=True)
+@ON_REDIS
 def test_a_lost_answer_of_the_save_of_a_kept_entity(
     pair: tuple[EntityStore, DeduplicationStore], losing: _LosingAnswers
 ) -> None:
@@ -449,7 +457,7 @@ def test_a_lost_answer_of_the_save_of_a_kept_entity(
     assert entities.load("e").version == 2
 
 
-@pytest.mark.parametrize("outbox_backend", backend_params(JOINED), indirect=True)
+@ON_JOINED
 def test_a_kept_entity_too_large_for_the_message_is_checked_before_the_error(
     pair: tuple[EntityStore, DeduplicationStore],
 ) -> None:

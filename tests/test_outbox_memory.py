@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from backends.memory import MemoryDeduplicationStore, MemoryEntityStore
+from dedupstore import outbox
 from dedupstore.entities import OutgoingMessage, message_text
 from dedupstore.errors import ConfigurationError, HandlerError, InvalidMessageId
 from dedupstore.outbox import (
@@ -298,22 +299,46 @@ def test_entity_cache_0_loads_every_time_and_a_bad_size_is_refused() -> None:
             )  # type: ignore[arg-type]
 
 
-def test_the_kept_entities_are_bounded() -> None:
-    processor, calls = _counted(entity_cache=2)
-    for n in range(3):  # e0, e1, e2: e0 is dropped
-        processor.process(Message(f"m{n}", f"e{n}", n), order_handler)
+@pytest.mark.parametrize("bound", ["entities", "bytes"])
+def test_the_kept_entities_are_bounded(bound: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three entities: at most two kept (or about 2,500 bytes of their ~1,000-byte
+    states kept): the third drops the first."""
+    if bound == "bytes":
+        monkeypatch.setattr(outbox, "_CACHE_BYTES", 2_500)
+    processor, calls = _counted(**({"entity_cache": 2} if bound == "entities" else {}))
+    for n in range(3):
+        processor.process(Message(f"m{n}", f"e{n}", "x" * 1_000), order_handler)
     calls.clear()
     processor.process(Message("again-2", "e2", 0), order_handler)
     processor.process(Message("again-1", "e1", 0), order_handler)
     assert calls["load"] == 0
     processor.process(Message("again-0", "e0", 0), order_handler)
     assert calls["load"] == 1
-    # an entity whose state is larger than a kept one may be is loaded each time
-    big = "x" * 300_000
-    processor.process(Message("big-1", "big", big), order_handler)
+
+
+def test_an_entity_larger_than_a_kept_one_may_be_is_loaded_each_time() -> None:
+    processor, calls = _counted()
+    processor.process(Message("big-1", "big", "x" * 300_000), order_handler)
     calls.clear()
     processor.process(Message("big-2", "big", "y"), order_handler)
     assert calls["load"] == 1
+
+
+def test_an_entity_holding_a_pending_entry_is_not_kept() -> None:
+    processor, calls = _counted()
+
+    class Failing(InMemoryDispatcher):
+        def dispatch(self, messages: Any) -> None:
+            raise RuntimeError("broker down")
+
+    failing = OutboxProcessor(processor.entities, processor.dedup, Failing())
+    with pytest.raises(RuntimeError):
+        failing.process(Message("m0", "e", 0), order_handler)  # m0 stays pending
+    processor.process(Message("m1", "e", 1), order_handler)  # saved with m0 pending
+    assert processor.entities.load("e").pending == ["m0"]
+    calls.clear()
+    processor.process(Message("m2", "e", 2), order_handler)
+    assert calls["load"] == 1, "not kept: it holds outgoing messages"
 
 
 def test_an_entity_is_not_kept_after_a_failure() -> None:
