@@ -79,6 +79,9 @@ def encode_messages(messages: Sequence[OutgoingMessage]) -> list[EncodedMessage]
                 f"dispatch takes OutgoingMessage items, got {type(message).__name__} "
                 f"at position {position}"
             )
+        if message._body_text is not None:  # the processor made it: checked and encoded there
+            batch.append(EncodedMessage(message, message._body_text, message._headers_text))
+            continue
         validate_message_id(message.id, "outgoing message id")
         validate_message_id(message.destination, "destination")
         headers = message.headers

@@ -95,9 +95,11 @@ class OutgoingMessage:
             headers=dict(data.get("headers") or {}),
         )
 
-    #: Canonical JSON of ``body`` and of :meth:`to_json`, kept on the messages the
-    #: processor makes (``None`` on others): see :func:`body_text`, :func:`message_text`.
+    #: Canonical JSON of ``body``, of ``headers`` and of :meth:`to_json`, kept on the
+    #: messages the processor makes (``None`` on others; the processor checked their id,
+    #: destination and headers): see :func:`body_text`, :func:`message_text`.
     _body_text: ClassVar[str | None] = None
+    _headers_text: ClassVar[str] = "{}"
     _text: ClassVar[str | None] = None
 
     if not TYPE_CHECKING:  # (hidden from type checkers: every other name stays checked)
@@ -131,14 +133,20 @@ class OutgoingMessage:
         message = _new(cls)  # frozen: fill the fields at once, as __init__ would
         if destination_text is None:
             destination_text = canonical.string(destination)
+        headers_text = canonical.dumps(headers) if headers else "{}"
         text = (
             f'{{"body":{body_text},"destination":{destination_text}'
-            f',"headers":{canonical.dumps(headers) if headers else "{}"}'
+            f',"headers":{headers_text}'
             f',"id":{canonical.string(id) if id_text is None else id_text}}}'
         )  # what message_text composes
         fields = message.__dict__
         fields.update(
-            id=id, destination=destination, headers=headers, _body_text=body_text, _text=text
+            id=id,
+            destination=destination,
+            headers=headers,
+            _body_text=body_text,
+            _headers_text=headers_text,
+            _text=text,
         )
         if body is not canonical._UNDECODED:
             fields["body"] = body

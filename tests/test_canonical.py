@@ -296,3 +296,46 @@ def test_what_the_processor_saves_is_what_a_reload_encodes_again() -> None:
     assert encode_entity(reloaded) == saved
     assert '"body":{"1":"a","10":"c","2":"b"}' in saved
     assert '"state":{"1":"a","10":[1e-05,null],"2":"b"}' in saved
+
+
+_HEADER_TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=8)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    headers=st.dictionaries(
+        st.one_of(_HEADER_TEXT, st.integers()), st.one_of(_HEADER_TEXT, st.integers()), max_size=4
+    ),
+    body=st.dictionaries(
+        st.text(max_size=5),
+        st.one_of(
+            st.integers(), st.text(max_size=5), st.floats(allow_nan=False, allow_infinity=False)
+        ),
+        max_size=4,
+    ),
+    destination=st.sampled_from(["out", "Ωmega", "a:b/c", "x" * 200]),
+)
+def test_a_processor_made_message_dispatches_as_the_same_fields_would(
+    headers: dict[Any, Any], body: dict[str, Any], destination: str
+) -> None:
+    """``encode_messages`` takes the texts the processor kept (skipping the checks it
+    made): they are the texts of a plain message of the same fields, checked."""
+    from dedupstore import open_entity_store, open_store
+    from dedupstore.dispatch import encode_messages
+    from dedupstore.entities import OutgoingMessage
+    from dedupstore.outbox import Message, OutboxProcessor, Send
+
+    tag = uuid.uuid4().hex
+    sent: list[OutgoingMessage] = []
+    processor = OutboxProcessor(
+        open_entity_store(f"memory://made-e-{tag}"),
+        open_store(f"memory://made-d-{tag}"),
+        CallableDispatcher(sent.extend),
+    )
+    processor.process(Message("m1", "e1", {}), lambda s, m: (s, [Send(destination, body, headers)]))
+    (made,) = sent
+    assert made._body_text is not None  # the processor's: the kept texts are used
+    plain = OutgoingMessage(made.id, made.destination, made.body, dict(made.headers))
+    ((fast,), (checked,)) = encode_messages([made]), encode_messages([plain])
+    assert (fast.body, fast.headers) == (checked.body, checked.headers)
+    assert fast.decoded() == checked.decoded()
