@@ -178,6 +178,10 @@ class SqliteConnection(Connection):
             self._all.add(conn)
         return conn
 
+    def fetch(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
+        """The rows of a read, on this thread's connection."""
+        return self.thread_connection().execute(sql, params).fetchall()
+
     @contextlib.contextmanager
     def write_transaction(self) -> Iterator[sqlite3.Connection]:
         """Hold SQLite's write lock for the block; commit on success."""
@@ -404,16 +408,11 @@ class SqliteDeduplicationStore(DeduplicationStore):
         return bool(self._write(self._sql_add_one, self._params(request, request.ids[0])))
 
     def _find(self, ids: list[str], now: float) -> set[str]:
-        rows = self._sqlite.thread_connection().execute(
-            self._sql_find, (self._endpoint, json.dumps(ids), now)
-        )
+        rows = self._sqlite.fetch(self._sql_find, (self._endpoint, json.dumps(ids), now))
         return {row[0] for row in rows}
 
     def _contains_one(self, message_id: str, now: float) -> bool:
-        query = self._sqlite.thread_connection().execute(
-            self._sql_has, (self._endpoint, message_id, now)
-        )
-        return query.fetchone() is not None
+        return bool(self._sqlite.fetch(self._sql_has, (self._endpoint, message_id, now)))
 
     def _purge(self, now: float) -> int:
         with self._sqlite.write_transaction() as conn:
@@ -421,12 +420,7 @@ class SqliteDeduplicationStore(DeduplicationStore):
 
     def _count(self, now: float) -> int:
         """Exact, one statement (a snapshot): the endpoint's range of the primary key."""
-        row = (
-            self._sqlite.thread_connection()
-            .execute(self._sql_count, (self._endpoint, now))
-            .fetchone()
-        )
-        return int(row[0])
+        return int(self._sqlite.fetch(self._sql_count, (self._endpoint, now))[0][0])
 
 
 class SqliteEntityStore(EntityStore):
@@ -481,7 +475,7 @@ class SqliteEntityStore(EntityStore):
         )
 
     def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
-        rows = self._sqlite.thread_connection().execute(self._sql_load, (json.dumps(ids),))
+        rows = self._sqlite.fetch(self._sql_load, (json.dumps(ids),))
         return {row[0]: (row[1], row[2]) for row in rows}
 
     def _save(self, records: list[EntityRecord]) -> dict[str, Any]:
@@ -501,11 +495,7 @@ class SqliteEntityStore(EntityStore):
     def _scan(self, segment: int, segments: int) -> Iterator[tuple[str, str, Any]]:
         after = ""
         while True:
-            page = (
-                self._sqlite.thread_connection()
-                .execute(self._sql_scan, (segments, segment, after, self.page_size))
-                .fetchall()
-            )
+            page = self._sqlite.fetch(self._sql_scan, (segments, segment, after, self.page_size))
             yield from ((row[0], row[1], row[2]) for row in page)
             if len(page) < self.page_size:
                 return
@@ -593,9 +583,7 @@ class SqliteDispatcher(URLDispatcher):
         """
         self._check_open()
         with self._translating_errors("read"):
-            rows, deliveries, mismatches = (
-                self._sqlite.thread_connection().execute(self._sql_stats).fetchone()
-            )
+            rows, deliveries, mismatches = self._sqlite.fetch(self._sql_stats)[0]
         return DispatchStats(int(rows), int(deliveries), int(mismatches))
 
     def receive(self, limit: int = 500, after: int | None = None) -> list[StoredMessage]:
@@ -611,11 +599,7 @@ class SqliteDispatcher(URLDispatcher):
             raise ValueError(f"after must be a seq (an int >= 0) or None, got {after!r}")
         self._check_open()
         with self._translating_errors("read"):
-            rows = (
-                self._sqlite.thread_connection()
-                .execute(self._sql_receive, (start, limit))
-                .fetchall()
-            )
+            rows = self._sqlite.fetch(self._sql_receive, (start, limit))
         return [
             StoredMessage(
                 seq=row[0],

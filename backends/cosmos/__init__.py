@@ -78,11 +78,7 @@ operations guarantee on failure.
 from __future__ import annotations
 
 from backends.cosmos._client import KEY_ENV_VAR, PARTITION_KEY_PATH, CosmosConnection
-from backends.cosmos.entities import (
-    CosmosEntityStore,
-    create_entity_container,
-    entity_document_id,
-)
+from backends.cosmos.entities import CosmosEntityStore, create_entity_container, entity_document_id
 from backends.cosmos.store import CosmosDeduplicationStore, create_container, document_id
 
 __all__ = [

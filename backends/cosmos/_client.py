@@ -214,14 +214,9 @@ class CosmosConnection(Connection):
     ``_kind``) with :meth:`open_container`."""
 
     schemes: ClassVar[tuple[str, ...]] = ("cosmos",)
-    shaped_by: ClassVar[tuple[str, ...]] = (
-        "tls",
-        "endpoint_discovery",
-        "allow_weak_consistency_for_emulator_only",
-        "max_concurrency",
-        "timeout",
-        "connect_timeout",
-        "retries",
+    # not the key (the address), create (each store's) nor client (keyed by identity)
+    shaped_by: ClassVar[tuple[str, ...]] = tuple(
+        o.name for o in CONNECTION_OPTIONS if o.name not in ("key", "create", "client")
     )
 
     def __init__(self, url: StoreURL, options: Options) -> None:
@@ -498,9 +493,9 @@ class CosmosConnection(Connection):
                 return client._error(
                     ConfigurationError,
                     None,
-                    f"database {database_name!r} or container "
-                    f"{container_name!r} does not exist ({summary}); create it with "
-                    f"{_kind(client).function} or open with create=true",
+                    f"database {database_name!r} or container {container_name!r} does not "
+                    f"exist ({summary}); create it with {_kind(client).function} or open with "
+                    "create=true",
                 )
             if status == 400 and "consisten" in summary.lower():
                 return ConsistencyError
@@ -524,8 +519,7 @@ class CosmosConnection(Connection):
         if level == "Strong":
             return []
         return [
-            f"UNSAFE: the Cosmos DB account's default consistency is "
-            f"{level!r}, not 'Strong' "
+            f"UNSAFE: the Cosmos DB account's default consistency is {level!r}, not 'Strong' "
             f"(allow_weak_consistency_for_emulator_only=True): {_kind(client).weak_risk}"
         ]
 

@@ -89,11 +89,7 @@ def entity_document_id(entity_id: str) -> str:
 
 
 def create_entity_container(
-    client: CosmosClient,
-    database: str,
-    container: str,
-    *,
-    offer_throughput: int | None = None,
+    client: CosmosClient, database: str, container: str, *, offer_throughput: int | None = None
 ) -> ContainerProxy:
     """Create ``database`` and an entity ``container`` if missing: no TTL, only what
     the scan filters on (``/pending``, ``/bucket``) indexed. See :mod:`backends.cosmos`
@@ -145,10 +141,9 @@ class CosmosEntityStore(EntityStore):
             return self._error(
                 EntityTooLarge,
                 None,
-                f"Cosmos DB refused an item as too "
-                f"large ({self._describe_error(exc)}) although its entity was within "
-                f"max_entity_bytes; that entity was not written (others of the same "
-                "save_many may have been)",
+                f"Cosmos DB refused an item as too large ({self._describe_error(exc)}) "
+                "although its entity was within max_entity_bytes; that entity was not "
+                "written (others of the same save_many may have been)",
             )
         return super()._classify_error(exc)
 

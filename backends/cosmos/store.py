@@ -75,11 +75,7 @@ def document_id(endpoint: str, message_id: str) -> str:
 
 
 def create_container(
-    client: CosmosClient,
-    database: str,
-    container: str,
-    *,
-    offer_throughput: int | None = None,
+    client: CosmosClient, database: str, container: str, *, offer_throughput: int | None = None
 ) -> ContainerProxy:
     """Create ``database`` and a deduplication ``container`` if missing: default TTL
     ``-1`` (per-item TTL on, nothing expires by default), only ``endpoint`` and
@@ -217,10 +213,7 @@ class CosmosDeduplicationStore(DeduplicationStore):
             endpoint=self._endpoint,
             cutoff=now - self._max_skew,
         ).by_page()
-        deleted = 0
-        for page in pages:
-            deleted += sum(self._cosmos.parallel(delete, list(page)))
-        return deleted
+        return sum(sum(self._cosmos.parallel(delete, list(page))) for page in pages)
 
     def _count(self, now: float) -> int:
         """Exact: ``SELECT VALUE COUNT(1)`` over this endpoint's live items (by the

@@ -45,7 +45,6 @@ if TYPE_CHECKING:
     from mypy_boto3_dynamodb.type_defs import (
         AttributeValueTypeDef,
         PutItemInputTypeDef,
-        ScanInputTypeDef,
         ScanOutputTypeDef,
         TableDescriptionTypeDef,
     )
@@ -635,8 +634,10 @@ class DynamoDBConnection(Connection):
             )
         return found
 
-    def scan(self, client: Client, request: ScanInputTypeDef) -> Iterator[ScanOutputTypeDef]:
-        """The pages of a ``Scan``, each read when it is needed (and retried as any request)."""
+    def scan(self, client: Client, **request: Any) -> Iterator[ScanOutputTypeDef]:
+        """The pages of a strongly consistent ``Scan`` of ``client``'s table (``request``: the
+        other parameters), each read when it is needed (and retried as any request)."""
+        request.update(TableName=client._url.netloc, ConsistentRead=True)
         while True:
             page = self.request(client, lambda: self.client.scan(**request))
             yield page

@@ -69,7 +69,7 @@ from dedupstore.errors import StoreUnavailable
 from dedupstore.options import OptionSet, create_option
 
 if TYPE_CHECKING:
-    from mypy_boto3_dynamodb.type_defs import AttributeValueTypeDef, ScanInputTypeDef
+    from mypy_boto3_dynamodb.type_defs import AttributeValueTypeDef
 
 __all__ = ["MAX_ITEM_BYTES", "MAX_SCAN_SEGMENTS", "DynamoDBEntityStore"]
 
@@ -168,20 +168,17 @@ class DynamoDBEntityStore(EntityStore):
             raise ValueError(
                 f"DynamoDB scans in at most {MAX_SCAN_SEGMENTS} segments, got {segments}"
             )
-        request: ScanInputTypeDef = {
-            "TableName": self.table,
-            "Segment": segment,
-            "TotalSegments": segments,
-            "ConsistentRead": True,
-            "FilterExpression": "#p = :yes",
-            "ProjectionExpression": "#i, #b, #v",
-            "ExpressionAttributeNames": {**_NAMES, "#p": _PENDING},
-            "ExpressionAttributeValues": {":yes": {"BOOL": True}},
-        }
-        return self._items(request)
+        return self._items(
+            Segment=segment,
+            TotalSegments=segments,
+            FilterExpression="#p = :yes",
+            ProjectionExpression="#i, #b, #v",
+            ExpressionAttributeNames={**_NAMES, "#p": _PENDING},
+            ExpressionAttributeValues={":yes": {"BOOL": True}},
+        )
 
-    def _items(self, request: ScanInputTypeDef) -> Iterator[tuple[str, str, Any]]:
-        """The items of a scan, paged when they are needed."""
-        for page in self._dynamodb.scan(self, request):
+    def _items(self, **request: Any) -> Iterator[tuple[str, str, Any]]:
+        """The items of a scan (``request``: its parameters), paged when they are needed."""
+        for page in self._dynamodb.scan(self, **request):
             for item in page.get("Items", []):
                 yield str(item[_ID]["S"]), str(item[_BODY]["S"]), int(item[_VERSION]["N"])

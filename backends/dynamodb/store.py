@@ -72,11 +72,7 @@ from dedupstore.options import OptionSet, create_option
 from dedupstore.store import CLOCK, MAX_CLOCK_SKEW, DeduplicationStore, WriteRequest
 
 if TYPE_CHECKING:
-    from mypy_boto3_dynamodb.type_defs import (
-        AttributeValueTypeDef,
-        ScanInputTypeDef,
-        TransactWriteItemTypeDef,
-    )
+    from mypy_boto3_dynamodb.type_defs import AttributeValueTypeDef, TransactWriteItemTypeDef
 
 __all__ = ["DynamoDBDeduplicationStore"]
 
@@ -247,16 +243,15 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
 
     def _purge(self, now: float) -> int:
         values = {":cut": _number(now - self._opts["max_clock_skew"])}
-        request: ScanInputTypeDef = {
-            "TableName": self.table,
-            "ConsistentRead": True,
-            "FilterExpression": "#s = :ep AND #e <= :cut",
-            "ProjectionExpression": "#p",
-            "ExpressionAttributeNames": {"#p": _ID, "#s": _ENDPOINT, "#e": _EXPIRES},
-            "ExpressionAttributeValues": {**values, ":ep": self._endpoint_value},
-        }
+        pages = self._dynamodb.scan(
+            self,
+            FilterExpression="#s = :ep AND #e <= :cut",
+            ProjectionExpression="#p",
+            ExpressionAttributeNames={"#p": _ID, "#s": _ENDPOINT, "#e": _EXPIRES},
+            ExpressionAttributeValues={**values, ":ep": self._endpoint_value},
+        )
         deleted = 0
-        for page in self._dynamodb.scan(self, request):
+        for page in pages:
             expired = [str(item[_ID]["S"]) for item in page.get("Items", [])]
             for first in range(0, len(expired), MAX_TRANSACT_ITEMS):
                 operations: list[tuple[str, TransactWriteItemTypeDef]] = [
@@ -280,12 +275,11 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
     def _count(self, now: float) -> int:
         """Exact: a consistent ``Scan`` of the whole table (see the module), ``Select=COUNT``
         of this endpoint's items live by the client's clock, as :meth:`_find` judges."""
-        request: ScanInputTypeDef = {
-            "TableName": self.table,
-            "ConsistentRead": True,
-            "Select": "COUNT",
-            "FilterExpression": "#s = :ep AND (attribute_not_exists(#e) OR #e > :now)",
-            "ExpressionAttributeNames": {"#s": _ENDPOINT, "#e": _EXPIRES},
-            "ExpressionAttributeValues": {":ep": self._endpoint_value, ":now": _number(now)},
-        }
-        return sum(int(page.get("Count", 0)) for page in self._dynamodb.scan(self, request))
+        pages = self._dynamodb.scan(
+            self,
+            Select="COUNT",
+            FilterExpression="#s = :ep AND (attribute_not_exists(#e) OR #e > :now)",
+            ExpressionAttributeNames={"#s": _ENDPOINT, "#e": _EXPIRES},
+            ExpressionAttributeValues={":ep": self._endpoint_value, ":now": _number(now)},
+        )
+        return sum(int(page.get("Count", 0)) for page in pages)
