@@ -11,12 +11,15 @@
 * :func:`fan_out`: parallel calls over items, on one executor per process, with
   one failure rule: after a failure no new call starts, every started call is
   waited for, and the first failure in input order is raised.
+* :func:`gc_relaxed`: the cyclic garbage collector's young generation collected
+  less often during a batch, then as it was.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import gc
 import itertools
 import os
 import threading
@@ -29,11 +32,13 @@ from tenacity import RetryCallState, Retrying, wait_random_exponential
 
 __all__ = [
     "BACKOFF",
+    "GC_BATCH_THRESHOLD",
     "DeadlinePassed",
     "capped",
     "deadline",
     "executor",
     "fan_out",
+    "gc_relaxed",
     "retry",
     "time_left",
 ]
@@ -267,3 +272,58 @@ def fan_out(fn: Callable[[T], R], items: Iterable[T], *, concurrency: int) -> li
     if errors:
         raise errors[min(errors)]
     return [results[index] for index in sorted(results)]
+
+
+# ---------------------------------------------------------------------- the garbage collector
+
+#: The young generation's threshold in a :func:`gc_relaxed` block (CPython's: 700).
+GC_BATCH_THRESHOLD = 100_000
+
+_gc_lock = threading.Lock()
+_gc_blocks = 0  # gc_relaxed blocks running now, in every thread
+_gc_saved: tuple[int, ...] = ()  # the thresholds when the first of them began
+
+
+@contextlib.contextmanager
+def gc_relaxed(relax: bool = True) -> Iterator[None]:
+    """Run the block with CPython's cyclic garbage collector collecting its youngest
+    generation after :data:`GC_BATCH_THRESHOLD` new objects instead of 700 (``relax``),
+    then put back the thresholds as they were before the first of the blocks running
+    at once began.
+
+    For a batch: its objects live for the whole batch, so every few hundred new
+    objects the collector would move them to its older generations and then, as they
+    die, run full collections, each of which walks every object of the process.
+    Collections still run (a block never stops them, however many threads overlap
+    blocks): reference counting frees what is not a cycle, cycles are collected
+    later. A program that sets the thresholds itself while blocks run loses that
+    setting when the last one ends (``relax=False`` leaves them alone). Thread-safe;
+    a child forked during a block starts with the thresholds as they were.
+    """
+    global _gc_blocks, _gc_saved
+    if not relax:
+        yield
+        return
+    with _gc_lock:
+        if _gc_blocks == 0:
+            _gc_saved = gc.get_threshold()
+            gc.set_threshold(max(GC_BATCH_THRESHOLD, _gc_saved[0]), *_gc_saved[1:])
+        _gc_blocks += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_blocks -= 1
+            if _gc_blocks == 0:
+                gc.set_threshold(*_gc_saved)
+
+
+def _gc_after_fork() -> None:
+    global _gc_blocks, _gc_lock
+    _gc_lock = threading.Lock()
+    if _gc_blocks:
+        gc.set_threshold(*_gc_saved)
+    _gc_blocks = 0
+
+
+os.register_at_fork(after_in_child=_gc_after_fork)

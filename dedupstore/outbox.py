@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from dedupstore import canonical, metrics
+from dedupstore.calls import gc_relaxed
 from dedupstore.entities import (
     ENTITY_FRAME_BYTES,
     Entity,
@@ -202,6 +203,12 @@ class OutboxProcessor:
     the save's token refuses it if anyone saved the entity since (one conflict, then
     a load), so keeping never changes an answer, only the requests a message costs.
 
+    With ``relax_gc`` (the default), CPython's cyclic garbage collector collects its
+    youngest generation less often while :meth:`process_batch` runs
+    (:func:`~dedupstore.calls.gc_relaxed`): a batch's objects would otherwise set
+    off full collections, each walking every object of the process, which in a
+    process holding much data cost more than the batch itself.
+
     Every outbox entry it writes is marked with the time it was written (what
     :func:`~dedupstore.stats.outbox_backlog` reports as the oldest pending entry) and
     with ``run``, a name for one run of a job over its input: with a ``run``, a
@@ -224,11 +231,12 @@ class OutboxProcessor:
         handler_attempts: int = 1,
         run: str | None = None,
         entity_cache: int = 10_000,
+        relax_gc: bool = True,
     ) -> None:
         """Raises ``ConfigurationError`` for an unknown ``cleanup``, a bad
         ``dead_letters`` destination or ``run`` name, ``max_attempts``,
-        ``deferred_limit`` or ``handler_attempts`` below 1, or ``entity_cache``
-        below 0."""
+        ``deferred_limit`` or ``handler_attempts`` below 1, ``entity_cache``
+        below 0, or a ``relax_gc`` that is not a bool."""
         if cleanup not in ("inline", "deferred"):
             raise ConfigurationError(f"cleanup must be 'inline' or 'deferred', got {cleanup!r}")
         for name, value in (
@@ -240,6 +248,8 @@ class OutboxProcessor:
                 raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
         if isinstance(entity_cache, bool) or not isinstance(entity_cache, int) or entity_cache < 0:
             raise ConfigurationError(f"entity_cache must be an int >= 0, got {entity_cache!r}")
+        if not isinstance(relax_gc, bool):
+            raise ConfigurationError(f"relax_gc must be True or False, got {relax_gc!r}")
         if dead_letters is not None:
             validate_name(dead_letters, "dead-letter destination")
         if run is not None:
@@ -253,6 +263,7 @@ class OutboxProcessor:
         self.cleanup = cleanup
         self.max_attempts = max_attempts
         self.deferred_limit = deferred_limit
+        self.relax_gc = relax_gc
         #: valid destinations the handler named, as JSON strings (checked once each)
         self._destinations: dict[str, str] = {}
         #: the entities process() saved last, at the version of that save
@@ -617,7 +628,8 @@ class OutboxProcessor:
         if not plain_ids([m.id for m in messages] + [m.correlation_id for m in messages]):
             for message in messages:
                 _validate(message)
-        results = self._batch(list(messages), handler, 0, before_cleanup)
+        with gc_relaxed(self.relax_gc):
+            results = self._batch(list(messages), handler, 0, before_cleanup)
         self._report(messages, results)
         return results
 

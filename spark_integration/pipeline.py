@@ -37,6 +37,7 @@ from tenacity import (
     wait_exponential,
 )
 
+from dedupstore.calls import gc_relaxed
 from dedupstore.errors import (
     ConfigurationError,
     EntityTooLarge,
@@ -396,10 +397,13 @@ def _processing(
             step = _BatchRunner(task, handler, processor_options, retries, journal)
             pending: list[Message] = []
             for batch in batches:
-                pending.extend(rows.messages(batch, step.invalid if dead_letters else None))
-                while len(pending) >= batch_size:
-                    yield step.run(pending[:batch_size])
-                    del pending[:batch_size]
+                done: list[pa.RecordBatch] = []
+                with gc_relaxed():  # an Arrow batch's rows, as processing them (not a yield)
+                    pending.extend(rows.messages(batch, step.invalid if dead_letters else None))
+                    while len(pending) >= batch_size:
+                        done.append(step.run(pending[:batch_size]))
+                        del pending[:batch_size]
+                yield from done
             if pending:
                 yield step.run(pending)
 

@@ -203,3 +203,73 @@ def test_the_executor_is_per_process() -> None:
     assert os.read(read, 1) == b"1"
     os.waitpid(pid, 0)
     os.close(read)
+
+
+def test_gc_relaxed_raises_the_young_threshold_and_puts_it_back() -> None:
+    import gc
+
+    from dedupstore.calls import GC_BATCH_THRESHOLD, gc_relaxed
+
+    before = gc.get_threshold()
+    relaxed = (GC_BATCH_THRESHOLD, *before[1:])
+    with gc_relaxed():
+        assert gc.get_threshold() == relaxed and gc.isenabled()
+        with gc_relaxed():  # nested (or in another thread): put back once the last ends
+            assert gc.get_threshold() == relaxed
+        assert gc.get_threshold() == relaxed
+    assert gc.get_threshold() == before
+    with pytest.raises(KeyError), gc_relaxed():
+        raise KeyError("the block failed: the thresholds are put back all the same")
+    assert gc.get_threshold() == before
+    with gc_relaxed(relax=False):
+        assert gc.get_threshold() == before
+    gc.set_threshold(500_000, *before[1:])  # a program's own higher threshold is kept
+    try:
+        with gc_relaxed():
+            assert gc.get_threshold()[0] == 500_000
+    finally:
+        gc.set_threshold(*before)
+
+
+def test_gc_relaxed_in_two_threads_puts_back_when_both_ended() -> None:
+    import gc
+
+    from dedupstore.calls import GC_BATCH_THRESHOLD, gc_relaxed
+
+    before = gc.get_threshold()
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen: list[int] = []
+
+    def first() -> None:
+        with gc_relaxed():
+            first_in.set()
+            second_in.wait(5)
+        first_out.set()
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    first_in.wait(5)
+    with gc_relaxed():
+        second_in.set()
+        first_out.wait(5)
+        seen.append(gc.get_threshold()[0])  # the first block ended; this one still runs
+    thread.join(5)
+    assert seen == [GC_BATCH_THRESHOLD] and gc.get_threshold() == before
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() is POSIX")
+def test_a_child_forked_during_a_relaxed_block_has_the_thresholds_as_before() -> None:
+    import gc
+
+    from dedupstore.calls import gc_relaxed
+
+    before = gc.get_threshold()
+    with gc_relaxed():
+        pid = os.fork()
+        if pid == 0:  # the child: the thresholds as before the block, and blocks work
+            ok = gc.get_threshold() == before
+            with gc_relaxed():
+                ok = ok and gc.get_threshold() != before
+            os._exit(0 if ok and gc.get_threshold() == before else 1)
+        _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0 and gc.get_threshold() == before

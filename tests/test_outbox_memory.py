@@ -379,3 +379,29 @@ def test_process_batch_takes_and_keeps_entities_as_process_does() -> None:
     assert calls["load"] == 1, "e retried alone, from a load"
     assert processor.entities.load("e").state["applied"] == [f"m{n}" for n in range(6)]
     assert processor.entities.load("f").state["applied"] == ["n1", "n2", "n3"]
+
+
+def test_a_batch_runs_with_the_collector_relaxed_unless_told_not_to() -> None:
+    import gc
+
+    from dedupstore.calls import GC_BATCH_THRESHOLD
+
+    before = gc.get_threshold()
+    seen: list[int] = []
+
+    def handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+        seen.append(gc.get_threshold()[0])
+        return order_handler(state, message)
+
+    for relax_gc in (True, False):
+        processor, _ = _counted(relax_gc=relax_gc)
+        seen.clear()
+        batch = [Message(f"m{n}", f"e{n % 2}", n) for n in range(4)]
+        assert [r.outcome for r in processor.process_batch(batch, handler)] == ["processed"] * 4
+        assert seen == [GC_BATCH_THRESHOLD if relax_gc else before[0]] * 4
+        assert gc.get_threshold() == before
+        processor.process(Message("m9", "e9", 9), handler)  # one message: as it is
+        assert seen[-1] == before[0]
+    for bad in (1, "yes", None):
+        with pytest.raises(ConfigurationError, match="relax_gc"):
+            OutboxProcessor(processor.entities, processor.dedup, InMemoryDispatcher(), relax_gc=bad)  # type: ignore[arg-type]
