@@ -287,8 +287,8 @@ _gc_saved: tuple[int, ...] = ()  # the thresholds when the first of them began
 @contextlib.contextmanager
 def gc_relaxed(relax: bool = True) -> Iterator[None]:
     """Run the block with CPython's cyclic garbage collector collecting its youngest
-    generation after :data:`GC_BATCH_THRESHOLD` new objects instead of 700 (``relax``),
-    then put back the thresholds as they were before the first of the blocks running
+    generation after :data:`GC_BATCH_THRESHOLD` new objects instead of 700 (``relax``;
+    a higher threshold is kept, and so is 0: automatic collection off), then put back the thresholds as they were before the first of the blocks running
     at once began.
 
     For a batch: its objects live for the whole batch, so every few hundred new
@@ -307,7 +307,8 @@ def gc_relaxed(relax: bool = True) -> Iterator[None]:
     with _gc_lock:
         if _gc_blocks == 0:
             _gc_saved = gc.get_threshold()
-            gc.set_threshold(max(GC_BATCH_THRESHOLD, _gc_saved[0]), *_gc_saved[1:])
+            if _gc_saved[0]:  # (0: the program turned automatic collection off)
+                gc.set_threshold(max(GC_BATCH_THRESHOLD, _gc_saved[0]), *_gc_saved[1:])
         _gc_blocks += 1
     try:
         yield

@@ -223,10 +223,12 @@ def test_gc_relaxed_raises_the_young_threshold_and_puts_it_back() -> None:
     assert gc.get_threshold() == before
     with gc_relaxed(relax=False):
         assert gc.get_threshold() == before
-    gc.set_threshold(500_000, *before[1:])  # a program's own higher threshold is kept
     try:
-        with gc_relaxed():
-            assert gc.get_threshold()[0] == 500_000
+        for own in (500_000, 0):  # a program's own higher threshold is kept, and 0 (off)
+            gc.set_threshold(own, *before[1:])
+            with gc_relaxed():
+                assert gc.get_threshold()[0] == own
+            assert gc.get_threshold()[0] == own
     finally:
         gc.set_threshold(*before)
 
