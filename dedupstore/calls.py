@@ -288,8 +288,8 @@ _gc_saved: tuple[int, ...] = ()  # the thresholds when the first of them began
 def gc_relaxed(relax: bool = True) -> Iterator[None]:
     """Run the block with CPython's cyclic garbage collector collecting its youngest
     generation after :data:`GC_BATCH_THRESHOLD` new objects instead of 700 (``relax``;
-    a higher threshold is kept, and so is 0: automatic collection off), then put back the thresholds as they were before the first of the blocks running
-    at once began.
+    a higher threshold is kept, and so is 0: automatic collection off), then put back
+    the thresholds as they were before the first of the blocks running at once began.
 
     For a batch: its objects live for the whole batch, so every few hundred new
     objects the collector would move them to its older generations and then, as they
