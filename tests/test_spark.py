@@ -406,6 +406,42 @@ def test_each_entity_sees_its_messages_in_order(
                 assert seen == sorted(seen, key=key), (order_col, e)
 
 
+@pytest.mark.parametrize(("spark", "outbox_backend"), _pairs([("local", "sqlite")]), indirect=True)
+def test_a_task_processes_with_the_garbage_collector_relaxed(
+    spark: Any, outbox_backend: OutboxBackend, tmp_path: Path
+) -> None:
+    """Each handler call in a task sees the young threshold of ``gc_relaxed``, and the
+    worker's thresholds are put back between Arrow batches (read by a plain UDF)."""
+    import gc
+
+    from pyspark.sql import functions as F
+
+    from dedupstore.calls import GC_BATCH_THRESHOLD
+
+    rows = [(f"m{n}", f"e{n % 3}") for n in range(30)]
+    df = spark.createDataFrame(rows, "id string, correlation_id string")
+    results = process_messages(
+        df,
+        handle_threshold,
+        dispatcher_url=f"sqlite:///{tmp_path}/q.db",
+        batch_size=4,
+        **_urls(outbox_backend),
+    ).collect()
+    assert Counter(r["outcome"] for r in results) == Counter({"processed": 30})
+    with outbox_backend.entities() as ents:
+        seen = {t for e in range(3) for t in ents.load(f"e{e}").state["thresholds"]}
+    assert seen == {GC_BATCH_THRESHOLD}
+    after = F.udf(lambda _: gc.get_threshold()[0], "int")
+    assert {r[0] for r in df.select(after(df.id)).distinct().collect()} == {gc.get_threshold()[0]}
+
+
+def handle_threshold(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+    import gc
+
+    state.setdefault("thresholds", []).append(gc.get_threshold()[0])
+    return state, []
+
+
 def handle_sequence(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
     state.setdefault("seen", []).append(message.id)
     return state, []
