@@ -186,7 +186,19 @@ def _plain_loop(urls: tuple[str, str, str], messages: list[Message], batch: int)
         return len(messages) / (time.perf_counter() - started)
 
 
-def _spark_run(df: Any, urls: tuple[str, str, str], batch: int, cores: int) -> None:
+def _frame(spark: Any, rows: list[dict[str, Any]]) -> Any:
+    """The deliveries as a cached DataFrame of the demo's input schema (counted once)."""
+    df = spark.createDataFrame(
+        [(r["id"], r["order_id"], r["seq"], r["type"], r["sku"], r["qty"]) for r in rows],
+        INPUT_SCHEMA,
+    ).cache()
+    df.count()
+    return df
+
+
+def _spark_run(
+    df: Any, urls: tuple[str, str, str], partitions: int | None, batch: int = 1000
+) -> None:
     """``process_messages`` over ``df`` on fresh stores, written nowhere (``noop``)."""
     ents_url, dedup_url, out_url = urls
     process_messages(
@@ -198,7 +210,7 @@ def _spark_run(df: Any, urls: tuple[str, str, str], batch: int, cores: int) -> N
         correlation_col="order_id",
         order_col="seq",
         batch_size=batch,
-        partitions=cores * 2,
+        partitions=partitions,
     ).write.format("noop").mode("overwrite").save()
 
 
@@ -224,14 +236,7 @@ def process_rows(
             for master, cores in MASTERS[name]:
                 spark = _session(master, "dedupstore-bench-process")
                 try:
-                    df = spark.createDataFrame(
-                        [
-                            (r["id"], r["order_id"], r["seq"], r["type"], r["sku"], r["qty"])
-                            for r in rows
-                        ],
-                        INPUT_SCHEMA,
-                    ).cache()
-                    df.count()
+                    df = _frame(spark, rows)
                     _say(f"spark bench: process_messages on {master} ({name})")
                     # one batch starts the Python workers; a first full run warms the JVM's
                     # compiler (shown on its own); then the best of ROUNDS runs
@@ -239,7 +244,7 @@ def process_rows(
                     for run in range(ROUNDS + 2):
                         urls = fresh()
                         started = time.perf_counter()
-                        _spark_run(df if run else df.limit(batch), urls, batch, cores)
+                        _spark_run(df if run else df.limit(batch), urls, cores * 2, batch)
                         if run:
                             timed.append(len(rows) / (time.perf_counter() - started))
                     rates[name][f"process_messages on {master}"] = max(timed[1:])
@@ -342,11 +347,7 @@ def small_job(messages: int, tmp: Path, master: str = "local[2]") -> str:
     )
     try:
         shuffle = spark.conf.get("spark.sql.shuffle.partitions")
-        df = spark.createDataFrame(
-            [(r["id"], r["order_id"], r["seq"], r["type"], r["sku"], r["qty"]) for r in rows],
-            INPUT_SCHEMA,
-        ).cache()
-        df.count()
+        df = _frame(spark, rows)
         runs = (
             ("`process_messages`, first call (Python workers start)", None),
             ("`process_messages`, again on the warm session", None),
@@ -355,16 +356,7 @@ def small_job(messages: int, tmp: Path, master: str = "local[2]") -> str:
         for name, partitions in runs:
             url = f"sqlite:///{tmp}/small-{uuid.uuid4().hex[:8]}.db"  # fresh stores each run
             started = time.perf_counter()
-            process_messages(
-                df,
-                handle_order,
-                entities_url=url,
-                dedup_url=url,
-                dispatcher_url=url,
-                correlation_col="order_id",
-                order_col="seq",
-                partitions=partitions,
-            ).write.format("noop").mode("overwrite").save()
+            _spark_run(df, (url, url, url), partitions)
             seconds[name] = time.perf_counter() - started
             tasks[name] = _last_job_tasks(spark)
     finally:

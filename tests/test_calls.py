@@ -259,7 +259,6 @@ def test_gc_relaxed_in_two_threads_puts_back_when_both_ended() -> None:
     assert seen == [GC_BATCH_THRESHOLD] and gc.get_threshold() == before
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() is POSIX")
 def test_a_child_forked_during_a_relaxed_block_has_the_thresholds_as_before() -> None:
     import gc
 
