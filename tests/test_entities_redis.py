@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import dedupstore
 from backends.redis import (
@@ -126,6 +128,58 @@ def test_record_layout_on_the_server(store: RedisEntityStore, admin: redis.Redis
     assert admin.exists(pending) == 0, "an empty outbox leaves its bucket's set"
     assert admin.exists(buckets_key(prefix)) == 0, "an empty bucket leaves the index"
     assert sorted(admin.scan_iter(match=f"{prefix}*")) == [key.encode()]
+
+
+def _colliding_ids() -> list[str]:
+    """Nine entity ids, three in each of three buckets."""
+    by_bucket: dict[int, list[str]] = {}
+    for n in range(100_000):
+        eid = f"e-{n}"
+        ids = by_bucket.setdefault(bucket_of(eid), [])
+        ids.append(eid)
+        if len(ids) == 3 and sum(len(v) == 3 for v in by_bucket.values()) == 3:
+            return [e for v in by_bucket.values() if len(v) == 3 for e in v]
+    raise AssertionError("no collisions found")
+
+
+_SHARED = _colliding_ids()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    steps=st.lists(
+        st.dictionaries(st.sampled_from(_SHARED), st.booleans(), min_size=1, max_size=9),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_pending_sets_and_index_follow_a_plain_model(
+    redis_server: Server, steps: list[dict[str, bool]]
+) -> None:
+    """Saves of entities sharing buckets, pending or not, several per call: each
+    bucket's set holds the pending ids of its bucket, and the index the buckets
+    whose set is not empty (the script changes the index once per call)."""
+    prefix = _prefix()
+    client = _admin(redis_server.url)
+    with RedisEntityStore(redis_server.url, key_prefix=prefix) as store:
+        entities: dict[str, Entity] = {}
+        pending: dict[str, bool] = {}
+        for step in steps:
+            batch = []
+            for eid, is_pending in step.items():
+                entity = entities.setdefault(eid, Entity(eid))
+                entity.outbox = {"m": [_message("m")]} if is_pending else {}
+                batch.append(entity)
+                pending[eid] = is_pending
+            assert store.save_many(batch) == set()
+            model: dict[int, set[bytes]] = {}
+            for eid, is_pending in pending.items():
+                if is_pending:
+                    model.setdefault(bucket_of(eid), set()).add(eid.encode())
+            for bucket in {bucket_of(e) for e in _SHARED}:
+                assert client.smembers(pending_key(prefix, bucket)) == model.get(bucket, set())
+            assert client.smembers(buckets_key(prefix)) == {str(b).encode() for b in model}
+    client.close()
 
 
 def test_entities_and_dedup_records_never_share_keys(redis_server: Server) -> None:

@@ -26,7 +26,7 @@ from backends.redis import RedisDeduplicationStore, RedisEntityStore, record_key
 from backends.redis import dispatcher as redis_dispatcher
 from backends.redis import entities as redis_entities
 from backends.redis import store as redis_store
-from backends.redis._client import escape
+from backends.redis._client import _packed, escape
 from backends.redis.consumer import RedisStreamsBroker
 from backends.redis.dispatcher import RedisDispatcher
 from dedupstore import DeduplicationStore, open_store
@@ -131,6 +131,27 @@ def test_escape_is_the_percent_escaping_of_its_four_characters(part: str) -> Non
     # the stored key layout: each of % : { } as %XX, one character at a time
     expected = "".join(f"%{ord(c):02X}" if c in "%:{}" else c for c in part)
     assert escape(part) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.text(max_size=40) | st.integers(), max_size=8).map(
+            lambda args: ("EVALSHA", *args)
+        ),
+        min_size=1,
+        max_size=3,
+    )
+)
+def test_commands_are_packed_as_redis_py_packs_them(commands: list[tuple[object, ...]]) -> None:
+    """The script calls are packed by hiredis directly: the bytes redis-py sends."""
+    conn = redis.Connection()
+    assert b"".join(_packed(conn, commands)) == b"".join(conn.pack_commands(commands))
+
+
+def test_an_argument_that_cannot_be_packed_is_a_data_error() -> None:
+    with pytest.raises(redis.DataError):
+        _packed(redis.Connection(), [("EVALSHA", "sha", 1, object())])
 
 
 def test_keys_have_no_hash_tag_and_spread_over_slots() -> None:

@@ -81,25 +81,30 @@ local n = (#KEYS - 1) / 2
 local index = KEYS[#KEYS]
 local token, resent = ARGV[1], ARGV[2] == '1'
 local result, todo, versions = {1}, {}, {}
+local function foreign(key, what)
+  local kind = redis.call('TYPE', key)['ok']
+  if kind == what then
+    return redis.error_reply('DEDUPSTORE key ' .. string.sub(key, 1, 200)
+      .. ' holds a hash dedupstore did not write')
+  end
+  return redis.error_reply('WRONGTYPE key ' .. string.sub(key, 1, 200) .. ' holds a '
+    .. kind .. ', not a dedupstore entity')
+end
 for i = 1, n do
   local key = KEYS[i]
   local expected = ARGV[3 + (i - 1) * 4]
-  local kind = redis.call('TYPE', key)['ok']
-  if kind == 'none' then
+  -- one call for a hash of ours; another only for an absent key (or a foreign one)
+  local fields = redis.pcall('HMGET', key, 'v', 't')
+  if fields['err'] then return foreign(key, 'hash') end
+  if not fields[1] and not fields[2] then
+    if redis.call('EXISTS', key) == 1 then return foreign(key, 'hash') end
     if expected == '' then
       todo[#todo + 1] = i
       versions[i] = 1
     end
-  elseif kind ~= 'hash' then
-    return redis.error_reply('WRONGTYPE key ' .. string.sub(key, 1, 200) .. ' holds a '
-      .. kind .. ', not a dedupstore entity')
   else
-    local fields = redis.call('HMGET', key, 'v', 't')
     local version = tonumber(fields[1])
-    if not version then
-      return redis.error_reply('DEDUPSTORE key ' .. string.sub(key, 1, 200)
-        .. ' holds a hash dedupstore did not write')
-    end
+    if not version then return foreign(key, 'hash') end
     if fields[2] == token then
       result[#result + 1] = i
       result[#result + 1] = version
@@ -111,27 +116,51 @@ for i = 1, n do
     end
   end
 end
+local checked = {}
 for i = n + 1, 2 * n + 1 do
-  local kind = redis.call('TYPE', KEYS[i])['ok']
-  if kind ~= 'none' and kind ~= 'set' then
-    return redis.error_reply('WRONGTYPE key ' .. string.sub(KEYS[i], 1, 200) .. ' holds a '
-      .. kind .. ', not a dedupstore pending set')
+  local key = KEYS[i]
+  if not checked[key] then
+    checked[key] = true
+    local kind = redis.call('TYPE', key)['ok']
+    if kind ~= 'none' and kind ~= 'set' then
+      return redis.error_reply('WRONGTYPE key ' .. string.sub(key, 1, 200) .. ' holds a '
+        .. kind .. ', not a dedupstore pending set')
+    end
   end
 end
+-- the index changes once per call: the buckets that gained an id, those left empty
+local gained, shrunk, listed = {}, {}, {}
 for _, i in ipairs(todo) do
   local at = 3 + (i - 1) * 4
+  local set = KEYS[n + i]
   redis.call('HSET', KEYS[i], 'b', ARGV[at + 3], 'v', versions[i], 't', token,
     'p', ARGV[at + 1])
-  local bucket = string.match(KEYS[n + i], '(%d+)$')
   if ARGV[at + 1] == '1' then
-    redis.call('SADD', KEYS[n + i], ARGV[at + 2])
-    redis.call('SADD', index, bucket)
-  elseif redis.call('SREM', KEYS[n + i], ARGV[at + 2]) == 1
-      and redis.call('SCARD', KEYS[n + i]) == 0 then
-    redis.call('SREM', index, bucket)
+    redis.call('SADD', set, ARGV[at + 2])
+    if not listed[set] then
+      listed[set] = true
+      gained[#gained + 1] = string.match(set, '(%d+)$')
+    end
+  elseif redis.call('SREM', set, ARGV[at + 2]) == 1 then
+    shrunk[#shrunk + 1] = set
   end
   result[#result + 1] = i
   result[#result + 1] = versions[i]
+end
+local emptied, seen = {}, {}
+for _, set in ipairs(shrunk) do
+  if not seen[set] and not listed[set] then
+    seen[set] = true
+    if redis.call('SCARD', set) == 0 then
+      emptied[#emptied + 1] = string.match(set, '(%d+)$')
+    end
+  end
+end
+for _, change in ipairs({{'SADD', gained}, {'SREM', emptied}}) do
+  local buckets = change[2]
+  for first = 1, #buckets, 1000 do
+    redis.call(change[1], index, unpack(buckets, first, math.min(first + 999, #buckets)))
+  end
 end
 return result
 """
