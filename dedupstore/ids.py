@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import uuid
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from dedupstore.errors import ConfigurationError, InvalidMessageId
 
@@ -125,12 +127,20 @@ def outgoing_id(consumer: str, correlation_id: str, message_id: str, position: i
     (another consumer, another entity, another message) share one. The text is
     ``str(uuid.uuid5(OUTGOING_NAMESPACE, name))``, computed without building a UUID.
     """
-    name = f"{consumer}\x00{correlation_id}\x00{message_id}\x00{position}"
-    h = hashlib.sha1(_NAMESPACE_BYTES + name.encode("utf-8")).hexdigest()
+    digest = _consumer_hash(consumer).copy()  # the namespace and consumer, hashed once
+    digest.update(f"{correlation_id}\x00{message_id}\x00{position}".encode())
+    h = digest.hexdigest()
     # the UUID's version nibble is 5 and its variant bits 10: digits 12 and 16 change
     return f"{h[:8]}-{h[8:12]}-5{h[13:16]}-{_VARIANT[h[16]]}{h[17:20]}-{h[20:32]}"
 
 
 _NAMESPACE_BYTES = OUTGOING_NAMESPACE.bytes
+
+
+@functools.lru_cache(maxsize=256)
+def _consumer_hash(consumer: str) -> Any:
+    """SHA-1 fed with the namespace and ``consumer\\0``: what every outgoing id of
+    ``consumer`` starts with (copied, never updated in place)."""
+    return hashlib.sha1(_NAMESPACE_BYTES + consumer.encode() + b"\x00")
 #: The hex digit of a digest's byte 8 high nibble -> that of ``(byte & 0x3F) | 0x80``.
 _VARIANT = {digit: "89ab"[int(digit, 16) & 3] for digit in "0123456789abcdef"}

@@ -256,7 +256,9 @@ def test_outgoing_ids_are_uuid5(consumer: str, cid: str, position: int) -> None:
         name.encode("utf-8")
     except UnicodeEncodeError:
         return
-    assert outgoing_id(consumer, cid, "mid", position) == str(uuid.uuid5(OUTGOING_NAMESPACE, name))
+    expected = str(uuid.uuid5(OUTGOING_NAMESPACE, name))
+    assert outgoing_id(consumer, cid, "mid", position) == expected
+    assert outgoing_id(consumer, cid, "mid", position) == expected, "the same id every time"
 
 
 def test_a_deep_copy_of_a_state_shares_nothing() -> None:
