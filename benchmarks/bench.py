@@ -60,7 +60,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from benchmarks.cpu_compare import THIS_TREE, Measured, Run, Stores, compare, extracted
+from benchmarks.cpu_compare import THIS_TREE, Measured, Run, Stores, compare, extracted, paired
 from benchmarks.cpu_compare import handler as _handler
 from benchmarks.cpu_compare import workload as _workload
 from dedupstore import DeduplicationStore, open_entity_store, open_store
@@ -812,7 +812,9 @@ def _render_trees(results: list[Result], args: argparse.Namespace) -> list[str]:
         f"The same runs by the source tree of commit {base} (extracted with `git archive`), "
         "on the same stores (fresh ones for each run, on the same server), each run in a "
         "child process whose `PYTHONPATH` is its tree, the same workload and handler, in "
-        "alternating rounds; the median round of each. On `memory://` the figure is process "
+        "alternating rounds (the two runs of a round back to back); the median round of each, "
+        "and as the ratio the median of the rounds' ratios (a slow spell of the shared machine "
+        "that spans a round slows both runs of it). On `memory://` the figure is process "
         "CPU time (the processor's Python CPU is all there is to measure, and the machine "
         "is shared); on the servers it is wall-clock time (they do I/O).",
         "",
@@ -827,7 +829,7 @@ def _render_trees(results: list[Result], args: argparse.Namespace) -> list[str]:
             lines.append(
                 f"| {r.label} | {label.replace('/', ' ')} | {clock} | {len(this.seconds)} "
                 f"| {_fmt(this.rate)} | {_fmt(other.rate)} | {this.spread} | {other.spread} "
-                f"| {this.rate / other.rate:.2f}x |"
+                f"| {paired(this, other):.2f}x |"
             )
     return lines
 
@@ -942,9 +944,9 @@ def _outbox_targets(results: list[Result], args: argparse.Namespace) -> list[str
             name = f"{r.label} {label.replace('/', ' ')}, this / {args.baseline}"
             noise = f"rounds: this {this.spread}, {args.baseline} {other.spread} messages/s"
             if goal:
-                check(name, this.rate / other.rate, goal, [shared, noise, _CPU_PATH])
+                check(name, paired(this, other), goal, [shared, noise, _CPU_PATH])
             else:
-                rows.append(f"- {name} (no target): {this.rate / other.rate:.2f}x")
+                rows.append(f"- {name} (no target): {paired(this, other):.2f}x")
         if "powertools" in r.outbox:
             base = r.outbox["powertools"]
             calls = (

@@ -162,6 +162,13 @@ class Measured:
         return f"{self.messages / max(self.seconds):,.0f}-{self.messages / min(self.seconds):,.0f}"
 
 
+def paired(this: Measured, other: Measured) -> float:
+    """How many times faster ``this`` ran than ``other``: the median over the rounds
+    of each round's ratio (the two runs of a round ran back to back, so a slow spell
+    of the shared machine that spans a round slows both and cancels out)."""
+    return statistics.median(o / t for t, o in zip(this.seconds, other.seconds, strict=True))
+
+
 def _memory_stores() -> Stores:
     url = f"memory://cpu-{uuid.uuid4().hex[:12]}"
     return Stores(url, url)
@@ -228,7 +235,7 @@ def render(results: dict[str, Measured], unit: str = "messages / CPU s") -> str:
     ]
     for name in names:
         r = results[name]
-        ratios = [f"{r.rate / results[o].rate:.2f}" for o in names if o != "this"]
+        ratios = [f"{paired(r, results[o]):.2f}" for o in names if o != "this"]
         lines.append(
             f"| {name} | {r.median:.3f} | {r.rate:,.0f} | {r.spread} | " + " | ".join(ratios) + " |"
         )

@@ -22,6 +22,7 @@ from backends.redis import (
     record_key,
 )
 from backends.redis._client import RedisConnection
+from backends.redis.entities import _PRUNE_SCRIPT
 from dedupstore.client import Connected
 from dedupstore.entities import Entity, OutgoingMessage, bucket_of, encode_entity
 from dedupstore.errors import (
@@ -107,9 +108,10 @@ def test_record_layout_on_the_server(store: RedisEntityStore, admin: redis.Redis
     entity.outbox["m-1"] = [_message("m-1")]
     store.save(entity)
     fields = admin.hgetall(key)
-    assert set(fields) == {b"b", b"v", b"t", b"p"}
+    assert set(fields) == {b"b", b"v", b"t", b"p", b"i"}
     assert fields[b"b"] == encode_entity(entity).encode()
     assert fields[b"v"] == b"1" and fields[b"p"] == b"1" and len(fields[b"t"]) == 32
+    assert fields[b"i"] == b"1", "the hash says its id is in its bucket's set"
     pending = f"{prefix}pending:{bucket_of(eid)}"
     assert pending == pending_key(prefix, bucket_of(eid))
     assert admin.smembers(pending) == {eid.encode()}
@@ -124,10 +126,19 @@ def test_record_layout_on_the_server(store: RedisEntityStore, admin: redis.Redis
 
     entity.outbox.clear()
     store.save(entity)
-    assert admin.hmget(key, "v", "p") == [b"3", b"0"]
+    assert admin.hmget(key, "v", "p", "i") == [b"3", b"0", b"1"]
+    assert admin.smembers(pending) == {eid.encode()}, "the set keeps it until a scan"
+    assert list(store.pending_outboxes()) == []
+    assert admin.hmget(key, "v", "p", "i") == [b"3", b"0", None], "the scan pruned it"
     assert admin.exists(pending) == 0, "an empty outbox leaves its bucket's set"
     assert admin.exists(buckets_key(prefix)) == 0, "an empty bucket leaves the index"
     assert sorted(admin.scan_iter(match=f"{prefix}*")) == [key.encode()]
+
+    entity.outbox["m-2"] = [_message("m-2")]  # pending again: back in the set
+    store.save(entity)
+    assert admin.smembers(pending) == {eid.encode()}
+    assert admin.hget(key, "i") == b"1"
+    assert [e.id for e in store.pending_outboxes()] == [eid]
 
 
 def _colliding_ids() -> list[str]:
@@ -148,19 +159,22 @@ _SHARED = _colliding_ids()
 @settings(max_examples=40, deadline=None)
 @given(
     steps=st.lists(
-        st.dictionaries(st.sampled_from(_SHARED), st.booleans(), min_size=1, max_size=9),
+        st.dictionaries(st.sampled_from(_SHARED), st.booleans(), min_size=1, max_size=9)
+        | st.just({}),  # {}: a scan
         min_size=1,
-        max_size=6,
+        max_size=8,
     )
 )
 def test_pending_sets_and_index_follow_a_plain_model(
     redis_server: Server, steps: list[dict[str, bool]]
 ) -> None:
-    """Saves of entities sharing buckets, pending or not, several per call: each
-    bucket's set holds the pending ids of its bucket, and the index the buckets
-    whose set is not empty (the script changes the index once per call)."""
+    """Saves of entities sharing buckets, pending or not, several per call, and scans
+    in between: a pending entity is always in its bucket's set and its bucket in the
+    index (the sweep finds it); an id is in a set exactly when its hash says so; a
+    scan yields exactly the pending entities and leaves exactly them in the sets."""
     prefix = _prefix()
     client = _admin(redis_server.url)
+    buckets = {bucket_of(e) for e in _SHARED}
     with RedisEntityStore(redis_server.url, key_prefix=prefix) as store:
         entities: dict[str, Entity] = {}
         pending: dict[str, bool] = {}
@@ -171,15 +185,51 @@ def test_pending_sets_and_index_follow_a_plain_model(
                 entity.outbox = {"m": [_message("m")]} if is_pending else {}
                 batch.append(entity)
                 pending[eid] = is_pending
-            assert store.save_many(batch) == set()
-            model: dict[int, set[bytes]] = {}
+            if batch:
+                assert store.save_many(batch) == set()
+            else:
+                found = sorted(e.id for e in store.pending_outboxes())
+                assert found == sorted(e for e, p in pending.items() if p)
+            members = {b: client.smembers(pending_key(prefix, b)) for b in buckets}
+            index = client.smembers(buckets_key(prefix))
             for eid, is_pending in pending.items():
+                listed = eid.encode() in members[bucket_of(eid)]
+                assert listed == (client.hget(entity_key(prefix, eid), "i") == b"1")
                 if is_pending:
-                    model.setdefault(bucket_of(eid), set()).add(eid.encode())
-            for bucket in {bucket_of(e) for e in _SHARED}:
-                assert client.smembers(pending_key(prefix, bucket)) == model.get(bucket, set())
-            assert client.smembers(buckets_key(prefix)) == {str(b).encode() for b in model}
+                    assert listed and str(bucket_of(eid)).encode() in index
+            assert index == {str(b).encode() for b, ids in members.items() if ids}
+            if not batch:  # a scan leaves exactly the pending ids
+                expected: dict[int, set[bytes]] = {b: set() for b in buckets}
+                for eid, is_pending in pending.items():
+                    if is_pending:
+                        expected[bucket_of(eid)].add(eid.encode())
+                assert members == expected
     client.close()
+
+
+def test_a_scan_never_prunes_an_entity_saved_pending_meanwhile(
+    store: RedisEntityStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scan reads an entity as not pending; before it prunes the id, the entity is
+    saved pending again (its hash says it is in the set, so the save does not add it):
+    the prune checks again and keeps it, and the next sweep finds it."""
+    entity = Entity("racy", outbox={"m-1": [_message("m-1")]})
+    store.save(entity)
+    entity.outbox = {}
+    store.save(entity)  # not pending, still in its bucket's set
+    connection = store._redis  # type: ignore[attr-defined]
+    run_script = connection.run_script
+
+    def racing(client: Any, source: str, *args: Any) -> Any:
+        if source == _PRUNE_SCRIPT:
+            entity.outbox = {"m-2": [_message("m-2")]}
+            store.save(entity)
+        return run_script(client, source, *args)
+
+    monkeypatch.setattr(connection, "run_script", racing)
+    assert list(store.pending_outboxes()) == [], "read before the save"
+    monkeypatch.undo()
+    assert [e.id for e in store.pending_outboxes()] == ["racy"]
 
 
 def test_entities_and_dedup_records_never_share_keys(redis_server: Server) -> None:

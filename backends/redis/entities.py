@@ -4,22 +4,26 @@ Layout (``key_prefix`` ``dedupent:`` by default; keys: see :mod:`backends.redis.
 
 * one hash per entity, ``<key_prefix>e:<id>`` (the id escaped), with the fields ``b``
   (the canonical JSON body), ``v`` (the version: 1, 2, 3, ... per save), ``t`` (the
-  random write token of the save that wrote it) and ``p`` (``1`` while the outbox is
-  not empty, else ``0``);
+  random write token of the save that wrote it), ``p`` (``1`` while the outbox is
+  not empty, else ``0``) and ``i`` (``1`` while the id is in its bucket's set);
 * one set per bucket, ``<key_prefix>pending:<bucket>`` (``bucket_of(id)``, 0..4095),
-  holding the ids of the entities of that bucket whose outbox is not empty;
+  holding the ids of the entities of that bucket whose outbox is not empty, and of
+  some whose outbox emptied since the last scan (see below);
 * one set ``<key_prefix>pending-buckets`` of the buckets whose set is not empty (the
-  scan's index, kept by the same script).
+  scan's index, kept by the same scripts).
 
 Token: the version. A save is one ``EVALSHA`` per chunk of up to 500 entities and 16 MiB
 of bodies (one flush on a durable server; Redis runs a script atomically and serves no
-other client meanwhile: about 5 ms for 500 small entities). For each entity the script
+other client meanwhile: a few ms for 500 small entities). For each entity the script
 compares the stored version with the one the entity was loaded at (absent when ``None``)
-and either writes body, version + 1, token and pending flag and moves the id into or out
-of its bucket's set, or leaves it alone (a conflict). Every key is checked before any is
-written: a foreign key fails the whole chunk, nothing half-written. Loads: one pipelined
-``HMGET b v`` per id, 100 ids per round trip (a hash without those two fields loads as
-absent; saving it is refused).
+and either writes body, version + 1, token and pending flag, or leaves it alone (a
+conflict). A pending entity whose hash does not say ``i = 1`` also joins its bucket's
+set (and the bucket the index); an entity whose outbox empties stays in the set: a
+save costs one read and one write of the hash, plus a set and the index only when an
+entity becomes pending for the first time since it was pruned. Every key is checked
+before any is written: a foreign key fails the whole chunk, nothing half-written.
+Loads: one pipelined ``HMGET b v`` per id, 100 ids per round trip (a hash without
+those two fields loads as absent; saving it is refused).
 
 Lost answers: an entity whose hash already holds this save's token was written by an
 earlier attempt and is reported as saved. A re-sent script that meets an entity whose
@@ -31,9 +35,13 @@ false.
 Scan: segment ``s`` of ``n`` reads the index (``SMEMBERS``, at most 4096 numbers) and
 walks the sets of its non-empty buckets ``b % n == s`` with ``SSCAN`` (64 buckets per
 pipelined round trip; an empty store costs one round trip) and reads the bodies with one
-pipelined ``HMGET`` per id, a page of 100 ids at a time; ids whose entity is gone
-or no longer pending are skipped. Memory: one page of bodies plus the ids of one
-round of buckets (an id set per bucket de-duplicates ``SSCAN``'s repeats).
+pipelined ``HMGET`` per id, a page of 100 ids at a time. The ids of a page whose entity
+is gone or no longer pending are pruned: one script per page removes each from its set
+if the entity is still not pending then (a save in between keeps it), clears its ``i``,
+and removes the buckets left empty from the index. So the sets hold the pending
+entities plus those that stopped being pending since the last scan of their bucket
+(their ids only: about 60 bytes each). Memory: one page of bodies plus the ids of
+one round of buckets (an id set per bucket de-duplicates ``SSCAN``'s repeats).
 
 Size limit: 4 MiB of JSON per entity (``max_entity_bytes``). Redis takes values up
 to 512 MB (``proto-max-bulk-len``), but an entity is read whole by every load and
@@ -75,15 +83,17 @@ __all__ = ["RedisEntityStore", "buckets_key", "entity_key", "pending_key"]
 # Returns {1, i, version, ...} for the entities saved (now, or by the earlier attempt:
 # their hash holds this token), or {0} having written nothing when a re-sent call meets
 # an entity that moved on (its lost attempt may have written it). No keys: a probe.
+# A pending entity joins its bucket's set unless its hash says it is in it (i = 1);
+# one that is no longer pending stays in the set until a scan prunes it.
 _SAVE_SCRIPT = """
 if #KEYS == 0 then return {} end
 local n = (#KEYS - 1) / 2
 local index = KEYS[#KEYS]
 local token, resent = ARGV[1], ARGV[2] == '1'
-local result, todo, versions = {1}, {}, {}
-local function foreign(key, what)
+local result, todo, versions, joins = {1}, {}, {}, {}
+local function foreign(key)
   local kind = redis.call('TYPE', key)['ok']
-  if kind == what then
+  if kind == 'hash' then
     return redis.error_reply('DEDUPSTORE key ' .. string.sub(key, 1, 200)
       .. ' holds a hash dedupstore did not write')
   end
@@ -92,77 +102,101 @@ local function foreign(key, what)
 end
 for i = 1, n do
   local key = KEYS[i]
-  local expected = ARGV[3 + (i - 1) * 4]
+  local at = 3 + (i - 1) * 4
+  local expected, pending = ARGV[at], ARGV[at + 1] == '1'
   -- one call for a hash of ours; another only for an absent key (or a foreign one)
-  local fields = redis.pcall('HMGET', key, 'v', 't')
-  if fields['err'] then return foreign(key, 'hash') end
+  local fields = redis.pcall('HMGET', key, 'v', 't', 'i')
+  if fields['err'] then return foreign(key) end
   if not fields[1] and not fields[2] then
-    if redis.call('EXISTS', key) == 1 then return foreign(key, 'hash') end
+    if redis.call('EXISTS', key) == 1 then return foreign(key) end
     if expected == '' then
       todo[#todo + 1] = i
       versions[i] = 1
+      joins[i] = pending
     end
   else
     local version = tonumber(fields[1])
-    if not version then return foreign(key, 'hash') end
+    if not version then return foreign(key) end
     if fields[2] == token then
       result[#result + 1] = i
       result[#result + 1] = version
     elseif expected == '=' .. fields[1] then
       todo[#todo + 1] = i
       versions[i] = version + 1
+      joins[i] = pending and fields[3] ~= '1'
     elseif resent then
       return {0}
     end
   end
 end
-local checked = {}
-for i = n + 1, 2 * n + 1 do
-  local key = KEYS[i]
-  if not checked[key] then
-    checked[key] = true
-    local kind = redis.call('TYPE', key)['ok']
-    if kind ~= 'none' and kind ~= 'set' then
-      return redis.error_reply('WRONGTYPE key ' .. string.sub(key, 1, 200) .. ' holds a '
-        .. kind .. ', not a dedupstore pending set')
+-- every set written is checked before anything is written
+local checked, gained = {}, {}
+for _, i in ipairs(todo) do
+  local set = KEYS[n + i]
+  if joins[i] and not checked[set] then
+    checked[set] = true
+    gained[#gained + 1] = string.match(set, '(%d+)$')
+    for _, key in ipairs({set, index}) do
+      local kind = redis.call('TYPE', key)['ok']
+      if kind ~= 'none' and kind ~= 'set' then
+        return redis.error_reply('WRONGTYPE key ' .. string.sub(key, 1, 200) .. ' holds a '
+          .. kind .. ', not a dedupstore pending set')
+      end
     end
   end
 end
--- the index changes once per call: the buckets that gained an id, those left empty
-local gained, shrunk, listed = {}, {}, {}
 for _, i in ipairs(todo) do
   local at = 3 + (i - 1) * 4
-  local set = KEYS[n + i]
-  redis.call('HSET', KEYS[i], 'b', ARGV[at + 3], 'v', versions[i], 't', token,
-    'p', ARGV[at + 1])
-  if ARGV[at + 1] == '1' then
-    redis.call('SADD', set, ARGV[at + 2])
-    if not listed[set] then
-      listed[set] = true
-      gained[#gained + 1] = string.match(set, '(%d+)$')
-    end
-  elseif redis.call('SREM', set, ARGV[at + 2]) == 1 then
-    shrunk[#shrunk + 1] = set
+  if joins[i] then
+    redis.call('HSET', KEYS[i], 'b', ARGV[at + 3], 'v', versions[i], 't', token,
+      'p', '1', 'i', '1')
+    redis.call('SADD', KEYS[n + i], ARGV[at + 2])
+  else
+    redis.call('HSET', KEYS[i], 'b', ARGV[at + 3], 'v', versions[i], 't', token,
+      'p', ARGV[at + 1])
   end
   result[#result + 1] = i
   result[#result + 1] = versions[i]
 end
-local emptied, seen = {}, {}
-for _, set in ipairs(shrunk) do
-  if not seen[set] and not listed[set] then
-    seen[set] = true
-    if redis.call('SCARD', set) == 0 then
-      emptied[#emptied + 1] = string.match(set, '(%d+)$')
+for first = 1, #gained, 1000 do
+  redis.call('SADD', index, unpack(gained, first, math.min(first + 999, #gained)))
+end
+return result
+"""
+
+
+# KEYS[1..n]: entity keys; KEYS[n+1..2n]: the pending set each id was found in;
+# KEYS[2n+1]: the index. ARGV[1..n]: the ids. Removes from its set each id whose
+# entity is not pending (gone, or p is not 1: an entity of ours then forgets it is
+# in the set), then the buckets left empty from the index; a foreign key is left
+# alone. Returns the number of ids removed.
+_PRUNE_SCRIPT = """
+if #KEYS == 0 then return 0 end
+local n = (#KEYS - 1) / 2
+local index = KEYS[#KEYS]
+local removed, shrunk, seen = 0, {}, {}
+for i = 1, n do
+  local pending = redis.pcall('HGET', KEYS[i], 'p')
+  if type(pending) ~= 'table' and pending ~= '1' then
+    local set = KEYS[n + i]
+    removed = removed + redis.call('SREM', set, ARGV[i])
+    if pending then redis.call('HDEL', KEYS[i], 'i') end
+    if not seen[set] then
+      seen[set] = true
+      shrunk[#shrunk + 1] = set
     end
   end
 end
-for _, change in ipairs({{'SADD', gained}, {'SREM', emptied}}) do
-  local buckets = change[2]
-  for first = 1, #buckets, 1000 do
-    redis.call(change[1], index, unpack(buckets, first, math.min(first + 999, #buckets)))
+local emptied = {}
+for _, set in ipairs(shrunk) do
+  if redis.call('SCARD', set) == 0 then
+    emptied[#emptied + 1] = string.match(set, '(%d+)$')
   end
 end
-return result
+for first = 1, #emptied, 1000 do
+  redis.call('SREM', index, unpack(emptied, first, math.min(first + 999, #emptied)))
+end
+return removed
 """
 
 
@@ -270,7 +304,7 @@ class RedisEntityStore(EntityStore):
     _joins = RedisDeduplicationStore
     _commands: ClassVar[str] = (  # with the deduplication store's (the joined calls)
         "+ping +info +script|load +evalsha +wait +hmget +get +sscan +smembers, and in the "
-        "script +type +hget +hmget +hset +sadd +srem +scard +exists +mget +set +mset"
+        "script +type +hget +hmget +hset +hdel +sadd +srem +scard +exists +mget +set +mset"
     )
     _unconfirmed: ClassVar[str] = (
         "the entities are saved on the primary but their durability is unknown (reload "
@@ -379,18 +413,19 @@ class RedisEntityStore(EntityStore):
         return {records[int(pairs[k]) - 1].id: int(pairs[k + 1]) for k in range(0, len(pairs), 2)}
 
     def _scan(self, segment: int, segments: int) -> Iterator[tuple[str, str, Any]]:
-        """Pending ids by ``SSCAN`` of the segment's buckets, bodies a page at a time."""
-        page: list[str] = []
-        for ids in self._pending_ids(segment, segments):
-            page += ids
+        """Pending ids by ``SSCAN`` of the segment's buckets, bodies a page at a time;
+        the ids of entities no longer pending are pruned from the sets as they are met."""
+        page: list[tuple[str, int]] = []
+        for bucket, ids in self._pending_ids(segment, segments):
+            page += [(eid, bucket) for eid in ids]
             while len(page) >= self.max_load_batch:
                 yield from self._read_page(page[: self.max_load_batch])
                 page = page[self.max_load_batch :]
         if page:
             yield from self._read_page(page)
 
-    def _pending_ids(self, segment: int, segments: int) -> Iterator[list[str]]:
-        """Lists of ids from the pending sets of the segment's buckets, each id once."""
+    def _pending_ids(self, segment: int, segments: int) -> Iterator[tuple[int, list[str]]]:
+        """``(bucket, ids)`` from the pending sets of the segment's buckets, each id once."""
         members = self._redis.read(
             lambda: self._redis.client.smembers(buckets_key(self._key_prefix))
         )
@@ -401,7 +436,7 @@ class RedisEntityStore(EntityStore):
             for bucket, (cursor, members) in zip(group, replies, strict=True):
                 seen = {_body(m) for m in members}
                 if seen:
-                    yield list(seen)
+                    yield bucket, list(seen)
                 while int(cursor):
                     cursor, more = self._redis.read(
                         functools.partial(
@@ -414,17 +449,31 @@ class RedisEntityStore(EntityStore):
                     fresh = {_body(m) for m in more} - seen
                     if fresh:
                         seen |= fresh
-                        yield list(fresh)
+                        yield bucket, list(fresh)
 
     def _sscan_first(self, buckets: list[int], pipe: Any) -> None:
         for bucket in buckets:
             pipe.sscan(pending_key(self._key_prefix, bucket), 0, count=_SSCAN_COUNT)
 
-    def _read_page(self, ids: list[str]) -> Iterator[tuple[str, str, Any]]:
+    def _read_page(self, page: list[tuple[str, int]]) -> Iterator[tuple[str, str, Any]]:
+        """The pending entities of ``page`` (``(id, bucket)`` pairs); the others (gone,
+        or saved since with an empty outbox) leave their bucket's set, atomically with
+        a check that they are still not pending (:data:`_PRUNE_SCRIPT`)."""
         replies = self._redis.pipelined(
-            lambda pipe: [pipe.hmget(self._key(eid), ["b", "v", "p"]) for eid in ids]
+            lambda pipe: [pipe.hmget(self._key(eid), ["b", "v", "p"]) for eid, _ in page]
         )
-        for eid, (body, stored, pending) in zip(ids, replies, strict=True):
+        found: list[tuple[str, str, Any]] = []
+        stale: list[tuple[str, int]] = []
+        for (eid, bucket), (body, stored, pending) in zip(page, replies, strict=True):
             version = _version(stored)
             if body is not None and version is not None and pending in (b"1", "1"):
-                yield eid, _body(body), version
+                found.append((eid, _body(body), version))
+            elif (body is None and stored is None) or version is not None:
+                stale.append((eid, bucket))
+        if stale:
+            keys = [self._key(eid) for eid, _ in stale]
+            keys += [pending_key(self._key_prefix, bucket) for _, bucket in stale]
+            keys.append(buckets_key(self._key_prefix))
+            ids = [eid for eid, _ in stale]
+            self._redis.run_script(self, _PRUNE_SCRIPT, keys, ids)
+        yield from found
