@@ -165,11 +165,13 @@ def test_row_layout_beside_the_deduplication_table(
     table = sql.Identifier(fresh_schema, DEFAULT_ENTITY_TABLE)
     rows = _exec(
         postgres_server.url,
-        sql.SQL("SELECT id, body, version, bucket, pending FROM {} ORDER BY id").format(table),
+        sql.SQL("SELECT id, body, version, bucket, pending, listed FROM {} ORDER BY id").format(
+            table
+        ),
     )
     assert rows == [
-        ("Order-1", encode_entity(quiet), 1, bucket_of("Order-1"), False),
-        ("order-1", encode_entity(entity), 2, bucket_of("order-1"), True),
+        ("Order-1", encode_entity(quiet), 1, bucket_of("Order-1"), False, False),
+        ("order-1", encode_entity(entity), 2, bucket_of("order-1"), True, True),
     ]
     assert rows[1][1] == (
         '{"outbox":{"m-1":{"out":[{"body":{"mid":"m-1"},"destination":"shipping",'
@@ -193,6 +195,7 @@ def test_row_layout_beside_the_deduplication_table(
         ("version", "bigint", True, ""),
         ("bucket", "integer", True, ""),
         ("pending", "boolean", True, ""),
+        ("listed", "boolean", True, ""),
     ]
     indexes = _exec(
         postgres_server.url,
@@ -202,7 +205,7 @@ def test_row_layout_beside_the_deduplication_table(
     )
     assert sorted(row[0].split(" USING ")[1] for row in indexes) == [
         "btree (id)",
-        "btree (id) WHERE pending",
+        "btree (id) WHERE listed",
     ]
     options = _exec(
         postgres_server.url,
@@ -210,6 +213,63 @@ def test_row_layout_beside_the_deduplication_table(
         f"{fresh_schema}.{DEFAULT_ENTITY_TABLE}",
     )
     assert options == [(["fillfactor=80"],)]
+
+
+def test_a_row_stays_listed_until_a_scan_finds_it_not_pending(
+    postgres_server: Server, factory: EntityStoreFactory, fresh_table: str
+) -> None:
+    """A save never clears ``listed`` (so the index's columns do not change on the
+    saves of a listed entity: heap-only updates); the scan clears it on a row it
+    finds not pending, and a save of a pending outbox sets it again."""
+    store = factory()
+
+    def listed() -> list[tuple[str, bool, bool]]:
+        return _exec(
+            postgres_server.url,
+            sql.SQL("SELECT id, pending, listed FROM {} ORDER BY id").format(
+                sql.Identifier(fresh_table)
+            ),
+        )
+
+    entity = _new(store, "e-1", n=1)
+    entity.outbox["m-1"] = None
+    store.save(entity)
+    entity.outbox.clear()
+    store.save(entity)
+    assert listed() == [("e-1", False, True)]
+    assert list(store.pending_outboxes()) == []
+    assert listed() == [("e-1", False, False)], "the scan unlisted it"
+    entity.outbox["m-2"] = None
+    store.save(entity)
+    assert listed() == [("e-1", True, True)]
+    assert [e.id for e in store.pending_outboxes()] == ["e-1"]
+
+
+def test_a_scan_never_unlists_a_row_saved_pending_meanwhile(
+    factory: EntityStoreFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scan reads a row as not pending; before it unlists it, the entity is saved
+    pending again (the save keeps ``listed``): the unlist re-checks the row and
+    leaves it, and the next scan finds it."""
+    store = factory()
+    entity = _new(store, "racy", n=1)
+    entity.outbox["m-1"] = None
+    store.save(entity)
+    entity.outbox.clear()
+    store.save(entity)
+    connection = store._pg  # type: ignore[attr-defined]
+    write = connection.write
+
+    def racing(client: Any, query: bytes, params: Any, **options: Any) -> Any:
+        if query == store._sql_unlist:  # type: ignore[attr-defined]
+            entity.outbox["m-2"] = None
+            store.save(entity)
+        return write(client, query, params, **options)
+
+    monkeypatch.setattr(connection, "write", racing)
+    assert list(store.pending_outboxes()) == [], "read before the save"
+    monkeypatch.undo()
+    assert [e.id for e in store.pending_outboxes()] == ["racy"]
 
 
 def test_health_warnings_cover_the_entity_table(

@@ -11,7 +11,8 @@ Table layout (``create=true`` or :meth:`PostgresEntityStore.create_schema`)::
     version  bigint NOT NULL               -- the token: 1, 2, 3, ... per entity
     bucket   integer NOT NULL              -- bucket_of(id), 0..4095
     pending  boolean NOT NULL              -- the outbox is not empty
-    + index <table>_pending ON (id) WHERE pending; fillfactor 80 (in-page updates)
+    listed   boolean NOT NULL              -- in the scan's index (see Scan)
+    + index <table>_listed ON (id) WHERE listed; fillfactor 80 (in-page updates)
 
 ``body`` is ``text`` rather than ``jsonb`` so the canonical JSON comes back byte
 for byte (``jsonb`` reorders keys, turns ``1e20`` into an integer and refuses
@@ -31,10 +32,16 @@ without I/O. The store never deletes entities; a loaded entity whose row was del
 by hand conflicts (it is not re-created), except when the delete commits while the
 save is running.
 
-Scan: ``WHERE pending AND mod(bucket, segments) = segment``, keyset-paginated by
+Scan: ``WHERE listed AND mod(bucket, segments) = segment``, keyset-paginated by
 ``id`` (the partial index), at most 500 rows and about 16 MiB of bodies per page,
 each page its own statement: memory is bounded by a page and no transaction
-stays open between pages. An entity saved meanwhile is seen as of its page.
+stays open between pages. An entity saved meanwhile is seen as of its page. A save
+sets ``listed`` when the outbox is not empty and never clears it, so the columns of
+an index change only when an entity becomes pending for the first time since it
+was last pruned: every other save is a heap-only (HOT) update of one page, without
+new index entries. The scan yields the pending rows and clears ``listed`` on the
+others of its page (``UPDATE ... WHERE NOT pending``: a row saved pending meanwhile
+is re-checked under its lock and stays listed).
 
 Size limit: 4 MiB of canonical JSON per entity (``max_entity_bytes``, checked
 before any I/O). PostgreSQL would hold up to 1 GB per value; 4 MiB keeps the
@@ -120,6 +127,7 @@ class PostgresEntityStore(EntityStore):
         execute(conn, self._sql_save, self._save_params([]))
         execute(conn, self._sql_load, {"ids": []})
         execute(conn, self._sql_scan, self._scan_params(0, 1, "", 0))
+        execute(conn, self._sql_unlist, {"ids": []})
 
     def _build_statements(self) -> None:
         render = self._table.render
@@ -130,11 +138,12 @@ class PostgresEntityStore(EntityStore):
                 "body text NOT NULL, "
                 "version bigint NOT NULL, "
                 "bucket integer NOT NULL, "
-                "pending boolean NOT NULL) "
+                "pending boolean NOT NULL, "
+                "listed boolean NOT NULL) "
                 "WITH (fillfactor = 80)"
             ),
             render(
-                "CREATE INDEX IF NOT EXISTS {index} ON {table} (id) WHERE pending", index="pending"
+                "CREATE INDEX IF NOT EXISTS {index} ON {table} (id) WHERE listed", index="listed"
             ),
         ]
 
@@ -144,15 +153,16 @@ class PostgresEntityStore(EntityStore):
         # inserted (the store deletes no rows: the row of a version seen exists).
         def save(guard: str = "") -> bytes:  # guard: a condition on the rows written
             return render(
-                "INSERT INTO {table} AS t (id, body, version, bucket, pending) "
-                "SELECT u.id, u.body, u.version, u.bucket, u.pending "
+                "INSERT INTO {table} AS t (id, body, version, bucket, pending, listed) "
+                "SELECT u.id, u.body, u.version, u.bucket, u.pending, u.pending "
                 "FROM unnest(%(ids)b::text[], %(bodies)b::text[], %(versions)b::int8[], "
                 "%(buckets)b::int4[], %(pending)b::bool[]) WITH ORDINALITY "
                 "AS u(id, body, version, bucket, pending, n) "
                 "WHERE (u.version = 1 OR EXISTS (SELECT 1 FROM {table} AS e WHERE e.id = u.id))"
                 f"{guard} ORDER BY u.n "
                 "ON CONFLICT (id) DO UPDATE SET body = EXCLUDED.body, "
-                "version = EXCLUDED.version, bucket = EXCLUDED.bucket, pending = EXCLUDED.pending "
+                "version = EXCLUDED.version, bucket = EXCLUDED.bucket, pending = EXCLUDED.pending, "
+                "listed = t.listed OR EXCLUDED.pending "
                 "WHERE t.version = EXCLUDED.version - 1 "
                 "RETURNING t.id, t.version"
             )
@@ -162,19 +172,25 @@ class PostgresEntityStore(EntityStore):
         self._sql_load = render(
             "SELECT id, body, version FROM {table} WHERE id = ANY(%(ids)b::text[])"
         )
-        # One page: the next ``rows`` pending ids of the segment after ``after``,
-        # cut after about ``budget`` bytes of bodies (octet_length reads no body).
-        # ``n`` is the page's row count before the cut: fewer than ``rows`` and
-        # nothing cut means the segment is done.
+        # One page: the next ``rows`` listed ids of the segment after ``after``,
+        # cut after about ``budget`` bytes of bodies (octet_length reads no body);
+        # the body of a row no longer pending is NULL. ``n`` is the page's row count
+        # before the cut: fewer than ``rows`` and nothing cut means the segment is done.
         self._sql_scan = render(
             "SELECT id, body, version, n FROM ("
             "SELECT id, body, version, count(*) OVER () AS n, "
-            "sum(octet_length(body)) OVER (ORDER BY id ROWS UNBOUNDED PRECEDING) "
-            "- octet_length(body) AS before FROM ("
-            "SELECT id, body, version FROM {table} "
-            "WHERE pending AND mod(bucket, %(segments)s::int4) = %(segment)s::int4 "
+            "sum(coalesce(octet_length(body), 0)) OVER (ORDER BY id ROWS UNBOUNDED PRECEDING) "
+            "- coalesce(octet_length(body), 0) AS before FROM ("
+            "SELECT id, CASE WHEN pending THEN body END AS body, version FROM {table} "
+            "WHERE listed AND mod(bucket, %(segments)s::int4) = %(segment)s::int4 "
             "AND id > %(after)s::text ORDER BY id LIMIT %(rows)s::int4) AS p"
             ") AS q WHERE before < %(budget)s::int8 ORDER BY id"
+        )
+        # The scan's prune: rows still not pending (re-checked under the row lock when
+        # a save changed one meanwhile) leave the index.
+        self._sql_unlist = render(
+            "UPDATE {table} SET listed = false "
+            "WHERE id = ANY(%(ids)b::text[]) AND listed AND NOT pending"
         )
 
     # ------------------------------------------------------------------ primitives
@@ -245,8 +261,12 @@ class PostgresEntityStore(EntityStore):
         while True:
             params = self._scan_params(segment, segments, after, _PAGE_ROWS)
             rows = self._pg.read(self, self._sql_scan, params)
+            stale = [eid for eid, body, _, _ in rows if body is None]
+            if stale:
+                self._pg.write(self, self._sql_unlist, {"ids": stale}, resend=True)
             for eid, body, version, _ in rows:
-                yield eid, body, version
+                if body is not None:
+                    yield eid, body, version
             if not rows or (len(rows) == rows[0][3] < _PAGE_ROWS):
                 return
             after = rows[-1][0]
