@@ -750,6 +750,24 @@ def test_a_table_of_another_shape_is_refused(postgres_server: Server, fresh_tabl
     )
 
 
+def test_an_entity_table_of_an_earlier_build_is_refused(
+    postgres_server: Server, fresh_table: str
+) -> None:
+    """Tables of development builds are not upgraded: the one without ``listed`` is
+    refused at open, naming the column (nothing was released)."""
+    _exec(
+        postgres_server.url,
+        sql.SQL(
+            'CREATE TABLE {} (id text COLLATE "C" PRIMARY KEY, body text NOT NULL, '
+            "version bigint NOT NULL, bucket integer NOT NULL, pending boolean NOT NULL)"
+        ).format(sql.Identifier(fresh_table)),
+    )
+    _assert_configuration(
+        lambda: PostgresEntityStore(postgres_server.url, table=fresh_table),
+        "listed",
+    )
+
+
 def test_schema_qualified_table_with_odd_name(postgres_server: Server) -> None:
     schema = f"Entity Schema {uuid.uuid4().hex[:8]}"
     table = f'{schema}.Entities "quoted" 🦄'
