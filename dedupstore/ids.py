@@ -142,5 +142,7 @@ def _consumer_hash(consumer: str) -> Any:
     """SHA-1 fed with the namespace and ``consumer\\0``: what every outgoing id of
     ``consumer`` starts with (copied, never updated in place)."""
     return hashlib.sha1(_NAMESPACE_BYTES + consumer.encode() + b"\x00")
+
+
 #: The hex digit of a digest's byte 8 high nibble -> that of ``(byte & 0x3F) | 0x80``.
 _VARIANT = {digit: "89ab"[int(digit, 16) & 3] for digit in "0123456789abcdef"}
