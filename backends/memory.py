@@ -1,14 +1,13 @@
 """``memory://`` and ``memory://<name>``: an in-process store for tests and demos.
 
-One store per name per process, shared by every object opened with that URL, so
-two objects behave like two clients of one server. Thread-safe. Nothing survives
-the process. Expiry is judged by the ``clock`` option (``time.time`` by default).
-There is nothing to create: every name exists (empty until written), so
-``must_exist=True`` is accepted and checks nothing.
+One store per name per process, shared by every object opened with that URL, so two objects behave
+like two clients of one server. Thread-safe. Nothing survives the process. Expiry is judged by the
+``clock`` option (``time.time`` by default). There is nothing to create: every name exists (empty
+until written), so ``must_exist=True`` is accepted and checks nothing.
 
-:class:`MemoryDispatcher` is a queue per name, shared the same way: per process
-only, so useless across Spark executors or any other worker processes (each has
-its own, empty queue); use ``sqlite://`` or ``redis://`` there.
+:class:`MemoryDispatcher` is a queue per name, shared the same way: per process only, so useless
+across Spark executors or any other worker processes (each has its own, empty queue); use
+``sqlite://`` or ``redis://`` there.
 """
 
 from __future__ import annotations
@@ -33,8 +32,8 @@ _Record = tuple[float | None, str]
 
 
 class _Space:
-    """The data of one ``memory://<name>``: deduplication records (endpoint -> id ->
-    record), entities (id -> (body, version, bucket, pending)) and dispatched messages."""
+    """The data of one ``memory://<name>``: deduplication records (endpoint -> id -> record),
+    entities (id -> (body, version, bucket, pending)) and dispatched messages."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -175,11 +174,10 @@ class MemoryEntityStore(EntityStore):
 class MemoryDispatcher(URLDispatcher):
     """A process-wide named queue: every dispatcher opened with ``memory://<name>`` shares it.
 
-    :attr:`sent` holds every delivery in dispatch order (a re-dispatch appears
-    again); :meth:`distinct` the first delivery of each id. The messages are copies
-    as a receiver would decode them (JSON round trip), so later changes to the
-    caller's objects do not show. Per process only: not for Spark executors.
-    Thread-safe; no I/O, so it never raises ``StoreUnavailable``.
+    :attr:`sent` holds every delivery in dispatch order (a re-dispatch appears again);
+    :meth:`distinct` the first delivery of each id. The messages are copies as a receiver would
+    decode them (JSON round trip), so later changes to the caller's objects do not show. Per process
+    only: not for Spark executors. Thread-safe; no I/O, so it never raises ``StoreUnavailable``.
     """
 
     connection_class = MemoryConnection

@@ -1,25 +1,23 @@
 """``sqlite:///path.db``: the embedded default store.
 
 ``sqlite:///relative/path.db`` is relative to the current directory and
-``sqlite:////absolute/path.db`` absolute (SQLAlchemy's convention); the path is
-made absolute at open, so a pickled store reopens the same file from any
-directory. The database runs in WAL mode with ``synchronous=FULL``: a record is
-on disk when ``add`` returns, and several threads and processes may use one file
-at once (each write takes SQLite's write lock; ``INSERT ... ON CONFLICT`` decides
-the first writer). Expiry is judged by the ``clock`` option (the machine's clock:
-every client of one file runs on one machine). The entity store and the dispatcher
-keep their own tables in the same file (see their classes).
+``sqlite:////absolute/path.db`` absolute (SQLAlchemy's convention); the path is made absolute at
+open, so a pickled store reopens the same file from any directory. The database runs in WAL mode
+with ``synchronous=FULL``: a record is on disk when ``add`` returns, and several threads and
+processes may use one file at once (each write takes SQLite's write lock; ``INSERT ... ON CONFLICT``
+decides the first writer). Expiry is judged by the ``clock`` option (the machine's clock: every
+client of one file runs on one machine). The entity store and the dispatcher keep their own tables
+in the same file (see their classes).
 
-Options: ``endpoint``, ``retention``, ``clock``; ``table`` (``dedup_records``;
-``dedup_entities`` for the entity store, ``dedup_outgoing`` for the dispatcher);
-``timeout`` (10 s: how long a call waits for another writer's lock before
-``StoreUnavailable``); ``synchronous`` (``FULL``; ``NORMAL``/``OFF`` can lose
-acknowledged records on power loss and get a health warning); ``create`` (true:
-create the directory, the file and the table when missing). With ``create=false`` or
+Options: ``endpoint``, ``retention``, ``clock``; ``table`` (``dedup_records``; ``dedup_entities``
+for the entity store, ``dedup_outgoing`` for the dispatcher); ``timeout`` (10 s: how long a call
+waits for another writer's lock before ``StoreUnavailable``); ``synchronous`` (``FULL``;
+``NORMAL``/``OFF`` can lose acknowledged records on power loss and get a health warning); ``create``
+(true: create the directory, the file and the table when missing). With ``create=false`` or
 ``must_exist=True`` nothing is created: the file is opened without creating it
-(``file:...?mode=rw``) and a missing file or table is "no such store". Operating-system
-errors that retrying cannot heal (permission denied, read-only filesystem, not a
-directory, ...) are ``ConfigurationError`` naming the path, not ``StoreUnavailable``.
+(``file:...?mode=rw``) and a missing file or table is "no such store". Operating-system errors that
+retrying cannot heal (permission denied, read-only filesystem, not a directory, ...) are
+``ConfigurationError`` naming the path, not ``StoreUnavailable``.
 """
 
 from __future__ import annotations
@@ -113,10 +111,8 @@ def sqlite_path(url: StoreURL) -> Path:
 
 
 def absolute_sqlite_url(url: str | StoreURL) -> StoreURL:
-    """The same URL with the path made absolute (so a pickled copy finds the file).
-
-    The scheme is kept: a subclass registered under a scheme of its own stays itself.
-    """
+    """The same URL with the path made absolute (so a pickled copy finds the file). The scheme is
+    kept: a subclass registered under a scheme of its own stays itself."""
     parsed = StoreURL.parse(url)
     path = sqlite_path(parsed).absolute()
     query = urlsplit(parsed.text).query
@@ -128,9 +124,9 @@ class _Connection(sqlite3.Connection):
 
 
 class SqliteConnection(Connection):
-    """One SQLite file in one process: a ``sqlite3`` connection per thread, shared by
-    the file's clients of the same ``timeout``, ``synchronous`` and ``create``, and
-    closed with this object (weakly held: a thread that ended leaks nothing)."""
+    """One SQLite file in one process: a ``sqlite3`` connection per thread, shared by the file's
+    clients of the same ``timeout``, ``synchronous`` and ``create``, and closed with this object
+    (weakly held: a thread that ended leaks nothing)."""
 
     schemes: ClassVar[tuple[str, ...]] = ("sqlite",)
     shaped_by: ClassVar[tuple[str, ...]] = ("timeout", "synchronous", "create", "must_exist")
@@ -204,14 +200,11 @@ class SqliteConnection(Connection):
         key: str = "",
         rowid: bool = False,
     ) -> tuple[sqlite3.Connection, str]:
-        """This thread's connection and the quoted name of ``client``'s ``table``, checked
-        to have ``columns`` (name: declaration).
-
-        With ``create``: the directory, the file (in WAL mode) and the table (its
-        ``columns``, the table constraint ``key``, ``WITHOUT ROWID`` unless ``rowid``)
-        are created first. Without: a missing file or table is ``ConfigurationError``
-        "no such store"; nothing is created. ``what`` names the table's use in messages.
-        """
+        """This thread's connection and the quoted name of ``client``'s ``table``, checked to have
+        ``columns`` (name: declaration). With ``create``: the directory, the file (in WAL mode) and
+        the table (its ``columns``, the table constraint ``key``, ``WITHOUT ROWID`` unless
+        ``rowid``) are created first. Without: a missing file or table is ``ConfigurationError`` "no
+        such store"; nothing is created. ``what`` names the table's use in messages."""
         table = f'"{client._opts["table"]}"'
         declared = [f"{name} {kind}" for name, kind in columns.items()] + ([key] if key else [])
         create_sql = f"CREATE TABLE IF NOT EXISTS {table} ({', '.join(declared)})"
@@ -249,8 +242,8 @@ class SqliteConnection(Connection):
         if self.path.parent != Path():
             self.path.parent.mkdir(parents=True, exist_ok=True)
         lock = f"{self.path}.lock"
-        # filelock waits out its whole timeout when the lock file cannot be created at
-        # all (a missing or read-only directory); creating it first raises the real error.
+        # filelock waits out its whole timeout when the lock file cannot be created at all (a
+        # missing or read-only directory); creating it first raises the real error.
         os.close(os.open(lock, os.O_RDWR | os.O_CREAT, 0o644))
         with filelock.FileLock(lock, timeout=self._timeout):
             conn = self.thread_connection()
@@ -343,9 +336,7 @@ class SqliteDeduplicationStore(DeduplicationStore):
     max_write_batch: ClassVar[int] = 5000
     max_read_batch: ClassVar[int] = 5000
     declared_options: ClassVar[OptionSet] = DeduplicationStore.declared_options.extend(
-        CLOCK,
-        _table_option("dedup_records"),
-        *SQLITE_OPTIONS,
+        CLOCK, _table_option("dedup_records"), *SQLITE_OPTIONS
     )
 
     def _open(self) -> None:
@@ -424,13 +415,10 @@ class SqliteDeduplicationStore(DeduplicationStore):
 
 
 class SqliteEntityStore(EntityStore):
-    """Entities in one table of a SQLite file; safe across threads and processes.
-
-    Token: the ``version`` column (``UPDATE ... WHERE version = ?``, or an ``INSERT``
-    that must not find the id). A ``save_many`` chunk is one write transaction: it
-    commits every entity that did not conflict. The scan pages by id through a
-    partial index on ``(bucket, id) WHERE pending``.
-    """
+    """Entities in one table of a SQLite file; safe across threads and processes. Token: the
+    ``version`` column (``UPDATE ... WHERE version = ?``, or an ``INSERT`` that must not find the
+    id). A ``save_many`` chunk is one write transaction: it commits every entity that did not
+    conflict. The scan pages by id through a partial index on ``(bucket, id) WHERE pending``."""
 
     _sqlite = Connected(SqliteConnection)
 
@@ -439,8 +427,7 @@ class SqliteEntityStore(EntityStore):
     #: Rows per page of the pending scan.
     page_size: ClassVar[int] = 500
     declared_options: ClassVar[OptionSet] = EntityStore.declared_options.extend(
-        _table_option("dedup_entities"),
-        *SQLITE_OPTIONS,
+        _table_option("dedup_entities"), *SQLITE_OPTIONS
     )
 
     def _open(self) -> None:
@@ -509,16 +496,14 @@ _SQL_NOW = "((julianday('now') - 2440587.5) * 86400.0)"
 class SqliteDispatcher(URLDispatcher):
     """A table queue in a SQLite file: one row per message id; safe across processes.
 
-    Table (``table``, default ``dedup_outgoing``): ``id`` (PRIMARY KEY), ``destination``,
-    ``body`` (canonical JSON), ``headers`` (JSON), ``deliveries``, ``mismatches``,
-    ``first_at`` (epoch seconds). A dispatch is one write transaction (all messages
-    or none): ``INSERT ... ON CONFLICT(id) DO UPDATE`` adds 1 to ``deliveries`` and,
-    when destination, body or headers differ from the stored ones, to ``mismatches``
-    (the stored content is kept: the first delivery wins). Writers from many threads
-    and processes take SQLite's write lock in turn (waiting up to ``timeout``, then
-    ``StoreUnavailable``). Rows keep their insertion order (SQLite's rowid, assigned
-    under the write lock: a reader paging by ``seq`` never misses a later commit as
-    long as nobody deletes the newest row).
+    Table (``table``, default ``dedup_outgoing``): ``id`` (PRIMARY KEY), ``destination``, ``body``
+    (canonical JSON), ``headers`` (JSON), ``deliveries``, ``mismatches``, ``first_at`` (epoch
+    seconds). A dispatch is one write transaction (all messages or none): ``INSERT ... ON
+    CONFLICT(id) DO UPDATE`` adds 1 to ``deliveries`` and, when destination, body or headers differ
+    from the stored ones, to ``mismatches`` (the stored content is kept: the first delivery wins).
+    Writers take SQLite's write lock in turn (waiting up to ``timeout``, then ``StoreUnavailable``).
+    Rows keep their insertion order (SQLite's rowid, assigned under the write lock: a reader paging
+    by ``seq`` never misses a later commit unless the newest row is deleted).
     """
 
     _sqlite = Connected(SqliteConnection)
@@ -530,8 +515,7 @@ class SqliteDispatcher(URLDispatcher):
     #: Rows per page of :meth:`messages`.
     page_size: ClassVar[int] = 500
     declared_options: ClassVar[OptionSet] = URLDispatcher.declared_options.extend(
-        _table_option("dedup_outgoing"),
-        *SQLITE_OPTIONS,
+        _table_option("dedup_outgoing"), *SQLITE_OPTIONS
     )
 
     def _open(self) -> None:
@@ -578,8 +562,8 @@ class SqliteDispatcher(URLDispatcher):
         """``(rows, deliveries, mismatches)`` over the table, read in one statement.
 
         ``deliveries - rows`` is how many re-dispatches the receivers were spared;
-        ``mismatches > 0`` means an id was dispatched with different contents (a
-        handler that is not deterministic). Raises ``StoreUnavailable``.
+        ``mismatches > 0`` means an id was dispatched with different contents (a handler that is not
+        deterministic). Raises ``StoreUnavailable``.
         """
         self._check_open()
         with self._translating_errors("read"):
@@ -589,8 +573,8 @@ class SqliteDispatcher(URLDispatcher):
     def receive(self, limit: int = 500, after: int | None = None) -> list[StoredMessage]:
         """Up to ``limit`` rows after row ``after`` (a ``seq``; ``None``: from the start).
 
-        In insertion order; rows are not removed (a receiver keeps its last ``seq``).
-        Raises ``ValueError`` for a bad ``limit``/``after``, ``StoreUnavailable``.
+        In insertion order; rows are not removed (a receiver keeps its last ``seq``). Raises
+        ``ValueError`` for a bad ``limit``/``after``, ``StoreUnavailable``.
         """
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"limit must be an int >= 1, got {limit!r}")

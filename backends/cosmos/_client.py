@@ -1,8 +1,6 @@
-"""The connection both Cosmos DB stores share: :class:`CosmosConnection` (the
-``CosmosClient`` of one account in one process, its consistency check, the check of
-each store's container, error classification, read-many, queries and parallel
-requests); each store says what its container is in a :class:`ContainerKind`.
-"""
+"""The connection both Cosmos DB stores share: :class:`CosmosConnection` (the ``CosmosClient`` of
+one account per process, the consistency and container checks, error classification, read-many,
+queries and parallel requests); each store describes its container in a :class:`ContainerKind`."""
 
 from __future__ import annotations
 
@@ -76,9 +74,9 @@ _R = TypeVar("_R")
 
 
 class _BoundedAdapter(requests.adapters.HTTPAdapter):
-    """Each HTTP attempt (connecting and reading together) ends by the call's deadline:
-    besides the SDK's timeouts it gets urllib3's ``total`` limit, the time left (none
-    left: a connection timeout, nothing sent)."""
+    """Each HTTP attempt (connecting and reading together) ends by the call's deadline: besides the
+    SDK's timeouts it gets urllib3's ``total`` limit, the time left (none left: a connection
+    timeout, nothing sent)."""
 
     def send(
         self,
@@ -99,8 +97,8 @@ class _BoundedAdapter(requests.adapters.HTTPAdapter):
 
 
 class _BoundedTransport(RequestsTransport):  # type: ignore[misc]
-    """The SDK's pauses between attempts end by the call's deadline; a reply that is
-    not whole is a lost answer (:mod:`backends._http`), not an empty one."""
+    """The SDK's pauses between attempts end by the call's deadline; a reply that is not whole is a
+    lost answer (:mod:`backends._http`), not an empty one."""
 
     def send(self, request: Any, **kwargs: Any) -> Any:
         response = super().send(request, **kwargs)
@@ -153,9 +151,9 @@ def _key(options: Options) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ContainerKind:
-    """What a store keeps in its container (its ``_kind``): its use ("a deduplication
-    container"), the function that creates one, the container's properties besides
-    the partition key, why Strong is needed and what a weaker account risks."""
+    """What a store keeps in its container (its ``_kind``): its use ("a deduplication container"),
+    the function that creates one, the container's properties besides the partition key, why Strong
+    is needed and what a weaker account risks."""
 
     what: str
     function: str
@@ -208,10 +206,9 @@ CONNECTION_OPTIONS: Final[tuple[Option, ...]] = (
 
 
 class CosmosConnection(Connection):
-    """The ``CosmosClient`` of one account (host, port, key) in one process, shared by the
-    stores of every database and container there. Each store names it as its
-    ``connection_class``, reaches it as ``self._cosmos`` and opens its container (its
-    ``_kind``) with :meth:`open_container`."""
+    """The ``CosmosClient`` of one account (host, port, key) in one process, shared by the stores of
+    every database and container there. Each store names it as its ``connection_class``, reaches it
+    as ``self._cosmos`` and opens its container (its ``_kind``) with :meth:`open_container`."""
 
     schemes: ClassVar[tuple[str, ...]] = ("cosmos",)
     # not the key (the address), create (each store's) nor client (keyed by identity)
@@ -257,8 +254,8 @@ class CosmosConnection(Connection):
         )
         session.mount("http://", adapter)
         session.mount("https://", adapter)
-        # Every request, account reads included, gets our timeouts; throttling (429)
-        # is retried as often as anything else, waiting at most `timeout` in all.
+        # Every request, account reads included, gets our timeouts; throttling (429) is retried as
+        # often as anything else, waiting at most `timeout` in all.
         policy = ConnectionPolicy()
         policy.DBAConnectionTimeout = opts["connect_timeout"]
         policy.DBAReadTimeout = opts["timeout"]
@@ -281,9 +278,9 @@ class CosmosConnection(Connection):
                 retry_throttle_backoff_max=throttle_wait,
                 # item sizes as the service counts them (the entity store's size limit)
                 enable_compact_utf8_item_writes=True,
-                # Requests demand Strong: if the account is ever weakened, they fail (HTTP
-                # 400) instead of silently reading stale data. A client cannot ask for
-                # more than the account default, so emulators (the option) get None.
+                # Requests demand Strong: if the account is ever weakened, they fail (HTTP 400)
+                # instead of silently reading stale data. A client cannot ask for more than the
+                # account default, so emulators (the option) get None.
                 consistency_level=(
                     None if opts["allow_weak_consistency_for_emulator_only"] else "Strong"
                 ),
@@ -374,15 +371,12 @@ class CosmosConnection(Connection):
         return proxy
 
     def read_many(self, client: Client, doc_ids: Mapping[str, str]) -> dict[str, Any]:
-        """The items of ``client``'s container with ids ``doc_ids.values()``, under their
-        keys in ``doc_ids``; absent items are missing from the result.
-
-        Strongly consistent. Never a point read: the SDK reports a point read's 404 as
-        "absent" whether the item or the container is missing (and cosmosdb-server
-        answers 500). A lone id is a single-partition query; several are the SDK's
-        read-many (one ``id IN (...)`` query per physical partition, in parallel).
-        Both fail loudly (404) when the container is gone.
-        """
+        """The items of ``client``'s container with ids ``doc_ids.values()``, under their keys in
+        ``doc_ids``; absent items are missing from the result. Strongly consistent. Never a point
+        read: the SDK reports a point read's 404 as "absent" whether the item or the container is
+        missing (and cosmosdb-server answers 500). A lone id is a single-partition query; several
+        are the SDK's read-many (one ``id IN (...)`` query per physical partition, in parallel).
+        Both fail loudly (404) when the container is gone."""
         ids = list(doc_ids.values())
         if not ids:
             return {}
@@ -400,11 +394,10 @@ class CosmosConnection(Connection):
     def write(
         self, client: Client, item: dict[str, Any], etag: str | None = None
     ) -> tuple[int, str | None]:
-        """Create ``item`` (no ``etag``; 201) or replace it if its ``_etag`` is still
-        ``etag`` (200): that status and the new ``_etag`` (``None`` if not answered),
-        or the status of a refusal and ``None``: 409 on a create (the id exists), 412
-        (changed since) or 404 (gone; a missing container fails the next read) on a
-        replace. Other errors propagate."""
+        """Create ``item`` (no ``etag``; 201) or replace it if its ``_etag`` is still ``etag``
+        (200): that status and the new ``_etag`` (``None`` if not answered), or the status of a
+        refusal and ``None``: 409 on a create (the id exists), 412 (changed since) or 404 (gone; a
+        missing container fails the next read) on a replace. Other errors propagate."""
         container = self.container(client)
         try:
             if etag is None:
@@ -429,8 +422,8 @@ class CosmosConnection(Connection):
     def query(
         self, client: Client, sql: str, page_size: int | None = None, /, **params: Any
     ) -> Any:
-        """A cross-partition query of ``client``'s container, ``@<name>`` bound to each
-        keyword; pages of at most ``page_size`` items (by default the service's)."""
+        """A cross-partition query of ``client``'s container, ``@<name>`` bound to each keyword;
+        pages of at most ``page_size`` items (by default the service's)."""
         return self.container(client).query_items(
             sql,
             parameters=[{"name": f"@{name}", "value": value} for name, value in params.items()],
@@ -446,8 +439,8 @@ class CosmosConnection(Connection):
 
     @classmethod
     def describe_error(cls, client: Client, exc: BaseException) -> str | None:
-        """A Cosmos DB answer as ``HTTP <status> <code>: <message>`` on one line, scrubbed;
-        ``None`` for any other error."""
+        """A Cosmos DB answer as ``HTTP <status> <code>: <message>`` on one line, scrubbed; ``None``
+        for any other error."""
         if not isinstance(exc, HttpResponseError):
             return None
         status = exc.status_code or 0
@@ -502,8 +495,8 @@ class CosmosConnection(Connection):
             if 400 <= status < 500:
                 return ConfigurationError
             return StoreUnavailable  # a garbled answer (e.g. an undecodable body)
-        # ServiceRequestError, ServiceResponseError, CosmosClientTimeoutError, ...:
-        # the transport failed or gave up (connection, timeout).
+        # ServiceRequestError, ServiceResponseError, CosmosClientTimeoutError, ...: the transport
+        # failed or gave up (connection, timeout).
         if isinstance(exc, AzureError | requests.RequestException):
             return StoreUnavailable
         return None

@@ -1,7 +1,6 @@
 """The Cosmos DB entity store: :class:`CosmosEntityStore`, one item per entity.
 
-The URL names the ENTITY container (:func:`create_entity_container`, or
-``create=true``). Each entity is one item::
+The URL names the ENTITY container (:func:`create_entity_container`, or ``create=true``). An item::
 
     {"id": "<entity_document_id(entity id)>",
      "entity_id": "<the entity id as given>",
@@ -10,38 +9,33 @@ The URL names the ENTITY container (:func:`create_entity_container`, or
      "pending": <true when the outbox is not empty>,
      "token": "<random, new on every save>"}
 
-* ``body`` is the canonical JSON text, not a nested object: Cosmos DB keeps numbers
-  as IEEE doubles, so an integer beyond 2**53 in the state would not round-trip.
-* The version token is the item's ``_etag``. A new entity is written with
-  ``create_item`` (409: someone created it first: a conflict); a loaded one with
-  ``replace_item`` and ``If-Match: <version>`` (412, or 404 when it is gone: a
-  conflict). Each write is atomic; nothing is ever half-written.
-* ``save_many`` sends one request per entity (``max_concurrency`` in flight), not a
-  transactional batch, which fails as a whole on one conflict (and which the emulator
-  refuses for anything but creates). A refused write (409/412) is read back: an item
-  carrying this save's ``token`` is this save's own write, resent by the SDK after its
-  first attempt succeeded, and is reported as saved with its ``_etag``. The SDK
-  resends only requests never sent and answers meaning "not done" (429, 449, 410, 503
-  with endpoint discovery), never a write whose answer was lost; so the one case
-  left, a resend finding our write already replaced by a third writer, is a conflict
-  (the reload shows both writes).
-* ``pending_outboxes(segment, segments)`` is a cross-partition query
-  ``WHERE c.pending = true AND c.bucket % @segments = @segment``, read page by page
-  (continuation tokens, at most 100 items a page): segments follow the stored
-  bucket, so they are disjoint and complete for any count (the emulator exposes a
-  single feed range, so feed ranges cannot be the segments). The container indexes
-  ``/pending`` and ``/bucket`` only.
+* ``body`` is the canonical JSON text, not a nested object: Cosmos DB keeps numbers as IEEE doubles,
+  so an integer beyond 2**53 in the state would not round-trip.
+* Token: the item's ``_etag``. A new entity is written with ``create_item`` (409: someone created it
+  first: a conflict); a loaded one with ``replace_item`` and ``If-Match: <version>`` (412, or 404
+  when gone: a conflict). Each write is atomic: nothing is half-written.
+* ``save_many`` sends one request per entity (``max_concurrency`` in flight), not a transactional
+  batch, which fails as a whole on one conflict (and the emulator refuses for anything but creates).
+  A refused write (409/412) is read back: an item carrying this save's ``token`` is this save's own
+  write, resent by the SDK after its first attempt succeeded: reported as saved with its ``_etag``.
+  The SDK resends only requests never sent and answers meaning "not done" (429, 449, 410, 503 with
+  endpoint discovery), never a write whose answer was lost; so the one case left, a resend finding
+  our write already replaced by a third writer, is a conflict (a reload shows both).
+* ``pending_outboxes(segment, segments)`` is a cross-partition query ``WHERE c.pending = true AND
+  c.bucket % @segments = @segment``, read page by page (continuation tokens, at most 100 items a
+  page): segments follow the stored bucket, so they are disjoint and complete for any count (the
+  emulator exposes a single feed range, so feed ranges cannot be the segments). The container
+  indexes ``/pending`` and ``/bucket`` only.
 
-Size limit: Cosmos DB refuses a request over 2 MiB of JSON as sent (413, "Request
-size is too large"). The body travels as a JSON string inside the item, where every
-``"`` and ``\\`` doubles, provided the client writes compact UTF-8
-(``enable_compact_utf8_item_writes``, as the store's own client does; else non-ASCII
-text travels as ``\\uXXXX``, up to 6 bytes per byte). Hence ``max_entity_bytes`` =
-(2 MiB - 16 KiB) // 2 = 1,040,384 bytes of canonical JSON (a larger entity raises
-``EntityTooLarge`` before any I/O), 16 KiB being room for the id, the entity id (up
-to 6 KiB escaped), bucket, pending, token and the system properties (``_rid``,
-``_self``, ``_etag``, ``_ts``, ``_attachments``). cosmosdb-server (the test emulator)
-does not enforce the limit; the tests check the item's serialized size instead.
+Size limit: Cosmos DB refuses a request over 2 MiB of JSON as sent (413, "Request size is too
+large"). The body travels as a JSON string inside the item, where every ``"`` and ``\\`` doubles,
+provided the client writes compact UTF-8 (``enable_compact_utf8_item_writes``, as the store's own
+client does; else non-ASCII text travels as ``\\uXXXX``, up to 6 bytes per byte). Hence
+``max_entity_bytes`` = (2 MiB - 16 KiB) // 2 = 1,040,384 bytes of canonical JSON (a larger entity
+raises ``EntityTooLarge`` before any I/O), 16 KiB being room for the id, the entity id (up to 6 KiB
+escaped), bucket, pending, token and the system properties (``_rid``, ``_self``, ``_etag``, ``_ts``,
+``_attachments``). cosmosdb-server (the test emulator) does not enforce the limit; the tests check
+the item's serialized size instead.
 """
 
 from __future__ import annotations
@@ -83,23 +77,23 @@ _INDEXING_POLICY: Final[dict[str, Any]] = {
 
 
 def entity_document_id(entity_id: str) -> str:
-    """The Cosmos DB item id of an entity: the hex SHA-256 of a namespace tag (not the
-    deduplication store's) and the UTF-8 entity id."""
+    """The Cosmos DB item id of an entity: the hex SHA-256 of a namespace tag (not the deduplication
+    store's) and the UTF-8 entity id."""
     return hashlib.sha256(_ID_NAMESPACE + entity_id.encode("utf-8")).hexdigest()
 
 
 def create_entity_container(
     client: CosmosClient, database: str, container: str, *, offer_throughput: int | None = None
 ) -> ContainerProxy:
-    """Create ``database`` and an entity ``container`` if missing: no TTL, only what
-    the scan filters on (``/pending``, ``/bucket``) indexed. See :mod:`backends.cosmos`
-    for ``offer_throughput`` and errors."""
+    """Create ``database`` and an entity ``container`` if missing: no TTL, only what the scan
+    filters on (``/pending``, ``/bucket``) indexed. See :mod:`backends.cosmos` for
+    ``offer_throughput`` and errors."""
     return CosmosEntityStore._kind.create(client, database, container, offer_throughput)
 
 
 class CosmosEntityStore(EntityStore):
-    """Entities in an Azure Cosmos DB (NoSQL API) container, one item each, versioned by
-    its ``_etag`` (:mod:`backends.cosmos.entities`)."""
+    """Entities in an Azure Cosmos DB (NoSQL API) container, one item each, versioned by its
+    ``_etag`` (:mod:`backends.cosmos.entities`)."""
 
     _cosmos = Connected(CosmosConnection)
     max_entity_bytes: ClassVar[int] = (MAX_REQUEST_BYTES - ITEM_OVERHEAD_BYTES) // 2

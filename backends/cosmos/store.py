@@ -1,32 +1,29 @@
 """The Cosmos DB deduplication store: :class:`CosmosDeduplicationStore`.
 
-One item per (endpoint, message id): ``id`` (:func:`document_id`), ``endpoint``,
-``message_id``, ``expires_at``, ``ttl`` and ``write_token``. Correctness rests on
-three native guarantees:
+One item per (endpoint, message id): ``id`` (:func:`document_id`), ``endpoint``, ``message_id``,
+``expires_at``, ``ttl`` and ``write_token``. Correctness rests on three native guarantees:
 
-* ``create_item`` is atomic per id: 409 Conflict means the id is already there, so
-  of concurrent writers exactly one creates it (first writer wins);
-* an expired record is overwritten by ``replace_item`` with ``If-Match`` on the
-  ``_etag`` that was read: a 412 means another writer changed it first;
+* ``create_item`` is atomic per id: 409 Conflict means the id is already there, so of concurrent
+  writers exactly one creates it (first writer wins);
+* an expired record is overwritten by ``replace_item`` with ``If-Match`` on the ``_etag`` that was
+  read: a 412 means another writer changed it first;
 * Strong consistency (see the package documentation).
 
-Every item records the write token of the call that wrote it. An item holding a
-token of this call (a create or replace resent by the transport, or a retry on the
-same store object after ``StoreUnavailable``) is this call's own write: reported as
-recorded, exactly once. ``add_many`` sends one ``create_item`` per id (at most
-``max_concurrency`` in flight), then one read-many for the ids that already existed;
-``processed_among`` one read-many per chunk of 1000.
+Every item records the write token of the call that wrote it. An item holding a token of this call
+(a create or replace resent by the transport, or a retry on the same store object after
+``StoreUnavailable``) is this call's own write: reported as recorded, exactly once. ``add_many``
+sends one ``create_item`` per id (at most ``max_concurrency`` in flight), then one read-many for the
+ids that already existed; ``processed_among`` one read-many per chunk of 1000.
 
-Expiry is judged by the CLIENT's clock (``clock``, ``time.time`` by default): every
-client of a container must keep its clock in sync (NTP). Items carry ``expires_at``
-(compared with the clock on every read) and a native ``ttl`` of the retention plus
-``max_clock_skew``, which only reclaims space (the emulator ignores it); records
-without retention carry ``ttl: -1``. Per-item TTL needs the container's default TTL
-set: :func:`create_container` sets ``-1``. ``purge_expired`` deletes (``If-Match``)
-only records expired for longer than ``max_clock_skew``.
+Expiry is judged by the CLIENT's clock (``clock``, ``time.time`` by default): every client of a
+container must keep its clock in sync (NTP). Items carry ``expires_at`` (compared with the clock on
+every read) and a native ``ttl`` of the retention plus ``max_clock_skew``, which only reclaims space
+(the emulator ignores it); records without retention carry ``ttl: -1``. Per-item TTL needs the
+container's default TTL set: :func:`create_container` sets ``-1``. ``purge_expired`` deletes
+(``If-Match``) only records expired for longer than ``max_clock_skew``.
 
-``StoreUnavailable`` carries ``recorded`` ids (recorded by the call) and ``unknown``
-ids (maybe recorded: a retry on the same store object reports those as recorded).
+``StoreUnavailable`` carries ``recorded`` ids (recorded by the call) and ``unknown`` ids (maybe
+recorded: a retry on the same store object reports those as recorded).
 """
 
 from __future__ import annotations
@@ -65,9 +62,9 @@ _INDEXING_POLICY: Final[dict[str, Any]] = {
 
 
 def document_id(endpoint: str, message_id: str) -> str:
-    """The Cosmos DB item id of (``endpoint``, ``message_id``): the hex SHA-256 of a
-    namespace tag, the 4-byte length of the UTF-8 endpoint, the endpoint and the
-    message id (injective up to SHA-256 collisions, which reads detect)."""
+    """The Cosmos DB item id of (``endpoint``, ``message_id``): the hex SHA-256 of a namespace tag,
+    the 4-byte length of the UTF-8 endpoint, the endpoint and the message id (injective up to
+    SHA-256 collisions, which reads detect)."""
     ep = endpoint.encode("utf-8")
     digest = hashlib.sha256(_ID_NAMESPACE + len(ep).to_bytes(4, "big") + ep)
     digest.update(message_id.encode("utf-8"))
@@ -77,16 +74,15 @@ def document_id(endpoint: str, message_id: str) -> str:
 def create_container(
     client: CosmosClient, database: str, container: str, *, offer_throughput: int | None = None
 ) -> ContainerProxy:
-    """Create ``database`` and a deduplication ``container`` if missing: default TTL
-    ``-1`` (per-item TTL on, nothing expires by default), only ``endpoint`` and
-    ``expires_at`` indexed. See :mod:`backends.cosmos` for ``offer_throughput`` and
-    errors."""
+    """Create ``database`` and a deduplication ``container`` if missing: default TTL ``-1``
+    (per-item TTL on, nothing expires by default), only ``endpoint`` and ``expires_at`` indexed. See
+    :mod:`backends.cosmos` for ``offer_throughput`` and errors."""
     return CosmosDeduplicationStore._kind.create(client, database, container, offer_throughput)
 
 
 class CosmosDeduplicationStore(DeduplicationStore):
-    """Deduplication store in an Azure Cosmos DB (NoSQL API) container: linearizable
-    on a Strong account, expiry by the client's clock (:mod:`backends.cosmos.store`)."""
+    """Deduplication store in an Azure Cosmos DB (NoSQL API) container: linearizable on a Strong
+    account, expiry by the client's clock (:mod:`backends.cosmos.store`)."""
 
     _cosmos = Connected(CosmosConnection)
     max_write_batch: ClassVar[int] = 1000
@@ -203,8 +199,8 @@ class CosmosDeduplicationStore(DeduplicationStore):
                 raise
             return 1
 
-        # Only records expired for longer than max_clock_skew: a client whose clock
-        # runs up to that much ahead never deletes a record others count as live.
+        # Only records expired for longer than max_clock_skew: a client whose clock runs up to that
+        # much ahead never deletes a record others count as live.
         pages = self._cosmos.query(
             self,
             "SELECT c.id, c._etag FROM c WHERE c.endpoint = @endpoint "
@@ -216,9 +212,9 @@ class CosmosDeduplicationStore(DeduplicationStore):
         return sum(sum(self._cosmos.parallel(delete, list(page))) for page in pages)
 
     def _count(self, now: float) -> int:
-        """Exact: ``SELECT VALUE COUNT(1)`` over this endpoint's live items (by the
-        client's clock, as :meth:`_find` judges them), answered from the index; the
-        SDK's values are summed, so partial counts (per partition or page) add up."""
+        """Exact: ``SELECT VALUE COUNT(1)`` over this endpoint's live items (by the client's clock,
+        as :meth:`_find` judges them), answered from the index; the SDK's values are summed, so
+        partial counts (per partition or page) add up."""
         results = self._cosmos.query(
             self,
             "SELECT VALUE COUNT(1) FROM c WHERE c.endpoint = @endpoint "

@@ -1,22 +1,21 @@
 """``dynamodb://<table>?region=…``: Amazon DynamoDB (or a compatible endpoint).
 
-Two stores, each in a table of its own named by the URL (a table of the other kind is
-refused: its key schema differs), opened by ``dedupstore.open_store(url)`` and
+Two stores, each in a table of its own named by the URL (a table of the other kind is refused: its
+key schema differs), opened by ``dedupstore.open_store(url)`` and
 ``dedupstore.open_entity_store(url)``:
 
-* :class:`DynamoDBDeduplicationStore` (:mod:`backends.dynamodb.store`): key ``pk``
-  (message id) + ``sk`` (endpoint), expiry by the client's clock, native TTL;
-* :class:`DynamoDBEntityStore` (:mod:`backends.dynamodb.entities`): key ``id``, one
-  item per entity, ``version`` the concurrency token.
+* :class:`DynamoDBDeduplicationStore` (:mod:`backends.dynamodb.store`): key ``pk`` (message id) +
+  ``sk`` (endpoint), expiry by the client's clock, native TTL;
+* :class:`DynamoDBEntityStore` (:mod:`backends.dynamodb.entities`): key ``id``, one item per entity,
+  ``version`` the concurrency token.
 
-Both hold a :class:`DynamoDBConnection` (:mod:`backends.dynamodb._client`): one boto3
-client per process (a new one after ``fork``), endpoint, credentials and connection
-options, whatever the table.
+Both hold a :class:`DynamoDBConnection` (:mod:`backends.dynamodb._client`): one boto3 client per
+process (new after ``fork``), endpoint, credentials and connection options, for any table.
 
-Consistency: every read is strongly consistent (``ConsistentRead=True``). Tables with
-global-table replicas (MRSC tables included) are refused with ``ConsistencyError``
-(a strongly consistent read only sees writes made in its own Region, and conditional
-writes in two Regions can both succeed), unless ``allow_global_table=True`` (UNSAFE).
+Consistency: every read is strongly consistent (``ConsistentRead=True``). Tables with global-table
+replicas (MRSC tables included) are refused with ``ConsistencyError`` (a strongly consistent read
+only sees writes made in its own Region, and conditional writes in two Regions can both succeed),
+unless ``allow_global_table=True`` (UNSAFE).
 
 Options of both stores (URL query or keyword; ``client`` keyword only):
 
@@ -36,25 +35,23 @@ Options of both stores (URL query or keyword; ``client`` keyword only):
                                    closed; the connection options are then unused)
 ======================  =========  ==================================================
 
-The deduplication store also takes ``endpoint``, ``retention``, ``max_clock_skew``
-(60 s) and ``clock`` (keyword only).
+The deduplication store also takes ``endpoint``, ``retention``, ``max_clock_skew`` (60 s) and
+``clock`` (keyword only).
 
-Deadline: a call (one chunk of a batch) raises ``StoreUnavailable`` at most
-``connect_timeout + (retries + 1) x timeout`` seconds after it started (55 s with the
-defaults), whatever the endpoint does. The store, not botocore, retries each request
-(connection errors, timeouts, throttling, 5xx; :func:`dedupstore.calls.retry`: 0 to
-0.05, 0.1, 0.2, ... s apart, at most 1 s), transaction conflicts and unprocessed keys;
-attempts start and wait for an answer (botocore's read timeout) only until
-``connect_timeout`` before the deadline, so a last connection attempt still ends within
-it. A ``client`` given by the user keeps its own timeouts and retries (only the store's
-stop at the deadline). Every client, a given one included, refuses a reply cut short
-(:mod:`backends._http`).
+Deadline: a call (one chunk of a batch) raises ``StoreUnavailable`` at most ``connect_timeout +
+(retries + 1) x timeout`` seconds after it started (55 s with the defaults), whatever the endpoint
+does. The store, not botocore, retries each request (connection errors, timeouts, throttling, 5xx;
+:func:`dedupstore.calls.retry`: 0 to 0.05, 0.1, 0.2, ... s apart, at most 1 s), transaction
+conflicts and unprocessed keys; attempts start and wait for an answer (botocore's read timeout) only
+until ``connect_timeout`` before the deadline, so a last connection attempt still ends within it. A
+``client`` given by the user keeps its own timeouts and retries (only the store's stop at the
+deadline). Every client, a given one included, refuses a reply cut short (:mod:`backends._http`).
 
-Errors: ``StoreUnavailable`` (connection failure, a reply cut short, timeout,
-throttling, 5xx, conflicts that outlast the backoff: retry), ``ConfigurationError``
-(rejected credentials or IAM policy, no credentials, no region, missing table, wrong
-key schema, a request DynamoDB rejects as invalid: fix the setup), ``ConsistencyError``
-(a global table). Each store's module says what a caller may conclude.
+Errors: ``StoreUnavailable`` (connection failure, a reply cut short, timeout, throttling, 5xx,
+conflicts that outlast the backoff: retry), ``ConfigurationError`` (rejected credentials or IAM
+policy, no credentials, no region, missing table, wrong key schema, a request DynamoDB rejects as
+invalid: fix the setup), ``ConsistencyError`` (a global table). Each store's module says what a
+caller may conclude.
 """
 
 from __future__ import annotations

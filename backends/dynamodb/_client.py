@@ -1,6 +1,5 @@
-"""The connection both DynamoDB stores hold (:class:`DynamoDBConnection`) and what they do
-alike: URL, deadline, errors, retries, tables (:class:`TableKind`), reads, conditional puts.
-"""
+"""The connection both DynamoDB stores hold (:class:`DynamoDBConnection`) and what they do alike:
+URL, deadline, errors, retries, tables (:class:`TableKind`), reads, conditional puts."""
 
 from __future__ import annotations
 
@@ -91,9 +90,8 @@ _RETRYABLE_REASONS = frozenset(
 )
 #: Cancellation reasons that no retry cures: the request or the table is wrong.
 _INVALID_REASONS = frozenset({"ValidationError", "ItemCollectionSizeLimitExceeded"})
-#: Error codes botocore does not retry but a new request after a pause may cure
-#: (a write that met an item locked by a concurrent transaction). The request was
-#: not applied, so sending it again is safe.
+#: Error codes botocore does not retry but a new request after a pause may cure (a write that met an
+#: item locked by a concurrent transaction). Not applied, so safe to send again.
 _CONFLICT_CODES = frozenset({"TransactionConflictException", "TransactionInProgressException"})
 #: botocore errors that a later attempt may not meet: connection, timeout, checksum.
 _TRANSIENT_ERRORS = (
@@ -105,8 +103,8 @@ _TRANSIENT_ERRORS = (
     boto_errors.IncompleteReadError,
     boto_errors.CapacityNotAvailableError,
 )
-#: Error codes of requests a later attempt may get through (what botocore's
-#: "standard" mode retries: throttling, transient service errors).
+#: Error codes of requests a later attempt may get through (what botocore's "standard" mode retries:
+#: throttling, transient service errors).
 _RETRYABLE_CODES = frozenset(
     {
         "Throttling",
@@ -142,8 +140,8 @@ class _CutShort(boto_errors.IncompleteReadError):
 
 def _refuse_cut_replies(response_dict: Mapping[str, Any], **kwargs: Any) -> None:
     """Raise :class:`_CutShort` before botocore parses a reply that is not whole
-    (:mod:`backends._http`) or fails its ``x-amz-crc32``: botocore checks that only to
-    decide on a retry of its own, and the store makes those (``total_max_attempts`` 1)."""
+    (:mod:`backends._http`) or fails its ``x-amz-crc32``: botocore checks that only to decide on a
+    retry of its own, and the store makes those (``total_max_attempts`` 1)."""
     headers, body = response_dict["headers"], response_dict["body"]
     reason = cut_short(response_dict["status_code"], headers, len(body))
     checksum = headers.get("x-amz-crc32")
@@ -229,10 +227,9 @@ CONNECTION_OPTIONS: tuple[Option, ...] = (
 
 @dataclass(frozen=True)
 class PutOutcome:
-    """What one conditional ``PutItem`` did: ``written``, or else ``old``, the item that
-    failed the condition (empty if none), and ``resent``: the request went out more than
-    once, so an attempt whose answer was lost may have written before the one that failed.
-    """
+    """What one conditional ``PutItem`` did: ``written``, or else ``old``, the item that failed the
+    condition (empty if none), and ``resent``: the request went out more than once, so an attempt
+    whose answer was lost may have written before the one that failed."""
 
     written: bool
     old: Mapping[str, Any]
@@ -260,10 +257,9 @@ def _kind(client: Client) -> TableKind:
 
 
 class DynamoDBConnection(Connection):
-    """This process's boto3 client for one endpoint and set of credentials, shared by the
-    stores of every table there (``self._dynamodb``). Per-table calls take the store: the
-    table from its URL, its shape from its ``table_kind``, ``retries`` from its options.
-    """
+    """This process's boto3 client for one endpoint and set of credentials, shared by the stores of
+    every table there (``self._dynamodb``). Per-table calls take the store: the table from its URL,
+    its shape from its ``table_kind``, ``retries`` from its options."""
 
     schemes: ClassVar[tuple[str, ...]] = ("dynamodb",)
     shaped_by: ClassVar[tuple[str, ...]] = (
@@ -288,8 +284,8 @@ class DynamoDBConnection(Connection):
 
     @classmethod
     def address(cls, url: StoreURL, options: Options) -> Hashable:
-        """Not the table: the ``AWS_*`` environment, from which boto3 resolves what the
-        options leave out (region, credentials)."""
+        """Not the table: the ``AWS_*`` environment, from which boto3 resolves what the options
+        leave out (region, credentials)."""
         return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
 
     @classmethod
@@ -317,8 +313,8 @@ class DynamoDBConnection(Connection):
             connect_timeout=opts["connect_timeout"],
             read_timeout=opts["timeout"],
             user_agent_extra="dedupstore",
-            # the requests are built here, not by users; validating 100-item
-            # transactions client-side costs more CPU than the round trip
+            # the requests are built here, not by users; validating 100-item transactions
+            # client-side costs more CPU than the round trip
             parameter_validation=False,
         )
         session = boto3.session.Session(
@@ -346,10 +342,9 @@ class DynamoDBConnection(Connection):
         return client
 
     def request(self, client: Client, fn: Callable[[], T]) -> T:
-        """``fn()``, one request of ``client``, retried (its ``retries`` times) after a
-        connection error, timeout, throttling or 5xx, until ``connect_timeout`` before the
-        deadline (botocore cannot shorten a connection timeout): see :mod:`backends.dynamodb`.
-        """
+        """``fn()``, one request of ``client``, retried (its ``retries`` times) after a connection
+        error, timeout, throttling or 5xx, until ``connect_timeout`` before the deadline (botocore
+        cannot shorten a connection timeout): see :mod:`backends.dynamodb`."""
         opts = client._opts
         budget = (opts["retries"] + 1) * opts["timeout"]
         left = time_left()
@@ -562,9 +557,8 @@ class DynamoDBConnection(Connection):
         values: Mapping[str, AttributeValueTypeDef],
     ) -> PutOutcome:
         """One ``PutItem`` of ``item`` if ``condition`` holds, maybe sent more than once (the
-        outcome says so). Transaction conflicts (nothing written) are retried after a
-        pause, at most ``_MAX_BACKOFF_ROUNDS`` times within the deadline, then raised.
-        """
+        outcome says so). Transaction conflicts (nothing written) are retried after a pause, at most
+        ``_MAX_BACKOFF_ROUNDS`` times within the deadline, then raised."""
         request: PutItemInputTypeDef = {
             "TableName": client._url.netloc,
             "Item": item,
@@ -601,10 +595,9 @@ class DynamoDBConnection(Connection):
         projection: str,
         names: Mapping[str, str],
     ) -> list[dict[str, Any]]:
-        """The items of ``keys`` (at most 100) that exist; strongly consistent. Unprocessed
-        keys are asked again after a pause; ``StoreUnavailable`` when some are still left
-        after ``_MAX_BACKOFF_ROUNDS`` more rounds, or at the deadline.
-        """
+        """The items of ``keys`` (at most 100) that exist; strongly consistent. Unprocessed keys are
+        asked again after a pause; ``StoreUnavailable`` when some are still left after
+        ``_MAX_BACKOFF_ROUNDS`` more rounds, or at the deadline."""
         table, found = client._url.netloc, list[dict[str, Any]]()
         pending: Sequence[Mapping[str, Any]] = keys
 
@@ -635,8 +628,8 @@ class DynamoDBConnection(Connection):
         return found
 
     def scan(self, client: Client, **request: Any) -> Iterator[ScanOutputTypeDef]:
-        """The pages of a strongly consistent ``Scan`` of ``client``'s table (``request``: the
-        other parameters), each read when it is needed (and retried as any request)."""
+        """The pages of a strongly consistent ``Scan`` of ``client``'s table (``request``: the other
+        parameters), each read when it is needed (and retried as any request)."""
         request.update(TableName=client._url.netloc, ConsistentRead=True)
         while True:
             page = self.request(client, lambda: self.client.scan(**request))
@@ -652,13 +645,11 @@ class DynamoDBConnection(Connection):
 
 
 def create_table(client: Client, wait: bool = True) -> None:
-    """Create the table if missing (on demand, the store's key schema, all of type S) and
-    switch TTL on on the store's TTL attribute, if it has one. Idempotent, safe in
-    several processes at once; an existing table is otherwise left as it is. With
-    ``wait``, return once it is ACTIVE (and TTL is on); without, once its creation is
-    requested (TTL needs an ACTIVE table: call again with ``wait``). Raises
-    ``ConfigurationError`` (e.g. no permission) and ``StoreUnavailable``.
-    """
+    """Create the table if missing (on demand, the store's key schema, all of type S) and switch TTL
+    on on the store's TTL attribute, if it has one. Idempotent, safe in several processes at once;
+    an existing table is otherwise left as it is. With ``wait``, return once it is ACTIVE (and TTL
+    is on); without, once its creation is requested (TTL needs an ACTIVE table: call again with
+    ``wait``). Raises ``ConfigurationError`` (e.g. no permission) and ``StoreUnavailable``."""
     client._check_open()
     with client._translating_errors("create the table"):
         cast(DynamoDBConnection, client._connection).create_table(client, wait)

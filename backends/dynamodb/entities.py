@@ -1,7 +1,7 @@
 """The DynamoDB entity store: :class:`DynamoDBEntityStore`.
 
-Table: partition key ``id`` (S) = the entity id, nothing else in the key (``create=true``
-or ``create_table()`` makes it: on demand, no TTL). One item per entity:
+Table: partition key ``id`` (S) = the entity id, nothing else in the key (``create=true`` or
+``create_table()`` makes it: on demand, no TTL). One item per entity:
 
 ==============  ====  ==========================================================
 ``id``          S     the entity id (at most 1024 UTF-8 bytes)
@@ -11,42 +11,37 @@ or ``create_table()`` makes it: on demand, no TTL). One item per entity:
 ``pending``     BOOL  ``true``, present only while the outbox is not empty
 ==============  ====  ==========================================================
 
-Saves: one conditional ``PutItem`` per entity (the whole item: nothing is ever
-half-written), ``attribute_not_exists(id)`` for a new entity, ``version = :expected``
-otherwise. ``save_many`` runs a chunk's puts (100) in parallel (at most
-:attr:`DynamoDBEntityStore.save_concurrency`), not as one ``TransactWriteItems``, which
-fails whole when one condition fails: the entities of a batch are independent. A put
-whose condition fails returns the stored item (``ALL_OLD``): if it carries this save's
-token, a re-sent put was applied before, and the save counts as written. If the put was
-re-sent and the item is another save's holding ``expected + 1`` (or ``1`` for a new
-entity), that save made the very step ours wanted, so ours never applied (a conflict);
-at a later version ours may have applied and been overwritten since, so the save raises
-``StoreUnavailable`` (outcome unknown) rather than guess. Without a re-send, a failed
-condition is a plain conflict.
+Saves: one conditional ``PutItem`` per entity (the whole item: nothing is ever half-written),
+``attribute_not_exists(id)`` for a new entity, ``version = :expected`` otherwise. ``save_many`` runs
+a chunk's puts (100) in parallel (at most :attr:`DynamoDBEntityStore.save_concurrency`), not as one
+``TransactWriteItems``, which fails whole when one condition fails: the entities of a batch are
+independent. A put whose condition fails returns the stored item (``ALL_OLD``): if it carries this
+save's token, a re-sent put was applied before, and the save counts as written. If the put was
+re-sent and the item is another save's holding ``expected + 1`` (or ``1`` for a new entity), that
+save made the very step ours wanted, so ours never applied (a conflict); at a later version ours may
+have applied and been overwritten since, so the save raises ``StoreUnavailable`` (outcome unknown)
+rather than guess. Without a re-send, a failed condition is a plain conflict.
 
-Loads: consistent ``BatchGetItem``, 100 keys per request; unprocessed keys (throttling,
-the 16 MB response limit) are asked again, at most 10 rounds, then ``StoreUnavailable``.
+Loads: consistent ``BatchGetItem``, 100 keys per request; unprocessed keys (throttling, the 16 MB
+response limit) are asked again, at most 10 rounds, then ``StoreUnavailable``.
 
 Scan (``pending_outboxes``): DynamoDB's own consistent parallel scan, ``Segment=segment,
 TotalSegments=segments`` (at most 1,000,000; more is a ``ValueError``), filtered on
-``pending = true``, page by page (at most 1 MB each). Segments are DynamoDB's split of
-the key space (disjoint and complete), not :func:`dedupstore.entities.bucket_of`; a scan
-reads every item of the segment (read units for the whole table).
+``pending = true``, page by page (at most 1 MB each). Segments are DynamoDB's split of the key space
+(disjoint and complete), not :func:`dedupstore.entities.bucket_of`; a scan reads every item of the
+segment (read units for the whole table).
 
-Size limit: DynamoDB refuses items over 400 KB (409,600 bytes), counting attribute
-names and values. The attributes other than the body take at most 1,103 bytes (a
-1024-byte id, a 38-digit version, the 32-character token, the flag, the names), so
-:attr:`DynamoDBEntityStore.max_entity_bytes` is 400,000 bytes of JSON: under the
-service limit with room to spare, and under moto's stricter 405,000-byte check.
+Size limit: DynamoDB refuses items over 400 KB (409,600 bytes), counting attribute names and values.
+The attributes other than the body take at most 1,103 bytes (a 1024-byte id, a 38-digit version, the
+32-character token, the flag, the names), so :attr:`DynamoDBEntityStore.max_entity_bytes` is 400,000
+bytes of JSON: under the service limit with room to spare and under moto's 405,000-byte check.
 
-Options and errors: see :mod:`backends.dynamodb`; ``StoreUnavailable`` also for an
-ambiguous re-send, and a ``save_many`` chunk that raises leaves the puts that succeeded
-written (reload to see).
+Options and errors: see :mod:`backends.dynamodb`; ``StoreUnavailable`` also for an ambiguous
+re-send, and a ``save_many`` chunk that raises keeps its successful puts (reload to see).
 
-Emulator notes (tests run against moto's server, which keeps no data across a restart):
-moto's parallel scan splits by the first byte of an MD5 of the key (so at most 256
-non-empty segments), where DynamoDB splits by its own hash. Nothing here relies on moto
-being more lenient than DynamoDB.
+Emulator notes (tests run against moto's server, which keeps no data across a restart): moto's
+parallel scan splits by the first byte of an MD5 of the key (so at most 256 non-empty segments),
+where DynamoDB splits by its own hash. Nothing here relies on moto being more lenient than DynamoDB.
 """
 
 from __future__ import annotations
@@ -82,9 +77,8 @@ MAX_SCAN_SEGMENTS = 1_000_000
 
 
 class DynamoDBEntityStore(EntityStore):
-    """Entities in a DynamoDB table of their own (see the module), one item each, ``version``
-    the token; strongly consistent. Safe to share between threads and to pickle (by URL).
-    """
+    """Entities in a DynamoDB table of their own (see the module), one item each, ``version`` the
+    token; strongly consistent. Safe to share between threads and to pickle (by URL)."""
 
     _dynamodb = Connected(DynamoDBConnection)
 
@@ -124,8 +118,8 @@ class DynamoDBEntityStore(EntityStore):
         return {r.id: v for r, v in zip(records, versions, strict=True) if v is not None}
 
     def _save_one(self, record: EntityRecord) -> int | None:
-        """Put ``record`` if the stored version is ``record.version``: the new version, or
-        ``None`` for a conflict; ``StoreUnavailable`` for an ambiguous re-send."""
+        """Put ``record`` if the stored version is ``record.version``: the new version, or ``None``
+        for a conflict; ``StoreUnavailable`` for an ambiguous re-send."""
         expected = record.version
         if expected is not None and (type(expected) is not int or expected < 1):
             return None  # no stored version equals it

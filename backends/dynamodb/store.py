@@ -1,46 +1,41 @@
 """The DynamoDB deduplication store: :class:`DynamoDBDeduplicationStore`.
 
-Table layout (``create_table()`` makes it; infrastructure code must match it):
-partition key ``pk`` (S) = the message id, sort key ``sk`` (S) = the endpoint. The
-pair *is* the key, so no encoding is involved and (endpoint, id) maps injectively to
-an item for every valid id and endpoint (ids and endpoints are at most 1024 UTF-8
-bytes, the sort-key limit; a single length-prefixed string key would need up to 2054
-bytes, over the 2048-byte partition-key limit). Keying the partition by id spreads
-the writes of one busy endpoint over the whole table. Other attributes:
-``expires_at`` (N, the exact expiry in epoch seconds, only with a retention), ``ttl``
-(N, ``ceil(expires_at + max_clock_skew)``: native TTL deletes by the service's
-clock, so it waits as long as ``purge_expired`` would for a client whose clock runs
-behind) and ``writer`` (S, the write token of the call that recorded the item).
+Table layout (``create_table()`` makes it; infrastructure code must match it): partition key ``pk``
+(S) = the message id, sort key ``sk`` (S) = the endpoint. The pair *is* the key, so no encoding is
+involved and (endpoint, id) maps injectively to an item for every valid id and endpoint (ids and
+endpoints are at most 1024 UTF-8 bytes, the sort-key limit; a single length-prefixed string key
+would need up to 2054 bytes, over the 2048-byte partition-key limit). Keying the partition by id
+spreads the writes of one busy endpoint over the whole table. Other attributes: ``expires_at`` (N,
+the exact expiry in epoch seconds, only with a retention), ``ttl`` (N, ``ceil(expires_at +
+max_clock_skew)``: native TTL deletes by the service's clock, so it waits as long as
+``purge_expired`` would for a client whose clock runs behind) and ``writer`` (S, the write token of
+the call that recorded the item).
 
-Expiry is judged by the CLIENT's clock (the ``clock`` option, ``time.time`` by
-default): DynamoDB has no server clock usable in a condition, so every client of a
-table must keep its clock in sync (NTP). ``purge_expired`` only deletes records
-expired for longer than ``max_clock_skew``, so a client whose clock runs up to that
-much ahead never deletes a record another client still counts as live.
+Expiry is judged by the CLIENT's clock (the ``clock`` option, ``time.time`` by default): DynamoDB
+has no server clock usable in a condition, so every client of a table must keep its clock in sync
+(NTP). ``purge_expired`` only deletes records expired for longer than ``max_clock_skew``, so a
+client whose clock runs up to that much ahead never deletes a record another still counts as live.
 
-Writes: ``add`` is one conditional ``PutItem``; ``add_many`` sends up to 100
-conditional puts per ``TransactWriteItems`` (two write units per item), with a
-``ClientRequestToken``. Condition: ``attribute_not_exists(pk) OR expires_at <= :now``.
-A cancelled transaction writes nothing: the ids whose condition failed are already
-recorded, the others are sent again (conflicts and throttling back off, at most 10
-rounds of up to 1 s). An item failing the condition that holds a token of this call
-(``writer``, returned by ``ReturnValuesOnConditionCheckFailure=ALL_OLD``) is this
-call's own write whose answer was lost (a re-sent request, or the caller's retry on the
-same object after ``StoreUnavailable``): it is reported as recorded, exactly once.
+Writes: ``add`` is one conditional ``PutItem``; ``add_many`` sends up to 100 conditional puts per
+``TransactWriteItems`` (two write units per item), with a ``ClientRequestToken``. Condition:
+``attribute_not_exists(pk) OR expires_at <= :now``. A cancelled transaction writes nothing: the ids
+whose condition failed are already recorded, the others are sent again (conflicts and throttling
+back off, at most 10 rounds of up to 1 s). An item failing the condition that holds a token of this
+call (``writer``, returned by ``ReturnValuesOnConditionCheckFailure=ALL_OLD``) is this call's own
+write whose answer was lost (a re-sent request, or the caller's retry on the same object after
+``StoreUnavailable``): it is reported as recorded, exactly once.
 
-Reads: ``processed_among`` uses ``BatchGetItem`` (100 keys per request, unprocessed
-keys asked again, boundedly) and compares ``expires_at`` with the client's clock, so
-lazy native TTL (and moto, which ignores TTL) never yields a wrong answer.
-``purge_expired`` and ``count`` (``Select=COUNT``) scan the whole table, filtered on
-the endpoint and ``expires_at`` (read units for every item of every endpoint: the
-endpoint is the sort key, so no ``Query`` reaches one endpoint); ``purge_expired``
-deletes the matches with conditional deletes, 100 per transaction, and is rarely
+Reads: ``processed_among`` uses ``BatchGetItem`` (100 keys per request, unprocessed keys asked
+again, boundedly) and compares ``expires_at`` with the client's clock, so lazy native TTL (and moto,
+which ignores TTL) never yields a wrong answer. ``purge_expired`` and ``count`` (``Select=COUNT``)
+scan the whole table, filtered on the endpoint and ``expires_at`` (read units for every item of
+every endpoint: the endpoint is the sort key, so no ``Query`` reaches one endpoint);
+``purge_expired`` deletes the matches with conditional deletes, 100 per transaction, and is rarely
 needed with native TTL (``create_table`` enables it).
 
-Options and errors: see :mod:`backends.dynamodb`. After ``StoreUnavailable`` the ids
-in its ``unknown`` may or may not be recorded: retry (on the same object, the ids the
-failed call wrote are then reported as recorded). After ``ConfigurationError``, fix the
-setup: retrying does not help.
+Options and errors: see :mod:`backends.dynamodb`. After ``StoreUnavailable`` the ids in its
+``unknown`` may or may not be recorded: retry (on the same object, the ids the failed call wrote are
+then reported as recorded). After ``ConfigurationError``, fix the setup: retrying does not help.
 """
 
 from __future__ import annotations
@@ -87,16 +82,15 @@ def _written_by(old: Mapping[str, Any], request: WriteRequest) -> bool:
 
 
 class DynamoDBDeduplicationStore(DeduplicationStore):
-    """Deduplication store in one DynamoDB table (see the module); strongly consistent,
-    expiry by the client's clock. Safe to share between threads and to pickle (by URL).
-    """
+    """Deduplication store in one DynamoDB table (see the module); strongly consistent, expiry by
+    the client's clock. Safe to share between threads and to pickle (by URL)."""
 
     _dynamodb = Connected(DynamoDBConnection)
 
     max_write_batch: ClassVar[int] = MAX_TRANSACT_ITEMS
     max_read_batch: ClassVar[int] = MAX_BATCH_GET_KEYS
-    # Chunks in flight at once: hides the request latency of the service; an id in
-    # two chunks at once is settled by DynamoDB's transaction conflict check.
+    # Chunks in flight at once: hides the request latency of the service; an id in two chunks at
+    # once is settled by DynamoDB's transaction conflict check.
     chunk_concurrency: ClassVar[int] = 4
     table_kind: ClassVar[TableKind] = TableKind(
         "a deduplication table", ((_ID, "HASH"), (_ENDPOINT, "RANGE")), _TTL
@@ -163,12 +157,11 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
         pending: Sequence[tuple[str, TransactWriteItemTypeDef]],
         counts: Callable[[Mapping[str, Any]], bool],
     ) -> list[str]:
-        """Run conditional operations (at most 100) until each took effect or failed its
-        condition; the ids that took effect or whose failed one ``counts`` (this call's own
-        earlier write). A cancelled transaction is sent again without the failed ones (after
-        a pause for a conflict or throttling); any other cancellation, or one outlasting
-        ``_MAX_BACKOFF_ROUNDS`` pauses (within the deadline), is raised.
-        """
+        """Run conditional operations (at most 100) until each took effect or failed its condition;
+        the ids that took effect or whose failed one ``counts`` (this call's own earlier write). A
+        cancelled transaction is sent again without the failed ones (after a pause for a conflict or
+        throttling); any other cancellation, or one outlasting ``_MAX_BACKOFF_ROUNDS`` pauses
+        (within the deadline), is raised."""
         dynamodb, done = self._dynamodb, list[str]()
         failure: boto_errors.ClientError | None = None
 
@@ -273,8 +266,8 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
         return deleted
 
     def _count(self, now: float) -> int:
-        """Exact: a consistent ``Scan`` of the whole table (see the module), ``Select=COUNT``
-        of this endpoint's items live by the client's clock, as :meth:`_find` judges."""
+        """Exact: a consistent ``Scan`` of the whole table (see the module), ``Select=COUNT`` of
+        this endpoint's items live by the client's clock, as :meth:`_find` judges."""
         pages = self._dynamodb.scan(
             self,
             Select="COUNT",

@@ -16,41 +16,37 @@ option               default          meaning
                                       only; not closed by the store)
 ===================  ===============  ====================================================
 
-The URL is a libpq connection URI: every query parameter that is not a declared
-option and is a libpq keyword (``sslmode``, ``application_name``, ``options``, ...)
-goes to libpq unchanged, and libpq's environment variables (``PGPASSWORD``, ...)
-apply. Connections are pooled (``psycopg_pool``), one pool per server, options
-and process, shared by the stores of the server (a child after ``fork()`` opens
-its own), in autocommit, with ``synchronous_commit`` pinned on and
+The URL is a libpq connection URI: every query parameter that is not a declared option and is a
+libpq keyword (``sslmode``, ``application_name``, ``options``, ...) goes to libpq unchanged, and
+libpq's environment variables (``PGPASSWORD``, ...) apply. Connections are pooled
+(``psycopg_pool``), one pool per server, options and process, shared by the stores of the server (a
+child after ``fork()`` opens its own), in autocommit, with ``synchronous_commit`` pinned on and
 ``statement_timeout`` set to ``timeout``.
 
-Every statement is bounded: the server cancels it after ``timeout``, TCP
-keepalives and ``tcp_user_timeout`` detect a network partition, and a
-client-side watchdog closes the connection of a statement that got no answer
-shortly after ``timeout`` (a frozen server still accepts TCP).
+Every statement is bounded: the server cancels it after ``timeout``, TCP keepalives and
+``tcp_user_timeout`` detect a network partition, and a client-side watchdog closes the connection of
+a statement that got no answer shortly after ``timeout`` (a frozen server still accepts TCP).
 
-So that connections that died while pooled do not fail the first call after an
-outage: one the server closed (a restart, a reset) is readable, and discarded
-before use without a round trip; one that died silently (the server's host
-rebooted, a NAT or proxy dropped it) only fails when used, so
+So that connections that died while pooled do not fail the first call after an outage: one the
+server closed (a restart, a reset) is readable, and discarded before use without a round trip; one
+that died silently (the server's host rebooted, a NAT or proxy dropped it) only fails when used, so
 
-* a read, or a write the store marks ``resend`` (its second application answers
-  like the first: the deduplication store's inserts, by their write token), is
-  re-sent on another connection whenever one breaks under it, until the deadline;
-* any other write (an entity save) is sent once, on a connection that has just
-  answered an empty query; a failure after it was sent is raised (outcome unknown).
+* a read, or a write the store marks ``resend`` (its second application answers like the first: the
+  deduplication store's inserts, by their write token), is re-sent on another connection whenever
+  one breaks under it, until the deadline;
+* any other write (an entity save) is sent once, on a connection that has just answered an empty
+  query; a failure after it was sent is raised (outcome unknown).
 
-Writes the server rolled back (deadlock, serialization failure) are retried, 3
-attempts in all; a statement the watchdog timed out is never re-sent.
+Writes the server rolled back (deadlock, serialization failure) are retried, 3 attempts in all; a
+statement the watchdog timed out is never re-sent.
 
-Deadline: a call (one chunk of a batch) raises ``StoreUnavailable`` at most
-``connect_timeout + timeout + min(1 s, timeout / 2)`` seconds after it started
-(16 s with the defaults; with a given ``client`` pool, its own timeout stands for
-``connect_timeout``): waiting for a connection, checking it and the answer are
-each capped by the time left. Errors are classified once, here:
-``StoreUnavailable`` (retry: server down, timeout, failover to a replica) or
-``ConfigurationError`` (fix the setup: a missing table or database, refused
-credentials or privileges, a table of another shape, a value libpq refuses).
+Deadline: a call (one chunk of a batch) raises ``StoreUnavailable`` at most ``connect_timeout +
+timeout + min(1 s, timeout / 2)`` seconds after it started (16 s with the defaults; with a given
+``client`` pool, its own timeout stands for ``connect_timeout``): waiting for a connection, checking
+it and the answer are each capped by the time left. Errors are classified once, here:
+``StoreUnavailable`` (retry: server down, timeout, failover to a replica) or ``ConfigurationError``
+(fix the setup: a missing table or database, refused credentials or privileges, a table of another
+shape, a value libpq refuses).
 """
 
 from __future__ import annotations
@@ -113,8 +109,8 @@ _MAX_MS = 2**31 - 1  # libpq's and the server's limit for millisecond settings
 _LIBPQ_KEYWORDS = frozenset(o.keyword.decode() for o in psycopg.pq.Conninfo.get_defaults())
 # Its secret ones (``sslpassword``, ``oauth_client_secret``, ...) are in masking.SECRET_NAMES.
 
-# Connection failures (libpq gives them no SQLSTATE) that a retry will not fix:
-# credentials, unknown role or database, pg_hba.conf, a value libpq refuses.
+# Connection failures (libpq gives them no SQLSTATE) that a retry will not fix: credentials, unknown
+# role or database, pg_hba.conf, a value libpq refuses.
 _REFUSED = re.compile(
     r"authentication failed|no password supplied|password is required|pg_hba\.conf"
     r"|does not exist|permission denied|not permitted to log in|invalid \S+ value"
@@ -183,12 +179,9 @@ def postgres_options(base: OptionSet, table: str) -> OptionSet:
 
 
 class _Watchdog:
-    """One thread per process that fires the alarms of statements past their deadline.
-
-    Firing and disarming hold one lock: after :meth:`disarm` an alarm has either
-    fired completely or never will. Few alarms are armed at once (one per
-    statement in flight), so the thread scans them all when it wakes.
-    """
+    """One thread per process that fires the alarms of statements past their deadline. Firing and
+    disarming hold one lock: after :meth:`disarm` an alarm has fired completely or never will. Few
+    alarms are armed at once (one per statement in flight), so each wake scans them all."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -239,9 +232,9 @@ def _shut_down(conn: PgConnection) -> None:
 
 
 class _OwnPool(ConnectionPool["PgConnection"]):
-    """A pool dedupstore made (closed by it): filled from its first use on (so an open
-    refused by the server costs one login attempt, the open's own), and noting its last
-    failed connection attempt: ``(time.monotonic(), error)``."""
+    """A pool dedupstore made (closed by it): filled from its first use on (so an open refused by
+    the server costs one login attempt, the open's own), and noting its last failed connection
+    attempt: ``(time.monotonic(), error)``."""
 
     def __init__(self, conninfo: str, **kwargs: Any) -> None:
         self.last_failure: tuple[float, psycopg.Error] | None = None
@@ -277,11 +270,9 @@ def _rolled_back(exc: BaseException) -> bool:
 
 
 def _server_closed(conn: PgConnection) -> bool:
-    """Whether the server ended this idle connection; checked without a round trip.
-
-    An idle connection has nothing to read: readable means the server closed the
-    session (restart, crash, idle timeout) or sent something unexpected.
-    """
+    """Whether the server ended this idle connection; checked without a round trip. An idle
+    connection has nothing to read: readable means the server closed the session (restart, crash,
+    idle timeout) or sent something unexpected."""
     if conn.closed or conn.broken:
         return True
     poller = select.poll()
@@ -331,15 +322,15 @@ class Table:
         self.kind, self.privileges = kind, privileges
 
     def render(self, text: str, index: str = "") -> bytes:
-        """``text`` with ``{table}``, and ``{index}`` (the table's index named by ``index``),
-        filled in, as bytes ready to send."""
+        """``text`` with ``{table}``, and ``{index}`` (the table's index named by ``index``), filled
+        in, as bytes ready to send."""
         index_id = sql.Identifier(index_name(self.parts[-1], index))
         return sql.SQL(text).format(table=self.identifier, index=index_id).as_bytes(None)
 
 
 def _watchdog_delay(options: Options) -> float:
-    """When the watchdog closes a silent statement's connection: shortly after the
-    server's own cancel at ``timeout``."""
+    """When the watchdog closes a silent statement's connection: shortly after the server's own
+    cancel at ``timeout``."""
     timeout: float = options["timeout"]
     return timeout + min(1.0, timeout / 2)
 
@@ -372,12 +363,9 @@ _given_in: weakref.WeakKeyDictionary[ConnectionPool[Any], int] = weakref.WeakKey
 
 
 class PostgresConnection(Connection):
-    """The psycopg pool of one PostgreSQL server, shared by its stores (``self._pg``).
-
-    Statements go through :meth:`read` and :meth:`write` (bounded, re-sent or retried
-    as the module says); a store keeps its :class:`Table` as ``_table``, which
-    :meth:`open_table`, the error texts and the health check read.
-    """
+    """The psycopg pool of one PostgreSQL server, shared by its stores (``self._pg``). Statements go
+    through :meth:`read` and :meth:`write` (see the module); a store keeps its :class:`Table` as
+    ``_table``, read by :meth:`open_table`, the error texts and the health check."""
 
     schemes: ClassVar[tuple[str, ...]] = ("postgresql", "postgres")
     shaped_by: ClassVar[tuple[str, ...]] = (
@@ -388,8 +376,8 @@ class PostgresConnection(Connection):
     )
 
     def __init__(self, url: StoreURL, options: Options) -> None:
-        """The given ``client`` pool in the process it was given in, else a pool of our
-        own (opened in the background)."""
+        """The given ``client`` pool in the process it was given in, else a pool of our own (opened
+        in the background)."""
         super().__init__(url, options)
         self.timeout: float = options["timeout"]
         self.watchdog_delay = _watchdog_delay(options)
@@ -436,8 +424,8 @@ class PostgresConnection(Connection):
             max_size=self.options["pool_max_size"],
             configure=self.configure,
             timeout=connect_timeout,
-            # Stop background reconnection after half the wait: a later call then
-            # connects on demand at once instead of waiting for a backed-off retry.
+            # Stop background reconnection after half the wait: a later call then connects on demand
+            # at once instead of waiting for a backed-off retry.
             reconnect_timeout=connect_timeout / 2,
             name="dedupstore",
         )
@@ -448,12 +436,9 @@ class PostgresConnection(Connection):
             self.pool.close(timeout=5.0)
 
     def configure(self, conn: PgConnection) -> None:
-        """New connection: pin a durable ``synchronous_commit`` and the statement timeout.
-
-        The server's ``synchronous_commit`` is kept unless it is ``off`` (then
-        ``on``); pinning it in the session means a later configuration reload
-        cannot turn it off under the pool.
-        """
+        """New connection: pin a durable ``synchronous_commit`` and the statement timeout. The
+        server's ``synchronous_commit`` is kept unless it is ``off`` (then ``on``); pinning it in
+        the session means a later configuration reload cannot turn it off under the pool."""
         self.execute(
             conn,
             "SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit') "
@@ -467,9 +452,9 @@ class PostgresConnection(Connection):
     def open_table(
         self, client: Client, create: list[bytes], check: Callable[[PgConnection], None]
     ) -> None:
-        """Check the encoding and ``client``'s table (run the ``create`` statements if it is
-        missing and that is allowed, then ``check`` its shape); on a connection of its own
-        when the pool is ours (so refused credentials are the error, not a pool timeout)."""
+        """Check the encoding and ``client``'s table (run the ``create`` statements if it is missing
+        and that is allowed, then ``check`` its shape); on a connection of its own when the pool is
+        ours (so refused credentials are the error, not a pool timeout)."""
         table = part_of(client, "_table", Table)
         with contextlib.ExitStack() as stack:
             if isinstance(self.pool, _OwnPool):
@@ -516,15 +501,13 @@ class PostgresConnection(Connection):
 
     @contextlib.contextmanager
     def pooled(self, client: Client, *, verify: bool = True) -> Iterator[PgConnection]:
-        """A live pooled connection (autocommit), returned to the pool on exit.
-
-        Connections the server closed are discarded (replaced by the pool) and the
-        next one tried at once; with ``verify`` (a request that must not be re-sent)
-        it must also answer an empty query (``ConnectionPool.check_connection``,
-        bounded like a statement). Waits at most the pool's timeout, capped by the
-        call's deadline; then the ``PoolTimeout`` says why the last connection attempt
-        failed, if known. A check that gets no answer raises :class:`StatementTimeout`.
-        """
+        """A live pooled connection (autocommit), returned to the pool on exit. Connections the
+        server closed are discarded (replaced by the pool) and the next one tried at once; with
+        ``verify`` (a request that must not be re-sent) it must also answer an empty query
+        (``ConnectionPool.check_connection``, bounded like a statement). Waits at most the pool's
+        timeout, capped by the call's deadline; then the ``PoolTimeout`` says why the last
+        connection attempt failed, if known. A check that gets no answer raises
+        :class:`StatementTimeout`."""
         pool = self.pool
         began = time.monotonic()
         left = time_left()
@@ -582,8 +565,8 @@ class PostgresConnection(Connection):
 
     @contextlib.contextmanager
     def _bounded(self, conn: PgConnection) -> Iterator[None]:
-        """Close ``conn`` if the round trip in the block gets no answer shortly after
-        ``timeout`` (or by the call's deadline); a psycopg error after that is raised as
+        """Close ``conn`` if the round trip in the block gets no answer shortly after ``timeout``
+        (or by the call's deadline); a psycopg error after that is raised as
         :class:`StatementTimeout`."""
         delay = self.watchdog_delay
         left = time_left()
@@ -610,12 +593,9 @@ class PostgresConnection(Connection):
     def run(
         self, client: Client, query: Any, params: Any, *, resend: bool
     ) -> list[tuple[Any, ...]]:
-        """Run one statement on a pooled connection, within the call's deadline.
-
-        ``resend``: re-sent on another connection whenever one breaks under it; else
-        sent once, on a connection that has just answered a round trip. Never re-sent
-        after a watchdog timeout (the server may still be running it).
-        """
+        """Run one statement on a pooled connection, within the call's deadline. ``resend``: re-sent
+        on another connection when one breaks under it; else sent once, on a freshly checked
+        connection. Never re-sent after a watchdog timeout (the server may still run it)."""
         broke = False
 
         def attempt() -> list[tuple[Any, ...]]:
@@ -625,9 +605,9 @@ class PostgresConnection(Connection):
                 try:
                     return self.execute(conn, query, params)
                 except psycopg.OperationalError:
-                    # The connection failed under the statement: libpq saw it (broken),
-                    # or psycopg's wait saw the socket hang up before libpq did
-                    # ("connection socket closed", the connection still reported OK).
+                    # The connection failed under the statement: libpq saw it (broken), or psycopg's
+                    # wait saw the socket hang up before libpq did ("connection socket closed", the
+                    # connection still reported OK).
                     broke = _server_closed(conn)
                     raise
 
@@ -643,8 +623,8 @@ class PostgresConnection(Connection):
     def write(
         self, client: Client, query: bytes, params: Any, *, resend: bool = False
     ) -> list[tuple[Any, ...]]:
-        """Run a write (``resend`` only for one whose second application answers like the
-        first); retried within the call's deadline when the server rolled it back."""
+        """Run a write (``resend`` only for one whose second application answers like the first);
+        retried within the call's deadline when the server rolled it back."""
         return retry(
             lambda: self.run(client, query, params, resend=resend),
             attempts=_WRITE_ATTEMPTS,
@@ -654,8 +634,7 @@ class PostgresConnection(Connection):
     # ------------------------------------------------------------------ checks and errors
 
     def health_warnings(self, client: Client) -> list[str]:
-        """The server settings and the table's persistence that put acknowledged writes
-        at risk."""
+        """The server settings and the table's persistence that put acknowledged writes at risk."""
         table = part_of(client, "_table", Table)
         with self.pooled(client) as conn:
             settings = self.execute(
@@ -678,9 +657,7 @@ class PostgresConnection(Connection):
     @classmethod
     def classify_error(cls, client: Client, exc: BaseException) -> ErrorKind:
         """psycopg errors: what to fix (``ConfigurationError``) or retry (``StoreUnavailable``).
-
-        Errors about the table name the client's :class:`Table` and how to fix it.
-        """
+        Errors about the table name the client's :class:`Table` and how to fix it."""
         errors = psycopg.errors
         table = part_of(client, "_table", Table)
 
@@ -713,8 +690,8 @@ class PostgresConnection(Connection):
         ):
             return ConfigurationError
         if isinstance(exc, psycopg.OperationalError):
-            # lost or refused connections, QueryCanceled (statement_timeout),
-            # AdminShutdown, CannotConnectNow, deadlocks after retries, ...
+            # lost or refused connections, QueryCanceled (statement_timeout), AdminShutdown,
+            # CannotConnectNow, deadlocks after retries, ...
             return ConfigurationError if _refused(exc) else StoreUnavailable
         if isinstance(
             exc,
@@ -739,9 +716,8 @@ def _refused(exc: psycopg.Error) -> bool:
 def create_schema(cls: type[Client], /, url: str | StoreURL, **options: Any) -> None:
     """Create the table and its index if missing (idempotent).
 
-    Takes the same URL and options as the constructor and opens the store with
-    ``create=true``; needs the CREATE privilege. Safe to run concurrently.
-    Raises like the constructor.
+    Takes the same URL and options as the constructor and opens the store with ``create=true``;
+    needs the CREATE privilege. Safe to run concurrently. Raises like the constructor.
     """
     parsed = StoreURL.parse(url)
     parsed = parsed.with_query([(k, v) for k, v in parsed.query if k != "create"])

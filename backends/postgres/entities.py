@@ -1,8 +1,7 @@
 """``PostgresEntityStore``: entities and their outbox, one row each, in PostgreSQL.
 
-Options: those of :mod:`backends.postgres._client` (``table`` defaults to
-``dedupstore_entities``). The URL is the one of the deduplication store; the
-default tables differ, so entities never mix with deduplication records.
+Options: those of :mod:`backends.postgres._client` (``table`` defaults to ``dedupstore_entities``).
+The URL is the deduplication store's; the default tables differ, so entities and records never mix.
 
 Table layout (``create=true`` or :meth:`PostgresEntityStore.create_schema`)::
 
@@ -14,47 +13,39 @@ Table layout (``create=true`` or :meth:`PostgresEntityStore.create_schema`)::
     listed   boolean NOT NULL              -- in the scan's index (see Scan)
     + index <table>_listed ON (id) WHERE listed; fillfactor 80 (in-page updates)
 
-``body`` is ``text`` rather than ``jsonb`` so the canonical JSON comes back byte
-for byte (``jsonb`` reorders keys, turns ``1e20`` into an integer and refuses
-``\\u0000``); ``body::jsonb`` queries it.
+``body`` is ``text`` rather than ``jsonb`` so the canonical JSON comes back byte for byte (``jsonb``
+reorders keys, turns ``1e20`` into an integer and refuses ``\\u0000``); ``body::jsonb`` queries it.
 
-Token: ``version``. A save is one ``INSERT ... SELECT FROM unnest(...) ON CONFLICT
-(id) DO UPDATE ... WHERE t.version = <expected> RETURNING id, version`` per chunk
-(up to 1,000 entities, ``max_save_batch``): a new entity (version ``None``) is
-inserted only if absent; a loaded one is updated only if its row still holds the
-version it was loaded at. Each row is compared and written atomically by the server
-(the row lock of ``ON CONFLICT``), so of concurrent savers exactly one wins; rows
-are written in one order (ids sorted) by every saver, so overlapping saves never
-deadlock. A chunk is one round trip unless its bodies exceed about 16 MiB, then one
-statement per 16 MiB (each row still all-or-nothing; a failure of a later statement
-raises). A version this store did not hand out (not a positive ``int``) conflicts
-without I/O. The store never deletes entities; a loaded entity whose row was deleted
-by hand conflicts (it is not re-created), except when the delete commits while the
-save is running.
+Token: ``version``. A save is one ``INSERT ... SELECT FROM unnest(...) ON CONFLICT (id) DO UPDATE
+... WHERE t.version = <expected> RETURNING id, version`` per chunk (up to 1,000 entities,
+``max_save_batch``): a new entity (version ``None``) is inserted only if absent; a loaded one is
+updated only if its row still holds the version it was loaded at. Each row is compared and written
+atomically by the server (the row lock of ``ON CONFLICT``), so of concurrent savers exactly one
+wins; every saver writes rows in id order, so overlapping saves never deadlock. A chunk is one round
+trip unless its bodies exceed about 16 MiB, then one statement per 16 MiB (each row still
+all-or-nothing; a failure of a later statement raises). A version this store did not hand out (not a
+positive ``int``) conflicts without I/O. The store never deletes entities; a loaded entity whose row
+was deleted by hand conflicts (not re-created), unless the delete commits during the save.
 
-Scan: ``WHERE listed AND mod(bucket, segments) = segment``, keyset-paginated by
-``id`` (the partial index), at most 500 rows and about 16 MiB of bodies per page,
-each page its own statement: memory is bounded by a page and no transaction
-stays open between pages. An entity saved meanwhile is seen as of its page. A save
-sets ``listed`` when the outbox is not empty and never clears it, so the columns of
-an index change only when an entity becomes pending for the first time since it
-was last pruned: every other save is a heap-only (HOT) update of one page, without
-new index entries. The scan yields the pending rows and clears ``listed`` on the
-others of its page (``UPDATE ... WHERE NOT pending``: a row saved pending meanwhile
-is re-checked under its lock and stays listed).
+Scan: ``WHERE listed AND mod(bucket, segments) = segment``, keyset-paginated by ``id`` (the partial
+index), at most 500 rows and about 16 MiB of bodies per page, each page its own statement: memory is
+bounded by a page and no transaction stays open between pages. An entity saved meanwhile is seen as
+of its page. A save sets ``listed`` when the outbox is not empty and never clears it, so the columns
+of an index change only when an entity becomes pending for the first time since it was last pruned:
+every other save is a heap-only (HOT) update of one page, without new index entries. The scan yields
+the pending rows and clears ``listed`` on the others of its page (``UPDATE ... WHERE NOT pending``:
+a row saved pending meanwhile is re-checked under its lock and stays listed).
 
-Size limit: 4 MiB of canonical JSON per entity (``max_entity_bytes``, checked
-before any I/O). PostgreSQL would hold up to 1 GB per value; 4 MiB keeps the
-answer to one load statement (``max_load_batch`` = 100 entities) below 400 MiB, a
-save statement and a scan page near 16 MiB (at least one entity each), a statement
-well inside ``timeout``, and matches the base class's default.
+Size limit: 4 MiB of canonical JSON per entity (``max_entity_bytes``, checked before any I/O).
+PostgreSQL would hold up to 1 GB per value; 4 MiB keeps the answer to one load statement
+(``max_load_batch`` = 100 entities) below 400 MiB, a save statement and a scan page near 16 MiB (at
+least one entity each), a statement well inside ``timeout``, and matches the base class's default.
 
-Failures (see :mod:`backends.postgres._client`): a save is sent once. When its
-answer is lost (``StoreUnavailable``) it may or may not have been applied, and the
-entities' ``version`` is left as it was, so a retry of the same save conflicts if
-the first one was applied (reload: the entity then holds that save's state). A
-re-send would conflict the same way, so the store never re-sends a save: a lost
-answer is an error, never reported as a conflict.
+Failures (see :mod:`backends.postgres._client`): a save is sent once. When its answer is lost
+(``StoreUnavailable``) it may or may not have been applied, and the entities' ``version`` is left as
+it was, so a retry of the same save conflicts if the first one was applied (reload: the entity then
+holds that save's state). A re-send would conflict the same way, so the store never re-sends a save:
+a lost answer is an error, never reported as a conflict.
 """
 
 from __future__ import annotations
@@ -84,8 +75,8 @@ _MAX_VERSION = 2**63 - 2  # a bigint that can still be incremented
 
 
 def _candidates(records: list[EntityRecord]) -> list[tuple[EntityRecord, int]]:
-    """(record, the version it gets) for each record a stored row can match; the others
-    conflict without a statement."""
+    """(record, the version it gets) for each record a stored row can match; the others conflict
+    without a statement."""
     return [
         (record, 1 if record.version is None else record.version + 1)
         for record in records
@@ -95,11 +86,9 @@ def _candidates(records: list[EntityRecord]) -> list[tuple[EntityRecord, int]]:
 
 
 class PostgresEntityStore(EntityStore):
-    """Entity store in a PostgreSQL table (one row per entity, ``version`` token).
-
-    Thread-safe and fork-safe (a child process opens its own pool); it pickles to its
-    URL and options. See the module for the layout, the guarantees and the errors.
-    """
+    """Entity store in a PostgreSQL table (one row per entity, ``version`` token). Thread-safe and
+    fork-safe (a child process opens its own pool); it pickles to its URL and options. See the
+    module for the layout, the guarantees and the errors."""
 
     #: 4 MiB of canonical JSON per entity: see the module documentation.
     max_entity_bytes: ClassVar[int] = 4 * 1024 * 1024
@@ -147,10 +136,10 @@ class PostgresEntityStore(EntityStore):
             ),
         ]
 
-        # ``u.version`` is the version the row gets (1: new, else the expected one + 1).
-        # A new entity is inserted only if absent (a stored version is never 0); a
-        # loaded one replaces only a row holding the expected version and is never
-        # inserted (the store deletes no rows: the row of a version seen exists).
+        # ``u.version`` is the version the row gets (1: new, else the expected one + 1). A new
+        # entity is inserted only if absent (a stored version is never 0); a loaded one replaces
+        # only a row holding the expected version and is never inserted (the store deletes no rows:
+        # the row of a version seen exists).
         def save(guard: str = "") -> bytes:  # guard: a condition on the rows written
             return render(
                 "INSERT INTO {table} AS t (id, body, version, bucket, pending, listed) "
@@ -172,10 +161,10 @@ class PostgresEntityStore(EntityStore):
         self._sql_load = render(
             "SELECT id, body, version FROM {table} WHERE id = ANY(%(ids)b::text[])"
         )
-        # One page: the next ``rows`` listed ids of the segment after ``after``,
-        # cut after about ``budget`` bytes of bodies (octet_length reads no body);
-        # the body of a row no longer pending is NULL. ``n`` is the page's row count
-        # before the cut: fewer than ``rows`` and nothing cut means the segment is done.
+        # One page: the next ``rows`` listed ids of the segment after ``after``, cut after about
+        # ``budget`` bytes of bodies (octet_length reads no body); the body of a row no longer
+        # pending is NULL. ``n`` is the page's row count before the cut: fewer than ``rows`` and
+        # nothing cut means the segment is done.
         self._sql_scan = render(
             "SELECT id, body, version, n FROM ("
             "SELECT id, body, version, count(*) OVER () AS n, "
@@ -186,8 +175,8 @@ class PostgresEntityStore(EntityStore):
             "AND id > %(after)s::text ORDER BY id LIMIT %(rows)s::int4) AS p"
             ") AS q WHERE before < %(budget)s::int8 ORDER BY id"
         )
-        # The scan's prune: rows still not pending (re-checked under the row lock when
-        # a save changed one meanwhile) leave the index.
+        # The scan's prune: rows still not pending (re-checked under the row lock when a save
+        # changed one meanwhile) leave the index.
         self._sql_unlist = render(
             "UPDATE {table} SET listed = false "
             "WHERE id = ANY(%(ids)b::text[]) AND listed AND NOT pending"
@@ -217,8 +206,8 @@ class PostgresEntityStore(EntityStore):
     def _save_with(
         self, dedup: DeduplicationStore, request: WriteRequest, record: EntityRecord
     ) -> tuple[set[str], dict[str, Any]]:
-        """The record's insert and the entity's save in one statement (:meth:`_joint`);
-        a conflicting save writes no row, the record is written all the same."""
+        """The record's insert and the entity's save in one statement (:meth:`_joint`); a
+        conflicting save writes no row, the record is written all the same."""
         assert isinstance(dedup, PostgresDeduplicationStore)
         params = dedup._add_one_params(request)
         added, versions = self._joint(dedup._sql_add_one, self._sql_save, params, record)
@@ -235,10 +224,9 @@ class PostgresEntityStore(EntityStore):
     def _joint(
         self, first: bytes, save: bytes, params: dict[str, Any], record: EntityRecord
     ) -> tuple[bool, dict[str, Any]]:
-        """``first`` (as ``a``) and ``save`` of ``record`` in one statement, so one
-        transaction (two data-modifying ``WITH`` queries commit together or not at
-        all); whether ``first`` returned a row, and the versions saved. Not re-sent
-        after a lost answer (the save's version check would refuse it)."""
+        """``first`` (as ``a``) and ``save`` of ``record`` in one statement, so one transaction (two
+        data-modifying ``WITH`` queries: all or nothing); whether ``first`` returned a row, and the
+        versions saved. Not re-sent after a lost answer (its version check would refuse it)."""
         query = (
             b"WITH a AS (" + first + b"), s AS (" + save + b") "
             b"SELECT NULL::text, NULL::int8 FROM a UNION ALL SELECT s.id, s.version FROM s"

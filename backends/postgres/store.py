@@ -1,23 +1,20 @@
 """``PostgresDeduplicationStore``: a deduplication table in PostgreSQL.
 
-Options: those of :mod:`backends.postgres._client` (``table`` defaults to
-``dedup_records``), ``endpoint`` and ``retention``. A table without one of the
-columns (``endpoint``, ``id``, ``expires_at``, ``writer``) is refused with a
-``ConfigurationError`` naming what is missing.
+Options: those of :mod:`backends.postgres._client` (``table`` defaults to ``dedup_records``),
+``endpoint`` and ``retention``. A table without one of the columns (``endpoint``, ``id``,
+``expires_at``, ``writer``) is refused with a ``ConfigurationError`` naming what is missing.
 
-Records live in one table keyed by ``(endpoint, id)``, both ``text COLLATE "C"``
-(byte-exact: ids differing only in case, accents or trailing spaces never
-collide). Expiry is judged by the server's clock: ``expires_at`` is epoch seconds
-computed from ``now()`` in SQL, so clients with skewed clocks agree. A record is
-committed and flushed (``synchronous_commit`` on) before ``add`` returns.
-``INSERT ... ON CONFLICT`` decides the first writer; each record also holds the
-write token (``writer`` column) of the call that wrote it, so an insert re-sent
-after a broken connection returns the rows holding the call's token: the ids its
-lost first send recorded are reported as recorded by this call.
+Records live in one table keyed by ``(endpoint, id)``, both ``text COLLATE "C"`` (byte-exact: ids
+differing only in case, accents or trailing spaces never collide). Expiry is judged by the server's
+clock: ``expires_at`` is epoch seconds computed from ``now()`` in SQL, so clients with skewed clocks
+agree. A record is committed and flushed (``synchronous_commit`` on) before ``add`` returns.
+``INSERT ... ON CONFLICT`` decides the first writer; each record also holds the write token of the
+call that wrote it (``writer``), so an insert re-sent after a broken connection returns the rows
+holding the call's token: the ids its lost first send recorded are reported as recorded.
 
-After ``StoreUnavailable`` an ``add`` may or may not have recorded its ids; a
-retry on the same store object reports the ids it wrote as recorded by the retry
-(``add_many`` also says what it ``recorded`` and what is ``unknown``).
+After ``StoreUnavailable`` an ``add`` may or may not have recorded its ids; a retry on the same
+store object reports the ids it wrote as recorded by the retry (``add_many`` also says what it
+``recorded`` and what is ``unknown``).
 """
 
 from __future__ import annotations
@@ -44,16 +41,14 @@ _COLUMNS = ("endpoint", "id", "expires_at", "writer")
 
 
 class PostgresDeduplicationStore(DeduplicationStore):
-    """Deduplication store in a PostgreSQL table, through a psycopg connection pool.
-
-    Thread-safe and fork-safe (a child process opens its own pool); it pickles to its
-    URL and options. See the module for the guarantees and the errors.
-    """
+    """Deduplication store in a PostgreSQL table, through a psycopg connection pool. Thread-safe and
+    fork-safe (a child process opens its own pool); it pickles to its URL and options. See the
+    module for the guarantees and the errors."""
 
     max_write_batch: ClassVar[int] = 2000
     max_read_batch: ClassVar[int] = 5000
-    # Two chunks in flight: the server works on one while the next is sent (and on
-    # two cores at once); overlapping chunks are sorted, so they cannot deadlock.
+    # Two chunks in flight: the server works on one while the next is sent (and on two cores at
+    # once); overlapping chunks are sorted, so they cannot deadlock.
     chunk_concurrency: ClassVar[int] = 2
     expiry_clock: ClassVar[Literal["client", "server"]] = "server"
     _pg = Connected(PostgresConnection)
@@ -120,8 +115,8 @@ class PostgresDeduplicationStore(DeduplicationStore):
             f"WHERE (r.expires_at IS NOT NULL AND r.expires_at <= {now}) "
             "OR r.writer = ANY(%(mine)s::text[]) "
         )
-        # Rows are inserted in one order (code points = UTF-8 bytes = COLLATE "C")
-        # by every writer, so overlapping batches wait for each other, never deadlock.
+        # Rows are inserted in one order (code points = UTF-8 bytes = COLLATE "C") by every writer,
+        # so overlapping batches wait for each other, never deadlock.
         self._sql_add_many = render(
             "INSERT INTO {table} AS r (endpoint, id, expires_at, writer) "
             f"SELECT %(endpoint)s::text, u.id, {expires}, %(token)s::text "
@@ -185,9 +180,8 @@ class PostgresDeduplicationStore(DeduplicationStore):
         return {"endpoint": self._endpoint, "id": message_id}
 
     def _count(self, now: float) -> int:
-        """Exact, one statement (a snapshot) judged by the server's ``now()``: reads the
-        endpoint's range of the primary key within ``timeout`` (raise it for an endpoint
-        of many millions of ids)."""
+        """Exact, one statement (a snapshot) judged by the server's ``now()``: reads the endpoint's
+        range of the primary key within ``timeout`` (raise it for many millions of ids)."""
         return int(self._pg.read(self, self._sql_count, {"endpoint": self._endpoint})[0][0])
 
     def _purge(self, now: float) -> int:

@@ -1,17 +1,17 @@
 """``redis://`` and ``rediss://``: stores and a dispatcher on a Redis primary.
 
-* :mod:`backends.redis._client` -- :class:`RedisConnection`, shared by the objects of
-  one server in a process: the options, the pool, timeouts and retries, the write
-  script, errors, health warnings; it refuses Redis Cluster and replicas.
-* :mod:`backends.redis.store` -- :class:`RedisDeduplicationStore`: a string key per
-  (endpoint, id), native expiry.
+* :mod:`backends.redis._client` -- :class:`RedisConnection`, shared by the objects of one server in
+  a process: the options, the pool, timeouts and retries, the write script, errors, health warnings;
+  it refuses Redis Cluster and replicas.
+* :mod:`backends.redis.store` -- :class:`RedisDeduplicationStore`: a string key per (endpoint, id),
+  native expiry.
 * :mod:`backends.redis.entities` -- :class:`RedisEntityStore`: a hash per entity.
 * :mod:`backends.redis.dispatcher` -- :class:`RedisDispatcher`: a stream per destination.
-* :mod:`backends.redis.consumer` -- :class:`RedisStreamsBroker`: the consume loop's
-  broker, a consumer group; imported on first use (``dedupstore.consumers.open_broker``).
+* :mod:`backends.redis.consumer` -- :class:`RedisStreamsBroker`: the consume loop's broker, a
+  consumer group; imported on first use (``dedupstore.consumers.open_broker``).
 
-All take the URL ``redis[s]://[[user]:password@]host[:port][/db]`` and the connection
-options; each module documents its key layout, token and failure semantics.
+All take the URL ``redis[s]://[[user]:password@]host[:port][/db]`` and the connection options; each
+module documents its key layout, token and failure semantics.
 """
 
 from backends.redis._client import RedisConnection

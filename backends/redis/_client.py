@@ -1,44 +1,38 @@
 """The connection the Redis stores, dispatcher and broker share: :class:`RedisConnection`.
 
-Options (URL query or keywords), the same on every Redis object apart from the
-default ``key_prefix``: ``key_prefix`` (``''`` or ending with ``:``), ``timeout`` (5 s per
-command), ``connect_timeout`` (5 s), ``retries`` (3: a command is retried after a connection
-error or timeout, with jittered exponential backoff), ``max_connections`` (pool size,
-redis-py's default), ``wait_replicas`` (0) and ``wait_timeout_ms`` (1000, shorter than
-``timeout``), ``username``, ``password`` (override the URL's), ``ssl_ca_certs``,
-``ssl_cert_reqs`` (``rediss://`` only), and keyword-only ``client`` (a ready
-``redis.Redis``: its own settings apply; neither closed nor pickled).
+Options (URL query or keywords), the same on every Redis object apart from the default
+``key_prefix``: ``key_prefix`` (``''`` or ending with ``:``), ``timeout`` (5 s per command),
+``connect_timeout`` (5 s), ``retries`` (3, after a connection error or timeout, with jittered
+exponential backoff), ``max_connections`` (pool size, redis-py's default), ``wait_replicas`` (0) and
+``wait_timeout_ms`` (1000, shorter than ``timeout``), ``username``, ``password`` (override the
+URL's), ``ssl_ca_certs``, ``ssl_cert_reqs`` (``rediss://`` only), and keyword-only ``client`` (a
+ready ``redis.Redis``: its own settings apply; neither closed nor pickled).
 
-Keys: ``key_prefix`` (keep the prefixes of the stores and the dispatcher apart), then
-parts escaped by :func:`escape` (``%`` ``:`` ``{`` ``}`` become ``%25`` ``%3A`` ``%7B``
-``%7D``): no two parts share a key and none forms a Redis Cluster hash tag.
+Keys: ``key_prefix`` (keep the prefixes of the stores and the dispatcher apart), then parts escaped
+by :func:`escape` (``%`` ``:`` ``{`` ``}`` become ``%25`` ``%3A`` ``%7B`` ``%7D``): no two parts
+share a key and none forms a Redis Cluster hash tag.
 
 Each store and the dispatcher runs ONE Lua script for its writes, loaded at open and run by
-``EVALSHA`` through :meth:`RedisConnection.run_script`: on one pooled connection,
-followed by ``WAIT`` when ``wait_replicas`` is set, so the caller knows when an
-attempt whose answer was lost may have run (and may send the script a "re-sent"
-flag then). Reads go through redis-py. redis-py retries nothing (its pool has no
-``Retry``): every command, script or read, is retried here, by
+``EVALSHA`` through :meth:`RedisConnection.run_script`: on one pooled connection, followed by
+``WAIT`` when ``wait_replicas`` is set, so the caller knows when an attempt whose answer was lost
+may have run (and may send the script a "re-sent" flag then). Reads go through redis-py. redis-py
+retries nothing (its pool has no ``Retry``): every command, script or read, is retried here, by
 :func:`dedupstore.calls.retry`, after a connection error or a timeout.
 
-Deadline: a call (one chunk of a batch) raises ``StoreUnavailable`` at most
-``connect_timeout + (retries + 1) x timeout`` seconds after it started (25 s with
-the defaults), whatever the server does: attempts stop there, and every wait of
-an attempt (connecting, the handshake, each reply) is capped by the time left.
-Retries wait 0 to 0.05, 0.1, 0.2, ... s (at most 1 s) in between, within the
-deadline. A ``client`` given by the user keeps its own timeouts and retries:
-only the store's own retries stop at the deadline.
+Deadline: a call (one chunk of a batch) raises ``StoreUnavailable`` at most ``connect_timeout +
+(retries + 1) x timeout`` seconds after it started (25 s with the defaults), whatever the server
+does: attempts stop there, and every wait of an attempt (connecting, the handshake, each reply) is
+capped by the time left. Retries wait 0 to 0.05, 0.1, 0.2, ... s (at most 1 s) apart. A given
+``client`` keeps its own timeouts and retries (only the store's stop at the deadline).
 
-Errors (:meth:`RedisConnection.classify_error`): ``StoreUnavailable`` for connection
-errors, timeouts, loading, failover to a replica (``READONLY``), out of memory,
-``BUSY``/``MISCONF``/``NOREPLICAS``/``NOSCRIPT``, any other redis-py error, and fewer
-replicas than ``wait_replicas`` acknowledging; ``ConfigurationError`` for credentials,
-ACL permissions, a key under the prefix that dedupstore did not write, Redis Cluster
-(redirects) and any other error reply. Opening refuses a Redis Cluster node
-(``ConfigurationError``) and a replica (``ConsistencyError``). Durability needs
-``appendonly yes`` + ``appendfsync always`` and ``maxmemory-policy noeviction``
-(:meth:`~dedupstore.client.Client.health_warnings` says when not); replication is
-asynchronous unless ``wait_replicas`` is set.
+Errors (:meth:`RedisConnection.classify_error`): ``StoreUnavailable`` for connection errors,
+timeouts, loading, failover to a replica (``READONLY``), out of memory,
+``BUSY``/``MISCONF``/``NOREPLICAS``/``NOSCRIPT``, any other redis-py error, and fewer replicas than
+``wait_replicas`` acknowledging; ``ConfigurationError`` for credentials, ACL permissions, a key
+under the prefix that dedupstore did not write, Redis Cluster (redirects) and any other error reply.
+Opening refuses a Redis Cluster node (``ConfigurationError``) and a replica (``ConsistencyError``).
+Durability needs ``appendonly yes`` + ``appendfsync always`` and ``maxmemory-policy noeviction``
+(``health_warnings()`` says when not); replication is asynchronous unless ``wait_replicas`` is set.
 """
 
 from __future__ import annotations
@@ -106,8 +100,8 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-#: Error replies that mean "retry later": a script runs too long, the server cannot
-#: persist, or it lacks the replicas min-replicas-to-write asks for.
+#: Error replies that mean "retry later": a script runs too long, the server cannot persist, or it
+#: lacks the replicas min-replicas-to-write asks for.
 _TRANSIENT_CODES = frozenset({"BUSY", "MISCONF", "NOREPLICAS"})
 #: The path of a Redis URL: none, ``/`` or a database number.
 _DB_PATH = re.compile(r"/?|/\d{1,5}")
@@ -116,8 +110,8 @@ _PIPELINE_PREFIX = re.compile(r"^Command # \d+ \(.*?\) of pipeline caused error:
 
 def escape(part: str) -> str:
     """``part`` with ``%`` ``:`` ``{`` ``}`` percent-escaped (injective; no ``:``, no hash tag)."""
-    # ``str.translate`` with a mapping costs about 4 us; these replace calls a twentieth of
-    # that. Every deduplication key has a ``:`` (see ``message_key``). ``%`` goes first.
+    # ``str.translate`` with a mapping costs about 4 us; these replace calls a twentieth of that.
+    # Every deduplication key has a ``:`` (see ``message_key``). ``%`` goes first.
     if "%" in part:
         part = part.replace("%", "%25")
     if ":" in part:
@@ -146,14 +140,11 @@ def key_prefix_option(default: str) -> Option:
 
 
 def _packed(conn: Any, commands: list[tuple[Any, ...]]) -> Any:
-    """The RESP packet of ``commands`` (tuples of ``str``/``int`` arguments, each
-    led by a command name without spaces) to send on the redis-py connection ``conn``.
-
-    The bytes redis-py would send (UTF-8, strict), packed by hiredis in one C call
-    per command instead of redis-py's Python pass over every argument (a save
-    script's call carries six per entity). Raises redis-py's ``DataError`` for an
-    argument that cannot be packed.
-    """
+    """The RESP packet of ``commands`` (tuples of ``str``/``int`` arguments, each led by a command
+    name without spaces) to send on the redis-py connection ``conn``. The bytes redis-py would send
+    (UTF-8, strict), packed by hiredis in one C call per command instead of redis-py's Python pass
+    over every argument (a save script's call carries six per entity). Raises redis-py's
+    ``DataError`` for an argument that cannot be packed."""
     if _pack_command is None:  # pragma: no cover
         return conn.pack_commands(commands)
     try:
@@ -174,8 +165,8 @@ def text_of(value: bytes | str) -> str:
 
 
 class _Bounded(DriverConnection):
-    """A redis-py connection whose every wait is capped by the call's deadline (see the
-    module); past the deadline a read drops the connection and raises ``TimeoutError``."""
+    """A redis-py connection whose every wait is capped by the call's deadline (see the module);
+    past the deadline a read drops the connection and raises ``TimeoutError``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
@@ -252,14 +243,11 @@ CONNECTION_OPTIONS: tuple[Option, ...] = (
 
 
 class RedisConnection(Connection):
-    """The ``redis.Redis`` of one standalone Redis primary, shared by its clients.
-
-    Each client names it as ``connection_class``, reaches it as ``self._redis``, declares
-    ``key_prefix_option(...)`` plus :data:`CONNECTION_OPTIONS`, calls :meth:`probe` at
-    open, and sets ``_commands`` (the commands it runs, named when an ACL refuses one)
-    and, if it calls :meth:`run_script`, ``_unconfirmed`` (what a write the replicas did
-    not confirm means for its caller).
-    """
+    """The ``redis.Redis`` of one standalone Redis primary, shared by its clients. Each client names
+    it as ``connection_class``, uses it as ``self._redis``, declares ``key_prefix_option(...)`` plus
+    :data:`CONNECTION_OPTIONS`, calls :meth:`probe` at open, and sets ``_commands`` (the commands it
+    runs, named when an ACL refuses one) and, if it calls :meth:`run_script`, ``_unconfirmed`` (what
+    a write the replicas did not confirm means for it)."""
 
     schemes: ClassVar[tuple[str, ...]] = ("redis", "rediss")
     shaped_by: ClassVar[tuple[str, ...]] = tuple(
@@ -351,8 +339,8 @@ class RedisConnection(Connection):
         return replies
 
     def probe(self, client: Client, script: str) -> None:
-        """``PING``; check the server is a primary, not a cluster, and runs ``script``
-        (the write script of ``client``, loaded now; ``""``: none)."""
+        """``PING``; check the server is a primary, not a cluster, and runs ``script`` (the write
+        script of ``client``, loaded now; ``""``: none)."""
 
         def build(pipe: Any) -> None:
             pipe.ping()
@@ -385,14 +373,11 @@ class RedisConnection(Connection):
         args: list[str],
         resent_args: list[str] | None = None,
     ) -> Any:
-        """Run ``client``'s write script ``source`` (then ``WAIT``); return its answer.
-
-        Once an attempt's request may have reached the server, the next attempts send
-        ``resent_args`` (``args`` when ``None``); after ``NOSCRIPT`` (a restarted or
-        flushed server) the script is loaded and sent again in the same attempt. Raises
-        the last attempt's redis-py error, or ``StoreUnavailable`` when fewer than
-        ``wait_replicas`` replicas confirmed the write in time.
-        """
+        """Run ``client``'s write script ``source`` (then ``WAIT``); return its answer. Once a
+        request may have reached the server, later attempts send ``resent_args`` (``args`` when
+        ``None``); after ``NOSCRIPT`` (a restarted or flushed server) the script is loaded and
+        re-sent in the same attempt. Raises the last attempt's redis-py error, or
+        ``StoreUnavailable`` when fewer than ``wait_replicas`` replicas confirmed in time."""
         sha = _sha1(source)
         commands: list[tuple[Any, ...]] = [("EVALSHA", sha, len(keys), *keys, *args)]
         if self._wait_replicas:
@@ -429,12 +414,9 @@ class RedisConnection(Connection):
         return replies[0]
 
     def _send(self, commands: list[tuple[Any, ...]], sent: list[bool]) -> list[Any]:
-        """Send ``commands`` in one packet on one pooled connection; read every reply.
-
-        Appends to ``sent`` once the request may have reached the server. A failed
-        connection is closed, never reused; error replies are raised once all replies
-        are read (the connection stays in step).
-        """
+        """Send ``commands`` in one packet on a pooled connection; read every reply. Appends to
+        ``sent`` once the request may have reached the server. A failed connection is closed, not
+        reused; error replies are raised once all are read (the connection stays in step)."""
         pool = self.client.connection_pool
         conn: Any = pool.get_connection()  # redis-py leaves these methods untyped
         try:

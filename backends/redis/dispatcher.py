@@ -2,33 +2,30 @@
 
 Layout (``key_prefix`` ``dedupout:`` by default; keys: see :mod:`backends.redis._client`):
 
-* one stream per destination, ``<key_prefix><destination>`` (the destination
-  escaped: it holds no ``:``, so no stream key can be a marker key), one entry per
-  message with the fields ``id``, ``body`` (canonical JSON) and ``headers`` (JSON);
-* with ``dedupe_window``: one marker per message id, ``<key_prefix>sent:<id>`` (the
-  id escaped), a string that expires after the window.
+* one stream per destination, ``<key_prefix><destination>`` (the destination escaped: it holds no
+  ``:``, so no stream key can be a marker key), one entry per message with the fields ``id``,
+  ``body`` (canonical JSON) and ``headers`` (JSON);
+* with ``dedupe_window``: one marker per message id, ``<key_prefix>sent:<id>`` (the id escaped), a
+  string that expires after the window.
 
-A dispatch is ONE ``EVALSHA`` (Redis runs a script atomically). The script checks
-every key's type before writing any (a key of another type: ``ConfigurationError``,
-nothing written), then for each message whose marker is absent runs ``XADD``, then
-``SET <marker> 1 NX PX <window>`` (atomically "SET NX, and XADD only if it succeeded",
-but should Redis refuse a write half-way, say an ACL without ``SET``, a message ends up
-appended without its marker, a later duplicate, rather than marked and never appended):
-within the window a re-dispatch of an id appends nothing. ``maxlen`` trims each stream
-approximately (``XADD ... MAXLEN ~ n``).
+A dispatch is ONE ``EVALSHA`` (Redis runs a script atomically). The script checks every key's type
+before writing any (a key of another type: ``ConfigurationError``, nothing written), then for each
+message whose marker is absent runs ``XADD``, then ``SET <marker> 1 NX PX <window>`` (atomically
+"SET NX, and XADD only if it succeeded", but should Redis refuse a write half-way, say an ACL
+without ``SET``, a message ends up appended without its marker, a later duplicate, rather than
+marked and never appended): within the window a re-dispatch of an id appends nothing. ``maxlen``
+trims each stream approximately (``XADD ... MAXLEN ~ n``).
 
-Lost answers: the script is retried (``retries``). With the window a retry is harmless
-(an attempt that ran left its markers); without it (``dedupe_window=0``) the script
-refuses a retry of an attempt that may have run and the call raises ``StoreUnavailable``
-(the messages may or may not be in their streams: dispatch again).
+Lost answers: the script is retried (``retries``). With the window a retry is harmless (an attempt
+that ran left markers); without it (``dedupe_window=0``) the script refuses a retry of an attempt
+that may have run and the call raises ``StoreUnavailable`` (outcome unknown: dispatch again).
 
-Receivers still deduplicate by the ``id`` field: the window is finite, and ``maxlen``
-trimming and consumer-group redelivery (``XREADGROUP`` + ``XACK``, after a receiver
-crash) are independent of it: delivery is at least once.
+Receivers still deduplicate by the ``id`` field: the window is finite, and ``maxlen`` trimming and
+consumer-group redelivery (``XREADGROUP`` + ``XACK``, after a receiver crash) are independent of it:
+delivery is at least once.
 
-Options: ``key_prefix``, ``dedupe_window`` (7 days; ``0``/``none``: off), ``maxlen``
-(none) and those of :mod:`backends.redis._client`, which also says when
-``StoreUnavailable`` and ``ConfigurationError`` are raised.
+Options: ``key_prefix``, ``dedupe_window`` (7 days; ``0``/``none``: off), ``maxlen`` (none) and
+those of :mod:`backends.redis._client`, which also documents the errors.
 """
 
 from __future__ import annotations
@@ -44,12 +41,10 @@ from dedupstore.options import Option, OptionSet, integer, optional, seconds
 
 __all__ = ["RedisDispatcher", "sent_key", "stream_key"]
 
-# KEYS[1..n]: the stream of each message; KEYS[n+1..2n]: its marker key.
-# ARGV[1]: the window in ms ('' = off); ARGV[2]: MAXLEN ('' = none); ARGV[3]: '1' when
-# an earlier attempt of this call may have run; then 3 per message: id, body, headers.
-# Returns the (1-based) indexes of the messages
-# appended, or {-1} having written nothing (re-sent without a window: may duplicate).
-# No keys: a permission probe.
+# KEYS[1..n]: the stream of each message; KEYS[n+1..2n]: its marker key. ARGV[1]: the window in ms
+# ('' = off); ARGV[2]: MAXLEN ('' = none); ARGV[3]: '1' when an earlier attempt may have run; then 3
+# per message: id, body, headers. Returns the 1-based indexes of appended messages, or {-1} with
+# nothing written (re-sent without a window: may duplicate). No keys: a permission probe.
 _DISPATCH_SCRIPT = """
 if #KEYS == 0 then return {} end
 local window, maxlen = ARGV[1], ARGV[2]

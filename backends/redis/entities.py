@@ -2,54 +2,49 @@
 
 Layout (``key_prefix`` ``dedupent:`` by default; keys: see :mod:`backends.redis._client`):
 
-* one hash per entity, ``<key_prefix>e:<id>`` (the id escaped), with the fields ``b``
-  (the canonical JSON body), ``v`` (the version: 1, 2, 3, ... per save), ``t`` (the
-  random write token of the save that wrote it), ``p`` (``1`` while the outbox is
-  not empty, else ``0``) and ``i`` (``1`` while the id is in its bucket's set);
-* one set per bucket, ``<key_prefix>pending:<bucket>`` (``bucket_of(id)``, 0..4095),
-  holding the ids of the entities of that bucket whose outbox is not empty, and of
-  some whose outbox emptied since the last scan (see below);
-* one set ``<key_prefix>pending-buckets`` of the buckets whose set is not empty (the
-  scan's index, kept by the same scripts).
+* one hash per entity, ``<key_prefix>e:<id>`` (the id escaped), with the fields ``b`` (the canonical
+  JSON body), ``v`` (the version: 1, 2, 3, ... per save), ``t`` (the random write token of the save
+  that wrote it), ``p`` (``1`` while the outbox is not empty, else ``0``) and ``i`` (``1`` while the
+  id is in its bucket's set);
+* one set per bucket, ``<key_prefix>pending:<bucket>`` (``bucket_of(id)``, 0..4095), holding the ids
+  of the entities of that bucket whose outbox is not empty, and of some whose outbox emptied since
+  the last scan (see below);
+* one set ``<key_prefix>pending-buckets`` of the buckets whose set is not empty (the scan's index,
+  kept by the same scripts).
 
-Token: the version. A save is one ``EVALSHA`` per chunk of up to 500 entities and 16 MiB
-of bodies (one flush on a durable server; Redis runs a script atomically and serves no
-other client meanwhile: a few ms for 500 small entities). For each entity the script
-compares the stored version with the one the entity was loaded at (absent when ``None``)
-and either writes body, version + 1, token and pending flag, or leaves it alone (a
-conflict). A pending entity whose hash does not say ``i = 1`` also joins its bucket's
-set (and the bucket the index); an entity whose outbox empties stays in the set: a
-save costs one read and one write of the hash, plus a set and the index only when an
-entity becomes pending for the first time since it was pruned. Every key is checked
-before any is written: a foreign key fails the whole chunk, nothing half-written.
-Loads: one pipelined ``HMGET b v`` per id, 100 ids per round trip (a hash without
-those two fields loads as absent; saving it is refused).
+Token: the version. A save is one ``EVALSHA`` per chunk of up to 500 entities and 16 MiB of bodies
+(one flush on a durable server; Redis runs a script atomically and serves no other client meanwhile:
+a few ms for 500 small entities). For each entity the script compares the stored version with the
+one the entity was loaded at (absent when ``None``) and either writes body, version + 1, token and
+pending flag, or leaves it alone (a conflict). A pending entity whose hash does not say ``i = 1``
+also joins its bucket's set (and the bucket the index); an entity whose outbox empties stays in the
+set: a save costs one read and one write of the hash, plus a set and the index only when an entity
+becomes pending for the first time since it was pruned. Every key is checked before any is written:
+a foreign key fails the whole chunk, nothing half-written. Loads: one pipelined ``HMGET b v`` per
+id, 100 ids per round trip (a hash without those two fields loads as absent; saving it is refused).
 
-Lost answers: an entity whose hash already holds this save's token was written by an
-earlier attempt and is reported as saved. A re-sent script that meets an entity whose
-version moved on cannot tell "another client saved first" from "our lost attempt wrote
-it and someone saved on top": it writes nothing and the save raises ``StoreUnavailable``
-(outcome unknown: reload before saving again) rather than report a conflict that may be
-false.
+Lost answers: an entity whose hash already holds this save's token was written by an earlier attempt
+and is reported as saved. A re-sent script that meets an entity whose version moved on cannot tell
+"another client saved first" from "our lost attempt wrote it and someone saved on top": it writes
+nothing and the save raises ``StoreUnavailable`` (outcome unknown: reload before saving again)
+rather than report a conflict that may be false.
 
-Scan: segment ``s`` of ``n`` reads the index (``SMEMBERS``, at most 4096 numbers) and
-walks the sets of its non-empty buckets ``b % n == s`` with ``SSCAN`` (64 buckets per
-pipelined round trip; an empty store costs one round trip) and reads the bodies with one
-pipelined ``HMGET`` per id, a page of 100 ids at a time. The ids of a page whose entity
-is gone or no longer pending are pruned: one script per page removes each from its set
-if the entity is still not pending then (a save in between keeps it), clears its ``i``,
-and removes the buckets left empty from the index. So the sets hold the pending
-entities plus those that stopped being pending since the last scan of their bucket
-(their ids only: about 60 bytes each). Memory: one page of bodies plus the ids of
-one round of buckets (an id set per bucket de-duplicates ``SSCAN``'s repeats).
+Scan: segment ``s`` of ``n`` reads the index (``SMEMBERS``, at most 4096 numbers) and walks the sets
+of its non-empty buckets ``b % n == s`` with ``SSCAN`` (64 buckets per pipelined round trip; an
+empty store costs one round trip) and reads the bodies with one pipelined ``HMGET`` per id, a page
+of 100 ids at a time. The ids of a page whose entity is gone or no longer pending are pruned: one
+script per page removes each from its set if the entity is still not pending then (a save in between
+keeps it), clears its ``i``, and removes the buckets left empty from the index. So the sets hold the
+pending entities plus those that stopped being pending since the last scan of their bucket (their
+ids only: about 60 bytes each). Memory: one page of bodies plus the ids of one round of buckets (an
+id set per bucket de-duplicates ``SSCAN``'s repeats).
 
-Size limit: 4 MiB of JSON per entity (``max_entity_bytes``). Redis takes values up
-to 512 MB (``proto-max-bulk-len``), but an entity is read whole by every load and
-scan, and a chunk of them travels in one command: 4 MiB keeps a page of a scan and
-a script call within tens of MiB.
+Size limit: 4 MiB of JSON per entity (``max_entity_bytes``). Redis takes values up to 512 MB
+(``proto-max-bulk-len``), but an entity is read whole by every load and scan, and a chunk of them
+travels in one command: 4 MiB keeps a page of a scan and a script call within tens of MiB.
 
-Options and errors: see :mod:`backends.redis._client` (after ``StoreUnavailable`` the
-outcome of a save is unknown).
+Options and errors: see :mod:`backends.redis._client` (after ``StoreUnavailable`` the outcome of a
+save is unknown).
 """
 
 from __future__ import annotations
@@ -75,16 +70,14 @@ from dedupstore.store import DeduplicationStore, WriteRequest
 
 __all__ = ["RedisEntityStore", "buckets_key", "entity_key", "pending_key"]
 
-# KEYS[1..n]: the entity keys; KEYS[n+1..2n]: the pending set of each entity's bucket;
-# KEYS[2n+1]: the set of buckets whose pending set is not empty (the scan's index).
-# ARGV[1]: this save's write token; ARGV[2]: '1' when an earlier attempt of this very
-# call may have run (its answer was lost); then 4 per entity: the expected version
-# ('' = absent, else '=' .. version), '1'/'0' (pending), the id, the body.
-# Returns {1, i, version, ...} for the entities saved (now, or by the earlier attempt:
-# their hash holds this token), or {0} having written nothing when a re-sent call meets
-# an entity that moved on (its lost attempt may have written it). No keys: a probe.
-# A pending entity joins its bucket's set unless its hash says it is in it (i = 1);
-# one that is no longer pending stays in the set until a scan prunes it.
+# KEYS[1..n]: the entity keys; KEYS[n+1..2n]: the pending set of each entity's bucket; KEYS[2n+1]:
+# the set of buckets whose pending set is not empty (the scan's index). ARGV[1]: this save's write
+# token; ARGV[2]: '1' when an earlier attempt of this very call may have run (its answer was lost);
+# then 4 per entity: the expected version ('' = absent, else '=' .. version), '1'/'0' (pending), the
+# id, the body. Returns {1, i, version, ...} for the entities saved (now, or by the earlier attempt:
+# their hash holds this token), or {0} having written nothing when a re-sent call meets an entity
+# that moved on (its lost attempt may have written it). No keys: a probe. A pending entity joins its
+# bucket's set unless its hash says it is there (i = 1); only a scan's prune removes ids.
 _SAVE_SCRIPT = """
 if #KEYS == 0 then return {} end
 local n = (#KEYS - 1) / 2
@@ -165,11 +158,10 @@ return result
 """
 
 
-# KEYS[1..n]: entity keys; KEYS[n+1..2n]: the pending set each id was found in;
-# KEYS[2n+1]: the index. ARGV[1..n]: the ids. Removes from its set each id whose
-# entity is not pending (gone, or p is not 1: an entity of ours then forgets it is
-# in the set), then the buckets left empty from the index; a foreign key is left
-# alone. Returns the number of ids removed.
+# KEYS[1..n]: entity keys; KEYS[n+1..2n]: the pending set each id was found in; KEYS[2n+1]: the
+# index. ARGV[1..n]: the ids. Removes from its set each id whose entity is not pending (gone, or p
+# is not 1: an entity of ours then forgets it is in the set), then the buckets left empty from the
+# index; a foreign key is left alone. Returns the number of ids removed.
 _PRUNE_SCRIPT = """
 if #KEYS == 0 then return 0 end
 local n = (#KEYS - 1) / 2
@@ -200,12 +192,11 @@ return removed
 """
 
 
-#: One script running the deduplication store's write script, then the save script.
-#: KEYS: the add's keys, then the save's; ARGV: the number of the add's keys and of
-#: its arguments, its arguments, then the save's. An error of the add returns before
-#: the save runs; the answer is ``{add's answer, save's answer}``. Redis runs it
-#: atomically: the record and the entity are written together or, on an error reply
-#: of the save (a foreign key), the record alone, as the two calls in turn would.
+#: The deduplication store's write script, then the save script, in one. KEYS: the add's keys, then
+#: the save's; ARGV: the number of the add's keys and of its arguments, its arguments, then the
+#: save's. An add error returns before the save runs; it answers ``{add's answer, save's answer}``.
+#: Redis runs it atomically: the record and the entity are written together or, on a save error (a
+#: foreign key), the record alone, as two calls in turn would.
 _JOINT_SCRIPT = f"""
 local function add(KEYS, ARGV)
 {ADD_SCRIPT}
@@ -231,11 +222,11 @@ return {{added, saved}}
 """
 
 
-#: The save script of one entity, unless the deduplication store holds the record of
-#: the message applied to it. KEYS: the save's, then the record key; ARGV: the save's.
-#: Returns ``{2}`` having written nothing when the record is there (unless the entity
-#: holds this call's token: the earlier attempt of a re-sent call saved it), else the
-#: save's answer. GET refuses a key of another type; a foreign value is refused here.
+#: The save script of one entity, unless the deduplication store holds the record of the message
+#: applied to it. KEYS: the save's, then the record key; ARGV: the save's. Returns ``{2}`` having
+#: written nothing when the record is there (unless the entity holds this call's token: the earlier
+#: attempt of a re-sent call saved it), else the save's answer. GET refuses a key of another type; a
+#: foreign value is refused here.
 _SAVE_UNLESS_SCRIPT = f"""
 local function save(KEYS, ARGV)
 {_SAVE_SCRIPT}
@@ -413,8 +404,8 @@ class RedisEntityStore(EntityStore):
         return {records[int(pairs[k]) - 1].id: int(pairs[k + 1]) for k in range(0, len(pairs), 2)}
 
     def _scan(self, segment: int, segments: int) -> Iterator[tuple[str, str, Any]]:
-        """Pending ids by ``SSCAN`` of the segment's buckets, bodies a page at a time;
-        the ids of entities no longer pending are pruned from the sets as they are met."""
+        """Pending ids by ``SSCAN`` of the segment's buckets, bodies a page at a time; the ids of
+        entities no longer pending are pruned from the sets as they are met."""
         page: list[tuple[str, int]] = []
         for bucket, ids in self._pending_ids(segment, segments):
             page += [(eid, bucket) for eid in ids]
@@ -456,9 +447,9 @@ class RedisEntityStore(EntityStore):
             pipe.sscan(pending_key(self._key_prefix, bucket), 0, count=_SSCAN_COUNT)
 
     def _read_page(self, page: list[tuple[str, int]]) -> Iterator[tuple[str, str, Any]]:
-        """The pending entities of ``page`` (``(id, bucket)`` pairs); the others (gone,
-        or saved since with an empty outbox) leave their bucket's set, atomically with
-        a check that they are still not pending (:data:`_PRUNE_SCRIPT`)."""
+        """The pending entities of ``page`` (``(id, bucket)`` pairs); the others (gone, or saved
+        since with an empty outbox) leave their bucket's set, atomically with a check that they are
+        still not pending (:data:`_PRUNE_SCRIPT`)."""
         replies = self._redis.pipelined(
             lambda pipe: [pipe.hmget(self._key(eid), ["b", "v", "p"]) for eid, _ in page]
         )

@@ -1,29 +1,26 @@
 """The Redis deduplication store: :class:`RedisDeduplicationStore`.
 
-One string key per (endpoint, id): ``<key_prefix><endpoint>:<id>`` (``key_prefix``
-``dedup:`` by default), both parts escaped (see :mod:`backends.redis._client`). The
-value is ``dsv1:<token>``, the write token of the call that recorded it.
+One string key per (endpoint, id): ``<key_prefix><endpoint>:<id>`` (``key_prefix`` ``dedup:`` by
+default), both parts escaped (see :mod:`backends.redis._client`). The value is ``dsv1:<token>``, the
+write token of the call that recorded it.
 
-Writes: one ``EVALSHA`` per chunk of 1000 ids (two chunks in flight). Redis runs a
-script atomically: for each key, absent -> ``SET``; holding a token of this call
-(``request.mine``) -> ``SET`` again and reported as recorded; else left alone. A key
-under the prefix that dedupstore did not write (another value or another type)
-makes the whole chunk fail with ``ConfigurationError`` before anything is written.
-Re-sending the script after a lost answer is therefore safe. Reads: one ``MGET``
-per chunk of 2000 ids (``MGET`` sees a key of another type as absent;
+Writes: one ``EVALSHA`` per chunk of 1000 ids (two chunks in flight). Redis runs a script
+atomically: for each key, absent -> ``SET``; holding a token of this call (``request.mine``) ->
+``SET`` again and reported as recorded; else left alone. A key under the prefix that dedupstore did
+not write (another value or another type) makes the whole chunk fail with ``ConfigurationError``
+before anything is written. Re-sending the script after a lost answer is therefore safe. Reads: one
+``MGET`` per chunk of 2000 ids (``MGET`` sees a key of another type as absent;
 ``has_been_processed`` refuses it). ``count`` walks the database with ``SCAN MATCH
 <key_prefix><endpoint>:*`` and an ``MGET`` per page (exact; see ``_count``).
 
-Expiry is Redis's own (``expiry_clock = "server"``): a record with a retention is
-``SET`` with ``PX`` = the retention in ms, and Redis never returns an expired key,
-so the clients' clocks do not matter. ``purge_expired`` returns 0: Redis deletes
-expired keys itself.
+Expiry is Redis's own (``expiry_clock = "server"``): a record with a retention is ``SET`` with
+``PX`` = the retention in ms, and Redis never returns an expired key, so the clients' clocks do not
+matter. ``purge_expired`` returns 0: Redis deletes expired keys itself.
 
-Options: ``endpoint``, ``retention`` and those of :mod:`backends.redis._client`,
-which says when ``StoreUnavailable`` and ``ConfigurationError`` are raised. After
-``StoreUnavailable`` the ids in ``recorded`` were recorded by the call, those in
-``unknown`` may have been, and a retry of them on the same store object reports the
-latter as recorded by it (the store's own retries are safe for the same reason).
+Options: ``endpoint``, ``retention`` and those of :mod:`backends.redis._client`, which says when
+``StoreUnavailable`` and ``ConfigurationError`` are raised. After ``StoreUnavailable`` the ids in
+``recorded`` were recorded by the call, those in ``unknown`` may have been, and a retry of them on
+the same store object (or the store's own) reports the latter as recorded by it.
 """
 
 from __future__ import annotations
@@ -49,9 +46,9 @@ __all__ = ["ADD_SCRIPT", "RedisDeduplicationStore", "record_key"]
 _TAG = "dsv1:"
 _TAG_BYTES = _TAG.encode()
 
-# KEYS: record keys. ARGV[1]: the new value; ARGV[2]: PX in ms ('' = no expiry);
-# ARGV[3..]: the values that mean "written by this call" (its tokens, tagged).
-# Returns the (1-based) indexes of the keys it recorded. No keys: a permission probe.
+# KEYS: record keys. ARGV[1]: the new value; ARGV[2]: PX in ms ('' = no expiry); ARGV[3..]: the
+# values that mean "written by this call" (its tokens, tagged). Returns the (1-based) indexes of the
+# keys it recorded. No keys: a permission probe.
 ADD_SCRIPT = """
 if #KEYS == 0 then return {} end
 local mine = {}
@@ -116,8 +113,8 @@ class RedisDeduplicationStore(DeduplicationStore):
     # The script unpack()s 2 values per key: Lua's stack allows about 8000.
     max_write_batch: ClassVar[int] = 1000
     max_read_batch: ClassVar[int] = 2000
-    # Two chunks in flight: Python builds and parses one while the server runs the
-    # other (each script runs atomically, so first-writer-wins is unaffected).
+    # Two chunks in flight: Python builds and parses one while the server runs the other (each
+    # script runs atomically, so first-writer-wins is unaffected).
     chunk_concurrency: ClassVar[int] = 2
     declared_options: ClassVar[OptionSet] = DeduplicationStore.declared_options.extend(
         key_prefix_option("dedup:"), *CONNECTION_OPTIONS
@@ -192,12 +189,11 @@ class RedisDeduplicationStore(DeduplicationStore):
 
     def _count(self, now: float) -> int:
         """Exact: the endpoint's keys share the ``SCAN MATCH`` prefix and no other key of
-        dedupstore's does (the endpoint is escaped: it holds no ``:``); ``MGET`` keeps the
-        records (a key of another type reads as absent, a foreign string value is
-        ``ConfigurationError``) and drops keys that expired since the scan saw them.
-        ``SCAN`` may return a key twice: the keys seen are held in memory to count each
-        once. Cost: ``SCAN`` walks every key of the database (filtering on the server).
-        """
+        dedupstore's does (the endpoint is escaped: it holds no ``:``); ``MGET`` keeps the records
+        (a key of another type reads as absent, a foreign string value is ``ConfigurationError``)
+        and drops keys that expired since the scan saw them. ``SCAN`` may return a key twice: the
+        keys seen are held in memory to count each once. Cost: ``SCAN`` walks every key of the
+        database (filtering on the server)."""
         pattern = self._key_base.translate(_GLOB_ESCAPE) + "*"
         seen: set[bytes | str] = set()
         total, cursor = 0, 0
