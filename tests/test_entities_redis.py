@@ -440,6 +440,11 @@ def test_foreign_keys_under_the_prefix_are_configuration_errors(
     with pytest.raises(ConfigurationError, match="did not write"):
         store.save_many([Entity("fresh", {"n": 1}), entity])
     assert admin.exists(entity_key(prefix, "fresh")) == 0, "a failed chunk writes nothing"
+    admin.delete(pending_key(prefix, bucket_of("pending-one")))
+    admin.set(buckets_key(prefix), "not a set")  # the index of another type: refused too
+    with pytest.raises(ConfigurationError, match="did not write"):
+        store.save_many([Entity("fresh", {"n": 1}), entity, Entity("p2", outbox={"m": None})])
+    assert admin.exists(entity_key(prefix, "fresh")) == 0, "a failed chunk writes nothing"
     assert admin.type(entity_key(prefix, "a-string")) == b"string", "foreign keys are left alone"
 
 

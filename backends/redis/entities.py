@@ -127,13 +127,15 @@ local checked, gained = {}, {}
 for _, i in ipairs(todo) do
   local set = KEYS[n + i]
   if joins[i] and not checked[set] then
-    checked[set] = true
     gained[#gained + 1] = string.match(set, '(%d+)$')
-    for _, key in ipairs({set, index}) do
-      local kind = redis.call('TYPE', key)['ok']
-      if kind ~= 'none' and kind ~= 'set' then
-        return redis.error_reply('WRONGTYPE key ' .. string.sub(key, 1, 200) .. ' holds a '
-          .. kind .. ', not a dedupstore pending set')
+    for _, key in ipairs({set, index}) do  -- the index once per call
+      if not checked[key] then
+        checked[key] = true
+        local kind = redis.call('TYPE', key)['ok']
+        if kind ~= 'none' and kind ~= 'set' then
+          return redis.error_reply('WRONGTYPE key ' .. string.sub(key, 1, 200) .. ' holds a '
+            .. kind .. ', not a dedupstore pending set')
+        end
       end
     end
   end
