@@ -335,14 +335,19 @@ class OutboxProcessor:
         outcome: Outcome | None = None
         error: str | None = None
         outgoing: list[OutgoingMessage] | None
-        for attempt in range(1, self.max_attempts + 1):
+        fresh = False  # load, do not take the kept entity (see "recorded and taken")
+        attempt = 0
+        while attempt < self.max_attempts:
+            attempt += 1
             try:
                 # A kept entity stands for a load: the save's token refuses it if anyone
                 # saved the entity since (then the next attempt loads it).
-                entity: Entity | None = self._kept.take(cid)
-                recorded: bool | None = None
+                entity: Entity | None = None if fresh else self._kept.take(cid)
+                taken = entity is not None
+                recorded: bool | None = True if fresh else None  # (fresh: found recorded)
+                fresh = False
                 if entity is None:
-                    if self._joined:
+                    if self._joined and recorded is None:
                         entity, recorded = self.entities._load_checked(cid, self.dedup, key)
                     else:
                         entity = self.entities.load(cid)
@@ -351,14 +356,23 @@ class OutboxProcessor:
                     checked = self._joined and recorded is None
                     if not checked and recorded is None:
                         recorded = self.dedup.has_been_processed(key)
-                    if recorded:  # the entity is as taken: kept again
-                        self._kept.keep(entity)
+                    if recorded:
+                        if not taken:  # as loaded: kept (a taken one is checked below)
+                            self._kept.keep(entity)
                     else:
                         outgoing, failed = self._apply(entity, message, handler)
                         saved = self._save_applied(entity, message, key if checked else None)
                         if saved is False:
                             continue  # dispatched ids made room: start again from the load
                         recorded = saved is None  # the save found it recorded: no write
+                    if recorded and taken:
+                        # A recorded message saves nothing, so nothing checks the kept
+                        # entity, and the stored outbox may still hold the message's
+                        # entry (a consumer recorded the id, then died before the save
+                        # removing it): load it, and clean the entry up if it is there.
+                        # Not a conflict: this load does not count as an attempt.
+                        fresh, attempt = True, attempt - 1
+                        continue
                     if recorded:
                         done: Outcome = outcome if applied and outcome else "duplicate"
                         return ProcessResult(mid, done, (), attempt, error)
@@ -648,14 +662,38 @@ class OutboxProcessor:
                 )
 
     def _recorded(
-        self, messages: list[Message], entities: dict[str, Entity]
+        self, messages: list[Message], entities: dict[str, Entity], taken: Collection[str] = ()
     ) -> tuple[list[str], set[str]]:
-        """Each message's key, and the keys the store holds among those not in an outbox."""
+        """Each message's key, and the keys the store holds among those not in an outbox.
+
+        ``taken``: the ids of the kept entities among ``entities``. A recorded message
+        saves nothing, so nothing checks a kept entity it belongs to, and the stored
+        outbox may still hold its entry (a consumer recorded the id, then died before
+        the save removing it): those entities are loaded in place in ``entities``,
+        and the check is made again on them (an entry found is then cleaned up).
+        """
         keys = [message_key(m.correlation_id, m.id) for m in messages]
         fresh = [
             keys[i] for i, m in enumerate(messages) if m.id not in entities[m.correlation_id].outbox
         ]
-        return keys, self.dedup.processed_among(fresh) if fresh else set()
+        already = self.dedup.processed_among(fresh) if fresh else set()
+        if not (already and taken):
+            return keys, already
+        pairs = list(zip(messages, keys, strict=True))
+        stale = {m.correlation_id for m, k in pairs if k in already} & set(taken)
+        if stale:
+            entities.update(self.entities.load_many(sorted(stale)))
+            asked = set(fresh)  # the others were in the kept outbox: ask now if not in this one
+            again = [
+                k
+                for m, k in pairs
+                if m.correlation_id in stale
+                and k not in asked
+                and m.id not in entities[m.correlation_id].outbox
+            ]
+            if again:
+                already |= self.dedup.processed_among(again)
+        return keys, already
 
     def _batch(
         self,
@@ -666,10 +704,11 @@ class OutboxProcessor:
     ) -> list[ProcessResult]:
         # the kept entities stand for loads (a stale one conflicts: retried alone below)
         entities = self._kept.take_many([m.correlation_id for m in messages])
+        taken = set(entities)
         missing = [m.correlation_id for m in messages if m.correlation_id not in entities]
         if missing:
             entities.update(self.entities.load_many(missing))
-        keys, already = self._recorded(messages, entities)
+        keys, already = self._recorded(messages, entities, taken)
         mark = self._mark()
         results: list[ProcessResult] = []
         # A message (entity and id) is known by its key (message_key: one per pair).

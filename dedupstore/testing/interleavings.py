@@ -25,7 +25,9 @@ run redelivers every message, sweeps, and checks the invariants:
     each output shows the state its message produced;
 ``settled``
     after redelivery and a sweep: every message applied, its id in the
-    deduplication store, the outbox empty;
+    deduplication store, the outbox empty (the redelivery goes to a consumer of
+    the run that did not crash, as it consumes and with the entities it kept, if
+    there is one);
 ``honest-result``
     at most one call reports ``"processed"`` for a message.
 
@@ -466,6 +468,7 @@ def _run_once(
 
     # what the actors' processors did before the run, alone: the entity each kept
     kept = {}
+    survivors: dict[int, tuple[str, Any]] = {}  # each consumer's kind and kept entities
     for index, actor in enumerate(scenario.actors):
         if actor.after:
             earlier = processor(
@@ -490,6 +493,7 @@ def _run_once(
             else:
                 runner = processor(entities, dedup, dispatcher, cleanup=scenario.cleanup)
                 runner._kept = kept.get(index, runner._kept)
+                survivors[index] = (actor.kind, runner._kept)
                 chosen = [messages[i] for i in actor.messages]
                 if actor.kind == "process":
                     result = [runner.process(chosen[0], ledger_handler)]
@@ -535,7 +539,10 @@ def _run_once(
             raise InterleavingViolation(
                 "no-error", f"{labels[index]} raised {result!r}", run.trace
             ) from result
-    _settle_and_check(scenario, world, processor, messages, ledger, run)
+    # the redelivery goes to a consumer that did not crash, with what it kept
+    alive = [c for i, c in survivors.items() if not isinstance(run.results.get(i), Crash)]
+    kind, cache = alive[0] if alive else ("process", None)
+    _settle_and_check(scenario, world, processor, messages, ledger, run, kind, cache)
     return run
 
 
@@ -546,8 +553,12 @@ def _settle_and_check(
     messages: list[Message],
     ledger: _Ledger,
     run: Run,
+    kind: str = "process",
+    kept: Any = None,
 ) -> None:
-    """Redeliver every message, sweep, and check the end state and every dispatch."""
+    """Redeliver every message (as a ``kind`` consumer: one by one, or in one
+    batch; holding the entities ``kept``, if given: a kept entity must not hide an
+    entry), sweep, and check the end state and every dispatch."""
     trace = run.trace
     claimed: dict[str, int] = {}
     for result in run.results.values():
@@ -559,8 +570,13 @@ def _settle_and_check(
         raise InterleavingViolation("honest-result", f"reported processed twice: {twice}", trace)
     entities, dedup = world.entity_clients[-1], world.dedup_clients[-1]
     final = processor(entities, dedup, ledger, cleanup=scenario.cleanup)
-    for message in messages:
-        final.process(message, ledger_handler)
+    if kept is not None:
+        final._kept = kept
+    if kind == "batch":
+        final.process_batch(messages, ledger_handler)
+    else:
+        for message in messages:
+            final.process(message, ledger_handler)
     sweep(_OneEntity(entities, messages[0].correlation_id), dedup)  # type: ignore[arg-type]
     entity = entities.load(messages[0].correlation_id)
     applied = entity.state.get("applied", [])
