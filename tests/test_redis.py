@@ -767,7 +767,9 @@ def test_acl_user_without_evalsha_is_a_configuration_error(own_redis_server: Red
         store = open_store(url, username="worker", password="pw", key_prefix=_prefix())
         try:
             assert store.add("allowed") is True
-            admin.acl_setuser("worker", commands=["-evalsha"])
+            # (enabled: redis-py's acl_setuser turns the user off unless told, and a new
+            # connection of a disabled user cannot log in)
+            admin.acl_setuser("worker", enabled=True, commands=["-evalsha"])
             for call in (lambda: store.add("refused"), lambda: store.add_many(["a", "b"])):
                 with pytest.raises(ConfigurationError, match="may not run") as info:
                     call()
@@ -938,6 +940,59 @@ def test_ready_client_is_used_and_not_closed(redis_server: Server) -> None:
         store.close()
     assert client.ping() is True, "close() must leave a caller's client alone"
     client.close()
+
+
+def test_the_kept_connection_goes_back_to_a_given_client_pool(redis_server: Server) -> None:
+    """The script calls run on a connection the store keeps checked out of the pool;
+    ``close()`` gives it back to a caller's pool (and leaves that pool connected)."""
+    client = redis.Redis.from_url(redis_server.url)
+    pool: Any = client.connection_pool
+    store = RedisDeduplicationStore(redis_server.url, key_prefix=_prefix(), client=client)
+    try:
+        assert store.add_many(["k1", "k2"]) == {"k1", "k2"}
+        assert store.add("k3") is True
+        assert len(pool._in_use_connections) == 1, "one connection kept for the scripts"
+    finally:
+        store.close()
+    assert len(pool._in_use_connections) == 0
+    assert client.ping() is True
+    client.close()
+
+
+def test_a_kept_connection_the_server_closed_is_reconnected(own_redis_server: RedisServer) -> None:
+    store = open_store(own_redis_server.url, key_prefix=_prefix(), retries=1)
+    admin = _admin(own_redis_server.url)
+    try:
+        assert store.add("before") is True
+        killed = admin.client_kill_filter(_type="normal", skipme=True)
+        assert killed >= 1
+        assert store.add("after") is True, "the retry reconnects the kept connection"
+        assert store.add("before") is False and store.add("after") is False
+    finally:
+        store.close()
+        admin.close()
+
+
+def test_threads_share_a_store_beside_its_kept_connection(redis_server: Server) -> None:
+    """One thread at a time uses the kept connection; the others take pooled ones."""
+    store = open_store(redis_server.url, key_prefix=_prefix())
+    ids = [[f"t{t}-{n}" for n in range(40)] for t in range(6)]
+    answers: list[bool] = []
+
+    def work(mine: list[str]) -> None:
+        answers.extend(store.add(i) for i in mine)
+
+    try:
+        threads = [threading.Thread(target=work, args=(mine,)) for mine in ids]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert answers == [True] * 240
+        every = [i for mine in ids for i in mine]
+        assert store.processed_among(every) == set(every)
+    finally:
+        store.close()
 
 
 # ---------------------------------------------------------------------- ACL hints

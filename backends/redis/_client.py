@@ -40,7 +40,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import re
+import threading
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any, ClassVar
 
@@ -242,6 +244,24 @@ CONNECTION_OPTIONS: tuple[Option, ...] = (
 )
 
 
+def _exchange(conn: Any, commands: list[tuple[Any, ...]], sent: list[bool]) -> list[Any]:
+    """:meth:`RedisConnection._send` on ``conn``: every reply, error replies as exceptions."""
+    try:
+        packet = _packed(conn, commands)
+        sent.append(True)
+        conn.send_packed_command(packet)
+        replies: list[Any] = []
+        for _ in commands:
+            try:
+                replies.append(conn.read_response())
+            except ResponseError as exc:
+                replies.append(exc)
+    except BaseException:
+        conn.disconnect()
+        raise
+    return replies
+
+
 class RedisConnection(Connection):
     """The ``redis.Redis`` of one standalone Redis primary, shared by its clients. Each client names
     it as ``connection_class``, uses it as ``self._redis``, declares ``key_prefix_option(...)`` plus
@@ -263,6 +283,10 @@ class RedisConnection(Connection):
         self._attempts: int = options["retries"] + 1
         self._wait_replicas: int = options["wait_replicas"]
         self._wait_timeout_ms: int = options["wait_timeout_ms"]
+        # the connection _send keeps checked out of the pool, and its process
+        self._kept: Any = None  # (redis-py leaves its connection methods untyped)
+        self._kept_pid = 0
+        self._keeping = threading.Lock()
 
     @classmethod
     def address(cls, url: StoreURL, options: Options) -> Hashable:
@@ -414,26 +438,32 @@ class RedisConnection(Connection):
         return replies[0]
 
     def _send(self, commands: list[tuple[Any, ...]], sent: list[bool]) -> list[Any]:
-        """Send ``commands`` in one packet on a pooled connection; read every reply. Appends to
-        ``sent`` once the request may have reached the server. A failed connection is closed, not
-        reused; error replies are raised once all are read (the connection stays in step)."""
-        pool = self.client.connection_pool
-        conn: Any = pool.get_connection()  # redis-py leaves these methods untyped
-        try:
-            packet = _packed(conn, commands)
-            sent.append(True)
-            conn.send_packed_command(packet)
-            replies: list[Any] = []
-            for _ in commands:
-                try:
-                    replies.append(conn.read_response())
-                except ResponseError as exc:
-                    replies.append(exc)
-        except BaseException:
-            conn.disconnect()
-            raise
-        finally:
-            pool.release(conn)
+        """Send ``commands`` in one packet; read every reply. Appends to ``sent`` once the request
+        may have reached the server. A failed connection is closed (reconnected at its next use);
+        error replies are raised once all are read (the connection stays in step).
+
+        The connection is the one this object keeps checked out of the pool, unless another
+        thread is using it (then a pooled one). A checkout costs more than the script call it
+        serves: redis-py polls the socket for unread data each time (a non-blocking ``recv``),
+        which a kept connection does not need, as every request here reads all its replies or
+        closes the connection. A kept connection the server closed meanwhile fails its request
+        as a pooled one fails after a checkout, and the request is retried."""
+        if self._keeping.acquire(blocking=False):
+            try:
+                conn = self._kept
+                if conn is None or self._kept_pid != os.getpid():
+                    conn = self._kept = self.client.connection_pool.get_connection()
+                    self._kept_pid = os.getpid()
+                replies = _exchange(conn, commands, sent)
+            finally:
+                self._keeping.release()
+        else:
+            pool = self.client.connection_pool
+            conn = pool.get_connection()
+            try:
+                replies = _exchange(conn, commands, sent)
+            finally:
+                pool.release(conn)
         for reply in replies:
             if isinstance(reply, ResponseError):
                 raise reply
@@ -549,8 +579,13 @@ class RedisConnection(Connection):
         return warnings
 
     def close(self) -> None:
-        """Disconnect the pool (not a given ``client``'s)."""
-        if not self._given:
+        """Disconnect the pool (not a given ``client``'s: the kept connection goes back to it)."""
+        with self._keeping:
+            kept, self._kept = self._kept, None
+        if self._given:
+            if kept is not None and self._kept_pid == os.getpid():
+                self.client.connection_pool.release(kept)
+        else:
             self.client.connection_pool.disconnect()
 
 
