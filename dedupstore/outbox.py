@@ -621,7 +621,9 @@ class OutboxProcessor:
 
         Round trips per batch, not per message: ``load_many``, one
         ``processed_among``, ``save_many``, one ``dispatch``, then the clean-up
-        (``add_many`` + ``save_many`` inline, ``save_many`` deferred). Each entity's
+        (``add_many`` + ``save_many`` inline, ``save_many`` deferred); a batch that finds
+        messages of entities it kept recorded loads those entities too (and may ask
+        ``processed_among`` once more about them). Each entity's
         messages are handled in their order in ``messages``. Entities whose save
         conflicts are retried alone with :meth:`process`. When one entity's share of
         the batch does not fit in its record, the batch runs in consecutive rounds
