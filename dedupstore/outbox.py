@@ -335,31 +335,25 @@ class OutboxProcessor:
         outcome: Outcome | None = None
         error: str | None = None
         outgoing: list[OutgoingMessage] | None
-        fresh = False  # load, do not take the kept entity (see "recorded and taken")
-        attempt = 0
-        while attempt < self.max_attempts:
-            attempt += 1
+        for attempt in range(1, self.max_attempts + 1):
             try:
                 # A kept entity stands for a load: the save's token refuses it if anyone
                 # saved the entity since (then the next attempt loads it).
-                entity: Entity | None = None if fresh else self._kept.take(cid)
+                entity: Entity | None = self._kept.take(cid)
                 taken = entity is not None
-                recorded: bool | None = True if fresh else None  # (fresh: found recorded)
-                fresh = False
+                recorded: bool | None = None
                 if entity is None:
-                    if self._joined and recorded is None:
+                    if self._joined:
                         entity, recorded = self.entities._load_checked(cid, self.dedup, key)
                     else:
                         entity = self.entities.load(cid)
-                if mid not in entity.outbox:
+                found = mid in entity.outbox
+                if not found:
                     # (a kept entity of joined stores: the save itself checks the id)
                     checked = self._joined and recorded is None
                     if not checked and recorded is None:
                         recorded = self.dedup.has_been_processed(key)
-                    if recorded:
-                        if not taken:  # as loaded: kept (a taken one is checked below)
-                            self._kept.keep(entity)
-                    else:
+                    if not recorded:
                         outgoing, failed = self._apply(entity, message, handler)
                         saved = self._save_applied(entity, message, key if checked else None)
                         if saved is False:
@@ -370,12 +364,13 @@ class OutboxProcessor:
                         # entity, and the stored outbox may still hold the message's
                         # entry (a consumer recorded the id, then died before the save
                         # removing it): load it, and clean the entry up if it is there.
-                        # Not a conflict: this load does not count as an attempt.
-                        fresh, attempt = True, attempt - 1
-                        continue
-                    if recorded:
+                        entity = self.entities.load(cid)
+                        found = mid in entity.outbox
+                    if recorded and not found:  # the entity is as loaded: kept
+                        self._kept.keep(entity)
                         done: Outcome = outcome if applied and outcome else "duplicate"
                         return ProcessResult(mid, done, (), attempt, error)
+                if not found:  # applied above
                     applied, error = True, failed
                     outcome = "processed" if error is None else "dead_lettered"
                 else:

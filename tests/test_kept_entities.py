@@ -57,9 +57,6 @@ class CrashOnSave:
         self._count()
         return self._real.save_many(entities)
 
-    def _joined(self, dedup: Any) -> bool:
-        return False  # the crash falls between the two requests of the plain clean-up
-
 
 @pytest.mark.parametrize("outbox_backend", backend_params(), indirect=True)
 @pytest.mark.parametrize("mode", ["process", "batch"])
