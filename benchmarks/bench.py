@@ -11,7 +11,8 @@ The outbox section (every backend, ``memory`` included): messages/s of
 ``OutboxProcessor.process`` and ``process_batch`` (batches of 100 and 1,000), with
 inline and deferred clean-up, ``sweep`` ids/s after a deferred run, the store calls
 each message costs, and on the same Redis, aws-lambda-powertools'
-``idempotent_function`` with ``RedisCachePersistenceLayer`` (median of ``--rounds``).
+``idempotent_function`` with ``RedisCachePersistenceLayer``, in child processes in
+the same ``--rounds`` as this tree's ``process`` and ``process_batch`` of 1,000.
 PostgreSQL and Redis run in each server configuration of ``CONFIGS``: ``durable``
 (Redis ``appendfsync always``; PostgreSQL ``fsync=on``, ``synchronous_commit=on``)
 and ``fast`` (Redis ``appendfsync no``; PostgreSQL ``fsync=off``,
@@ -44,7 +45,6 @@ import platform
 import random
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,15 +52,23 @@ import threading
 import time
 import tracemalloc
 import uuid
-import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
-from benchmarks.cpu_compare import THIS_TREE, Measured, Run, Stores, compare, extracted, paired
+from benchmarks.cpu_compare import (
+    THIS_TREE,
+    Measured,
+    Run,
+    Stores,
+    compare,
+    extracted,
+    paired,
+    redis_requests,
+)
 from benchmarks.cpu_compare import handler as _handler
 from benchmarks.cpu_compare import workload as _workload
 from dedupstore import DeduplicationStore, open_entity_store, open_store
@@ -69,7 +77,6 @@ from dedupstore.outbox import (
     InMemoryDispatcher,
     Message,
     OutboxProcessor,
-    Send,
     message_key,
     sweep,
 )
@@ -419,28 +426,6 @@ def _counting_calls(entities: EntityStore, dedup: DeduplicationStore) -> Iterato
             delattr(store, name)
 
 
-@contextlib.contextmanager
-def _redis_requests(enabled: bool) -> Iterator[list[int]]:
-    """Count the requests redis-py sends (a pipeline or a script call is one)."""
-    sent = [0]
-    if not enabled:
-        yield sent
-        return
-    from redis.connection import AbstractConnection
-
-    original: Callable[..., None] = AbstractConnection.send_packed_command
-
-    def counting(self: Any, command: Any, check_health: bool = True) -> None:
-        sent[0] += 1
-        original(self, command, check_health)
-
-    AbstractConnection.send_packed_command = counting  # type: ignore[method-assign]
-    try:
-        yield sent
-    finally:
-        AbstractConnection.send_packed_command = original  # type: ignore[method-assign]
-
-
 def _outbox_run(
     result: Result,
     backend: Backend,
@@ -455,7 +440,7 @@ def _outbox_run(
     with entities, dedup:
         dispatcher = InMemoryDispatcher()
         processor = OutboxProcessor(entities, dedup, dispatcher, cleanup=cleanup)
-        with _counting_calls(entities, dedup) as calls, _redis_requests(on_redis) as sent:
+        with _counting_calls(entities, dedup) as calls, redis_requests(on_redis) as sent:
             started = time.perf_counter()
             if batch is None:
                 outcomes = [processor.process(m, _handler).outcome for m in messages]
@@ -481,7 +466,7 @@ def _outbox_run(
         if on_redis:
             result.redis_requests[label] = sent[0] / count
         if label == SWEPT_RUN:
-            with _counting_calls(entities, dedup) as calls, _redis_requests(on_redis) as sent:
+            with _counting_calls(entities, dedup) as calls, redis_requests(on_redis) as sent:
                 swept = sweep(entities, dedup)
             if swept.ids_moved != count or swept.ids_left:
                 raise SystemExit(f"{result.backend} sweep: {swept}")
@@ -489,78 +474,6 @@ def _outbox_run(
             result.outbox_calls["sweep"] = sum(calls.values()) / count
             if on_redis:
                 result.redis_requests["sweep"] = sent[0] / count
-
-
-def _each(call: Callable[..., object], payloads: list[dict[str, Any]]) -> None:
-    for payload in payloads:
-        call(message=payload)
-
-
-def _powertools(
-    result: Result, server: RedisServer, count: int, rounds: int, rng: random.Random
-) -> None:
-    """``idempotent_function`` on ``RedisCachePersistenceLayer``, one call per message.
-
-    ``rounds`` runs of ``count`` fresh messages; the median rate.
-    """
-    try:
-        import redis
-        from aws_lambda_powertools.utilities.idempotency import (
-            IdempotencyConfig,
-            idempotent_function,
-        )
-        from aws_lambda_powertools.utilities.idempotency.persistence.cache import (
-            CachePersistenceLayer,
-        )
-        from aws_lambda_powertools.utilities.typing import LambdaContext
-    except ImportError as exc:
-        raise SystemExit(f"{exc}: pip install -e '.[dev]' (aws-lambda-powertools[redis])") from exc
-
-    class Invocation(LambdaContext):
-        """Outside Lambda: a fixed 60 s budget, so in-progress records expire like in one."""
-
-        @staticmethod
-        def get_remaining_time_in_millis() -> int:
-            return 60_000
-
-    client = redis.Redis.from_url(server.url)
-    with warnings.catch_warnings():
-        # 3.x deprecates the name RedisCachePersistenceLayer; CachePersistenceLayer is the
-        # same class (an alias), so it warns too.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        layer = CachePersistenceLayer(client=cast(Any, client))
-    # The message id is the idempotency key (as for the outbox); every other setting
-    # is powertools' default: expires_after_seconds=3600, no local cache, md5.
-    config = IdempotencyConfig(event_key_jmespath="id")
-    config.register_lambda_context(Invocation())
-    sent: list[Send] = []
-
-    def work(message: dict[str, Any]) -> dict[str, Any]:
-        incoming = Message(message["id"], message["correlation_id"], message["body"])
-        state, sends = _handler({}, incoming)  # no entity state to load: a fresh one
-        sent.extend(sends)
-        return {"state": state, "sends": [s.body for s in sends]}
-
-    handle: Callable[..., dict[str, Any]] = idempotent_function(
-        data_keyword_argument="message", persistence_store=layer, config=config
-    )(work)
-    rates: list[float] = []
-    try:
-        for _ in range(rounds):
-            payloads = [
-                {"id": m.id, "correlation_id": m.correlation_id, "body": m.body}
-                for m in _workload(count, rng)
-            ]
-            sent.clear()
-            with _redis_requests(True) as requests:
-                rates.append(_rate(count, functools.partial(_each, handle, payloads)))
-            again = handle(message=payloads[0])  # a duplicate: answered from Redis, not run
-            if len(sent) != count or again["sends"] != [sent[0].body]:
-                raise SystemExit("powertools: a message was not handled exactly once")
-            result.redis_requests["powertools"] = requests[0] / count
-    finally:
-        client.close()
-    result.outbox["powertools"] = statistics.median(rates)
 
 
 def _outbox(
@@ -572,9 +485,6 @@ def _outbox(
         messages = _workload(single if batch is None else count, rng)
         print(f"   outbox {label}: {len(messages):,} messages", file=sys.stderr, flush=True)
         _outbox_run(result, backend, label, messages, cleanup, batch)
-    if not args.skip_powertools and result.backend == "redis":
-        print(f"   powertools idempotent_function, {args.rounds} rounds", file=sys.stderr)
-        _powertools(result, backend.server, single, args.rounds, rng)
 
 
 #: The runs compared with the baseline (label, clock, on which backends): CPU time on
@@ -586,8 +496,11 @@ TREE_RUNS: tuple[tuple[str, Literal["cpu", "wall"], frozenset[str]], ...] = (
 )
 
 
-def _trees(result: Result, backend: Backend, baseline: Path, args: argparse.Namespace) -> None:
-    """This tree against the baseline tree on the same stores, each in child processes."""
+def _trees(
+    result: Result, backend: Backend, baseline: Path | None, args: argparse.Namespace
+) -> None:
+    """This tree against the baseline tree on the same stores, each in child processes,
+    and on Redis powertools in the same rounds (unless ``--skip-powertools``)."""
     single, count = result.outbox_counts
     for label, clock, backends in TREE_RUNS:
         if result.backend not in backends:
@@ -595,9 +508,26 @@ def _trees(result: Result, backend: Backend, baseline: Path, args: argparse.Name
         _, cleanup, batch = next(run for run in OUTBOX_RUNS if run[0] == label)
         rounds = args.cpu_rounds if clock == "cpu" else args.rounds
         run = Run(single if batch is None else count, batch, cleanup, clock)
-        print(f"   {label} against {args.baseline}, {rounds} rounds", file=sys.stderr, flush=True)
-        trees = {"this": THIS_TREE, args.baseline: baseline}
-        result.trees[label] = compare(trees, run, backend.stores, rounds=rounds)
+        trees = (
+            {"this": THIS_TREE}
+            if baseline is None
+            else {"this": THIS_TREE, args.baseline: baseline}
+        )
+        others = {}
+        if result.backend == "redis" and not args.skip_powertools:
+            others["powertools"] = Run(single, None, clock="wall", kind="powertools")
+        if len(trees) + len(others) < 2:
+            continue
+        print(
+            f"   {label}: {', '.join([*trees, *others])} in {rounds} rounds",
+            file=sys.stderr,
+            flush=True,
+        )
+        result.trees[label] = compare(trees, run, backend.stores, rounds=rounds, others=others)
+    powertools = result.trees.get("process/inline", {}).get("powertools")
+    if powertools is not None:
+        result.outbox["powertools"] = powertools.rate
+        result.redis_requests["powertools"] = powertools.requests or 0.0
 
 
 def _fmt(rate: float) -> str:
@@ -793,7 +723,7 @@ def _render_outbox(results: list[Result], args: argparse.Namespace) -> list[str]
             )
             + ".",
         ]
-    compared = [r for r in results if r.trees]
+    compared = [r for r in results if any(args.baseline in t for t in r.trees.values())]
     if compared:
         lines += ["", *_render_trees(compared, args)]
     powertools = [r for r in results if "powertools" in r.outbox]
@@ -824,6 +754,8 @@ def _render_trees(results: list[Result], args: argparse.Namespace) -> list[str]:
     ]
     for r in results:
         for label, trees in r.trees.items():
+            if base not in trees:
+                continue
             this, other = trees["this"], trees[base]
             clock = "CPU" if r.backend == "memory" else "wall"
             lines.append(
@@ -853,9 +785,12 @@ def _render_powertools(results: list[Result], args: argparse.Namespace) -> list[
         "with `CachePersistenceLayer` (the new name of `RedisCachePersistenceLayer`, the "
         "same class), given a redis-py client of the same server, "
         "called once per message, one thread, on fresh messages of the `process` workload "
-        f"({r.outbox_counts[0]:,} a round, the median of {args.rounds} rounds; `process` and "
-        "`process_batch` are the medians of this tree against the baseline when it was "
-        "measured, else the single run above); the decorated function runs the same "
+        f"({r.outbox_counts[0]:,} a round), each run in a child process, in the same "
+        f"{args.rounds} alternating rounds as this tree's `process` inline and `process_batch` "
+        "1000 inline (the rounds against the baseline): its rate is the median of the "
+        "`process` rounds, and the ratio of those two runs the median of the rounds' ratios "
+        "(a slow spell of the shared machine that spans a round slows both); the other runs "
+        "are the single runs above, over that median. The decorated function runs the same "
         "handler (on an empty state: there is none to load) and appends its outgoing "
         'message to a list. Idempotency key: the message id (`event_key_jmespath="id"`); '
         "everything else at powertools' defaults: `expires_after_seconds=3600` (a record "
@@ -869,11 +804,10 @@ def _render_powertools(results: list[Result], args: argparse.Namespace) -> list[
         "|---|---|---:|---:|---:|",
     ]
     for r in results:
-        base = r.outbox["powertools"]
         for label, key in rows:
             lines.append(
                 f"| {r.config} | {label} | {_fmt(_rate_of(r, key))} "
-                f"| {r.redis_requests.get(key, 0):.3f} | {_rate_of(r, key) / base:.2f}x |"
+                f"| {r.redis_requests.get(key, 0):.3f} | {_over_powertools(r, key):.2f}x |"
             )
     lines += [
         "",
@@ -889,8 +823,18 @@ def _render_powertools(results: list[Result], args: argparse.Namespace) -> list[
 
 
 def _rate_of(r: Result, key: str) -> float:
-    """The median of this tree against the baseline if measured, else the single run."""
+    """The median of this tree's rounds (against the baseline or powertools) if measured,
+    else the single run."""
     return r.trees[key]["this"].rate if key in r.trees else r.outbox[key]
+
+
+def _over_powertools(r: Result, key: str) -> float:
+    """``key``'s rate over powertools': the median of the rounds' ratios where both ran in
+    the same rounds, else against the median of powertools' rounds."""
+    trees = r.trees.get(key, {})
+    if "powertools" in trees:
+        return paired(trees["this"], trees["powertools"])
+    return _rate_of(r, key) / r.outbox["powertools"]
 
 
 #: Why a target can be missed, beside the shared machine (said with a missed one).
@@ -943,6 +887,8 @@ def _outbox_targets(results: list[Result], args: argparse.Namespace) -> list[str
                 f"{_best_batch(r, 'deferred') / r.outbox['process/deferred']:.2f}x"
             )
         for label, trees in r.trees.items():
+            if args.baseline not in trees:
+                continue
             this, other = trees["this"], trees[args.baseline]
             goal = 3 if r.backend == "memory" else 2 if label.startswith("batch") else 0
             name = f"{r.label} {label.replace('/', ' ')}, this / {args.baseline}"
@@ -966,11 +912,25 @@ def _outbox_targets(results: list[Result], args: argparse.Namespace) -> list[str
                 + _HEAVIER_REQUESTS
             )
             for key, goal in (("batch 1000/inline", 10), ("process/inline", 1)):
+                paired_runs = r.trees.get(key, {})
+                spread = (
+                    [
+                        f"rounds: this {paired_runs['this'].spread}, powertools "
+                        f"{paired_runs['powertools'].spread} messages/s"
+                    ]
+                    if "powertools" in paired_runs
+                    else []
+                )
                 check(
                     f"{r.label} {key.replace('/', ' ')} / powertools",
-                    _rate_of(r, key) / base,
+                    _over_powertools(r, key),
                     goal,
-                    [shared, calls, *([per_request] if key.startswith("process") else [])],
+                    [
+                        shared,
+                        *spread,
+                        calls,
+                        *([per_request] if key.startswith("process") else []),
+                    ],
                 )
     return rows
 
@@ -1041,8 +1001,7 @@ def main(argv: list[str] | None = None) -> int:
                         _ids_section(result, backend, args, sizes)
                     if name in outbox_names:
                         _outbox_section(result, backend, args)
-                        if baseline is not None:
-                            _trees(result, backend, baseline, args)
+                        _trees(result, backend, baseline, args)
                         result.load = os.getloadavg()[0]
                 print(f"   {result}", file=sys.stderr, flush=True)
                 results.append(result)

@@ -13,7 +13,9 @@ alternating rounds and each reports its median. :mod:`benchmarks.bench` uses it
   (``time.process_time``): the processor's Python CPU is what limits it there, and
   on a shared machine wall-clock rates of two runs cannot be compared;
 * ``process_batch`` and ``process`` on the same Redis or PostgreSQL server, in
-  wall-clock time (the server does I/O).
+  wall-clock time (the server does I/O);
+* on Redis, aws-lambda-powertools' ``idempotent_function`` in the same rounds
+  (:func:`compare`'s ``others``; its run is ``Run(kind="powertools")``).
 
 Alone, CPU time on ``memory://`` (a baseline tree made with
 ``git worktree add <dir> <commit>``, or ``--commit`` to extract one)::
@@ -38,10 +40,11 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from dedupstore.outbox import Message, Send
 
@@ -75,12 +78,38 @@ class Stores:
 
 @dataclass(frozen=True)
 class Run:
-    """One measurement: ``batch`` ``None`` is one ``process`` call per message."""
+    """One measurement: ``batch`` ``None`` is one ``process`` call per message.
+
+    ``kind="powertools"``: aws-lambda-powertools' ``idempotent_function`` instead, one
+    call per message, on the Redis of the stores' deduplication URL (wall clock)."""
 
     messages: int
     batch: int | None = 1000
     cleanup: str = "inline"
     clock: Clock = "cpu"
+    kind: Literal["outbox", "powertools"] = "outbox"
+
+
+@contextlib.contextmanager
+def redis_requests(enabled: bool = True) -> Iterator[list[int]]:
+    """Count the requests redis-py sends in this process (a pipeline or a script call is one)."""
+    sent = [0]
+    if not enabled:
+        yield sent
+        return
+    from redis.connection import AbstractConnection
+
+    original: Callable[..., None] = AbstractConnection.send_packed_command
+
+    def counting(self: Any, command: Any, check_health: bool = True) -> None:
+        sent[0] += 1
+        original(self, command, check_health)
+
+    AbstractConnection.send_packed_command = counting  # type: ignore[method-assign]
+    try:
+        yield sent
+    finally:
+        AbstractConnection.send_packed_command = original  # type: ignore[method-assign]
 
 
 def _child(spec: dict[str, Any]) -> dict[str, object]:
@@ -91,6 +120,8 @@ def _child(spec: dict[str, Any]) -> dict[str, object]:
 
     run = Run(**spec["run"])
     stores = Stores(**spec["stores"])
+    if run.kind == "powertools":
+        return {**_powertools(run, stores.dedup_url), "dedupstore": dedupstore.__file__}
     clock = time.process_time if run.clock == "cpu" else time.perf_counter
     with (
         open_entity_store(stores.entities_url, **stores.entities_options) as entities,
@@ -120,8 +151,79 @@ def _child(spec: dict[str, Any]) -> dict[str, object]:
         return {"seconds": measure(run.messages), "dedupstore": dedupstore.__file__}
 
 
-def measure_once(tree: Path, run: Run, stores: Stores) -> float:
-    """Seconds of ``run`` by ``tree``'s dedupstore, in a child process."""
+def _powertools(run: Run, url: str) -> dict[str, float]:
+    """``idempotent_function`` with ``CachePersistenceLayer`` on the Redis at ``url``, one
+    call per message of :func:`workload`, its function running :func:`handler` (on an empty
+    state: there is none to load); every setting at powertools' defaults but the key (the
+    message id). Seconds, and redis-py requests per message."""
+    try:
+        import redis
+        from aws_lambda_powertools.utilities.idempotency import (
+            IdempotencyConfig,
+            idempotent_function,
+        )
+        from aws_lambda_powertools.utilities.idempotency.persistence.cache import (
+            CachePersistenceLayer,
+        )
+        from aws_lambda_powertools.utilities.typing import LambdaContext
+    except ImportError as exc:
+        raise SystemExit(f"{exc}: pip install -e '.[dev]' (aws-lambda-powertools[redis])") from exc
+
+    class Invocation(LambdaContext):
+        """Outside Lambda: a fixed 60 s budget, so in-progress records expire like in one."""
+
+        @staticmethod
+        def get_remaining_time_in_millis() -> int:
+            return 60_000
+
+    client = redis.Redis.from_url(url.split("?")[0])
+    with warnings.catch_warnings():
+        # 3.x deprecates the name RedisCachePersistenceLayer; CachePersistenceLayer is the
+        # same class (an alias), so it warns too.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        layer = CachePersistenceLayer(client=cast(Any, client))
+    config = IdempotencyConfig(event_key_jmespath="id")
+    config.register_lambda_context(Invocation())
+    sent: list[Send] = []
+
+    def work(message: dict[str, Any]) -> dict[str, Any]:
+        incoming = Message(message["id"], message["correlation_id"], message["body"])
+        state, sends = handler({}, incoming)
+        sent.extend(sends)
+        return {"state": state, "sends": [s.body for s in sends]}
+
+    handle: Callable[..., dict[str, Any]] = idempotent_function(
+        data_keyword_argument="message", persistence_store=layer, config=config
+    )(work)
+
+    def measure(count: int) -> tuple[float, int]:
+        payloads = [
+            {"id": m.id, "correlation_id": m.correlation_id, "body": m.body}
+            for m in workload(count, random.Random(count))
+        ]
+        sent.clear()
+        gc.collect()
+        with redis_requests() as requests:
+            started = time.perf_counter()
+            for payload in payloads:
+                handle(message=payload)
+            seconds = time.perf_counter() - started
+        again = handle(message=payloads[0])  # a duplicate: answered from Redis, not run
+        if len(sent) != count or again["sends"] != [sent[0].body]:
+            raise SystemExit("powertools: a message was not handled exactly once")
+        return seconds, requests[0]
+
+    try:
+        measure(min(run.messages, 200))  # warm-up: imports, caches
+        seconds, requests = measure(run.messages)
+    finally:
+        client.close()
+    return {"seconds": seconds, "requests": requests / run.messages}
+
+
+def measure_once(tree: Path, run: Run, stores: Stores) -> dict[str, float]:
+    """Seconds of ``run`` by ``tree``'s dedupstore, in a child process (and the child's
+    other figures: ``requests`` per message of a powertools run)."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     spec = {"run": run.__dict__, "stores": stores.__dict__}
     out = subprocess.run(
@@ -133,19 +235,21 @@ def measure_once(tree: Path, run: Run, stores: Stores) -> float:
         text=True,
     ).stdout
     report = json.loads(out.strip().splitlines()[-1])
-    where = Path(str(report["dedupstore"])).resolve()
+    where = Path(str(report.pop("dedupstore"))).resolve()
     if not where.is_relative_to(tree.resolve()):
         raise SystemExit(f"the run for {tree} imported dedupstore from {where}")
-    return float(report["seconds"])
+    return {name: float(value) for name, value in report.items()}
 
 
 @dataclass(frozen=True)
 class Measured:
-    """The seconds of each round of one tree, and the messages per round."""
+    """The seconds of each round of one tree (or other run), and the messages per round;
+    ``requests``: redis-py requests per message, where the run counted them."""
 
     tree: str
     seconds: list[float]
     messages: int
+    requests: float | None = None
 
     @property
     def median(self) -> float:
@@ -163,10 +267,13 @@ class Measured:
 
 
 def paired(this: Measured, other: Measured) -> float:
-    """How many times faster ``this`` ran than ``other``: the median over the rounds
-    of each round's ratio (the two runs of a round ran back to back, so a slow spell
-    of the shared machine that spans a round slows both and cancels out)."""
-    return statistics.median(o / t for t, o in zip(this.seconds, other.seconds, strict=True))
+    """How many times faster ``this`` ran than ``other`` (messages per second): the
+    median over the rounds of each round's ratio (the runs of a round ran back to back,
+    so a slow spell of the shared machine that spans a round slows both and cancels out)."""
+    return statistics.median(
+        (this.messages / t) / (other.messages / o)
+        for t, o in zip(this.seconds, other.seconds, strict=True)
+    )
 
 
 def _memory_stores() -> Stores:
@@ -180,25 +287,38 @@ def compare(
     stores: Callable[[], Stores] | None = None,
     *,
     rounds: int = 7,
+    others: Mapping[str, Run] | None = None,
 ) -> dict[str, Measured]:
     """Seconds of each tree over ``rounds`` alternating rounds (order rotated).
 
     ``stores()`` gives each measurement fresh stores (default: ``memory://`` ones).
+    ``others``: more runs measured in the same rounds (by this tree), by name.
     """
     fresh = stores or _memory_stores
-    names = list(trees)
-    seconds: dict[str, list[float]] = {name: [] for name in names}
+    runs = {name: (tree, run) for name, tree in trees.items()}
+    runs.update({name: (THIS_TREE, other) for name, other in (others or {}).items()})
+    names = list(runs)
+    reports: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     for number in range(rounds):
         order = names[number % len(names) :] + names[: number % len(names)]
         for name in order:
-            seconds[name].append(measure_once(trees[name], run, fresh()))
+            reports[name].append(measure_once(*runs[name], fresh()))
         print(
             f"   round {number + 1}/{rounds}: "
-            + ", ".join(f"{n} {seconds[n][-1]:.3f} s" for n in names),
+            + ", ".join(f"{n} {reports[n][-1]['seconds']:.3f} s" for n in names),
             file=sys.stderr,
             flush=True,
         )
-    return {name: Measured(name, seconds[name], run.messages) for name in names}
+    measured = {}
+    for name in names:
+        counted = [r["requests"] for r in reports[name] if "requests" in r]
+        measured[name] = Measured(
+            name,
+            [r["seconds"] for r in reports[name]],
+            runs[name][1].messages,
+            statistics.median(counted) if counted else None,
+        )
+    return measured
 
 
 @contextlib.contextmanager

@@ -35,6 +35,7 @@ from dedupstore.errors import ConfigurationError, StoreUnavailable
 from dedupstore.options import (
     Option,
     Options,
+    choice,
     connect_timeout_option,
     integer,
     optional,
@@ -53,6 +54,7 @@ __all__ = [
     "expiring",
     "parse_url",
     "queue_arguments",
+    "queue_type_option",
     "reply_code",
     "vhost",
 ]
@@ -173,6 +175,12 @@ def expiring(connection: pika.BlockingConnection, seconds: float) -> Iterator[Ex
     finally:
         with contextlib.suppress(Exception):
             impl.ioloop.remove_timeout(timer)
+
+
+def queue_type_option(doc: str) -> Option:
+    """The ``queue_type`` option (``classic`` or ``quorum``): the type of the queues that
+    ``doc`` says the class declares (see :func:`queue_arguments`)."""
+    return Option("queue_type", choice("classic", "quorum"), "classic", doc)
 
 
 def queue_arguments(queue_type: str) -> dict[str, Any] | None:

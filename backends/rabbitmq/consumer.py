@@ -71,13 +71,14 @@ from backends.rabbitmq._client import (
     expiring,
     parse_url,
     queue_arguments,
+    queue_type_option,
     reply_code,
     vhost,
 )
 from dedupstore.client import Client, ErrorKind, ProcessLocal
 from dedupstore.consumers import Broker, Delivery
 from dedupstore.errors import ConfigurationError
-from dedupstore.options import Option, Options, OptionSet, boolean, choice, integer, optional, text
+from dedupstore.options import Option, Options, OptionSet, boolean, integer, optional, text
 from dedupstore.urls import StoreURL
 
 __all__ = ["RabbitMQBroker", "RabbitMQToken"]
@@ -147,12 +148,7 @@ class RabbitMQBroker(Client, Broker):
             "most unacknowledged deliveries the broker sends this consumer",
         ),
         Option("create", boolean, True, "declare the queue (durable) if it does not exist"),
-        Option(
-            "queue_type",
-            choice("classic", "quorum"),
-            "classic",
-            "the x-queue-type of a queue this broker declares",
-        ),
+        queue_type_option("the x-queue-type of a queue this broker declares"),
         *CONNECTION_OPTIONS,
     )
 

@@ -66,6 +66,7 @@ from backends.rabbitmq._client import (
     expiring,
     parse_url,
     queue_arguments,
+    queue_type_option,
     reply_code,
     vhost,
 )
@@ -73,7 +74,7 @@ from dedupstore.calls import DeadlinePassed, retry, time_left
 from dedupstore.client import ErrorKind, ProcessLocal
 from dedupstore.dispatch import EncodedMessage, URLDispatcher
 from dedupstore.errors import ConfigurationError, StoreUnavailable
-from dedupstore.options import Option, Options, OptionSet, boolean, choice, text
+from dedupstore.options import Option, Options, OptionSet, boolean, text
 from dedupstore.urls import StoreURL
 
 __all__ = ["RabbitMQDispatcher"]
@@ -144,12 +145,7 @@ class RabbitMQDispatcher(URLDispatcher):
             False,
             "declare each destination as a durable queue first (default exchange only)",
         ),
-        Option(
-            "queue_type",
-            choice("classic", "quorum"),
-            "classic",
-            "the x-queue-type of the queues declare_queues declares",
-        ),
+        queue_type_option("the x-queue-type of the queues declare_queues declares"),
         *CONNECTION_OPTIONS,
     )
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 import re
 import threading
 from collections.abc import Callable, Hashable, Mapping
@@ -283,9 +282,9 @@ class RedisConnection(Connection):
         self._attempts: int = options["retries"] + 1
         self._wait_replicas: int = options["wait_replicas"]
         self._wait_timeout_ms: int = options["wait_timeout_ms"]
-        # the connection _send keeps checked out of the pool, and its process
+        # the connection _send keeps checked out of the pool (a child after fork() has its own
+        # RedisConnection: see Connection)
         self._kept: Any = None  # (redis-py leaves its connection methods untyped)
-        self._kept_pid = 0
         self._keeping = threading.Lock()
 
     @classmethod
@@ -451,9 +450,8 @@ class RedisConnection(Connection):
         if self._keeping.acquire(blocking=False):
             try:
                 conn = self._kept
-                if conn is None or self._kept_pid != os.getpid():
+                if conn is None:
                     conn = self._kept = self.client.connection_pool.get_connection()
-                    self._kept_pid = os.getpid()
                 replies = _exchange(conn, commands, sent)
             finally:
                 self._keeping.release()
@@ -583,7 +581,7 @@ class RedisConnection(Connection):
         with self._keeping:
             kept, self._kept = self._kept, None
         if self._given:
-            if kept is not None and self._kept_pid == os.getpid():
+            if kept is not None:
                 self.client.connection_pool.release(kept)
         else:
             self.client.connection_pool.disconnect()
