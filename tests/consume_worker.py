@@ -24,6 +24,9 @@ from dedupstore.outbox import Message, OutboxProcessor, Send
 from tests.soak_worker import soak_handler
 
 VARIANT_ENV = "DEDUPSTORE_CHAOS_VARIANT"
+#: A file: the ``dispatch-after-cleanup`` variant pauses only while it exists (the chaos
+#: tests remove it after their last kill, so the drain runs at full speed).
+PAUSE_FILE_ENV = "DEDUPSTORE_CHAOS_PAUSE_FILE"
 #: Seconds the handler pauses per message.
 PAUSE = float(os.environ.get("DEDUPSTORE_CHAOS_PAUSE", "0.002"))
 
@@ -53,17 +56,19 @@ def _ack_first() -> None:
 class Late:
     """A dispatcher that holds what it is given until :meth:`flush`, which pauses
     ``pause`` seconds before it sends (the window a crash falls into: cleaned up, not
-    yet sent; also used by ``tests/test_interleavings.py``, without a pause)."""
+    yet sent; also used by ``tests/test_interleavings.py``, without a pause), while
+    the file ``pausing`` exists if one is named."""
 
-    def __init__(self, real: Any, pause: float = 0.0) -> None:
-        self.real, self.held, self.pause = real, [], pause
+    def __init__(self, real: Any, pause: float = 0.0, pausing: str | None = None) -> None:
+        self.real, self.held, self.pause, self.pausing = real, [], pause, pausing
 
     def dispatch(self, messages: Sequence[Any]) -> None:
         self.held.extend(messages)
 
     def flush(self) -> None:
         if self.held:
-            time.sleep(self.pause)
+            if self.pausing is None or os.path.exists(self.pausing):
+                time.sleep(self.pause)
             held, self.held = self.held, []
             self.real.dispatch(held)
 
@@ -100,7 +105,7 @@ def _dispatch_after_cleanup() -> None:
     ) -> None:
         # 0.2 s: long enough that most of the random kills land in the window (at
         # 0.05 s, one run in a full suite saw none of its 10 kills lose a message)
-        late = Late(dispatcher, pause=0.2)
+        late = Late(dispatcher, pause=0.2, pausing=os.environ.get(PAUSE_FILE_ENV))
         init(self, _FlushAfterSave(entities, late), dedup, late, **kw)
 
     OutboxProcessor.__init__ = late_init  # type: ignore[method-assign]

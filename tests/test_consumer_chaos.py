@@ -46,7 +46,7 @@ import pytest
 import redis
 
 from dedupstore import open_entity_store, open_store
-from tests.consume_worker import VARIANT_ENV
+from tests.consume_worker import PAUSE_FILE_ENV, VARIANT_ENV
 from tests.servers import Server
 from tests.soak_worker import soak_violations
 
@@ -104,7 +104,12 @@ class Chaos:
             *("--mode", self.mode, "--cleanup", self.cleanup, "--batch-size", "20"),
             *("--max-deliveries", "0", "--wait", "0.2", "--log-level", "WARNING"),
         ]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), VARIANT_ENV: self.variant}
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            VARIANT_ENV: self.variant,
+            PAUSE_FILE_ENV: str(log_dir / "killing"),
+        }
         with log.open("wb") as out:
             process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=out)
         self.processes.append(process)
@@ -121,7 +126,11 @@ class Chaos:
         return -1, -1
 
     def run(self, log_dir: Path) -> None:
-        """Start the consumers, kill and replace one at random KILLS times, drain, stop."""
+        """Start the consumers, kill and replace one at random KILLS times, drain, stop.
+
+        A broken variant's pause (``PAUSE_FILE_ENV``) lasts until the last kill."""
+        killing = log_dir / "killing"
+        killing.touch()
         self.produce(MESSAGES)
         for _ in range(CONSUMERS):
             self.start(log_dir)
@@ -137,6 +146,7 @@ class Chaos:
             assert victim.wait() == -signal.SIGKILL
             self.killed += 1
             self.start(log_dir)
+        killing.unlink()
         while self.group_state() != (0, 0):  # drained: bounded by the test's timeout
             time.sleep(0.1)
         for process in self.processes:

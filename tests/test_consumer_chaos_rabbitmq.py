@@ -45,7 +45,7 @@ import pika
 import pytest
 
 from dedupstore import open_entity_store, open_store
-from tests.consume_worker import VARIANT_ENV
+from tests.consume_worker import PAUSE_FILE_ENV, VARIANT_ENV
 from tests.servers import Server
 from tests.soak_worker import soak_violations
 from tests.test_consumer_chaos import CONSUMERS, ENTITIES, KILLS, MESSAGES, ROOT, TOP_UP, _with
@@ -112,7 +112,12 @@ class RabbitChaos:
             *("--mode", self.mode, "--cleanup", self.cleanup, "--batch-size", "20"),
             *("--max-deliveries", "0", "--wait", "0.2", "--log-level", "WARNING"),
         ]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), VARIANT_ENV: self.variant}
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            VARIANT_ENV: self.variant,
+            PAUSE_FILE_ENV: str(log_dir / "killing"),
+        }
         with log.open("wb") as out:
             process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=out)
         self.processes.append(process)
@@ -129,7 +134,11 @@ class RabbitChaos:
             assert code in (0, -signal.SIGKILL, -signal.SIGTERM), self._log_tail()
 
     def run(self, log_dir: Path) -> None:
-        """Start the consumers, kill and replace one at random KILLS times, drain, stop."""
+        """Start the consumers, kill and replace one at random KILLS times, drain, stop.
+
+        A broken variant's pause (``PAUSE_FILE_ENV``) lasts until the last kill."""
+        killing = log_dir / "killing"
+        killing.touch()
         self.produce(MESSAGES)
         for _ in range(CONSUMERS):
             self.start(log_dir)
@@ -145,6 +154,7 @@ class RabbitChaos:
             assert victim.wait() == -signal.SIGKILL
             self.killed += 1
             self.start(log_dir)
+        killing.unlink()
         while True:  # drained: bounded by the test's timeout
             while self.ready():
                 time.sleep(0.1)
