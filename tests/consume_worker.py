@@ -27,6 +27,8 @@ VARIANT_ENV = "DEDUPSTORE_CHAOS_VARIANT"
 #: A file: the ``dispatch-after-cleanup`` variant pauses only while it exists (the chaos
 #: tests remove it after their last kill, so the drain runs at full speed).
 PAUSE_FILE_ENV = "DEDUPSTORE_CHAOS_PAUSE_FILE"
+#: That file's name in a chaos run's log directory.
+PAUSE_FILE = "killing"
 #: Seconds the handler pauses per message.
 PAUSE = float(os.environ.get("DEDUPSTORE_CHAOS_PAUSE", "0.002"))
 

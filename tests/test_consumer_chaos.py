@@ -46,7 +46,7 @@ import pytest
 import redis
 
 from dedupstore import open_entity_store, open_store
-from tests.consume_worker import PAUSE_FILE_ENV, VARIANT_ENV
+from tests.consume_worker import PAUSE_FILE, PAUSE_FILE_ENV, VARIANT_ENV
 from tests.servers import Server
 from tests.soak_worker import soak_violations
 
@@ -108,7 +108,7 @@ class Chaos:
             **os.environ,
             "PYTHONPATH": str(ROOT),
             VARIANT_ENV: self.variant,
-            PAUSE_FILE_ENV: str(log_dir / "killing"),
+            PAUSE_FILE_ENV: str(log_dir / PAUSE_FILE),
         }
         with log.open("wb") as out:
             process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=out)
@@ -129,7 +129,7 @@ class Chaos:
         """Start the consumers, kill and replace one at random KILLS times, drain, stop.
 
         A broken variant's pause (``PAUSE_FILE_ENV``) lasts until the last kill."""
-        killing = log_dir / "killing"
+        killing = log_dir / PAUSE_FILE
         killing.touch()
         self.produce(MESSAGES)
         for _ in range(CONSUMERS):
