@@ -667,7 +667,10 @@ class OutboxProcessor:
         saves nothing, so nothing checks a kept entity it belongs to, and the stored
         outbox may still hold its entry (a consumer recorded the id, then died before
         the save removing it): those entities are loaded in place in ``entities``,
-        and the check is made again on them (an entry found is then cleaned up).
+        and the check is made again on them (an entry found is then cleaned up). An
+        answer holds only for an entity loaded before it was asked (the id reaches
+        the store before its entry leaves the outbox): every id of a reloaded entity
+        not recorded then and not in its new outbox is asked again, after the load.
         """
         keys = [message_key(m.correlation_id, m.id) for m in messages]
         fresh = [
@@ -680,12 +683,12 @@ class OutboxProcessor:
         stale = {m.correlation_id for m, k in pairs if k in already} & set(taken)
         if stale:
             entities.update(self.entities.load_many(sorted(stale)))
-            asked = set(fresh)  # the others were in the kept outbox: ask now if not in this one
+            # (an id asked before this load may have been applied and cleaned up since)
             again = [
                 k
                 for m, k in pairs
                 if m.correlation_id in stale
-                and k not in asked
+                and k not in already
                 and m.id not in entities[m.correlation_id].outbox
             ]
             if again:

@@ -19,8 +19,8 @@ the memory and SQLite path, ``has_been_processed`` then the conditional save.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, NamedTuple
 
 import pytest
 
@@ -53,32 +53,50 @@ IN_PROCESS = ("memory", "sqlite")
 FAST = (*IN_PROCESS, "postgres", "redis")
 ALL = (*FAST, "dynamodb", "cosmos")
 
-#: name -> (actors, messages, which actor crashes or None, backends per clean-up mode)
-SCENARIOS: dict[str, tuple[tuple[Actor, ...], int, int | None, dict[str, tuple[str, ...]]]] = {
-    "duplicates": ((ONE, ONE), 1, None, {"inline": ALL, "deferred": ALL}),
-    "two-messages": ((ONE, OTHER), 2, None, {"inline": FAST, "deferred": ALL}),
-    "duplicates+sweep": ((ONE, ONE, SWEEP), 1, None, {"inline": FAST, "deferred": ALL}),
-    "batch+duplicate": ((BATCH, ONE), 2, None, {"inline": FAST, "deferred": ALL}),
-    "crash-beside-duplicate": ((ONE, ONE), 1, 0, {"inline": FAST, "deferred": ALL}),
-    "crash-sweep": ((ONE, SWEEP), 1, 1, {"inline": ALL, "deferred": ALL}),
-    "crash-batch-beside-duplicate": ((BATCH, ONE), 2, 0, {"inline": IN_PROCESS, "deferred": FAST}),
-    "crash-beside-other-message": ((ONE, OTHER), 2, 0, {"inline": IN_PROCESS, "deferred": FAST}),
-    "kept-beside-duplicate": ((KEPT, OTHER), 2, None, {"inline": FAST, "deferred": FAST}),
-    "kept-beside-other": (
-        (KEPT, Actor("process", (2,))),
-        3,
-        None,
-        {"inline": FAST, "deferred": FAST},
+
+class Case(NamedTuple):
+    """One scenario: its actors and messages, which actor crashes (or None), the
+    backends per clean-up mode, and the messages processed before the run."""
+
+    actors: tuple[Actor, ...]
+    messages: int
+    crash: int | None
+    where: Mapping[str, tuple[str, ...]]
+    earlier: tuple[int, ...] = ()
+
+    def scenario(self, cleanup: Literal["inline", "deferred"]) -> Scenario:
+        return Scenario(self.actors, self.messages, cleanup, self.earlier)
+
+
+BOTH_FAST: dict[str, tuple[str, ...]] = {"inline": FAST, "deferred": FAST}
+#: a batch of m1 and m2 by a consumer that kept the entity as it saved m0 (stale:
+#: another consumer processed m1 since), beside a consumer of m2
+STALE_KEPT_BATCH = (Actor("batch", (1, 2), after=(0,)), Actor("process", (2,)))
+
+SCENARIOS: dict[str, Case] = {
+    "duplicates": Case((ONE, ONE), 1, None, {"inline": ALL, "deferred": ALL}),
+    "two-messages": Case((ONE, OTHER), 2, None, {"inline": FAST, "deferred": ALL}),
+    "duplicates+sweep": Case((ONE, ONE, SWEEP), 1, None, {"inline": FAST, "deferred": ALL}),
+    "batch+duplicate": Case((BATCH, ONE), 2, None, {"inline": FAST, "deferred": ALL}),
+    "crash-beside-duplicate": Case((ONE, ONE), 1, 0, {"inline": FAST, "deferred": ALL}),
+    "crash-sweep": Case((ONE, SWEEP), 1, 1, {"inline": ALL, "deferred": ALL}),
+    "crash-batch-beside-duplicate": Case(
+        (BATCH, ONE), 2, 0, {"inline": IN_PROCESS, "deferred": FAST}
     ),
-    "kept-batch-beside-duplicate": (
-        (Actor("batch", (1, 2), after=(0,)), OTHER),
-        3,
-        None,
-        {"inline": FAST, "deferred": FAST},
+    "crash-beside-other-message": Case(
+        (ONE, OTHER), 2, 0, {"inline": IN_PROCESS, "deferred": FAST}
     ),
-    "crash-kept-beside-duplicate": ((KEPT, OTHER), 2, 0, {"inline": FAST, "deferred": FAST}),
+    "kept-beside-duplicate": Case((KEPT, OTHER), 2, None, BOTH_FAST),
+    "kept-beside-other": Case((KEPT, Actor("process", (2,))), 3, None, BOTH_FAST),
+    "kept-batch-beside-duplicate": Case(
+        (Actor("batch", (1, 2), after=(0,)), OTHER), 3, None, BOTH_FAST
+    ),
+    # the batch finds m1 recorded, so it reloads the entity: m2, unrecorded when it
+    # asked, may have been applied and cleaned up before that load
+    "stale-kept-batch-beside-other": Case(STALE_KEPT_BATCH, 3, None, BOTH_FAST, (1,)),
+    "crash-kept-beside-duplicate": Case((KEPT, OTHER), 2, 0, BOTH_FAST),
     # the batch consumer keeps the entity and gets the crashed one's redelivery
-    "crash-beside-batch": ((ONE, BATCH_OTHER), 2, 0, {"inline": IN_PROCESS, "deferred": FAST}),
+    "crash-beside-batch": Case((ONE, BATCH_OTHER), 2, 0, {"inline": IN_PROCESS, "deferred": FAST}),
 }
 
 CASES = [
@@ -89,9 +107,9 @@ CASES = [
         marks=getattr(pytest.mark, backend),
         id=f"{name}-{cleanup}-{backend}",
     )
-    for name, (_, _, _, where) in SCENARIOS.items()
+    for name, case in SCENARIOS.items()
     for cleanup in MODES
-    for backend in where[cleanup]
+    for backend in case.where[cleanup]
 ]
 
 
@@ -102,12 +120,12 @@ CASES = [
 def test_every_schedule_keeps_every_invariant(
     outbox_backend: OutboxBackend, cleanup: Literal["inline", "deferred"], scenario: str
 ) -> None:
-    actors, messages, crash, _ = SCENARIOS[scenario]
+    case = SCENARIOS[scenario]
     runs = explore(
-        Scenario(actors, messages, cleanup),
+        case.scenario(cleanup),
         outbox_backend.entities,
         outbox_backend.dedup,
-        crash_actor=crash,
+        crash_actor=case.crash,
     )
     assert runs >= 3, f"only {runs} schedules: the harness did not interleave"
 
@@ -225,7 +243,7 @@ class BatchIgnoresTheStore(OutboxProcessor):
     """BROKEN: ``process_batch`` never learns which ids the store already holds."""
 
     def __init__(self, entities: EntityStore, dedup: Any, *args: Any, **kwargs: Any) -> None:
-        super().__init__(entities, _ForgetfulAmong(dedup), *args, **kwargs)
+        super().__init__(entities, _ForgetfulAmong(dedup), *args, **kwargs)  # type: ignore[arg-type]
 
 
 class _DispatchingSaves:
@@ -256,7 +274,7 @@ class DispatchAfterCleanUp(OutboxProcessor):
 
     def __init__(self, entities: EntityStore, dedup: Any, dispatcher: Any, **kwargs: Any) -> None:
         self._held = Late(dispatcher)
-        super().__init__(entities, dedup, self._held, **kwargs)  # type: ignore[arg-type]
+        super().__init__(entities, dedup, self._held, **kwargs)
 
     def _clean_up(self, entity: Entity, mid: str) -> None:
         super()._clean_up(entity, mid)
@@ -295,14 +313,56 @@ class KeptEntityUnchecked(OutboxProcessor):
         super().__init__(_KeptUnchecked(entities), *args, **kwargs)  # type: ignore[arg-type]
 
 
+class StaleAnswers(OutboxProcessor):
+    """BROKEN: a batch that reloads the stale entities it kept keeps the answers the
+    deduplication store gave before that load (a message applied and cleaned up in
+    between is applied again)."""
+
+    def _recorded(
+        self, messages: list[Message], entities: dict[str, Entity], taken: Any = ()
+    ) -> tuple[list[str], set[str]]:
+        pairs = [(m, message_key(m.correlation_id, m.id)) for m in messages]
+        fresh = [k for m, k in pairs if m.id not in entities[m.correlation_id].outbox]
+        already = self.dedup.processed_among(fresh) if fresh else set()
+        stale = {m.correlation_id for m, k in pairs if k in already} & set(taken)
+        if stale:
+            entities.update(self.entities.load_many(sorted(stale)))
+        return [k for _, k in pairs], already
+
+
+class Broken(NamedTuple):
+    """A broken processor, a scenario its schedules break, the invariants reported."""
+
+    processor: Callable[..., OutboxProcessor]
+    scenario: Scenario
+    invariants: set[str]
+
+
 BROKEN = {
-    "check-before-load": (CheckBeforeLoad, (ONE, ONE), 1, "inline", {"once", "honest-result"}),
-    "dispatch-before-save": (DispatchBeforeSave, (ONE, ONE), 1, "deferred", {"ghost"}),
-    "remove-before-add": (RemoveBeforeAdd, (ONE, ONE), 1, "inline", {"in-outbox-or-store"}),
-    "save-without-token": (SaveWithoutToken, (ONE, OTHER), 2, "deferred", {"once", "ghost"}),
-    "batch-ignores-the-store": (BatchIgnoresTheStore, (BATCH, ONE), 2, "inline", {"once"}),
-    "batch-dispatch-before-save": (BatchDispatchBeforeSave, (BATCH, ONE), 2, "deferred", {"ghost"}),
-    "kept-entity-unchecked": (KeptEntityUnchecked, (KEPT_AGAIN, OTHER), 2, "inline", {"once"}),
+    "check-before-load": Broken(
+        CheckBeforeLoad, Scenario((ONE, ONE), 1, "inline"), {"once", "honest-result"}
+    ),
+    "dispatch-before-save": Broken(
+        DispatchBeforeSave, Scenario((ONE, ONE), 1, "deferred"), {"ghost"}
+    ),
+    "remove-before-add": Broken(
+        RemoveBeforeAdd, Scenario((ONE, ONE), 1, "inline"), {"in-outbox-or-store"}
+    ),
+    "save-without-token": Broken(
+        SaveWithoutToken, Scenario((ONE, OTHER), 2, "deferred"), {"once", "ghost"}
+    ),
+    "batch-ignores-the-store": Broken(
+        BatchIgnoresTheStore, Scenario((BATCH, ONE), 2, "inline"), {"once"}
+    ),
+    "batch-dispatch-before-save": Broken(
+        BatchDispatchBeforeSave, Scenario((BATCH, ONE), 2, "deferred"), {"ghost"}
+    ),
+    "kept-entity-unchecked": Broken(
+        KeptEntityUnchecked, Scenario((KEPT_AGAIN, OTHER), 2, "inline"), {"once"}
+    ),
+    "stale-answers": Broken(
+        StaleAnswers, Scenario(STALE_KEPT_BATCH, 3, "inline", earlier=(1,)), {"once"}
+    ),
 }
 
 
@@ -311,16 +371,16 @@ BROKEN = {
 def test_the_harness_catches_a_broken_processor(
     outbox_backend: OutboxBackend, variant: str
 ) -> None:
-    processor, actors, messages, cleanup, invariants = BROKEN[variant]
+    broken = BROKEN[variant]
     with pytest.raises(InterleavingViolation) as caught:
         explore(
-            Scenario(actors, messages, cleanup),  # type: ignore[arg-type]
+            broken.scenario,
             outbox_backend.entities,
             outbox_backend.dedup,
-            processor=processor,
+            processor=broken.processor,
         )
     violation = caught.value
-    assert violation.invariant in invariants, str(violation)
+    assert violation.invariant in broken.invariants, str(violation)
     assert violation.schedule and "schedule:" in str(violation)
 
 
@@ -334,20 +394,26 @@ class KeptHidesEntries(OutboxProcessor):
         return super()._recorded(messages, entities)
 
 
-#: Broken variants only a crash shows: every schedule without one is right.
-#: name -> (processor, actors, messages, the invariant reported, a text of the report)
+class CrashOnly(NamedTuple):
+    """A broken processor only a crash shows: every schedule without one is right."""
+
+    processor: Callable[..., OutboxProcessor]
+    actors: tuple[Actor, ...]
+    messages: int
+    invariant: str
+    text: str  # a text of the report
+
+
 CRASH_ONLY = {
     # a crash between the clean-up and the dispatch loses the outgoing message
-    "dispatch-after-cleanup": (
-        DispatchAfterCleanUp,
-        (ONE, ONE),
-        1,
-        "same-output",
-        "never dispatched",
+    "dispatch-after-cleanup": CrashOnly(
+        DispatchAfterCleanUp, (ONE, ONE), 1, "same-output", "never dispatched"
     ),
     # a consumer records its message's id and crashes before the save removing the
     # entry; the redelivery goes to the batch consumer that kept the entity from before
-    "kept-hides-entries": (KeptHidesEntries, (ONE, BATCH_OTHER), 2, "settled", "crash-after"),
+    "kept-hides-entries": CrashOnly(
+        KeptHidesEntries, (ONE, BATCH_OTHER), 2, "settled", "crash-after"
+    ),
 }
 
 
@@ -356,14 +422,14 @@ CRASH_ONLY = {
 def test_the_crashes_reach_a_bug_only_a_crash_shows(
     outbox_backend: OutboxBackend, variant: str
 ) -> None:
-    factory, actors, messages, invariant, text = CRASH_ONLY[variant]
-    scenario = Scenario(actors, messages, "inline")  # type: ignore[arg-type]
+    broken = CRASH_ONLY[variant]
+    scenario = Scenario(broken.actors, broken.messages, "inline")
     entities, dedup = outbox_backend.entities, outbox_backend.dedup
-    assert explore(scenario, entities, dedup, processor=factory) >= 3  # type: ignore[arg-type]
+    assert explore(scenario, entities, dedup, processor=broken.processor) >= 3
     with pytest.raises(InterleavingViolation) as caught:
-        explore(scenario, entities, dedup, processor=factory, crash_actor=0)  # type: ignore[arg-type]
-    assert caught.value.invariant == invariant, str(caught.value)
-    assert text in str(caught.value)
+        explore(scenario, entities, dedup, processor=broken.processor, crash_actor=0)
+    assert caught.value.invariant == broken.invariant, str(caught.value)
+    assert broken.text in str(caught.value)
 
 
 def test_reads_commute_and_writes_to_either_store_do_not() -> None:

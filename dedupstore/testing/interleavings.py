@@ -123,11 +123,16 @@ class Actor:
 
 @dataclass(frozen=True)
 class Scenario:
-    """Actors run concurrently on ``message_count`` messages of one entity."""
+    """Actors run concurrently on ``message_count`` messages of one entity.
+
+    ``earlier``: messages another consumer processed alone before the run, after
+    the actors' ``after`` ones (so an entity an actor kept is stale when it starts).
+    """
 
     actors: tuple[Actor, ...]
     message_count: int
     cleanup: Literal["inline", "deferred"] = "inline"
+    earlier: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -471,15 +476,19 @@ def _run_once(
     survivors: dict[int, tuple[str, Any]] = {}  # each consumer's kind and kept entities
     for index, actor in enumerate(scenario.actors):
         if actor.after:
-            earlier = processor(
+            before = processor(
                 world.entity_clients[index],
                 world.dedup_clients[index],
                 ledger,
                 cleanup=scenario.cleanup,
             )
             for i in actor.after:
-                earlier.process(messages[i], ledger_handler)
-            kept[index] = earlier._kept
+                before.process(messages[i], ledger_handler)
+            kept[index] = before._kept
+    if scenario.earlier:
+        other = processor(checker_entities, checker_dedup, ledger, cleanup=scenario.cleanup)
+        for i in scenario.earlier:
+            other.process(messages[i], ledger_handler)
 
     def actor_main(index: int, actor: Actor) -> None:
         own = _OneEntity(world.entity_clients[index], entity_id)
