@@ -96,18 +96,33 @@ def soak_violations(
     return violations
 
 
-class _Flaky:
-    """Delegates to ``real``; each call may crash before or after it runs."""
+#: The calls of an entity store joined with its deduplication store (one request for both).
+JOINED_CALLS = frozenset({"_load_checked", "_save_checked", "_save_recording"})
 
-    def __init__(self, real: Any, rng: random.Random, rate: float) -> None:
-        self._real, self._rng, self._rate = real, rng, rate
+
+class _Flaky:
+    """Delegates to ``real``; each call may crash before or after it runs.
+
+    With ``joined``, the entity store's joined calls (:data:`JOINED_CALLS`) get the
+    real deduplication store (so the processor finds the two joined where they are)
+    and may crash like the others; without, the processor sees two separate stores.
+    """
+
+    def __init__(self, real: Any, rng: random.Random, rate: float, joined: bool = False) -> None:
+        self._real, self._rng, self._rate, self._joins = real, rng, rate, joined
 
     def __getattr__(self, name: str) -> Any:
         target = getattr(self._real, name)
-        if not callable(target) or name.startswith("_"):
+        if not callable(target):
             return target
+        if name.startswith("_"):
+            if not self._joins or (name != "_joined" and name not in JOINED_CALLS):
+                return target
+            if name == "_joined":
+                return lambda dedup: target(_unwrapped(dedup))
 
         def call(*args: Any, **kwargs: Any) -> Any:
+            args = tuple(_unwrapped(a) for a in args)
             if self._rng.random() < self._rate:
                 raise Crash(f"before {name}")
             result = target(*args, **kwargs)
@@ -116,6 +131,10 @@ class _Flaky:
             return result
 
         return call
+
+
+def _unwrapped(value: Any) -> Any:
+    return value._real if isinstance(value, _Flaky) else value
 
 
 class _FileDispatcher:
@@ -140,18 +159,24 @@ def run_consumer(
     crash_rate: float,
     cleanup: str,
     out: str,
+    joined: bool = False,
 ) -> dict[str, int]:
-    """Process every delivery (``(message id, entity id)``) until none is left; return counts."""
+    """Process every delivery (``(message id, entity id)``) until none is left; return counts.
+
+    ``joined``: the processor uses the joined calls where the backend has them.
+    """
     rng = random.Random(seed)
     entities, dedup = backend.entities(), backend.dedup()
     dispatcher = _FileDispatcher(Path(out))
     processor = OutboxProcessor(
-        _Flaky(entities, rng, crash_rate),  # type: ignore[arg-type]
+        _Flaky(entities, rng, crash_rate, joined),  # type: ignore[arg-type]
         _Flaky(dedup, rng, crash_rate),  # type: ignore[arg-type]
         _Flaky(dispatcher, rng, crash_rate),  # type: ignore[arg-type]
         cleanup=cleanup,  # type: ignore[arg-type]
         max_attempts=50,
     )
+    if processor._joined != joined:
+        raise AssertionError(f"the processor is {'not ' * joined}joined on {backend.name}")
     counts = {"processed": 0, "duplicate": 0, "redispatched": 0, "crashes": 0, "batches": 0}
     queue = list(deliveries)
     try:

@@ -6,7 +6,10 @@ concurrently. Each consumer mixes ``process`` and ``process_batch`` and crashes 
 random before or after any call (then redelivers). Afterwards a sweep runs and every
 count is checked exactly: each message applied once to its entity, in the
 deduplication store, every outbox empty, each output dispatched with one id and one
-byte string, showing the state its message produced.
+byte string, showing the state its message produced. On PostgreSQL and Redis it runs
+twice: with the two stores seen as separate (the steps one call each), and joined
+(one request loads and checks, one saves and checks, one records and saves; the
+crashes land before or after those too).
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ import pytest
 
 from tests.outbox_backends import OutboxBackend, backend_params
 from tests.soak_worker import run_consumer, soak_violations
+
+#: the backends whose entity and deduplication stores can share one request
+JOINED = ("postgres", "redis")
 
 #: backend -> (messages, entities, threads, processes)
 SIZES = {
@@ -42,8 +48,23 @@ SIZES = {
 def test_randomised_soak_counts_exactly(
     outbox_backend: OutboxBackend, cleanup: str, tmp_path: Path
 ) -> None:
+    _soak(outbox_backend, cleanup, tmp_path, joined=False)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("outbox_backend", backend_params(JOINED), indirect=True)
+@pytest.mark.parametrize("cleanup", ["inline", "deferred"])
+def test_randomised_soak_on_joined_stores(
+    outbox_backend: OutboxBackend, cleanup: str, tmp_path: Path
+) -> None:
+    """The same, through the calls that do the work of both stores in one request."""
+    _soak(outbox_backend, cleanup, tmp_path, joined=True)
+
+
+def _soak(outbox_backend: OutboxBackend, cleanup: str, tmp_path: Path, *, joined: bool) -> None:
     count, entity_count, threads, processes = SIZES[outbox_backend.name]
-    rng = random.Random(f"{outbox_backend.name}-{cleanup}")
+    rng = random.Random(f"{outbox_backend.name}-{cleanup}-{'joined' * joined}")
     tag = uuid.uuid4().hex[:8]
     owner = {f"m{n}-{tag}": f"e{rng.randrange(entity_count)}-{tag}" for n in range(count)}
     workers = threads + processes
@@ -55,7 +76,7 @@ def test_randomised_soak_counts_exactly(
             lists[worker].append((mid, cid))
     outs = [str(tmp_path / f"sent-{w}.jsonl") for w in range(workers)]
     args = [
-        (outbox_backend, lists[w], rng.randrange(2**32), 0.03, cleanup, outs[w])
+        (outbox_backend, lists[w], rng.randrange(2**32), 0.03, cleanup, outs[w], joined)
         for w in range(workers)
     ]
     context = multiprocessing.get_context("spawn")
