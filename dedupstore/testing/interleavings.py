@@ -540,6 +540,7 @@ def _run_once(
     for thread in threads:
         thread.join(_WAIT)
     if run.blocked:
+        _retire(checker_entities, entity_id)
         return run
     for index, result in run.results.items():
         if isinstance(result, InterleavingViolation):
@@ -553,6 +554,16 @@ def _run_once(
     kind, cache = alive[0] if alive else ("process", None)
     _settle_and_check(scenario, world, processor, messages, ledger, run, kind, cache)
     return run
+
+
+def _retire(entities: EntityStore, entity_id: str) -> None:
+    """Empty the outbox of an abandoned run's entity, so that scans (which see every
+    pending entity of the store) do not grow with the number of runs."""
+    entity = entities.load(entity_id)
+    if entity.outbox:
+        entity.outbox.clear()
+        entity.marks.clear()
+        entities.save(entity)
 
 
 def _settle_and_check(
