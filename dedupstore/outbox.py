@@ -669,8 +669,10 @@ class OutboxProcessor:
         the save removing it): those entities are loaded in place in ``entities``,
         and the check is made again on them (an entry found is then cleaned up). An
         answer holds only for an entity loaded before it was asked (the id reaches
-        the store before its entry leaves the outbox): every id of a reloaded entity
-        not recorded then and not in its new outbox is asked again, after the load.
+        the store before its entry leaves the outbox): where the reload shows a new
+        version (someone saved it since it was kept, maybe between the question and
+        the load), every id of it not recorded then and not in its new outbox is
+        asked again, after the load.
         """
         keys = [message_key(m.correlation_id, m.id) for m in messages]
         fresh = [
@@ -682,13 +684,19 @@ class OutboxProcessor:
         pairs = list(zip(messages, keys, strict=True))
         stale = {m.correlation_id for m, k in pairs if k in already} & set(taken)
         if stale:
+            kept = {cid: entities[cid].version for cid in stale}
             entities.update(self.entities.load_many(sorted(stale)))
-            # (an id asked before this load may have been applied and cleaned up since)
+            # A version that moved may have moved after the question: an id asked then
+            # may have been applied and cleaned up since. One that did not moved
+            # before it neither: the answers were about this very version.
+            moved = {cid for cid in stale if entities[cid].version != kept[cid]}
+            asked = set(fresh)
             again = [
                 k
                 for m, k in pairs
                 if m.correlation_id in stale
                 and k not in already
+                and (m.correlation_id in moved or k not in asked)
                 and m.id not in entities[m.correlation_id].outbox
             ]
             if again:

@@ -383,8 +383,9 @@ def test_process_batch_takes_and_keeps_entities_as_process_does() -> None:
     batch = [Message("m5", "e", 5), Message("m4", "e", 4), Message("n3", "f", 3)]
     results = processor.process_batch(batch, order_handler)
     assert [r.outcome for r in results] == ["processed", "duplicate", "processed"]
-    # m4 is recorded: "e" is loaded for it, so the batch's save of "e" does not conflict
-    assert calls["load_many"] == 1 and calls["load"] == 0
+    # m4 is recorded: "e" is loaded for it, so the batch's save of "e" does not conflict;
+    # "e" moved since it was kept, so m5 is asked about again, after that load
+    assert calls["load_many"] == 1 and calls["load"] == 0 and calls["processed_among"] == 2
     other.process(Message("m6", "e", 6), order_handler)
     calls.clear()
     results = processor.process_batch([Message("m7", "e", 7)], order_handler)
