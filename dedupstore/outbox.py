@@ -687,16 +687,14 @@ class OutboxProcessor:
             kept = {cid: entities[cid].version for cid in stale}
             entities.update(self.entities.load_many(sorted(stale)))
             # A version that moved may have moved after the question: an id asked then
-            # may have been applied and cleaned up since. One that did not moved
-            # before it neither: the answers were about this very version.
+            # may have been applied and cleaned up since. One that did not is the kept
+            # record itself (the same outbox): the answers were about this very version.
             moved = {cid for cid in stale if entities[cid].version != kept[cid]}
-            asked = set(fresh)
             again = [
                 k
                 for m, k in pairs
-                if m.correlation_id in stale
+                if m.correlation_id in moved
                 and k not in already
-                and (m.correlation_id in moved or k not in asked)
                 and m.id not in entities[m.correlation_id].outbox
             ]
             if again:

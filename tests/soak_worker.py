@@ -115,11 +115,10 @@ class _Flaky:
         target = getattr(self._real, name)
         if not callable(target):
             return target
-        if name.startswith("_"):
-            if not self._joins or (name != "_joined" and name not in JOINED_CALLS):
-                return target
-            if name == "_joined":
-                return lambda dedup: target(_unwrapped(dedup))
+        if self._joins and name == "_joined":
+            return lambda dedup: target(_unwrapped(dedup))
+        if name.startswith("_") and not (self._joins and name in JOINED_CALLS):
+            return target
 
         def call(*args: Any, **kwargs: Any) -> Any:
             args = tuple(_unwrapped(a) for a in args)

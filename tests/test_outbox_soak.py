@@ -64,7 +64,7 @@ def test_randomised_soak_on_joined_stores(
 
 def _soak(outbox_backend: OutboxBackend, cleanup: str, tmp_path: Path, *, joined: bool) -> None:
     count, entity_count, threads, processes = SIZES[outbox_backend.name]
-    rng = random.Random(f"{outbox_backend.name}-{cleanup}-{'joined' * joined}")
+    rng = random.Random(f"{outbox_backend.name}-{cleanup}" + "-joined" * joined)
     tag = uuid.uuid4().hex[:8]
     owner = {f"m{n}-{tag}": f"e{rng.randrange(entity_count)}-{tag}" for n in range(count)}
     workers = threads + processes
