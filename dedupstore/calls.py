@@ -13,6 +13,8 @@
   waited for, and the first failure in input order is raised.
 * :func:`gc_relaxed`: the cyclic garbage collector's young generation collected
   less often during a batch, then as it was.
+* :func:`pid` and :func:`write_token`: this process's id and unique write tokens,
+  without a system call each (both renewed in a forked child).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import contextvars
 import gc
 import itertools
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -39,8 +42,10 @@ __all__ = [
     "executor",
     "fan_out",
     "gc_relaxed",
+    "pid",
     "retry",
     "time_left",
+    "write_token",
 ]
 
 T = TypeVar("T")
@@ -71,22 +76,31 @@ class DeadlinePassed(TimeoutError):
         super().__init__(message)
 
 
-@contextlib.contextmanager
-def deadline(seconds: float | None) -> Iterator[None]:
+class deadline(contextlib.AbstractContextManager[None]):
     """Run the block under a deadline ``seconds`` from now (an earlier one is kept).
 
-    ``None`` adds no deadline (an enclosing one still applies).
+    ``None`` adds no deadline (an enclosing one still applies). (A class, not a
+    generator: every store call enters one.)
     """
-    if seconds is None:
-        yield
-        return
-    at = _now() + seconds
-    outer = _DEADLINE.get()
-    token = _DEADLINE.set(at if outer is None else min(outer, at))
-    try:
-        yield
-    finally:
-        _DEADLINE.reset(token)
+
+    __slots__ = ("_seconds", "_token")
+
+    def __init__(self, seconds: float | None) -> None:
+        self._seconds = seconds
+        self._token: contextvars.Token[float | None] | None = None
+
+    def __enter__(self) -> None:
+        seconds = self._seconds
+        if seconds is not None:
+            at = _now() + seconds
+            outer = _DEADLINE.get()
+            self._token = _DEADLINE.set(at if outer is None else min(outer, at))
+
+    def __exit__(self, *exc: object) -> None:
+        token = self._token
+        if token is not None:
+            self._token = None
+            _DEADLINE.reset(token)
 
 
 def time_left() -> float | None:
@@ -213,9 +227,9 @@ def executor() -> ThreadPoolExecutor:
     """
     global _pool, _pool_pid
     with _pool_lock:
-        if _pool is None or _pool_pid != os.getpid():
+        if _pool is None or _pool_pid != _pid:
             _pool = _ContextPool(_WORKERS, thread_name_prefix="dedupstore")
-            _pool_pid = os.getpid()
+            _pool_pid = _pid
         return _pool
 
 
@@ -319,12 +333,39 @@ def gc_relaxed(relax: bool = True) -> Iterator[None]:
                 gc.set_threshold(*_gc_saved)
 
 
-def _gc_after_fork() -> None:
-    global _gc_blocks, _gc_lock
+# ---------------------------------------------------------------------- this process
+
+_pid = os.getpid()
+#: A random part per process (16 URL-safe characters), then a counter: see write_token.
+_token_prefix = secrets.token_urlsafe(12)
+_token_counter = itertools.count()
+
+
+def pid() -> int:
+    """``os.getpid()``, read once per process (a system call on every read otherwise)."""
+    return _pid
+
+
+def write_token() -> str:
+    """A token no other write anywhere shares (URL-safe characters, at least 17).
+
+    For a store's writes that must recognise their own earlier attempt: a random
+    part drawn once per process (``secrets``, 96 bits; a forked child draws its
+    own) and a counter, instead of drawing random bytes (a system call) per write.
+    Thread-safe (the counter's ``next`` holds the GIL).
+    """
+    return f"{_token_prefix}{next(_token_counter):x}"
+
+
+def _after_fork() -> None:
+    global _gc_blocks, _gc_lock, _pid, _token_prefix, _token_counter
+    _pid = os.getpid()
+    _token_prefix = secrets.token_urlsafe(12)
+    _token_counter = itertools.count()
     _gc_lock = threading.Lock()
     if _gc_blocks:
         gc.set_threshold(*_gc_saved)
     _gc_blocks = 0
 
 
-os.register_at_fork(after_in_child=_gc_after_fork)
+os.register_at_fork(after_in_child=_after_fork)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
@@ -125,7 +124,7 @@ class ProcessLocal(Generic[T]):
 
     def get(self) -> T:
         """This process's instance (made now if needed)."""
-        value, pid = self._value, os.getpid()
+        value, pid = self._value, calls.pid()
         if value is not None and self._pid == pid:
             return value
         with self._lock:
@@ -175,13 +174,13 @@ class ProcessLocal(Generic[T]):
 
     def peek(self) -> T | None:
         """This process's instance, or ``None`` if it has none yet."""
-        return self._value if self._pid == os.getpid() else None
+        return self._value if self._pid == calls.pid() else None
 
     def close(self) -> None:
         """Let go of this process's instance; close it unless another handle holds it."""
         with self._lock:
             value, self._value = self._value, None
-            mine = self._pid == os.getpid()
+            mine = self._pid == calls.pid()
         if value is None or not mine:
             return
         if self._key is not None:
@@ -636,8 +635,7 @@ class Client(Closing, abc.ABC):
             self._close()
             raise
 
-    @contextlib.contextmanager
-    def _translating_errors(self, operation: str) -> Iterator[None]:
+    def _translating_errors(self, operation: str) -> _Translating:
         """Classify driver errors raised in the block (chained); library errors pass.
 
         The block runs under the call's deadline (:meth:`_deadline_seconds`).
@@ -645,29 +643,55 @@ class Client(Closing, abc.ABC):
         ``dedupstore.store.duration`` histogram (:mod:`dedupstore.metrics`), with the
         class name of the error it raised, and ``StoreUnavailable`` is logged (INFO).
         """
-        started = time.perf_counter()
-        error: str | None = None
+        return _Translating(self, operation)
+
+    def _translated(self, exc: Exception, operation: str) -> DedupStoreError | None:
+        """The library's error for a driver's ``exc`` (``None``: not a driver error)."""
+        kind = self._classify_error(exc)
+        if kind is None or isinstance(kind, DedupStoreError):
+            return kind
+        return self._error(kind, operation, self._describe_error(exc))
+
+
+class _Translating(contextlib.AbstractContextManager[None]):
+    """The block of :meth:`Client._translating_errors` (a class, not a generator:
+    every store call enters one)."""
+
+    __slots__ = ("_client", "_deadline", "_operation", "_started")
+
+    def __init__(self, client: Client, operation: str) -> None:
+        self._client = client
+        self._operation = operation
+        self._started = 0.0
+        self._deadline = calls.deadline(client._deadline_seconds())
+
+    def __enter__(self) -> None:
+        self._started = time.perf_counter()
+        self._deadline.__enter__()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._deadline.__exit__(kind, exc, tb)
+        client, operation = self._client, self._operation
+        failed = exc
         try:
-            try:
-                with calls.deadline(self._deadline_seconds()):
-                    yield
-            except DedupStoreError:
-                raise
-            except Exception as exc:
-                kind = self._classify_error(exc)
-                if kind is None:
-                    raise
-                if isinstance(kind, DedupStoreError):
-                    raise kind from exc
-                raise self._error(kind, operation, self._describe_error(exc)) from exc
-        except BaseException as exc:
-            error = type(exc).__name__
-            if isinstance(exc, StoreUnavailable):
-                _log.info("store unavailable: %s", self._scrub(format_error(exc)))
+            if isinstance(exc, Exception) and not isinstance(exc, DedupStoreError):
+                translated = client._translated(exc, operation)
+                if translated is not None:
+                    raise translated from exc
+        except BaseException as raised:  # the translation (or a failure to make it)
+            failed = raised
             raise
         finally:
-            elapsed = time.perf_counter() - started
-            metrics.record_store_call(self._backend, operation, elapsed, error)
+            if isinstance(failed, StoreUnavailable):
+                _log.info("store unavailable: %s", client._scrub(format_error(failed)))
+            metrics.record_store_call(
+                client._backend,
+                operation,
+                time.perf_counter() - self._started,
+                None if failed is None else type(failed).__name__,
+            )
 
 
 def _reopen(cls: type[Client], url: str, options: dict[str, Any]) -> Any:

@@ -46,7 +46,6 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import threading
-from collections import Counter
 from collections.abc import Iterable
 from typing import Any, Protocol
 
@@ -215,7 +214,11 @@ def count_outcomes(consumer: str, results: Iterable[_HasOutcome]) -> None:
     made = _get()
     if made is None:
         return
-    for outcome, n in Counter(r.outcome for r in results).items():
+    counts: dict[str, int] = {}
+    for result in results:
+        outcome = result.outcome
+        counts[outcome] = counts.get(outcome, 0) + 1
+    for outcome, n in counts.items():
         made.messages.add(n, {"outcome": outcome, "consumer": consumer})
 
 

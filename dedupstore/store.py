@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import abc
 import itertools
-import secrets
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
@@ -18,7 +17,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import ClassVar, Literal
 
-from dedupstore.calls import fan_out
+from dedupstore.calls import fan_out, write_token
 from dedupstore.client import Client
 from dedupstore.errors import DedupStoreError, InvalidMessageId
 from dedupstore.ids import MAX_ID_BYTES, validate_ids, validate_message_id
@@ -293,7 +292,7 @@ class DeduplicationStore(Client):
         (:meth:`dedupstore.entities.EntityStore._save_recording`), under
         ``operation``'s name in errors and metrics.
         """
-        token = secrets.token_urlsafe(12)
+        token = write_token()
         with self._pending_lock:
             popped = (self._pending.pop(mid, ()) for mid in ids) if self._pending else ()
             earlier = list(dict.fromkeys(t for tokens in popped for t in tokens))

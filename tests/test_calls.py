@@ -274,3 +274,47 @@ def test_a_child_forked_during_a_relaxed_block_has_the_thresholds_as_before() ->
             os._exit(0 if ok and gc.get_threshold() == before else 1)
         _, status = os.waitpid(pid, 0)
     assert os.WEXITSTATUS(status) == 0 and gc.get_threshold() == before
+
+
+def test_write_tokens_are_unique_across_threads_and_forked_children() -> None:
+    from dedupstore.calls import write_token
+
+    made: list[str] = []
+
+    def draw() -> None:
+        made.extend(write_token() for _ in range(5_000))
+
+    threads = [threading.Thread(target=draw) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(set(made)) == len(made) == 20_000
+    assert all(len(t) >= 17 and t.replace("-", "").replace("_", "").isalnum() for t in made)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child: its own tokens and its own id
+        os.close(read)
+        child = [write_token() for _ in range(1_000)]
+        ok = calls.pid() == os.getpid()
+        os.write(write, ("\n".join(child) if ok else "").encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        child = pipe.read().split("\n")
+    os.waitpid(pid, 0)
+    parent = [write_token() for _ in range(1_000)]  # the parent's counter goes on as before
+    assert len(child) == 1_000, "the child's pid() was not its own"
+    assert not set(child) & set(made + parent)
+    assert calls.pid() == os.getpid()
+
+
+def test_a_deadline_applies_in_its_block_only_and_again_when_reentered() -> None:
+    block = deadline(30.0)
+    with block:
+        left = time_left()
+        assert left is not None and 29.0 < left <= 30.0
+    assert time_left() is None
+    with block:  # the same object again: a new deadline from now
+        assert time_left() is not None
+    assert time_left() is None

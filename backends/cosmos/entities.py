@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import secrets
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
@@ -50,6 +49,7 @@ from azure.core.exceptions import HttpResponseError
 from azure.cosmos import CosmosClient
 
 from backends.cosmos._client import CONNECTION_OPTIONS, ContainerKind, CosmosConnection
+from dedupstore.calls import write_token
 from dedupstore.client import Connected, ErrorKind
 from dedupstore.entities import EntityRecord, EntityStore
 from dedupstore.errors import ConfigurationError, EntityTooLarge
@@ -183,7 +183,7 @@ class CosmosEntityStore(EntityStore):
         return {eid: (item["body"], str(item["_etag"])) for eid, item in found.items()}
 
     def _save(self, records: list[EntityRecord]) -> dict[str, Any]:
-        tokens = {record.id: secrets.token_urlsafe(16) for record in records}
+        tokens = {record.id: write_token() for record in records}
 
         def write(record: EntityRecord) -> str | None:
             """The new ``_etag``; ``None`` when refused (or answered without one)."""

@@ -46,7 +46,6 @@ where DynamoDB splits by its own hash. Nothing here relies on moto being more le
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -57,7 +56,7 @@ from backends.dynamodb._client import (
     TableKind,
     create_table,
 )
-from dedupstore.calls import fan_out
+from dedupstore.calls import fan_out, write_token
 from dedupstore.client import Connected
 from dedupstore.entities import EntityRecord, EntityStore
 from dedupstore.errors import StoreUnavailable
@@ -124,7 +123,7 @@ class DynamoDBEntityStore(EntityStore):
         if expected is not None and (type(expected) is not int or expected < 1):
             return None  # no stored version equals it
         new = 1 if expected is None else expected + 1
-        token = secrets.token_hex(16)
+        token = write_token()
         item: dict[str, AttributeValueTypeDef] = {
             _ID: {"S": record.id},
             _BODY: {"S": record.body},

@@ -50,7 +50,6 @@ save is unknown).
 from __future__ import annotations
 
 import functools
-import secrets
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -62,6 +61,7 @@ from backends.redis._client import (
     key_prefix_option,
 )
 from backends.redis.store import ADD_SCRIPT, RedisDeduplicationStore
+from dedupstore.calls import write_token
 from dedupstore.client import Connected
 from dedupstore.entities import EntityRecord, EntityStore, groups_by_size
 from dedupstore.errors import StoreUnavailable
@@ -350,7 +350,7 @@ class RedisEntityStore(EntityStore):
         """The deduplication store's script, then this store's, in one script run."""
         assert isinstance(dedup, RedisDeduplicationStore)
         add_keys, add_args = dedup._add_call(request)
-        keys, args, resent = self._save_call([record], secrets.token_hex(16))
+        keys, args, resent = self._save_call([record], write_token())
         head = [str(len(add_keys)), str(len(add_args)), *add_args]
         added, saved = self._redis.run_script(
             self, _JOINT_SCRIPT, add_keys + keys, head + args, head + resent
@@ -362,7 +362,7 @@ class RedisEntityStore(EntityStore):
     ) -> tuple[bool, dict[str, Any]]:
         """``GET`` of the record, then (if absent) the save script, in one script run."""
         assert isinstance(dedup, RedisDeduplicationStore)
-        keys, args, resent = self._save_call([record], secrets.token_hex(16))
+        keys, args, resent = self._save_call([record], write_token())
         keys.append(dedup._record_key(key))
         reply = self._redis.run_script(self, _SAVE_UNLESS_SCRIPT, keys, args, resent)
         if reply and int(reply[0]) == 2:
@@ -371,7 +371,7 @@ class RedisEntityStore(EntityStore):
 
     def _save(self, records: list[EntityRecord]) -> dict[str, Any]:
         """One script call per group of records (up to 16 MiB of bodies)."""
-        token = secrets.token_hex(16)
+        token = write_token()
         saved: dict[str, Any] = {}
         for group in groups_by_size(records, _MAX_CALL_BYTES, lambda r: r.size):
             keys, args, resent = self._save_call(group, token)
