@@ -347,7 +347,7 @@ def pid() -> int:
 
 
 def write_token() -> str:
-    """A token no other write anywhere shares (URL-safe characters, at least 17).
+    """A token no other write anywhere shares (17 to 32 URL-safe characters).
 
     For a store's writes that must recognise their own earlier attempt: a random
     part drawn once per process (``secrets``, 96 bits; a forked child draws its

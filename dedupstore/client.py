@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -519,6 +520,11 @@ class Client(Closing, abc.ABC):
         kind = self.connection_class
         return None if kind is None else kind.deadline_seconds(self._opts)
 
+    @functools.cached_property
+    def _call_deadline(self) -> float | None:
+        """:meth:`_deadline_seconds`, worked out once (the options do not change)."""
+        return self._deadline_seconds()
+
     def _shares_connection_with(self, other: Client) -> bool:
         """Whether ``other`` uses the very connection this object uses (same backend,
         server, credentials and connection options, in this process): then one
@@ -613,7 +619,7 @@ class Client(Closing, abc.ABC):
         text = detail if operation is None else f"{operation} failed: {detail}"
         return kind(self._scrub(f"{type(self).__name__} at {self.url}: {text}"))
 
-    @property
+    @functools.cached_property
     def _backend(self) -> str:
         """The backend's name in metrics: its main URL scheme (``postgres`` -> ``postgresql``)."""
         scheme = self._url.scheme
@@ -663,7 +669,7 @@ class _Translating(contextlib.AbstractContextManager[None]):
         self._client = client
         self._operation = operation
         self._started = 0.0
-        self._deadline = calls.deadline(client._deadline_seconds())
+        self._deadline = calls.deadline(client._call_deadline)
 
     def __enter__(self) -> None:
         self._started = time.perf_counter()

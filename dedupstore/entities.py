@@ -453,8 +453,11 @@ class EntityStore(Client):
         Raises ``ConcurrencyConflict`` otherwise (reload and retry),
         ``EntityTooLarge``/``InvalidMessageId`` before any I/O, ``StoreUnavailable``.
         """
-        if self.save_many([entity]):
-            raise _conflict(entity.id)
+        record = self._record(entity, plain_ids([entity.id, *entity.outbox]))
+        self._check_open()
+        with self._translating_errors("save"):
+            versions = self._save([record])
+        _take_version(entity, versions)
         return entity
 
     def save_many(self, entities: Sequence[Entity]) -> set[str]:

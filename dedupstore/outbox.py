@@ -369,7 +369,7 @@ class OutboxProcessor:
                     if recorded and not found:  # the entity is as loaded: kept
                         self._kept.keep(entity)
                         done: Outcome = outcome if applied and outcome else "duplicate"
-                        return ProcessResult(mid, done, (), attempt, error)
+                        return _result(mid, done, (), attempt, error)
                 if not found:  # applied above
                     applied, error = True, failed
                     outcome = "processed" if error is None else "dead_lettered"
@@ -383,7 +383,7 @@ class OutboxProcessor:
                 if clean:
                     self._clean_up(entity, mid)
                     self._kept.keep(entity)
-                return ProcessResult(mid, outcome, tuple(outgoing or ()), attempt, error)
+                return _result(mid, outcome, tuple(outgoing or ()), attempt, error)
             except ConcurrencyConflict:
                 if attempt < self.max_attempts:
                     _retrying(self.consumer, [cid])
