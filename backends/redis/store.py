@@ -48,9 +48,35 @@ _TAG_BYTES = _TAG.encode()
 
 # KEYS: record keys. ARGV[1]: the new value; ARGV[2]: PX in ms ('' = no expiry); ARGV[3..]: the
 # values that mean "written by this call" (its tokens, tagged). Returns the (1-based) indexes of the
-# keys it recorded. No keys: a permission probe.
+# keys it recorded. No keys: a permission probe. One key (an add, a joined clean-up) is one SET NX
+# when it is new (every redis.call costs the script more than the command it runs), else a GET
+# (which refuses a key of another type); many keys are one MGET, one EXISTS and one MSET.
 ADD_SCRIPT = """
 if #KEYS == 0 then return {} end
+if #KEYS == 1 then
+  local key, px = KEYS[1], ARGV[2]
+  local set
+  if px == '' then set = redis.call('SET', key, ARGV[1], 'NX')
+  else set = redis.call('SET', key, ARGV[1], 'NX', 'PX', px) end
+  if set then return {1} end
+  local value = redis.pcall('GET', key)
+  if type(value) == 'table' then
+    return redis.error_reply('WRONGTYPE key ' .. string.sub(key, 1, 200) .. ' holds a '
+      .. redis.call('TYPE', key)['ok'] .. ', not a dedupstore record')
+  end
+  for i = 3, #ARGV do
+    if value == ARGV[i] then  -- written by this call: written again, as for many keys
+      if px == '' then redis.call('SET', key, ARGV[1])
+      else redis.call('SET', key, ARGV[1], 'PX', px) end
+      return {1}
+    end
+  end
+  if string.sub(value, 1, 5) ~= 'dsv1:' then
+    return redis.error_reply('DEDUPSTORE key ' .. string.sub(key, 1, 200)
+      .. ' holds a value dedupstore did not write')
+  end
+  return {}
+end
 local mine = {}
 for i = 3, #ARGV do mine[ARGV[i]] = true end
 local current = redis.call('MGET', unpack(KEYS))
