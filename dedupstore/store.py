@@ -292,9 +292,11 @@ class DeduplicationStore(Client):
         ``operation``'s name in errors and metrics.
         """
         token = write_token()
-        with self._pending_lock:
-            popped = (self._pending.pop(mid, ()) for mid in ids) if self._pending else ()
-            earlier = list(dict.fromkeys(t for tokens in popped for t in tokens))
+        earlier: list[str] = []
+        if self._pending:  # (tokens of failed writes: almost always none, so no lock)
+            with self._pending_lock:
+                popped = [self._pending.pop(mid, ()) for mid in ids]
+                earlier = list(dict.fromkeys(t for tokens in popped for t in tokens))
         now = self._clock()
         request = WriteRequest(
             ids=ids,

@@ -10,7 +10,6 @@ pytestmark = pytest.mark.memory
 
 _TEMPLATE = """
 import uuid
-from dataclasses import replace
 import pytest
 from backends.memory import MemoryDeduplicationStore
 from dedupstore.testing import DeduplicationStoreContract
@@ -38,7 +37,7 @@ MUTANTS = {
     ),
     "expired never re-recorded": (
         "    def _add_new(self, request):\n"
-        "        return super()._add_new(replace(request, now=0.0))\n",
+        "        return super()._add_new(request._replace(now=0.0))\n",
         "test_expired_record_is_recorded_again",
     ),
     "endpoints shared": (
@@ -50,7 +49,7 @@ MUTANTS = {
     "ids truncated to 200 chars": (
         "    def _add_new(self, request):\n"
         "        base = super()._add_new\n"
-        "        return {i for i in request.ids if base(replace(request, ids=[i[:200]]))}\n"
+        "        return {i for i in request.ids if base(request._replace(ids=[i[:200]]))}\n"
         "    def _find(self, ids, now):\n"
         "        base = super()._find\n"
         "        return {i for i in ids if base([i[:200]], now)}\n",
@@ -63,13 +62,13 @@ MUTANTS = {
     "batch drops the last id": (
         "    def _add_new(self, request):\n"
         "        ids = request.ids[:-1] if len(request.ids) > 1 else request.ids\n"
-        "        return super()._add_new(replace(request, ids=ids))\n",
+        "        return super()._add_new(request._replace(ids=ids))\n",
         "test_add_many_returns_recorded_ids",
     ),
     "every token counts as mine": (
         "    def _add_new(self, request):\n"
         "        tokens = {t for _, t in self._records.values()}\n"
-        "        return super()._add_new(replace(request, mine=request.mine | tokens))\n",
+        "        return super()._add_new(request._replace(mine=request.mine | tokens))\n",
         "test_add_records_once",
     ),
 }
