@@ -13,8 +13,8 @@
   waited for, and the first failure in input order is raised.
 * :func:`gc_relaxed`: the cyclic garbage collector's young generation collected
   less often during a batch, then as it was.
-* :func:`pid` and :func:`write_token`: this process's id and unique write tokens,
-  without a system call each (both renewed in a forked child).
+* :func:`pid`: this process's id without a system call each time (renewed in a
+  forked child); :func:`write_token`: the one source of write tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import contextvars
 import gc
 import itertools
 import os
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -336,9 +335,6 @@ def gc_relaxed(relax: bool = True) -> Iterator[None]:
 # ---------------------------------------------------------------------- this process
 
 _pid = os.getpid()
-#: A random part per process (16 URL-safe characters), then a counter: see write_token.
-_token_prefix = secrets.token_urlsafe(12)
-_token_counter = itertools.count()
 
 
 def pid() -> int:
@@ -347,21 +343,21 @@ def pid() -> int:
 
 
 def write_token() -> str:
-    """A token no other write anywhere shares (17 to 32 URL-safe characters).
+    """A token no other write shares: 128 random bits drawn for this call (32 hex digits).
 
-    For a store's writes that must recognise their own earlier attempt: a random
-    part drawn once per process (``secrets``, 96 bits; a forked child draws its
-    own) and a counter, instead of drawing random bytes (a system call) per write.
-    Thread-safe (the counter's ``next`` holds the GIL).
+    For a store's writes that must recognise their own earlier attempt. Drawn per
+    call, never derived from state kept in the process (a random part and a counter
+    would save a system call): a process copied with its memory (a VM snapshot
+    restored twice, as AWS Lambda SnapStart does, or a fork that bypasses Python's
+    fork hooks) must not repeat another copy's tokens, or one copy would take the
+    other's record for its own write.
     """
-    return f"{_token_prefix}{next(_token_counter):x}"
+    return os.urandom(16).hex()
 
 
 def _after_fork() -> None:
-    global _gc_blocks, _gc_lock, _pid, _token_prefix, _token_counter
+    global _gc_blocks, _gc_lock, _pid
     _pid = os.getpid()
-    _token_prefix = secrets.token_urlsafe(12)
-    _token_counter = itertools.count()
     _gc_lock = threading.Lock()
     if _gc_blocks:
         gc.set_threshold(*_gc_saved)

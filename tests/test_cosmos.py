@@ -584,7 +584,7 @@ def test_a_resent_write_is_recognised_as_this_calls_own(
             "write_token": token,
         }
     )
-    with mock.patch("dedupstore.store.secrets.token_urlsafe", return_value=token):
+    with mock.patch("dedupstore.store.write_token", return_value=token):
         assert store.add("resent") is True
     assert store.add("resent") is False
 

@@ -7,7 +7,7 @@ The URL names the ENTITY container (:func:`create_entity_container`, or ``create
      "body": "<the canonical JSON of state and outbox, as a string>",
      "bucket": <bucket_of(entity id), 0..4095>,
      "pending": <true when the outbox is not empty>,
-     "token": "<unique, new on every save>"}
+     "token": "<random, new on every save>"}
 
 * ``body`` is the canonical JSON text, not a nested object: Cosmos DB keeps numbers as IEEE doubles,
   so an integer beyond 2**53 in the state would not round-trip.

@@ -7,7 +7,7 @@ Table: partition key ``id`` (S) = the entity id, nothing else in the key (``crea
 ``id``          S     the entity id (at most 1024 UTF-8 bytes)
 ``body``        S     the canonical JSON of the state and the outbox
 ``version``     N     the concurrency token: 1 for a new entity, +1 per save
-``token``       S     unique per save (``calls.write_token``): tells our write from another's
+``token``       S     random per save (128 bits): tells our write from another's
 ``pending``     BOOL  ``true``, present only while the outbox is not empty
 ==============  ====  ==========================================================
 
@@ -32,10 +32,9 @@ TotalSegments=segments`` (at most 1,000,000; more is a ``ValueError``), filtered
 segment (read units for the whole table).
 
 Size limit: DynamoDB refuses items over 400 KB (409,600 bytes), counting attribute names and values.
-The attributes other than the body take at most 1,103 bytes (a 1024-byte id, a 38-digit version, a
-token of at most 32 characters, the flag, the names), so
-:attr:`DynamoDBEntityStore.max_entity_bytes` is 400,000 bytes of JSON: under the service limit with
-room to spare and under moto's 405,000-byte check.
+The attributes other than the body take at most 1,103 bytes (a 1024-byte id, a 38-digit version, the
+32-character token, the flag, the names), so :attr:`DynamoDBEntityStore.max_entity_bytes` is 400,000
+bytes of JSON: under the service limit with room to spare and under moto's 405,000-byte check.
 
 Options and errors: see :mod:`backends.dynamodb`; ``StoreUnavailable`` also for an ambiguous
 re-send, and a ``save_many`` chunk that raises keeps its successful puts (reload to see).

@@ -3,7 +3,7 @@
 Layout (``key_prefix`` ``dedupent:`` by default; keys: see :mod:`backends.redis._client`):
 
 * one hash per entity, ``<key_prefix>e:<id>`` (the id escaped), with the fields ``b`` (the canonical
-  JSON body), ``v`` (the version: 1, 2, 3, ... per save), ``t`` (the unique write token of the save
+  JSON body), ``v`` (the version: 1, 2, 3, ... per save), ``t`` (the random write token of the save
   that wrote it), ``p`` (``1`` while the outbox is not empty, else ``0``) and ``i`` (``1`` while the
   id is in its bucket's set);
 * one set per bucket, ``<key_prefix>pending:<bucket>`` (``bucket_of(id)``, 0..4095), holding the ids
