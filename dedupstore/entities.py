@@ -455,9 +455,7 @@ class EntityStore(Client):
         """
         record = self._record(entity, plain_ids([entity.id, *entity.outbox]))
         self._check_open()
-        with self._translating_errors("save"):
-            versions = self._save([record])
-        _take_version(entity, versions)
+        _take_version(entity, self._save_records([record]))
         return entity
 
     def save_many(self, entities: Sequence[Entity]) -> set[str]:
@@ -477,14 +475,18 @@ class EntityStore(Client):
         size = self.max_save_batch
         for start in range(0, len(records), size):
             chunk = records[start : start + size]
-            with self._translating_errors("save"):
-                versions = self._save(chunk)
+            versions = self._save_records(chunk)
             for record in chunk:
                 if record.id in versions:
                     by_id[record.id].version = versions[record.id]
                 else:
                     conflicts.add(record.id)
         return conflicts
+
+    def _save_records(self, records: list[EntityRecord]) -> dict[str, Any]:
+        """:meth:`_save` of records made and checked (one request): the ``save`` call."""
+        with self._translating_errors("save"):
+            return self._save(records)
 
     # ------------------------------------------------------------------ with a deduplication store
 

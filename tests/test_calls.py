@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import tenacity
@@ -189,20 +190,30 @@ def test_fan_out_runs_nested_and_single_calls_inline() -> None:
     assert len(fan_out(outer, range(4), concurrency=4)) == 4
 
 
+def _in_child(work: Callable[[], str], fork: Callable[[], int] = os.fork) -> str:
+    """What ``work()`` returns in a child made by ``fork`` (``os.fork`` by default)."""
+    read, write = os.pipe()
+    pid = fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.close(read)
+        os.write(write, work().encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        text = pipe.read()
+    os.waitpid(pid, 0)
+    return text
+
+
 def test_the_executor_is_per_process() -> None:
     pool = calls.executor()
     assert calls.executor() is pool
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        os.close(read)
+
+    def in_child() -> str:
         ok = calls.executor() is not pool and fan_out(abs, [-1, -2], concurrency=2) == [1, 2]
-        os.write(write, b"1" if ok else b"0")
-        os._exit(0)
-    os.close(write)
-    assert os.read(read, 1) == b"1"
-    os.waitpid(pid, 0)
-    os.close(read)
+        return "1" if ok else "0"
+
+    assert _in_child(in_child) == "1"
 
 
 def test_gc_relaxed_raises_the_young_threshold_and_puts_it_back() -> None:
@@ -291,18 +302,12 @@ def test_write_tokens_are_unique_across_threads_and_forked_children() -> None:
         thread.join()
     assert len(set(made)) == len(made) == 20_000
     assert all(len(t) == 32 and int(t, 16) >= 0 for t in made)
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child: its own tokens and its own id
-        os.close(read)
+
+    def in_child() -> str:  # its own tokens and its own id
         child = [write_token() for _ in range(1_000)]
-        ok = calls.pid() == os.getpid()
-        os.write(write, ("\n".join(child) if ok else "").encode())
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as pipe:
-        child = pipe.read().split("\n")
-    os.waitpid(pid, 0)
+        return "\n".join(child) if calls.pid() == os.getpid() else ""
+
+    child = _in_child(in_child).split("\n")
     parent = [write_token() for _ in range(1_000)]
     assert len(child) == 1_000, "the child's pid() was not its own"
     assert not set(child) & set(made + parent)
@@ -319,15 +324,9 @@ def test_a_copy_of_the_process_that_skipped_the_fork_hooks_draws_other_tokens() 
     from dedupstore.calls import write_token
 
     write_token()
-    read, write = os.pipe()
-    pid = ctypes.PyDLL(None).fork()
-    if pid == 0:  # pragma: no cover - the copy: no hook ran
-        os.write(write, "\n".join(write_token() for _ in range(100)).encode())
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as pipe:
-        copy = pipe.read().split("\n")
-    os.waitpid(pid, 0)
+    copy = _in_child(
+        lambda: "\n".join(write_token() for _ in range(100)), fork=ctypes.PyDLL(None).fork
+    ).split("\n")
     mine = [write_token() for _ in range(100)]
     assert len(copy) == 100 and not set(copy) & set(mine)
 

@@ -317,6 +317,33 @@ def test_foreign_value_under_the_prefix_is_a_loud_error(store_factory: StoreFact
         admin.close()
 
 
+def test_the_one_key_add_writes_again_only_what_this_call_wrote(
+    store_factory: StoreFactory,
+) -> None:
+    """The add script's path for one key (one SET NX when new): a new key is written with
+    the expiry; a key holding a value of this call (an earlier attempt) is written again,
+    with the expiry or without; another writer's record is left as it is."""
+    store = store_factory(endpoint="e")
+    admin = _admin(store.url)
+    script = redis_store.ADD_SCRIPT
+    try:
+        key = record_key(store.option("key_prefix"), "e", "one")
+        assert admin.eval(script, 1, key, "dsv1:new", "60000", "dsv1:new") == [1]
+        assert admin.get(key) == b"dsv1:new" and 0 < admin.pttl(key) <= 60000
+        admin.set(key, "dsv1:earlier")  # this call's earlier attempt, without expiry
+        again = admin.eval(script, 1, key, "dsv1:now", "60000", "dsv1:now", "dsv1:earlier")
+        assert again == [1]
+        assert admin.get(key) == b"dsv1:now" and 0 < admin.pttl(key) <= 60000
+        admin.set(key, "dsv1:other")
+        assert admin.eval(script, 1, key, "dsv1:mine", "", "dsv1:mine") == []
+        assert admin.get(key) == b"dsv1:other" and admin.pttl(key) == -1
+        assert admin.eval(script, 1, key, "dsv1:x", "", "dsv1:x", "dsv1:other") == [1]
+        assert admin.get(key) == b"dsv1:x" and admin.pttl(key) == -1
+    finally:
+        store.close()
+        admin.close()
+
+
 def test_a_key_of_another_type_is_a_configuration_error(store_factory: StoreFactory) -> None:
     """A hash at a record key: MGET sees nothing, but SET must not replace it."""
     store = store_factory(endpoint="e")

@@ -55,10 +55,11 @@ ADD_SCRIPT = """
 if #KEYS == 0 then return {} end
 if #KEYS == 1 then
   local key, px = KEYS[1], ARGV[2]
-  local set
-  if px == '' then set = redis.call('SET', key, ARGV[1], 'NX')
-  else set = redis.call('SET', key, ARGV[1], 'NX', 'PX', px) end
-  if set then return {1} end
+  local function set(...)  -- the new value, with the expiry if any
+    if px == '' then return redis.call('SET', key, ARGV[1], ...) end
+    return redis.call('SET', key, ARGV[1], 'PX', px, ...)
+  end
+  if set('NX') then return {1} end
   local value = redis.pcall('GET', key)
   if type(value) == 'table' then
     return redis.error_reply('WRONGTYPE key ' .. string.sub(key, 1, 200) .. ' holds a '
@@ -66,8 +67,7 @@ if #KEYS == 1 then
   end
   for i = 3, #ARGV do
     if value == ARGV[i] then  -- written by this call: written again, as for many keys
-      if px == '' then redis.call('SET', key, ARGV[1])
-      else redis.call('SET', key, ARGV[1], 'PX', px) end
+      set()
       return {1}
     end
   end
