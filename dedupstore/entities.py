@@ -16,6 +16,7 @@ import abc
 import copy
 import functools
 import hashlib
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
@@ -63,7 +64,7 @@ def bucket_of(entity_id: str) -> int:
     return int.from_bytes(digest[:4], "big") % BUCKETS
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class OutgoingMessage:
     """A message an entity sends: ``id`` (deterministic), ``destination``, ``body``, ``headers``.
 
@@ -75,6 +76,12 @@ class OutgoingMessage:
     destination: str
     body: Any
     headers: Mapping[str, str] = field(default_factory=dict)
+    #: Canonical JSON of ``body``, of ``headers`` and of :meth:`to_json`, kept on the
+    #: messages the processor makes (``None`` on others; the processor checked their id,
+    #: destination and headers): see :func:`body_text`, :func:`message_text`.
+    _body_text: str | None = field(default=None, init=False, repr=False, compare=False)
+    _headers_text: str = field(default="{}", init=False, repr=False, compare=False)
+    _text: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         """The message as a JSON-compatible dict."""
@@ -95,13 +102,6 @@ class OutgoingMessage:
             headers=dict(data.get("headers") or {}),
         )
 
-    #: Canonical JSON of ``body``, of ``headers`` and of :meth:`to_json`, kept on the
-    #: messages the processor makes (``None`` on others; the processor checked their id,
-    #: destination and headers): see :func:`body_text`, :func:`message_text`.
-    _body_text: ClassVar[str | None] = None
-    _headers_text: ClassVar[str] = "{}"
-    _text: ClassVar[str | None] = None
-
     if not TYPE_CHECKING:  # (hidden from type checkers: every other name stays checked)
 
         def __getattr__(self, name: str) -> Any:
@@ -112,7 +112,13 @@ class OutgoingMessage:
                 raise AttributeError(
                     f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self
                 )
-            return self.__dict__.setdefault("body", canonical.loads(text))
+            with _decoding:
+                try:
+                    return _get_body(self, OutgoingMessage)
+                except AttributeError:  # the first read
+                    body = canonical.loads(text)
+                    _set_body(self, body)
+                    return body
 
     @classmethod
     def _encoded(
@@ -130,30 +136,38 @@ class OutgoingMessage:
         ``body`` may be ``canonical._UNDECODED``: then it is decoded from
         ``body_text`` when first read. ``destination_text`` and ``id_text``: the
         destination and the id as JSON strings, when known."""
-        message = _new(cls)  # frozen: fill the fields at once, as __init__ would
+        message = _new(cls)  # frozen: fill the slots at once, as __init__ would
         if destination_text is None:
             destination_text = canonical.string(destination)
         headers_text = canonical.dumps(headers) if headers else "{}"
-        text = (
+        _set_id(message, id)
+        _set_destination(message, destination)
+        _set_headers(message, headers)
+        _set_body_text(message, body_text)
+        _set_headers_text(message, headers_text)
+        _set_text(  # what message_text composes
+            message,
             f'{{"body":{body_text},"destination":{destination_text}'
             f',"headers":{headers_text}'
-            f',"id":{canonical.string(id) if id_text is None else id_text}}}'
-        )  # what message_text composes
-        fields = message.__dict__
-        fields.update(
-            id=id,
-            destination=destination,
-            headers=headers,
-            _body_text=body_text,
-            _headers_text=headers_text,
-            _text=text,
+            f',"id":{canonical.string(id) if id_text is None else id_text}}}',
         )
         if body is not canonical._UNDECODED:
-            fields["body"] = body
+            _set_body(message, body)
         return message
 
 
 _new = object.__new__
+# The slots' own accessors: a frozen dataclass's __setattr__ refuses, and a message made
+# by _encoded without its body has that slot empty until the body is first read.
+_set_id = vars(OutgoingMessage)["id"].__set__
+_set_destination = vars(OutgoingMessage)["destination"].__set__
+_set_headers = vars(OutgoingMessage)["headers"].__set__
+_set_body_text = vars(OutgoingMessage)["_body_text"].__set__
+_set_headers_text = vars(OutgoingMessage)["_headers_text"].__set__
+_set_text = vars(OutgoingMessage)["_text"].__set__
+_set_body = vars(OutgoingMessage)["body"].__set__
+_get_body = vars(OutgoingMessage)["body"].__get__
+_decoding = threading.Lock()  # one decoded body per message, whichever thread reads first
 
 
 def body_text(message: OutgoingMessage) -> str:
@@ -173,7 +187,7 @@ def message_text(message: OutgoingMessage) -> str:
             f',"id":{canonical.string(message.id)}}}'
         )
         if message._body_text is not None:
-            message.__dict__["_text"] = text
+            _set_text(message, text)
     return text
 
 

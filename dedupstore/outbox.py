@@ -131,7 +131,7 @@ class InMemoryDispatcher:
             self.sent.extend(messages)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ProcessResult:
     """What processing one message did.
 
@@ -168,10 +168,20 @@ def _result(
     """``ProcessResult(...)``, made without the frozen dataclass's ``__init__`` (which
     sets each field through ``object.__setattr__``): one per message of a batch."""
     result: ProcessResult = _new(ProcessResult)
-    result.__dict__.update(
-        message_id=message_id, outcome=outcome, outgoing=outgoing, attempts=attempts, error=error
-    )
+    _set_message_id(result, message_id)
+    _set_outcome(result, outcome)
+    _set_outgoing(result, outgoing)
+    _set_attempts(result, attempts)
+    _set_error(result, error)
     return result
+
+
+# the slots' own setters (a frozen dataclass's __setattr__ refuses)
+_set_message_id = vars(ProcessResult)["message_id"].__set__
+_set_outcome = vars(ProcessResult)["outcome"].__set__
+_set_outgoing = vars(ProcessResult)["outgoing"].__set__
+_set_attempts = vars(ProcessResult)["attempts"].__set__
+_set_error = vars(ProcessResult)["error"].__set__
 
 
 def _not_json(exc: Exception) -> ValueError:
@@ -1134,9 +1144,20 @@ def _dispatched(entity: Entity, mid: str) -> None:
 
 
 def _remove(entity: Entity, mid: str) -> None:
-    """Remove the entry of ``mid`` (and its mark) from the outbox."""
-    entity.outbox.pop(mid, None)
-    entity.marks.pop(mid, None)
+    """Remove the entry of ``mid`` (and its mark) from the outbox.
+
+    An outbox or marks left empty is replaced by a new ``{}``: a dict that once held
+    containers stays tracked by the cyclic garbage collector, which then walks it in
+    every collection while the entity is kept; a new empty one is not tracked.
+    """
+    outbox, marks = entity.outbox, entity.marks
+    outbox.pop(mid, None)
+    if not outbox:
+        entity.outbox = {}
+    if marks:
+        marks.pop(mid, None)
+        if not marks:
+            entity.marks = {}
 
 
 def _send(dispatcher: Dispatcher, messages: Sequence[OutgoingMessage], consumer: str) -> None:

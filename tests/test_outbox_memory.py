@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import pickle
+import threading
 import uuid
 from collections import Counter
 from typing import Any
@@ -230,7 +232,8 @@ def test_an_outgoing_body_is_decoded_from_its_text_when_first_read() -> None:
 
     (result,) = processor.process_batch([Message("m1", "e1", 7)], handler)
     (sent,) = result.outgoing
-    assert "body" not in vars(sent)  # not decoded yet
+    with pytest.raises(AttributeError):  # its slot is empty: not decoded yet
+        OutgoingMessage.body.__get__(sent)  # type: ignore[attr-defined]
     assert message_text(sent) == (
         f'{{"body":{{"n":7,"pair":[1,2],"s":"é"}},"destination":"out","headers":{{}},"id":"{sent.id}"}}'
     )
@@ -243,6 +246,68 @@ def test_an_outgoing_body_is_decoded_from_its_text_when_first_read() -> None:
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         sent.nothing  # noqa: B018
     assert not hasattr(OutgoingMessage("i", "d", 1), "nothing")
+
+
+def test_concurrent_first_reads_of_an_outgoing_body_get_one_value() -> None:
+    url = f"memory://{uuid.uuid4().hex}"
+    processor = OutboxProcessor(
+        MemoryEntityStore(url), MemoryDeduplicationStore(url), InMemoryDispatcher()
+    )
+
+    def handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+        return state, [Send("out", {"n": message.body, "list": [1, 2]})]
+
+    for n in range(20):
+        (result,) = processor.process_batch([Message(f"m{n}", "e1", n)], handler)
+        (sent,) = result.outgoing
+        start = threading.Barrier(8)
+        bodies: list[Any] = []
+
+        threads = [
+            threading.Thread(target=_read_body, args=(sent, start, bodies)) for _ in range(8)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert bodies == [{"n": n, "list": [1, 2]}] * 8
+        assert all(body is sent.body for body in bodies)  # decoded once, whoever read first
+
+
+def _read_body(sent: OutgoingMessage, start: threading.Barrier, bodies: list[Any]) -> None:
+    start.wait()
+    bodies.append(sent.body)
+
+
+def test_a_batch_leaves_few_objects_for_the_cyclic_collector() -> None:
+    """What a batch leaves alive and tracked by the collector is walked by its next young
+    collection (and again by an older one): per message, its result, its outgoing tuple
+    and message, no dict of theirs; an entity whose outbox emptied keeps untracked dicts."""
+    url = f"memory://{uuid.uuid4().hex}"
+    processor = OutboxProcessor(
+        MemoryEntityStore(url), MemoryDeduplicationStore(url), InMemoryDispatcher()
+    )
+
+    def handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+        return {"n": state.get("n", 0) + 1}, [Send("out", {"n": message.body})]
+
+    batches = [[Message(f"m{b}-{i}", f"e{i % 100}", i) for i in range(1000)] for b in range(3)]
+    processor.process_batch(batches[0], handler)  # the entities exist and are kept
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        before = {id(o) for o in gc.get_objects()}
+        results = processor.process_batch(batches[1], handler)
+        new = [o for o in gc.get_objects() if id(o) not in before]
+    finally:
+        if enabled:
+            gc.enable()
+    kinds = Counter(type(o).__name__ for o in new)
+    assert len(results) == 1000
+    assert kinds["ProcessResult"] == 1000 and kinds["OutgoingMessage"] == 1000
+    assert kinds["dict"] < 50, kinds  # neither the results' nor the messages' nor the outboxes'
+    assert len(new) < 4 * 1000, kinds
 
 
 # ---------------------------------------------------------------------- the kept entity
