@@ -291,15 +291,17 @@ def test_a_batch_leaves_few_objects_for_the_cyclic_collector() -> None:
     def handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
         return {"n": state.get("n", 0) + 1}, [Send("out", {"n": message.body})]
 
-    batches = [[Message(f"m{b}-{i}", f"e{i % 100}", i) for i in range(1000)] for b in range(3)]
+    batches = [[Message(f"m{b}-{i}", f"e{i % 100}", i) for i in range(1000)] for b in range(2)]
     processor.process_batch(batches[0], handler)  # the entities exist and are kept
     gc.collect()
     enabled = gc.isenabled()
     gc.disable()
     try:
-        before = {id(o) for o in gc.get_objects()}
+        old = gc.get_objects()  # held: no new object can take the id of a freed old one
+        before = {id(o) for o in old}
         results = processor.process_batch(batches[1], handler)
         new = [o for o in gc.get_objects() if id(o) not in before]
+        del old
     finally:
         if enabled:
             gc.enable()
