@@ -64,8 +64,23 @@ def bucket_of(entity_id: str) -> int:
     return int.from_bytes(digest[:4], "big") % BUCKETS
 
 
+class _Texts:
+    """The canonical JSON texts a message made by the processor keeps (see
+    :class:`OutgoingMessage`): slots outside the dataclass's fields, so ``fields``,
+    ``asdict``, equality and pickling see only the message; empty on other messages."""
+
+    __slots__ = ("_body_text", "_headers_text", "_text")
+    _body_text: str | None
+    _headers_text: str
+    _text: str | None
+
+
+#: What an empty text slot reads as (a message the processor did not make).
+_NO_TEXTS = {"_body_text": None, "_headers_text": "{}", "_text": None}
+
+
 @dataclass(frozen=True, slots=True)
-class OutgoingMessage:
+class OutgoingMessage(_Texts):
     """A message an entity sends: ``id`` (deterministic), ``destination``, ``body``, ``headers``.
 
     ``body`` is any JSON-compatible value; ``headers`` maps ``str`` to ``str``.
@@ -76,12 +91,10 @@ class OutgoingMessage:
     destination: str
     body: Any
     headers: Mapping[str, str] = field(default_factory=dict)
-    #: Canonical JSON of ``body``, of ``headers`` and of :meth:`to_json`, kept on the
-    #: messages the processor makes (``None`` on others; the processor checked their id,
-    #: destination and headers): see :func:`body_text`, :func:`message_text`.
-    _body_text: str | None = field(default=None, init=False, repr=False, compare=False)
-    _headers_text: str = field(default="{}", init=False, repr=False, compare=False)
-    _text: str | None = field(default=None, init=False, repr=False, compare=False)
+    # _body_text, _headers_text, _text (_Texts): canonical JSON of ``body``, of ``headers``
+    # and of :meth:`to_json`, kept on the messages the processor makes (``None``, ``"{}"``
+    # and ``None`` on others; the processor checked their id, destination and headers):
+    # see :func:`body_text`, :func:`message_text`.
 
     def to_json(self) -> dict[str, Any]:
         """The message as a JSON-compatible dict."""
@@ -105,8 +118,11 @@ class OutgoingMessage:
     if not TYPE_CHECKING:  # (hidden from type checkers: every other name stays checked)
 
         def __getattr__(self, name: str) -> Any:
-            """The ``body`` of a message :meth:`_encoded` made without it: decoded from its
-            text on first read (the same value on every read, from every thread)."""
+            """An empty slot: a text this message does not keep (see :data:`_NO_TEXTS`), or
+            the ``body`` of a message :meth:`_encoded` made without it, decoded from its text
+            on first read (the same value on every read, from every thread)."""
+            if name in _NO_TEXTS:
+                return _NO_TEXTS[name]
             text = self._body_text
             if name != "body" or text is None:
                 raise AttributeError(
@@ -162,9 +178,9 @@ _new = object.__new__
 _set_id = vars(OutgoingMessage)["id"].__set__
 _set_destination = vars(OutgoingMessage)["destination"].__set__
 _set_headers = vars(OutgoingMessage)["headers"].__set__
-_set_body_text = vars(OutgoingMessage)["_body_text"].__set__
-_set_headers_text = vars(OutgoingMessage)["_headers_text"].__set__
-_set_text = vars(OutgoingMessage)["_text"].__set__
+_set_body_text = vars(_Texts)["_body_text"].__set__
+_set_headers_text = vars(_Texts)["_headers_text"].__set__
+_set_text = vars(_Texts)["_text"].__set__
 _set_body = vars(OutgoingMessage)["body"].__set__
 _get_body = vars(OutgoingMessage)["body"].__get__
 _decoding = threading.Lock()  # one decoded body per message, whichever thread reads first

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import pickle
 import threading
@@ -246,6 +247,29 @@ def test_an_outgoing_body_is_decoded_from_its_text_when_first_read() -> None:
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         sent.nothing  # noqa: B018
     assert not hasattr(OutgoingMessage("i", "d", 1), "nothing")
+
+
+def test_an_outgoing_message_the_processor_made_shows_only_its_fields() -> None:
+    """The texts it keeps are slots outside the dataclass: not fields, not in asdict or repr."""
+    url = f"memory://{uuid.uuid4().hex}"
+    processor = OutboxProcessor(
+        MemoryEntityStore(url), MemoryDeduplicationStore(url), InMemoryDispatcher()
+    )
+
+    def handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+        return state, [Send("out", {"n": message.body}, {"h": "v"})]
+
+    (result,) = processor.process_batch([Message("m1", "e1", 7)], handler)
+    (sent,) = result.outgoing
+    assert [f.name for f in dataclasses.fields(sent)] == ["id", "destination", "body", "headers"]
+    assert dataclasses.asdict(sent) == sent.to_json()
+    assert repr(sent) == (
+        f"OutgoingMessage(id={sent.id!r}, destination='out', body={{'n': 7}}, headers={{'h': 'v'}})"
+    )
+    assert dataclasses.asdict(result)["outgoing"] == (sent.to_json(),)
+    made = OutgoingMessage(sent.id, "out", {"n": 7}, {"h": "v"})  # keeps no texts
+    assert made == sent and message_text(made) == message_text(sent)
+    assert pickle.loads(pickle.dumps(sent)) == sent
 
 
 def test_concurrent_first_reads_of_an_outgoing_body_get_one_value() -> None:
