@@ -249,18 +249,26 @@ def test_an_outgoing_body_is_decoded_from_its_text_when_first_read() -> None:
     assert not hasattr(OutgoingMessage("i", "d", 1), "nothing")
 
 
-def test_an_outgoing_message_the_processor_made_shows_only_its_fields() -> None:
-    """The texts it keeps are slots outside the dataclass: not fields, not in asdict or repr."""
+def _fresh_processor() -> OutboxProcessor:
+    """A processor on new in-process stores, dispatching in memory."""
     url = f"memory://{uuid.uuid4().hex}"
-    processor = OutboxProcessor(
+    return OutboxProcessor(
         MemoryEntityStore(url), MemoryDeduplicationStore(url), InMemoryDispatcher()
     )
+
+
+def test_an_outgoing_message_the_processor_made_shows_only_its_fields() -> None:
+    """The texts it keeps are slots outside the dataclass: not fields, not in asdict or repr."""
+    processor = _fresh_processor()
 
     def handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
         return state, [Send("out", {"n": message.body}, {"h": "v"})]
 
     (result,) = processor.process_batch([Message("m1", "e1", 7)], handler)
     (sent,) = result.outgoing
+    with pytest.raises(AttributeError):  # its body is not decoded yet: pickling decodes it
+        OutgoingMessage.body.__get__(sent)  # type: ignore[attr-defined]
+    copied = pickle.loads(pickle.dumps(sent))
     assert [f.name for f in dataclasses.fields(sent)] == ["id", "destination", "body", "headers"]
     assert dataclasses.asdict(sent) == sent.to_json()
     assert repr(sent) == (
@@ -269,14 +277,11 @@ def test_an_outgoing_message_the_processor_made_shows_only_its_fields() -> None:
     assert dataclasses.asdict(result)["outgoing"] == (sent.to_json(),)
     made = OutgoingMessage(sent.id, "out", {"n": 7}, {"h": "v"})  # keeps no texts
     assert made == sent and message_text(made) == message_text(sent)
-    assert pickle.loads(pickle.dumps(sent)) == sent
+    assert copied == sent and pickle.loads(pickle.dumps(sent)) == sent
 
 
 def test_concurrent_first_reads_of_an_outgoing_body_get_one_value() -> None:
-    url = f"memory://{uuid.uuid4().hex}"
-    processor = OutboxProcessor(
-        MemoryEntityStore(url), MemoryDeduplicationStore(url), InMemoryDispatcher()
-    )
+    processor = _fresh_processor()
 
     def handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
         return state, [Send("out", {"n": message.body, "list": [1, 2]})]
@@ -307,10 +312,7 @@ def test_a_batch_leaves_few_objects_for_the_cyclic_collector() -> None:
     """What a batch leaves alive and tracked by the collector is walked by its next young
     collection (and again by an older one): per message, its result, its outgoing tuple
     and message, no dict of theirs; an entity whose outbox emptied keeps untracked dicts."""
-    url = f"memory://{uuid.uuid4().hex}"
-    processor = OutboxProcessor(
-        MemoryEntityStore(url), MemoryDeduplicationStore(url), InMemoryDispatcher()
-    )
+    processor = _fresh_processor()
 
     def handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
         return {"n": state.get("n", 0) + 1}, [Send("out", {"n": message.body})]
