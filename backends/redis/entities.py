@@ -50,6 +50,7 @@ save is unknown).
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -287,8 +288,6 @@ def _body(value: bytes | str) -> str:
 class RedisEntityStore(EntityStore):
     """Entities on a Redis primary, one hash each; thread- and process-safe (see the module)."""
 
-    max_entity_bytes: ClassVar[int] = 4 * 1024 * 1024
-    max_load_batch: ClassVar[int] = 100
     max_save_batch: ClassVar[int] = 500
     declared_options: ClassVar[OptionSet] = EntityStore.declared_options.extend(
         key_prefix_option("dedupent:"), *CONNECTION_OPTIONS
@@ -408,13 +407,8 @@ class RedisEntityStore(EntityStore):
     def _scan(self, segment: int, segments: int) -> Iterator[tuple[str, str, Any]]:
         """Pending ids by ``SSCAN`` of the segment's buckets, bodies a page at a time; the ids of
         entities no longer pending are pruned from the sets as they are met."""
-        page: list[tuple[str, int]] = []
-        for bucket, ids in self._pending_ids(segment, segments):
-            page += [(eid, bucket) for eid in ids]
-            while len(page) >= self.max_load_batch:
-                yield from self._read_page(page[: self.max_load_batch])
-                page = page[self.max_load_batch :]
-        if page:
+        pending = ((eid, b) for b, ids in self._pending_ids(segment, segments) for eid in ids)
+        while page := list(itertools.islice(pending, self.max_load_batch)):
             yield from self._read_page(page)
 
     def _pending_ids(self, segment: int, segments: int) -> Iterator[tuple[int, list[str]]]:
