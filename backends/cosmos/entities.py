@@ -97,6 +97,7 @@ class CosmosEntityStore(EntityStore):
 
     _cosmos = Connected(CosmosConnection)
     max_entity_bytes: ClassVar[int] = (MAX_REQUEST_BYTES - ITEM_OVERHEAD_BYTES) // 2
+    max_load_batch: ClassVar[int] = 100
     declared_options: ClassVar[OptionSet] = EntityStore.declared_options.extend(
         *CONNECTION_OPTIONS,
         dataclasses.replace(

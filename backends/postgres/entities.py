@@ -90,6 +90,9 @@ class PostgresEntityStore(EntityStore):
     fork-safe (a child process opens its own pool); it pickles to its URL and options. See the
     module for the layout, the guarantees and the errors."""
 
+    #: 4 MiB of canonical JSON per entity: see the module documentation.
+    max_entity_bytes: ClassVar[int] = 4 * 1024 * 1024
+    max_load_batch: ClassVar[int] = 100
     #: Entities per save statement (one commit, one flush on a durable server).
     max_save_batch: ClassVar[int] = 1000
     _joins = PostgresDeduplicationStore

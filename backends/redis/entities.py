@@ -288,6 +288,8 @@ def _body(value: bytes | str) -> str:
 class RedisEntityStore(EntityStore):
     """Entities on a Redis primary, one hash each; thread- and process-safe (see the module)."""
 
+    max_entity_bytes: ClassVar[int] = 4 * 1024 * 1024
+    max_load_batch: ClassVar[int] = 100
     max_save_batch: ClassVar[int] = 500
     declared_options: ClassVar[OptionSet] = EntityStore.declared_options.extend(
         key_prefix_option("dedupent:"), *CONNECTION_OPTIONS
