@@ -20,7 +20,7 @@ from typing import ClassVar, NamedTuple
 
 from dedupstore import canonical
 from dedupstore.client import Client, Closing
-from dedupstore.entities import OutgoingMessage, body_text, canonical_json
+from dedupstore.entities import OutgoingMessage, canonical_json
 from dedupstore.errors import ConfigurationError, StoreClosed
 from dedupstore.ids import validate_message_id
 from dedupstore.options import OptionSet
@@ -92,7 +92,7 @@ def encode_messages(messages: Sequence[OutgoingMessage]) -> list[EncodedMessage]
                 f"the headers of outgoing message {message.id!r:.80} must map str to str"
             )
         try:
-            body = body_text(message)  # kept from when the processor made it, if it did
+            body = canonical_json(message.body)  # (a kept text was taken above)
         except (TypeError, ValueError) as exc:
             raise ValueError(
                 f"the body of outgoing message {message.id!r:.80} is not JSON-compatible: {exc}"

@@ -64,19 +64,21 @@ def bucket_of(entity_id: str) -> int:
     return int.from_bytes(digest[:4], "big") % BUCKETS
 
 
+#: The texts a message can keep, and what each reads as when it keeps none (a message
+#: the processor did not make, or a copy or unpickled one).
+_NO_TEXTS = {"_body_text": None, "_headers_text": "{}", "_text": None}
+
+
 class _Texts:
     """The canonical JSON texts a message made by the processor keeps (see
     :class:`OutgoingMessage`): slots outside the dataclass's fields, so ``fields``,
-    ``asdict``, equality and pickling see only the message; empty on other messages."""
+    ``asdict``, equality and pickling see only the message. A message keeps all three
+    (:meth:`OutgoingMessage._encoded`) or none."""
 
-    __slots__ = ("_body_text", "_headers_text", "_text")
+    __slots__ = tuple(_NO_TEXTS)
     _body_text: str | None
     _headers_text: str
     _text: str | None
-
-
-#: What an empty text slot reads as (a message the processor did not make).
-_NO_TEXTS = {"_body_text": None, "_headers_text": "{}", "_text": None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,16 +197,14 @@ def body_text(message: OutgoingMessage) -> str:
 def message_text(message: OutgoingMessage) -> str:
     """Canonical JSON of ``message.to_json()``, composed from its parts' texts."""
     text = message._text
-    if text is None:
-        headers = message.headers
-        text = (
-            f'{{"body":{body_text(message)},"destination":{canonical.string(message.destination)}'
-            f',"headers":{canonical.dumps(dict(headers)) if headers else "{}"}'
-            f',"id":{canonical.string(message.id)}}}'
-        )
-        if message._body_text is not None:
-            _set_text(message, text)
-    return text
+    if text is not None:
+        return text
+    headers = message.headers
+    return (
+        f'{{"body":{body_text(message)},"destination":{canonical.string(message.destination)}'
+        f',"headers":{canonical.dumps(dict(headers)) if headers else "{}"}'
+        f',"id":{canonical.string(message.id)}}}'
+    )
 
 
 Outbox = dict[str, list[OutgoingMessage] | None]

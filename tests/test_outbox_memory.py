@@ -278,6 +278,11 @@ def test_an_outgoing_message_the_processor_made_shows_only_its_fields() -> None:
     made = OutgoingMessage(sent.id, "out", {"n": 7}, {"h": "v"})  # keeps no texts
     assert made == sent and message_text(made) == message_text(sent)
     assert copied == sent and pickle.loads(pickle.dumps(sent)) == sent
+    # a copy keeps no texts: they read as on a message the processor did not make, and
+    # its text is composed again, the same
+    for plain in (copied, made):
+        assert (plain._body_text, plain._headers_text, plain._text) == (None, "{}", None)
+        assert message_text(plain) == message_text(sent) and plain._text is None
 
 
 def test_concurrent_first_reads_of_an_outgoing_body_get_one_value() -> None:
