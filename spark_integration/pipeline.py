@@ -348,41 +348,12 @@ def _processing(
         validate_name(dead_letters, "dead-letter destination")
     if partitions is not None:
         partitions = _positive_int("partitions", partitions)
-    schema = df.schema
-    columns = schema.fieldNames()
-    C.check_names(columns)
-    texts = {
-        C.ID: C.id_text(schema, "id_col", id_col),
-        C.CID: C.id_text(schema, "correlation_col", correlation_col),
-    }
-    from pyspark.sql import functions as F
-
-    seq = C.order_key(schema, order_col) if order_col is not None else None
-    if headers_col is not None:
-        C.check_headers(schema, headers_col)
-    body_cols = [c for c in columns if c not in (id_col, correlation_col, headers_col)]
-    rows = _Rows(id_col, correlation_col, order_col, headers_col, C.body_reader(schema, body_cols))
+    to_python, rows = _entity_ordered(
+        df, id_col, correlation_col, order_col, headers_col, partitions
+    )
     ents = ClientSpec.checked("entities", entities_url, entities_options)
     dedup = ClientSpec.checked("dedup", dedup_url, dedup_options)
     out = ClientSpec.checked("dispatcher", dispatcher_url, dispatcher_options)
-
-    ordered = df.withColumns(
-        {**texts, C.SEQ: seq if seq is not None else F.monotonically_increasing_id()}
-    )
-    if partitions is None:
-        # spark.sql.shuffle.partitions hash partitions, which adaptive execution (on by
-        # default) merges into fewer tasks when they are small: it merges whole
-        # partitions, never splits one, so an entity's rows stay in one task
-        by_entity = ordered.repartition(F.col(C.CID))
-    else:  # an explicit count: adaptive execution keeps it
-        by_entity = ordered.repartition(partitions, F.col(C.CID))
-    # sorted within the task's partition (merged or not): each entity's rows together, in order
-    shuffled = by_entity.sortWithinPartitions(
-        F.col(C.CID), F.col(C.SEQ).asc_nulls_last(), F.col(C.ID)
-    )
-    # only what the task reads crosses to Python (a projection keeps the sorted order)
-    wanted = [C.ID, C.CID, *([headers_col] if headers_col else []), *body_cols]
-    to_python = shuffled.select([C.column(c) for c in wanted])
 
     processor_options: dict[str, Any] = {
         "cleanup": cleanup,
@@ -409,6 +380,53 @@ def _processing(
 
     use_this_python(df.sparkSession)  # a local master: the workers run this interpreter
     return to_python.mapInArrow(process_partition, PROCESS_SCHEMA)
+
+
+def _entity_ordered(
+    df: DataFrame,
+    id_col: str,
+    correlation_col: str,
+    order_col: str | None,
+    headers_col: str | None,
+    partitions: int | None,
+) -> tuple[DataFrame, _Rows]:
+    """The plan of :func:`process_messages` up to its Python tasks (checked on the
+    driver, no I/O): the rows by entity in the tasks' order, only the columns a task
+    reads, and how a task turns them into messages."""
+    schema = df.schema
+    columns = schema.fieldNames()
+    C.check_names(columns)
+    texts = {
+        C.ID: C.id_text(schema, "id_col", id_col),
+        C.CID: C.id_text(schema, "correlation_col", correlation_col),
+    }
+    from pyspark.sql import functions as F
+
+    seq = C.order_key(schema, order_col) if order_col is not None else None
+    if headers_col is not None:
+        C.check_headers(schema, headers_col)
+    body_cols = [c for c in columns if c not in (id_col, correlation_col, headers_col)]
+    rows = _Rows(id_col, correlation_col, order_col, headers_col, C.body_reader(schema, body_cols))
+
+    ordered = df.withColumns(
+        {**texts, C.SEQ: seq if seq is not None else F.monotonically_increasing_id()}
+    )
+    if partitions is None:
+        # spark.sql.shuffle.partitions hash partitions, which adaptive execution (on by
+        # default) merges into fewer tasks when they are small: it merges whole
+        # partitions, never splits one, so an entity's rows stay in one task
+        by_entity = ordered.repartition(F.col(C.CID))
+    else:  # an explicit count: adaptive execution keeps it
+        by_entity = ordered.repartition(partitions, F.col(C.CID))
+    # sorted within the task's partition (merged or not): each entity's rows together, in order
+    shuffled = by_entity.sortWithinPartitions(
+        F.col(C.CID), F.col(C.SEQ).asc_nulls_last(), F.col(C.ID)
+    )
+    # only what the task reads crosses to Python (a projection keeps the sorted order)
+    wanted = [C.ID, C.CID, *([headers_col] if headers_col else []), *body_cols]
+    to_python = shuffled.select([C.column(c) for c in wanted])
+
+    return to_python, rows
 
 
 class _Rows:

@@ -1,0 +1,195 @@
+"""What the package imports is what ``pyproject.toml`` declares.
+
+A module-level import of a third-party package must come from a requirement of the
+part it belongs to: the core (``dedupstore``, the memory and SQLite backends) from
+``project.dependencies``, a backend package from its extra, ``spark_integration`` from
+the ``spark`` extra (each with what those requirements bring). And the core works
+with nothing else installed: a child process that can import only the standard
+library and the core's requirements imports ``dedupstore`` and processes a message.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata as metadata
+import re
+import subprocess
+import sys
+import textwrap
+import tomllib
+from functools import cache
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parent.parent
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+#: Modules imported only on first use or for type checking, by design (each has its own test).
+LAZY = {"dedupstore/metrics.py", "dedupstore/testing"}
+#: The extra each part of the package needs (None: the core's dependencies).
+PARTS: dict[str, str | None] = {
+    "dedupstore": None,
+    "backends/memory.py": None,
+    "backends/sqlite.py": None,
+    "backends/_http.py": None,
+    "backends/postgres": "postgres",
+    "backends/redis": "redis",
+    "backends/dynamodb": "dynamodb",
+    "backends/cosmos": "cosmos",
+    "backends/rabbitmq": "rabbitmq",
+    "backends/kafka.py": "kafka",
+    "spark_integration": "spark",
+}
+
+
+def _name(requirement: str) -> str:
+    return re.sub(r"[-_.]+", "-", Requirement(requirement).name).lower()
+
+
+@cache
+def _providers() -> dict[str, set[str]]:
+    """Top-level import name -> the (normalised) distributions that provide it."""
+    return {
+        module: {_name(dist) for dist in dists}
+        for module, dists in metadata.packages_distributions().items()
+    }
+
+
+def _closure(requirements: list[str]) -> set[str]:
+    """The distributions ``requirements`` install, with what those require in turn."""
+    seen: set[str] = set()
+    todo = [Requirement(r) for r in requirements]
+    while todo:
+        req = todo.pop()
+        name = _name(req.name)
+        if name == "dedupstore":  # an extra that names others ('all'): their requirements
+            for extra in req.extras:
+                todo += [Requirement(r) for r in PYPROJECT["optional-dependencies"][extra]]
+            continue
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            requires = metadata.requires(req.name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        for text in requires:
+            sub = Requirement(text)
+            if sub.marker is None or any(
+                sub.marker.evaluate({"extra": extra}) for extra in (*req.extras, "")
+            ):
+                todo.append(sub)
+    return seen
+
+
+def _module_imports(path: Path) -> set[str]:
+    """Top-level names a module imports when it is imported (not inside functions, not
+    under ``if TYPE_CHECKING``), third-party only."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.Import):
+                names.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+            elif isinstance(node, ast.If):
+                if not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+                    visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                # an import in ``try`` whose ``except ImportError`` falls back is optional
+                optional = any(
+                    isinstance(h.type, ast.Name)
+                    and h.type.id in ("ImportError", "ModuleNotFoundError")
+                    for h in node.handlers
+                )
+                if not optional:
+                    visit(node.body)
+
+    visit(tree.body)
+    own = {"dedupstore", "backends", "spark_integration", "__future__"}
+    return {n for n in names if n not in sys.stdlib_module_names and n not in own}
+
+
+def _files(part: str) -> list[Path]:
+    path = ROOT / part
+    files = [path] if path.suffix == ".py" else sorted(path.rglob("*.py"))
+    return [
+        f
+        for f in files
+        if not any(f.relative_to(ROOT).as_posix().startswith(lazy) for lazy in LAZY)
+    ]
+
+
+@pytest.mark.parametrize("part", sorted(PARTS))
+def test_each_import_comes_from_a_declared_requirement(part: str) -> None:
+    extra = PARTS[part]
+    declared = list(PYPROJECT["dependencies"])
+    if extra is not None:
+        declared += PYPROJECT["optional-dependencies"][extra]
+    # the core's own requirements directly; an extra's with what they bring
+    allowed = {_name(r) for r in declared} if extra is None else _closure(declared)
+    missing = {
+        f"{file.relative_to(ROOT)}: {module} (from {sorted(_providers().get(module, {'?'}))})"
+        for file in _files(part)
+        for module in _module_imports(file)
+        if not _providers().get(module, set()) & allowed
+    }
+    assert not missing, (
+        f"imported at module level but not declared for {extra or 'the core'}: {sorted(missing)}"
+    )
+
+
+def test_every_part_of_the_package_is_checked() -> None:
+    parts = {
+        p.relative_to(ROOT).as_posix()
+        for p in (ROOT / "backends").iterdir()
+        if p.suffix == ".py" or (p / "__init__.py").is_file()
+    }
+    parts.discard("backends/__init__.py")
+    assert parts <= set(PARTS), sorted(parts - set(PARTS))
+
+
+def test_the_core_works_with_only_its_own_requirements() -> None:
+    """As after ``pip install dedupstore`` with no extra: every other third-party module
+    is refused (as if absent), yet the package imports and processes a message."""
+    core = sorted(
+        {
+            module
+            for module, dists in _providers().items()
+            if dists & _closure(PYPROJECT["dependencies"])
+        }
+    )
+    code = textwrap.dedent(
+        f"""
+        import importlib.abc, sys, tempfile
+        allowed = set({core!r}) | set(sys.stdlib_module_names) | {{"dedupstore", "backends"}}
+
+        class Absent(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] not in allowed:
+                    raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+                return None
+
+        sys.meta_path.insert(0, Absent())
+        import dedupstore
+        from dedupstore.outbox import OutboxProcessor, Message, Send, InMemoryDispatcher
+
+        def handler(state, message):
+            return {{"n": state.get("n", 0) + 1}}, [Send("out", {{"id": message.id}})]
+
+        with tempfile.TemporaryDirectory() as tmp:
+            for url in ("memory://", f"sqlite:///{{tmp}}/core.db"):
+                with dedupstore.open_entity_store(url) as ents, dedupstore.open_store(url) as dedup:
+                    processor = OutboxProcessor(ents, dedup, InMemoryDispatcher())
+                    first = processor.process(Message("m-1", "e-1", {{}}), handler)
+                    again = processor.process(Message("m-1", "e-1", {{}}), handler)
+                    assert (first.outcome, again.outcome) == ("processed", "duplicate"), url
+        print("ok")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
