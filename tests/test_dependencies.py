@@ -188,8 +188,15 @@ def test_the_core_works_with_only_its_own_requirements() -> None:
                     first = processor.process(Message("m-1", "e-1", {{}}), handler)
                     again = processor.process(Message("m-1", "e-1", {{}}), handler)
                     assert (first.outcome, again.outcome) == ("processed", "duplicate"), url
+            from dedupstore.cli import main
+            from dedupstore.consumers import Consumer  # the consume loop, without a broker
+
+            assert callable(Consumer)
+            url = f"sqlite:///{{tmp}}/cli.db"
+            assert main(["add", url, "order-1"]) == 0 and main(["has", url, "order-1"]) == 0
         print("ok")
         """
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["order-1\tadded", "order-1\tprocessed", "ok"]
