@@ -155,9 +155,23 @@ def _process_stores(name: str, tmp: Path) -> Iterator[Callable[[], tuple[str, st
 
         yield sqlite
     elif name == "redis":
-        with RedisServer(appendonly=True, appendfsync="everysec") as server:
+        import redis as redis_py
+
+        with (
+            RedisServer(appendonly=True, appendfsync="everysec") as server,
+            redis_py.Redis.from_url(server.url) as admin,
+        ):
 
             def redis() -> tuple[str, str, str]:
+                # every run meets the same server: empty, its AOF rewritten empty (else a
+                # later run finds the earlier runs' keys, and more AOF rewrites, than the loop)
+                admin.flushall()
+                admin.bgrewriteaof()
+                while any(
+                    admin.info("persistence")[k]
+                    for k in ("aof_rewrite_in_progress", "aof_rewrite_scheduled")
+                ):
+                    time.sleep(0.05)
                 tag = uuid.uuid4().hex[:8]
                 ents, dedup, out = (f"{server.url}?key_prefix={k}{tag}:" for k in ("e", "d", "o"))
                 return ents, dedup, out
@@ -510,7 +524,8 @@ def render(
             "deliveries with about 20% duplicates, batches of "
             f"{args.batch}, deferred clean-up, no injected failures, on fresh stores of "
             "each kind for every run: `redis` (entities, deduplication store and the "
-            "Redis Streams dispatcher on one Redis, `appendfsync everysec`) and `sqlite` "
+            "Redis Streams dispatcher on one Redis, `appendfsync everysec`, emptied before "
+            "every run: `FLUSHALL`, then its AOF rewritten) and `sqlite` "
             "(one SQLite file and its table queue; SQLite serialises writers, so it cannot "
             "show scaling). Messages per second, including Spark's scheduling and the "
             "shuffle by order id, on a warm session: a run of one batch first starts the "
@@ -518,7 +533,12 @@ def render(
             f"then the best of {ROUNDS} runs, each on fresh stores (the plain loop: the best "
             f"of {ROUNDS + 1}; a shared machine only ever slows a run down). "
             "`local-cluster[2,1,1024]` runs a standalone master and "
-            "two one-core workers (executor JVMs of their own) on this machine.",
+            "two one-core workers (executor JVMs of their own) on this machine. Beside each "
+            "missed target, what this run measured of its reason: Spark's own part of a "
+            "`local[1]` run (the same plan on the same rows, with a Python function that "
+            "turns each Arrow batch into messages and processes none; the best of "
+            f"{ROUNDS}), and the cores busy on average during the best `local[1]` run "
+            "(every process on the machine, from `/proc/stat`).",
             "",
             "| stores | run | messages/s |",
             "|---|---|---:|",
