@@ -161,14 +161,13 @@ class SqliteConnection(Connection):
         target = self.path if creates else f"file:{quote(str(self.path))}?mode=rw"
         conn = sqlite3.connect(
             target,
-            timeout=self._timeout,
+            timeout=self._timeout,  # SQLite's busy timeout (PRAGMA busy_timeout)
             isolation_level=None,
             check_same_thread=False,
             uri=not creates,
             factory=_Connection,
         )
         conn.execute(f"PRAGMA synchronous = {self.options['synchronous']}")
-        conn.execute(f"PRAGMA busy_timeout = {int(self._timeout * 1000)}")
         self._local.conn = conn
         with self._lock:
             self._all.add(conn)

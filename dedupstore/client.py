@@ -46,6 +46,7 @@ __all__ = [
     "Connection",
     "ErrorKind",
     "ProcessLocal",
+    "check_client",
     "creates",
     "part_of",
 ]
@@ -216,6 +217,22 @@ def creates(options: Options) -> bool:
     """Whether opening with ``options`` may create what is missing: ``create``, unless
     ``must_exist`` (:attr:`Client._creates`, for a :class:`Connection`)."""
     return bool(options.get("create", False)) and not options.get("must_exist", False)
+
+
+def check_client(
+    options: Options,
+    kind: type,
+    what: str,
+    note: str = "",
+    fits: Callable[[Any], bool] | None = None,
+) -> None:
+    """Refuse (``ConfigurationError``) a given ``client`` option that is not a ``kind`` (or
+    that ``fits`` refuses), for a :meth:`Connection.validate`: ``what`` names what the
+    message asks for ("a redis.Redis"), ``note`` adds to it."""
+    given = options.get("client")
+    if given is not None and not (isinstance(given, kind) and (fits is None or fits(given))):
+        extra = f" ({note})" if note else ""
+        raise ConfigurationError(f"client must be {what}, got {type(given).__name__}{extra}")
 
 
 def part_of(client: Client, name: str, kind: type[T]) -> T:

@@ -32,7 +32,6 @@ PARTS: dict[str, str | None] = {
     "dedupstore": None,
     "backends/memory.py": None,
     "backends/sqlite.py": None,
-    "backends/_http.py": None,
     "backends/postgres": "postgres",
     "backends/redis": "redis",
     "backends/dynamodb": "dynamodb",

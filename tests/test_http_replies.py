@@ -10,8 +10,8 @@ import zlib
 import pytest
 from botocore.awsrequest import HeadersDict
 
-from backends._http import cut_short
 from backends.dynamodb._client import _TRANSIENT_ERRORS, _CutShort, _refuse_cut_replies
+from dedupstore.replies import cut_short
 
 BODY = b'{"Responses": {"t": [{"pk": {"S": "a"}}]}}'
 

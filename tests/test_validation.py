@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import boto3
 import pytest
 
 from dedupstore import ConfigurationError
@@ -55,6 +56,20 @@ CASES: list[tuple[str, str, dict[str, Any], str]] = [
     ("dynamodb", f"dynamodb://table{_DYNAMO}#part", {}, "dynamodb://<table>?region=..."),
     ("dynamodb", f"dynamodb://table{_DYNAMO}", {"aws_secret_access_key": "s"}, "together"),
     ("dynamodb", f"dynamodb://table{_DYNAMO}", {"aws_session_token": "t"}, "together"),
+    ("dynamodb", f"dynamodb://table{_DYNAMO}", {"client": object()}, "a boto3 DynamoDB client"),
+    # a resource, and a client of another service: no I/O to make either
+    (
+        "dynamodb",
+        f"dynamodb://table{_DYNAMO}",
+        {"client": boto3.resource("dynamodb", region_name="us-east-1")},
+        "not a resource), got dynamodb.ServiceResource",
+    ),
+    (
+        "dynamodb",
+        f"dynamodb://table{_DYNAMO}",
+        {"client": boto3.client("s3", region_name="us-east-1")},
+        "a boto3 DynamoDB client (boto3.client('dynamodb'), not a resource), got S3",
+    ),
     ("cosmos", "cosmos://user:pw@127.0.0.1:1/db/c", {"key": _KEY}, "no user or password"),
     ("cosmos", f"{_COSMOS}/db", {"key": _KEY}, "'cosmos://<host>[:port]/<database>/<cont"),
     ("cosmos", f"{_COSMOS}/db/c/x", {"key": _KEY}, "'cosmos://<host>[:port]/<database>/<cont"),

@@ -25,9 +25,8 @@ from azure.cosmos.documents import ConnectionPolicy
 from azure.cosmos.exceptions import CosmosHttpResponseError
 from urllib3.util.retry import Retry
 
-from backends._http import cut_short
 from dedupstore.calls import DeadlinePassed, executor, fan_out, time_left
-from dedupstore.client import Client, Connection, ErrorKind, part_of
+from dedupstore.client import Client, Connection, ErrorKind, check_client, part_of
 from dedupstore.errors import ConfigurationError, ConsistencyError, StoreUnavailable, format_error
 from dedupstore.masking import scrub
 from dedupstore.options import (
@@ -42,6 +41,7 @@ from dedupstore.options import (
     text,
     timeout_option,
 )
+from dedupstore.replies import cut_short
 from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ class _BoundedAdapter(requests.adapters.HTTPAdapter):
 
 class _BoundedTransport(RequestsTransport):  # type: ignore[misc]
     """The SDK's pauses between attempts end by the call's deadline; a reply that is not whole is a
-    lost answer (:mod:`backends._http`), not an empty one."""
+    lost answer (:mod:`dedupstore.replies`), not an empty one."""
 
     def send(self, request: Any, **kwargs: Any) -> Any:
         response = super().send(request, **kwargs)
@@ -234,11 +234,7 @@ class CosmosConnection(Connection):
     def validate(cls, url: StoreURL, options: Options) -> None:
         """The URL names a host, a database and a container; ``client`` is a CosmosClient."""
         _names(url)
-        client = options["client"]
-        if client is not None and not isinstance(client, CosmosClient):
-            raise ConfigurationError(
-                f"client must be an azure.cosmos.CosmosClient, got {type(client).__name__}"
-            )
+        check_client(options, CosmosClient, "an azure.cosmos.CosmosClient")
 
     def _connect(self) -> CosmosClient:
         opts, secret = self.options, _key(self.options)

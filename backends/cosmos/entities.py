@@ -40,7 +40,6 @@ the item's serialized size instead.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Final
@@ -53,7 +52,7 @@ from dedupstore.calls import write_token
 from dedupstore.client import Connected, ErrorKind
 from dedupstore.entities import EntityRecord, EntityStore
 from dedupstore.errors import ConfigurationError, EntityTooLarge
-from dedupstore.options import Options, OptionSet
+from dedupstore.options import Options, OptionSet, client_option
 from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
@@ -100,10 +99,9 @@ class CosmosEntityStore(EntityStore):
     max_load_batch: ClassVar[int] = 100
     declared_options: ClassVar[OptionSet] = EntityStore.declared_options.extend(
         *CONNECTION_OPTIONS,
-        dataclasses.replace(
-            CONNECTION_OPTIONS[-1],
-            doc="a ready CosmosClient created with enable_compact_utf8_item_writes=True "
-            "(key, tls, timeouts and retries are then unused)",
+        client_option(  # replaces the connection's, with what this store needs of a client
+            "a ready CosmosClient created with enable_compact_utf8_item_writes=True "
+            "(key, tls, timeouts and retries are then unused)"
         ),
     )
     _kind: ClassVar[ContainerKind] = ContainerKind(

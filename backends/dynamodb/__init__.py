@@ -45,7 +45,8 @@ does. The store, not botocore, retries each request (connection errors, timeouts
 conflicts and unprocessed keys; attempts start and wait for an answer (botocore's read timeout) only
 until ``connect_timeout`` before the deadline, so a last connection attempt still ends within it. A
 ``client`` given by the user keeps its own timeouts and retries (only the store's stop at the
-deadline). Every client, a given one included, refuses a reply cut short (:mod:`backends._http`).
+deadline). Every client, a given one included, refuses a reply cut short
+(:mod:`dedupstore.replies`).
 
 Errors: ``StoreUnavailable`` (connection failure, a reply cut short, timeout, throttling, 5xx,
 conflicts that outlast the backoff: retry), ``ConfigurationError`` (rejected credentials or IAM

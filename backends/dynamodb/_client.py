@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 import boto3
 import botocore.exceptions as boto_errors
+from botocore.client import BaseClient
 from botocore.config import Config
 
-from backends._http import cut_short
 from dedupstore.calls import capped, deadline, retry, time_left
-from dedupstore.client import Client, Connection, ErrorKind, part_of
+from dedupstore.client import Client, Connection, ErrorKind, check_client, part_of
 from dedupstore.errors import (
     ConfigurationError,
     ConsistencyError,
@@ -37,6 +37,7 @@ from dedupstore.options import (
     text,
     timeout_option,
 )
+from dedupstore.replies import cut_short
 from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
@@ -140,8 +141,8 @@ class _CutShort(boto_errors.IncompleteReadError):
 
 def _refuse_cut_replies(response_dict: Mapping[str, Any], **kwargs: Any) -> None:
     """Raise :class:`_CutShort` before botocore parses a reply that is not whole
-    (:mod:`backends._http`) or fails its ``x-amz-crc32``: botocore checks that only to decide on a
-    retry of its own, and the store makes those (``total_max_attempts`` 1)."""
+    (:mod:`dedupstore.replies`) or fails its ``x-amz-crc32``: botocore checks that only to decide
+    on a retry of its own, and the store makes those (``total_max_attempts`` 1)."""
     headers, body = response_dict["headers"], response_dict["body"]
     reason = cut_short(response_dict["status_code"], headers, len(body))
     checksum = headers.get("x-amz-crc32")
@@ -290,7 +291,8 @@ class DynamoDBConnection(Connection):
 
     @classmethod
     def validate(cls, url: StoreURL, options: Options) -> None:
-        """The URL names a valid table and nothing else; credentials come in pairs."""
+        """The URL names a valid table and nothing else; credentials come in pairs; ``client``
+        is a boto3 DynamoDB client."""
         if url.path not in ("", "/") or url.fragment or not _TABLE_NAME.fullmatch(url.netloc):
             raise ConfigurationError(
                 "a DynamoDB store URL is 'dynamodb://<table>?region=...', the table name 3 "
@@ -303,6 +305,12 @@ class DynamoDBConnection(Connection):
                 "aws_access_key_id and aws_secret_access_key must be given together "
                 "(aws_session_token only with both), or none of them"
             )
+        check_client(
+            options,
+            BaseClient,
+            "a boto3 DynamoDB client (boto3.client('dynamodb'), not a resource)",
+            fits=lambda given: given.meta.service_model.service_name == "dynamodb",
+        )
 
     def _new_client(self) -> Boto3DynamoDB:
         """Build this process's low-level client from the connection options."""

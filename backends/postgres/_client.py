@@ -73,7 +73,7 @@ from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from dedupstore.calls import retry, time_left
-from dedupstore.client import Client, Connection, ErrorKind, ProcessLocal, creates, part_of
+from dedupstore.client import Client, Connection, ErrorKind, ProcessLocal, check_client, part_of
 from dedupstore.errors import ConfigurationError, StoreUnavailable, format_error
 from dedupstore.masking import scrub
 from dedupstore.options import (
@@ -401,11 +401,7 @@ class PostgresConnection(Connection):
             raise ConfigurationError(
                 f"pool_min_size ({minimum}) must not exceed pool_max_size ({maximum})"
             )
-        given = options["client"]
-        if given is not None and not isinstance(given, ConnectionPool):
-            raise ConfigurationError(
-                f"client must be a psycopg_pool.ConnectionPool, got {type(given).__name__}"
-            )
+        check_client(options, ConnectionPool, "a psycopg_pool.ConnectionPool")
         _conninfo(url, options)
 
     @classmethod
@@ -472,7 +468,7 @@ class PostgresConnection(Connection):
                     "round-trips",
                 )
             if not self.execute(conn, "SELECT to_regclass(%s) IS NOT NULL", [table.text])[0][0]:
-                if not creates(client._opts):
+                if not client._creates:
                     raise client._no_such_store(
                         f"table {table.text} does not exist in PostgreSQL at {client.url}",
                         f"call {type(client).__name__}.create_schema(url) once, or open the "

@@ -75,7 +75,7 @@ except ImportError:  # pragma: no cover
     _pack_command = None  # type: ignore[assignment]
 
 from dedupstore.calls import capped, retry, time_left
-from dedupstore.client import Client, Connection, ErrorKind, part_of
+from dedupstore.client import Client, Connection, ErrorKind, check_client, part_of
 from dedupstore.errors import ConfigurationError, ConsistencyError, StoreUnavailable, format_error
 from dedupstore.options import (
     Option,
@@ -316,12 +316,7 @@ class RedisConnection(Connection):
                 f"wait_timeout_ms ({wait_ms}) must be shorter than timeout ({timeout:g} s), "
                 "or the WAIT would time out the connection"
             )
-        client = options["client"]
-        if client is not None and not isinstance(client, redis.Redis):
-            raise ConfigurationError(
-                f"client must be a redis.Redis, got {type(client).__name__} "
-                "(Redis Cluster is not supported)"
-            )
+        check_client(options, redis.Redis, "a redis.Redis", "Redis Cluster is not supported")
 
     # ------------------------------------------------------------------ opening
 
