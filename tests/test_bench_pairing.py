@@ -25,3 +25,17 @@ def test_runs_of_different_sizes_are_paired_by_rate() -> None:
 def test_runs_of_different_rounds_are_refused() -> None:
     with pytest.raises(ValueError):
         paired(Measured("a", [1.0, 1.0], 10), Measured("b", [1.0], 10))
+
+
+def test_the_spark_bench_states_the_ceilings_its_measurements_leave() -> None:
+    """Per core: loop / (loop + Spark's own part); scaling: cores / cores busy."""
+    import os
+
+    from benchmarks.spark_bench import _measured
+
+    costs = {"redis": {"loop": 5.10, "spark part local[1]": 0.48, "cores busy local[1]": 1.14}}
+    per_core, scaling = _measured("redis", costs)
+    assert "took 0.48 s, the loop 5.10 s" in per_core and "reach 0.91x" in per_core
+    cores = os.cpu_count() or 1
+    assert f"it could be at most {cores / 1.14:.2f}x as fast" in scaling
+    assert _measured("sqlite", costs) == ("", "")  # nothing measured: nothing said

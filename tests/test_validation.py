@@ -116,6 +116,11 @@ def test_check_options_refuses_what_the_constructor_refuses(
             f"dynamodb://my-table.v1{_DYNAMO}",
             {"aws_access_key_id": "a"} | {"aws_secret_access_key": "s"},
         ),
+        (  # a real boto3 DynamoDB client (made without I/O) passes the client check
+            "dynamodb",
+            f"dynamodb://my-table{_DYNAMO}",
+            {"client": boto3.client("dynamodb", region_name="us-east-1")},
+        ),
         ("cosmos", f"{_COSMOS}/db/c", {"key": _KEY}),
     ],
 )
