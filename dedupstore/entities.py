@@ -230,6 +230,10 @@ class Entity:
     ``version is None`` means the entity was never saved (or was loaded absent).
     ``marks`` holds the :class:`EntryMark` of pending entries (the processor marks
     every entry it writes; a mark whose entry is gone or dispatched is not saved).
+    ``attempts`` counts, per incoming message id not applied yet, the runs of its
+    handler that a consume loop began after a consumer died holding the message
+    (:meth:`~dedupstore.outbox.OutboxProcessor.begin_attempt`); the entry goes when
+    the message is applied or dead-lettered.
     """
 
     id: str
@@ -237,6 +241,7 @@ class Entity:
     outbox: Outbox = field(default_factory=dict)
     version: Any = None
     marks: dict[str, EntryMark] = field(default_factory=dict)
+    attempts: dict[str, int] = field(default_factory=dict)
     #: ``(state, its canonical text)`` when the processor set the state from that text.
     _state_text: tuple[dict[str, Any], str] | None = field(
         default=None, init=False, repr=False, compare=False
@@ -281,7 +286,12 @@ class Entity:
     def copy(self) -> Entity:
         """A deep copy (the state and outbox can be changed without touching this one)."""
         return Entity(
-            self.id, copy.deepcopy(self.state), dict(self.outbox), self.version, dict(self.marks)
+            self.id,
+            copy.deepcopy(self.state),
+            dict(self.outbox),
+            self.version,
+            dict(self.marks),
+            dict(self.attempts),
         )
 
 
@@ -360,6 +370,9 @@ def encode_entity(entity: Entity) -> str:
             f"entity {entity.id!r:.80} is not JSON-compatible (state and message bodies must "
             f"be dicts, lists, str, int, float, bool or None): {exc}"
         ) from None
+    if entity.attempts:  # rare: only after a consumer died holding a message
+        attempts = canonical.dumps(entity.attempts)
+        return f'{{"attempts":{attempts},"outbox":{{{entries}}},"state":{state}}}'
     return f'{{"outbox":{{{entries}}},"state":{state}}}'
 
 
@@ -389,7 +402,8 @@ def decode_entity(entity_id: str, text: str | bytes, version: Any) -> Entity:
         outbox[mid] = [OutgoingMessage.from_json(m) for m in entry["out"]]
         if "at" in entry:
             marks[mid] = EntryMark(int(entry["at"]), entry.get("run"))
-    return Entity(entity_id, dict(data.get("state", {})), outbox, version, marks)
+    attempts = {str(mid): int(n) for mid, n in data.get("attempts", {}).items()}
+    return Entity(entity_id, dict(data.get("state", {})), outbox, version, marks, attempts)
 
 
 class EntityRecord(NamedTuple):

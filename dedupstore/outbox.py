@@ -334,6 +334,43 @@ class OutboxProcessor:
         headers = {**dict(original.get("headers") or {}), "dedupstore-redrive-of": mid}
         return self.process(Message(letter_id, cid, original.get("body"), headers), handler)
 
+    def begin_attempt(self, message: Message) -> int:
+        """Record in ``message``'s entity that its handler is about to run once more;
+        return how many such runs began, this one included (0: the message needs no
+        run: it was applied, dead-lettered or recorded already).
+
+        What a consume loop calls before it runs, alone, a message that a consumer
+        died holding (a broker delivery count above 1): the count survives the
+        process, so a message that kills every consumer running it can be set aside
+        after ``max_deliveries`` runs (see :class:`~dedupstore.consumers.Consumer`),
+        while an outage or a crash with the message merely in flight counts nothing.
+        The entity's ``attempts`` entry goes when the message is applied. Raises
+        ``InvalidMessageId`` (before any I/O), ``StoreUnavailable``, and
+        ``ConcurrencyConflict`` after ``max_attempts`` conflicts.
+        """
+        _validate(message)
+        mid, cid = message.id, message.correlation_id
+        key = message_key(cid, mid)
+        for _attempt in range(self.max_attempts):
+            self._kept.take(cid)  # a fresh load: the count must be the stored one
+            entity = self.entities.load(cid)
+            if mid in entity.outbox or self.dedup.has_been_processed(key):
+                return 0
+            runs = entity.attempts.get(mid, 0) + 1
+            entity.attempts[mid] = runs
+            try:
+                self.entities.save(entity)
+            except ConcurrencyConflict:
+                continue
+            except EntityTooLarge:  # a full record cannot count: the run is not recorded
+                return runs
+            self._kept.keep(entity)
+            return runs
+        raise ConcurrencyConflict(
+            f"message {mid!r:.80} of entity {cid!r:.80}: the entity kept changing while "
+            f"its attempt was recorded, for {self.max_attempts} attempts; redeliver it"
+        )
+
     def _process(
         self, message: Message, handler: Handler, dispatched: set[str], clean: bool = True
     ) -> ProcessResult:
@@ -569,6 +606,8 @@ class OutboxProcessor:
             entity.state = state
         entity.outbox[message.id] = outgoing
         entity.marks[message.id] = self._mark() if mark is None else mark
+        if entity.attempts:  # applied (or dead-lettered): its count of runs is done
+            entity.attempts.pop(message.id, None)
         return outgoing, error
 
     def _mark(self) -> EntryMark:

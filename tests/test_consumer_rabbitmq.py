@@ -167,29 +167,76 @@ def test_a_nack_requeues_and_a_classic_queue_only_says_redelivered(
         assert broker.pending() == 0
 
 
+class Crash(BaseException):
+    """What a consumer process killed by a message sees: nothing after it runs."""
+
+
 def test_a_quorum_queue_counts_deliveries_and_max_deliveries_dead_letters(
     rabbitmq_server: Server, admin: Any
 ) -> None:
+    """m0 kills every consumer that runs it (its connection drops: RabbitMQ requeues,
+    counted); m1, in flight in every crash, is processed once; m0 is dead-lettered
+    after its runs alone exceed max_deliveries=2, without running the handler again."""
     url, queue = rabbitmq_server.url, _queue()
     admin.queue_declare("dlq", durable=True)
     with open_dispatcher(url, declare_queues=True, queue_type="quorum") as dispatcher:
-        dispatcher.dispatch(_msgs(queue, 1))
-    with open_broker(url, queue=queue, queue_type="quorum") as broker:
-        for expected in (1, 2, 3):
-            [delivery] = broker.fetch(10, 1.0)
-            assert delivery.deliveries == expected
-            assert "x-delivery-count" not in delivery.headers
-            broker.nack([delivery])
-        processor, entities = _processor(url, _queue())
-        consumer = Consumer(broker, processor, count, max_deliveries=3, wait=1.0)
-        stats = consumer.run_once()
-        # never applied: the processor dead-letters it without running the handler
-        assert (stats.acked, stats.outcomes) == (1, {"dead_lettered": 1})
-        assert entities.load("o1").state == {}
-        assert broker.pending() == 0
+        dispatcher.dispatch(_msgs(queue, 2))
+    processor, entities = _processor(url, _queue())
+    runs: list[str] = []
+
+    def killing(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+        runs.append(message.id)
+        if message.id == "m0":
+            raise Crash
+        return count(state, message)
+
+    crashes = 0
+    while True:
+        broker = open_broker(url, queue=queue, queue_type="quorum")
+        try:
+            stats = Consumer(broker, processor, killing, max_deliveries=2, wait=1.0).run_once()
+            if stats.acked == 2:
+                break
+        except Crash:
+            crashes += 1
+        finally:
+            broker.close()  # the process is gone: what it held is requeued, counted
+    assert crashes == 3 and runs.count("m0") == 3, "once in the batch, then twice alone"
+    assert stats.outcomes == {"dead_lettered": 1, "processed": 1}
+    assert entities.load("o1").state == {"applied": ["m1"]}
     method, _, body = admin.basic_get("dlq", auto_ack=True)
     assert method is not None
-    assert b"max_deliveries=3" in body
+    assert b"max_deliveries=2" in body
+    with open_broker(url, queue=queue, queue_type="quorum") as broker:
+        assert broker.pending() == 0
+
+
+def test_an_outage_of_the_stores_is_held_and_counts_no_delivery(rabbitmq_server: Server) -> None:
+    """The stores unreachable for many rounds with max_deliveries=2: the deliveries stay
+    unacknowledged with the consumer (no requeue: x-delivery-count does not rise),
+    nothing is dead-lettered, and they are processed once the stores answer."""
+    url, queue = rabbitmq_server.url, _queue()
+    with open_dispatcher(url, declare_queues=True, queue_type="quorum") as dispatcher:
+        dispatcher.dispatch(_msgs(queue, 3))
+    processor, entities = _processor(url, _queue())
+    real = processor.dedup.processed_among, processor.dedup.has_been_processed
+
+    def down(*args: Any) -> Any:
+        raise StoreUnavailable("the store is down")
+
+    processor.dedup.processed_among = down  # type: ignore[method-assign]
+    processor.dedup.has_been_processed = down  # type: ignore[method-assign]
+    with open_broker(url, queue=queue, queue_type="quorum") as broker:
+        consumer = Consumer(broker, processor, count, max_deliveries=2, wait=1.0)
+        for _ in range(5):
+            stats = consumer.run_once()
+            assert (stats.acked, stats.nacked) == (0, 0), "not requeued: not counted"
+            assert stats.held == 3
+        processor.dedup.processed_among, processor.dedup.has_been_processed = real  # type: ignore[method-assign]
+        done = consumer.run_once()
+        assert (done.acked, done.outcomes) == (3, {"processed": 3})
+        assert entities.load("o1").state["applied"] == ["m0", "m1", "m2"]
+        assert broker.pending() == 0
 
 
 def _held_by_a_killed_consumer(url: str, queue: str, hold: int) -> None:

@@ -11,6 +11,7 @@ and ``test_consumer_chaos.py``.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +24,7 @@ from dedupstore import open_dispatcher, open_entity_store, open_store
 from dedupstore.consumers import Consumer, open_broker
 from dedupstore.errors import ConfigurationError
 from dedupstore.outbox import Message, OutboxProcessor, Send
+from tests.proxy import TcpProxy
 from tests.servers import Server
 
 pytestmark = pytest.mark.redis
@@ -117,48 +119,107 @@ def test_what_a_dead_consumer_left_is_reclaimed_with_its_delivery_count(
         alive.close()
 
 
-def test_a_message_nacked_too_often_is_dead_lettered_once_the_store_answers(
-    redis_server: Server, admin: redis.Redis
+@pytest.mark.parametrize("mode", ["batch", "single"])
+def test_an_outage_of_the_stores_server_sets_nothing_aside(
+    redis_server: Server, admin: redis.Redis, mode: Any
 ) -> None:
+    """The issue's case: the stores' Redis unreachable for many rounds, with
+    max_deliveries=2 and dead letters. The deliveries are held by the consumer (their
+    lease renewed, their delivery count still 1), nothing is dead-lettered, and once
+    the server answers they are processed, in order, and acknowledged."""
     tag = _tag()
     stream = f"s-{tag}"
-    admin.xadd(stream, {"id": "m1", "correlation_id": "a", "body": '{"n": 1}'})
+    for n in (1, 2, 3):
+        admin.xadd(stream, {"id": f"m{n}", "correlation_id": "a", "body": f'{{"n": {n}}}'})
     admin.xadd(stream, {"correlation_id": "a", "body": "{}"})  # no id: malformed
-    entities = open_entity_store(redis_server.url, key_prefix=f"e{tag}:")
-    dedup = open_store(redis_server.url, key_prefix=f"d{tag}:", endpoint="billing")
     letters = open_dispatcher(redis_server.url, key_prefix=f"t{tag}:")
-    processor = OutboxProcessor(entities, dedup, letters, dead_letters="dlq")
-    broker = RedisStreamsBroker(redis_server.url, stream=stream, group="g")
-    calls = {"n": 0}
-    real = dedup.processed_among
+    broker = RedisStreamsBroker(redis_server.url, stream=stream, group="g", lease=60)
+    with TcpProxy.for_url(redis_server.url) as proxy:
+        url = proxy.url(redis_server.url)
+        fast = {"timeout": 0.5, "retries": 0}
+        entities = open_entity_store(url, key_prefix=f"e{tag}:", **fast)
+        dedup = open_store(url, key_prefix=f"d{tag}:", endpoint="billing", **fast)
+        processor = OutboxProcessor(entities, dedup, letters, dead_letters="dlq")
+        try:
+            consumer = Consumer(broker, processor, count, max_deliveries=2, mode=mode)
+            proxy.outage("refuse")
+            proxy.reset()
+            for round_ in range(5):
+                stats = consumer.run_once()
+                aside = 1 if round_ == 0 else 0  # the malformed one, once
+                assert (stats.acked, stats.nacked, stats.held) == (aside, 0, 3)
+                assert stats.set_aside == aside
+            rows = admin.xpending_range(stream, "g", "-", "+", 10)
+            assert [r["times_delivered"] for r in rows] == [1, 1, 1], "never redelivered"
+            proxy.restore()
+            done = consumer.run_once()
+            assert (done.acked, done.nacked, done.held) == (3, 0, 0)
+            assert done.outcomes == {"processed": 3}
+            assert entities.load("a").state["applied"] == ["m1", "m2", "m3"]
+            assert len(admin.xrange(letters.stream_key("dlq"))) == 1  # the malformed one
+            assert admin.xpending(stream, "g")["pending"] == 0
+        finally:
+            for client in (broker, letters, entities, dedup):
+                client.close()
 
-    def down(keys: Any) -> Any:
-        calls["n"] += 1
-        from dedupstore.errors import StoreUnavailable
 
-        raise StoreUnavailable("down")
-
-    dedup.processed_among = down  # type: ignore[method-assign]
+def test_keep_renews_the_lease_without_counting_a_delivery(
+    redis_server: Server, admin: redis.Redis
+) -> None:
+    stream = f"s-{_tag()}"
+    admin.xadd(stream, {"id": "m1", "correlation_id": "a", "body": "{}"})
+    broker = RedisStreamsBroker(redis_server.url, stream=stream, group="g", lease=60)
     try:
-        consumer = Consumer(broker, processor, count, max_deliveries=2)
-        first = consumer.run_once()
-        assert (first.set_aside, first.nacked) == (1, 1)
-        second = consumer.run_once()
-        assert second.nacked == 1
-        # the third delivery of m1: too often, but whether it was applied is unknown
-        # while the store is down, so it is not dead-lettered blindly
-        third = consumer.run_once()
-        assert (third.set_aside, third.acked, third.nacked) == (0, 0, 1)
-        dedup.processed_among = real  # type: ignore[method-assign]
-        fourth = consumer.run_once()  # the store answers: not applied, dead-lettered
-        assert (fourth.acked, fourth.nacked, fourth.outcomes) == (1, 0, {"dead_lettered": 1})
-        dlq = admin.xrange(letters.stream_key("dlq"))
-        assert len(dlq) == 2
-        assert admin.xpending(stream, "g")["pending"] == 0
-        assert entities.load("a").state == {}
+        (delivery,) = broker.fetch(10, 0)
+        time.sleep(0.3)  # the entry idles 0.3 s
+        (before,) = admin.xpending_range(stream, "g", "-", "+", 1)
+        broker.keep([delivery])
+        (after,) = admin.xpending_range(stream, "g", "-", "+", 1)
+        assert before["time_since_delivered"] >= 300 > after["time_since_delivered"]
+        assert after["times_delivered"] == 1
     finally:
-        for client in (broker, letters, entities, dedup):
-            client.close()
+        broker.close()
+
+
+def test_a_consumer_restarted_under_its_name_takes_back_what_it_held_at_once(
+    redis_server: Server, admin: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A consumer named ``c1`` died holding two entries; its next process under the
+    same name takes them back at its first fetch (counted), not after the lease."""
+    stream = f"s-{_tag()}"
+    for n in (1, 2, 3):
+        admin.xadd(stream, {"id": f"m{n}", "correlation_id": "a", "body": "{}"})
+    first = RedisStreamsBroker(redis_server.url, stream=stream, group="g", consumer="c1")
+    assert [d.headers["id"] for d in first.fetch(2, 0)] == ["m1", "m2"]
+    first.close()  # died: nothing acknowledged
+    again = RedisStreamsBroker(redis_server.url, stream=stream, group="g", consumer="c1", lease=600)
+    try:
+        with caplog.at_level("INFO", logger="dedupstore.consumers"):
+            taken = again.fetch(10, 0)
+        assert [(d.headers["id"], d.deliveries) for d in taken] == [("m1", 2), ("m2", 2)]
+        assert "taking back 2 deliveries" in caplog.text
+        assert [d.headers["id"] for d in again.fetch(10, 0)] == ["m3"]
+    finally:
+        again.close()
+
+
+def test_deliveries_waiting_for_a_lease_are_logged(
+    redis_server: Server, admin: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    stream = f"s-{_tag()}"
+    admin.xadd(stream, {"id": "m1", "correlation_id": "a", "body": "{}"})
+    dead = RedisStreamsBroker(redis_server.url, stream=stream, group="g", consumer="dead")
+    dead.fetch(1, 0)
+    dead.close()
+    time.sleep(1.1)  # idle beyond 1 s, a tenth of the lease at most
+    alive = RedisStreamsBroker(redis_server.url, stream=stream, group="g", lease=10)
+    try:
+        with caplog.at_level("INFO", logger="dedupstore.consumers"):
+            assert alive.reclaim(10) == []
+        assert "1 deliveries held by dead" in caplog.text
+        assert "wait for their lease (10.0 s)" in caplog.text
+    finally:
+        alive.close()
 
 
 def test_the_group_start_and_creation_are_options(redis_server: Server, admin: redis.Redis) -> None:

@@ -85,6 +85,14 @@ class ListBroker(Broker):
     def pending(self) -> int | None:
         return len(self.pending_tokens) + len(self.ready)
 
+    def restart(self) -> None:
+        """The consumer died: what it held comes again (counted at the next fetch)."""
+        self.ready[:0] = sorted(self.pending_tokens - set(self.ready))
+
+
+class Crash(BaseException):
+    """What a consumer process killed by a message sees: nothing after it runs."""
+
 
 def deposit(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
     """Adds the amount; a negative amount is poison (the handler raises)."""
@@ -149,7 +157,9 @@ def test_everything_done_is_acknowledged_after_it_was_processed(mode: Any) -> No
 
 
 @pytest.mark.parametrize("mode", ["batch", "single"])
-def test_a_round_the_store_cannot_answer_is_nacked_then_done_on_redelivery(mode: Any) -> None:
+def test_a_round_the_store_cannot_answer_is_held_then_done_without_a_redelivery(
+    mode: Any,
+) -> None:
     broker = ListBroker([entry(f"m{n}", "acct", n) for n in range(1, 4)])
     processor, sent = _processor()
     real = processor.dedup.processed_among, processor.dedup.has_been_processed
@@ -163,12 +173,13 @@ def test_a_round_the_store_cannot_answer_is_nacked_then_done_on_redelivery(mode:
     processor.dedup.has_been_processed = down  # type: ignore[method-assign]
     consumer = Consumer(broker, processor, deposit, mode=mode)
     first = consumer.run_once()
-    assert (first.acked, first.nacked, first.failures) == (0, 3, 1)
-    assert broker.acked == [] and sorted(broker.nacked) == [1, 2, 3]
+    assert (first.acked, first.nacked, first.held, first.failures) == (0, 0, 3, 1)
+    assert broker.acked == [] and broker.nacked == []
     assert calls["n"] >= 1 and processor.entities.load("acct").state == {}
     processor.dedup.processed_among, processor.dedup.has_been_processed = real  # type: ignore[method-assign]
     second = consumer.run_once()
-    assert (second.acked, second.nacked, second.failures) == (3, 0, 0)
+    assert (second.acked, second.nacked, second.held, second.failures) == (3, 0, 0, 0)
+    assert broker.counts == {1: 1, 2: 1, 3: 1}, "held, never delivered again"
     assert processor.entities.load("acct").state["applied"] == ["m1", "m2", "m3"]
     assert len(sent.sent) == 3
 
@@ -268,21 +279,35 @@ def test_message_rules_name_the_token_and_what_is_wrong() -> None:
         MessageRules(id="")
 
 
-def test_a_message_delivered_too_often_is_dead_lettered_by_the_processor_once() -> None:
-    broker = ListBroker([entry("m1", "acct", 1), entry("m2", "acct", 2)])
-    broker.counts = {1: 5, 2: 4}  # m1 comes now for the 6th time, m2 for the 5th
+@pytest.mark.parametrize("mode", ["batch", "single"])
+def test_a_message_that_kills_every_consumer_running_it_is_dead_lettered_once(mode: Any) -> None:
+    """The case ``max_deliveries`` exists for: each run of m1 kills its consumer. It is
+    set aside after its runs alone exceed the limit; the rest of its batch, in flight in
+    every crash, is processed once and set aside never."""
+    broker = ListBroker([entry("m1", "acct", 1), *(entry(f"m{n}", "b", n) for n in range(2, 6))])
     processor, sent = _processor()
-    calls: list[str] = []
+    runs: list[str] = []
 
-    def handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
-        calls.append(message.id)
+    def killing(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+        runs.append(message.id)
+        if message.id == "m1":
+            raise Crash
         return deposit(state, message)
 
-    consumer = Consumer(broker, processor, handler, max_deliveries=5)
-    stats = consumer.run_once()
-    assert calls == ["m2"]  # the handler never sees a message delivered too often
-    assert (stats.acked, stats.outcomes) == (2, {"dead_lettered": 1, "processed": 1})
-    assert processor.entities.load("acct").state["applied"] == ["m2"]
+    crashes = 0
+    while True:
+        consumer = Consumer(broker, processor, killing, max_deliveries=2, mode=mode)
+        try:
+            stats = consumer.run_once()
+            break
+        except Crash:
+            crashes += 1
+            broker.restart()  # a new consumer process
+    assert crashes == 3 and runs.count("m1") == 3, "once in the batch, then twice alone"
+    assert stats.outcomes == {"dead_lettered": 1, "processed": 4} and stats.isolated == 5
+    assert sorted(broker.acked) == [1, 2, 3, 4, 5]
+    assert processor.entities.load("b").state["balance"] == 2 + 3 + 4 + 5
+    assert processor.entities.load("acct").attempts == {}, "the count goes with the letter"
     (letter,) = [m for m in sent.sent if m.destination == "dlq"]
     assert letter.id == outgoing_id("billing", "acct", "m1", -1)
     assert letter.body["message"] == {
@@ -292,17 +317,80 @@ def test_a_message_delivered_too_often_is_dead_lettered_by_the_processor_once() 
         "headers": {},
     }
     assert letter.body["error"]["type"].endswith("MaxDeliveriesExceeded")
-    assert "max_deliveries=5" in letter.body["error"]["text"]
+    assert "max_deliveries=2" in letter.body["error"]["text"]
     # redelivered again (the ack was lost): recorded, so not a second dead letter
     broker.add(*entry("m1", "acct", 1))
-    broker.counts[3] = 9
-    again = consumer.run_once()
-    assert again.acked == 1 and "processed" not in again.outcomes
+    broker.counts[6] = 9
+    again = Consumer(broker, processor, deposit, max_deliveries=2).run_once()
+    assert again.acked == 1 and again.outcomes == {"duplicate": 1}
     assert {m.id for m in sent.sent if m.destination == "dlq"} == {letter.id}
     # the redrive applies it exactly once
     assert processor.redrive(letter, deposit).outcome == "processed"
     assert processor.redrive(letter, deposit).outcome == "duplicate"
-    assert processor.entities.load("acct").state["balance"] == 3
+    assert processor.entities.load("acct").state["balance"] == 1
+
+
+@pytest.mark.parametrize("mode", ["batch", "single"])
+def test_consumers_that_crash_with_a_batch_in_flight_set_nothing_aside(mode: Any) -> None:
+    """Three crashes in a row with the same messages in flight (counts reach 4, above
+    max_deliveries=2), none caused by a message: each kills the process once, while
+    one message or another runs. Everything is processed once; nothing is set aside."""
+    broker = ListBroker([entry(f"m{n}", f"acct-{n % 2}", n) for n in range(1, 7)])
+    processor, sent = _processor()
+    calls: dict[str, int] = {}
+    kills = {"m3", "m5", "m6"}  # the first run of each is killed: random crashes
+
+    def crashing(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+        calls[message.id] = calls.get(message.id, 0) + 1
+        if message.id in kills and calls[message.id] == 1:
+            raise Crash
+        return deposit(state, message)
+
+    crashes = 0
+    while True:
+        try:
+            stats = Consumer(broker, processor, crashing, max_deliveries=2, mode=mode).run_once()
+            break
+        except Crash:
+            crashes += 1
+            broker.restart()
+    assert crashes == 3 and broker.counts[5] == broker.counts[6] == 4
+    assert "dead_lettered" not in stats.outcomes
+    assert sorted(broker.acked) == [1, 2, 3, 4, 5, 6]
+    assert not [m for m in sent.sent if m.destination == "dlq"]
+    assert processor.entities.load("acct-1").state["balance"] == 1 + 3 + 5
+    assert processor.entities.load("acct-0").state["balance"] == 2 + 4 + 6
+
+
+@pytest.mark.parametrize("mode", ["batch", "single"])
+def test_an_outage_of_many_rounds_sets_nothing_aside_and_keeps_the_order(mode: Any) -> None:
+    """The issue's case: the store down for many rounds with max_deliveries=2. Nothing
+    is dead-lettered, nothing redelivered, and an entity's messages apply in order."""
+    broker = ListBroker([entry(f"m{n}", "acct", n) for n in range(1, 5)])
+    processor, sent = _processor()
+    real = processor.entities.load_many, processor.entities.load
+    down = {"on": True}
+
+    def failing(real_call: Any) -> Any:
+        def call(*args: Any) -> Any:
+            if down["on"]:
+                raise StoreUnavailable("the store is down")
+            return real_call(*args)
+
+        return call
+
+    processor.entities.load_many = failing(real[0])  # type: ignore[method-assign]
+    processor.entities.load = failing(real[1])  # type: ignore[method-assign]
+    consumer = Consumer(broker, processor, deposit, max_deliveries=2, mode=mode, batch_size=3)
+    for _ in range(8):
+        stats = consumer.run_once()
+        assert (stats.acked, stats.nacked, stats.held) == (0, 0, 3)
+    assert broker.nacked == [] and broker.counts == {1: 1, 2: 1, 3: 1}
+    down["on"] = False
+    first, second = consumer.run_once(), consumer.run_once()
+    assert (first.acked, second.acked, first.held + second.held) == (3, 1, 0)
+    assert processor.entities.load("acct").state["applied"] == ["m1", "m2", "m3", "m4"]
+    assert not [m for m in sent.sent if m.destination == "dlq"]
 
 
 def test_a_message_applied_before_but_delivered_too_often_is_a_duplicate() -> None:
@@ -346,7 +434,7 @@ def test_max_deliveries_needs_dead_letters_and_options_are_checked() -> None:
         Consumer(object(), good, deposit)  # type: ignore[arg-type]
 
 
-def test_dead_letters_that_cannot_be_dispatched_are_left_for_redelivery() -> None:
+def test_dead_letters_that_cannot_be_dispatched_are_held_for_the_next_round() -> None:
     class Down:
         def dispatch(self, messages: Sequence[OutgoingMessage]) -> None:
             raise StoreUnavailable("the broker is down")
@@ -354,7 +442,7 @@ def test_dead_letters_that_cannot_be_dispatched_are_left_for_redelivery() -> Non
     broker = ListBroker([("{", {"id": "m1", "correlation_id": "acct"})])
     processor, _ = _processor(dispatcher=Down())
     stats = Consumer(broker, processor, deposit).run_once()
-    assert (stats.acked, stats.nacked, stats.set_aside) == (0, 1, 0)
+    assert (stats.acked, stats.nacked, stats.held, stats.set_aside) == (0, 0, 1, 0)
 
 
 def test_a_configuration_error_leaves_the_round_and_ends_the_loop() -> None:

@@ -48,6 +48,7 @@ stopped processes with ``XGROUP DELCONSUMER`` once they hold nothing pending.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -64,6 +65,8 @@ from dedupstore.consumers import Broker, Delivery
 from dedupstore.errors import ConfigurationError
 from dedupstore.options import Option, Options, OptionSet, boolean, optional, seconds, text
 from dedupstore.urls import StoreURL
+
+_log = logging.getLogger("dedupstore.consumers")
 
 __all__ = ["RedisStreamsBroker"]
 
@@ -124,6 +127,10 @@ class RedisStreamsBroker(Client, Broker):
         self._nacked: list[str] = []
         self._cursor = "0-0"
         self._next_scan = float("-inf")
+        # A consumer named by the user may be this name's earlier process: what that one
+        # held pending is taken back at the first fetches, not after the lease.
+        self._resume: str | None = "-" if opts["consumer"] else None
+        self._waiting = 0  # deliveries last seen waiting for a lease (logged on change)
         self._redis.probe(self, "")
         self._ensure_group()
 
@@ -170,6 +177,8 @@ class RedisStreamsBroker(Client, Broker):
         """Nacked entries first (claimed back, counted), then new ones (``XREADGROUP >``)."""
         self._check_open()
         with self._translating_errors("fetch"):
+            if self._resume is not None:
+                self._take_back_own(max_count)
             if self._nacked:
                 ids: list[Any] = self._nacked[:max_count]
                 self._nacked = self._nacked[max_count:]
@@ -191,6 +200,28 @@ class RedisStreamsBroker(Client, Broker):
         entries = [entry for _, stream_entries in reply or [] for entry in stream_entries]
         return [self._delivery(entry, 1) for entry in entries if entry[1] is not None]
 
+    def _take_back_own(self, max_count: int) -> None:
+        """Queue (as nacked: claimed, counted) up to ``max_count`` entries pending with
+        this consumer's name: an earlier process of that name died holding them."""
+        start = self._resume
+        assert start is not None
+        rows = self._redis.read(
+            lambda: self._redis.client.xpending_range(
+                self.stream, self.group, start, "+", max_count, self.consumer
+            )
+        )
+        ids = [text_of(row["message_id"]) for row in rows]
+        self._resume = f"({ids[-1]}" if len(ids) == max_count else None
+        if ids:
+            _log.info(
+                "consumer %s of group %s: taking back %d deliveries this name held before "
+                "it restarted",
+                self.consumer,
+                self.group,
+                len(ids),
+            )
+            self._nacked.extend(ids)
+
     def ack(self, deliveries: Sequence[Delivery]) -> None:
         """``XACK`` their entry ids (idempotent)."""
         self._check_open()
@@ -198,6 +229,19 @@ class RedisStreamsBroker(Client, Broker):
             ids = [d.token for d in deliveries]
             with self._translating_errors("ack"):
                 self._redis.read(lambda: self._redis.client.xack(self.stream, self.group, *ids))
+
+    def keep(self, deliveries: Sequence[Delivery]) -> None:
+        """Renew their lease: ``XCLAIM ... JUSTID`` to this consumer resets their idle
+        time without counting a delivery, so no other consumer reclaims them."""
+        self._check_open()
+        if deliveries:
+            ids = [d.token for d in deliveries]
+            with self._translating_errors("keep"):
+                self._redis.read(
+                    lambda: self._redis.client.xclaim(
+                        self.stream, self.group, self.consumer, 0, ids, justid=True
+                    )
+                )
 
     def nack(self, deliveries: Sequence[Delivery]) -> None:
         """Claimed back (``XCLAIM``, counted) at the next fetch; if this process dies
@@ -228,7 +272,35 @@ class RedisStreamsBroker(Client, Broker):
             self._cursor = cursor
             if cursor == "0-0" and not entries:
                 self._next_scan = time.monotonic() + self._lease_ms / 10000
+                self._report_waiting()
             return self._deliveries(entries)
+
+    def _report_waiting(self) -> None:
+        """Log (INFO, when it changes) the entries idle for more than a tenth of the
+        lease in other consumers' hands: most likely held by a consumer that died, they
+        wait for the lease to run out before this consumer takes them over."""
+        idle = max(self._lease_ms // 10, 1000)
+        rows = self._redis.read(
+            lambda: self._redis.client.xpending_range(
+                self.stream, self.group, "-", "+", 1000, idle=idle
+            )
+        )
+        waiting = [r for r in rows if text_of(r["consumer"]) != self.consumer]
+        if len(waiting) != self._waiting:
+            self._waiting = len(waiting)
+            if waiting:
+                holders = sorted({text_of(r["consumer"]) for r in waiting})
+                longest = max(int(r["time_since_delivered"]) for r in waiting) / 1000
+                _log.info(
+                    "consumer %s of group %s: %s deliveries held by %s, idle for up to "
+                    "%.1f s, wait for their lease (%.1f s) before they are taken over",
+                    self.consumer,
+                    self.group,
+                    f"{len(waiting)}+" if len(rows) == 1000 else len(waiting),
+                    ", ".join(holders[:5]) + (" and others" if len(holders) > 5 else ""),
+                    longest,
+                    self._lease_ms / 1000,
+                )
 
     def pending(self) -> int | None:
         """Entries pending in the group plus those not delivered yet (its lag)."""

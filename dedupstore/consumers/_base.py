@@ -63,6 +63,13 @@ class Broker(Closing, abc.ABC):
     def nack(self, deliveries: Sequence[Delivery]) -> None:
         """``deliveries`` are not done: deliver them again (later, maybe elsewhere)."""
 
+    def keep(self, deliveries: Sequence[Delivery]) -> None:
+        """``deliveries`` are still this consumer's (an outage stopped them; the loop
+        runs them again): keep them from being redelivered elsewhere, without counting
+        a delivery. The default does nothing: for brokers that keep an unacknowledged
+        delivery with its consumer while the consumer lives (RabbitMQ, Kafka).
+        """
+
     def reclaim(self, max_count: int) -> list[Delivery]:
         """Up to ``max_count`` deliveries a dead consumer left, now this one's.
 

@@ -1,11 +1,12 @@
 """The consume loop: :class:`Consumer`.
 
-Each round (:meth:`Consumer.run_once`): reclaim what a dead consumer left, fetch new
-deliveries (together at most ``batch_size``), set aside those that cannot become a
-message (a dead letter, then acknowledged), run the others through the
-:class:`~dedupstore.outbox.OutboxProcessor` (those delivered too often with a handler
-that refuses them: dead-lettered unless already done), acknowledge what is done and
-leave the rest for redelivery. :meth:`Consumer.run` repeats rounds until
+Each round (:meth:`Consumer.run_once`): take again what an outage left held, reclaim
+what a dead consumer left, fetch new deliveries (together at most ``batch_size``), set
+aside those that cannot become a message (a dead letter, then acknowledged), run
+alone, one by one, those a consumer died holding (their runs counted in their entity:
+after ``max_deliveries`` runs, dead-lettered), run the others through the
+:class:`~dedupstore.outbox.OutboxProcessor`, acknowledge what is done and hold what an
+outage stopped for the next round. :meth:`Consumer.run` repeats rounds until
 :meth:`Consumer.stop` (or SIGTERM/SIGINT), backing off after a round that failed.
 """
 
@@ -30,6 +31,7 @@ from dedupstore.entities import OutgoingMessage
 from dedupstore.errors import (
     ConfigurationError,
     ConsistencyError,
+    EntityTooLarge,
     HandlerError,
     MalformedDelivery,
     StoreClosed,
@@ -62,6 +64,10 @@ class MaxDeliveriesExceeded(Exception):
 
 #: Errors that no retry fixes: the loop leaves the batch for redelivery and raises.
 _FATAL = (ConfigurationError, ConsistencyError, StoreClosed)
+#: Errors of one message that no retry of it fixes (raised only without the
+#: processor's ``dead_letters``, which sets such a message aside): the batch is run
+#: message by message so that only that message is left, and the others go on.
+_MESSAGE_ERRORS = (HandlerError, EntityTooLarge)
 
 
 @dataclass
@@ -70,10 +76,15 @@ class ConsumeStats:
 
     ``fetched``: new deliveries; ``reclaimed``: taken over from a dead consumer;
     ``acked``: done and acknowledged (processed, duplicate, redispatched,
-    dead-lettered or set aside); ``nacked``: left for redelivery; ``set_aside``:
-    malformed deliveries (dead-lettered by the consumer, then acked);
-    ``failures``: rounds in which something was left for redelivery; ``outcomes``:
-    the processor's outcomes by name.
+    dead-lettered or set aside); ``nacked``: given back to the broker for
+    redelivery (a message whose handler raised, without ``dead_letters``);
+    ``held``: stopped by an outage (a store or dispatcher that could not answer, a
+    conflict that persisted) and kept by this consumer for its next round, never
+    given back (so no broker delivery count rises); ``set_aside``: malformed
+    deliveries (dead-lettered by the consumer, then acked); ``isolated``:
+    deliveries a consumer died holding, run alone with their run counted;
+    ``failures``: rounds in which something was nacked or held; ``outcomes``: the
+    processor's outcomes by name.
     """
 
     rounds: int = 0
@@ -81,13 +92,24 @@ class ConsumeStats:
     reclaimed: int = 0
     acked: int = 0
     nacked: int = 0
+    held: int = 0
     set_aside: int = 0
+    isolated: int = 0
     failures: int = 0
     outcomes: dict[str, int] = field(default_factory=dict)
 
     def add(self, other: ConsumeStats) -> None:
         """Add ``other``'s counts to these."""
-        for name in ("rounds", "fetched", "reclaimed", "acked", "nacked", "set_aside"):
+        for name in (
+            "rounds",
+            "fetched",
+            "reclaimed",
+            "acked",
+            "nacked",
+            "held",
+            "set_aside",
+            "isolated",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.failures += other.failures
         for outcome, n in other.outcomes.items():
@@ -115,22 +137,40 @@ class Consumer:
 
     Guarantees: a delivery is acknowledged only once it is done, i.e. the
     processor returned for it (``processed``, ``duplicate``, ``redispatched``,
-    ``dead_lettered``) or it was set aside (its dead letter dispatched); anything
-    else (``StoreUnavailable``, a conflict that persisted, a dispatcher that
-    raised, a crash) leaves it for redelivery, and the loop backs off (jittered
-    exponential, at most ``max_backoff`` seconds). A delivery that
-    ``rules`` cannot turn into a message is set aside once: one dead letter to the
-    processor's ``dead_letters`` with a deterministic id (a redelivery dispatches
-    the same id and bytes), then acknowledged. A message delivered more than
-    ``max_deliveries`` times is handed to the processor with a handler that refuses
-    it: a duplicate if an earlier delivery applied it, else dead-lettered by the
+    ``dead_lettered``) or it was set aside (its dead letter dispatched).
+
+    **Outages are never poison.** A delivery that an outage stopped
+    (``StoreUnavailable`` from a store or the dispatcher, a conflict that
+    persisted, any error that is not the message's own) is *held*: this consumer
+    keeps it (:meth:`Broker.keep <dedupstore.consumers.Broker.keep>` keeps its lease)
+    and runs it first in its next round, after a jittered exponential backoff (at
+    most ``max_backoff`` seconds), in order before later deliveries of its entity.
+    It is never given back to the broker, so no broker delivery count rises with an
+    outage, however long.
+
+    **A message that kills its consumer is set aside.** A delivery whose broker
+    count is above 1 was held by a consumer that died (or lost its lease). Before
+    running it, the loop records the run in the message's entity
+    (:meth:`OutboxProcessor.begin_attempt
+    <dedupstore.outbox.OutboxProcessor.begin_attempt>`) and runs it alone, with no
+    other handler running in this process, so a crash counts only against the
+    message that was running. Once a message's recorded runs would exceed
+    ``max_deliveries``, it is handed to the processor with a handler that refuses
+    it: a duplicate if an earlier run applied it, else dead-lettered by the
     processor exactly once (recorded in its entity, so ``redrive`` applies it once)
-    without running the handler that may have killed the earlier consumers.
-    ``mode="batch"`` runs ``process_batch`` over the
-    round (a batch whose handler raises without ``dead_letters`` is run message by
-    message, so only the poison one is left); ``"single"`` runs ``process`` per
-    message. :meth:`stop` (and SIGTERM/SIGINT under :meth:`run`) ends the loop after
-    the round in flight is processed and acknowledged.
+    without running the handler that killed the earlier consumers. A crash with a
+    batch merely in flight, or an outage, counts nothing. Brokers that do not count
+    deliveries (Kafka) isolate nothing: ``max_deliveries`` does not apply there.
+
+    A delivery that ``rules`` cannot turn into a message is set aside once: one
+    dead letter to the processor's ``dead_letters`` with a deterministic id (a
+    redelivery dispatches the same id and bytes), then acknowledged.
+    ``mode="batch"`` runs ``process_batch`` over the round (a batch with a message
+    that fails on its own, a handler that raises or an entity that cannot hold it,
+    without ``dead_letters``, is run message by message, so only that message is
+    given back, with ``nack``); ``"single"`` runs ``process`` per message.
+    :meth:`stop` (and SIGTERM/SIGINT under :meth:`run`) ends the loop after the
+    round in flight is processed and acknowledged; what is held then is given back.
     """
 
     def __init__(
@@ -181,6 +221,10 @@ class Consumer:
         self._stopping = threading.Event()
         self._failures = 0  # consecutive rounds that left something for redelivery
         self._pending_read = float("-inf")
+        #: deliveries an outage stopped, run first in the next round (never nacked)
+        self._held: list[Delivery] = []
+        #: ``id()`` of held deliveries whose run was recorded (not recorded again)
+        self._counted: set[int] = set()
 
     @property
     def consumer(self) -> str:
@@ -218,8 +262,24 @@ class Consumer:
                     )
                 if self._failures and not self._stopping.is_set():
                     self._pause()
+        self.release()
         metrics.set_pending(self.consumer, self.broker.kind, None)
         return totals
+
+    def release(self) -> None:
+        """Give back to the broker what an outage left held (:meth:`run` does on
+        return); a broker that cannot answer redelivers them anyway (after the lease)."""
+        held, self._held = self._held, []
+        if held:
+            try:
+                self.broker.nack(held)
+            except Exception as exc:  # noqa: BLE001 - redelivered after the lease anyway
+                _log.warning(
+                    "consumer %s: giving back %d held deliveries failed (%s)",
+                    self.consumer,
+                    len(held),
+                    format_error(exc),
+                )
 
     def stop(self) -> None:
         """End :meth:`run` after the round in flight (processed and acknowledged)."""
@@ -263,86 +323,161 @@ class Consumer:
         """
         stats = ConsumeStats(rounds=1)
         kind = self.broker.kind
-        reclaimed = self.broker.reclaim(self.batch_size)
-        room = self.batch_size - len(reclaimed)
-        fetched = self.broker.fetch(room, 0.0 if reclaimed else self.wait) if room > 0 else []
+        held, self._held = self._held, []
+        try:
+            if held:
+                self.broker.keep(held)  # still this consumer's: its lease renewed
+            room = self.batch_size - len(held)
+            reclaimed = self.broker.reclaim(room) if room > 0 else []
+            room -= len(reclaimed)
+            busy = held or reclaimed
+            fetched = self.broker.fetch(room, 0.0 if busy else self.wait) if room > 0 else []
+        except BaseException:
+            self._held = held  # still held: the broker failed, not the deliveries
+            raise
         stats.reclaimed, stats.fetched = len(reclaimed), len(fetched)
         metrics.count_deliveries(self.consumer, kind, "reclaimed", len(reclaimed))
         metrics.count_deliveries(self.consumer, kind, "fetched", len(fetched))
-        deliveries = [*reclaimed, *fetched]
+        deliveries = [*held, *reclaimed, *fetched]
         if deliveries:
-            done, left = self._handle(deliveries, stats)
+            done, left, kept = self._handle(deliveries, stats, {id(d) for d in held})
+            self._held = kept
             if done:
                 self.broker.ack(done)
             if left:
                 self.broker.nack(left)
-            stats.acked, stats.nacked = len(done), len(left)
+            stats.acked, stats.nacked, stats.held = len(done), len(left), len(kept)
             metrics.count_deliveries(self.consumer, kind, "acked", len(done))
             metrics.count_deliveries(self.consumer, kind, "nacked", len(left))
-            stats.failures = int(bool(left))
-            self._failures = self._failures + 1 if left else 0
+            metrics.count_deliveries(self.consumer, kind, "held", len(kept))
+            stats.failures = int(bool(left or kept))
+            self._failures = self._failures + 1 if left or kept else 0
         self._report_pending()
         return stats
 
     def _handle(
-        self, deliveries: list[Delivery], stats: ConsumeStats
-    ) -> tuple[list[Delivery], list[Delivery]]:
-        """Set aside, process; the deliveries done and those left for redelivery."""
+        self, deliveries: list[Delivery], stats: ConsumeStats, held: set[int]
+    ) -> tuple[list[Delivery], list[Delivery], list[Delivery]]:
+        """Set aside, run alone, process: the deliveries done, those given back
+        (nack), and those an outage stopped (held for the next round)."""
         aside: list[tuple[Delivery, OutgoingMessage, str]] = []
+        alone: list[tuple[Delivery, Message]] = []
         work: list[tuple[Delivery, Message]] = []
-        exceeded: dict[tuple[str, str], int] = {}
         for delivery in deliveries:
             try:
                 message = self.rules.message(delivery)
             except MalformedDelivery as exc:
                 aside.append((delivery, *self._malformed_letter(delivery, exc)))
                 continue
-            count = delivery.deliveries
-            limit = self.max_deliveries
-            if limit is not None and count is not None and count > limit:
-                # Not the consumer's to judge: the processor knows whether the message
-                # was applied already (then a duplicate) and, if not, dead-letters it
-                # exactly once, recorded in its entity (so a redrive applies it once).
-                exceeded[(message.correlation_id, message.id)] = count
-                _log.warning(
-                    "consumer %s: message %r of entity %r was delivered %d times "
-                    "(max_deliveries=%s); dead-lettered unless already done",
-                    self.consumer,
-                    message.id,
-                    message.correlation_id,
-                    count,
-                    limit,
-                )
-            work.append((delivery, message))
+            if self._suspect(delivery, held):
+                alone.append((delivery, message))
+            else:
+                work.append((delivery, message))
         done: list[Delivery] = []
         left: list[Delivery] = []
+        kept: list[Delivery] = []
         fatal: BaseException | None = None
         try:
             if aside:
-                self._set_aside(aside, done, left, stats)
-            if work:
-                handler = self._refusing(exceeded) if exceeded else self.handler
+                self._set_aside(aside, done, left, kept, stats)
+            if alone:  # first: a consumer died holding them, so they are the older
+                self._alone(alone, done, left, kept, stats)
+            if kept:  # an outage: the rest waits too, in order behind what it stopped
+                self._hold(work, kept, None)
+            elif work:
                 if self.mode == "batch":
-                    self._batch(work, handler, done, left, stats)
+                    self._batch(work, done, left, kept, stats)
                 else:
-                    self._single(work, handler, done, left, stats)
+                    self._single(work, self.handler, done, left, kept, stats)
         except _FATAL as exc:
             fatal = exc
             settled = {id(d) for d in (*done, *left)}
             left.extend(d for d in deliveries if id(d) not in settled)
+            kept = []
+        kept_ids = {id(d) for d in kept}
+        self._counted &= kept_ids  # a recorded run stays recorded while held
         if fatal is not None:
             if done:
                 self.broker.ack(done)
             if left:
                 self.broker.nack(left)
             raise fatal
-        return done, left
+        return done, left, kept
+
+    def _suspect(self, delivery: Delivery, held: set[int]) -> bool:
+        """Whether a consumer died holding ``delivery`` (its broker count is above 1,
+        and not because this consumer holds it through an outage): then it runs alone,
+        its run counted (only where ``max_deliveries`` applies)."""
+        count = delivery.deliveries
+        if self.max_deliveries is None or count is None or count <= 1:
+            return False
+        return id(delivery) not in held or id(delivery) in self._counted
+
+    def _alone(
+        self,
+        alone: list[tuple[Delivery, Message]],
+        done: list[Delivery],
+        left: list[Delivery],
+        kept: list[Delivery],
+        stats: ConsumeStats,
+    ) -> None:
+        """Run each delivery alone: its run recorded in its entity first; once the
+        recorded runs exceed ``max_deliveries``, the handler refuses it."""
+        limit = self.max_deliveries
+        assert limit is not None
+        for index, (delivery, message) in enumerate(alone):
+            handler = self.handler
+            try:
+                if id(delivery) not in self._counted:
+                    runs = self.processor.begin_attempt(message)
+                    self._counted.add(id(delivery))
+                    if runs > limit:
+                        handler = self._refusing(message, runs - 1)
+                        _log.warning(
+                            "consumer %s: message %r of entity %r was being run by a consumer "
+                            "that died, %d times (max_deliveries=%d); dead-lettered unless "
+                            "already done",
+                            self.consumer,
+                            message.id,
+                            message.correlation_id,
+                            runs - 1,
+                            limit,
+                        )
+                    elif runs:
+                        _log.info(
+                            "consumer %s: message %r of entity %r (delivery %s, %d deliveries) "
+                            "was held by a consumer that stopped; running it alone, run %d of "
+                            "at most %d",
+                            self.consumer,
+                            message.id,
+                            message.correlation_id,
+                            delivery.token,
+                            delivery.deliveries,
+                            runs,
+                            limit,
+                        )
+                result = self.processor.process(message, handler)
+            except _MESSAGE_ERRORS as exc:
+                _log.warning(
+                    "consumer %s: %s; given back for redelivery", self.consumer, format_error(exc)
+                )
+                left.append(delivery)
+                continue
+            except _FATAL:
+                raise
+            except Exception as exc:  # noqa: BLE001 - an outage: held with the rest
+                self._hold(alone[index:], kept, exc)
+                return
+            stats.isolated += 1
+            stats.outcomes[result.outcome] = stats.outcomes.get(result.outcome, 0) + 1
+            done.append(delivery)
 
     def _set_aside(
         self,
         aside: list[tuple[Delivery, OutgoingMessage, str]],
         done: list[Delivery],
         left: list[Delivery],
+        kept: list[Delivery],
         stats: ConsumeStats,
     ) -> None:
         if self.processor.dead_letters is None:
@@ -360,16 +495,17 @@ class Consumer:
             self.processor.dispatcher.dispatch([letter for _, letter, _ in aside])
         except _FATAL:
             raise
-        except Exception as exc:  # noqa: BLE001 - not sent: redelivered, set aside later
+        except Exception as exc:  # noqa: BLE001 - not sent: held, set aside next round
             metrics.count_dispatch_failure(self.consumer, exc)
             _log.warning(
-                "consumer %s: dispatching %d dead letter(s) failed (%s: %s); left for redelivery",
+                "consumer %s: dispatching %d dead letter(s) failed (%s: %s); held for the "
+                "next round",
                 self.consumer,
                 len(aside),
                 type(exc).__name__,
                 format_error(exc),
             )
-            left.extend(d for d, _, _ in aside)
+            kept.extend(d for d, _, _ in aside)
             return
         for delivery, letter, reason in aside:
             _log.warning(
@@ -387,20 +523,20 @@ class Consumer:
     def _batch(
         self,
         work: list[tuple[Delivery, Message]],
-        handler: Handler,
         done: list[Delivery],
         left: list[Delivery],
+        kept: list[Delivery],
         stats: ConsumeStats,
     ) -> None:
         try:
-            results = self.processor.process_batch([m for _, m in work], handler)
-        except HandlerError:  # no dead_letters: run them one by one, leave only the poison
-            self._single(work, handler, done, left, stats)
+            results = self.processor.process_batch([m for _, m in work], self.handler)
+        except _MESSAGE_ERRORS:  # one message's own failure: one by one, only it is left
+            self._single(work, self.handler, done, left, kept, stats)
             return
         except _FATAL:
             raise
-        except Exception as exc:  # noqa: BLE001 - whatever raised: not done, redelivered
-            self._left(work, left, exc)
+        except Exception as exc:  # noqa: BLE001 - an outage: held, run again next round
+            self._hold(work, kept, exc)
             return
         for result in results:
             stats.outcomes[result.outcome] = stats.outcomes.get(result.outcome, 0) + 1
@@ -412,36 +548,42 @@ class Consumer:
         handler: Handler,
         done: list[Delivery],
         left: list[Delivery],
+        kept: list[Delivery],
         stats: ConsumeStats,
     ) -> None:
         for index, (delivery, message) in enumerate(work):
             try:
                 result = self.processor.process(message, handler)
-            except HandlerError as exc:
+            except _MESSAGE_ERRORS as exc:
                 _log.warning(
-                    "consumer %s: %s; left for redelivery", self.consumer, format_error(exc)
+                    "consumer %s: %s; given back for redelivery", self.consumer, format_error(exc)
                 )
                 left.append(delivery)
                 continue
             except _FATAL:
                 raise
-            except Exception as exc:  # noqa: BLE001 - not done: leave it and the rest
-                self._left(work[index:], left, exc)
+            except Exception as exc:  # noqa: BLE001 - an outage: hold it and the rest
+                self._hold(work[index:], kept, exc)
                 return
             stats.outcomes[result.outcome] = stats.outcomes.get(result.outcome, 0) + 1
             done.append(delivery)
 
-    def _left(
-        self, work: Sequence[tuple[Delivery, Message]], left: list[Delivery], exc: Exception
+    def _hold(
+        self,
+        work: Sequence[tuple[Delivery, Message]],
+        kept: list[Delivery],
+        exc: Exception | None,
     ) -> None:
-        _log.warning(
-            "consumer %s: processing %d message(s) failed (%s: %s); left for redelivery",
-            self.consumer,
-            len(work),
-            type(exc).__name__,
-            format_error(exc),
-        )
-        left.extend(d for d, _ in work)
+        if exc is not None:
+            _log.warning(
+                "consumer %s: processing %d message(s) stopped (%s: %s); held for the next "
+                "round (an outage is never counted against a message)",
+                self.consumer,
+                len(work),
+                type(exc).__name__,
+                format_error(exc),
+            )
+        kept.extend(d for d, _ in work)
 
     # ------------------------------------------------------------------ dead letters
 
@@ -460,24 +602,25 @@ class Consumer:
         error = {"type": "dedupstore.errors.MalformedDelivery", "text": exc.reason}
         return self._letter(letter_id, {"delivery": shown, "error": error}), exc.reason
 
-    def _refusing(self, exceeded: dict[tuple[str, str], int]) -> Handler:
-        """The handler, except for the messages delivered too often: it refuses those.
+    def _refusing(self, refused: Message, crashed: int) -> Handler:
+        """The handler, except for ``refused``: it refuses that one.
 
         The processor calls a handler only for a message not applied yet, so a
-        message applied in an earlier delivery (whose acknowledgement was lost) stays
-        a duplicate; one never applied is dead-lettered by the processor (its
+        message applied in an earlier run (whose acknowledgement was lost) stays a
+        duplicate; one never applied is dead-lettered by the processor (its
         ``dead_letters`` are required with ``max_deliveries``) without running the
-        user's handler, which may be what killed the earlier consumers.
+        user's handler, which is what killed the earlier consumers.
         """
         limit, handler = self.max_deliveries, self.handler
+        key = (refused.correlation_id, refused.id)
 
         def refusing(state: dict[str, Any], message: Message) -> Any:
-            count = exceeded.get((message.correlation_id, message.id))
-            if count is None:
+            if (message.correlation_id, message.id) != key:
                 return handler(state, message)
             raise MaxDeliveriesExceeded(
-                f"message {message.id!r:.80} of entity {message.correlation_id!r:.80} was "
-                f"delivered {count} times, more than max_deliveries={limit}, without being done"
+                f"message {message.id!r:.80} of entity {message.correlation_id!r:.80}: "
+                f"{crashed} runs of its handler ended with their consumer dead, more than "
+                f"max_deliveries={limit} allows; set aside without running it again"
             )
 
         return refusing
