@@ -20,6 +20,12 @@ both clean-ups.
 Every kill lands while input is waiting: before a kill, 200 more messages are
 produced when fewer than 200 deliveries are left (the model grows with them).
 
+Halfway through the kills comes the outage phase: the stores' server (reached
+through a TCP proxy, :class:`tests.proxy.TcpProxy`) refuses every connection for
+``OUTAGE`` seconds, then the dispatcher's does. The consumers run with dead letters
+and ``max_deliveries=2``, so an outage that counted against a message would set it
+aside: the check requires no dead letter at all (``dead_letters_found``).
+
 The anti-tests run the same harness on two broken variants and require the check
 to report what they break: a consumer that acknowledges before processing loses
 messages; a processor that dispatches after its clean-up loses outgoing messages.
@@ -47,6 +53,7 @@ import redis
 
 from dedupstore import open_entity_store, open_store
 from tests.consume_worker import PAUSE_FILE, PAUSE_FILE_ENV, VARIANT_ENV
+from tests.proxy import TcpProxy
 from tests.servers import Server
 from tests.soak_worker import soak_violations
 
@@ -54,6 +61,20 @@ pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parent.parent
 MESSAGES, ENTITIES, CONSUMERS, KILLS, TOP_UP = 2000, 200, 3, 10, 200
+#: Seconds each server (the stores', then the dispatcher's) refuses connections.
+OUTAGE = 10.0
+#: The consumers' dead-letter destination, and how many runs make a message poison.
+DEAD_LETTERS, MAX_DELIVERIES = "dead", "2"
+
+
+def outage_phase(stores: TcpProxy, dispatcher: TcpProxy, seconds: float = OUTAGE) -> None:
+    """The stores' server unreachable for ``seconds`` (new connections refused, open
+    ones reset), then the dispatcher's."""
+    for proxy in (stores, dispatcher):
+        proxy.outage("refuse")
+        proxy.reset()
+        time.sleep(seconds)
+        proxy.restore()
 
 
 def _with(url: str, **query: Any) -> str:
@@ -71,12 +92,17 @@ class Chaos:
         self.stream, self.group = f"chaos{tag}:in", "billing"
         self.admin = redis.Redis.from_url(redis_url)
         self.owner: dict[str, str] = {}
-        self.entities_url = _with(redis_url, key_prefix=f"chaos{tag}e:")
-        self.store_url = _with(redis_url, key_prefix=f"chaos{tag}d:")
+        # the stores and the dispatcher reach Redis through proxies (the outage phase)
+        self.store_proxy = TcpProxy.for_url(redis_url).start()
+        self.out_proxy = TcpProxy.for_url(redis_url).start()
+        stores = self.store_proxy.url(redis_url)
+        self.entities_url = _with(stores, key_prefix=f"chaos{tag}e:")
+        self.store_url = _with(stores, key_prefix=f"chaos{tag}d:")
         self.out_prefix = f"chaos{tag}o:"
         self.processes: list[subprocess.Popen[bytes]] = []
         self.killed = 0
         self.logs: list[Path] = []
+        self.names: dict[str, int] = {}  # consumer name -> index in processes
 
     def produce(self, count: int) -> int:
         """``count`` new messages, each one to three times, the copies spread out."""
@@ -93,8 +119,11 @@ class Chaos:
         return len(deliveries)
 
     def start(self, log_dir: Path) -> None:
-        broker = _with(self.url, stream=self.stream, group=self.group, lease=1)
-        dispatcher = _with(self.url, key_prefix=self.out_prefix, dedupe_window=0)
+        name = f"c{len(self.logs)}"  # a name per process: what a killed one held is reclaimed
+        self.names[name] = len(self.processes)
+        broker = _with(self.url, stream=self.stream, group=self.group, lease=1, consumer=name)
+        out = self.out_proxy.url(self.url)
+        dispatcher = _with(out, key_prefix=self.out_prefix, dedupe_window=0)
         log = log_dir / f"consumer-{len(self.logs)}.log"
         self.logs.append(log)
         command = [
@@ -102,7 +131,8 @@ class Chaos:
             *("--broker", broker, "--entities", self.entities_url, "--store", self.store_url),
             *("--dispatcher", dispatcher, "--handler", "tests.consume_worker:slow_handler"),
             *("--mode", self.mode, "--cleanup", self.cleanup, "--batch-size", "20"),
-            *("--max-deliveries", "0", "--wait", "0.2", "--log-level", "WARNING"),
+            *("--dead-letters", DEAD_LETTERS, "--max-deliveries", MAX_DELIVERIES),
+            *("--wait", "0.2", "--log-level", "WARNING"),
         ]
         env = {
             **os.environ,
@@ -113,6 +143,15 @@ class Chaos:
         with log.open("wb") as out:
             process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=out)
         self.processes.append(process)
+
+    def wait_until_consuming(self) -> None:
+        """Until every live consumer process has read the group (its stores opened)."""
+        while True:
+            seen = {c["name"].decode() for c in self.admin.xinfo_consumers(self.stream, self.group)}
+            live = {n for n, i in self.names.items() if self.processes[i].poll() is None}
+            if live <= seen:
+                return
+            time.sleep(0.05)
 
     def group_state(self) -> tuple[int, int]:
         """(pending, lag) of the group; (-1, -1) before a consumer created it."""
@@ -141,11 +180,17 @@ class Chaos:
             if self.group_state()[1] < TOP_UP:  # every kill lands while there is work
                 self.produce(TOP_UP)
             alive = [p for p in self.processes if p.poll() is None]
+            assert alive, f"every consumer exited:\n{self._log_tail()}"
             victim = self.rng.choice(alive)
             victim.send_signal(signal.SIGKILL)
             assert victim.wait() == -signal.SIGKILL
             self.killed += 1
             self.start(log_dir)
+            if self.killed == KILLS // 2:
+                if self.group_state()[1] < TOP_UP:  # the outage lands while there is work
+                    self.produce(TOP_UP)
+                self.wait_until_consuming()  # one that cannot open its stores exits
+                outage_phase(self.store_proxy, self.out_proxy)
         killing.unlink()
         while self.group_state() != (0, 0):  # drained: bounded by the test's timeout
             time.sleep(0.1)
@@ -183,6 +228,9 @@ class Chaos:
         pending, lag = self.group_state()
         if (pending, lag) != (0, 0):
             found.append(f"the group holds {pending} pending and {lag} undelivered entries")
+        letters = self.admin.xrange(f"{self.out_prefix}{DEAD_LETTERS}")
+        if letters:
+            found.append(f"{len(letters)} dead letters, e.g. {letters[0][1]!r:.300}")
         return found
 
     def close(self) -> None:
@@ -191,6 +239,8 @@ class Chaos:
                 process.kill()
                 process.wait()
         self.admin.close()
+        self.store_proxy.close()
+        self.out_proxy.close()
 
 
 @pytest.fixture

@@ -26,6 +26,12 @@ the state its message made, every id in the deduplication store, every outbox em
 after the sweep, and the input queue empty. In both modes and both clean-ups, and on
 the two broken variants the check must catch (acknowledge before processing: messages
 lost; dispatch after clean-up: outgoing messages missing).
+
+The input is a quorum queue, so deliveries are counted, and the consumers run with
+dead letters and ``max_deliveries=2``. Halfway through the kills comes the outage
+phase of the Redis Streams chaos test: the stores' Redis, then the dispatcher's
+RabbitMQ (each reached through a TCP proxy) refuse every connection for ``OUTAGE``
+seconds; the check requires no dead letter at all.
 """
 
 from __future__ import annotations
@@ -46,9 +52,21 @@ import pytest
 
 from dedupstore import open_entity_store, open_store
 from tests.consume_worker import PAUSE_FILE, PAUSE_FILE_ENV, VARIANT_ENV
+from tests.proxy import TcpProxy
 from tests.servers import Server
 from tests.soak_worker import soak_violations
-from tests.test_consumer_chaos import CONSUMERS, ENTITIES, KILLS, MESSAGES, ROOT, TOP_UP, _with
+from tests.test_consumer_chaos import (
+    CONSUMERS,
+    DEAD_LETTERS,
+    ENTITIES,
+    KILLS,
+    MAX_DELIVERIES,
+    MESSAGES,
+    ROOT,
+    TOP_UP,
+    _with,
+    outage_phase,
+)
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.redis, pytest.mark.slow]
 
@@ -66,14 +84,21 @@ class RabbitChaos:
         self.rng = random.Random(seed)
         tag = uuid.uuid4().hex[:8]
         self.queue, self.exchange, self.audit = f"chaos{tag}-in", f"chaos{tag}", f"chaos{tag}-audit"
-        self.entities_url = _with(redis_url, key_prefix=f"chaos{tag}e:")
-        self.store_url = _with(redis_url, key_prefix=f"chaos{tag}d:")
+        # the stores and the dispatcher reach their servers through proxies (the outage)
+        self.store_proxy = TcpProxy.for_url(redis_url).start()
+        self.out_proxy = TcpProxy.for_url(amqp_url).start()
+        stores = self.store_proxy.url(redis_url)
+        self.entities_url = _with(stores, key_prefix=f"chaos{tag}e:")
+        self.store_url = _with(stores, key_prefix=f"chaos{tag}d:")
+        self.dead = f"chaos{tag}-dead"
         self.connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
         self.channel = self.connection.channel()
-        self.channel.queue_declare(self.queue, durable=True)
+        self.channel.queue_declare(self.queue, durable=True, arguments={"x-queue-type": "quorum"})
         self.channel.exchange_declare(self.exchange, "direct", durable=True)
         self.channel.queue_declare(self.audit, durable=True)
         self.channel.queue_bind(self.audit, self.exchange, routing_key="audit")
+        self.channel.queue_declare(self.dead, durable=True)
+        self.channel.queue_bind(self.dead, self.exchange, routing_key=DEAD_LETTERS)
         self.channel.confirm_delivery()
         self.owner: dict[str, str] = {}
         self.processes: list[subprocess.Popen[bytes]] = []
@@ -96,13 +121,22 @@ class RabbitChaos:
             self.channel.basic_publish("", self.queue, b"{}", properties, mandatory=True)
         return len(deliveries)
 
+    def wait_until_consuming(self) -> None:
+        """Until every live consumer process consumes the queue (its stores opened)."""
+        while True:
+            live = sum(p.poll() is None for p in self.processes)
+            declared = self.channel.queue_declare(self.queue, passive=True)
+            if declared.method.consumer_count >= live:
+                return
+            time.sleep(0.05)
+
     def ready(self) -> int:
         """Messages ready in the input queue (delivered, unacknowledged ones not counted)."""
         return int(self.channel.queue_declare(self.queue, passive=True).method.message_count)
 
     def start(self, log_dir: Path) -> None:
-        broker = _with(self.amqp_url, queue=self.queue, prefetch=40)
-        dispatcher = _with(self.amqp_url, exchange=self.exchange)
+        broker = _with(self.amqp_url, queue=self.queue, prefetch=40, queue_type="quorum")
+        dispatcher = _with(self.out_proxy.url(self.amqp_url), exchange=self.exchange)
         log = log_dir / f"consumer-{len(self.logs)}.log"
         self.logs.append(log)
         command = [
@@ -110,7 +144,8 @@ class RabbitChaos:
             *("--broker", broker, "--entities", self.entities_url, "--store", self.store_url),
             *("--dispatcher", dispatcher, "--handler", "tests.consume_worker:slow_handler"),
             *("--mode", self.mode, "--cleanup", self.cleanup, "--batch-size", "20"),
-            *("--max-deliveries", "0", "--wait", "0.2", "--log-level", "WARNING"),
+            *("--dead-letters", DEAD_LETTERS, "--max-deliveries", MAX_DELIVERIES),
+            *("--wait", "0.2", "--log-level", "WARNING"),
         ]
         env = {
             **os.environ,
@@ -149,11 +184,17 @@ class RabbitChaos:
             # a victim has been up long enough to be consuming (imports, connections)
             warm = time.monotonic() - WARM_UP
             alive = [p for p in self.processes if p.poll() is None]
+            assert alive, f"every consumer exited:\n{self._log_tail()}"
             victim = self.rng.choice([p for p in alive if self.started[p.pid] < warm] or alive)
             victim.send_signal(signal.SIGKILL)
             assert victim.wait() == -signal.SIGKILL
             self.killed += 1
             self.start(log_dir)
+            if self.killed == KILLS // 2:
+                if self.ready() < TOP_UP:  # the outage lands while there is work
+                    self.produce(TOP_UP)
+                self.wait_until_consuming()  # one that cannot open its stores exits
+                outage_phase(self.store_proxy, self.out_proxy)
         killing.unlink()
         while True:  # drained: bounded by the test's timeout
             while self.ready():
@@ -191,6 +232,10 @@ class RabbitChaos:
             dedup.close()
         if ready := self.ready():
             found.append(f"the input queue holds {ready} messages")
+        letters = int(self.channel.queue_declare(self.dead, passive=True).method.message_count)
+        if letters:
+            _, _, body = self.channel.basic_get(self.dead, auto_ack=False)
+            found.append(f"{letters} dead letters, e.g. {body!r:.300}")
         return found
 
     def close(self) -> None:
@@ -198,10 +243,12 @@ class RabbitChaos:
             if process.poll() is None:
                 process.kill()
                 process.wait()
-        for name in (self.queue, self.audit):
+        for name in (self.queue, self.audit, self.dead):
             self.channel.queue_delete(name)
         self.channel.exchange_delete(self.exchange)
         self.connection.close()
+        self.store_proxy.close()
+        self.out_proxy.close()
 
 
 @pytest.fixture
