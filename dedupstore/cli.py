@@ -28,6 +28,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from dedupstore import __version__, open_entity_store, open_store
+from dedupstore import _dead_letters_command as dead_letters_command
 from dedupstore.consumers import _command as consume_command
 from dedupstore.entities import EntityStore
 from dedupstore.errors import (
@@ -240,6 +241,7 @@ def _parser() -> argparse.ArgumentParser:
         "--master", default="local[*]", help="Spark master (ignored under spark-submit)"
     )
     consume_command.add_parser(commands, _bounded(1, 1_000_000))
+    dead_letters_command.add_parser(commands)
     # Parsed by the job itself (main() hands it everything after "demo"); listed here
     # for the command list and "dedupstore demo --help".
     commands.add_parser(
@@ -653,6 +655,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "entities": _entities,
     "sweep": _spark_sweep,
     "consume": consume_command.run,
+    "dead-letters": dead_letters_command.run,
 }
 
 
