@@ -13,6 +13,7 @@ returned (a crash in between leaves it: redriving it again is a duplicate).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections import Counter
@@ -190,9 +191,13 @@ def _redrive(
             if len(done) >= REMOVE_EVERY:
                 queue.delete(done)
                 done = []
-    finally:
-        if done:  # redriven: remove them, whatever stopped the rest
-            queue.delete(done)
+    except BaseException:
+        if done:  # redriven: remove them, whatever stopped the rest (else a later redrive
+            with contextlib.suppress(Exception):  # of them is a duplicate)
+                queue.delete(done)
+        raise
+    if done:
+        queue.delete(done)
     if chosen is None:
         totals = {"redriven": sum(outcomes.values()), "outcomes": dict(outcomes), "left": skipped}
         print(json.dumps(totals, sort_keys=True))

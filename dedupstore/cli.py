@@ -1,7 +1,8 @@
 """The ``dedupstore`` command.
 
 Exit codes: 0 success (``consume``: stopped by SIGTERM/SIGINT); 1 ``has`` found an id
-not processed, ``entities show`` found no such entity, or the demo saw an invariant fail;
+not processed, ``entities show`` found no such entity, ``dead-letters show/redrive/purge``
+no such letter, or the demo saw an invariant fail;
 2 fix your configuration or input (``ConfigurationError``, ``InvalidMessageId``,
 ``ConsistencyError``, ``StoreClosed``);
 3 retry later (the store could not answer: ``StoreUnavailable``, or a

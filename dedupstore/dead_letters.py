@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from dedupstore.entities import OutgoingMessage
-from dedupstore.errors import ConfigurationError
+from dedupstore.errors import ConfigurationError, InvalidMessageId
 
 __all__ = [
     "DeadLetter",
@@ -29,11 +29,18 @@ __all__ = [
     "ReadBack",
     "ReadMessage",
     "letter_body",
+    "letter_kind",
 ]
 
 #: What a letter is: a processor's letter of a ``message``, the consume loop's letter
-#: of a malformed ``delivery``, or ``unknown`` (not a dedupstore dead letter).
-LetterKind = Literal["message", "delivery", "unknown"]
+#: of a malformed ``delivery``, the letter of a Spark ``row`` whose id or correlation
+#: id was null or invalid, or ``unknown`` (not a dedupstore dead letter). Only the
+#: letter of a ``message`` can be redriven: the others never were messages.
+LetterKind = Literal["message", "delivery", "row", "unknown"]
+
+#: The error type of the letter of an invalid Spark row (its stand-in message's id
+#: starts with ``invalid-row:``: see ``spark_integration.pipeline``).
+_INVALID_ROW = f"{InvalidMessageId.__module__}.{InvalidMessageId.__qualname__}"
 
 
 @dataclass(frozen=True)
@@ -147,6 +154,24 @@ def letter_body(letter: object) -> dict[str, Any]:
     )
 
 
+def letter_kind(body: Mapping[str, Any]) -> LetterKind:
+    """What the letter of ``body`` (a letter's body, see :func:`letter_body`) is."""
+    original, error = body.get("message"), body.get("error")
+    if isinstance(original, Mapping):
+        mid = original.get("id")
+        if (
+            isinstance(mid, str)
+            and mid.startswith("invalid-row:")
+            and isinstance(error, Mapping)
+            and error.get("type") == _INVALID_ROW
+        ):
+            return "row"
+        return "message"
+    if isinstance(body.get("delivery"), Mapping):
+        return "delivery"
+    return "unknown"
+
+
 def _reason(body: Mapping[str, Any]) -> str:
     error = body.get("error")
     if not isinstance(error, Mapping):
@@ -167,13 +192,11 @@ def _letter(copies: list[ReadMessage]) -> DeadLetter:
     else:
         consumer = str(body.get("consumer", "")) or None
         reason = _reason(body)
+        kind = letter_kind(body)
         original = body.get("message")
         if isinstance(original, Mapping):
-            kind = "message"
             message_id = str(original.get("id"))
             entity = str(original.get("correlation_id"))
-        else:
-            kind = "delivery"
     return DeadLetter(
         id=first.id,
         destination=first.destination,

@@ -38,7 +38,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from dedupstore import canonical, metrics
 from dedupstore.calls import gc_relaxed
-from dedupstore.dead_letters import letter_body
+from dedupstore.dead_letters import letter_body, letter_kind
 from dedupstore.entities import (
     ENTITY_FRAME_BYTES,
     Entity,
@@ -329,21 +329,32 @@ class OutboxProcessor:
         both), and what :meth:`process` raises.
         """
         body = letter_body(letter)
-        original = body.get("message")
-        if not isinstance(original, Mapping):
-            error = body.get("error")
-            reason = error.get("text") if isinstance(error, Mapping) else None
+        kind = letter_kind(body)
+        error = body.get("error")
+        reason = error.get("text") if isinstance(error, Mapping) else None
+        if kind == "delivery":
             raise ConfigurationError(
                 "this dead letter is a delivery the consume loop set aside because it is "
                 f"not a message ({reason or 'malformed'}); it never was processed, so there "
                 "is nothing to redrive: publish a fixed message, then purge the letter"
             )
-        consumer, mid, cid = (
-            body.get("consumer"),
-            original.get("id"),
-            original.get("correlation_id"),
-        )
-        if not (isinstance(consumer, str) and isinstance(mid, str) and isinstance(cid, str)):
+        if kind == "row":
+            raise ConfigurationError(
+                "this dead letter stands for a row whose id or correlation id was null or "
+                f"invalid ({reason}); it never was a message, so there is nothing to "
+                "redrive: fix the row and process it again, then purge the letter"
+            )
+        original = body.get("message")
+        consumer = body.get("consumer")
+        mid = original.get("id") if isinstance(original, Mapping) else None
+        cid = original.get("correlation_id") if isinstance(original, Mapping) else None
+        if not (
+            kind == "message"
+            and isinstance(original, Mapping)
+            and isinstance(consumer, str)
+            and isinstance(mid, str)
+            and isinstance(cid, str)
+        ):
             raise ConfigurationError(
                 f"not a dead letter: {_shown(body)} (its consumer, message id or entity is missing)"
             )

@@ -26,10 +26,10 @@ from backends.memory import MemoryDeduplicationStore, MemoryEntityStore
 from dedupstore import open_dispatcher, open_entity_store, open_store
 from dedupstore.cli import main
 from dedupstore.consumers import Consumer, open_broker
-from dedupstore.dead_letters import DeadLetterQueue, ReadMessage, letter_body
+from dedupstore.dead_letters import DeadLetterQueue, ReadMessage, letter_body, letter_kind
 from dedupstore.dispatch import CallableDispatcher
 from dedupstore.entities import OutgoingMessage
-from dedupstore.errors import ConfigurationError
+from dedupstore.errors import ConfigurationError, InvalidMessageId
 from dedupstore.ids import outgoing_id
 from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send
 from tests.servers import Server
@@ -303,6 +303,25 @@ def test_redrive_refuses_what_it_cannot_redrive_before_any_write() -> None:
 
 
 @pytest.mark.memory
+def test_the_letter_of_an_invalid_spark_row_is_not_redriven() -> None:
+    """Spark's process_messages dead-letters a stand-in for a row with a null or invalid
+    id (its guard raises InvalidMessageId): it never was a message."""
+    entities, dedup = _memory()
+    sent = InMemoryDispatcher()
+    processor = OutboxProcessor(entities, dedup, sent, dead_letters="dlq")
+
+    def guarded(state: dict[str, Any], message: Message) -> Any:
+        raise InvalidMessageId("null message id in column 'id'")
+
+    stand_in = Message("invalid-row:0f3a", "acct-1", {"body": {}, "id": None})
+    assert processor.process(stand_in, guarded).outcome == "dead_lettered"
+    assert letter_kind(letter_body(sent.sent[-1])) == "row"
+    with pytest.raises(ConfigurationError, match=r"stands for a row .*\(null message id"):
+        processor.redrive(sent.sent[-1], fixed)
+    assert entities.load("acct-1").state == {}
+
+
+@pytest.mark.memory
 def test_a_destination_that_cannot_be_read_back_is_refused() -> None:
     with pytest.raises(ConfigurationError, match="a CallableDispatcher dispatcher"):
         DeadLetterQueue(CallableDispatcher(lambda messages: None), "dlq")
@@ -543,3 +562,21 @@ def test_reading_a_redis_stream_back_pages_and_removes_every_copy(redis_server: 
         assert queue.delete([copies]) == 2
         assert "l2" not in {r.message.id for r in d.read_back("dlq")}  # type: ignore[attr-defined]
         assert d.read_back("nothing-here") == []  # type: ignore[attr-defined]
+
+
+@pytest.mark.rabbitmq
+def test_reading_a_quorum_queue_back_often_loses_nothing(
+    rabbitmq_server: Server, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A quorum queue drops a message returned more than its delivery limit (20 by default
+    on RabbitMQ 4): reading letters back returns them by closing the channel, which does
+    not count as a failed delivery."""
+    queue = f"dlq-{uuid.uuid4().hex}"
+    url = f"{rabbitmq_server.url}?declare_queues=true&queue_type=quorum"
+    with open_dispatcher(url) as dispatcher:
+        dispatcher.dispatch([OutgoingMessage(f"l{n}", queue, {"n": n}) for n in range(3)])
+    args = ["dead-letters", "list", "--dispatcher", url, "--dead-letters", queue]
+    for _ in range(25):
+        assert main(args) == 0
+    rows = capsys.readouterr().out.splitlines()[-3:]
+    assert [row.split("\t")[0] for row in rows] == ["l0", "l1", "l2"]
