@@ -29,7 +29,7 @@ import os
 import sqlite3
 import threading
 import weakref
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import quote, unquote, urlsplit
@@ -37,6 +37,7 @@ from urllib.parse import quote, unquote, urlsplit
 import filelock
 
 from dedupstore.client import Client, Connected, Connection, ErrorKind, creates
+from dedupstore.dead_letters import ReadMessage
 from dedupstore.dispatch import DispatchStats, EncodedMessage, StoredMessage, URLDispatcher
 from dedupstore.entities import EntityRecord, EntityStore, OutgoingMessage
 from dedupstore.errors import ConfigurationError, StoreUnavailable
@@ -495,14 +496,17 @@ _SQL_NOW = "((julianday('now') - 2440587.5) * 86400.0)"
 class SqliteDispatcher(URLDispatcher):
     """A table queue in a SQLite file: one row per message id; safe across processes.
 
-    Table (``table``, default ``dedup_outgoing``): ``id`` (PRIMARY KEY), ``destination``, ``body``
-    (canonical JSON), ``headers`` (JSON), ``deliveries``, ``mismatches``, ``first_at`` (epoch
-    seconds). A dispatch is one write transaction (all messages or none): ``INSERT ... ON
-    CONFLICT(id) DO UPDATE`` adds 1 to ``deliveries`` and, when destination, body or headers differ
-    from the stored ones, to ``mismatches`` (the stored content is kept: the first delivery wins).
+    Table (``table``, default ``dedup_outgoing``): ``seq`` (INTEGER PRIMARY KEY AUTOINCREMENT),
+    ``id`` (UNIQUE), ``destination``, ``body`` (canonical JSON), ``headers`` (JSON),
+    ``deliveries``, ``mismatches``, ``first_at`` (epoch seconds). A dispatch is one write
+    transaction (all messages or none): ``INSERT ... ON CONFLICT(id) DO UPDATE`` adds 1 to
+    ``deliveries`` and, when destination, body or headers differ from the stored ones, to
+    ``mismatches`` (the stored content is kept: the first delivery wins).
     Writers take SQLite's write lock in turn (waiting up to ``timeout``, then ``StoreUnavailable``).
-    Rows keep their insertion order (SQLite's rowid, assigned under the write lock: a reader paging
-    by ``seq`` never misses a later commit unless the newest row is deleted).
+    Rows keep their insertion order (``seq``, assigned under the write lock and never reused, even
+    after the newest row is removed: a reader paging by ``seq`` never misses a later commit).
+    :meth:`read_back` and :meth:`remove` read a destination's rows back and delete them (for
+    ``dedupstore dead-letters``).
     """
 
     _sqlite = Connected(SqliteConnection)
@@ -522,7 +526,8 @@ class SqliteDispatcher(URLDispatcher):
             self,
             "a dispatcher table",
             {
-                "id": "TEXT PRIMARY KEY NOT NULL",
+                "seq": "INTEGER PRIMARY KEY AUTOINCREMENT",  # never reused: see receive()
+                "id": "TEXT NOT NULL UNIQUE",
                 "destination": "TEXT NOT NULL",
                 "body": "TEXT NOT NULL",
                 "headers": "TEXT NOT NULL",
@@ -530,7 +535,7 @@ class SqliteDispatcher(URLDispatcher):
                 "mismatches": "INTEGER NOT NULL",
                 "first_at": "REAL NOT NULL",
             },
-            rowid=True,  # the seq of receive()
+            rowid=True,  # (AUTOINCREMENT needs a rowid table)
         )
         self._sql_upsert = (
             f"INSERT INTO {t} (id, destination, body, headers, deliveries, mismatches, first_at) "
@@ -539,9 +544,14 @@ class SqliteDispatcher(URLDispatcher):
             "excluded.destination OR body IS NOT excluded.body OR headers IS NOT excluded.headers)"
         )
         self._sql_receive = (
-            "SELECT rowid, id, destination, body, headers, deliveries, mismatches, first_at "
-            f"FROM {t} WHERE rowid > ? ORDER BY rowid LIMIT ?"
+            "SELECT seq, id, destination, body, headers, deliveries, mismatches, first_at "
+            f"FROM {t} WHERE seq > ? ORDER BY seq LIMIT ?"
         )
+        self._sql_read_back = (
+            f"SELECT seq, id, body, headers FROM {t} WHERE destination = ? AND seq > ? "
+            "ORDER BY seq LIMIT ?"
+        )
+        self._sql_remove = f"DELETE FROM {t} WHERE destination = ? AND seq = ? AND id = ?"
         self._sql_stats = (
             f"SELECT count(*), coalesce(sum(deliveries), 0), coalesce(sum(mismatches), 0) FROM {t}"
         )
@@ -602,3 +612,32 @@ class SqliteDispatcher(URLDispatcher):
             if len(page) < self.page_size:
                 return
             after = page[-1].seq
+
+    def read_back(self, destination: str) -> list[ReadMessage]:
+        """Every row of ``destination`` in insertion order (:attr:`page_size` rows per read);
+        the ``position`` is the row's ``seq``. Raises ``StoreUnavailable``."""
+        self._check_open()
+        out: list[ReadMessage] = []
+        after = 0
+        with self._translating_errors("read"):
+            while True:
+                rows = self._sqlite.fetch(self._sql_read_back, (destination, after, self.page_size))
+                for seq, mid, body, headers in rows:
+                    message = OutgoingMessage(
+                        mid, destination, json.loads(body), json.loads(headers)
+                    )
+                    out.append(ReadMessage(message, len(body.encode("utf-8")), str(seq)))
+                if len(rows) < self.page_size:
+                    return out
+                after = rows[-1][0]
+
+    def remove(self, destination: str, messages: Sequence[ReadMessage]) -> int:
+        """Delete the rows of ``messages`` (by ``seq`` and id) from ``destination`` in one write
+        transaction; return how many were still there. Their ``seq`` is never given again.
+        Raises ``StoreUnavailable``."""
+        self._check_open()
+        rows = [(destination, int(m.position), m.message.id) for m in messages]
+        if not rows:
+            return 0
+        with self._translating_errors("remove"), self._sqlite.write_transaction() as conn:
+            return sum(conn.execute(self._sql_remove, row).rowcount for row in rows)

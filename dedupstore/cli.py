@@ -1,7 +1,8 @@
 """The ``dedupstore`` command.
 
 Exit codes: 0 success (``consume``: stopped by SIGTERM/SIGINT); 1 ``has`` found an id
-not processed, ``entities show`` found no such entity, or the demo saw an invariant fail;
+not processed, ``entities show`` found no such entity, ``dead-letters show/redrive/purge``
+no such letter, or the demo saw an invariant fail;
 2 fix your configuration or input (``ConfigurationError``, ``InvalidMessageId``,
 ``ConsistencyError``, ``StoreClosed``);
 3 retry later (the store could not answer: ``StoreUnavailable``, or a
@@ -28,6 +29,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from dedupstore import __version__, open_entity_store, open_store
+from dedupstore import _dead_letters_command as dead_letters_command
 from dedupstore.consumers import _command as consume_command
 from dedupstore.entities import EntityStore
 from dedupstore.errors import (
@@ -240,6 +242,7 @@ def _parser() -> argparse.ArgumentParser:
         "--master", default="local[*]", help="Spark master (ignored under spark-submit)"
     )
     consume_command.add_parser(commands, _bounded(1, 1_000_000))
+    dead_letters_command.add_parser(commands)
     # Parsed by the job itself (main() hands it everything after "demo"); listed here
     # for the command list and "dedupstore demo --help".
     commands.add_parser(
@@ -653,6 +656,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "entities": _entities,
     "sweep": _spark_sweep,
     "consume": consume_command.run,
+    "dead-letters": dead_letters_command.run,
 }
 
 

@@ -38,6 +38,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from dedupstore import canonical, metrics
 from dedupstore.calls import gc_relaxed
+from dedupstore.dead_letters import letter_body, letter_kind
 from dedupstore.entities import (
     ENTITY_FRAME_BYTES,
     Entity,
@@ -80,6 +81,9 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
+
+#: The header a redriven message carries: the id of the message first dead-lettered.
+_REDRIVE_OF = "dedupstore-redrive-of"
 
 Outcome = Literal["processed", "duplicate", "redispatched", "dead_lettered"]
 
@@ -305,34 +309,71 @@ class OutboxProcessor:
         self._report([message], [result])
         return result
 
-    def redrive(
-        self, letter: OutgoingMessage | Mapping[str, Any], handler: Handler
-    ) -> ProcessResult:
+    def redrive(self, letter: object, handler: Handler) -> ProcessResult:
         """Process a dead-lettered message again, after a fix; once per dead letter.
 
-        ``letter`` is the dead-letter message as dispatched (or its body). The
-        original message runs as a message of the same entity whose id is the dead
-        letter's id (deterministic) and whose headers add ``dedupstore-redrive-of``
-        (the original id): the original id stays recorded, so a replay of it is still
-        a duplicate, and redriving one letter twice applies it once. Should the
-        handler fail again, the message is dead-lettered again (a letter of this
-        one). Raises ``ValueError`` for a letter that is not a dead letter of this
-        consumer, and what :meth:`process` raises.
+        ``letter`` is the dead letter in any form it is read back (see
+        :func:`~dedupstore.dead_letters.letter_body`): the ``OutgoingMessage`` as
+        dispatched or its body, a Redis stream entry, a row of the SQLite table queue,
+        an AMQP body, the JSON ``dedupstore dead-letters show`` prints. The original
+        message runs as a message of the same entity whose id (what the processor
+        records) is the dead letter's id (deterministic) and whose headers add
+        ``dedupstore-redrive-of`` (the original id); the handler sees the original
+        message: its id, body and headers (with that header). The original id stays
+        recorded, so a replay of it is still a duplicate, and redriving one letter
+        twice applies it once. Should the handler fail again, the message is
+        dead-lettered again (a letter of this one, whose redrive the handler also
+        sees under the original id). Raises ``ConfigurationError`` before any I/O for
+        a letter that is not a dead letter, the letter of a malformed delivery (never
+        a message: nothing to redrive) or a letter of another consumer (naming
+        both), and what :meth:`process` raises.
         """
-        body = letter.body if isinstance(letter, OutgoingMessage) else letter
-        try:
-            original = body["message"]
-            consumer, mid, cid = body["consumer"], original["id"], original["correlation_id"]
-        except (KeyError, TypeError):
-            raise ValueError(f"not a dead letter: {_shown(letter)}") from None
+        body = letter_body(letter)
+        kind = letter_kind(body)
+        error = body.get("error")
+        reason = error.get("text") if isinstance(error, Mapping) else None
+        if kind == "delivery":
+            raise ConfigurationError(
+                "this dead letter is a delivery the consume loop set aside because it is "
+                f"not a message ({reason or 'malformed'}); it never was processed, so there "
+                "is nothing to redrive: publish a fixed message, then purge the letter"
+            )
+        if kind == "row":
+            raise ConfigurationError(
+                "this dead letter stands for a row whose id or correlation id was null or "
+                f"invalid ({reason}); it never was a message, so there is nothing to "
+                "redrive: fix the row and process it again, then purge the letter"
+            )
+        original = body.get("message")
+        consumer = body.get("consumer")
+        mid = original.get("id") if isinstance(original, Mapping) else None
+        cid = original.get("correlation_id") if isinstance(original, Mapping) else None
+        if not (
+            kind == "message"
+            and isinstance(original, Mapping)
+            and isinstance(consumer, str)
+            and isinstance(mid, str)
+            and isinstance(cid, str)
+        ):
+            raise ConfigurationError(
+                f"not a dead letter: {_shown(body)} (its consumer, message id or entity is missing)"
+            )
         if consumer != self.consumer:
-            raise ValueError(
+            raise ConfigurationError(
                 f"the dead letter of message {mid!r:.80} of entity {cid!r:.80} belongs to "
-                f"consumer {consumer!r:.80}, not {self.consumer!r:.80}"
+                f"consumer {consumer!r:.80}, not {self.consumer!r:.80}: redrive it with that "
+                "consumer's store (its endpoint)"
             )
         letter_id = outgoing_id(consumer, cid, mid, -1)
-        headers = {**dict(original.get("headers") or {}), "dedupstore-redrive-of": mid}
-        return self.process(Message(letter_id, cid, original.get("body"), headers), handler)
+        given = original.get("headers")
+        headers = {str(k): str(v) for k, v in given.items()} if isinstance(given, Mapping) else {}
+        first = headers.setdefault(_REDRIVE_OF, mid)  # a letter of a redrive: the first id
+        seen = Message(first, cid, original.get("body"), headers)
+
+        def as_original(state: dict[str, Any], _: Message) -> tuple[dict[str, Any], Sequence[Send]]:
+            return handler(state, seen)
+
+        return self.process(Message(letter_id, cid, seen.body, headers), as_original)
 
     def begin_attempt(self, message: Message) -> int:
         """Record in ``message``'s entity that its handler is about to run once more;

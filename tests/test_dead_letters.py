@@ -251,10 +251,10 @@ def test_a_dead_letter_is_redriven_once_after_a_fix(as_body: bool) -> None:
     assert entities.load("acct-1").state == {"balance": 5, "n": 1}
     again = processor.redrive(given, deposit)  # not fixed: set aside again, once
     assert again.outcome == "duplicate"
-    with pytest.raises(ValueError, match="not a dead letter"):
+    with pytest.raises(ConfigurationError, match="not a dead letter"):
         processor.redrive({"x": 1}, fixed)
     billing = MemoryDeduplicationStore(f"memory://{uuid.uuid4().hex}", endpoint="billing")
-    with pytest.raises(ValueError, match="belongs to consumer"):
+    with pytest.raises(ConfigurationError, match="belongs to consumer"):
         OutboxProcessor(entities, billing, sent).redrive(letter, fixed)
 
 

@@ -437,8 +437,17 @@ class TestSqliteDispatcher:
         assert queue.count() == 2
         with sqlite3.connect(_path(sqlite_url)) as conn:
             info = conn.execute("PRAGMA table_info(dedup_outgoing)").fetchall()
-        assert {row[1]: row[5] for row in info}["id"] == 1, "id is the primary key"
+        assert {row[1]: row[5] for row in info}["seq"] == 1, "seq is the primary key"
+        with sqlite3.connect(_path(sqlite_url)) as conn:
+            indexes = conn.execute("PRAGMA index_list(dedup_outgoing)").fetchall()
+            unique = [
+                [c[2] for c in conn.execute(f"PRAGMA index_info('{index[1]}')")]
+                for index in indexes
+                if index[2]
+            ]
+        assert unique == [["id"]], "one row per message id"
         assert {row[1] for row in info} == {
+            "seq",
             "id",
             "destination",
             "body",

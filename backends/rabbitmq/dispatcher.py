@@ -39,6 +39,14 @@ after a lost connection the batch is published again on a new one, up to
 ``retries`` times. A batch that needs longer than ``timeout`` to be confirmed needs a
 larger ``timeout``.
 
+Reading back (:class:`~dedupstore.dead_letters.ReadBack`, for ``dedupstore dead-letters``; the
+default exchange only, where a destination is a queue): on a connection of its own,
+``read_back`` takes the queue's messages with ``basic.get`` without acknowledging them and
+closes the channel, which returns them all to the queue (RabbitMQ puts them back in
+place; they come back ``redelivered``); ``remove`` takes them the same way and acknowledges
+those whose ``message_id`` it was given before it closes. Both bounded by the dispatch's
+deadline.
+
 Options: ``exchange``, ``declare_queues``, ``queue_type`` and the connection options
 of :mod:`backends.rabbitmq._client`. Fork-safe (a child process opens its own
 connection) and thread-safe (one dispatch at a time per object); pickled by
@@ -47,9 +55,11 @@ configuration.
 
 from __future__ import annotations
 
+import json
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import pika
 import pika.exceptions as pe
@@ -72,12 +82,16 @@ from backends.rabbitmq._client import (
 )
 from dedupstore.calls import DeadlinePassed, retry, time_left
 from dedupstore.client import ErrorKind, ProcessLocal
+from dedupstore.dead_letters import ReadMessage
 from dedupstore.dispatch import EncodedMessage, URLDispatcher
+from dedupstore.entities import OutgoingMessage
 from dedupstore.errors import ConfigurationError, StoreUnavailable
 from dedupstore.options import Option, Options, OptionSet, boolean, text
 from dedupstore.urls import StoreURL
 
 __all__ = ["RabbitMQDispatcher"]
+
+T = TypeVar("T")
 
 #: The longest exchange name or routing key AMQP 0-9-1 carries (a short string).
 _SHORT_STRING_BYTES = 255
@@ -295,3 +309,86 @@ class RabbitMQDispatcher(URLDispatcher):
                 f"{self._describe_error(exc)} (a missing exchange or queue)",
             )
         return classify(exc) or super()._classify_error(exc)
+
+    # ------------------------------------------------------------------ reading back
+
+    def read_back(self, destination: str) -> list[ReadMessage]:
+        """Every message of the queue ``destination``, oldest first, left in the queue
+        (see the module); the ``position`` is the message's place when read. Raises
+        ``ConfigurationError`` for a dispatcher on another exchange than the default one
+        or a missing queue, ``StoreUnavailable``."""
+        return self._holding(destination, lambda channel, held: [read for _, read in held])
+
+    def remove(self, destination: str, messages: Sequence[ReadMessage]) -> int:
+        """Acknowledge (remove) the messages of the queue ``destination`` whose
+        ``message_id`` is one of ``messages``' ids; the others go back. Raises as
+        :meth:`read_back`."""
+        ids = {m.message.id for m in messages}
+        if not ids:
+            return 0
+
+        def settle(channel: BlockingChannel, held: list[tuple[int, ReadMessage]]) -> int:
+            tags = [tag for tag, read in held if read.message.id in ids]
+            for tag in tags:
+                channel.basic_ack(tag)
+            return len(tags)
+
+        return self._holding(destination, settle)
+
+    def _holding(
+        self,
+        destination: str,
+        settle: Callable[[BlockingChannel, list[tuple[int, ReadMessage]]], T],
+    ) -> T:
+        """``settle(channel, held)`` with every message of the queue ``destination`` taken
+        (unacknowledged) on a connection of its own; closing the channel returns the
+        messages ``settle`` did not acknowledge."""
+        self._check_open()
+        if self._exchange:
+            raise self._error(
+                ConfigurationError,
+                "read",
+                f"messages are read back from the queue a destination names on the default "
+                f"exchange; this dispatcher publishes to exchange {self._exchange!r}, whose "
+                "bindings decide the queues: read them there",
+            )
+        with self._translating_errors("read"):
+            connection = connect(self._url, self._opts)
+            try:
+                with expiring(connection, self._deadline_seconds()):
+                    channel = connection.channel()
+                    try:
+                        declared = channel.queue_declare(destination, passive=True)
+                    except pe.ChannelClosedByBroker as exc:
+                        if exc.reply_code != 404:
+                            raise
+                        raise self._error(
+                            ConfigurationError,
+                            "read",
+                            f"no queue {destination!r} on vhost {vhost(self._url)!r}",
+                        ) from exc
+                    held: list[tuple[int, ReadMessage]] = []
+                    for position in range(int(declared.method.message_count)):
+                        method, properties, body = channel.basic_get(destination, auto_ack=False)
+                        if method is None:
+                            break
+                        held.append(
+                            (method.delivery_tag, _read(destination, properties, body, position))
+                        )
+                    result = settle(channel, held)
+                    channel.close()  # after the acks: the rest go back
+                    return result
+            finally:
+                close_quietly(connection)
+
+
+def _read(destination: str, properties: Any, body: bytes, position: int) -> ReadMessage:
+    """An AMQP message as a :class:`ReadMessage` (as the dispatcher publishes it)."""
+    text = body.decode("utf-8", "replace")
+    try:
+        decoded: Any = json.loads(text)
+    except ValueError:
+        decoded = text
+    headers = {str(k): str(v) for k, v in (properties.headers or {}).items()}
+    message = OutgoingMessage(str(properties.message_id or ""), destination, decoded, headers)
+    return ReadMessage(message, len(body), str(position))

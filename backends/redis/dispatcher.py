@@ -24,18 +24,32 @@ Receivers still deduplicate by the ``id`` field: the window is finite, and ``max
 consumer-group redelivery (``XREADGROUP`` + ``XACK``, after a receiver crash) are independent of it:
 delivery is at least once.
 
+Reading back (:class:`~dedupstore.dead_letters.ReadBack`, for ``dedupstore dead-letters``):
+``read_back`` pages through a destination's stream with ``XRANGE`` (a missing stream holds nothing),
+``remove`` deletes entries with ``XDEL`` by their entry ids.
+
 Options: ``key_prefix``, ``dedupe_window`` (7 days; ``0``/``none``: off), ``maxlen`` (none) and
 those of :mod:`backends.redis._client`, which also documents the errors.
 """
 
 from __future__ import annotations
 
+import json
 import re
-from typing import ClassVar
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
-from backends.redis._client import CONNECTION_OPTIONS, RedisConnection, escape, key_prefix_option
+from backends.redis._client import (
+    CONNECTION_OPTIONS,
+    RedisConnection,
+    escape,
+    key_prefix_option,
+    text_of,
+)
 from dedupstore.client import Connected
+from dedupstore.dead_letters import ReadMessage
 from dedupstore.dispatch import EncodedMessage, URLDispatcher
+from dedupstore.entities import OutgoingMessage
 from dedupstore.errors import StoreUnavailable
 from dedupstore.options import Option, OptionSet, integer, optional, seconds
 
@@ -159,3 +173,61 @@ class RedisDispatcher(URLDispatcher):
                 "messages may or may not have been appended (not re-sent, to avoid duplicates); "
                 "dispatch them again (receivers deduplicate by id)",
             )
+
+    # ------------------------------------------------------------------ reading back
+
+    #: Entries per ``XRANGE`` of :meth:`read_back`.
+    page_size: ClassVar[int] = 500
+
+    def read_back(self, destination: str) -> list[ReadMessage]:
+        """Every entry of ``destination``'s stream, oldest first (``XRANGE``, paged); the
+        ``position`` is the entry id. Raises ``StoreUnavailable``."""
+        self._check_open()
+        key = self.stream_key(destination)
+        out: list[ReadMessage] = []
+        start = "-"
+        client, size = self._redis.client, self.page_size
+
+        def page_from(low: str) -> list[Any]:
+            page: list[Any] = self._redis.read(lambda: client.xrange(key, low, "+", count=size))
+            return page
+
+        with self._translating_errors("read"):
+            while True:
+                page = page_from(start)
+                out += [_read(destination, entry) for entry in page]
+                if len(page) < self.page_size:
+                    return out
+                start = f"({text_of(page[-1][0])}"
+
+    def remove(self, destination: str, messages: Sequence[ReadMessage]) -> int:
+        """``XDEL`` the entries (by position) from ``destination``'s stream; return how many
+        were still there. Raises ``StoreUnavailable``."""
+        self._check_open()
+        positions = [m.position for m in messages]
+        if not positions:
+            return 0
+        key = self.stream_key(destination)
+        with self._translating_errors("remove"):
+            return int(self._redis.read(lambda: self._redis.client.xdel(key, *positions)))
+
+
+def _read(destination: str, entry: Any) -> ReadMessage:
+    """A stream entry as a :class:`ReadMessage` (fields as the dispatcher writes them)."""
+    entry_id, fields = entry
+    named = {text_of(k): v for k, v in fields.items()}
+    raw = named.get("body", b"")
+    text = text_of(raw)
+    try:
+        body = json.loads(text)
+    except ValueError:
+        body = text
+    try:
+        headers = json.loads(text_of(named.get("headers", b"{}")))
+    except ValueError:
+        headers = {}
+    if not isinstance(headers, dict):
+        headers = {}
+    size = len(raw) if isinstance(raw, bytes) else len(text.encode("utf-8"))
+    message = OutgoingMessage(text_of(named.get("id", b"")), destination, body, headers)
+    return ReadMessage(message, size, text_of(entry_id))

@@ -18,12 +18,22 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dedupstore.entities import OutgoingMessage
 from dedupstore.errors import ConfigurationError
 
-__all__ = ["add_parser", "load_handler", "run"]
+if TYPE_CHECKING:
+    from dedupstore.outbox import Handler, OutboxProcessor
+
+__all__ = [
+    "add_dispatcher_arguments",
+    "add_parser",
+    "add_processor_arguments",
+    "load_handler",
+    "open_processor",
+    "run",
+]
 
 
 def add_parser(commands: Any, positive: Callable[[str], int]) -> None:
@@ -42,28 +52,10 @@ def add_parser(commands: Any, positive: Callable[[str], int]) -> None:
         help="broker URL with its options, e.g. "
         "'redis://host:6379/0?destination=orders&group=billing'",
     )
-    sub.add_argument("--entities", required=True, metavar="URL", help="entity store URL")
-    sub.add_argument("--store", required=True, metavar="URL", help="deduplication store URL")
-    sub.add_argument(
-        "--handler",
-        required=True,
-        metavar="MODULE:FUNCTION",
-        help="the handler, handler(state, message) -> (new_state, sends)",
-    )
-    sub.add_argument(
-        "--dispatcher",
-        metavar="URL",
-        help="where outgoing messages go (without it, a handler that sends stops the loop)",
-    )
-    sub.add_argument(
-        "--dead-letters",
-        metavar="DEST",
-        help="destination of dead letters: poison, malformed and too-often-delivered messages",
-    )
-    sub.add_argument("--endpoint", default="default", help="consumer name (the store's endpoint)")
+    add_processor_arguments(sub)
+    add_dispatcher_arguments(sub)
     sub.add_argument("--batch-size", type=positive, default=100, help="default: 100")
     sub.add_argument("--mode", choices=("batch", "single"), default="batch")
-    sub.add_argument("--cleanup", choices=("inline", "deferred"), default="inline")
     sub.add_argument(
         "--max-deliveries",
         type=int,
@@ -81,6 +73,62 @@ def add_parser(commands: Any, positive: Callable[[str], int]) -> None:
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
         help="logging level on stderr (default: INFO)",
     )
+
+
+def add_processor_arguments(sub: argparse.ArgumentParser) -> None:
+    """The processor's arguments (``consume``, ``dead-letters redrive``): ``--entities``,
+    ``--store``, ``--handler``, ``--endpoint``, ``--cleanup``; see :func:`open_processor`."""
+    sub.add_argument("--entities", required=True, metavar="URL", help="entity store URL")
+    sub.add_argument("--store", required=True, metavar="URL", help="deduplication store URL")
+    sub.add_argument(
+        "--handler",
+        required=True,
+        metavar="MODULE:FUNCTION",
+        help="the handler, handler(state, message) -> (new_state, sends)",
+    )
+    sub.add_argument("--endpoint", default="default", help="consumer name (the store's endpoint)")
+    sub.add_argument("--cleanup", choices=("inline", "deferred"), default="inline")
+
+
+def add_dispatcher_arguments(sub: argparse.ArgumentParser, *, required: bool = False) -> None:
+    """``--dispatcher`` and ``--dead-letters`` (``required`` for ``dead-letters``)."""
+    sub.add_argument(
+        "--dispatcher",
+        metavar="URL",
+        required=required,
+        help="where outgoing messages go (without it, a handler that sends stops the loop)",
+    )
+    sub.add_argument(
+        "--dead-letters",
+        metavar="DEST",
+        required=required,
+        help="destination of dead letters: poison, malformed and too-often-delivered messages",
+    )
+
+
+def open_processor(
+    args: argparse.Namespace, opened: list[Any], dispatcher_options: dict[str, Any] | None = None
+) -> tuple[OutboxProcessor, Handler]:
+    """The processor and the handler the arguments of :func:`add_processor_arguments` and
+    :func:`add_dispatcher_arguments` name (the dispatcher opened with ``dispatcher_options``);
+    what it opens is appended to ``opened`` (for the caller to close, last first). Raises
+    ``ConfigurationError``, ``StoreUnavailable``."""
+    from dedupstore import open_dispatcher, open_entity_store, open_store
+    from dedupstore.outbox import Dispatcher, OutboxProcessor
+
+    handler = load_handler(args.handler)
+    entities = open_entity_store(args.entities)
+    opened.append(entities)
+    dedup = open_store(args.store, endpoint=args.endpoint)
+    opened.append(dedup)
+    dispatcher: Dispatcher = _NoDispatcher()
+    if args.dispatcher:
+        dispatcher = open_dispatcher(args.dispatcher, **(dispatcher_options or {}))
+        opened.append(dispatcher)
+    processor = OutboxProcessor(
+        entities, dedup, dispatcher, cleanup=args.cleanup, dead_letters=args.dead_letters
+    )
+    return processor, handler
 
 
 def load_handler(spec: str) -> Callable[..., Any]:
@@ -123,14 +171,11 @@ class _NoDispatcher:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``dedupstore consume``; return the exit code (0 after SIGTERM/SIGINT)."""
-    from dedupstore import open_dispatcher, open_entity_store, open_store
     from dedupstore.consumers import Consumer, open_broker
-    from dedupstore.outbox import Dispatcher, OutboxProcessor
 
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    handler = load_handler(args.handler)
     limit = args.max_deliveries
     if limit is None:
         limit = 5 if args.dead_letters else 0
@@ -143,17 +188,7 @@ def run(args: argparse.Namespace) -> int:
         )
     opened: list[Any] = []
     try:
-        entities = open_entity_store(args.entities)
-        opened.append(entities)
-        dedup = open_store(args.store, endpoint=args.endpoint)
-        opened.append(dedup)
-        dispatcher: Dispatcher = _NoDispatcher()
-        if args.dispatcher:
-            dispatcher = open_dispatcher(args.dispatcher)
-            opened.append(dispatcher)
-        processor = OutboxProcessor(
-            entities, dedup, dispatcher, cleanup=args.cleanup, dead_letters=args.dead_letters
-        )
+        processor, handler = open_processor(args, opened)
         broker = open_broker(args.broker)
         opened.append(broker)
         consumer = Consumer(
