@@ -76,6 +76,7 @@ __all__ = [
     "ProcessResult",
     "Send",
     "SweepResult",
+    "check_handler",
     "message_key",
     "outgoing_id",
     "sweep",
