@@ -48,17 +48,22 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from dedupstore.client import Client, ErrorKind
+from dedupstore.client import Client, ErrorKind, quiet_driver_logs
 from dedupstore.consumers import Broker, Delivery
 from dedupstore.errors import ConfigurationError, StoreUnavailable
 from dedupstore.options import Option, Options, OptionSet, anything, optional, text, timeout_option
 from dedupstore.urls import StoreURL
 
 __all__ = ["KafkaBroker", "KafkaToken"]
+
+#: Where librdkafka's own lines go (a Python logger: quiet at the default level).
+_LIBRDKAFKA_LOG = logging.getLogger("librdkafka")
+quiet_driver_logs(_LIBRDKAFKA_LOG.name)
 
 #: Settings the broker owns: offsets are committed after processing, by ack().
 _FORCED = {"enable.auto.commit": False, "enable.auto.offset.store": False}
@@ -161,9 +166,19 @@ class KafkaBroker(Client, Broker):
         self._partitions: dict[tuple[str, int], _Partition] = {}
 
     def _open(self) -> None:
-        """Make (or take) the consumer and subscribe it to the topic; see the class."""
+        """Make (or take) the consumer and subscribe it to the topic; see the class.
+
+        A consumer of its own first asks the cluster for the topic's metadata, so a
+        broker that cannot be reached is ``StoreUnavailable`` here, within ``timeout``
+        (librdkafka would otherwise retry in the background for ever)."""
         given = self._opts["consumer"]
         self._consumer: Any = self._make_consumer() if given is None else given
+        if given is None:
+            try:
+                self._consumer.list_topics(self.topic, timeout=self._opts["timeout"])
+            except BaseException:
+                self._close()
+                raise
         self._consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
 
     @classmethod
@@ -194,6 +209,7 @@ class KafkaBroker(Client, Broker):
             "bootstrap.servers": servers,
             "group.id": self.group,
             "auto.offset.reset": "earliest",
+            "logger": _LIBRDKAFKA_LOG,  # quiet unless asked for (see quiet_driver_logs)
             **self._opts["config"],
             **_FORCED,
         }

@@ -8,10 +8,16 @@ library encodes instead, so the text is the same whichever encoded it. The cases
 float of magnitude below ``1e-4`` (orjson writes ``0.00001`` for ``1e-05`` and ``1e-7``
 for ``1e-07``: found by comparing both over every decimal exponent and random bit
 patterns, and compared again by the tests); NaN or infinity (orjson writes ``null``);
-integers beyond 64 bits, keys that are not ``str``, subclasses of ``str``, ``int``,
-``dict`` or ``list``, nesting deeper than 254. Beyond JSON values, ``uuid.UUID``
-encodes as its text and an enum member as its value (what ``orjson`` does); anything
-else raises ``TypeError``, and NaN, infinity or a circular reference ``ValueError``.
+integers beyond 64 bits, subclasses of ``str``, ``int``, ``dict`` or ``list``, nesting
+deeper than 254. Beyond JSON values, ``uuid.UUID`` encodes as its text and an enum
+member as its value (what ``orjson`` does). A dict key that is not ``str`` is refused
+(:class:`~dedupstore.errors.InvalidValue`, a ``TypeError``, naming its path), unlike the
+standard library, which writes ``7`` as ``"7"``: the value would not reload as it was.
+So is a dataclass or a pydantic model, with a hint (pass ``dataclasses.asdict(value)``
+or ``value.model_dump(mode="json")``: how a class dumps itself is not a canonical form),
+and anything else ``orjson`` refuses names its path. NaN, infinity or a circular
+reference raise ``ValueError``. The path is found by walking the value only when
+``orjson`` refused it (a ``TypeError``): the fast path walks nothing.
 
 Decoding is ``orjson`` unless the text holds a run of 19 digits or more (an integer
 ``orjson`` might read as a float) or something ``orjson`` refuses (a lone surrogate
@@ -21,6 +27,7 @@ escape): then the standard library decodes it, so integers of any size come back
 from __future__ import annotations
 
 import copy as _copy
+import dataclasses
 import enum
 import json
 import re
@@ -29,7 +36,9 @@ from typing import Any
 
 import orjson
 
-__all__ = ["copy", "dumps", "dumps_bytes", "loads", "normalized", "string"]
+from dedupstore.errors import InvalidValue
+
+__all__ = ["check", "copy", "dumps", "dumps_bytes", "loads", "normalized", "string"]
 
 _OPTIONS = (
     orjson.OPT_SORT_KEYS
@@ -65,13 +74,15 @@ _DIGITS = bytes(48 if 48 <= i <= 57 else 32 for i in range(256))
 _LONG_NUMBER = "0" * 19
 
 
-def _fast(value: Any) -> tuple[str, bytes, Any] | None:
+def _fast(value: Any, name: str) -> tuple[str, bytes, Any] | None:
     """``orjson``'s encoding when it is the canonical text (as text and as bytes),
     else ``None``; with the decoded value when checking the text decoded it (else
-    ``_UNDECODED``). The checks look at the text (``in`` on ``str`` is the fast one)."""
+    ``_UNDECODED``). The checks look at the text (``in`` on ``str`` is the fast one).
+    Raises ``InvalidValue`` for what :func:`check` refuses (``name``: the value's)."""
     try:
         out = orjson.dumps(value, default=_refuse, option=_OPTIONS)
     except TypeError:  # orjson.JSONEncodeError: a type, size or depth it does not take
+        check(value, name)
         return None
     text = out.decode("utf-8")
     if "0.0000" in text or ("e-" in text and _SHORT_EXPONENT.search(text)):
@@ -88,13 +99,14 @@ def _fast(value: Any) -> tuple[str, bytes, Any] | None:
 _UNDECODED: Any = object()
 
 
-def dumps(value: Any) -> str:
+def dumps(value: Any, name: str = "value") -> str:
     """``value`` as canonical JSON text.
 
-    Raises ``TypeError`` for a value JSON cannot hold and ``ValueError`` for NaN,
-    infinity or a circular reference.
+    Raises ``InvalidValue`` (a ``TypeError``, its text starting with the path of the
+    culprit under ``name``) for a value JSON cannot hold as given, and ``ValueError``
+    for NaN, infinity or a circular reference.
     """
-    fast = _fast(value)
+    fast = _fast(value, name)
     return _REFERENCE.encode(value) if fast is None else fast[0]
 
 
@@ -111,9 +123,9 @@ def string(value: str) -> str:
     return dumps(value)
 
 
-def dumps_bytes(value: Any) -> bytes:
+def dumps_bytes(value: Any, name: str = "value") -> bytes:
     """:func:`dumps` as UTF-8 bytes (raises ``UnicodeEncodeError`` for a lone surrogate)."""
-    fast = _fast(value)
+    fast = _fast(value, name)
     return _REFERENCE.encode(value).encode("utf-8") if fast is None else fast[1]
 
 
@@ -132,16 +144,17 @@ def loads(data: str | bytes) -> Any:
     return json.loads(data)
 
 
-def normalized(value: Any) -> tuple[Any, str]:
-    """``value`` as a reload will show it (tuples become lists, keys text, ...), and
-    that value's canonical text (what encoding it again gives): one encoding, one
-    decoding, unless ``value`` has keys that are not text.
+def normalized(value: Any, name: str = "value") -> tuple[Any, str]:
+    """``value`` as a reload will show it (tuples become lists, ...), and that value's
+    canonical text (what encoding it again gives): one encoding, one decoding, unless
+    ``orjson`` does not give the canonical text.
 
     Raises what :func:`dumps` raises.
     """
     try:  # _fast, inline: this runs for every new state and outgoing body
         out = orjson.dumps(value, default=_refuse, option=_OPTIONS)
     except TypeError:
+        check(value, name)
         return _normalized_slowly(value)
     text = out.decode("utf-8")
     if "0.0000" in text or ("e-" in text and _SHORT_EXPONENT.search(text)):
@@ -152,7 +165,7 @@ def normalized(value: Any) -> tuple[Any, str]:
     return decoded, text
 
 
-def _normalized_text(value: Any) -> tuple[Any, str]:
+def _normalized_text(value: Any, name: str = "value") -> tuple[Any, str]:
     """:func:`normalized`, but where the text alone shows that decoding it gives a value
     equal to ``value`` (no ``null`` in it: no NaN or infinity was written as one), the
     value is ``_UNDECODED``: the caller decodes the text (:func:`loads`) when it needs it.
@@ -160,17 +173,72 @@ def _normalized_text(value: Any) -> tuple[Any, str]:
 
     Raises what :func:`dumps` raises.
     """
-    fast = _fast(value)
+    fast = _fast(value, name)
     return _normalized_slowly(value) if fast is None else (fast[2], fast[0])
 
 
 def _normalized_slowly(value: Any) -> tuple[Any, str]:
     """:func:`normalized` where ``orjson`` does not give the canonical text (its callers
-    found so): through the reference encoder. Keys that were not text sort as text
-    once decoded, so the text of the decoded value is the one every later encoding
-    gives."""
+    found so): through the reference encoder; the text of the decoded value is the one
+    every later encoding gives."""
     normal = json.loads(_REFERENCE.encode(value))
     return normal, dumps(normal)
+
+
+#: Types a value may hold at any depth (the reference encodes their subclasses too).
+_PLAIN = (str, int, float, type(None), uuid.UUID, enum.Enum)
+
+
+def check(value: Any, name: str = "value") -> None:
+    """Raise ``InvalidValue`` naming the first place in ``value`` (``name`` and its path,
+    such as ``state["a"][0][3]``) that holds a dict key that is not ``str``, a
+    dataclass, a pydantic model or another type JSON has no form for; else return.
+
+    A walk of the whole value: called where ``orjson`` refused it, never on the fast
+    path. What it lets through (integers beyond 64 bits, nesting deeper than ``orjson``
+    takes, a circular reference) is the reference encoder's to encode or refuse.
+    """
+    seen: set[int] = set()
+    stack: list[tuple[Any, str]] = [(value, name)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, _PLAIN):
+            continue
+        if isinstance(item, dict | list | tuple):
+            if id(item) in seen:  # shared, or circular: the reference refuses a cycle
+                continue
+            seen.add(id(item))
+            if isinstance(item, dict):
+                for key in item:
+                    if not isinstance(key, str):
+                        raise InvalidValue(
+                            f"{path}[{key!r:.60}]: dict keys must be str, got "
+                            f"{type(key).__name__} (JSON would store it as text, and a "
+                            "reload would not give the value back)"
+                        )
+                children = [(v, f"{path}[{string(k)[:60]}]") for k, v in item.items()]
+            else:
+                children = [(v, f"{path}[{i}]") for i, v in enumerate(item)]
+            stack.extend(reversed(children))
+            continue
+        raise InvalidValue(f"{path}: {_unsupported(item)}")
+
+
+def _unsupported(item: Any) -> str:
+    """Why ``item`` (not a JSON value) is refused, and what to pass instead."""
+    kind = type(item).__name__
+    if dataclasses.is_dataclass(item) and not isinstance(item, type):
+        return (
+            f"a dataclass ({kind}) is not JSON-compatible: pass dataclasses.asdict(value) "
+            "(dedupstore stores canonical JSON and converts no class itself)"
+        )
+    if callable(getattr(type(item), "model_dump", None)):
+        return (
+            f"a pydantic model ({kind}) is not JSON-compatible: pass "
+            'value.model_dump(mode="json") (dedupstore stores canonical JSON and converts '
+            "no class itself)"
+        )
+    return f"a {kind} is not JSON-compatible (expected dict, list, str, int, float, bool, None)"
 
 
 def copy(value: Any) -> Any:

@@ -41,7 +41,7 @@ from dedupstore.errors import (
 )
 from dedupstore.ids import message_key, validate_ids, validate_message_id
 from dedupstore.masking import MASK, mask_options
-from dedupstore.options import format_duration, retention
+from dedupstore.options import format_duration, retention, seconds
 from dedupstore.stats import Backlog, outbox_backlog
 from dedupstore.store import DeduplicationStore
 from dedupstore.urls import StoreURL
@@ -79,13 +79,11 @@ def _retention(value: str) -> timedelta | None:
 
 
 def _interval(value: str) -> float:
+    """0 or more seconds: ``2``, ``0.5``, ``"2s"``, ``"250ms"`` (the library's duration parser)."""
     try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
-    if not 0 <= number < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected 0 or more seconds, got {value!r}")
-    return number
+        return float(seconds(zero=True)(value))
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"expected 0 or more seconds ({exc})") from None
 
 
 def _bounded(low: int, high: int) -> Callable[[str], int]:

@@ -235,6 +235,24 @@ def check_client(
         raise ConfigurationError(f"client must be {what}, got {type(given).__name__}{extra}")
 
 
+#: The drivers' loggers :func:`quiet_driver_logs` quieted (``dedupstore consume
+#: --log-level DEBUG`` shows them again).
+DRIVER_LOGGERS: set[str] = set()
+
+
+def quiet_driver_logs(*names: str) -> None:
+    """Quiet a driver's own loggers at the default level: each of ``names`` left at
+    ``NOTSET`` gets ``CRITICAL``. What such a driver logs while it fails (pika: a dozen
+    lines per refused connection; librdkafka: a line every retry) reaches the caller as
+    one exception instead. A logger given a level before the backend is imported keeps
+    it: ``logging.getLogger("pika").setLevel(logging.DEBUG)`` shows the driver's lines."""
+    for name in names:
+        DRIVER_LOGGERS.add(name)
+        driver = logging.getLogger(name)
+        if driver.level == logging.NOTSET:
+            driver.setLevel(logging.CRITICAL)
+
+
 def part_of(client: Client, name: str, kind: type[T]) -> T:
     """``client.<name>``, a ``kind``: what a client tells its connection about itself
     (its table, its container), read by the connection's rules that get only the client
@@ -268,6 +286,10 @@ class Connection(abc.ABC):
     schemes: ClassVar[tuple[str, ...]] = ()
     #: True when the data lives in this process only: its clients' default.
     process_local: ClassVar[bool] = False
+    #: True when the URL must name the server's host (unless a ``client``, or a ``host``
+    #: driver parameter such as libpq's socket directory, is given): a URL without one is
+    #: a ``ConfigurationError``, not a connection refused on a default host.
+    needs_host: ClassVar[bool] = False
 
     def __init__(self, url: StoreURL, options: Options) -> None:
         """Open the connection (it may do I/O) from the first client's URL and options."""
@@ -447,8 +469,15 @@ class Client(Closing, abc.ABC):
         both refuse the same. Runs the connection class's :meth:`Connection.validate`;
         clients extend it, calling ``super()._validate`` first.
         """
-        if cls.connection_class is not None:
-            cls.connection_class.validate(url, options)
+        kind = cls.connection_class
+        if kind is not None:
+            given = options.get("client") is not None or "host" in options.driver_params
+            if kind.needs_host and not url.host and not given:
+                raise ConfigurationError(
+                    f"the {url.scheme}:// URL {url.masked!r} names no host: "
+                    f"{url.scheme}://host[:port]/..."
+                )
+            kind.validate(url, options)
 
     # ------------------------------------------------------------------ public
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
 from dedupstore import canonical
 from dedupstore.client import Client
-from dedupstore.errors import ConcurrencyConflict, EntityTooLarge, InvalidMessageId
+from dedupstore.errors import ConcurrencyConflict, EntityTooLarge, InvalidMessageId, InvalidValue
 from dedupstore.ids import plain_ids, validate_ids, validate_message_id
 from dedupstore.options import OptionSet
 
@@ -191,7 +191,7 @@ _decoding = threading.Lock()  # one decoded body per message, whichever thread r
 def body_text(message: OutgoingMessage) -> str:
     """Canonical JSON of ``message.body`` (kept from when the processor made it)."""
     text = message._body_text
-    return canonical.dumps(message.body) if text is None else text
+    return canonical.dumps(message.body, "body") if text is None else text
 
 
 def message_text(message: OutgoingMessage) -> str:
@@ -202,7 +202,7 @@ def message_text(message: OutgoingMessage) -> str:
     headers = message.headers
     return (
         f'{{"body":{body_text(message)},"destination":{canonical.string(message.destination)}'
-        f',"headers":{canonical.dumps(dict(headers)) if headers else "{}"}'
+        f',"headers":{canonical.dumps(dict(headers), "headers") if headers else "{}"}'
         f',"id":{canonical.string(message.id)}}}'
     )
 
@@ -351,7 +351,7 @@ def encode_entity(entity: Entity) -> str:
     try:
         state = kept[1] if kept is not None and kept[0] is entity.state else None
         if state is None:
-            state = canonical.dumps(entity.state)
+            state = canonical.dumps(entity.state, "state")
         outbox = entity.outbox
         if not outbox:
             entries = ""
@@ -365,6 +365,8 @@ def encode_entity(entity: Entity) -> str:
                     for mid, entry in sorted(outbox.items())
                 ]
             )
+    except InvalidValue as exc:
+        raise InvalidValue(f"entity {entity.id!r:.80}: {exc}") from None
     except (TypeError, ValueError) as exc:
         raise ValueError(
             f"entity {entity.id!r:.80} is not JSON-compatible (state and message bodies must "

@@ -9,6 +9,7 @@ error                  meaning                                 CLI exit code
 =====================  ======================================  ==============
 ``ConfigurationError``  fix the configuration or the input      2
 ``InvalidMessageId``    fix the input (a ``ValueError``)        2
+``InvalidValue``        fix the input (a ``TypeError``)         2
 ``MalformedDelivery``   a broker delivery is not a message      2
 ``ConsistencyError``    the store is too weak to be safe        2
 ``StoreClosed``         the object was closed; open a new one   2
@@ -31,6 +32,7 @@ __all__ = [
     "EntityTooLarge",
     "HandlerError",
     "InvalidMessageId",
+    "InvalidValue",
     "MalformedDelivery",
     "StoreClosed",
     "StoreUnavailable",
@@ -82,6 +84,20 @@ class InvalidMessageId(DedupStoreError, ValueError):
 
     Valid ids are non-empty ``str`` of at most 1024 UTF-8 bytes with no NUL
     character and no lone surrogate.
+    """
+
+
+class InvalidValue(DedupStoreError, TypeError, ValueError):
+    """A state, body or headers value that cannot be stored as given; nothing was written.
+
+    A dict key that is not ``str`` at any depth (JSON would store ``7`` as ``"7"``, and
+    a reload would not give the value back), headers that are not a mapping of ``str``
+    to ``str``, a dataclass or a pydantic model (the text says what to pass instead:
+    ``dataclasses.asdict(value)``, ``value.model_dump(mode="json")``) or another type
+    JSON has no form for. The text starts with the path of the value, such as
+    ``state[7]`` or ``sends[0].body["a"][0][3]``. Both a ``TypeError`` (what JSON
+    encoders raise for such a value) and a ``ValueError`` (what the stores raise for a
+    state that is not JSON-compatible).
     """
 
 

@@ -46,6 +46,8 @@ _UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 60480
 #: A compound duration such as ``1h30m`` or ``2s500ms``: units largest first, each once.
 _DURATION_PART = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)")
 _UNIT_ORDER = ("w", "d", "h", "m", "s", "ms")
+#: A duration of zero, as text (``0``, ``0.0s``, ``0ms``): taken where zero is allowed.
+_ZERO = re.compile(r"0+(?:\.0+)?\s*(?:ms|s|m|h|d|w)?")
 #: The units :func:`format_duration` writes, in microseconds.
 _FORMAT_UNITS = (("d", 86_400_000_000), ("h", 3_600_000_000), ("m", 60_000_000), ("s", 1_000_000))
 #: Longest duration accepted anywhere (1000 years): larger values are typos.
@@ -363,10 +365,17 @@ def check_seconds(seconds: float, given: object) -> float:
     return seconds
 
 
-def seconds(maximum: float | None = None) -> Converter:
-    """A positive, finite number of seconds: ``5``, ``2.5``, ``"5"``, ``"5s"``, ``"250ms"``."""
+def seconds(maximum: float | None = None, *, zero: bool = False) -> Converter:
+    """A positive, finite number of seconds: ``5``, ``2.5``, ``"5"``, ``"5s"``, ``"250ms"``,
+    ``"1h30m"``, a ``timedelta`` (with ``zero``, 0 too: ``0``, ``"0s"``).
+
+    The one duration parser of the library: URL options, the consume loop's
+    ``wait`` and ``max_backoff``, and the command line's durations go through it.
+    """
 
     def convert(value: object) -> float:
+        if zero and _is_zero(value):
+            return 0.0
         if isinstance(value, bool):
             raise TypeError(f"expected a number of seconds, got {value!r}")
         if isinstance(value, timedelta):
@@ -386,6 +395,16 @@ def seconds(maximum: float | None = None) -> Converter:
         return result
 
     return convert
+
+
+def _is_zero(value: object) -> bool:
+    """Whether ``value`` is a duration of zero: ``0``, ``0.0``, ``timedelta(0)``, ``"0"``,
+    ``"0s"``, ``"0ms"`` (what :func:`seconds` with ``zero`` takes besides positive ones)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int | float | timedelta):
+        return not value
+    return isinstance(value, str) and _ZERO.fullmatch(value.strip()) is not None
 
 
 def retention(value: object) -> timedelta | None:

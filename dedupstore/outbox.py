@@ -27,6 +27,7 @@ stable across redeliveries; receivers deduplicate outgoing messages by id.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import threading
@@ -53,6 +54,7 @@ from dedupstore.errors import (
     ConfigurationError,
     EntityTooLarge,
     HandlerError,
+    InvalidValue,
     StoreUnavailable,
     format_error,
 )
@@ -75,6 +77,7 @@ __all__ = [
     "ProcessResult",
     "Send",
     "SweepResult",
+    "check_handler",
     "message_key",
     "outgoing_id",
     "sweep",
@@ -90,21 +93,64 @@ Outcome = Literal["processed", "duplicate", "redispatched", "dead_lettered"]
 
 @dataclass(frozen=True)
 class Message:
-    """An incoming message: its id, the correlation (entity) id, a body and headers."""
+    """An incoming message: its id, the correlation (entity) id, a body and headers.
+
+    Raises ``InvalidMessageId`` for an id or correlation id that is not a ``str`` (the
+    id rules are checked in full before the processor's first I/O) and
+    ``InvalidValue`` for headers that are not a mapping of ``str`` to ``str``.
+    """
 
     id: str
     correlation_id: str
     body: Any
     headers: Mapping[str, str] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if type(self.id) is not str and not isinstance(self.id, str):
+            validate_message_id(self.id)
+        if type(self.correlation_id) is not str and not isinstance(self.correlation_id, str):
+            validate_message_id(self.correlation_id, "correlation id")
+        _check_headers(self.headers)
+
 
 @dataclass(frozen=True)
 class Send:
-    """An outgoing message a handler asks for; the processor gives it its id."""
+    """An outgoing message a handler asks for; the processor gives it its id.
+
+    Raises ``InvalidMessageId`` for a destination that is not a ``str`` (the id rules
+    are checked in full when the handler returns it) and ``InvalidValue`` for headers
+    that are not a mapping of ``str`` to ``str``.
+    """
 
     destination: str
     body: Any
     headers: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if type(self.destination) is not str and not isinstance(self.destination, str):
+            validate_message_id(self.destination, "destination")
+        _check_headers(self.headers)
+
+
+def _check_headers(headers: object) -> None:
+    """Headers map ``str`` to ``str``; raise ``InvalidValue`` naming what does not."""
+    if type(headers) is dict and not headers:
+        return
+    if not isinstance(headers, Mapping):
+        raise InvalidValue(
+            f"headers must be a mapping of str to str, got {type(headers).__name__} {headers!r:.60}"
+        )
+    for key, value in headers.items():
+        if not isinstance(key, str):
+            raise InvalidValue(
+                f"headers[{key!r:.60}]: header names must be str, got {type(key).__name__}"
+            )
+        if not isinstance(value, str):
+            raise InvalidValue(
+                f"headers[{canonical.string(key)[:60]}]: header values must be str, got "
+                f"{type(value).__name__} {value!r:.60} (convert it with str() if it is meant "
+                "as text)"
+            )
 
 
 #: ``handler(state, message) -> (new_state, sends)``: pure, deterministic.
@@ -247,7 +293,9 @@ class OutboxProcessor:
         entity_cache: int = 10_000,
         relax_gc: bool = True,
     ) -> None:
-        """Raises ``ConfigurationError`` for an unknown ``cleanup``, a bad
+        """Raises ``ConfigurationError`` (no I/O) for an ``entities`` that is not an
+        ``EntityStore``, a ``dedup`` that is not a ``DeduplicationStore``, a
+        ``dispatcher`` without a callable ``dispatch``, an unknown ``cleanup``, a bad
         ``dead_letters`` destination or ``run`` name, ``max_attempts``,
         ``deferred_limit`` or ``handler_attempts`` below 1, ``entity_cache``
         below 0, or a ``relax_gc`` that is not a bool."""
@@ -268,6 +316,13 @@ class OutboxProcessor:
             validate_name(dead_letters, "dead-letter destination")
         if run is not None:
             validate_name(run, "run")
+        _check_part("entities", entities, EntityStore, _ENTITY_CALLS, "open_entity_store(url)")
+        _check_part("dedup", dedup, DeduplicationStore, _DEDUP_CALLS, "open_store(url)")
+        if not callable(getattr(dispatcher, "dispatch", None)):
+            raise ConfigurationError(
+                "dispatcher must have a callable dispatch(messages) (a Dispatcher, such as "
+                f"open_dispatcher(url)), got {_shown(dispatcher)}"
+            )
         self.run = run
         self.dead_letters = dead_letters
         self.handler_attempts = handler_attempts
@@ -278,6 +333,7 @@ class OutboxProcessor:
         self.max_attempts = max_attempts
         self.deferred_limit = deferred_limit
         self.relax_gc = relax_gc
+        self._checked_handler: Handler | None = None  # the handler that passed the check
         #: valid destinations the handler named, as JSON strings (checked once each)
         self._destinations: dict[str, str] = {}
         #: the entities process() saved last, at the version of that save
@@ -293,6 +349,12 @@ class OutboxProcessor:
         """The consumer's name: the deduplication store's endpoint."""
         return self.dedup.endpoint
 
+    def _check_handler(self, handler: Handler) -> None:
+        """Refuse (``ConfigurationError``) what cannot be a handler, before any I/O; the
+        last handler that passed is remembered, so a loop checks its handler once."""
+        check_handler(handler)
+        self._checked_handler = handler
+
     # ------------------------------------------------------------------ one message
 
     def process(self, message: Message, handler: Handler) -> ProcessResult:
@@ -305,6 +367,8 @@ class OutboxProcessor:
         raises (then the message must be redelivered).
         """
         _validate(message)
+        if handler is not self._checked_handler:
+            self._check_handler(handler)
         result = self._process(message, handler, set())
         self._report([message], [result])
         return result
@@ -577,7 +641,9 @@ class OutboxProcessor:
         # (canonical.normalized: the state as a reload will show it, and its text)
         normalized, normalized_text = canonical.normalized, canonical._normalized_text
         try:
-            state, state_text = normalized(state)
+            state, state_text = normalized(state, "state")
+        except InvalidValue:
+            raise
         except (TypeError, ValueError) as exc:
             raise _not_json(exc) from None
         if not sends:
@@ -587,7 +653,9 @@ class OutboxProcessor:
         outgoing = []
         for position, send in enumerate(sends):
             try:
-                body, text = normalized_text(send.body)  # body: _UNDECODED, most often
+                body, text = normalized_text(send.body, "body")  # body: _UNDECODED, most often
+            except InvalidValue as exc:
+                raise InvalidValue(f"sends[{position}].{exc}") from None
             except (TypeError, ValueError) as exc:
                 raise _not_json(exc) from None
             headers = send.headers
@@ -605,7 +673,7 @@ class OutboxProcessor:
                     destination,
                     body,
                     text,
-                    {str(k): str(v) for k, v in dict(headers).items()} if headers else {},
+                    dict(headers) if headers else {},  # str -> str: checked by Send
                     known,
                     f'"{oid}"',
                 )
@@ -724,6 +792,8 @@ class OutboxProcessor:
         returns stays true when the call is cut short and run again. Should it
         raise, nothing is cleaned up and the error propagates (a later call cleans up).
         """
+        if handler is not self._checked_handler:
+            self._check_handler(handler)
         if not messages:
             return []
         if not plain_ids([m.id for m in messages] + [m.correlation_id for m in messages]):
@@ -1266,6 +1336,40 @@ def _retrying(consumer: str, entity_ids: Collection[str]) -> None:
             consumer,
             len(entity_ids),
             ", ".join(sorted(repr(e)[:80] for e in entity_ids)[:5]),
+        )
+
+
+def check_handler(handler: object) -> None:
+    """Raise ``ConfigurationError`` if ``handler`` is not callable or is asynchronous
+    (an ``async def`` function, or an object whose ``__call__`` is one): async handlers
+    are not supported yet (the processor would save the coroutine it returns)."""
+    if not callable(handler):
+        raise ConfigurationError(f"handler must be callable, got {_shown(handler)}")
+    call = getattr(handler, "__call__", None)  # noqa: B004 (the method itself is inspected)
+    if inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(call):
+        raise ConfigurationError(
+            f"the handler {getattr(handler, '__qualname__', type(handler).__name__)!r:.80} is "
+            "an async function: async handlers are not supported yet; make it a plain "
+            "function (a handler is pure: no I/O to await)"
+        )
+
+
+#: What the processor calls on its stores: an object that is not the store class but
+#: has these (a wrapper) is taken as one.
+_ENTITY_CALLS = ("load", "load_many", "save", "save_many")
+_DEDUP_CALLS = ("add_many", "processed_among", "has_been_processed")
+
+
+def _check_part(name: str, value: object, kind: type, calls: tuple[str, ...], example: str) -> None:
+    """``value``, given as the processor's ``name``, is a ``kind`` or has its ``calls``,
+    else ``ConfigurationError`` naming the argument and what it got."""
+    if isinstance(value, kind):
+        return
+    missing = [call for call in calls if not callable(getattr(value, call, None))]
+    if missing:
+        raise ConfigurationError(
+            f"{name} must be {'an' if kind.__name__[0] in 'AEIOU' else 'a'} {kind.__name__} "
+            f"({example}), got {_shown(value)} (it has no {missing[0]}())"
         )
 
 

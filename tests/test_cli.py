@@ -557,3 +557,17 @@ def test_has_and_add_with_entity_use_the_processor_key(
         assert not store.has_been_processed("txn-1")
     assert main(["has", url, "txn-1", "--entity", "bad\x00"]) == 2
     assert "entity" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "url", ["postgres://", "postgresql:///db", "redis://", "rediss:///0", "cosmos://"]
+)
+def test_a_url_without_a_host_is_a_configuration_error(
+    url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not "retry later" (exit 3) after a connection refused on a default host: exit 2."""
+    from dedupstore.cli import main
+
+    assert main(["add", url, "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dedupstore: error:") and "host" in err, err

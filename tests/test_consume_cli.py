@@ -111,8 +111,154 @@ def test_consume_refuses_bad_arguments_with_exit_2(
     process = _consume(
         *("--broker", f"{redis_server.url}?stream=s-{uuid.uuid4().hex}&group=g"),
         *("--entities", "memory://x", "--store", "memory://x", "--handler", handler),
+        *("--no-dispatcher", "--allow-memory"),
         *extra,
     )
     out, err = process.communicate(timeout=60)
     assert process.returncode == 2, (out, err)
     assert error in err and "Traceback" not in err, err
+
+
+def _closed_port_broker(scheme: str) -> str:
+    """A broker URL on a loopback port nobody listens on."""
+    from tests.servers import HOST, free_port
+
+    port = free_port()
+    if scheme == "kafka":
+        return f"kafka://{HOST}:{port}?topic=orders&group=billing&timeout=3"
+    return f"amqp://guest:guest@{HOST}:{port}/%2F?queue=orders&connect_timeout=3"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("scheme", ["kafka", "amqp"])
+def test_an_unreachable_broker_fails_at_open_in_one_line(scheme: str, tmp_path: Path) -> None:
+    """No broker on the port: exit 3 in one line, the driver's logs quiet (librdkafka
+    printed every 50 ms and never exited; pika printed 14 lines before the error)."""
+    db = f"sqlite:///{tmp_path / 'd.db'}"
+    process = _consume(
+        *("--broker", _closed_port_broker(scheme), "--entities", db, "--store", db),
+        *("--handler", "tests.soak_worker:soak_handler", "--no-dispatcher"),
+    )
+    out, err = process.communicate(timeout=100)
+    assert process.returncode == 3, (out, err)
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("dedupstore: store unavailable"), err
+    # besides the error, at most the library's own INFO line saying the same
+    assert len(lines) <= 2 and all(" INFO dedupstore." in line for line in lines[:-1]), err
+    assert "Traceback" not in err
+
+
+def _bad_args(redis_server: Server, *args: str) -> tuple[int, str, str]:
+    process = _consume(
+        *("--broker", f"{redis_server.url}?stream=s-{uuid.uuid4().hex}&group=g"), *args
+    )
+    out, err = process.communicate(timeout=60)
+    return process.returncode, out, err
+
+
+@pytest.mark.parametrize(
+    ("module", "error"),
+    [
+        ("x = (\n", "SyntaxError"),
+        ("import no_such_module_at_all\n", "ModuleNotFoundError: No module named"),
+        ("raise RuntimeError('boom at import')\n", "RuntimeError: boom at import"),
+        ("async def handle(state, message):\n    return state, []\n", "async handlers are not"),
+    ],
+)
+def test_a_handler_that_cannot_run_is_reported_in_one_line_with_exit_2(
+    redis_server: Server, tmp_path: Path, module: str, error: str
+) -> None:
+    name = f"h_{uuid.uuid4().hex[:8]}"
+    (ROOT / f"{name}.py").write_text(module)
+    try:
+        code, out, err = _bad_args(
+            redis_server,
+            *("--entities", f"{redis_server.url}?key_prefix=x:", "--store", redis_server.url),
+            *("--handler", f"{name}:handle", "--no-dispatcher"),
+        )
+    finally:
+        (ROOT / f"{name}.py").unlink()
+    assert code == 2, (out, err)
+    assert error in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+_SQLITE = ("--entities", "sqlite:///{db}", "--store", "sqlite:///{db}")
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        # no dispatcher: refused before anything is read (it saved a state change first)
+        ((*_SQLITE,), "--dispatcher"),
+        # memory:// stores: refused unless asked
+        (("--entities", "memory://x", "--store", "sqlite:///{db}", "--no-dispatcher"), "memory"),
+        (("--entities", "sqlite:///{db}", "--store", "memory://x", "--no-dispatcher"), "memory"),
+        (
+            (*_SQLITE, "--dispatcher", "memory://x"),
+            "--allow-memory",
+        ),
+        (
+            (*_SQLITE, "--no-dispatcher", "--dead-letters", "dlq"),
+            "give --dispatcher URL",
+        ),
+        (
+            (*_SQLITE, "--no-dispatcher", "--wait", "soon"),
+            "--wait",
+        ),
+    ],
+)
+def test_consume_refuses_what_would_fail_later(
+    redis_server: Server, tmp_path: Path, args: tuple[str, ...], error: str
+) -> None:
+    db = tmp_path / "d.db"
+    code, out, err = _bad_args(
+        redis_server,
+        *(a.format(db=db) for a in args),
+        *("--handler", "tests.soak_worker:soak_handler"),
+    )
+    assert code == 2, (out, err)
+    assert error in err and "Traceback" not in err, err
+    assert not db.exists(), "nothing opened"
+
+
+@pytest.mark.timeout(120)
+def test_consume_takes_config_and_durations_prints_a_start_line_and_totals_on_an_error(
+    redis_server: Server, tmp_path: Path
+) -> None:
+    """``--entities config --store config`` (as every other command takes them), a
+    ``--wait`` of ``200ms``; one start line naming what it reads; a handler that sends
+    under ``--no-dispatcher`` ends the loop with exit 2, the totals printed still."""
+    tag = uuid.uuid4().hex[:8]
+    url = redis_server.url
+    upstream = open_dispatcher(url, key_prefix=f"cfg{tag}:")
+    upstream.dispatch([OutgoingMessage("m1", "orders", {}, {"correlation_id": "e1"})])
+    upstream.close()
+    (tmp_path / "dedupstore.toml").write_text(
+        f'[default]\nurl = "sqlite:///{tmp_path / "d.db"}"\n'
+        f'entities_url = "sqlite:///{tmp_path / "e.db"}"\n'
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "dedupstore.cli", "consume"),
+            *("--broker", f"{url}?destination=orders&group=g&consumer=c1&key_prefix=cfg{tag}:"),
+            *("--entities", "config", "--store", "config", "--endpoint", "accounts"),
+            *("--handler", "tests.soak_worker:soak_handler", "--no-dispatcher"),
+            *("--wait", "200ms", "--cleanup", "deferred"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    out, err = process.communicate(timeout=100)
+    assert process.returncode == 2, (out, err)
+    start = [line for line in err.splitlines() if line.startswith("dedupstore consume:")]
+    assert len(start) == 1, err
+    for part in (f"stream cfg{tag}:orders", "group g", "consumer c1", "endpoint accounts"):
+        assert part in start[0], start
+    assert "cleanup deferred" in start[0] and "dispatcher none" in start[0], start
+    assert "--no-dispatcher was given" in err.splitlines()[-1] and "Traceback" not in err
+    totals = json.loads(out.strip().splitlines()[-1])  # of the rounds completed: none
+    assert totals["acked"] == 0 and totals["nacked"] == 0 and "outcomes" in totals, totals

@@ -480,3 +480,23 @@ def test_stop_ends_the_loop_after_the_round_in_flight(how: str) -> None:
     assert totals.acked == 4 and totals.rounds == 1
     assert processor.entities.load("acct").state["applied"] == ["m1", "m2", "m3", "m4"]
     assert broker.ready == [5, 6, 7, 8, 9], "nothing fetched after the stop"
+
+
+def test_durations_go_through_the_one_parser_and_async_handlers_are_refused() -> None:
+    """``wait="1s"`` as URLs take it; an ``async def`` handler refused at construction."""
+    from datetime import timedelta
+
+    processor, _ = _processor()
+    consumer = Consumer(ListBroker(), processor, deposit, wait="250ms", max_backoff="1m")
+    assert (consumer.wait, consumer.max_backoff) == (0.25, 60.0)
+    assert Consumer(ListBroker(), processor, deposit, wait="0s").wait == 0.0
+    assert Consumer(ListBroker(), processor, deposit, wait=timedelta(seconds=2)).wait == 2.0
+    for bad in ({"wait": "soon"}, {"wait": "-1s"}, {"max_backoff": "0s"}, {"wait": True}):
+        with pytest.raises(ConfigurationError, match="seconds"):
+            Consumer(ListBroker(), processor, deposit, **bad)  # type: ignore[arg-type]
+
+    async def handler(state: dict[str, Any], message: Message) -> Any:
+        return state, []
+
+    with pytest.raises(ConfigurationError, match="async handlers are not supported"):
+        Consumer(ListBroker(), processor, handler)

@@ -518,3 +518,162 @@ def test_a_batch_runs_with_the_collector_relaxed_unless_told_not_to() -> None:
     for bad in (1, "yes", None):
         with pytest.raises(ConfigurationError, match="relax_gc"):
             OutboxProcessor(processor.entities, processor.dedup, InMemoryDispatcher(), relax_gc=bad)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- inputs checked
+
+
+def _stores() -> tuple[MemoryEntityStore, MemoryDeduplicationStore]:
+    url = f"memory://{uuid.uuid4().hex}"
+    return MemoryEntityStore(url), MemoryDeduplicationStore(url)
+
+
+class _NotCallable:
+    dispatch = "not a method"
+
+
+@pytest.mark.parametrize(
+    ("parts", "named"),
+    [
+        (
+            lambda e, d: (d, e, InMemoryDispatcher()),
+            "entities must be an EntityStore.*got MemoryDedup",
+        ),
+        (
+            lambda e, d: (e, e, InMemoryDispatcher()),
+            "dedup must be a Deduplication.*got MemoryEntity",
+        ),
+        (lambda e, d: (e, d, None), "dispatcher must have a callable dispatch"),
+        (lambda e, d: (e, d, object()), "dispatcher must have a callable dispatch"),
+        (lambda e, d: (e, d, _NotCallable()), "dispatcher must have a callable dispatch"),
+        (lambda e, d: ("memory://x", d, InMemoryDispatcher()), "got str 'memory://x'"),
+        (lambda e, d: (e, "memory://x", InMemoryDispatcher()), "dedup must be a Dedup"),
+        (lambda e, d: (e, d, "redis://localhost"), "got str 'redis://localhost'"),
+    ],
+)
+def test_the_processor_checks_its_parts_at_construction(parts: Any, named: str) -> None:
+    """Swapped stores, no dispatcher, a URL instead of an opened store: refused when the
+    processor is made (ConfigurationError naming the argument and what it got), not
+    with an AttributeError after a state change was saved."""
+    entities, dedup = _stores()
+    with pytest.raises(ConfigurationError, match=named):
+        OutboxProcessor(*parts(entities, dedup))
+
+
+async def _async_handler(state: dict[str, Any], message: Message) -> Any:
+    return state, []
+
+
+class _AsyncCall:
+    async def __call__(self, state: dict[str, Any], message: Message) -> Any:
+        return state, []
+
+
+@pytest.mark.parametrize("handler", [_async_handler, _AsyncCall()], ids=["function", "object"])
+def test_an_async_handler_is_refused_before_anything_is_saved(handler: Any) -> None:
+    entities, dedup = _stores()
+    processor = OutboxProcessor(entities, dedup, InMemoryDispatcher(), dead_letters="dlq")
+    with pytest.raises(ConfigurationError, match="async handlers are not supported"):
+        processor.process(Message("m1", "e1", {}), handler)
+    with pytest.raises(ConfigurationError, match="async handlers are not supported"):
+        processor.process_batch([Message("m2", "e1", {})], handler)
+    assert entities.load("e1").version is None
+
+
+def _keyed(state: Any, body: Any) -> Any:
+    def handler(s: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+        return state, [Send("out", body)]
+
+    return handler
+
+
+@pytest.mark.parametrize(
+    ("state", "body", "path"),
+    [
+        ({7: "seven"}, {}, r"state\[7\]"),
+        ({"a": {"b": [1, {(1, 2): 0}]}}, {}, r'state\["a"\]\["b"\]\[1\]\[\(1, 2\)\]'),
+        ({"ok": 1}, {"a": [{3: "x"}]}, r'sends\[0\]\.body\["a"\]\[0\]\[3\]'),
+        ({"ok": 1}, [{None: 1}], r"sends\[0\]\.body\[0\]\[None\]"),
+    ],
+)
+def test_keys_that_are_not_str_are_refused_naming_their_path(
+    state: Any, body: Any, path: str
+) -> None:
+    """``{7: "seven"}`` would be stored as ``{"7": ...}`` and reload differently: refused
+    (InvalidValue, a TypeError) naming where, before any write."""
+    from dedupstore.errors import InvalidValue
+
+    entities, dedup = _stores()
+    dispatcher = InMemoryDispatcher()
+    processor = OutboxProcessor(entities, dedup, dispatcher)
+    for run in (processor.process, lambda m, h: processor.process_batch([m], h)):
+        with pytest.raises(HandlerError) as caught:
+            run(Message("m1", "e1", {}), _keyed(state, body))  # type: ignore[operator]
+        assert isinstance(caught.value.error, InvalidValue), caught.value.error
+        assert isinstance(caught.value.error, TypeError)
+        assert caught.value.error is not None
+        assert __import__("re").search(path, str(caught.value.error)), caught.value.error
+    assert entities.load("e1").version is None and dispatcher.sent == []
+
+
+def test_an_entity_or_message_saved_directly_refuses_keys_that_are_not_str() -> None:
+    from dedupstore.errors import InvalidValue
+
+    entities, _ = _stores()
+    entity = entities.load("e1")
+    entity.state = {"a": {1: "x"}}
+    with pytest.raises(InvalidValue, match=r'entity .e1.: state\["a"\]\[1\]'):
+        entities.save(entity)
+    assert entities.load("e1").version is None
+    with pytest.raises(InvalidValue, match=r"body\[2\]"):
+        message_text(OutgoingMessage("o1", "out", {2: "x"}))
+
+
+def test_send_and_message_fields_are_typed_at_construction() -> None:
+    from dedupstore.errors import InvalidValue
+
+    with pytest.raises(InvalidMessageId, match="destination"):
+        Send(5, {})  # type: ignore[arg-type]
+    for headers in (None, [("a", "b")], "a=b", {"a": 1}, {1: "a"}):
+        with pytest.raises(InvalidValue, match="headers"):
+            Send("out", {}, headers)  # type: ignore[arg-type]
+        with pytest.raises(InvalidValue, match="headers"):
+            Message("m1", "e1", {}, headers)  # type: ignore[arg-type]
+    with pytest.raises(InvalidMessageId, match="message id"):
+        Message(5, "e1", {})  # type: ignore[arg-type]
+    with pytest.raises(InvalidMessageId, match="correlation id"):
+        Message("m1", b"e1", {})  # type: ignore[arg-type]
+    # what is right stays accepted
+    assert Send("out", {"a": 1}, {"k": "v"}).headers == {"k": "v"}
+    assert Message("m1", "e1", [1], {"k": "v"}).body == [1]
+
+
+@dataclasses.dataclass
+class _Point:
+    x: int
+    y: int
+
+
+def test_dataclass_and_pydantic_bodies_and_states_are_refused_with_a_hint() -> None:
+    """Not converted silently (the canonical bytes of a model's dump may change with the
+    model's library): refused, naming what to pass instead."""
+    import pydantic
+
+    from dedupstore.errors import InvalidValue
+
+    class Model(pydantic.BaseModel):
+        x: int
+
+    cases = [
+        ({"p": _Point(1, 2)}, {}, r'state\["p"\]: a dataclass .*dataclasses.asdict\(value\)'),
+        ({}, Model(x=1), r"sends\[0\]\.body: a pydantic model .*model_dump\("),
+        ({}, {"m": [Model(x=1)]}, r'sends\[0\]\.body\["m"\]\[0\]: .*model_dump\('),
+    ]
+    for state, body, hint in cases:
+        entities, dedup = _stores()
+        processor = OutboxProcessor(entities, dedup, InMemoryDispatcher())
+        with pytest.raises(HandlerError) as caught:
+            processor.process(Message("m1", "e1", {}), _keyed(state, body))
+        assert isinstance(caught.value.error, InvalidValue)
+        assert __import__("re").search(hint, str(caught.value.error)), caught.value.error
+        assert entities.load("e1").version is None

@@ -29,6 +29,13 @@ _COSMOS = "cosmos://127.0.0.1:1"
 
 #: (scheme, url, options, a fragment of the message).
 CASES: list[tuple[str, str, dict[str, Any], str]] = [
+    # a URL without a host: not "retry later" against a default host
+    ("postgresql", "postgresql://", {}, "names no host"),
+    ("postgresql", "postgres:///db", {}, "names no host"),
+    ("postgresql", "postgresql://:5432/db", {}, "names no host"),
+    ("redis", "redis://", {}, "names no host"),
+    ("redis", "rediss:///0", {}, "names no host"),
+    ("cosmos", "cosmos://", {}, "names the account host"),
     ("memory", "memory://user@name", {}, "expected 'memory://' or 'memory://<name>'"),
     ("memory", "memory://name#part", {}, "expected 'memory://' or 'memory://<name>'"),
     ("sqlite", "sqlite://host/x.db", {}, "has no host"),
@@ -109,6 +116,8 @@ def test_check_options_refuses_what_the_constructor_refuses(
         ("memory", "memory://name", {}),
         ("sqlite", "sqlite:///x.db", {}),
         ("postgresql", f"{_PG}&pool_min_size=2&pool_max_size=2", {}),
+        # no host in the URL, libpq's socket directory as a parameter
+        ("postgresql", "postgresql:///dedup?host=/nonexistent&connect_timeout=1", {}),
         ("redis", f"{_REDIS}/3?wait_replicas=1&wait_timeout_ms=900", {}),
         ("rediss", "rediss://127.0.0.1:1/?ssl_cert_reqs=required", {}),
         (

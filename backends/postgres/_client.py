@@ -368,6 +368,7 @@ class PostgresConnection(Connection):
     ``_table``, read by :meth:`open_table`, the error texts and the health check."""
 
     schemes: ClassVar[tuple[str, ...]] = ("postgresql", "postgres")
+    needs_host: ClassVar[bool] = True
     shaped_by: ClassVar[tuple[str, ...]] = (
         "timeout",
         "connect_timeout",

@@ -30,7 +30,7 @@ import pika.exceptions as pe
 from pika.adapters.utils.connection_workflow import AMQPConnectorException
 
 from dedupstore.calls import capped, time_left
-from dedupstore.client import ErrorKind
+from dedupstore.client import ErrorKind, quiet_driver_logs
 from dedupstore.errors import ConfigurationError, StoreUnavailable
 from dedupstore.options import (
     Option,
@@ -44,6 +44,10 @@ from dedupstore.options import (
     timeout_option,
 )
 from dedupstore.urls import StoreURL
+
+# pika logs a dozen lines for a refused connection: quiet at the default level (the
+# error reaches the caller as one StoreUnavailable)
+quiet_driver_logs("pika")
 
 __all__ = [
     "CONNECTION_OPTIONS",

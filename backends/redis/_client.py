@@ -269,6 +269,7 @@ class RedisConnection(Connection):
     a write the replicas did not confirm means for it)."""
 
     schemes: ClassVar[tuple[str, ...]] = ("redis", "rediss")
+    needs_host: ClassVar[bool] = True
     shaped_by: ClassVar[tuple[str, ...]] = tuple(
         option.name for option in CONNECTION_OPTIONS if option.name != "client"
     )

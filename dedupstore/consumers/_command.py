@@ -1,11 +1,15 @@
 """``dedupstore consume``: a consume loop as a service (see :func:`add_parser`).
 
 It opens the broker, the entity store, the deduplication store and the dispatcher
-from URLs, imports the handler (``module:function``, the current directory first on
-the import path), runs :meth:`~dedupstore.consumers.Consumer.run` until SIGTERM or
-SIGINT, and prints the totals as JSON when it ends (exit 0). Bad arguments exit 2
-before any I/O where possible; a store or broker that cannot be reached at start
-exits 3.
+from URLs (``config``: the configured store), imports the handler
+(``module:function``, the current directory first on the import path), prints one
+start line on stderr (the broker and what it reads, the endpoint, the clean-up mode),
+runs :meth:`~dedupstore.consumers.Consumer.run` until SIGTERM or SIGINT, and prints
+the totals as JSON on stdout whenever the loop ends: exit 0 after a signal, the
+error's exit code after an error. Bad arguments (an async handler, a handler module
+that does not import, no ``--dispatcher`` without ``--no-dispatcher``, a
+``memory://`` store without ``--allow-memory``) exit 2 in one line before any I/O; a
+store or broker that cannot be reached at start exits 3.
 """
 
 from __future__ import annotations
@@ -20,8 +24,13 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from dedupstore.client import DRIVER_LOGGERS
+from dedupstore.consumers._loop import Consumer, ConsumeStats
 from dedupstore.entities import OutgoingMessage
 from dedupstore.errors import ConfigurationError
+from dedupstore.options import seconds
+from dedupstore.outbox import check_handler
+from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
     from dedupstore.outbox import Handler, OutboxProcessor
@@ -65,7 +74,11 @@ def add_parser(commands: Any, positive: Callable[[str], int]) -> None:
         "else never; 0: never)",
     )
     sub.add_argument(
-        "--wait", type=float, default=1.0, help="seconds a fetch waits for messages (default 1)"
+        "--wait",
+        type=_duration,
+        default=1.0,
+        help="how long a fetch waits for messages: seconds or a duration such as 500ms "
+        "(default 1s)",
     )
     sub.add_argument(
         "--log-level",
@@ -77,33 +90,51 @@ def add_parser(commands: Any, positive: Callable[[str], int]) -> None:
 
 def add_processor_arguments(sub: argparse.ArgumentParser) -> None:
     """The processor's arguments (``consume``, ``dead-letters redrive``): ``--entities``,
-    ``--store``, ``--handler``, ``--endpoint``, ``--cleanup``; see :func:`open_processor`."""
-    sub.add_argument("--entities", required=True, metavar="URL", help="entity store URL")
-    sub.add_argument("--store", required=True, metavar="URL", help="deduplication store URL")
+    ``--store``, ``--handler``, ``--endpoint``, ``--cleanup``, ``--allow-memory``; see
+    :func:`open_processor`."""
+    sub.add_argument(
+        "--entities", required=True, metavar="URL", help="entity store URL, or 'config'"
+    )
+    sub.add_argument(
+        "--store", required=True, metavar="URL", help="deduplication store URL, or 'config'"
+    )
     sub.add_argument(
         "--handler",
         required=True,
         metavar="MODULE:FUNCTION",
         help="the handler, handler(state, message) -> (new_state, sends)",
     )
-    sub.add_argument("--endpoint", default="default", help="consumer name (the store's endpoint)")
+    sub.add_argument(
+        "--endpoint",
+        help="consumer name (the store's endpoint; default: the configured one with "
+        "--store config, else 'default')",
+    )
     sub.add_argument("--cleanup", choices=("inline", "deferred"), default="inline")
+    sub.add_argument(
+        "--allow-memory",
+        action="store_true",
+        help="allow memory:// stores (their data lives in this process only and is lost "
+        "when it ends: for tests)",
+    )
 
 
 def add_dispatcher_arguments(sub: argparse.ArgumentParser, *, required: bool = False) -> None:
-    """``--dispatcher`` and ``--dead-letters`` (``required`` for ``dead-letters``)."""
-    sub.add_argument(
-        "--dispatcher",
-        metavar="URL",
-        required=required,
-        help="where outgoing messages go (without it, a handler that sends stops the loop)",
+    """``--dispatcher`` (or ``--no-dispatcher``) and ``--dead-letters``; with ``required``
+    (``dead-letters``) both ``--dispatcher`` and ``--dead-letters`` must be given."""
+    dead_help = "destination of dead letters: poison, malformed and too-often-delivered messages"
+    if required:
+        sub.add_argument("--dispatcher", metavar="URL", required=True, help="the dispatcher")
+        sub.add_argument("--dead-letters", metavar="DEST", required=True, help=dead_help)
+        return
+    sending = sub.add_mutually_exclusive_group(required=True)
+    sending.add_argument("--dispatcher", metavar="URL", help="where outgoing messages go")
+    sending.add_argument(
+        "--no-dispatcher",
+        action="store_true",
+        help="for a handler that never sends: one that does stops the loop (exit 2; what it "
+        "sent stays in the outbox, dispatched by a later run or sweep with a dispatcher)",
     )
-    sub.add_argument(
-        "--dead-letters",
-        metavar="DEST",
-        required=required,
-        help="destination of dead letters: poison, malformed and too-often-delivered messages",
-    )
+    sub.add_argument("--dead-letters", metavar="DEST", help=dead_help)
 
 
 def open_processor(
@@ -111,15 +142,28 @@ def open_processor(
 ) -> tuple[OutboxProcessor, Handler]:
     """The processor and the handler the arguments of :func:`add_processor_arguments` and
     :func:`add_dispatcher_arguments` name (the dispatcher opened with ``dispatcher_options``);
-    what it opens is appended to ``opened`` (for the caller to close, last first). Raises
-    ``ConfigurationError``, ``StoreUnavailable``."""
+    what it opens is appended to ``opened`` (for the caller to close, last first). The
+    handler is imported and ``memory://`` stores refused (without ``--allow-memory``)
+    before any I/O. Raises ``ConfigurationError``, ``StoreUnavailable``."""
     from dedupstore import open_dispatcher, open_entity_store, open_store
     from dedupstore.outbox import Dispatcher, OutboxProcessor
 
     handler = load_handler(args.handler)
-    entities = open_entity_store(args.entities)
+    if args.dead_letters and getattr(args, "no_dispatcher", False):
+        raise ConfigurationError(
+            "--dead-letters sends dead letters through the dispatcher: give --dispatcher URL"
+        )
+    entities_url, entities_options = _target(args.entities, entities=True)
+    store_url, store_options = _target(args.store, entities=False)
+    endpoint = args.endpoint or store_options.pop("endpoint", None) or "default"
+    store_options.pop("endpoint", None)
+    for flag, url in (("--entities", entities_url), ("--store", store_url)):
+        _in_memory(flag, url, args.allow_memory)
+    if args.dispatcher:
+        _in_memory("--dispatcher", args.dispatcher, args.allow_memory)
+    entities = open_entity_store(entities_url, **entities_options)
     opened.append(entities)
-    dedup = open_store(args.store, endpoint=args.endpoint)
+    dedup = open_store(store_url, endpoint=endpoint, **store_options)
     opened.append(dedup)
     dispatcher: Dispatcher = _NoDispatcher()
     if args.dispatcher:
@@ -131,10 +175,20 @@ def open_processor(
     return processor, handler
 
 
+def _duration(value: str) -> float:
+    """0 or more seconds: ``1``, ``0.5``, ``"1s"``, ``"250ms"`` (the library's parser)."""
+    try:
+        return float(seconds(zero=True)(value))
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"expected 0 or more seconds ({exc})") from None
+
+
 def load_handler(spec: str) -> Callable[..., Any]:
     """Import ``module:function`` (the current directory first on the import path).
 
-    Raises ``ConfigurationError`` naming what could not be found.
+    Raises ``ConfigurationError`` naming what could not be found, a module that fails
+    to import (whatever it raised: a ``SyntaxError``, an ``ImportError``, ...), and a
+    handler that is not callable or is an ``async def`` function.
     """
     module_name, sep, attribute = spec.partition(":")
     if not sep or not module_name or not attribute:
@@ -143,9 +197,9 @@ def load_handler(spec: str) -> Callable[..., Any]:
         sys.path.insert(0, os.getcwd())
     try:
         target: Any = importlib.import_module(module_name)
-    except ImportError as exc:
+    except Exception as exc:
         raise ConfigurationError(
-            f"cannot import the handler's module {module_name!r}: {exc}"
+            f"cannot import the handler's module {module_name!r}: {type(exc).__name__}: {exc}"
         ) from exc
     for part in attribute.split("."):
         try:
@@ -154,28 +208,89 @@ def load_handler(spec: str) -> Callable[..., Any]:
             raise ConfigurationError(f"module {module_name!r} has no {attribute!r}") from None
     if not callable(target):
         raise ConfigurationError(f"the handler {spec!r} is not callable")
+    check_handler(target)
     handler: Callable[..., Any] = target
     return handler
 
 
 class _NoDispatcher:
-    """The dispatcher without ``--dispatcher``: a handler that sends is a configuration error."""
+    """The dispatcher of ``--no-dispatcher``: a handler that sends is a configuration error."""
 
     def dispatch(self, messages: Sequence[OutgoingMessage]) -> None:
         if messages:
             raise ConfigurationError(
                 f"the handler sent {len(messages)} message(s) (to "
-                f"{messages[0].destination!r}, ...) but no --dispatcher was given"
+                f"{messages[0].destination!r}, ...) but --no-dispatcher was given; they "
+                "stay in the outbox: run again with --dispatcher URL"
             )
 
 
+class _Counting(Consumer):
+    """A consumer that keeps the totals of the rounds it completed (:attr:`so_far`), so
+    the command prints them when the loop ends with an error too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.so_far = ConsumeStats()
+
+    def run_once(self) -> ConsumeStats:
+        stats = super().run_once()
+        self.so_far.add(stats)
+        return stats
+
+
+def _target(url: str, entities: bool) -> tuple[str, dict[str, Any]]:
+    """The URL and options to open: ``url`` as given, or the configured ones for 'config'."""
+    if url != "config":
+        return url, {}
+    from dedupstore.config import resolve_config
+
+    resolved = resolve_config(entities=entities)
+    return resolved.url, dict(resolved.options)
+
+
+def _in_memory(flag: str, url: str, allowed: bool) -> None:
+    """Refuse a ``memory://`` URL unless ``--allow-memory``: a service's data would
+    vanish with its process (and exactly-once with it)."""
+    if not allowed and StoreURL.parse(url).scheme == "memory":
+        raise ConfigurationError(
+            f"{flag} {url!r:.80} is a memory:// store: its data lives in this process only "
+            "and is lost when it ends (then messages are processed again); give a durable "
+            "store, or --allow-memory for a test"
+        )
+
+
+def _start_line(args: argparse.Namespace, broker: Any, consumer: Consumer) -> str:
+    """What the service reads and how it processes, as one line."""
+    reads = [
+        f"{what} {value}"
+        for what in ("stream", "queue", "topic", "group", "consumer")
+        if isinstance(value := getattr(broker, what, None), str)
+    ]
+    dispatcher = "none" if args.no_dispatcher else StoreURL.parse(args.dispatcher).masked
+    return (
+        f"dedupstore consume: broker {broker.kind} {StoreURL.parse(args.broker).masked}"
+        f"{' (' + ', '.join(reads) + ')' if reads else ''}; endpoint {consumer.consumer}; "
+        f"cleanup {args.cleanup}; mode {args.mode}; batch size {args.batch_size}; "
+        f"dispatcher {dispatcher}; dead letters {args.dead_letters or 'none'}; "
+        f"max deliveries {consumer.max_deliveries or 'never'}"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run ``dedupstore consume``; return the exit code (0 after SIGTERM/SIGINT)."""
-    from dedupstore.consumers import Consumer, open_broker
+    """Run ``dedupstore consume``; return the exit code (0 after SIGTERM/SIGINT).
+
+    The totals are printed (JSON, stdout) whenever the loop ran, also when it ended
+    with an error (raised after the totals: the CLI prints it in one line).
+    """
+    from dedupstore.consumers import open_broker
 
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.log_level == "DEBUG":  # the drivers' own lines too
+        for name in ("pika", "librdkafka", *DRIVER_LOGGERS):
+            logging.getLogger(name).setLevel(logging.DEBUG)
     limit = args.max_deliveries
     if limit is None:
         limit = 5 if args.dead_letters else 0
@@ -187,11 +302,13 @@ def run(args: argparse.Namespace) -> int:
             "--dead-letters DEST, or --max-deliveries 0"
         )
     opened: list[Any] = []
+    consumer: _Counting | None = None
+    totals: ConsumeStats | None = None
     try:
         processor, handler = open_processor(args, opened)
         broker = open_broker(args.broker)
         opened.append(broker)
-        consumer = Consumer(
+        consumer = _Counting(
             broker,
             processor,
             handler,
@@ -200,9 +317,14 @@ def run(args: argparse.Namespace) -> int:
             max_deliveries=limit or None,
             wait=args.wait,
         )
+        print(_start_line(args, broker, consumer), file=sys.stderr, flush=True)
         totals = consumer.run()
     finally:
-        for client in reversed(opened):
-            client.close()
-    print(json.dumps(dataclasses.asdict(totals), sort_keys=True))
+        try:
+            for client in reversed(opened):
+                client.close()
+        finally:
+            if consumer is not None:
+                shown = consumer.so_far if totals is None else totals
+                print(json.dumps(dataclasses.asdict(shown), sort_keys=True), flush=True)
     return 0

@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from types import FrameType
 from typing import Any, Literal, cast
 
@@ -38,7 +39,8 @@ from dedupstore.errors import (
     format_error,
 )
 from dedupstore.ids import outgoing_id
-from dedupstore.outbox import Handler, Message, OutboxProcessor
+from dedupstore.options import seconds
+from dedupstore.outbox import Handler, Message, OutboxProcessor, check_handler
 
 __all__ = [
     "MALFORMED_ENTITY",
@@ -123,13 +125,16 @@ def _positive_int(name: str, value: object) -> int:
 
 
 def _seconds(name: str, value: object, *, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigurationError(f"{name} must be a number of seconds, got {value!r}")
-    number = float(value)
-    if not (number > 0 if positive else number >= 0) or number == float("inf"):
+    """``value`` through the library's one duration parser (``1.5``, ``"1s"``,
+    ``"250ms"``, a ``timedelta``; 0 too unless ``positive``)."""
+    try:
+        return float(seconds(zero=not positive)(value))
+    except (TypeError, ValueError) as exc:
         bound = "more than 0" if positive else "0 or more"
-        raise ConfigurationError(f"{name} must be {bound} seconds, got {value!r}")
-    return number
+        raise ConfigurationError(
+            f"{name} must be {bound} seconds (a number, or a duration such as '1s' or "
+            f"'250ms'), got {value!r:.80}: {exc}"
+        ) from None
 
 
 class Consumer:
@@ -183,19 +188,20 @@ class Consumer:
         batch_size: int = 100,
         mode: Literal["batch", "single"] = "batch",
         max_deliveries: int | None = 5,
-        wait: float = 1.0,
-        max_backoff: float = 30.0,
+        wait: float | str | timedelta = 1.0,
+        max_backoff: float | str | timedelta = 30.0,
     ) -> None:
-        """Raises ``ConfigurationError`` (no I/O) for a bad option, or for
-        ``max_deliveries`` without ``dead_letters`` on the processor."""
+        """``wait`` and ``max_backoff``: seconds, or durations such as ``"1s"`` or
+        ``"250ms"`` (as URLs take them). Raises ``ConfigurationError`` (no I/O) for a
+        bad option, an async handler, or ``max_deliveries`` without ``dead_letters`` on
+        the processor."""
         if not isinstance(broker, Broker):
             raise ConfigurationError(f"broker must be a Broker, got {type(broker).__name__}")
         if not isinstance(processor, OutboxProcessor):
             raise ConfigurationError(
                 f"processor must be an OutboxProcessor, got {type(processor).__name__}"
             )
-        if not callable(handler):
-            raise ConfigurationError(f"handler must be callable, got {handler!r:.80}")
+        check_handler(handler)
         rules = MessageRules() if rules is None else rules
         if not isinstance(rules, MessageRules):
             raise ConfigurationError(f"rules must be MessageRules, got {type(rules).__name__}")

@@ -22,6 +22,7 @@ from dedupstore.errors import (
     ConcurrencyConflict,
     EntityTooLarge,
     InvalidMessageId,
+    InvalidValue,
     StoreClosed,
     StoreUnavailable,
 )
@@ -228,6 +229,11 @@ class EntityStoreContract:
         entity.state = {"nan": float("nan")}
         with pytest.raises(ValueError):
             entities.save(entity)
+        # a key that is not str would reload as text: refused, naming where
+        entity.state = {"a": [{7: "seven"}]}
+        with pytest.raises(InvalidValue, match=r'state\["a"\]\[0\]\[7\]'):
+            entities.save(entity)
+        assert entities.load(entity.id).version is None
 
     @pytest.mark.parametrize("eid", HOSTILE_IDS[::3], ids=range(len(HOSTILE_IDS[::3])))
     def test_hostile_ids_round_trip(self, entities: EntityStore, eid: str) -> None:
