@@ -502,7 +502,9 @@ class SqliteDispatcher(URLDispatcher):
     from the stored ones, to ``mismatches`` (the stored content is kept: the first delivery wins).
     Writers take SQLite's write lock in turn (waiting up to ``timeout``, then ``StoreUnavailable``).
     Rows keep their insertion order (SQLite's rowid, assigned under the write lock: a reader paging
-    by ``seq`` never misses a later commit unless the newest row is deleted).
+    by ``seq`` never misses a later commit unless the newest row is deleted). Size bound:
+    ``max_message_bytes`` is the connection's ``SQLITE_LIMIT_LENGTH`` (read at open; 10^9 bytes
+    unless SQLite was built with less), the largest text a row's column holds.
     """
 
     _sqlite = Connected(SqliteConnection)
@@ -532,6 +534,9 @@ class SqliteDispatcher(URLDispatcher):
             },
             rowid=True,  # the seq of receive()
         )
+        length = self._sqlite.thread_connection().getlimit(sqlite3.SQLITE_LIMIT_LENGTH)
+        own = self.max_message_bytes
+        self.max_message_bytes = length if own is None else min(own, length)
         self._sql_upsert = (
             f"INSERT INTO {t} (id, destination, body, headers, deliveries, mismatches, first_at) "
             f"VALUES (?, ?, ?, ?, 1, 0, {_SQL_NOW}) ON CONFLICT (id) DO UPDATE SET "
