@@ -71,6 +71,7 @@ from dedupstore.ids import (
 from dedupstore.store import DeduplicationStore
 
 __all__ = [
+    "LETTER_ERROR_CHARS",
     "Dispatcher",
     "Handler",
     "InMemoryDispatcher",

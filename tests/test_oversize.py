@@ -312,3 +312,29 @@ def test_bounded_letter_is_the_one_rule() -> None:
     assert body["message"]["body"] == "b" * 100, "the caller's value is not changed"
     assert omitted("é") == {"bytes": 4, "sha256": hashlib.sha256(b'"\xc3\xa9"').hexdigest()}
     assert Counter(bounded_letter(body, parts, None)[0]) == Counter(body)
+
+
+@pytest.mark.memory
+def test_the_consume_loops_dead_letter_of_a_malformed_delivery_is_bounded() -> None:
+    """A delivery that is not a message, larger than a letter may be: the consume loop's
+    letter follows the processor's rule (its body replaced by size and digest), keeps
+    its id (named by the whole content), and the round goes on."""
+    from dedupstore.consumers import Consumer
+    from tests.test_consumers import ListBroker, deposit, entry
+
+    huge = "{" + "x" * 5_000_000  # not JSON: malformed
+    broker = ListBroker([(huge, {"id": "m1", "correlation_id": "acct"}), entry("m2", "acct", 2)])
+    entities, dedup = _memory()
+    sent = InMemoryDispatcher()
+    processor = OutboxProcessor(entities, dedup, sent, dead_letters="dlq")
+    stats = Consumer(broker, processor, deposit).run_once()
+    assert (stats.acked, stats.set_aside, stats.nacked) == (2, 1, 0)
+    (letter,) = [m for m in sent.sent if m.destination == "dlq"]
+    assert letter.body["delivery"] == {
+        "body_omitted": _digest(huge),
+        "headers": {"id": "m1", "correlation_id": "acct"},
+    }
+    assert len(canonical.dumps(letter.body)) <= processor.letter_bytes()
+    broker.add(huge, {"id": "m1", "correlation_id": "acct"})
+    assert Consumer(broker, processor, deposit).run_once().set_aside == 1
+    assert [m.id for m in sent.sent if m.destination == "dlq"] == [letter.id] * 2, "same id"

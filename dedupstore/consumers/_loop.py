@@ -36,7 +36,13 @@ from dedupstore.errors import (
     format_error,
 )
 from dedupstore.ids import outgoing_id
-from dedupstore.outbox import Handler, Message, OutboxProcessor
+from dedupstore.outbox import (
+    LETTER_ERROR_CHARS,
+    Handler,
+    Message,
+    OutboxProcessor,
+    bounded_letter,
+)
 
 __all__ = [
     "MALFORMED_ENTITY",
@@ -445,20 +451,33 @@ class Consumer:
 
     # ------------------------------------------------------------------ dead letters
 
-    def _letter(self, letter_id: str, body: dict[str, Any]) -> OutgoingMessage:
+    def _letter(
+        self, letter_id: str, body: dict[str, Any], parts: Sequence[tuple[str, str]]
+    ) -> OutgoingMessage:
+        """A dead letter of the consumer, bounded by the processor's rule
+        (:func:`~dedupstore.outbox.bounded_letter` to its ``letter_bytes()``: ``parts``
+        replaced by their size and digest while it is over)."""
         # without dead_letters the letter is never dispatched (see _set_aside)
         destination = self.processor.dead_letters or ""
-        return OutgoingMessage(letter_id, destination, {**body, "consumer": self.consumer})
+        letter, _ = bounded_letter(
+            {**body, "consumer": self.consumer}, parts, self.processor.letter_bytes()
+        )
+        return OutgoingMessage(letter_id, destination, letter)
 
     def _malformed_letter(
         self, delivery: Delivery, exc: MalformedDelivery
     ) -> tuple[OutgoingMessage, str]:
-        """The dead letter of a delivery that is not a message: named by its content."""
+        """The dead letter of a delivery that is not a message: named by its content
+        (the whole delivery, even when the letter carries only its size and digest)."""
         shown = {"body": shown_body(delivery.body), "headers": headers_of(delivery)}
         digest = hashlib.sha256(canonical.dumps(shown).encode()).hexdigest()
         letter_id = outgoing_id(self.consumer, MALFORMED_ENTITY, digest, SET_ASIDE_POSITION)
-        error = {"type": "dedupstore.errors.MalformedDelivery", "text": exc.reason}
-        return self._letter(letter_id, {"delivery": shown, "error": error}), exc.reason
+        reason = exc.reason
+        if len(reason) > LETTER_ERROR_CHARS:
+            reason = f"{reason[:LETTER_ERROR_CHARS]}... ({len(reason)} characters)"
+        error = {"type": "dedupstore.errors.MalformedDelivery", "text": reason}
+        parts = (("delivery", "body"), ("delivery", "headers"))
+        return self._letter(letter_id, {"delivery": shown, "error": error}, parts), reason
 
     def _refusing(self, exceeded: dict[tuple[str, str], int]) -> Handler:
         """The handler, except for the messages delivered too often: it refuses those.
