@@ -338,3 +338,48 @@ def test_the_consume_loops_dead_letter_of_a_malformed_delivery_is_bounded() -> N
     broker.add(huge, {"id": "m1", "correlation_id": "acct"})
     assert Consumer(broker, processor, deposit).run_once().set_aside == 1
     assert [m.id for m in sent.sent if m.destination == "dlq"] == [letter.id] * 2, "same id"
+
+
+@pytest.mark.sqlite
+@pytest.mark.parametrize("spark", ["local"], indirect=True)
+def test_spark_sets_aside_an_oversize_message_and_processes_every_other_entity(
+    spark: Any, tmp_path: Any
+) -> None:
+    """``process_messages`` and ``run_messages`` with one message larger than an entity
+    among normal ones: it is dead-lettered (bounded), every other entity is processed,
+    the task does not fail, and the run's record says so."""
+    from dedupstore import open_dispatcher
+    from spark_integration import process_messages, run_messages
+
+    db = f"sqlite:///{tmp_path}/stores.db"
+    queue = f"sqlite:///{tmp_path}/queue.db"
+    rows = [
+        ("m0", "acct-0", "x"),
+        ("m1", "acct-1", "x"),
+        ("huge", "acct-0", "x" * 5_000_000),  # the last of its entity (see _the_batch)
+        ("m2", "acct-2", "x"),
+        ("m3", "acct-1", "x"),
+    ]
+    df = spark.createDataFrame(rows, "id string, correlation_id string, blob string")
+    args: dict[str, Any] = {
+        "entities_url": db,
+        "dedup_url": db,
+        "dispatcher_url": queue,
+        "partitions": 1,
+        "dead_letters": "dlq",
+    }
+    first = {r["message_id"]: r for r in process_messages(df, keep_body, **args).collect()}
+    assert first["huge"]["outcome"] == "dead_lettered"
+    assert first["huge"]["error"].startswith("EntityTooLarge: message 'huge' of entity 'acct-0'")
+    assert {r["outcome"] for k, r in first.items() if k != "huge"} == {"processed"}
+    with open_dispatcher(queue) as dispatcher:
+        letters = [s.message for s in dispatcher.messages() if s.message.destination == "dlq"]  # type: ignore[attr-defined]
+    assert len(letters) == 1 and "body_omitted" in letters[0].body["message"]
+
+    more = spark.createDataFrame(
+        [("huge2", "acct-5", "y" * 5_000_000), ("n1", "acct-6", "y"), ("n2", "acct-7", "y")],
+        df.schema,
+    )
+    record = run_messages(more, keep_body, results_path=str(tmp_path / "run"), **args)
+    outcomes = {r["message_id"]: r["outcome"] for r in record.collect()}
+    assert outcomes == {"huge2": "dead_lettered", "n1": "processed", "n2": "processed"}
