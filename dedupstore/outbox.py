@@ -288,7 +288,8 @@ class ProcessResult:
     ``"redispatched"`` (applied before, its outgoing messages still pending: this
     call dispatched them again), or ``"dead_lettered"`` (its handler failed and the
     processor has ``dead_letters``: this call set it aside, exactly once, with one
-    dead-letter message and no state change). ``outgoing``: the message's outgoing
+    dead-letter message and no state change; or it was too large to process: see
+    :meth:`OutboxProcessor.process`). ``outgoing``: the message's outgoing
     messages when known (the dead letter, for ``dead_lettered``). ``attempts``:
     loads (or kept entities taken), including those after a concurrency conflict
     (one more when the entity kept was stale). ``error``: the handler's
@@ -445,10 +446,16 @@ class OutboxProcessor:
         """Run the algorithm for one message; return what it did.
 
         Raises ``InvalidMessageId`` (before any I/O), ``ConcurrencyConflict`` after
-        ``max_attempts`` conflicts, ``EntityTooLarge`` when the message's own new
-        state and outgoing messages do not fit in one entity record (nothing of it
-        is saved), ``StoreUnavailable``, and whatever the handler or the dispatcher
-        raises (then the message must be redelivered).
+        ``max_attempts`` conflicts, ``StoreUnavailable``, and whatever the handler or
+        the dispatcher raises (then the message must be redelivered). A message that
+        cannot be processed on any retry, because its own new state and outbox entry
+        do not fit in one entity record (``EntityTooLarge``) or an outgoing message is
+        over the dispatcher's ``max_message_bytes``/``max_header_bytes``
+        (``MessageTooLarge``, checked before anything is saved or sent), is set aside
+        with ``dead_letters`` (``dead_lettered``, its letter bounded: see
+        :meth:`letter_bytes`); without, that error is raised with ``message_id`` and
+        ``correlation_id`` naming it, nothing of it saved. They are raised with
+        ``dead_letters`` too when even the bounded letter cannot be written.
         """
         _validate(message)
         result = self._process(message, handler, set())
@@ -887,7 +894,11 @@ class OutboxProcessor:
         that each fit (``EntityTooLarge`` only for a message that does not fit alone).
         The same message (same entity and id) twice in a batch is applied once: the
         first copy says ``processed``, the others ``duplicate``. Same guarantees and
-        errors as :meth:`process` for every message.
+        errors as :meth:`process` for every message: with ``dead_letters`` a message
+        too large to process is ``dead_lettered`` and the others go on; without, the
+        batch raises ``EntityTooLarge``/``MessageTooLarge`` for the first such message
+        (``message_id``, ``correlation_id``) with nothing of it saved: process the
+        others without it.
 
         ``before_cleanup(messages, results)`` is called once the outcomes of
         ``messages`` (all of them, or one round's) are final and their outgoing
