@@ -178,6 +178,7 @@ class MemoryDispatcher(URLDispatcher):
     :meth:`distinct` the first delivery of each id. The messages are copies as a receiver would
     decode them (JSON round trip), so later changes to the caller's objects do not show. Per process
     only: not for Spark executors. Thread-safe; no I/O, so it never raises ``StoreUnavailable``.
+    No size bound of its own (``max_message_bytes`` None, unless the option sets one).
     """
 
     connection_class = MemoryConnection

@@ -507,6 +507,8 @@ class SqliteDispatcher(URLDispatcher):
     after the newest row is removed: a reader paging by ``seq`` never misses a later commit).
     :meth:`read_back` and :meth:`remove` read a destination's rows back and delete them (for
     ``dedupstore dead-letters``).
+    Size bound: ``max_message_bytes`` is the connection's ``SQLITE_LIMIT_LENGTH`` (read at
+    open; 10^9 bytes unless SQLite was built with less), the largest text a row's column holds.
     """
 
     _sqlite = Connected(SqliteConnection)
@@ -537,6 +539,9 @@ class SqliteDispatcher(URLDispatcher):
             },
             rowid=True,  # (AUTOINCREMENT needs a rowid table)
         )
+        length = self._sqlite.thread_connection().getlimit(sqlite3.SQLITE_LIMIT_LENGTH)
+        own = self.max_message_bytes
+        self.max_message_bytes = length if own is None else min(own, length)
         self._sql_upsert = (
             f"INSERT INTO {t} (id, destination, body, headers, deliveries, mismatches, first_at) "
             f"VALUES (?, ?, ?, ?, 1, 0, {_SQL_NOW}) ON CONFLICT (id) DO UPDATE SET "

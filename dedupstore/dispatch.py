@@ -9,6 +9,22 @@ a URL plus declared options (``dedupstore.open_dispatcher``), errors classified 
 (an unpickled copy, in a Spark task say, reopens its URL), ``StoreClosed`` after
 :meth:`~dedupstore.client.Client.close`. Its :meth:`~URLDispatcher.dispatch` validates
 and encodes the whole batch before any I/O; a backend implements ``_dispatch``.
+
+Size bounds: every dispatcher says the largest message it accepts,
+:attr:`~URLDispatcher.max_message_bytes` (UTF-8 bytes of the body's canonical JSON
+plus the headers' JSON: :func:`~dedupstore.outbox.message_size`) and
+:attr:`~URLDispatcher.max_header_bytes` (the headers' JSON alone), ``None`` for no
+bound: memory none; SQLite the file's ``SQLITE_LIMIT_LENGTH`` (read at open, 10^9 by
+default); Redis Streams 512 MiB (the server's ``proto-max-bulk-len`` default, not
+read: ``CONFIG`` is refused on most managed servers); RabbitMQ 128 MiB (3.x's
+``max_message_size`` default; 4.x lowered it to 16 MiB: set the option; AMQP cannot
+read it) and headers of at most 127 KiB (they travel in one frame of the default
+``frame_max``, 128 KiB); a Kafka producer wrapped in a :class:`CallableDispatcher`:
+give it ``max_message_bytes`` (Kafka's ``message.max.bytes``, 1 MB by default, or the
+producer's own value). The ``max_message_bytes`` option lowers the bound to what the
+receivers accept. A message over a bound is refused before any I/O with
+``MessageTooLarge`` (nothing of the batch is sent), and the processor refuses it
+before it is saved: see :class:`~dedupstore.outbox.OutboxProcessor`.
 """
 
 from __future__ import annotations
@@ -23,8 +39,8 @@ from dedupstore.client import Client, Closing
 from dedupstore.entities import OutgoingMessage, canonical_json
 from dedupstore.errors import ConfigurationError, StoreClosed
 from dedupstore.ids import validate_message_id
-from dedupstore.options import OptionSet
-from dedupstore.outbox import Dispatcher
+from dedupstore.options import Option, OptionSet, integer, optional
+from dedupstore.outbox import Dispatcher, check_size
 
 __all__ = [
     "CallableDispatcher",
@@ -103,6 +119,14 @@ def encode_messages(messages: Sequence[OutgoingMessage]) -> list[EncodedMessage]
     return batch
 
 
+def _check_sizes(dispatcher: Dispatcher, batch: list[EncodedMessage]) -> None:
+    """``MessageTooLarge`` for the first message of ``batch`` over ``dispatcher``'s bounds."""
+    for encoded in batch:
+        refused = check_size(dispatcher, encoded.message, encoded.body, encoded.headers)
+        if refused is not None:
+            raise refused
+
+
 class DispatchStats(NamedTuple):
     """Totals of a table queue: distinct messages, deliveries, content mismatches."""
 
@@ -139,17 +163,41 @@ class URLDispatcher(Client):
 
     #: How a receiver of this dispatcher deduplicates (shown by tools, documented per backend).
     receiver_dedup: ClassVar[str] = "by the message id: delivery is at least once"
-    declared_options: ClassVar[OptionSet] = OptionSet()
+    declared_options: ClassVar[OptionSet] = OptionSet(
+        Option(
+            "max_message_bytes",
+            optional(integer(1)),
+            None,
+            "the largest message (body and headers, bytes of JSON) to send; at most the "
+            "backend's own bound",
+        )
+    )
+    #: The largest message this dispatcher accepts (:func:`~dedupstore.outbox.message_size`),
+    #: ``None``: no bound. The backend's own bound, lowered by the ``max_message_bytes``
+    #: option (see the module for each backend's).
+    max_message_bytes: int | None = None
+    #: The largest headers (bytes of their JSON) this dispatcher accepts; ``None``: no bound.
+    max_header_bytes: int | None = None
+
+    def _configure(self) -> None:
+        super()._configure()
+        limit: int | None = self._opts["max_message_bytes"]
+        own = self.max_message_bytes
+        if limit is not None:
+            self.max_message_bytes = limit if own is None else min(limit, own)
 
     def dispatch(self, messages: Sequence[OutgoingMessage]) -> None:
         """Send ``messages`` at least once; return when every one is handed over.
 
-        Raises ``TypeError``/``ValueError``/``InvalidMessageId`` (bad batch) before any
-        I/O, ``StoreClosed`` after :meth:`close`, ``StoreUnavailable`` when the backend
+        Raises ``TypeError``/``ValueError``/``InvalidMessageId`` (bad batch) and
+        ``MessageTooLarge`` (a message over :attr:`max_message_bytes` or
+        :attr:`max_header_bytes`: none of the batch is sent) before any I/O,
+        ``StoreClosed`` after :meth:`close`, ``StoreUnavailable`` when the backend
         cannot answer (some may have been sent: dispatch again), ``ConfigurationError``
         for permissions or a resource of another shape.
         """
         batch = encode_messages(messages)
+        _check_sizes(self, batch)
         self._check_open()
         if not batch:
             return
@@ -167,20 +215,43 @@ class CallableDispatcher(Closing):
     :meth:`dispatch` validates the batch like :class:`URLDispatcher` and calls ``fn``
     with a list of the messages (not for an empty batch). Whatever ``fn`` raises
     passes through unchanged; ``fn`` must raise if any message may not have been sent.
+    ``max_message_bytes`` and ``max_header_bytes`` (``None``: no bound) say what
+    ``fn``'s destination accepts (a Kafka producer: its ``message.max.bytes``, 1 MB
+    by default): a message over them is refused before ``fn`` is called
+    (``MessageTooLarge``), and the processor refuses it before it is saved.
     """
 
     receiver_dedup: ClassVar[str] = "up to the callable's receivers: by the message id"
 
-    def __init__(self, fn: Callable[[list[OutgoingMessage]], object]) -> None:
-        """Raises ``ConfigurationError`` when ``fn`` is not callable."""
+    def __init__(
+        self,
+        fn: Callable[[list[OutgoingMessage]], object],
+        *,
+        max_message_bytes: int | None = None,
+        max_header_bytes: int | None = None,
+    ) -> None:
+        """Raises ``ConfigurationError`` when ``fn`` is not callable or a bound is not
+        ``None`` or an int >= 1."""
         if not callable(fn):
             raise ConfigurationError(f"a dispatcher callable is needed, got {type(fn).__name__}")
+        for name, bound in (
+            ("max_message_bytes", max_message_bytes),
+            ("max_header_bytes", max_header_bytes),
+        ):
+            if bound is not None and (
+                isinstance(bound, bool) or not isinstance(bound, int) or bound < 1
+            ):
+                raise ConfigurationError(f"{name} must be None or an int >= 1, got {bound!r}")
         self.fn = fn
+        self.max_message_bytes = max_message_bytes
+        self.max_header_bytes = max_header_bytes
         self._closed = False
 
     def dispatch(self, messages: Sequence[OutgoingMessage]) -> None:
-        """Validate ``messages`` (no call if invalid or empty), then call ``fn`` with them."""
+        """Validate ``messages`` (no call if invalid or empty; ``MessageTooLarge`` for
+        one over a bound), then call ``fn`` with them."""
         batch = encode_messages(messages)
+        _check_sizes(self, batch)
         if self._closed:
             raise StoreClosed(f"{self!r} is closed; open a new one")
         if batch:

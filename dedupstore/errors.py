@@ -10,6 +10,8 @@ error                  meaning                                 CLI exit code
 ``ConfigurationError``  fix the configuration or the input      2
 ``InvalidMessageId``    fix the input (a ``ValueError``)        2
 ``InvalidValue``        fix the input (a ``TypeError``)         2
+``EntityTooLarge``      too large for one entity record         2
+``MessageTooLarge``     too large for the dispatcher            2
 ``MalformedDelivery``   a broker delivery is not a message      2
 ``ConsistencyError``    the store is too weak to be safe        2
 ``StoreClosed``         the object was closed; open a new one   2
@@ -28,12 +30,14 @@ __all__ = [
     "ConcurrencyConflict",
     "ConfigurationError",
     "ConsistencyError",
+    "DeadLetterIncomplete",
     "DedupStoreError",
     "EntityTooLarge",
     "HandlerError",
     "InvalidMessageId",
     "InvalidValue",
     "MalformedDelivery",
+    "MessageTooLarge",
     "StoreClosed",
     "StoreUnavailable",
     "format_error",
@@ -117,7 +121,71 @@ class MalformedDelivery(DedupStoreError, ValueError):
 
 
 class EntityTooLarge(DedupStoreError, ValueError):
-    """An entity is larger than its store can hold in one record; nothing was written."""
+    """An entity is larger than its store can hold in one record; nothing was written.
+
+    Raised by the processor for one incoming message (its new state and outbox entry
+    do not fit, on any retry), :attr:`message_id` and :attr:`correlation_id` name it;
+    raised by an entity store's ``save`` they are ``None``.
+    """
+
+    def __init__(
+        self, text: str, *, message_id: str | None = None, correlation_id: str | None = None
+    ) -> None:
+        super().__init__(text)
+        #: The incoming message that does not fit (``None``: raised by a store).
+        self.message_id = message_id
+        #: Its entity (correlation id).
+        self.correlation_id = correlation_id
+
+
+class MessageTooLarge(DedupStoreError, ValueError):
+    """A message is larger than its dispatcher (or destination) accepts; nothing was sent.
+
+    Raised before any I/O by a dispatcher (:attr:`outgoing_id` names the refused
+    message; the batch is not sent, none of it) and by the processor for the
+    incoming message whose outgoing message or dead letter would be refused, on any
+    retry (:attr:`message_id`, :attr:`correlation_id`; nothing of it was saved).
+    :attr:`size` is the message's size in bytes (or its headers' for a header bound)
+    and :attr:`bound` the largest accepted.
+    """
+
+    def __init__(
+        self,
+        text: str,
+        *,
+        outgoing_id: str | None = None,
+        size: int = 0,
+        bound: int = 0,
+        message_id: str | None = None,
+        correlation_id: str | None = None,
+    ) -> None:
+        super().__init__(text)
+        #: The outgoing message refused (a dead letter's id for a letter).
+        self.outgoing_id = outgoing_id
+        #: Its size and the bound, in bytes.
+        self.size = size
+        self.bound = bound
+        #: The incoming message (``None``: raised by a dispatcher).
+        self.message_id = message_id
+        #: Its entity (correlation id).
+        self.correlation_id = correlation_id
+
+
+class DeadLetterIncomplete(DedupStoreError, ValueError):
+    """A bounded dead letter cannot be redriven: it does not hold the original message.
+
+    A dead letter too large to be written whole carries its message's body (or
+    headers) as their size and SHA-256 digest only (``body_omitted``,
+    ``headers_omitted``); :attr:`letter_id`, :attr:`message_id` and
+    :attr:`correlation_id` name it. Process the original again (from its source) as a
+    new message, or drop the letter.
+    """
+
+    def __init__(self, text: str, *, letter_id: str, message_id: str, correlation_id: str):
+        super().__init__(text)
+        self.letter_id = letter_id
+        self.message_id = message_id
+        self.correlation_id = correlation_id
 
 
 class StoreUnavailable(DedupStoreError):

@@ -27,6 +27,7 @@ stable across redeliveries; receivers deduplicate outgoing messages by id.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import logging
@@ -46,15 +47,19 @@ from dedupstore.entities import (
     EntityStore,
     EntryMark,
     OutgoingMessage,
+    body_text,
     entry_size,
     json_size,
 )
 from dedupstore.errors import (
     ConcurrencyConflict,
     ConfigurationError,
+    DeadLetterIncomplete,
+    DedupStoreError,
     EntityTooLarge,
     HandlerError,
     InvalidValue,
+    MessageTooLarge,
     StoreUnavailable,
     format_error,
 )
@@ -69,6 +74,7 @@ from dedupstore.ids import (
 from dedupstore.store import DeduplicationStore
 
 __all__ = [
+    "LETTER_ERROR_CHARS",
     "Dispatcher",
     "Handler",
     "InMemoryDispatcher",
@@ -77,8 +83,12 @@ __all__ = [
     "ProcessResult",
     "Send",
     "SweepResult",
+    "bounded_letter",
     "check_handler",
+    "check_size",
     "message_key",
+    "message_size",
+    "omitted",
     "outgoing_id",
     "sweep",
 ]
@@ -181,6 +191,144 @@ class InMemoryDispatcher:
             self.sent.extend(messages)
 
 
+# ---------------------------------------------------------------------- sizes
+
+
+def _utf8_over(text: str, bound: int) -> int | None:
+    """UTF-8 bytes of ``text`` when more than ``bound``, else None (cheap when far below)."""
+    if len(text) * 4 <= bound:  # (at most 4 bytes per code point: no encoding needed)
+        return None
+    size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+    return size if size > bound else None
+
+
+def message_size(message: OutgoingMessage) -> int:
+    """The size a dispatcher's ``max_message_bytes`` bounds: UTF-8 bytes of the body's
+    canonical JSON plus those of the headers' JSON (``{}`` without headers)."""
+    headers = message._headers_text if message._body_text is not None else None
+    if headers is None:
+        headers = canonical.dumps(dict(message.headers)) if message.headers else "{}"
+    return len(body_text(message).encode("utf-8", "surrogatepass")) + len(headers.encode())
+
+
+def check_size(
+    dispatcher: object,
+    message: OutgoingMessage,
+    body: str | None = None,
+    headers: str | None = None,
+) -> MessageTooLarge | None:
+    """The ``MessageTooLarge`` ``dispatcher`` would raise for ``message``, or None.
+
+    ``dispatcher``'s bounds are its ``max_message_bytes`` (body and headers: see
+    :func:`message_size`) and ``max_header_bytes`` (headers alone) attributes, if it
+    has them (``None``: no bound). ``body`` and ``headers``: the message's JSON texts,
+    when known. No I/O.
+    """
+    total: int | None = getattr(dispatcher, "max_message_bytes", None)
+    heads: int | None = getattr(dispatcher, "max_header_bytes", None)
+    if total is None and heads is None:
+        return None
+    if body is None:
+        body = body_text(message)
+    if headers is None:
+        headers = message._headers_text if message._body_text is not None else None
+        if headers is None:
+            headers = canonical.dumps(dict(message.headers)) if message.headers else "{}"
+    name = type(dispatcher).__name__
+    if heads is not None:
+        size = _utf8_over(headers, heads)
+        if size is not None:
+            return MessageTooLarge(
+                f"the headers of outgoing message {message.id!r:.80} are {size} bytes of "
+                f"JSON; {name} accepts at most {heads} (nothing was sent)",
+                outgoing_id=message.id,
+                size=size,
+                bound=heads,
+            )
+    if total is not None:
+        size = _utf8_over(body + headers, total)
+        if size is not None:
+            return MessageTooLarge(
+                f"outgoing message {message.id!r:.80} is {size} bytes (body and headers as "
+                f"JSON); {name} accepts at most {total} (nothing was sent)",
+                outgoing_id=message.id,
+                size=size,
+                bound=total,
+            )
+    return None
+
+
+#: A dead letter's error text is cut to this many characters (a handler's error may
+#: repeat the whole message).
+LETTER_ERROR_CHARS = 1000
+
+
+def omitted(value: Any) -> dict[str, Any]:
+    """What a bounded dead letter carries instead of ``value``: ``{"bytes": n, "sha256":
+    hex}`` of its canonical JSON text (UTF-8), from which a copy of the original can be
+    recognised."""
+    data = canonical.dumps(value).encode("utf-8", "surrogatepass")
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def bounded_letter(
+    body: dict[str, Any], parts: Sequence[tuple[str, str]], bound: int | None, whole: bool = True
+) -> tuple[dict[str, Any], str]:
+    """A dead letter's body within ``bound`` bytes, and its canonical JSON text: the rule
+    every dead letter follows (the processor's and the consume loop's).
+
+    ``body`` is JSON-compatible; ``parts`` name the ``(section, key)`` of what it
+    carries of the original (its body, then its headers). While the letter's text is
+    over ``bound`` (and always without ``whole``), each part in turn is replaced by
+    ``<key>_omitted``: :func:`omitted` of it (its size and SHA-256 digest). The result
+    may still be over ``bound`` (its ids alone are): the caller checks.
+    """
+    value, text = canonical.normalized(body)
+    for section, key in parts:
+        if whole and (bound is None or _utf8_over(text, bound) is None):
+            break
+        holder = value.get(section)
+        if not isinstance(holder, dict) or key not in holder:
+            continue
+        holder[f"{key}_omitted"] = omitted(holder.pop(key))
+        value, text = canonical.normalized(value)
+    return value, text
+
+
+def _bounds(dispatcher: object) -> tuple[int | None, int | None]:
+    return (
+        getattr(dispatcher, "max_message_bytes", None),
+        getattr(dispatcher, "max_header_bytes", None),
+    )
+
+
+class _SetAside(Exception):
+    """The processor's refusal of one message (its entity cannot hold it, or a message it
+    sends is over the dispatcher's bound, on every retry): not the handler's failure,
+    so it is not run again. With ``dead_letters`` the message is set aside at once with
+    ``error`` (the letter's ``{"type", "text"}``), its letter carrying the original
+    only if ``whole``; without, ``raised`` is raised."""
+
+    def __init__(self, error: dict[str, str], raised: DedupStoreError, whole: bool = True):
+        super().__init__(error["text"])
+        self.error = error
+        self.raised = raised
+        self.whole = whole
+
+
+def _refusing(handler: Handler, refusals: Mapping[tuple[str, str], _SetAside]) -> Handler:
+    """``handler``, but for the messages ``(correlation id, id)`` of ``refusals``: it
+    raises their refusal."""
+
+    def refusing(state: dict[str, Any], message: Message) -> Any:
+        refusal = refusals.get((message.correlation_id, message.id))
+        if refusal is not None:
+            raise refusal
+        return handler(state, message)
+
+    return refusing
+
+
 @dataclass(frozen=True, slots=True)
 class ProcessResult:
     """What processing one message did.
@@ -190,7 +338,8 @@ class ProcessResult:
     ``"redispatched"`` (applied before, its outgoing messages still pending: this
     call dispatched them again), or ``"dead_lettered"`` (its handler failed and the
     processor has ``dead_letters``: this call set it aside, exactly once, with one
-    dead-letter message and no state change). ``outgoing``: the message's outgoing
+    dead-letter message and no state change; or it was too large to process: see
+    :meth:`OutboxProcessor.process`). ``outgoing``: the message's outgoing
     messages when known (the dead letter, for ``dead_lettered``). ``attempts``:
     loads (or kept entities taken), including those after a concurrency conflict
     (one more when the entity kept was stale). ``error``: the handler's
@@ -334,6 +483,8 @@ class OutboxProcessor:
         self.deferred_limit = deferred_limit
         self.relax_gc = relax_gc
         self._checked_handler: Handler | None = None  # the handler that passed the check
+        #: the dispatcher's bounds (max_message_bytes, max_header_bytes): see check_size
+        self._bounds = _bounds(dispatcher)
         #: valid destinations the handler named, as JSON strings (checked once each)
         self._destinations: dict[str, str] = {}
         #: the entities process() saved last, at the version of that save
@@ -361,10 +512,16 @@ class OutboxProcessor:
         """Run the algorithm for one message; return what it did.
 
         Raises ``InvalidMessageId`` (before any I/O), ``ConcurrencyConflict`` after
-        ``max_attempts`` conflicts, ``EntityTooLarge`` when the message's own new
-        state and outgoing messages do not fit in one entity record (nothing of it
-        is saved), ``StoreUnavailable``, and whatever the handler or the dispatcher
-        raises (then the message must be redelivered).
+        ``max_attempts`` conflicts, ``StoreUnavailable``, and whatever the handler or
+        the dispatcher raises (then the message must be redelivered). A message that
+        cannot be processed on any retry, because its own new state and outbox entry
+        do not fit in one entity record (``EntityTooLarge``) or an outgoing message is
+        over the dispatcher's ``max_message_bytes``/``max_header_bytes``
+        (``MessageTooLarge``, checked before anything is saved or sent), is set aside
+        with ``dead_letters`` (``dead_lettered``, its letter bounded: see
+        :meth:`letter_bytes`); without, that error is raised with ``message_id`` and
+        ``correlation_id`` naming it, nothing of it saved. They are raised with
+        ``dead_letters`` too when even the bounded letter cannot be written.
         """
         _validate(message)
         if handler is not self._checked_handler:
@@ -429,6 +586,17 @@ class OutboxProcessor:
                 "consumer's store (its endpoint)"
             )
         letter_id = outgoing_id(consumer, cid, mid, -1)
+        missing = [key for _, key in _LETTER_PARTS if f"{key}_omitted" in original]
+        if missing:
+            raise DeadLetterIncomplete(
+                f"dead letter {letter_id} of message {mid!r:.80} of entity {cid!r:.80} "
+                "cannot be redriven: it was too large to be written whole, so it holds only "
+                f"the size and SHA-256 digest of the original's {' and '.join(missing)}; "
+                "process the original message again from its source, as a new message",
+                letter_id=letter_id,
+                message_id=mid,
+                correlation_id=cid,
+            )
         given = original.get("headers")
         headers = {str(k): str(v) for k, v in given.items()} if isinstance(given, Mapping) else {}
         first = headers.setdefault(_REDRIVE_OF, mid)  # a letter of a redrive: the first id
@@ -487,7 +655,10 @@ class OutboxProcessor:
         outcome: Outcome | None = None
         error: str | None = None
         outgoing: list[OutgoingMessage] | None
-        for attempt in range(1, self.max_attempts + 1):
+        run_handler = handler  # or one that refuses the message (its entity cannot hold it)
+        attempt, budget = 0, self.max_attempts
+        while attempt < budget:
+            attempt += 1
             try:
                 # A kept entity stands for a load: the save's token refuses it if anyone
                 # saved the entity since (then the next attempt loads it).
@@ -506,8 +677,15 @@ class OutboxProcessor:
                     if not checked and recorded is None:
                         recorded = self.dedup.has_been_processed(key)
                     if not recorded:
-                        outgoing, failed = self._apply(entity, message, handler)
-                        saved = self._save_applied(entity, message, key if checked else None)
+                        outgoing, failed = self._apply(entity, message, run_handler)
+                        try:
+                            saved = self._save_applied(entity, message, key if checked else None)
+                        except _SetAside as refusal:
+                            # set it aside instead, from a fresh load (not a conflict:
+                            # at most twice, the letter whole then bounded)
+                            run_handler = _refusing(handler, {(cid, mid): refusal})
+                            budget += 1
+                            continue
                         if saved is False:
                             continue  # dispatched ids made room: start again from the load
                         recorded = saved is None  # the save found it recorded: no write
@@ -568,7 +746,9 @@ class OutboxProcessor:
 
         When it does not fit and the entity holds other entries, they are cleared
         (:meth:`_clear`, on a fresh load, under its token) and False says: start
-        again. When it does not fit without them, ``EntityTooLarge`` names the message.
+        again. When it does not fit without them, ``EntityTooLarge`` names the message
+        (without ``dead_letters``), or ``_SetAside`` says how to set it aside
+        (:meth:`_refusals`).
         """
         try:
             if checked is None:
@@ -581,7 +761,13 @@ class OutboxProcessor:
                 return None
             fresh = self.entities.load(entity.id)
             if not fresh.outbox:
-                raise _too_large(message, exc) from None
+                too_large = _too_large(message, exc)
+                if self.dead_letters is None:
+                    raise too_large from None
+                refusals = self._refusals(message, entity.outbox.get(message.id), too_large)
+                if not refusals:
+                    raise _unplaceable(message, too_large) from None
+                raise refusals[0] from None
             if not self._clear([fresh], set()):
                 raise ConcurrencyConflict(f"entity {entity.id!r:.80} changed") from None
             return False
@@ -601,7 +787,10 @@ class OutboxProcessor:
         JSON-compatible contents is run up to ``handler_attempts`` times; then, with
         ``dead_letters``, the state stays as it was (no text) and the one outgoing
         message is the dead letter (the error is the fourth item); without,
-        ``HandlerError``.
+        ``HandlerError``. The processor's own refusal of the message (``_SetAside``:
+        an outgoing message over the dispatcher's bound, or an entity that cannot hold
+        the message) is not run again: dead-lettered at once, or, without
+        ``dead_letters``, its ``MessageTooLarge`` / ``EntityTooLarge`` raised.
         """
         attempt = 1
         while True:
@@ -610,6 +799,13 @@ class OutboxProcessor:
                 return (*self._outputs(given, message, handler), None)
             except StoreUnavailable:
                 raise
+            except _SetAside as refusal:
+                if source is not None:
+                    state = canonical.loads(source)  # as it was before the handler ran
+                if self.dead_letters is None:
+                    raise refusal.raised from None
+                letter = self._dead_letter(message, refusal.error, attempt, refusal.whole)
+                return state, None, [letter], _letter_error(letter)
             except Exception as exc:
                 if source is not None:
                     state = canonical.loads(source)  # as it was before the handler ran
@@ -618,7 +814,8 @@ class OutboxProcessor:
                     continue
                 if self.dead_letters is None:
                     raise _handler_error(message, exc) from exc
-                letter = self._dead_letter(message, exc, attempt)
+                error = {"type": _type_name(exc), "text": str(exc)}
+                letter = self._dead_letter(message, error, attempt)
                 return state, None, [letter], _letter_error(letter)
 
     def _outputs(
@@ -678,27 +875,89 @@ class OutboxProcessor:
                     f'"{oid}"',
                 )
             )
+        if self._bounds != (None, None):
+            for sent in outgoing:
+                refused = check_size(self.dispatcher, sent)
+                if refused is not None:
+                    raise _too_large_to_send(message, refused)
         return state, state_text, outgoing
 
-    def _dead_letter(self, message: Message, exc: Exception, attempts: int) -> OutgoingMessage:
-        """The one dead-letter message of ``message`` (id: :func:`outgoing_id` position -1)."""
+    def _dead_letter(
+        self, message: Message, error: dict[str, str], attempts: int, whole: bool = True
+    ) -> OutgoingMessage:
+        """The one dead-letter message of ``message`` (id: :func:`outgoing_id` position -1),
+        bounded (:func:`bounded_letter`) to :meth:`letter_bytes`: a letter over it (and,
+        without ``whole``, every letter) carries the message's body, then its headers,
+        as their size and SHA-256 digest. The error text is cut to
+        :data:`LETTER_ERROR_CHARS` characters.
+
+        Raises ``MessageTooLarge`` (naming the message) when even the bounded letter is
+        over the dispatcher's bound: the message cannot be set aside.
+        """
         consumer, cid, mid = self.consumer, message.correlation_id, message.id
         assert self.dead_letters is not None
-        return OutgoingMessage(
-            id=outgoing_id(consumer, cid, mid, -1),
-            destination=self.dead_letters,
-            body={
+        text = error["text"]
+        if len(text) > LETTER_ERROR_CHARS:
+            text = f"{text[:LETTER_ERROR_CHARS]}... ({len(text)} characters)"
+        body, body_text = bounded_letter(
+            {
                 "message": {
                     "id": mid,
                     "correlation_id": cid,
                     "body": _as_json(message.body),
                     "headers": {str(k): str(v) for k, v in dict(message.headers).items()},
                 },
-                "error": {"type": _type_name(exc), "text": str(exc)},
+                "error": {"type": error["type"], "text": text},
                 "attempts": attempts,
                 "consumer": consumer,
             },
+            _LETTER_PARTS,
+            self.letter_bytes(),
+            whole,
         )
+        letter_id = outgoing_id(consumer, cid, mid, -1)
+        letter = _encoded(letter_id, self.dead_letters, body, body_text, {})
+        refused = check_size(self.dispatcher, letter)
+        if refused is not None:
+            raise MessageTooLarge(
+                f"message {mid!r:.80} of entity {cid!r:.80} cannot be set aside: its dead "
+                f"letter, bounded, is still refused ({refused}); nothing of it was saved",
+                outgoing_id=letter.id,
+                size=refused.size,
+                bound=refused.bound,
+                message_id=mid,
+                correlation_id=cid,
+            )
+        return letter
+
+    def letter_bytes(self) -> int:
+        """The largest dead letter (bytes of its body's canonical JSON) written whole: half
+        the entity store's ``max_entity_bytes`` (a dead letter is recorded in its entity's
+        outbox, beside the state), and no more than the dispatcher's
+        ``max_message_bytes`` allows. A larger letter carries the message's body, then
+        its headers, as their size and digest (:func:`bounded_letter`); so does one
+        whose entity cannot hold it whole beside its state."""
+        half = self.entities.max_entity_bytes // 2
+        total = self._bounds[0]
+        return half if total is None else min(half, total - 2)  # (2: the empty headers)
+
+    def _refusals(
+        self, message: Message, entry: list[OutgoingMessage] | None, too_large: EntityTooLarge
+    ) -> list[_SetAside]:
+        """How to set ``message`` aside when ``entry`` (its outbox entry) does not fit in
+        its entity even alone, in order: its dead letter whole, then bounded (only
+        bounded when ``entry`` is its whole letter already; none when it is its bounded
+        letter). Raises ``too_large`` without ``dead_letters``."""
+        if self.dead_letters is None:
+            raise too_large
+        letter_id = outgoing_id(self.consumer, message.correlation_id, message.id, -1)
+        if entry and len(entry) == 1 and entry[0].id == letter_id:
+            body = entry[0].body
+            if all(f"{key}_omitted" in body["message"] for _, key in _LETTER_PARTS):
+                return []
+            return [_SetAside(dict(body["error"]), too_large, whole=False)]
+        error = {"type": _type_name(too_large), "text": str(too_large)}
+        return [_SetAside(error, too_large), _SetAside(error, too_large, whole=False)]
 
     def _apply(
         self, entity: Entity, message: Message, handler: Handler, mark: EntryMark | None = None
@@ -783,7 +1042,11 @@ class OutboxProcessor:
         that each fit (``EntityTooLarge`` only for a message that does not fit alone).
         The same message (same entity and id) twice in a batch is applied once: the
         first copy says ``processed``, the others ``duplicate``. Same guarantees and
-        errors as :meth:`process` for every message.
+        errors as :meth:`process` for every message: with ``dead_letters`` a message
+        too large to process is ``dead_lettered`` and the others go on; without, the
+        batch raises ``EntityTooLarge``/``MessageTooLarge`` for the first such message
+        (``message_id``, ``correlation_id``) with nothing of it saved: process the
+        others without it.
 
         ``before_cleanup(messages, results)`` is called once the outcomes of
         ``messages`` (all of them, or one round's) are final and their outgoing
@@ -1041,7 +1304,10 @@ class OutboxProcessor:
     ) -> list[ProcessResult]:
         """The batch in consecutive rounds in which each entity's new entries fit."""
         rounds: dict[int, list[int]] = {}
-        for index, number in enumerate(self._rounds(messages, handler)):
+        numbers, refusals = self._rounds(messages, handler)
+        if refusals:  # the messages their entity cannot hold: set aside in their round
+            handler = _refusing(handler, refusals)
+        for index, number in enumerate(numbers):
             rounds.setdefault(number, []).append(index)
         results: list[ProcessResult | None] = [None] * len(messages)
         for number in sorted(rounds):
@@ -1074,8 +1340,11 @@ class OutboxProcessor:
         conflicts = self.entities.save_many(cleared)
         return {e.id for e in cleared} - conflicts
 
-    def _rounds(self, messages: list[Message], handler: Handler) -> list[int]:
-        """The round of each message: per entity, the longest runs that fit in its record.
+    def _rounds(
+        self, messages: list[Message], handler: Handler
+    ) -> tuple[list[int], dict[tuple[str, str], _SetAside]]:
+        """The round of each message: per entity, the longest runs that fit in its record;
+        and the messages to set aside, by ``(correlation id, id)``.
 
         First the entities are cleared of what is not theirs to keep: dispatched ids
         move to the deduplication store, and entries still pending for messages not
@@ -1084,7 +1353,8 @@ class OutboxProcessor:
         ends before a message whose entry would not fit, and the entries of a run
         leave the record (inline) or shrink to ``None`` (deferred) before the next.
         A message that does not fit at the start of a run, beside the entity's state
-        alone, raises ``EntityTooLarge`` naming it.
+        alone, raises ``EntityTooLarge`` naming it; with ``dead_letters`` it is set
+        aside instead, its dead letter in its place (:meth:`_refusals`).
         """
         limit = self.entities.max_entity_bytes
         entities = self.entities.load_many([m.correlation_id for m in messages])
@@ -1096,6 +1366,7 @@ class OutboxProcessor:
                 sizes[entity.id].carry(mid)
         seen: set[tuple[str, str]] = set()
         numbers: list[int] = []
+        refusals: dict[tuple[str, str], _SetAside] = {}
         for index, message in enumerate(messages):
             ident = (message.correlation_id, message.id)
             entity, size = entities[message.correlation_id], sizes[message.correlation_id]
@@ -1113,16 +1384,26 @@ class OutboxProcessor:
                 size.next_round(self.cleanup)
                 total = size.total_with(state, entry)
             if total > limit:
-                raise _too_large(
+                too_large = _too_large(
                     message,
                     EntityTooLarge(
                         f"entity {entity.id!r:.80} would encode to {total} bytes with it; "
                         f"{type(self.entities).__name__} holds at most {limit} bytes per entity"
                     ),
                 )
+                for refusal in self._refusals(message, outgoing, too_large):
+                    refusing = _refusing(handler, {ident: refusal})
+                    state, _, outgoing, _ = self._run(size.state, message, refusing)
+                    entry = entry_size(message.id, outgoing, self._mark())
+                    total = size.total_with(state, entry)
+                    if total <= limit:
+                        refusals[ident] = refusal
+                        break
+                else:
+                    raise _unplaceable(message, too_large)
             size.add(message.id, state, entry)
             numbers.append(size.round)
-        return numbers
+        return numbers, refusals
 
 
 class _EntityCache:
@@ -1383,8 +1664,40 @@ def _too_large(message: Message, exc: EntityTooLarge) -> EntityTooLarge:
     return EntityTooLarge(
         f"message {message.id!r:.80} of entity {message.correlation_id!r:.80}: its new state "
         f"and outgoing messages do not fit in one entity record ({exc}); nothing of it was "
-        "saved. Make the state or the outgoing messages smaller."
+        "saved. Make the state or the outgoing messages smaller.",
+        message_id=message.id,
+        correlation_id=message.correlation_id,
     )
+
+
+def _unplaceable(message: Message, too_large: EntityTooLarge) -> EntityTooLarge:
+    """The entity cannot hold even the message's bounded dead letter beside its state."""
+    return EntityTooLarge(
+        f"message {message.id!r:.80} of entity {message.correlation_id!r:.80} cannot be set "
+        "aside: even its bounded dead letter does not fit beside the entity's state "
+        f"({too_large})",
+        message_id=message.id,
+        correlation_id=message.correlation_id,
+    )
+
+
+def _too_large_to_send(message: Message, refused: MessageTooLarge) -> _SetAside:
+    """The refusal of a message one of whose outgoing messages the dispatcher refuses."""
+    error = MessageTooLarge(
+        f"message {message.id!r:.80} of entity {message.correlation_id!r:.80}: {refused}; "
+        "nothing of it was saved. Make the outgoing message smaller.",
+        outgoing_id=refused.outgoing_id,
+        size=refused.size,
+        bound=refused.bound,
+        message_id=message.id,
+        correlation_id=message.correlation_id,
+    )
+    return _SetAside({"type": _type_name(error), "text": str(error)}, error)
+
+
+#: What a processor's dead letter carries of the original message, replaced in this
+#: order by its size and digest when the letter does not fit (:func:`bounded_letter`).
+_LETTER_PARTS = (("message", "body"), ("message", "headers"))
 
 
 # ---------------------------------------------------------------------- the sweep

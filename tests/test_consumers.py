@@ -500,3 +500,36 @@ def test_durations_go_through_the_one_parser_and_async_handlers_are_refused() ->
 
     with pytest.raises(ConfigurationError, match="async handlers are not supported"):
         Consumer(ListBroker(), processor, handler)
+
+
+def keeping(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+    """Keeps the message's body in the state (a large body makes the entity too large)."""
+    return {**state, message.id: message.body}, [Send("kept", {"id": message.id})]
+
+
+@pytest.mark.parametrize("mode", ["batch", "single"])
+@pytest.mark.parametrize("dead_letters", ["dlq", None])
+def test_one_large_message_wedges_nothing(mode: Any, dead_letters: str | None) -> None:
+    """The issue's case: a 5 MB message its entity cannot hold, among 31 deliveries for 7
+    other accounts. With dead letters it is set aside once (a bounded letter) and all 32
+    are acknowledged; without, only it is given back and the other 31 are done."""
+    big = json.dumps({"blob": "x" * 5_000_000})
+    entries: list[tuple[str | bytes, dict[str, str]]] = [
+        (big, {"id": "big", "correlation_id": "acct-big"})
+    ]
+    entries += [entry(f"m{n}", f"acct-{n % 7}", n) for n in range(31)]
+    broker = ListBroker(entries)
+    processor, sent = _processor(dead_letters=dead_letters)
+    consumer = Consumer(broker, processor, keeping, mode=mode, batch_size=32, max_deliveries=None)
+    stats = consumer.run_once()
+    if dead_letters:
+        assert (stats.acked, stats.nacked) == (32, 0) and stats.held == 0
+        assert stats.outcomes == {"processed": 31, "dead_lettered": 1}
+        (letter,) = [m for m in sent.sent if m.destination == "dlq"]
+        assert letter.body["message"]["body_omitted"]["bytes"] > 5_000_000
+        assert len(json.dumps(letter.body)) < 100_000, "bounded"
+    else:
+        assert (stats.acked, stats.nacked) == (31, 1) and stats.held == 0
+        assert broker.nacked == [1]
+    for n in range(7):
+        assert len(processor.entities.load(f"acct-{n}").state) == len(range(n, 31, 7))

@@ -125,7 +125,7 @@ def test_without_dead_letters_the_error_names_the_message_and_nothing_is_saved()
         ({"state": 1}, "it returned dict"),
         (([], []), "its new state is list"),
         (({}, ["not a send"]), "it asked to send str"),
-        (({"t": dt.datetime(2026, 1, 1)}, []), "state[\"t\"]: a datetime is not JSON-compatible"),
+        (({"t": dt.datetime(2026, 1, 1)}, []), 'state["t"]: a datetime is not JSON-compatible'),
     ],
     ids=["none", "a-dict", "state-not-a-dict", "not-a-send", "not-json"],
 )

@@ -21,6 +21,7 @@ from backends.sqlite import SqliteDispatcher
 from dedupstore import (
     ConfigurationError,
     InvalidMessageId,
+    MessageTooLarge,
     StoreClosed,
     StoreUnavailable,
     open_dispatcher,
@@ -873,6 +874,71 @@ class TestRedisDispatcher:
             assert admin.xlen(f"{prefix}shipping") == 2
         finally:
             admin.close()
+
+
+def _sent(dispatcher: Any, admin: redis.Redis | None) -> list[str]:
+    """The ids a dispatcher of the size tests has sent, read back from its backend."""
+    if isinstance(dispatcher, MemoryDispatcher):
+        return [m.id for m in dispatcher.sent]
+    if isinstance(dispatcher, SqliteDispatcher):
+        return [s.message.id for s in dispatcher.messages()]
+    assert admin is not None
+    return [e["id"] for e in _entries(admin, dispatcher.stream_key("shipping"))]
+
+
+@pytest.mark.parametrize(
+    ("scheme", "own"),
+    [
+        pytest.param("memory", None, marks=pytest.mark.memory, id="memory"),
+        pytest.param("sqlite", 1_000_000_000, marks=pytest.mark.sqlite, id="sqlite"),
+        pytest.param("redis", 512 * 1024 * 1024, marks=pytest.mark.redis, id="redis"),
+    ],
+)
+def test_each_dispatcher_says_its_bound_and_refuses_a_message_over_it_before_any_io(
+    scheme: str, own: int | None, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """A message over the bound is ``MessageTooLarge`` naming it, its size and the bound;
+    none of the batch is sent (the processor relies on it: never a half-sent batch)."""
+    admin: redis.Redis | None = None
+    if scheme == "memory":
+        url, options = f"memory://{_name()}", {}
+    elif scheme == "sqlite":
+        url, options = f"sqlite:///{tmp_path / 'q.db'}", {}
+    else:
+        server: Server = request.getfixturevalue("redis_server")
+        admin = request.getfixturevalue("admin")
+        url, options = server.url, {"key_prefix": _prefix()}
+    with open_dispatcher(url, **options) as dispatcher:
+        assert dispatcher.max_message_bytes == own
+        dispatcher.dispatch([_msg("fits", body={"b": "x" * 5000})])
+    with open_dispatcher(url, max_message_bytes=2000, **options) as lowered:
+        assert lowered.max_message_bytes == 2000
+        big = _msg("big", body={"b": "x" * 2000})
+        with pytest.raises(MessageTooLarge, match="'big' is 2010 bytes") as caught:
+            lowered.dispatch([_msg("a"), big, _msg("c")])
+        error = caught.value
+        assert (error.outgoing_id, error.size, error.bound) == ("big", 2010, 2000)
+        heavy = _msg("heavy", h="v" * 2000)
+        with pytest.raises(MessageTooLarge, match="'heavy'"):
+            lowered.dispatch([heavy])
+        assert _sent(lowered, admin) == ["fits"], "nothing of a refused batch was sent"
+        lowered.dispatch([_msg("d", body={"b": "x" * 1900})])
+        assert _sent(lowered, admin) == ["fits", "d"]
+    with pytest.raises(ConfigurationError, match="max_message_bytes"):
+        open_dispatcher(url, max_message_bytes=0, **options)
+
+
+@pytest.mark.memory
+def test_a_callable_dispatcher_takes_its_destinations_bounds() -> None:
+    calls: list[list[OutgoingMessage]] = []
+    kafka_like = CallableDispatcher(calls.append, max_message_bytes=1_000_000)
+    with pytest.raises(MessageTooLarge, match="accepts at most 1000000"):
+        kafka_like.dispatch([_msg("a"), _msg("b", body="x" * 1_000_000)])
+    assert calls == []
+    for bad in (0, -1, True, "1"):
+        with pytest.raises(ConfigurationError, match="max_header_bytes"):
+            CallableDispatcher(calls.append, max_header_bytes=bad)
+    assert CallableDispatcher(calls.append).max_message_bytes is None
 
 
 @pytest.mark.memory

@@ -15,6 +15,7 @@ from backends.memory import MemoryDeduplicationStore, MemoryEntityStore
 from backends.rabbitmq import RabbitMQDispatcher
 from dedupstore import (
     ConfigurationError,
+    MessageTooLarge,
     StoreUnavailable,
     open_dispatcher,
 )
@@ -282,3 +283,51 @@ def test_a_frozen_broker_is_unavailable_within_the_deadline(
 ) -> None:
     with pytest.raises(StoreUnavailable):
         frozen.dispatch([_msg("during", _queue())])
+
+
+def test_a_message_over_the_brokers_bounds_is_refused_before_any_io(
+    rabbitmq_server: Server, admin: Any
+) -> None:
+    """Headers travel in one frame (``frame_max``, 128 KiB): larger ones would close the
+    connection on every attempt (a wedge), so they are refused, none of the batch sent;
+    the body's bound is the broker's ``max_message_size`` (128 MiB on 3.x)."""
+    queue = _queue()
+    admin.queue_declare(queue, durable=True)
+    with open_dispatcher(rabbitmq_server.url) as dispatcher:
+        assert dispatcher.max_message_bytes == 128 * 1024 * 1024
+        assert dispatcher.max_header_bytes == 127 * 1024
+        heavy = _msg("heavy", queue, big="h" * 200_000)
+        with pytest.raises(MessageTooLarge, match="headers of outgoing message 'heavy'") as e:
+            dispatcher.dispatch([_msg("a", queue), heavy])
+        assert (e.value.outgoing_id, e.value.bound) == ("heavy", 127 * 1024)
+        assert _ids(admin, queue) == [], "none of the batch was sent"
+        dispatcher.dispatch([_msg("b", queue, big="h" * 100_000)])  # within the frame
+        assert _ids(admin, queue) == ["b"]
+    with open_dispatcher(rabbitmq_server.url, max_message_bytes=1000) as lowered:
+        assert lowered.max_message_bytes == 1000
+        with pytest.raises(MessageTooLarge, match="'big' is 1010 bytes"):
+            lowered.dispatch([_msg("a", queue), _msg("big", queue, {"b": "x" * 1000})])
+        assert _ids(admin, queue) == []
+
+
+def test_the_processor_sets_aside_what_the_broker_would_refuse(
+    rabbitmq_server: Server, admin: Any
+) -> None:
+    queue, letters = _queue(), _queue()
+    for name in (queue, letters):
+        admin.queue_declare(name, durable=True)
+    url = f"memory://{uuid.uuid4().hex}"
+    with open_dispatcher(rabbitmq_server.url) as dispatcher:
+        processor = OutboxProcessor(
+            MemoryEntityStore(url), MemoryDeduplicationStore(url), dispatcher, dead_letters=letters
+        )
+
+        def tag(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+            return state, [Send(queue, {}, {"tag": "t" * message.body["size"]})]
+
+        messages = [Message("big", "acct", {"size": 200_000}), Message("ok", "b", {"size": 1})]
+        results = processor.process_batch(messages, tag)
+    assert [r.outcome for r in results] == ["dead_lettered", "processed"]
+    assert len(_ids(admin, queue)) == 1
+    [(_, body)] = _drain(admin, letters)
+    assert b"MessageTooLarge" in body

@@ -47,8 +47,17 @@ place; they come back ``redelivered``); ``remove`` takes them the same way and a
 those whose ``message_id`` it was given before it closes. Both bounded by the dispatch's
 deadline.
 
-Options: ``exchange``, ``declare_queues``, ``queue_type`` and the connection options
-of :mod:`backends.rabbitmq._client`. Fork-safe (a child process opens its own
+Size bounds (checked before any I/O, ``MessageTooLarge``, none of the batch sent):
+``max_message_bytes`` 128 MiB, RabbitMQ 3.x's default ``max_message_size`` (4.x
+lowered it to 16 MiB; AMQP cannot read the broker's value: set the
+``max_message_bytes`` option to it), and ``max_header_bytes`` 127 KiB: the headers
+travel in one frame of at most ``frame_max`` (128 KiB, RabbitMQ's default and pika's),
+and a larger frame makes the broker close the connection (``FRAME_ERROR``) on every
+attempt. The AMQP table takes 3 bytes more than the headers' JSON; the other 1 KiB is
+room for the other properties.
+
+Options: ``exchange``, ``declare_queues``, ``queue_type``, ``max_message_bytes`` and the
+connection options of :mod:`backends.rabbitmq._client`. Fork-safe (a child process opens its own
 connection) and thread-safe (one dispatch at a time per object); pickled by
 configuration.
 """
@@ -142,6 +151,10 @@ class RabbitMQDispatcher(URLDispatcher):
     """
 
     schemes: ClassVar[tuple[str, ...]] = ("amqp", "amqps")
+    #: RabbitMQ 3.x's default ``max_message_size`` (see the module).
+    max_message_bytes = 128 * 1024 * 1024
+    #: The headers fit in one frame of the default ``frame_max`` (see the module).
+    max_header_bytes = 127 * 1024
     receiver_dedup: ClassVar[str] = (
         "by the AMQP message_id (the outgoing id): delivery is at least once (a batch "
         "that failed part-way is published again)"

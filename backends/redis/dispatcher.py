@@ -28,8 +28,13 @@ Reading back (:class:`~dedupstore.dead_letters.ReadBack`, for ``dedupstore dead-
 ``read_back`` pages through a destination's stream with ``XRANGE`` (a missing stream holds nothing),
 ``remove`` deletes entries with ``XDEL`` by their entry ids.
 
-Options: ``key_prefix``, ``dedupe_window`` (7 days; ``0``/``none``: off), ``maxlen`` (none) and
-those of :mod:`backends.redis._client`, which also documents the errors.
+Size bound: ``max_message_bytes`` 512 MiB, the default ``proto-max-bulk-len`` (the largest
+field value Redis accepts). It is not read from the server (``CONFIG`` is refused on most
+managed servers); a server configured lower needs the ``max_message_bytes`` option.
+
+Options: ``key_prefix``, ``dedupe_window`` (7 days; ``0``/``none``: off), ``maxlen`` (none),
+``max_message_bytes`` and those of :mod:`backends.redis._client`, which also documents the
+errors.
 """
 
 from __future__ import annotations
@@ -119,6 +124,8 @@ def sent_key(key_prefix: str, message_id: str) -> str:
 class RedisDispatcher(URLDispatcher):
     """Outgoing messages as Redis Streams entries, one stream per destination (see the module)."""
 
+    #: The default ``proto-max-bulk-len`` (see the module).
+    max_message_bytes = 512 * 1024 * 1024
     receiver_dedup: ClassVar[str] = (
         "by the entry's id field: dedupe_window drops re-dispatches for a while, but "
         "delivery is at least once (window, trimming, consumer-group redelivery)"

@@ -35,12 +35,20 @@ from dedupstore.errors import (
     EntityTooLarge,
     HandlerError,
     MalformedDelivery,
+    MessageTooLarge,
     StoreClosed,
     format_error,
 )
 from dedupstore.ids import outgoing_id
 from dedupstore.options import seconds
-from dedupstore.outbox import Handler, Message, OutboxProcessor, check_handler
+from dedupstore.outbox import (
+    LETTER_ERROR_CHARS,
+    Handler,
+    Message,
+    OutboxProcessor,
+    bounded_letter,
+    check_handler,
+)
 
 __all__ = [
     "MALFORMED_ENTITY",
@@ -67,9 +75,11 @@ class MaxDeliveriesExceeded(Exception):
 #: Errors that no retry fixes: the loop leaves the batch for redelivery and raises.
 _FATAL = (ConfigurationError, ConsistencyError, StoreClosed)
 #: Errors of one message that no retry of it fixes (raised only without the
-#: processor's ``dead_letters``, which sets such a message aside): the batch is run
-#: message by message so that only that message is left, and the others go on.
-_MESSAGE_ERRORS = (HandlerError, EntityTooLarge)
+#: processor's ``dead_letters``, which sets such a message aside: a handler that
+#: raises, an entity that cannot hold it, an outgoing message larger than the
+#: dispatcher takes): the batch is run message by message so that only that message
+#: is given back, and the others go on.
+_MESSAGE_ERRORS = (HandlerError, EntityTooLarge, MessageTooLarge)
 
 
 @dataclass
@@ -593,20 +603,33 @@ class Consumer:
 
     # ------------------------------------------------------------------ dead letters
 
-    def _letter(self, letter_id: str, body: dict[str, Any]) -> OutgoingMessage:
+    def _letter(
+        self, letter_id: str, body: dict[str, Any], parts: Sequence[tuple[str, str]]
+    ) -> OutgoingMessage:
+        """A dead letter of the consumer, bounded by the processor's rule
+        (:func:`~dedupstore.outbox.bounded_letter` to its ``letter_bytes()``: ``parts``
+        replaced by their size and digest while it is over)."""
         # without dead_letters the letter is never dispatched (see _set_aside)
         destination = self.processor.dead_letters or ""
-        return OutgoingMessage(letter_id, destination, {**body, "consumer": self.consumer})
+        letter, _ = bounded_letter(
+            {**body, "consumer": self.consumer}, parts, self.processor.letter_bytes()
+        )
+        return OutgoingMessage(letter_id, destination, letter)
 
     def _malformed_letter(
         self, delivery: Delivery, exc: MalformedDelivery
     ) -> tuple[OutgoingMessage, str]:
-        """The dead letter of a delivery that is not a message: named by its content."""
+        """The dead letter of a delivery that is not a message: named by its content
+        (the whole delivery, even when the letter carries only its size and digest)."""
         shown = {"body": shown_body(delivery.body), "headers": headers_of(delivery)}
         digest = hashlib.sha256(canonical.dumps(shown).encode()).hexdigest()
         letter_id = outgoing_id(self.consumer, MALFORMED_ENTITY, digest, SET_ASIDE_POSITION)
-        error = {"type": "dedupstore.errors.MalformedDelivery", "text": exc.reason}
-        return self._letter(letter_id, {"delivery": shown, "error": error}), exc.reason
+        reason = exc.reason
+        if len(reason) > LETTER_ERROR_CHARS:
+            reason = f"{reason[:LETTER_ERROR_CHARS]}... ({len(reason)} characters)"
+        error = {"type": "dedupstore.errors.MalformedDelivery", "text": reason}
+        parts = (("delivery", "body"), ("delivery", "headers"))
+        return self._letter(letter_id, {"delivery": shown, "error": error}, parts), reason
 
     def _refusing(self, refused: Message, crashed: int) -> Handler:
         """The handler, except for ``refused``: it refuses that one.
