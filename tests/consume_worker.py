@@ -34,9 +34,14 @@ PAUSE = float(os.environ.get("DEDUPSTORE_CHAOS_PAUSE", "0.002"))
 
 
 def slow_handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
-    """The soak's handler (the same outputs for the same state), after a pause."""
+    """The soak's handler (the same outputs for the same state), after a pause; a body
+    with ``keep`` is kept in the state too (the chaos tests' oversize message: its
+    entity cannot hold it)."""
     time.sleep(PAUSE)
-    return soak_handler(state, message)
+    state, sends = soak_handler(state, message)
+    if isinstance(message.body, dict) and "keep" in message.body:
+        state["kept"] = message.body["keep"]
+    return state, sends
 
 
 def _ack_first() -> None:

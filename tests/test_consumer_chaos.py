@@ -24,7 +24,12 @@ Halfway through the kills comes the outage phase: the stores' server (reached
 through a TCP proxy, :class:`tests.proxy.TcpProxy`) refuses every connection for
 ``OUTAGE`` seconds, then the dispatcher's does. The consumers run with dead letters
 and ``max_deliveries=2``, so an outage that counted against a message would set it
-aside: the check requires no dead letter at all (``dead_letters_found``).
+aside: the check requires no dead letter but one. That one is for the oversize
+message in the input (``OVERSIZE``): one message whose 5 MB body the handler keeps in
+its entity's state, which cannot hold it. It is delivered at least twice (with each
+copy of two other messages), must be set aside as
+exactly one bounded dead letter (its body replaced by size and digest), and its entity
+and every other one must go on (``oversize_violations``).
 
 The anti-tests run the same harness on two broken variants and require the check
 to report what they break: a consumer that acknowledges before processing loses
@@ -65,6 +70,18 @@ MESSAGES, ENTITIES, CONSUMERS, KILLS, TOP_UP = 2000, 200, 3, 10, 200
 OUTAGE = 10.0
 #: The consumers' dead-letter destination, and how many runs make a message poison.
 DEAD_LETTERS, MAX_DELIVERIES = "dead", "2"
+#: The oversize message: its id, its entity (one of the input's) and its body.
+OVERSIZE = ("big", "e0", json.dumps({"keep": "x" * 5_000_000}))
+
+
+def oversize_violations(letters: list[dict[str, Any]]) -> list[str]:
+    """The dead letters (their bodies) hold the oversize message's, bounded, and no other."""
+    ids = {letter["message"]["id"] for letter in letters}
+    if ids != {OVERSIZE[0]}:
+        return [f"dead letters for {sorted(ids)[:5]}, expected only {OVERSIZE[0]!r}"]
+    if any("body_omitted" not in letter["message"] for letter in letters):
+        return ["the oversize message's dead letter carries its body: not bounded"]
+    return []
 
 
 def outage_phase(stores: TcpProxy, dispatcher: TcpProxy, seconds: float = OUTAGE) -> None:
@@ -115,6 +132,9 @@ class Chaos:
         pipe = self.admin.pipeline(transaction=False)
         for mid, cid in deliveries:
             pipe.xadd(self.stream, {"id": mid, "correlation_id": cid, "body": "{}"})
+            if mid in ("m10", "m1500"):  # the oversize message, with each copy of these
+                mid, cid, body = OVERSIZE
+                pipe.xadd(self.stream, {"id": mid, "correlation_id": cid, "body": body})
         pipe.execute()
         return len(deliveries)
 
@@ -229,8 +249,7 @@ class Chaos:
         if (pending, lag) != (0, 0):
             found.append(f"the group holds {pending} pending and {lag} undelivered entries")
         letters = self.admin.xrange(f"{self.out_prefix}{DEAD_LETTERS}")
-        if letters:
-            found.append(f"{len(letters)} dead letters, e.g. {letters[0][1]!r:.300}")
+        found += oversize_violations([json.loads(fields[b"body"]) for _, fields in letters])
         return found
 
     def close(self) -> None:
