@@ -260,5 +260,6 @@ def test_consume_takes_config_and_durations_prints_a_start_line_and_totals_on_an
         assert part in start[0], start
     assert "cleanup deferred" in start[0] and "dispatcher none" in start[0], start
     assert "--no-dispatcher was given" in err.splitlines()[-1] and "Traceback" not in err
-    totals = json.loads(out.strip().splitlines()[-1])  # of the rounds completed: none
-    assert totals["acked"] == 0 and totals["nacked"] == 0 and "outcomes" in totals, totals
+    totals = json.loads(out.strip().splitlines()[-1])  # the failed round included
+    assert (totals["rounds"], totals["fetched"]) == (1, 1), totals
+    assert totals["acked"] == 0 and totals["nacked"] == 1 and "outcomes" in totals, totals

@@ -533,3 +533,48 @@ def test_one_large_message_wedges_nothing(mode: Any, dead_letters: str | None) -
         assert broker.nacked == [1]
     for n in range(7):
         assert len(processor.entities.load(f"acct-{n}").state) == len(range(n, 31, 7))
+
+
+def test_a_fatal_error_leaves_the_totals_of_the_round_it_ended() -> None:
+    """The round that fails fatally counts in ``Consumer.totals`` (what the command
+    prints): the batch before it acknowledged, the failing round given back."""
+    broker = ListBroker([entry(f"m{n}", f"acct-{n > 2}", n) for n in range(1, 5)])
+    processor, _ = _processor()
+    real = processor.entities.load_many
+    calls = {"n": 0}
+
+    def second_fails(*args: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise ConfigurationError("the table was dropped")
+        return real(*args)
+
+    processor.entities.load_many = second_fails  # type: ignore[method-assign]
+    consumer = Consumer(broker, processor, deposit, batch_size=2)
+    with pytest.raises(ConfigurationError, match="dropped"):
+        consumer.run(install_signal_handlers=False)
+    totals = consumer.totals
+    assert (totals.rounds, totals.fetched, totals.acked, totals.nacked) == (2, 4, 2, 2)
+    assert broker.acked == [1, 2] and sorted(broker.nacked) == [3, 4]
+
+
+def test_what_was_done_when_the_acknowledgement_failed_is_acked_next_round() -> None:
+    broker = ListBroker([entry("m1", "acct", 1), entry("m2", "acct", 2)])
+    processor, sent = _processor()
+    real_ack = broker.ack
+    failures = {"left": 1}
+
+    def ack(deliveries: Sequence[Delivery]) -> None:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise StoreUnavailable("the broker is down")
+        real_ack(deliveries)
+
+    broker.ack = ack  # type: ignore[method-assign]
+    consumer = Consumer(broker, processor, deposit)
+    with pytest.raises(StoreUnavailable):
+        consumer.run_once()
+    again = consumer.run_once()
+    assert again.acked == 2 and sorted(broker.acked) == [1, 2]
+    assert broker.counts == {1: 1, 2: 1}, "not delivered again"
+    assert len(sent.sent) == 2, "not processed again"

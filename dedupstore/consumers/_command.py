@@ -225,20 +225,6 @@ class _NoDispatcher:
             )
 
 
-class _Counting(Consumer):
-    """A consumer that keeps the totals of the rounds it completed (:attr:`so_far`), so
-    the command prints them when the loop ends with an error too."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.so_far = ConsumeStats()
-
-    def run_once(self) -> ConsumeStats:
-        stats = super().run_once()
-        self.so_far.add(stats)
-        return stats
-
-
 def _target(url: str, entities: bool) -> tuple[str, dict[str, Any]]:
     """The URL and options to open: ``url`` as given, or the configured ones for 'config'."""
     if url != "config":
@@ -302,13 +288,13 @@ def run(args: argparse.Namespace) -> int:
             "--dead-letters DEST, or --max-deliveries 0"
         )
     opened: list[Any] = []
-    consumer: _Counting | None = None
+    consumer: Consumer | None = None
     totals: ConsumeStats | None = None
     try:
         processor, handler = open_processor(args, opened)
         broker = open_broker(args.broker)
         opened.append(broker)
-        consumer = _Counting(
+        consumer = Consumer(
             broker,
             processor,
             handler,
@@ -325,6 +311,6 @@ def run(args: argparse.Namespace) -> int:
                 client.close()
         finally:
             if consumer is not None:
-                shown = consumer.so_far if totals is None else totals
+                shown = consumer.totals if totals is None else totals
                 print(json.dumps(dataclasses.asdict(shown), sort_keys=True), flush=True)
     return 0

@@ -241,6 +241,12 @@ class Consumer:
         self._held: list[Delivery] = []
         #: ``id()`` of held deliveries whose run was recorded (not recorded again)
         self._counted: set[int] = set()
+        #: deliveries done in a round whose acknowledgement failed (acked next round)
+        self._unacked: list[Delivery] = []
+        #: the round in flight (what :meth:`run` adds to the totals when it fails)
+        self._round = ConsumeStats()
+        #: what the last :meth:`run` did (so far, while it runs)
+        self.totals = ConsumeStats()
 
     @property
     def consumer(self) -> str:
@@ -257,29 +263,34 @@ class Consumer:
         rounds that left something for redelivery it sleeps a bounded backoff
         (:meth:`stop` cuts it short). A broker that cannot answer
         (``StoreUnavailable``) is retried the same way; ``ConfigurationError``,
-        ``ConsistencyError`` and ``StoreClosed`` end the loop (raised).
+        ``ConsistencyError`` and ``StoreClosed`` end the loop (raised); :attr:`totals`
+        then holds what the run did, the round that failed included. What an outage
+        left held when the loop ends is given back (:meth:`release`).
         """
-        totals = ConsumeStats()
+        self.totals = totals = ConsumeStats()
         self._stopping.clear()
-        with self._signals(install_signal_handlers):
-            while not self._stopping.is_set():
-                try:
-                    totals.add(self.run_once())
-                except _FATAL:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - the broker failed: back off, go on
-                    self._failures += 1
-                    totals.failures += 1
-                    _log.warning(
-                        "consumer %s: the broker call failed (%s: %s); retrying",
-                        self.consumer,
-                        type(exc).__name__,
-                        format_error(exc),
-                    )
-                if self._failures and not self._stopping.is_set():
-                    self._pause()
-        self.release()
-        metrics.set_pending(self.consumer, self.broker.kind, None)
+        try:
+            with self._signals(install_signal_handlers):
+                while not self._stopping.is_set():
+                    try:
+                        totals.add(self.run_once())
+                    except _FATAL:
+                        totals.add(self._round)  # what the failed round did before
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - the broker failed: back off
+                        self._failures += 1
+                        totals.failures += 1
+                        _log.warning(
+                            "consumer %s: the broker call failed (%s: %s); retrying",
+                            self.consumer,
+                            type(exc).__name__,
+                            format_error(exc),
+                        )
+                    if self._failures and not self._stopping.is_set():
+                        self._pause()
+        finally:
+            self.release()
+            metrics.set_pending(self.consumer, self.broker.kind, None)
         return totals
 
     def release(self) -> None:
@@ -337,8 +348,11 @@ class Consumer:
         fixes (``ConfigurationError``, ``ConsistencyError``, ``StoreClosed``) after
         leaving the round for redelivery.
         """
-        stats = ConsumeStats(rounds=1)
+        self._round = stats = ConsumeStats(rounds=1)
         kind = self.broker.kind
+        if self._unacked:  # done in a round whose acknowledgement failed: not run again
+            self.broker.ack(self._unacked)
+            stats.acked, self._unacked = len(self._unacked), []
         held, self._held = self._held, []
         try:
             if held:
@@ -359,10 +373,15 @@ class Consumer:
             done, left, kept = self._handle(deliveries, stats, {id(d) for d in held})
             self._held = kept
             if done:
-                self.broker.ack(done)
+                try:
+                    self.broker.ack(done)
+                except BaseException:
+                    self._unacked = done  # acknowledged first thing next round
+                    raise
             if left:
                 self.broker.nack(left)
-            stats.acked, stats.nacked, stats.held = len(done), len(left), len(kept)
+            stats.acked += len(done)
+            stats.nacked, stats.held = len(left), len(kept)
             metrics.count_deliveries(self.consumer, kind, "acked", len(done))
             metrics.count_deliveries(self.consumer, kind, "nacked", len(left))
             metrics.count_deliveries(self.consumer, kind, "held", len(kept))
@@ -413,6 +432,7 @@ class Consumer:
         kept_ids = {id(d) for d in kept}
         self._counted &= kept_ids  # a recorded run stays recorded while held
         if fatal is not None:
+            stats.acked, stats.nacked = len(done), len(left)
             if done:
                 self.broker.ack(done)
             if left:
