@@ -204,7 +204,9 @@ def _parser() -> argparse.ArgumentParser:
         "--dedup", metavar="URL", default="config", help="deduplication store (default: config)"
     )
     sweep.add_argument(
-        "--endpoint", help="consumer name (default: the configured one, else 'default')"
+        "--endpoint",
+        help="consumer name (default: the configured one, else the one recorded with the "
+        "entities; an entity of another consumer is refused)",
     )
     for sub in (pending, sweep):
         sub.add_argument("--segment", type=_bounded(0, 999_999), default=0)
@@ -285,6 +287,26 @@ def _open_entities(url: str) -> EntityStore:
     """Open an existing entity store (never creates one)."""
     target, options = _replacing(*_target(url, entities=True), {"must_exist": True})
     return open_entity_store(target, **options)
+
+
+def _names_endpoint(url: str | None) -> bool:
+    """Whether the URL's query or the configured options set ``endpoint``."""
+    target, options = _target(url)
+    return "endpoint" in options or any(k == "endpoint" for k, _ in StoreURL.parse(target).query)
+
+
+def _sweep_endpoint(
+    given: str | None, dedup_url: str, entities: EntityStore, segment: int, segments: int
+) -> str | None:
+    """The endpoint a sweep moves ids to: ``--endpoint``, else the configured one (None:
+    let the store's options say), else the one consumer recorded on the segment's
+    outboxes (one scan; ``ConfigurationError`` listing them when there are several)."""
+    if given is not None or _names_endpoint(dedup_url):
+        return given
+    from dedupstore.outbox import recorded_consumer
+
+    backlog = outbox_backlog(entities, segment=segment, segments=segments)
+    return recorded_consumer(backlog.consumers, "--endpoint")
 
 
 def _asks_to_create(url: str | None) -> bool:
@@ -454,8 +476,12 @@ def _entities(args: argparse.Namespace) -> int:
     from dedupstore.outbox import sweep
 
     report = None if args.quiet else SweepProgress(args.progress)
-    with _open_entities(args.url) as store, _open(args.dedup, endpoint=args.endpoint) as dedup:
-        result = sweep(store, dedup, segment, segments, batch_ids=args.batch_ids, progress=report)
+    with _open_entities(args.url) as store:
+        endpoint = _sweep_endpoint(args.endpoint, args.dedup, store, segment, segments)
+        with _open(args.dedup, endpoint=endpoint) as dedup:
+            result = sweep(
+                store, dedup, segment, segments, batch_ids=args.batch_ids, progress=report
+            )
     if report is not None:
         report.finish(result)
     print(json.dumps(dataclasses.asdict(result), indent=2))

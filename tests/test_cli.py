@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -557,3 +558,83 @@ def test_has_and_add_with_entity_use_the_processor_key(
         assert not store.has_been_processed("txn-1")
     assert main(["has", url, "txn-1", "--entity", "bad\x00"]) == 2
     assert "entity" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- the consumer's identity
+
+
+def _deposit(state: dict[str, Any], message: Any) -> tuple[dict[str, Any], list[Any]]:
+    return {"balance": state.get("balance", 0) + message.body["amount"]}, []
+
+
+def _accounts_deposit(url: str) -> Any:
+    """An `accounts` consumer with deferred clean-up processes one deposit of 100."""
+    from dedupstore import open_entity_store
+    from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor
+
+    deposit = Message("dep-1", "acct-1", {"amount": 100})
+    with open_entity_store(url) as entities, open_store(url, endpoint="accounts") as dedup:
+        processor = OutboxProcessor(entities, dedup, InMemoryDispatcher(), cleanup="deferred")
+        assert processor.process(deposit, _deposit).outcome == "processed"
+    return deposit
+
+
+def _again(url: str, deposit: Any) -> tuple[str, dict[str, Any]]:
+    from dedupstore import open_entity_store
+    from dedupstore.outbox import InMemoryDispatcher, OutboxProcessor
+
+    with open_entity_store(url) as entities, open_store(url, endpoint="accounts") as dedup:
+        processor = OutboxProcessor(entities, dedup, InMemoryDispatcher(), cleanup="deferred")
+        outcome = processor.process(deposit, _deposit).outcome
+        return outcome, entities.load("acct-1").state
+
+
+def test_a_sweep_without_endpoint_moves_ids_to_the_consumer_recorded_with_the_entities(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 36, 1: the README's sweep line, no --endpoint, after an `accounts` consumer."""
+    url = "sqlite:///sw.db"
+    deposit = _accounts_deposit(url)
+    assert main(["entities", "sweep", url, "--dedup", url]) == 0
+    assert json.loads(capsys.readouterr().out)["ids_moved"] == 1
+    with open_store(url, endpoint="accounts") as dedup, open_store(url) as default:
+        assert dedup.count() == 1 and default.count() == 0
+    assert _again(url, deposit) == ("duplicate", {"balance": 100})
+
+
+def test_a_sweep_under_another_endpoint_is_refused_before_any_write(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from dedupstore import open_entity_store
+
+    url = "sqlite:///sw.db"
+    deposit = _accounts_deposit(url)
+    assert main(["entities", "sweep", url, "--dedup", url, "--endpoint", "default"]) == 2
+    err = capsys.readouterr().err
+    assert "'accounts'" in err and "'default'" in err and "acct-1" in err, err
+    with open_store(url) as default, open_entity_store(url) as entities:
+        assert default.count() == 0
+        assert entities.load("acct-1").outbox == {"dep-1": None}, "the outbox kept its id"
+    # a configured endpoint is an endpoint given: refused the same way
+    assert main(["entities", "sweep", url, "--dedup", url + "?endpoint=billing"]) == 2
+    assert "'billing'" in capsys.readouterr().err
+    assert _again(url, deposit) == ("duplicate", {"balance": 100})
+
+
+def test_a_sweep_without_endpoint_of_a_store_of_two_consumers_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from dedupstore import open_entity_store
+    from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor
+
+    url = "sqlite:///sw.db"
+    _accounts_deposit(url)
+    with open_entity_store(url) as entities, open_store(url, endpoint="billing") as dedup:
+        processor = OutboxProcessor(entities, dedup, InMemoryDispatcher(), cleanup="deferred")
+        processor.process(Message("b-1", "invoice-1", {"amount": 1}), _deposit)
+    assert main(["entities", "sweep", url, "--dedup", url]) == 2
+    err = capsys.readouterr().err
+    assert "'accounts', 'billing'" in err and "--endpoint" in err, err
+    with open_entity_store(url) as entities:
+        assert entities.load("acct-1").outbox == {"dep-1": None}
+        assert entities.load("invoice-1").outbox == {"b-1": None}
