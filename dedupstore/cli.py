@@ -153,10 +153,12 @@ def _parser() -> argparse.ArgumentParser:
         "stats",
         help="the outbox backlog of an entity store and the ids recorded for an endpoint",
         description="Scan the entity store's non-empty outboxes (entries awaiting dispatch, "
-        "outgoing messages, ids awaiting the sweep, the oldest pending entry) and count the "
-        "live ids of the deduplication store's endpoint. Without --entities and --store, "
-        "both configured stores (the entity store only if the configuration names one); "
-        "with either, what they name.",
+        "outgoing messages, ids awaiting the sweep, the oldest pending entry, the consumers "
+        "recorded with them), list the endpoints holding records in the deduplication store "
+        "and count the live ids of one: --endpoint, else the configured one, else the one "
+        "consumer recorded with the entities, else the one endpoint holding records, else "
+        "'default'. Without --entities and --store, both configured stores (the entity "
+        "store only if the configuration names one); with either, what they name.",
         epilog=f"{_NEVER_CREATES} Costs a scan of the non-empty outboxes, and a count: one "
         "statement on SQLite and PostgreSQL, a query on Cosmos DB, a SCAN of the database "
         "on Redis, a scan of the table on DynamoDB.",
@@ -164,7 +166,8 @@ def _parser() -> argparse.ArgumentParser:
     stats.add_argument("--entities", metavar="URL", help="entity store URL, or 'config'")
     stats.add_argument("--store", metavar="URL", help="deduplication store URL, or 'config'")
     stats.add_argument(
-        "--endpoint", help="consumer name (default: the configured one, else 'default')"
+        "--endpoint",
+        help="consumer name (default: the configured one, else the one recorded or present)",
     )
     stats.add_argument("--json", action="store_true", help="print one JSON object")
     commands.add_parser(
@@ -499,6 +502,7 @@ def _stats(args: argparse.Namespace) -> int:
     shown: dict[str, Any] = {"entities": None, "store": None}
     notes: list[str] = []
     progress = _scan_progress if not args.json and sys.stderr.isatty() else None
+    consumers: frozenset[str] = frozenset()
     if entities_url is not None:
         try:
             entities = _open_entities(entities_url)
@@ -513,6 +517,7 @@ def _stats(args: argparse.Namespace) -> int:
                 finally:
                     if progress is not None:
                         print("\r\033[K", end="", file=sys.stderr)  # erase the progress line
+                consumers = backlog.consumers
                 oldest = backlog.oldest_pending_at
                 age = None if oldest is None else max(0.0, time.time() - oldest.timestamp())
                 shown["entities"] = {
@@ -522,13 +527,27 @@ def _stats(args: argparse.Namespace) -> int:
                     "oldest_pending_age_seconds": None if age is None else round(age, 3),
                 }
     if store_url is not None:
-        with _open(store_url, endpoint=args.endpoint) as store:
+        endpoint = args.endpoint
+        chosen = endpoint is not None or _names_endpoint(store_url)
+        if not chosen and len(consumers) == 1:
+            (endpoint,), chosen = consumers, True
+        store = _open(store_url, endpoint=endpoint)
+        try:
+            present = store.endpoints()
+            if not chosen and present is not None and len(present) == 1:
+                (only,) = present
+                if only != store.endpoint:
+                    store.close()
+                    store = _open(store_url, endpoint=only)
             shown["store"] = {
                 "backend": type(store).__name__,
                 "url": store.url,
                 "endpoint": store.endpoint,
                 "ids": store.count(),
+                "endpoints": None if present is None else sorted(present),
             }
+        finally:
+            store.close()
     if args.json:
         print(json.dumps(shown, indent=2, ensure_ascii=False))
         return 0
@@ -560,12 +579,17 @@ def _print_stats(shown: dict[str, Any]) -> None:
             ("  outgoing messages pending", f"{ents['outgoing_pending']:,}"),
             ("  ids awaiting the sweep", f"{ents['ids_awaiting_sweep']:,}"),
             ("  oldest pending entry", oldest),
+            ("  consumers recorded", ", ".join(ents["consumers"]) or "none"),
         ]
     store = shown["store"]
     if store is not None:
-        ids = store["ids"]
+        ids, present = store["ids"], store["endpoints"]
         rows += [
             ("store:", f"{store['backend']} {store['url']}"),
+            (
+                "  endpoints with records",
+                "not listable on this backend" if present is None else ", ".join(present) or "none",
+            ),
             ("  endpoint", store["endpoint"]),
             ("  live ids", "not countable on this backend" if ids is None else f"{ids:,}"),
         ]
