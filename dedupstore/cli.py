@@ -145,9 +145,17 @@ def _parser() -> argparse.ArgumentParser:
     has = with_store(
         "has",
         "tell whether message ids were processed (exit 1 if any was not)",
-        epilog=_NEVER_CREATES,
+        epilog=f"{_NEVER_CREATES} Under deferred clean-up a processed id stays in its "
+        "entity's outbox until the sweep moves it: give --entity and --entities to look "
+        "there too.",
     )
     with_entity(has)
+    has.add_argument(
+        "--entities",
+        metavar="URL",
+        help="with --entity: the entity store (or 'config'); an id in the entity's outbox "
+        "(awaiting dispatch or the sweep) is processed too",
+    )
     with_store("purge", "delete this endpoint's expired records", epilog=_NEVER_CREATES)
     stats = commands.add_parser(
         "stats",
@@ -236,6 +244,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     spark_sweep.add_argument("--entities", required=True, metavar="URL", help="entity store URL")
     spark_sweep.add_argument("--store", required=True, metavar="URL", help="dedup store URL")
+    spark_sweep.add_argument(
+        "--endpoint",
+        help="consumer name (default: the store URL's, else the one recorded with the "
+        "entities; an entity of another consumer is refused)",
+    )
     spark_sweep.add_argument("--segments", type=_bounded(1, 100_000), default=8)
     spark_sweep.add_argument(
         "--redispatch", metavar="URL", help="dispatch entries still pending first (outbox relay)"
@@ -384,11 +397,27 @@ def _add(args: argparse.Namespace) -> int:
 
 def _has(args: argparse.Namespace) -> int:
     keys = _keys(args)
+    if args.entities is not None and args.entity is None:
+        raise ConfigurationError("--entities needs --entity (the entity whose outbox to read)")
     with _open(args.url, endpoint=args.endpoint) as store:
-        found = store.processed_among(keys.values())
+        if args.entities is None:
+            found = store.processed_among(keys.values())
+        else:
+            from dedupstore.outbox import applied_among
+
+            with _open_entities(args.entities) as entities:
+                applied = applied_among(entities, store, [(args.entity, mid) for mid in keys])
+            found = {keys[mid] for _, mid in applied}
         for mid in args.ids:
             print(f"{mid}\t{'processed' if keys[mid] in found else 'not processed'}")
-    return 0 if all(keys[mid] in found for mid in args.ids) else 1
+    missing = not all(keys[mid] in found for mid in args.ids)
+    if missing and args.entity is not None and args.entities is None:
+        print(
+            "dedupstore: note: only the deduplication store was read; under deferred clean-up "
+            "a processed id waits in its entity's outbox until the sweep: add --entities URL",
+            file=sys.stderr,
+        )
+    return 1 if missing else 0
 
 
 def _purge(args: argparse.Namespace) -> int:
@@ -658,7 +687,9 @@ def _spark_sweep(args: argparse.Namespace) -> int:
     # (an error raised in a task would reach us wrapped by Spark), and in every task.
     existing = {"must_exist": True}
     open_entity_store(args.entities, **existing).close()
-    open_store(args.store, **existing).close()
+    open_store(
+        args.store, **existing, **({"endpoint": args.endpoint} if args.endpoint else {})
+    ).close()
     spark_integration = _spark("pipeline")
     spark = _spark("session").local_session(args.master, "dedupstore-sweep")
     try:
@@ -671,6 +702,7 @@ def _spark_sweep(args: argparse.Namespace) -> int:
             entities_options=existing,
             dedup_options=existing,
             batch_ids=args.batch_ids,
+            endpoint=args.endpoint,
         )
         rows = [row.asDict() for row in result.collect()]
     finally:

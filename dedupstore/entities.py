@@ -40,7 +40,6 @@ __all__ = [
     "EntityStore",
     "EntryMark",
     "OutgoingMessage",
-    "head_size",
     "body_text",
     "bucket_of",
     "canonical_json",
@@ -48,6 +47,7 @@ __all__ = [
     "encode_entity",
     "entry_size",
     "groups_by_size",
+    "head_size",
     "json_size",
     "message_text",
 ]
@@ -357,9 +357,9 @@ def encode_entity(entity: Entity) -> str:
     """Canonical JSON of the entity's state and outbox (sorted keys, no NaN).
 
     The text is ``canonical_json({"consumer": ..., "outbox": {id: entry}, "state":
-    ...})`` (``consumer`` only when not ``None``), composed from the texts of its parts (each outgoing message the processor made is encoded
-    once). Raises ``ValueError`` (``InvalidMessageId``'s base) when the state or a
-    message body is not JSON-compatible.
+    ...})`` (``consumer`` only when not ``None``), composed from the texts of its parts
+    (each outgoing message the processor made is encoded once). Raises ``ValueError``
+    (``InvalidMessageId``'s base) when the state or a message body is not JSON-compatible.
     """
     kept, marks = entity._state_text, entity.marks
     try:

@@ -75,6 +75,7 @@ __all__ = [
     "ProcessResult",
     "Send",
     "SweepResult",
+    "applied_among",
     "message_key",
     "outgoing_id",
     "recorded_consumer",
@@ -1329,15 +1330,60 @@ def _swept(entity: Entity, consumer: str) -> Entity:
     return entity
 
 
-def recorded_consumer(consumers: Collection[str], given_by: str = "endpoint") -> str:
-    """The consumer to sweep for when none was named: the one ``consumers`` holds.
+def applied_among(
+    entities: EntityStore, dedup: DeduplicationStore, messages: Iterable[tuple[str, str]]
+) -> set[tuple[str, str]]:
+    """The ``(correlation id, message id)`` pairs among ``messages`` that were applied.
+
+    A message was applied when its id is in its entity's outbox (pending, or
+    dispatched and awaiting the sweep: a deferred clean-up leaves it there) or its
+    :func:`~dedupstore.ids.message_key` is recorded in ``dedup``. The entities are
+    loaded first, then ``dedup`` is asked about the others: an id reaches the store
+    before it leaves the outbox, so a sweep running meanwhile never hides one. One
+    ``load_many`` and one ``processed_among``. Raises ``InvalidMessageId`` before any
+    I/O, ``ConfigurationError`` for an entity recorded for another consumer than
+    ``dedup``'s endpoint (its outbox says nothing about this one), ``StoreUnavailable``.
+    """
+    pairs = list(dict.fromkeys(messages))
+    for cid, mid in pairs:
+        validate_message_id(cid, "correlation id")
+        validate_message_id(mid)
+    if not pairs:
+        return set()
+    loaded = entities.load_many([cid for cid, _ in pairs])
+    consumer = dedup.endpoint
+    for entity in loaded.values():
+        if entity.consumer is not None and entity.consumer != consumer:
+            raise _foreign(entity, consumer)
+    found = {(cid, mid) for cid, mid in pairs if mid in loaded[cid].outbox}
+    rest = {message_key(cid, mid): (cid, mid) for cid, mid in pairs if (cid, mid) not in found}
+    if rest:
+        found.update(rest[key] for key in dedup.processed_among(rest))
+    return found
+
+
+def recorded_consumer(
+    consumers: Collection[str], given_by: str = "endpoint", endpoint: str | None = None
+) -> str:
+    """The consumer to sweep for: ``endpoint`` if given, else the one ``consumers`` holds.
 
     ``consumers``: the consumers recorded on an entity store's non-empty outboxes
-    (:attr:`~dedupstore.stats.Backlog.consumers`). None recorded: ``"default"``, the
-    endpoint of a store opened without one. Several: ``ConfigurationError`` listing
-    them (each consumer has its own entity store; ``given_by`` names how to choose
-    one, e.g. ``"--endpoint"``).
+    (:attr:`~dedupstore.stats.Backlog.consumers`). With ``endpoint``: it, or
+    ``ConfigurationError`` naming both when another consumer is recorded. Without:
+    none recorded is ``"default"``, the endpoint of a store opened without one;
+    several are a ``ConfigurationError`` listing them (each consumer has its own
+    entity store; ``given_by`` names how to choose one, e.g. ``"--endpoint"``).
     """
+    if endpoint is not None:
+        others = sorted(set(consumers) - {endpoint})
+        if others:
+            names = ", ".join(repr(c)[:80] for c in others)
+            raise ConfigurationError(
+                f"the entity store holds outboxes of consumer {names}, not {endpoint!r:.80} "
+                "(the deduplication store's endpoint); nothing was written. Each consumer has "
+                f"its own endpoint and entity store: sweep with {given_by} {others[0]!r:.80}"
+            )
+        return endpoint
     if not consumers:
         return "default"
     if len(consumers) == 1:

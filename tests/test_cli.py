@@ -638,3 +638,26 @@ def test_a_sweep_without_endpoint_of_a_store_of_two_consumers_is_refused(
     with open_entity_store(url) as entities:
         assert entities.load("acct-1").outbox == {"dep-1": None}
         assert entities.load("invoice-1").outbox == {"b-1": None}
+
+
+def test_has_finds_an_id_awaiting_the_sweep_in_its_entity_outbox(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 36: under deferred clean-up `has` said "not processed" for a processed message."""
+    url = "sqlite:///sw.db"
+    _accounts_deposit(url)
+    argv = ["has", url, "--endpoint", "accounts", "--entity", "acct-1", "dep-1", "dep-2"]
+    assert main([*argv, "--entities", url]) == 1
+    assert capsys.readouterr().out.splitlines() == ["dep-1\tprocessed", "dep-2\tnot processed"]
+    assert main(argv) == 1  # the deduplication store alone: says where else to look
+    assert "--entities" in capsys.readouterr().err
+    # another consumer's entity says nothing about this one: refused
+    assert main(["has", url, "--entity", "acct-1", "dep-1", "--entities", url]) == 2
+    assert "'accounts'" in capsys.readouterr().err
+    assert main(["has", url, "dep-1", "--entities", url]) == 2, "--entities needs --entity"
+    capsys.readouterr()
+    # after the sweep the id is in the deduplication store: the same answer
+    assert main(["entities", "sweep", url, "--dedup", url]) == 0
+    capsys.readouterr()
+    assert main([*argv[:-1], "--entities", url]) == 0
+    assert main(argv[:-1]) == 0

@@ -330,7 +330,9 @@ def test_stats_json_and_text_on_sqlite(in_tmp: Path, capsys: pytest.CaptureFixtu
 
 
 @pytest.mark.sqlite
-def test_stats_lists_the_endpoints_present(in_tmp: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_stats_lists_the_endpoints_present(
+    in_tmp: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Issue 36: `stats` showed "live ids 0" for `default` while other endpoints held data."""
     from dedupstore import open_store
 

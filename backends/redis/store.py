@@ -54,6 +54,7 @@ def _is_record(value: bytes | str | None) -> bool:
         return False
     return value.startswith(_TAG_BYTES) if isinstance(value, bytes) else value.startswith(_TAG)
 
+
 # KEYS: record keys. ARGV[1]: the new value; ARGV[2]: PX in ms ('' = no expiry); ARGV[3..]: the
 # values that mean "written by this call" (its tokens, tagged). Returns the (1-based) indexes of the
 # keys it recorded. No keys: a permission probe. One key (an add, a joined clean-up) is one SET NX
