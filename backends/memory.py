@@ -126,6 +126,15 @@ class MemoryDeduplicationStore(DeduplicationStore):
         with self._ns.lock:
             return sum(1 for e, _ in self._records.values() if e is None or e > now)
 
+    def _endpoints(self, now: float) -> set[str]:
+        """Exact: walks every endpoint's records under the namespace's lock."""
+        with self._ns.lock:
+            return {
+                endpoint
+                for endpoint, records in self._ns.records.items()
+                if any(e is None or e > now for e, _ in records.values())
+            }
+
 
 class MemoryEntityStore(EntityStore):
     """In-process entity store (version: a counter per entity); shared per URL name."""

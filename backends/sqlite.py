@@ -377,6 +377,9 @@ class SqliteDeduplicationStore(DeduplicationStore):
             f"SELECT count(*) FROM {t} WHERE endpoint = ?1 "
             "AND (expires_at IS NULL OR expires_at > ?2)"
         )
+        self._sql_endpoints = (
+            f"SELECT DISTINCT endpoint FROM {t} WHERE expires_at IS NULL OR expires_at > ?1"
+        )
 
     def _write(self, sql: str, params: tuple[Any, ...]) -> set[str]:
         with self._sqlite.write_transaction() as conn:
@@ -412,6 +415,10 @@ class SqliteDeduplicationStore(DeduplicationStore):
     def _count(self, now: float) -> int:
         """Exact, one statement (a snapshot): the endpoint's range of the primary key."""
         return int(self._sqlite.fetch(self._sql_count, (self._endpoint, now))[0][0])
+
+    def _endpoints(self, now: float) -> set[str]:
+        """Exact, one statement (a snapshot) over the table."""
+        return {row[0] for row in self._sqlite.fetch(self._sql_endpoints, (now,))}
 
 
 class SqliteEntityStore(EntityStore):

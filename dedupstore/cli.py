@@ -145,18 +145,28 @@ def _parser() -> argparse.ArgumentParser:
     has = with_store(
         "has",
         "tell whether message ids were processed (exit 1 if any was not)",
-        epilog=_NEVER_CREATES,
+        epilog=f"{_NEVER_CREATES} Under deferred clean-up a processed id stays in its "
+        "entity's outbox until the sweep moves it: give --entity and --entities to look "
+        "there too.",
     )
     with_entity(has)
+    has.add_argument(
+        "--entities",
+        metavar="URL",
+        help="with --entity: the entity store (or 'config'); an id in the entity's outbox "
+        "(awaiting dispatch or the sweep) is processed too",
+    )
     with_store("purge", "delete this endpoint's expired records", epilog=_NEVER_CREATES)
     stats = commands.add_parser(
         "stats",
         help="the outbox backlog of an entity store and the ids recorded for an endpoint",
         description="Scan the entity store's non-empty outboxes (entries awaiting dispatch, "
-        "outgoing messages, ids awaiting the sweep, the oldest pending entry) and count the "
-        "live ids of the deduplication store's endpoint. Without --entities and --store, "
-        "both configured stores (the entity store only if the configuration names one); "
-        "with either, what they name.",
+        "outgoing messages, ids awaiting the sweep, the oldest pending entry, the consumers "
+        "recorded with them), list the endpoints holding records in the deduplication store "
+        "and count the live ids of one: --endpoint, else the configured one, else the one "
+        "consumer recorded with the entities, else the one endpoint holding records, else "
+        "'default'. Without --entities and --store, both configured stores (the entity "
+        "store only if the configuration names one); with either, what they name.",
         epilog=f"{_NEVER_CREATES} Costs a scan of the non-empty outboxes, and a count: one "
         "statement on SQLite and PostgreSQL, a query on Cosmos DB, a SCAN of the database "
         "on Redis, a scan of the table on DynamoDB.",
@@ -164,7 +174,8 @@ def _parser() -> argparse.ArgumentParser:
     stats.add_argument("--entities", metavar="URL", help="entity store URL, or 'config'")
     stats.add_argument("--store", metavar="URL", help="deduplication store URL, or 'config'")
     stats.add_argument(
-        "--endpoint", help="consumer name (default: the configured one, else 'default')"
+        "--endpoint",
+        help="consumer name (default: the configured one, else the one recorded or present)",
     )
     stats.add_argument("--json", action="store_true", help="print one JSON object")
     commands.add_parser(
@@ -204,7 +215,9 @@ def _parser() -> argparse.ArgumentParser:
         "--dedup", metavar="URL", default="config", help="deduplication store (default: config)"
     )
     sweep.add_argument(
-        "--endpoint", help="consumer name (default: the configured one, else 'default')"
+        "--endpoint",
+        help="consumer name (default: the configured one, else the one recorded with the "
+        "entities; an entity of another consumer is refused)",
     )
     for sub in (pending, sweep):
         sub.add_argument("--segment", type=_bounded(0, 999_999), default=0)
@@ -231,6 +244,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     spark_sweep.add_argument("--entities", required=True, metavar="URL", help="entity store URL")
     spark_sweep.add_argument("--store", required=True, metavar="URL", help="dedup store URL")
+    spark_sweep.add_argument(
+        "--endpoint",
+        help="consumer name (default: the store URL's, else the one recorded with the "
+        "entities; an entity of another consumer is refused)",
+    )
     spark_sweep.add_argument("--segments", type=_bounded(1, 100_000), default=8)
     spark_sweep.add_argument(
         "--redispatch", metavar="URL", help="dispatch entries still pending first (outbox relay)"
@@ -286,6 +304,26 @@ def _open_entities(url: str) -> EntityStore:
     """Open an existing entity store (never creates one)."""
     target, options = _replacing(*_target(url, entities=True), {"must_exist": True})
     return open_entity_store(target, **options)
+
+
+def _names_endpoint(url: str | None) -> bool:
+    """Whether the URL's query or the configured options set ``endpoint``."""
+    target, options = _target(url)
+    return "endpoint" in options or any(k == "endpoint" for k, _ in StoreURL.parse(target).query)
+
+
+def _sweep_endpoint(
+    given: str | None, dedup_url: str, entities: EntityStore, segment: int, segments: int
+) -> str | None:
+    """The endpoint a sweep moves ids to: ``--endpoint``, else the configured one (None:
+    let the store's options say), else the one consumer recorded on the segment's
+    outboxes (one scan; ``ConfigurationError`` listing them when there are several)."""
+    if given is not None or _names_endpoint(dedup_url):
+        return given
+    from dedupstore.outbox import recorded_consumer
+
+    backlog = outbox_backlog(entities, segment=segment, segments=segments)
+    return recorded_consumer(backlog.consumers, "--endpoint")
 
 
 def _asks_to_create(url: str | None) -> bool:
@@ -360,11 +398,27 @@ def _add(args: argparse.Namespace) -> int:
 
 def _has(args: argparse.Namespace) -> int:
     keys = _keys(args)
+    if args.entities is not None and args.entity is None:
+        raise ConfigurationError("--entities needs --entity (the entity whose outbox to read)")
     with _open(args.url, endpoint=args.endpoint) as store:
-        found = store.processed_among(keys.values())
+        if args.entities is None:
+            found = store.processed_among(keys.values())
+        else:
+            from dedupstore.outbox import applied_among
+
+            with _open_entities(args.entities) as entities:
+                applied = applied_among(entities, store, [(args.entity, mid) for mid in keys])
+            found = {keys[mid] for _, mid in applied}
         for mid in args.ids:
             print(f"{mid}\t{'processed' if keys[mid] in found else 'not processed'}")
-    return 0 if all(keys[mid] in found for mid in args.ids) else 1
+    missing = not all(keys[mid] in found for mid in args.ids)
+    if missing and args.entity is not None and args.entities is None:
+        print(
+            "dedupstore: note: only the deduplication store was read; under deferred clean-up "
+            "a processed id waits in its entity's outbox until the sweep: add --entities URL",
+            file=sys.stderr,
+        )
+    return 1 if missing else 0
 
 
 def _purge(args: argparse.Namespace) -> int:
@@ -455,8 +509,12 @@ def _entities(args: argparse.Namespace) -> int:
     from dedupstore.outbox import sweep
 
     report = None if args.quiet else SweepProgress(args.progress)
-    with _open_entities(args.url) as store, _open(args.dedup, endpoint=args.endpoint) as dedup:
-        result = sweep(store, dedup, segment, segments, batch_ids=args.batch_ids, progress=report)
+    with _open_entities(args.url) as store:
+        endpoint = _sweep_endpoint(args.endpoint, args.dedup, store, segment, segments)
+        with _open(args.dedup, endpoint=endpoint) as dedup:
+            result = sweep(
+                store, dedup, segment, segments, batch_ids=args.batch_ids, progress=report
+            )
     if report is not None:
         report.finish(result)
     print(json.dumps(dataclasses.asdict(result), indent=2))
@@ -474,6 +532,7 @@ def _stats(args: argparse.Namespace) -> int:
     shown: dict[str, Any] = {"entities": None, "store": None}
     notes: list[str] = []
     progress = _scan_progress if not args.json and sys.stderr.isatty() else None
+    consumers: frozenset[str] = frozenset()
     if entities_url is not None:
         try:
             entities = _open_entities(entities_url)
@@ -488,6 +547,7 @@ def _stats(args: argparse.Namespace) -> int:
                 finally:
                     if progress is not None:
                         print("\r\033[K", end="", file=sys.stderr)  # erase the progress line
+                consumers = backlog.consumers
                 oldest = backlog.oldest_pending_at
                 age = None if oldest is None else max(0.0, time.time() - oldest.timestamp())
                 shown["entities"] = {
@@ -497,13 +557,27 @@ def _stats(args: argparse.Namespace) -> int:
                     "oldest_pending_age_seconds": None if age is None else round(age, 3),
                 }
     if store_url is not None:
-        with _open(store_url, endpoint=args.endpoint) as store:
+        endpoint = args.endpoint
+        chosen = endpoint is not None or _names_endpoint(store_url)
+        if not chosen and len(consumers) == 1:
+            (endpoint,), chosen = consumers, True
+        store = _open(store_url, endpoint=endpoint)
+        try:
+            present = store.endpoints()
+            if not chosen and present is not None and len(present) == 1:
+                (only,) = present
+                if only != store.endpoint:
+                    store.close()
+                    store = _open(store_url, endpoint=only)
             shown["store"] = {
                 "backend": type(store).__name__,
                 "url": store.url,
                 "endpoint": store.endpoint,
                 "ids": store.count(),
+                "endpoints": None if present is None else sorted(present),
             }
+        finally:
+            store.close()
     if args.json:
         print(json.dumps(shown, indent=2, ensure_ascii=False))
         return 0
@@ -535,12 +609,17 @@ def _print_stats(shown: dict[str, Any]) -> None:
             ("  outgoing messages pending", f"{ents['outgoing_pending']:,}"),
             ("  ids awaiting the sweep", f"{ents['ids_awaiting_sweep']:,}"),
             ("  oldest pending entry", oldest),
+            ("  consumers recorded", ", ".join(ents["consumers"]) or "none"),
         ]
     store = shown["store"]
     if store is not None:
-        ids = store["ids"]
+        ids, present = store["ids"], store["endpoints"]
         rows += [
             ("store:", f"{store['backend']} {store['url']}"),
+            (
+                "  endpoints with records",
+                "not listable on this backend" if present is None else ", ".join(present) or "none",
+            ),
             ("  endpoint", store["endpoint"]),
             ("  live ids", "not countable on this backend" if ids is None else f"{ids:,}"),
         ]
@@ -609,7 +688,9 @@ def _spark_sweep(args: argparse.Namespace) -> int:
     # (an error raised in a task would reach us wrapped by Spark), and in every task.
     existing = {"must_exist": True}
     open_entity_store(args.entities, **existing).close()
-    open_store(args.store, **existing).close()
+    open_store(
+        args.store, **existing, **({"endpoint": args.endpoint} if args.endpoint else {})
+    ).close()
     spark_integration = _spark("pipeline")
     spark = _spark("session").local_session(args.master, "dedupstore-sweep")
     try:
@@ -622,6 +703,7 @@ def _spark_sweep(args: argparse.Namespace) -> int:
             entities_options=existing,
             dedup_options=existing,
             batch_ids=args.batch_ids,
+            endpoint=args.endpoint,
         )
         rows = [row.asDict() for row in result.collect()]
     finally:

@@ -47,6 +47,7 @@ __all__ = [
     "encode_entity",
     "entry_size",
     "groups_by_size",
+    "head_size",
     "json_size",
     "message_text",
 ]
@@ -230,6 +231,10 @@ class Entity:
     ``version is None`` means the entity was never saved (or was loaded absent).
     ``marks`` holds the :class:`EntryMark` of pending entries (the processor marks
     every entry it writes; a mark whose entry is gone or dispatched is not saved).
+    ``consumer``: the consumer (the deduplication store's endpoint) that wrote the
+    entity, recorded with it by the :class:`~dedupstore.outbox.OutboxProcessor` and
+    :func:`~dedupstore.outbox.sweep`, which refuse an entity of another consumer;
+    ``None`` for an entity nobody claimed (new, or saved without a consumer).
     ``attempts`` counts, per incoming message id not applied yet, the runs of its
     handler that a consume loop began after a consumer died holding the message
     (:meth:`~dedupstore.outbox.OutboxProcessor.begin_attempt`); the entry goes when
@@ -241,6 +246,7 @@ class Entity:
     outbox: Outbox = field(default_factory=dict)
     version: Any = None
     marks: dict[str, EntryMark] = field(default_factory=dict)
+    consumer: str | None = None
     attempts: dict[str, int] = field(default_factory=dict)
     #: ``(state, its canonical text)`` when the processor set the state from that text.
     _state_text: tuple[dict[str, Any], str] | None = field(
@@ -291,6 +297,7 @@ class Entity:
             dict(self.outbox),
             self.version,
             dict(self.marks),
+            self.consumer,
             dict(self.attempts),
         )
 
@@ -334,18 +341,36 @@ def entry_size(
 
 
 #: Bytes of :func:`encode_entity`'s text around the state and the entries: an entity
-#: encodes to ``ENTITY_FRAME_BYTES + json_size(state) + sum(entry sizes) + (n - 1)``
-#: for ``n >= 1`` entries (the commas), ``ENTITY_FRAME_BYTES + json_size(state)`` with none.
+#: encodes to ``ENTITY_FRAME_BYTES + head_size(entity) + json_size(state) + sum(entry
+#: sizes) + (n - 1)`` for ``n >= 1`` entries (the commas), without the last term with none.
 ENTITY_FRAME_BYTES = len('{"outbox":{},"state":}')
+
+
+def _head(entity: Entity) -> str:
+    """The optional top-level keys of :func:`encode_entity`'s text, each followed by a
+    comma (they sort before ``"outbox"``): ``""`` when the entity has none."""
+    consumer = entity.consumer
+    head = "" if consumer is None else f'"consumer":{canonical.string(consumer)},'
+    if entity.attempts:  # rare: only after a consumer died holding a message
+        return f'"attempts":{canonical.dumps(entity.attempts)},{head}'
+    return head
+
+
+def head_size(entity: Entity) -> int:
+    """UTF-8 bytes of the optional top-level keys of ``entity``'s text (``attempts``,
+    ``consumer``)."""
+    head = _head(entity)
+    return len(head) if head.isascii() else len(head.encode("utf-8"))
 
 
 def encode_entity(entity: Entity) -> str:
     """Canonical JSON of the entity's state and outbox (sorted keys, no NaN).
 
-    The text is ``canonical_json({"state": ..., "outbox": {id: entry}})``, composed
-    from the texts of its parts (each outgoing message the processor made is encoded
-    once). Raises ``ValueError`` (``InvalidMessageId``'s base) when the state or a
-    message body is not JSON-compatible.
+    The text is ``canonical_json({"attempts": ..., "consumer": ..., "outbox": {id:
+    entry}, "state": ...})`` (``attempts`` only when not empty, ``consumer`` only when
+    not ``None``), composed from the texts of its parts
+    (each outgoing message the processor made is encoded once). Raises ``ValueError``
+    (``InvalidMessageId``'s base) when the state or a message body is not JSON-compatible.
     """
     kept, marks = entity._state_text, entity.marks
     try:
@@ -372,28 +397,40 @@ def encode_entity(entity: Entity) -> str:
             f"entity {entity.id!r:.80} is not JSON-compatible (state and message bodies must "
             f"be dicts, lists, str, int, float, bool or None): {exc}"
         ) from None
-    if entity.attempts:  # rare: only after a consumer died holding a message
-        attempts = canonical.dumps(entity.attempts)
-        return f'{{"attempts":{attempts},"outbox":{{{entries}}},"state":{state}}}'
-    return f'{{"outbox":{{{entries}}},"state":{state}}}'
+    return f'{{{_head(entity)}"outbox":{{{entries}}},"state":{state}}}'
 
 
-#: How :func:`encode_entity`'s text starts when the outbox is empty: the state follows.
-_EMPTY_OUTBOX = '{"outbox":{},"state":'
+#: How :func:`encode_entity`'s text continues after its optional keys when the outbox
+#: is empty: the state follows.
+_EMPTY_OUTBOX = '"outbox":{},"state":'
+#: How the text starts when it records a consumer, whose JSON string follows.
+_CONSUMER = '{"consumer":"'
 
 
 def decode_entity(entity_id: str, text: str | bytes, version: Any) -> Entity:
     """The inverse of :func:`encode_entity`."""
-    if type(text) is str and text.startswith(_EMPTY_OUTBOX) and text.endswith("}"):
-        source = text[len(_EMPTY_OUTBOX) : -1]  # most entities: decode the state alone
-        try:
-            state = canonical.loads(source)
-        except ValueError:
-            state = None  # not this layout after all: decode the whole text
-        if type(state) is dict:
-            entity = Entity(entity_id, state, {}, version, {})
-            entity._loaded = (state, source)
-            return entity
+    if type(text) is str and text.endswith("}"):
+        # Most entities have an empty outbox: decode the state alone. The consumer's
+        # JSON string is taken as it is when it holds no escape (its first '"' ends it).
+        consumer: str | None = None
+        start = 1
+        if text.startswith(_CONSUMER):
+            end = text.find('"', len(_CONSUMER))
+            if end > 0 and "\\" not in text[len(_CONSUMER) : end]:
+                consumer = text[len(_CONSUMER) : end]
+                start = end + 2  # past '",'
+            else:
+                start = -1
+        if start > 0 and text.startswith(_EMPTY_OUTBOX, start) and text[start - 1] in "{,":
+            source = text[start + len(_EMPTY_OUTBOX) : -1]
+            try:
+                state = canonical.loads(source)
+            except ValueError:
+                state = None  # not this layout after all: decode the whole text
+            if type(state) is dict:
+                entity = Entity(entity_id, state, {}, version, {}, consumer)
+                entity._loaded = (state, source)
+                return entity
     data = canonical.loads(text)
     outbox: Outbox = {}
     marks: dict[str, EntryMark] = {}
@@ -405,7 +442,10 @@ def decode_entity(entity_id: str, text: str | bytes, version: Any) -> Entity:
         if "at" in entry:
             marks[mid] = EntryMark(int(entry["at"]), entry.get("run"))
     attempts = {str(mid): int(n) for mid, n in data.get("attempts", {}).items()}
-    return Entity(entity_id, dict(data.get("state", {})), outbox, version, marks, attempts)
+    consumer = data.get("consumer")
+    return Entity(
+        entity_id, dict(data.get("state", {})), outbox, version, marks, consumer, attempts
+    )
 
 
 class EntityRecord(NamedTuple):

@@ -49,6 +49,7 @@ from dedupstore.entities import (
     OutgoingMessage,
     body_text,
     entry_size,
+    head_size,
     json_size,
 )
 from dedupstore.errors import (
@@ -83,6 +84,7 @@ __all__ = [
     "ProcessResult",
     "Send",
     "SweepResult",
+    "applied_among",
     "bounded_letter",
     "check_handler",
     "check_size",
@@ -90,6 +92,7 @@ __all__ = [
     "message_size",
     "omitted",
     "outgoing_id",
+    "recorded_consumer",
     "sweep",
 ]
 
@@ -506,6 +509,23 @@ class OutboxProcessor:
         check_handler(handler)
         self._checked_handler = handler
 
+    def _claim(self, entity: Entity) -> Entity:
+        """``entity`` (loaded), recorded as this consumer's: every entity the processor
+        saves was claimed when it was loaded. ``ConfigurationError`` for an entity
+        another consumer recorded (before any write)."""
+        consumer = self.dedup.endpoint
+        if entity.consumer != consumer:
+            if entity.consumer is not None:
+                raise _foreign(entity, consumer)
+            entity.consumer = consumer
+        return entity
+
+    def _claim_all(self, entities: dict[str, Entity]) -> dict[str, Entity]:
+        """:meth:`_claim` of every entity of ``entities`` (loaded); returns them."""
+        for entity in entities.values():
+            self._claim(entity)
+        return entities
+
     # ------------------------------------------------------------------ one message
 
     def process(self, message: Message, handler: Handler) -> ProcessResult:
@@ -626,7 +646,7 @@ class OutboxProcessor:
         key = message_key(cid, mid)
         for _attempt in range(self.max_attempts):
             self._kept.take(cid)  # a fresh load: the count must be the stored one
-            entity = self.entities.load(cid)
+            entity = self._claim(self.entities.load(cid))
             if mid in entity.outbox or self.dedup.has_been_processed(key):
                 return 0
             runs = entity.attempts.get(mid, 0) + 1
@@ -670,6 +690,7 @@ class OutboxProcessor:
                         entity, recorded = self.entities._load_checked(cid, self.dedup, key)
                     else:
                         entity = self.entities.load(cid)
+                    self._claim(entity)
                 found = mid in entity.outbox
                 if not found:
                     # (a kept entity of joined stores: the save itself checks the id)
@@ -694,7 +715,7 @@ class OutboxProcessor:
                         # entity, and the stored outbox may still hold the message's
                         # entry (a consumer recorded the id, then died before the save
                         # removing it): load it, and clean the entry up if it is there.
-                        entity = self.entities.load(cid)
+                        entity = self._claim(self.entities.load(cid))
                         found = mid in entity.outbox
                     if recorded and not found:  # the entity is as loaded: kept
                         self._kept.keep(entity)
@@ -759,7 +780,7 @@ class OutboxProcessor:
         except EntityTooLarge as exc:
             if checked is not None and self.dedup.has_been_processed(checked):
                 return None
-            fresh = self.entities.load(entity.id)
+            fresh = self._claim(self.entities.load(entity.id))
             if not fresh.outbox:
                 too_large = _too_large(message, exc)
                 if self.dead_letters is None:
@@ -1108,7 +1129,7 @@ class OutboxProcessor:
         stale = {m.correlation_id for m, k in pairs if k in already} & set(taken)
         if stale:
             kept = {cid: entities[cid].version for cid in stale}
-            entities.update(self.entities.load_many(sorted(stale)))
+            entities.update(self._claim_all(self.entities.load_many(sorted(stale))))
             # A version that moved may have moved after the question: an id asked then
             # may have been applied and cleaned up since. One that did not is the kept
             # record itself (the same outbox): the answers were about this very version.
@@ -1136,7 +1157,7 @@ class OutboxProcessor:
         taken = set(entities)
         missing = [m.correlation_id for m in messages if m.correlation_id not in entities]
         if missing:
-            entities.update(self.entities.load_many(missing))
+            entities.update(self._claim_all(self.entities.load_many(missing)))
         keys, already = self._recorded(messages, entities, taken)
         mark = self._mark()
         results: list[ProcessResult] = []
@@ -1220,7 +1241,7 @@ class OutboxProcessor:
         # the entities saved above are as saved (their versions updated); those that
         # conflicted were handled alone on fresh copies: reload only them
         if conflicts:
-            entities = {**entities, **self.entities.load_many(sorted(conflicts))}
+            entities = {**entities, **self._claim_all(self.entities.load_many(sorted(conflicts)))}
         remaining = messages
         for attempt in range(1, self.max_attempts + 1):
             conflicts, _ = self._dispatch_and_clean_up(
@@ -1231,7 +1252,9 @@ class OutboxProcessor:
                 return final
             if attempt < self.max_attempts:
                 _retrying(self.consumer, conflicts)
-            entities = self.entities.load_many([m.correlation_id for m in remaining])
+            entities = self._claim_all(
+                self.entities.load_many([m.correlation_id for m in remaining])
+            )
         raise ConcurrencyConflict(
             f"the clean-up of {len(remaining)} messages (entity "
             f"{remaining[0].correlation_id!r:.80}, ...) kept conflicting for "
@@ -1357,7 +1380,7 @@ class OutboxProcessor:
         aside instead, its dead letter in its place (:meth:`_refusals`).
         """
         limit = self.entities.max_entity_bytes
-        entities = self.entities.load_many([m.correlation_id for m in messages])
+        entities = self._claim_all(self.entities.load_many([m.correlation_id for m in messages]))
         self._clear(entities.values(), {(m.correlation_id, m.id) for m in messages})
         keys, already = self._recorded(messages, entities)
         sizes = {cid: _Sizes.of(entity) for cid, entity in entities.items()}
@@ -1483,18 +1506,20 @@ class _Sizes:
     state: dict[str, Any]
     entries: dict[str, int]  # message id -> bytes of its entry
     entries_bytes: int
+    head: int = 0  # bytes of the optional top-level keys (the consumer)
     round: int = 0
     this_round: list[str] = field(default_factory=list)
 
     @classmethod
     def of(cls, entity: Entity) -> _Sizes:
         sizes = {mid: entry_size(mid, e, entity.marks.get(mid)) for mid, e in entity.outbox.items()}
-        return cls(entity.state, sizes, sum(sizes.values()))
+        return cls(entity.state, sizes, sum(sizes.values()), head_size(entity))
 
     def total_with(self, state: dict[str, Any], entry: int) -> int:
         """Bytes of the entity with ``state`` and one more entry of ``entry`` bytes."""
         commas = len(self.entries)  # n + 1 entries, n commas
-        return ENTITY_FRAME_BYTES + json_size(state) + self.entries_bytes + entry + commas
+        frame = ENTITY_FRAME_BYTES + self.head
+        return frame + json_size(state) + self.entries_bytes + entry + commas
 
     def add(self, mid: str, state: dict[str, Any], entry: int) -> None:
         self.state = state
@@ -1660,6 +1685,16 @@ def _validate(message: Message) -> None:
     validate_message_id(message.correlation_id, "correlation id")
 
 
+def _foreign(entity: Entity, consumer: str) -> ConfigurationError:
+    """An entity recorded for another consumer than ``consumer``, refused."""
+    return ConfigurationError(
+        f"entity {entity.id!r:.80} belongs to consumer {entity.consumer!r:.80}, not "
+        f"{consumer!r:.80} (the deduplication store's endpoint); nothing was written. Each "
+        "consumer has its own endpoint and entity store: open the deduplication store with "
+        f"endpoint={entity.consumer!r:.80}, or give this consumer its own entity store"
+    )
+
+
 def _too_large(message: Message, exc: EntityTooLarge) -> EntityTooLarge:
     return EntityTooLarge(
         f"message {message.id!r:.80} of entity {message.correlation_id!r:.80}: its new state "
@@ -1735,7 +1770,10 @@ def sweep(
     call per ``batch_ids`` ids), then leave the outbox in a save under the entity's
     token (on conflict: reload, remove the ids that were added, save; at most
     ``max_attempts`` times, then the ids stay for the next sweep: ``ids_left``).
-    Each id is recorded as :func:`~dedupstore.ids.message_key` of its entity and id.
+    Each id is recorded as :func:`~dedupstore.ids.message_key` of its entity and id,
+    under ``dedup``'s endpoint: an entity recorded for another consumer raises
+    ``ConfigurationError`` naming both before it or anything of its batch is written
+    (an entity with no consumer recorded is taken as this one's, and saved so).
     With ``redispatch``, entries still pending are dispatched first; without it they
     stay and count in ``ids_left`` (so ``ids_left == 0`` means every outbox of the
     segment was empty when the sweep saved it). Safe beside
@@ -1752,8 +1790,10 @@ def sweep(
     batch: list[tuple[Entity, list[str]]] = []
     relay: list[OutgoingMessage] = []  # pending entries of the batch, sent in one call
     size = 0
+    consumer = dedup.endpoint
     for entity in entities.pending_outboxes(segment, segments):
         result.entities_scanned += 1
+        _swept(entity, consumer)
         pending = entity.pending if redispatch is not None else []
         for mid in pending:
             relay.extend(entity.outbox[mid] or [])
@@ -1776,6 +1816,82 @@ def sweep(
     result.seconds = time.perf_counter() - started
     report.done()
     return result
+
+
+def _swept(entity: Entity, consumer: str) -> Entity:
+    """An entity a sweep for ``consumer`` loaded, claimed for it (or refused)."""
+    if entity.consumer != consumer:
+        if entity.consumer is not None:
+            raise _foreign(entity, consumer)
+        entity.consumer = consumer
+    return entity
+
+
+def applied_among(
+    entities: EntityStore, dedup: DeduplicationStore, messages: Iterable[tuple[str, str]]
+) -> set[tuple[str, str]]:
+    """The ``(correlation id, message id)`` pairs among ``messages`` that were applied.
+
+    A message was applied when its id is in its entity's outbox (pending, or
+    dispatched and awaiting the sweep: a deferred clean-up leaves it there) or its
+    :func:`~dedupstore.ids.message_key` is recorded in ``dedup``. The entities are
+    loaded first, then ``dedup`` is asked about the others: an id reaches the store
+    before it leaves the outbox, so a sweep running meanwhile never hides one. One
+    ``load_many`` and one ``processed_among``. Raises ``InvalidMessageId`` before any
+    I/O, ``ConfigurationError`` for an entity recorded for another consumer than
+    ``dedup``'s endpoint (its outbox says nothing about this one), ``StoreUnavailable``.
+    """
+    pairs = list(dict.fromkeys(messages))
+    for cid, mid in pairs:
+        validate_message_id(cid, "correlation id")
+        validate_message_id(mid)
+    if not pairs:
+        return set()
+    loaded = entities.load_many([cid for cid, _ in pairs])
+    consumer = dedup.endpoint
+    for entity in loaded.values():
+        if entity.consumer is not None and entity.consumer != consumer:
+            raise _foreign(entity, consumer)
+    found = {(cid, mid) for cid, mid in pairs if mid in loaded[cid].outbox}
+    rest = {message_key(cid, mid): (cid, mid) for cid, mid in pairs if (cid, mid) not in found}
+    if rest:
+        found.update(rest[key] for key in dedup.processed_among(rest))
+    return found
+
+
+def recorded_consumer(
+    consumers: Collection[str], given_by: str = "endpoint", endpoint: str | None = None
+) -> str:
+    """The consumer to sweep for: ``endpoint`` if given, else the one ``consumers`` holds.
+
+    ``consumers``: the consumers recorded on an entity store's non-empty outboxes
+    (:attr:`~dedupstore.stats.Backlog.consumers`). With ``endpoint``: it, or
+    ``ConfigurationError`` naming both when another consumer is recorded. Without:
+    none recorded is ``"default"``, the endpoint of a store opened without one;
+    several are a ``ConfigurationError`` listing them (each consumer has its own
+    entity store; ``given_by`` names how to choose one, e.g. ``"--endpoint"``).
+    """
+    if endpoint is not None:
+        others = sorted(set(consumers) - {endpoint})
+        if others:
+            names = ", ".join(repr(c)[:80] for c in others)
+            raise ConfigurationError(
+                f"the entity store holds outboxes of consumer {names}, not {endpoint!r:.80} "
+                "(the deduplication store's endpoint); nothing was written. Each consumer has "
+                f"its own endpoint and entity store: sweep with {given_by} {others[0]!r:.80}"
+            )
+        return endpoint
+    if not consumers:
+        return "default"
+    if len(consumers) == 1:
+        return next(iter(consumers))
+    names = ", ".join(repr(c)[:80] for c in sorted(consumers))
+    raise ConfigurationError(
+        f"the entity store holds the outboxes of {len(consumers)} consumers ({names}), and "
+        f"no endpoint was given: name the consumer to sweep with {given_by} (a sweep "
+        "refuses the entities of another consumer; each consumer should have its own "
+        "entity store)"
+    )
 
 
 class _SweepProgress:
@@ -1855,7 +1971,7 @@ def _flush(
         ids = moved[eid]
         for _attempt in range(max_attempts):
             result.conflicts_retried += 1
-            entity = entities.load(eid)
+            entity = _swept(entities.load(eid), dedup.endpoint)
             present = [mid for mid in ids if mid in entity.outbox]
             if not present:
                 result.ids_moved += len(ids)

@@ -34,7 +34,10 @@ class Backlog:
       the deduplication store (``sweep``, or the deferred clean-up's limit);
     * ``oldest_pending_at``: when the oldest entry awaiting dispatch was written (UTC,
       millisecond precision, by the clock of the process that wrote it), or ``None``
-      when none is pending (entries written before marks existed carry no time).
+      when none is pending (entries written before marks existed carry no time);
+    * ``consumers``: the consumers recorded on the entities scanned (those that wrote
+      them: see :attr:`~dedupstore.entities.Entity.consumer`), an entity that records
+      none adding nothing.
     """
 
     entities_scanned: int = 0
@@ -43,6 +46,7 @@ class Backlog:
     outgoing_pending: int = 0
     ids_awaiting_sweep: int = 0
     oldest_pending_at: datetime | None = None
+    consumers: frozenset[str] = frozenset()
 
     def merged(self, other: Backlog) -> Backlog:
         """The backlog of both parts (counts added, the older oldest entry): for segments
@@ -55,10 +59,12 @@ class Backlog:
             outgoing_pending=self.outgoing_pending + other.outgoing_pending,
             ids_awaiting_sweep=self.ids_awaiting_sweep + other.ids_awaiting_sweep,
             oldest_pending_at=min(times, default=None),
+            consumers=self.consumers | other.consumers,
         )
 
     def to_json(self) -> dict[str, Any]:
-        """The fields as a JSON-compatible dict (``oldest_pending_at`` in ISO 8601, to the ms)."""
+        """The fields as a JSON-compatible dict (``oldest_pending_at`` in ISO 8601, to the
+        ms; ``consumers`` sorted)."""
         oldest = self.oldest_pending_at
         return {
             "entities_scanned": self.entities_scanned,
@@ -69,6 +75,7 @@ class Backlog:
             "oldest_pending_at": (
                 None if oldest is None else oldest.isoformat(timespec="milliseconds")
             ),
+            "consumers": sorted(self.consumers),
         }
 
 
@@ -78,9 +85,12 @@ class _Tally:
     def __init__(self) -> None:
         self.scanned = self.entities = self.messages = self.outgoing = self.swept = 0
         self.oldest: int | None = None
+        self.consumers: set[str] = set()
 
     def add(self, entity: Entity) -> None:
         self.scanned += 1
+        if entity.consumer is not None:
+            self.consumers.add(entity.consumer)
         pending = entity.pending
         if pending:
             self.entities += 1
@@ -101,6 +111,7 @@ class _Tally:
             oldest_pending_at=(
                 None if self.oldest is None else datetime.fromtimestamp(self.oldest / 1000, UTC)
             ),
+            consumers=frozenset(self.consumers),
         )
 
 

@@ -222,6 +222,18 @@ class DeduplicationStore(Client):
         with self._translating_errors("count"):
             return self._count(self._clock())
 
+    def endpoints(self) -> set[str] | None:
+        """The endpoints (consumers) that hold live records in this store, every one of
+        them, not only this store's own; ``None`` when the backend cannot list them.
+
+        Live as :meth:`count` judges it (expired records not yet purged do not count). A
+        maintenance read like :meth:`count`: one statement on SQL backends, a scan or a
+        query elsewhere. Raises ``StoreUnavailable`` and ``StoreClosed``.
+        """
+        self._check_open()
+        with self._translating_errors("endpoints"):
+            return self._endpoints(self._clock())
+
     def purge_expired(self) -> int:
         """Delete this endpoint's expired records; return how many were deleted.
 
@@ -273,6 +285,12 @@ class DeduplicationStore(Client):
         default, so a backend written before :meth:`count` existed keeps working).
         Judge expiry exactly as :meth:`_find` does.
         """
+        return None
+
+    def _endpoints(self, now: float) -> set[str] | None:
+        """The endpoints with a record live at ``now`` (the client's clock), or ``None``
+        (the default: a backend that does not override this cannot list them). Judge
+        expiry exactly as :meth:`_find` does."""
         return None
 
     # ------------------------------------------------------------------ helpers

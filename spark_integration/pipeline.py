@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from pyspark.sql.pandas.types import to_arrow_schema
@@ -52,8 +53,12 @@ from dedupstore.outbox import (
     Message,
     OutboxProcessor,
     ProcessResult,
+    applied_among,
+    recorded_consumer,
     sweep,
 )
+from dedupstore.stats import outbox_backlog
+from dedupstore.urls import StoreURL
 from spark_integration import _columns as C
 from spark_integration._clients import ClientSpec, TaskClients
 from spark_integration.session import use_this_python
@@ -133,8 +138,17 @@ def sweep_outboxes(
     redispatch_options: Mapping[str, Any] | None = None,
     batch_ids: int = 1000,
     max_attempts: int = 10,
+    endpoint: str | None = None,
 ) -> DataFrame:
     """Move dispatched outbox ids into the deduplication store, one Spark task per segment.
+
+    The ids go to ``endpoint``, else the one ``dedup_url`` or ``dedup_options`` name,
+    else the consumer recorded with the entities. One more Spark job (a task per
+    segment) first scans the non-empty outboxes for the consumers they record, so a
+    mismatch is a ``ConfigurationError`` naming both before any write, and several
+    consumers without an endpoint one listing them. (Each task refuses an entity of
+    another consumer too, before anything of its batch is written: one recorded
+    between the two jobs fails its task.)
 
     Each task opens its own clients from the URLs and runs
     :func:`dedupstore.outbox.sweep` on its segment: memory per task is bounded by
@@ -152,12 +166,23 @@ def sweep_outboxes(
     batch_ids = _positive_int("batch_ids", batch_ids)
     max_attempts = _positive_int("max_attempts", max_attempts)
     ents = ClientSpec.checked("entities", entities_url, entities_options)
+    if endpoint is not None:
+        dedup_options = {**(dedup_options or {}), "endpoint": endpoint}
     dedup = ClientSpec.checked("dedup", dedup_url, dedup_options)
+    named = dedup.options.get("endpoint")
+    if named is None:
+        query = [v for k, v in StoreURL.parse(str(dedup.url)).query if k == "endpoint"]
+        named = query[-1] if query else None
     relay = (
         ClientSpec.checked("dispatcher", redispatch_url, redispatch_options)
         if redispatch_url is not None
         else None
     )
+    use_this_python(spark)  # a local master: the workers run this interpreter
+    consumers = _recorded_consumers(spark, ents, segments)
+    chosen = recorded_consumer(consumers, "endpoint", None if named is None else str(named))
+    if named is None:
+        dedup = replace(dedup, options={**dedup.options, "endpoint": chosen})
 
     def sweep_segments(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import pyarrow as pa
@@ -178,10 +203,27 @@ def sweep_outboxes(
                 row = {**vars(done), "worker_peak_rss_bytes": _peak_rss()}
                 yield pa.RecordBatch.from_pylist([row], schema=to_arrow_schema(SWEEP_SCHEMA))
 
-    use_this_python(spark)  # a local master: the workers run this interpreter
     plan = spark.range(0, segments, 1, segments).mapInArrow(sweep_segments, SWEEP_SCHEMA)
     rows = plan.collect()
     return spark.createDataFrame(rows, SWEEP_SCHEMA).orderBy("segment")
+
+
+def _recorded_consumers(spark: SparkSession, ents: ClientSpec, segments: int) -> set[str]:
+    """The consumers recorded on the non-empty outboxes of ``ents``: a task per segment."""
+    schema = _schema(consumer=StringType())
+
+    def consumers_of(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        import pyarrow as pa
+
+        for batch in batches:
+            for segment in batch.column(0).to_pylist():
+                with TaskClients(ents) as task:
+                    found = outbox_backlog(task.get().entities, segment=segment, segments=segments)
+                rows = [{"consumer": c} for c in sorted(found.consumers)]
+                yield pa.RecordBatch.from_pylist(rows, schema=to_arrow_schema(schema))
+
+    plan = spark.range(0, segments, 1, segments).mapInArrow(consumers_of, schema)
+    return {row.consumer for row in plan.collect()}
 
 
 def _peak_rss() -> int:
@@ -907,8 +949,18 @@ def drop_processed(
     correlation_col: str = "correlation_id",
     *,
     dedup_options: Mapping[str, Any] | None = None,
+    entities_url: str | None = None,
+    entities_options: Mapping[str, Any] | None = None,
 ) -> DataFrame:
     """``df`` without the rows whose message is recorded in the deduplication store.
+
+    Under deferred clean-up a processed message's id waits in its entity's outbox
+    until the sweep moves it: without ``entities_url`` such a row is kept (read only
+    the deduplication store after a sweep). With it, a row whose id is in its entity's
+    outbox is dropped too (:func:`dedupstore.outbox.applied_among`: one ``load_many``
+    of the batch's entities, then one ``processed_among``; an entity recorded for
+    another consumer than the store's endpoint fails the task with
+    ``ConfigurationError``).
 
     A row's message is ``message_key(correlation id, message id)``, the key
     :class:`~dedupstore.outbox.OutboxProcessor` records, the two ids being the texts
@@ -929,19 +981,26 @@ def drop_processed(
     mid = C.id_text(schema, "id_col", id_col)
     cid = C.id_text(schema, "correlation_col", correlation_col)
     dedup = ClientSpec.checked("dedup", dedup_url, dedup_options)
-    processed = _processed_udf(dedup, id_col, correlation_col)
+    ents = (
+        None
+        if entities_url is None
+        else ClientSpec.checked("entities", entities_url, entities_options)
+    )
+    processed = _processed_udf(dedup, id_col, correlation_col, ents)
     use_this_python(df.sparkSession)  # a local master: the workers run this interpreter
     return df.withColumn(C.DONE, processed(mid, cid)).where(~F.col(C.DONE)).drop(F.col(C.DONE))
 
 
-def _processed_udf(dedup: ClientSpec, id_col: str, correlation_col: str) -> Any:
+def _processed_udf(
+    dedup: ClientSpec, id_col: str, correlation_col: str, entities: ClientSpec | None = None
+) -> Any:
     """A nondeterministic pandas UDF (iterator of batches): (message id, correlation id) -> done."""
     import pandas as pd  # type: ignore[import-untyped]
     from pyspark.sql.pandas.functions import pandas_udf
 
     def processed(batches: Any) -> Any:
         pairs = ((mids.tolist(), cids.tolist()) for mids, cids in batches)
-        for flags in _processed_flags(pairs, dedup, id_col, correlation_col):
+        for flags in _processed_flags(pairs, dedup, id_col, correlation_col, entities):
             yield pd.Series(flags, dtype=bool)
 
     # real types, not the strings of `from __future__ import annotations`: pandas_udf
@@ -959,19 +1018,24 @@ def _processed_flags(
     dedup: ClientSpec,
     id_col: str,
     correlation_col: str,
+    entities: ClientSpec | None = None,
 ) -> Iterator[list[bool]]:
-    """One task of :func:`drop_processed`: one ``processed_among`` per non-empty batch."""
-    with TaskClients(dedup=dedup) as task:
+    """One task of :func:`drop_processed`: one ``processed_among`` per non-empty batch
+    (with ``entities``, :func:`~dedupstore.outbox.applied_among`)."""
+    with TaskClients(entities, dedup) as task:
         for mids, cids in batches:
             if not mids:
                 yield []
                 continue
-            keys = [
-                message_key(cid, mid)
-                for mid, cid in (
-                    C.message_ids(m, c, id_col, correlation_col)
-                    for m, c in zip(mids, cids, strict=True)
-                )
+            ids = [
+                C.message_ids(m, c, id_col, correlation_col)
+                for m, c in zip(mids, cids, strict=True)
             ]
-            done = task.get().dedup.processed_among(keys)
+            clients = task.get()
+            if entities is not None:
+                applied = applied_among(clients.entities, clients.dedup, [(c, m) for m, c in ids])
+                yield [(cid, mid) in applied for mid, cid in ids]
+                continue
+            keys = [message_key(cid, mid) for mid, cid in ids]
+            done = clients.dedup.processed_among(keys)
             yield [key in done for key in keys]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -571,3 +572,106 @@ def test_a_url_without_a_host_is_a_configuration_error(
     assert main(["add", url, "x"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("dedupstore: error:") and "host" in err, err
+
+
+# ---------------------------------------------------------------------- the consumer's identity
+
+
+def _deposit(state: dict[str, Any], message: Any) -> tuple[dict[str, Any], list[Any]]:
+    return {"balance": state.get("balance", 0) + message.body["amount"]}, []
+
+
+def _accounts_deposit(url: str) -> Any:
+    """An `accounts` consumer with deferred clean-up processes one deposit of 100."""
+    from dedupstore import open_entity_store
+    from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor
+
+    deposit = Message("dep-1", "acct-1", {"amount": 100})
+    with open_entity_store(url) as entities, open_store(url, endpoint="accounts") as dedup:
+        processor = OutboxProcessor(entities, dedup, InMemoryDispatcher(), cleanup="deferred")
+        assert processor.process(deposit, _deposit).outcome == "processed"
+    return deposit
+
+
+def _again(url: str, deposit: Any) -> tuple[str, dict[str, Any]]:
+    from dedupstore import open_entity_store
+    from dedupstore.outbox import InMemoryDispatcher, OutboxProcessor
+
+    with open_entity_store(url) as entities, open_store(url, endpoint="accounts") as dedup:
+        processor = OutboxProcessor(entities, dedup, InMemoryDispatcher(), cleanup="deferred")
+        outcome = processor.process(deposit, _deposit).outcome
+        return outcome, entities.load("acct-1").state
+
+
+def test_a_sweep_without_endpoint_moves_ids_to_the_consumer_recorded_with_the_entities(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 36, 1: the README's sweep line, no --endpoint, after an `accounts` consumer."""
+    url = "sqlite:///sw.db"
+    deposit = _accounts_deposit(url)
+    assert main(["entities", "sweep", url, "--dedup", url]) == 0
+    assert json.loads(capsys.readouterr().out)["ids_moved"] == 1
+    with open_store(url, endpoint="accounts") as dedup, open_store(url) as default:
+        assert dedup.count() == 1 and default.count() == 0
+    assert _again(url, deposit) == ("duplicate", {"balance": 100})
+
+
+def test_a_sweep_under_another_endpoint_is_refused_before_any_write(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from dedupstore import open_entity_store
+
+    url = "sqlite:///sw.db"
+    deposit = _accounts_deposit(url)
+    assert main(["entities", "sweep", url, "--dedup", url, "--endpoint", "default"]) == 2
+    err = capsys.readouterr().err
+    assert "'accounts'" in err and "'default'" in err and "acct-1" in err, err
+    with open_store(url) as default, open_entity_store(url) as entities:
+        assert default.count() == 0
+        assert entities.load("acct-1").outbox == {"dep-1": None}, "the outbox kept its id"
+    # a configured endpoint is an endpoint given: refused the same way
+    assert main(["entities", "sweep", url, "--dedup", url + "?endpoint=billing"]) == 2
+    assert "'billing'" in capsys.readouterr().err
+    assert _again(url, deposit) == ("duplicate", {"balance": 100})
+
+
+def test_a_sweep_without_endpoint_of_a_store_of_two_consumers_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from dedupstore import open_entity_store
+    from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor
+
+    url = "sqlite:///sw.db"
+    _accounts_deposit(url)
+    with open_entity_store(url) as entities, open_store(url, endpoint="billing") as dedup:
+        processor = OutboxProcessor(entities, dedup, InMemoryDispatcher(), cleanup="deferred")
+        processor.process(Message("b-1", "invoice-1", {"amount": 1}), _deposit)
+    assert main(["entities", "sweep", url, "--dedup", url]) == 2
+    err = capsys.readouterr().err
+    assert "'accounts', 'billing'" in err and "--endpoint" in err, err
+    with open_entity_store(url) as entities:
+        assert entities.load("acct-1").outbox == {"dep-1": None}
+        assert entities.load("invoice-1").outbox == {"b-1": None}
+
+
+def test_has_finds_an_id_awaiting_the_sweep_in_its_entity_outbox(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 36: under deferred clean-up `has` said "not processed" for a processed message."""
+    url = "sqlite:///sw.db"
+    _accounts_deposit(url)
+    argv = ["has", url, "--endpoint", "accounts", "--entity", "acct-1", "dep-1", "dep-2"]
+    assert main([*argv, "--entities", url]) == 1
+    assert capsys.readouterr().out.splitlines() == ["dep-1\tprocessed", "dep-2\tnot processed"]
+    assert main(argv) == 1  # the deduplication store alone: says where else to look
+    assert "--entities" in capsys.readouterr().err
+    # another consumer's entity says nothing about this one: refused
+    assert main(["has", url, "--entity", "acct-1", "dep-1", "--entities", url]) == 2
+    assert "'accounts'" in capsys.readouterr().err
+    assert main(["has", url, "dep-1", "--entities", url]) == 2, "--entities needs --entity"
+    capsys.readouterr()
+    # after the sweep the id is in the deduplication store: the same answer
+    assert main(["entities", "sweep", url, "--dedup", url]) == 0
+    capsys.readouterr()
+    assert main([*argv[:-1], "--entities", url]) == 0
+    assert main(argv[:-1]) == 0

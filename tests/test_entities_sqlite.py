@@ -46,6 +46,31 @@ def test_row_layout_and_shared_file(tmp_path: Path) -> None:
     conn.close()
 
 
+def test_the_consumer_is_a_top_level_key_of_the_row(tmp_path: Path) -> None:
+    """The consumer that wrote an entity is stored with it, and read back."""
+    from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor
+
+    url = f"sqlite:///{tmp_path}/both.db"
+    with (
+        dedupstore.open_store(url, endpoint="orders") as dedup,
+        dedupstore.open_entity_store(url) as entities,
+    ):
+        processor = OutboxProcessor(entities, dedup, InMemoryDispatcher(), cleanup="deferred")
+        processor.process(Message("m-1", "order-1", 2), lambda state, m: ({"n": m.body}, []))
+        loaded = entities.load("order-1")
+        assert loaded.consumer == "orders" and loaded.outbox == {"m-1": None}
+        processor.process(Message("m-1", "order-1", 2), lambda state, m: ({"n": m.body}, []))
+        from dedupstore.outbox import sweep
+
+        assert sweep(entities, dedup).ids_moved == 1
+        emptied = entities.load("order-1")
+        assert emptied.consumer == "orders" and emptied._loaded is not None, "the fast path"
+    conn = sqlite3.connect(tmp_path / "both.db")
+    rows = conn.execute("SELECT id, body FROM dedup_entities").fetchall()
+    assert rows == [("order-1", '{"consumer":"orders","outbox":{},"state":{"n":2}}')]
+    conn.close()
+
+
 def test_missing_table_without_create(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/x.db"
     SqliteEntityStore(url).close()

@@ -28,6 +28,7 @@ from dedupstore.entities import (
     decode_entity,
     encode_entity,
     entry_size,
+    head_size,
     json_size,
 )
 from dedupstore.errors import ConfigurationError, EntityTooLarge
@@ -414,15 +415,20 @@ _marks = st.none() | st.builds(EntryMark, at=st.integers(10**12, 10**13 - 1), ru
 @given(
     state=st.dictionaries(st.text(max_size=5), _json, max_size=4),
     outbox=st.dictionaries(_ids, st.tuples(_entries, _marks), max_size=4),
+    consumer=st.none() | _ids | st.sampled_from(['a"b', "c\\d", "é", '","outbox":{},"state":']),
 )
 def test_entity_sizes_add_up_to_the_encoded_length(
-    state: dict[str, Any], outbox: dict[str, Any]
+    state: dict[str, Any], outbox: dict[str, Any], consumer: str | None
 ) -> None:
-    """What process_batch's rounds measure is exactly what a store checks; marks round-trip."""
+    """What process_batch's rounds measure is exactly what a store checks; marks and the
+    consumer round-trip (the decoder's fast path included)."""
     marks = {mid: mark for mid, (entry, mark) in outbox.items() if mark and entry is not None}
-    entity = Entity("e", state, {mid: entry for mid, (entry, _) in outbox.items()}, None, marks)
+    entity = Entity(
+        "e", state, {mid: entry for mid, (entry, _) in outbox.items()}, None, marks, consumer
+    )
     entries = [entry_size(mid, entry, marks.get(mid)) for mid, (entry, _) in outbox.items()]
-    total = ENTITY_FRAME_BYTES + json_size(state) + sum(entries) + max(len(entries) - 1, 0)
+    frame = ENTITY_FRAME_BYTES + head_size(entity)
+    total = frame + json_size(state) + sum(entries) + max(len(entries) - 1, 0)
     text = encode_entity(entity)
     assert total == len(text.encode("utf-8"))
     assert decode_entity("e", text, None) == entity

@@ -677,3 +677,113 @@ def test_dataclass_and_pydantic_bodies_and_states_are_refused_with_a_hint() -> N
         assert isinstance(caught.value.error, InvalidValue)
         assert __import__("re").search(hint, str(caught.value.error)), caught.value.error
         assert entities.load("e1").version is None
+
+
+# ---------------------------------------------------------------------- the consumer's identity
+
+
+def _credit(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+    return {"balance": state.get("balance", 0) + message.body}, [Send("audit", message.body)]
+
+
+def _consumers(url: str) -> tuple[MemoryEntityStore, OutboxProcessor, OutboxProcessor]:
+    """One entity store, and the processors of consumers `accounts` and `billing` on it."""
+    entities = MemoryEntityStore(url)
+    accounts = OutboxProcessor(
+        entities,
+        MemoryDeduplicationStore(url, endpoint="accounts"),
+        InMemoryDispatcher(),
+        cleanup="deferred",
+    )
+    billing = OutboxProcessor(
+        entities,
+        MemoryDeduplicationStore(url, endpoint="billing"),
+        InMemoryDispatcher(),
+        cleanup="deferred",
+        dead_letters="dead",
+    )
+    return entities, accounts, billing
+
+
+@pytest.mark.parametrize("cleanup", ["inline", "deferred"])
+def test_the_consumer_is_recorded_with_every_entity_it_saves(cleanup: str) -> None:
+    url = f"memory://{uuid.uuid4().hex}"
+    entities = MemoryEntityStore(url)
+    dedup = MemoryDeduplicationStore(url, endpoint="accounts")
+    processor = OutboxProcessor(entities, dedup, InMemoryDispatcher(), cleanup=cleanup)  # type: ignore[arg-type]
+    processor.process(Message("m1", "acct-1", 5), _credit)
+    processor.process_batch([Message("m2", "acct-2", 5), Message("m3", "acct-1", 5)], _credit)
+    for eid in ("acct-1", "acct-2"):
+        assert entities.load(eid).consumer == "accounts"
+        body = entities._load([eid])[eid][0]
+        assert body.startswith('{"consumer":"accounts","outbox":{'), body
+
+
+@pytest.mark.parametrize("call", ["process", "process_batch", "redrive", "kept"])
+def test_an_entity_of_another_consumer_is_refused_before_any_write(call: str) -> None:
+    url = f"memory://{uuid.uuid4().hex}"
+    entities, accounts, billing = _consumers(url)
+    accounts.process(Message("m1", "acct-1", 100), _credit)
+    watched = "acct-1"
+    before = entities.load(watched)
+    message = Message("m2", "acct-1", 100)
+    sent = billing.dispatcher.sent  # type: ignore[attr-defined]
+    with pytest.raises(ConfigurationError) as refused:
+        if call == "process":
+            billing.process(message, _credit)
+        elif call == "process_batch":
+            # another entity of the batch, before it, is not saved either
+            billing.process_batch([Message("m0", "fresh", 1), message], _credit)
+        elif call == "redrive":
+            letter = {"consumer": "billing", "message": {"id": "m9", "correlation_id": "acct-1"}}
+            billing.redrive(letter, _credit)
+        else:  # an entity billing kept from its own save, then taken over by accounts
+            billing.process(Message("b1", "shared", 1), _credit)
+            entities.save(dataclasses.replace(entities.load("shared"), consumer="accounts"))
+            watched, sent[:] = "shared", []
+            before = entities.load(watched)
+            billing.process(Message("b2", "shared", 1), _credit)
+    text = str(refused.value)
+    assert "'accounts'" in text and "'billing'" in text, text
+    assert "acct-1" in text or "shared" in text, text
+    assert entities.load(watched) == before, "nothing saved"
+    assert entities.load("fresh").version is None
+    assert sent == []
+    assert billing.dedup.count() == 0, "nothing added"
+
+
+def test_an_entity_without_a_consumer_belongs_to_whichever_touches_it() -> None:
+    from dedupstore.entities import Entity
+
+    url = f"memory://{uuid.uuid4().hex}"
+    entities, accounts, billing = _consumers(url)
+    entities.save(Entity("old", {"balance": 1}, {"m0": None}))  # written without a consumer
+    assert entities.load("old").consumer is None
+    assert accounts.process(Message("m1", "old", 2), _credit).outcome == "processed"
+    assert entities.load("old").consumer == "accounts"
+    assert billing.process_batch([Message("m1", "older", 2)], _credit)[0].outcome == "processed"
+    assert entities.load("older").consumer == "billing"
+
+
+def test_the_sweep_refuses_an_entity_of_another_consumer_before_writing_its_batch() -> None:
+    from dedupstore.entities import Entity
+
+    url = f"memory://{uuid.uuid4().hex}"
+    entities, accounts, billing = _consumers(url)
+    entities.save(Entity("unclaimed", {}, {"u1": None}))
+    accounts.process(Message("m1", "acct-1", 100), _credit)
+    with pytest.raises(ConfigurationError) as refused:
+        sweep(entities, billing.dedup)
+    text = str(refused.value)
+    assert "'accounts'" in text and "'billing'" in text and "acct-1" in text, text
+    assert billing.dedup.count() == 0
+    assert entities.load("unclaimed").outbox == {"u1": None}, "nothing of its batch written"
+    assert entities.load("acct-1").outbox == {"m1": None}
+    # under its own consumer: both move, and the unclaimed entity is claimed
+    assert sweep(entities, accounts.dedup).ids_moved == 2
+    assert accounts.dedup.processed_among(
+        [message_key("acct-1", "m1"), message_key("unclaimed", "u1")]
+    ) == {message_key("acct-1", "m1"), message_key("unclaimed", "u1")}
+    assert entities.load("unclaimed").consumer == "accounts"
+    assert accounts.process(Message("m1", "acct-1", 100), _credit).outcome == "duplicate"
+    assert entities.load("acct-1").state == {"balance": 100}

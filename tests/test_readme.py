@@ -78,3 +78,33 @@ def test_the_rabbitmq_example_runs(tmp_path: Path, rabbitmq_server: Server) -> N
         "3 {'processed': 2, 'duplicate': 1}",
         "{'balance': 750}",
     ]
+
+
+@pytest.mark.redis
+def test_the_hand_written_stream_entry_is_on_the_stream_the_broker_reads(
+    redis_server: Server,
+) -> None:
+    """Issue 36: the README's `XADD orders ...` beside `destination=orders` was never read."""
+    import shlex
+
+    import redis
+
+    from dedupstore.consumers import open_broker
+
+    text = README.read_text(encoding="utf-8")
+    line = re.search(r"beside `destination=(\w+)`:\n`(XADD [^`]+)`", text, re.S)
+    assert line is not None, "the README's hand-written entry beside its destination"
+    destination, command = line.group(1), shlex.split(line.group(2))
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        client.delete(command[1])
+        url = f"{redis_server.url}?destination={destination}&group={group}"
+        with open_broker(url) as broker:
+            client.execute_command(*command)
+            deliveries = broker.fetch(10, 1.0)
+        assert [d.headers.get("id") for d in deliveries] == ["m-1"]
+        assert deliveries[0].headers.get("correlation_id") == "acct-1"
+    finally:
+        client.delete(command[1])
+        client.close()

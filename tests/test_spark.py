@@ -704,3 +704,66 @@ def test_the_job_runs_under_spark_submit_and_the_cli_sweeps(tmp_path: Path) -> N
     assert f"ids moved {len(ids)}" in result.stdout
     with backend.dedup() as dedup:
         assert dedup.processed_among(ids) == set(ids)
+
+
+@pytest.mark.sqlite
+@pytest.mark.slow
+def test_the_spark_sweep_command_moves_ids_to_the_consumer_recorded_or_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 36: the Spark `dedupstore sweep` had no endpoint: ids went to `default`."""
+    from dedupstore.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    url = f"sqlite:///{tmp_path}/sw.db"
+    with (
+        dedupstore.open_entity_store(url) as entities,
+        dedupstore.open_store(url, endpoint="accounts") as dedup,
+    ):
+        processor = OutboxProcessor(entities, dedup, InMemoryDispatcher(), cleanup="deferred")
+        deposit = Message("dep-1", "acct-1", 100)
+        credit = lambda state, m: ({"balance": state.get("balance", 0) + m.body}, [])  # noqa: E731
+        assert processor.process(deposit, credit).outcome == "processed"
+    cli = ["sweep", "--entities", url, "--store", url, "--segments", "2", "--master", "local[2]"]
+    assert main([*cli, "--endpoint", "default"]) == 2, "refused before any write"
+    err = capsys.readouterr().err
+    assert "'accounts'" in err and "'default'" in err, err
+    with dedupstore.open_entity_store(url) as entities:
+        assert entities.load("acct-1").outbox == {"dep-1": None}
+    assert main(cli) == 0
+    assert "ids moved 1" in capsys.readouterr().out
+    with (
+        dedupstore.open_entity_store(url) as entities,
+        dedupstore.open_store(url, endpoint="accounts") as dedup,
+    ):
+        assert dedup.count() == 1 and entities.load("acct-1").outbox == {}
+        processor = OutboxProcessor(entities, dedup, InMemoryDispatcher(), cleanup="deferred")
+        assert processor.process(deposit, credit).outcome == "duplicate"
+        assert entities.load("acct-1").state == {"balance": 100}
+
+
+@pytest.mark.sqlite
+def test_drop_processed_with_the_entity_store_drops_ids_awaiting_the_sweep(tmp_path: Path) -> None:
+    """Issue 36: under deferred clean-up a processed id waits in its entity's outbox; the
+    task function itself, in this process."""
+    url = f"sqlite:///{tmp_path}/d.db"
+    with (
+        dedupstore.open_entity_store(url) as entities,
+        dedupstore.open_store(url, endpoint="accounts") as dedup,
+    ):
+        processor = OutboxProcessor(entities, dedup, InMemoryDispatcher(), cleanup="deferred")
+        credit = lambda state, m: ({"n": state.get("n", 0) + 1}, [])  # noqa: E731
+        processor.process(Message("m1", "acct-1", 1), credit)  # in the outbox
+        processor.process(Message("m2", "acct-2", 1), credit)
+        sweep_ids = dedup.add(message_key("acct-3", "m3"))  # in the store
+        assert sweep_ids
+    batch = (["m1", "m2", "m3", "m4"], ["acct-1", "acct-2", "acct-3", "acct-1"])
+    dedup_spec = ClientSpec.checked("dedup", url, {"endpoint": "accounts"})
+    alone = list(_processed_flags(iter([batch]), dedup_spec, "id", "cid"))
+    assert alone == [[False, False, True, False]], "the store alone misses the outboxes"
+    ents = ClientSpec.checked("entities", url)
+    both = list(_processed_flags(iter([batch]), dedup_spec, "id", "cid", ents))
+    assert both == [[True, True, True, False]]
+    other = ClientSpec.checked("dedup", url, {"endpoint": "billing"})
+    with pytest.raises(ConfigurationError, match="'accounts'"):
+        list(_processed_flags(iter([batch]), other, "id", "cid", ents))

@@ -111,6 +111,7 @@ def test_backlog_and_count_are_exact(
             outgoing_pending=6,  # 3 + 1 + 2
             ids_awaiting_sweep=3,  # alice m1, bob m1, carol m1
             oldest_pending_at=oldest,
+            consumers=frozenset({"orders"}),  # the consumer recorded with each entity
         )
         assert datetime.fromisoformat(backlog.to_json()["oldest_pending_at"]) == oldest
         seen: list[Backlog] = []
@@ -130,6 +131,7 @@ def test_backlog_and_count_are_exact(
         assert {k: shown["entities"][k] for k in backlog.to_json()} == backlog.to_json()
         assert shown["entities"]["oldest_pending_age_seconds"] >= 0.01
         assert (shown["store"]["endpoint"], shown["store"]["ids"]) == ("orders", 1)
+        assert "orders" in shown["store"]["endpoints"]
 
         relay = sweep(entities, dedup, redispatch=InMemoryDispatcher())
         assert (relay.redispatched, relay.ids_moved, relay.ids_left) == (3, 6, 0)
@@ -293,12 +295,14 @@ def test_stats_json_and_text_on_sqlite(in_tmp: Path, capsys: pytest.CaptureFixtu
             "messages_pending": 1,
             "outgoing_pending": 2,
             "ids_awaiting_sweep": 1,
+            "consumers": ["orders"],
         },
         "store": {
             "backend": "SqliteDeduplicationStore",
             "url": absolute,
             "endpoint": "orders",
             "ids": 1,
+            "endpoints": ["orders"],
         },
     }
     assert main(["stats", "--entities", url, "--store", url]) == 0
@@ -308,7 +312,14 @@ def test_stats_json_and_text_on_sqlite(in_tmp: Path, capsys: pytest.CaptureFixtu
     assert figures["messages pending dispatch"] == "1"
     assert figures["ids awaiting the sweep"] == "1"
     assert figures["oldest pending entry"].endswith(" ago)")
-    assert figures["live ids"] == "0", "the default endpoint has none"
+    assert figures["consumers recorded"] == "orders"
+    assert figures["endpoints with records"] == "orders"
+    # no --endpoint: the consumer recorded with the entities, not 'default'
+    assert (figures["endpoint"], figures["live ids"]) == ("orders", "1")
+    assert main(["stats", "--entities", url, "--store", url, "--endpoint", "default"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    figures = {line.rsplit("  ", 1)[0].strip(): line.rsplit("  ", 1)[1] for line in lines[1:]}
+    assert (figures["endpoint"], figures["live ids"]) == ("default", "0")
     # one of the two, as asked
     assert main(["stats", "--store", url, "--endpoint", "orders", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
@@ -316,6 +327,32 @@ def test_stats_json_and_text_on_sqlite(in_tmp: Path, capsys: pytest.CaptureFixtu
     assert main(["stats", "--entities", url, "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["store"] is None and shown["entities"]["entities_scanned"] == 2
+
+
+@pytest.mark.sqlite
+def test_stats_lists_the_endpoints_present(
+    in_tmp: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 36: `stats` showed "live ids 0" for `default` while other endpoints held data."""
+    from dedupstore import open_store
+
+    url = "sqlite:///present.db"
+    with open_store(url, endpoint="orders") as orders, open_store(url, endpoint="x:y") as other:
+        orders.add_many(["a", "b"])
+        other.add("c")
+        assert orders.endpoints() == {"orders", "x:y"}
+    assert main(["stats", "--store", url, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["store"]
+    assert shown["endpoints"] == ["orders", "x:y"] and shown["endpoint"] == "default"
+    assert main(["stats", "--store", url]) == 0
+    assert "endpoints with records  orders, x:y" in capsys.readouterr().out
+    # one endpoint holding records: that one is counted
+    only = "sqlite:///only.db"
+    with open_store(only, endpoint="orders") as orders:
+        orders.add("a")
+    assert main(["stats", "--store", only, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["store"]
+    assert (shown["endpoint"], shown["ids"], shown["endpoints"]) == ("orders", 1, ["orders"])
 
 
 @pytest.mark.sqlite

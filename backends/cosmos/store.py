@@ -224,6 +224,18 @@ class CosmosDeduplicationStore(DeduplicationStore):
         )
         return sum(int(value) for value in results)
 
+    def _endpoints(self, now: float) -> set[str]:
+        """Exact: ``SELECT VALUE c.endpoint`` over the live items (by the client's clock, as
+        :meth:`_find` judges them), cross-partition, merged here: one value per live item
+        crosses (``DISTINCT`` is not answered by every server: the emulator refuses it)."""
+        results = self._cosmos.query(
+            self,
+            "SELECT VALUE c.endpoint FROM c WHERE IS_STRING(c.endpoint) "
+            "AND (NOT IS_NUMBER(c.expires_at) OR c.expires_at > @now)",
+            now=now,
+        )
+        return {str(value) for value in results}
+
     def _health_warnings(self) -> list[str]:
         warnings = super()._health_warnings()
         if self._retention is not None and self._default_ttl is None:

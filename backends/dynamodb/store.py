@@ -276,3 +276,15 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
             ExpressionAttributeValues={":ep": self._endpoint_value, ":now": _number(now)},
         )
         return sum(int(page.get("Count", 0)) for page in pages)
+
+    def _endpoints(self, now: float) -> set[str]:
+        """Exact: a consistent ``Scan`` of the whole table projecting the sort key (the
+        endpoint) of the items live by the client's clock, as :meth:`_find` judges."""
+        pages = self._dynamodb.scan(
+            self,
+            ProjectionExpression="#s",
+            FilterExpression="attribute_not_exists(#e) OR #e > :now",
+            ExpressionAttributeNames={"#s": _ENDPOINT, "#e": _EXPIRES},
+            ExpressionAttributeValues={":now": _number(now)},
+        )
+        return {str(item[_ENDPOINT]["S"]) for page in pages for item in page.get("Items", [])}

@@ -140,6 +140,7 @@ class PostgresDeduplicationStore(DeduplicationStore):
         self._sql_count = render(
             f"SELECT count(*) FROM {{table}} WHERE endpoint = %(endpoint)s::text AND {live}"
         )
+        self._sql_endpoints = render(f"SELECT DISTINCT endpoint FROM {{table}} WHERE {live}")
         expired = f"endpoint = %(endpoint)s::text AND expires_at <= {now}"
         # The outer condition is re-checked on rows re-recorded meanwhile: never deleted.
         self._sql_purge = render(
@@ -183,6 +184,10 @@ class PostgresDeduplicationStore(DeduplicationStore):
         """Exact, one statement (a snapshot) judged by the server's ``now()``: reads the endpoint's
         range of the primary key within ``timeout`` (raise it for many millions of ids)."""
         return int(self._pg.read(self, self._sql_count, {"endpoint": self._endpoint})[0][0])
+
+    def _endpoints(self, now: float) -> set[str]:
+        """Exact, one statement (a snapshot) over the table, judged by the server's ``now()``."""
+        return {row[0] for row in self._pg.read(self, self._sql_endpoints, {})}
 
     def _purge(self, now: float) -> int:
         params = {"endpoint": self._endpoint, "limit": _PURGE_BATCH}

@@ -97,6 +97,7 @@ __all__ = [
     "escape",
     "foreign_value_error",
     "key_prefix_option",
+    "unescape",
 ]
 
 _log = logging.getLogger(__name__)
@@ -120,6 +121,15 @@ def escape(part: str) -> str:
     if "{" in part or "}" in part:
         part = part.replace("{", "%7B").replace("}", "%7D")
     return part
+
+
+_ESCAPED = re.compile("%(25|3A|7B|7D)")
+_UNESCAPED = {"25": "%", "3A": ":", "7B": "{", "7D": "}"}
+
+
+def unescape(part: str) -> str:
+    """The inverse of :func:`escape`."""
+    return _ESCAPED.sub(lambda m: _UNESCAPED[m.group(1)], part) if "%" in part else part
 
 
 def _key_prefix(value: object) -> str:

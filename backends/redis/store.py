@@ -35,6 +35,7 @@ from backends.redis._client import (
     escape,
     foreign_value_error,
     key_prefix_option,
+    unescape,
 )
 from dedupstore.client import Connected
 from dedupstore.options import OptionSet
@@ -45,6 +46,14 @@ __all__ = ["ADD_SCRIPT", "RedisDeduplicationStore", "record_key"]
 #: Every record value starts with this tag; anything else was not written by us.
 _TAG = "dsv1:"
 _TAG_BYTES = _TAG.encode()
+
+
+def _is_record(value: bytes | str | None) -> bool:
+    """Whether a ``GET`` answer is a record's value (tagged)."""
+    if value is None:
+        return False
+    return value.startswith(_TAG_BYTES) if isinstance(value, bytes) else value.startswith(_TAG)
+
 
 # KEYS: record keys. ARGV[1]: the new value; ARGV[2]: PX in ms ('' = no expiry); ARGV[3..]: the
 # values that mean "written by this call" (its tokens, tagged). Returns the (1-based) indexes of the
@@ -236,3 +245,30 @@ class RedisDeduplicationStore(DeduplicationStore):
                 total += sum(self._recorded(value) for value in values)
             if not int(cursor):
                 return total
+
+    def _endpoints(self, now: float) -> set[str]:
+        """Exact, as :meth:`_count`: ``SCAN MATCH <key_prefix>*`` and an ``MGET`` per page;
+        each record key's endpoint is the escaped part before its first ``:`` after the
+        prefix (keys of another type or value, or with no ``:`` there, are not records)."""
+        prefix = self._opts["key_prefix"]
+        pattern = prefix.translate(_GLOB_ESCAPE) + "*"
+        seen: set[bytes | str] = set()
+        found: set[str] = set()
+        cursor = 0
+        while True:
+            cursor, keys = self._redis.read(
+                functools.partial(
+                    self._redis.client.scan, cursor=cursor, match=pattern, count=_SCAN_COUNT
+                )
+            )
+            fresh = [key for key in dict.fromkeys(keys) if key not in seen]
+            if fresh:
+                seen.update(fresh)
+                values = self._redis.read(functools.partial(self._redis.client.mget, fresh))
+                for key, value in zip(fresh, values, strict=True):
+                    name = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+                    endpoint, colon, _ = name[len(prefix) :].partition(":")
+                    if colon and endpoint not in found and _is_record(value):
+                        found.add(endpoint)
+            if not int(cursor):
+                return {unescape(endpoint) for endpoint in found}

@@ -528,6 +528,33 @@ class DeduplicationStoreContract:
         assert store.processed_among([mid, *batch]) == set()
         store.close()
 
+    def test_endpoints_lists_those_holding_live_records(self, timeline: Timeline) -> None:
+        # names of any text (a Redis key escapes ':', '%', '{', '}'); others' records may be
+        # in the store too: only these names are checked
+        kept = [_unique("ep"), _unique("e:p%3A{x}"), _unique("é/\\*?[")]
+        empty, short = _unique("empty"), _unique("short")
+        stores = [timeline.store(endpoint=name) for name in kept]
+        stores.append(timeline.store(endpoint=empty))
+        stores.append(timeline.store(endpoint=short, retention=timeline.unit))
+        try:
+            for store in stores[:3]:
+                store.add_many([_unique(), _unique()])
+            stores[4].add(_unique())
+            listed = stores[3].endpoints()
+            if type(stores[3])._endpoints is DeduplicationStore._endpoints:
+                assert listed is None, "a backend that cannot list its endpoints says None"
+                return
+            assert listed is not None
+            assert {*kept, short} <= listed, "every endpoint with a record, not only its own"
+            assert empty not in listed, "an endpoint without records is not listed"
+            timeline.advance(timeline.unit * 1.25)
+            listed = stores[0].endpoints()
+            assert listed is not None and set(kept) <= listed
+            assert short not in listed, "expired records do not count"
+        finally:
+            for store in stores:
+                store.close()
+
     def test_expired_record_is_recorded_again(self, timeline: Timeline) -> None:
         store = timeline.store(retention=timeline.unit)
         mid, batch = _unique(), [_unique() for _ in range(5)]
