@@ -357,17 +357,15 @@ def test_the_spark_job_example_runs(tmp_path: Path) -> None:
     env["PATH"] = os.pathsep.join(p for p in path if p and p != str(VENV_BIN))
     env["SPARK_LOCAL_IP"] = "127.0.0.1"  # the test machine's hostname may not resolve
     lines = succeeded(run_python(example("spark-job"), tmp_path, env=env, timeout=540))
-    said = [line for line in lines if not line.startswith(("+", "|"))]  # .show()'s tables
+    said = [line for line in lines if line and not line.startswith(("+", "|"))]  # not .show()'s
     assert said == [
         "['processed', 'processed', 'processed']",
         "['duplicate', 'duplicate', 'duplicate']",
         "0",
-    ], done_text(lines)
+    ], "\n".join(lines)
     assert (tmp_path / "runs" / "2026-11-25" / "_SUCCESS").is_file()
-
-
-def done_text(lines: list[str]) -> str:
-    return "\n".join(lines[-40:])
+    swept = [line.split("|")[4].strip() for line in lines if re.match(r"\|\s+\d+\|", line)]
+    assert sum(map(int, swept)) == 3  # the sweep's ids_moved, over its 4 segments
 
 
 # ---------------------------------------------------------------------- shell blocks
@@ -421,3 +419,23 @@ def test_the_quick_start_runs(tmp_path: Path) -> None:
     )
     assert missing.returncode == 1, missing.stderr
     assert missing.stdout.splitlines()[-1] == "order-9\tnot processed"
+
+
+@pytest.mark.sqlite
+@pytest.mark.parametrize("environment", ["dev", "test", "prod"])
+def test_the_configuration_file_is_accepted(tmp_path: Path, environment: str) -> None:
+    """The README's ``dedupstore.toml``, as written, resolves in each of its
+    environments (``dedupstore config``: no I/O), the expanded secret masked."""
+    [block] = section_blocks("## Per-environment configuration", "toml")
+    (tmp_path / "dedupstore.toml").write_text(block.code, encoding="utf-8")
+    done = subprocess.run(
+        [str(VENV_BIN / "dedupstore"), "config"],
+        cwd=tmp_path,
+        env=user_env(DEDUPSTORE_ENV=environment, PGPASSWORD="s3cret-for-the-test"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    shown = "\n".join(succeeded(done))
+    assert f'"environment": "{environment}"' in shown
+    assert "s3cret-for-the-test" not in shown
