@@ -1,4 +1,12 @@
-"""The README's examples run as written and print what they say."""
+"""The README's examples run as written and print what they say.
+
+Every ```python block of README.md starts with ``# example: <name>`` and is run, in a
+subprocess, by exactly one test of this module (registered with :func:`runs`); a block
+that cannot run anywhere says why in ``<!-- fragment: <reason> -->`` right above its
+fence. A new block without either fails :func:`test_every_python_block_is_run_by_one_test`.
+Server URLs are visible constants at the top of a snippet (``REDIS = "redis://..."``),
+replaced by the test server's; everything else runs as a user would paste it.
+"""
 
 from __future__ import annotations
 
@@ -6,75 +14,239 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
 from tests.servers import Server
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+VENV_BIN = Path(sys.executable).parent
+
+#: Fence languages counted as Python (so a block cannot escape by its label).
+PYTHON = {"python", "py", "python3"}
+FENCE = re.compile(r"^```([\w+-]*)[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
+MARKER = re.compile(r"\A# example: ([a-z0-9][a-z0-9-]*)[ \t]*\n")
+FRAGMENT = re.compile(r"\A<!-- fragment: (.*) -->\Z")
+
+#: example name -> the test that runs it (filled by @runs at import)
+RUNNERS: dict[str, str] = {}
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
+def runs(name: str) -> Callable[[F], F]:
+    """Register the decorated test as the one that runs the block ``# example: name``."""
+
+    def register(test: F) -> F:
+        assert name not in RUNNERS, f"two tests run example {name!r}"
+        RUNNERS[name] = test.__name__
+        return test
+
+    return register
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced block of a Markdown text."""
+
+    language: str
+    code: str
+    line: int  # of the opening fence, 1-based
+    above: str  # the line right above the fence
+
+
+def fenced_blocks(text: str) -> Iterator[Block]:
+    """Every fenced block of ``text``, in order."""
+    lines = text.splitlines()
+    for match in FENCE.finditer(text):
+        line = text.count("\n", 0, match.start()) + 1
+        above = lines[line - 2].strip() if line >= 2 else ""
+        yield Block(match.group(1).lower(), match.group(2), line, above)
+
+
+def unrun_blocks(text: str, runners: Mapping[str, str]) -> list[str]:
+    """What is wrong with the Python blocks of ``text`` given the tests ``runners``."""
+    problems: list[str] = []
+    marked: Counter[str] = Counter()
+    for block in fenced_blocks(text):
+        if block.language not in PYTHON:
+            continue
+        where = f"README.md:{block.line}"
+        marker = MARKER.match(block.code)
+        fragment = FRAGMENT.match(block.above)
+        if fragment is not None:
+            if not fragment.group(1).strip():
+                problems.append(f"{where}: '<!-- fragment: -->' gives no reason")
+            if marker is not None:
+                problems.append(f"{where}: a fragment cannot be an example too")
+            continue
+        if marker is None:
+            problems.append(
+                f"{where}: a python block without '# example: <name>' (and a test of "
+                "tests/test_readme.py that runs it) or '<!-- fragment: <reason> -->' above it"
+            )
+            continue
+        marked[marker.group(1)] += 1
+    for name, count in sorted(marked.items()):
+        if count > 1:
+            problems.append(f"example {name!r} names {count} blocks")
+        if name not in runners:
+            problems.append(f"example {name!r} is run by no test of tests/test_readme.py")
+    for name, test in sorted(runners.items()):
+        if name not in marked:
+            problems.append(f"{test} runs example {name!r}, which the README no longer has")
+    return problems
+
+
+def example(name: str) -> str:
+    """The code of the README's Python block ``# example: name``."""
+    found = [
+        block.code
+        for block in fenced_blocks(README.read_text(encoding="utf-8"))
+        if block.language in PYTHON
+        and (m := MARKER.match(block.code)) is not None
+        and m.group(1) == name
+    ]
+    assert len(found) == 1, f"{len(found)} blocks of the README are '# example: {name}'"
+    return found[0]
+
+
+def replaced(code: str, old: str, new: str) -> str:
+    """``code`` with the line ``old`` (which it must hold once) replaced by ``new``."""
+    assert code.count(old) == 1, f"the snippet no longer says {old!r}"
+    return code.replace(old, new)
+
+
+def user_env(**extra: str) -> dict[str, str]:
+    """A user's environment: no dedupstore settings of the harness, this checkout first."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEDUPSTORE_")}
+    env["PYTHONPATH"] = str(ROOT)  # the code under test, not an installed copy
+    env.update(extra)
+    return env
+
+
+def run_python(
+    code: str,
+    cwd: Path,
+    *,
+    env: Mapping[str, str] | None = None,
+    args: tuple[str, ...] = (),
+    timeout: float = 120,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` as a script in ``cwd`` with this interpreter (the venv's)."""
+    script = cwd / "example.py"
+    script.write_text(code, encoding="utf-8")
+    return subprocess.run(
+        [sys.executable, *args, str(script)],
+        cwd=cwd,
+        env=dict(env) if env is not None else user_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def succeeded(done: subprocess.CompletedProcess[str]) -> list[str]:
+    """The lines ``done`` printed; it must have exited 0."""
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return done.stdout.splitlines()
+
+
+# ---------------------------------------------------------------------- every block
+
+
+def test_every_python_block_is_run_by_one_test() -> None:
+    problems = unrun_blocks(README.read_text(encoding="utf-8"), RUNNERS)
+    assert not problems, "\n".join(problems)
+
+
+def test_a_new_block_without_a_test_is_caught() -> None:
+    """The check itself: an unmarked block, an unrun or doubled example, an unreasoned
+    fragment, a runner whose example is gone."""
+    text = textwrap.dedent(
+        """
+        ```python
+        # example: a
+        print(1)
+        ```
+
+        ```py
+        print("new, unmarked")
+        ```
+
+        ```python
+        # example: b
+        ```
+        ```python
+        # example: b
+        ```
+
+        <!-- fragment:  -->
+        ```python
+        x
+        ```
+
+        <!-- fragment: needs your own cluster -->
+        ```python
+        y
+        ```
+        """
+    )
+    problems = unrun_blocks(text, {"a": "test_a", "gone": "test_gone"})
+    assert len(problems) == 5, problems
+    assert "README.md:7: a python block without '# example: <name>'" in problems[0]
+    assert "gives no reason" in problems[1]
+    assert problems[2:] == [
+        "example 'b' names 2 blocks",
+        "example 'b' is run by no test of tests/test_readme.py",
+        "test_gone runs example 'gone', which the README no longer has",
+    ]
+    assert unrun_blocks(text.replace('print("new, unmarked")', "# example: c"), {}) != []
+
+
+# ---------------------------------------------------------------------- the examples
+
+
+@runs("outbox")
 @pytest.mark.sqlite
 def test_the_outbox_example_runs(tmp_path: Path) -> None:
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.S)
-    example = next(
-        block for block in blocks if "OutboxProcessor(" in block and "open_broker(" not in block
-    )
-    script = tmp_path / "example.py"
-    script.write_text(example, encoding="utf-8")
-    done = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
+    lines = succeeded(run_python(example("outbox"), tmp_path))
     assert lines[:2] == ["processed", "duplicate"]
     assert lines[2] == str(["processed"] * 6 + ["duplicate"])
     assert lines[3] == "0"
 
 
+@runs("stats")
+@pytest.mark.sqlite
+def test_the_stats_example_runs(tmp_path: Path) -> None:
+    lines = succeeded(run_python(example("stats"), tmp_path))
+    assert lines == ["0", "1", "None", "['orders']", "1", "{'orders'}"]
+
+
+@runs("redis-streams-consumer")
 @pytest.mark.redis
 def test_the_redis_streams_consumer_example_runs(tmp_path: Path, redis_server: Server) -> None:
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.S)
-    example = next(block for block in blocks if "REDIS, APP =" in block)
-    assert 'REDIS, APP = "redis://localhost:6379/0", "shop"' in example
-    example = example.replace(  # the test's server, and keys of this run only
+    code = replaced(  # the test's server, and keys of this run only
+        example("redis-streams-consumer"),
         'REDIS, APP = "redis://localhost:6379/0", "shop"',
         f'REDIS, APP = "{redis_server.url}", "shop-{uuid.uuid4().hex[:8]}"',
     )
-    script = tmp_path / "example.py"
-    script.write_text(example, encoding="utf-8")
-    env = {**os.environ, "PYTHONPATH": str(README.parent)}
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == ["3", "{'total': 6}"]
+    assert succeeded(run_python(code, tmp_path)) == ["3", "{'total': 6}"]
 
 
+@runs("rabbitmq")
 @pytest.mark.rabbitmq
 def test_the_rabbitmq_example_runs(tmp_path: Path, rabbitmq_server: Server) -> None:
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.S)
-    example = next(block for block in blocks if "open_broker(AMQP" in block)
-    script = tmp_path / "example.py"
-    script.write_text(example, encoding="utf-8")
-    env = {**os.environ, "AMQP_URL": rabbitmq_server.url}
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == [
+    done = run_python(example("rabbitmq"), tmp_path, env=user_env(AMQP_URL=rabbitmq_server.url))
+    assert succeeded(done) == [
         "3 {'processed': 2, 'duplicate': 1}",
         "{'balance': 750}",
     ]
@@ -108,3 +280,192 @@ def test_the_hand_written_stream_entry_is_on_the_stream_the_broker_reads(
     finally:
         client.delete(command[1])
         client.close()
+
+
+@runs("kafka")
+@pytest.mark.timeout(180)
+def test_the_kafka_example_runs(tmp_path: Path) -> None:
+    """Against librdkafka's built-in mock cluster (the Kafka protocol over TCP, consumer
+    groups, offset commits; not Kafka: no broker can be installed here), held by a
+    producer of this process; only the bootstrap address of the snippet is replaced."""
+    from confluent_kafka import Producer
+
+    mock = Producer({"test.mock.num.brokers": 1, "log_level": 0})
+    [broker] = mock.list_topics(timeout=10).brokers.values()
+    code = replaced(
+        example("kafka"), 'KAFKA = "localhost:9092"', f'KAFKA = "{broker.host}:{broker.port}"'
+    )
+    assert succeeded(run_python(code, tmp_path, timeout=150)) == [
+        "{'processed': 2, 'duplicate': 1}",
+        "{'balance': 750}",
+    ]
+    del mock
+
+
+@runs("store-contract")
+@pytest.mark.redis
+def test_the_store_contract_example_runs(tmp_path: Path, redis_server: Server) -> None:
+    code = replaced(  # the test's server, and keys of this run only
+        example("store-contract"),
+        'REDIS = "redis://localhost:6379/0"',
+        f'REDIS = "{redis_server.url}?key_prefix=readme-{uuid.uuid4().hex[:8]}:"',
+    )
+    assert succeeded(run_python(code, tmp_path)) == [
+        "True",
+        "False",
+        "True",
+        "{'msg-2'}",
+        "{'msg-1'}",
+        "0",
+        "2",
+    ]
+
+
+MY_STORE = '''
+"""A backend "of your own" for the README's contract example: SQLite under myscheme.
+
+``myscheme://localhost/<name>`` is the file ``<name>.db`` in ``$MYSTORE_DIR``.
+"""
+
+import os
+from urllib.parse import urlsplit
+
+from backends.sqlite import SqliteDeduplicationStore
+
+
+class MyStore(SqliteDeduplicationStore):
+    def __init__(self, url, **options):
+        parts = urlsplit(str(url))
+        if parts.netloc:  # as the tests name it; a pickled copy has the file's path
+            url = f"myscheme:///{os.environ['MYSTORE_DIR']}/{parts.path.strip('/')}.db"
+        super().__init__(url, **options)
+'''
+
+
+@runs("own-backend-contract")
+@pytest.mark.sqlite
+@pytest.mark.slow
+def test_the_own_backend_contract_example_runs(tmp_path: Path) -> None:
+    """The contract suite of the snippet, run by pytest, passes a backend of one's own
+    (here ``mypkg.store:MyStore``, SQLite under the scheme ``myscheme``)."""
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("", encoding="utf-8")
+    (tmp_path / "mypkg" / "store.py").write_text(MY_STORE, encoding="utf-8")
+    data = tmp_path / "data"
+    data.mkdir()
+    code = example("own-backend-contract")
+    (tmp_path / "test_my_store.py").write_text(code, encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_my_store.py"],
+        cwd=tmp_path,
+        env=user_env(MYSTORE_DIR=str(data)),
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-3000:]
+    summary = done.stdout.splitlines()[-1]
+    assert re.search(r"\d+ passed", summary) and "skipped" not in summary, summary
+    assert list(data.glob("test-*.db")), "the suite did not use the backend"
+
+
+@runs("spark-job")
+@pytest.mark.sqlite
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_spark_job_example_runs(tmp_path: Path) -> None:
+    """On a plain session, as ``.venv/bin/python job.py`` starts it: the venv neither
+    activated nor on the ``PATH``, no ``PYSPARK_PYTHON`` (the snippet's own
+    ``use_this_python`` gives the local workers this interpreter)."""
+    env = {
+        k: v
+        for k, v in user_env().items()
+        if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "VIRTUAL_ENV", "SPARK_HOME")
+        and not k.startswith("SPARK_CONNECT")
+    }
+    path = env.get("PATH", "").split(os.pathsep)
+    env["PATH"] = os.pathsep.join(p for p in path if p and p != str(VENV_BIN))
+    env["SPARK_LOCAL_IP"] = "127.0.0.1"  # the test machine's hostname may not resolve
+    lines = succeeded(run_python(example("spark-job"), tmp_path, env=env, timeout=540))
+    said = [line for line in lines if line and not line.startswith(("+", "|"))]  # not .show()'s
+    assert said == [
+        "['processed', 'processed', 'processed']",
+        "['duplicate', 'duplicate', 'duplicate']",
+        "0",
+    ], "\n".join(lines)
+    assert (tmp_path / "runs" / "2026-11-25" / "_SUCCESS").is_file()
+    swept = [line.split("|")[4].strip() for line in lines if re.match(r"\|\s+\d+\|", line)]
+    assert sum(map(int, swept)) == 3  # the sweep's ids_moved, over its 4 segments
+
+
+# ---------------------------------------------------------------------- shell blocks
+
+
+def section_blocks(heading: str, language: str) -> list[Block]:
+    """The ``language`` blocks of the README section under ``heading`` (a whole line)."""
+    text = README.read_text(encoding="utf-8")
+    start = text.index(f"\n{heading}\n")
+    level = heading.split(" ", 1)[0]
+    end = text.find(f"\n{level} ", start + len(heading) + 2)
+    section = text[start : end if end >= 0 else len(text)]
+    return [b for b in fenced_blocks(section) if b.language == language]
+
+
+@pytest.mark.sqlite
+def test_the_quick_start_runs(tmp_path: Path) -> None:
+    """The quick start's shell block, with the venv of this run for its ``.venv`` (the
+    install line is the harness's job): each command exits as the README says."""
+    [block] = section_blocks("## Quick start", "sh")
+    install, *rest = block.code.splitlines(keepends=True)
+    assert install.strip() == "python3 -m venv .venv && .venv/bin/pip install --quiet -e ."
+    commands = "".join(rest)
+    assert commands.count(".venv") == commands.count(".venv/bin/")  # every use is a program
+    script = commands.replace(".venv/bin/", f"{VENV_BIN}/")
+    done = subprocess.run(
+        ["bash", "-e", "-u", "-o", "pipefail", "-c", script],
+        cwd=tmp_path,
+        env=user_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert succeeded(done) == [
+        "order-1\tadded",
+        "order-2\tadded",
+        "order-1\tduplicate",
+        "order-1\tprocessed",
+        "order-2\tprocessed",
+        "True",
+        "False",
+        "{'order-2'}",
+        "{'order-1'}",
+        "True",
+    ]
+    # "exit 1 if one is not": the same `has` line with an id never added
+    [has] = [line for line in rest if "/dedupstore has " in line]
+    command = has.split("#", 1)[0].replace(".venv/bin/", f"{VENV_BIN}/") + " order-9"
+    missing = subprocess.run(
+        ["bash", "-c", command], cwd=tmp_path, env=user_env(), capture_output=True, text=True
+    )
+    assert missing.returncode == 1, missing.stderr
+    assert missing.stdout.splitlines()[-1] == "order-9\tnot processed"
+
+
+@pytest.mark.sqlite
+@pytest.mark.parametrize("environment", ["dev", "test", "prod"])
+def test_the_configuration_file_is_accepted(tmp_path: Path, environment: str) -> None:
+    """The README's ``dedupstore.toml``, as written, resolves in each of its
+    environments (``dedupstore config``: no I/O), the expanded secret masked."""
+    [block] = section_blocks("## Per-environment configuration", "toml")
+    (tmp_path / "dedupstore.toml").write_text(block.code, encoding="utf-8")
+    done = subprocess.run(
+        [str(VENV_BIN / "dedupstore"), "config"],
+        cwd=tmp_path,
+        env=user_env(DEDUPSTORE_ENV=environment, PGPASSWORD="s3cret-for-the-test"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    shown = "\n".join(succeeded(done))
+    assert f'"environment": "{environment}"' in shown
+    assert "s3cret-for-the-test" not in shown
