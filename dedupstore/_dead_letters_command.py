@@ -172,6 +172,9 @@ def _redrive(
                 why = (
                     f"of consumer {letter.consumer!r}, not {processor.consumer!r}"
                     if letter.kind == "message"
+                    else "too large to keep whole: it holds the original's size and digest "
+                    "only; process the original again from its source, then purge it"
+                    if letter.kind == "bounded"
                     else letter.reason
                 )
                 print(f"dedupstore: left dead letter {letter.id} ({why})", file=sys.stderr)

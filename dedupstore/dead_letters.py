@@ -36,7 +36,7 @@ __all__ = [
 #: of a malformed ``delivery``, the letter of a Spark ``row`` whose id or correlation
 #: id was null or invalid, or ``unknown`` (not a dedupstore dead letter). Only the
 #: letter of a ``message`` can be redriven: the others never were messages.
-LetterKind = Literal["message", "delivery", "row", "unknown"]
+LetterKind = Literal["message", "bounded", "delivery", "row", "unknown"]
 
 #: The error type of the letter of an invalid Spark row (its stand-in message's id
 #: starts with ``invalid-row:``: see ``spark_integration.pipeline``).
@@ -77,8 +77,10 @@ class DeadLetter:
 
     ``id``: the letter's message id (the one ``dedupstore dead-letters`` names);
     ``kind``: ``message`` (a processor's letter: ``message_id`` and ``entity`` are
-    the original message's), ``delivery`` (a malformed delivery the consume loop set
-    aside: no message id or entity) or ``unknown``; ``consumer``: who set it aside;
+    the original message's), ``bounded`` (a processor's letter too large to keep
+    whole: the original's body or headers are only their size and digest, so it
+    cannot be redriven), ``row`` (an invalid Spark row), ``delivery`` (a malformed
+    delivery the consume loop set aside: no message id or entity) or ``unknown``; ``consumer``: who set it aside;
     ``reason``: the error (``"<type>: <text>"``); ``size``: bytes of the body as
     stored; ``copies``: what the destination holds of it (one, or more after a
     re-dispatch).
@@ -166,6 +168,8 @@ def letter_kind(body: Mapping[str, Any]) -> LetterKind:
             and error.get("type") == _INVALID_ROW
         ):
             return "row"
+        if "body_omitted" in original or "headers_omitted" in original:
+            return "bounded"  # too large to keep whole: size and digest only, no redrive
         return "message"
     if isinstance(body.get("delivery"), Mapping):
         return "delivery"

@@ -567,7 +567,8 @@ class OutboxProcessor:
         sees under the original id). Raises ``ConfigurationError`` before any I/O for
         a letter that is not a dead letter, the letter of a malformed delivery (never
         a message: nothing to redrive) or a letter of another consumer (naming
-        both), and what :meth:`process` raises.
+        both), ``DeadLetterIncomplete`` for a bounded letter (the original's body or
+        headers replaced by their size and digest), and what :meth:`process` raises.
         """
         body = letter_body(letter)
         kind = letter_kind(body)
@@ -590,7 +591,7 @@ class OutboxProcessor:
         mid = original.get("id") if isinstance(original, Mapping) else None
         cid = original.get("correlation_id") if isinstance(original, Mapping) else None
         if not (
-            kind == "message"
+            kind in ("message", "bounded")
             and isinstance(original, Mapping)
             and isinstance(consumer, str)
             and isinstance(mid, str)

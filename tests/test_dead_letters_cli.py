@@ -580,3 +580,41 @@ def test_reading_a_quorum_queue_back_often_loses_nothing(
         assert main(args) == 0
     rows = capsys.readouterr().out.splitlines()[-3:]
     assert [row.split("\t")[0] for row in rows] == ["l0", "l1", "l2"]
+
+
+def keeping(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+    """Keeps the body in the state: a large one does not fit in the entity."""
+    return {**state, message.id: message.body}, []
+
+
+@pytest.mark.sqlite
+def test_a_bounded_letter_is_listed_but_not_redriven(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A letter too large to keep whole holds the original's size and digest only: the
+    command lists it and refuses to redrive it (a redrive would run the handler on a
+    placeholder), by id and with --all; purge removes it."""
+    where = Where(
+        "sqlite",
+        f"sqlite:///{tmp_path}/queue.db",
+        f"sqlite:///{tmp_path}/stores.db",
+        f"sqlite:///{tmp_path}/stores.db",
+        "dlq",
+        lambda _: None,
+    )
+    processor = _processor(where)
+    try:
+        big = Message("big", "acct", {"blob": "x" * 5_000_000})
+        assert processor.process(big, keeping).outcome == "dead_lettered"
+    finally:
+        _close(processor)
+    ((letter_id, mid, entity, _, size, _),) = _list(where, capsys)
+    assert (mid, entity) == ("big", "acct") and int(size) < 100_000
+    assert main(_redrive(where, letter_id, handler=f"{__name__}:keeping")) != 0
+    err = capsys.readouterr().err
+    assert "cannot be redriven" in err and "digest" in err, err
+    assert main(_redrive(where, "--all", handler=f"{__name__}:keeping")) == 0
+    err = capsys.readouterr().err
+    assert f"left dead letter {letter_id} (too large to keep whole" in err, err
+    assert main(["dead-letters", "purge", letter_id, "--yes", *_letters(where)]) == 0
+    assert _list(where, capsys) == []

@@ -59,7 +59,9 @@ def add_parser(commands: Any, positive: Callable[[str], int]) -> None:
         required=True,
         metavar="URL",
         help="broker URL with its options, e.g. "
-        "'redis://host:6379/0?destination=orders&group=billing'",
+        "'redis://host:6379/0?destination=orders&group=billing' (Redis Streams: "
+        "destination=D reads the stream the dispatcher writes for D, dedupout:D with its "
+        "default key_prefix; stream=KEY reads the stream KEY as is; the start line names it)",
     )
     add_processor_arguments(sub)
     add_dispatcher_arguments(sub)
