@@ -80,10 +80,10 @@ class DeadLetter:
     the original message's), ``bounded`` (a processor's letter too large to keep
     whole: the original's body or headers are only their size and digest, so it
     cannot be redriven), ``row`` (an invalid Spark row), ``delivery`` (a malformed
-    delivery the consume loop set aside: no message id or entity) or ``unknown``; ``consumer``: who set it aside;
-    ``reason``: the error (``"<type>: <text>"``); ``size``: bytes of the body as
-    stored; ``copies``: what the destination holds of it (one, or more after a
-    re-dispatch).
+    delivery the consume loop set aside: no message id or entity) or ``unknown``;
+    ``consumer``: who set it aside; ``reason``: the error (``"<type>: <text>"``);
+    ``size``: bytes of the body as stored; ``copies``: what the destination holds of
+    it (one, or more after a re-dispatch).
     """
 
     id: str
