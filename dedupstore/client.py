@@ -737,7 +737,9 @@ class _Translating(contextlib.AbstractContextManager[None]):
             raise
         finally:
             if isinstance(failed, StoreUnavailable):
-                _log.info("store unavailable: %s", client._scrub(format_error(failed)))
+                # at open the caller gets the error before anything runs: it reports it
+                level = logging.DEBUG if operation == "open" else logging.INFO
+                _log.log(level, "store unavailable: %s", client._scrub(format_error(failed)))
             metrics.record_store_call(
                 client._backend,
                 operation,

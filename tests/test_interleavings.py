@@ -47,6 +47,8 @@ SWEEP = Actor("sweep")
 KEPT = Actor("process", (1,), after=(0,))
 #: the same, and m0 is redelivered to it (the anti-test of the kept entity's check)
 KEPT_AGAIN = Actor("process", (0,), after=(0,))
+#: m0 as the consume loop runs a message a consumer died holding: its run recorded first
+RETRY = Actor("retry", (0,))
 MODES = ("inline", "deferred")
 
 IN_PROCESS = ("memory", "sqlite")
@@ -97,6 +99,17 @@ SCENARIOS: dict[str, Case] = {
     "crash-kept-beside-duplicate": Case((KEPT, OTHER), 2, 0, BOTH_FAST),
     # the batch consumer keeps the entity and gets the crashed one's redelivery
     "crash-beside-batch": Case((ONE, BATCH_OTHER), 2, 0, {"inline": IN_PROCESS, "deferred": FAST}),
+    # a run recorded in the entity (begin_attempt) beside a copy of the message, or a
+    # batch; and crashed after any of its steps, the recorded run among them
+    "retry-beside-duplicate": Case((RETRY, ONE), 1, None, BOTH_FAST),
+    # (begin_attempt is a load and a save: the contract every backend passes; the
+    # costlier schedules run on the in-process backends)
+    "retry-beside-batch": Case(
+        (RETRY, BATCH), 2, None, {"inline": ("memory",), "deferred": IN_PROCESS}
+    ),
+    "crash-retry-beside-duplicate": Case(
+        (RETRY, ONE), 1, 0, {"inline": IN_PROCESS, "deferred": IN_PROCESS}
+    ),
 }
 
 CASES = [
@@ -330,6 +343,37 @@ class StaleAnswers(OutboxProcessor):
         return [k for _, k in pairs], already
 
 
+class AttemptOverwrites(OutboxProcessor):
+    """BROKEN: records a run by writing the entity it loaded under the token of a second
+    load (a blind write): a copy applied in between is lost."""
+
+    def begin_attempt(self, message: Message) -> int:
+        cid, mid = message.correlation_id, message.id
+        entity = self.entities.load(cid)
+        if mid in entity.outbox or self.dedup.has_been_processed(message_key(cid, mid)):
+            return 0
+        entity.attempts[mid] = entity.attempts.get(mid, 0) + 1
+        entity.consumer = self.consumer
+        while True:
+            entity.version = self.entities.load(cid).version
+            try:
+                self.entities.save(entity)
+            except ConcurrencyConflict:
+                continue
+            return entity.attempts[mid]
+
+
+class AttemptsKept(OutboxProcessor):
+    """BROKEN: applying a message leaves its recorded runs in the entity (a later
+    crash of another consumer would count against it)."""
+
+    def _apply(self, entity: Entity, *args: Any, **kwargs: Any) -> Any:
+        attempts = dict(entity.attempts)
+        applied = super()._apply(entity, *args, **kwargs)
+        entity.attempts = attempts
+        return applied
+
+
 class Broken(NamedTuple):
     """A broken processor, a scenario its schedules break, the invariants reported."""
 
@@ -363,6 +407,12 @@ BROKEN = {
     "stale-answers": Broken(
         StaleAnswers, Scenario(STALE_KEPT_BATCH, 3, "inline", earlier=(1,)), {"once"}
     ),
+    "attempt-overwrites": Broken(
+        AttemptOverwrites,
+        Scenario((RETRY, ONE), 1, "deferred"),
+        {"once", "honest-result", "in-outbox-or-store", "ghost"},
+    ),
+    "attempts-kept": Broken(AttemptsKept, Scenario((RETRY, ONE), 1, "inline"), {"settled"}),
 }
 
 

@@ -26,6 +26,7 @@ the same store object (or the store's own) reports the latter as recorded by it.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -226,34 +227,30 @@ class RedisDeduplicationStore(DeduplicationStore):
         """Exact: the endpoint's keys share the ``SCAN MATCH`` prefix and no other key of
         dedupstore's does (the endpoint is escaped: it holds no ``:``); ``MGET`` keeps the records
         (a key of another type reads as absent, a foreign string value is ``ConfigurationError``)
-        and drops keys that expired since the scan saw them. ``SCAN`` may return a key twice: the
-        keys seen are held in memory to count each once. Cost: ``SCAN`` walks every key of the
-        database (filtering on the server)."""
-        pattern = self._key_base.translate(_GLOB_ESCAPE) + "*"
-        seen: set[bytes | str] = set()
-        total, cursor = 0, 0
-        while True:
-            cursor, keys = self._redis.read(
-                functools.partial(
-                    self._redis.client.scan, cursor=cursor, match=pattern, count=_SCAN_COUNT
-                )
-            )
-            fresh = [key for key in dict.fromkeys(keys) if key not in seen]
-            if fresh:
-                seen.update(fresh)
-                values = self._redis.read(functools.partial(self._redis.client.mget, fresh))
-                total += sum(self._recorded(value) for value in values)
-            if not int(cursor):
-                return total
+        and drops keys that expired since the scan saw them. Cost: ``SCAN`` walks every key of
+        the database (filtering on the server); see :meth:`_scan_values`."""
+        return sum(self._recorded(value) for _, value in self._scan_values(self._key_base))
 
     def _endpoints(self, now: float) -> set[str]:
-        """Exact, as :meth:`_count`: ``SCAN MATCH <key_prefix>*`` and an ``MGET`` per page;
-        each record key's endpoint is the escaped part before its first ``:`` after the
-        prefix (keys of another type or value, or with no ``:`` there, are not records)."""
+        """Exact, as :meth:`_count`, over ``<key_prefix>*``: each record key's endpoint is
+        the escaped part before its first ``:`` after the prefix (keys of another type or
+        value, or with no ``:`` there, are not records)."""
         prefix = self._opts["key_prefix"]
+        found: set[str] = set()
+        for key, value in self._scan_values(prefix):
+            name = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+            endpoint, colon, _ = name[len(prefix) :].partition(":")
+            if colon and endpoint not in found and _is_record(value):
+                found.add(endpoint)
+        return {unescape(endpoint) for endpoint in found}
+
+    def _scan_values(self, prefix: str) -> Iterator[tuple[bytes | str, Any]]:
+        """Every key under ``prefix`` (``SCAN MATCH``, a page at a time) with its value
+        (one ``MGET`` per page; ``None`` for a key of another type or one that expired
+        since the scan saw it). ``SCAN`` may return a key twice: the keys seen are held in
+        memory to give each once."""
         pattern = prefix.translate(_GLOB_ESCAPE) + "*"
         seen: set[bytes | str] = set()
-        found: set[str] = set()
         cursor = 0
         while True:
             cursor, keys = self._redis.read(
@@ -265,10 +262,6 @@ class RedisDeduplicationStore(DeduplicationStore):
             if fresh:
                 seen.update(fresh)
                 values = self._redis.read(functools.partial(self._redis.client.mget, fresh))
-                for key, value in zip(fresh, values, strict=True):
-                    name = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
-                    endpoint, colon, _ = name[len(prefix) :].partition(":")
-                    if colon and endpoint not in found and _is_record(value):
-                        found.add(endpoint)
+                yield from zip(fresh, values, strict=True)
             if not int(cursor):
-                return {unescape(endpoint) for endpoint in found}
+                return

@@ -492,21 +492,13 @@ class Consumer:
                             runs,
                             limit,
                         )
-                result = self.processor.process(message, handler)
-            except _MESSAGE_ERRORS as exc:
-                _log.warning(
-                    "consumer %s: %s; given back for redelivery", self.consumer, format_error(exc)
-                )
-                left.append(delivery)
-                continue
+                if self._one(delivery, message, handler, done, left, stats):
+                    stats.isolated += 1
             except _FATAL:
                 raise
             except Exception as exc:  # noqa: BLE001 - an outage: held with the rest
                 self._hold(alone[index:], kept, exc)
                 return
-            stats.isolated += 1
-            stats.outcomes[result.outcome] = stats.outcomes.get(result.outcome, 0) + 1
-            done.append(delivery)
 
     def _set_aside(
         self,
@@ -589,20 +581,35 @@ class Consumer:
     ) -> None:
         for index, (delivery, message) in enumerate(work):
             try:
-                result = self.processor.process(message, handler)
-            except _MESSAGE_ERRORS as exc:
-                _log.warning(
-                    "consumer %s: %s; given back for redelivery", self.consumer, format_error(exc)
-                )
-                left.append(delivery)
-                continue
+                self._one(delivery, message, handler, done, left, stats)
             except _FATAL:
                 raise
             except Exception as exc:  # noqa: BLE001 - an outage: hold it and the rest
                 self._hold(work[index:], kept, exc)
                 return
-            stats.outcomes[result.outcome] = stats.outcomes.get(result.outcome, 0) + 1
-            done.append(delivery)
+
+    def _one(
+        self,
+        delivery: Delivery,
+        message: Message,
+        handler: Handler,
+        done: list[Delivery],
+        left: list[Delivery],
+        stats: ConsumeStats,
+    ) -> bool:
+        """Process one message: done (True), or given back when it fails on its own
+        (``_MESSAGE_ERRORS``: False). Raises what an outage or a fatal error raises."""
+        try:
+            result = self.processor.process(message, handler)
+        except _MESSAGE_ERRORS as exc:
+            _log.warning(
+                "consumer %s: %s; given back for redelivery", self.consumer, format_error(exc)
+            )
+            left.append(delivery)
+            return False
+        stats.outcomes[result.outcome] = stats.outcomes.get(result.outcome, 0) + 1
+        done.append(delivery)
+        return True
 
     def _hold(
         self,

@@ -25,9 +25,9 @@ run redelivers every message, sweeps, and checks the invariants:
     each output shows the state its message produced;
 ``settled``
     after redelivery and a sweep: every message applied, its id in the
-    deduplication store, the outbox empty (the redelivery goes to a consumer of
-    the run that did not crash, as it consumes and with the entities it kept, if
-    there is one);
+    deduplication store, the outbox empty, no run of a message left recorded
+    (``Entity.attempts``; the redelivery goes to a consumer of the run that did not
+    crash, as it consumes and with the entities it kept, if there is one);
 ``honest-result``
     at most one call reports ``"processed"`` for a message.
 
@@ -100,7 +100,10 @@ def ledger_handler(state: dict[str, Any], message: Message) -> tuple[dict[str, A
 
 @dataclass(frozen=True)
 class Actor:
-    """One actor: ``kind`` is ``"process"`` (one message), ``"batch"`` or ``"sweep"``.
+    """One actor: ``kind`` is ``"process"`` (one message), ``"retry"`` (one message a
+    consumer died holding, as the consume loop runs it: its run recorded with
+    :meth:`~dedupstore.outbox.OutboxProcessor.begin_attempt`, then processed),
+    ``"batch"`` or ``"sweep"``.
 
     ``messages`` index into the scenario's messages. ``after``: messages the actor's
     processor processed, alone, before the run starts, so it holds the entity it
@@ -108,7 +111,7 @@ class Actor:
     ``entity_cache``) when its message comes.
     """
 
-    kind: Literal["process", "batch", "sweep"]
+    kind: Literal["process", "retry", "batch", "sweep"]
     messages: tuple[int, ...] = ()
     after: tuple[int, ...] = ()
 
@@ -504,7 +507,9 @@ def _run_once(
                 runner._kept = kept.get(index, runner._kept)
                 survivors[index] = (actor.kind, runner._kept)
                 chosen = [messages[i] for i in actor.messages]
-                if actor.kind == "process":
+                if actor.kind == "retry":
+                    runner.begin_attempt(chosen[0])
+                if actor.kind in ("process", "retry"):
                     result = [runner.process(chosen[0], ledger_handler)]
                 else:
                     result = runner.process_batch(chosen, ledger_handler)
@@ -607,11 +612,12 @@ def _settle_and_check(
         )
     cid = messages[0].correlation_id
     keys = [message_key(cid, mid) for mid in ids]
-    if entity.outbox or dedup.processed_among(keys) != set(keys):
+    if entity.outbox or entity.attempts or dedup.processed_among(keys) != set(keys):
         raise InterleavingViolation(
             "settled",
-            f"after redelivery and a sweep the outbox is {sorted(entity.outbox)} and the "
-            f"store holds {sorted(dedup.processed_among(keys))} of {keys}",
+            f"after redelivery and a sweep the outbox is {sorted(entity.outbox)}, the runs "
+            f"recorded {entity.attempts} and the store holds "
+            f"{sorted(dedup.processed_among(keys))} of {keys}",
             trace,
         )
     sent: dict[str, OutgoingMessage] = {}
