@@ -2,7 +2,8 @@
 
 It works through its own list of deliveries (duplicates included), with crashes
 injected at random before or after any call to the stores or the dispatcher; a
-crashed delivery goes to the back of its list (the broker's redelivery). What it
+crashed delivery goes to the back of its list (the broker's redelivery), and when it
+comes alone its run is recorded first (``begin_attempt``), as the consume loop does. What it
 dispatched is appended, one JSON line per message, to its own file.
 """
 
@@ -44,7 +45,8 @@ def soak_violations(
 
     ``owner`` maps each distinct input message id to its entity; ``sent`` holds every
     copy of every outgoing message (``OutgoingMessage.to_json()`` dicts). The model:
-    each message applied once, to its entity; every outbox empty after the sweep;
+    each message applied once, to its entity; every outbox empty after the sweep, and
+    no run of a message left recorded (``Entity.attempts``);
     every key recorded in the deduplication store; the outgoing ids exactly
     ``outgoing_id(consumer, entity, id, 0)`` of the input (none missing, no ghost),
     every copy of one id identical, each showing the state its message produced.
@@ -58,6 +60,8 @@ def soak_violations(
     for entity in loaded.values():
         if entity.outbox:
             violations.append(f"{entity.id} keeps {sorted(entity.outbox)[:5]} in its outbox")
+        if entity.attempts:
+            violations.append(f"{entity.id} keeps runs recorded for {sorted(entity.attempts)[:5]}")
         for mid in entity.state.get("applied", []):
             if owner.get(mid) != entity.id:
                 violations.append(f"{mid} applied to {entity.id}, not to its entity")
@@ -178,6 +182,7 @@ def run_consumer(
         raise AssertionError(f"the processor is {'not ' * joined}joined on {backend.name}")
     counts = {"processed": 0, "duplicate": 0, "redispatched": 0, "crashes": 0, "batches": 0}
     queue = list(deliveries)
+    crashed: set[tuple[str, str]] = set()  # redelivered after a crash of this consumer
     try:
         while queue:
             size = rng.choice((1, 1, 5, 20))
@@ -185,12 +190,15 @@ def run_consumer(
             messages = [Message(mid, cid, None) for mid, cid in chunk]
             try:
                 if len(messages) == 1:
+                    if chunk[0] in crashed:  # as the consume loop runs it: its run recorded
+                        processor.begin_attempt(messages[0])
                     results = [processor.process(messages[0], soak_handler)]
                 else:
                     results = processor.process_batch(messages, soak_handler)
             except Crash:
                 counts["crashes"] += 1
                 queue.extend(chunk)  # redelivered later
+                crashed.update(chunk)
                 continue
             counts["batches"] += size > 1
             for result in results:
