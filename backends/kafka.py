@@ -21,6 +21,10 @@ offsets are committed only after processing, by :meth:`KafkaBroker.ack`.
   loop's ``max_deliveries`` does not apply; a handler that raises is still set aside
   through the processor's ``dead_letters``). Nothing to reclaim: a dead consumer's
   partitions are reassigned by the group.
+* An outage holds records (neither acked nor nacked: their offsets stay uncommitted)
+  and the loop runs them again; while a whole round is held it does not poll, so an
+  outage longer than ``max.poll.interval.ms`` rebalances the group and the next owner
+  reads from the committed offset (a repeat: a duplicate for the outbox).
 
 A delivery carries the record's value as ``body`` and its headers as text
 (``Delivery.headers``), plus ``key`` (the record key as text) when the record has one
