@@ -102,13 +102,13 @@ SCENARIOS: dict[str, Case] = {
     # a run recorded in the entity (begin_attempt) beside a copy of the message, or a
     # batch; and crashed after any of its steps, the recorded run among them
     "retry-beside-duplicate": Case((RETRY, ONE), 1, None, BOTH_FAST),
-    # (begin_attempt is a load and a save: the contract every backend passes; the
-    # costlier schedules run on the in-process backends)
+    # (begin_attempt is a load and a save, the contract every backend passes: the
+    # costlier schedules run on one in-process backend each; the soak runs it on all)
     "retry-beside-batch": Case(
-        (RETRY, BATCH), 2, None, {"inline": ("memory",), "deferred": IN_PROCESS}
+        (RETRY, BATCH), 2, None, {"inline": ("memory",), "deferred": ("sqlite",)}
     ),
     "crash-retry-beside-duplicate": Case(
-        (RETRY, ONE), 1, 0, {"inline": IN_PROCESS, "deferred": IN_PROCESS}
+        (RETRY, ONE), 1, 0, {"inline": ("sqlite",), "deferred": ("memory",)}
     ),
 }
 
