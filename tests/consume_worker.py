@@ -35,13 +35,16 @@ PAUSE = float(os.environ.get("DEDUPSTORE_CHAOS_PAUSE", "0.002"))
 
 def slow_handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
     """The soak's handler (the same outputs for the same state), after a pause; a body
-    with ``keep`` is kept in the state too (the chaos tests' oversize message: its
-    entity cannot hold it)."""
+    with ``keep`` is kept in the state too, and stays there for the entity's later
+    messages (the chaos tests' oversize message: its entity can never hold it, also
+    when a later message of the same batch follows it)."""
     time.sleep(PAUSE)
-    state, sends = soak_handler(state, message)
+    new, sends = soak_handler(state, message)
+    if "kept" in state:
+        new["kept"] = state["kept"]
     if isinstance(message.body, dict) and "keep" in message.body:
-        state["kept"] = message.body["keep"]
-    return state, sends
+        new["kept"] = message.body["keep"]
+    return new, sends
 
 
 def _ack_first() -> None:
