@@ -197,21 +197,31 @@ class InMemoryDispatcher:
 # ---------------------------------------------------------------------- sizes
 
 
-def _utf8_over(text: str, bound: int) -> int | None:
-    """UTF-8 bytes of ``text`` when more than ``bound``, else None (cheap when far below)."""
-    if len(text) * 4 <= bound:  # (at most 4 bytes per code point: no encoding needed)
+def _utf8_over(bound: int, *texts: str) -> int | None:
+    """UTF-8 bytes of ``texts`` together when more than ``bound``, else None (cheap when
+    far below: nothing is encoded or joined)."""
+    if sum(map(len, texts)) * 4 <= bound:  # (at most 4 bytes per code point)
         return None
-    size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+    size = sum(
+        len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+        for text in texts
+    )
     return size if size > bound else None
+
+
+def _headers_json(message: OutgoingMessage) -> str:
+    """The JSON text of ``message``'s headers (``{}`` without headers), encoded once."""
+    headers = message._headers_text if message._body_text is not None else None
+    if headers is None:
+        headers = canonical.dumps(dict(message.headers)) if message.headers else "{}"
+    return headers
 
 
 def message_size(message: OutgoingMessage) -> int:
     """The size a dispatcher's ``max_message_bytes`` bounds: UTF-8 bytes of the body's
     canonical JSON plus those of the headers' JSON (``{}`` without headers)."""
-    headers = message._headers_text if message._body_text is not None else None
-    if headers is None:
-        headers = canonical.dumps(dict(message.headers)) if message.headers else "{}"
-    return len(body_text(message).encode("utf-8", "surrogatepass")) + len(headers.encode())
+    body, headers = body_text(message), _headers_json(message)
+    return len(body.encode("utf-8", "surrogatepass")) + len(headers.encode())
 
 
 def check_size(
@@ -234,12 +244,10 @@ def check_size(
     if body is None:
         body = body_text(message)
     if headers is None:
-        headers = message._headers_text if message._body_text is not None else None
-        if headers is None:
-            headers = canonical.dumps(dict(message.headers)) if message.headers else "{}"
+        headers = _headers_json(message)
     name = type(dispatcher).__name__
     if heads is not None:
-        size = _utf8_over(headers, heads)
+        size = _utf8_over(heads, headers)
         if size is not None:
             return MessageTooLarge(
                 f"the headers of outgoing message {message.id!r:.80} are {size} bytes of "
@@ -249,7 +257,7 @@ def check_size(
                 bound=heads,
             )
     if total is not None:
-        size = _utf8_over(body + headers, total)
+        size = _utf8_over(total, body, headers)
         if size is not None:
             return MessageTooLarge(
                 f"outgoing message {message.id!r:.80} is {size} bytes (body and headers as "
@@ -288,7 +296,7 @@ def bounded_letter(
     """
     value, text = canonical.normalized(body)
     for section, key in parts:
-        if whole and (bound is None or _utf8_over(text, bound) is None):
+        if whole and (bound is None or _utf8_over(bound, text) is None):
             break
         holder = value.get(section)
         if not isinstance(holder, dict) or key not in holder:
