@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from tenacity import RetryCallState, Retrying, wait_random_exponential
 
@@ -41,6 +41,7 @@ __all__ = [
     "executor",
     "fan_out",
     "gc_relaxed",
+    "pause_before",
     "pid",
     "retry",
     "time_left",
@@ -52,6 +53,15 @@ R = TypeVar("R")
 
 #: The one backoff policy between attempts: full jitter, 50 ms doubling, at most 1 s.
 BACKOFF = wait_random_exponential(multiplier=0.05, max=1.0)
+
+
+def pause_before(attempt: int, policy: Callable[[RetryCallState], float] = BACKOFF) -> float:
+    """Seconds to wait before try ``attempt + 1`` under a tenacity wait ``policy``
+    (for loops that wait themselves, e.g. on an event a signal sets)."""
+    state = RetryCallState(cast(Any, None), None, (), {})
+    state.attempt_number = attempt
+    return float(policy(state))
+
 
 #: The clock deadlines are read on, and how a retry pauses (tests replace both with a
 #: simulated clock, to check the deadline without measuring time).

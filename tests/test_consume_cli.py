@@ -21,6 +21,7 @@ import redis
 
 from dedupstore import open_dispatcher, open_entity_store, open_store
 from dedupstore.entities import OutgoingMessage
+from tests.proxy import TcpProxy
 from tests.servers import Server
 from tests.soak_worker import soak_violations
 
@@ -138,6 +139,7 @@ def test_an_unreachable_broker_fails_at_open_in_one_line(scheme: str, tmp_path: 
     process = _consume(
         *("--broker", _closed_port_broker(scheme), "--entities", db, "--store", db),
         *("--handler", "tests.soak_worker:soak_handler", "--no-dispatcher"),
+        *("--start-timeout", "0"),
     )
     out, err = process.communicate(timeout=100)
     assert process.returncode == 3, (out, err)
@@ -145,6 +147,83 @@ def test_an_unreachable_broker_fails_at_open_in_one_line(scheme: str, tmp_path: 
     assert lines[-1].startswith("dedupstore: store unavailable"), err
     assert len(lines) == 1, err  # nothing else: no driver log, no second copy of it
     assert "Traceback" not in err
+
+
+def _start_in_outage(redis_server: Server, proxy: TcpProxy, *args: str) -> subprocess.Popen[str]:
+    """``consume`` with its stores behind ``proxy`` (down), reading a fresh stream."""
+    tag = uuid.uuid4().hex[:8]
+    stores = proxy.url(redis_server.url)
+    return _consume(
+        *("--broker", f"{redis_server.url}?stream=s-{tag}&group=g"),
+        *(
+            "--entities",
+            f"{stores}?key_prefix=out{tag}e:",
+            "--store",
+            f"{stores}?key_prefix=out{tag}d:",
+        ),
+        *("--handler", "tests.soak_worker:soak_handler", "--no-dispatcher", "--wait", "0.2"),
+        *args,
+    )
+
+
+def _waiting_lines(process: subprocess.Popen[str], count: int) -> list[str]:
+    """The first ``count`` 'cannot start yet' lines ``process`` writes on stderr."""
+    assert process.stderr is not None
+    lines: list[str] = []
+    while len(lines) < count:
+        line = process.stderr.readline()
+        assert line, f"stderr ended; so far {lines}"
+        if "cannot start yet" in line:
+            lines.append(line)
+    return lines
+
+
+@pytest.mark.timeout(120)
+def test_consume_started_during_a_store_outage_waits_it_out(redis_server: Server) -> None:
+    """A consumer (re)started while its stores are down (a supervisor's restart in an
+    outage) waits, one WARNING line per try, and then consumes; it used to exit 3 at
+    once (a chaos run's replacement consumer died so)."""
+    with TcpProxy.for_url(redis_server.url) as proxy:
+        proxy.outage("refuse")
+        process = _start_in_outage(redis_server, proxy)
+        try:
+            lines = _waiting_lines(process, 2)
+            assert "WARNING" in lines[0] and "--start-timeout" in lines[0], lines
+            assert process.poll() is None
+            proxy.restore()
+            assert process.stderr is not None
+            while "dedupstore consume: broker" not in process.stderr.readline():
+                assert process.poll() is None
+            process.send_signal(signal.SIGTERM)
+            out, err = process.communicate(timeout=60)
+            assert process.returncode == 0, err
+            assert json.loads(out.strip().splitlines()[-1])["failures"] == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+
+
+@pytest.mark.timeout(120)
+def test_consume_gives_up_after_the_start_timeout_and_stops_on_sigterm_while_waiting(
+    redis_server: Server,
+) -> None:
+    """After ``--start-timeout`` of tries it exits 3 (the last error in one line); a
+    SIGTERM while it waits ends it at once with exit 0 and nothing printed on stdout."""
+    with TcpProxy.for_url(redis_server.url) as proxy:
+        proxy.outage("refuse")
+        process = _start_in_outage(redis_server, proxy, "--start-timeout", "1s")
+        out, err = process.communicate(timeout=60)
+        assert process.returncode == 3, err
+        assert err.strip().splitlines()[-1].startswith("dedupstore: store unavailable"), err
+        assert "cannot start yet" in err and out == ""
+        process = _start_in_outage(redis_server, proxy, "--start-timeout", "10m")
+        _waiting_lines(process, 1)
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=60)
+        assert process.returncode == 0, err
+        assert out == "" and time.monotonic() - started < 30
 
 
 def _bad_args(redis_server: Server, *args: str) -> tuple[int, str, str]:

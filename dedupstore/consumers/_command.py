@@ -8,8 +8,11 @@ runs :meth:`~dedupstore.consumers.Consumer.run` until SIGTERM or SIGINT, and pri
 the totals as JSON on stdout whenever the loop ends: exit 0 after a signal, the
 error's exit code after an error. Bad arguments (an async handler, a handler module
 that does not import, no ``--dispatcher`` without ``--no-dispatcher``, a
-``memory://`` store without ``--allow-memory``) exit 2 in one line before any I/O; a
-store or broker that cannot be reached at start exits 3.
+``memory://`` store without ``--allow-memory``) exit 2 in one line before any I/O. A
+store, dispatcher or broker that cannot be reached at start is tried again, with a
+backoff and one WARNING line per try, for at most ``--start-timeout`` (default 60 s:
+a consumer restarted during a short outage waits it out); then it exits 3. SIGTERM or
+SIGINT while it waits exits 0.
 """
 
 from __future__ import annotations
@@ -21,13 +24,18 @@ import json
 import logging
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from tenacity import wait_random_exponential
+
+from dedupstore.calls import pause_before
 from dedupstore.client import DRIVER_LOGGERS
-from dedupstore.consumers._loop import Consumer, ConsumeStats
+from dedupstore.consumers._loop import Consumer, ConsumeStats, stopping_on_signals
 from dedupstore.entities import OutgoingMessage
-from dedupstore.errors import ConfigurationError
+from dedupstore.errors import ConfigurationError, StoreUnavailable, format_error
 from dedupstore.options import seconds
 from dedupstore.outbox import check_handler
 from dedupstore.urls import StoreURL
@@ -43,6 +51,8 @@ __all__ = [
     "open_processor",
     "run",
 ]
+
+_log = logging.getLogger("dedupstore.consumers")
 
 
 def add_parser(commands: Any, positive: Callable[[str], int]) -> None:
@@ -81,6 +91,13 @@ def add_parser(commands: Any, positive: Callable[[str], int]) -> None:
         default=1.0,
         help="how long a fetch waits for messages: seconds or a duration such as 500ms "
         "(default 1s)",
+    )
+    sub.add_argument(
+        "--start-timeout",
+        type=_duration,
+        default=START_TIMEOUT,
+        help="how long to keep trying a store, dispatcher or broker that cannot be reached "
+        "at start, then exit 3: seconds or a duration such as 2m (default 60s; 0: one try)",
     )
     sub.add_argument(
         "--log-level",
@@ -177,6 +194,64 @@ def open_processor(
     return processor, handler
 
 
+#: How long ``consume`` keeps trying what it cannot reach at start (``--start-timeout``).
+START_TIMEOUT = 60.0
+
+#: The pause between those tries: full jitter, 0.5 s doubling, at most 5 s.
+_START_BACKOFF = wait_random_exponential(multiplier=0.5, max=5.0)
+
+
+def _open_when_reachable(
+    args: argparse.Namespace, opened: list[Any], stop: threading.Event
+) -> tuple[OutboxProcessor, Handler, Any] | None:
+    """The processor, the handler and the broker, opened once all can be reached.
+
+    ``StoreUnavailable`` closes what did open and tries again after a backoff, for at
+    most ``args.start_timeout`` seconds (then it is raised); ``stop`` set (by a signal)
+    returns ``None``. ``ConfigurationError`` is raised at once.
+    """
+    from dedupstore.consumers import open_broker
+
+    start = time.monotonic()
+    attempt = 0
+    while not stop.is_set():
+        try:
+            processor, handler = open_processor(args, opened)
+            broker = open_broker(args.broker)
+            opened.append(broker)
+            return processor, handler, broker
+        except StoreUnavailable as exc:
+            _close(opened)
+            attempt += 1
+            left = args.start_timeout - (time.monotonic() - start)
+            pause = min(pause_before(attempt, _START_BACKOFF), left)
+            if pause <= 0:
+                raise
+            _log.warning(
+                "dedupstore consume: cannot start yet (%s); trying again in %.1f s "
+                "(for %.0f s more: --start-timeout)",
+                format_error(exc),
+                pause,
+                left,
+            )
+            stop.wait(pause)
+    return None
+
+
+def _close(opened: list[Any]) -> None:
+    """Close what was opened, last first, and forget it (every close is tried)."""
+    clients = list(reversed(opened))
+    opened.clear()
+    failed: BaseException | None = None
+    for client in clients:
+        try:
+            client.close()
+        except Exception as exc:  # noqa: BLE001 - close the others; raised after
+            failed = failed or exc
+    if failed is not None:
+        raise failed
+
+
 def _duration(value: str) -> float:
     """0 or more seconds: ``1``, ``0.5``, ``"1s"``, ``"250ms"`` (the library's parser)."""
     try:
@@ -271,7 +346,6 @@ def run(args: argparse.Namespace) -> int:
     The totals are printed (JSON, stdout) whenever the loop ran, also when it ended
     with an error (raised after the totals: the CLI prints it in one line).
     """
-    from dedupstore.consumers import open_broker
 
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -292,27 +366,38 @@ def run(args: argparse.Namespace) -> int:
     opened: list[Any] = []
     consumer: Consumer | None = None
     totals: ConsumeStats | None = None
-    try:
-        processor, handler = open_processor(args, opened)
-        broker = open_broker(args.broker)
-        opened.append(broker)
-        consumer = Consumer(
-            broker,
-            processor,
-            handler,
-            batch_size=args.batch_size,
-            mode=args.mode,
-            max_deliveries=limit or None,
-            wait=args.wait,
-        )
-        print(_start_line(args, broker, consumer), file=sys.stderr, flush=True)
-        totals = consumer.run()
-    finally:
+    stop = threading.Event()
+
+    def on_signal() -> None:  # one handler from start to end: no moment a signal kills
+        stop.set()
+        if consumer is not None:
+            consumer.stop()
+
+    said = "dedupstore consume: %s received; stopping (after the batch in flight)"
+    with stopping_on_signals(on_signal, said):
         try:
-            for client in reversed(opened):
-                client.close()
+            reached = _open_when_reachable(args, opened, stop)
+            if reached is None:  # stopped while waiting
+                return 0
+            processor, handler, broker = reached
+            consumer = Consumer(
+                broker,
+                processor,
+                handler,
+                batch_size=args.batch_size,
+                mode=args.mode,
+                max_deliveries=limit or None,
+                wait=args.wait,
+            )
+            if stop.is_set():  # a signal before the consumer could take it
+                consumer.stop()
+            print(_start_line(args, broker, consumer), file=sys.stderr, flush=True)
+            totals = consumer.run(install_signal_handlers=False)
         finally:
-            if consumer is not None:
-                shown = consumer.totals if totals is None else totals
-                print(json.dumps(dataclasses.asdict(shown), sort_keys=True), flush=True)
+            try:
+                _close(opened)
+            finally:
+                if consumer is not None:
+                    shown = consumer.totals if totals is None else totals
+                    print(json.dumps(dataclasses.asdict(shown), sort_keys=True), flush=True)
     return 0

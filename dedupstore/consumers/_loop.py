@@ -17,16 +17,17 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import FrameType
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
-from tenacity import RetryCallState, wait_random_exponential
+from tenacity import wait_random_exponential
 
 from dedupstore import canonical, metrics
+from dedupstore.calls import pause_before
 from dedupstore.consumers._base import Broker, Delivery, MessageRules, headers_of, shown_body
 from dedupstore.entities import OutgoingMessage
 from dedupstore.errors import (
@@ -145,6 +146,27 @@ def _seconds(name: str, value: object, *, positive: bool = False) -> float:
             f"{name} must be {bound} seconds (a number, or a duration such as '1s' or "
             f"'250ms'), got {value!r:.80}: {exc}"
         ) from None
+
+
+@contextmanager
+def stopping_on_signals(stop: Callable[[], None] | None, said: str) -> Iterator[None]:
+    """In the block, SIGTERM and SIGINT call ``stop`` (logged at INFO: ``said`` with the
+    signal's name); the previous handlers are restored after it. Nothing is installed
+    when ``stop`` is ``None`` or outside the main thread (only it can install them)."""
+    if stop is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        _log.info(said, signal.Signals(signum).name)
+        stop()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class Consumer:
@@ -268,7 +290,6 @@ class Consumer:
         left held when the loop ends is given back (:meth:`release`).
         """
         self.totals = totals = ConsumeStats()
-        self._stopping.clear()
         try:
             with self._signals(install_signal_handlers):
                 while not self._stopping.is_set():
@@ -289,6 +310,7 @@ class Consumer:
                     if self._failures and not self._stopping.is_set():
                         self._pause()
         finally:
+            self._stopping.clear()  # the next run starts afresh
             self.release()
             metrics.set_pending(self.consumer, self.broker.kind, None)
         return totals
@@ -309,34 +331,18 @@ class Consumer:
                 )
 
     def stop(self) -> None:
-        """End :meth:`run` after the round in flight (processed and acknowledged)."""
+        """End :meth:`run` after the round in flight (processed and acknowledged); called
+        before :meth:`run` (from a signal handler, another thread), the run does no round."""
         self._stopping.set()
 
     def _pause(self) -> None:
-        state = RetryCallState(cast(Any, None), None, (), {})  # the wait reads the attempt
-        state.attempt_number = self._failures
-        self._stopping.wait(self._backoff(state))
+        self._stopping.wait(pause_before(self._failures, self._backoff))
 
-    @contextmanager
-    def _signals(self, install: bool) -> Iterator[None]:
-        if not install or threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        def on_signal(signum: int, frame: FrameType | None) -> None:
-            _log.info(
-                "consumer %s: %s received; stopping after the batch in flight",
-                self.consumer,
-                signal.Signals(signum).name,
-            )
-            self.stop()
-
-        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+    def _signals(self, install: bool) -> AbstractContextManager[None]:
+        return stopping_on_signals(
+            self.stop if install else None,
+            f"consumer {self.consumer}: %s received; stopping after the batch in flight",
+        )
 
     # ------------------------------------------------------------------ one round
 
