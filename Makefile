@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	@command -v java >/dev/null 2>&1 || bash scripts/install-test-deps.sh java
-	$(PY) -m spark_integration.order_pipeline $(DEMO_ARGS)
+	$(PY) -m dedupstore.spark.order_pipeline $(DEMO_ARGS)
 
 test-deps:
 	bash scripts/install-test-deps.sh

@@ -40,14 +40,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from dedupstore.spark import process_messages, sweep_outboxes
+from dedupstore.spark.order_pipeline import INPUT_SCHEMA
+from dedupstore.spark.orders import handle_order, make_workload
+from dedupstore.spark.pipeline import _entity_ordered
+from dedupstore.spark.session import local_session
+
 import dedupstore
 from dedupstore.entities import Entity
 from dedupstore.outbox import Message, OutboxProcessor
-from spark_integration import process_messages, sweep_outboxes
-from spark_integration.order_pipeline import INPUT_SCHEMA
-from spark_integration.orders import handle_order, make_workload
-from spark_integration.pipeline import _entity_ordered
-from spark_integration.session import local_session
 from tests.servers import PostgresServer, RedisServer
 
 RESULTS = Path(__file__).with_name("RESULTS.md")

@@ -672,11 +672,11 @@ def _plain(value: object) -> object:
 
 
 def _spark(module: str) -> Any:
-    """Import a ``spark_integration`` module (by name: dedupstore does not depend on it)."""
+    """Import a ``dedupstore.spark`` module (by name: dedupstore does not depend on it)."""
     import importlib
 
     try:
-        return importlib.import_module(f"spark_integration.{module}")
+        return importlib.import_module(f"dedupstore.spark.{module}")
     except ImportError as exc:
         raise ConfigurationError(
             f"this command runs on Spark: pip install 'dedupstore[spark]' ({exc})"
@@ -691,10 +691,10 @@ def _spark_sweep(args: argparse.Namespace) -> int:
     open_store(
         args.store, **existing, **({"endpoint": args.endpoint} if args.endpoint else {})
     ).close()
-    spark_integration = _spark("pipeline")
+    pipeline = _spark("pipeline")
     spark = _spark("session").local_session(args.master, "dedupstore-sweep")
     try:
-        result = spark_integration.sweep_outboxes(
+        result = pipeline.sweep_outboxes(
             spark,
             args.entities,
             args.store,

@@ -39,7 +39,7 @@ __all__ = [
 LetterKind = Literal["message", "bounded", "delivery", "row", "unknown"]
 
 #: The error type of the letter of an invalid Spark row (its stand-in message's id
-#: starts with ``invalid-row:``: see ``spark_integration.pipeline``).
+#: starts with ``invalid-row:``: see ``dedupstore.spark.pipeline``).
 _INVALID_ROW = f"{InvalidMessageId.__module__}.{InvalidMessageId.__qualname__}"
 
 

@@ -168,14 +168,14 @@ _PG = ("psycopg", "psycopg_pool")
 #: scheme -> (module, class-name prefix, client modules, extra). Each backend module
 #: holds ``<prefix>DeduplicationStore`` and ``<prefix>EntityStore``.
 _BUILTIN: dict[str, tuple[str, str, tuple[str, ...], str | None]] = {
-    "memory": ("backends.memory", "Memory", (), None),
-    "sqlite": ("backends.sqlite", "Sqlite", (), None),
-    "postgresql": ("backends.postgres", "Postgres", _PG, "postgres"),
-    "postgres": ("backends.postgres", "Postgres", _PG, "postgres"),
-    "redis": ("backends.redis", "Redis", ("redis",), "redis"),
-    "rediss": ("backends.redis", "Redis", ("redis",), "redis"),
-    "dynamodb": ("backends.dynamodb", "DynamoDB", ("boto3",), "dynamodb"),
-    "cosmos": ("backends.cosmos", "Cosmos", ("azure.cosmos",), "cosmos"),
+    "memory": ("dedupstore.backends.memory", "Memory", (), None),
+    "sqlite": ("dedupstore.backends.sqlite", "Sqlite", (), None),
+    "postgresql": ("dedupstore.backends.postgres", "Postgres", _PG, "postgres"),
+    "postgres": ("dedupstore.backends.postgres", "Postgres", _PG, "postgres"),
+    "redis": ("dedupstore.backends.redis", "Redis", ("redis",), "redis"),
+    "rediss": ("dedupstore.backends.redis", "Redis", ("redis",), "redis"),
+    "dynamodb": ("dedupstore.backends.dynamodb", "DynamoDB", ("boto3",), "dynamodb"),
+    "cosmos": ("dedupstore.backends.cosmos", "Cosmos", ("azure.cosmos",), "cosmos"),
 }
 
 
@@ -205,12 +205,16 @@ dispatchers: Registry[URLDispatcher] = Registry(
     DISPATCHER_ENTRY_POINT_GROUP,
     "dedupstore.dispatch:URLDispatcher",
     {
-        "memory": BackendSpec("backends.memory:MemoryDispatcher"),
-        "sqlite": BackendSpec("backends.sqlite:SqliteDispatcher"),
-        "redis": BackendSpec("backends.redis:RedisDispatcher", ("redis",), "redis"),
-        "rediss": BackendSpec("backends.redis:RedisDispatcher", ("redis",), "redis"),
-        "amqp": BackendSpec("backends.rabbitmq:RabbitMQDispatcher", ("pika",), "rabbitmq"),
-        "amqps": BackendSpec("backends.rabbitmq:RabbitMQDispatcher", ("pika",), "rabbitmq"),
+        "memory": BackendSpec("dedupstore.backends.memory:MemoryDispatcher"),
+        "sqlite": BackendSpec("dedupstore.backends.sqlite:SqliteDispatcher"),
+        "redis": BackendSpec("dedupstore.backends.redis:RedisDispatcher", ("redis",), "redis"),
+        "rediss": BackendSpec("dedupstore.backends.redis:RedisDispatcher", ("redis",), "redis"),
+        "amqp": BackendSpec(
+            "dedupstore.backends.rabbitmq:RabbitMQDispatcher", ("pika",), "rabbitmq"
+        ),
+        "amqps": BackendSpec(
+            "dedupstore.backends.rabbitmq:RabbitMQDispatcher", ("pika",), "rabbitmq"
+        ),
     },
 )
 
@@ -220,11 +224,21 @@ brokers: Registry[Broker] = Registry(
     BROKER_ENTRY_POINT_GROUP,
     "dedupstore.consumers:Broker",
     {
-        "redis": BackendSpec("backends.redis.consumer:RedisStreamsBroker", ("redis",), "redis"),
-        "rediss": BackendSpec("backends.redis.consumer:RedisStreamsBroker", ("redis",), "redis"),
-        "amqp": BackendSpec("backends.rabbitmq.consumer:RabbitMQBroker", ("pika",), "rabbitmq"),
-        "amqps": BackendSpec("backends.rabbitmq.consumer:RabbitMQBroker", ("pika",), "rabbitmq"),
-        "kafka": BackendSpec("backends.kafka:KafkaBroker", ("confluent_kafka",), "kafka"),
+        "redis": BackendSpec(
+            "dedupstore.backends.redis.consumer:RedisStreamsBroker", ("redis",), "redis"
+        ),
+        "rediss": BackendSpec(
+            "dedupstore.backends.redis.consumer:RedisStreamsBroker", ("redis",), "redis"
+        ),
+        "amqp": BackendSpec(
+            "dedupstore.backends.rabbitmq.consumer:RabbitMQBroker", ("pika",), "rabbitmq"
+        ),
+        "amqps": BackendSpec(
+            "dedupstore.backends.rabbitmq.consumer:RabbitMQBroker", ("pika",), "rabbitmq"
+        ),
+        "kafka": BackendSpec(
+            "dedupstore.backends.kafka:KafkaBroker", ("confluent_kafka",), "kafka"
+        ),
     },
 )
 

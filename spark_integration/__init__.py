@@ -13,7 +13,7 @@ cluster and on Spark Connect alike. Clients are opened in each task from URLs
 (checked on the driver without I/O); nothing live is pickled.
 """
 
-from spark_integration.pipeline import (
+from .pipeline import (
     PROCESS_SCHEMA,
     RECORD_SCHEMA,
     SWEEP_SCHEMA,
@@ -23,7 +23,7 @@ from spark_integration.pipeline import (
     run_messages,
     sweep_outboxes,
 )
-from spark_integration.session import local_session, use_this_python
+from .session import local_session, use_this_python
 
 __all__ = [
     "PROCESS_SCHEMA",

@@ -1,16 +1,16 @@
 """The main job: an order pipeline on Spark, fed at least once, proven exactly once.
 
-Run it with ``make demo``, ``python -m spark_integration.order_pipeline`` or
+Run it with ``make demo``, ``python -m dedupstore.spark.order_pipeline`` or
 ``spark-submit spark_integration/order_pipeline.py``. Steps:
 
 1. generate an order workload delivered at least once (duplicates, reordering), with
    a few poison messages (an ``add_item`` whose sku the handler refuses);
-2. :func:`~spark_integration.process_messages` with ``dead_letters`` and a
+2. :func:`~dedupstore.spark.process_messages` with ``dead_letters`` and a
    dispatcher that fails some dispatches on their first attempt, crashes some
    batches after dispatching and before the clean-up, and kills one Python worker
    outright (Spark retries its task; the attempt's failure is not logged, it is
    counted and said in one line);
-3. :func:`~spark_integration.sweep_outboxes`;
+3. :func:`~dedupstore.spark.sweep_outboxes`;
 4. replay the whole input once more;
 5. check the invariants from the stores and the outgoing queue against a model
    computed from the input alone; print the report; exit 1 if any fails.
@@ -21,10 +21,17 @@ pick other URLs. Every run uses fresh ids, so runs never see each other's data.
 
 from __future__ import annotations
 
+import sys
+
+if not __package__:  # run as a file (spark-submit .../order_pipeline.py): the package's module
+    import runpy
+
+    runpy.run_module("dedupstore.spark.order_pipeline", run_name="__main__", alter_sys=True)
+    sys.exit(0)  # not reached: the module's main exits
+
 import argparse
 import os
 import re
-import sys
 import time
 import uuid
 import zlib
@@ -38,9 +45,10 @@ from pyspark.sql.types import ArrayType, IntegerType, StringType, StructField, S
 import dedupstore
 from dedupstore.entities import OutgoingMessage
 from dedupstore.outbox import Handler, outgoing_id
-from spark_integration.orders import expected_outgoing, handle_order, is_poison, make_workload
-from spark_integration.pipeline import process_messages, sweep_outboxes
-from spark_integration.session import local_session, quiet_task_retries
+
+from .orders import expected_outgoing, handle_order, is_poison, make_workload
+from .pipeline import process_messages, sweep_outboxes
+from .session import local_session, quiet_task_retries
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -186,7 +194,7 @@ def inspect_entities(
     Runs in the tasks with ``load_many`` per Arrow batch; the demo's handler keeps
     the applied ids in ``state["applied"]``.
     """
-    from spark_integration._clients import ClientSpec, TaskClients
+    from ._clients import ClientSpec, TaskClients
 
     spec = ClientSpec.checked("entities", entities_url)
 
@@ -379,7 +387,7 @@ def run(
     marked = sources.join(applied.withColumn("saved", F.lit(True)), "id", "left")
     saved = F.col("saved").isNotNull()
     ghosts = marked.where(F.when(F.col("dead"), saved).otherwise(~saved)).count() if ours else 0
-    from spark_integration.pipeline import drop_processed
+    from .pipeline import drop_processed
 
     pairs = messages.select("id", "order_id").distinct()
     unrecorded = drop_processed(pairs, settings.dedup_url, correlation_col="order_id").count()

@@ -5,7 +5,7 @@ Built on DataFrame APIs only (``mapInArrow``, a pandas UDF, ``repartition``,
 Spark Connect session. Each task opens its own clients from URLs (checked on the
 driver first, without I/O) and closes them; nothing live is pickled and nothing is
 kept on the driver. How columns become ids, order and bodies is
-:mod:`spark_integration._columns`, checked on the driver too.
+:mod:`dedupstore.spark._columns`, checked on the driver too.
 """
 
 from __future__ import annotations
@@ -59,9 +59,10 @@ from dedupstore.outbox import (
 )
 from dedupstore.stats import outbox_backlog
 from dedupstore.urls import StoreURL
-from spark_integration import _columns as C
-from spark_integration._clients import ClientSpec, TaskClients
-from spark_integration.session import use_this_python
+
+from . import _columns as C
+from ._clients import ClientSpec, TaskClients
+from .session import use_this_python
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -290,7 +291,7 @@ def process_messages(
     of ``correlation_col`` and of ``id_col``, by one rule from the column's type
     (strings as they are, integers as digits, timestamps as UTC
     ``2026-01-01T00:00:00.000000Z``, ...; never the session time zone; see
-    :func:`spark_integration._columns.id_text`); any other type (double, boolean,
+    :func:`dedupstore.spark._columns.id_text`); any other type (double, boolean,
     ...) is a ``ConfigurationError`` naming the column.
 
     Rows are repartitioned by the correlation id so one entity's messages are

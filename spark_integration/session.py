@@ -4,7 +4,7 @@
 * :func:`use_this_python`: on a classic session with a local master (``local``,
   ``local[...]``, ``local-cluster[...]``) and no ``PYSPARK_PYTHON``, the Python
   workers run this interpreter (``sys.executable``), not whatever ``python3`` is on
-  the ``PATH``. Every job of :mod:`spark_integration.pipeline` calls it, so a job
+  the ``PATH``. Every job of :mod:`dedupstore.spark.pipeline` calls it, so a job
   started from a virtual environment, activated or not, finds its packages in the
   workers. Never on a cluster master (YARN, Kubernetes, ``spark://``) or Spark
   Connect, whose executors run another machine's Python: there the cluster's

@@ -49,8 +49,8 @@ def slow_handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any
 
 def _ack_first() -> None:
     """BROKEN: acknowledge every delivery as soon as it is fetched (every broker)."""
-    from backends.rabbitmq.consumer import RabbitMQBroker
-    from backends.redis.consumer import RedisStreamsBroker
+    from dedupstore.backends.rabbitmq.consumer import RabbitMQBroker
+    from dedupstore.backends.redis.consumer import RedisStreamsBroker
 
     for cls in (RedisStreamsBroker, RabbitMQBroker):
         fetch = cls.fetch

@@ -48,7 +48,7 @@ def test_check_round_trips_a_probe(capsys: pytest.CaptureFixture[str]) -> None:
 def test_check_of_a_store_that_loses_its_probe_exits_2(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from backends.sqlite import SqliteDeduplicationStore
+    from dedupstore.backends.sqlite import SqliteDeduplicationStore
 
     open_store("sqlite:///cli.db").close()
     monkeypatch.setattr(SqliteDeduplicationStore, "_contains_one", lambda *_: False)
@@ -350,12 +350,12 @@ def test_read_only_commands_on_the_configured_store_create_nothing(
 def test_the_spark_sweep_refuses_a_missing_store_before_starting_spark(
     in_tmp: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import spark_integration.session
+    import dedupstore.spark.session
 
     def no_spark(*_: object) -> None:
         raise AssertionError("Spark must not start for a missing store")
 
-    monkeypatch.setattr(spark_integration.session, "local_session", no_spark)
+    monkeypatch.setattr(dedupstore.spark.session, "local_session", no_spark)
     url = "sqlite:///typo.db"
     assert main(["sweep", "--entities", url, "--store", url]) == 2
     err = capsys.readouterr().err
@@ -467,7 +467,7 @@ def test_demo_help_lists_the_job_options(capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_demo_hands_its_arguments_to_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
-    import spark_integration.order_pipeline as job
+    import dedupstore.spark.order_pipeline as job
 
     seen: list[list[str]] = []
     monkeypatch.setattr(job, "main", lambda argv=None, **_: seen.append(list(argv)) or 0)

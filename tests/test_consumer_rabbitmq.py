@@ -1,4 +1,4 @@
-"""The RabbitMQ broker (``backends.rabbitmq.consumer``) against a real broker.
+"""The RabbitMQ broker (``dedupstore.backends.rabbitmq.consumer``) against a real broker.
 
 What ``RabbitMQDispatcher`` publishes is read by a ``RabbitMQBroker`` of the same
 queue with the default rules; the prefetch window bounds what one consumer holds;
@@ -20,9 +20,9 @@ from typing import Any
 
 import pika
 import pytest
+from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
+from dedupstore.backends.rabbitmq.consumer import RabbitMQBroker, RabbitMQToken
 
-from backends.memory import MemoryDeduplicationStore, MemoryEntityStore
-from backends.rabbitmq.consumer import RabbitMQBroker, RabbitMQToken
 from dedupstore import open_dispatcher
 from dedupstore.consumers import Consumer, open_broker
 from dedupstore.entities import OutgoingMessage

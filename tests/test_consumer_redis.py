@@ -1,4 +1,4 @@
-"""The Redis Streams broker (``backends.redis.consumer``) against a real Redis server.
+"""The Redis Streams broker (``dedupstore.backends.redis.consumer``) against a real Redis server.
 
 A pipeline of dedupstore services chains: what ``RedisDispatcher`` writes is read
 by a ``RedisStreamsBroker`` of the same destination with the default rules. Entries
@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 import redis
+from dedupstore.backends.redis.consumer import RedisStreamsBroker
 
-from backends.redis.consumer import RedisStreamsBroker
 from dedupstore import open_dispatcher, open_entity_store, open_store
 from dedupstore.consumers import Consumer, open_broker
 from dedupstore.errors import ConfigurationError

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.memory
 _TEMPLATE = """
 import uuid
 import pytest
-from backends.memory import MemoryDeduplicationStore
+from dedupstore.backends.memory import MemoryDeduplicationStore
 from dedupstore.testing import DeduplicationStoreContract
 
 class Mutant(MemoryDeduplicationStore):

@@ -194,8 +194,9 @@ def test_import_loads_no_backend_or_client() -> None:
         """
         import sys, dedupstore
         bad = [m for m in sys.modules if m.split('.')[0] in
-               {'backends', 'redis', 'psycopg', 'psycopg_pool', 'boto3', 'botocore', 'azure',
-                'pyspark', 'sqlite3', 'filelock'}]
+               {'redis', 'psycopg', 'psycopg_pool', 'boto3', 'botocore', 'azure',
+                'pyspark', 'sqlite3', 'filelock'}
+               or m.startswith(('dedupstore.backends', 'dedupstore.spark'))]
         print(bad)
         assert not bad, bad
         """
@@ -213,11 +214,13 @@ def test_registry_view_is_read_only() -> None:
 
 
 def test_register_backend(in_tmp: Path) -> None:
-    register_backend("mymem", "backends.memory:MemoryDeduplicationStore")
+    register_backend("mymem", "dedupstore.backends.memory:MemoryDeduplicationStore")
     try:
         with pytest.raises(ValueError, match="clobber"):
-            register_backend("mymem", "backends.sqlite:SqliteDeduplicationStore")
-        register_backend("mymem", "backends.sqlite:SqliteDeduplicationStore", clobber=True)
+            register_backend("mymem", "dedupstore.backends.sqlite:SqliteDeduplicationStore")
+        register_backend(
+            "mymem", "dedupstore.backends.sqlite:SqliteDeduplicationStore", clobber=True
+        )
         assert backend_class("mymem").__name__ == "SqliteDeduplicationStore"
     finally:
         from dedupstore import registry
@@ -243,7 +246,9 @@ def test_backends_load_through_entry_points(monkeypatch: pytest.MonkeyPatch) -> 
 
     from dedupstore import registry
 
-    ep = EntryPoint("epmem", "backends.memory:MemoryDeduplicationStore", registry.ENTRY_POINT_GROUP)
+    ep = EntryPoint(
+        "epmem", "dedupstore.backends.memory:MemoryDeduplicationStore", registry.ENTRY_POINT_GROUP
+    )
     monkeypatch.setattr(registry, "entry_points", lambda group: [ep] if group == ep.group else [])
     monkeypatch.setattr(registry.stores, "_entry_points_loaded", False)
     try:
@@ -361,7 +366,8 @@ def test_dollar_dollar_is_a_literal_dollar(in_tmp: Path) -> None:
 
 
 def test_repr_masks_password_options() -> None:
-    from backends.memory import MemoryDeduplicationStore
+    from dedupstore.backends.memory import MemoryDeduplicationStore
+
     from dedupstore.options import Option, text
 
     class WithPassword(MemoryDeduplicationStore):
@@ -406,7 +412,8 @@ def test_the_version_comes_from_the_package_metadata() -> None:
 
 
 def test_a_short_secret_masks_whole_words_only() -> None:
-    from backends.memory import MemoryDeduplicationStore
+    from dedupstore.backends.memory import MemoryDeduplicationStore
+
     from dedupstore.options import Option, text
 
     class WithPassword(MemoryDeduplicationStore):
@@ -468,14 +475,16 @@ def test_entities_url_per_environment(in_tmp: Path, monkeypatch: pytest.MonkeyPa
 def test_entity_registry_is_lazy_and_extensible() -> None:
     from dedupstore.registry import entity_stores, register_entity_backend
 
-    assert entity_stores.view["postgres"].target == "backends.postgres:PostgresEntityStore"
-    register_entity_backend("mymem", "backends.memory:MemoryEntityStore")
+    assert (
+        entity_stores.view["postgres"].target == "dedupstore.backends.postgres:PostgresEntityStore"
+    )
+    register_entity_backend("mymem", "dedupstore.backends.memory:MemoryEntityStore")
     from dedupstore import open_entity_store
 
     with open_entity_store("mymem://one") as store:
         assert type(store).__name__ == "MemoryEntityStore"
     with pytest.raises(ConfigurationError, match="not a EntityStore subclass"):
-        register_entity_backend("wrong", "backends.memory:MemoryDeduplicationStore")
+        register_entity_backend("wrong", "dedupstore.backends.memory:MemoryDeduplicationStore")
         open_entity_store("wrong://x")
 
 

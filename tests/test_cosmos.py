@@ -37,9 +37,9 @@ import pytest
 from azure.core.exceptions import AzureError, ServiceRequestError, ServiceResponseError
 from azure.cosmos import ContainerProxy, CosmosClient, PartitionKey
 from azure.cosmos.exceptions import CosmosResourceNotFoundError
+from dedupstore.backends import cosmos as cosmos_backend
+from dedupstore.backends.cosmos import CosmosDeduplicationStore, create_container, document_id
 
-from backends import cosmos as cosmos_backend
-from backends.cosmos import CosmosDeduplicationStore, create_container, document_id
 from dedupstore import DeduplicationStore, open_store
 from dedupstore.errors import (
     ConfigurationError,
@@ -151,7 +151,7 @@ def test_the_emulator_session_account_is_refused_without_the_unsafe_option(
 def test_the_unsafe_option_warns_at_every_open(
     open_cosmos: StoreFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="backends.cosmos"):
+    with caplog.at_level(logging.WARNING, logger="dedupstore.backends.cosmos"):
         first, second = open_cosmos(), open_cosmos()
     unsafe = [r for r in caplog.records if r.levelno == logging.WARNING and "UNSAFE" in r.message]
     assert len(unsafe) == 2
@@ -275,7 +275,7 @@ def test_a_strong_account_opens_and_requests_ask_for_strong(
     stub: Callable[..., _StubCosmos], caplog: pytest.LogCaptureFixture
 ) -> None:
     service = stub(consistency="Strong")
-    with caplog.at_level(logging.WARNING, logger="backends.cosmos"):
+    with caplog.at_level(logging.WARNING, logger="dedupstore.backends.cosmos"):
         store = open_store(service.url, key=_STUB_KEY, retries=0)
     assert not caplog.records
     assert store.health_warnings() == []
@@ -319,7 +319,7 @@ def test_the_unsafe_option_on_a_strong_account_warns_that_it_is_useless(
     stub: Callable[..., _StubCosmos], caplog: pytest.LogCaptureFixture
 ) -> None:
     service = stub(consistency="Strong")
-    with caplog.at_level(logging.WARNING, logger="backends.cosmos"):
+    with caplog.at_level(logging.WARNING, logger="dedupstore.backends.cosmos"):
         store = open_store(
             service.url, key=_STUB_KEY, retries=0, allow_weak_consistency_for_emulator_only=True
         )

@@ -16,8 +16,8 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
 
-from backends.memory import MemoryDeduplicationStore, MemoryEntityStore
 from dedupstore.errors import ConfigurationError, HandlerError, StoreUnavailable
 from dedupstore.ids import message_key, outgoing_id
 from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send, sweep
@@ -200,8 +200,9 @@ def test_a_bad_dead_letter_destination_is_a_configuration_error(bad: Any) -> Non
 @pytest.mark.sqlite
 @pytest.mark.parametrize("spark", ["local", "connect"], indirect=True)
 def test_process_messages_dead_letters_a_poison_row_and_goes_on(spark: Any, tmp_path: Any) -> None:
+    from dedupstore.spark import process_messages
+
     from dedupstore import open_dispatcher
-    from spark_integration import process_messages
 
     db = f"sqlite:///{tmp_path}/stores.db"
     queue = f"sqlite:///{tmp_path}/queue.db"
@@ -276,8 +277,8 @@ def test_a_redrive_that_fails_again_is_dead_lettered_again() -> None:
 @pytest.mark.parametrize("spark", ["local"], indirect=True)
 def test_invalid_rows_are_dead_lettered_with_dead_letters(spark: Any, tmp_path: Any) -> None:
     """A null or invalid id is set aside (once per distinct row) instead of failing the job."""
-    from spark_integration import process_messages
-    from spark_integration.pipeline import INVALID_ENTITY
+    from dedupstore.spark import process_messages
+    from dedupstore.spark.pipeline import INVALID_ENTITY
 
     db = f"sqlite:///{tmp_path}/stores.db"
     rows = [("m1", "acct-1", 1), (None, "acct-1", 2), ("m2", None, 3), ("x" * 2000, "acct-2", 4)]

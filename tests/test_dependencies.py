@@ -105,7 +105,7 @@ def _module_imports(path: Path) -> set[str]:
                     visit(node.body)
 
     visit(tree.body)
-    own = {"dedupstore", "backends", "spark_integration", "__future__"}
+    own = {"dedupstore", "__future__"}
     return {n for n in names if n not in sys.stdlib_module_names and n not in own}
 
 
@@ -152,6 +152,7 @@ def test_the_check_finds_an_import_its_part_does_not_declare() -> None:
     core = [r for r in PYPROJECT["dependencies"] if not r.startswith("tenacity")]
     assert _undeclared("dedupstore", core) == {
         "dedupstore/calls.py: tenacity",
+        "dedupstore/consumers/_command.py: tenacity",
         "dedupstore/consumers/_loop.py: tenacity",
     }
     assert _undeclared("spark_integration", core) == {"spark_integration/pipeline.py: tenacity"}
@@ -180,7 +181,7 @@ def test_the_core_works_with_only_its_own_requirements() -> None:
     code = textwrap.dedent(
         f"""
         import importlib.abc, sys, tempfile
-        allowed = set({core!r}) | set(sys.stdlib_module_names) | {{"dedupstore", "backends"}}
+        allowed = set({core!r}) | set(sys.stdlib_module_names) | {{"dedupstore"}}
 
         class Absent(importlib.abc.MetaPathFinder):
             def find_spec(self, name, path=None, target=None):

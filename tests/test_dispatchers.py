@@ -13,11 +13,11 @@ from typing import Any, ClassVar
 
 import pytest
 import redis
+from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryDispatcher, MemoryEntityStore
+from dedupstore.backends.redis import RedisDispatcher, sent_key, stream_key
+from dedupstore.backends.sqlite import SqliteDispatcher
 
 import dedupstore
-from backends.memory import MemoryDeduplicationStore, MemoryDispatcher, MemoryEntityStore
-from backends.redis import RedisDispatcher, sent_key, stream_key
-from backends.sqlite import SqliteDispatcher
 from dedupstore import (
     ConfigurationError,
     InvalidMessageId,
@@ -291,10 +291,10 @@ class TestOpenDispatcher:
 @pytest.mark.memory
 class TestRegistry:
     def test_builtin_schemes(self) -> None:
-        assert dispatchers.view["memory"].target == "backends.memory:MemoryDispatcher"
-        assert dispatchers.view["sqlite"].target == "backends.sqlite:SqliteDispatcher"
+        assert dispatchers.view["memory"].target == "dedupstore.backends.memory:MemoryDispatcher"
+        assert dispatchers.view["sqlite"].target == "dedupstore.backends.sqlite:SqliteDispatcher"
         for scheme in ("redis", "rediss"):
-            assert dispatchers.view[scheme].target == "backends.redis:RedisDispatcher"
+            assert dispatchers.view[scheme].target == "dedupstore.backends.redis:RedisDispatcher"
             assert dispatchers.view[scheme].extra == "redis"
         assert dispatchers.resolve("redis") is RedisDispatcher
 
@@ -305,13 +305,15 @@ class TestRegistry:
             open_dispatcher("no-scheme-here")
 
     def test_register_dispatcher(self) -> None:
-        register_dispatcher("mymem", "backends.memory:MemoryDispatcher")
+        register_dispatcher("mymem", "dedupstore.backends.memory:MemoryDispatcher")
         try:
             with pytest.raises(ValueError, match="clobber"):
-                register_dispatcher("mymem", "backends.sqlite:SqliteDispatcher")
+                register_dispatcher("mymem", "dedupstore.backends.sqlite:SqliteDispatcher")
             with open_dispatcher("mymem://x") as dispatcher:
                 assert type(dispatcher) is MemoryDispatcher
-            register_dispatcher("mymem", "backends.sqlite:SqliteDispatcher", clobber=True)
+            register_dispatcher(
+                "mymem", "dedupstore.backends.sqlite:SqliteDispatcher", clobber=True
+            )
             assert dispatchers.resolve("mymem") is SqliteDispatcher
         finally:
             dispatchers._specs.pop("mymem", None)
@@ -333,7 +335,7 @@ class TestRegistry:
 
         group = registry.DISPATCHER_ENTRY_POINT_GROUP
         assert group == "dedupstore.dispatchers"
-        ep = EntryPoint("epdispatch", "backends.memory:MemoryDispatcher", group)
+        ep = EntryPoint("epdispatch", "dedupstore.backends.memory:MemoryDispatcher", group)
         monkeypatch.setattr(
             registry, "entry_points", lambda group: [ep] if group == ep.group else []
         )

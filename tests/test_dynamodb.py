@@ -33,11 +33,11 @@ from typing import Any
 
 import boto3
 import botocore.exceptions
+import dedupstore.backends.dynamodb._client as dynamodb_client
 import pytest
 import tenacity
+from dedupstore.backends.dynamodb import DynamoDBDeduplicationStore
 
-import backends.dynamodb._client as dynamodb_client
-from backends.dynamodb import DynamoDBDeduplicationStore
 from dedupstore import (
     ConfigurationError,
     ConsistencyError,

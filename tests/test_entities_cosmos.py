@@ -35,10 +35,8 @@ import pytest
 from azure.core.exceptions import AzureError, ServiceRequestError, ServiceResponseError
 from azure.cosmos import ContainerProxy, CosmosClient, PartitionKey
 from azure.cosmos.exceptions import CosmosHttpResponseError
-
-import dedupstore
-from backends import cosmos as cosmos_backend
-from backends.cosmos import (
+from dedupstore.backends import cosmos as cosmos_backend
+from dedupstore.backends.cosmos import (
     CosmosConnection,
     CosmosDeduplicationStore,
     CosmosEntityStore,
@@ -46,7 +44,9 @@ from backends.cosmos import (
     create_entity_container,
     entity_document_id,
 )
-from backends.cosmos.entities import ITEM_OVERHEAD_BYTES, MAX_REQUEST_BYTES
+from dedupstore.backends.cosmos.entities import ITEM_OVERHEAD_BYTES, MAX_REQUEST_BYTES
+
+import dedupstore
 from dedupstore.entities import (
     Entity,
     EntityRecord,
@@ -237,7 +237,7 @@ def test_the_scan_pages_with_continuation_and_streams(
     quiet = store.load("quiet")
     quiet.state = {"q": 1}
     assert store.save_many([*loaded.values(), quiet]) == set()
-    monkeypatch.setattr("backends.cosmos.entities._SCAN_PAGE", 5)
+    monkeypatch.setattr("dedupstore.backends.cosmos.entities._SCAN_PAGE", 5)
     pages: list[int] = []
     original = ContainerProxy.query_items
 
@@ -449,7 +449,7 @@ def test_the_emulator_session_account_is_refused_without_the_unsafe_option(
     strict = url.replace("&allow_weak_consistency_for_emulator_only=true", "")
     with pytest.raises(ConsistencyError, match=r"'Session'.*entity store needs 'Strong'"):
         CosmosEntityStore(strict, key=cosmos_server.key)
-    with caplog.at_level(logging.WARNING, logger="backends.cosmos"):
+    with caplog.at_level(logging.WARNING, logger="dedupstore.backends.cosmos"):
         store = CosmosEntityStore(url, key=cosmos_server.key)
     assert any("UNSAFE" in r.message and "stale" in r.message for r in caplog.records)
     assert any("UNSAFE" in w for w in store.health_warnings())

@@ -23,10 +23,10 @@ from typing import Any
 import botocore.exceptions
 import pytest
 import tenacity
+from dedupstore.backends.dynamodb import DynamoDBDeduplicationStore, DynamoDBEntityStore
+from dedupstore.backends.dynamodb.entities import MAX_ITEM_BYTES, MAX_SCAN_SEGMENTS
 
 import dedupstore
-from backends.dynamodb import DynamoDBDeduplicationStore, DynamoDBEntityStore
-from backends.dynamodb.entities import MAX_ITEM_BYTES, MAX_SCAN_SEGMENTS
 from dedupstore import calls as dedup_calls
 from dedupstore.entities import Entity, EntityStore, OutgoingMessage, encode_entity
 from dedupstore.errors import (
@@ -456,7 +456,7 @@ def test_throttling_and_server_errors_raise_store_unavailable(
 def test_unprocessed_keys_are_asked_again_then_give_up(
     dynamodb_server: DynamoDBEndpoint, entity_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import backends.dynamodb._client as dynamodb_client
+    import dedupstore.backends.dynamodb._client as dynamodb_client
 
     monkeypatch.setattr(dedup_calls, "BACKOFF", tenacity.wait_none())
     client = _client(dynamodb_server)

@@ -16,14 +16,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
+import dedupstore.backends.postgres.entities
 import psycopg
 import psycopg.errors
 import pytest
+from dedupstore.backends.postgres import DEFAULT_ENTITY_TABLE, DEFAULT_TABLE, PostgresEntityStore
 from psycopg import sql
 
-import backends.postgres.entities
 import dedupstore
-from backends.postgres import DEFAULT_ENTITY_TABLE, DEFAULT_TABLE, PostgresEntityStore
 from dedupstore.entities import Entity, EntityStore, OutgoingMessage, bucket_of, encode_entity
 from dedupstore.errors import (
     ConcurrencyConflict,
@@ -394,8 +394,8 @@ def test_small_pages_of_hostile_ids(
     factory: EntityStoreFactory, monkeypatch: pytest.MonkeyPatch, rows: int, budget: int
 ) -> None:
     """Keyset pages by id (byte order, like Python's) cut by rows or by bytes: each id once."""
-    monkeypatch.setattr(backends.postgres.entities, "_PAGE_ROWS", rows)
-    monkeypatch.setattr(backends.postgres.entities, "_PAGE_BYTES", budget)
+    monkeypatch.setattr(dedupstore.backends.postgres.entities, "_PAGE_ROWS", rows)
+    monkeypatch.setattr(dedupstore.backends.postgres.entities, "_PAGE_BYTES", budget)
     store = factory()
     ids = sorted({*HOSTILE_IDS, *(f"r-{random.random()}" for _ in range(40))})
     loaded = store.load_many(ids)

@@ -10,19 +10,19 @@ from typing import Any
 
 import pytest
 import redis
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-import dedupstore
-from backends.redis import (
+from dedupstore.backends.redis import (
     RedisEntityStore,
     buckets_key,
     entity_key,
     pending_key,
     record_key,
 )
-from backends.redis._client import RedisConnection
-from backends.redis.entities import _PRUNE_SCRIPT
+from dedupstore.backends.redis._client import RedisConnection
+from dedupstore.backends.redis.entities import _PRUNE_SCRIPT
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dedupstore
 from dedupstore.client import Connected
 from dedupstore.entities import Entity, OutgoingMessage, bucket_of, encode_entity
 from dedupstore.errors import (

@@ -1,4 +1,4 @@
-"""The Kafka adapter (``backends.kafka.KafkaBroker``).
+"""The Kafka adapter (``dedupstore.backends.kafka.KafkaBroker``).
 
 No real Kafka broker can be installed from the registries this project uses, so the
 logic is tested with confluent-kafka's consumer replaced by a small fake (offsets
@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 from confluent_kafka import KafkaError, Producer, TopicPartition
+from dedupstore.backends.kafka import KafkaBroker, KafkaToken
+from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryDispatcher, MemoryEntityStore
 
-from backends.kafka import KafkaBroker, KafkaToken
-from backends.memory import MemoryDeduplicationStore, MemoryDispatcher, MemoryEntityStore
 from dedupstore.consumers import Consumer, open_broker
 from dedupstore.errors import ConfigurationError, StoreUnavailable
 from dedupstore.outbox import Message, OutboxProcessor, Send

@@ -21,10 +21,10 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import psycopg
 import psycopg.errors
 import pytest
+from dedupstore.backends.postgres import PostgresDeduplicationStore
 from psycopg import sql
 from psycopg_pool import ConnectionPool
 
-from backends.postgres import PostgresDeduplicationStore
 from dedupstore import DeduplicationStore, open_store
 from dedupstore.errors import (
     ConfigurationError,
@@ -219,7 +219,7 @@ def test_a_refused_open_tries_to_log_in_once(
     """The pool starts only once the open's own check passed: a server refusing the
     credentials (counted toward an account lockout, say) sees one attempt, not the
     pool's background ones too."""
-    from backends.postgres import _client
+    from dedupstore.backends.postgres import _client
 
     started: list[object] = []
     real_open = _client._OwnPool.open

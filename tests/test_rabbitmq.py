@@ -10,9 +10,9 @@ from typing import Any
 
 import pika
 import pytest
+from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
+from dedupstore.backends.rabbitmq import RabbitMQDispatcher
 
-from backends.memory import MemoryDeduplicationStore, MemoryEntityStore
-from backends.rabbitmq import RabbitMQDispatcher
 from dedupstore import (
     ConfigurationError,
     MessageTooLarge,

@@ -330,7 +330,7 @@ MY_STORE = '''
 import os
 from urllib.parse import urlsplit
 
-from backends.sqlite import SqliteDeduplicationStore
+from dedupstore.backends.sqlite import SqliteDeduplicationStore
 
 
 class MyStore(SqliteDeduplicationStore):

@@ -18,17 +18,17 @@ from typing import Any
 
 import pytest
 import redis
+from dedupstore.backends.redis import RedisDeduplicationStore, RedisEntityStore, record_key
+from dedupstore.backends.redis import dispatcher as redis_dispatcher
+from dedupstore.backends.redis import entities as redis_entities
+from dedupstore.backends.redis import store as redis_store
+from dedupstore.backends.redis._client import _packed, escape
+from dedupstore.backends.redis.consumer import RedisStreamsBroker
+from dedupstore.backends.redis.dispatcher import RedisDispatcher
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from redis.crc import key_slot
 
-from backends.redis import RedisDeduplicationStore, RedisEntityStore, record_key
-from backends.redis import dispatcher as redis_dispatcher
-from backends.redis import entities as redis_entities
-from backends.redis import store as redis_store
-from backends.redis._client import _packed, escape
-from backends.redis.consumer import RedisStreamsBroker
-from backends.redis.dispatcher import RedisDispatcher
 from dedupstore import DeduplicationStore, open_store
 from dedupstore.errors import (
     ConfigurationError,

@@ -22,17 +22,17 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+from dedupstore.backends.sqlite import SqliteDeduplicationStore
+from dedupstore.spark import drop_processed, process_messages, process_stream, sweep_outboxes
+from dedupstore.spark._clients import ClientSpec, TaskClients
+from dedupstore.spark.order_pipeline import INPUT_SCHEMA, FlakyDispatcher, Settings, run
+from dedupstore.spark.orders import PRICES, expected_outgoing, handle_order, make_workload
+from dedupstore.spark.pipeline import _processed_flags
 
 import dedupstore
-from backends.sqlite import SqliteDeduplicationStore
 from dedupstore.errors import ConfigurationError
 from dedupstore.ids import message_key
 from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send
-from spark_integration import drop_processed, process_messages, process_stream, sweep_outboxes
-from spark_integration._clients import ClientSpec, TaskClients
-from spark_integration.order_pipeline import INPUT_SCHEMA, FlakyDispatcher, Settings, run
-from spark_integration.orders import PRICES, expected_outgoing, handle_order, make_workload
-from spark_integration.pipeline import _processed_flags
 from tests.outbox_backends import OutboxBackend
 from tests.spark_fixtures import TEST_AWS_ENV
 
@@ -654,7 +654,7 @@ def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
 @pytest.mark.slow
 def test_the_demo_job_reports_every_invariant_holding(tmp_path: Path) -> None:
     result = _run(
-        [sys.executable, "-m", "spark_integration.order_pipeline", "--orders", "300"], tmp_path
+        [sys.executable, "-m", "dedupstore.spark.order_pipeline", "--orders", "300"], tmp_path
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "all invariants hold" in result.stdout

@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from dedupstore.spark import drop_processed, process_messages, process_stream
 
 from dedupstore.entities import EntityStore
 from dedupstore.errors import ConfigurationError, InvalidMessageId
 from dedupstore.outbox import Message, Send
 from dedupstore.registry import entity_stores
-from spark_integration import drop_processed, process_messages, process_stream
 
 LOCAL = pytest.mark.parametrize("spark", ["local"], indirect=True)
 pytestmark = pytest.mark.sqlite
@@ -183,7 +183,7 @@ def test_every_spark_type_as_an_id_gives_its_documented_text_or_is_refused(
                 )
                 _refused(lambda a=args: drop_processed(df, stores["dedup_url"], **a), name, kind)
 
-        from spark_integration._columns import id_text
+        from dedupstore.spark._columns import id_text
 
         accepted = {name: text for name, _, text in ID_TYPES if text is not None}
         for zone in ("UTC", "Pacific/Chatham"):  # +13:45: no rule can depend on it
@@ -543,7 +543,7 @@ def test_a_null_id_fails_the_task_naming_the_column_and_the_row(spark: Any, tmp_
 
 def test_null_and_empty_ids_name_their_columns() -> None:
     """The task's own check, in this process: every combination, no Spark job."""
-    from spark_integration._columns import message_ids
+    from dedupstore.spark._columns import message_ids
 
     cases = [
         ((None, "a"), r"column 'msg' holds a null message id \(correlation id 'a'\)"),

@@ -8,7 +8,7 @@
   and workers on a Python that does not have the project on its path;
 * adaptive execution merging ``process_messages``' shuffle partitions without ever
   splitting an entity across tasks;
-* :func:`spark_integration.session.quiet_task_retries` counting a killed worker's
+* :func:`dedupstore.spark.session.quiet_task_retries` counting a killed worker's
   retried task and restoring the loggers.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -25,16 +26,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from dedupstore.spark import process_messages
+from dedupstore.spark.order_pipeline import _claim, task_attempts
+from dedupstore.spark.session import TASK_FAILURE_LOGGERS, is_local_master, quiet_task_retries
 
 import dedupstore
 from dedupstore.outbox import Message, Send
-from spark_integration import process_messages
-from spark_integration.order_pipeline import _claim, task_attempts
-from spark_integration.session import TASK_FAILURE_LOGGERS, is_local_master, quiet_task_retries
 from tests.spark_fixtures import TEST_AWS_ENV, spark_home
+from tests.wheel import build_wheel
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("dedupstore", "backends", "spark_integration")
 
 
 def handle_sequence(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
@@ -81,7 +82,7 @@ OWN_JOB = textwrap.dedent(
     import json, sys
     from pyspark.sql import SparkSession, functions as F
     from dedupstore.outbox import Send
-    from spark_integration import process_messages
+    from dedupstore.spark import process_messages
 
     def handle(state, message):            # pure: no I/O, no clock, no randomness
         seen = [*state.get("seen", []), message.id]
@@ -275,7 +276,7 @@ SHIPPED_JOB = textwrap.dedent(
     import pyarrow as pa
     from pyspark.sql import SparkSession
     from handlers import handle
-    from spark_integration import drop_processed, process_messages
+    from dedupstore.spark import drop_processed, process_messages
 
     db = sys.argv[1]
     spark = SparkSession.builder.getOrCreate()
@@ -288,21 +289,22 @@ SHIPPED_JOB = textwrap.dedent(
     left = drop_processed(df, db, correlation_col="account").count()
 
     def where(batches):
-        import dedupstore, handlers, spark_integration
+        import dedupstore, dedupstore.backends.sqlite, dedupstore.spark, handlers
         for _ in batches:
             yield pa.RecordBatch.from_pylist([{
                 "dedupstore": dedupstore.__file__,
-                "spark_integration": spark_integration.__file__,
+                "backends": dedupstore.backends.sqlite.__file__,
+                "spark": dedupstore.spark.__file__,
                 "handlers": handlers.__file__,
             }])
 
     places = spark.range(0, 4, 1, 4).mapInArrow(
-        where, "dedupstore string, spark_integration string, handlers string"
+        where, "dedupstore string, backends string, spark string, handlers string"
     ).collect()
     print(json.dumps({
         "outcomes": sorted(r["outcome"] for r in results),
         "left": left,
-        "driver": sys.modules["spark_integration"].__file__,
+        "driver": sys.modules["dedupstore.spark"].__file__,
         "workers": sorted({v for r in places for v in r.asDict().values()}),
     }))
     spark.stop()
@@ -332,26 +334,23 @@ def _python_without_the_project(directory: Path) -> Path:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_code_shipped_with_py_files_runs_on_a_local_cluster(tmp_path: Path) -> None:
-    """The README's --py-files recipe: the workers import the package from the shipped zip."""
+    """The README's --py-files recipe: the workers import the package from the shipped
+    wheel (a zip: its one top-level package, ``dedupstore``, with the backends and the
+    Spark integration under it)."""
     python = _python_without_the_project(tmp_path / "venv")
     env = _clean_env(PYSPARK_DRIVER_PYTHON=str(python), SPARK_LOCAL_IP="127.0.0.1")
     env.pop("PYTHONPATH", None)
     probe = subprocess.run(
-        [str(python), "-c", "import pyspark, tenacity\nimport spark_integration"],
+        [str(python), "-c", "import pyspark, tenacity\nimport dedupstore"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
         text=True,
         check=False,
     )
-    assert "No module named 'spark_integration'" in probe.stderr  # only the libraries
-    package = tmp_path / "dedupstore.zip"
-    subprocess.run(  # the README's command, from the project's root
-        [sys.executable, "-m", "zipfile", "-c", str(package), *PACKAGES],
-        cwd=ROOT,
-        check=True,
-        timeout=120,
-    )
+    assert "No module named 'dedupstore'" in probe.stderr  # only the libraries
+    wheel = build_wheel(tmp_path / "dist")  # the README's commands: the wheel, as a .zip
+    package = Path(shutil.copy2(wheel, tmp_path / "dedupstore.zip"))
     (tmp_path / "handlers.py").write_text(SHIPPED_HANDLER, encoding="utf-8")
     (tmp_path / "job.py").write_text(SHIPPED_JOB, encoding="utf-8")
     conf = {
@@ -383,12 +382,12 @@ def test_code_shipped_with_py_files_runs_on_a_local_cluster(tmp_path: Path) -> N
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["outcomes"] == ["processed"] * 60
     assert report["left"] == 0
-    assert "dedupstore.zip" in report["driver"]
+    assert package.name in report["driver"]
     # every module came from the shipped files, none from the project's source tree
     # (Spark's local-cluster work directory may lie inside the checkout's .venv)
     sources = tuple(str(ROOT / name) for name in ("dedupstore", "backends", "spark_integration"))
     for place in report["workers"]:
-        assert "dedupstore.zip" in place or place.endswith("handlers.py"), place
+        assert package.name in place or place.endswith("handlers.py"), place
         assert not place.startswith(sources), place
     with dedupstore.open_entity_store(db) as entities:
         totals = {e: entities.load(f"acct-{e}").state["total"] for e in range(5)}

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from dedupstore.backends.memory import MemoryDeduplicationStore
 
-from backends.memory import MemoryDeduplicationStore
 from dedupstore.cli import main
 from dedupstore.entities import OutgoingMessage
 from dedupstore.errors import ConfigurationError, StoreClosed
@@ -228,7 +228,7 @@ def test_a_backend_that_cannot_count_answers_none(capsys: pytest.CaptureFixture[
 
 @pytest.mark.memory
 def test_bad_segments_are_refused() -> None:
-    from backends.memory import MemoryEntityStore
+    from dedupstore.backends.memory import MemoryEntityStore
 
     with MemoryEntityStore(f"memory://{uuid.uuid4().hex}") as entities:
         for kwargs in ({"segments": 0}, {"segment": 3, "segments": 3}, {"segment": -1}):
@@ -238,7 +238,7 @@ def test_bad_segments_are_refused() -> None:
 
 @pytest.mark.memory
 def test_progress_reports_every_so_many_entities() -> None:
-    from backends.memory import MemoryEntityStore
+    from dedupstore.backends.memory import MemoryEntityStore
 
     url = f"memory://{uuid.uuid4().hex}"
     with MemoryEntityStore(url) as entities, MemoryDeduplicationStore(url) as dedup:

@@ -3,9 +3,9 @@
 Two thread-safe stores share one ``CosmosClient`` per account and process
 (:class:`CosmosConnection`; a child after ``fork`` opens its own):
 
-* :class:`CosmosDeduplicationStore` (``open_store``; :mod:`backends.cosmos.store`): one item per
+* :class:`CosmosDeduplicationStore` (``open_store``; :mod:`.cosmos.store`): one item per
   (endpoint, message id) in a container made by :func:`create_container`;
-* :class:`CosmosEntityStore` (``open_entity_store``; :mod:`backends.cosmos.entities`): one item per
+* :class:`CosmosEntityStore` (``open_entity_store``; :mod:`.cosmos.entities`): one item per
   entity, version = the item's ``_etag``, in a container made by :func:`create_entity_container`.
   Give each kind its own container: the URL names the container of the store it opens.
 
@@ -59,18 +59,19 @@ retry; an entity save raises and the caller reloads). A call (one chunk of a bat
 reading together) and every pause between attempts is cut at that deadline, and no attempt starts
 after it; only the waits a throttling service asks for (429 ``retry-after``, at most ``timeout``
 rounded up, in all) can extend it. A given ``client`` keeps its own transport and retries, so lacks
-the store's check of a reply cut short (``backends._http``): azure-core's default transport still
-refuses a body shorter than its length, but not a reply cut inside its headers. ``StoreUnavailable``
-(unreachable, timeout, throttling, 5xx, a reply cut short): retry. ``ConfigurationError``: rejected
-key, missing database or container, a container of another shape or shared with other data.
+the store's check of a reply cut short (``dedupstore.replies``): azure-core's default
+transport still refuses a body shorter than its length, but not a reply cut inside its headers.
+``StoreUnavailable`` (unreachable, timeout, throttling, 5xx, a reply cut short): retry.
+``ConfigurationError``: rejected key, missing database or container, a container of another
+shape or shared with other data.
 ``ConsistencyError``: weaker than Strong. Each store's module says what it guarantees on failure.
 """
 
 from __future__ import annotations
 
-from backends.cosmos._client import KEY_ENV_VAR, PARTITION_KEY_PATH, CosmosConnection
-from backends.cosmos.entities import CosmosEntityStore, create_entity_container, entity_document_id
-from backends.cosmos.store import CosmosDeduplicationStore, create_container, document_id
+from ._client import KEY_ENV_VAR, PARTITION_KEY_PATH, CosmosConnection
+from .entities import CosmosEntityStore, create_entity_container, entity_document_id
+from .store import CosmosDeduplicationStore, create_container, document_id
 
 __all__ = [
     "KEY_ENV_VAR",

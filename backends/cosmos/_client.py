@@ -55,8 +55,8 @@ __all__ = [
     "CosmosConnection",
 ]
 
-#: One logger for the package (``backends.cosmos``), whichever store logs.
-_log = logging.getLogger("backends.cosmos")
+#: One logger for the package (``dedupstore.backends.cosmos``), whichever store logs.
+_log = logging.getLogger("dedupstore.backends.cosmos")
 
 #: Environment variable holding the account key when ``key`` is not given.
 KEY_ENV_VAR: Final = "COSMOS_KEY"

@@ -47,13 +47,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final
 from azure.core.exceptions import HttpResponseError
 from azure.cosmos import CosmosClient
 
-from backends.cosmos._client import CONNECTION_OPTIONS, ContainerKind, CosmosConnection
 from dedupstore.calls import write_token
 from dedupstore.client import Connected, ErrorKind
 from dedupstore.entities import EntityRecord, EntityStore
 from dedupstore.errors import ConfigurationError, EntityTooLarge
 from dedupstore.options import Options, OptionSet, client_option
 from dedupstore.urls import StoreURL
+
+from ._client import CONNECTION_OPTIONS, ContainerKind, CosmosConnection
 
 if TYPE_CHECKING:
     from azure.cosmos import ContainerProxy
@@ -85,14 +86,14 @@ def create_entity_container(
     client: CosmosClient, database: str, container: str, *, offer_throughput: int | None = None
 ) -> ContainerProxy:
     """Create ``database`` and an entity ``container`` if missing: no TTL, only what the scan
-    filters on (``/pending``, ``/bucket``) indexed. See :mod:`backends.cosmos` for
+    filters on (``/pending``, ``/bucket``) indexed. See :mod:`.cosmos` for
     ``offer_throughput`` and errors."""
     return CosmosEntityStore._kind.create(client, database, container, offer_throughput)
 
 
 class CosmosEntityStore(EntityStore):
     """Entities in an Azure Cosmos DB (NoSQL API) container, one item each, versioned by its
-    ``_etag`` (:mod:`backends.cosmos.entities`)."""
+    ``_etag`` (:mod:`.cosmos.entities`)."""
 
     _cosmos = Connected(CosmosConnection)
     max_entity_bytes: ClassVar[int] = (MAX_REQUEST_BYTES - ITEM_OVERHEAD_BYTES) // 2

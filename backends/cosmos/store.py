@@ -36,11 +36,12 @@ from azure.core import MatchConditions
 from azure.cosmos import CosmosClient
 from azure.cosmos.exceptions import CosmosHttpResponseError
 
-from backends.cosmos._client import CONNECTION_OPTIONS, ContainerKind, CosmosConnection
 from dedupstore.client import Connected
 from dedupstore.errors import ConfigurationError, StoreUnavailable
 from dedupstore.options import OptionSet
 from dedupstore.store import CLOCK, MAX_CLOCK_SKEW, DeduplicationStore, WriteRequest
+
+from ._client import CONNECTION_OPTIONS, ContainerKind, CosmosConnection
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -76,13 +77,13 @@ def create_container(
 ) -> ContainerProxy:
     """Create ``database`` and a deduplication ``container`` if missing: default TTL ``-1``
     (per-item TTL on, nothing expires by default), only ``endpoint`` and ``expires_at`` indexed. See
-    :mod:`backends.cosmos` for ``offer_throughput`` and errors."""
+    :mod:`.cosmos` for ``offer_throughput`` and errors."""
     return CosmosDeduplicationStore._kind.create(client, database, container, offer_throughput)
 
 
 class CosmosDeduplicationStore(DeduplicationStore):
     """Deduplication store in an Azure Cosmos DB (NoSQL API) container: linearizable on a Strong
-    account, expiry by the client's clock (:mod:`backends.cosmos.store`)."""
+    account, expiry by the client's clock (:mod:`.cosmos.store`)."""
 
     _cosmos = Connected(CosmosConnection)
     max_write_batch: ClassVar[int] = 1000

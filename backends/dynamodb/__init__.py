@@ -4,12 +4,12 @@ Two stores, each in a table of its own named by the URL (a table of the other ki
 key schema differs), opened by ``dedupstore.open_store(url)`` and
 ``dedupstore.open_entity_store(url)``:
 
-* :class:`DynamoDBDeduplicationStore` (:mod:`backends.dynamodb.store`): key ``pk`` (message id) +
+* :class:`DynamoDBDeduplicationStore` (:mod:`.dynamodb.store`): key ``pk`` (message id) +
   ``sk`` (endpoint), expiry by the client's clock, native TTL;
-* :class:`DynamoDBEntityStore` (:mod:`backends.dynamodb.entities`): key ``id``, one item per entity,
+* :class:`DynamoDBEntityStore` (:mod:`.dynamodb.entities`): key ``id``, one item per entity,
   ``version`` the concurrency token.
 
-Both hold a :class:`DynamoDBConnection` (:mod:`backends.dynamodb._client`): one boto3 client per
+Both hold a :class:`DynamoDBConnection` (:mod:`.dynamodb._client`): one boto3 client per
 process (new after ``fork``), endpoint, credentials and connection options, for any table.
 
 Consistency: every read is strongly consistent (``ConsistentRead=True``). Tables with global-table
@@ -57,9 +57,9 @@ caller may conclude.
 
 from __future__ import annotations
 
-from backends.dynamodb._client import MAX_BATCH_GET_KEYS, MAX_TRANSACT_ITEMS, DynamoDBConnection
-from backends.dynamodb.entities import DynamoDBEntityStore
-from backends.dynamodb.store import DynamoDBDeduplicationStore
+from ._client import MAX_BATCH_GET_KEYS, MAX_TRANSACT_ITEMS, DynamoDBConnection
+from .entities import DynamoDBEntityStore
+from .store import DynamoDBDeduplicationStore
 
 __all__ = [
     "MAX_BATCH_GET_KEYS",

@@ -352,7 +352,7 @@ class DynamoDBConnection(Connection):
     def request(self, client: Client, fn: Callable[[], T]) -> T:
         """``fn()``, one request of ``client``, retried (its ``retries`` times) after a connection
         error, timeout, throttling or 5xx, until ``connect_timeout`` before the deadline (botocore
-        cannot shorten a connection timeout): see :mod:`backends.dynamodb`."""
+        cannot shorten a connection timeout): see :mod:`.dynamodb`."""
         opts = client._opts
         budget = (opts["retries"] + 1) * opts["timeout"]
         left = time_left()
@@ -374,7 +374,7 @@ class DynamoDBConnection(Connection):
 
     @classmethod
     def classify_error(cls, client: Client, exc: BaseException) -> ErrorKind:
-        """Classify a botocore error of ``client`` (see :mod:`backends.dynamodb`)."""
+        """Classify a botocore error of ``client`` (see :mod:`.dynamodb`)."""
         if isinstance(exc, boto_errors.ClientError):
             code, message = _error_code(exc), _error_message(exc)
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")

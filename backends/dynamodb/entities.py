@@ -36,7 +36,7 @@ The attributes other than the body take at most 1,103 bytes (a 1024-byte id, a 3
 32-character token, the flag, the names), so :attr:`DynamoDBEntityStore.max_entity_bytes` is 400,000
 bytes of JSON: under the service limit with room to spare and under moto's 405,000-byte check.
 
-Options and errors: see :mod:`backends.dynamodb`; ``StoreUnavailable`` also for an ambiguous
+Options and errors: see :mod:`.dynamodb`; ``StoreUnavailable`` also for an ambiguous
 re-send, and a ``save_many`` chunk that raises keeps its successful puts (reload to see).
 
 Emulator notes (tests run against moto's server, which keeps no data across a restart): moto's
@@ -49,18 +49,19 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from backends.dynamodb._client import (
+from dedupstore.calls import fan_out, write_token
+from dedupstore.client import Connected
+from dedupstore.entities import EntityRecord, EntityStore
+from dedupstore.errors import StoreUnavailable
+from dedupstore.options import OptionSet, create_option
+
+from ._client import (
     CONNECTION_OPTIONS,
     MAX_BATCH_GET_KEYS,
     DynamoDBConnection,
     TableKind,
     create_table,
 )
-from dedupstore.calls import fan_out, write_token
-from dedupstore.client import Connected
-from dedupstore.entities import EntityRecord, EntityStore
-from dedupstore.errors import StoreUnavailable
-from dedupstore.options import OptionSet, create_option
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb.type_defs import AttributeValueTypeDef

@@ -33,7 +33,7 @@ every endpoint: the endpoint is the sort key, so no ``Query`` reaches one endpoi
 ``purge_expired`` deletes the matches with conditional deletes, 100 per transaction, and is rarely
 needed with native TTL (``create_table`` enables it).
 
-Options and errors: see :mod:`backends.dynamodb`. After ``StoreUnavailable`` the ids in its
+Options and errors: see :mod:`.dynamodb`. After ``StoreUnavailable`` the ids in its
 ``unknown`` may or may not be recorded: retry (on the same object, the ids the failed call wrote are
 then reported as recorded). After ``ConfigurationError``, fix the setup: retrying does not help.
 """
@@ -48,7 +48,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import botocore.exceptions as boto_errors
 
-from backends.dynamodb._client import (
+from dedupstore.calls import retry
+from dedupstore.client import Connected
+from dedupstore.options import OptionSet, create_option
+from dedupstore.store import CLOCK, MAX_CLOCK_SKEW, DeduplicationStore, WriteRequest
+
+from ._client import (
     _CONFLICT_CODES,
     _MAX_BACKOFF_ROUNDS,
     _RETRYABLE_REASONS,
@@ -61,10 +66,6 @@ from backends.dynamodb._client import (
     _number,
     create_table,
 )
-from dedupstore.calls import retry
-from dedupstore.client import Connected
-from dedupstore.options import OptionSet, create_option
-from dedupstore.store import CLOCK, MAX_CLOCK_SKEW, DeduplicationStore, WriteRequest
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb.type_defs import AttributeValueTypeDef, TransactWriteItemTypeDef

@@ -11,9 +11,9 @@ the bounds on every statement, what is re-sent, and the errors (``StoreUnavailab
 ``ConfigurationError``: fix the setup).
 """
 
-from backends.postgres._client import PostgresConnection, StatementTimeout
-from backends.postgres.entities import DEFAULT_ENTITY_TABLE, PostgresEntityStore
-from backends.postgres.store import DEFAULT_TABLE, PostgresDeduplicationStore
+from ._client import PostgresConnection, StatementTimeout
+from .entities import DEFAULT_ENTITY_TABLE, PostgresEntityStore
+from .store import DEFAULT_TABLE, PostgresDeduplicationStore
 
 __all__ = [
     "DEFAULT_ENTITY_TABLE",

@@ -1,6 +1,6 @@
 """``PostgresEntityStore``: entities and their outbox, one row each, in PostgreSQL.
 
-Options: those of :mod:`backends.postgres._client` (``table`` defaults to ``dedupstore_entities``).
+Options: those of :mod:`.postgres._client` (``table`` defaults to ``dedupstore_entities``).
 The URL is the deduplication store's; the default tables differ, so entities and records never mix.
 
 Table layout (``create=true`` or :meth:`PostgresEntityStore.create_schema`)::
@@ -41,7 +41,7 @@ PostgreSQL would hold up to 1 GB per value; 4 MiB keeps the answer to one load s
 (``max_load_batch`` = 100 entities) below 400 MiB, a save statement and a scan page near 16 MiB (at
 least one entity each), a statement well inside ``timeout``, and matches the base class's default.
 
-Failures (see :mod:`backends.postgres._client`): a save is sent once. When its answer is lost
+Failures (see :mod:`.postgres._client`): a save is sent once. When its answer is lost
 (``StoreUnavailable``) it may or may not have been applied, and the entities' ``version`` is left as
 it was, so a retry of the same save conflicts if the first one was applied (reload: the entity then
 holds that save's state). A re-send would conflict the same way, so the store never re-sends a save:
@@ -53,15 +53,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from backends.postgres._client import PostgresConnection, Table, create_schema, postgres_options
-from backends.postgres.store import PostgresDeduplicationStore
 from dedupstore.client import Connected
 from dedupstore.entities import EntityRecord, EntityStore, groups_by_size
 from dedupstore.options import OptionSet
 from dedupstore.store import DeduplicationStore, WriteRequest
 
+from ._client import PostgresConnection, Table, create_schema, postgres_options
+from .store import PostgresDeduplicationStore
+
 if TYPE_CHECKING:
-    from backends.postgres._client import PgConnection
+    from ._client import PgConnection
 
 __all__ = ["DEFAULT_ENTITY_TABLE", "PostgresEntityStore"]
 

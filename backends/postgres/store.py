@@ -1,6 +1,6 @@
 """``PostgresDeduplicationStore``: a deduplication table in PostgreSQL.
 
-Options: those of :mod:`backends.postgres._client` (``table`` defaults to ``dedup_records``),
+Options: those of :mod:`.postgres._client` (``table`` defaults to ``dedup_records``),
 ``endpoint`` and ``retention``. A table without one of the columns (``endpoint``, ``id``,
 ``expires_at``, ``writer``) is refused with a ``ConfigurationError`` naming what is missing.
 
@@ -21,14 +21,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from backends.postgres._client import PostgresConnection, Table, create_schema, postgres_options
 from dedupstore.client import Connected
 from dedupstore.errors import ConfigurationError
 from dedupstore.options import OptionSet
 from dedupstore.store import DeduplicationStore, WriteRequest
 
+from ._client import PostgresConnection, Table, create_schema, postgres_options
+
 if TYPE_CHECKING:
-    from backends.postgres._client import PgConnection
+    from ._client import PgConnection
 
 __all__ = ["DEFAULT_TABLE", "PostgresDeduplicationStore"]
 

@@ -32,7 +32,7 @@ unset or above ``max_deliveries``, or RabbitMQ drops (or dead-letters, raw and
 unrecorded) a message before the library could set it aside.
 
 What a delivery carries (the default :class:`~dedupstore.consumers.MessageRules`
-read what :class:`~backends.rabbitmq.dispatcher.RabbitMQDispatcher` publishes):
+read what :class:`~dedupstore.backends.rabbitmq.dispatcher.RabbitMQDispatcher` publishes):
 ``Delivery.body`` the message body (bytes), ``Delivery.headers`` the AMQP headers as
 text, plus ``id`` from the ``message_id`` property and ``correlation_id`` from the
 ``correlation_id`` property when they are set (a property wins over a header of the
@@ -43,7 +43,7 @@ URL: ``amqp[s]://[user[:password]@]host[:port][/vhost]?queue=<queue>``. Options:
 ``prefetch`` (100; at least the consume loop's ``batch_size``, or its batches stay
 small), ``create`` (true: declare the queue durable if it does not exist, of
 ``queue_type`` ``classic`` or ``quorum``; false or ``must_exist``: a missing queue is
-"no such store"), and the connection options of :mod:`backends.rabbitmq._client`.
+"no such store"), and the connection options of :mod:`.rabbitmq._client`.
 After a lost connection the next call connects again (deliveries of the lost
 channel are requeued by the broker; their tokens are ignored by ``ack``/``nack``).
 One consumer loop per object (not thread-safe).
@@ -62,7 +62,13 @@ import pika
 import pika.exceptions as pe
 from pika.adapters.blocking_connection import BlockingChannel
 
-from backends.rabbitmq._client import (
+from dedupstore.client import Client, ErrorKind, ProcessLocal
+from dedupstore.consumers import Broker, Delivery
+from dedupstore.errors import ConfigurationError
+from dedupstore.options import Option, Options, OptionSet, boolean, integer, optional, text
+from dedupstore.urls import StoreURL
+
+from ._client import (
     CONNECTION_OPTIONS,
     classify,
     close_quietly,
@@ -75,11 +81,6 @@ from backends.rabbitmq._client import (
     reply_code,
     vhost,
 )
-from dedupstore.client import Client, ErrorKind, ProcessLocal
-from dedupstore.consumers import Broker, Delivery
-from dedupstore.errors import ConfigurationError
-from dedupstore.options import Option, Options, OptionSet, boolean, integer, optional, text
-from dedupstore.urls import StoreURL
 
 __all__ = ["RabbitMQBroker", "RabbitMQToken"]
 

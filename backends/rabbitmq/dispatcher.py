@@ -57,7 +57,7 @@ attempt. The AMQP table takes 3 bytes more than the headers' JSON; the other 1 K
 room for the other properties.
 
 Options: ``exchange``, ``declare_queues``, ``queue_type``, ``max_message_bytes`` and the
-connection options of :mod:`backends.rabbitmq._client`. Fork-safe (a child process opens its own
+connection options of :mod:`.rabbitmq._client`. Fork-safe (a child process opens its own
 connection) and thread-safe (one dispatch at a time per object); pickled by
 configuration.
 """
@@ -75,7 +75,16 @@ import pika.exceptions as pe
 from pika.adapters.blocking_connection import BlockingChannel
 from pika.adapters.utils.connection_workflow import AMQPConnectorException
 
-from backends.rabbitmq._client import (
+from dedupstore.calls import DeadlinePassed, retry, time_left
+from dedupstore.client import ErrorKind, ProcessLocal
+from dedupstore.dead_letters import ReadMessage
+from dedupstore.dispatch import EncodedMessage, URLDispatcher
+from dedupstore.entities import OutgoingMessage
+from dedupstore.errors import ConfigurationError, StoreUnavailable
+from dedupstore.options import Option, Options, OptionSet, boolean, text
+from dedupstore.urls import StoreURL
+
+from ._client import (
     CONNECTION_OPTIONS,
     Expiry,
     classify,
@@ -89,14 +98,6 @@ from backends.rabbitmq._client import (
     reply_code,
     vhost,
 )
-from dedupstore.calls import DeadlinePassed, retry, time_left
-from dedupstore.client import ErrorKind, ProcessLocal
-from dedupstore.dead_letters import ReadMessage
-from dedupstore.dispatch import EncodedMessage, URLDispatcher
-from dedupstore.entities import OutgoingMessage
-from dedupstore.errors import ConfigurationError, StoreUnavailable
-from dedupstore.options import Option, Options, OptionSet, boolean, text
-from dedupstore.urls import StoreURL
 
 __all__ = ["RabbitMQDispatcher"]
 

@@ -1,23 +1,23 @@
 """``redis://`` and ``rediss://``: stores and a dispatcher on a Redis primary.
 
-* :mod:`backends.redis._client` -- :class:`RedisConnection`, shared by the objects of one server in
+* :mod:`.redis._client` -- :class:`RedisConnection`, shared by the objects of one server in
   a process: the options, the pool, timeouts and retries, the write script, errors, health warnings;
   it refuses Redis Cluster and replicas.
-* :mod:`backends.redis.store` -- :class:`RedisDeduplicationStore`: a string key per (endpoint, id),
+* :mod:`.redis.store` -- :class:`RedisDeduplicationStore`: a string key per (endpoint, id),
   native expiry.
-* :mod:`backends.redis.entities` -- :class:`RedisEntityStore`: a hash per entity.
-* :mod:`backends.redis.dispatcher` -- :class:`RedisDispatcher`: a stream per destination.
-* :mod:`backends.redis.consumer` -- :class:`RedisStreamsBroker`: the consume loop's broker, a
+* :mod:`.redis.entities` -- :class:`RedisEntityStore`: a hash per entity.
+* :mod:`.redis.dispatcher` -- :class:`RedisDispatcher`: a stream per destination.
+* :mod:`.redis.consumer` -- :class:`RedisStreamsBroker`: the consume loop's broker, a
   consumer group; imported on first use (``dedupstore.consumers.open_broker``).
 
 All take the URL ``redis[s]://[[user]:password@]host[:port][/db]`` and the connection options; each
 module documents its key layout, token and failure semantics.
 """
 
-from backends.redis._client import RedisConnection
-from backends.redis.dispatcher import RedisDispatcher, sent_key, stream_key
-from backends.redis.entities import RedisEntityStore, buckets_key, entity_key, pending_key
-from backends.redis.store import RedisDeduplicationStore, record_key
+from ._client import RedisConnection
+from .dispatcher import RedisDispatcher, sent_key, stream_key
+from .entities import RedisEntityStore, buckets_key, entity_key, pending_key
+from .store import RedisDeduplicationStore, record_key
 
 __all__ = [
     "RedisConnection",

@@ -11,7 +11,7 @@ back by this consumer with ``XCLAIM`` at its next fetch, which counts it).
 URL: ``redis[s]://[[user]:password@]host[:port][/db]?group=<group>&destination=<d>``
 (or ``stream=<key>``). Options:
 
-* ``destination`` -- read what :class:`~backends.redis.dispatcher.RedisDispatcher`
+* ``destination`` -- read what :class:`~dedupstore.backends.redis.dispatcher.RedisDispatcher`
   writes to that destination: the stream ``<key_prefix><destination>``, with the
   dispatcher's ``key_prefix`` (``dedupout:``) and escaping; or ``stream``, a stream
   key as is. Exactly one of the two.
@@ -31,7 +31,7 @@ URL: ``redis[s]://[[user]:password@]host[:port][/db]?group=<group>&destination=<
   entry (``id`` among them) plus the entries of that JSON object (a field wins over
   a JSON header of the same name; a headers field that is not a JSON object is kept
   as a plain field).
-* the connection options of :mod:`backends.redis._client` (``timeout``, retries,
+* the connection options of :mod:`.redis._client` (``timeout``, retries,
   pool, credentials, TLS, ``client``). A fetch blocks at most ``wait`` seconds and
   never more than half of ``timeout``.
 
@@ -58,13 +58,14 @@ from typing import Any, ClassVar
 
 from redis.exceptions import ResponseError
 
-from backends.redis._client import CONNECTION_OPTIONS, RedisConnection, key_prefix_option, text_of
-from backends.redis.dispatcher import stream_key
 from dedupstore.client import Client, Connected
 from dedupstore.consumers import Broker, Delivery
 from dedupstore.errors import ConfigurationError
 from dedupstore.options import Option, Options, OptionSet, boolean, optional, seconds, text
 from dedupstore.urls import StoreURL
+
+from ._client import CONNECTION_OPTIONS, RedisConnection, key_prefix_option, text_of
+from .dispatcher import stream_key
 
 _log = logging.getLogger("dedupstore.consumers")
 

@@ -1,6 +1,6 @@
 """The Redis Streams dispatcher: :class:`RedisDispatcher`.
 
-Layout (``key_prefix`` ``dedupout:`` by default; keys: see :mod:`backends.redis._client`):
+Layout (``key_prefix`` ``dedupout:`` by default; keys: see :mod:`.redis._client`):
 
 * one stream per destination, ``<key_prefix><destination>`` (the destination escaped: it holds no
   ``:``, so no stream key can be a marker key), one entry per message with the fields ``id``,
@@ -33,7 +33,7 @@ field value Redis accepts). It is not read from the server (``CONFIG`` is refuse
 managed servers); a server configured lower needs the ``max_message_bytes`` option.
 
 Options: ``key_prefix``, ``dedupe_window`` (7 days; ``0``/``none``: off), ``maxlen`` (none),
-``max_message_bytes`` and those of :mod:`backends.redis._client`, which also documents the
+``max_message_bytes`` and those of :mod:`.redis._client`, which also documents the
 errors.
 """
 
@@ -44,19 +44,20 @@ import re
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from backends.redis._client import (
-    CONNECTION_OPTIONS,
-    RedisConnection,
-    escape,
-    key_prefix_option,
-    text_of,
-)
 from dedupstore.client import Connected
 from dedupstore.dead_letters import ReadMessage
 from dedupstore.dispatch import EncodedMessage, URLDispatcher
 from dedupstore.entities import OutgoingMessage
 from dedupstore.errors import StoreUnavailable
 from dedupstore.options import Option, OptionSet, integer, optional, seconds
+
+from ._client import (
+    CONNECTION_OPTIONS,
+    RedisConnection,
+    escape,
+    key_prefix_option,
+    text_of,
+)
 
 __all__ = ["RedisDispatcher", "sent_key", "stream_key"]
 

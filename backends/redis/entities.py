@@ -1,6 +1,6 @@
 """The Redis entity store: :class:`RedisEntityStore`.
 
-Layout (``key_prefix`` ``dedupent:`` by default; keys: see :mod:`backends.redis._client`):
+Layout (``key_prefix`` ``dedupent:`` by default; keys: see :mod:`.redis._client`):
 
 * one hash per entity, ``<key_prefix>e:<id>`` (the id escaped), with the fields ``b`` (the canonical
   JSON body), ``v`` (the version: 1, 2, 3, ... per save), ``t`` (the random write token of the save
@@ -43,7 +43,7 @@ Size limit: 4 MiB of JSON per entity (``max_entity_bytes``). Redis takes values 
 (``proto-max-bulk-len``), but an entity is read whole by every load and scan, and a chunk of them
 travels in one command: 4 MiB keeps a page of a scan and a script call within tens of MiB.
 
-Options and errors: see :mod:`backends.redis._client` (after ``StoreUnavailable`` the outcome of a
+Options and errors: see :mod:`.redis._client` (after ``StoreUnavailable`` the outcome of a
 save is unknown).
 """
 
@@ -54,20 +54,21 @@ import itertools
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
-from backends.redis._client import (
-    CONNECTION_OPTIONS,
-    RedisConnection,
-    escape,
-    foreign_value_error,
-    key_prefix_option,
-)
-from backends.redis.store import ADD_SCRIPT, RedisDeduplicationStore
 from dedupstore.calls import write_token
 from dedupstore.client import Connected
 from dedupstore.entities import EntityRecord, EntityStore, groups_by_size
 from dedupstore.errors import StoreUnavailable
 from dedupstore.options import OptionSet
 from dedupstore.store import DeduplicationStore, WriteRequest
+
+from ._client import (
+    CONNECTION_OPTIONS,
+    RedisConnection,
+    escape,
+    foreign_value_error,
+    key_prefix_option,
+)
+from .store import ADD_SCRIPT, RedisDeduplicationStore
 
 __all__ = ["RedisEntityStore", "buckets_key", "entity_key", "pending_key"]
 

@@ -1,7 +1,7 @@
 """The Redis deduplication store: :class:`RedisDeduplicationStore`.
 
 One string key per (endpoint, id): ``<key_prefix><endpoint>:<id>`` (``key_prefix`` ``dedup:`` by
-default), both parts escaped (see :mod:`backends.redis._client`). The value is ``dsv1:<token>``, the
+default), both parts escaped (see :mod:`.redis._client`). The value is ``dsv1:<token>``, the
 write token of the call that recorded it.
 
 Writes: one ``EVALSHA`` per chunk of 1000 ids (two chunks in flight). Redis runs a script
@@ -17,7 +17,7 @@ Expiry is Redis's own (``expiry_clock = "server"``): a record with a retention i
 ``PX`` = the retention in ms, and Redis never returns an expired key, so the clients' clocks do not
 matter. ``purge_expired`` returns 0: Redis deletes expired keys itself.
 
-Options: ``endpoint``, ``retention`` and those of :mod:`backends.redis._client`, which says when
+Options: ``endpoint``, ``retention`` and those of :mod:`.redis._client`, which says when
 ``StoreUnavailable`` and ``ConfigurationError`` are raised. After ``StoreUnavailable`` the ids in
 ``recorded`` were recorded by the call, those in ``unknown`` may have been, and a retry of them on
 the same store object (or the store's own) reports the latter as recorded by it.
@@ -30,7 +30,11 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any, ClassVar
 
-from backends.redis._client import (
+from dedupstore.client import Connected
+from dedupstore.options import OptionSet
+from dedupstore.store import DeduplicationStore, WriteRequest
+
+from ._client import (
     CONNECTION_OPTIONS,
     RedisConnection,
     escape,
@@ -38,9 +42,6 @@ from backends.redis._client import (
     key_prefix_option,
     unescape,
 )
-from dedupstore.client import Connected
-from dedupstore.options import OptionSet
-from dedupstore.store import DeduplicationStore, WriteRequest
 
 __all__ = ["ADD_SCRIPT", "RedisDeduplicationStore", "record_key"]
 

@@ -98,7 +98,7 @@ class MessageRules:
     of the delivery returning it. ``body``: ``"json"`` (the payload decoded as JSON),
     ``"text"`` (decoded as UTF-8), ``"bytes"`` (as is) or a function of the delivery.
     The message's headers are the delivery's, without those the ids were read from.
-    The defaults read what :class:`~backends.redis.dispatcher.RedisDispatcher` writes
+    The defaults read what :class:`~dedupstore.backends.redis.dispatcher.RedisDispatcher` writes
     (fields ``id``, ``body``, and ``correlation_id`` among the entry's headers).
     """
 

@@ -1,0 +1,30 @@
+"""The wheel installs one top-level import package, ``dedupstore``: the backends and
+the Spark integration (the repository's top-level folders ``backends/`` and
+``spark_integration/``) are mapped under it, so no generic name (``backends``) lands
+on a user's import path."""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+from tests.wheel import build_wheel, top_level_names
+
+
+def test_the_wheel_installs_only_the_dedupstore_package(tmp_path: Path) -> None:
+    wheel = build_wheel(tmp_path)
+    assert top_level_names(wheel) == {"dedupstore"}
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+    for module in (
+        "dedupstore/outbox.py",
+        "dedupstore/backends/__init__.py",
+        "dedupstore/backends/sqlite.py",
+        "dedupstore/backends/redis/store.py",
+        "dedupstore/backends/py.typed",
+        "dedupstore/spark/pipeline.py",
+        "dedupstore/testing/contract.py",
+        "dedupstore/py.typed",
+    ):
+        assert module in names, module
+    assert not any(name.startswith(("backends/", "spark_integration/")) for name in names)
