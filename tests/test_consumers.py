@@ -578,3 +578,38 @@ def test_what_was_done_when_the_acknowledgement_failed_is_acked_next_round() -> 
     assert again.acked == 2 and sorted(broker.acked) == [1, 2]
     assert broker.counts == {1: 1, 2: 1}, "not delivered again"
     assert len(sent.sent) == 2, "not processed again"
+
+
+@pytest.mark.parametrize("mode", ["batch", "single"])
+def test_a_suspect_held_by_an_outage_before_its_run_was_recorded_still_runs_alone(
+    mode: Any,
+) -> None:
+    """A consumer died holding m1 (a later delivery counts 2): the next consumer runs it
+    alone, its run recorded first. The store is down at that very step, so m1 is held;
+    once the store is back it must still run alone, with its run recorded once (it ran
+    in the batch, not isolated and never counted: a poison message could then kill the
+    consumer again and again with the rest of its batch)."""
+    broker = ListBroker([entry("m1", "acct", 1), entry("m2", "b", 2), entry("m3", "b", 3)])
+    processor, sent = _processor()
+    broker.fetch(3, 0.0)
+    broker.restart()  # the first consumer died holding all three
+    real = processor.begin_attempt
+    calls: list[str] = []
+    down = {"on": True}
+
+    def begin_attempt(message: Message) -> int:
+        calls.append(message.id)
+        if down["on"]:
+            raise StoreUnavailable("the store is down")
+        return real(message)
+
+    processor.begin_attempt = begin_attempt  # type: ignore[method-assign]
+    consumer = Consumer(broker, processor, deposit, max_deliveries=2, mode=mode)
+    first = consumer.run_once()
+    assert (first.acked, first.held) == (0, 3) and broker.nacked == []
+    down["on"] = False
+    second = consumer.run_once()
+    assert second.acked == 3 and second.isolated == 3
+    assert calls == ["m1", "m1", "m2", "m3"], "each run recorded once, before it ran"
+    assert processor.entities.load("b").state["balance"] == 5
+    assert not [m for m in sent.sent if m.destination == "dlq"]

@@ -261,6 +261,8 @@ class Consumer:
         self._pending_read = float("-inf")
         #: deliveries an outage stopped, run first in the next round (never nacked)
         self._held: list[Delivery] = []
+        #: ``id()`` of held deliveries judged suspect: they run alone when taken again
+        self._alone_ids: set[int] = set()
         #: ``id()`` of held deliveries whose run was recorded (not recorded again)
         self._counted: set[int] = set()
         #: deliveries done in a round whose acknowledgement failed (acked next round)
@@ -412,6 +414,7 @@ class Consumer:
                 continue
             if self._suspect(delivery, held):
                 alone.append((delivery, message))
+                self._alone_ids.add(id(delivery))
             else:
                 work.append((delivery, message))
         done: list[Delivery] = []
@@ -437,6 +440,7 @@ class Consumer:
             kept = []
         kept_ids = {id(d) for d in kept}
         self._counted &= kept_ids  # a recorded run stays recorded while held
+        self._alone_ids &= kept_ids  # and a suspect stays one (even if not yet recorded)
         if fatal is not None:
             stats.acked, stats.nacked = len(done), len(left)
             if done:
@@ -453,7 +457,7 @@ class Consumer:
         count = delivery.deliveries
         if self.max_deliveries is None or count is None or count <= 1:
             return False
-        return id(delivery) not in held or id(delivery) in self._counted
+        return id(delivery) not in held or id(delivery) in self._alone_ids
 
     def _alone(
         self,
