@@ -31,7 +31,7 @@ from dedupstore.consumers import (
     MessageRules,
 )
 from dedupstore.entities import OutgoingMessage
-from dedupstore.errors import ConfigurationError, StoreUnavailable
+from dedupstore.errors import ConcurrencyConflict, ConfigurationError, StoreUnavailable
 from dedupstore.ids import message_key, outgoing_id
 from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send
 
@@ -612,4 +612,38 @@ def test_a_suspect_held_by_an_outage_before_its_run_was_recorded_still_runs_alon
     assert second.acked == 3 and second.isolated == 3
     assert calls == ["m1", "m1", "m2", "m3"], "each run recorded once, before it ran"
     assert processor.entities.load("b").state["balance"] == 5
+    assert not [m for m in sent.sent if m.destination == "dlq"]
+
+
+@pytest.mark.parametrize("mode", ["batch", "single"])
+def test_a_conflict_that_persists_is_held_not_set_aside(mode: Any) -> None:
+    """Another writer wins every save of an entity for several rounds (the processor
+    gives up after its bounded retries with ``ConcurrencyConflict``): not the message's
+    fault, so it is held like an outage, never nacked or counted, never dead-lettered;
+    once the saves go through it applies once."""
+    broker = ListBroker([entry("m1", "acct", 1), entry("m2", "acct", 2)])
+    processor, sent = _processor()
+    entities = processor.entities
+    real_save, real_save_many = entities.save, entities.save_many
+    contended = {"on": True}
+
+    def save(entity: Any) -> Any:
+        if contended["on"]:
+            raise ConcurrencyConflict(f"entity {entity.id!r} changed")
+        return real_save(entity)
+
+    def save_many(batch: Any) -> set[str]:
+        return {e.id for e in batch} if contended["on"] else real_save_many(batch)
+
+    entities.save = save  # type: ignore[method-assign]
+    entities.save_many = save_many  # type: ignore[method-assign]
+    consumer = Consumer(broker, processor, deposit, max_deliveries=2, mode=mode)
+    for _ in range(4):
+        stats = consumer.run_once()
+        assert (stats.acked, stats.nacked, stats.held, stats.set_aside) == (0, 0, 2, 0)
+    assert broker.nacked == [] and broker.counts == {1: 1, 2: 1}
+    contended["on"] = False
+    done = consumer.run_once()
+    assert done.acked == 2 and done.outcomes == {"processed": 2}
+    assert entities.load("acct").state["applied"] == ["m1", "m2"]
     assert not [m for m in sent.sent if m.destination == "dlq"]

@@ -253,3 +253,56 @@ def test_over_the_kafka_protocol_a_restarted_consumer_resumes_after_what_was_ack
         consumer.run_once()
     assert second.pending() == 0
     second.close()
+
+
+@pytest.mark.timeout(120)
+def test_over_the_kafka_protocol_an_outage_holds_records_and_commits_nothing_past_them() -> None:
+    """librdkafka's mock cluster: the stores are down for several rounds. The records are
+    held (not sought back, nothing committed past them, nothing set aside); once the
+    stores answer they apply once each, in order, and the offset is committed."""
+    producer = Producer({"test.mock.num.brokers": 1, "log_level": 0})
+    [broker_md] = producer.list_topics(timeout=10).brokers.values()
+    servers, topic = f"{broker_md.host}:{broker_md.port}", f"t-{uuid.uuid4().hex[:8]}"
+    for n in range(5):
+        headers = {"id": f"m{n}", "correlation_id": "o1"}
+        producer.produce(topic, value=b'{"n": %d}' % n, headers=headers, partition=0)
+    assert producer.flush(10) == 0
+    name = uuid.uuid4().hex
+    sent = MemoryDispatcher(f"memory://{name}")
+    processor = OutboxProcessor(
+        MemoryEntityStore(f"memory://{name}"),
+        MemoryDeduplicationStore(f"memory://{name}"),
+        sent,
+        dead_letters="dlq",
+    )
+    real = processor.entities.load_many
+    down = {"on": True}
+
+    def load_many(*args: Any, **kwargs: Any) -> Any:
+        if down["on"]:
+            raise StoreUnavailable("the entity store is down")
+        return real(*args, **kwargs)
+
+    processor.entities.load_many = load_many  # type: ignore[method-assign]
+    fast = {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500, "log_level": 0}
+    broker = open_broker(f"kafka://{servers}?topic={topic}&group=g-{name}", config=dict(fast))
+    assert isinstance(broker, KafkaBroker)
+    consumer = Consumer(broker, processor, count, batch_size=10, max_deliveries=None, wait=1.0)
+    try:
+        held = 0
+        while held < 5:  # until the group assigned the partition and the round was fetched
+            stats = consumer.run_once()
+            assert stats.acked == stats.nacked == stats.set_aside == 0
+            held = stats.held
+        for _ in range(3):  # more rounds of the outage: the same records, held again
+            stats = consumer.run_once()
+            assert (stats.held, stats.acked, stats.nacked, stats.fetched) == (5, 0, 0, 0)
+        assert broker.pending() == 5  # nothing committed
+        down["on"] = False
+        stats = consumer.run_once()
+        assert (stats.acked, stats.held, stats.outcomes) == (5, 0, {"processed": 5})
+        assert processor.entities.load("o1").state["applied"] == [f"m{n}" for n in range(5)]
+        assert broker.pending() == 0
+        assert not [m for m in sent.sent if m.destination == "dlq"]
+    finally:
+        broker.close()
