@@ -213,7 +213,7 @@ def test_registry_view_is_read_only() -> None:
         known("store")["x"] = known("store")["sqlite"]  # type: ignore[index]
 
 
-def test_register_backend(in_tmp: Path) -> None:
+def test_register_a_store(in_tmp: Path) -> None:
     register("store", "mymem", "dedupstore.backends.memory:MemoryDeduplicationStore")
     try:
         with pytest.raises(ValueError, match="clobber"):

@@ -306,7 +306,7 @@ class TestRegistry:
         with pytest.raises(ConfigurationError, match="malformed"):
             open_dispatcher("no-scheme-here")
 
-    def test_register_dispatcher(self) -> None:
+    def test_register_a_dispatcher(self) -> None:
         register("dispatcher", "mymem", "dedupstore.backends.memory:MemoryDispatcher")
         try:
             with pytest.raises(ValueError, match="clobber"):
