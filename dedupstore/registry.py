@@ -264,7 +264,7 @@ def resolve(kind: Kind, name: str) -> type[Any]:
     if name not in _registered[kind]:
         _load_entry_points(kind)
     spec = _registered[kind].get(name)
-    what = f"{_shown(info, name)} {info.label}" if info.url else f"{name} {info.label}"
+    what = f"{_shown(info, name)} {info.label}"  # "redis:// store", "sweep command"
     if spec is None:
         names = ", ".join(_shown(info, n) for n in sorted(_registered[kind]))
         if info.url:
