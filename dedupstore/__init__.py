@@ -36,13 +36,7 @@ from dedupstore.errors import (
     StoreUnavailable,
     format_error,
 )
-from dedupstore.registry import (
-    known_backends,
-    register_backend,
-    register_broker,
-    register_dispatcher,
-    register_entity_backend,
-)
+from dedupstore.registry import register
 from dedupstore.store import DeduplicationStore
 
 if TYPE_CHECKING:
@@ -51,10 +45,9 @@ if TYPE_CHECKING:
     from dedupstore.dispatch import CallableDispatcher, URLDispatcher
     from dedupstore.entities import EntityStore, OutgoingMessage
     from dedupstore.outbox import Dispatcher
-    from dedupstore.registry import Registry
+    from dedupstore.registry import Kind
     from dedupstore.urls import StoreURL
 
-T = TypeVar("T")
 D = TypeVar("D", bound="Dispatcher")
 
 __all__ = [
@@ -73,14 +66,10 @@ __all__ = [
     "StoreUnavailable",
     "__version__",
     "format_error",
-    "known_backends",
     "open_dispatcher",
     "open_entity_store",
     "open_store",
-    "register_backend",
-    "register_broker",
-    "register_dispatcher",
-    "register_entity_backend",
+    "register",
 ]
 
 try:
@@ -104,9 +93,8 @@ def open_store(url: str | None = None, **options: Any) -> DeduplicationStore:
     missing extra), ``ConsistencyError`` (store weaker than strongly consistent)
     and ``StoreUnavailable`` (the store does not answer).
     """
-    from dedupstore.registry import stores
-
-    return _open(stores, url, options, entities=False)
+    store: DeduplicationStore = _open("store", url, options, entities=False)
+    return store
 
 
 def open_entity_store(url: str | None = None, **options: Any) -> EntityStore:
@@ -119,9 +107,8 @@ def open_entity_store(url: str | None = None, **options: Any) -> EntityStore:
 
     Raises ``ConfigurationError``, ``ConsistencyError`` and ``StoreUnavailable``.
     """
-    from dedupstore.registry import entity_stores
-
-    return _open(entity_stores, url, options, entities=True)
+    entities: EntityStore = _open("entity_store", url, options, entities=True)
+    return entities
 
 
 @overload
@@ -151,11 +138,11 @@ def open_dispatcher(
     option; ``StoreUnavailable`` when the backend cannot be reached.
     """
     from dedupstore.dispatch import CallableDispatcher, Dispatcher
-    from dedupstore.registry import dispatchers
+    from dedupstore.registry import open_url
     from dedupstore.urls import StoreURL
 
     if isinstance(url_or_callable, str | StoreURL):
-        return dispatchers.open(url_or_callable, **options)
+        return open_url("dispatcher", url_or_callable, **options)
     kind = type(url_or_callable).__name__
     if options:
         raise ConfigurationError(
@@ -171,7 +158,9 @@ def open_dispatcher(
     )
 
 
-def _open(registry: Registry[T], url: str | None, options: dict[str, Any], *, entities: bool) -> T:
+def _open(kind: Kind, url: str | None, options: dict[str, Any], *, entities: bool) -> Any:
+    from dedupstore.registry import open_url
+
     if url is None:
         from dedupstore.config import resolve_config
 
@@ -182,5 +171,5 @@ def _open(registry: Registry[T], url: str | None, options: dict[str, Any], *, en
                 f"{', '.join(clash)} given both by {resolved.source} and as keyword "
                 "argument(s); set each once"
             )
-        return registry.open(resolved.url, **{**resolved.options, **options})
-    return registry.open(url, **options)
+        return open_url(kind, resolved.url, **{**resolved.options, **options})
+    return open_url(kind, url, **options)

@@ -77,10 +77,10 @@ def _which(sub: argparse.ArgumentParser) -> None:
 def _readable(url: str) -> dict[str, Any]:
     """Refuse (no I/O) a dispatcher URL whose destinations cannot be read back; the
     options to open it with (``create=False`` where it could create a file or table)."""
-    from dedupstore.registry import dispatchers
+    from dedupstore.registry import resolve
 
     parsed = StoreURL.parse(url)
-    cls = dispatchers.resolve(parsed.scheme)
+    cls = resolve("dispatcher", parsed.scheme)
     if not issubclass(cls, ReadBack):
         raise ConfigurationError(
             f"dead letters cannot be read back from a {parsed.scheme}:// dispatcher "

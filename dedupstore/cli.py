@@ -24,11 +24,12 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from dedupstore import __version__, open_entity_store, open_store
+from dedupstore import __version__, open_entity_store, open_store, registry
 from dedupstore import _dead_letters_command as dead_letters_command
 from dedupstore.consumers import _command as consume_command
 from dedupstore.entities import EntityStore
@@ -48,8 +49,18 @@ from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
     from dedupstore.outbox import SweepResult
+    from dedupstore.registry import Kind
 
-__all__ = ["CHECK_ENDPOINT", "EXIT_CONFIGURATION", "EXIT_RETRY", "SweepProgress", "main"]
+__all__ = [
+    "CHECK_ENDPOINT",
+    "EXIT_CONFIGURATION",
+    "EXIT_RETRY",
+    "NEVER_CREATES",
+    "Command",
+    "SweepProgress",
+    "int_range",
+    "main",
+]
 
 #: Endpoint reserved for the probe records of ``dedupstore check``.
 CHECK_ENDPOINT = "__dedupstore_check__"
@@ -60,7 +71,8 @@ EXIT_RETRY = 3
 
 T = TypeVar("T")
 
-_NEVER_CREATES = (
+#: The epilog of a command that never creates a store.
+NEVER_CREATES = (
     "Never creates a store: a missing file, table, database or container is an error "
     "('no such store', exit 2)."
 )
@@ -69,6 +81,46 @@ _AT_MOST_ONCE = (
     "crash between the two loses the message. For exactly-once, process messages with "
     "dedupstore.outbox.OutboxProcessor."
 )
+
+
+class Command(ABC):
+    """A subcommand of ``dedupstore`` that plugs in: the registry's ``command`` kind.
+
+    Registered as ``"package.module:Class"`` under the subcommand's name (the built-in
+    table, :func:`dedupstore.register` or the ``dedupstore.command`` entry-point group)
+    and made with no arguments. The command line imports a command's module only when
+    that command runs, or when it lists the commands (``dedupstore --help``): keep heavy
+    imports inside :meth:`run`. Errors :meth:`run` raises (``DedupStoreError``) print
+    one line and exit 2 or 3, as for every command.
+    """
+
+    #: True: the command parses its own arguments; :meth:`run` gets everything after
+    #: its name, unparsed, as ``args.argv`` (its parser here only lists it).
+    raw_arguments: ClassVar[bool] = False
+
+    @abstractmethod
+    def add_parser(self, commands: Any, name: str) -> argparse.ArgumentParser:
+        """Add the subcommand ``name`` to ``commands`` (argparse subparsers); return it."""
+
+    @abstractmethod
+    def run(self, args: argparse.Namespace) -> int:
+        """Run with the parsed arguments; return the exit code."""
+
+
+class _Unavailable(Command):
+    """A command plugin that cannot load: listed with why; running it raises why."""
+
+    def __init__(self, error: ConfigurationError) -> None:
+        self.error = error
+
+    def add_parser(self, commands: Any, name: str) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = commands.add_parser(
+            name, help=f"(unavailable: {format_error(self.error)})", add_help=False
+        )
+        return parser
+
+    def run(self, args: argparse.Namespace) -> int:
+        raise self.error
 
 
 def _retention(value: str) -> timedelta | None:
@@ -86,7 +138,9 @@ def _interval(value: str) -> float:
         raise argparse.ArgumentTypeError(f"expected 0 or more seconds ({exc})") from None
 
 
-def _bounded(low: int, high: int) -> Callable[[str], int]:
+def int_range(low: int, high: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer from ``low`` to ``high``, else a usage error (exit 2)."""
+
     def parse(value: str) -> int:
         try:
             number = int(value)
@@ -99,7 +153,7 @@ def _bounded(low: int, high: int) -> Callable[[str], int]:
     return parse
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(plugins: Mapping[str, Command]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dedupstore",
         description="Exactly-once message processing: inspect and use deduplication stores.",
@@ -145,7 +199,7 @@ def _parser() -> argparse.ArgumentParser:
     has = with_store(
         "has",
         "tell whether message ids were processed (exit 1 if any was not)",
-        epilog=f"{_NEVER_CREATES} Under deferred clean-up a processed id stays in its "
+        epilog=f"{NEVER_CREATES} Under deferred clean-up a processed id stays in its "
         "entity's outbox until the sweep moves it: give --entity and --entities to look "
         "there too.",
     )
@@ -156,7 +210,7 @@ def _parser() -> argparse.ArgumentParser:
         help="with --entity: the entity store (or 'config'); an id in the entity's outbox "
         "(awaiting dispatch or the sweep) is processed too",
     )
-    with_store("purge", "delete this endpoint's expired records", epilog=_NEVER_CREATES)
+    with_store("purge", "delete this endpoint's expired records", epilog=NEVER_CREATES)
     stats = commands.add_parser(
         "stats",
         help="the outbox backlog of an entity store and the ids recorded for an endpoint",
@@ -167,7 +221,7 @@ def _parser() -> argparse.ArgumentParser:
         "consumer recorded with the entities, else the one endpoint holding records, else "
         "'default'. Without --entities and --store, both configured stores (the entity "
         "store only if the configuration names one); with either, what they name.",
-        epilog=f"{_NEVER_CREATES} Costs a scan of the non-empty outboxes, and a count: one "
+        epilog=f"{NEVER_CREATES} Costs a scan of the non-empty outboxes, and a count: one "
         "statement on SQLite and PostgreSQL, a query on Cosmos DB, a SCAN of the database "
         "on Redis, a scan of the table on DynamoDB.",
     )
@@ -194,21 +248,21 @@ def _parser() -> argparse.ArgumentParser:
     show = entity_commands.add_parser(
         "show",
         help="print one entity as JSON: state, outbox, version (exit 1 if it does not exist)",
-        epilog=_NEVER_CREATES,
+        epilog=NEVER_CREATES,
     )
     show.add_argument("url", metavar="URL", help=entity_url)
     show.add_argument("entity_id", metavar="ID")
     pending = entity_commands.add_parser(
         "pending",
         help="count the entities whose outbox is not empty (scans a segment)",
-        epilog=_NEVER_CREATES,
+        epilog=NEVER_CREATES,
     )
     pending.add_argument("url", metavar="URL", help=entity_url)
     pending.add_argument("--list", action="store_true", help="also print each id and its entries")
     sweep = entity_commands.add_parser(
         "sweep",
         help="move the ids of dispatched outbox entries into the deduplication store",
-        epilog=_NEVER_CREATES,
+        epilog=NEVER_CREATES,
     )
     sweep.add_argument("url", metavar="URL", help=entity_url)
     sweep.add_argument(
@@ -220,11 +274,11 @@ def _parser() -> argparse.ArgumentParser:
         "entities; an entity of another consumer is refused)",
     )
     for sub in (pending, sweep):
-        sub.add_argument("--segment", type=_bounded(0, 999_999), default=0)
-        sub.add_argument("--segments", type=_bounded(1, 1_000_000), default=1)
+        sub.add_argument("--segment", type=int_range(0, 999_999), default=0)
+        sub.add_argument("--segments", type=int_range(1, 1_000_000), default=1)
     sweep.add_argument(
         "--batch-ids",
-        type=_bounded(1, 1_000_000),
+        type=int_range(1, 1_000_000),
         default=1000,
         help="ids moved per add_many/save round (default: 1000)",
     )
@@ -237,35 +291,10 @@ def _parser() -> argparse.ArgumentParser:
         "any was printed (default: 2; 0: after every batch)",
     )
     sweep.add_argument("--quiet", action="store_true", help="print no progress lines")
-    spark_sweep = commands.add_parser(
-        "sweep",
-        help="the Spark sweep: one task per segment moves dispatched ids into the store",
-        epilog=_NEVER_CREATES,
-    )
-    spark_sweep.add_argument("--entities", required=True, metavar="URL", help="entity store URL")
-    spark_sweep.add_argument("--store", required=True, metavar="URL", help="dedup store URL")
-    spark_sweep.add_argument(
-        "--endpoint",
-        help="consumer name (default: the store URL's, else the one recorded with the "
-        "entities; an entity of another consumer is refused)",
-    )
-    spark_sweep.add_argument("--segments", type=_bounded(1, 100_000), default=8)
-    spark_sweep.add_argument(
-        "--redispatch", metavar="URL", help="dispatch entries still pending first (outbox relay)"
-    )
-    spark_sweep.add_argument("--batch-ids", type=_bounded(1, 1_000_000), default=1000)
-    spark_sweep.add_argument(
-        "--master", default="local[*]", help="Spark master (ignored under spark-submit)"
-    )
-    consume_command.add_parser(commands, _bounded(1, 1_000_000))
+    consume_command.add_parser(commands, int_range(1, 1_000_000))
     dead_letters_command.add_parser(commands)
-    # Parsed by the job itself (main() hands it everything after "demo"); listed here
-    # for the command list and "dedupstore demo --help".
-    commands.add_parser(
-        "demo",
-        help="run the main job: the order pipeline on Spark (options: dedupstore demo --help)",
-        add_help=False,
-    )
+    for name, command in plugins.items():
+        command.add_parser(commands, name)
     return parser
 
 
@@ -427,13 +456,13 @@ def _purge(args: argparse.Namespace) -> int:
     return 0
 
 
-def _describe(url: str, options: dict[str, Any], registry: Any) -> tuple[str, dict[str, Any]]:
+def _describe(url: str, options: dict[str, Any], kind: Kind) -> tuple[str, dict[str, Any]]:
     """The backend's class name and its resolved URL-settable options, secrets masked."""
     parsed = StoreURL.parse(url)
-    if parsed.scheme not in registry.view:
-        registry.resolve(parsed.scheme)  # unknown: the ConfigurationError names the known
+    if parsed.scheme not in registry.known(kind):
+        registry.resolve(kind, parsed.scheme)  # unknown: the ConfigurationError names the known
     try:
-        cls: Any = registry.resolve(parsed.scheme)
+        cls: Any = registry.resolve(kind, parsed.scheme)
     except ConfigurationError as exc:  # a missing client library: show what the file says
         shown = mask_options({k: _plain(v) for k, v in options.items()})
         return f"not loaded ({format_error(exc)})", shown
@@ -447,11 +476,10 @@ def _describe(url: str, options: dict[str, Any], registry: Any) -> tuple[str, di
 
 def _config(_: argparse.Namespace) -> int:
     from dedupstore.config import resolve_config
-    from dedupstore.registry import entity_stores, stores
 
     resolved = resolve_config()
     shown = resolved.masked()
-    shown["backend"], shown["options"] = _describe(resolved.url, resolved.options, stores)
+    shown["backend"], shown["options"] = _describe(resolved.url, resolved.options, "store")
     try:
         ents = resolve_config(entities=True)
     except ConfigurationError as exc:
@@ -461,7 +489,7 @@ def _config(_: argparse.Namespace) -> int:
     else:
         shown["entities_url"] = ents.masked()["url"]
         shown["entities_backend"], shown["entities_options"] = _describe(
-            ents.url, ents.options, entity_stores
+            ents.url, ents.options, "entity_store"
         )
         if ents.source != resolved.source:
             shown["entities_source"] = ents.source
@@ -671,61 +699,6 @@ def _plain(value: object) -> object:
     return format_duration(value) if isinstance(value, timedelta) else value
 
 
-def _spark(module: str) -> Any:
-    """Import a ``dedupstore.spark`` module (by name: dedupstore does not depend on it)."""
-    import importlib
-
-    try:
-        return importlib.import_module(f"dedupstore.spark.{module}")
-    except ImportError as exc:
-        raise ConfigurationError(
-            f"this command runs on Spark: pip install 'dedupstore[spark]' ({exc})"
-        ) from exc
-
-
-def _spark_sweep(args: argparse.Namespace) -> int:
-    # The sweep never creates a store: both must exist, checked here before Spark starts
-    # (an error raised in a task would reach us wrapped by Spark), and in every task.
-    existing = {"must_exist": True}
-    open_entity_store(args.entities, **existing).close()
-    open_store(
-        args.store, **existing, **({"endpoint": args.endpoint} if args.endpoint else {})
-    ).close()
-    pipeline = _spark("pipeline")
-    spark = _spark("session").local_session(args.master, "dedupstore-sweep")
-    try:
-        result = pipeline.sweep_outboxes(
-            spark,
-            args.entities,
-            args.store,
-            segments=args.segments,
-            redispatch_url=args.redispatch,
-            entities_options=existing,
-            dedup_options=existing,
-            batch_ids=args.batch_ids,
-            endpoint=args.endpoint,
-        )
-        rows = [row.asDict() for row in result.collect()]
-    finally:
-        spark.stop()
-    columns = ["segment", "entities_scanned", "ids_moved", "conflicts_retried", "ids_left"]
-    print("  ".join(f"{c:>17}" for c in [*columns, "seconds"]))
-    for row in rows:
-        print("  ".join(f"{row[c]:>17}" for c in columns) + f"  {row['seconds']:>17.2f}")
-    totals = {c: sum(row[c] for row in rows) for c in columns[1:]}
-    print("total: " + ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in totals.items()))
-    return 0 if totals["ids_left"] == 0 else EXIT_RETRY
-
-
-def _demo(argv: list[str]) -> int:
-    """Run the order pipeline job with ``argv`` (its own options; ``--help`` lists them)."""
-    job = _spark("order_pipeline")
-    try:
-        return int(job.main(argv))
-    except SystemExit as exc:  # the job's argument parser: --help (0) or a usage error (2)
-        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
-
-
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "check": _check,
     "add": _add,
@@ -734,7 +707,6 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "config": _config,
     "stats": _stats,
     "entities": _entities,
-    "sweep": _spark_sweep,
     "consume": consume_command.run,
     "dead-letters": dead_letters_command.run,
 }
@@ -745,13 +717,41 @@ def exit_code(exc: DedupStoreError) -> int:
     return EXIT_RETRY if isinstance(exc, StoreUnavailable | ConcurrencyConflict) else 2
 
 
+def _plugins(arguments: Sequence[str]) -> dict[str, Command]:
+    """The command plugins to load for ``arguments``: none for a built-in command, the
+    one named, else (``--help``, ``--version``, no or an unknown command) all of them,
+    those that cannot load listed as unavailable."""
+    first = arguments[0] if arguments else ""
+    if first in _COMMANDS:
+        return {}
+    names = registry.known("command")
+    if first in names:
+        return {first: registry.resolve("command", first)()}
+    plugins: dict[str, Command] = {}
+    for name in names:
+        if name in _COMMANDS:
+            raise ConfigurationError(
+                f"the command plugin {name!r} ({names[name].target}) has the name of a "
+                "built-in command"
+            )
+        try:
+            plugins[name] = registry.resolve("command", name)()
+        except ConfigurationError as exc:
+            plugins[name] = _Unavailable(exc)
+    return plugins
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit code."""
     arguments = list(sys.argv[1:] if argv is None else argv)
     try:
-        if arguments[:1] == ["demo"]:  # everything after "demo" belongs to the job
-            return _demo(arguments[1:])
-        args = _parser().parse_args(arguments)
+        plugins = _plugins(arguments)
+        plugin = plugins.get(arguments[0]) if arguments else None
+        if plugin is not None and plugin.raw_arguments:  # the rest belongs to the command
+            return plugin.run(argparse.Namespace(command=arguments[0], argv=arguments[1:]))
+        args = _parser(plugins).parse_args(arguments)
+        if args.command in plugins:
+            return plugins[args.command].run(args)
         return _COMMANDS[args.command](args)
     except DedupStoreError as exc:
         code = exit_code(exc)

@@ -1,22 +1,29 @@
-"""URL scheme -> implementation class, as import strings resolved lazily.
+"""Every kind of plugin: one table of names -> ``"module:Class"`` strings, resolved lazily.
 
-Importing :mod:`dedupstore` imports no backend and no client library: a backend
-module is imported the first time an object with its scheme is opened. Third-party
-backends register with :func:`register_backend` (entity stores:
-:func:`register_entity_backend`, dispatchers: :func:`register_dispatcher`) or
-through the entry-point group ``dedupstore.backends`` (``dedupstore.entity_stores``,
-``dedupstore.dispatchers``; brokers: :func:`register_broker`, ``dedupstore.brokers``),
-name: the scheme, value: ``"package.module:Class"``.
+Kinds (:data:`KINDS`): ``store`` and ``entity_store`` (URL schemes of
+:func:`dedupstore.open_store` and :func:`dedupstore.open_entity_store`), ``dispatcher``
+(:func:`dedupstore.open_dispatcher`), ``broker``
+(:func:`dedupstore.consumers.open_broker`) and ``command`` (subcommands of the
+``dedupstore`` command line, :class:`dedupstore.cli.Command`).
+
+Importing :mod:`dedupstore` imports no plugin and no client library: a plugin's module
+is imported the first time its name is resolved (:func:`resolve`). A name comes from
+the built-in table, from :func:`register`, or from an entry point in the group
+``dedupstore.<kind>`` (``dedupstore.store``, ..., ``dedupstore.command``; name: the
+scheme or command, value: ``"package.module:Class"``), read once per kind, the first
+time a name is not found or the names are listed (:func:`known`). The table and
+:func:`register` win over an entry point of the same name.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import threading
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, get_args, overload
 
 from dedupstore.errors import ConfigurationError
 from dedupstore.urls import StoreURL
@@ -24,44 +31,34 @@ from dedupstore.urls import StoreURL
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
+    from dedupstore.cli import Command
     from dedupstore.consumers import Broker
     from dedupstore.dispatch import URLDispatcher
     from dedupstore.entities import EntityStore
     from dedupstore.store import DeduplicationStore
 
 __all__ = [
-    "BROKER_ENTRY_POINT_GROUP",
-    "DISPATCHER_ENTRY_POINT_GROUP",
-    "ENTITY_ENTRY_POINT_GROUP",
-    "ENTRY_POINT_GROUP",
-    "BackendSpec",
-    "Registry",
-    "backend_class",
-    "brokers",
-    "dispatchers",
-    "entity_stores",
-    "known_backends",
-    "register_backend",
-    "register_broker",
-    "register_dispatcher",
-    "register_entity_backend",
-    "stores",
+    "KINDS",
+    "Kind",
+    "PluginSpec",
+    "entry_point_group",
+    "known",
+    "open_url",
+    "register",
+    "resolve",
 ]
 
-ENTRY_POINT_GROUP = "dedupstore.backends"
-ENTITY_ENTRY_POINT_GROUP = "dedupstore.entity_stores"
-DISPATCHER_ENTRY_POINT_GROUP = "dedupstore.dispatchers"
-BROKER_ENTRY_POINT_GROUP = "dedupstore.brokers"
-
-T = TypeVar("T")
+#: A kind of plugin.
+Kind = Literal["store", "entity_store", "dispatcher", "broker", "command"]
 
 
 @dataclass(frozen=True)
-class BackendSpec:
-    """Where a scheme's implementation lives and what it needs.
+class PluginSpec:
+    """Where a plugin lives and what it needs.
 
-    ``target`` is ``"module:Class"``; ``requires`` are the client modules imported
-    before it; ``extra`` is the ``pip install 'dedupstore[extra]'`` that provides them.
+    ``target`` is ``"module:Class"``; ``requires`` are the modules that must be
+    installed before it is imported; ``extra`` is the ``pip install 'dedupstore[extra]'``
+    that provides them.
     """
 
     target: str
@@ -69,238 +66,256 @@ class BackendSpec:
     extra: str | None = None
 
 
-class Registry(Generic[T]):
-    """Scheme -> :class:`BackendSpec` for one kind of object (stores, entity stores, ...)."""
-
-    def __init__(self, kind: str, group: str, base: str, builtin: dict[str, BackendSpec]) -> None:
-        self.kind = kind
-        self.group = group
-        self._base = base
-        self._specs: dict[str, BackendSpec] = dict(builtin)
-        self._lock = threading.Lock()
-        self._entry_points_loaded = False
-        #: Read-only view of the registered schemes.
-        self.view: Mapping[str, BackendSpec] = MappingProxyType(self._specs)
-
-    def register(
-        self,
-        scheme: str,
-        target: str,
-        *,
-        clobber: bool = False,
-        requires: tuple[str, ...] = (),
-        extra: str | None = None,
-    ) -> None:
-        """Register ``target`` (``"module:Class"``) for URLs of ``scheme``; nothing is imported.
-
-        Raises ``ValueError`` if ``scheme`` is taken and ``clobber`` is false, or if
-        ``target`` is not of the form ``"module:Class"``.
-        """
-        if not isinstance(scheme, str) or not scheme or "://" in scheme or scheme != scheme.lower():
-            raise ValueError(f"a scheme is a lower-case name such as 'myredis', got {scheme!r}")
-        module, sep, name = target.partition(":")
-        if not sep or not module or not name:
-            raise ValueError(f"a {self.kind} target is 'package.module:Class', got {target!r}")
-        with self._lock:
-            if scheme in self._specs and not clobber and self._specs[scheme].target != target:
-                raise ValueError(
-                    f"scheme {scheme!r} is already registered to {self._specs[scheme].target}; "
-                    "pass clobber=True to replace it"
-                )
-            self._specs[scheme] = BackendSpec(target, tuple(requires), extra)
-
-    def _load_entry_points(self) -> None:
-        with self._lock:
-            if self._entry_points_loaded:
-                return
-            self._entry_points_loaded = True
-            for ep in entry_points(group=self.group):
-                self._specs.setdefault(ep.name, BackendSpec(ep.value))
-
-    def resolve(self, scheme: str) -> type[T]:
-        """Import and return the class registered for ``scheme``.
-
-        Raises ``ConfigurationError`` for an unknown scheme, or when the client
-        library is missing (the message names the extra to install).
-        """
-        if scheme not in self._specs:
-            self._load_entry_points()
-        spec = self._specs.get(scheme)
-        if spec is None:
-            known = ", ".join(f"{s}://" for s in sorted(self._specs))
-            raise ConfigurationError(
-                f"unknown {self.kind} URL scheme {scheme!r}; known schemes: {known}"
-            )
-        for module in spec.requires:
-            try:
-                importlib.import_module(module)
-            except ImportError as exc:
-                hint = (
-                    f"pip install 'dedupstore[{spec.extra}]'" if spec.extra else f"install {module}"
-                )
-                raise ConfigurationError(
-                    f"the {scheme}:// {self.kind} needs the {module} client library, which is "
-                    f"not installed: {hint}"
-                ) from exc
-        module_name, _, class_name = spec.target.partition(":")
-        try:
-            cls: Any = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError) as exc:
-            hint = f" (pip install 'dedupstore[{spec.extra}]')" if spec.extra else ""
-            raise ConfigurationError(
-                f"cannot load the {scheme}:// {self.kind} {spec.target}: {exc}{hint}"
-            ) from exc
-        base_module, _, base_name = self._base.partition(":")
-        base = getattr(importlib.import_module(base_module), base_name)
-        if not (isinstance(cls, type) and issubclass(cls, base)):
-            raise ConfigurationError(f"{spec.target} is not a {base_name} subclass")
-        return cls
-
-    def open(self, url: str | StoreURL, **options: Any) -> T:
-        """Parse ``url`` once and open it with the class of its scheme."""
-        parsed = StoreURL.parse(url)
-        cls: Any = self.resolve(parsed.scheme)
-        return cls(parsed, **options)  # type: ignore[no-any-return]
+@dataclass(frozen=True)
+class _KindInfo:
+    label: str  # in messages: "the redis:// entity store", "the sweep command"
+    base: str  # "module:Class" every plugin of the kind subclasses
+    url: bool  # names are URL schemes (shown as "redis://")
 
 
-_PG = ("psycopg", "psycopg_pool")
+#: kind -> what its plugins are.
+_KINDS: dict[str, _KindInfo] = {
+    "store": _KindInfo("store", "dedupstore.store:DeduplicationStore", True),
+    "entity_store": _KindInfo("entity store", "dedupstore.entities:EntityStore", True),
+    "dispatcher": _KindInfo("dispatcher", "dedupstore.dispatch:URLDispatcher", True),
+    "broker": _KindInfo("broker", "dedupstore.consumers:Broker", True),
+    "command": _KindInfo("command", "dedupstore.cli:Command", False),
+}
+#: Every kind of plugin.
+KINDS: tuple[Kind, ...] = get_args(Kind)
 
-#: scheme -> (module, class-name prefix, client modules, extra). Each backend module
-#: holds ``<prefix>DeduplicationStore`` and ``<prefix>EntityStore``.
-_BUILTIN: dict[str, tuple[str, str, tuple[str, ...], str | None]] = {
-    "memory": ("dedupstore.backends.memory", "Memory", (), None),
-    "sqlite": ("dedupstore.backends.sqlite", "Sqlite", (), None),
-    "postgresql": ("dedupstore.backends.postgres", "Postgres", _PG, "postgres"),
-    "postgres": ("dedupstore.backends.postgres", "Postgres", _PG, "postgres"),
-    "redis": ("dedupstore.backends.redis", "Redis", ("redis",), "redis"),
-    "rediss": ("dedupstore.backends.redis", "Redis", ("redis",), "redis"),
-    "dynamodb": ("dedupstore.backends.dynamodb", "DynamoDB", ("boto3",), "dynamodb"),
-    "cosmos": ("dedupstore.backends.cosmos", "Cosmos", ("azure.cosmos",), "cosmos"),
+#: extra -> the modules it installs (what a plugin of that extra needs).
+_EXTRAS: dict[str, tuple[str, ...]] = {
+    "postgres": ("psycopg", "psycopg_pool"),
+    "redis": ("redis",),
+    "dynamodb": ("boto3",),
+    "cosmos": ("azure.cosmos",),
+    "rabbitmq": ("pika",),
+    "kafka": ("confluent_kafka",),
+    "spark": ("pyspark",),
 }
 
 
-def _builtin(kind: str) -> dict[str, BackendSpec]:
-    return {
-        scheme: BackendSpec(f"{module}:{prefix}{kind}", requires, extra)
-        for scheme, (module, prefix, requires, extra) in _BUILTIN.items()
-    }
+def _spec(target: str, extra: str | None = None) -> PluginSpec:
+    return PluginSpec(target, _EXTRAS[extra] if extra else (), extra)
 
 
-stores: Registry[DeduplicationStore] = Registry(
-    "store",
-    ENTRY_POINT_GROUP,
-    "dedupstore.store:DeduplicationStore",
-    _builtin("DeduplicationStore"),
-)
-entity_stores: Registry[EntityStore] = Registry(
-    "entity store",
-    ENTITY_ENTRY_POINT_GROUP,
-    "dedupstore.entities:EntityStore",
-    _builtin("EntityStore"),
-)
+_B = "dedupstore.backends"
 
-#: Dispatchers: their own table (not every store backend has one).
-dispatchers: Registry[URLDispatcher] = Registry(
-    "dispatcher",
-    DISPATCHER_ENTRY_POINT_GROUP,
-    "dedupstore.dispatch:URLDispatcher",
-    {
-        "memory": BackendSpec("dedupstore.backends.memory:MemoryDispatcher"),
-        "sqlite": BackendSpec("dedupstore.backends.sqlite:SqliteDispatcher"),
-        "redis": BackendSpec("dedupstore.backends.redis:RedisDispatcher", ("redis",), "redis"),
-        "rediss": BackendSpec("dedupstore.backends.redis:RedisDispatcher", ("redis",), "redis"),
-        "amqp": BackendSpec(
-            "dedupstore.backends.rabbitmq:RabbitMQDispatcher", ("pika",), "rabbitmq"
-        ),
-        "amqps": BackendSpec(
-            "dedupstore.backends.rabbitmq:RabbitMQDispatcher", ("pika",), "rabbitmq"
-        ),
+#: The built-in plugins: kind -> name -> where it lives and the extra it needs.
+_BUILTIN: dict[str, dict[str, PluginSpec]] = {
+    "store": {
+        "memory": _spec(f"{_B}.memory:MemoryDeduplicationStore"),
+        "sqlite": _spec(f"{_B}.sqlite:SqliteDeduplicationStore"),
+        "postgresql": _spec(f"{_B}.postgres:PostgresDeduplicationStore", "postgres"),
+        "postgres": _spec(f"{_B}.postgres:PostgresDeduplicationStore", "postgres"),
+        "redis": _spec(f"{_B}.redis:RedisDeduplicationStore", "redis"),
+        "rediss": _spec(f"{_B}.redis:RedisDeduplicationStore", "redis"),
+        "dynamodb": _spec(f"{_B}.dynamodb:DynamoDBDeduplicationStore", "dynamodb"),
+        "cosmos": _spec(f"{_B}.cosmos:CosmosDeduplicationStore", "cosmos"),
     },
-)
-
-#: Brokers a consume loop reads (:mod:`dedupstore.consumers`): their own table too.
-brokers: Registry[Broker] = Registry(
-    "broker",
-    BROKER_ENTRY_POINT_GROUP,
-    "dedupstore.consumers:Broker",
-    {
-        "redis": BackendSpec(
-            "dedupstore.backends.redis.consumer:RedisStreamsBroker", ("redis",), "redis"
-        ),
-        "rediss": BackendSpec(
-            "dedupstore.backends.redis.consumer:RedisStreamsBroker", ("redis",), "redis"
-        ),
-        "amqp": BackendSpec(
-            "dedupstore.backends.rabbitmq.consumer:RabbitMQBroker", ("pika",), "rabbitmq"
-        ),
-        "amqps": BackendSpec(
-            "dedupstore.backends.rabbitmq.consumer:RabbitMQBroker", ("pika",), "rabbitmq"
-        ),
-        "kafka": BackendSpec(
-            "dedupstore.backends.kafka:KafkaBroker", ("confluent_kafka",), "kafka"
-        ),
+    "entity_store": {
+        "memory": _spec(f"{_B}.memory:MemoryEntityStore"),
+        "sqlite": _spec(f"{_B}.sqlite:SqliteEntityStore"),
+        "postgresql": _spec(f"{_B}.postgres:PostgresEntityStore", "postgres"),
+        "postgres": _spec(f"{_B}.postgres:PostgresEntityStore", "postgres"),
+        "redis": _spec(f"{_B}.redis:RedisEntityStore", "redis"),
+        "rediss": _spec(f"{_B}.redis:RedisEntityStore", "redis"),
+        "dynamodb": _spec(f"{_B}.dynamodb:DynamoDBEntityStore", "dynamodb"),
+        "cosmos": _spec(f"{_B}.cosmos:CosmosEntityStore", "cosmos"),
     },
-)
+    "dispatcher": {
+        "memory": _spec(f"{_B}.memory:MemoryDispatcher"),
+        "sqlite": _spec(f"{_B}.sqlite:SqliteDispatcher"),
+        "redis": _spec(f"{_B}.redis:RedisDispatcher", "redis"),
+        "rediss": _spec(f"{_B}.redis:RedisDispatcher", "redis"),
+        "amqp": _spec(f"{_B}.rabbitmq:RabbitMQDispatcher", "rabbitmq"),
+        "amqps": _spec(f"{_B}.rabbitmq:RabbitMQDispatcher", "rabbitmq"),
+    },
+    "broker": {
+        "redis": _spec(f"{_B}.redis.consumer:RedisStreamsBroker", "redis"),
+        "rediss": _spec(f"{_B}.redis.consumer:RedisStreamsBroker", "redis"),
+        "amqp": _spec(f"{_B}.rabbitmq.consumer:RabbitMQBroker", "rabbitmq"),
+        "amqps": _spec(f"{_B}.rabbitmq.consumer:RabbitMQBroker", "rabbitmq"),
+        "kafka": _spec(f"{_B}.kafka:KafkaBroker", "kafka"),
+    },
+    "command": {
+        "sweep": _spec("dedupstore.spark.cli:SweepCommand", "spark"),
+        "demo": _spec("dedupstore.spark.cli:DemoCommand", "spark"),
+    },
+}
 
-#: Read-only view of the registered store schemes.
-known_backends: Mapping[str, BackendSpec] = stores.view
-
-
-def register_backend(
-    scheme: str,
-    target: str,
-    *,
-    clobber: bool = False,
-    requires: tuple[str, ...] = (),
-    extra: str | None = None,
-) -> None:
-    """Register a deduplication store class for ``scheme``; see :meth:`Registry.register`."""
-    stores.register(scheme, target, clobber=clobber, requires=requires, extra=extra)
-
-
-def backend_class(scheme: str) -> type[DeduplicationStore]:
-    """Import and return the store class registered for ``scheme``."""
-    return stores.resolve(scheme)
-
-
-def register_entity_backend(
-    scheme: str,
-    target: str,
-    *,
-    clobber: bool = False,
-    requires: tuple[str, ...] = (),
-    extra: str | None = None,
-) -> None:
-    """Register an entity store class for ``scheme``; see :meth:`Registry.register`."""
-    entity_stores.register(scheme, target, clobber=clobber, requires=requires, extra=extra)
+_lock = threading.Lock()
+#: kind -> name -> spec: the built-ins, then what register() and entry points add.
+_registered: dict[str, dict[str, PluginSpec]] = {k: dict(v) for k, v in _BUILTIN.items()}
+#: The kinds whose entry-point group was read.
+_loaded: set[str] = set()
 
 
-def register_dispatcher(
-    scheme: str,
-    target: str,
-    *,
-    clobber: bool = False,
-    requires: tuple[str, ...] = (),
-    extra: str | None = None,
-) -> None:
-    """Register a :class:`~dedupstore.dispatch.URLDispatcher` class for ``scheme``.
+def _info(kind: str) -> _KindInfo:
+    info = _KINDS.get(kind)
+    if info is None:
+        raise ValueError(f"unknown kind of plugin {kind!r}; kinds: {', '.join(KINDS)}")
+    return info
 
-    See :meth:`Registry.register` (``ValueError`` for a taken scheme or a bad target).
+
+def entry_point_group(kind: Kind) -> str:
+    """The entry-point group of ``kind``: ``dedupstore.<kind>``.
+
+    Raises ``ValueError`` for an unknown kind.
     """
-    dispatchers.register(scheme, target, clobber=clobber, requires=requires, extra=extra)
+    _info(kind)
+    return f"dedupstore.{kind}"
 
 
-def register_broker(
-    scheme: str,
+def register(
+    kind: Kind,
+    name: str,
     target: str,
     *,
     clobber: bool = False,
     requires: tuple[str, ...] = (),
     extra: str | None = None,
 ) -> None:
-    """Register a :class:`~dedupstore.consumers.Broker` class for ``scheme``.
+    """Register ``target`` (``"module:Class"``) as the ``kind`` plugin ``name``.
 
-    The class is opened as ``Cls(url, **options)`` by
-    :func:`dedupstore.consumers.open_broker`. See :meth:`Registry.register`.
+    ``name`` is a URL scheme (``"myredis"``) or, for ``command``, the subcommand.
+    Nothing is imported now; :func:`resolve` first checks that the modules in
+    ``requires`` are installed (else its error says ``pip install 'dedupstore[extra]'``).
+    Registering the same target again is a no-op.
+
+    Raises ``ValueError`` for an unknown kind, a name that is not a lower-case name
+    such as ``'myredis'``, a ``target`` not of the form ``"module:Class"``, or a name
+    already registered to another target while ``clobber`` is false.
     """
-    brokers.register(scheme, target, clobber=clobber, requires=requires, extra=extra)
+    info = _info(kind)
+    if not isinstance(name, str) or not name or "://" in name or name != name.lower():
+        raise ValueError(
+            f"a {info.label} name is a lower-case name such as 'myredis', got {name!r}"
+        )
+    module, sep, attribute = target.partition(":")
+    if not sep or not module or not attribute:
+        raise ValueError(f"a {info.label} target is 'package.module:Class', got {target!r}")
+    with _lock:
+        specs = _registered[kind]
+        if name in specs and not clobber and specs[name].target != target:
+            raise ValueError(
+                f"{info.label} {name!r} is already registered to {specs[name].target}; "
+                "pass clobber=True to replace it"
+            )
+        specs[name] = PluginSpec(target, tuple(requires), extra)
+
+
+def _load_entry_points(kind: str) -> None:
+    with _lock:
+        if kind in _loaded:
+            return
+        _loaded.add(kind)
+        specs = _registered[kind]
+        for ep in entry_points(group=f"dedupstore.{kind}"):
+            specs.setdefault(ep.name, PluginSpec(ep.value))
+
+
+def known(kind: Kind) -> Mapping[str, PluginSpec]:
+    """Read-only view of the ``kind`` plugins' names, entry points included.
+
+    Raises ``ValueError`` for an unknown kind.
+    """
+    _info(kind)
+    _load_entry_points(kind)
+    return MappingProxyType(_registered[kind])
+
+
+def _shown(info: _KindInfo, name: str) -> str:
+    return f"{name}://" if info.url else name
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported, found without importing it."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@overload
+def resolve(kind: Literal["store"], name: str) -> type[DeduplicationStore]: ...
+@overload
+def resolve(kind: Literal["entity_store"], name: str) -> type[EntityStore]: ...
+@overload
+def resolve(kind: Literal["dispatcher"], name: str) -> type[URLDispatcher]: ...
+@overload
+def resolve(kind: Literal["broker"], name: str) -> type[Broker]: ...
+@overload
+def resolve(kind: Literal["command"], name: str) -> type[Command]: ...
+@overload
+def resolve(kind: Kind, name: str) -> type[Any]: ...
+def resolve(kind: Kind, name: str) -> type[Any]:
+    """Import and return the class registered as the ``kind`` plugin ``name``.
+
+    Raises ``ConfigurationError`` for an unknown name (the message lists the known
+    ones), when a module it requires is not installed (the message names the
+    ``pip install 'dedupstore[extra]'``), when its target does not import, and when
+    the target is not a subclass of the kind's base class
+    (:class:`~dedupstore.store.DeduplicationStore`, ...,
+    :class:`~dedupstore.cli.Command`). ``ValueError`` for an unknown kind.
+    """
+    info = _info(kind)
+    if name not in _registered[kind]:
+        _load_entry_points(kind)
+    spec = _registered[kind].get(name)
+    what = f"{_shown(info, name)} {info.label}"  # "redis:// store", "sweep command"
+    if spec is None:
+        names = ", ".join(_shown(info, n) for n in sorted(_registered[kind]))
+        if info.url:
+            raise ConfigurationError(
+                f"unknown {info.label} URL scheme {name!r}; known schemes: {names}"
+            )
+        raise ConfigurationError(f"unknown {info.label} {name!r}; known {info.label}s: {names}")
+    hint = f"pip install 'dedupstore[{spec.extra}]'" if spec.extra else None
+    for module in spec.requires:
+        if not _installed(module):
+            raise ConfigurationError(
+                f"the {what} needs the {module} library, which is not installed: "
+                f"{hint or f'install {module}'}"
+            )
+    module_name, _, class_name = spec.target.partition(":")
+    try:
+        cls: Any = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigurationError(
+            f"cannot load the {what} {spec.target}: {exc}{f' ({hint})' if hint else ''}"
+        ) from exc
+    base_module, _, base_name = info.base.partition(":")
+    base = getattr(importlib.import_module(base_module), base_name)
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ConfigurationError(f"{spec.target} is not a {base_name} subclass")
+    return cls
+
+
+@overload
+def open_url(
+    kind: Literal["store"], url: str | StoreURL, /, **options: Any
+) -> DeduplicationStore: ...
+@overload
+def open_url(
+    kind: Literal["entity_store"], url: str | StoreURL, /, **options: Any
+) -> EntityStore: ...
+@overload
+def open_url(
+    kind: Literal["dispatcher"], url: str | StoreURL, /, **options: Any
+) -> URLDispatcher: ...
+@overload
+def open_url(kind: Literal["broker"], url: str | StoreURL, /, **options: Any) -> Broker: ...
+@overload
+def open_url(kind: Kind, url: str | StoreURL, /, **options: Any) -> Any: ...
+def open_url(kind: Kind, url: str | StoreURL, /, **options: Any) -> Any:
+    """Parse ``url`` once and open it with its scheme's class: ``Cls(url, **options)``.
+
+    Raises what :func:`resolve` and the class's constructor raise; ``ConfigurationError``
+    for a malformed URL, ``ValueError`` for a kind whose names are not URL schemes.
+    """
+    if not _info(kind).url:
+        raise ValueError(f"{kind} plugins are not opened by URL")
+    parsed = StoreURL.parse(url)
+    return resolve(kind, parsed.scheme)(parsed, **options)

@@ -13,17 +13,23 @@ cluster and on Spark Connect alike. Clients are opened in each task from URLs
 (checked on the driver without I/O); nothing live is pickled.
 """
 
-from .pipeline import (
-    PROCESS_SCHEMA,
-    RECORD_SCHEMA,
-    SWEEP_SCHEMA,
-    drop_processed,
-    process_messages,
-    process_stream,
-    run_messages,
-    sweep_outboxes,
-)
-from .session import local_session, use_this_python
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .pipeline import (
+        PROCESS_SCHEMA,
+        RECORD_SCHEMA,
+        SWEEP_SCHEMA,
+        drop_processed,
+        process_messages,
+        process_stream,
+        run_messages,
+        sweep_outboxes,
+    )
+    from .session import local_session, use_this_python
 
 __all__ = [
     "PROCESS_SCHEMA",
@@ -37,3 +43,24 @@ __all__ = [
     "sweep_outboxes",
     "use_this_python",
 ]
+
+#: Public name -> the module that defines it, imported on first use: importing this
+#: package imports no pyspark (the ``dedupstore`` command lists ``sweep`` and ``demo``
+#: from :mod:`dedupstore.spark.cli` without Spark).
+_HOME = {
+    name: "session" if name in ("local_session", "use_this_python") else "pipeline"
+    for name in __all__
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -13,19 +13,20 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import dedupstore
+from dedupstore import registry
 from dedupstore.entities import EntityStore
 from dedupstore.errors import ConfigurationError
 from dedupstore.outbox import Dispatcher
-from dedupstore.registry import Registry, dispatchers, entity_stores, stores
 from dedupstore.store import DeduplicationStore
 from dedupstore.urls import StoreURL
 
 Kind = Literal["entities", "dedup", "dispatcher"]
 
-_REGISTRIES: dict[str, Registry[Any]] = {
-    "entities": entity_stores,
-    "dedup": stores,
-    "dispatcher": dispatchers,
+#: ClientSpec kind -> the registry's kind of plugin.
+_PLUGIN_KIND: dict[str, registry.Kind] = {
+    "entities": "entity_store",
+    "dedup": "store",
+    "dispatcher": "dispatcher",
 }
 _WHAT = {"entities": "entity store", "dedup": "deduplication store", "dispatcher": "dispatcher"}
 
@@ -59,7 +60,7 @@ class ClientSpec:
                 f"the {_WHAT[kind]} URL must be a non-empty string, got {url!r}"
             )
         parsed = StoreURL.parse(url)
-        target: Any = _REGISTRIES[kind].resolve(parsed.scheme)
+        target: Any = registry.resolve(_PLUGIN_KIND[kind], parsed.scheme)
         if target.process_local:
             raise ConfigurationError(
                 f"{parsed.masked!r}: this {_WHAT[kind]} lives in one process, and "

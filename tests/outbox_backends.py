@@ -20,7 +20,7 @@ import pytest
 
 from dedupstore.client import Client, ProcessLocal
 from dedupstore.entities import EntityStore
-from dedupstore.registry import entity_stores, stores
+from dedupstore.registry import open_url
 from dedupstore.store import DeduplicationStore
 from tests.servers import RedisServer
 
@@ -38,11 +38,11 @@ class OutboxBackend:
 
     def entities(self, **options: Any) -> EntityStore:
         """A new entity store client."""
-        return entity_stores.open(self.entities_url, **{**self.options, **options})
+        return open_url("entity_store", self.entities_url, **{**self.options, **options})
 
     def dedup(self, **options: Any) -> DeduplicationStore:
         """A new deduplication store client."""
-        return stores.open(self.dedup_url, **{**self.options, **options})
+        return open_url("store", self.dedup_url, **{**self.options, **options})
 
 
 def backend_params(names: tuple[str, ...] = BACKENDS) -> list[Any]:

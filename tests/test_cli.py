@@ -457,6 +457,44 @@ def test_entities_show_of_an_unknown_entity_exits_1(capsys: pytest.CaptureFixtur
     assert "entity 'nobody' does not exist" in captured.err
 
 
+# ---------------------------------------------------------------------- Spark commands
+
+
+def test_the_command_list_and_other_commands_never_import_pyspark(in_tmp: Path) -> None:
+    """``sweep`` and ``demo`` are command plugins (dedupstore.spark.cli): listing them
+    imports no pyspark, and a built-in command does not load them at all."""
+    import subprocess
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import contextlib, io, sys
+        from dedupstore.cli import main
+
+        def spark():
+            return sorted(m for m in sys.modules if m.split(".")[0] == "pyspark"
+                          or m.startswith("dedupstore.spark"))
+
+        assert main(["add", "sqlite:///x.db", "a"]) == 0
+        assert spark() == [], spark()
+        listed = io.StringIO()
+        with contextlib.redirect_stdout(listed), contextlib.suppress(SystemExit):
+            main(["--help"])
+        assert "the Spark sweep" in listed.getvalue() and "the order pipeline" in listed.getvalue()
+        assert spark() == ["dedupstore.spark", "dedupstore.spark.cli"], spark()
+        print("ok")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=in_tmp, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["a\tadded", "ok"]
+
+
+def test_the_core_cli_names_no_spark_module() -> None:
+    source = (Path(__file__).resolve().parents[1] / "dedupstore" / "cli.py").read_text()
+    assert "dedupstore.spark" not in source and "spark_integration" not in source
+
+
 # ---------------------------------------------------------------------- demo
 
 

@@ -21,12 +21,12 @@ from dedupstore import (
     InvalidMessageId,
     StoreUnavailable,
     open_store,
-    register_backend,
+    register,
 )
 from dedupstore.config import DEFAULT_URL, resolve_config
 from dedupstore.masking import mask_url
 from dedupstore.options import parse_duration
-from dedupstore.registry import backend_class, known_backends
+from dedupstore.registry import known, resolve
 from dedupstore.store import validate_message_id
 from dedupstore.testing import INVALID_IDS
 
@@ -208,37 +208,37 @@ def test_import_loads_no_backend_or_client() -> None:
 
 
 def test_registry_view_is_read_only() -> None:
-    assert "sqlite" in known_backends and "postgresql" in known_backends
+    assert "sqlite" in known("store") and "postgresql" in known("store")
     with pytest.raises(TypeError):
-        known_backends["x"] = known_backends["sqlite"]  # type: ignore[index]
+        known("store")["x"] = known("store")["sqlite"]  # type: ignore[index]
 
 
-def test_register_backend(in_tmp: Path) -> None:
-    register_backend("mymem", "dedupstore.backends.memory:MemoryDeduplicationStore")
+def test_register_a_store(in_tmp: Path) -> None:
+    register("store", "mymem", "dedupstore.backends.memory:MemoryDeduplicationStore")
     try:
         with pytest.raises(ValueError, match="clobber"):
-            register_backend("mymem", "dedupstore.backends.sqlite:SqliteDeduplicationStore")
-        register_backend(
-            "mymem", "dedupstore.backends.sqlite:SqliteDeduplicationStore", clobber=True
+            register("store", "mymem", "dedupstore.backends.sqlite:SqliteDeduplicationStore")
+        register(
+            "store", "mymem", "dedupstore.backends.sqlite:SqliteDeduplicationStore", clobber=True
         )
-        assert backend_class("mymem").__name__ == "SqliteDeduplicationStore"
+        assert resolve("store", "mymem").__name__ == "SqliteDeduplicationStore"
     finally:
         from dedupstore import registry
 
-        registry.stores._specs.pop("mymem", None)
+        registry._registered["store"].pop("mymem", None)
     with pytest.raises(ValueError):
-        register_backend("bad", "no-colon")
+        register("store", "bad", "no-colon")
 
 
 def test_registered_target_must_be_a_store() -> None:
-    register_backend("notastore", "dedupstore.errors:DedupStoreError")
+    register("store", "notastore", "dedupstore.errors:DedupStoreError")
     try:
         with pytest.raises(ConfigurationError, match="not a DeduplicationStore"):
-            backend_class("notastore")
+            resolve("store", "notastore")
     finally:
         from dedupstore import registry
 
-        registry.stores._specs.pop("notastore", None)
+        registry._registered["store"].pop("notastore", None)
 
 
 def test_backends_load_through_entry_points(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -247,15 +247,17 @@ def test_backends_load_through_entry_points(monkeypatch: pytest.MonkeyPatch) -> 
     from dedupstore import registry
 
     ep = EntryPoint(
-        "epmem", "dedupstore.backends.memory:MemoryDeduplicationStore", registry.ENTRY_POINT_GROUP
+        "epmem",
+        "dedupstore.backends.memory:MemoryDeduplicationStore",
+        registry.entry_point_group("store"),
     )
     monkeypatch.setattr(registry, "entry_points", lambda group: [ep] if group == ep.group else [])
-    monkeypatch.setattr(registry.stores, "_entry_points_loaded", False)
+    monkeypatch.setattr(registry, "_loaded", set())
     try:
         with open_store("epmem://x") as store:
             assert type(store).__name__ == "MemoryDeduplicationStore"
     finally:
-        registry.stores._specs.pop("epmem", None)
+        registry._registered["store"].pop("epmem", None)
 
 
 # ---------------------------------------------------------------------- configuration
@@ -473,18 +475,17 @@ def test_entities_url_per_environment(in_tmp: Path, monkeypatch: pytest.MonkeyPa
 
 
 def test_entity_registry_is_lazy_and_extensible() -> None:
-    from dedupstore.registry import entity_stores, register_entity_backend
-
     assert (
-        entity_stores.view["postgres"].target == "dedupstore.backends.postgres:PostgresEntityStore"
+        known("entity_store")["postgres"].target
+        == "dedupstore.backends.postgres:PostgresEntityStore"
     )
-    register_entity_backend("mymem", "dedupstore.backends.memory:MemoryEntityStore")
+    register("entity_store", "mymem", "dedupstore.backends.memory:MemoryEntityStore")
     from dedupstore import open_entity_store
 
     with open_entity_store("mymem://one") as store:
         assert type(store).__name__ == "MemoryEntityStore"
     with pytest.raises(ConfigurationError, match="not a EntityStore subclass"):
-        register_entity_backend("wrong", "dedupstore.backends.memory:MemoryDeduplicationStore")
+        register("entity_store", "wrong", "dedupstore.backends.memory:MemoryDeduplicationStore")
         open_entity_store("wrong://x")
 
 

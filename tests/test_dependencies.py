@@ -209,6 +209,16 @@ def test_the_core_works_with_only_its_own_requirements() -> None:
             assert callable(Consumer) and "tenacity" in sys.modules  # its backoff, imported
             url = f"sqlite:///{{tmp}}/cli.db"
             assert main(["add", url, "order-1"]) == 0 and main(["has", url, "order-1"]) == 0
+            # the Spark commands: listed as unavailable, refused with the extra to install
+            import contextlib, io
+            listed, errors = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(listed), contextlib.suppress(SystemExit):
+                main(["--help"])
+            listed = " ".join(listed.getvalue().split())
+            assert "sweep (unavailable: the sweep command needs the pyspark" in listed, listed
+            with contextlib.redirect_stderr(errors):
+                assert main(["sweep", "--entities", url, "--store", url]) == 2
+            assert "pip install 'dedupstore[spark]'" in errors.getvalue(), errors.getvalue()
         print("ok")
         """
     )

@@ -25,7 +25,8 @@ from dedupstore import (
     StoreClosed,
     StoreUnavailable,
     open_dispatcher,
-    register_dispatcher,
+    register,
+    registry,
 )
 from dedupstore.dispatch import (
     CallableDispatcher,
@@ -35,7 +36,7 @@ from dedupstore.dispatch import (
 )
 from dedupstore.entities import OutgoingMessage
 from dedupstore.outbox import Dispatcher, InMemoryDispatcher, Message, OutboxProcessor, Send
-from dedupstore.registry import dispatchers
+from dedupstore.registry import known, resolve
 from tests.servers import HOST, RedisServer, Server, free_port
 from tests.test_redis import _ReplyDroppingProxy, _wait_for
 
@@ -180,12 +181,12 @@ class _Recording(URLDispatcher):
 
 @pytest.fixture
 def recording() -> Iterator[type[_Recording]]:
-    register_dispatcher("recording", f"{__name__}:_Recording")
+    register("dispatcher", "recording", f"{__name__}:_Recording")
     _Recording.calls = []
     try:
         yield _Recording
     finally:
-        dispatchers._specs.pop("recording", None)
+        registry._registered["dispatcher"].pop("recording", None)
 
 
 @pytest.mark.memory
@@ -291,12 +292,13 @@ class TestOpenDispatcher:
 @pytest.mark.memory
 class TestRegistry:
     def test_builtin_schemes(self) -> None:
-        assert dispatchers.view["memory"].target == "dedupstore.backends.memory:MemoryDispatcher"
-        assert dispatchers.view["sqlite"].target == "dedupstore.backends.sqlite:SqliteDispatcher"
+        view = known("dispatcher")
+        assert view["memory"].target == "dedupstore.backends.memory:MemoryDispatcher"
+        assert view["sqlite"].target == "dedupstore.backends.sqlite:SqliteDispatcher"
         for scheme in ("redis", "rediss"):
-            assert dispatchers.view[scheme].target == "dedupstore.backends.redis:RedisDispatcher"
-            assert dispatchers.view[scheme].extra == "redis"
-        assert dispatchers.resolve("redis") is RedisDispatcher
+            assert view[scheme].target == "dedupstore.backends.redis:RedisDispatcher"
+            assert view[scheme].extra == "redis"
+        assert resolve("dispatcher", "redis") is RedisDispatcher
 
     def test_unknown_scheme(self) -> None:
         with pytest.raises(ConfigurationError, match=r"unknown dispatcher URL scheme 'kafka'"):
@@ -304,47 +306,45 @@ class TestRegistry:
         with pytest.raises(ConfigurationError, match="malformed"):
             open_dispatcher("no-scheme-here")
 
-    def test_register_dispatcher(self) -> None:
-        register_dispatcher("mymem", "dedupstore.backends.memory:MemoryDispatcher")
+    def test_register_a_dispatcher(self) -> None:
+        register("dispatcher", "mymem", "dedupstore.backends.memory:MemoryDispatcher")
         try:
             with pytest.raises(ValueError, match="clobber"):
-                register_dispatcher("mymem", "dedupstore.backends.sqlite:SqliteDispatcher")
+                register("dispatcher", "mymem", "dedupstore.backends.sqlite:SqliteDispatcher")
             with open_dispatcher("mymem://x") as dispatcher:
                 assert type(dispatcher) is MemoryDispatcher
-            register_dispatcher(
-                "mymem", "dedupstore.backends.sqlite:SqliteDispatcher", clobber=True
+            register(
+                "dispatcher", "mymem", "dedupstore.backends.sqlite:SqliteDispatcher", clobber=True
             )
-            assert dispatchers.resolve("mymem") is SqliteDispatcher
+            assert resolve("dispatcher", "mymem") is SqliteDispatcher
         finally:
-            dispatchers._specs.pop("mymem", None)
+            registry._registered["dispatcher"].pop("mymem", None)
         with pytest.raises(ValueError):
-            register_dispatcher("bad", "no-colon")
+            register("dispatcher", "bad", "no-colon")
 
     def test_registered_target_must_be_a_url_dispatcher(self) -> None:
-        register_dispatcher("notadispatcher", "dedupstore.outbox:InMemoryDispatcher")
+        register("dispatcher", "notadispatcher", "dedupstore.outbox:InMemoryDispatcher")
         try:
             with pytest.raises(ConfigurationError, match="not a URLDispatcher subclass"):
                 open_dispatcher("notadispatcher://x")
         finally:
-            dispatchers._specs.pop("notadispatcher", None)
+            registry._registered["dispatcher"].pop("notadispatcher", None)
 
     def test_entry_points(self, monkeypatch: pytest.MonkeyPatch) -> None:
         from importlib.metadata import EntryPoint
 
-        from dedupstore import registry
-
-        group = registry.DISPATCHER_ENTRY_POINT_GROUP
-        assert group == "dedupstore.dispatchers"
+        group = registry.entry_point_group("dispatcher")
+        assert group == "dedupstore.dispatcher"
         ep = EntryPoint("epdispatch", "dedupstore.backends.memory:MemoryDispatcher", group)
         monkeypatch.setattr(
             registry, "entry_points", lambda group: [ep] if group == ep.group else []
         )
-        monkeypatch.setattr(dispatchers, "_entry_points_loaded", False)
+        monkeypatch.setattr(registry, "_loaded", set())
         try:
             with open_dispatcher("epdispatch://x") as dispatcher:
                 assert type(dispatcher) is MemoryDispatcher
         finally:
-            dispatchers._specs.pop("epdispatch", None)
+            registry._registered["dispatcher"].pop("epdispatch", None)
 
     def test_bad_options_are_refused_before_any_io(self, tmp_path: Path) -> None:
         closed_port = free_port()  # nothing listens: any I/O would be StoreUnavailable
@@ -946,5 +946,5 @@ def test_a_callable_dispatcher_takes_its_destinations_bounds() -> None:
 @pytest.mark.memory
 def test_public_names() -> None:
     assert dedupstore.open_dispatcher is open_dispatcher
-    assert dedupstore.register_dispatcher is register_dispatcher
-    assert {"open_dispatcher", "register_dispatcher"} <= set(dedupstore.__all__)
+    assert dedupstore.register is register
+    assert {"open_dispatcher", "register"} <= set(dedupstore.__all__)

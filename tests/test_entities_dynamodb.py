@@ -37,7 +37,7 @@ from dedupstore.errors import (
     StoreUnavailable,
 )
 from dedupstore.ids import MAX_ID_BYTES
-from dedupstore.registry import entity_stores
+from dedupstore.registry import resolve
 from dedupstore.testing.entities import EntityStoreContract, EntityStoreFactory
 from tests.servers import DynamoDBEndpoint, MotoServer, free_port
 from tests.test_dynamodb import (
@@ -717,4 +717,4 @@ def test_server_down_raises_within_the_timeout_and_the_store_recovers() -> None:
 
 def test_the_registry_maps_the_scheme_to_the_entity_store() -> None:
     assert issubclass(DynamoDBEntityStore, EntityStore)
-    assert entity_stores.resolve("dynamodb") is DynamoDBEntityStore
+    assert resolve("entity_store", "dynamodb") is DynamoDBEntityStore

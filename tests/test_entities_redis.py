@@ -32,7 +32,7 @@ from dedupstore.errors import (
     StoreUnavailable,
 )
 from dedupstore.options import Options
-from dedupstore.registry import entity_stores
+from dedupstore.registry import resolve
 from dedupstore.testing.entities import (
     EntityStoreContract,
     EntityStoreFactory,
@@ -254,7 +254,7 @@ def test_entities_and_dedup_records_never_share_keys(redis_server: Server) -> No
 def test_open_by_url_and_pickle(redis_server: Server) -> None:
     prefix = _prefix()
     url = f"{redis_server.url}?key_prefix={prefix}&timeout=2&retries=1"
-    assert entity_stores.resolve("rediss") is RedisEntityStore
+    assert resolve("entity_store", "rediss") is RedisEntityStore
     with dedupstore.open_entity_store(url, connect_timeout="1.5") as store:
         entity = store.load("p")
         entity.state = {"p": True}

@@ -39,7 +39,7 @@ import dedupstore.outbox as outbox_module
 from dedupstore.entities import Entity, EntityStore, OutgoingMessage
 from dedupstore.ids import outgoing_id
 from dedupstore.outbox import Message, OutboxProcessor, Send, sweep
-from dedupstore.registry import entity_stores as EntityStoreRegistry
+from dedupstore.registry import open_url
 from dedupstore.store import DeduplicationStore
 from tests.outbox_backends import OutboxBackend, _drop_postgres
 
@@ -395,11 +395,11 @@ def backend_worlds(backend: OutboxBackend) -> Factory:
         consumer = name.split("-")[0]
         url = backend.entities_url
         if backend.name == "sqlite":
-            entities = EntityStoreRegistry.open(url, table=f"ent_{consumer}", **backend.options)
+            entities = open_url("entity_store", url, table=f"ent_{consumer}", **backend.options)
         else:
             url = url.replace("table=ent_", f"table=ent_{consumer}_")
             url = url.replace("key_prefix=ent", f"key_prefix=ent{consumer}")
-            entities = EntityStoreRegistry.open(url, **backend.options)
+            entities = open_url("entity_store", url, **backend.options)
         return World(entities, backend.dedup(endpoint=name))
 
     return open_world

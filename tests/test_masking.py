@@ -17,7 +17,7 @@ from dedupstore.config import ResolvedConfig
 from dedupstore.errors import format_error
 from dedupstore.masking import MASK, SECRET_NAMES, mask_text, mask_url
 from dedupstore.options import Option, OptionSet, text
-from dedupstore.registry import dispatchers, entity_stores, stores
+from dedupstore.registry import known, resolve
 
 pytestmark = pytest.mark.memory
 
@@ -30,10 +30,10 @@ BUILTIN_SCHEMES = ("memory", "sqlite", "postgresql", "redis", "dynamodb", "cosmo
 def _classes() -> list[type[Any]]:
     """Every built-in class (other tests may register schemes of their own)."""
     return [
-        registry.resolve(scheme)
-        for registry in (stores, entity_stores, dispatchers)
+        resolve(kind, scheme)
+        for kind in ("store", "entity_store", "dispatcher")
         for scheme in BUILTIN_SCHEMES
-        if scheme in registry.view
+        if scheme in known(kind)
     ]
 
 

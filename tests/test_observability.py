@@ -36,7 +36,7 @@ from dedupstore.outbox import (
     SweepResult,
     sweep,
 )
-from dedupstore.registry import Registry, brokers, dispatchers, entity_stores, stores
+from dedupstore.registry import Kind, resolve
 from tests.outbox_backends import OutboxBackend, backend_params
 from tests.servers import HOST, free_port
 
@@ -528,16 +528,16 @@ def test_every_built_in_scheme_is_named_by_its_backend_in_metrics() -> None:
     the first (``rediss`` counts as ``redis``, ``postgres`` as ``postgresql``); only the
     in-process ``memory://`` classes say their data lives in one process."""
     stored = ("memory", "sqlite", "postgresql", "postgres", "redis", "rediss", "dynamodb", "cosmos")
-    built_in: dict[Registry[Any], tuple[str, ...]] = {  # (other tests register schemes too)
-        stores: stored,
-        entity_stores: stored,
-        dispatchers: ("memory", "sqlite", "redis", "rediss", "amqp", "amqps"),
-        brokers: ("redis", "rediss", "amqp", "amqps", "kafka"),
+    built_in: dict[Kind, tuple[str, ...]] = {  # (other tests register schemes too)
+        "store": stored,
+        "entity_store": stored,
+        "dispatcher": ("memory", "sqlite", "redis", "rediss", "amqp", "amqps"),
+        "broker": ("redis", "rediss", "amqp", "amqps", "kafka"),
     }
-    for registry, schemes in built_in.items():
+    for kind, schemes in built_in.items():
         for scheme in schemes:
-            opened = registry.resolve(scheme)
-            assert scheme in opened.schemes, (registry.kind, scheme, opened)
-            assert opened.process_local == (scheme == "memory"), (registry.kind, scheme)
-    assert stores.resolve("rediss").schemes[0] == "redis"
-    assert entity_stores.resolve("postgres").schemes[0] == "postgresql"
+            opened: Any = resolve(kind, scheme)
+            assert scheme in opened.schemes, (kind, scheme, opened)
+            assert opened.process_local == (scheme == "memory"), (kind, scheme)
+    assert resolve("store", "rediss").schemes[0] == "redis"
+    assert resolve("entity_store", "postgres").schemes[0] == "postgresql"

@@ -23,7 +23,7 @@ import pytest
 
 from dedupstore import ConfigurationError, DeduplicationStore, open_store
 from dedupstore.cli import main
-from dedupstore.registry import stores
+from dedupstore.registry import resolve
 from tests.servers import CosmosEndpoint, DynamoDBEndpoint, Server
 
 #: option -> (good text, typed value it becomes, bad text). ``None`` as good text:
@@ -251,7 +251,7 @@ def test_bad_values_are_one_line_configuration_errors(
         _open_by_route(route, made, option, bad, tmp_path, monkeypatch)
     message = str(info.value)
     assert option in message and "\n" not in message
-    cls = stores.resolve(SCHEMES.get(backend, backend))
+    cls = resolve("store", SCHEMES.get(backend, backend))
     assert cls.__name__ in message
 
 
@@ -275,7 +275,7 @@ def test_bad_values_exit_2_from_the_cli(
 
 @pytest.mark.parametrize("backend", sorted(TABLES))
 def test_the_table_covers_every_declared_option(backend: str) -> None:
-    cls = stores.resolve(SCHEMES.get(backend, backend))
+    cls = resolve("store", SCHEMES.get(backend, backend))
     declared = {name for name, option in cls.declared_options.items() if option.in_url}
     assert declared == set(TABLES[backend]), "add the new option to TABLES with good and bad values"
 
@@ -293,7 +293,7 @@ SAMPLE_URLS = {
 @pytest.mark.parametrize("backend", sorted(TABLES))
 def test_constructor_and_open_store_accept_the_same_options(backend: str) -> None:
     """Both refuse an unknown option the same way, before any I/O (nothing listens there)."""
-    cls = stores.resolve(SCHEMES.get(backend, backend))
+    cls = resolve("store", SCHEMES.get(backend, backend))
     url = SAMPLE_URLS[backend]
     for opener in (cls, open_store):
         with pytest.raises(ConfigurationError, match="unknown option 'surely_not_an_option'"):

@@ -1,6 +1,7 @@
 """The README's examples run as written and print what they say.
 
-Every ```python block of README.md starts with ``# example: <name>`` and is run, in a
+Every ```python block of README.md (and of the docs pages in :data:`PAGES`) starts
+with ``# example: <name>`` and is run, in a
 subprocess, by exactly one test of this module (registered with :func:`runs`); a block
 that cannot run anywhere says why in ``<!-- fragment: <reason> -->`` right above its
 fence. A new block without either fails :func:`test_every_python_block_is_run_by_one_test`.
@@ -10,6 +11,7 @@ replaced by the test server's; everything else runs as a user would paste it.
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
@@ -28,6 +30,11 @@ from tests.servers import Server
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+#: The Markdown pages whose python blocks are checked and run (docs pages join as written;
+#: a test of another module may run a page's example, with :func:`runs`).
+PAGES = (README, ROOT / "docs" / "plugins.md")
+#: The modules, besides this one, whose tests run examples (imported by the check).
+RUNNER_MODULES = ("tests.test_plugins",)
 VENV_BIN = Path(sys.executable).parent
 
 #: Fence languages counted as Python (so a block cannot escape by its label).
@@ -72,14 +79,17 @@ def fenced_blocks(text: str) -> Iterator[Block]:
         yield Block(match.group(1).lower(), match.group(2), line, above)
 
 
-def unrun_blocks(text: str, runners: Mapping[str, str]) -> list[str]:
-    """What is wrong with the Python blocks of ``text`` given the tests ``runners``."""
+def unrun_blocks(text: str | Mapping[str, str], runners: Mapping[str, str]) -> list[str]:
+    """What is wrong with the Python blocks of ``text`` (the README's, or page name ->
+    text) given the tests ``runners``."""
     problems: list[str] = []
     marked: Counter[str] = Counter()
-    for block in fenced_blocks(text):
+    pages = {"README.md": text} if isinstance(text, str) else text
+    blocks = [(page, block) for page, body in pages.items() for block in fenced_blocks(body)]
+    for page, block in blocks:
         if block.language not in PYTHON:
             continue
-        where = f"README.md:{block.line}"
+        where = f"{page}:{block.line}"
         marker = MARKER.match(block.code)
         fragment = FRAGMENT.match(block.above)
         if fragment is not None:
@@ -107,10 +117,12 @@ def unrun_blocks(text: str, runners: Mapping[str, str]) -> list[str]:
 
 
 def example(name: str) -> str:
-    """The code of the README's Python block ``# example: name``."""
+    """The code of the Python block ``# example: name`` of the README (or of a page of
+    :data:`PAGES`)."""
     found = [
         block.code
-        for block in fenced_blocks(README.read_text(encoding="utf-8"))
+        for page in PAGES
+        for block in fenced_blocks(page.read_text(encoding="utf-8"))
         if block.language in PYTHON
         and (m := MARKER.match(block.code)) is not None
         and m.group(1) == name
@@ -164,7 +176,10 @@ def succeeded(done: subprocess.CompletedProcess[str]) -> list[str]:
 
 
 def test_every_python_block_is_run_by_one_test() -> None:
-    problems = unrun_blocks(README.read_text(encoding="utf-8"), RUNNERS)
+    for module in RUNNER_MODULES:
+        importlib.import_module(module)  # its @runs register its tests
+    pages = {page.relative_to(ROOT).as_posix(): page.read_text(encoding="utf-8") for page in PAGES}
+    problems = unrun_blocks(pages, RUNNERS)
     assert not problems, "\n".join(problems)
 
 

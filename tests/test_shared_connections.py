@@ -20,7 +20,7 @@ import redis
 from dedupstore import client as client_module
 from dedupstore.client import Client
 from dedupstore.errors import StoreUnavailable
-from dedupstore.registry import dispatchers
+from dedupstore.registry import open_url
 from tests.outbox_backends import OutboxBackend, backend_params
 
 SHARING = ("postgres", "redis", "dynamodb", "cosmos", "sqlite")
@@ -189,8 +189,8 @@ def test_the_redis_dispatcher_shares_the_stores_connection(
 ) -> None:
     dedup = outbox_backend.dedup(**_alone(outbox_backend))
     url = outbox_backend.dedup_url.split("?")[0]
-    dispatcher = dispatchers.open(
-        f"{url}?key_prefix=out{uuid.uuid4().hex[:8]}:", **_alone(outbox_backend)
+    dispatcher = open_url(
+        "dispatcher", f"{url}?key_prefix=out{uuid.uuid4().hex[:8]}:", **_alone(outbox_backend)
     )
     try:
         assert _shared(dispatcher) is _shared(dedup)  # type: ignore[arg-type]

@@ -567,7 +567,7 @@ class CountingSqliteStore(SqliteDeduplicationStore):
 @pytest.mark.sqlite
 def test_drop_processed_asks_the_store_once_per_batch(tmp_path: Path) -> None:
     """The task function itself, in this process: one look-up per non-empty Arrow batch."""
-    dedupstore.register_backend("countsqlite", f"{__name__}:CountingSqliteStore", clobber=True)
+    dedupstore.register("store", "countsqlite", f"{__name__}:CountingSqliteStore", clobber=True)
     url = f"countsqlite:///{tmp_path}/count.db"
     with dedupstore.open_store(f"sqlite:///{tmp_path}/count.db") as store:
         store.add_many([message_key(f"e{n % 7}", f"m{n}") for n in range(0, 3000, 2)])

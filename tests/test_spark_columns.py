@@ -28,7 +28,7 @@ from dedupstore.spark import drop_processed, process_messages, process_stream
 from dedupstore.entities import EntityStore
 from dedupstore.errors import ConfigurationError, InvalidMessageId
 from dedupstore.outbox import Message, Send
-from dedupstore.registry import entity_stores
+from dedupstore.registry import open_url
 
 LOCAL = pytest.mark.parametrize("spark", ["local"], indirect=True)
 pytestmark = pytest.mark.sqlite
@@ -132,7 +132,7 @@ def _stores(tmp_path: Path) -> dict[str, str]:
 
 
 def _entities(tmp_path: Path) -> EntityStore:
-    return entity_stores.open(f"sqlite:///{tmp_path}/stores.db")
+    return open_url("entity_store", f"sqlite:///{tmp_path}/stores.db")
 
 
 def handle_sequence(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:

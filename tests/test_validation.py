@@ -17,7 +17,7 @@ import pytest
 
 from dedupstore import ConfigurationError
 from dedupstore.client import Client
-from dedupstore.registry import dispatchers, entity_stores, stores
+from dedupstore.registry import known, resolve
 
 pytestmark = pytest.mark.memory
 
@@ -87,9 +87,9 @@ CASES: list[tuple[str, str, dict[str, Any], str]] = [
 
 def _classes(scheme: str) -> list[type[Client]]:
     return [
-        registry.resolve(scheme)
-        for registry in (stores, entity_stores, dispatchers)
-        if scheme in registry.view
+        resolve(kind, scheme)
+        for kind in ("store", "entity_store", "dispatcher")
+        if scheme in known(kind)
     ]
 
 

@@ -42,12 +42,13 @@ __all__ = [
 def open_broker(url: str | StoreURL, /, **options: Any) -> Broker:
     """The broker a URL names, opened with ``options`` (``redis://host:6379/0?stream=...``).
 
-    Schemes come from :data:`dedupstore.registry.brokers` (built in: ``redis``,
-    ``rediss``; others through :func:`dedupstore.registry.register_broker` or the
-    ``dedupstore.brokers`` entry-point group). Raises ``ConfigurationError`` for an
-    unknown scheme, a bad URL or option (before any I/O), and what the broker's
-    constructor raises (``StoreUnavailable`` when it cannot be reached).
+    Schemes are the registry's ``broker`` plugins (:mod:`dedupstore.registry`; built in:
+    ``redis``, ``rediss``, ``amqp``, ``amqps``, ``kafka``; others through
+    ``dedupstore.register("broker", ...)`` or the ``dedupstore.broker`` entry-point
+    group). Raises ``ConfigurationError`` for an unknown scheme, a bad URL or option
+    (before any I/O), and what the broker's constructor raises (``StoreUnavailable``
+    when it cannot be reached).
     """
-    from dedupstore.registry import brokers
+    from dedupstore.registry import open_url
 
-    return brokers.open(url, **options)
+    return open_url("broker", url, **options)
