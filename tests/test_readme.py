@@ -338,6 +338,33 @@ def test_runners_of_other_test_modules_count() -> None:
     assert RUNNERS["outbox"] == "test_the_outbox_example_runs"
 
 
+def test_every_built_in_class_opened_by_url_has_its_option_table_in_docs() -> None:
+    """Each store, entity store, dispatcher and broker class the registries open by URL
+    is rendered by an ``options-table`` directive (docs/_ext/options_table.py) on a page
+    of docs/, so a new backend cannot ship without its generated table."""
+    import importlib
+
+    from dedupstore import registry
+
+    def load(path: str) -> object:
+        module, _, name = path.replace(":", ".").rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+    tabled = {
+        load(m.group(1))
+        for text in markdown_texts().values()
+        for m in re.finditer(r"^```\{options-table\} ([\w.]+)[ \t]*$", text, re.M)
+    }
+    kinds = (registry.stores, registry.entity_stores, registry.dispatchers, registry.brokers)
+    missing = sorted(
+        f"{kind.kind} {scheme}: {spec.target}"
+        for kind in kinds
+        for scheme, spec in kind.view.items()
+        if spec.target.startswith("dedupstore.") and load(spec.target) not in tabled
+    )
+    assert not missing, missing
+
+
 # ---------------------------------------------------------------------- the examples
 
 
