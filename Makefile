@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 CHECKED := dedupstore backends spark_integration
 
-.PHONY: demo test lint format test-deps bench clean
+.PHONY: demo test docs lint format test-deps bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +29,12 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-test: $(STAMP) test-deps lint
+# The docs site (docs/, Sphinx + furo + MyST): strict, every warning and unresolved
+# reference fails the build. Output in docs/_build/html.
+docs: $(STAMP)
+	$(PY) -m sphinx -W --keep-going -n -b html docs docs/_build/html
+
+test: $(STAMP) test-deps lint docs
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP) test-deps
@@ -37,4 +42,4 @@ bench: $(STAMP) test-deps
 	$(PY) -m benchmarks.spark_bench $(SPARK_BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .dedupstore .pytest_cache .mypy_cache .ruff_cache node_modules
+	rm -rf $(VENV) docs/_build .dedupstore .pytest_cache .mypy_cache .ruff_cache node_modules

@@ -41,7 +41,7 @@ keyword-only ones: ``config`` (a dict of further librdkafka settings, e.g. secur
 the broker subscribes it; not closed by :meth:`close`).
 
 Not tested against a real Kafka broker: none can be installed from the package
-registries this project uses (see the README's "Kafka"). The unit tests replace
+registries this project uses (see "Kafka" in docs/consuming.md). The unit tests replace
 confluent-kafka's consumer with a small fake (offsets committed only after acks,
 seeks on nacks, rebalances); one test runs the adapter over TCP against librdkafka's
 built-in mock cluster (``test.mock.num.brokers``), which speaks the Kafka protocol

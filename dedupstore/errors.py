@@ -4,20 +4,20 @@ Every error the library raises on purpose is a :class:`DedupStoreError`. Driver
 errors are classified once per backend (``_classify_error``) and chained
 (``raise ... from exc``); nothing leaves the library as a bare driver error.
 
-=====================  ======================================  ==============
-error                  meaning                                 CLI exit code
-=====================  ======================================  ==============
-``ConfigurationError``  fix the configuration or the input      2
-``InvalidMessageId``    fix the input (a ``ValueError``)        2
-``InvalidValue``        fix the input (a ``TypeError``)         2
-``EntityTooLarge``      too large for one entity record         2
-``MessageTooLarge``     too large for the dispatcher            2
-``MalformedDelivery``   a broker delivery is not a message      2
-``ConsistencyError``    the store is too weak to be safe        2
-``StoreClosed``         the object was closed; open a new one   2
-``StoreUnavailable``    the store could not answer; retry       3
-``ConcurrencyConflict`` someone saved the entity first; retry   3
-=====================  ======================================  ==============
+=======================  =====================================  =============
+error                    meaning                                CLI exit code
+=======================  =====================================  =============
+``ConfigurationError``   fix the configuration or the input     2
+``InvalidMessageId``     fix the input (a ``ValueError``)       2
+``InvalidValue``         fix the input (a ``TypeError``)        2
+``EntityTooLarge``       too large for one entity record        2
+``MessageTooLarge``      too large for the dispatcher           2
+``MalformedDelivery``    a broker delivery is not a message     2
+``ConsistencyError``     the store is too weak to be safe       2
+``StoreClosed``          the object was closed; open a new one  2
+``StoreUnavailable``     the store could not answer; retry      3
+``ConcurrencyConflict``  someone saved the entity first; retry  3
+=======================  =====================================  =============
 """
 
 from __future__ import annotations

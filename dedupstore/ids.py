@@ -25,7 +25,8 @@ MAX_ID_BYTES = 1024
 
 
 def validate_message_id(message_id: object, what: str = "message id") -> str:
-    """Return ``message_id`` as a plain ``str`` or raise :class:`InvalidMessageId`.
+    """Return ``message_id`` as a plain ``str``, or raise
+    :class:`~dedupstore.errors.InvalidMessageId`.
 
     A valid id is a non-empty ``str`` of at most 1024 UTF-8 bytes, with no NUL
     character and no lone surrogate.
@@ -81,7 +82,7 @@ def validate_ids(ids: Iterable[object], what: str = "message id") -> list[str]:
 
 def validate_name(value: object, what: str) -> str:
     """Return ``value``, a name given as configuration (``what`` says which), or raise
-    :class:`ConfigurationError`; same rules as ids."""
+    :class:`~dedupstore.errors.ConfigurationError`; same rules as ids."""
     try:
         return validate_message_id(value, what)
     except InvalidMessageId as exc:

@@ -3,7 +3,7 @@
 One scan of :meth:`~dedupstore.entities.EntityStore.pending_outboxes` (the entities
 whose outbox is not empty) counts, exactly, what awaits dispatch and what awaits the
 sweep, and finds the oldest entry still awaiting dispatch. The deduplication side is
-:meth:`dedupstore.DeduplicationStore.count`. ``dedupstore stats`` prints both.
+:meth:`dedupstore.store.DeduplicationStore.count`. ``dedupstore stats`` prints both.
 """
 
 from __future__ import annotations

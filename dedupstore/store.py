@@ -90,8 +90,8 @@ class DeduplicationStore(Client):
     * linearizable: once :meth:`add` / :meth:`add_many` returns, every client of
       the store sees the record;
     * first writer wins: of concurrent adds of one id exactly one returns ``True``;
-    * invalid ids raise :class:`InvalidMessageId` before any I/O;
-    * a store that cannot answer raises :class:`StoreUnavailable`, never "not
+    * invalid ids raise :class:`~dedupstore.errors.InvalidMessageId` before any I/O;
+    * a store that cannot answer raises :class:`~dedupstore.errors.StoreUnavailable`, never "not
       processed"; a batch that fails part-way says what it recorded (``recorded``)
       and what is unknown (``unknown``), and a retry of the same ids on the same
       object reports those it wrote before the failure as recorded by the retry;

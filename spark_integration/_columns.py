@@ -167,7 +167,7 @@ def id_text(schema: T.StructType, argument: str, name: str) -> Column:
         argument,
         name,
         kind,
-        f"an id column must be {_ID_TYPES} (see the README's table); cast it to one of "
+        f"an id column must be {_ID_TYPES} (see the table of docs/spark.md); cast it to one of "
         "those first, to a string if its values have their own exact text",
     )
 
@@ -297,7 +297,7 @@ def body_reader(schema: T.StructType, names: Sequence[str]) -> BodyReader:
     """A function from an Arrow row (``to_pylist``) to the body dict of ``names``.
 
     Checked on the driver: a type that cannot reach Python raises ConfigurationError
-    naming the column and its type. See the README's table for what each type gives.
+    naming the column and its type. See the table of docs/spark.md for what each type gives.
     """
     kinds = {f.name: f.dataType for f in schema.fields}
     converters: list[tuple[str, Convert]] = []

@@ -308,7 +308,7 @@ def process_messages(
     clients and runs :meth:`~dedupstore.outbox.OutboxProcessor.process_batch` over
     ``batch_size`` messages at a time. A message's body is a dict of its row's other
     columns (the order column included), as plain Python values: maps as dicts,
-    timestamps as UTC ``datetime``s (the README lists every type);
+    timestamps as UTC ``datetime``s (the Spark page of the docs lists every type);
     ``headers_col``, a ``map<string,string>``, becomes its headers (null values
     left out). A batch that raises is re-run up to ``retries`` times (every step is
     restartable), then the task fails and Spark retries it; a killed task or a full

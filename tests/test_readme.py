@@ -1,12 +1,20 @@
-"""The README's examples run as written and print what they say.
+"""The code blocks of the README and of ``docs/`` run as written and print what they say.
 
-Every ```python block of README.md (and of the docs pages in :data:`PAGES`) starts
-with ``# example: <name>`` and is run, in a
-subprocess, by exactly one test of this module (registered with :func:`runs`); a block
-that cannot run anywhere says why in ``<!-- fragment: <reason> -->`` right above its
-fence. A new block without either fails :func:`test_every_python_block_is_run_by_one_test`.
-Server URLs are visible constants at the top of a snippet (``REDIS = "redis://..."``),
-replaced by the test server's; everything else runs as a user would paste it.
+Every fenced block of ``README.md`` and of the Markdown pages under ``docs/`` (whatever
+its language: python, sh, toml, text, ...) is either an **example** or a **fragment**:
+
+* an example is named by a first line ``# example: <name>`` or by
+  ``<!-- example: <name> -->`` right above its fence, and exactly one test runs it,
+  registered with :func:`runs` (in this module or in any other ``tests/test_*.py``:
+  ``from tests.test_readme import runs``); names are unique across all the files;
+* a fragment says why it cannot run in ``<!-- fragment: <reason> -->`` right above
+  its fence.
+
+A block that is neither fails :func:`test_every_block_is_run_by_one_test_or_is_a_fragment`.
+MyST directives (```` ```{include} ````, ```` ```{toctree} ````, ...) are not code
+blocks. Server URLs are visible constants at the top of a snippet
+(``REDIS = "redis://..."``), replaced by the test server's; everything else runs as a
+user would paste it.
 """
 
 from __future__ import annotations
@@ -30,30 +38,34 @@ from tests.servers import Server
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-#: The Markdown pages whose python blocks are checked and run (docs pages join as written;
-#: a test of another module may run a page's example, with :func:`runs`).
-PAGES = (README, ROOT / "docs" / "plugins.md")
-#: The modules, besides this one, whose tests run examples (imported by the check).
-RUNNER_MODULES = ("tests.test_plugins",)
+DOCS = ROOT / "docs"
+TESTS = Path(__file__).resolve().parent
 VENV_BIN = Path(sys.executable).parent
 
 #: Fence languages counted as Python (so a block cannot escape by its label).
 PYTHON = {"python", "py", "python3"}
-FENCE = re.compile(r"^```([\w+-]*)[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
+#: An opening fence: its indentation, its backticks or tildes, its info string.
+OPENING = re.compile(r"^([ \t]*)(`{3,}|~{3,})[ \t]*([^`\n]*?)[ \t]*$")
 MARKER = re.compile(r"\A# example: ([a-z0-9][a-z0-9-]*)[ \t]*\n")
+EXAMPLE_ABOVE = re.compile(r"\A<!-- example: ([a-z0-9][a-z0-9-]*) -->\Z")
 FRAGMENT = re.compile(r"\A<!-- fragment: (.*) -->\Z")
 
 #: example name -> the test that runs it (filled by @runs at import)
 RUNNERS: dict[str, str] = {}
+#: example name -> where that test is defined (file, qualified name): a module imported
+#: again (by importlib, under the same file) registers the same test, not a second one
+_RUNNER_SOURCES: dict[str, tuple[str, str]] = {}
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def runs(name: str) -> Callable[[F], F]:
-    """Register the decorated test as the one that runs the block ``# example: name``."""
+    """Register the decorated test as the one that runs the block named ``name``."""
 
     def register(test: F) -> F:
-        assert name not in RUNNERS, f"two tests run example {name!r}"
+        source = (test.__code__.co_filename, test.__qualname__)
+        assert _RUNNER_SOURCES.get(name, source) == source, f"two tests run example {name!r}"
+        _RUNNER_SOURCES[name] = source
         RUNNERS[name] = test.__name__
         return test
 
@@ -65,46 +77,77 @@ class Block:
     """One fenced block of a Markdown text."""
 
     language: str
-    code: str
+    code: str  # dedented by the fence's indentation
     line: int  # of the opening fence, 1-based
     above: str  # the line right above the fence
 
 
 def fenced_blocks(text: str) -> Iterator[Block]:
-    """Every fenced block of ``text``, in order."""
+    """Every fenced block of ``text``, in order, indented ones (in lists) included;
+    MyST directives (an info string starting with ``{``) are left out."""
     lines = text.splitlines()
-    for match in FENCE.finditer(text):
-        line = text.count("\n", 0, match.start()) + 1
-        above = lines[line - 2].strip() if line >= 2 else ""
-        yield Block(match.group(1).lower(), match.group(2), line, above)
+    index = 0
+    while index < len(lines):
+        opening = OPENING.match(lines[index])
+        if opening is None:
+            index += 1
+            continue
+        indent, fence, info = opening.groups()
+        closing = re.compile(rf"^[ \t]*{re.escape(fence[0])}{{{len(fence)},}}[ \t]*$")
+        end = index + 1
+        while end < len(lines) and not closing.match(lines[end]):
+            end += 1
+        body = [
+            line[len(indent) :] if line.startswith(indent) else line
+            for line in lines[index + 1 : end]
+        ]
+        if not info.startswith("{"):
+            language = info.split()[0].lower() if info else ""
+            above = lines[index - 1].strip() if index >= 1 else ""
+            code = "\n".join(body) + "\n" if body else ""
+            yield Block(language, code, index + 1, above)
+        index = end + 1
 
 
-def unrun_blocks(text: str | Mapping[str, str], runners: Mapping[str, str]) -> list[str]:
-    """What is wrong with the Python blocks of ``text`` (the README's, or page name ->
-    text) given the tests ``runners``."""
+def block_name(block: Block) -> str | None:
+    """The example name of ``block``: its first line's marker or the comment above it."""
+    marker = MARKER.match(block.code)
+    if marker is not None:
+        return marker.group(1)
+    above = EXAMPLE_ABOVE.match(block.above)
+    return above.group(1) if above is not None else None
+
+
+def unrun_blocks_of(
+    texts: Mapping[str, str], runners: Mapping[str, str], corpus: str = "the README"
+) -> list[str]:
+    """What is wrong with the fenced blocks of ``texts`` (file name -> Markdown) given the
+    tests ``runners`` (example name -> test): every block an example run by one test, or
+    a fragment with a reason; example names unique across all the texts."""
     problems: list[str] = []
     marked: Counter[str] = Counter()
-    pages = {"README.md": text} if isinstance(text, str) else text
-    blocks = [(page, block) for page, body in pages.items() for block in fenced_blocks(body)]
-    for page, block in blocks:
-        if block.language not in PYTHON:
-            continue
-        where = f"{page}:{block.line}"
-        marker = MARKER.match(block.code)
-        fragment = FRAGMENT.match(block.above)
-        if fragment is not None:
-            if not fragment.group(1).strip():
-                problems.append(f"{where}: '<!-- fragment: -->' gives no reason")
-            if marker is not None:
-                problems.append(f"{where}: a fragment cannot be an example too")
-            continue
-        if marker is None:
-            problems.append(
-                f"{where}: a python block without '# example: <name>' (and a test of "
-                "tests/test_readme.py that runs it) or '<!-- fragment: <reason> -->' above it"
-            )
-            continue
-        marked[marker.group(1)] += 1
+    for where_file, text in texts.items():
+        for block in fenced_blocks(text):
+            where = f"{where_file}:{block.line}"
+            name = block_name(block)
+            fragment = FRAGMENT.match(block.above)
+            if MARKER.match(block.code) and EXAMPLE_ABOVE.match(block.above):
+                problems.append(f"{where}: named twice (first line and the comment above)")
+            if fragment is not None:
+                if not fragment.group(1).strip():
+                    problems.append(f"{where}: '<!-- fragment: -->' gives no reason")
+                if name is not None:
+                    problems.append(f"{where}: a fragment cannot be an example too")
+                continue
+            if name is None:
+                kind = "python" if block.language in PYTHON else (block.language or "plain")
+                problems.append(
+                    f"{where}: a {kind} block without '# example: <name>' (and a test of "
+                    "tests/test_readme.py that runs it) or '<!-- fragment: <reason> -->' "
+                    "above it (or '<!-- example: <name> -->' above it)"
+                )
+                continue
+            marked[name] += 1
     for name, count in sorted(marked.items()):
         if count > 1:
             problems.append(f"example {name!r} names {count} blocks")
@@ -112,22 +155,42 @@ def unrun_blocks(text: str | Mapping[str, str], runners: Mapping[str, str]) -> l
             problems.append(f"example {name!r} is run by no test of tests/test_readme.py")
     for name, test in sorted(runners.items()):
         if name not in marked:
-            problems.append(f"{test} runs example {name!r}, which the README no longer has")
+            problems.append(f"{test} runs example {name!r}, which {corpus} no longer has")
     return problems
 
 
+def unrun_blocks(text: str, runners: Mapping[str, str]) -> list[str]:
+    """What is wrong with the blocks of one Markdown ``text`` (as ``README.md``)."""
+    return unrun_blocks_of({"README.md": text}, runners)
+
+
+def markdown_files() -> list[Path]:
+    """The README and every Markdown page of ``docs/`` (not the build output)."""
+    pages = sorted(p for p in DOCS.rglob("*.md") if "_build" not in p.relative_to(DOCS).parts)
+    return [README, *pages]
+
+
+def markdown_texts() -> dict[str, str]:
+    """File name (relative to the repository) -> text, for every file the check reads."""
+    return {str(p.relative_to(ROOT)): p.read_text(encoding="utf-8") for p in markdown_files()}
+
+
+def import_test_modules() -> None:
+    """Import every ``tests/test_*.py`` module, so that runners registered with
+    :func:`runs` outside this module count too."""
+    for path in sorted(TESTS.glob("test_*.py")):
+        importlib.import_module(f"tests.{path.stem}")
+
+
 def example(name: str) -> str:
-    """The code of the Python block ``# example: name`` of the README (or of a page of
-    :data:`PAGES`)."""
+    """The code of the block named ``name``, from the README or a page of ``docs/``."""
     found = [
         block.code
-        for page in PAGES
-        for block in fenced_blocks(page.read_text(encoding="utf-8"))
-        if block.language in PYTHON
-        and (m := MARKER.match(block.code)) is not None
-        and m.group(1) == name
+        for text in markdown_texts().values()
+        for block in fenced_blocks(text)
+        if block_name(block) == name
     ]
-    assert len(found) == 1, f"{len(found)} blocks of the README are '# example: {name}'"
+    assert len(found) == 1, f"{len(found)} blocks of the README and docs/ are '# example: {name}'"
     return found[0]
 
 
@@ -175,11 +238,11 @@ def succeeded(done: subprocess.CompletedProcess[str]) -> list[str]:
 # ---------------------------------------------------------------------- every block
 
 
-def test_every_python_block_is_run_by_one_test() -> None:
-    for module in RUNNER_MODULES:
-        importlib.import_module(module)  # its @runs register its tests
-    pages = {page.relative_to(ROOT).as_posix(): page.read_text(encoding="utf-8") for page in PAGES}
-    problems = unrun_blocks(pages, RUNNERS)
+def test_every_block_is_run_by_one_test_or_is_a_fragment() -> None:
+    """Every fenced block of the README and docs/, whatever its language (this replaced
+    the check of the README's python blocks alone)."""
+    import_test_modules()
+    problems = unrun_blocks_of(markdown_texts(), RUNNERS, corpus="the README and docs/")
     assert not problems, "\n".join(problems)
 
 
@@ -225,6 +288,81 @@ def test_a_new_block_without_a_test_is_caught() -> None:
         "test_gone runs example 'gone', which the README no longer has",
     ]
     assert unrun_blocks(text.replace('print("new, unmarked")', "# example: c"), {}) != []
+
+
+def test_the_check_covers_every_language_indented_blocks_and_every_file() -> None:
+    """A shell block and an indented (list) block need a test or a reason too; a name
+    may be given above the fence; names are unique across files; MyST directives are
+    not code blocks."""
+    page = textwrap.dedent(
+        """
+        ```sh
+        make something
+        ```
+
+        - a list item:
+
+          ```toml
+          key = 1
+          ```
+
+        <!-- example: shell-a -->
+        ```console
+        $ dedupstore --help
+        ```
+
+        ```{include} ../README.md
+        ```
+        """
+    )
+    readme = "```sh\n# example: shell-a\necho\n```\n"
+    problems = unrun_blocks_of({"README.md": readme, "docs/page.md": page}, {"shell-a": "t"})
+    assert problems[0].startswith("docs/page.md:2: a sh block without")
+    assert problems[1].startswith("docs/page.md:8: a toml block without")
+    assert problems[2:] == ["example 'shell-a' names 2 blocks"], problems
+    [indented] = [b for b in fenced_blocks(page) if b.language == "toml"]
+    assert indented.code == "key = 1\n"
+    assert [b.language for b in fenced_blocks(page)] == ["sh", "toml", "console"]
+    marked = page.replace("```sh", "<!-- fragment: an example of a bad block -->\n```sh")
+    marked = marked.replace("  ```toml", "  <!-- fragment: data -->\n  ```toml")
+    assert unrun_blocks_of({"docs/page.md": marked}, {"shell-a": "t"}) == []
+
+
+def test_runners_of_other_test_modules_count() -> None:
+    """The check imports every tests/test_*.py first; importing one again registers
+    nothing twice."""
+    import_test_modules()
+    before = dict(RUNNERS)
+    import_test_modules()
+    assert before == RUNNERS
+    assert RUNNERS["outbox"] == "test_the_outbox_example_runs"
+
+
+def test_every_built_in_class_opened_by_url_has_its_option_table_in_docs() -> None:
+    """Each store, entity store, dispatcher and broker class the registries open by URL
+    is rendered by an ``options-table`` directive (docs/_ext/options_table.py) on a page
+    of docs/, so a new backend cannot ship without its generated table."""
+    import importlib
+
+    from dedupstore import registry
+
+    def load(path: str) -> object:
+        module, _, name = path.replace(":", ".").rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+    tabled = {
+        load(m.group(1))
+        for text in markdown_texts().values()
+        for m in re.finditer(r"^```\{options-table\} ([\w.]+)[ \t]*$", text, re.M)
+    }
+    kinds = (registry.stores, registry.entity_stores, registry.dispatchers, registry.brokers)
+    missing = sorted(
+        f"{kind.kind} {scheme}: {spec.target}"
+        for kind in kinds
+        for scheme, spec in kind.view.items()
+        if spec.target.startswith("dedupstore.") and load(spec.target) not in tabled
+    )
+    assert not missing, missing
 
 
 # ---------------------------------------------------------------------- the examples
@@ -278,9 +416,9 @@ def test_the_hand_written_stream_entry_is_on_the_stream_the_broker_reads(
 
     from dedupstore.consumers import open_broker
 
-    text = README.read_text(encoding="utf-8")
+    text = (DOCS / "consuming.md").read_text(encoding="utf-8")
     line = re.search(r"beside `destination=(\w+)`:\n`(XADD [^`]+)`", text, re.S)
-    assert line is not None, "the README's hand-written entry beside its destination"
+    assert line is not None, "the brokers page's hand-written entry beside its destination"
     destination, command = line.group(1), shlex.split(line.group(2))
     group = f"g-{uuid.uuid4().hex[:8]}"
     client = redis.Redis.from_url(redis_server.url)
@@ -416,9 +554,10 @@ def test_the_spark_job_example_runs(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------- shell blocks
 
 
-def section_blocks(heading: str, language: str) -> list[Block]:
-    """The ``language`` blocks of the README section under ``heading`` (a whole line)."""
-    text = README.read_text(encoding="utf-8")
+def section_blocks(heading: str, language: str, page: Path = README) -> list[Block]:
+    """The ``language`` blocks of the section of ``page`` (the README or a page of
+    ``docs/``) under ``heading`` (a whole line)."""
+    text = "\n" + page.read_text(encoding="utf-8")
     start = text.index(f"\n{heading}\n")
     level = heading.split(" ", 1)[0]
     end = text.find(f"\n{level} ", start + len(heading) + 2)
@@ -426,9 +565,10 @@ def section_blocks(heading: str, language: str) -> list[Block]:
     return [b for b in fenced_blocks(section) if b.language == language]
 
 
+@runs("quick-start")
 @pytest.mark.sqlite
 def test_the_quick_start_runs(tmp_path: Path) -> None:
-    """The quick start's shell block, with the venv of this run for its ``.venv`` (the
+    """The README's quick start shell block, with the venv of this run for its ``.venv`` (the
     install line is the harness's job): each command exits as the README says."""
     [block] = section_blocks("## Quick start", "sh")
     install, *rest = block.code.splitlines(keepends=True)
@@ -466,12 +606,14 @@ def test_the_quick_start_runs(tmp_path: Path) -> None:
     assert missing.stdout.splitlines()[-1] == "order-9\tnot processed"
 
 
+@runs("configuration-file")
 @pytest.mark.sqlite
 @pytest.mark.parametrize("environment", ["dev", "test", "prod"])
 def test_the_configuration_file_is_accepted(tmp_path: Path, environment: str) -> None:
-    """The README's ``dedupstore.toml``, as written, resolves in each of its
-    environments (``dedupstore config``: no I/O), the expanded secret masked."""
-    [block] = section_blocks("## Per-environment configuration", "toml")
+    """The ``dedupstore.toml`` of the configuration page, as written, resolves in each
+    of its environments (``dedupstore config``: no I/O), the expanded secret masked."""
+    [block] = section_blocks("# Per-environment configuration", "toml", DOCS / "configuration.md")
+    assert block.code == example("configuration-file")
     (tmp_path / "dedupstore.toml").write_text(block.code, encoding="utf-8")
     done = subprocess.run(
         [str(VENV_BIN / "dedupstore"), "config"],

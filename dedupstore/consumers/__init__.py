@@ -6,7 +6,7 @@
 * :class:`Consumer` -- the loop: :meth:`Consumer.run_once`, :meth:`Consumer.run`
   (until :meth:`Consumer.stop`, SIGTERM or SIGINT), :class:`ConsumeStats`.
 
-Brokers: :class:`dedupstore.consumers.redis_streams.RedisStreamsBroker` (Redis Streams
+Brokers: :class:`dedupstore.backends.redis.consumer.RedisStreamsBroker` (Redis Streams
 consumer groups), or a class of your own.
 """
 
