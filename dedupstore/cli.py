@@ -87,7 +87,7 @@ class Command(ABC):
     """A subcommand of ``dedupstore`` that plugs in: the registry's ``command`` kind.
 
     Registered as ``"package.module:Class"`` under the subcommand's name (the built-in
-    table, :func:`dedupstore.register` or the ``dedupstore.command`` entry-point group)
+    table, :func:`dedupstore.registry.register` or the ``dedupstore.command`` entry-point group)
     and made with no arguments. The command line imports a command's module only when
     that command runs, or when it lists the commands (``dedupstore --help``): keep heavy
     imports inside :meth:`run`. Errors :meth:`run` raises (``DedupStoreError``) print

@@ -54,6 +54,7 @@ nitpick_ignore_regex = [
     (r"py:class", r"(Any|Callable|Iterable|Iterator|Mapping|Sequence|Collection|Self)"),
     (r"py:class", r"(timedelta|datetime|Path|TracebackType|BaseException|Exception)"),
     (r"py:class", r"(ValueError|TypeError|KeyError|threading\..*|subprocess\..*)"),
+    (r"py:class", r"argparse\..*"),
     # Third-party libraries: pyspark, pandas, pyarrow, the database drivers, pytest.
     (r"py:.*", r"(pyspark|pandas|pyarrow|redis|psycopg|psycopg_pool|boto3|botocore)(\..*)?"),
     (r"py:.*", r"(azure|pika|confluent_kafka|opentelemetry|pytest|_pytest)(\..*)?"),
@@ -67,7 +68,7 @@ nitpick_ignore_regex = [
     (r"py:.*", r"dedupstore\.(client|urls|calls|canonical|dead_letters)\..*"),
     (r"py:.*", r"dedupstore\.(D|T|entities\.T|registry\.T|entities\._Texts)"),
     (r"py:.*", r"dedupstore\.spark\._columns\..*"),
-    (r"py:class", r"(StoreURL|Cleanup)"),
+    (r"py:class", r"(StoreURL|Cleanup|Command)"),  # annotations imported for type checking
     (r"py:meth", r"(_\w+|\w+\._\w+|check_options|close)"),
     # Backends and brokers are described on their own pages, not in the API reference.
     (r"py:.*", r"dedupstore\.backends\..*"),

@@ -355,11 +355,11 @@ def test_every_built_in_class_opened_by_url_has_its_option_table_in_docs() -> No
         for text in markdown_texts().values()
         for m in re.finditer(r"^```\{options-table\} ([\w.]+)[ \t]*$", text, re.M)
     }
-    kinds = (registry.stores, registry.entity_stores, registry.dispatchers, registry.brokers)
+    kinds: tuple[registry.Kind, ...] = ("store", "entity_store", "dispatcher", "broker")
     missing = sorted(
-        f"{kind.kind} {scheme}: {spec.target}"
+        f"{kind} {scheme}: {spec.target}"
         for kind in kinds
-        for scheme, spec in kind.view.items()
+        for scheme, spec in registry.known(kind).items()
         if spec.target.startswith("dedupstore.") and load(spec.target) not in tabled
     )
     assert not missing, missing
