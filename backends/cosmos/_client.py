@@ -25,24 +25,34 @@ from azure.cosmos.documents import ConnectionPolicy
 from azure.cosmos.exceptions import CosmosHttpResponseError
 from urllib3.util.retry import Retry
 
-from dedupstore.calls import DeadlinePassed, executor, fan_out, time_left
-from dedupstore.client import Client, Connection, ErrorKind, check_client, part_of
-from dedupstore.errors import ConfigurationError, ConsistencyError, StoreUnavailable, format_error
-from dedupstore.masking import scrub
-from dedupstore.options import (
+from dedupstore.backend import (
+    Client,
+    ConfigurationError,
+    Connection,
+    ConsistencyError,
+    DeadlinePassed,
+    ErrorKind,
     Option,
     Options,
+    StoreUnavailable,
+    StoreURL,
     boolean,
+    check_client,
     client_option,
     connect_timeout_option,
     create_option,
+    cut_short,
+    executor,
+    fan_out,
+    format_error,
     integer,
+    part_of,
     retries_option,
+    scrub,
     text,
+    time_left,
     timeout_option,
 )
-from dedupstore.replies import cut_short
-from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
     from azure.cosmos import ContainerProxy
@@ -324,8 +334,8 @@ class CosmosConnection(Connection):
                 level,
                 kind.weak_risk,
             )
-        database_name, container_name = _names(client._url)
-        if client._creates:
+        database_name, container_name = _names(client.store_url)
+        if client.creates:
             kind.create(self.client, database_name, container_name)
         fix = f"create it with {kind.function} or open with create=true"
         try:
@@ -337,12 +347,12 @@ class CosmosConnection(Connection):
                 self.client.get_database_client(database_name).read()
             except CosmosHttpResponseError as db_exc:
                 if db_exc.status_code == 404:
-                    raise client._no_such_store(
+                    raise client.no_such_store(
                         f"Cosmos DB database {database_name!r} does not exist at {self.endpoint}",
                         f"{fix} (it creates the container too)",
                     ) from None
                 raise
-            raise client._no_such_store(
+            raise client.no_such_store(
                 f"Cosmos DB container {container_name!r} does not exist in database "
                 f"{database_name!r}",
                 fix,
@@ -358,10 +368,10 @@ class CosmosConnection(Connection):
 
     def container(self, client: Client) -> ContainerProxy:
         """The proxy of ``client``'s container (no I/O; one per container and process)."""
-        path = client._url.path
+        path = client.store_url.path
         proxy = self._containers.get(path)
         if proxy is None:
-            database_name, container_name = _names(client._url)
+            database_name, container_name = _names(client.store_url)
             database = self.client.get_database_client(database_name)
             proxy = self._containers[path] = database.get_container_client(container_name)
         return proxy
@@ -450,7 +460,7 @@ class CosmosConnection(Connection):
         if len(line) > 200:
             line = line[:197] + "..."
         summary = f"HTTP {status}" + (f" {code}" if code else "")
-        return client._scrub(f"{summary}: {line}" if line else summary)
+        return client.scrub(f"{summary}: {line}" if line else summary)
 
     @classmethod
     def secrets(cls, options: Options) -> set[str]:
@@ -463,7 +473,7 @@ class CosmosConnection(Connection):
         if isinstance(exc, HttpResponseError):
             status = exc.status_code or 0
             sub_status = getattr(exc, "sub_status", None) or 0
-            summary = client._describe_error(exc)
+            summary = client.describe_error(exc)
             if (
                 status in _UNAVAILABLE_STATUSES
                 or status >= 500
@@ -471,15 +481,15 @@ class CosmosConnection(Connection):
             ):
                 return StoreUnavailable
             if status in (401, 403):
-                return client._error(
+                return client.make_error(
                     ConfigurationError,
                     None,
                     f"Cosmos DB refused the credentials ({summary}); "
                     f"check the key (option 'key' or {KEY_ENV_VAR})",
                 )
             if status == 404:
-                database_name, container_name = _names(client._url)
-                return client._error(
+                database_name, container_name = _names(client.store_url)
+                return client.make_error(
                     ConfigurationError,
                     None,
                     f"database {database_name!r} or container {container_name!r} does not "

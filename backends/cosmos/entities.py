@@ -47,12 +47,19 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final
 from azure.core.exceptions import HttpResponseError
 from azure.cosmos import CosmosClient
 
-from dedupstore.calls import write_token
-from dedupstore.client import Connected, ErrorKind
-from dedupstore.entities import EntityRecord, EntityStore
-from dedupstore.errors import ConfigurationError, EntityTooLarge
-from dedupstore.options import Options, OptionSet, client_option
-from dedupstore.urls import StoreURL
+from dedupstore.backend import (
+    ConfigurationError,
+    Connected,
+    EntityRecord,
+    EntityStore,
+    EntityTooLarge,
+    ErrorKind,
+    Options,
+    OptionSet,
+    StoreURL,
+    client_option,
+    write_token,
+)
 
 from ._client import CONNECTION_OPTIONS, ContainerKind, CosmosConnection
 
@@ -131,10 +138,10 @@ class CosmosEntityStore(EntityStore):
 
     def _classify_error(self, exc: BaseException) -> ErrorKind:
         if isinstance(exc, HttpResponseError) and exc.status_code == 413:
-            return self._error(
+            return self.make_error(
                 EntityTooLarge,
                 None,
-                f"Cosmos DB refused an item as too large ({self._describe_error(exc)}) "
+                f"Cosmos DB refused an item as too large ({self.describe_error(exc)}) "
                 "although its entity was within max_entity_bytes; that entity was not "
                 "written (others of the same save_many may have been)",
             )
@@ -163,7 +170,7 @@ class CosmosEntityStore(EntityStore):
             or entity_document_id(stored) != item.get("id")
         ):
             wanted = "not an entity item" if entity_id is None else f"not {entity_id!r:.60}"
-            raise self._error(
+            raise self.make_error(
                 ConfigurationError,
                 None,
                 f"item {item.get('id')!r} of container "

@@ -74,22 +74,31 @@ try:  # redis[hiredis] brings it; without it, redis-py packs the commands
 except ImportError:  # pragma: no cover
     _pack_command = None  # type: ignore[assignment]
 
-from dedupstore.calls import capped, retry, time_left
-from dedupstore.client import Client, Connection, ErrorKind, check_client, part_of
-from dedupstore.errors import ConfigurationError, ConsistencyError, StoreUnavailable, format_error
-from dedupstore.options import (
+from dedupstore.backend import (
+    Client,
+    ConfigurationError,
+    Connection,
+    ConsistencyError,
+    ErrorKind,
     Option,
     Options,
+    StoreUnavailable,
+    StoreURL,
+    capped,
+    check_client,
     choice,
     client_option,
     connect_timeout_option,
+    format_error,
     integer,
     optional,
+    part_of,
     retries_option,
+    retry,
     text,
+    time_left,
     timeout_option,
 )
-from dedupstore.urls import StoreURL
 
 __all__ = [
     "CONNECTION_OPTIONS",
@@ -426,7 +435,7 @@ class RedisConnection(Connection):
             _log.info(
                 "%s: the write script failed (%s); retry %d of %d",
                 client.url,
-                client._describe_error(state.outcome.exception()),
+                client.describe_error(state.outcome.exception()),
                 state.attempt_number,
                 self._attempts - 1,
             )
@@ -434,7 +443,7 @@ class RedisConnection(Connection):
         replies = retry(attempt, attempts=self._attempts, retry_on=_transient, before_sleep=log)
         if self._wait_replicas and int(replies[1]) < self._wait_replicas:
             unconfirmed = part_of(client, "_unconfirmed", str)
-            raise client._error(
+            raise client.make_error(
                 StoreUnavailable,
                 None,
                 f"only {replies[1]} of {self._wait_replicas} replicas acknowledged the write "
@@ -478,7 +487,7 @@ class RedisConnection(Connection):
     @classmethod
     def classify_error(cls, client: Client, exc: BaseException) -> ErrorKind:
         """Classify a redis-py error (the rules: see the module)."""
-        name, detail = type(client).__name__, client._describe_error(exc)
+        name, detail = type(client).__name__, client.describe_error(exc)
         if isinstance(
             exc, AuthenticationError | AuthorizationError | AuthenticationWrongNumberOfArgsError
         ):
@@ -489,7 +498,7 @@ class RedisConnection(Connection):
         # inside a script an ACL refusal is a plain error reply, not NOPERM
         if isinstance(exc, NoPermissionError) or "user executing the script can't run" in str(exc):
             commands = part_of(client, "_commands", str)
-            return client._error(
+            return client.make_error(
                 ConfigurationError,
                 None,
                 f"the Redis user may not run a command the store needs (grant {commands}): "
@@ -500,7 +509,7 @@ class RedisConnection(Connection):
         if isinstance(exc, transient | ClusterDownError):
             return StoreUnavailable
         if isinstance(exc, OutOfMemoryError):
-            return client._error(
+            return client.make_error(
                 StoreUnavailable,
                 None,
                 f"Redis is out of memory and refuses writes ({detail}); "
@@ -513,7 +522,7 @@ class RedisConnection(Connection):
             if code in ("DEDUPSTORE", "WRONGTYPE"):
                 return foreign_value_error(client, detail)
             if isinstance(exc, AskError | ClusterCrossSlotError):  # also MovedError
-                return client._error(
+                return client.make_error(
                     ConfigurationError,
                     None,
                     f"the server redirects to a Redis Cluster node; Redis "
@@ -595,7 +604,7 @@ class RedisConnection(Connection):
 
 def foreign_value_error(client: Client, detail: str = "") -> ConfigurationError:
     """The error for a key under ``client``'s ``key_prefix`` that dedupstore did not write."""
-    return client._error(
+    return client.make_error(
         ConfigurationError,
         None,
         f"a key under the prefix {client.option('key_prefix')!r} "
