@@ -256,7 +256,9 @@ def quiet_driver_logs(*names: str) -> None:
 def part_of(client: Client, name: str, kind: type[T]) -> T:
     """``client.<name>``, a ``kind``: what a client tells its connection about itself
     (its table, its container), read by the connection's rules that get only the client
-    (:meth:`Connection.classify_error`, :meth:`Connection.health_warnings`)."""
+    (:meth:`Connection.classify_error`, :meth:`Connection.health_warnings`). ``name`` is
+    a public attribute the client's class declares (``tests/test_backend_api.py``
+    refuses a private one)."""
     value = getattr(client, name, None)
     assert isinstance(value, kind), f"{type(client).__name__}.{name} is not a {kind.__name__}"
     return value

@@ -11,7 +11,10 @@ Every module under ``backends/`` is parsed (ast) and checked for:
     defines itself that no base class of the API defines;
 (c) an attribute ``obj._name`` on another object than ``self``/``cls``/``super()``
     where ``_name`` is defined by a class of another module of the same backend
-    package (an entity store reaching into its deduplication store).
+    package (an entity store reaching into its deduplication store);
+(d) a private member reached by name: ``part_of(client, "_x", ...)`` (the attributes
+    a connection's rules read from a client are declared public), ``getattr`` & co.
+    with a private member of the core.
 
 The page ``docs/backend-api.md`` writes a backend from the public API and runs it
 against the shipped contract kit (:func:`test_the_public_api_backend_example_runs`).
@@ -166,8 +169,23 @@ def check_module(
                 found.append(
                     Finding(where, node.lineno, f"{text}: a private member of a sibling module")
                 )
-        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            pass
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            # by name: part_of(client, "_x", ...) reads only declared (public) attributes;
+            # getattr & co. may not reach the core's private members either
+            function = node.func.id
+            if function in ("part_of", "getattr", "setattr", "hasattr") and len(node.args) >= 2:
+                named = node.args[1]
+                if isinstance(named, ast.Constant) and isinstance(named.value, str):
+                    name = named.value
+                    if _private(name) and (
+                        function == "part_of"
+                        or (name not in api.HOOKS and (name in of_bases or name in every - own))
+                    ):
+                        found.append(
+                            Finding(
+                                where, node.lineno, f"{function}(..., {name!r}): private by name"
+                            )
+                        )
     for cls in _classes(tree):
         for name in _class_members(cls):
             if _private(name) and name in of_bases and name not in api.HOOKS:
@@ -233,6 +251,7 @@ def test_the_checker_flags_private_accesses() -> None:
         "    _pending = None\n"
         "    def _add_one(self, request):\n"
         "        self._secret_values()\n"
+        "        part_of(self, '_commands', str), getattr(self, '_pending_lock')\n"
         "        return self._dedup._sql_has, client._closed\n"
     )
     found = check_module(bad, "bad.py", own=set(), siblings={"_sql_has"})
@@ -245,6 +264,8 @@ def test_the_checker_flags_private_accesses() -> None:
         "client._closed: a private member of the core",
         "self._dedup._sql_has: a private member of a sibling module",
         "S defines _pending, a private member of the core",
+        "part_of(..., '_commands'): private by name",
+        "getattr(..., '_pending_lock'): private by name",
     ):
         assert expected in said, said
     good = (

@@ -31,6 +31,8 @@ from dedupstore.backend import (
     Connection,
     ConsistencyError,
     DeadlinePassed,
+    EntityStore,
+    EntityTooLarge,
     ErrorKind,
     Option,
     Options,
@@ -161,9 +163,9 @@ def _key(options: Options) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ContainerKind:
-    """What a store keeps in its container (its ``_kind``): its use ("a deduplication container"),
-    the function that creates one, the container's properties besides the partition key, why Strong
-    is needed and what a weaker account risks."""
+    """What a store keeps in its container (its public ``container_kind``): its use ("a
+    deduplication container"), the function that creates one, the container's properties besides
+    the partition key, why Strong is needed and what a weaker account risks."""
 
     what: str
     function: str
@@ -186,7 +188,7 @@ class ContainerKind:
 
 
 def _kind(client: Client) -> ContainerKind:
-    return part_of(client, "_kind", ContainerKind)
+    return part_of(client, "container_kind", ContainerKind)
 
 
 #: The options of both stores, declared once (each store adds its own).
@@ -218,7 +220,8 @@ CONNECTION_OPTIONS: Final[tuple[Option, ...]] = (
 class CosmosConnection(Connection):
     """The ``CosmosClient`` of one account (host, port, key) in one process, shared by the stores of
     every database and container there. Each store names it as its ``connection_class``, reaches it
-    as ``self._cosmos`` and opens its container (its ``_kind``) with :meth:`open_container`."""
+    as ``self._cosmos`` and opens its container (its ``container_kind``) with
+    :meth:`open_container`."""
 
     schemes: ClassVar[tuple[str, ...]] = ("cosmos",)
     # not the key (the address), create (each store's) nor client (keyed by identity)
@@ -495,6 +498,14 @@ class CosmosConnection(Connection):
                     f"database {database_name!r} or container {container_name!r} does not "
                     f"exist ({summary}); create it with {_kind(client).function} or open with "
                     "create=true",
+                )
+            if status == 413 and isinstance(client, EntityStore):
+                return client.make_error(
+                    EntityTooLarge,
+                    None,
+                    f"Cosmos DB refused an item as too large ({summary}) "
+                    "although its entity was within max_entity_bytes; that entity was not "
+                    "written (others of the same save_many may have been)",
                 )
             if status == 400 and "consisten" in summary.lower():
                 return ConsistencyError

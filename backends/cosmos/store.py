@@ -84,7 +84,9 @@ def create_container(
     """Create ``database`` and a deduplication ``container`` if missing: default TTL ``-1``
     (per-item TTL on, nothing expires by default), only ``endpoint`` and ``expires_at`` indexed. See
     :mod:`.cosmos` for ``offer_throughput`` and errors."""
-    return CosmosDeduplicationStore._kind.create(client, database, container, offer_throughput)
+    return CosmosDeduplicationStore.container_kind.create(
+        client, database, container, offer_throughput
+    )
 
 
 class CosmosDeduplicationStore(DeduplicationStore):
@@ -97,7 +99,7 @@ class CosmosDeduplicationStore(DeduplicationStore):
     declared_options: ClassVar[OptionSet] = DeduplicationStore.declared_options.extend(
         CLOCK, MAX_CLOCK_SKEW, *CONNECTION_OPTIONS
     )
-    _kind: ClassVar[ContainerKind] = ContainerKind(
+    container_kind: ClassVar[ContainerKind] = ContainerKind(
         "a deduplication container",
         "create_container()",
         {"indexing_policy": _INDEXING_POLICY, "default_ttl": -1},

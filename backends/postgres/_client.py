@@ -373,7 +373,7 @@ _given_in: weakref.WeakKeyDictionary[ConnectionPool[Any], int] = weakref.WeakKey
 class PostgresConnection(Connection):
     """The psycopg pool of one PostgreSQL server, shared by its stores (``self._pg``). Statements go
     through :meth:`read` and :meth:`write` (see the module); a store keeps its :class:`Table` as
-    ``_table``, read by :meth:`open_table`, the error texts and the health check."""
+    its public ``table``, read by :meth:`open_table`, the error texts and the health check."""
 
     schemes: ClassVar[tuple[str, ...]] = ("postgresql", "postgres")
     needs_host: ClassVar[bool] = True
@@ -460,7 +460,7 @@ class PostgresConnection(Connection):
         """Check the encoding and ``client``'s table (run the ``create`` statements if it is missing
         and that is allowed, then ``check`` its shape); on a connection of its own when the pool is
         ours (so refused credentials are the error, not a pool timeout)."""
-        table = part_of(client, "_table", Table)
+        table = part_of(client, "table", Table)
         with contextlib.ExitStack() as stack:
             if isinstance(self.pool, _OwnPool):
                 conn = stack.enter_context(psycopg.connect(self.conninfo, autocommit=True))
@@ -640,7 +640,7 @@ class PostgresConnection(Connection):
 
     def health_warnings(self, client: Client) -> list[str]:
         """The server settings and the table's persistence that put acknowledged writes at risk."""
-        table = part_of(client, "_table", Table)
+        table = part_of(client, "table", Table)
         with self.pooled(client) as conn:
             settings = self.execute(
                 conn,
@@ -664,7 +664,7 @@ class PostgresConnection(Connection):
         """psycopg errors: what to fix (``ConfigurationError``) or retry (``StoreUnavailable``).
         Errors about the table name the client's :class:`Table` and how to fix it."""
         errors = psycopg.errors
-        table = part_of(client, "_table", Table)
+        table = part_of(client, "table", Table)
 
         def fix(detail: str) -> ConfigurationError:
             return client.make_error(ConfigurationError, None, detail)

@@ -108,7 +108,7 @@ class PostgresEntityStore(EntityStore):
     )
 
     def _open(self) -> None:
-        self._table = Table(self.options["table"], "an entity table", "SELECT, INSERT, UPDATE")
+        self.table = Table(self.options["table"], "an entity table", "SELECT, INSERT, UPDATE")
         self._build_statements()
         self._pg.open_table(self, self._sql_create, self._check_table)
 
@@ -125,7 +125,7 @@ class PostgresEntityStore(EntityStore):
         execute(conn, self._sql_unlist, {"ids": []})
 
     def _build_statements(self) -> None:
-        render = self._table.render
+        render = self.table.render
         self._sql_create = [
             render(
                 "CREATE TABLE IF NOT EXISTS {table} ("

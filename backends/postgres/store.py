@@ -61,7 +61,7 @@ class PostgresDeduplicationStore(DeduplicationStore):
     )
 
     def _open(self) -> None:
-        self._table = Table(
+        self.table = Table(
             self.options["table"], "a deduplication table", "SELECT, INSERT, UPDATE, DELETE"
         )
         self._build_statements()
@@ -77,14 +77,14 @@ class PostgresDeduplicationStore(DeduplicationStore):
             conn,
             "SELECT array_agg(attname::text) FROM pg_attribute WHERE attrelid = "
             "to_regclass(%s) AND attnum > 0 AND NOT attisdropped",
-            [self._table.text],
+            [self.table.text],
         )
         missing = [c for c in _COLUMNS if c not in (found[0][0] or [])]
         if missing:
             raise self.make_error(
                 ConfigurationError,
                 None,
-                f"table {self._table.text} is not usable as {self._table.kind}: it has no "
+                f"table {self.table.text} is not usable as {self.table.kind}: it has no "
                 f"column {', '.join(missing)} (needed: {', '.join(_COLUMNS)}); drop it or "
                 "name another table, then open with create=true",
             )
@@ -95,7 +95,7 @@ class PostgresDeduplicationStore(DeduplicationStore):
         )
 
     def _build_statements(self) -> None:
-        render = self._table.render
+        render = self.table.render
         self._sql_create = [
             render(
                 "CREATE TABLE IF NOT EXISTS {table} ("

@@ -283,8 +283,9 @@ def _exchange(conn: Any, commands: list[tuple[Any, ...]], sent: list[bool]) -> l
 class RedisConnection(Connection):
     """The ``redis.Redis`` of one standalone Redis primary, shared by its clients. Each client names
     it as ``connection_class``, uses it as ``self._redis``, declares ``key_prefix_option(...)`` plus
-    :data:`CONNECTION_OPTIONS`, calls :meth:`probe` at open, and sets ``_commands`` (the commands it
-    runs, named when an ACL refuses one) and, if it calls :meth:`run_script`, ``_unconfirmed`` (what
+    :data:`CONNECTION_OPTIONS`, calls :meth:`probe` at open, and declares the public class
+    attributes the error rules read: ``commands`` (the commands it runs, named when an ACL refuses
+    one) and, if it calls :meth:`run_script`, ``unconfirmed`` (what
     a write the replicas did not confirm means for it)."""
 
     schemes: ClassVar[tuple[str, ...]] = ("redis", "rediss")
@@ -442,7 +443,7 @@ class RedisConnection(Connection):
 
         replies = retry(attempt, attempts=self._attempts, retry_on=_transient, before_sleep=log)
         if self._wait_replicas and int(replies[1]) < self._wait_replicas:
-            unconfirmed = part_of(client, "_unconfirmed", str)
+            unconfirmed = part_of(client, "unconfirmed", str)
             raise client.make_error(
                 StoreUnavailable,
                 None,
@@ -497,7 +498,7 @@ class RedisConnection(Connection):
             )
         # inside a script an ACL refusal is a plain error reply, not NOPERM
         if isinstance(exc, NoPermissionError) or "user executing the script can't run" in str(exc):
-            commands = part_of(client, "_commands", str)
+            commands = part_of(client, "commands", str)
             return client.make_error(
                 ConfigurationError,
                 None,

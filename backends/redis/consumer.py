@@ -122,7 +122,7 @@ class RedisStreamsBroker(Client, Broker):
         *CONNECTION_OPTIONS,
     )
     _redis = Connected(RedisConnection)
-    _commands: ClassVar[str] = (
+    commands: ClassVar[str] = (
         "+ping +info +xgroup|create +xreadgroup +xack +xautoclaim +xclaim +xpending +xinfo|groups"
     )
 

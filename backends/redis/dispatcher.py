@@ -150,10 +150,10 @@ class RedisDispatcher(URLDispatcher):
         *CONNECTION_OPTIONS,
     )
     _redis = Connected(RedisConnection)
-    _commands: ClassVar[str] = (
+    commands: ClassVar[str] = (
         "+ping +info +script|load +evalsha +wait, and in the script +type +exists +xadd +set"
     )
-    _unconfirmed: ClassVar[str] = (
+    unconfirmed: ClassVar[str] = (
         "the messages are on the primary but their durability is unknown (dispatch "
         "them again: receivers deduplicate by id)"
     )

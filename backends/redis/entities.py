@@ -302,11 +302,11 @@ class RedisEntityStore(EntityStore):
     )
     _redis = Connected(RedisConnection)
     joins = RedisDeduplicationStore
-    _commands: ClassVar[str] = (  # with the deduplication store's (the joined calls)
+    commands: ClassVar[str] = (  # with the deduplication store's (the joined calls)
         "+ping +info +script|load +evalsha +wait +hmget +get +sscan +smembers, and in the "
         "script +type +hget +hmget +hset +hdel +sadd +srem +scard +exists +mget +set +mset"
     )
-    _unconfirmed: ClassVar[str] = (
+    unconfirmed: ClassVar[str] = (
         "the entities are saved on the primary but their durability is unknown (reload "
         "them before saving again)"
     )

@@ -155,11 +155,11 @@ class RedisDeduplicationStore(DeduplicationStore):
         key_prefix_option("dedup:"), *CONNECTION_OPTIONS
     )
     _redis = Connected(RedisConnection)
-    _commands: ClassVar[str] = (
+    commands: ClassVar[str] = (
         "+ping +info +script|load +evalsha +get +mget +wait +scan (count), and in the script "
         "+exists +type +set +mset"
     )
-    _unconfirmed: ClassVar[str] = (
+    unconfirmed: ClassVar[str] = (
         "the records are on the primary but their durability is unknown (retrying on this "
         "store object reports them as recorded by it)"
     )
