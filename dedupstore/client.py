@@ -539,7 +539,7 @@ class Client(Closing, abc.ABC):
     def __reduce__(self) -> tuple[Any, ...]:
         return (_reopen, (type(self), self.store_url.text, self.options.pickled_keywords()))
 
-    # ------------------------------------------------------------------ hooks (for backends)
+    # ------------------------------------------------------------- for backends: hooks, helpers
 
     def _configure(self) -> None:
         """Set up what the options decide, without I/O (role classes extend it)."""
