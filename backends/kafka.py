@@ -57,11 +57,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from dedupstore.client import Client, ErrorKind, quiet_driver_logs
-from dedupstore.consumers import Broker, Delivery
-from dedupstore.errors import ConfigurationError, StoreUnavailable
-from dedupstore.options import Option, Options, OptionSet, anything, optional, text, timeout_option
-from dedupstore.urls import StoreURL
+from dedupstore.backend import (
+    Broker,
+    Client,
+    ConfigurationError,
+    Delivery,
+    ErrorKind,
+    Option,
+    Options,
+    OptionSet,
+    StoreUnavailable,
+    StoreURL,
+    anything,
+    optional,
+    quiet_driver_logs,
+    text,
+    timeout_option,
+)
 
 __all__ = ["KafkaBroker", "KafkaToken"]
 
@@ -164,9 +176,9 @@ class KafkaBroker(Client, Broker):
 
     def _configure(self) -> None:
         super()._configure()
-        self.topic: str = self._opts["topic"]
-        self.group: str = self._opts["group"]
-        self._owns_consumer = self._opts["consumer"] is None
+        self.topic: str = self.options["topic"]
+        self.group: str = self.options["group"]
+        self._owns_consumer = self.options["consumer"] is None
         self._partitions: dict[tuple[str, int], _Partition] = {}
 
     def _open(self) -> None:
@@ -175,11 +187,11 @@ class KafkaBroker(Client, Broker):
         A consumer of its own first asks the cluster for the topic's metadata, so a
         broker that cannot be reached is ``StoreUnavailable`` here, within ``timeout``
         (librdkafka would otherwise retry in the background for ever)."""
-        given = self._opts["consumer"]
+        given = self.options["consumer"]
         self._consumer: Any = self._make_consumer() if given is None else given
         if given is None:
             try:
-                self._consumer.list_topics(self.topic, timeout=self._opts["timeout"])
+                self._consumer.list_topics(self.topic, timeout=self.options["timeout"])
             except BaseException:
                 self._close()
                 raise
@@ -208,13 +220,15 @@ class KafkaBroker(Client, Broker):
 
     def _make_consumer(self) -> Any:
         kafka = _kafka()
-        servers = self._opts["bootstrap_servers"] or (f"{self._url.host}:{self._url.port or 9092}")
+        servers = self.options["bootstrap_servers"] or (
+            f"{self.store_url.host}:{self.store_url.port or 9092}"
+        )
         settings = {
             "bootstrap.servers": servers,
             "group.id": self.group,
             "auto.offset.reset": "earliest",
             "logger": _LIBRDKAFKA_LOG,  # quiet unless asked for (see quiet_driver_logs)
-            **self._opts["config"],
+            **self.options["config"],
             **_FORCED,
         }
         try:
@@ -259,8 +273,8 @@ class KafkaBroker(Client, Broker):
 
     def fetch(self, max_count: int, wait: float) -> list[Delivery]:
         """Up to ``max_count`` records, waiting up to ``wait`` seconds (``consume``)."""
-        self._check_open()
-        with self._translating_errors("fetch"):
+        self.check_open()
+        with self.translating_errors("fetch"):
             records = self._consumer.consume(num_messages=max_count, timeout=wait)
             out = []
             for record in records:
@@ -277,7 +291,7 @@ class KafkaBroker(Client, Broker):
 
     def ack(self, deliveries: Sequence[Delivery]) -> None:
         """Mark done; commit each partition's first offset not done (synchronously)."""
-        self._check_open()
+        self.check_open()
         touched = self._mark(deliveries, done=True)
         offsets = []
         for key in touched:
@@ -285,14 +299,14 @@ class KafkaBroker(Client, Broker):
             if committable is not None:
                 offsets.append(_topic_partition(key[0], key[1], committable))
         if offsets:
-            with self._translating_errors("ack"):
+            with self.translating_errors("ack"):
                 self._consumer.commit(offsets=offsets, asynchronous=False)
 
     def nack(self, deliveries: Sequence[Delivery]) -> None:
         """Seek each partition concerned back to its first offset not done."""
-        self._check_open()
+        self.check_open()
         touched = self._mark(deliveries, done=False)
-        with self._translating_errors("nack"):
+        with self.translating_errors("nack"):
             for key in touched:
                 state = self._partitions[key]
                 first = state.first_not_done()
@@ -321,16 +335,16 @@ class KafkaBroker(Client, Broker):
 
     def pending(self) -> int | None:
         """The group's lag on this consumer's partitions (high watermark - committed)."""
-        self._check_open()
-        with self._translating_errors("pending"):
+        self.check_open()
+        with self.translating_errors("pending"):
             assigned = list(self._consumer.assignment())
             if not assigned:
                 return None
-            committed = self._consumer.committed(assigned, timeout=self._opts["timeout"])
+            committed = self._consumer.committed(assigned, timeout=self.options["timeout"])
             lag = 0
             for tp in committed:
                 low, high = self._consumer.get_watermark_offsets(
-                    tp, timeout=self._opts["timeout"], cached=False
+                    tp, timeout=self.options["timeout"], cached=False
                 )
                 position = tp.offset if tp.offset >= 0 else low
                 lag += max(0, high - position)

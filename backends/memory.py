@@ -16,13 +16,21 @@ import threading
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
-from dedupstore.client import Connection
-from dedupstore.dispatch import EncodedMessage, URLDispatcher
-from dedupstore.entities import EntityRecord, EntityStore, OutgoingMessage
-from dedupstore.errors import ConfigurationError
-from dedupstore.options import Options, OptionSet
-from dedupstore.store import CLOCK, DeduplicationStore, WriteRequest
-from dedupstore.urls import StoreURL
+from dedupstore.backend import (
+    CLOCK,
+    ConfigurationError,
+    Connection,
+    DeduplicationStore,
+    EncodedMessage,
+    EntityRecord,
+    EntityStore,
+    Options,
+    OptionSet,
+    OutgoingMessage,
+    StoreURL,
+    URLDispatcher,
+    WriteRequest,
+)
 
 __all__ = ["MemoryDeduplicationStore", "MemoryDispatcher", "MemoryEntityStore", "namespace_name"]
 
@@ -86,9 +94,9 @@ class MemoryDeduplicationStore(DeduplicationStore):
 
     def _configure(self) -> None:
         super()._configure()
-        self._ns = _space(self._url)
+        self._ns = _space(self.store_url)
         with self._ns.lock:
-            self._records = self._ns.records.setdefault(self._endpoint, {})
+            self._records = self._ns.records.setdefault(self.endpoint, {})
 
     def _add_new(self, request: WriteRequest) -> set[str]:
         records, ids = self._records, request.ids
@@ -146,7 +154,7 @@ class MemoryEntityStore(EntityStore):
 
     def _configure(self) -> None:
         super()._configure()
-        self._ns = _space(self._url)
+        self._ns = _space(self.store_url)
 
     def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
         with self._ns.lock:
@@ -197,12 +205,12 @@ class MemoryDispatcher(URLDispatcher):
 
     def _configure(self) -> None:
         super()._configure()
-        self._queue = _space(self._url)
+        self._queue = _space(self.store_url)
 
     @property
     def sent(self) -> list[OutgoingMessage]:
         """Every delivery so far, in dispatch order (a snapshot). Raises ``StoreClosed``."""
-        self._check_open()
+        self.check_open()
         with self._queue.lock:
             return list(self._queue.sent)
 
@@ -215,7 +223,7 @@ class MemoryDispatcher(URLDispatcher):
 
     def clear(self) -> None:
         """Empty the queue (for every dispatcher of this name). Raises ``StoreClosed``."""
-        self._check_open()
+        self.check_open()
         with self._queue.lock:
             self._queue.sent.clear()
 

@@ -36,22 +36,34 @@ from urllib.parse import quote, unquote, urlsplit
 
 import filelock
 
-from dedupstore.client import Client, Connected, Connection, ErrorKind, creates
-from dedupstore.dead_letters import ReadMessage
-from dedupstore.dispatch import DispatchStats, EncodedMessage, StoredMessage, URLDispatcher
-from dedupstore.entities import EntityRecord, EntityStore, OutgoingMessage
-from dedupstore.errors import ConfigurationError, StoreUnavailable
-from dedupstore.options import (
+from dedupstore.backend import (
+    CLOCK,
+    Client,
+    ConfigurationError,
+    Connected,
+    Connection,
+    DeduplicationStore,
+    DispatchStats,
+    EncodedMessage,
+    EntityRecord,
+    EntityStore,
+    ErrorKind,
     Option,
     Options,
     OptionSet,
+    OutgoingMessage,
+    ReadMessage,
+    StoredMessage,
+    StoreUnavailable,
+    StoreURL,
+    URLDispatcher,
+    WriteRequest,
     choice,
     create_option,
+    creates,
     text,
     timeout_option,
 )
-from dedupstore.store import CLOCK, DeduplicationStore, WriteRequest
-from dedupstore.urls import StoreURL
 
 __all__ = [
     "SQLITE_OPTIONS",
@@ -137,7 +149,7 @@ class SqliteConnection(Connection):
         super().__init__(url, options)
         self.path = sqlite_path(url)
         self._timeout = float(options["timeout"])
-        self._creates = creates(options)
+        self.creates = creates(options)
         self._local = threading.local()
         self._all: weakref.WeakSet[sqlite3.Connection] = weakref.WeakSet()
         self._lock = threading.Lock()
@@ -158,7 +170,7 @@ class SqliteConnection(Connection):
         if conn is not None:
             return conn
         # Without ``create`` a missing file is an error, not a new empty database.
-        creates = self._creates
+        creates = self.creates
         target = self.path if creates else f"file:{quote(str(self.path))}?mode=rw"
         conn = sqlite3.connect(
             target,
@@ -205,20 +217,20 @@ class SqliteConnection(Connection):
         the table (its ``columns``, the table constraint ``key``, ``WITHOUT ROWID`` unless
         ``rowid``) are created first. Without: a missing file or table is ``ConfigurationError`` "no
         such store"; nothing is created. ``what`` names the table's use in messages."""
-        table = f'"{client._opts["table"]}"'
+        table = f'"{client.options["table"]}"'
         declared = [f"{name} {kind}" for name, kind in columns.items()] + ([key] if key else [])
         create_sql = f"CREATE TABLE IF NOT EXISTS {table} ({', '.join(declared)})"
         create_sql += "" if rowid else " WITHOUT ROWID"
-        conn = self._bootstrap(create_sql) if self._creates else self._open_existing(client)
+        conn = self._bootstrap(create_sql) if self.creates else self._open_existing(client)
         names = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
         if not names:
-            raise client._no_such_store(
+            raise client.no_such_store(
                 f"table {table} does not exist in SQLite file {self.path}",
                 "open with create=true to create it",
             )
         missing = [c for c in columns if c not in names]
         if missing:
-            raise client._error(
+            raise client.make_error(
                 ConfigurationError,
                 None,
                 f"table {table} is not usable as {what}: it has no column "
@@ -234,7 +246,7 @@ class SqliteConnection(Connection):
             what = f"unable to open SQLite file {self.path}: it does not exist" + (
                 "" if folder.is_dir() else f" (nor does the directory {folder})"
             )
-            raise client._no_such_store(what, "open with create=true to create it")
+            raise client.no_such_store(what, "open with create=true to create it")
         return self.thread_connection()
 
     def _bootstrap(self, create_sql: str) -> sqlite3.Connection:
@@ -266,7 +278,7 @@ class SqliteConnection(Connection):
     @classmethod
     def classify_error(cls, client: Client, exc: BaseException) -> ErrorKind:
         """Errors of the file system (what to fix, named with the path) and of SQLite."""
-        path = sqlite_path(client._url)
+        path = sqlite_path(client.store_url)
         message = str(exc).lower()
         if isinstance(exc, OSError) and exc.errno in _PERMANENT_ERRNOS:
             where = exc.filename if exc.filename is not None else path
@@ -387,7 +399,7 @@ class SqliteDeduplicationStore(DeduplicationStore):
 
     def _params(self, request: WriteRequest, ids: str) -> tuple[Any, ...]:
         return (
-            self._endpoint,
+            self.endpoint,
             request.expires_at,
             ids,
             request.now,
@@ -402,19 +414,19 @@ class SqliteDeduplicationStore(DeduplicationStore):
         return bool(self._write(self._sql_add_one, self._params(request, request.ids[0])))
 
     def _find(self, ids: list[str], now: float) -> set[str]:
-        rows = self._sqlite.fetch(self._sql_find, (self._endpoint, json.dumps(ids), now))
+        rows = self._sqlite.fetch(self._sql_find, (self.endpoint, json.dumps(ids), now))
         return {row[0] for row in rows}
 
     def _contains_one(self, message_id: str, now: float) -> bool:
-        return bool(self._sqlite.fetch(self._sql_has, (self._endpoint, message_id, now)))
+        return bool(self._sqlite.fetch(self._sql_has, (self.endpoint, message_id, now)))
 
     def _purge(self, now: float) -> int:
         with self._sqlite.write_transaction() as conn:
-            return conn.execute(self._sql_purge, (self._endpoint, now)).rowcount
+            return conn.execute(self._sql_purge, (self.endpoint, now)).rowcount
 
     def _count(self, now: float) -> int:
         """Exact, one statement (a snapshot): the endpoint's range of the primary key."""
-        return int(self._sqlite.fetch(self._sql_count, (self._endpoint, now))[0][0])
+        return int(self._sqlite.fetch(self._sql_count, (self.endpoint, now))[0][0])
 
     def _endpoints(self, now: float) -> set[str]:
         """Exact, one statement (a snapshot) over the table."""
@@ -449,8 +461,8 @@ class SqliteEntityStore(EntityStore):
                 "pending": "INTEGER NOT NULL",
             },
         )
-        if self._creates:
-            index = f'"{self._opts["table"]}_pending"'
+        if self.creates:
+            index = f'"{self.options["table"]}_pending"'
             conn.execute(f"CREATE INDEX IF NOT EXISTS {index} ON {t} (bucket, id) WHERE pending")
         self._sql_load = (
             f"SELECT id, body, version FROM {t} WHERE id IN (SELECT value FROM json_each(?))"
@@ -586,8 +598,8 @@ class SqliteDispatcher(URLDispatcher):
         ``mismatches > 0`` means an id was dispatched with different contents (a handler that is not
         deterministic). Raises ``StoreUnavailable``.
         """
-        self._check_open()
-        with self._translating_errors("read"):
+        self.check_open()
+        with self.translating_errors("read"):
             rows, deliveries, mismatches = self._sqlite.fetch(self._sql_stats)[0]
         return DispatchStats(int(rows), int(deliveries), int(mismatches))
 
@@ -602,8 +614,8 @@ class SqliteDispatcher(URLDispatcher):
         start = 0 if after is None else after
         if isinstance(start, bool) or not isinstance(start, int) or start < 0:
             raise ValueError(f"after must be a seq (an int >= 0) or None, got {after!r}")
-        self._check_open()
-        with self._translating_errors("read"):
+        self.check_open()
+        with self.translating_errors("read"):
             rows = self._sqlite.fetch(self._sql_receive, (start, limit))
         return [
             StoredMessage(
@@ -628,10 +640,10 @@ class SqliteDispatcher(URLDispatcher):
     def read_back(self, destination: str) -> list[ReadMessage]:
         """Every row of ``destination`` in insertion order (:attr:`page_size` rows per read);
         the ``position`` is the row's ``seq``. Raises ``StoreUnavailable``."""
-        self._check_open()
+        self.check_open()
         out: list[ReadMessage] = []
         after = 0
-        with self._translating_errors("read"):
+        with self.translating_errors("read"):
             while True:
                 rows = self._sqlite.fetch(self._sql_read_back, (destination, after, self.page_size))
                 for seq, mid, body, headers in rows:
@@ -647,9 +659,9 @@ class SqliteDispatcher(URLDispatcher):
         """Delete the rows of ``messages`` (by ``seq`` and id) from ``destination`` in one write
         transaction; return how many were still there. Their ``seq`` is never given again.
         Raises ``StoreUnavailable``."""
-        self._check_open()
+        self.check_open()
         rows = [(destination, int(m.position), m.message.id) for m in messages]
         if not rows:
             return 0
-        with self._translating_errors("remove"), self._sqlite.write_transaction() as conn:
+        with self.translating_errors("remove"), self._sqlite.write_transaction() as conn:
             return sum(conn.execute(self._sql_remove, row).rowcount for row in rows)

@@ -2,7 +2,7 @@
 
 * :func:`deadline`: every round trip a store makes for one public call (one
   chunk of a batch) runs under ONE deadline, started by
-  :meth:`~dedupstore.client.Client._translating_errors` from the backend's
+  :meth:`~dedupstore.client.Client.translating_errors` from the backend's
   :meth:`~dedupstore.client.Client._deadline_seconds`. Drivers read what is left
   with :func:`time_left` / :func:`capped` to bound each attempt's timeouts.
 * :func:`retry`: the one retry loop (``tenacity``) with the one backoff policy

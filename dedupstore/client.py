@@ -215,7 +215,7 @@ class Closing:
 
 def creates(options: Options) -> bool:
     """Whether opening with ``options`` may create what is missing: ``create``, unless
-    ``must_exist`` (:attr:`Client._creates`, for a :class:`Connection`)."""
+    ``must_exist`` (:attr:`Client.creates`, for a :class:`Connection`)."""
     return bool(options.get("create", False)) and not options.get("must_exist", False)
 
 
@@ -256,7 +256,9 @@ def quiet_driver_logs(*names: str) -> None:
 def part_of(client: Client, name: str, kind: type[T]) -> T:
     """``client.<name>``, a ``kind``: what a client tells its connection about itself
     (its table, its container), read by the connection's rules that get only the client
-    (:meth:`Connection.classify_error`, :meth:`Connection.health_warnings`)."""
+    (:meth:`Connection.classify_error`, :meth:`Connection.health_warnings`). ``name`` is
+    a public attribute the client's class declares (``tests/test_backend_api.py``
+    refuses a private one)."""
     value = getattr(client, name, None)
     assert isinstance(value, kind), f"{type(client).__name__}.{name} is not a {kind.__name__}"
     return value
@@ -265,7 +267,7 @@ def part_of(client: Client, name: str, kind: type[T]) -> T:
 class Connection(abc.ABC):
     """A backend's connection to one server in one process, shared by its clients.
 
-    Made by the first client of the server (:meth:`Client._connection`, on first
+    Made by the first client of the server (:meth:`Client.connection`, on first
     use) from that client's URL and options; every client of the same backend in the
     same process whose :meth:`key` agrees (the server, the credentials, the
     options of :attr:`shaped_by`) holds the same object, reference counted:
@@ -345,7 +347,7 @@ class Connection(abc.ABC):
     @classmethod
     def describe_error(cls, client: Client, exc: BaseException) -> str | None:
         """A driver error as one short line for ``client`` (``None``: the default line,
-        see :meth:`Client._describe_error`)."""
+        see :meth:`Client.describe_error`)."""
         return None
 
     @classmethod
@@ -365,7 +367,7 @@ class Connection(abc.ABC):
 
 class Connected(Generic[C]):
     """``_redis = Connected(RedisConnection)`` in a client class body: the class's
-    :attr:`Client.connection_class`, and ``self._redis`` reads as ``self._connection``,
+    :attr:`Client.connection_class`, and ``self._redis`` reads as ``self.connection``,
     typed as the backend's connection class."""
 
     def __init__(self, kind: type[C]) -> None:
@@ -375,7 +377,7 @@ class Connected(Generic[C]):
         owner.connection_class = self.kind  # before Client.__init_subclass__ reads it
 
     def __get__(self, client: Client, owner: type[Client] | None = None) -> C:
-        connection: C = client._connection  # type: ignore[assignment]
+        connection: C = client.connection  # type: ignore[assignment]
         return connection
 
 
@@ -384,7 +386,21 @@ class Client(Closing, abc.ABC):
 
     Constructors take the URL and keyword options, exactly the set
     ``open_store``/``open_entity_store`` accept: ``Cls(url, **options)``.
+
+    For backends (:mod:`dedupstore.backend`): :attr:`store_url` and :attr:`options`
+    (set before :meth:`_validate` and :meth:`_configure` run), :attr:`connection`,
+    :attr:`made_connection`,
+    :attr:`creates`, :meth:`check_open`, :meth:`translating_errors`,
+    :meth:`make_error`, :meth:`describe_error`, :meth:`no_such_store`, :meth:`scrub`.
+    The underscore methods of the section "hooks" are what a backend implements or
+    extends (``_configure``, ``_open``, ``_close``, ``_validate``, ...); they are
+    called by this class, never by users.
     """
+
+    #: The URL as parsed (secrets included: never show it; :attr:`url` is masked).
+    store_url: StoreURL
+    #: The resolved options (declared in :attr:`declared_options`); read-only.
+    options: Options
 
     #: URL schemes this class serves (informational: the registry decides).
     schemes: ClassVar[tuple[str, ...]] = ()
@@ -420,13 +436,13 @@ class Client(Closing, abc.ABC):
         within the deadline. A failed open leaves no connection behind.
         """
         self._closed = False
-        self._url = self.portable_url(url)
-        self._opts: Options = self.declared_options.resolve(type(self).__name__, self._url, options)
-        self._validate(self._url, self._opts)
+        self.store_url = self.portable_url(url)
+        self.options = self.declared_options.resolve(type(self).__name__, self.store_url, options)
+        self._validate(self.store_url, self.options)
         kind = self.connection_class
         self._connection_handle: ProcessLocal[Connection] | None = None
         if kind is not None:
-            url, opts = self._url, self._opts
+            url, opts = self.store_url, self.options
             self._connection_handle = ProcessLocal(
                 lambda: kind(url, opts), kind.close, key=kind.key(url, opts)
             )
@@ -489,19 +505,19 @@ class Client(Closing, abc.ABC):
     @property
     def url(self) -> str:
         """The URL the object was opened with (secrets masked)."""
-        return mask_url(self._url.text, self.declared_options.secret_names)
+        return mask_url(self.store_url.text, self.declared_options.secret_names)
 
     def option(self, name: str) -> Any:
         """The resolved value of a declared option."""
-        return self._opts[name]
+        return self.options[name]
 
     def health_warnings(self) -> list[str]:
         """Human-readable warnings about durability or consistency settings.
 
         Raises ``StoreClosed`` and ``StoreUnavailable``.
         """
-        self._check_open()
-        with self._translating_errors("health check"):
+        self.check_open()
+        with self.translating_errors("health check"):
             return self._health_warnings()
 
     def close(self) -> None:
@@ -516,14 +532,14 @@ class Client(Closing, abc.ABC):
         return self._closed
 
     def __repr__(self) -> str:
-        shown = {k: v for k, v in self._opts.shown().items() if k not in self._opts.from_url}
+        shown = {k: v for k, v in self.options.shown().items() if k not in self.options.from_url}
         args = "".join(f", {key}={value!r}" for key, value in shown.items())
         return f"{type(self).__name__}({self.url!r}{args})"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_reopen, (type(self), self._url.text, self._opts.pickled_keywords()))
+        return (_reopen, (type(self), self.store_url.text, self.options.pickled_keywords()))
 
-    # ------------------------------------------------------------------ for backends
+    # ------------------------------------------------------------- for backends: hooks, helpers
 
     def _configure(self) -> None:
         """Set up what the options decide, without I/O (role classes extend it)."""
@@ -538,7 +554,7 @@ class Client(Closing, abc.ABC):
             self._connection_handle.close()
 
     @property
-    def _connection(self) -> Connection:
+    def connection(self) -> Connection:
         """This process's connection to the server, shared with its other clients.
 
         Made (opened) on first use; see :class:`Connection`. Only for a class with a
@@ -547,11 +563,17 @@ class Client(Closing, abc.ABC):
         assert self._connection_handle is not None, f"{type(self).__name__} has no connection_class"
         return self._connection_handle.get()
 
+    @property
+    def made_connection(self) -> Connection | None:
+        """This process's connection if it is made already, else ``None`` (never makes one)."""
+        handle = self._connection_handle
+        return None if handle is None else handle.peek()
+
     def _health_warnings(self) -> list[str]:
         """Warnings for ``dedupstore check``: :meth:`Connection.health_warnings`."""
         if self.connection_class is None:
             return []
-        return self._connection.health_warnings(self)
+        return self.connection.health_warnings(self)
 
     def _deadline_seconds(self) -> float | None:
         """How long one call may take in all, retries and reconnections included.
@@ -564,7 +586,7 @@ class Client(Closing, abc.ABC):
         (:meth:`Connection.deadline_seconds`).
         """
         kind = self.connection_class
-        return None if kind is None else kind.deadline_seconds(self._opts)
+        return None if kind is None else kind.deadline_seconds(self.options)
 
     @functools.cached_property
     def _call_deadline(self) -> float | None:
@@ -584,27 +606,28 @@ class Client(Closing, abc.ABC):
         return None if handle is None else handle.key
 
     @property
-    def _creates(self) -> bool:
+    def creates(self) -> bool:
         """Whether opening may create what is missing: ``create``, unless ``must_exist``.
 
         Backends test this (or :func:`creates`), never the ``create`` option itself.
         """
-        return creates(self._opts)
+        return creates(self.options)
 
-    def _no_such_store(self, what: str, fix: str) -> ConfigurationError:
+    def no_such_store(self, what: str, fix: str) -> ConfigurationError:
         """The error for a store that does not exist; ``what`` names it in the user's terms.
 
         ``fix`` says how to create it; with ``must_exist`` the message says instead
         that nothing was created and the URL should be checked.
         """
-        if self._opts.get("must_exist", False):
+        if self.options.get("must_exist", False):
             return ConfigurationError(
                 f"no such store: {what} (nothing was created: check the URL, or create the "
                 "store first)"
             )
         return ConfigurationError(f"no such store: {what}; {fix}")
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raise ``StoreClosed`` if :meth:`close` was called (every public call's first line)."""
         if self._closed:
             raise StoreClosed(f"{self!r} is closed; open a new one")
 
@@ -626,7 +649,7 @@ class Client(Closing, abc.ABC):
             return StoreUnavailable
         return None
 
-    def _describe_error(self, exc: BaseException) -> str:
+    def describe_error(self, exc: BaseException) -> str:
         """The driver error as one short line, secrets scrubbed (the connection class's
         :meth:`Connection.describe_error` first)."""
         kind = self.connection_class
@@ -636,26 +659,26 @@ class Client(Closing, abc.ABC):
         line = format_error(exc)
         if len(line) > 300:
             line = line[:297] + "..."
-        return self._scrub(f"{type(exc).__name__}: {line}" if str(exc) else type(exc).__name__)
+        return self.scrub(f"{type(exc).__name__}: {line}" if str(exc) else type(exc).__name__)
 
     def _secret_values(self) -> set[str]:
         """Every secret this object knows: the URL's password, secret options and the
         connection class's :meth:`Connection.secrets`."""
-        secrets = self._url.secrets
+        secrets = self.store_url.secrets
         for name, option in self.declared_options.items():
-            value = self._opts.get(name)
+            value = self.options.get(name)
             if option.secret and isinstance(value, str):
                 secrets.add(value)
         if self.connection_class is not None:
-            secrets |= self.connection_class.secrets(self._opts)
+            secrets |= self.connection_class.secrets(self.options)
         secrets.discard("")
         return secrets
 
-    def _scrub(self, text: str) -> str:
+    def scrub(self, text: str) -> str:
         """Remove this object's secrets from ``text`` (:func:`dedupstore.masking.scrub`)."""
         return scrub(text, self._secret_values(), self.declared_options.secret_names)
 
-    def _error(self, kind: type[E], operation: str | None, detail: str) -> E:
+    def make_error(self, kind: type[E], operation: str | None, detail: str) -> E:
         """An error of ``kind`` whose text names this object, secrets scrubbed.
 
         ``"<Class> at <url>: <operation> failed: <detail>"``; without ``operation``
@@ -663,12 +686,12 @@ class Client(Closing, abc.ABC):
         object it comes from is made here.
         """
         text = detail if operation is None else f"{operation} failed: {detail}"
-        return kind(self._scrub(f"{type(self).__name__} at {self.url}: {text}"))
+        return kind(self.scrub(f"{type(self).__name__} at {self.url}: {text}"))
 
     @functools.cached_property
     def _backend(self) -> str:
         """The backend's name in metrics: its main URL scheme (``postgres`` -> ``postgresql``)."""
-        scheme = self._url.scheme
+        scheme = self.store_url.scheme
         return self.schemes[0] if scheme in self.schemes else scheme
 
     @contextlib.contextmanager
@@ -681,13 +704,13 @@ class Client(Closing, abc.ABC):
             if operation is None:
                 yield
             else:
-                with self._translating_errors(operation):
+                with self.translating_errors(operation):
                     yield
         except BaseException:
             self._close()
             raise
 
-    def _translating_errors(self, operation: str) -> _Translating:
+    def translating_errors(self, operation: str) -> _Translating:
         """Classify driver errors raised in the block (chained); library errors pass.
 
         The block runs under the call's deadline (:meth:`_deadline_seconds`).
@@ -702,11 +725,11 @@ class Client(Closing, abc.ABC):
         kind = self._classify_error(exc)
         if kind is None or isinstance(kind, DedupStoreError):
             return kind
-        return self._error(kind, operation, self._describe_error(exc))
+        return self.make_error(kind, operation, self.describe_error(exc))
 
 
 class _Translating(contextlib.AbstractContextManager[None]):
-    """The block of :meth:`Client._translating_errors` (a class, not a generator:
+    """The block of :meth:`Client.translating_errors` (a class, not a generator:
     every store call enters one)."""
 
     __slots__ = ("_client", "_deadline", "_operation", "_started")
@@ -739,7 +762,7 @@ class _Translating(contextlib.AbstractContextManager[None]):
             if isinstance(failed, StoreUnavailable):
                 # at open the caller gets the error before anything runs: it reports it
                 level = logging.DEBUG if operation == "open" else logging.INFO
-                _log.log(level, "store unavailable: %s", client._scrub(format_error(failed)))
+                _log.log(level, "store unavailable: %s", client.scrub(format_error(failed)))
             metrics.record_store_call(
                 client._backend,
                 operation,

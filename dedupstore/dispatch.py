@@ -181,7 +181,7 @@ class URLDispatcher(Client):
 
     def _configure(self) -> None:
         super()._configure()
-        limit: int | None = self._opts["max_message_bytes"]
+        limit: int | None = self.options["max_message_bytes"]
         own = self.max_message_bytes
         if limit is not None:
             self.max_message_bytes = limit if own is None else min(limit, own)
@@ -198,10 +198,10 @@ class URLDispatcher(Client):
         """
         batch = encode_messages(messages)
         _check_sizes(self, batch)
-        self._check_open()
+        self.check_open()
         if not batch:
             return
-        with self._translating_errors("dispatch"):
+        with self.translating_errors("dispatch"):
             self._dispatch(batch)
 
     @abc.abstractmethod

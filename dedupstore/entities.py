@@ -520,11 +520,11 @@ class EntityStore(Client):
     def load_many(self, entity_ids: Iterable[str]) -> dict[str, Entity]:
         """Every entity by id (absent ones new and empty); one round trip per chunk."""
         ids = list(dict.fromkeys(validate_ids(entity_ids, "entity id")))
-        self._check_open()
+        self.check_open()
         result: dict[str, Entity] = {}
         for start in range(0, len(ids), self.max_load_batch):
             chunk = ids[start : start + self.max_load_batch]
-            with self._translating_errors("load"):
+            with self.translating_errors("load"):
                 found = self._load(chunk)
             for eid in chunk:
                 record = found.get(eid)
@@ -540,7 +540,7 @@ class EntityStore(Client):
         ``EntityTooLarge``/``InvalidMessageId`` before any I/O, ``StoreUnavailable``.
         """
         record = self._record(entity, plain_ids([entity.id, *entity.outbox]))
-        self._check_open()
+        self.check_open()
         _take_version(entity, self._save_records([record]))
         return entity
 
@@ -555,7 +555,7 @@ class EntityStore(Client):
         records = [make(entity, checked) for entity in entities]
         if len({r.id for r in records}) != len(records):
             raise InvalidMessageId("save_many got the same entity id twice")
-        self._check_open()
+        self.check_open()
         by_id = {entity.id: entity for entity in entities}
         conflicts: set[str] = set()
         size = self.max_save_batch
@@ -571,27 +571,27 @@ class EntityStore(Client):
 
     def _save_records(self, records: list[EntityRecord]) -> dict[str, Any]:
         """:meth:`_save` of records made and checked (one request): the ``save`` call."""
-        with self._translating_errors("save"):
+        with self.translating_errors("save"):
             return self._save(records)
 
     # ------------------------------------------------------------------ with a deduplication store
 
     #: The deduplication store class this store can share requests with (set by a
     #: backend that implements :meth:`_load_with` and :meth:`_save_with`).
-    _joins: ClassVar[type[Client] | None] = None
+    joins: ClassVar[type[Client] | None] = None
 
     def _joined(self, dedup: DeduplicationStore) -> bool:
         """Whether one request can do the work of this store and ``dedup`` together.
 
-        True when ``dedup`` is of the class the backend joins (:attr:`_joins`) and
+        True when ``dedup`` is of the class the backend joins (:attr:`joins`) and
         the two share one connection (one server: one transaction or script
         domain). Then :meth:`_load_checked` costs one round trip instead of two,
         :meth:`_save_checked` one instead of two, and :meth:`_save_recording` one
         atomic write instead of two. The processor asks once; the calls assume it.
         """
         return (
-            self._joins is not None
-            and isinstance(dedup, self._joins)
+            self.joins is not None
+            and isinstance(dedup, self.joins)
             and self._shares_connection_with(dedup)
         )
 
@@ -605,9 +605,9 @@ class EntityStore(Client):
         """
         eid = validate_message_id(entity_id, "entity id")
         mid = validate_message_id(key)
-        self._check_open()
-        dedup._check_open()
-        with self._translating_errors("load_and_check"):
+        self.check_open()
+        dedup.check_open()
+        with self.translating_errors("load_and_check"):
             found, recorded = self._load_with(dedup, eid, mid)
         entity = Entity(eid) if found is None else decode_entity(eid, found[0], found[1])
         return entity, recorded
@@ -645,7 +645,7 @@ class EntityStore(Client):
         that save: reload) and what ``has_been_processed`` raises.
         """
         mid, record = self._joint_record(entity, dedup, key)
-        with self._translating_errors("check_and_save"):
+        with self.translating_errors("check_and_save"):
             recorded, versions = self._save_unless(dedup, mid, record)
         if not recorded:
             _take_version(entity, versions)
@@ -657,8 +657,8 @@ class EntityStore(Client):
         """A joint save's id and record, checked before any I/O; both stores open."""
         mid = validate_message_id(key)
         record = self._record(entity)
-        self._check_open()
-        dedup._check_open()
+        self.check_open()
+        dedup.check_open()
         return mid, record
 
     def _load_with(
@@ -697,10 +697,10 @@ class EntityStore(Client):
             raise ValueError(f"segments must be an int >= 1, got {segments!r}")
         if not 0 <= segment < segments:
             raise ValueError(f"segment must be in 0..{segments - 1}, got {segment!r}")
-        self._check_open()
+        self.check_open()
         iterator = self._scan(segment, segments)
         while True:
-            with self._translating_errors("scan"):
+            with self.translating_errors("scan"):
                 item = next(iterator, None)
             if item is None:
                 return

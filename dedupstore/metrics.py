@@ -19,7 +19,7 @@ Instruments (their names and attributes are the contract):
 ``dedupstore.dispatch.failures`` (counter)
     dispatcher calls that raised; ``consumer``, ``error`` (the exception's class name).
 ``dedupstore.store.duration`` (histogram, seconds)
-    every backend call (each pass through ``Client._translating_errors``);
+    every backend call (each pass through ``Client.translating_errors``);
     ``backend`` (the class's main URL scheme: ``memory``, ``sqlite``, ``postgresql``,
     ``redis``, ``dynamodb``, ``cosmos``, or a registered one), ``operation`` (``load``,
     ``save``, ``scan``, ``add``, ``add_many``, ``has_been_processed``,

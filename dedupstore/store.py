@@ -125,12 +125,12 @@ class DeduplicationStore(Client):
 
     def _configure(self) -> None:
         super()._configure()
-        self._endpoint: str = self._opts["endpoint"]
-        self._retention: timedelta | None = self._opts["retention"]
+        self._endpoint: str = self.options["endpoint"]
+        self._retention: timedelta | None = self.options["retention"]
         self._retention_seconds = (
             None if self._retention is None else self._retention.total_seconds()
         )
-        clock = self._opts.get("clock")
+        clock = self.options.get("clock")
         self._clock: Clock = clock if clock is not None else time.time
         self._pending: dict[str, list[str]] = {}
         self._pending_lock = threading.Lock()
@@ -157,7 +157,7 @@ class DeduplicationStore(Client):
         the failed call wrote it), ``StoreClosed`` after :meth:`close`.
         """
         mid = validate_message_id(message_id)
-        self._check_open()
+        self.check_open()
         return bool(self._write_chunk([mid], single=True))
 
     def add_many(self, message_ids: Iterable[str]) -> set[str]:
@@ -183,8 +183,8 @@ class DeduplicationStore(Client):
         Raises ``InvalidMessageId`` before any I/O, ``StoreUnavailable``.
         """
         mid = validate_message_id(message_id)
-        self._check_open()
-        with self._translating_errors("has_been_processed"):
+        self.check_open()
+        with self.translating_errors("has_been_processed"):
             return self._contains_one(mid, self._clock())
 
     def __contains__(self, message_id: object) -> bool:
@@ -199,7 +199,7 @@ class DeduplicationStore(Client):
         """
 
         def find_chunk(chunk: list[str]) -> set[str]:
-            with self._translating_errors("processed_among"):
+            with self.translating_errors("processed_among"):
                 return self._find(chunk, self._clock())
 
         return self._over_chunks(
@@ -218,8 +218,8 @@ class DeduplicationStore(Client):
         hot path. ``None`` when the backend cannot count exactly (see its
         ``_count``). Raises ``StoreUnavailable`` and ``StoreClosed``.
         """
-        self._check_open()
-        with self._translating_errors("count"):
+        self.check_open()
+        with self.translating_errors("count"):
             return self._count(self._clock())
 
     def endpoints(self) -> set[str] | None:
@@ -230,8 +230,8 @@ class DeduplicationStore(Client):
         maintenance read like :meth:`count`: one statement on SQL backends, a scan or a
         query elsewhere. Raises ``StoreUnavailable`` and ``StoreClosed``.
         """
-        self._check_open()
-        with self._translating_errors("endpoints"):
+        self.check_open()
+        with self.translating_errors("endpoints"):
             return self._endpoints(self._clock())
 
     def purge_expired(self) -> int:
@@ -241,8 +241,8 @@ class DeduplicationStore(Client):
         when the store has no retention or when the server expires records itself.
         Raises ``StoreUnavailable``.
         """
-        self._check_open()
-        with self._translating_errors("purge_expired"):
+        self.check_open()
+        with self.translating_errors("purge_expired"):
             return self._purge(self._clock())
 
     # ------------------------------------------------------------------ primitives
@@ -325,7 +325,7 @@ class DeduplicationStore(Client):
             retention=self._retention_seconds,
         )
         try:
-            with self._translating_errors(operation or ("add" if single else "add_many")):
+            with self.translating_errors(operation or ("add" if single else "add_many")):
                 if write is not None:
                     return write(request)
                 if single:
@@ -393,7 +393,7 @@ class DeduplicationStore(Client):
             )
         if isinstance(message_ids, Collection):
             validated = validate_ids(message_ids)
-            self._check_open()
+            self.check_open()
             for start in range(0, len(validated), size):
                 yield list(dict.fromkeys(validated[start : start + size]))
             return
@@ -403,7 +403,7 @@ class DeduplicationStore(Client):
             raise InvalidMessageId(
                 f"expected an iterable of message ids, got {type(message_ids).__name__}"
             ) from None
-        self._check_open()
+        self.check_open()
         while True:
             chunk = validate_ids(itertools.islice(iterator, size))
             if not chunk:

@@ -147,8 +147,8 @@ def own_connection(client: Client) -> Any:
     kind = client.connection_class
     assert kind is not None and client._connection_handle is not None
     client._connection_handle.close()
-    url, opts = client._url, client._opts
+    url, opts = client.store_url, client.options
     client._connection_handle = ProcessLocal(
         lambda: kind(url, opts), kind.close, key=("own", id(client))
     )
-    return client._connection
+    return client.connection

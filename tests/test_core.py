@@ -424,10 +424,10 @@ def test_a_short_secret_masks_whole_words_only() -> None:
         )
 
     short = WithPassword("memory://s", password="e")
-    assert short._scrub("the user e was refused") == "the user *** was refused"
+    assert short.scrub("the user e was refused") == "the user *** was refused"
     long = WithPassword("memory://s", password="correct-horse")
-    assert long._scrub("auth correct-horse-battery") == "auth ***-battery"
-    assert "e" in short._describe_error(RuntimeError("every letter stays"))
+    assert long.scrub("auth correct-horse-battery") == "auth ***-battery"
+    assert "e" in short.describe_error(RuntimeError("every letter stays"))
 
 
 def test_entities_url_per_environment(in_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -490,7 +490,7 @@ def test_entity_registry_is_lazy_and_extensible() -> None:
 
 
 def test_the_error_prefix_is_written_in_one_place() -> None:
-    """'<Class> at <url>:' comes from Client._error only, never typed by hand."""
+    """'<Class> at <url>:' comes from Client.make_error only, never typed by hand."""
     root = Path(__file__).resolve().parent.parent
     typed = [
         str(path.relative_to(root))
@@ -499,4 +499,4 @@ def test_the_error_prefix_is_written_in_one_place() -> None:
         for line in path.read_text(encoding="utf-8").splitlines()
         if " at {self.url}:" in line
     ]
-    assert typed == ["dedupstore/client.py"], typed  # in Client._error
+    assert typed == ["dedupstore/client.py"], typed  # in Client.make_error

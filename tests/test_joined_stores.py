@@ -221,15 +221,15 @@ def test_a_record_that_cannot_be_written_saves_nothing(
     entity = _pending(entities, dedup, "m")
     admin = redis.Redis.from_url(outbox_backend.dedup_url.split("?")[0])
     try:
-        admin.set(dedup._record_key(message_key("e", "m")), "not ours")  # type: ignore[attr-defined]
+        admin.set(dedup.record_key(message_key("e", "m")), "not ours")  # type: ignore[attr-defined]
         processor = OutboxProcessor(entities, dedup, InMemoryDispatcher())
         with pytest.raises(ConfigurationError, match="did not write"):
             processor.process(Message("m", "e", {}), _handler)
         stored = entities.load("e")
         assert stored.version == entity.version and stored.outbox == entity.outbox
         # the joint read refuses it as well, and a hash where the record goes
-        admin.delete(dedup._record_key(message_key("e", "m")))  # type: ignore[attr-defined]
-        admin.hset(dedup._record_key(message_key("e", "other")), "x", "1")  # type: ignore[attr-defined]
+        admin.delete(dedup.record_key(message_key("e", "m")))  # type: ignore[attr-defined]
+        admin.hset(dedup.record_key(message_key("e", "other")), "x", "1")  # type: ignore[attr-defined]
         with pytest.raises(ConfigurationError):
             processor.process(Message("other", "e", {}), _handler)
         assert "other" not in entities.load("e").outbox
@@ -422,14 +422,14 @@ def test_the_save_of_a_kept_entity_refuses_a_foreign_record(
     stored = entities.load("e")
     admin = redis.Redis.from_url(outbox_backend.dedup_url.split("?")[0])
     try:
-        admin.set(dedup._record_key(message_key("e", "m1")), "not ours")  # type: ignore[attr-defined]
+        admin.set(dedup.record_key(message_key("e", "m1")), "not ours")  # type: ignore[attr-defined]
         with pytest.raises(ConfigurationError, match="did not write"):
             processor.process(Message("m1", "e", {}), _handler)
         assert entities.load("e").version == stored.version
         # a key of another type where the record goes: refused as well
         processor.process(Message("m2", "e", {}), _handler)  # kept again
         stored = entities.load("e")
-        admin.hset(dedup._record_key(message_key("e", "m3")), "x", "1")  # type: ignore[attr-defined]
+        admin.hset(dedup.record_key(message_key("e", "m3")), "x", "1")  # type: ignore[attr-defined]
         with pytest.raises(ConfigurationError):
             processor.process(Message("m3", "e", {}), _handler)
         assert entities.load("e").version == stored.version

@@ -121,15 +121,15 @@ def test_a_declared_secret_is_masked_in_its_objects_url_repr_and_errors(
     store = _ThirdParty(f"thirdparty://h/?api_token={SECRET}")
     assert SECRET not in store.url and f"api_token={MASK}" in store.url
     assert SECRET not in repr(store)
-    error = store._error(
+    error = store.make_error(
         ConfigurationError, "add", f"refused by thirdparty://h/?api_token={SECRET}"
     )
     assert SECRET not in str(error)
-    assert SECRET not in store._scrub(f"the driver says {SECRET}")
+    assert SECRET not in store.scrub(f"the driver says {SECRET}")
     kw = _ThirdParty("thirdparty://h/", api_token=SECRET)
     assert SECRET not in repr(kw)
     caplog.set_level(logging.INFO, logger="dedupstore")
-    with pytest.raises(StoreUnavailable) as info, kw._translating_errors("add"):
+    with pytest.raises(StoreUnavailable) as info, kw.translating_errors("add"):
         raise ConnectionError(f"thirdparty://h/?api_token={SECRET} refused {SECRET}")
     assert SECRET not in str(info.value)
     assert "store unavailable" in caplog.text

@@ -901,7 +901,7 @@ def test_error_classification(
     postgres_server: Server, fresh_table: str, error: Exception, kind: type[Exception]
 ) -> None:
     store = open_store(postgres_server.url, table=fresh_table, create=True)
-    with pytest.raises(DedupStoreError) as info, store._translating_errors("add"):
+    with pytest.raises(DedupStoreError) as info, store.translating_errors("add"):
         raise error
     store.close()
     assert type(info.value) is kind, info.value
@@ -975,7 +975,7 @@ def test_lost_answer_of_add_is_recorded_by_the_retry(
 ) -> None:
     store = open_store(postgres_server.url, table=fresh_table, create=True)
     other = open_store(postgres_server.url, table=fresh_table)
-    _losing_answers(store, store._sql_add_one, lambda n: n <= 2)  # type: ignore[attr-defined]
+    _losing_answers(store, store.sql_add_one, lambda n: n <= 2)  # type: ignore[attr-defined]
     for mid in ("lost-1", "lost-2"):
         with pytest.raises(StoreUnavailable) as info:
             store.add(mid)
@@ -1203,7 +1203,7 @@ def test_add_applied_then_connection_lost_is_reported_as_recorded(
     store = open_store(postgres_server.url, table=fresh_table, create=True)
     other = open_store(postgres_server.url, table=fresh_table)
     assert other.add("theirs") is True
-    _breaking_answers(store, store._sql_add_one, lambda n: n == 1)  # type: ignore[attr-defined]
+    _breaking_answers(store, store.sql_add_one, lambda n: n == 1)  # type: ignore[attr-defined]
     assert store.add("mine") is True  # applied, answer lost, re-sent: still "recorded now"
     _breaking_answers(store, store._sql_add_many, lambda n: n == 1)  # type: ignore[attr-defined]
     ids = [f"many-{i}" for i in range(10)]

@@ -1042,11 +1042,11 @@ def test_the_grant_hint_names_every_command_a_script_runs(cls: Any, script: str)
     """What an ACL refusal tells the operator to grant (``_commands``) covers the client's
     script, the joined one included; and a script's client says what an unconfirmed
     write means (``_unconfirmed``)."""
-    named = set(cls._commands.replace(",", " ").split())
+    named = set(cls.commands.replace(",", " ").split())
     assert _script_commands(script) - named == set()
     assert {"+evalsha", "+script|load", "+ping", "+info"} <= named
-    assert isinstance(cls._unconfirmed, str) and cls._unconfirmed
+    assert isinstance(cls.unconfirmed, str) and cls.unconfirmed
 
 
 def test_the_broker_names_its_commands() -> None:
-    assert "+xreadgroup" in RedisStreamsBroker._commands.split()
+    assert "+xreadgroup" in RedisStreamsBroker.commands.split()

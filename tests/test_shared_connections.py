@@ -40,7 +40,7 @@ network = pytest.mark.parametrize("outbox_backend", backend_params(SHARING), ind
 
 def _shared(client: Client) -> Any:
     """The connection object ``client`` uses in this process."""
-    return client._connection
+    return client.connection
 
 
 def _holders(client: Client) -> int:

@@ -338,7 +338,7 @@ def _connections_of_a_task(specs: list[ClientSpec | None]) -> Any:
             yield (
                 os.getpid(),
                 len(used),
-                len({id(c._connection) for c in used}),
+                len({id(c.connection) for c in used}),
             )
 
     return task

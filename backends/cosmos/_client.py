@@ -25,24 +25,36 @@ from azure.cosmos.documents import ConnectionPolicy
 from azure.cosmos.exceptions import CosmosHttpResponseError
 from urllib3.util.retry import Retry
 
-from dedupstore.calls import DeadlinePassed, executor, fan_out, time_left
-from dedupstore.client import Client, Connection, ErrorKind, check_client, part_of
-from dedupstore.errors import ConfigurationError, ConsistencyError, StoreUnavailable, format_error
-from dedupstore.masking import scrub
-from dedupstore.options import (
+from dedupstore.backend import (
+    Client,
+    ConfigurationError,
+    Connection,
+    ConsistencyError,
+    DeadlinePassed,
+    EntityStore,
+    EntityTooLarge,
+    ErrorKind,
     Option,
     Options,
+    StoreUnavailable,
+    StoreURL,
     boolean,
+    check_client,
     client_option,
     connect_timeout_option,
     create_option,
+    cut_short,
+    executor,
+    fan_out,
+    format_error,
     integer,
+    part_of,
     retries_option,
+    scrub,
     text,
+    time_left,
     timeout_option,
 )
-from dedupstore.replies import cut_short
-from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
     from azure.cosmos import ContainerProxy
@@ -151,9 +163,9 @@ def _key(options: Options) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ContainerKind:
-    """What a store keeps in its container (its ``_kind``): its use ("a deduplication container"),
-    the function that creates one, the container's properties besides the partition key, why Strong
-    is needed and what a weaker account risks."""
+    """What a store keeps in its container (its public ``container_kind``): its use ("a
+    deduplication container"), the function that creates one, the container's properties besides
+    the partition key, why Strong is needed and what a weaker account risks."""
 
     what: str
     function: str
@@ -176,7 +188,7 @@ class ContainerKind:
 
 
 def _kind(client: Client) -> ContainerKind:
-    return part_of(client, "_kind", ContainerKind)
+    return part_of(client, "container_kind", ContainerKind)
 
 
 #: The options of both stores, declared once (each store adds its own).
@@ -208,7 +220,8 @@ CONNECTION_OPTIONS: Final[tuple[Option, ...]] = (
 class CosmosConnection(Connection):
     """The ``CosmosClient`` of one account (host, port, key) in one process, shared by the stores of
     every database and container there. Each store names it as its ``connection_class``, reaches it
-    as ``self._cosmos`` and opens its container (its ``_kind``) with :meth:`open_container`."""
+    as ``self._cosmos`` and opens its container (its ``container_kind``) with
+    :meth:`open_container`."""
 
     schemes: ClassVar[tuple[str, ...]] = ("cosmos",)
     # not the key (the address), create (each store's) nor client (keyed by identity)
@@ -324,8 +337,8 @@ class CosmosConnection(Connection):
                 level,
                 kind.weak_risk,
             )
-        database_name, container_name = _names(client._url)
-        if client._creates:
+        database_name, container_name = _names(client.store_url)
+        if client.creates:
             kind.create(self.client, database_name, container_name)
         fix = f"create it with {kind.function} or open with create=true"
         try:
@@ -337,12 +350,12 @@ class CosmosConnection(Connection):
                 self.client.get_database_client(database_name).read()
             except CosmosHttpResponseError as db_exc:
                 if db_exc.status_code == 404:
-                    raise client._no_such_store(
+                    raise client.no_such_store(
                         f"Cosmos DB database {database_name!r} does not exist at {self.endpoint}",
                         f"{fix} (it creates the container too)",
                     ) from None
                 raise
-            raise client._no_such_store(
+            raise client.no_such_store(
                 f"Cosmos DB container {container_name!r} does not exist in database "
                 f"{database_name!r}",
                 fix,
@@ -358,10 +371,10 @@ class CosmosConnection(Connection):
 
     def container(self, client: Client) -> ContainerProxy:
         """The proxy of ``client``'s container (no I/O; one per container and process)."""
-        path = client._url.path
+        path = client.store_url.path
         proxy = self._containers.get(path)
         if proxy is None:
-            database_name, container_name = _names(client._url)
+            database_name, container_name = _names(client.store_url)
             database = self.client.get_database_client(database_name)
             proxy = self._containers[path] = database.get_container_client(container_name)
         return proxy
@@ -450,7 +463,7 @@ class CosmosConnection(Connection):
         if len(line) > 200:
             line = line[:197] + "..."
         summary = f"HTTP {status}" + (f" {code}" if code else "")
-        return client._scrub(f"{summary}: {line}" if line else summary)
+        return client.scrub(f"{summary}: {line}" if line else summary)
 
     @classmethod
     def secrets(cls, options: Options) -> set[str]:
@@ -463,7 +476,7 @@ class CosmosConnection(Connection):
         if isinstance(exc, HttpResponseError):
             status = exc.status_code or 0
             sub_status = getattr(exc, "sub_status", None) or 0
-            summary = client._describe_error(exc)
+            summary = client.describe_error(exc)
             if (
                 status in _UNAVAILABLE_STATUSES
                 or status >= 500
@@ -471,20 +484,28 @@ class CosmosConnection(Connection):
             ):
                 return StoreUnavailable
             if status in (401, 403):
-                return client._error(
+                return client.make_error(
                     ConfigurationError,
                     None,
                     f"Cosmos DB refused the credentials ({summary}); "
                     f"check the key (option 'key' or {KEY_ENV_VAR})",
                 )
             if status == 404:
-                database_name, container_name = _names(client._url)
-                return client._error(
+                database_name, container_name = _names(client.store_url)
+                return client.make_error(
                     ConfigurationError,
                     None,
                     f"database {database_name!r} or container {container_name!r} does not "
                     f"exist ({summary}); create it with {_kind(client).function} or open with "
                     "create=true",
+                )
+            if status == 413 and isinstance(client, EntityStore):
+                return client.make_error(
+                    EntityTooLarge,
+                    None,
+                    f"Cosmos DB refused an item as too large ({summary}) "
+                    "although its entity was within max_entity_bytes; that entity was not "
+                    "written (others of the same save_many may have been)",
                 )
             if status == 400 and "consisten" in summary.lower():
                 return ConsistencyError

@@ -44,15 +44,19 @@ import hashlib
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
-from azure.core.exceptions import HttpResponseError
 from azure.cosmos import CosmosClient
 
-from dedupstore.calls import write_token
-from dedupstore.client import Connected, ErrorKind
-from dedupstore.entities import EntityRecord, EntityStore
-from dedupstore.errors import ConfigurationError, EntityTooLarge
-from dedupstore.options import Options, OptionSet, client_option
-from dedupstore.urls import StoreURL
+from dedupstore.backend import (
+    ConfigurationError,
+    Connected,
+    EntityRecord,
+    EntityStore,
+    Options,
+    OptionSet,
+    StoreURL,
+    client_option,
+    write_token,
+)
 
 from ._client import CONNECTION_OPTIONS, ContainerKind, CosmosConnection
 
@@ -88,7 +92,7 @@ def create_entity_container(
     """Create ``database`` and an entity ``container`` if missing: no TTL, only what the scan
     filters on (``/pending``, ``/bucket``) indexed. See :mod:`.cosmos` for
     ``offer_throughput`` and errors."""
-    return CosmosEntityStore._kind.create(client, database, container, offer_throughput)
+    return CosmosEntityStore.container_kind.create(client, database, container, offer_throughput)
 
 
 class CosmosEntityStore(EntityStore):
@@ -105,7 +109,7 @@ class CosmosEntityStore(EntityStore):
             "(key, tls, timeouts and retries are then unused)"
         ),
     )
-    _kind: ClassVar[ContainerKind] = ContainerKind(
+    container_kind: ClassVar[ContainerKind] = ContainerKind(
         "an entity container",
         "create_entity_container()",
         {"indexing_policy": _INDEXING_POLICY},
@@ -128,17 +132,6 @@ class CosmosEntityStore(EntityStore):
                 "exceed Cosmos DB's 2 MiB request limit; create it with "
                 "enable_compact_utf8_item_writes=True"
             )
-
-    def _classify_error(self, exc: BaseException) -> ErrorKind:
-        if isinstance(exc, HttpResponseError) and exc.status_code == 413:
-            return self._error(
-                EntityTooLarge,
-                None,
-                f"Cosmos DB refused an item as too large ({self._describe_error(exc)}) "
-                "although its entity was within max_entity_bytes; that entity was not "
-                "written (others of the same save_many may have been)",
-            )
-        return super()._classify_error(exc)
 
     # ------------------------------------------------------------------ items
 
@@ -163,7 +156,7 @@ class CosmosEntityStore(EntityStore):
             or entity_document_id(stored) != item.get("id")
         ):
             wanted = "not an entity item" if entity_id is None else f"not {entity_id!r:.60}"
-            raise self._error(
+            raise self.make_error(
                 ConfigurationError,
                 None,
                 f"item {item.get('id')!r} of container "

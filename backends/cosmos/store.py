@@ -36,10 +36,16 @@ from azure.core import MatchConditions
 from azure.cosmos import CosmosClient
 from azure.cosmos.exceptions import CosmosHttpResponseError
 
-from dedupstore.client import Connected
-from dedupstore.errors import ConfigurationError, StoreUnavailable
-from dedupstore.options import OptionSet
-from dedupstore.store import CLOCK, MAX_CLOCK_SKEW, DeduplicationStore, WriteRequest
+from dedupstore.backend import (
+    CLOCK,
+    MAX_CLOCK_SKEW,
+    ConfigurationError,
+    Connected,
+    DeduplicationStore,
+    OptionSet,
+    StoreUnavailable,
+    WriteRequest,
+)
 
 from ._client import CONNECTION_OPTIONS, ContainerKind, CosmosConnection
 
@@ -78,7 +84,9 @@ def create_container(
     """Create ``database`` and a deduplication ``container`` if missing: default TTL ``-1``
     (per-item TTL on, nothing expires by default), only ``endpoint`` and ``expires_at`` indexed. See
     :mod:`.cosmos` for ``offer_throughput`` and errors."""
-    return CosmosDeduplicationStore._kind.create(client, database, container, offer_throughput)
+    return CosmosDeduplicationStore.container_kind.create(
+        client, database, container, offer_throughput
+    )
 
 
 class CosmosDeduplicationStore(DeduplicationStore):
@@ -91,7 +99,7 @@ class CosmosDeduplicationStore(DeduplicationStore):
     declared_options: ClassVar[OptionSet] = DeduplicationStore.declared_options.extend(
         CLOCK, MAX_CLOCK_SKEW, *CONNECTION_OPTIONS
     )
-    _kind: ClassVar[ContainerKind] = ContainerKind(
+    container_kind: ClassVar[ContainerKind] = ContainerKind(
         "a deduplication container",
         "create_container()",
         {"indexing_policy": _INDEXING_POLICY, "default_ttl": -1},
@@ -100,7 +108,7 @@ class CosmosDeduplicationStore(DeduplicationStore):
     )
 
     def _open(self) -> None:
-        self._max_skew: float = self._opts["max_clock_skew"]
+        self._max_skew: float = self.options["max_clock_skew"]
         ttl = self._cosmos.open_container(self).get("defaultTtl")
         self._default_ttl = ttl if isinstance(ttl, int) else None
 
@@ -113,8 +121,8 @@ class CosmosDeduplicationStore(DeduplicationStore):
             if ttl > _MAX_TTL_SECONDS:
                 ttl = -1  # beyond native TTL's range: reclaimed by purge_expired()
         return {
-            "id": document_id(self._endpoint, message_id),
-            "endpoint": self._endpoint,
+            "id": document_id(self.endpoint, message_id),
+            "endpoint": self.endpoint,
             "message_id": message_id,
             "expires_at": request.expires_at,
             "ttl": ttl,
@@ -123,15 +131,15 @@ class CosmosDeduplicationStore(DeduplicationStore):
 
     def _read(self, ids: list[str]) -> dict[str, Mapping[str, Any]]:
         """The items of those ``ids`` that exist; ``ConfigurationError`` if one is not ours."""
-        found = self._cosmos.read_many(self, {mid: document_id(self._endpoint, mid) for mid in ids})
+        found = self._cosmos.read_many(self, {mid: document_id(self.endpoint, mid) for mid in ids})
         for mid, item in found.items():
-            if item.get("endpoint") != self._endpoint or item.get("message_id") != mid:
-                raise self._error(
+            if item.get("endpoint") != self.endpoint or item.get("message_id") != mid:
+                raise self.make_error(
                     ConfigurationError,
                     None,
                     f"item {item.get('id')!r} holds "
                     f"({item.get('endpoint')!r:.60}, {item.get('message_id')!r:.60}), not "
-                    f"({self._endpoint!r:.60}, {mid!r:.60}): a container shared with "
+                    f"({self.endpoint!r:.60}, {mid!r:.60}): a container shared with "
                     "other data (or a SHA-256 collision); use a container of its own",
                 )
         return found
@@ -175,7 +183,7 @@ class CosmosDeduplicationStore(DeduplicationStore):
                     to_create.append(mid)
             if not to_create and not to_read:
                 return recorded
-        raise self._error(
+        raise self.make_error(
             StoreUnavailable,
             None,
             f"{len(to_create) + len(to_read)} id(s) "
@@ -207,7 +215,7 @@ class CosmosDeduplicationStore(DeduplicationStore):
             "SELECT c.id, c._etag FROM c WHERE c.endpoint = @endpoint "
             "AND IS_NUMBER(c.expires_at) AND c.expires_at <= @cutoff",
             self.max_write_batch,
-            endpoint=self._endpoint,
+            endpoint=self.endpoint,
             cutoff=now - self._max_skew,
         ).by_page()
         return sum(sum(self._cosmos.parallel(delete, list(page))) for page in pages)
@@ -220,7 +228,7 @@ class CosmosDeduplicationStore(DeduplicationStore):
             self,
             "SELECT VALUE COUNT(1) FROM c WHERE c.endpoint = @endpoint "
             "AND (NOT IS_NUMBER(c.expires_at) OR c.expires_at > @now)",
-            endpoint=self._endpoint,
+            endpoint=self.endpoint,
             now=now,
         )
         return sum(int(value) for value in results)
@@ -239,7 +247,7 @@ class CosmosDeduplicationStore(DeduplicationStore):
 
     def _health_warnings(self) -> list[str]:
         warnings = super()._health_warnings()
-        if self._retention is not None and self._default_ttl is None:
+        if self.retention is not None and self._default_ttl is None:
             warnings.append(
                 f"container {self._cosmos.container(self).id!r} has no default TTL, so "
                 "per-item TTL is off: expired records stay until purge_expired() (set default "

@@ -18,27 +18,32 @@ import botocore.exceptions as boto_errors
 from botocore.client import BaseClient
 from botocore.config import Config
 
-from dedupstore.calls import capped, deadline, retry, time_left
-from dedupstore.client import Client, Connection, ErrorKind, check_client, part_of
-from dedupstore.errors import (
+from dedupstore.backend import (
+    Client,
     ConfigurationError,
+    Connection,
     ConsistencyError,
     DedupStoreError,
-    StoreUnavailable,
-)
-from dedupstore.masking import scrub
-from dedupstore.options import (
+    ErrorKind,
     Option,
     Options,
+    StoreUnavailable,
+    StoreURL,
     boolean,
+    capped,
+    check_client,
     client_option,
     connect_timeout_option,
+    cut_short,
+    deadline,
+    part_of,
     retries_option,
+    retry,
+    scrub,
     text,
+    time_left,
     timeout_option,
 )
-from dedupstore.replies import cut_short
-from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb.client import DynamoDBClient as Boto3DynamoDB
@@ -353,7 +358,7 @@ class DynamoDBConnection(Connection):
         """``fn()``, one request of ``client``, retried (its ``retries`` times) after a connection
         error, timeout, throttling or 5xx, until ``connect_timeout`` before the deadline (botocore
         cannot shorten a connection timeout): see :mod:`.dynamodb`."""
-        opts = client._opts
+        opts = client.options
         budget = (opts["retries"] + 1) * opts["timeout"]
         left = time_left()
         if left is not None:
@@ -364,10 +369,10 @@ class DynamoDBConnection(Connection):
     @classmethod
     def _place(cls, client: Client) -> str:
         """``client``'s table, its region (boto3's, once the connection is made) and endpoint."""
-        made = client._connection_handle.peek() if client._connection_handle else None
-        region = made.client.meta.region_name if isinstance(made, cls) else client._opts["region"]
-        at = client._opts["endpoint_url"]
-        place = f"DynamoDB table {client._url.netloc!r} in region {region}"
+        made = client.made_connection
+        region = made.client.meta.region_name if isinstance(made, cls) else client.options["region"]
+        at = client.options["endpoint_url"]
+        place = f"DynamoDB table {client.store_url.netloc!r} in region {region}"
         return place + (f" at {at}" if at else "")
 
     # ------------------------------------------------------------------ errors
@@ -380,7 +385,7 @@ class DynamoDBConnection(Connection):
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if code in _AUTH_ERRORS or status in (401, 403):
                 return ConfigurationError(
-                    client._scrub(
+                    client.scrub(
                         f"DynamoDB refused the credentials for {cls._place(client)} ({code}: "
                         f"{message}); check the credentials (environment, profile or "
                         "options) and the IAM policy"
@@ -401,12 +406,12 @@ class DynamoDBConnection(Connection):
             return StoreUnavailable
         if isinstance(exc, boto_errors.NoRegionError):
             return ConfigurationError(
-                f"no AWS region for DynamoDB table {client._url.netloc!r}: add ?region=... to "
+                f"no AWS region for DynamoDB table {client.store_url.netloc!r}: add ?region=... to "
                 "the URL or set AWS_REGION / AWS_DEFAULT_REGION"
             )
         if isinstance(exc, boto_errors.BotoCoreError):  # credentials, profile, config
             return ConfigurationError(
-                f"cannot use {cls._place(client)}: {client._describe_error(exc)}; check the AWS "
+                f"cannot use {cls._place(client)}: {client.describe_error(exc)}; check the AWS "
                 "credentials and configuration (environment, profile or options)"
             )
         return None
@@ -421,10 +426,10 @@ class DynamoDBConnection(Connection):
         invalid = any(r in _INVALID_REASONS for r in odd)
         hint = "the request or the table is wrong" if invalid else "conflicts or throttling"
         kind = ConfigurationError if invalid else StoreUnavailable
-        return client._error(
+        return client.make_error(
             kind,
             None,
-            f"DynamoDB cancelled a transaction on {client._url.netloc!r} "
+            f"DynamoDB cancelled a transaction on {client.store_url.netloc!r} "
             f"({', '.join(odd or reasons) or _error_message(exc)}): {hint}",
         )
 
@@ -432,13 +437,13 @@ class DynamoDBConnection(Connection):
 
     def open_table(self, client: Client) -> None:
         """A store's ``_open``: :meth:`create_table` if it creates, then :meth:`check_table`."""
-        if client._creates:
+        if client.creates:
             self.create_table(client, wait=True)
         self.check_table(client)
 
     def create_table(self, client: Client, wait: bool) -> None:
         """Create ``client``'s table if missing: see :func:`create_table`."""
-        dynamodb, table, kind = self.client, client._url.netloc, _kind(client)
+        dynamodb, table, kind = self.client, client.store_url.netloc, _kind(client)
         try:
             self._describe_table(client)
             exists = True
@@ -471,7 +476,7 @@ class DynamoDBConnection(Connection):
         )
 
     def _describe_ttl(self, client: Client) -> Mapping[str, Any]:
-        table = client._url.netloc
+        table = client.store_url.netloc
         answer = self.request(client, lambda: self.client.describe_time_to_live(TableName=table))
         return answer["TimeToLiveDescription"]
 
@@ -480,7 +485,7 @@ class DynamoDBConnection(Connection):
             return
         update = functools.partial(
             self.client.update_time_to_live,
-            TableName=client._url.netloc,
+            TableName=client.store_url.netloc,
             TimeToLiveSpecification={"Enabled": True, "AttributeName": attribute},
         )
         try:
@@ -493,7 +498,7 @@ class DynamoDBConnection(Connection):
                 raise
 
     def _describe_table(self, client: Client) -> TableDescriptionTypeDef:
-        table = client._url.netloc
+        table = client.store_url.netloc
         return self.request(client, lambda: self.client.describe_table(TableName=table))["Table"]
 
     def check_table(self, client: Client) -> None:
@@ -504,13 +509,13 @@ class DynamoDBConnection(Connection):
         except boto_errors.ClientError as exc:
             if _error_code(exc) != "ResourceNotFoundException":
                 raise
-            raise client._no_such_store(
+            raise client.no_such_store(
                 f"{self._place(client)} does not exist",
                 f"create it with create=True (URL ?create=true) or with key schema "
                 f"{kind.schema_text()}",
             ) from exc
         if table.get("TableStatus") == "CREATING":
-            self._wait_active(client._url.netloc)
+            self._wait_active(client.store_url.netloc)
             table = self._describe_table(client)
         schema = {k["AttributeName"]: k["KeyType"] for k in table.get("KeySchema", [])}
         typed = {
@@ -522,9 +527,9 @@ class DynamoDBConnection(Connection):
                 f"{kind.schema_text()}"
             )
         replicas = sorted(str(r.get("RegionName")) for r in table.get("Replicas", []))
-        if replicas and not client._opts["allow_global_table"]:
+        if replicas and not client.options["allow_global_table"]:
             raise ConsistencyError(
-                f"DynamoDB table {client._url.netloc!r} is a global table (replicas: "
+                f"DynamoDB table {client.store_url.netloc!r} is a global table (replicas: "
                 f"{', '.join(replicas)}): strongly consistent reads and conditional writes "
                 "only hold within one Region, so two Regions could both write one key; "
                 "pass allow_global_table=True (UNSAFE) only if every client uses one Region"
@@ -532,7 +537,7 @@ class DynamoDBConnection(Connection):
 
     def health_warnings(self, client: Client) -> list[str]:
         """Replicas (allowed by ``allow_global_table``); TTL off or on another attribute."""
-        table, warnings = client._url.netloc, []
+        table, warnings = client.store_url.netloc, []
         if self._describe_table(client).get("Replicas"):
             warnings.append(
                 f"table {table!r} has global-table replicas and allow_global_table=True: "
@@ -568,7 +573,7 @@ class DynamoDBConnection(Connection):
         outcome says so). Transaction conflicts (nothing written) are retried after a pause, at most
         ``_MAX_BACKOFF_ROUNDS`` times within the deadline, then raised."""
         request: PutItemInputTypeDef = {
-            "TableName": client._url.netloc,
+            "TableName": client.store_url.netloc,
             "Item": item,
             "ConditionExpression": condition,
             "ExpressionAttributeNames": names,
@@ -606,7 +611,7 @@ class DynamoDBConnection(Connection):
         """The items of ``keys`` (at most 100) that exist; strongly consistent. Unprocessed keys are
         asked again after a pause; ``StoreUnavailable`` when some are still left after
         ``_MAX_BACKOFF_ROUNDS`` more rounds, or at the deadline."""
-        table, found = client._url.netloc, list[dict[str, Any]]()
+        table, found = client.store_url.netloc, list[dict[str, Any]]()
         pending: Sequence[Mapping[str, Any]] = keys
 
         def one_round() -> bool:
@@ -627,7 +632,7 @@ class DynamoDBConnection(Connection):
             return bool(pending)
 
         if retry(one_round, attempts=_MAX_BACKOFF_ROUNDS + 1, again=bool):
-            raise client._error(
+            raise client.make_error(
                 StoreUnavailable,
                 None,
                 f"DynamoDB left {len(pending)} keys of {table!r} unprocessed after "
@@ -638,7 +643,7 @@ class DynamoDBConnection(Connection):
     def scan(self, client: Client, **request: Any) -> Iterator[ScanOutputTypeDef]:
         """The pages of a strongly consistent ``Scan`` of ``client``'s table (``request``: the other
         parameters), each read when it is needed (and retried as any request)."""
-        request.update(TableName=client._url.netloc, ConsistentRead=True)
+        request.update(TableName=client.store_url.netloc, ConsistentRead=True)
         while True:
             page = self.request(client, lambda: self.client.scan(**request))
             yield page
@@ -658,6 +663,6 @@ def create_table(client: Client, wait: bool = True) -> None:
     an existing table is otherwise left as it is. With ``wait``, return once it is ACTIVE (and TTL
     is on); without, once its creation is requested (TTL needs an ACTIVE table: call again with
     ``wait``). Raises ``ConfigurationError`` (e.g. no permission) and ``StoreUnavailable``."""
-    client._check_open()
-    with client._translating_errors("create the table"):
-        cast(DynamoDBConnection, client._connection).create_table(client, wait)
+    client.check_open()
+    with client.translating_errors("create the table"):
+        cast(DynamoDBConnection, client.connection).create_table(client, wait)

@@ -49,11 +49,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from dedupstore.calls import fan_out, write_token
-from dedupstore.client import Connected
-from dedupstore.entities import EntityRecord, EntityStore
-from dedupstore.errors import StoreUnavailable
-from dedupstore.options import OptionSet, create_option
+from dedupstore.backend import (
+    Connected,
+    EntityRecord,
+    EntityStore,
+    OptionSet,
+    StoreUnavailable,
+    create_option,
+    fan_out,
+    write_token,
+)
 
 from ._client import (
     CONNECTION_OPTIONS,
@@ -101,7 +106,7 @@ class DynamoDBEntityStore(EntityStore):
     @property
     def table(self) -> str:
         """The DynamoDB table name."""
-        return self._url.netloc
+        return self.store_url.netloc
 
     # ------------------------------------------------------------------ primitives
 
@@ -149,7 +154,7 @@ class DynamoDBEntityStore(EntityStore):
         stored = int(old[_VERSION]["N"]) if _VERSION in old else None
         if not outcome.resent or not old or stored == new:
             return None  # another save made the step from ``expected``: ours never did
-        raise self._error(
+        raise self.make_error(
             StoreUnavailable,
             None,
             f"save of entity {record.id!r:.80} was re-sent after a lost answer and found version "

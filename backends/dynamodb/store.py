@@ -48,10 +48,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import botocore.exceptions as boto_errors
 
-from dedupstore.calls import retry
-from dedupstore.client import Connected
-from dedupstore.options import OptionSet, create_option
-from dedupstore.store import CLOCK, MAX_CLOCK_SKEW, DeduplicationStore, WriteRequest
+from dedupstore.backend import (
+    CLOCK,
+    MAX_CLOCK_SKEW,
+    Connected,
+    DeduplicationStore,
+    OptionSet,
+    WriteRequest,
+    create_option,
+    retry,
+)
 
 from ._client import (
     _CONFLICT_CODES,
@@ -104,7 +110,7 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
     )
 
     def _open(self) -> None:
-        self._endpoint_value: AttributeValueTypeDef = {"S": self._endpoint}
+        self._endpoint_value: AttributeValueTypeDef = {"S": self.endpoint}
         self._dynamodb.open_table(self)
 
     create_table = create_table
@@ -112,7 +118,7 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
     @property
     def table(self) -> str:
         """The DynamoDB table name."""
-        return self._url.netloc
+        return self.store_url.netloc
 
     # ------------------------------------------------------------------ primitives
 
@@ -124,7 +130,7 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
         item[_WRITER] = {"S": request.token}
         if request.expires_at is not None:
             item[_EXPIRES] = _number(request.expires_at)
-            item[_TTL] = {"N": str(math.ceil(request.expires_at + self._opts["max_clock_skew"]))}
+            item[_TTL] = {"N": str(math.ceil(request.expires_at + self.options["max_clock_skew"]))}
         return item
 
     def _add_new(self, request: WriteRequest) -> set[str]:
@@ -236,7 +242,7 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
         return expiry is None or float(expiry["N"]) > now
 
     def _purge(self, now: float) -> int:
-        values = {":cut": _number(now - self._opts["max_clock_skew"])}
+        values = {":cut": _number(now - self.options["max_clock_skew"])}
         pages = self._dynamodb.scan(
             self,
             FilterExpression="#s = :ep AND #e <= :cut",

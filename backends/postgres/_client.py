@@ -72,22 +72,30 @@ from psycopg import sql
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from dedupstore.calls import retry, time_left
-from dedupstore.client import Client, Connection, ErrorKind, ProcessLocal, check_client, part_of
-from dedupstore.errors import ConfigurationError, StoreUnavailable, format_error
-from dedupstore.masking import scrub
-from dedupstore.options import (
+from dedupstore.backend import (
+    Client,
+    ConfigurationError,
+    Connection,
+    ErrorKind,
     Option,
     Options,
     OptionSet,
+    ProcessLocal,
+    StoreUnavailable,
+    StoreURL,
+    check_client,
     client_option,
     connect_timeout_option,
     create_option,
+    format_error,
     integer,
+    part_of,
+    retry,
+    scrub,
     text,
+    time_left,
     timeout_option,
 )
-from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
     PgConnection = psycopg.Connection[TupleRow]
@@ -365,7 +373,7 @@ _given_in: weakref.WeakKeyDictionary[ConnectionPool[Any], int] = weakref.WeakKey
 class PostgresConnection(Connection):
     """The psycopg pool of one PostgreSQL server, shared by its stores (``self._pg``). Statements go
     through :meth:`read` and :meth:`write` (see the module); a store keeps its :class:`Table` as
-    ``_table``, read by :meth:`open_table`, the error texts and the health check."""
+    its public ``table``, read by :meth:`open_table`, the error texts and the health check."""
 
     schemes: ClassVar[tuple[str, ...]] = ("postgresql", "postgres")
     needs_host: ClassVar[bool] = True
@@ -452,7 +460,7 @@ class PostgresConnection(Connection):
         """Check the encoding and ``client``'s table (run the ``create`` statements if it is missing
         and that is allowed, then ``check`` its shape); on a connection of its own when the pool is
         ours (so refused credentials are the error, not a pool timeout)."""
-        table = part_of(client, "_table", Table)
+        table = part_of(client, "table", Table)
         with contextlib.ExitStack() as stack:
             if isinstance(self.pool, _OwnPool):
                 conn = stack.enter_context(psycopg.connect(self.conninfo, autocommit=True))
@@ -461,7 +469,7 @@ class PostgresConnection(Connection):
                 conn = stack.enter_context(self.pooled(client))
             row = self.execute(conn, "SELECT current_setting('server_encoding')")[0]
             if row[0] != "UTF8" or conn.info.encoding != "utf-8":
-                raise client._error(
+                raise client.make_error(
                     ConfigurationError,
                     None,
                     f"the database encoding is {row[0]} and the client encoding "
@@ -469,8 +477,8 @@ class PostgresConnection(Connection):
                     "round-trips",
                 )
             if not self.execute(conn, "SELECT to_regclass(%s) IS NOT NULL", [table.text])[0][0]:
-                if not client._creates:
-                    raise client._no_such_store(
+                if not client.creates:
+                    raise client.no_such_store(
                         f"table {table.text} does not exist in PostgreSQL at {client.url}",
                         f"call {type(client).__name__}.create_schema(url) once, or open the "
                         "store with create=true",
@@ -520,10 +528,10 @@ class PostgresConnection(Connection):
                 if failure is not None and failure[0] >= began - pool.timeout:
                     cause = failure[1]
                     message += f"; the last connection attempt failed: {cause}"
-                raise PoolTimeout(client._scrub(message)) from cause
+                raise PoolTimeout(client.scrub(message)) from cause
             if not conn.autocommit:
                 pool.putconn(conn)
-                raise client._error(
+                raise client.make_error(
                     ConfigurationError,
                     None,
                     "the connections of the given client pool must be in autocommit mode "
@@ -632,7 +640,7 @@ class PostgresConnection(Connection):
 
     def health_warnings(self, client: Client) -> list[str]:
         """The server settings and the table's persistence that put acknowledged writes at risk."""
-        table = part_of(client, "_table", Table)
+        table = part_of(client, "table", Table)
         with self.pooled(client) as conn:
             settings = self.execute(
                 conn,
@@ -656,27 +664,27 @@ class PostgresConnection(Connection):
         """psycopg errors: what to fix (``ConfigurationError``) or retry (``StoreUnavailable``).
         Errors about the table name the client's :class:`Table` and how to fix it."""
         errors = psycopg.errors
-        table = part_of(client, "_table", Table)
+        table = part_of(client, "table", Table)
 
         def fix(detail: str) -> ConfigurationError:
-            return client._error(ConfigurationError, None, detail)
+            return client.make_error(ConfigurationError, None, detail)
 
         if isinstance(exc, StatementTimeout | errors.ReadOnlySqlTransaction):
             return StoreUnavailable  # ReadOnlySqlTransaction: failed over to a replica
         if isinstance(exc, PoolTimeout):
             cause = exc.__cause__
             if isinstance(cause, psycopg.OperationalError) and _refused(cause):
-                return fix(f"connecting failed: {client._describe_error(exc)}")
+                return fix(f"connecting failed: {client.describe_error(exc)}")
             return StoreUnavailable
         if isinstance(exc, errors.UndefinedTable):
             return fix(
-                f"table {table.text} does not exist ({client._describe_error(exc)}): "
+                f"table {table.text} does not exist ({client.describe_error(exc)}): "
                 f"create it with {type(client).__name__}.create_schema(url), or open the "
                 "store with create=true"
             )
         if isinstance(exc, errors.InsufficientPrivilege):
             return fix(
-                f"permission denied ({client._describe_error(exc)}): GRANT "
+                f"permission denied ({client.describe_error(exc)}): GRANT "
                 f"{table.privileges} ON {table.text} TO the role the store connects as"
             )
         if isinstance(
@@ -698,7 +706,7 @@ class PostgresConnection(Connection):
             | psycopg.NotSupportedError,
         ):
             return fix(
-                f"table {table.text} is not usable as {table.kind}: {client._describe_error(exc)}"
+                f"table {table.text} is not usable as {table.kind}: {client.describe_error(exc)}"
             )
         if isinstance(exc, psycopg.Error):
             return StoreUnavailable

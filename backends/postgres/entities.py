@@ -53,10 +53,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from dedupstore.client import Connected
-from dedupstore.entities import EntityRecord, EntityStore, groups_by_size
-from dedupstore.options import OptionSet
-from dedupstore.store import DeduplicationStore, WriteRequest
+from dedupstore.backend import (
+    Connected,
+    DeduplicationStore,
+    EntityRecord,
+    EntityStore,
+    OptionSet,
+    WriteRequest,
+    groups_by_size,
+)
 
 from ._client import PostgresConnection, Table, create_schema, postgres_options
 from .store import PostgresDeduplicationStore
@@ -96,14 +101,14 @@ class PostgresEntityStore(EntityStore):
     max_load_batch: ClassVar[int] = 100
     #: Entities per save statement (one commit, one flush on a durable server).
     max_save_batch: ClassVar[int] = 1000
-    _joins = PostgresDeduplicationStore
+    joins = PostgresDeduplicationStore
     _pg = Connected(PostgresConnection)
     declared_options: ClassVar[OptionSet] = postgres_options(
         EntityStore.declared_options, DEFAULT_ENTITY_TABLE
     )
 
     def _open(self) -> None:
-        self._table = Table(self._opts["table"], "an entity table", "SELECT, INSERT, UPDATE")
+        self.table = Table(self.options["table"], "an entity table", "SELECT, INSERT, UPDATE")
         self._build_statements()
         self._pg.open_table(self, self._sql_create, self._check_table)
 
@@ -120,7 +125,7 @@ class PostgresEntityStore(EntityStore):
         execute(conn, self._sql_unlist, {"ids": []})
 
     def _build_statements(self) -> None:
-        render = self._table.render
+        render = self.table.render
         self._sql_create = [
             render(
                 "CREATE TABLE IF NOT EXISTS {table} ("
@@ -198,9 +203,9 @@ class PostgresEntityStore(EntityStore):
         assert isinstance(dedup, PostgresDeduplicationStore)
         query = (
             b"SELECT l.body, l.version FROM (" + self._sql_load + b") AS l "
-            b"UNION ALL SELECT NULL, NULL FROM (" + dedup._sql_has + b") AS h"
+            b"UNION ALL SELECT NULL, NULL FROM (" + dedup.sql_has + b") AS h"
         )
-        rows = self._pg.read(self, query, {"ids": [entity_id], **dedup._has_params(key)})
+        rows = self._pg.read(self, query, {"ids": [entity_id], **dedup.has_params(key)})
         entity = next(((body, version) for body, version in rows if body is not None), None)
         return entity, any(body is None for body, _ in rows)
 
@@ -210,8 +215,8 @@ class PostgresEntityStore(EntityStore):
         """The record's insert and the entity's save in one statement (:meth:`_joint`); a
         conflicting save writes no row, the record is written all the same."""
         assert isinstance(dedup, PostgresDeduplicationStore)
-        params = dedup._add_one_params(request)
-        added, versions = self._joint(dedup._sql_add_one, self._sql_save, params, record)
+        params = dedup.add_one_params(request)
+        added, versions = self._joint(dedup.sql_add_one, self._sql_save, params, record)
         return set(request.ids) if added else set(), versions
 
     def _save_unless(
@@ -219,8 +224,8 @@ class PostgresEntityStore(EntityStore):
     ) -> tuple[bool, dict[str, Any]]:
         """The record's read and the entity's save, guarded by it, in one statement."""
         assert isinstance(dedup, PostgresDeduplicationStore)
-        params = dedup._has_params(key)
-        return self._joint(dedup._sql_has, self._sql_save_unless, params, record)
+        params = dedup.has_params(key)
+        return self._joint(dedup.sql_has, self._sql_save_unless, params, record)
 
     def _joint(
         self, first: bytes, save: bytes, params: dict[str, Any], record: EntityRecord

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from dedupstore.client import Connected
-from dedupstore.errors import ConfigurationError
-from dedupstore.options import OptionSet
-from dedupstore.store import DeduplicationStore, WriteRequest
+from dedupstore.backend import (
+    ConfigurationError,
+    Connected,
+    DeduplicationStore,
+    OptionSet,
+    WriteRequest,
+)
 
 from ._client import PostgresConnection, Table, create_schema, postgres_options
 
@@ -58,8 +61,8 @@ class PostgresDeduplicationStore(DeduplicationStore):
     )
 
     def _open(self) -> None:
-        self._table = Table(
-            self._opts["table"], "a deduplication table", "SELECT, INSERT, UPDATE, DELETE"
+        self.table = Table(
+            self.options["table"], "a deduplication table", "SELECT, INSERT, UPDATE, DELETE"
         )
         self._build_statements()
         self._pg.open_table(self, self._sql_create, self._check_table)
@@ -74,25 +77,25 @@ class PostgresDeduplicationStore(DeduplicationStore):
             conn,
             "SELECT array_agg(attname::text) FROM pg_attribute WHERE attrelid = "
             "to_regclass(%s) AND attnum > 0 AND NOT attisdropped",
-            [self._table.text],
+            [self.table.text],
         )
         missing = [c for c in _COLUMNS if c not in (found[0][0] or [])]
         if missing:
-            raise self._error(
+            raise self.make_error(
                 ConfigurationError,
                 None,
-                f"table {self._table.text} is not usable as {self._table.kind}: it has no "
+                f"table {self.table.text} is not usable as {self.table.kind}: it has no "
                 f"column {', '.join(missing)} (needed: {', '.join(_COLUMNS)}); drop it or "
                 "name another table, then open with create=true",
             )
         self._pg.execute(
             conn,
             self._sql_add_many,
-            {"endpoint": self._endpoint, "ids": [], "retention": None, "token": "", "mine": []},
+            {"endpoint": self.endpoint, "ids": [], "retention": None, "token": "", "mine": []},
         )
 
     def _build_statements(self) -> None:
-        render = self._table.render
+        render = self.table.render
         self._sql_create = [
             render(
                 "CREATE TABLE IF NOT EXISTS {table} ("
@@ -124,7 +127,9 @@ class PostgresDeduplicationStore(DeduplicationStore):
             "FROM unnest(%(ids)b::text[]) WITH ORDINALITY AS u(id, n) ORDER BY u.n "
             f"{on_conflict}RETURNING r.id"
         )
-        self._sql_add_one = render(
+        #: The one-id insert (params: :meth:`add_one_params`); public for the entity
+        #: store's joint statements (:mod:`.postgres.entities`).
+        self.sql_add_one = render(
             "INSERT INTO {table} AS r (endpoint, id, expires_at, writer) "
             f"VALUES (%(endpoint)s::text, %(id)s::text, {expires}, %(token)s::text) "
             f"{on_conflict}RETURNING 1"
@@ -134,7 +139,8 @@ class PostgresDeduplicationStore(DeduplicationStore):
             "SELECT id FROM {table} "
             f"WHERE endpoint = %(endpoint)s::text AND id = ANY(%(ids)b::text[]) AND {live}"
         )
-        self._sql_has = render(
+        #: The one-id lookup (params: :meth:`has_params`); public like :attr:`sql_add_one`.
+        self.sql_has = render(
             "SELECT 1 FROM {table} "
             f"WHERE endpoint = %(endpoint)s::text AND id = %(id)s::text AND {live}"
         )
@@ -154,7 +160,7 @@ class PostgresDeduplicationStore(DeduplicationStore):
 
     def _write_params(self, request: WriteRequest) -> dict[str, Any]:
         return {
-            "endpoint": self._endpoint,
+            "endpoint": self.endpoint,
             "retention": request.retention,
             "token": request.token,
             "mine": list(request.mine),
@@ -165,33 +171,35 @@ class PostgresDeduplicationStore(DeduplicationStore):
         return {row[0] for row in self._pg.write(self, self._sql_add_many, params, resend=True)}
 
     def _add_one(self, request: WriteRequest) -> bool:
-        params = self._add_one_params(request)
-        return bool(self._pg.write(self, self._sql_add_one, params, resend=True))
+        params = self.add_one_params(request)
+        return bool(self._pg.write(self, self.sql_add_one, params, resend=True))
 
-    def _add_one_params(self, request: WriteRequest) -> dict[str, Any]:
+    def add_one_params(self, request: WriteRequest) -> dict[str, Any]:
+        """The parameters of :attr:`sql_add_one` for ``request`` (one id)."""
         return {**self._write_params(request), "id": request.ids[0]}
 
     def _find(self, ids: list[str], now: float) -> set[str]:
-        rows = self._pg.read(self, self._sql_find, {"endpoint": self._endpoint, "ids": ids})
+        rows = self._pg.read(self, self._sql_find, {"endpoint": self.endpoint, "ids": ids})
         return {row[0] for row in rows}
 
     def _contains_one(self, message_id: str, now: float) -> bool:
-        return bool(self._pg.read(self, self._sql_has, self._has_params(message_id)))
+        return bool(self._pg.read(self, self.sql_has, self.has_params(message_id)))
 
-    def _has_params(self, message_id: str) -> dict[str, Any]:
-        return {"endpoint": self._endpoint, "id": message_id}
+    def has_params(self, message_id: str) -> dict[str, Any]:
+        """The parameters of :attr:`sql_has` for ``message_id``."""
+        return {"endpoint": self.endpoint, "id": message_id}
 
     def _count(self, now: float) -> int:
         """Exact, one statement (a snapshot) judged by the server's ``now()``: reads the endpoint's
         range of the primary key within ``timeout`` (raise it for many millions of ids)."""
-        return int(self._pg.read(self, self._sql_count, {"endpoint": self._endpoint})[0][0])
+        return int(self._pg.read(self, self._sql_count, {"endpoint": self.endpoint})[0][0])
 
     def _endpoints(self, now: float) -> set[str]:
         """Exact, one statement (a snapshot) over the table, judged by the server's ``now()``."""
         return {row[0] for row in self._pg.read(self, self._sql_endpoints, {})}
 
     def _purge(self, now: float) -> int:
-        params = {"endpoint": self._endpoint, "limit": _PURGE_BATCH}
+        params = {"endpoint": self.endpoint, "limit": _PURGE_BATCH}
         total = 0
         while True:
             with self._pg.pooled(self) as conn:

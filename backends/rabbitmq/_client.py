@@ -29,21 +29,24 @@ import pika
 import pika.exceptions as pe
 from pika.adapters.utils.connection_workflow import AMQPConnectorException
 
-from dedupstore.calls import capped, time_left
-from dedupstore.client import ErrorKind, quiet_driver_logs
-from dedupstore.errors import ConfigurationError, StoreUnavailable
-from dedupstore.options import (
+from dedupstore.backend import (
+    ConfigurationError,
+    ErrorKind,
     Option,
     Options,
+    StoreUnavailable,
+    StoreURL,
+    capped,
     choice,
     connect_timeout_option,
     integer,
     optional,
+    quiet_driver_logs,
     retries_option,
     text,
+    time_left,
     timeout_option,
 )
-from dedupstore.urls import StoreURL
 
 # pika logs a dozen lines for a refused connection: quiet at the default level (the
 # error reaches the caller as one StoreUnavailable)

@@ -62,11 +62,22 @@ import pika
 import pika.exceptions as pe
 from pika.adapters.blocking_connection import BlockingChannel
 
-from dedupstore.client import Client, ErrorKind, ProcessLocal
-from dedupstore.consumers import Broker, Delivery
-from dedupstore.errors import ConfigurationError
-from dedupstore.options import Option, Options, OptionSet, boolean, integer, optional, text
-from dedupstore.urls import StoreURL
+from dedupstore.backend import (
+    Broker,
+    Client,
+    ConfigurationError,
+    Delivery,
+    ErrorKind,
+    Option,
+    Options,
+    OptionSet,
+    ProcessLocal,
+    StoreURL,
+    boolean,
+    integer,
+    optional,
+    text,
+)
 
 from ._client import (
     CONNECTION_OPTIONS,
@@ -154,8 +165,8 @@ class RabbitMQBroker(Client, Broker):
     )
 
     def _open(self) -> None:
-        self.queue: str = self._opts["queue"]
-        self.prefetch: int = self._opts["prefetch"]
+        self.queue: str = self.options["queue"]
+        self.prefetch: int = self.options["prefetch"]
         self._generation = 0
         self._link: ProcessLocal[_Link] = ProcessLocal(self._open_link, _close_link)
         self._current()
@@ -172,14 +183,14 @@ class RabbitMQBroker(Client, Broker):
 
     def _deadline_seconds(self) -> float:
         """``(retries + 1) x (connect_timeout + timeout)``, as the dispatcher's."""
-        return deadline_seconds(self._opts)
+        return deadline_seconds(self.options)
 
     # ------------------------------------------------------------------ connection
 
     def _open_link(self) -> _Link:
-        connection = connect(self._url, self._opts)
+        connection = connect(self.store_url, self.options)
         try:
-            with expiring(connection, self._opts["timeout"]):
+            with expiring(connection, self.options["timeout"]):
                 channel = connection.channel()
                 self._declare(channel)
                 channel.basic_qos(prefetch_count=self.prefetch)
@@ -198,18 +209,18 @@ class RabbitMQBroker(Client, Broker):
         return link
 
     def _declare(self, channel: BlockingChannel) -> None:
-        passive = not self._creates
+        passive = not self.creates
         try:
             channel.queue_declare(
                 self.queue,
                 passive=passive,
                 durable=True,
-                arguments=None if passive else queue_arguments(self._opts["queue_type"]),
+                arguments=None if passive else queue_arguments(self.options["queue_type"]),
             )
         except pe.ChannelClosedByBroker as exc:
             if passive and exc.reply_code == 404:
-                raise self._no_such_store(
-                    f"queue {self.queue!r} on vhost {vhost(self._url)!r}",
+                raise self.no_such_store(
+                    f"queue {self.queue!r} on vhost {vhost(self.store_url)!r}",
                     "declare it, or open with create=true",
                 ) from exc
             raise
@@ -231,8 +242,8 @@ class RabbitMQBroker(Client, Broker):
 
     def _classify_error(self, exc: BaseException) -> ErrorKind:
         if reply_code(exc) == 404:
-            return self._error(
-                ConfigurationError, None, f"{self._describe_error(exc)} (a missing queue)"
+            return self.make_error(
+                ConfigurationError, None, f"{self.describe_error(exc)} (a missing queue)"
             )
         return classify(exc) or super()._classify_error(exc)
 
@@ -240,11 +251,11 @@ class RabbitMQBroker(Client, Broker):
 
     def fetch(self, max_count: int, wait: float) -> list[Delivery]:
         """Up to ``max_count`` deliveries, waiting up to ``wait`` seconds for the first."""
-        self._check_open()
+        self.check_open()
         try:
-            with self._translating_errors("fetch"):
+            with self.translating_errors("fetch"):
                 link = self._current()
-                with expiring(link.connection, wait + self._opts["timeout"]):
+                with expiring(link.connection, wait + self.options["timeout"]):
                     link.connection.process_data_events(time_limit=0)
                     until = time.monotonic() + wait
                     while not link.received and (left := until - time.monotonic()) > 0:
@@ -267,7 +278,7 @@ class RabbitMQBroker(Client, Broker):
         self._settle(deliveries, "nack")
 
     def _settle(self, deliveries: Sequence[Delivery], operation: str) -> None:
-        self._check_open()
+        self.check_open()
         link = self._link.peek()
         if link is None:
             return
@@ -283,8 +294,8 @@ class RabbitMQBroker(Client, Broker):
         link.unsettled.difference_update(tags)
         try:
             with (
-                self._translating_errors(operation),
-                expiring(link.connection, self._opts["timeout"]),
+                self.translating_errors(operation),
+                expiring(link.connection, self.options["timeout"]),
             ):
                 for tag in tags:
                     if operation == "ack":
@@ -297,11 +308,11 @@ class RabbitMQBroker(Client, Broker):
 
     def pending(self) -> int | None:
         """Messages ready in the queue (not counting those delivered, unacknowledged)."""
-        self._check_open()
+        self.check_open()
         try:
-            with self._translating_errors("pending"):
+            with self.translating_errors("pending"):
                 link = self._current()
-                with expiring(link.connection, self._opts["timeout"]):
+                with expiring(link.connection, self.options["timeout"]):
                     frame = link.channel.queue_declare(self.queue, passive=True)
                 return int(frame.method.message_count)
         except BaseException:

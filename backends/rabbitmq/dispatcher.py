@@ -75,14 +75,25 @@ import pika.exceptions as pe
 from pika.adapters.blocking_connection import BlockingChannel
 from pika.adapters.utils.connection_workflow import AMQPConnectorException
 
-from dedupstore.calls import DeadlinePassed, retry, time_left
-from dedupstore.client import ErrorKind, ProcessLocal
-from dedupstore.dead_letters import ReadMessage
-from dedupstore.dispatch import EncodedMessage, URLDispatcher
-from dedupstore.entities import OutgoingMessage
-from dedupstore.errors import ConfigurationError, StoreUnavailable
-from dedupstore.options import Option, Options, OptionSet, boolean, text
-from dedupstore.urls import StoreURL
+from dedupstore.backend import (
+    ConfigurationError,
+    DeadlinePassed,
+    EncodedMessage,
+    ErrorKind,
+    Option,
+    Options,
+    OptionSet,
+    OutgoingMessage,
+    ProcessLocal,
+    ReadMessage,
+    StoreUnavailable,
+    StoreURL,
+    URLDispatcher,
+    boolean,
+    retry,
+    text,
+    time_left,
+)
 
 from ._client import (
     CONNECTION_OPTIONS,
@@ -178,7 +189,7 @@ class RabbitMQDispatcher(URLDispatcher):
     )
 
     def _open(self) -> None:
-        self._exchange: str = self._opts["exchange"]
+        self._exchange: str = self.options["exchange"]
         self._lock = threading.Lock()
         self._link: ProcessLocal[_Link] = ProcessLocal(self._open_link, _close_link)
         with self._lock:
@@ -197,12 +208,12 @@ class RabbitMQDispatcher(URLDispatcher):
 
     def _deadline_seconds(self) -> float:
         """``(retries + 1) x (connect_timeout + timeout)``: see the module."""
-        return deadline_seconds(self._opts)
+        return deadline_seconds(self.options)
 
     # ------------------------------------------------------------------ connection
 
     def _open_link(self) -> _Link:
-        connection = connect(self._url, self._opts)
+        connection = connect(self.store_url, self.options)
         try:
             channel = connection.channel()
             channel.confirm_delivery()
@@ -219,10 +230,10 @@ class RabbitMQDispatcher(URLDispatcher):
             except pe.ChannelClosedByBroker as exc:
                 self._link.close()
                 if exc.reply_code == 404:
-                    raise self._error(
+                    raise self.make_error(
                         ConfigurationError,
                         None,
-                        f"no exchange {self._exchange!r} on vhost {vhost(self._url)!r}; "
+                        f"no exchange {self._exchange!r} on vhost {vhost(self.store_url)!r}; "
                         "declare it (and bind the destinations' queues to it) first",
                     ) from exc
                 raise
@@ -243,7 +254,7 @@ class RabbitMQDispatcher(URLDispatcher):
         with self._lock:
             retry(
                 lambda: self._attempt(batch),
-                attempts=self._opts["retries"] + 1,
+                attempts=self.options["retries"] + 1,
                 retry_on=_transient,
             )
 
@@ -252,7 +263,7 @@ class RabbitMQDispatcher(URLDispatcher):
         link = self._link.get()
         expiry = Expiry()
         try:
-            with expiring(link.connection, self._opts["timeout"]) as expiry:
+            with expiring(link.connection, self.options["timeout"]) as expiry:
                 self._publish(link, batch)
         except BaseException as exc:
             self._link.close()  # whatever happened, the next attempt starts afresh
@@ -264,7 +275,7 @@ class RabbitMQDispatcher(URLDispatcher):
                     ) from exc
                 raise TimeoutError(
                     f"the broker did not confirm the batch within timeout "
-                    f"({self._opts['timeout']:g} s)"
+                    f"({self.options['timeout']:g} s)"
                 ) from exc
             raise
 
@@ -272,11 +283,11 @@ class RabbitMQDispatcher(URLDispatcher):
         channel = link.channel
         for message in batch:
             destination = message.destination
-            if self._opts["declare_queues"] and destination not in link.declared:
+            if self.options["declare_queues"] and destination not in link.declared:
                 channel.queue_declare(
                     destination,
                     durable=True,
-                    arguments=queue_arguments(self._opts["queue_type"]),
+                    arguments=queue_arguments(self.options["queue_type"]),
                 )
                 link.declared.add(destination)
             properties = pika.BasicProperties(
@@ -295,7 +306,7 @@ class RabbitMQDispatcher(URLDispatcher):
                     mandatory=True,
                 )
             except pe.UnroutableError as exc:
-                raise self._error(
+                raise self.make_error(
                     ConfigurationError,
                     "dispatch",
                     f"outgoing message {message.id!r:.80} is unroutable: no queue is bound "
@@ -306,7 +317,7 @@ class RabbitMQDispatcher(URLDispatcher):
                     + ". It stays in the outbox",
                 ) from exc
             except pe.NackError as exc:
-                raise self._error(
+                raise self.make_error(
                     StoreUnavailable,
                     "dispatch",
                     f"the broker refused outgoing message {message.id!r:.80} (basic.nack: "
@@ -317,10 +328,10 @@ class RabbitMQDispatcher(URLDispatcher):
     def _classify_error(self, exc: BaseException) -> ErrorKind:
         code = reply_code(exc)
         if code == 404:
-            return self._error(
+            return self.make_error(
                 ConfigurationError,
                 "dispatch",
-                f"{self._describe_error(exc)} (a missing exchange or queue)",
+                f"{self.describe_error(exc)} (a missing exchange or queue)",
             )
         return classify(exc) or super()._classify_error(exc)
 
@@ -357,17 +368,17 @@ class RabbitMQDispatcher(URLDispatcher):
         """``settle(channel, held)`` with every message of the queue ``destination`` taken
         (unacknowledged) on a connection of its own; closing the channel returns the
         messages ``settle`` did not acknowledge."""
-        self._check_open()
+        self.check_open()
         if self._exchange:
-            raise self._error(
+            raise self.make_error(
                 ConfigurationError,
                 "read",
                 f"messages are read back from the queue a destination names on the default "
                 f"exchange; this dispatcher publishes to exchange {self._exchange!r}, whose "
                 "bindings decide the queues: read them there",
             )
-        with self._translating_errors("read"):
-            connection = connect(self._url, self._opts)
+        with self.translating_errors("read"):
+            connection = connect(self.store_url, self.options)
             try:
                 with expiring(connection, self._deadline_seconds()):
                     channel = connection.channel()
@@ -376,10 +387,10 @@ class RabbitMQDispatcher(URLDispatcher):
                     except pe.ChannelClosedByBroker as exc:
                         if exc.reply_code != 404:
                             raise
-                        raise self._error(
+                        raise self.make_error(
                             ConfigurationError,
                             "read",
-                            f"no queue {destination!r} on vhost {vhost(self._url)!r}",
+                            f"no queue {destination!r} on vhost {vhost(self.store_url)!r}",
                         ) from exc
                     held: list[tuple[int, ReadMessage]] = []
                     for position in range(int(declared.method.message_count)):

@@ -74,22 +74,31 @@ try:  # redis[hiredis] brings it; without it, redis-py packs the commands
 except ImportError:  # pragma: no cover
     _pack_command = None  # type: ignore[assignment]
 
-from dedupstore.calls import capped, retry, time_left
-from dedupstore.client import Client, Connection, ErrorKind, check_client, part_of
-from dedupstore.errors import ConfigurationError, ConsistencyError, StoreUnavailable, format_error
-from dedupstore.options import (
+from dedupstore.backend import (
+    Client,
+    ConfigurationError,
+    Connection,
+    ConsistencyError,
+    ErrorKind,
     Option,
     Options,
+    StoreUnavailable,
+    StoreURL,
+    capped,
+    check_client,
     choice,
     client_option,
     connect_timeout_option,
+    format_error,
     integer,
     optional,
+    part_of,
     retries_option,
+    retry,
     text,
+    time_left,
     timeout_option,
 )
-from dedupstore.urls import StoreURL
 
 __all__ = [
     "CONNECTION_OPTIONS",
@@ -274,8 +283,9 @@ def _exchange(conn: Any, commands: list[tuple[Any, ...]], sent: list[bool]) -> l
 class RedisConnection(Connection):
     """The ``redis.Redis`` of one standalone Redis primary, shared by its clients. Each client names
     it as ``connection_class``, uses it as ``self._redis``, declares ``key_prefix_option(...)`` plus
-    :data:`CONNECTION_OPTIONS`, calls :meth:`probe` at open, and sets ``_commands`` (the commands it
-    runs, named when an ACL refuses one) and, if it calls :meth:`run_script`, ``_unconfirmed`` (what
+    :data:`CONNECTION_OPTIONS`, calls :meth:`probe` at open, and declares the public class
+    attributes the error rules read: ``commands`` (the commands it runs, named when an ACL refuses
+    one) and, if it calls :meth:`run_script`, ``unconfirmed`` (what
     a write the replicas did not confirm means for it)."""
 
     schemes: ClassVar[tuple[str, ...]] = ("redis", "rediss")
@@ -426,15 +436,15 @@ class RedisConnection(Connection):
             _log.info(
                 "%s: the write script failed (%s); retry %d of %d",
                 client.url,
-                client._describe_error(state.outcome.exception()),
+                client.describe_error(state.outcome.exception()),
                 state.attempt_number,
                 self._attempts - 1,
             )
 
         replies = retry(attempt, attempts=self._attempts, retry_on=_transient, before_sleep=log)
         if self._wait_replicas and int(replies[1]) < self._wait_replicas:
-            unconfirmed = part_of(client, "_unconfirmed", str)
-            raise client._error(
+            unconfirmed = part_of(client, "unconfirmed", str)
+            raise client.make_error(
                 StoreUnavailable,
                 None,
                 f"only {replies[1]} of {self._wait_replicas} replicas acknowledged the write "
@@ -478,7 +488,7 @@ class RedisConnection(Connection):
     @classmethod
     def classify_error(cls, client: Client, exc: BaseException) -> ErrorKind:
         """Classify a redis-py error (the rules: see the module)."""
-        name, detail = type(client).__name__, client._describe_error(exc)
+        name, detail = type(client).__name__, client.describe_error(exc)
         if isinstance(
             exc, AuthenticationError | AuthorizationError | AuthenticationWrongNumberOfArgsError
         ):
@@ -488,8 +498,8 @@ class RedisConnection(Connection):
             )
         # inside a script an ACL refusal is a plain error reply, not NOPERM
         if isinstance(exc, NoPermissionError) or "user executing the script can't run" in str(exc):
-            commands = part_of(client, "_commands", str)
-            return client._error(
+            commands = part_of(client, "commands", str)
+            return client.make_error(
                 ConfigurationError,
                 None,
                 f"the Redis user may not run a command the store needs (grant {commands}): "
@@ -500,7 +510,7 @@ class RedisConnection(Connection):
         if isinstance(exc, transient | ClusterDownError):
             return StoreUnavailable
         if isinstance(exc, OutOfMemoryError):
-            return client._error(
+            return client.make_error(
                 StoreUnavailable,
                 None,
                 f"Redis is out of memory and refuses writes ({detail}); "
@@ -513,7 +523,7 @@ class RedisConnection(Connection):
             if code in ("DEDUPSTORE", "WRONGTYPE"):
                 return foreign_value_error(client, detail)
             if isinstance(exc, AskError | ClusterCrossSlotError):  # also MovedError
-                return client._error(
+                return client.make_error(
                     ConfigurationError,
                     None,
                     f"the server redirects to a Redis Cluster node; Redis "
@@ -595,7 +605,7 @@ class RedisConnection(Connection):
 
 def foreign_value_error(client: Client, detail: str = "") -> ConfigurationError:
     """The error for a key under ``client``'s ``key_prefix`` that dedupstore did not write."""
-    return client._error(
+    return client.make_error(
         ConfigurationError,
         None,
         f"a key under the prefix {client.option('key_prefix')!r} "

@@ -58,11 +58,21 @@ from typing import Any, ClassVar
 
 from redis.exceptions import ResponseError
 
-from dedupstore.client import Client, Connected
-from dedupstore.consumers import Broker, Delivery
-from dedupstore.errors import ConfigurationError
-from dedupstore.options import Option, Options, OptionSet, boolean, optional, seconds, text
-from dedupstore.urls import StoreURL
+from dedupstore.backend import (
+    Broker,
+    Client,
+    ConfigurationError,
+    Connected,
+    Delivery,
+    Option,
+    Options,
+    OptionSet,
+    StoreURL,
+    boolean,
+    optional,
+    seconds,
+    text,
+)
 
 from ._client import CONNECTION_OPTIONS, RedisConnection, key_prefix_option, text_of
 from .dispatcher import stream_key
@@ -112,12 +122,12 @@ class RedisStreamsBroker(Client, Broker):
         *CONNECTION_OPTIONS,
     )
     _redis = Connected(RedisConnection)
-    _commands: ClassVar[str] = (
+    commands: ClassVar[str] = (
         "+ping +info +xgroup|create +xreadgroup +xack +xautoclaim +xclaim +xpending +xinfo|groups"
     )
 
     def _open(self) -> None:
-        opts = self._opts
+        opts = self.options
         self.stream: str = opts["stream"] or stream_key(opts["key_prefix"], opts["destination"])
         self.group: str = opts["group"]
         self.consumer: str = opts["consumer"] or _default_consumer()
@@ -157,15 +167,15 @@ class RedisStreamsBroker(Client, Broker):
             groups = []
         if any(text_of(g["name"]) == self.group for g in groups):
             return
-        if not self._creates:
-            raise self._no_such_store(
+        if not self.creates:
+            raise self.no_such_store(
                 f"consumer group {self.group!r} of stream {self.stream!r}",
                 "create it (XGROUP CREATE) or open with create=true",
             )
         try:
             self._redis.read(
                 lambda: self._redis.client.xgroup_create(
-                    self.stream, self.group, id=self._opts["start"], mkstream=True
+                    self.stream, self.group, id=self.options["start"], mkstream=True
                 )
             )
         except ResponseError as exc:
@@ -176,8 +186,8 @@ class RedisStreamsBroker(Client, Broker):
 
     def fetch(self, max_count: int, wait: float) -> list[Delivery]:
         """Nacked entries first (claimed back, counted), then new ones (``XREADGROUP >``)."""
-        self._check_open()
-        with self._translating_errors("fetch"):
+        self.check_open()
+        with self.translating_errors("fetch"):
             if self._resume is not None:
                 self._take_back_own(max_count)
             if self._nacked:
@@ -225,19 +235,19 @@ class RedisStreamsBroker(Client, Broker):
 
     def ack(self, deliveries: Sequence[Delivery]) -> None:
         """``XACK`` their entry ids (idempotent)."""
-        self._check_open()
+        self.check_open()
         if deliveries:
             ids = [d.token for d in deliveries]
-            with self._translating_errors("ack"):
+            with self.translating_errors("ack"):
                 self._redis.read(lambda: self._redis.client.xack(self.stream, self.group, *ids))
 
     def keep(self, deliveries: Sequence[Delivery]) -> None:
         """Renew their lease: ``XCLAIM ... JUSTID`` to this consumer resets their idle
         time without counting a delivery, so no other consumer reclaims them."""
-        self._check_open()
+        self.check_open()
         if deliveries:
             ids = [d.token for d in deliveries]
-            with self._translating_errors("keep"):
+            with self.translating_errors("keep"):
                 self._redis.read(
                     lambda: self._redis.client.xclaim(
                         self.stream, self.group, self.consumer, 0, ids, justid=True
@@ -255,10 +265,10 @@ class RedisStreamsBroker(Client, Broker):
         Scans the group's pending list with a cursor; after a full pass that found
         nothing it rests for a tenth of the lease before scanning again.
         """
-        self._check_open()
+        self.check_open()
         if time.monotonic() < self._next_scan:
             return []
-        with self._translating_errors("reclaim"):
+        with self.translating_errors("reclaim"):
             reply = self._redis.read(
                 lambda: self._redis.client.xautoclaim(
                     self.stream,
@@ -305,8 +315,8 @@ class RedisStreamsBroker(Client, Broker):
 
     def pending(self) -> int | None:
         """Entries pending in the group plus those not delivered yet (its lag)."""
-        self._check_open()
-        with self._translating_errors("pending"):
+        self.check_open()
+        with self.translating_errors("pending"):
             groups = self._redis.read(lambda: self._redis.client.xinfo_groups(self.stream))
         for group in groups:
             if text_of(group["name"]) == self.group:

@@ -44,12 +44,19 @@ import re
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from dedupstore.client import Connected
-from dedupstore.dead_letters import ReadMessage
-from dedupstore.dispatch import EncodedMessage, URLDispatcher
-from dedupstore.entities import OutgoingMessage
-from dedupstore.errors import StoreUnavailable
-from dedupstore.options import Option, OptionSet, integer, optional, seconds
+from dedupstore.backend import (
+    Connected,
+    EncodedMessage,
+    Option,
+    OptionSet,
+    OutgoingMessage,
+    ReadMessage,
+    StoreUnavailable,
+    URLDispatcher,
+    integer,
+    optional,
+    seconds,
+)
 
 from ._client import (
     CONNECTION_OPTIONS,
@@ -143,19 +150,19 @@ class RedisDispatcher(URLDispatcher):
         *CONNECTION_OPTIONS,
     )
     _redis = Connected(RedisConnection)
-    _commands: ClassVar[str] = (
+    commands: ClassVar[str] = (
         "+ping +info +script|load +evalsha +wait, and in the script +type +exists +xadd +set"
     )
-    _unconfirmed: ClassVar[str] = (
+    unconfirmed: ClassVar[str] = (
         "the messages are on the primary but their durability is unknown (dispatch "
         "them again: receivers deduplicate by id)"
     )
 
     def _open(self) -> None:
-        self._key_prefix: str = self._opts["key_prefix"]
-        window: float | None = self._opts["dedupe_window"]
+        self._key_prefix: str = self.options["key_prefix"]
+        window: float | None = self.options["dedupe_window"]
         self._window_ms = "" if window is None else str(max(1, round(window * 1000)))
-        maxlen: int | None = self._opts["maxlen"]
+        maxlen: int | None = self.options["maxlen"]
         self._maxlen = "" if maxlen is None else str(maxlen)
         self._redis.probe(self, _DISPATCH_SCRIPT)
 
@@ -174,7 +181,7 @@ class RedisDispatcher(URLDispatcher):
             self, _DISPATCH_SCRIPT, keys, [*head, "0", *entries], [*head, "1", *entries]
         )
         if reply and int(reply[0]) == -1:
-            raise self._error(
+            raise self.make_error(
                 StoreUnavailable,
                 "dispatch",
                 "the answer to an earlier attempt was lost and dedupe_window is off, so the "
@@ -190,7 +197,7 @@ class RedisDispatcher(URLDispatcher):
     def read_back(self, destination: str) -> list[ReadMessage]:
         """Every entry of ``destination``'s stream, oldest first (``XRANGE``, paged); the
         ``position`` is the entry id. Raises ``StoreUnavailable``."""
-        self._check_open()
+        self.check_open()
         key = self.stream_key(destination)
         out: list[ReadMessage] = []
         start = "-"
@@ -200,7 +207,7 @@ class RedisDispatcher(URLDispatcher):
             page: list[Any] = self._redis.read(lambda: client.xrange(key, low, "+", count=size))
             return page
 
-        with self._translating_errors("read"):
+        with self.translating_errors("read"):
             while True:
                 page = page_from(start)
                 out += [_read(destination, entry) for entry in page]
@@ -211,12 +218,12 @@ class RedisDispatcher(URLDispatcher):
     def remove(self, destination: str, messages: Sequence[ReadMessage]) -> int:
         """``XDEL`` the entries (by position) from ``destination``'s stream; return how many
         were still there. Raises ``StoreUnavailable``."""
-        self._check_open()
+        self.check_open()
         positions = [m.position for m in messages]
         if not positions:
             return 0
         key = self.stream_key(destination)
-        with self._translating_errors("remove"):
+        with self.translating_errors("remove"):
             return int(self._redis.read(lambda: self._redis.client.xdel(key, *positions)))
 
 

@@ -54,12 +54,17 @@ import itertools
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
-from dedupstore.calls import write_token
-from dedupstore.client import Connected
-from dedupstore.entities import EntityRecord, EntityStore, groups_by_size
-from dedupstore.errors import StoreUnavailable
-from dedupstore.options import OptionSet
-from dedupstore.store import DeduplicationStore, WriteRequest
+from dedupstore.backend import (
+    Connected,
+    DeduplicationStore,
+    EntityRecord,
+    EntityStore,
+    OptionSet,
+    StoreUnavailable,
+    WriteRequest,
+    groups_by_size,
+    write_token,
+)
 
 from ._client import (
     CONNECTION_OPTIONS,
@@ -296,18 +301,18 @@ class RedisEntityStore(EntityStore):
         key_prefix_option("dedupent:"), *CONNECTION_OPTIONS
     )
     _redis = Connected(RedisConnection)
-    _joins = RedisDeduplicationStore
-    _commands: ClassVar[str] = (  # with the deduplication store's (the joined calls)
+    joins = RedisDeduplicationStore
+    commands: ClassVar[str] = (  # with the deduplication store's (the joined calls)
         "+ping +info +script|load +evalsha +wait +hmget +get +sscan +smembers, and in the "
         "script +type +hget +hmget +hset +hdel +sadd +srem +scard +exists +mget +set +mset"
     )
-    _unconfirmed: ClassVar[str] = (
+    unconfirmed: ClassVar[str] = (
         "the entities are saved on the primary but their durability is unknown (reload "
         "them before saving again)"
     )
 
     def _open(self) -> None:
-        self._key_prefix: str = self._opts["key_prefix"]
+        self._key_prefix: str = self.options["key_prefix"]
         self._redis.probe(self, _SAVE_SCRIPT)
 
     def _key(self, entity_id: str) -> str:
@@ -340,24 +345,24 @@ class RedisEntityStore(EntityStore):
     ) -> tuple[tuple[str, Any] | None, bool]:
         """``HMGET`` of the entity and ``GET`` of the record, pipelined: one round trip."""
         assert isinstance(dedup, RedisDeduplicationStore)
-        record_key = dedup._record_key(key)
+        record_key = dedup.record_key(key)
         entity, record = self._redis.pipelined(
             lambda pipe: (pipe.hmget(self._key(entity_id), ["b", "v"]), pipe.get(record_key))
         )
-        return self._loaded(entity_id, entity), dedup._recorded(record)
+        return self._loaded(entity_id, entity), dedup.counts_as_record(record)
 
     def _save_with(
         self, dedup: DeduplicationStore, request: WriteRequest, record: EntityRecord
     ) -> tuple[set[str], dict[str, Any]]:
         """The deduplication store's script, then this store's, in one script run."""
         assert isinstance(dedup, RedisDeduplicationStore)
-        add_keys, add_args = dedup._add_call(request)
+        add_keys, add_args = dedup.add_call(request)
         keys, args, resent = self._save_call([record], write_token())
         head = [str(len(add_keys)), str(len(add_args)), *add_args]
         added, saved = self._redis.run_script(
             self, _JOINT_SCRIPT, add_keys + keys, head + args, head + resent
         )
-        return dedup._added(request, added), self._saved([record], saved)
+        return dedup.added_ids(request, added), self._saved([record], saved)
 
     def _save_unless(
         self, dedup: DeduplicationStore, key: str, record: EntityRecord
@@ -365,7 +370,7 @@ class RedisEntityStore(EntityStore):
         """``GET`` of the record, then (if absent) the save script, in one script run."""
         assert isinstance(dedup, RedisDeduplicationStore)
         keys, args, resent = self._save_call([record], write_token())
-        keys.append(dedup._record_key(key))
+        keys.append(dedup.record_key(key))
         reply = self._redis.run_script(self, _SAVE_UNLESS_SCRIPT, keys, args, resent)
         if reply and int(reply[0]) == 2:
             return True, {}
@@ -398,7 +403,7 @@ class RedisEntityStore(EntityStore):
     def _saved(self, records: list[EntityRecord], reply: list[Any]) -> dict[str, int]:
         """``{id: new version}`` from the save script's answer."""
         if int(reply[0]) != 1:
-            raise self._error(
+            raise self.make_error(
                 StoreUnavailable,
                 "save",
                 "the answer to an earlier attempt was lost and an entity has changed since, so "

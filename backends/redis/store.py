@@ -30,9 +30,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any, ClassVar
 
-from dedupstore.client import Connected
-from dedupstore.options import OptionSet
-from dedupstore.store import DeduplicationStore, WriteRequest
+from dedupstore.backend import Connected, DeduplicationStore, OptionSet, WriteRequest
 
 from ._client import (
     CONNECTION_OPTIONS,
@@ -157,20 +155,20 @@ class RedisDeduplicationStore(DeduplicationStore):
         key_prefix_option("dedup:"), *CONNECTION_OPTIONS
     )
     _redis = Connected(RedisConnection)
-    _commands: ClassVar[str] = (
+    commands: ClassVar[str] = (
         "+ping +info +script|load +evalsha +get +mget +wait +scan (count), and in the script "
         "+exists +type +set +mset"
     )
-    _unconfirmed: ClassVar[str] = (
+    unconfirmed: ClassVar[str] = (
         "the records are on the primary but their durability is unknown (retrying on this "
         "store object reports them as recorded by it)"
     )
 
     def _open(self) -> None:
-        self._key_base = f"{self._opts['key_prefix']}{escape(self._endpoint)}:"
+        self._key_base = f"{self.options['key_prefix']}{escape(self.endpoint)}:"
         # PX = the retention in whole ms, rounded up (at least 1).
         self._px = (
-            "" if self._retention is None else str(-(-self._retention // timedelta(milliseconds=1)))
+            "" if self.retention is None else str(-(-self.retention // timedelta(milliseconds=1)))
         )
         self._redis.probe(self, ADD_SCRIPT)
 
@@ -178,17 +176,18 @@ class RedisDeduplicationStore(DeduplicationStore):
 
     def _add_new(self, request: WriteRequest) -> set[str]:
         """One script run (plus ``WAIT`` when configured) for the whole chunk."""
-        keys, args = self._add_call(request)
-        return self._added(request, self._redis.run_script(self, ADD_SCRIPT, keys, args))
+        keys, args = self.add_call(request)
+        return self.added_ids(request, self._redis.run_script(self, ADD_SCRIPT, keys, args))
 
-    def _add_call(self, request: WriteRequest) -> tuple[list[str], list[str]]:
-        """The keys and arguments of the write script for ``request``."""
+    def add_call(self, request: WriteRequest) -> tuple[list[str], list[str]]:
+        """The keys and arguments of the write script for ``request`` (public for the
+        entity store's joint script, :mod:`.redis.entities`)."""
         keys = self._record_keys(request.ids)
         args = [_TAG + request.token, self._px, *(_TAG + token for token in request.mine)]
         return keys, args
 
     @staticmethod
-    def _added(request: WriteRequest, indexes: list[Any]) -> set[str]:
+    def added_ids(request: WriteRequest, indexes: list[Any]) -> set[str]:
         """The ids the write script's answer says it recorded."""
         return {request.ids[int(i) - 1] for i in indexes}
 
@@ -196,22 +195,23 @@ class RedisDeduplicationStore(DeduplicationStore):
         """One ``MGET``; Redis never returns an expired key."""
         keys = self._record_keys(ids)
         values = self._redis.read(lambda: self._redis.client.mget(keys))
-        return {mid for mid, value in zip(ids, values, strict=True) if self._recorded(value)}
+        return {mid for mid, value in zip(ids, values, strict=True) if self.counts_as_record(value)}
 
     def _contains_one(self, message_id: str, now: float) -> bool:
-        return self._recorded(
-            self._redis.read(lambda: self._redis.client.get(self._record_key(message_id)))
+        return self.counts_as_record(
+            self._redis.read(lambda: self._redis.client.get(self.record_key(message_id)))
         )
 
-    def _record_key(self, message_id: str) -> str:
+    def record_key(self, message_id: str) -> str:
+        """The key of ``message_id``'s record (the entity store's joint scripts use it too)."""
         return self._key_base + escape(message_id)
 
     def _record_keys(self, message_ids: list[str]) -> list[str]:
-        """:meth:`_record_key` of each id (one call for a batch: this is its hot path)."""
+        """:meth:`record_key` of each id (one call for a batch: this is its hot path)."""
         base = self._key_base
         return [base + escape(mid) for mid in message_ids]
 
-    def _recorded(self, value: bytes | str | None) -> bool:
+    def counts_as_record(self, value: bytes | str | None) -> bool:
         """Whether a ``GET`` answer is a record (a foreign value: ``ConfigurationError``)."""
         if value is None:
             return False
@@ -230,13 +230,13 @@ class RedisDeduplicationStore(DeduplicationStore):
         (a key of another type reads as absent, a foreign string value is ``ConfigurationError``)
         and drops keys that expired since the scan saw them. Cost: ``SCAN`` walks every key of
         the database (filtering on the server); see :meth:`_scan_values`."""
-        return sum(self._recorded(value) for _, value in self._scan_values(self._key_base))
+        return sum(self.counts_as_record(value) for _, value in self._scan_values(self._key_base))
 
     def _endpoints(self, now: float) -> set[str]:
         """Exact, as :meth:`_count`, over ``<key_prefix>*``: each record key's endpoint is
         the escaped part before its first ``:`` after the prefix (keys of another type or
         value, or with no ``:`` there, are not records)."""
-        prefix = self._opts["key_prefix"]
+        prefix = self.options["key_prefix"]
         found: set[str] = set()
         for key, value in self._scan_values(prefix):
             name = key.decode("utf-8", "replace") if isinstance(key, bytes) else key

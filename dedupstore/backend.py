@@ -1,0 +1,313 @@
+"""The public API for writing a backend: everything a backend of dedupstore may use.
+
+A backend (the built-in ones under ``dedupstore.backends`` and yours alike) imports
+from the core of dedupstore only this module (``tests/test_backend_api.py`` checks the
+built-in ones): no other module of ``dedupstore``, no name starting with ``_``, and no
+private member of the core's classes except the hooks listed in :data:`HOOKS`, which a
+backend implements or extends. ``docs/backend-api.md`` writes a backend from it.
+
+The names, by group:
+
+Bases (subclass them)
+    :class:`Client` (everything opened by URL: options, errors, pickling, closing),
+    :class:`Connection` (a backend's connection to one server, shared by its clients),
+    :class:`Connected` (a client's typed handle on its connection), :class:`Closing`,
+    :class:`DeduplicationStore` with :class:`WriteRequest`, :class:`EntityStore` with
+    :class:`EntityRecord`, :class:`OutgoingMessage` and :func:`groups_by_size`,
+    :class:`URLDispatcher` with :class:`EncodedMessage`, :class:`StoredMessage`,
+    :class:`DispatchStats` and :class:`ReadMessage`, :class:`Broker` with
+    :class:`Delivery`; :data:`HOOKS`: the underscore methods a backend implements.
+    A client's members for backends are public: ``store_url``, ``options``,
+    ``connection``, ``made_connection``, ``creates``, ``check_open()``,
+    ``translating_errors()``, ``make_error()``, ``describe_error()``,
+    ``no_such_store()``, ``scrub()``; a deduplication store's ``endpoint``,
+    ``retention``; an entity store's ``joins``.
+Options (declared once, per class)
+    :class:`Option`, :class:`OptionSet`, :class:`Options`; the converters
+    :func:`boolean`, :func:`integer`, :func:`seconds`, :func:`text`, :func:`choice`,
+    :func:`optional`, :func:`anything`, :func:`parse_duration`, :func:`format_duration`;
+    the shared declarations :func:`timeout_option`, :func:`connect_timeout_option`,
+    :func:`retries_option`, :func:`create_option`, :func:`client_option`,
+    :data:`CLOCK`, :data:`MAX_CLOCK_SKEW`, :data:`MUST_EXIST`; :func:`creates` (whether
+    options let opening create what is missing), :func:`check_client` (a given
+    ``client`` option of the right type). URLs: :class:`StoreURL`.
+Connections
+    :class:`ProcessLocal` (one value per process, reference counted, fork safe),
+    :func:`quiet_driver_logs`, :func:`part_of` (a client's declared attribute, typed).
+Deadlines and retries
+    :func:`deadline`, :func:`time_left`, :func:`capped`, :class:`DeadlinePassed`,
+    :func:`retry` (with :data:`BACKOFF`, :func:`pause_before`), :func:`fan_out`,
+    :func:`executor`; :func:`cut_short` (whether an HTTP reply is whole).
+Errors
+    :data:`ErrorKind` (what a classification returns: ``None`` for a foreign error, an
+    error class, or a ready error), the error types :class:`DedupStoreError` and
+    :class:`StoreUnavailable` (retry), :class:`ConfigurationError` (fix it),
+    :class:`ConsistencyError`, :class:`StoreClosed`, :class:`InvalidMessageId`,
+    :class:`InvalidValue`, :class:`EntityTooLarge`, :class:`MessageTooLarge`,
+    :class:`ConcurrencyConflict`; :func:`format_error` (an error as one line).
+Masking
+    :func:`scrub`, :func:`mask_url`, :func:`mask_text`, :func:`mask_options`,
+    :func:`is_secret`, :data:`SECRET_NAMES`, :data:`MASK`.
+Identity
+    :func:`write_token` (a writer's token), :func:`message_key`, :func:`outgoing_id`,
+    :func:`validate_message_id`, :data:`MAX_ID_BYTES`; canonical JSON as the entities
+    store it: :func:`encode_entity`, :func:`decode_entity`, :func:`canonical_json`,
+    :func:`dumps`, :func:`loads`.
+Contract kit (needs pytest; imported on first use, never by a backend's import)
+    :class:`DeduplicationStoreContract`, :class:`MultiProcessContract`,
+    :class:`EntityStoreContract`, :class:`FakeClock`, :class:`Timeline`,
+    :data:`StoreFactory`, :data:`INVALID_IDS`, :data:`HOSTILE_IDS`,
+    :func:`random_valid_ids` (from :mod:`dedupstore.testing`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any, Final
+
+from dedupstore.calls import (
+    BACKOFF,
+    DeadlinePassed,
+    capped,
+    deadline,
+    executor,
+    fan_out,
+    pause_before,
+    retry,
+    time_left,
+    write_token,
+)
+from dedupstore.canonical import dumps, loads
+from dedupstore.client import (
+    MUST_EXIST,
+    Client,
+    Closing,
+    Connected,
+    Connection,
+    ErrorKind,
+    ProcessLocal,
+    check_client,
+    creates,
+    part_of,
+    quiet_driver_logs,
+)
+from dedupstore.consumers import Broker, Delivery
+from dedupstore.dead_letters import ReadMessage
+from dedupstore.dispatch import DispatchStats, EncodedMessage, StoredMessage, URLDispatcher
+from dedupstore.entities import (
+    EntityRecord,
+    EntityStore,
+    OutgoingMessage,
+    canonical_json,
+    decode_entity,
+    encode_entity,
+    groups_by_size,
+)
+from dedupstore.errors import (
+    ConcurrencyConflict,
+    ConfigurationError,
+    ConsistencyError,
+    DedupStoreError,
+    EntityTooLarge,
+    InvalidMessageId,
+    InvalidValue,
+    MessageTooLarge,
+    StoreClosed,
+    StoreUnavailable,
+    format_error,
+)
+from dedupstore.ids import MAX_ID_BYTES, message_key, outgoing_id, validate_message_id
+from dedupstore.masking import (
+    MASK,
+    SECRET_NAMES,
+    is_secret,
+    mask_options,
+    mask_text,
+    mask_url,
+    scrub,
+)
+from dedupstore.options import (
+    Option,
+    Options,
+    OptionSet,
+    anything,
+    boolean,
+    choice,
+    client_option,
+    connect_timeout_option,
+    create_option,
+    format_duration,
+    integer,
+    optional,
+    parse_duration,
+    retries_option,
+    seconds,
+    text,
+    timeout_option,
+)
+from dedupstore.replies import cut_short
+from dedupstore.store import CLOCK, MAX_CLOCK_SKEW, DeduplicationStore, WriteRequest
+from dedupstore.urls import StoreURL
+
+if TYPE_CHECKING:
+    from dedupstore.testing import (
+        HOSTILE_IDS,
+        INVALID_IDS,
+        DeduplicationStoreContract,
+        FakeClock,
+        MultiProcessContract,
+        StoreFactory,
+        Timeline,
+        random_valid_ids,
+    )
+    from dedupstore.testing.entities import EntityStoreContract
+
+#: The underscore methods of the bases that a backend implements or extends (calling
+#: ``super()`` where the base has a body); the base calls them, users never do.
+HOOKS: Final[frozenset[str]] = frozenset(
+    {
+        # Client
+        "_validate",
+        "_configure",
+        "_open",
+        "_close",
+        "_classify_error",
+        "_health_warnings",
+        "_deadline_seconds",
+        # DeduplicationStore
+        "_add_new",
+        "_add_one",
+        "_find",
+        "_contains_one",
+        "_count",
+        "_endpoints",
+        "_purge",
+        # EntityStore
+        "_load",
+        "_save",
+        "_scan",
+        "_load_with",
+        "_save_with",
+        "_save_unless",
+        "_joint_record",
+        # URLDispatcher
+        "_dispatch",
+    }
+)
+
+#: The contract kit's names, imported from :mod:`dedupstore.testing` on first use.
+_CONTRACT_KIT: Final[dict[str, str]] = {
+    "DeduplicationStoreContract": "dedupstore.testing",
+    "MultiProcessContract": "dedupstore.testing",
+    "FakeClock": "dedupstore.testing",
+    "Timeline": "dedupstore.testing",
+    "StoreFactory": "dedupstore.testing",
+    "INVALID_IDS": "dedupstore.testing",
+    "HOSTILE_IDS": "dedupstore.testing",
+    "random_valid_ids": "dedupstore.testing",
+    "EntityStoreContract": "dedupstore.testing.entities",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The contract kit, imported when first asked for (it needs pytest)."""
+    module = _CONTRACT_KIT.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = [
+    "BACKOFF",
+    "CLOCK",
+    "HOOKS",
+    "HOSTILE_IDS",
+    "INVALID_IDS",
+    "MASK",
+    "MAX_CLOCK_SKEW",
+    "MAX_ID_BYTES",
+    "MUST_EXIST",
+    "SECRET_NAMES",
+    "Broker",
+    "Client",
+    "Closing",
+    "ConcurrencyConflict",
+    "ConfigurationError",
+    "Connected",
+    "Connection",
+    "ConsistencyError",
+    "DeadlinePassed",
+    "DedupStoreError",
+    "DeduplicationStore",
+    "DeduplicationStoreContract",
+    "Delivery",
+    "DispatchStats",
+    "EncodedMessage",
+    "EntityRecord",
+    "EntityStore",
+    "EntityStoreContract",
+    "EntityTooLarge",
+    "ErrorKind",
+    "FakeClock",
+    "InvalidMessageId",
+    "InvalidValue",
+    "MessageTooLarge",
+    "MultiProcessContract",
+    "Option",
+    "OptionSet",
+    "Options",
+    "OutgoingMessage",
+    "ProcessLocal",
+    "ReadMessage",
+    "StoreClosed",
+    "StoreFactory",
+    "StoreURL",
+    "StoreUnavailable",
+    "StoredMessage",
+    "Timeline",
+    "URLDispatcher",
+    "WriteRequest",
+    "anything",
+    "boolean",
+    "canonical_json",
+    "capped",
+    "check_client",
+    "choice",
+    "client_option",
+    "connect_timeout_option",
+    "create_option",
+    "creates",
+    "cut_short",
+    "deadline",
+    "decode_entity",
+    "dumps",
+    "encode_entity",
+    "executor",
+    "fan_out",
+    "format_duration",
+    "format_error",
+    "groups_by_size",
+    "integer",
+    "is_secret",
+    "loads",
+    "mask_options",
+    "mask_text",
+    "mask_url",
+    "message_key",
+    "optional",
+    "outgoing_id",
+    "parse_duration",
+    "part_of",
+    "pause_before",
+    "quiet_driver_logs",
+    "random_valid_ids",
+    "retries_option",
+    "retry",
+    "scrub",
+    "seconds",
+    "text",
+    "time_left",
+    "timeout_option",
+    "validate_message_id",
+    "write_token",
+]
