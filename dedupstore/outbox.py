@@ -423,11 +423,14 @@ class OutboxProcessor:
     the save's token refuses it if anyone saved the entity since (one conflict, then
     a load), so keeping never changes an answer, only the requests a message costs.
 
-    With ``relax_gc`` (the default), CPython's cyclic garbage collector collects its
-    youngest generation less often while :meth:`process_batch` runs
-    (:func:`~dedupstore.calls.gc_relaxed`): a batch's objects would otherwise set
-    off full collections, each walking every object of the process, which in a
-    process holding much data cost more than the batch itself.
+    By default the processor changes no setting of the process. ``gc_threshold``
+    (an int, e.g. :data:`~dedupstore.calls.GC_BATCH_THRESHOLD`) opts in to raising
+    CPython's cyclic garbage collector's young-generation threshold to it while
+    :meth:`process_batch` runs (:func:`~dedupstore.calls.gc_relaxed`), for the whole
+    process, every thread included, put back when the last batch running at once
+    ends: a batch's objects would otherwise set off full collections, each walking
+    every object of the process, which in a process holding much data cost more
+    than the batch itself.
 
     Every outbox entry it writes is marked with the time it was written (what
     :func:`~dedupstore.stats.outbox_backlog` reports as the oldest pending entry) and
@@ -451,14 +454,14 @@ class OutboxProcessor:
         handler_attempts: int = 1,
         run: str | None = None,
         entity_cache: int = 10_000,
-        relax_gc: bool = True,
+        gc_threshold: int | None = None,
     ) -> None:
         """Raises ``ConfigurationError`` (no I/O) for an ``entities`` that is not an
         ``EntityStore``, a ``dedup`` that is not a ``DeduplicationStore``, a
         ``dispatcher`` without a callable ``dispatch``, an unknown ``cleanup``, a bad
         ``dead_letters`` destination or ``run`` name, ``max_attempts``,
         ``deferred_limit`` or ``handler_attempts`` below 1, ``entity_cache``
-        below 0, or a ``relax_gc`` that is not a bool."""
+        below 0, or a ``gc_threshold`` that is neither None nor an int >= 1."""
         if cleanup not in ("inline", "deferred"):
             raise ConfigurationError(f"cleanup must be 'inline' or 'deferred', got {cleanup!r}")
         for name, value in (
@@ -470,8 +473,12 @@ class OutboxProcessor:
                 raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
         if isinstance(entity_cache, bool) or not isinstance(entity_cache, int) or entity_cache < 0:
             raise ConfigurationError(f"entity_cache must be an int >= 0, got {entity_cache!r}")
-        if not isinstance(relax_gc, bool):
-            raise ConfigurationError(f"relax_gc must be True or False, got {relax_gc!r}")
+        if gc_threshold is not None and (
+            isinstance(gc_threshold, bool) or not isinstance(gc_threshold, int) or gc_threshold < 1
+        ):
+            raise ConfigurationError(
+                f"gc_threshold must be None or an int >= 1, got {gc_threshold!r}"
+            )
         if dead_letters is not None:
             validate_name(dead_letters, "dead-letter destination")
         if run is not None:
@@ -492,7 +499,7 @@ class OutboxProcessor:
         self.cleanup = cleanup
         self.max_attempts = max_attempts
         self.deferred_limit = deferred_limit
-        self.relax_gc = relax_gc
+        self.gc_threshold = gc_threshold
         self._checked_handler: Handler | None = None  # the handler that passed the check
         #: the dispatcher's bounds (max_message_bytes, max_header_bytes): see check_size
         self._bounds = _bounds(dispatcher)
@@ -1092,7 +1099,7 @@ class OutboxProcessor:
         if not plain_ids([m.id for m in messages] + [m.correlation_id for m in messages]):
             for message in messages:
                 _validate(message)
-        with gc_relaxed(self.relax_gc):
+        with gc_relaxed(self.gc_threshold):
             results = self._batch(list(messages), handler, 0, before_cleanup)
         self._report(messages, results)
         return results
