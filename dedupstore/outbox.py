@@ -364,34 +364,7 @@ class ProcessResult:
     error: str | None = None
 
 
-_new = object.__new__
 _encoded = OutgoingMessage._encoded
-
-
-def _result(
-    message_id: str,
-    outcome: Outcome,
-    outgoing: tuple[OutgoingMessage, ...] = (),
-    attempts: int = 1,
-    error: str | None = None,
-) -> ProcessResult:
-    """``ProcessResult(...)``, made without the frozen dataclass's ``__init__`` (which
-    sets each field through ``object.__setattr__``): one per message of a batch."""
-    result: ProcessResult = _new(ProcessResult)
-    _set_message_id(result, message_id)
-    _set_outcome(result, outcome)
-    _set_outgoing(result, outgoing)
-    _set_attempts(result, attempts)
-    _set_error(result, error)
-    return result
-
-
-# the slots' own setters (a frozen dataclass's __setattr__ refuses)
-_set_message_id = vars(ProcessResult)["message_id"].__set__
-_set_outcome = vars(ProcessResult)["outcome"].__set__
-_set_outgoing = vars(ProcessResult)["outgoing"].__set__
-_set_attempts = vars(ProcessResult)["attempts"].__set__
-_set_error = vars(ProcessResult)["error"].__set__
 
 
 def _not_json(exc: Exception) -> ValueError:
@@ -736,7 +709,7 @@ class OutboxProcessor:
                     if recorded and not found:  # the entity is as loaded: kept
                         self._kept.keep(entity)
                         done: Outcome = outcome if applied and outcome else "duplicate"
-                        return _result(mid, done, (), attempt, error)
+                        return ProcessResult(mid, done, (), attempt, error)
                 if not found:  # applied above
                     applied, error = True, failed
                     outcome = "processed" if error is None else "dead_lettered"
@@ -750,7 +723,7 @@ class OutboxProcessor:
                 if clean:
                     self._clean_up(entity, mid)
                     self._kept.keep(entity)
-                return _result(mid, outcome, tuple(outgoing or ()), attempt, error)
+                return ProcessResult(mid, outcome, tuple(outgoing or ()), attempt, error)
             except ConcurrencyConflict:
                 if attempt < self.max_attempts:
                     _retrying(self.consumer, [cid])
@@ -1189,22 +1162,22 @@ class OutboxProcessor:
             outbox = entity.outbox
             if key in seen:
                 entry = outbox.get(mid)
-                results.append(_result(mid, "duplicate", tuple(entry or ())))
+                results.append(ProcessResult(mid, "duplicate", tuple(entry or ())))
                 continue
             seen.add(key)
             if mid in outbox:
                 entry = outbox[mid]
                 outcome, error = self._found(entity, mid)
-                results.append(_result(mid, outcome, tuple(entry or ()), 1, error))
+                results.append(ProcessResult(mid, outcome, tuple(entry or ()), 1, error))
                 entries[key] = (entity, mid)
             elif key in already:
-                results.append(_result(mid, "duplicate"))
+                results.append(ProcessResult(mid, "duplicate"))
             else:
                 outgoing, error = self._apply(entity, message, handler, mark)
                 applied[key] = index
                 changed[entity.id] = entity
                 done: Outcome = "processed" if error is None else "dead_lettered"
-                results.append(_result(mid, done, tuple(outgoing), 1, error))
+                results.append(ProcessResult(mid, done, tuple(outgoing), 1, error))
                 entries[key] = (entity, mid)
         try:
             first_conflicts = self.entities.save_many(list(changed.values()))
