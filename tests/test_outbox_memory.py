@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
 
-from dedupstore import outbox
 from dedupstore.entities import OutgoingMessage, message_text
 from dedupstore.errors import ConfigurationError, HandlerError, InvalidMessageId
 from dedupstore.outbox import (
@@ -24,6 +23,7 @@ from dedupstore.outbox import (
     message_key,
     sweep,
 )
+from dedupstore.outbox import cache as outbox_cache
 from dedupstore.store import DeduplicationStore
 from dedupstore.testing.entities import EntityStoreContract, EntityStoreFactory
 
@@ -404,7 +404,7 @@ def test_the_kept_entities_are_bounded(bound: str, monkeypatch: pytest.MonkeyPat
     """Three entities: at most two kept (or about 2,500 bytes of their ~1,000-byte
     states kept): the third drops the first."""
     if bound == "bytes":
-        monkeypatch.setattr(outbox, "_CACHE_BYTES", 2_500)
+        monkeypatch.setattr(outbox_cache, "_CACHE_BYTES", 2_500)
     processor, calls = _counted(**({"entity_cache": 2} if bound == "entities" else {}))
     for n in range(3):
         processor.process(Message(f"m{n}", f"e{n}", "x" * 1_000), order_handler)
