@@ -299,7 +299,7 @@ def fan_out(fn: Callable[[T], R], items: Iterable[T], *, concurrency: int) -> li
 
 # ---------------------------------------------------------------------- the garbage collector
 
-#: The young generation's threshold in a :func:`gc_relaxed` block (CPython's: 700).
+#: The young generation's threshold a :func:`gc_relaxed` block sets by default (CPython's: 700).
 GC_BATCH_THRESHOLD = 100_000
 
 _gc_lock = threading.Lock()
@@ -308,30 +308,33 @@ _gc_saved: tuple[int, ...] = ()  # the thresholds when the first of them began
 
 
 @contextlib.contextmanager
-def gc_relaxed(relax: bool = True) -> Iterator[None]:
+def gc_relaxed(threshold: int | None = GC_BATCH_THRESHOLD) -> Iterator[None]:
     """Run the block with CPython's cyclic garbage collector collecting its youngest
-    generation after :data:`GC_BATCH_THRESHOLD` new objects instead of 700 (``relax``;
-    a higher threshold is kept, and so is 0: automatic collection off), then put back
-    the thresholds as they were before the first of the blocks running at once began.
+    generation after ``threshold`` new objects instead of 700 (a higher threshold is
+    kept, and so is 0: automatic collection off), then put back the thresholds as
+    they were before the first of the blocks running at once began. ``None``: the
+    block changes nothing.
 
-    For a batch: its objects live for the whole batch, so every few hundred new
-    objects the collector would move them to its older generations and then, as they
-    die, run full collections, each of which walks every object of the process.
-    Collections still run (a block never stops them, however many threads overlap
-    blocks): reference counting frees what is not a cycle, cycles are collected
-    later. A program that sets the thresholds itself while blocks run loses that
-    setting when the last one ends (``relax=False`` leaves them alone). Thread-safe;
-    a child forked during a block starts with the thresholds as they were.
+    The thresholds are the whole process's: every thread sees the raised one while
+    any block runs. For a batch: its objects live for the whole batch, so every few
+    hundred new objects the collector would move them to its older generations and
+    then, as they die, run full collections, each of which walks every object of the
+    process. Collections still run (a block never stops them, however many threads
+    overlap blocks): reference counting frees what is not a cycle, cycles are
+    collected later. A program that sets the thresholds itself while blocks run loses
+    that setting when the last one ends. Thread-safe; a child forked during a block
+    starts with the thresholds as they were.
     """
     global _gc_blocks, _gc_saved
-    if not relax:
+    if threshold is None:
         yield
         return
     with _gc_lock:
         if _gc_blocks == 0:
             _gc_saved = gc.get_threshold()
-            if _gc_saved[0]:  # (0: the program turned automatic collection off)
-                gc.set_threshold(max(GC_BATCH_THRESHOLD, _gc_saved[0]), *_gc_saved[1:])
+        young = gc.get_threshold()[0]
+        if young:  # (0: the program turned automatic collection off)
+            gc.set_threshold(max(threshold, young), *_gc_saved[1:])
         _gc_blocks += 1
     try:
         yield

@@ -30,6 +30,7 @@ if not __package__:  # run as a file (spark-submit .../order_pipeline.py): the p
     sys.exit(0)  # not reached: the module's main exits
 
 import argparse
+import logging
 import os
 import re
 import time
@@ -46,7 +47,7 @@ import dedupstore
 from dedupstore.entities import OutgoingMessage
 from dedupstore.outbox import Handler, outgoing_id
 
-from .orders import expected_outgoing, handle_order, is_poison, make_workload
+from .orders import POISON_SKU, expected_outgoing, handle_order, is_poison, make_workload
 from .pipeline import process_messages, sweep_outboxes
 from .session import local_session, quiet_task_retries
 
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
     from pyspark.sql import DataFrame, SparkSession
 
-__all__ = ["FlakyDispatcher", "Report", "main", "run"]
+__all__ = ["FlakyDispatcher", "Report", "injected_faults", "main", "run"]
 
 INPUT_SCHEMA = "id string, order_id string, seq int, type string, sku string, qty int"
 DEFAULT_DIR = ".dedupstore/orders-demo"
@@ -73,7 +74,12 @@ class FlakyDispatcher:
     after dispatch, before the clean-up). With ``kill_marker``, the first batch sent
     in the run (whichever task gets there first) then ends its Python worker with
     ``os._exit``: exactly one kill per run, whatever the rolls (the marker file
-    records it). Picklable; opens its dispatcher in the task.
+    records it). With ``faults``, each injected failure appends its kind
+    (``refused`` or ``crashed``) as a line to that file, which the report counts
+    (local masters: the workers share the driver's disk, as for the kill marker).
+    In the worker, the WARNING lines the library logs about the injected faults
+    (and about the poison messages it dead-letters) are dropped: the report counts
+    them instead. Picklable; opens its dispatcher in the task.
     """
 
     url: str
@@ -81,20 +87,68 @@ class FlakyDispatcher:
     crash: float = 0.05
     kill_marker: str | None = None
     seed: int = 0
+    faults: str | None = None
 
     def __call__(self, messages: list[OutgoingMessage]) -> None:
         """Dispatch ``messages``, or fail as decided for their batch."""
+        _quiet_injected_faults()
         key = messages[0].id if messages else ""
         roll = (zlib.crc32(f"{self.seed}:{key}".encode()) % 10_000) / 10_000
         first = key not in _attempted
         _attempted.add(key)
         if first and roll < self.fail:
+            self._record("refused")
             raise InjectedFailure("injected: the broker refused the dispatch")
         _dispatcher(self.url).dispatch(messages)
         if self.kill_marker and _claim(self.kill_marker):
             os._exit(3)  # a real crash: Spark sees the worker die and retries the task
         if first and roll < self.fail + self.crash:
+            self._record("crashed")
             raise InjectedFailure("injected: crash after dispatch, before the clean-up")
+
+    def _record(self, kind: str) -> None:
+        """Append ``kind`` to the :attr:`faults` file (one short write: atomic)."""
+        if self.faults:
+            fd = os.open(self.faults, os.O_CREAT | os.O_WRONLY | os.O_APPEND)
+            try:
+                os.write(fd, f"{kind}\n".encode())
+            finally:
+                os.close(fd)
+
+
+def injected_faults(path: str) -> dict[str, int]:
+    """The faults a :class:`FlakyDispatcher` recorded in ``path``, counted by kind."""
+    counts = {"refused": 0, "crashed": 0}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as lines:
+            for line in lines:
+                kind = line.strip()
+                counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+class _InjectedFaults(logging.Filter):
+    """Drops the records about the demo's injected faults: a failure of the type
+    :class:`InjectedFailure`, or the dead letter of a poison message (its sku)."""
+
+    poison = f"unknown sku {POISON_SKU!r}"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return InjectedFailure.__name__ not in text and self.poison not in text
+
+
+#: The loggers that report the injected faults: the processor's and the Spark job's.
+_FAULT_LOGGERS = ("dedupstore.outbox", "dedupstore.spark.pipeline")
+_quieted: list[bool] = []
+
+
+def _quiet_injected_faults() -> None:
+    """In this (worker) process, once: the injected faults' records dropped."""
+    if not _quieted:
+        _quieted.append(True)
+        for name in _FAULT_LOGGERS:
+            logging.getLogger(name).addFilter(_InjectedFaults())
 
 
 _attempted: set[str] = set()
@@ -319,6 +373,7 @@ def run(
         settings.crash,
         os.path.abspath(os.path.join(workdir, f"killed-{run_id}")) if kill else None,
         settings.seed,
+        os.path.abspath(os.path.join(workdir, f"faults-{run_id}")),
     )
     common: dict[str, Any] = {
         "entities_url": settings.entities_url,
@@ -340,6 +395,7 @@ def run(
         first = _outcomes(process_messages(messages, handler, dispatcher_url=flaky, **common))
     seconds = time.perf_counter() - started
     killed = bool(flaky.kill_marker) and os.path.exists(flaky.kill_marker or "")
+    faults = injected_faults(flaky.faults or "")
     failed = retries.failed_attempts
     if killed or failed:
         _say(f"      {_retried(killed, failed)}")
@@ -411,6 +467,10 @@ def run(
     report.note("first run outcomes", _shown(first))
     report.note("replay outcomes", _shown(second))
     report.note("messages in batches re-run after a failure", first.get("batch_retries", 0))
+    report.note(
+        "injected: refused / crashed / poison",
+        f"{faults['refused']:,} / {faults['crashed']:,} / {len(poison):,}",
+    )
     report.note("outgoing deliveries (re-dispatches)", sum(o[3] for o in ours))
     if flaky.kill_marker:
         report.note("Python worker killed, task retried", killed)

@@ -38,7 +38,7 @@ from tenacity import (
     wait_exponential,
 )
 
-from dedupstore.calls import gc_relaxed
+from dedupstore.calls import GC_BATCH_THRESHOLD, gc_relaxed
 from dedupstore.errors import (
     ConfigurationError,
     EntityTooLarge,
@@ -404,6 +404,8 @@ def _processing(
         "dead_letters": dead_letters,
         "handler_attempts": handler_attempts,
         "run": None if journal is None else journal.run,
+        # a Spark task's Python worker: its collector is relaxed during each batch
+        "gc_threshold": GC_BATCH_THRESHOLD,
     }
 
     def process_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:

@@ -232,8 +232,13 @@ def test_gc_relaxed_raises_the_young_threshold_and_puts_it_back() -> None:
     with pytest.raises(KeyError), gc_relaxed():
         raise KeyError("the block failed: the thresholds are put back all the same")
     assert gc.get_threshold() == before
-    with gc_relaxed(relax=False):
+    with gc_relaxed(None):
         assert gc.get_threshold() == before
+    with gc_relaxed(200_000):  # a threshold of the caller's; a nested block's higher one wins
+        assert gc.get_threshold()[0] == 200_000
+        with gc_relaxed(300_000):
+            assert gc.get_threshold()[0] == 300_000
+    assert gc.get_threshold() == before
     try:
         for own in (500_000, 0):  # a program's own higher threshold is kept, and 0 (off)
             gc.set_threshold(own, *before[1:])

@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
 
-from dedupstore import outbox
 from dedupstore.entities import OutgoingMessage, message_text
 from dedupstore.errors import ConfigurationError, HandlerError, InvalidMessageId
 from dedupstore.outbox import (
@@ -24,6 +23,7 @@ from dedupstore.outbox import (
     message_key,
     sweep,
 )
+from dedupstore.outbox import cache as outbox_cache
 from dedupstore.store import DeduplicationStore
 from dedupstore.testing.entities import EntityStoreContract, EntityStoreFactory
 
@@ -404,7 +404,7 @@ def test_the_kept_entities_are_bounded(bound: str, monkeypatch: pytest.MonkeyPat
     """Three entities: at most two kept (or about 2,500 bytes of their ~1,000-byte
     states kept): the third drops the first."""
     if bound == "bytes":
-        monkeypatch.setattr(outbox, "_CACHE_BYTES", 2_500)
+        monkeypatch.setattr(outbox_cache, "_CACHE_BYTES", 2_500)
     processor, calls = _counted(**({"entity_cache": 2} if bound == "entities" else {}))
     for n in range(3):
         processor.process(Message(f"m{n}", f"e{n}", "x" * 1_000), order_handler)
@@ -494,7 +494,9 @@ def test_process_batch_takes_and_keeps_entities_as_process_does() -> None:
     assert processor.entities.load("f").state["applied"] == ["n1", "n2", "n2b", "n3"]
 
 
-def test_a_batch_runs_with_the_collector_relaxed_unless_told_not_to() -> None:
+def test_a_batch_relaxes_the_collector_only_when_asked_to() -> None:
+    """By default a batch leaves the process's collector alone; with ``gc_threshold``
+    the young threshold is raised during the batch and put back after."""
     import gc
 
     from dedupstore.calls import GC_BATCH_THRESHOLD
@@ -506,18 +508,25 @@ def test_a_batch_runs_with_the_collector_relaxed_unless_told_not_to() -> None:
         seen.append(gc.get_threshold()[0])
         return order_handler(state, message)
 
-    for relax_gc in (True, False):
-        processor, _ = _counted(relax_gc=relax_gc)
+    options: list[dict[str, Any]] = [
+        {},
+        {"gc_threshold": None},
+        {"gc_threshold": GC_BATCH_THRESHOLD},
+    ]
+    for given in options:
+        processor, _ = _counted(**given)
         seen.clear()
         batch = [Message(f"m{n}", f"e{n % 2}", n) for n in range(4)]
         assert [r.outcome for r in processor.process_batch(batch, handler)] == ["processed"] * 4
-        assert seen == [GC_BATCH_THRESHOLD if relax_gc else before[0]] * 4
+        assert seen == [given.get("gc_threshold") or before[0]] * 4
         assert gc.get_threshold() == before
         processor.process(Message("m9", "e9", 9), handler)  # one message: as it is
         assert seen[-1] == before[0]
-    for bad in (1, "yes", None):
-        with pytest.raises(ConfigurationError, match="relax_gc"):
-            OutboxProcessor(processor.entities, processor.dedup, InMemoryDispatcher(), relax_gc=bad)  # type: ignore[arg-type]
+    for bad in (0, -1, True, "yes", 1.5):
+        with pytest.raises(ConfigurationError, match="gc_threshold"):
+            OutboxProcessor(
+                processor.entities, processor.dedup, InMemoryDispatcher(), gc_threshold=bad
+            )
 
 
 # ---------------------------------------------------------------------- inputs checked

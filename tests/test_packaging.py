@@ -17,7 +17,8 @@ def test_the_wheel_installs_only_the_dedupstore_package(tmp_path: Path) -> None:
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
     for module in (
-        "dedupstore/outbox.py",
+        "dedupstore/outbox/__init__.py",
+        "dedupstore/outbox/processor.py",
         "dedupstore/backends/__init__.py",
         "dedupstore/backends/sqlite.py",
         "dedupstore/backends/redis/store.py",

@@ -669,6 +669,11 @@ def test_the_demo_job_reports_every_invariant_holding(tmp_path: Path) -> None:
         assert "Lost task" not in text
     dead = [line for line in result.stdout.splitlines() if "dead-lettered messages" in line]
     assert dead and dead[0].split()[-1] == "10"
+    # the injected faults are counts in the report, not a WARNING line each
+    for text in (result.stdout, result.stderr):
+        assert "InjectedFailure" not in text and "unknown sku" not in text
+    counted = [line for line in result.stdout.splitlines() if "injected: refused" in line]
+    assert counted and counted[0].split()[-1] == "10"  # refused / crashed / poison
     assert (tmp_path / ".dedupstore" / "orders-demo" / "entities.db").is_file()
 
 

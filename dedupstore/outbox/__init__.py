@@ -1,0 +1,61 @@
+"""The improving-outbox algorithm: :class:`OutboxProcessor` and :func:`sweep`.
+
+The package's modules, each one responsibility (the names below are imported from
+here):
+
+* :mod:`~dedupstore.outbox.processor`: :class:`OutboxProcessor` and the algorithm's
+  steps for one message (its docstring states them);
+* :mod:`~dedupstore.outbox.batch`: :meth:`OutboxProcessor.process_batch` and its rounds;
+* :mod:`~dedupstore.outbox.handlers`: the handler's check and runs;
+* :mod:`~dedupstore.outbox.letters`: dead letters and :meth:`OutboxProcessor.redrive`;
+* :mod:`~dedupstore.outbox.messages`: :class:`Message`, :class:`Send`,
+  :class:`ProcessResult`, the :class:`Dispatcher` protocol and the size rules;
+* :mod:`~dedupstore.outbox.entries`: outbox entries and their dispatch;
+* :mod:`~dedupstore.outbox.cache`: the entities a processor keeps;
+* :mod:`~dedupstore.outbox.sweep`: :func:`sweep`, :func:`applied_among`,
+  :func:`recorded_consumer`.
+"""
+
+from __future__ import annotations
+
+from dedupstore.ids import message_key, outgoing_id
+from dedupstore.outbox.handlers import check_handler
+from dedupstore.outbox.letters import LETTER_ERROR_CHARS, bounded_letter, omitted
+from dedupstore.outbox.messages import (
+    BeforeCleanup,
+    Dispatcher,
+    Handler,
+    InMemoryDispatcher,
+    Message,
+    Outcome,
+    ProcessResult,
+    Send,
+    check_size,
+    message_size,
+)
+from dedupstore.outbox.processor import OutboxProcessor
+from dedupstore.outbox.sweep import SweepResult, applied_among, recorded_consumer, sweep
+
+__all__ = [
+    "LETTER_ERROR_CHARS",
+    "BeforeCleanup",
+    "Dispatcher",
+    "Handler",
+    "InMemoryDispatcher",
+    "Message",
+    "OutboxProcessor",
+    "Outcome",
+    "ProcessResult",
+    "Send",
+    "SweepResult",
+    "applied_among",
+    "bounded_letter",
+    "check_handler",
+    "check_size",
+    "message_key",
+    "message_size",
+    "omitted",
+    "outgoing_id",
+    "recorded_consumer",
+    "sweep",
+]

@@ -1,0 +1,104 @@
+"""What the parts of :class:`~dedupstore.outbox.OutboxProcessor` share.
+
+The processor is one class made of parts, each in the module of its responsibility:
+its batches (:mod:`~dedupstore.outbox.batch`), its calls of the handler
+(:mod:`~dedupstore.outbox.handlers`), its redrive (:mod:`~dedupstore.outbox.letters`)
+and the steps for one message (:mod:`~dedupstore.outbox.processor`, the class
+itself). :class:`_Base` declares the attributes its ``__init__`` sets and, for the
+type checker only, the methods one part calls on another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from dedupstore.entities import Entity, EntityStore, EntryMark, OutgoingMessage
+    from dedupstore.errors import EntityTooLarge
+    from dedupstore.outbox.cache import _EntityCache
+    from dedupstore.outbox.letters import _SetAside
+    from dedupstore.outbox.messages import Dispatcher, Handler, Message, Outcome, ProcessResult
+    from dedupstore.store import DeduplicationStore
+
+
+class _Base:
+    """The processor's attributes (see ``OutboxProcessor.__init__``)."""
+
+    run: str | None
+    dead_letters: str | None
+    handler_attempts: int
+    entities: EntityStore
+    dedup: DeduplicationStore
+    dispatcher: Dispatcher
+    cleanup: Literal["inline", "deferred"]
+    max_attempts: int
+    deferred_limit: int
+    gc_threshold: int | None
+    #: the handler that passed the check
+    _checked_handler: Handler | None
+    #: the dispatcher's bounds (max_message_bytes, max_header_bytes): see check_size
+    _bounds: tuple[int | None, int | None]
+    #: valid destinations the handler named, as JSON strings (checked once each)
+    _destinations: dict[str, str]
+    #: the entities process() saved last, at the version of that save
+    _kept: _EntityCache
+    #: whether the two stores share a server (joined calls)
+    _joined: bool
+
+    if TYPE_CHECKING:  # the methods one part calls on another (defined by their part)
+
+        @property
+        def consumer(self) -> str:
+            raise NotImplementedError
+
+        def process(self, message: Message, handler: Handler) -> ProcessResult:
+            raise NotImplementedError
+
+        def _process(
+            self, message: Message, handler: Handler, dispatched: set[str], clean: bool = True
+        ) -> ProcessResult:
+            raise NotImplementedError
+
+        def _claim_all(self, entities: dict[str, Entity]) -> dict[str, Entity]:
+            raise NotImplementedError
+
+        def _check_handler(self, handler: Handler) -> None:
+            raise NotImplementedError
+
+        def _found(self, entity: Entity, mid: str) -> tuple[Outcome, str | None]:
+            raise NotImplementedError
+
+        def _apply(
+            self, entity: Entity, message: Message, handler: Handler, mark: EntryMark | None = None
+        ) -> tuple[list[OutgoingMessage], str | None]:
+            raise NotImplementedError
+
+        def _mark(self) -> EntryMark:
+            raise NotImplementedError
+
+        def _over_limit(self, entity: Entity) -> bool:
+            raise NotImplementedError
+
+        def _move_dispatched(self, entities: Sequence[Entity], keys: Sequence[str] = ()) -> None:
+            raise NotImplementedError
+
+        def _clear(self, entities: Iterable[Entity], keep: set[tuple[str, str]]) -> set[str]:
+            raise NotImplementedError
+
+        def _report(self, messages: Sequence[Message], results: Sequence[ProcessResult]) -> None:
+            raise NotImplementedError
+
+        def _run(
+            self,
+            state: dict[str, Any],
+            message: Message,
+            handler: Handler,
+            source: str | None = None,
+        ) -> tuple[dict[str, Any], str | None, list[OutgoingMessage], str | None]:
+            raise NotImplementedError
+
+        def _refusals(
+            self, message: Message, entry: list[OutgoingMessage] | None, too_large: EntityTooLarge
+        ) -> list[_SetAside]:
+            raise NotImplementedError

@@ -1,0 +1,506 @@
+"""The improving-outbox algorithm's steps: :class:`OutboxProcessor`.
+
+For an incoming message ``m`` (id ``mid``) of entity ``cid``:
+
+1. load the entity (or take the one this processor saved last: its version is that
+   save's token, so it stands for a load made then);
+2. if ``mid`` is not in its outbox: if the deduplication store has ``mid``, it is a
+   duplicate (this check comes AFTER the load, so a concurrent copy that cleans the
+   outbox in between makes this copy's save fail on the token instead of applying
+   the change twice; for a kept entity of stores on one server it is made by the
+   save itself, which then writes nothing); else run the handler on the state, put
+   the outgoing messages (ids derived from ``mid`` and their position) in
+   ``outbox[mid]`` and save;
+3. else take ``outbox[mid]``;
+4. dispatch the outgoing messages if they are not ``None``;
+5. clean up: ``inline`` adds ``mid`` to the deduplication store, then removes it from
+   the outbox and saves; ``deferred`` sets ``outbox[mid] = None`` and saves, and
+   :func:`sweep` later moves the ids. An id is always in the outbox or the store.
+
+A ``ConcurrencyConflict`` restarts the message from step 1 (bounded). Every step can
+be retried after a crash; the broker redelivers.
+
+The caller guarantees: a handler is a pure function of ``(state, message)`` (no I/O,
+no clock, no randomness: a re-run must produce the same outputs); message ids are
+stable across redeliveries; receivers deduplicate outgoing messages by id.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from typing import Literal
+
+from dedupstore import metrics
+from dedupstore.entities import (
+    Entity,
+    EntityStore,
+    EntryMark,
+    OutgoingMessage,
+)
+from dedupstore.errors import (
+    ConcurrencyConflict,
+    ConfigurationError,
+    EntityTooLarge,
+)
+from dedupstore.ids import (
+    MAX_ID_BYTES,
+    message_key,
+    outgoing_id,
+    validate_name,
+)
+from dedupstore.outbox.batch import _Batching
+from dedupstore.outbox.cache import _EntityCache
+from dedupstore.outbox.entries import (
+    _dispatched,
+    _foreign,
+    _remove,
+    _retrying,
+    _send,
+    _too_large,
+    _unplaceable,
+)
+from dedupstore.outbox.handlers import (
+    _DEDUP_CALLS,
+    _ENTITY_CALLS,
+    _check_part,
+    _Handling,
+)
+from dedupstore.outbox.letters import _letter_error, _Redriving, _refusing, _SetAside
+from dedupstore.outbox.messages import (
+    Dispatcher,
+    Handler,
+    Message,
+    Outcome,
+    ProcessResult,
+    _bounds,
+    _shown,
+    _validate,
+)
+from dedupstore.store import DeduplicationStore
+
+#: Every module of the outbox logs as ``dedupstore.outbox``.
+_log = logging.getLogger("dedupstore.outbox")
+
+
+class OutboxProcessor(_Batching, _Handling, _Redriving):
+    """Processes messages exactly once: entity state, outbox, dispatch, then the id.
+
+    A message is identified by (consumer, entity, message id): the consumer is the
+    deduplication store's endpoint, the entity the message's correlation id. The same
+    message id under two entities is two messages; the deduplication store records
+    :func:`~dedupstore.ids.message_key` ``(correlation id, message id)``.
+
+    ``cleanup="inline"`` moves each id to the deduplication store as part of
+    processing (two more round trips); ``"deferred"`` only marks the outbox entry
+    dispatched and leaves the move to :func:`sweep`, except that an entity holding
+    more than ``deferred_limit`` dispatched ids (or more than an eighth of the entity
+    store's ``max_entity_bytes`` of them) has them moved inline, so a hot entity's
+    record never grows with the number of messages it received. ``max_attempts``
+    bounds the retries after ``ConcurrencyConflict``. Thread-safe if the stores are.
+
+    The processor keeps up to ``entity_cache`` entities it saved (0: none), as of
+    that save, and takes one instead of loading it for the entity's next message;
+    the save's token refuses it if anyone saved the entity since (one conflict, then
+    a load), so keeping never changes an answer, only the requests a message costs.
+
+    By default the processor changes no setting of the process. ``gc_threshold``
+    (an int, e.g. :data:`~dedupstore.calls.GC_BATCH_THRESHOLD`) opts in to raising
+    CPython's cyclic garbage collector's young-generation threshold to it while
+    :meth:`process_batch` runs (:func:`~dedupstore.calls.gc_relaxed`), for the whole
+    process, every thread included, put back when the last batch running at once
+    ends: a batch's objects would otherwise set off full collections, each walking
+    every object of the process, which in a process holding much data cost more
+    than the batch itself.
+
+    Every outbox entry it writes is marked with the time it was written (what
+    :func:`~dedupstore.stats.outbox_backlog` reports as the oldest pending entry) and
+    with ``run``, a name for one run of a job over its input: with a ``run``, a
+    message this run applied (or dead-lettered) in an earlier call whose clean-up did
+    not finish (a crash, a retried task) comes out ``processed`` (or
+    ``dead_lettered``) again, not ``redispatched``: outcomes say what the run did,
+    whichever call of it got through.
+    """
+
+    def __init__(
+        self,
+        entities: EntityStore,
+        dedup: DeduplicationStore,
+        dispatcher: Dispatcher,
+        *,
+        cleanup: Literal["inline", "deferred"] = "inline",
+        max_attempts: int = 10,
+        deferred_limit: int = 1000,
+        dead_letters: str | None = None,
+        handler_attempts: int = 1,
+        run: str | None = None,
+        entity_cache: int = 10_000,
+        gc_threshold: int | None = None,
+    ) -> None:
+        """Raises ``ConfigurationError`` (no I/O) for an ``entities`` that is not an
+        ``EntityStore``, a ``dedup`` that is not a ``DeduplicationStore``, a
+        ``dispatcher`` without a callable ``dispatch``, an unknown ``cleanup``, a bad
+        ``dead_letters`` destination or ``run`` name, ``max_attempts``,
+        ``deferred_limit`` or ``handler_attempts`` below 1, ``entity_cache``
+        below 0, or a ``gc_threshold`` that is neither None nor an int >= 1."""
+        if cleanup not in ("inline", "deferred"):
+            raise ConfigurationError(f"cleanup must be 'inline' or 'deferred', got {cleanup!r}")
+        for name, value in (
+            ("max_attempts", max_attempts),
+            ("deferred_limit", deferred_limit),
+            ("handler_attempts", handler_attempts),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
+        if isinstance(entity_cache, bool) or not isinstance(entity_cache, int) or entity_cache < 0:
+            raise ConfigurationError(f"entity_cache must be an int >= 0, got {entity_cache!r}")
+        if gc_threshold is not None and (
+            isinstance(gc_threshold, bool) or not isinstance(gc_threshold, int) or gc_threshold < 1
+        ):
+            raise ConfigurationError(
+                f"gc_threshold must be None or an int >= 1, got {gc_threshold!r}"
+            )
+        if dead_letters is not None:
+            validate_name(dead_letters, "dead-letter destination")
+        if run is not None:
+            validate_name(run, "run")
+        _check_part("entities", entities, EntityStore, _ENTITY_CALLS, "open_entity_store(url)")
+        _check_part("dedup", dedup, DeduplicationStore, _DEDUP_CALLS, "open_store(url)")
+        if not callable(getattr(dispatcher, "dispatch", None)):
+            raise ConfigurationError(
+                "dispatcher must have a callable dispatch(messages) (a Dispatcher, such as "
+                f"open_dispatcher(url)), got {_shown(dispatcher)}"
+            )
+        self.run = run
+        self.dead_letters = dead_letters
+        self.handler_attempts = handler_attempts
+        self.entities = entities
+        self.dedup = dedup
+        self.dispatcher = dispatcher
+        self.cleanup = cleanup
+        self.max_attempts = max_attempts
+        self.deferred_limit = deferred_limit
+        self.gc_threshold = gc_threshold
+        self._checked_handler: Handler | None = None  # the handler that passed the check
+        #: the dispatcher's bounds (max_message_bytes, max_header_bytes): see check_size
+        self._bounds = _bounds(dispatcher)
+        #: valid destinations the handler named, as JSON strings (checked once each)
+        self._destinations: dict[str, str] = {}
+        #: the entities process() saved last, at the version of that save
+        self._kept = _EntityCache(entity_cache)
+        # The two stores share a server: process() loads the entity and checks the id
+        # in one round trip, and the inline clean-up is one atomic write. (getattr: an
+        # entity store that wraps another need not implement the joined calls.)
+        joined = getattr(entities, "_joined", None)
+        self._joined: bool = joined is not None and bool(joined(dedup))
+
+    @property
+    def consumer(self) -> str:
+        """The consumer's name: the deduplication store's endpoint."""
+        return self.dedup.endpoint
+
+    def _claim(self, entity: Entity) -> Entity:
+        """``entity`` (loaded), recorded as this consumer's: every entity the processor
+        saves was claimed when it was loaded. ``ConfigurationError`` for an entity
+        another consumer recorded (before any write)."""
+        consumer = self.dedup.endpoint
+        if entity.consumer != consumer:
+            if entity.consumer is not None:
+                raise _foreign(entity, consumer)
+            entity.consumer = consumer
+        return entity
+
+    def _claim_all(self, entities: dict[str, Entity]) -> dict[str, Entity]:
+        """:meth:`_claim` of every entity of ``entities`` (loaded); returns them."""
+        for entity in entities.values():
+            self._claim(entity)
+        return entities
+
+    # ------------------------------------------------------------------ one message
+
+    def process(self, message: Message, handler: Handler) -> ProcessResult:
+        """Run the algorithm for one message; return what it did.
+
+        Raises ``InvalidMessageId`` (before any I/O), ``ConcurrencyConflict`` after
+        ``max_attempts`` conflicts, ``StoreUnavailable``, and whatever the handler or
+        the dispatcher raises (then the message must be redelivered). A message that
+        cannot be processed on any retry, because its own new state and outbox entry
+        do not fit in one entity record (``EntityTooLarge``) or an outgoing message is
+        over the dispatcher's ``max_message_bytes``/``max_header_bytes``
+        (``MessageTooLarge``, checked before anything is saved or sent), is set aside
+        with ``dead_letters`` (``dead_lettered``, its letter bounded: see
+        :meth:`letter_bytes`); without, that error is raised with ``message_id`` and
+        ``correlation_id`` naming it, nothing of it saved. They are raised with
+        ``dead_letters`` too when even the bounded letter cannot be written.
+        """
+        _validate(message)
+        if handler is not self._checked_handler:
+            self._check_handler(handler)
+        result = self._process(message, handler, set())
+        self._report([message], [result])
+        return result
+
+    def begin_attempt(self, message: Message) -> int:
+        """Record in ``message``'s entity that its handler is about to run once more;
+        return how many such runs began, this one included (0: the message needs no
+        run: it was applied, dead-lettered or recorded already).
+
+        What a consume loop calls before it runs, alone, a message that a consumer
+        died holding (a broker delivery count above 1): the count survives the
+        process, so a message that kills every consumer running it can be set aside
+        after ``max_deliveries`` runs (see :class:`~dedupstore.consumers.Consumer`),
+        while an outage or a crash with the message merely in flight counts nothing.
+        The entity's ``attempts`` entry goes when the message is applied. Raises
+        ``InvalidMessageId`` (before any I/O), ``StoreUnavailable``, and
+        ``ConcurrencyConflict`` after ``max_attempts`` conflicts.
+        """
+        _validate(message)
+        mid, cid = message.id, message.correlation_id
+        key = message_key(cid, mid)
+        for _attempt in range(self.max_attempts):
+            self._kept.take(cid)  # a fresh load: the count must be the stored one
+            entity = self._claim(self.entities.load(cid))
+            if mid in entity.outbox or self.dedup.has_been_processed(key):
+                return 0
+            runs = entity.attempts.get(mid, 0) + 1
+            entity.attempts[mid] = runs
+            try:
+                self.entities.save(entity)
+            except ConcurrencyConflict:
+                continue
+            except EntityTooLarge:  # a full record cannot count: the run is not recorded
+                return runs
+            self._kept.keep(entity)
+            return runs
+        raise ConcurrencyConflict(
+            f"message {mid!r:.80} of entity {cid!r:.80}: the entity kept changing while "
+            f"its attempt was recorded, for {self.max_attempts} attempts; redeliver it"
+        )
+
+    def _process(
+        self, message: Message, handler: Handler, dispatched: set[str], clean: bool = True
+    ) -> ProcessResult:
+        """:meth:`process`, not sending again the outgoing ids in ``dispatched``
+        (which gets those it sends); without ``clean``, steps 1-4 only."""
+        mid, cid = message.id, message.correlation_id
+        key = message_key(cid, mid)
+        applied = False
+        outcome: Outcome | None = None
+        error: str | None = None
+        outgoing: list[OutgoingMessage] | None
+        run_handler = handler  # or one that refuses the message (its entity cannot hold it)
+        attempt, budget = 0, self.max_attempts
+        while attempt < budget:
+            attempt += 1
+            try:
+                # A kept entity stands for a load: the save's token refuses it if anyone
+                # saved the entity since (then the next attempt loads it).
+                entity: Entity | None = self._kept.take(cid)
+                taken = entity is not None
+                recorded: bool | None = None
+                if entity is None:
+                    if self._joined:
+                        entity, recorded = self.entities._load_checked(cid, self.dedup, key)
+                    else:
+                        entity = self.entities.load(cid)
+                    self._claim(entity)
+                found = mid in entity.outbox
+                if not found:
+                    # (a kept entity of joined stores: the save itself checks the id)
+                    checked = self._joined and recorded is None
+                    if not checked and recorded is None:
+                        recorded = self.dedup.has_been_processed(key)
+                    if not recorded:
+                        outgoing, failed = self._apply(entity, message, run_handler)
+                        try:
+                            saved = self._save_applied(entity, message, key if checked else None)
+                        except _SetAside as refusal:
+                            # set it aside instead, from a fresh load (not a conflict:
+                            # at most twice, the letter whole then bounded)
+                            run_handler = _refusing(handler, {(cid, mid): refusal})
+                            budget += 1
+                            continue
+                        if saved is False:
+                            continue  # dispatched ids made room: start again from the load
+                        recorded = saved is None  # the save found it recorded: no write
+                    if recorded and taken:
+                        # A recorded message saves nothing, so nothing checks the kept
+                        # entity, and the stored outbox may still hold the message's
+                        # entry (a consumer recorded the id, then died before the save
+                        # removing it): load it, and clean the entry up if it is there.
+                        entity = self._claim(self.entities.load(cid))
+                        found = mid in entity.outbox
+                    if recorded and not found:  # the entity is as loaded: kept
+                        self._kept.keep(entity)
+                        done: Outcome = outcome if applied and outcome else "duplicate"
+                        return ProcessResult(mid, done, (), attempt, error)
+                if not found:  # applied above
+                    applied, error = True, failed
+                    outcome = "processed" if error is None else "dead_lettered"
+                else:
+                    outgoing = entity.outbox[mid]
+                    if outcome is None:
+                        outcome, error = self._found(entity, mid)
+                if outgoing is not None and not {m.id for m in outgoing} <= dispatched:
+                    _send(self.dispatcher, outgoing, self.consumer)
+                    dispatched.update(m.id for m in outgoing)
+                if clean:
+                    self._clean_up(entity, mid)
+                    self._kept.keep(entity)
+                return ProcessResult(mid, outcome, tuple(outgoing or ()), attempt, error)
+            except ConcurrencyConflict:
+                if attempt < self.max_attempts:
+                    _retrying(self.consumer, [cid])
+                continue
+        raise ConcurrencyConflict(
+            f"message {mid!r:.80} of entity {cid!r:.80}: the entity kept "
+            f"changing under it for {self.max_attempts} attempts; redeliver it"
+        )
+
+    def _found(self, entity: Entity, mid: str) -> tuple[Outcome, str | None]:
+        """The outcome (and error) of a message found in the entity's outbox.
+
+        ``duplicate`` once dispatched, ``redispatched`` while pending; but a pending
+        entry this processor's ``run`` wrote says what the run did then.
+        """
+        entry = entity.outbox[mid]
+        if entry is None:
+            return "duplicate", None
+        mark = entity.marks.get(mid)
+        if self.run is None or mark is None or mark.run != self.run:
+            return "redispatched", None
+        letter = outgoing_id(self.consumer, entity.id, mid, -1)
+        if len(entry) == 1 and entry[0].id == letter:
+            return "dead_lettered", _letter_error(entry[0])
+        return "processed", None
+
+    def _save_applied(self, entity: Entity, message: Message, checked: str | None) -> bool | None:
+        """Save the entity holding ``message``'s new entry (step 2c); with ``checked``
+        (the message's key), unless the deduplication store holds it: None then.
+
+        When it does not fit and the entity holds other entries, they are cleared
+        (:meth:`_clear`, on a fresh load, under its token) and False says: start
+        again. When it does not fit without them, ``EntityTooLarge`` names the message
+        (without ``dead_letters``), or ``_SetAside`` says how to set it aside
+        (:meth:`_refusals`).
+        """
+        try:
+            if checked is None:
+                self.entities.save(entity)
+            elif self.entities._save_checked(entity, self.dedup, checked):
+                return None
+            return True
+        except EntityTooLarge as exc:
+            if checked is not None and self.dedup.has_been_processed(checked):
+                return None
+            fresh = self._claim(self.entities.load(entity.id))
+            if not fresh.outbox:
+                too_large = _too_large(message, exc)
+                if self.dead_letters is None:
+                    raise too_large from None
+                refusals = self._refusals(message, entity.outbox.get(message.id), too_large)
+                if not refusals:
+                    raise _unplaceable(message, too_large) from None
+                raise refusals[0] from None
+            if not self._clear([fresh], set()):
+                raise ConcurrencyConflict(f"entity {entity.id!r:.80} changed") from None
+            return False
+
+    def _apply(
+        self, entity: Entity, message: Message, handler: Handler, mark: EntryMark | None = None
+    ) -> tuple[list[OutgoingMessage], str | None]:
+        """Steps 2b-2c in memory: run the handler, record its outputs in the outbox,
+        marked with ``mark`` (one per batch; a new one by default).
+
+        Returns the outgoing messages and, for a dead-lettered message, the error.
+        """
+        state, text, outgoing, error = self._run(entity.state, message, handler, entity._source())
+        if text is not None:
+            entity._set_state(state, text)
+        else:  # dead-lettered: the state as it was (decoded again if the handler had it)
+            entity.state = state
+        entity.outbox[message.id] = outgoing
+        entity.marks[message.id] = self._mark() if mark is None else mark
+        if entity.attempts:  # applied (or dead-lettered): its count of runs is done
+            entity.attempts.pop(message.id, None)
+        return outgoing, error
+
+    def _mark(self) -> EntryMark:
+        """The mark of an entry written now."""
+        return EntryMark(int(time.time() * 1000), self.run)
+
+    def _clean_up(self, entity: Entity, mid: str) -> None:
+        """Step 5 for one message on a loaded entity (saves it)."""
+        if self.cleanup == "inline":
+            key = message_key(entity.id, mid)
+            _remove(entity, mid)
+            if self._joined:  # one atomic request, the id recorded first
+                self.entities._save_recording(entity, self.dedup, key)
+            else:
+                self.dedup.add(key)
+                self.entities.save(entity)
+        elif entity.outbox[mid] is not None:
+            _dispatched(entity, mid)
+            if self._over_limit(entity):
+                self._move_dispatched([entity])
+            self.entities.save(entity)
+
+    def _over_limit(self, entity: Entity) -> bool:
+        """Whether a deferred entity holds too many dispatched ids to keep them."""
+        done = entity.dispatched
+        if len(done) > self.deferred_limit:
+            return True
+        budget = self.entities.max_entity_bytes // 8
+        return (
+            len(done) * (MAX_ID_BYTES + 8) > budget
+            and sum(len(m.encode()) + 8 for m in done) > budget
+        )
+
+    def _move_dispatched(self, entities: Sequence[Entity], keys: Sequence[str] = ()) -> None:
+        """Record the dispatched ids of ``entities`` in the deduplication store (with
+        ``keys``, in the same ``add_many``), then remove them from the outboxes in
+        memory (the caller saves): the inline clean-up of entries the deferred one left."""
+        keys = [*keys, *(message_key(e.id, mid) for e in entities for mid in e.dispatched)]
+        if keys:
+            self.dedup.add_many(keys)
+        for entity in entities:
+            for mid in entity.dispatched:
+                _remove(entity, mid)
+
+    def _clear(self, entities: Iterable[Entity], keep: set[tuple[str, str]]) -> set[str]:
+        """Empty the outboxes of ``entities`` but for the entries of ``keep`` (and save).
+
+        Entries still pending for other messages are dispatched again (at least once,
+        same ids), then every entry but ``keep``'s moves to the deduplication store
+        before the save that removes it. Returns the ids of the entities saved.
+        """
+        relay: list[OutgoingMessage] = []
+        cleared: list[Entity] = []
+        for entity in entities:
+            for mid in [m for m in entity.pending if (entity.id, m) not in keep]:
+                relay.extend(entity.outbox[mid] or [])
+                _dispatched(entity, mid)
+            if entity.dispatched:
+                cleared.append(entity)
+        if relay:
+            _send(self.dispatcher, relay, self.consumer)
+        if not cleared:
+            return set()
+        self._move_dispatched(cleared)
+        conflicts = self.entities.save_many(cleared)
+        return {e.id for e in cleared} - conflicts
+
+    def _report(self, messages: Sequence[Message], results: Sequence[ProcessResult]) -> None:
+        """Final results: counted in ``dedupstore.messages``; dead letters logged."""
+        metrics.count_outcomes(self.consumer, results)
+        for message, result in zip(messages, results, strict=True):
+            if result.outcome == "dead_lettered":
+                _log.warning(
+                    "consumer %s: message %r of entity %r was dead-lettered to %s: %s",
+                    self.consumer,
+                    message.id,
+                    message.correlation_id,
+                    self.dead_letters,
+                    result.error,
+                )

@@ -1,0 +1,278 @@
+""":func:`sweep` (the deferred clean-up: dispatched ids moved to the deduplication store)
+and the questions asked of an entity store's outboxes: :func:`applied_among`,
+:func:`recorded_consumer`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, replace
+
+from dedupstore import metrics
+from dedupstore.entities import (
+    Entity,
+    EntityStore,
+    OutgoingMessage,
+)
+from dedupstore.errors import (
+    ConfigurationError,
+)
+from dedupstore.ids import (
+    message_key,
+    validate_message_id,
+)
+from dedupstore.outbox.entries import _dispatched, _foreign, _remove, _send
+from dedupstore.outbox.messages import Dispatcher
+from dedupstore.store import DeduplicationStore
+
+#: Every module of the outbox logs as ``dedupstore.outbox``.
+_log = logging.getLogger("dedupstore.outbox")
+
+
+@dataclass
+class SweepResult:
+    """What one sweep of one segment did."""
+
+    segment: int = 0
+    segments: int = 1
+    entities_scanned: int = 0
+    ids_moved: int = 0
+    conflicts_retried: int = 0
+    redispatched: int = 0
+    ids_left: int = 0
+    seconds: float = 0.0
+
+
+def sweep(
+    entities: EntityStore,
+    dedup: DeduplicationStore,
+    segment: int = 0,
+    segments: int = 1,
+    redispatch: Dispatcher | None = None,
+    *,
+    batch_ids: int = 1000,
+    max_attempts: int = 10,
+    progress: Callable[[SweepResult], None] | None = None,
+) -> SweepResult:
+    """Move the ids of dispatched outbox entries into ``dedup``, for one segment.
+
+    For each entity of the segment with dispatched (``None``) entries: the ids go
+    to the deduplication store with ``add_many`` (batched across entities, about one
+    call per ``batch_ids`` ids), then leave the outbox in a save under the entity's
+    token (on conflict: reload, remove the ids that were added, save; at most
+    ``max_attempts`` times, then the ids stay for the next sweep: ``ids_left``).
+    Each id is recorded as :func:`~dedupstore.ids.message_key` of its entity and id,
+    under ``dedup``'s endpoint: an entity recorded for another consumer raises
+    ``ConfigurationError`` naming both before it or anything of its batch is written
+    (an entity with no consumer recorded is taken as this one's, and saved so).
+    With ``redispatch``, entries still pending are dispatched first; without it they
+    stay and count in ``ids_left`` (so ``ids_left == 0`` means every outbox of the
+    segment was empty when the sweep saved it). Safe beside
+    live consumers and other sweeps; memory is bounded by the batch.
+
+    ``progress``, if given, is called after each batch of ids is moved (not per
+    entity) with a copy of the running totals (``seconds`` so far); what it raises
+    stops the sweep (the batches before it are done). Raises ``StoreUnavailable``,
+    ``ConfigurationError`` (a missing store), and what ``redispatch`` raises.
+    """
+    started = time.perf_counter()
+    result = SweepResult(segment=segment, segments=segments)
+    report = _SweepProgress(result, started, dedup.endpoint, progress)
+    batch: list[tuple[Entity, list[str]]] = []
+    relay: list[OutgoingMessage] = []  # pending entries of the batch, sent in one call
+    size = 0
+    consumer = dedup.endpoint
+    for entity in entities.pending_outboxes(segment, segments):
+        result.entities_scanned += 1
+        _swept(entity, consumer)
+        pending = entity.pending if redispatch is not None else []
+        for mid in pending:
+            relay.extend(entity.outbox[mid] or [])
+            _dispatched(entity, mid)
+        result.redispatched += len(pending)
+        if redispatch is None:
+            result.ids_left += len(entity.pending)  # still awaiting dispatch: not moved
+        done = entity.dispatched
+        if not done:
+            continue
+        batch.append((entity, done))
+        size += len(done)
+        if size >= batch_ids:
+            _flush(entities, dedup, batch, result, max_attempts, redispatch, relay)
+            report.flushed()
+            batch, relay, size = [], [], 0
+    if batch:
+        _flush(entities, dedup, batch, result, max_attempts, redispatch, relay)
+        report.flushed()
+    result.seconds = time.perf_counter() - started
+    report.done()
+    return result
+
+
+def _swept(entity: Entity, consumer: str) -> Entity:
+    """An entity a sweep for ``consumer`` loaded, claimed for it (or refused)."""
+    if entity.consumer != consumer:
+        if entity.consumer is not None:
+            raise _foreign(entity, consumer)
+        entity.consumer = consumer
+    return entity
+
+
+def applied_among(
+    entities: EntityStore, dedup: DeduplicationStore, messages: Iterable[tuple[str, str]]
+) -> set[tuple[str, str]]:
+    """The ``(correlation id, message id)`` pairs among ``messages`` that were applied.
+
+    A message was applied when its id is in its entity's outbox (pending, or
+    dispatched and awaiting the sweep: a deferred clean-up leaves it there) or its
+    :func:`~dedupstore.ids.message_key` is recorded in ``dedup``. The entities are
+    loaded first, then ``dedup`` is asked about the others: an id reaches the store
+    before it leaves the outbox, so a sweep running meanwhile never hides one. One
+    ``load_many`` and one ``processed_among``. Raises ``InvalidMessageId`` before any
+    I/O, ``ConfigurationError`` for an entity recorded for another consumer than
+    ``dedup``'s endpoint (its outbox says nothing about this one), ``StoreUnavailable``.
+    """
+    pairs = list(dict.fromkeys(messages))
+    for cid, mid in pairs:
+        validate_message_id(cid, "correlation id")
+        validate_message_id(mid)
+    if not pairs:
+        return set()
+    loaded = entities.load_many([cid for cid, _ in pairs])
+    consumer = dedup.endpoint
+    for entity in loaded.values():
+        if entity.consumer is not None and entity.consumer != consumer:
+            raise _foreign(entity, consumer)
+    found = {(cid, mid) for cid, mid in pairs if mid in loaded[cid].outbox}
+    rest = {message_key(cid, mid): (cid, mid) for cid, mid in pairs if (cid, mid) not in found}
+    if rest:
+        found.update(rest[key] for key in dedup.processed_among(rest))
+    return found
+
+
+def recorded_consumer(
+    consumers: Collection[str], given_by: str = "endpoint", endpoint: str | None = None
+) -> str:
+    """The consumer to sweep for: ``endpoint`` if given, else the one ``consumers`` holds.
+
+    ``consumers``: the consumers recorded on an entity store's non-empty outboxes
+    (:attr:`~dedupstore.stats.Backlog.consumers`). With ``endpoint``: it, or
+    ``ConfigurationError`` naming both when another consumer is recorded. Without:
+    none recorded is ``"default"``, the endpoint of a store opened without one;
+    several are a ``ConfigurationError`` listing them (each consumer has its own
+    entity store; ``given_by`` names how to choose one, e.g. ``"--endpoint"``).
+    """
+    if endpoint is not None:
+        others = sorted(set(consumers) - {endpoint})
+        if others:
+            names = ", ".join(repr(c)[:80] for c in others)
+            raise ConfigurationError(
+                f"the entity store holds outboxes of consumer {names}, not {endpoint!r:.80} "
+                "(the deduplication store's endpoint); nothing was written. Each consumer has "
+                f"its own endpoint and entity store: sweep with {given_by} {others[0]!r:.80}"
+            )
+        return endpoint
+    if not consumers:
+        return "default"
+    if len(consumers) == 1:
+        return next(iter(consumers))
+    names = ", ".join(repr(c)[:80] for c in sorted(consumers))
+    raise ConfigurationError(
+        f"the entity store holds the outboxes of {len(consumers)} consumers ({names}), and "
+        f"no endpoint was given: name the consumer to sweep with {given_by} (a sweep "
+        "refuses the entities of another consumer; each consumer should have its own "
+        "entity store)"
+    )
+
+
+class _SweepProgress:
+    """After each batch of :func:`sweep`: metrics, a log line, the caller's callback."""
+
+    #: At most one INFO line this often (the others are DEBUG), plus the final one.
+    log_every = 10.0
+
+    def __init__(
+        self,
+        result: SweepResult,
+        started: float,
+        consumer: str,
+        callback: Callable[[SweepResult], None] | None,
+    ) -> None:
+        self.result = result
+        self.started = started
+        self.consumer = consumer
+        self.callback = callback
+        self.moved = self.conflicts = 0
+        self.logged = started
+
+    def _count(self) -> None:
+        """Record what moved and conflicted since the last call."""
+        result = self.result
+        metrics.count_swept(self.consumer, result.ids_moved - self.moved)
+        metrics.count_conflicts(self.consumer, "sweep", result.conflicts_retried - self.conflicts)
+        self.moved, self.conflicts = result.ids_moved, result.conflicts_retried
+
+    def flushed(self) -> None:
+        self._count()
+        now = time.perf_counter()
+        snapshot = replace(self.result, seconds=now - self.started)
+        level = logging.INFO if now - self.logged >= self.log_every else logging.DEBUG
+        if _log.isEnabledFor(level):
+            if level == logging.INFO:
+                self.logged = now
+            _log.log(
+                level, "sweep of consumer %s in progress: %s", self.consumer, _totals(snapshot)
+            )
+        if self.callback is not None:
+            self.callback(snapshot)
+
+    def done(self) -> None:
+        self._count()
+        _log.info("sweep of consumer %s done: %s", self.consumer, _totals(self.result))
+
+
+def _totals(result: SweepResult) -> str:
+    return (
+        f"segment {result.segment} of {result.segments}: {result.entities_scanned} entities "
+        f"scanned, {result.ids_moved} ids moved, {result.conflicts_retried} conflicts retried, "
+        f"{result.redispatched} redispatched, {result.ids_left} ids left, {result.seconds:.1f} s"
+    )
+
+
+def _flush(
+    entities: EntityStore,
+    dedup: DeduplicationStore,
+    batch: list[tuple[Entity, list[str]]],
+    result: SweepResult,
+    max_attempts: int,
+    redispatch: Dispatcher | None,
+    relay: list[OutgoingMessage],
+) -> None:
+    """Dispatch ``relay`` (one call), ``add_many`` the batch's ids, then remove them."""
+    if redispatch is not None and relay:
+        _send(redispatch, relay, dedup.endpoint)
+    dedup.add_many([message_key(entity.id, mid) for entity, ids in batch for mid in ids])
+    moved = {entity.id: ids for entity, ids in batch}
+    for entity, ids in batch:
+        for mid in ids:
+            _remove(entity, mid)
+    conflicted = entities.save_many([entity for entity, _ in batch])
+    result.ids_moved += sum(len(ids) for eid, ids in moved.items() if eid not in conflicted)
+    for eid in conflicted:
+        ids = moved[eid]
+        for _attempt in range(max_attempts):
+            result.conflicts_retried += 1
+            entity = _swept(entities.load(eid), dedup.endpoint)
+            present = [mid for mid in ids if mid in entity.outbox]
+            if not present:
+                result.ids_moved += len(ids)
+                break
+            for mid in present:
+                _remove(entity, mid)
+            if not entities.save_many([entity]):
+                result.ids_moved += len(ids)
+                break
+        else:
+            result.ids_left += len(ids)
