@@ -68,7 +68,9 @@ nitpick_ignore_regex = [
     (r"py:.*", r"dedupstore\.(client|urls|calls|canonical|dead_letters)\..*"),
     (r"py:.*", r"dedupstore\.(D|T|entities\.T|registry\.T|entities\._Texts)"),
     (r"py:.*", r"dedupstore\.spark\._columns\..*"),
-    (r"py:class", r"(StoreURL|Cleanup|Command)"),  # annotations imported for type checking
+    (r"py:class", r"(StoreURL|Cleanup|Command|Handler)"),  # annotations imported for type checking
+    # OutboxProcessor's private parts (one per module of dedupstore.outbox), shown as bases.
+    (r"py:class", r"dedupstore\.outbox\.\w+\._\w+"),
     (r"py:meth", r"(_\w+|\w+\._\w+|check_options|close)"),
     # Backends and brokers are described on their own pages, not in the API reference.
     (r"py:.*", r"dedupstore\.backends\..*"),

@@ -3,16 +3,16 @@
 The package's modules, each one responsibility (the names below are imported from
 here):
 
-* :mod:`~dedupstore.outbox.processor`: :class:`OutboxProcessor` and the algorithm's
+* ``processor``: :class:`OutboxProcessor` and the algorithm's
   steps for one message (its docstring states them);
-* :mod:`~dedupstore.outbox.batch`: :meth:`OutboxProcessor.process_batch` and its rounds;
-* :mod:`~dedupstore.outbox.handlers`: the handler's check and runs;
-* :mod:`~dedupstore.outbox.letters`: dead letters and :meth:`OutboxProcessor.redrive`;
-* :mod:`~dedupstore.outbox.messages`: :class:`Message`, :class:`Send`,
+* ``batch``: :meth:`~dedupstore.outbox.OutboxProcessor.process_batch` and its rounds;
+* ``handlers``: the handler's check and runs;
+* ``letters``: dead letters and :meth:`~dedupstore.outbox.OutboxProcessor.redrive`;
+* ``messages``: :class:`Message`, :class:`Send`,
   :class:`ProcessResult`, the :class:`Dispatcher` protocol and the size rules;
-* :mod:`~dedupstore.outbox.entries`: outbox entries and their dispatch;
-* :mod:`~dedupstore.outbox.cache`: the entities a processor keeps;
-* :mod:`~dedupstore.outbox.sweep`: :func:`sweep`, :func:`applied_among`,
+* ``entries``: outbox entries and their dispatch;
+* ``cache``: the entities a processor keeps;
+* ``sweep``: :func:`sweep`, :func:`applied_among`,
   :func:`recorded_consumer`.
 """
 
