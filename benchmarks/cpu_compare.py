@@ -112,6 +112,21 @@ def redis_requests(enabled: bool = True) -> Iterator[list[int]]:
         AbstractConnection.send_packed_command = original  # type: ignore[method-assign]
 
 
+def _same_collector(processor_class: type) -> dict[str, Any]:
+    """The options that give every tree's processor the same collector setting: trees
+    whose processor relaxed the collector during a batch by default (before
+    ``gc_threshold``) are compared with this one opted in (``gc_threshold``), so the
+    comparison measures the algorithm, not a default. ``RESULTS.md`` says what the
+    default (the collector left alone) costs."""
+    import inspect
+
+    if "gc_threshold" not in inspect.signature(processor_class).parameters:
+        return {}
+    from dedupstore.calls import GC_BATCH_THRESHOLD
+
+    return {"gc_threshold": GC_BATCH_THRESHOLD}
+
+
 def _child(spec: dict[str, Any]) -> dict[str, object]:
     """One measurement in this process (whose ``PYTHONPATH`` is the measured tree)."""
     import dedupstore
@@ -131,7 +146,13 @@ def _child(spec: dict[str, Any]) -> dict[str, object]:
         def measure(count: int) -> float:
             messages = workload(count, random.Random(count))
             dispatcher = InMemoryDispatcher()
-            processor = OutboxProcessor(entities, dedup, dispatcher, cleanup=run.cleanup)  # type: ignore[arg-type]
+            processor = OutboxProcessor(
+                entities,  # type: ignore[arg-type]
+                dedup,  # type: ignore[arg-type]
+                dispatcher,
+                cleanup=run.cleanup,
+                **_same_collector(OutboxProcessor),
+            )
             gc.collect()
             started = clock()
             if run.batch is None:
