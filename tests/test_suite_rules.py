@@ -1,0 +1,78 @@
+"""The suite's own rules (``tests/suite_rules.py``), serial and on pytest-xdist workers."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+_SUITE = textwrap.dedent(
+    """
+    import pytest
+
+    def test_runs():
+        pass
+
+    def test_is_skipped():
+        pytest.skip("no server")
+    """
+)
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
+def test_under_ci_a_skip_on_any_worker_fails_the_run(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, workers: list[str]
+) -> None:
+    pytester.makepyfile(test_some=_SUITE)
+    monkeypatch.setenv("CI", "true")
+    result = pytester.runpytest_subprocess(
+        "-p", "tests.suite_rules", "-p", "no:cacheprovider", *workers
+    )
+    result.assert_outcomes(passed=1, skipped=1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*CI=true: 1 skipped test(s) count as failures*"])
+
+
+def test_outside_ci_a_skip_is_only_reported(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytester.makepyfile(test_some=_SUITE)
+    monkeypatch.delenv("CI", raising=False)
+    result = pytester.runpytest_subprocess("-p", "tests.suite_rules", "-n", "2")
+    result.assert_outcomes(passed=1, skipped=1)
+    assert result.ret == pytest.ExitCode.OK
+
+
+def test_spark_session_tests_share_a_group_and_chaos_suites_theirs(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makeconftest(
+        textwrap.dedent(
+            """
+            import pytest
+
+            @pytest.fixture(scope="session")
+            def spark():
+                return "session"
+            """
+        )
+    )
+    pytester.makepyfile(
+        test_spark_jobs="def test_submits():\n    pass\n",
+        test_uses="def test_with_session(spark):\n    pass\n\ndef test_without():\n    pass\n",
+        test_consumer_chaos="def test_kills():\n    pass\n",
+    )
+    items, _ = pytester.inline_genitems("-p", "tests.suite_rules")
+    marks = {
+        item.name: (
+            item.get_closest_marker("spark") is not None,
+            [m.args[0] for m in item.iter_markers("xdist_group")],
+        )
+        for item in items
+    }
+    assert marks == {
+        "test_submits": (True, []),
+        "test_with_session": (True, ["spark"]),
+        "test_without": (False, []),
+        "test_kills": (False, ["chaos"]),
+    }
