@@ -3,11 +3,12 @@ and no silent skips in CI.
 
 * Every test of a ``test_spark*.py`` file, and every test using the ``spark`` session
   fixture, is marked ``spark`` (``make test-fast`` leaves them out).
-* Tests that hold a Spark session (the ``spark`` fixture: a JVM per engine) form the xdist
-  group ``spark``, so under ``--dist loadgroup`` one worker starts the JVMs, once per engine.
-* The consumer chaos suites (each several consumer processes, killed at random, and its
-  own servers) form the group ``chaos``: they run one after another on one worker instead
-  of competing with each other for the cores.
+* Tests that hold a Spark session (the ``spark`` fixture: JVMs per engine) form one xdist
+  group per engine, ``spark-local``, ``spark-connect`` and ``spark-cluster``: under
+  ``--dist loadgroup`` each engine's JVMs start once, on one worker, as in a serial run.
+* Each consumer chaos suite (several consumer processes, killed at random, around its
+  own servers) is a group, ``chaos-redis`` and ``chaos-rabbitmq``: its tests run one
+  after another instead of competing with each other for the cores.
 * Under ``CI=true`` a skipped test fails the run. With xdist the workers send their
   reports to the controller, whose ``pytest_runtest_logreport`` sees every test of every
   worker: the controller counts the skips and sets the exit status.
@@ -19,11 +20,11 @@ import os
 
 import pytest
 
-#: xdist group of the tests that use a Spark session fixture.
-SPARK_GROUP = "spark"
-#: xdist group of the consumer chaos suites.
-CHAOS_GROUP = "chaos"
-_CHAOS_MODULES = {"test_consumer_chaos.py", "test_consumer_chaos_rabbitmq.py"}
+#: xdist group of each consumer chaos suite, by module.
+CHAOS_GROUPS = {
+    "test_consumer_chaos.py": "chaos-redis",
+    "test_consumer_chaos_rabbitmq.py": "chaos-rabbitmq",
+}
 
 _skipped: list[str] = []
 
@@ -41,9 +42,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if uses_session or module.startswith("test_spark"):
             item.add_marker(pytest.mark.spark)
         if uses_session:
-            item.add_marker(pytest.mark.xdist_group(SPARK_GROUP))
-        elif module in _CHAOS_MODULES:
-            item.add_marker(pytest.mark.xdist_group(CHAOS_GROUP))
+            engine = getattr(item, "callspec", None) and item.callspec.params.get("spark")
+            item.add_marker(pytest.mark.xdist_group(f"spark-{engine or 'local'}"))
+        elif module in CHAOS_GROUPS:
+            item.add_marker(pytest.mark.xdist_group(CHAOS_GROUPS[module]))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -43,7 +43,7 @@ def test_outside_ci_a_skip_is_only_reported(
     assert result.ret == pytest.ExitCode.OK
 
 
-def test_spark_session_tests_share_a_group_and_chaos_suites_theirs(
+def test_spark_session_tests_are_grouped_by_engine_and_chaos_suites_by_file(
     pytester: pytest.Pytester,
 ) -> None:
     pytester.makeconftest(
@@ -52,19 +52,33 @@ def test_spark_session_tests_share_a_group_and_chaos_suites_theirs(
             import pytest
 
             @pytest.fixture(scope="session")
-            def spark():
-                return "session"
+            def spark(request):
+                return getattr(request, "param", "local")
             """
         )
     )
     pytester.makepyfile(
         test_spark_jobs="def test_submits():\n    pass\n",
-        test_uses="def test_with_session(spark):\n    pass\n\ndef test_without():\n    pass\n",
+        test_uses=textwrap.dedent(
+            """
+            import pytest
+
+            def test_with_session(spark):
+                pass
+
+            @pytest.mark.parametrize("spark", ["connect", "cluster"], indirect=True)
+            def test_on_engine(spark):
+                pass
+
+            def test_without():
+                pass
+            """
+        ),
         test_consumer_chaos="def test_kills():\n    pass\n",
     )
     items, _ = pytester.inline_genitems("-p", "tests.suite_rules")
     marks = {
-        item.name: (
+        item.name.replace("test_on_engine", "engine"): (
             item.get_closest_marker("spark") is not None,
             [m.args[0] for m in item.iter_markers("xdist_group")],
         )
@@ -72,7 +86,9 @@ def test_spark_session_tests_share_a_group_and_chaos_suites_theirs(
     }
     assert marks == {
         "test_submits": (True, []),
-        "test_with_session": (True, ["spark"]),
+        "test_with_session": (True, ["spark-local"]),
+        "engine[connect]": (True, ["spark-connect"]),
+        "engine[cluster]": (True, ["spark-cluster"]),
         "test_without": (False, []),
-        "test_kills": (False, ["chaos"]),
+        "test_kills": (False, ["chaos-redis"]),
     }
