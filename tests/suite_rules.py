@@ -33,19 +33,22 @@ def _in_ci() -> bool:
     return os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 
 
-@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects and xdist reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark the Spark tests and put the tests that must share a worker in their group."""
-    for item in items:
-        module = item.path.name
-        uses_session = "spark" in getattr(item, "fixturenames", ())
-        if uses_session or module.startswith("test_spark"):
-            item.add_marker(pytest.mark.spark)
-        if uses_session:
-            engine = getattr(item, "callspec", None) and item.callspec.params.get("spark")
-            item.add_marker(pytest.mark.xdist_group(f"spark-{engine or 'local'}"))
-        elif module in CHAOS_GROUPS:
-            item.add_marker(pytest.mark.xdist_group(CHAOS_GROUPS[module]))
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Mark a Spark test, and put a test that must share a worker in its group.
+
+    Done as each test is collected, before any ``pytest_collection_modifyitems``: ``-m``
+    deselects there, and pytest-xdist reads the groups there (in whatever hook order).
+    """
+    module = item.path.name
+    uses_session = "spark" in getattr(item, "fixturenames", ())
+    if uses_session or module.startswith("test_spark"):
+        item.add_marker(pytest.mark.spark)
+    if uses_session:
+        callspec = getattr(item, "callspec", None)
+        engine = callspec.params.get("spark", "local") if callspec is not None else "local"
+        item.add_marker(pytest.mark.xdist_group(f"spark-{engine}"))
+    elif module in CHAOS_GROUPS:
+        item.add_marker(pytest.mark.xdist_group(CHAOS_GROUPS[module]))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

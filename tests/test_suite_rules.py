@@ -92,3 +92,46 @@ def test_spark_session_tests_are_grouped_by_engine_and_chaos_suites_by_file(
         "test_without": (False, []),
         "test_kills": (False, ["chaos-redis"]),
     }
+
+
+def test_under_loadgroup_each_group_runs_on_one_worker(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(
+        textwrap.dedent(
+            """
+            import pytest
+
+            @pytest.fixture(scope="session")
+            def spark(request):
+                return getattr(request, "param", "local")
+            """
+        )
+    )
+    for name in ("a", "b", "c"):
+        pytester.makepyfile(
+            **{
+                f"test_{name}": textwrap.dedent(
+                    """
+                    import pytest
+
+                    @pytest.mark.parametrize("spark", ["local", "connect"], indirect=True)
+                    @pytest.mark.parametrize("n", range(3))
+                    def test_on_engine(spark, n):
+                        pass
+
+                    @pytest.mark.parametrize("n", range(6))
+                    def test_plain(n):
+                        pass
+                    """
+                )
+            }
+        )
+    result = pytester.runpytest_subprocess(
+        "-p", "tests.suite_rules", "-p", "no:cacheprovider", "-n", "3", "--dist", "loadgroup", "-v"
+    )
+    result.assert_outcomes(passed=36)
+    workers: dict[str, set[str]] = {}
+    for line in result.outlines:
+        if line.startswith("[gw") and "PASSED" in line and "@spark-" in line:
+            workers.setdefault(line.rsplit("@", 1)[1].strip(), set()).add(line.split("]")[0])
+    assert set(workers) == {"spark-local", "spark-connect"}
+    assert all(len(ran_on) == 1 for ran_on in workers.values()), workers
