@@ -3,9 +3,11 @@ and no silent skips in CI.
 
 * Every test of a ``test_spark*.py`` file, and every test using the ``spark`` session
   fixture, is marked ``spark`` (``make test-fast`` leaves them out).
-* Tests that hold a Spark session (the ``spark`` fixture: JVMs per engine) form one xdist
-  group per engine, ``spark-local``, ``spark-connect`` and ``spark-cluster``: under
-  ``--dist loadgroup`` each engine's JVMs start once, on one worker, as in a serial run.
+* Every Spark test is in the xdist group ``spark``: one worker runs them all, in the
+  order of a serial run, and starts each engine's JVMs once. One group, not one per
+  engine: while a Connect session lives, PySpark keeps its process in "Connect mode"
+  (an environment variable every child inherits), so a ``spark-submit`` or a Spark job
+  in a subprocess on that worker would fail outside that order.
 * Each consumer chaos suite (several consumer processes, killed at random, around its
   own servers) is a group, ``chaos-redis`` and ``chaos-rabbitmq``: its tests run one
   after another instead of competing with each other for the cores.
@@ -20,6 +22,8 @@ import os
 
 import pytest
 
+#: xdist group of the Spark tests.
+SPARK_GROUP = "spark"
 #: xdist group of each consumer chaos suite, by module.
 CHAOS_GROUPS = {
     "test_consumer_chaos.py": "chaos-redis",
@@ -41,12 +45,9 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     """
     module = item.path.name
     uses_session = "spark" in getattr(item, "fixturenames", ())
-    if uses_session or module.startswith("test_spark"):
+    if uses_session or module.startswith("test_spark") or item.get_closest_marker("spark"):
         item.add_marker(pytest.mark.spark)
-    if uses_session:
-        callspec = getattr(item, "callspec", None)
-        engine = callspec.params.get("spark", "local") if callspec is not None else "local"
-        item.add_marker(pytest.mark.xdist_group(f"spark-{engine}"))
+        item.add_marker(pytest.mark.xdist_group(SPARK_GROUP))
     elif module in CHAOS_GROUPS:
         item.add_marker(pytest.mark.xdist_group(CHAOS_GROUPS[module]))
 
