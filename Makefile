@@ -4,8 +4,15 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 CHECKED := dedupstore backends spark_integration
+# pytest-xdist workers: the tests mostly wait on servers and subprocesses, so twice the
+# cores of a 2-core machine; each worker starts its own servers (docs/contributing.md).
+# TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 4
+XDIST := -n $(TEST_WORKERS) --dist loadgroup
+# make test-fast: no servers, no Spark, nothing marked slow (unit, memory and SQLite tests)
+FAST_MARKERS := not (postgres or redis or dynamodb or cosmos or rabbitmq or spark or slow)
 
-.PHONY: demo test docs lint format test-deps bench clean
+.PHONY: demo test test-fast docs lint format test-deps bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,7 +42,10 @@ docs: $(STAMP)
 	$(PY) -m sphinx -W --keep-going -n -b html docs docs/_build/html
 
 test: $(STAMP) test-deps lint docs
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest $(XDIST) -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
 
 bench: $(STAMP) test-deps
 	$(PY) -m benchmarks.bench $(BENCH_ARGS)

@@ -17,6 +17,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import random
 import shlex
 import shutil
 import signal
@@ -83,10 +84,63 @@ class ExternalServerError(ServerError):
 
 
 _handed_out_ports: set[int] = set()
+#: Server ports come from below the kernel's ephemeral range (which outgoing connections
+#: and ``bind(0)`` draw from), so no client socket takes the port of a server that is
+#: down between ``kill()`` and ``restart()``.
+_SERVER_PORTS = range(15000, 32768)
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _port_slice() -> range:
+    """This process's share of the server ports: disjoint per pytest-xdist worker
+    (``gw<i>`` of ``PYTEST_XDIST_WORKER_COUNT``), so no worker can start a server on, or
+    expect nothing on, a port another worker's server uses or will restart on."""
+    ports = range(_SERVER_PORTS.start, min(_SERVER_PORTS.stop, _ephemeral_low()))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or "1")
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    size = len(ports) // max(count, 1)
+    return ports[index * size : (index + 1) * size]
+
+
+_port_cursor: int | None = None
 
 
 def free_port() -> int:
-    """Return a loopback TCP port that is free now and not handed out before by this process."""
+    """Return a loopback TCP port that is free now and not handed out before by this process.
+
+    Ports come from this process's own slice (see ``_port_slice``), starting at a random
+    place in it (other test runs on the machine draw from the same ranges); a slice too
+    small for the kernel's range falls back to ``bind(0)``.
+    """
+    global _port_cursor
+    ports = _port_slice()
+    if len(ports) < 100:
+        return _kernel_port()
+    if _port_cursor is None:
+        _port_cursor = random.SystemRandom().randrange(len(ports))
+    for _ in range(len(ports)):
+        port = ports[_port_cursor % len(ports)]
+        _port_cursor += 1
+        if port in _handed_out_ports:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((HOST, port))
+            except OSError:
+                continue
+        _handed_out_ports.add(port)
+        return port
+    raise ServerError(f"no free port left in {ports}")
+
+
+def _kernel_port() -> int:
     while True:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind((HOST, 0))
@@ -310,6 +364,10 @@ class LocalServer(Server):
         """Where the work dir is created (None: the default temp dir)."""
         return None
 
+    def _choose_ports(self) -> None:
+        """Pick the ports of a first start (again on each attempt; kept by restart())."""
+        self.port = free_port()
+
     # -- public API
 
     @property
@@ -349,7 +407,7 @@ class LocalServer(Server):
         attempts = 3 if first_start else 1  # a fresh port may be grabbed by someone else
         for attempt in range(1, attempts + 1):
             if first_start:
-                self.port = free_port()
+                self._choose_ports()
             try:
                 self._launch()
                 return
@@ -711,6 +769,10 @@ def _pg_bindir() -> Path:
     )
 
 
+#: Per bindir, the data dir of a pristine cluster that every PostgresServer copies.
+_pg_templates: dict[str, Path] = {}
+
+
 class PostgresServer(LocalServer):
     """A private PostgreSQL cluster: superuser ``dedup``/``dedup`` owning database ``dedup``.
 
@@ -777,19 +839,42 @@ class PostgresServer(LocalServer):
             )
 
     def _initialize(self) -> None:
-        bindir = self.bindir
-        pwfile = self.workdir / "pwfile"
-        pwfile.write_text(self.password + "\n")
-        pwfile.chmod(0o600)
+        # A copy of this process's pristine cluster (made once: initdb and CREATE DATABASE
+        # cost seconds, a copy a fraction of one), by the OS user so that it owns the copy.
+        template = self._template()
         self.data_dir.mkdir(mode=0o700)
         self.socket_dir.mkdir(mode=0o700)
         if self._as_root():
             self.workdir.chmod(0o755)
-            for path in (self.data_dir, self.socket_dir, pwfile):
+            for path in (self.data_dir, self.socket_dir):
+                shutil.chown(path, self.os_user, self.os_user)
+        self._run(["cp", "-a", f"{template}/.", str(self.data_dir)])
+
+    def _template(self) -> Path:
+        """The data dir of a cluster that was initialized and never started, per process."""
+        key = str(self.bindir)
+        if key not in _pg_templates:
+            where = Path(
+                tempfile.mkdtemp(prefix="dedupstore-pgtemplate-", dir=self._workdir_parent())
+            )
+            atexit.register(shutil.rmtree, where, True)
+            _pg_templates[key] = where / "data"
+            self._init_cluster(where, _pg_templates[key])
+        return _pg_templates[key]
+
+    def _init_cluster(self, where: Path, data_dir: Path) -> None:
+        bindir = self.bindir
+        pwfile = where / "pwfile"
+        pwfile.write_text(self.password + "\n")
+        pwfile.chmod(0o600)
+        data_dir.mkdir(mode=0o700)
+        if self._as_root():
+            where.chmod(0o755)
+            for path in (data_dir, pwfile):
                 shutil.chown(path, self.os_user, self.os_user)
         self._run([
             str(bindir / "initdb"),
-            "--pgdata", str(self.data_dir),
+            "--pgdata", str(data_dir),
             "--username", self.user,
             "--pwfile", str(pwfile),
             "--auth-local", "trust",
@@ -801,7 +886,7 @@ class PostgresServer(LocalServer):
         pwfile.unlink()
         # Single-user mode creates the database without a running server or a client.
         self._run(
-            [str(bindir / "postgres"), "--single", "-D", str(self.data_dir), "postgres"],
+            [str(bindir / "postgres"), "--single", "-D", str(data_dir), "postgres"],
             stdin=f'CREATE DATABASE "{self.database}";\n',
         )
 
@@ -980,6 +1065,10 @@ class RabbitMQServer(LocalServer):
             connection.close()
         self.restart()
 
+    def _choose_ports(self) -> None:
+        # all three again when one was taken (the log names EADDRINUSE for any of them)
+        self.port, self.dist_port, self.epmd_port = free_port(), free_port(), free_port()
+
     def _initialize(self) -> None:
         for sub in ("home", "mnesia", "log"):
             (self.workdir / sub).mkdir()
@@ -995,8 +1084,6 @@ class RabbitMQServer(LocalServer):
     def _command(self) -> list[str]:
         script = _RABBITMQ_SCRIPT if _RABBITMQ_SCRIPT.is_file() else Path(_which("rabbitmq-server"))
         _which("epmd")
-        if not self.dist_port:  # chosen on the first start, kept by restart()
-            self.dist_port, self.epmd_port = free_port(), free_port()
         return ["sh", "-c", _RABBITMQ_LAUNCHER, str(script)]
 
     def _environment(self) -> dict[str, str]:

@@ -525,6 +525,7 @@ def test_the_own_backend_contract_example_runs(tmp_path: Path) -> None:
 @runs("spark-job")
 @pytest.mark.sqlite
 @pytest.mark.slow
+@pytest.mark.spark
 @pytest.mark.timeout(600)
 def test_the_spark_job_example_runs(tmp_path: Path) -> None:
     """On a plain session, as ``.venv/bin/python job.py`` starts it: the venv neither

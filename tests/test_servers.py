@@ -22,6 +22,8 @@ from tests.servers import (
     Server,
     ServerStartError,
     _alive,
+    _ephemeral_low,
+    _port_slice,
     _wait_gone,
     free_port,
 )
@@ -65,6 +67,19 @@ def test_a_zombie_main_thread_with_running_threads_is_alive() -> None:
 def test_free_port_hands_out_distinct_ports() -> None:
     ports = {free_port() for _ in range(20)}
     assert len(ports) == 20
+
+
+def test_each_xdist_worker_draws_ports_from_its_own_slice_below_the_ephemeral_range(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "4")
+    slices = []
+    for worker in range(4):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", f"gw{worker}")
+        slices.append(set(_port_slice()))
+    assert all(len(ports) >= 1000 for ports in slices)
+    assert len(set().union(*slices)) == sum(len(ports) for ports in slices)  # disjoint
+    assert max(set().union(*slices)) < _ephemeral_low()
 
 
 def test_external_server_cannot_be_killed_or_restarted() -> None:
