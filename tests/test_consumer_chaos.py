@@ -84,6 +84,26 @@ def oversize_violations(letters: list[dict[str, Any]]) -> list[str]:
     return []
 
 
+#: What a consumer process prints once its stores and broker are open (it reads next).
+START_LINE = "dedupstore consume: broker"
+
+
+def pick_victim(rng: random.Random, processes: list[Any], logs: list[Path]) -> Any:
+    """A live consumer process that is consuming (its start line printed), at random:
+    a kill then lands in its work, however slowly a loaded machine starts processes
+    (a kill of one still importing proves nothing; the anti-tests saw only such kills
+    under load). Waits for one (bounded by the test's timeout)."""
+    while True:
+        alive = [(p, log) for p, log in zip(processes, logs, strict=True) if p.poll() is None]
+        assert alive, "every consumer exited:\n" + "\n".join(
+            log.read_text(errors="replace")[-2000:] for log in logs
+        )
+        consuming = [p for p, log in alive if START_LINE in log.read_text(errors="replace")]
+        if consuming:
+            return rng.choice(consuming)
+        time.sleep(0.05)
+
+
 def outage_phase(stores: TcpProxy, dispatcher: TcpProxy, seconds: float = OUTAGE) -> None:
     """The stores' server unreachable for ``seconds`` (new connections refused, open
     ones reset), then the dispatcher's."""
@@ -199,9 +219,7 @@ class Chaos:
             time.sleep(self.rng.uniform(0.1, 0.3))
             if self.group_state()[1] < TOP_UP:  # every kill lands while there is work
                 self.produce(TOP_UP)
-            alive = [p for p in self.processes if p.poll() is None]
-            assert alive, f"every consumer exited:\n{self._log_tail()}"
-            victim = self.rng.choice(alive)
+            victim = pick_victim(self.rng, self.processes, self.logs)
             victim.send_signal(signal.SIGKILL)
             assert victim.wait() == -signal.SIGKILL
             self.killed += 1

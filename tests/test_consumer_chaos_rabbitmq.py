@@ -68,12 +68,10 @@ from tests.test_consumer_chaos import (
     _with,
     outage_phase,
     oversize_violations,
+    pick_victim,
 )
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.redis, pytest.mark.slow]
-
-#: Seconds a consumer process needs to start consuming; victims are older than this.
-WARM_UP = 1.5
 
 
 class RabbitChaos:
@@ -104,7 +102,6 @@ class RabbitChaos:
         self.channel.confirm_delivery()
         self.owner: dict[str, str] = {}
         self.processes: list[subprocess.Popen[bytes]] = []
-        self.started: dict[int, float] = {}
         self.killed = 0
         self.logs: list[Path] = []
 
@@ -166,7 +163,6 @@ class RabbitChaos:
         with log.open("wb") as out:
             process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=out)
         self.processes.append(process)
-        self.started[process.pid] = time.monotonic()
 
     def _stop_all(self) -> None:
         for process in self.processes:
@@ -191,11 +187,7 @@ class RabbitChaos:
             time.sleep(self.rng.uniform(0.3, 0.8))
             if self.ready() < TOP_UP:  # every kill lands while there is work
                 self.produce(TOP_UP)
-            # a victim has been up long enough to be consuming (imports, connections)
-            warm = time.monotonic() - WARM_UP
-            alive = [p for p in self.processes if p.poll() is None]
-            assert alive, f"every consumer exited:\n{self._log_tail()}"
-            victim = self.rng.choice([p for p in alive if self.started[p.pid] < warm] or alive)
+            victim = pick_victim(self.rng, self.processes, self.logs)
             victim.send_signal(signal.SIGKILL)
             assert victim.wait() == -signal.SIGKILL
             self.killed += 1
