@@ -1012,7 +1012,10 @@ def test_add_many_failing_part_way_reports_its_progress(
 
 @pytest.mark.timeout(60)
 def test_server_that_never_answers_raises_store_unavailable() -> None:
-    """A server that accepts connections but never replies: bounded by ``timeout``."""
+    """A server that accepts connections but never replies: bounded by ``timeout`` (3 s:
+    the call's one deadline also covers making the boto3 client, which on a loaded
+    machine took most of 1 s, so the request was never sent and the deadline, not the
+    silent server, ended the call)."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen(16)
@@ -1033,7 +1036,7 @@ def test_server_that_never_answers_raises_store_unavailable() -> None:
     url = f"dynamodb://silent-table?region=us-east-1&endpoint_url=http://127.0.0.1:{port}"
     try:
         with pytest.raises(StoreUnavailable, match=r"(?i)timeout") as info:
-            open_store(url, timeout=1, retries=0)
+            open_store(url, timeout=3, retries=0)
         assert isinstance(info.value.__cause__, botocore.exceptions.ReadTimeoutError)
         assert accepted, "the client never connected"
         _one_line(info.value)

@@ -642,7 +642,7 @@ def test_server_that_never_answers_raises_within_the_timeout() -> None:
     url = f"dynamodb://silent-entities?region=us-east-1&endpoint_url=http://127.0.0.1:{port}"
     try:
         with pytest.raises(StoreUnavailable, match=r"(?i)timeout") as info:
-            DynamoDBEntityStore(url, timeout=1, retries=0)
+            DynamoDBEntityStore(url, timeout=3, retries=0)  # the deadline covers the client too
         assert isinstance(info.value.__cause__, botocore.exceptions.ReadTimeoutError)
         assert accepted, "the client never connected"
     finally:
