@@ -210,18 +210,26 @@ def count(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list
     return {"applied": applied}, [Send("next", {"id": message.id})]
 
 
+def _mock_topic(count: int) -> tuple[Any, str, str]:
+    """A mock cluster (the producer that holds it: keep it while the test runs), its
+    bootstrap servers and a new topic holding ``count`` messages of entity ``o1``
+    (``m0``, ``m1``, ...) in partition 0."""
+    producer = Producer({"test.mock.num.brokers": 1, "log_level": 0})
+    [broker_md] = producer.list_topics(timeout=10).brokers.values()
+    servers, topic = f"{broker_md.host}:{broker_md.port}", f"t-{uuid.uuid4().hex[:8]}"
+    for n in range(count):
+        headers = {"id": f"m{n}", "correlation_id": "o1"}
+        producer.produce(topic, value=b'{"n": %d}' % n, headers=headers, partition=0)
+    assert producer.flush(10) == 0
+    return producer, servers, topic
+
+
 @pytest.mark.timeout(120)
 def test_over_the_kafka_protocol_a_restarted_consumer_resumes_after_what_was_acked() -> None:
     """librdkafka's mock cluster: produce, consume with the loop, close half way; a new
     consumer of the group starts at the committed offset (nothing lost, nothing
     applied twice: the redelivered message is a duplicate)."""
-    producer = Producer({"test.mock.num.brokers": 1, "log_level": 0})
-    [broker_md] = producer.list_topics(timeout=10).brokers.values()
-    servers, topic = f"{broker_md.host}:{broker_md.port}", f"t-{uuid.uuid4().hex[:8]}"
-    for n in range(6):
-        headers = {"id": f"m{n}", "correlation_id": "o1"}
-        producer.produce(topic, value=b'{"n": %d}' % n, headers=headers, partition=0)
-    assert producer.flush(10) == 0
+    cluster, servers, topic = _mock_topic(6)
     name = uuid.uuid4().hex
     processor = OutboxProcessor(
         MemoryEntityStore(f"memory://{name}"),
@@ -253,6 +261,7 @@ def test_over_the_kafka_protocol_a_restarted_consumer_resumes_after_what_was_ack
         consumer.run_once()
     assert second.pending() == 0
     second.close()
+    assert cluster.flush(1) == 0  # the mock cluster lived until here
 
 
 @pytest.mark.timeout(120)
@@ -260,13 +269,7 @@ def test_over_the_kafka_protocol_an_outage_holds_records_and_commits_nothing_pas
     """librdkafka's mock cluster: the stores are down for several rounds. The records are
     held (not sought back, nothing committed past them, nothing set aside); once the
     stores answer they apply once each, in order, and the offset is committed."""
-    producer = Producer({"test.mock.num.brokers": 1, "log_level": 0})
-    [broker_md] = producer.list_topics(timeout=10).brokers.values()
-    servers, topic = f"{broker_md.host}:{broker_md.port}", f"t-{uuid.uuid4().hex[:8]}"
-    for n in range(5):
-        headers = {"id": f"m{n}", "correlation_id": "o1"}
-        producer.produce(topic, value=b'{"n": %d}' % n, headers=headers, partition=0)
-    assert producer.flush(10) == 0
+    cluster, servers, topic = _mock_topic(5)
     name = uuid.uuid4().hex
     sent = MemoryDispatcher(f"memory://{name}")
     processor = OutboxProcessor(
@@ -306,3 +309,4 @@ def test_over_the_kafka_protocol_an_outage_holds_records_and_commits_nothing_pas
         assert not [m for m in sent.sent if m.destination == "dlq"]
     finally:
         broker.close()
+        assert cluster.flush(1) == 0  # the mock cluster lived until here
