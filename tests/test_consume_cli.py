@@ -212,7 +212,7 @@ def test_consume_gives_up_after_the_start_timeout_and_stops_on_sigterm_while_wai
     SIGTERM while it waits ends it at once with exit 0 and nothing printed on stdout."""
     with TcpProxy.for_url(redis_server.url) as proxy:
         proxy.outage("refuse")
-        process = _start_in_outage(redis_server, proxy, "--start-timeout", "1s")
+        process = _start_in_outage(redis_server, proxy, "--start-timeout", "5s")
         out, err = process.communicate(timeout=60)
         assert process.returncode == 3, err
         assert err.strip().splitlines()[-1].startswith("dedupstore: store unavailable"), err

@@ -410,22 +410,23 @@ class CosmosConnection(Connection):
         container = self.container(client)
         try:
             if etag is None:
-                result = container.create_item(item, no_response=True)
+                result = container.create_item(item)
             else:
                 result = container.replace_item(
                     item["id"],
                     item,
                     etag=etag,
                     match_condition=MatchConditions.IfNotModified,
-                    no_response=True,
                 )
         except CosmosHttpResponseError as exc:
             status = exc.status_code or 0
             if status in ((409,) if etag is None else (404, 412)):
                 return status, None
             raise
-        headers = getattr(result, "get_response_headers", None)  # else the body's, if sent
-        new_etag = (headers().get("etag") if callable(headers) else None) or result.get("_etag")
+        # the body's, not the response headers': the SDK's retry bookkeeping writes into the
+        # last response's headers from other threads (a copy of them raised "OrderedDict
+        # mutated during iteration" under parallel writes), so they are not read here
+        new_etag = result.get("_etag") if result else None
         return (201 if etag is None else 200), str(new_etag) if new_etag else None
 
     def query(
