@@ -88,19 +88,33 @@ def oversize_violations(letters: list[dict[str, Any]]) -> list[str]:
 START_LINE = "dedupstore consume: broker"
 
 
-def pick_victim(rng: random.Random, processes: list[Any], logs: list[Path]) -> Any:
-    """A live consumer process that is consuming (its start line printed), at random:
-    a kill then lands in its work, however slowly a loaded machine starts processes
-    (a kill of one still importing proves nothing; the anti-tests saw only such kills
-    under load). Waits for one (bounded by the test's timeout)."""
+#: Seconds a victim has been consuming: a kill right after a start lands again and again
+#: in the first message a new consumer runs alone (a dead consumer's), which then counts
+#: as poison after ``max_deliveries`` runs (one RabbitMQ run dead-lettered one so).
+WARM = 1.5
+
+
+def pick_victim(
+    rng: random.Random, processes: list[Any], logs: list[Path], consuming_since: dict[int, float]
+) -> Any:
+    """A live consumer process that has been consuming (its start line printed) for
+    :data:`WARM` seconds, at random: a kill then lands in its work, however slowly a
+    loaded machine starts processes (a kill of one still importing proves nothing; the
+    anti-tests saw only such kills under load). ``consuming_since``: pid -> when its
+    start line was first seen (kept by the caller). Waits for one (bounded by the
+    test's timeout)."""
     while True:
         alive = [(p, log) for p, log in zip(processes, logs, strict=True) if p.poll() is None]
         assert alive, "every consumer exited:\n" + "\n".join(
             log.read_text(errors="replace")[-2000:] for log in logs
         )
-        consuming = [p for p, log in alive if START_LINE in log.read_text(errors="replace")]
-        if consuming:
-            return rng.choice(consuming)
+        now = time.monotonic()
+        for process, log in alive:
+            if process.pid not in consuming_since and START_LINE in log.read_text(errors="replace"):
+                consuming_since[process.pid] = now
+        warm = [p for p, _ in alive if now - consuming_since.get(p.pid, now) >= WARM]
+        if warm:
+            return rng.choice(warm)
         time.sleep(0.05)
 
 
@@ -139,6 +153,7 @@ class Chaos:
         self.processes: list[subprocess.Popen[bytes]] = []
         self.killed = 0
         self.logs: list[Path] = []
+        self.consuming_since: dict[int, float] = {}  # pid -> start line first seen
         self.names: dict[str, int] = {}  # consumer name -> index in processes
 
     def produce(self, count: int) -> int:
@@ -219,7 +234,7 @@ class Chaos:
             time.sleep(self.rng.uniform(0.1, 0.3))
             if self.group_state()[1] < TOP_UP:  # every kill lands while there is work
                 self.produce(TOP_UP)
-            victim = pick_victim(self.rng, self.processes, self.logs)
+            victim = pick_victim(self.rng, self.processes, self.logs, self.consuming_since)
             victim.send_signal(signal.SIGKILL)
             assert victim.wait() == -signal.SIGKILL
             self.killed += 1

@@ -104,6 +104,7 @@ class RabbitChaos:
         self.processes: list[subprocess.Popen[bytes]] = []
         self.killed = 0
         self.logs: list[Path] = []
+        self.consuming_since: dict[int, float] = {}  # pid -> start line first seen
 
     def produce(self, count: int) -> int:
         """``count`` new messages, each one to three times, the copies spread out."""
@@ -187,7 +188,7 @@ class RabbitChaos:
             time.sleep(self.rng.uniform(0.3, 0.8))
             if self.ready() < TOP_UP:  # every kill lands while there is work
                 self.produce(TOP_UP)
-            victim = pick_victim(self.rng, self.processes, self.logs)
+            victim = pick_victim(self.rng, self.processes, self.logs, self.consuming_since)
             victim.send_signal(signal.SIGKILL)
             assert victim.wait() == -signal.SIGKILL
             self.killed += 1
