@@ -219,11 +219,11 @@ def test_consume_gives_up_after_the_start_timeout_and_stops_on_sigterm_while_wai
         assert "cannot start yet" in err and out == ""
         process = _start_in_outage(redis_server, proxy, "--start-timeout", "10m")
         _waiting_lines(process, 1)
-        started = time.monotonic()
         process.send_signal(signal.SIGTERM)
+        # it would wait 10 minutes: ending within communicate's timeout shows it stopped
         out, err = process.communicate(timeout=60)
         assert process.returncode == 0, err
-        assert out == "" and time.monotonic() - started < 30
+        assert out == ""
 
 
 def _bad_args(redis_server: Server, *args: str) -> tuple[int, str, str]:
