@@ -1,20 +1,7 @@
-"""How one call to a server runs: its deadline, its retries, its fan-out.
-
-* :func:`deadline`: every round trip a store makes for one public call (one
-  chunk of a batch) runs under ONE deadline, started by
-  :meth:`~dedupstore.client.Client.translating_errors` from the backend's
-  :meth:`~dedupstore.client.Client._deadline_seconds`. Drivers read what is left
-  with :func:`time_left` / :func:`capped` to bound each attempt's timeouts.
-* :func:`retry`: the one retry loop (``tenacity``) with the one backoff policy
-  (:data:`BACKOFF`): it never sleeps past the deadline, and stops retrying once
-  the deadline is reached, whatever ``attempts`` allows.
-* :func:`fan_out`: parallel calls over items, on one executor per process, with
-  one failure rule: after a failure no new call starts, every started call is
-  waited for, and the first failure in input order is raised.
-* :func:`gc_relaxed`: the cyclic garbage collector's young generation collected
-  less often during a batch, then as it was.
-* :func:`pid`: this process's id without a system call each time (renewed in a
-  forked child); :func:`write_token`: the one source of write tokens.
+"""How one call to a server runs: its deadline (:func:`deadline`, read by drivers with
+:func:`time_left` / :func:`capped`), its retries (:func:`retry`, never past the
+deadline), its fan-out (:func:`fan_out`); also :func:`gc_relaxed`, :func:`pid` and
+:func:`write_token`.
 """
 
 from __future__ import annotations
@@ -155,10 +142,8 @@ def retry(
             return not isinstance(error, DeadlinePassed) and retry_on(error)
         return again is not None and again(result)
 
-    # The first attempt runs outside tenacity, whose bookkeeping a call that succeeds
-    # need not pay; should it be made again, tenacity takes over with that attempt's
-    # outcome replayed as its own first (not sent again), so attempt numbers, pauses
-    # and ``before_sleep`` are tenacity's.
+    # The first attempt runs outside tenacity (a call that succeeds need not pay its
+    # bookkeeping); tenacity then replays its outcome as its own first attempt.
     failed: BaseException | None = None
     try:
         first = fn()
@@ -228,12 +213,8 @@ _pool_lock = threading.Lock()
 
 
 def executor() -> ThreadPoolExecutor:
-    """The process's one executor (a child after ``fork()`` gets its own).
-
-    Calls submitted to it run in a copy of the submitter's context, so they keep
-    the call's deadline; threads are started as needed. For drivers that take an
-    executor (Cosmos DB's ``read_items``); stores use :func:`fan_out`.
-    """
+    """The process's one executor (a child after ``fork()`` gets its own), for drivers
+    that take one; its calls run in a copy of the submitter's context (its deadline)."""
     global _pool, _pool_pid
     with _pool_lock:
         if _pool is None or _pool_pid != _pid:
@@ -253,14 +234,11 @@ def _in_worker(fn: Callable[[T], R], item: T) -> R:
 def fan_out(fn: Callable[[T], R], items: Iterable[T], *, concurrency: int) -> list[R]:
     """``[fn(x) for x in items]`` with up to ``concurrency`` calls in flight.
 
-    Items are drawn from ``items`` as calls finish, so at most ``concurrency`` are
-    held at once. Each call runs in a copy of the caller's context (its deadline
-    included). One failure rule: once a call failed (or drawing the next item
-    raised) no new call starts; every started call is waited for; then the first
-    failure in input order is raised. Callers that must say what completed before
-    a failure record it inside ``fn``. With ``concurrency`` 1, a single item, or
-    when called from a call of another fan-out, the calls run one by one in the
-    calling thread.
+    Items are drawn as calls finish (at most ``concurrency`` held), each call in a copy
+    of the caller's context (its deadline). Once a call failed (or drawing an item
+    raised) no new call starts, every started call is waited for, and the first
+    failure in input order is raised. With ``concurrency`` 1, a single item, or inside
+    another fan-out, the calls run one by one in the calling thread.
     """
     if concurrency <= 1 or getattr(_worker, "active", False):
         return [fn(item) for item in items]
@@ -309,21 +287,14 @@ _gc_saved: tuple[int, ...] = ()  # the thresholds when the first of them began
 
 @contextlib.contextmanager
 def gc_relaxed(threshold: int | None = GC_BATCH_THRESHOLD) -> Iterator[None]:
-    """Run the block with CPython's cyclic garbage collector collecting its youngest
-    generation after ``threshold`` new objects instead of 700 (a higher threshold is
-    kept, and so is 0: automatic collection off), then put back the thresholds as
-    they were before the first of the blocks running at once began. ``None``: the
-    block changes nothing.
+    """Run the block with the cyclic garbage collector's young generation collected after
+    ``threshold`` new objects instead of 700 (a higher threshold, or 0, is kept), then
+    put back the thresholds of before the first overlapping block (``None``: no change).
 
-    The thresholds are the whole process's: every thread sees the raised one while
-    any block runs. For a batch: its objects live for the whole batch, so every few
-    hundred new objects the collector would move them to its older generations and
-    then, as they die, run full collections, each of which walks every object of the
-    process. Collections still run (a block never stops them, however many threads
-    overlap blocks): reference counting frees what is not a cycle, cycles are
-    collected later. A program that sets the thresholds itself while blocks run loses
-    that setting when the last one ends. Thread-safe; a child forked during a block
-    starts with the thresholds as they were.
+    For a batch, whose objects live as long as it: at 700 the collector would promote
+    them and then run full collections walking every object of the process. The
+    thresholds are the process's; collections still run. Thread-safe; a child forked
+    during a block starts with the thresholds as they were.
     """
     global _gc_blocks, _gc_saved
     if threshold is None:
@@ -358,12 +329,9 @@ def pid() -> int:
 def write_token() -> str:
     """A token no other write shares: 128 random bits drawn for this call (32 hex digits).
 
-    For a store's writes that must recognise their own earlier attempt. Drawn per
-    call, never derived from state kept in the process (a random part and a counter
-    would save a system call): a process copied with its memory (a VM snapshot
-    restored twice, as AWS Lambda SnapStart does, or a fork that bypasses Python's
-    fork hooks) must not repeat another copy's tokens, or one copy would take the
-    other's record for its own write.
+    Never derived from state kept in the process: a process copied with its memory (a
+    restored VM snapshot, a fork bypassing Python's hooks) must not repeat another
+    copy's tokens, or it would take the other's record for its own write.
     """
     return os.urandom(16).hex()
 

@@ -1,27 +1,17 @@
 """Canonical JSON, encoded and decoded fast: :func:`dumps`, :func:`loads`, :func:`normalized`.
 
 The canonical form is the standard library's ``json.dumps(value, sort_keys=True,
-separators=(",", ":"), ensure_ascii=False, allow_nan=False)``: keys sorted by code
-point, no spaces, UTF-8 text as is, no NaN or infinity. ``orjson`` writes the same
-bytes for almost every value ten times faster; where it would not, the standard
-library encodes instead, so the text is the same whichever encoded it. The cases: a
-float of magnitude below ``1e-4`` (orjson writes ``0.00001`` for ``1e-05`` and ``1e-7``
-for ``1e-07``: found by comparing both over every decimal exponent and random bit
-patterns, and compared again by the tests); NaN or infinity (orjson writes ``null``);
-integers beyond 64 bits, subclasses of ``str``, ``int``, ``dict`` or ``list``, nesting
-deeper than 254. Beyond JSON values, ``uuid.UUID`` encodes as its text and an enum
-member as its value (what ``orjson`` does). A dict key that is not ``str`` is refused
-(:class:`~dedupstore.errors.InvalidValue`, a ``TypeError``, naming its path), unlike the
-standard library, which writes ``7`` as ``"7"``: the value would not reload as it was.
-So is a dataclass or a pydantic model, with a hint (pass ``dataclasses.asdict(value)``
-or ``value.model_dump(mode="json")``: how a class dumps itself is not a canonical form),
-and anything else ``orjson`` refuses names its path. NaN, infinity or a circular
-reference raise ``ValueError``. The path is found by walking the value only when
-``orjson`` refused it (a ``TypeError``): the fast path walks nothing.
+separators=(",", ":"), ensure_ascii=False, allow_nan=False)``. ``orjson`` writes the
+same bytes ten times faster for almost every value; where it would not (a float below
+``1e-4`` in magnitude, NaN or infinity, integers beyond 64 bits, subclasses of ``str``,
+``int``, ``dict`` or ``list``, nesting deeper than 254) the standard library encodes.
+``uuid.UUID`` encodes as its text, an enum member as its value. A dict key that is not
+``str``, a dataclass or a pydantic model is refused (:class:`~dedupstore.errors.InvalidValue`,
+a ``TypeError`` naming its path, found by a walk only when ``orjson`` refused the value);
+NaN, infinity or a circular reference raise ``ValueError``.
 
-Decoding is ``orjson`` unless the text holds a run of 19 digits or more (an integer
-``orjson`` might read as a float) or something ``orjson`` refuses (a lone surrogate
-escape): then the standard library decodes it, so integers of any size come back exact.
+Decoding is ``orjson`` unless the text holds a run of 19 digits (an integer it might
+read as a float) or something it refuses: then the standard library, exact.
 """
 
 from __future__ import annotations
@@ -65,9 +55,8 @@ _REFERENCE = json.JSONEncoder(
     sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=_extra
 )
 #: A number orjson writes with a one-digit negative exponent (``1e-7``; the reference:
-#: ``1e-07``): ``e-``, one digit, then the end of the number. (The other difference,
-#: ``0.00001`` for ``1e-05``, is found by ``"0.0000" in``.) Text inside a string may
-#: match too: the reference then encodes it, to the same text.
+#: ``1e-07``); ``0.00001`` for ``1e-05`` is found by ``"0.0000" in``. (A string may
+#: match too: the reference then encodes it, to the same text.)
 _SHORT_EXPONENT = re.compile(r"e-[0-9](?:[,}\]]|$)")
 #: ``bytes.translate`` table: digits stay ``0``, everything else becomes a space.
 _DIGITS = bytes(48 if 48 <= i <= 57 else 32 for i in range(256))

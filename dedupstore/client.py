@@ -1,17 +1,11 @@
 """What every object opened by URL shares: :class:`Client` and its :class:`Connection`.
 
-Deduplication stores, entity stores and dispatchers are all opened from a URL
-plus options. The base class parses the URL once (:class:`~dedupstore.urls.StoreURL`),
-resolves the declared options (:mod:`dedupstore.options`), classifies driver
-errors through one hook (:meth:`Client._classify_error`), masks secrets, pickles
-by configuration and refuses use after :meth:`Client.close` (``StoreClosed``).
-
-A backend is two parts, held together by composition: its :class:`Connection`
-(the driver's pool or client for one server, with the driver-level mechanisms:
-validation of the URL, error classification, the deadline, health checks),
-one per server and process, shared by every client of that server; and its
-clients (``class RedisDeduplicationStore(DeduplicationStore)``, ...), which name
-it in :attr:`Client.connection_class` and add their key layout and calls.
+:class:`Client` parses the URL once, resolves the declared options, classifies driver
+errors through one hook (:meth:`Client._classify_error`), masks secrets, pickles by
+configuration and refuses use after :meth:`Client.close` (``StoreClosed``). A backend's
+:class:`Connection` (the driver's pool for one server, with the driver-level rules) is
+shared by every client of that server in a process; its clients name it in
+:attr:`Client.connection_class` and add their key layout and calls.
 """
 
 from __future__ import annotations
@@ -61,11 +55,8 @@ ErrorKind = type[DedupStoreError] | DedupStoreError | None
 
 _log = logging.getLogger(__name__)
 
-#: ``must_exist`` (keyword only, every store): open an existing store and create
-#: nothing, whatever ``create`` says. A missing file, table, database or container is
-#: a ``ConfigurationError`` starting "no such store:". Read-only commands of the CLI
-#: open with it, so a typo in a URL cannot answer from a new, empty store. Backends
-#: with nothing to create (``redis://``, ``memory://``) accept it and do nothing.
+#: ``must_exist`` (keyword only, every store): the CLI's read-only commands open with it,
+#: so a typo in a URL cannot answer from a new, empty store.
 MUST_EXIST = Option(
     "must_exist",
     boolean,
@@ -100,14 +91,10 @@ _shared_lock = threading.Lock()
 class ProcessLocal(Generic[T]):
     """One ``T`` per process, made by ``factory`` on first use; with ``key``, shared.
 
-    After ``fork()`` the child makes its own and leaves the parent's alone (never
-    used, never closed: closing a socket in the child can end the parent's session).
-
-    With a ``key``, every handle of one process that has the same key gets the same
-    ``T`` (made by the first handle's ``factory``, so equal keys must mean equivalent
-    factories), reference counted: :meth:`close` of the last handle holding it
-    closes it. This is how clients of one server share one connection pool per
-    process (:class:`Connection`).
+    After ``fork()`` the child makes its own and never uses or closes the parent's
+    (closing a socket in the child can end the parent's session). Handles of one
+    process with equal keys (so equivalent factories) share one ``T``, reference
+    counted: :meth:`close` of the last holder closes it (:class:`Connection`).
     """
 
     def __init__(
@@ -226,9 +213,8 @@ def check_client(
     note: str = "",
     fits: Callable[[Any], bool] | None = None,
 ) -> None:
-    """Refuse (``ConfigurationError``) a given ``client`` option that is not a ``kind`` (or
-    that ``fits`` refuses), for a :meth:`Connection.validate`: ``what`` names what the
-    message asks for ("a redis.Redis"), ``note`` adds to it."""
+    """``ConfigurationError`` for a given ``client`` option that is not a ``kind`` (or that
+    ``fits`` refuses); ``what`` names the type asked for ("a redis.Redis"), ``note`` adds."""
     given = options.get("client")
     if given is not None and not (isinstance(given, kind) and (fits is None or fits(given))):
         extra = f" ({note})" if note else ""
@@ -241,11 +227,9 @@ DRIVER_LOGGERS: set[str] = set()
 
 
 def quiet_driver_logs(*names: str) -> None:
-    """Quiet a driver's own loggers at the default level: each of ``names`` left at
-    ``NOTSET`` gets ``CRITICAL``. What such a driver logs while it fails (pika: a dozen
-    lines per refused connection; librdkafka: a line every retry) reaches the caller as
-    one exception instead. A logger given a level before the backend is imported keeps
-    it: ``logging.getLogger("pika").setLevel(logging.DEBUG)`` shows the driver's lines."""
+    """Give each of ``names`` still at ``NOTSET`` the level ``CRITICAL``: what a failing
+    driver logs (pika: a dozen lines per refused connection) reaches the caller as one
+    exception instead. A logger given a level before the backend is imported keeps it."""
     for name in names:
         DRIVER_LOGGERS.add(name)
         driver = logging.getLogger(name)
@@ -254,11 +238,8 @@ def quiet_driver_logs(*names: str) -> None:
 
 
 def part_of(client: Client, name: str, kind: type[T]) -> T:
-    """``client.<name>``, a ``kind``: what a client tells its connection about itself
-    (its table, its container), read by the connection's rules that get only the client
-    (:meth:`Connection.classify_error`, :meth:`Connection.health_warnings`). ``name`` is
-    a public attribute the client's class declares (``tests/test_backend_api.py``
-    refuses a private one)."""
+    """``client.<name>``, a ``kind``: what a client tells its connection's rules about
+    itself (its table, its container); ``name`` is a public attribute of its class."""
     value = getattr(client, name, None)
     assert isinstance(value, kind), f"{type(client).__name__}.{name} is not a {kind.__name__}"
     return value
@@ -267,18 +248,12 @@ def part_of(client: Client, name: str, kind: type[T]) -> T:
 class Connection(abc.ABC):
     """A backend's connection to one server in one process, shared by its clients.
 
-    Made by the first client of the server (:meth:`Client.connection`, on first
-    use) from that client's URL and options; every client of the same backend in the
-    same process whose :meth:`key` agrees (the server, the credentials, the
-    options of :attr:`shaped_by`) holds the same object, reference counted:
-    :meth:`close` runs when the last holder closes, and a child after ``fork``
-    makes its own (the parent's is never used or closed there). A ``client`` given
-    by the user (the ``client`` option) is wrapped, never closed.
-
-    A backend subclasses it with its driver calls, and with the driver-level rules
-    every client of the backend follows, as class methods the base
-    :class:`Client` calls: :meth:`validate`, :meth:`deadline_seconds`,
-    :meth:`classify_error` and :meth:`health_warnings`.
+    Made on first use from the first client's URL and options; the clients of one
+    process whose :meth:`key` agrees hold the same object, reference counted
+    (:meth:`close` runs when the last holder closes; a child after ``fork`` makes its
+    own). A ``client`` given by the user is wrapped, never closed. A backend adds its
+    driver calls and the rules :class:`Client` calls: :meth:`validate`,
+    :meth:`deadline_seconds`, :meth:`classify_error`, :meth:`health_warnings`.
     """
 
     #: The options, besides the URL's server and credentials, that shape the driver's
@@ -288,9 +263,8 @@ class Connection(abc.ABC):
     schemes: ClassVar[tuple[str, ...]] = ()
     #: True when the data lives in this process only: its clients' default.
     process_local: ClassVar[bool] = False
-    #: True when the URL must name the server's host (unless a ``client``, or a ``host``
-    #: driver parameter such as libpq's socket directory, is given): a URL without one is
-    #: a ``ConfigurationError``, not a connection refused on a default host.
+    #: True when the URL must name the server's host (unless a ``client`` or a ``host``
+    #: driver parameter is given): else ``ConfigurationError``, not a refused default host.
     needs_host: ClassVar[bool] = False
 
     def __init__(self, url: StoreURL, options: Options) -> None:
@@ -321,11 +295,8 @@ class Connection(abc.ABC):
 
     @classmethod
     def validate(cls, url: StoreURL, options: Options) -> None:
-        """Refuse (``ConfigurationError``) what the backend's driver cannot use; no I/O.
-
-        Run by :meth:`Client._validate`, so by every constructor and by
-        :meth:`Client.check_options` alike.
-        """
+        """Refuse (``ConfigurationError``) what the driver cannot use; no I/O
+        (run by :meth:`Client._validate`)."""
         return None
 
     @classmethod
@@ -333,8 +304,7 @@ class Connection(abc.ABC):
         """How long one call of a client may take in all (:meth:`Client._deadline_seconds`):
         ``connect_timeout + (retries + 1) x timeout`` (connecting once, then attempts of
         at most ``timeout`` each) for a backend with those three options, else ``None``."""
-        # (``in`` three times: a set compared with a mapping's keys takes the ABC's slow
-        # path, and every request of every call asks)
+        # (three ``in``: comparing a set with a mapping's keys is slow, and every call asks)
         if "connect_timeout" in options and "retries" in options and "timeout" in options:
             return float(options["connect_timeout"] + (options["retries"] + 1) * options["timeout"])
         return None
@@ -384,17 +354,10 @@ class Connected(Generic[C]):
 class Client(Closing, abc.ABC):
     """Base of every object opened by URL: option resolution, errors, pickling, closing.
 
-    Constructors take the URL and keyword options, exactly the set
-    ``open_store``/``open_entity_store`` accept: ``Cls(url, **options)``.
-
-    For backends (:mod:`dedupstore.backend`): :attr:`store_url` and :attr:`options`
-    (set before :meth:`_validate` and :meth:`_configure` run), :attr:`connection`,
-    :attr:`made_connection`,
-    :attr:`creates`, :meth:`check_open`, :meth:`translating_errors`,
-    :meth:`make_error`, :meth:`describe_error`, :meth:`no_such_store`, :meth:`scrub`.
-    The underscore methods of the section "hooks" are what a backend implements or
-    extends (``_configure``, ``_open``, ``_close``, ``_validate``, ...); they are
-    called by this class, never by users.
+    Constructors take the URL and the keyword options ``open_store`` accepts:
+    ``Cls(url, **options)``. Its members for backends are listed by
+    :mod:`dedupstore.backend`; the underscore hooks (``_configure``, ``_open``, ...)
+    are called by this class, never by users.
     """
 
     #: The URL as parsed (secrets included: never show it; :attr:`url` is masked).
@@ -409,8 +372,8 @@ class Client(Closing, abc.ABC):
     #: True when the data lives in this process only (another process opening the same
     #: URL sees other data): such a client cannot be shared with worker processes.
     process_local: ClassVar[bool] = False
-    #: The backend's connection class: every client of one server holds one instance
-    #: per process (:meth:`_connection`); ``None``: the client keeps no connection.
+    #: The backend's connection class (one instance per server and process, shared by
+    #: its clients); ``None``: the client keeps no connection.
     connection_class: ClassVar[type[Connection] | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -448,16 +411,13 @@ class Client(Closing, abc.ABC):
             )
         self._configure()
         if type(self)._open is not Client._open:  # no I/O, no call to record
-            with self._opening("open"):
+            with self._opening():
                 self._open()
 
     @classmethod
     def portable_url(cls, url: str | StoreURL) -> StoreURL:
-        """``url`` as another process on this machine must see it to reach the same data.
-
-        The URL unchanged, unless a backend knows better (SQLite: the file's absolute
-        path, so a pickled copy or a Spark task in another working directory opens the
-        same file): the connection class's (:meth:`Connection.portable_url`). Raises
+        """``url`` as another process on this machine must see it to reach the same data
+        (:meth:`Connection.portable_url`: SQLite makes the path absolute). Raises
         ``ConfigurationError`` for a malformed URL. No I/O.
         """
         kind = cls.connection_class
@@ -477,13 +437,10 @@ class Client(Closing, abc.ABC):
 
     @classmethod
     def _validate(cls, url: StoreURL, options: Options) -> None:
-        """Refuse, with ``ConfigurationError``, what no single option converter can see.
-
-        The URL's shape, options that contradict each other, the type of a ``client``:
-        every check that needs no I/O and that the converters cannot make alone. Run
-        by the constructor and by :meth:`check_options` (the Spark driver's check), so
-        both refuse the same. Runs the connection class's :meth:`Connection.validate`;
-        clients extend it, calling ``super()._validate`` first.
+        """Refuse (``ConfigurationError``) what no single option converter can see: the
+        URL's shape, options that contradict each other; no I/O. Run by the constructor
+        and :meth:`check_options` alike; runs :meth:`Connection.validate`. Clients extend
+        it, calling ``super()._validate`` first.
         """
         kind = cls.connection_class
         if kind is not None:
@@ -576,14 +533,9 @@ class Client(Closing, abc.ABC):
         return self.connection.health_warnings(self)
 
     def _deadline_seconds(self) -> float | None:
-        """How long one call may take in all, retries and reconnections included.
-
-        The bound a backend documents (in one formula of its options): every
-        round trip of one call (of one chunk, for a batch call) runs under this
-        deadline (:func:`dedupstore.calls.deadline`), its retries stop there and
-        its driver timeouts are capped by the time left. ``None`` (the default):
-        no deadline beyond the driver's own timeouts. The connection class's
-        (:meth:`Connection.deadline_seconds`).
+        """How long one call (one chunk of a batch) may take in all, retries included
+        (:meth:`Connection.deadline_seconds`): its round trips run under this deadline
+        (:func:`dedupstore.calls.deadline`). ``None``: only the driver's own timeouts.
         """
         kind = self.connection_class
         return None if kind is None else kind.deadline_seconds(self.options)
@@ -594,9 +546,8 @@ class Client(Closing, abc.ABC):
         return self._deadline_seconds()
 
     def _shares_connection_with(self, other: Client) -> bool:
-        """Whether ``other`` uses the very connection this object uses (same backend,
-        server, credentials and connection options, in this process): then one
-        request can carry the work of both (:meth:`EntityStore._joined`)."""
+        """Whether ``other`` uses the very connection this object uses: then one request
+        can carry the work of both (:meth:`EntityStore._joined`)."""
         mine, theirs = self._connection_key(), other._connection_key()
         return mine is not None and mine == theirs
 
@@ -607,18 +558,13 @@ class Client(Closing, abc.ABC):
 
     @property
     def creates(self) -> bool:
-        """Whether opening may create what is missing: ``create``, unless ``must_exist``.
-
-        Backends test this (or :func:`creates`), never the ``create`` option itself.
-        """
+        """Whether opening may create what is missing: ``create``, unless ``must_exist``
+        (backends test this, never the ``create`` option)."""
         return creates(self.options)
 
     def no_such_store(self, what: str, fix: str) -> ConfigurationError:
-        """The error for a store that does not exist; ``what`` names it in the user's terms.
-
-        ``fix`` says how to create it; with ``must_exist`` the message says instead
-        that nothing was created and the URL should be checked.
-        """
+        """The error for a store that does not exist (``what``, in the user's terms):
+        ``fix`` says how to create it, or with ``must_exist`` to check the URL."""
         if self.options.get("must_exist", False):
             return ConfigurationError(
                 f"no such store: {what} (nothing was created: check the URL, or create the "
@@ -634,12 +580,9 @@ class Client(Closing, abc.ABC):
     def _classify_error(self, exc: BaseException) -> ErrorKind:
         """Map a driver exception to an error class (or a ready error); ``None`` if foreign.
 
-        Backends override this, the one place where driver errors are judged:
-        ``StoreUnavailable`` (connection, timeout, throttling, failover: retry),
-        ``ConfigurationError`` (missing table, permissions, credentials, a resource
-        of another shape: fix it), ``ConsistencyError``. The connection class judges
-        first (:meth:`Connection.classify_error`); clients that override this call
-        ``super()`` last.
+        The one place driver errors are judged: ``StoreUnavailable`` (retry),
+        ``ConfigurationError`` (fix it), ``ConsistencyError``. The connection class
+        judges first (:meth:`Connection.classify_error`); overrides call ``super()`` last.
         """
         if self.connection_class is not None:
             kind = self.connection_class.classify_error(self, exc)
@@ -679,12 +622,8 @@ class Client(Closing, abc.ABC):
         return scrub(text, self._secret_values(), self.declared_options.secret_names)
 
     def make_error(self, kind: type[E], operation: str | None, detail: str) -> E:
-        """An error of ``kind`` whose text names this object, secrets scrubbed.
-
-        ``"<Class> at <url>: <operation> failed: <detail>"``; without ``operation``
-        (``None``), ``"<Class> at <url>: <detail>"``. Every message that names the
-        object it comes from is made here.
-        """
+        """An error of ``kind``, secrets scrubbed: ``"<Class> at <url>: <operation> failed:
+        <detail>"`` (without ``operation``, ``None``: ``"<Class> at <url>: <detail>"``)."""
         text = detail if operation is None else f"{operation} failed: {detail}"
         return kind(self.scrub(f"{type(self).__name__} at {self.url}: {text}"))
 
@@ -695,17 +634,12 @@ class Client(Closing, abc.ABC):
         return self.schemes[0] if scheme in self.schemes else scheme
 
     @contextlib.contextmanager
-    def _opening(self, operation: str | None) -> Iterator[None]:
-        """The block finishes a constructor: on any error this object's connections
-        are released (:meth:`_close`) before the error is raised, so a failed open
-        leaves nothing open behind it. Driver errors are classified as
-        ``operation``'s (``None``: the block classifies its own)."""
+    def _opening(self) -> Iterator[None]:
+        """The block finishes a constructor (driver errors classified as ``open``'s): on
+        any error the connections are released (:meth:`_close`) before it is raised."""
         try:
-            if operation is None:
+            with self.translating_errors("open"):
                 yield
-            else:
-                with self.translating_errors(operation):
-                    yield
         except BaseException:
             self._close()
             raise
@@ -713,10 +647,9 @@ class Client(Closing, abc.ABC):
     def translating_errors(self, operation: str) -> _Translating:
         """Classify driver errors raised in the block (chained); library errors pass.
 
-        The block runs under the call's deadline (:meth:`_deadline_seconds`).
-        Every backend call passes here once: its duration is recorded in the
-        ``dedupstore.store.duration`` histogram (:mod:`dedupstore.metrics`), with the
-        class name of the error it raised, and ``StoreUnavailable`` is logged (INFO).
+        The block runs under the call's deadline (:meth:`_deadline_seconds`); its
+        duration goes to the ``dedupstore.store.duration`` histogram with the class
+        name of its error, and ``StoreUnavailable`` is logged (INFO).
         """
         return _Translating(self, operation)
 

@@ -1,30 +1,20 @@
 """Dispatchers opened by URL: :class:`URLDispatcher`, and :class:`CallableDispatcher`.
 
 A dispatcher sends an entity's outgoing messages (:class:`~dedupstore.outbox.Dispatcher`,
-re-exported here). Delivery is at least once: the outbox re-dispatches after a crash,
-so every receiver deduplicates by message ``id`` (each class's :attr:`receiver_dedup`
-says how). :class:`URLDispatcher` is a :class:`~dedupstore.client.Client`: opened from
-a URL plus declared options (``dedupstore.open_dispatcher``), errors classified into
-``StoreUnavailable``/``ConfigurationError``, secrets masked, pickled by configuration
-(an unpickled copy, in a Spark task say, reopens its URL), ``StoreClosed`` after
-:meth:`~dedupstore.client.Client.close`. Its :meth:`~URLDispatcher.dispatch` validates
-and encodes the whole batch before any I/O; a backend implements ``_dispatch``.
+re-exported here). Delivery is at least once: every receiver deduplicates by message
+``id`` (each class's :attr:`receiver_dedup` says how). :class:`URLDispatcher` is a
+:class:`~dedupstore.client.Client` (``dedupstore.open_dispatcher``): errors classified,
+secrets masked, pickled by configuration, ``StoreClosed`` after ``close``. A backend
+implements ``_dispatch``.
 
-Size bounds: every dispatcher says the largest message it accepts,
-:attr:`~URLDispatcher.max_message_bytes` (UTF-8 bytes of the body's canonical JSON
-plus the headers' JSON: :func:`~dedupstore.outbox.message_size`) and
-:attr:`~URLDispatcher.max_header_bytes` (the headers' JSON alone), ``None`` for no
-bound: memory none; SQLite the file's ``SQLITE_LIMIT_LENGTH`` (read at open, 10^9 by
-default); Redis Streams 512 MiB (the server's ``proto-max-bulk-len`` default, not
-read: ``CONFIG`` is refused on most managed servers); RabbitMQ 128 MiB (3.x's
-``max_message_size`` default; 4.x lowered it to 16 MiB: set the option; AMQP cannot
-read it) and headers of at most 127 KiB (they travel in one frame of the default
-``frame_max``, 128 KiB); a Kafka producer wrapped in a :class:`CallableDispatcher`:
-give it ``max_message_bytes`` (Kafka's ``message.max.bytes``, 1 MB by default, or the
-producer's own value). The ``max_message_bytes`` option lowers the bound to what the
-receivers accept. A message over a bound is refused before any I/O with
-``MessageTooLarge`` (nothing of the batch is sent), and the processor refuses it
-before it is saved: see :class:`~dedupstore.outbox.OutboxProcessor`.
+Size bounds: :attr:`~URLDispatcher.max_message_bytes` (body and headers:
+:func:`~dedupstore.outbox.message_size`) and :attr:`~URLDispatcher.max_header_bytes`,
+``None`` for no bound; each backend's page states its own (SQLite: the file's
+``SQLITE_LIMIT_LENGTH``; Redis Streams 512 MiB; RabbitMQ 128 MiB and headers of 127
+KiB; a Kafka producer in a :class:`CallableDispatcher`: give it Kafka's
+``message.max.bytes``). The ``max_message_bytes`` option lowers the bound. A message
+over a bound is refused before any I/O with ``MessageTooLarge`` (nothing of the batch
+is sent), and the processor refuses it before it is saved.
 """
 
 from __future__ import annotations
@@ -119,12 +109,15 @@ def encode_messages(messages: Sequence[OutgoingMessage]) -> list[EncodedMessage]
     return batch
 
 
-def _check_sizes(dispatcher: Dispatcher, batch: list[EncodedMessage]) -> None:
-    """``MessageTooLarge`` for the first message of ``batch`` over ``dispatcher``'s bounds."""
+def _checked(dispatcher: Dispatcher, messages: Sequence[OutgoingMessage]) -> list[EncodedMessage]:
+    """:func:`encode_messages`, then ``MessageTooLarge`` for the first message over
+    ``dispatcher``'s bounds."""
+    batch = encode_messages(messages)
     for encoded in batch:
         refused = check_size(dispatcher, encoded.message, encoded.body, encoded.headers)
         if refused is not None:
             raise refused
+    return batch
 
 
 class DispatchStats(NamedTuple):
@@ -196,8 +189,7 @@ class URLDispatcher(Client):
         cannot answer (some may have been sent: dispatch again), ``ConfigurationError``
         for permissions or a resource of another shape.
         """
-        batch = encode_messages(messages)
-        _check_sizes(self, batch)
+        batch = _checked(self, messages)
         self.check_open()
         if not batch:
             return
@@ -250,8 +242,7 @@ class CallableDispatcher(Closing):
     def dispatch(self, messages: Sequence[OutgoingMessage]) -> None:
         """Validate ``messages`` (no call if invalid or empty; ``MessageTooLarge`` for
         one over a bound), then call ``fn`` with them."""
-        batch = encode_messages(messages)
-        _check_sizes(self, batch)
+        batch = _checked(self, messages)
         if self._closed:
             raise StoreClosed(f"{self!r} is closed; open a new one")
         if batch:

@@ -3,10 +3,7 @@
 An entity is the application's state for one correlation id, stored as ONE record
 with an optimistic-concurrency token (``version``): its ``state`` (a JSON-compatible
 dict) and its ``outbox``, which maps each incoming message id to the outgoing
-messages processing it produced, or to ``None`` once they were dispatched.
-
-The base class owns id validation, encoding (canonical JSON), the size limit,
-segmenting, option resolution, error classification and pickling; a backend
+messages processing it produced, or to ``None`` once they were dispatched. A backend
 implements three primitives (load, conditional save, segmented scan).
 """
 
@@ -65,16 +62,14 @@ def bucket_of(entity_id: str) -> int:
     return int.from_bytes(digest[:4], "big") % BUCKETS
 
 
-#: The texts a message can keep, and what each reads as when it keeps none (a message
-#: the processor did not make, or a copy or unpickled one).
+#: The texts a message can keep, and what each reads as when it keeps none.
 _NO_TEXTS = {"_body_text": None, "_headers_text": "{}", "_text": None}
 
 
 class _Texts:
-    """The canonical JSON texts a message made by the processor keeps (see
-    :class:`OutgoingMessage`): slots outside the dataclass's fields, so ``fields``,
-    ``asdict``, equality and pickling see only the message. A message keeps all three
-    (:meth:`OutgoingMessage._encoded`) or none."""
+    """The canonical JSON of ``body``, ``headers`` and :meth:`~OutgoingMessage.to_json`
+    kept by a message the processor made (:meth:`OutgoingMessage._encoded`), all three
+    or none: slots outside the fields, so ``asdict``, equality and pickling ignore them."""
 
     __slots__ = tuple(_NO_TEXTS)
     _body_text: str | None
@@ -82,11 +77,8 @@ class _Texts:
     _text: str | None
 
 
-# Hand-tuned on purpose (kept texts in slots outside the fields, the body decoded on
-# first read, _encoded filling the slots without __init__): a plain frozen slotted
-# dataclass with the texts as fields and the body decoded at once made
-# process_batch of 1,000 on memory:// 1.16x slower in process CPU time
-# (benchmarks.cpu_compare, 3 alternating rounds; process: 1.03x).
+# Hand-tuned (texts in slots, the body decoded on first read, _encoded bypassing
+# __init__): the plain dataclass made process_batch 1.16x slower (benchmarks.cpu_compare).
 @dataclass(frozen=True, slots=True)
 class OutgoingMessage(_Texts):
     """A message an entity sends: ``id`` (deterministic), ``destination``, ``body``, ``headers``.
@@ -99,10 +91,6 @@ class OutgoingMessage(_Texts):
     destination: str
     body: Any
     headers: Mapping[str, str] = field(default_factory=dict)
-    # _body_text, _headers_text, _text (_Texts): canonical JSON of ``body``, of ``headers``
-    # and of :meth:`to_json`, kept on the messages the processor makes (``None``, ``"{}"``
-    # and ``None`` on others; the processor checked their id, destination and headers):
-    # see :func:`body_text`, :func:`message_text`.
 
     def to_json(self) -> dict[str, Any]:
         """The message as a JSON-compatible dict."""
@@ -126,9 +114,8 @@ class OutgoingMessage(_Texts):
     if not TYPE_CHECKING:  # (hidden from type checkers: every other name stays checked)
 
         def __getattr__(self, name: str) -> Any:
-            """An empty slot: a text this message does not keep (see :data:`_NO_TEXTS`), or
-            the ``body`` of a message :meth:`_encoded` made without it, decoded from its text
-            on first read (the same value on every read, from every thread)."""
+            """An empty slot: a text this message does not keep, or the ``body`` of a
+            message :meth:`_encoded` made without it, decoded once on first read."""
             if name in _NO_TEXTS:
                 return _NO_TEXTS[name]
             text = self._body_text
@@ -155,11 +142,9 @@ class OutgoingMessage(_Texts):
         destination_text: str | None = None,
         id_text: str | None = None,
     ) -> OutgoingMessage:
-        """A message whose ``body`` is the decoded ``body_text`` (canonical JSON): its
-        texts are kept, so it is encoded once whatever saves or dispatches it.
-        ``body`` may be ``canonical._UNDECODED``: then it is decoded from
-        ``body_text`` when first read. ``destination_text`` and ``id_text``: the
-        destination and the id as JSON strings, when known."""
+        """A message keeping its texts (encoded once, whatever saves or dispatches it);
+        ``body`` is ``body_text`` decoded, or ``canonical._UNDECODED`` (decoded on first
+        read). ``destination_text``, ``id_text``: those as JSON strings, when known."""
         message = _new(cls)  # frozen: fill the slots at once, as __init__ would
         if destination_text is None:
             destination_text = canonical.string(destination)
@@ -181,8 +166,7 @@ class OutgoingMessage(_Texts):
 
 
 _new = object.__new__
-# The slots' own accessors: a frozen dataclass's __setattr__ refuses, and a message made
-# by _encoded without its body has that slot empty until the body is first read.
+# The slots' own accessors (a frozen dataclass's __setattr__ refuses).
 _set_id = vars(OutgoingMessage)["id"].__set__
 _set_destination = vars(OutgoingMessage)["destination"].__set__
 _set_headers = vars(OutgoingMessage)["headers"].__set__
@@ -218,20 +202,15 @@ Outbox = dict[str, list[OutgoingMessage] | None]
 
 @dataclass(frozen=True)
 class EntryMark:
-    """When a pending outbox entry was written, and by which run.
-
-    ``at``: epoch milliseconds (an int, so an entry's encoded size does not depend on
-    the clock's digits); ``run``: the :class:`~dedupstore.outbox.OutboxProcessor`
-    ``run`` that applied the message, if it had one.
-    """
+    """When a pending outbox entry was written (``at``: epoch milliseconds, an int) and
+    by which :class:`~dedupstore.outbox.OutboxProcessor` ``run``, if it had one."""
 
     at: int
     run: str | None = None
 
     @functools.cached_property
     def _frame(self) -> tuple[str, str]:
-        """The text of an entry with this mark around its outgoing messages (one mark
-        serves a whole batch: composed once)."""
+        """The text of an entry around its messages (composed once per batch's mark)."""
         at = str(self.at) if type(self.at) is int else canonical.dumps(self.at)
         run = "" if self.run is None else f',"run":{canonical.string(self.run)}'
         return (f'{{"at":{at},"out":[', f"]{run}}}")
@@ -241,17 +220,14 @@ class EntryMark:
 class Entity:
     """One entity: its id, state, outbox and the opaque version it was loaded at.
 
-    ``version is None`` means the entity was never saved (or was loaded absent).
-    ``marks`` holds the :class:`EntryMark` of pending entries (the processor marks
-    every entry it writes; a mark whose entry is gone or dispatched is not saved).
-    ``consumer``: the consumer (the deduplication store's endpoint) that wrote the
-    entity, recorded with it by the :class:`~dedupstore.outbox.OutboxProcessor` and
-    :func:`~dedupstore.outbox.sweep`, which refuse an entity of another consumer;
-    ``None`` for an entity nobody claimed (new, or saved without a consumer).
-    ``attempts`` counts, per incoming message id not applied yet, the runs of its
-    handler that a consume loop began after a consumer died holding the message
-    (:meth:`~dedupstore.outbox.OutboxProcessor.begin_attempt`); the entry goes when
-    the message is applied or dead-lettered.
+    ``version is None``: never saved (or loaded absent). ``marks``: the
+    :class:`EntryMark` of pending entries (a mark whose entry is gone or dispatched is
+    not saved). ``consumer``: the endpoint that wrote the entity (the
+    :class:`~dedupstore.outbox.OutboxProcessor` and :func:`~dedupstore.outbox.sweep`
+    refuse an entity of another consumer); ``None`` when nobody claimed it.
+    ``attempts``: per incoming message id not applied yet, the runs of its handler
+    begun after a consumer died holding it
+    (:meth:`~dedupstore.outbox.OutboxProcessor.begin_attempt`).
     """
 
     id: str
@@ -266,9 +242,8 @@ class Entity:
         default=None, init=False, repr=False, compare=False
     )
 
-    #: ``(state, a JSON text it was decoded from)`` when it was loaded so: never used
-    #: to encode (a caller may change a loaded state in place), only by the processor,
-    #: which never does, to decode the state again (:meth:`_source`).
+    #: ``(state, the JSON text it was loaded from)``: never used to encode (a caller may
+    #: change a loaded state in place), only to decode it again (:meth:`_source`).
     _loaded: tuple[dict[str, Any], str] | None = field(
         default=None, init=False, repr=False, compare=False
     )
@@ -316,11 +291,9 @@ class Entity:
 
 
 def canonical_json(value: Any) -> str:
-    """``value`` as canonical JSON: sorted keys, no spaces, UTF-8 text, no NaN.
-
-    Equal values give equal text (what the stores and dispatchers compare); the form
-    is the standard library's, encoded fast (:mod:`dedupstore.canonical`). Raises
-    ``TypeError``/``ValueError`` when ``value`` is not JSON-compatible.
+    """``value`` as canonical JSON: sorted keys, no spaces, UTF-8 text, no NaN (equal
+    values give equal text). Raises ``TypeError``/``ValueError`` when ``value`` is not
+    JSON-compatible.
     """
     return canonical.dumps(value)
 
@@ -356,7 +329,7 @@ ENTITY_FRAME_BYTES = len('{"outbox":{},"state":}')
 
 def _head(entity: Entity) -> str:
     """The optional top-level keys of :func:`encode_entity`'s text, each followed by a
-    comma (they sort before ``"outbox"``): ``""`` when the entity has none."""
+    comma (``""`` when none)."""
     consumer = entity.consumer
     head = "" if consumer is None else f'"consumer":{canonical.string(consumer)},'
     if entity.attempts:  # rare: only after a consumer died holding a message
@@ -372,13 +345,10 @@ def head_size(entity: Entity) -> int:
 
 
 def encode_entity(entity: Entity) -> str:
-    """Canonical JSON of the entity's state and outbox (sorted keys, no NaN).
-
-    The text is ``canonical_json({"attempts": ..., "consumer": ..., "outbox": {id:
-    entry}, "state": ...})`` (``attempts`` only when not empty, ``consumer`` only when
-    not ``None``), composed from the texts of its parts
-    (each outgoing message the processor made is encoded once). Raises ``ValueError``
-    (``InvalidMessageId``'s base) when the state or a message body is not JSON-compatible.
+    """``canonical_json({"attempts": ..., "consumer": ..., "outbox": {id: entry},
+    "state": ...})`` (``attempts`` only when not empty, ``consumer`` only when set),
+    composed from its parts' texts. Raises ``ValueError`` when the state or a message
+    body is not JSON-compatible.
     """
     kept, marks = entity._state_text, entity.marks
     try:
@@ -418,8 +388,8 @@ _CONSUMER = '{"consumer":"'
 def decode_entity(entity_id: str, text: str | bytes, version: Any) -> Entity:
     """The inverse of :func:`encode_entity`."""
     if type(text) is str and text.endswith("}"):
-        # Most entities have an empty outbox: decode the state alone. The consumer's
-        # JSON string is taken as it is when it holds no escape (its first '"' ends it).
+        # Most entities have an empty outbox: decode the state alone (and the consumer's
+        # string as is when it holds no escape).
         consumer: str | None = None
         start = 1
         if text.startswith(_CONSUMER):
@@ -509,9 +479,7 @@ class EntityStore(Client):
     #: ``max_load_batch * max_entity_bytes`` bytes.
     max_load_batch: ClassVar[int] = 100
     #: Largest number of records handed to one :meth:`_save` call (the backend may split
-    #: them further, by bytes). Saves know their sizes before they are sent, so a backend
-    #: whose save is one request per call (a script, a statement) sets this higher than
-    #: :attr:`max_load_batch`: on a durable server every request waits for its own flush.
+    #: them by bytes); set higher where one request saves them all (one flush).
     max_save_batch: ClassVar[int] = 100
 
     declared_options: ClassVar[OptionSet] = Client.declared_options
@@ -589,13 +557,10 @@ class EntityStore(Client):
     joins: ClassVar[type[Client] | None] = None
 
     def _joined(self, dedup: DeduplicationStore) -> bool:
-        """Whether one request can do the work of this store and ``dedup`` together.
-
-        True when ``dedup`` is of the class the backend joins (:attr:`joins`) and
-        the two share one connection (one server: one transaction or script
-        domain). Then :meth:`_load_checked` costs one round trip instead of two,
-        :meth:`_save_checked` one instead of two, and :meth:`_save_recording` one
-        atomic write instead of two. The processor asks once; the calls assume it.
+        """Whether one request can do the work of this store and ``dedup`` together:
+        ``dedup`` is of the class :attr:`joins` and shares this store's connection.
+        Then :meth:`_load_checked`, :meth:`_save_checked` and :meth:`_save_recording`
+        cost one round trip instead of two. The processor asks once; the calls assume it.
         """
         return (
             self.joins is not None
@@ -621,14 +586,12 @@ class EntityStore(Client):
         return entity, recorded
 
     def _save_recording(self, entity: Entity, dedup: DeduplicationStore, key: str) -> None:
-        """Record ``key`` in ``dedup`` and save ``entity`` in one atomic request.
+        """``dedup.add(key)`` then :meth:`save` of ``entity``, in one atomic request.
 
-        Only for a joined ``dedup`` (:meth:`_joined`): the clean-up of one message,
-        as ``dedup.add(key)`` then :meth:`save` would do it, the record written
-        first, so the entity never loses the entry of a message that is not
-        recorded. Raises ``ConcurrencyConflict`` when the entity changed since it
-        was loaded (``key`` is recorded all the same: the entry stays in the stored
-        outbox and a retry finds it there), and what ``add`` and :meth:`save` raise.
+        Only for a joined ``dedup`` (:meth:`_joined`). Raises ``ConcurrencyConflict``
+        when the entity changed since it was loaded (``key`` is recorded all the same:
+        the entry stays in the stored outbox for a retry), and what ``add`` and
+        :meth:`save` raise.
         """
         mid, record = self._joint_record(entity, dedup, key)
         versions: dict[str, Any] = {}
@@ -644,13 +607,10 @@ class EntityStore(Client):
     def _save_checked(self, entity: Entity, dedup: DeduplicationStore, key: str) -> bool:
         """Save ``entity`` unless ``dedup`` holds ``key``, in one request; whether it held it.
 
-        Only for a joined ``dedup`` (:meth:`_joined`): :meth:`save` of an entity the
-        processor kept from an earlier save (no load), checking the id of the message
-        applied to it on the same request. True: the id is recorded and nothing was
-        written (the message is a duplicate). A save whose earlier attempt wrote it
-        (a lost answer) reports False even when the id got recorded since. Raises what
-        :meth:`save` raises (``ConcurrencyConflict`` when the entity changed since
-        that save: reload) and what ``has_been_processed`` raises.
+        Only for a joined ``dedup`` (:meth:`_joined`). True: the message is a duplicate
+        and nothing was written. A save whose earlier attempt wrote it (a lost answer)
+        reports False even when the id got recorded since. Raises what :meth:`save`
+        and ``has_been_processed`` raise.
         """
         mid, record = self._joint_record(entity, dedup, key)
         with self.translating_errors("check_and_save"):
@@ -695,11 +655,10 @@ class EntityStore(Client):
     def pending_outboxes(self, segment: int = 0, segments: int = 1) -> Iterator[Entity]:
         """Entities whose outbox is not empty, in segment ``segment`` of ``segments``.
 
-        Segments are disjoint and complete; which entity falls in which segment is
-        the backend's (a stored :func:`bucket_of` the id, or the database's own
-        parallel scan). Streams page by page: memory is bounded by a page, not by
-        the segment. Each entity is as of its page's read (a sweep saves under its
-        version, so a stale one only costs a conflict).
+        Segments are disjoint and complete (by :func:`bucket_of`, or the database's
+        own parallel scan). Streams page by page; each entity is as of its page's read
+        (a stale one only costs a conflict). Raises ``ValueError`` for bad segments,
+        ``StoreUnavailable``.
         """
         if not (isinstance(segments, int) and isinstance(segment, int) and segments >= 1):
             raise ValueError(f"segments must be an int >= 1, got {segments!r}")

@@ -1,15 +1,11 @@
 """Options declared once per backend, applied alike to URL queries, keywords and config files.
 
-A backend declares each option once (:class:`Option`: name, converter, default,
-secret or not, pickled or not, handed to the driver or not). :meth:`OptionSet.resolve`
-turns the URL's query values and the keyword arguments into typed values with the
-same converters, so ``"false"`` from a TOML file or an environment variable is
+A backend declares each option once (:class:`Option`); :meth:`OptionSet.resolve` turns
+the URL's query values and the keyword arguments into typed values with the same
+converters (:func:`boolean`, :func:`integer`, :func:`seconds`, ...), so ``"false"`` is
 ``False`` everywhere, an unknown option is the same ``ConfigurationError`` on every
-backend, and an option given both in the URL and as a keyword with different values
-is refused. ``repr``, pickling and ``dedupstore config`` read the same declaration.
-
-The converters (:func:`boolean`, :func:`integer`, :func:`seconds`, durations such as
-``'5s'``, ``'10 ms'`` or ``'1h30m'`` through :func:`parse_duration`, ...) live here too.
+backend, and a URL value contradicting a keyword is refused. ``repr``, pickling and
+``dedupstore config`` read the same declaration.
 """
 
 from __future__ import annotations
@@ -366,12 +362,8 @@ def check_seconds(seconds: float, given: object) -> float:
 
 
 def seconds(maximum: float | None = None, *, zero: bool = False) -> Converter:
-    """A positive, finite number of seconds: ``5``, ``2.5``, ``"5"``, ``"5s"``, ``"250ms"``,
-    ``"1h30m"``, a ``timedelta`` (with ``zero``, 0 too: ``0``, ``"0s"``).
-
-    The one duration parser of the library: URL options, the consume loop's
-    ``wait`` and ``max_backoff``, and the command line's durations go through it.
-    """
+    """A positive, finite number of seconds (at most ``maximum``): ``5``, ``2.5``, ``"5"``,
+    ``"5s"``, ``"250ms"``, ``"1h30m"``, a ``timedelta`` (with ``zero``, 0 too: ``"0s"``)."""
 
     def convert(value: object) -> float:
         if zero and _is_zero(value):
@@ -398,8 +390,7 @@ def seconds(maximum: float | None = None, *, zero: bool = False) -> Converter:
 
 
 def _is_zero(value: object) -> bool:
-    """Whether ``value`` is a duration of zero: ``0``, ``0.0``, ``timedelta(0)``, ``"0"``,
-    ``"0s"``, ``"0ms"`` (what :func:`seconds` with ``zero`` takes besides positive ones)."""
+    """Whether ``value`` is a duration of zero: ``0``, ``timedelta(0)``, ``"0s"``, ..."""
     if isinstance(value, bool):
         return False
     if isinstance(value, int | float | timedelta):
@@ -407,9 +398,8 @@ def _is_zero(value: object) -> bool:
     return isinstance(value, str) and _ZERO.fullmatch(value.strip()) is not None
 
 
-def retention(value: object) -> timedelta | None:
-    """A retention: ``None`` (forever), a ``timedelta``, seconds, or ``'30d'``-style text."""
-    return parse_duration(value)
+#: A retention: ``None`` (forever), a ``timedelta``, seconds, or ``'30d'``-style text.
+retention = parse_duration
 
 
 def text(pattern: str | None = None, what: str = "a string") -> Converter:
@@ -462,7 +452,6 @@ def callable_(value: object) -> object:
 
 
 # --------------------------------------------------------------------------- shared options
-# One name for one concept on every backend: these build the declarations.
 
 
 def timeout_option(default: float, what: str) -> Option:

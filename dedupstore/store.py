@@ -1,8 +1,7 @@
 """The deduplication store contract: :class:`DeduplicationStore`.
 
-The base class owns everything every backend shares (id validation, batching,
-retention arithmetic, write tokens for safe retries, progress on failure, error
-classification, options, pickling, ``repr`` masking). A backend implements a few
+The base class owns what every backend shares (id validation, batching, retention,
+write tokens for safe retries, progress on failure); a backend implements a few
 primitives whose atomicity is stated in their docstrings.
 """
 
@@ -52,8 +51,7 @@ CLOCK = Option(
 )
 
 
-#: ``max_clock_skew``, for client-clock backends whose ``purge_expired`` runs on many
-#: clients: only records expired for longer than this are deleted.
+#: ``max_clock_skew``, for client-clock backends whose ``purge_expired`` runs on many clients.
 MAX_CLOCK_SKEW = Option(
     "max_clock_skew",
     seconds(),
@@ -66,12 +64,10 @@ MAX_CLOCK_SKEW = Option(
 class WriteRequest(NamedTuple):
     """One chunk handed to :meth:`DeduplicationStore._add_new`.
 
-    ``token`` is written with every record this chunk creates; a record holding
-    any token in ``mine`` (this token, and those of earlier failed attempts at
-    these ids on the same store object) was written by this call. ``now`` and
-    ``expires_at`` are the client's clock; ``retention`` is in seconds, for
-    backends whose server judges expiry by its own clock. (A named tuple: one is
-    made per write, and a frozen dataclass is several times slower to make.)
+    ``token`` is written with every record this chunk creates; a record holding any
+    token in ``mine`` (this one, and those of earlier failed attempts at these ids on
+    the same store object) was written by this call. ``now`` and ``expires_at`` are
+    the client's clock; ``retention`` is in seconds, for server-clock backends.
     """
 
     ids: list[str]
@@ -91,10 +87,10 @@ class DeduplicationStore(Client):
       the store sees the record;
     * first writer wins: of concurrent adds of one id exactly one returns ``True``;
     * invalid ids raise :class:`~dedupstore.errors.InvalidMessageId` before any I/O;
-    * a store that cannot answer raises :class:`~dedupstore.errors.StoreUnavailable`, never "not
-      processed"; a batch that fails part-way says what it recorded (``recorded``)
-      and what is unknown (``unknown``), and a retry of the same ids on the same
-      object reports those it wrote before the failure as recorded by the retry;
+    * a store that cannot answer raises :class:`~dedupstore.errors.StoreUnavailable`,
+      never "not processed"; a batch that fails part-way says what it ``recorded`` and
+      what is ``unknown``, and a retry of the same ids on the same object reports
+      those it wrote before the failure as recorded by the retry;
     * with ``retention`` a record stops counting once expired, judged by the
       server's clock where the server has one (:attr:`expiry_clock`).
 
@@ -209,26 +205,23 @@ class DeduplicationStore(Client):
     def count(self) -> int | None:
         """The number of live (unexpired) ids recorded for this endpoint, or ``None``.
 
-        Exact: the ids :meth:`has_been_processed` answers ``True`` for, expiry judged
-        as it judges it (:attr:`expiry_clock`); expired records not yet purged do not
-        count, nor do other endpoints' records. One statement (a snapshot) on SQL
-        backends; a scan or query over pages elsewhere, so ids recorded or expiring
-        while it runs may or may not be counted. It reads every record of the endpoint
-        at least (all records of the table on DynamoDB): a maintenance read, not a
-        hot path. ``None`` when the backend cannot count exactly (see its
-        ``_count``). Raises ``StoreUnavailable`` and ``StoreClosed``.
+        Exact: the ids :meth:`has_been_processed` answers ``True`` for (expired records
+        not yet purged and other endpoints' records do not count). One snapshot on SQL
+        backends; elsewhere a paged scan, so ids recorded or expiring meanwhile may or
+        may not count. A maintenance read of every record of the endpoint at least.
+        ``None`` when the backend cannot count exactly. Raises ``StoreUnavailable`` and
+        ``StoreClosed``.
         """
         self.check_open()
         with self.translating_errors("count"):
             return self._count(self._clock())
 
     def endpoints(self) -> set[str] | None:
-        """The endpoints (consumers) that hold live records in this store, every one of
-        them, not only this store's own; ``None`` when the backend cannot list them.
+        """Every endpoint (consumer) holding live records in this store, not only this
+        store's own; ``None`` when the backend cannot list them.
 
-        Live as :meth:`count` judges it (expired records not yet purged do not count). A
-        maintenance read like :meth:`count`: one statement on SQL backends, a scan or a
-        query elsewhere. Raises ``StoreUnavailable`` and ``StoreClosed``.
+        Live as :meth:`count` judges it; a maintenance read like :meth:`count`. Raises
+        ``StoreUnavailable`` and ``StoreClosed``.
         """
         self.check_open()
         with self.translating_errors("endpoints"):
@@ -279,18 +272,13 @@ class DeduplicationStore(Client):
         """Delete this endpoint's expired records; return the count."""
 
     def _count(self, now: float) -> int | None:
-        """How many of this endpoint's records are live at ``now`` (the client's clock).
-
-        Exact, or ``None``: a backend that does not override this cannot count (the
-        default, so a backend written before :meth:`count` existed keeps working).
-        Judge expiry exactly as :meth:`_find` does.
-        """
+        """How many of this endpoint's records are live at ``now`` (the client's clock),
+        expiry judged as :meth:`_find` does; ``None`` (the default): cannot count."""
         return None
 
     def _endpoints(self, now: float) -> set[str] | None:
-        """The endpoints with a record live at ``now`` (the client's clock), or ``None``
-        (the default: a backend that does not override this cannot list them). Judge
-        expiry exactly as :meth:`_find` does."""
+        """The endpoints with a record live at ``now`` (the client's clock), expiry judged
+        as :meth:`_find` does; ``None`` (the default): cannot list them."""
         return None
 
     # ------------------------------------------------------------------ helpers
@@ -304,10 +292,9 @@ class DeduplicationStore(Client):
     ) -> set[str]:
         """Write one chunk under a fresh token; remember the tokens if it fails.
 
-        ``write`` (a request's ids recorded: :meth:`_add_new` by default) lets a
-        caller write the chunk together with other work in one request
-        (:meth:`dedupstore.entities.EntityStore._save_recording`), under
-        ``operation``'s name in errors and metrics.
+        ``write`` (default :meth:`_add_new`) lets a caller write the chunk with other
+        work in one request (:meth:`dedupstore.entities.EntityStore._save_recording`),
+        named ``operation`` in errors and metrics.
         """
         token = write_token()
         earlier: list[str] = []
@@ -356,12 +343,9 @@ class DeduplicationStore(Client):
         *,
         writes: bool,
     ) -> set[str]:
-        """Union of ``work(chunk)``, with up to :attr:`chunk_concurrency` in flight.
-
-        :func:`~dedupstore.calls.fan_out`: memory stays bounded (at most that many
-        chunks are held); on an error no new chunk starts, those in flight finish,
-        and for writes the error carries ``recorded`` / ``unknown``.
-        """
+        """Union of ``work(chunk)``, with up to :attr:`chunk_concurrency` in flight
+        (:func:`~dedupstore.calls.fan_out`); a write's error carries ``recorded`` /
+        ``unknown``."""
         result: set[str] = set()
         unknown: set[str] = set()
         lock = threading.Lock()

@@ -1,52 +1,25 @@
 """The connection both PostgreSQL stores share: :class:`PostgresConnection`.
 
-Options (URL query or keyword) of both stores:
-
-===================  ===============  ====================================================
-option               default          meaning
-===================  ===============  ====================================================
-``table``            per store        ``'name'`` or ``'schema.name'``, used verbatim
-``create``           ``false``        create the table (and schema) when missing
-``timeout``          ``10`` s         how long one statement may take
-``connect_timeout``  ``5`` s          opening a connection, and waiting for a pooled one
-``pool_min_size``    ``1``            connections kept open
-``pool_max_size``    ``10``           connections at most
-``password``         none             the password, instead of the URL's (secret)
-``client``           none             a ready ``psycopg_pool.ConnectionPool`` (keyword
-                                      only; not closed by the store)
-===================  ===============  ====================================================
-
-The URL is a libpq connection URI: every query parameter that is not a declared option and is a
-libpq keyword (``sslmode``, ``application_name``, ``options``, ...) goes to libpq unchanged, and
-libpq's environment variables (``PGPASSWORD``, ...) apply. Connections are pooled
-(``psycopg_pool``), one pool per server, options and process, shared by the stores of the server (a
-child after ``fork()`` opens its own), in autocommit, with ``synchronous_commit`` pinned on and
-``statement_timeout`` set to ``timeout``.
+Options: :func:`postgres_options`. The URL is a libpq connection URI: undeclared query
+parameters that are libpq keywords (``sslmode``, ...) go to libpq unchanged, and libpq's
+environment variables apply. One ``psycopg_pool`` pool per server, options and process, in
+autocommit, with ``synchronous_commit`` pinned on and ``statement_timeout`` set to ``timeout``.
 
 Every statement is bounded: the server cancels it after ``timeout``, TCP keepalives and
-``tcp_user_timeout`` detect a network partition, and a client-side watchdog closes the connection of
-a statement that got no answer shortly after ``timeout`` (a frozen server still accepts TCP).
+``tcp_user_timeout`` detect a partition, and a watchdog closes the connection of a statement
+with no answer shortly after ``timeout`` (a frozen server still accepts TCP). A pooled
+connection the server closed is discarded before use without a round trip; one that died
+silently fails when used, so a read, or a write marked ``resend`` (answering alike when applied
+twice: the deduplication store's inserts, by their write token), is re-sent on another
+connection until the deadline, and any other write (an entity save) is sent once, on a
+connection that just answered an empty query (a failure after sending it is raised). Writes the
+server rolled back (deadlock, serialization failure) are retried, 3 attempts in all; a statement
+the watchdog timed out is never re-sent.
 
-So that connections that died while pooled do not fail the first call after an outage: one the
-server closed (a restart, a reset) is readable, and discarded before use without a round trip; one
-that died silently (the server's host rebooted, a NAT or proxy dropped it) only fails when used, so
-
-* a read, or a write the store marks ``resend`` (its second application answers like the first: the
-  deduplication store's inserts, by their write token), is re-sent on another connection whenever
-  one breaks under it, until the deadline;
-* any other write (an entity save) is sent once, on a connection that has just answered an empty
-  query; a failure after it was sent is raised (outcome unknown).
-
-Writes the server rolled back (deadlock, serialization failure) are retried, 3 attempts in all; a
-statement the watchdog timed out is never re-sent.
-
-Deadline: a call (one chunk of a batch) raises ``StoreUnavailable`` at most ``connect_timeout +
-timeout + min(1 s, timeout / 2)`` seconds after it started (16 s with the defaults; with a given
-``client`` pool, its own timeout stands for ``connect_timeout``): waiting for a connection, checking
-it and the answer are each capped by the time left. Errors are classified once, here:
-``StoreUnavailable`` (retry: server down, timeout, failover to a replica) or ``ConfigurationError``
-(fix the setup: a missing table or database, refused credentials or privileges, a table of another
-shape, a value libpq refuses).
+Deadline: ``connect_timeout + timeout + min(1 s, timeout / 2)`` per call (16 s by default; a
+given pool's timeout stands for ``connect_timeout``). Errors: ``StoreUnavailable`` (retry:
+server down, timeout, failover to a replica) or ``ConfigurationError`` (fix the setup: a missing
+table or database, refused credentials or privileges, a table of another shape).
 """
 
 from __future__ import annotations

@@ -13,39 +13,29 @@ Table layout (``create=true`` or :meth:`PostgresEntityStore.create_schema`)::
     listed   boolean NOT NULL              -- in the scan's index (see Scan)
     + index <table>_listed ON (id) WHERE listed; fillfactor 80 (in-page updates)
 
-``body`` is ``text`` rather than ``jsonb`` so the canonical JSON comes back byte for byte (``jsonb``
+``body`` is ``text``, not ``jsonb``, so the canonical JSON comes back byte for byte (``jsonb``
 reorders keys, turns ``1e20`` into an integer and refuses ``\\u0000``); ``body::jsonb`` queries it.
 
 Token: ``version``. A save is one ``INSERT ... SELECT FROM unnest(...) ON CONFLICT (id) DO UPDATE
-... WHERE t.version = <expected> RETURNING id, version`` per chunk (up to 1,000 entities,
-``max_save_batch``): a new entity (version ``None``) is inserted only if absent; a loaded one is
-updated only if its row still holds the version it was loaded at. Each row is compared and written
-atomically by the server (the row lock of ``ON CONFLICT``), so of concurrent savers exactly one
-wins; every saver writes rows in id order, so overlapping saves never deadlock. A chunk is one round
-trip unless its bodies exceed about 16 MiB, then one statement per 16 MiB (each row still
-all-or-nothing; a failure of a later statement raises). A version this store did not hand out (not a
-positive ``int``) conflicts without I/O. The store never deletes entities; a loaded entity whose row
-was deleted by hand conflicts (not re-created), unless the delete commits during the save.
+... WHERE t.version = <expected>`` per chunk of up to 1,000 entities (one statement per ~16 MiB of
+bodies): a new entity is inserted only if absent, a loaded one updated only if its row still holds
+the version it was loaded at. The server compares and writes each row atomically (the row lock of
+``ON CONFLICT``), and savers write rows in id order, so overlapping saves never deadlock. A version
+this store did not hand out conflicts without I/O. The store never deletes entities; a loaded
+entity whose row was deleted by hand conflicts.
 
 Scan: ``WHERE listed AND mod(bucket, segments) = segment``, keyset-paginated by ``id`` (the partial
-index), at most 500 rows and about 16 MiB of bodies per page, each page its own statement: memory is
-bounded by a page and no transaction stays open between pages. An entity saved meanwhile is seen as
-of its page. A save sets ``listed`` when the outbox is not empty and never clears it, so the columns
-of an index change only when an entity becomes pending for the first time since it was last pruned:
-every other save is a heap-only (HOT) update of one page, without new index entries. The scan yields
-the pending rows and clears ``listed`` on the others of its page (``UPDATE ... WHERE NOT pending``:
-a row saved pending meanwhile is re-checked under its lock and stays listed).
+index), at most 500 rows and ~16 MiB of bodies per page, each page its own statement. A save sets
+``listed`` when the outbox is not empty and never clears it, so most saves are heap-only (HOT)
+updates without new index entries; the scan clears ``listed`` on the rows of its page no longer
+pending (re-checked under the row lock).
 
-Size limit: 4 MiB of canonical JSON per entity (``max_entity_bytes``, checked before any I/O).
-PostgreSQL would hold up to 1 GB per value; 4 MiB keeps the answer to one load statement
-(``max_load_batch`` = 100 entities) below 400 MiB, a save statement and a scan page near 16 MiB (at
-least one entity each), a statement well inside ``timeout``, and matches the base class's default.
+Size limit: 4 MiB of canonical JSON per entity (``max_entity_bytes``, checked before any I/O), so
+one load answer stays below 400 MiB and a statement well inside ``timeout``.
 
-Failures (see :mod:`.postgres._client`): a save is sent once. When its answer is lost
-(``StoreUnavailable``) it may or may not have been applied, and the entities' ``version`` is left as
-it was, so a retry of the same save conflicts if the first one was applied (reload: the entity then
-holds that save's state). A re-send would conflict the same way, so the store never re-sends a save:
-a lost answer is an error, never reported as a conflict.
+Failures: a save is never re-sent (a re-send would conflict). When its answer is lost
+(``StoreUnavailable``) it may or may not have been applied and ``version`` is left as it was, so a
+retry conflicts if the first was applied (reload: the entity then holds that save's state).
 """
 
 from __future__ import annotations
@@ -142,10 +132,8 @@ class PostgresEntityStore(EntityStore):
             ),
         ]
 
-        # ``u.version`` is the version the row gets (1: new, else the expected one + 1). A new
-        # entity is inserted only if absent (a stored version is never 0); a loaded one replaces
-        # only a row holding the expected version and is never inserted (the store deletes no rows:
-        # the row of a version seen exists).
+        # ``u.version``: the version the row gets (1: new, else the expected one + 1); a loaded
+        # entity is never inserted (the store deletes no rows: the row of a version seen exists).
         def save(guard: str = "") -> bytes:  # guard: a condition on the rows written
             return render(
                 "INSERT INTO {table} AS t (id, body, version, bucket, pending, listed) "
@@ -167,10 +155,8 @@ class PostgresEntityStore(EntityStore):
         self._sql_load = render(
             "SELECT id, body, version FROM {table} WHERE id = ANY(%(ids)b::text[])"
         )
-        # One page: the next ``rows`` listed ids of the segment after ``after``, cut after about
-        # ``budget`` bytes of bodies (octet_length reads no body); the body of a row no longer
-        # pending is NULL. ``n`` is the page's row count before the cut: fewer than ``rows`` and
-        # nothing cut means the segment is done.
+        # One page: the next ``rows`` listed ids after ``after``, cut after about ``budget`` bytes
+        # of bodies; a row no longer pending has a NULL body. ``n``: the rows before the cut.
         self._sql_scan = render(
             "SELECT id, body, version, n FROM ("
             "SELECT id, body, version, count(*) OVER () AS n, "
@@ -181,8 +167,7 @@ class PostgresEntityStore(EntityStore):
             "AND id > %(after)s::text ORDER BY id LIMIT %(rows)s::int4) AS p"
             ") AS q WHERE before < %(budget)s::int8 ORDER BY id"
         )
-        # The scan's prune: rows still not pending (re-checked under the row lock when a save
-        # changed one meanwhile) leave the index.
+        # The scan's prune: rows still not pending (re-checked under the row lock) leave the index.
         self._sql_unlist = render(
             "UPDATE {table} SET listed = false "
             "WHERE id = ANY(%(ids)b::text[]) AND listed AND NOT pending"
