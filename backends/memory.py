@@ -1,13 +1,9 @@
 """``memory://`` and ``memory://<name>``: an in-process store for tests and demos.
 
-One store per name per process, shared by every object opened with that URL, so two objects behave
-like two clients of one server. Thread-safe. Nothing survives the process. Expiry is judged by the
-``clock`` option (``time.time`` by default). There is nothing to create: every name exists (empty
-until written), so ``must_exist=True`` is accepted and checks nothing.
-
-:class:`MemoryDispatcher` is a queue per name, shared the same way: per process only, so useless
-across Spark executors or any other worker processes (each has its own, empty queue); use
-``sqlite://`` or ``redis://`` there.
+One store (and :class:`MemoryDispatcher` queue) per name per process, shared by every object
+opened with that URL, like clients of one server: useless across worker processes or Spark
+executors (use ``sqlite://`` or ``redis://`` there). Thread-safe; nothing survives the process.
+Expiry is judged by the ``clock`` option. Every name exists, so ``must_exist`` checks nothing.
 """
 
 from __future__ import annotations
@@ -191,11 +187,9 @@ class MemoryEntityStore(EntityStore):
 class MemoryDispatcher(URLDispatcher):
     """A process-wide named queue: every dispatcher opened with ``memory://<name>`` shares it.
 
-    :attr:`sent` holds every delivery in dispatch order (a re-dispatch appears again);
-    :meth:`distinct` the first delivery of each id. The messages are copies as a receiver would
-    decode them (JSON round trip), so later changes to the caller's objects do not show. Per process
-    only: not for Spark executors. Thread-safe; no I/O, so it never raises ``StoreUnavailable``.
-    No size bound of its own (``max_message_bytes`` None, unless the option sets one).
+    :attr:`sent` holds every delivery in dispatch order (a re-dispatch appears again),
+    :meth:`distinct` the first of each id, as a receiver would decode them (JSON round trip).
+    Thread-safe; never raises ``StoreUnavailable``; no size bound unless the option sets one.
     """
 
     connection_class = MemoryConnection

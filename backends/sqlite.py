@@ -1,23 +1,16 @@
 """``sqlite:///path.db``: the embedded default store.
 
-``sqlite:///relative/path.db`` is relative to the current directory and
-``sqlite:////absolute/path.db`` absolute (SQLAlchemy's convention); the path is made absolute at
-open, so a pickled store reopens the same file from any directory. The database runs in WAL mode
-with ``synchronous=FULL``: a record is on disk when ``add`` returns, and several threads and
-processes may use one file at once (each write takes SQLite's write lock; ``INSERT ... ON CONFLICT``
-decides the first writer). Expiry is judged by the ``clock`` option (the machine's clock: every
-client of one file runs on one machine). The entity store and the dispatcher keep their own tables
-in the same file (see their classes).
+``sqlite:///relative/path.db`` (made absolute at open, so a pickled store reopens the same file)
+or ``sqlite:////absolute/path.db``. WAL mode with ``synchronous=FULL``: a record is on disk when
+``add`` returns, and threads and processes may share one file (each write takes SQLite's write
+lock; ``INSERT ... ON CONFLICT`` decides the first writer). Expiry is judged by the ``clock``
+option (every client of one file runs on one machine). The entity store and the dispatcher keep
+their own tables in the same file.
 
-Options: ``endpoint``, ``retention``, ``clock``; ``table`` (``dedup_records``; ``dedup_entities``
-for the entity store, ``dedup_outgoing`` for the dispatcher); ``timeout`` (10 s: how long a call
-waits for another writer's lock before ``StoreUnavailable``); ``synchronous`` (``FULL``;
-``NORMAL``/``OFF`` can lose acknowledged records on power loss and get a health warning); ``create``
-(true: create the directory, the file and the table when missing). With ``create=false`` or
-``must_exist=True`` nothing is created: the file is opened without creating it
-(``file:...?mode=rw``) and a missing file or table is "no such store". Operating-system errors that
-retrying cannot heal (permission denied, read-only filesystem, not a directory, ...) are
-``ConfigurationError`` naming the path, not ``StoreUnavailable``.
+Options (:data:`SQLITE_OPTIONS`, ``table``): with ``create=false`` or ``must_exist=True`` nothing
+is created and a missing file or table is "no such store". Operating-system errors that retrying
+cannot heal (permission denied, read-only filesystem, ...) are ``ConfigurationError`` naming the
+path, not ``StoreUnavailable``.
 """
 
 from __future__ import annotations
@@ -137,9 +130,8 @@ class _Connection(sqlite3.Connection):
 
 
 class SqliteConnection(Connection):
-    """One SQLite file in one process: a ``sqlite3`` connection per thread, shared by the file's
-    clients of the same ``timeout``, ``synchronous`` and ``create``, and closed with this object
-    (weakly held: a thread that ended leaks nothing)."""
+    """One SQLite file in one process: a ``sqlite3`` connection per thread (weakly held: a thread
+    that ended leaks nothing), closed with this object."""
 
     schemes: ClassVar[tuple[str, ...]] = ("sqlite",)
     shaped_by: ClassVar[tuple[str, ...]] = ("timeout", "synchronous", "create", "must_exist")
@@ -213,10 +205,10 @@ class SqliteConnection(Connection):
         rowid: bool = False,
     ) -> tuple[sqlite3.Connection, str]:
         """This thread's connection and the quoted name of ``client``'s ``table``, checked to have
-        ``columns`` (name: declaration). With ``create``: the directory, the file (in WAL mode) and
-        the table (its ``columns``, the table constraint ``key``, ``WITHOUT ROWID`` unless
-        ``rowid``) are created first. Without: a missing file or table is ``ConfigurationError`` "no
-        such store"; nothing is created. ``what`` names the table's use in messages."""
+        ``columns`` (name: declaration; ``what`` names the table's use in messages). With
+        ``create`` the directory, the file (WAL) and the table (``key``: a table constraint;
+        ``WITHOUT ROWID`` unless ``rowid``) are created first; else a missing one is "no such
+        store"."""
         table = f'"{client.options["table"]}"'
         declared = [f"{name} {kind}" for name, kind in columns.items()] + ([key] if key else [])
         create_sql = f"CREATE TABLE IF NOT EXISTS {table} ({', '.join(declared)})"
@@ -254,8 +246,7 @@ class SqliteConnection(Connection):
         if self.path.parent != Path():
             self.path.parent.mkdir(parents=True, exist_ok=True)
         lock = f"{self.path}.lock"
-        # filelock waits out its whole timeout when the lock file cannot be created at all (a
-        # missing or read-only directory); creating it first raises the real error.
+        # Created first: filelock would wait out its timeout where it cannot be created at all.
         os.close(os.open(lock, os.O_RDWR | os.O_CREAT, 0o644))
         with filelock.FileLock(lock, timeout=self._timeout):
             conn = self.thread_connection()
@@ -435,9 +426,8 @@ class SqliteDeduplicationStore(DeduplicationStore):
 
 class SqliteEntityStore(EntityStore):
     """Entities in one table of a SQLite file; safe across threads and processes. Token: the
-    ``version`` column (``UPDATE ... WHERE version = ?``, or an ``INSERT`` that must not find the
-    id). A ``save_many`` chunk is one write transaction: it commits every entity that did not
-    conflict. The scan pages by id through a partial index on ``(bucket, id) WHERE pending``."""
+    ``version`` column. A ``save_many`` chunk is one write transaction. The scan pages by id
+    through a partial index on ``(bucket, id) WHERE pending``."""
 
     _sqlite = Connected(SqliteConnection)
 
@@ -515,19 +505,14 @@ _SQL_NOW = "((julianday('now') - 2440587.5) * 86400.0)"
 class SqliteDispatcher(URLDispatcher):
     """A table queue in a SQLite file: one row per message id; safe across processes.
 
-    Table (``table``, default ``dedup_outgoing``): ``seq`` (INTEGER PRIMARY KEY AUTOINCREMENT),
-    ``id`` (UNIQUE), ``destination``, ``body`` (canonical JSON), ``headers`` (JSON),
-    ``deliveries``, ``mismatches``, ``first_at`` (epoch seconds). A dispatch is one write
-    transaction (all messages or none): ``INSERT ... ON CONFLICT(id) DO UPDATE`` adds 1 to
-    ``deliveries`` and, when destination, body or headers differ from the stored ones, to
-    ``mismatches`` (the stored content is kept: the first delivery wins).
-    Writers take SQLite's write lock in turn (waiting up to ``timeout``, then ``StoreUnavailable``).
-    Rows keep their insertion order (``seq``, assigned under the write lock and never reused, even
-    after the newest row is removed: a reader paging by ``seq`` never misses a later commit).
-    :meth:`read_back` and :meth:`remove` read a destination's rows back and delete them (for
-    ``dedupstore dead-letters``).
-    Size bound: ``max_message_bytes`` is the connection's ``SQLITE_LIMIT_LENGTH`` (read at
-    open; 10^9 bytes unless SQLite was built with less), the largest text a row's column holds.
+    Table (``table``, default ``dedup_outgoing``): ``seq``, ``id`` (UNIQUE), ``destination``,
+    ``body`` (canonical JSON), ``headers`` (JSON), ``deliveries``, ``mismatches``, ``first_at``
+    (epoch seconds). A dispatch is one write transaction (all messages or none): a re-dispatch
+    adds 1 to ``deliveries``, and to ``mismatches`` when its content differs (the first
+    delivery's is kept). Rows keep their insertion order (``seq``: AUTOINCREMENT, assigned under
+    the write lock and never reused, so a reader paging by ``seq`` never misses a later commit).
+    :meth:`read_back` and :meth:`remove` serve ``dedupstore dead-letters``. Size bound:
+    ``max_message_bytes`` is the connection's ``SQLITE_LIMIT_LENGTH`` (read at open; 10^9).
     """
 
     _sqlite = Connected(SqliteConnection)
@@ -592,12 +577,8 @@ class SqliteDispatcher(URLDispatcher):
         return self.stats().rows
 
     def stats(self) -> DispatchStats:
-        """``(rows, deliveries, mismatches)`` over the table, read in one statement.
-
-        ``deliveries - rows`` is how many re-dispatches the receivers were spared;
-        ``mismatches > 0`` means an id was dispatched with different contents (a handler that is not
-        deterministic). Raises ``StoreUnavailable``.
-        """
+        """``(rows, deliveries, mismatches)`` over the table, in one statement: ``mismatches >
+        0`` means an id was dispatched with different contents. Raises ``StoreUnavailable``."""
         self.check_open()
         with self.translating_errors("read"):
             rows, deliveries, mismatches = self._sqlite.fetch(self._sql_stats)[0]

@@ -1,63 +1,49 @@
 """The public API for writing a backend: everything a backend of dedupstore may use.
 
-A backend (the built-in ones under ``dedupstore.backends`` and yours alike) imports
-from the core of dedupstore only this module (``tests/test_backend_api.py`` checks the
-built-in ones): no other module of ``dedupstore``, no name starting with ``_``, and no
-private member of the core's classes except the hooks listed in :data:`HOOKS`, which a
-backend implements or extends. ``docs/backend-api.md`` writes a backend from it.
+A backend imports from the core only this module (``tests/test_backend_api.py`` checks
+the built-in ones): no name starting with ``_``, and no private member of the core's
+classes but the :data:`HOOKS` it implements. ``docs/backend-api.md`` writes a backend
+from it. The names, by group:
 
-The names, by group:
-
-Bases (subclass them)
-    :class:`Client` (everything opened by URL: options, errors, pickling, closing),
-    :class:`Connection` (a backend's connection to one server, shared by its clients),
-    :class:`Connected` (a client's typed handle on its connection), :class:`Closing`,
+Bases
+    :class:`Client`, :class:`Connection`, :class:`Connected`, :class:`Closing`,
     :class:`DeduplicationStore` with :class:`WriteRequest`, :class:`EntityStore` with
     :class:`EntityRecord`, :class:`OutgoingMessage` and :func:`groups_by_size`,
     :class:`URLDispatcher` with :class:`EncodedMessage`, :class:`StoredMessage`,
     :class:`DispatchStats` and :class:`ReadMessage`, :class:`Broker` with
-    :class:`Delivery`; :data:`HOOKS`: the underscore methods a backend implements.
-    A client's members for backends are public: ``store_url``, ``options``,
-    ``connection``, ``made_connection``, ``creates``, ``check_open()``,
+    :class:`Delivery`; :data:`HOOKS`. A client's members for backends: ``store_url``,
+    ``options``, ``connection``, ``made_connection``, ``creates``, ``check_open()``,
     ``translating_errors()``, ``make_error()``, ``describe_error()``,
-    ``no_such_store()``, ``scrub()``; a deduplication store's ``endpoint``,
-    ``retention``; an entity store's ``joins``.
-Options (declared once, per class)
-    :class:`Option`, :class:`OptionSet`, :class:`Options`; the converters
-    :func:`boolean`, :func:`integer`, :func:`seconds`, :func:`text`, :func:`choice`,
-    :func:`optional`, :func:`anything`, :func:`parse_duration`, :func:`format_duration`;
-    the shared declarations :func:`timeout_option`, :func:`connect_timeout_option`,
-    :func:`retries_option`, :func:`create_option`, :func:`client_option`,
-    :data:`CLOCK`, :data:`MAX_CLOCK_SKEW`, :data:`MUST_EXIST`; :func:`creates` (whether
-    options let opening create what is missing), :func:`check_client` (a given
-    ``client`` option of the right type). URLs: :class:`StoreURL`.
-Connections
-    :class:`ProcessLocal` (one value per process, reference counted, fork safe),
-    :func:`quiet_driver_logs`, :func:`part_of` (a client's declared attribute, typed).
-Deadlines and retries
-    :func:`deadline`, :func:`time_left`, :func:`capped`, :class:`DeadlinePassed`,
-    :func:`retry` (with :data:`BACKOFF`, :func:`pause_before`), :func:`fan_out`,
-    :func:`executor`; :func:`cut_short` (whether an HTTP reply is whole).
-Errors
-    :data:`ErrorKind` (what a classification returns: ``None`` for a foreign error, an
-    error class, or a ready error), the error types :class:`DedupStoreError` and
-    :class:`StoreUnavailable` (retry), :class:`ConfigurationError` (fix it),
-    :class:`ConsistencyError`, :class:`StoreClosed`, :class:`InvalidMessageId`,
-    :class:`InvalidValue`, :class:`EntityTooLarge`, :class:`MessageTooLarge`,
-    :class:`ConcurrencyConflict`; :func:`format_error` (an error as one line).
-Masking
+    ``no_such_store()``, ``scrub()``; a store's ``endpoint``, ``retention``; an entity
+    store's ``joins``.
+Options
+    :class:`Option`, :class:`OptionSet`, :class:`Options`, :func:`boolean`,
+    :func:`integer`, :func:`seconds`, :func:`text`, :func:`choice`, :func:`optional`,
+    :func:`anything`, :func:`parse_duration`, :func:`format_duration`,
+    :func:`timeout_option`, :func:`connect_timeout_option`, :func:`retries_option`,
+    :func:`create_option`, :func:`client_option`, :data:`CLOCK`, :data:`MAX_CLOCK_SKEW`,
+    :data:`MUST_EXIST`, :func:`creates`, :func:`check_client`, :class:`StoreURL`.
+Connections, deadlines and retries
+    :class:`ProcessLocal`, :func:`quiet_driver_logs`, :func:`part_of`, :func:`deadline`,
+    :func:`time_left`, :func:`capped`, :class:`DeadlinePassed`, :func:`retry`,
+    :data:`BACKOFF`, :func:`pause_before`, :func:`fan_out`, :func:`executor`,
+    :func:`cut_short`.
+Errors and masking
+    :data:`ErrorKind`, :class:`DedupStoreError`, :class:`StoreUnavailable`,
+    :class:`ConfigurationError`, :class:`ConsistencyError`, :class:`StoreClosed`,
+    :class:`InvalidMessageId`, :class:`InvalidValue`, :class:`EntityTooLarge`,
+    :class:`MessageTooLarge`, :class:`ConcurrencyConflict`, :func:`format_error`,
     :func:`scrub`, :func:`mask_url`, :func:`mask_text`, :func:`mask_options`,
     :func:`is_secret`, :data:`SECRET_NAMES`, :data:`MASK`.
 Identity
-    :func:`write_token` (a writer's token), :func:`message_key`, :func:`outgoing_id`,
-    :func:`validate_message_id`, :data:`MAX_ID_BYTES`; canonical JSON as the entities
-    store it: :func:`encode_entity`, :func:`decode_entity`, :func:`canonical_json`,
-    :func:`dumps`, :func:`loads`.
-Contract kit (needs pytest; imported on first use, never by a backend's import)
+    :func:`write_token`, :func:`message_key`, :func:`outgoing_id`,
+    :func:`validate_message_id`, :data:`MAX_ID_BYTES`, :func:`encode_entity`,
+    :func:`decode_entity`, :func:`canonical_json`, :func:`dumps`, :func:`loads`.
+Contract kit (needs pytest; imported on first use)
     :class:`DeduplicationStoreContract`, :class:`MultiProcessContract`,
     :class:`EntityStoreContract`, :class:`FakeClock`, :class:`Timeline`,
     :data:`StoreFactory`, :data:`INVALID_IDS`, :data:`HOSTILE_IDS`,
-    :func:`random_valid_ids` (from :mod:`dedupstore.testing`).
+    :func:`random_valid_ids`.
 """
 
 from __future__ import annotations

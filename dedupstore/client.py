@@ -548,13 +548,8 @@ class Client(Closing, abc.ABC):
     def _shares_connection_with(self, other: Client) -> bool:
         """Whether ``other`` uses the very connection this object uses: then one request
         can carry the work of both (:meth:`EntityStore._joined`)."""
-        mine, theirs = self._connection_key(), other._connection_key()
-        return mine is not None and mine == theirs
-
-    def _connection_key(self) -> Hashable | None:
-        """The key the connection is shared by (``None``: not shared)."""
-        handle = self._connection_handle
-        return None if handle is None else handle.key
+        mine, theirs = self._connection_handle, other._connection_handle
+        return mine is not None and theirs is not None and mine.key == theirs.key
 
     @property
     def creates(self) -> bool:

@@ -94,14 +94,10 @@ class InvalidMessageId(DedupStoreError, ValueError):
 class InvalidValue(DedupStoreError, TypeError, ValueError):
     """A state, body or headers value that cannot be stored as given; nothing was written.
 
-    A dict key that is not ``str`` at any depth (JSON would store ``7`` as ``"7"``, and
-    a reload would not give the value back), headers that are not a mapping of ``str``
-    to ``str``, a dataclass or a pydantic model (the text says what to pass instead:
-    ``dataclasses.asdict(value)``, ``value.model_dump(mode="json")``) or another type
-    JSON has no form for. The text starts with the path of the value, such as
-    ``state[7]`` or ``sends[0].body["a"][0][3]``. Both a ``TypeError`` (what JSON
-    encoders raise for such a value) and a ``ValueError`` (what the stores raise for a
-    state that is not JSON-compatible).
+    A dict key that is not ``str`` at any depth (a reload would not give it back),
+    headers that are not a mapping of ``str`` to ``str``, a dataclass or a pydantic
+    model (the text says what to pass instead) or another type JSON has no form for.
+    The text starts with the value's path, such as ``sends[0].body["a"][0][3]``.
     """
 
 
@@ -124,8 +120,8 @@ class EntityTooLarge(DedupStoreError, ValueError):
     """An entity is larger than its store can hold in one record; nothing was written.
 
     Raised by the processor for one incoming message (its new state and outbox entry
-    do not fit, on any retry), :attr:`message_id` and :attr:`correlation_id` name it;
-    raised by an entity store's ``save`` they are ``None``.
+    do not fit), named by :attr:`message_id` and :attr:`correlation_id` (``None`` when
+    raised by an entity store's ``save``).
     """
 
     def __init__(
@@ -142,11 +138,10 @@ class MessageTooLarge(DedupStoreError, ValueError):
     """A message is larger than its dispatcher (or destination) accepts; nothing was sent.
 
     Raised before any I/O by a dispatcher (:attr:`outgoing_id` names the refused
-    message; the batch is not sent, none of it) and by the processor for the
-    incoming message whose outgoing message or dead letter would be refused, on any
-    retry (:attr:`message_id`, :attr:`correlation_id`; nothing of it was saved).
-    :attr:`size` is the message's size in bytes (or its headers' for a header bound)
-    and :attr:`bound` the largest accepted.
+    message; none of the batch is sent) and by the processor for the incoming message
+    whose outgoing message or dead letter would be refused (:attr:`message_id`,
+    :attr:`correlation_id`; nothing of it was saved). :attr:`size` (bytes, of the
+    headers for a header bound) exceeds :attr:`bound`.
     """
 
     def __init__(
@@ -175,10 +170,9 @@ class DeadLetterIncomplete(DedupStoreError, ValueError):
     """A bounded dead letter cannot be redriven: it does not hold the original message.
 
     A dead letter too large to be written whole carries its message's body (or
-    headers) as their size and SHA-256 digest only (``body_omitted``,
-    ``headers_omitted``); :attr:`letter_id`, :attr:`message_id` and
-    :attr:`correlation_id` name it. Process the original again (from its source) as a
-    new message, or drop the letter.
+    headers) as their size and SHA-256 digest only; :attr:`letter_id`,
+    :attr:`message_id` and :attr:`correlation_id` name it. Process the original again
+    from its source, or drop the letter.
     """
 
     def __init__(self, text: str, *, letter_id: str, message_id: str, correlation_id: str):
@@ -223,9 +217,6 @@ class HandlerError(DedupStoreError):
 
 
 def format_error(exc: BaseException) -> str:
-    """The error as one line (whitespace folded, secrets in URLs masked).
-
-    Used by the CLI, the reports and the error translation of every backend.
-    """
+    """The error as one line (whitespace folded, secrets in URLs masked)."""
     text = " ".join(str(exc).split())
     return mask_text(text) if text else type(exc).__name__

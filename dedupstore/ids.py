@@ -90,12 +90,8 @@ def validate_name(value: object, what: str) -> str:
 
 
 # ---------------------------------------------------------------------- message identity
-#
-# A message is identified by (consumer, entity, message id): the consumer is the
-# deduplication store's endpoint (records are kept per endpoint), the entity is the
-# message's correlation id. Producers often make ids unique only per entity
-# (per-account sequence numbers, per-partition offsets), so the same message id under
-# two entities is two messages, and two consumers of one event are two processings.
+# A message is (consumer, entity, message id): producers often make ids unique only per
+# entity, and two consumers of one event are two processings.
 
 #: Namespace of the UUIDv5 outgoing message ids (:func:`outgoing_id`).
 OUTGOING_NAMESPACE = uuid.UUID("6f1e6a52-4d0b-5c55-9a57-2a7d1c0b9e41")

@@ -1,12 +1,9 @@
 """Secrets masked out of URLs and free text; imports nothing of dedupstore, keeps no state.
 
-Masking works on the raw text before any parsing, so a malformed URL can never
-print its password: everything between the first ``:`` of the user-info and the
-``@`` that ends it becomes ``***``, and so does the value of every secret query
-option. The secret names are :data:`SECRET_NAMES` (every secret option of the
-built-in backends, and libpq's secret keywords) plus the names a caller passes:
-an object opened by URL passes its own declaration's (``OptionSet.secret_names``),
-so a third-party backend's secret options are masked in its messages too.
+Masking works on the raw text before any parsing, so a malformed URL never prints its
+password: the user-info's password and the value of every secret query option become
+``***``. The secret names are :data:`SECRET_NAMES` plus those a caller passes (an object
+opened by URL passes its declaration's ``OptionSet.secret_names``).
 """
 
 from __future__ import annotations
@@ -67,12 +64,11 @@ def is_secret(name: str, secret_names: Iterable[str] = ()) -> bool:
 
 
 def authority_bounds(rest: str) -> tuple[int, int]:
-    """(end of the user-info, end of the authority) in ``rest`` (the text after ``://``).
+    """(end of the user-info or -1, end of the authority) in ``rest`` (after ``://``).
 
-    The user-info end is -1 when there is none. A ``:`` before the first ``/ ? #``
-    with an ``@`` only after it means a raw reserved character in a password: the
-    user-info is then taken to run to the last ``@`` (masking too much, never too
-    little).
+    A ``:`` before the first ``/ ? #`` with an ``@`` only after it means a raw reserved
+    character in a password: the user-info then runs to the last ``@`` (masking too
+    much, never too little).
     """
     stops = [i for i in (rest.find(c) for c in "/?#") if i != -1]
     authority_end = min(stops) if stops else len(rest)

@@ -45,8 +45,8 @@ def _shared(client: Client) -> Any:
 
 def _holders(client: Client) -> int:
     """How many open clients of this process hold ``client``'s connection."""
-    key = client._connection_key()
-    slot = client_module._shared.get(key)
+    handle = client._connection_handle
+    slot = None if handle is None else client_module._shared.get(handle.key)
     return 0 if slot is None or slot.pid != os.getpid() else slot.refs
 
 

@@ -160,9 +160,8 @@ def postgres_options(base: OptionSet, table: str) -> OptionSet:
 
 
 class _Watchdog:
-    """One thread per process that fires the alarms of statements past their deadline. Firing and
-    disarming hold one lock: after :meth:`disarm` an alarm has fired completely or never will. Few
-    alarms are armed at once (one per statement in flight), so each wake scans them all."""
+    """One thread per process firing the alarms of statements past their deadline. Firing and
+    disarming hold one lock: after :meth:`disarm` an alarm has fired completely or never will."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -213,9 +212,8 @@ def _shut_down(conn: PgConnection) -> None:
 
 
 class _OwnPool(ConnectionPool["PgConnection"]):
-    """A pool dedupstore made (closed by it): filled from its first use on (so an open refused by
-    the server costs one login attempt, the open's own), and noting its last failed connection
-    attempt: ``(time.monotonic(), error)``."""
+    """A pool dedupstore made (and closes), filled from its first use on (a refused open costs
+    one login attempt), noting its last failed connection attempt: ``(monotonic time, error)``."""
 
     def __init__(self, conninfo: str, **kwargs: Any) -> None:
         self.last_failure: tuple[float, psycopg.Error] | None = None
@@ -261,33 +259,25 @@ def _server_closed(conn: PgConnection) -> bool:
     return bool(poller.poll(0))
 
 
-#: (setting, value that puts acknowledged writes at risk, warning).
-_RISKY_SETTINGS = (
-    (
-        "fsync",
-        "off",
+#: (setting, value that puts acknowledged writes at risk) -> warning.
+_RISKY_SETTINGS = {
+    ("fsync", "off"): (
         "fsync is off on the PostgreSQL server: an OS crash or power loss can lose or "
-        "corrupt {kind}'s rows",
+        "corrupt {kind}'s rows"
     ),
-    (
-        "full_page_writes",
-        "off",
-        "full_page_writes is off on the PostgreSQL server: a crash can corrupt {kind}",
+    ("full_page_writes", "off"): (
+        "full_page_writes is off on the PostgreSQL server: a crash can corrupt {kind}"
     ),
-    (
-        "synchronous_commit",
-        "off",
+    ("synchronous_commit", "off"): (
         "synchronous_commit is off on the PostgreSQL server: a crash loses recent commits "
-        "of other clients (this store turns it on for its own sessions)",
+        "of other clients (this store turns it on for its own sessions)"
     ),
-    (
-        "session synchronous_commit",
-        "off",
+    ("session synchronous_commit", "off"): (
         "synchronous_commit is off in this store's sessions: a crash can lose writes it "
-        "acknowledged",
+        "acknowledged"
     ),
-    ("relpersistence", "u", "table {table} is UNLOGGED: PostgreSQL empties it after a crash"),
-)
+    ("relpersistence", "u"): "table {table} is UNLOGGED: PostgreSQL empties it after a crash",
+}
 
 
 class Table:
@@ -344,9 +334,8 @@ _given_in: weakref.WeakKeyDictionary[ConnectionPool[Any], int] = weakref.WeakKey
 
 
 class PostgresConnection(Connection):
-    """The psycopg pool of one PostgreSQL server, shared by its stores (``self._pg``). Statements go
-    through :meth:`read` and :meth:`write` (see the module); a store keeps its :class:`Table` as
-    its public ``table``, read by :meth:`open_table`, the error texts and the health check."""
+    """The psycopg pool of one PostgreSQL server, shared by its stores (``self._pg``): statements
+    go through :meth:`read` and :meth:`write`; a store's :class:`Table` is its public ``table``."""
 
     schemes: ClassVar[tuple[str, ...]] = ("postgresql", "postgres")
     needs_host: ClassVar[bool] = True
@@ -414,9 +403,8 @@ class PostgresConnection(Connection):
             self.pool.close(timeout=5.0)
 
     def configure(self, conn: PgConnection) -> None:
-        """New connection: pin a durable ``synchronous_commit`` and the statement timeout. The
-        server's ``synchronous_commit`` is kept unless it is ``off`` (then ``on``); pinning it in
-        the session means a later configuration reload cannot turn it off under the pool."""
+        """New connection: pin ``synchronous_commit`` (``on`` if the server's is ``off``; a later
+        configuration reload cannot turn it off under the pool) and the statement timeout."""
         self.execute(
             conn,
             "SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit') "
@@ -430,9 +418,9 @@ class PostgresConnection(Connection):
     def open_table(
         self, client: Client, create: list[bytes], check: Callable[[PgConnection], None]
     ) -> None:
-        """Check the encoding and ``client``'s table (run the ``create`` statements if it is missing
-        and that is allowed, then ``check`` its shape); on a connection of its own when the pool is
-        ours (so refused credentials are the error, not a pool timeout)."""
+        """Check the encoding and ``client``'s table (``create`` it if missing and allowed, then
+        ``check`` it), on a connection of its own when the pool is ours (so refused credentials
+        are the error, not a pool timeout)."""
         table = part_of(client, "table", Table)
         with contextlib.ExitStack() as stack:
             if isinstance(self.pool, _OwnPool):
@@ -479,13 +467,10 @@ class PostgresConnection(Connection):
 
     @contextlib.contextmanager
     def pooled(self, client: Client, *, verify: bool = True) -> Iterator[PgConnection]:
-        """A live pooled connection (autocommit), returned to the pool on exit. Connections the
-        server closed are discarded (replaced by the pool) and the next one tried at once; with
-        ``verify`` (a request that must not be re-sent) it must also answer an empty query
-        (``ConnectionPool.check_connection``, bounded like a statement). Waits at most the pool's
-        timeout, capped by the call's deadline; then the ``PoolTimeout`` says why the last
-        connection attempt failed, if known. A check that gets no answer raises
-        :class:`StatementTimeout`."""
+        """A live pooled connection (autocommit), returned to the pool on exit: one the server
+        closed is discarded; with ``verify`` it must also answer an empty query (bounded like a
+        statement: :class:`StatementTimeout`). Waits at most the pool's timeout, capped by the
+        call's deadline; the ``PoolTimeout`` then says why the last connection attempt failed."""
         pool = self.pool
         began = time.monotonic()
         left = time_left()
@@ -571,9 +556,9 @@ class PostgresConnection(Connection):
     def run(
         self, client: Client, query: Any, params: Any, *, resend: bool
     ) -> list[tuple[Any, ...]]:
-        """Run one statement on a pooled connection, within the call's deadline. ``resend``: re-sent
-        on another connection when one breaks under it; else sent once, on a freshly checked
-        connection. Never re-sent after a watchdog timeout (the server may still run it)."""
+        """Run one statement on a pooled connection, within the call's deadline: with ``resend``
+        re-sent on another connection when one breaks under it (never after a watchdog timeout),
+        else sent once, on a freshly checked connection."""
         broke = False
 
         def attempt() -> list[tuple[Any, ...]]:
@@ -583,9 +568,7 @@ class PostgresConnection(Connection):
                 try:
                     return self.execute(conn, query, params)
                 except psycopg.OperationalError:
-                    # The connection failed under the statement: libpq saw it (broken), or psycopg's
-                    # wait saw the socket hang up before libpq did ("connection socket closed", the
-                    # connection still reported OK).
+                    # (psycopg may see the socket hang up before libpq marks the connection broken)
                     broke = _server_closed(conn)
                     raise
 
@@ -628,7 +611,7 @@ class PostgresConnection(Connection):
         values = {str(setting): str(value) for setting, value in settings}
         return [
             message.format(table=table.text, kind=table.kind)
-            for setting, bad, message in _RISKY_SETTINGS
+            for (setting, bad), message in _RISKY_SETTINGS.items()
             if values.get(setting) == bad
         ]
 

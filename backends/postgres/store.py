@@ -4,17 +4,12 @@ Options: those of :mod:`.postgres._client` (``table`` defaults to ``dedup_record
 ``endpoint`` and ``retention``. A table without one of the columns (``endpoint``, ``id``,
 ``expires_at``, ``writer``) is refused with a ``ConfigurationError`` naming what is missing.
 
-Records live in one table keyed by ``(endpoint, id)``, both ``text COLLATE "C"`` (byte-exact: ids
-differing only in case, accents or trailing spaces never collide). Expiry is judged by the server's
-clock: ``expires_at`` is epoch seconds computed from ``now()`` in SQL, so clients with skewed clocks
-agree. A record is committed and flushed (``synchronous_commit`` on) before ``add`` returns.
-``INSERT ... ON CONFLICT`` decides the first writer; each record also holds the write token of the
-call that wrote it (``writer``), so an insert re-sent after a broken connection returns the rows
-holding the call's token: the ids its lost first send recorded are reported as recorded.
-
-After ``StoreUnavailable`` an ``add`` may or may not have recorded its ids; a retry on the same
-store object reports the ids it wrote as recorded by the retry (``add_many`` also says what it
-``recorded`` and what is ``unknown``).
+Records live in one table keyed by ``(endpoint, id)``, both ``text COLLATE "C"`` (byte-exact).
+Expiry is judged by the server's clock (``expires_at``: epoch seconds from ``now()`` in SQL). A
+record is committed and flushed (``synchronous_commit`` on) before ``add`` returns. ``INSERT ... ON
+CONFLICT`` decides the first writer; each record holds the write token of the call that wrote it
+(``writer``), so an insert re-sent after a broken connection, or retried on the same store object
+after ``StoreUnavailable``, reports the ids its lost attempt recorded as recorded.
 """
 
 from __future__ import annotations
@@ -51,8 +46,7 @@ class PostgresDeduplicationStore(DeduplicationStore):
 
     max_write_batch: ClassVar[int] = 2000
     max_read_batch: ClassVar[int] = 5000
-    # Two chunks in flight: the server works on one while the next is sent (and on two cores at
-    # once); overlapping chunks are sorted, so they cannot deadlock.
+    # Two chunks in flight: the server works on one while the next is sent (sorted: no deadlock).
     chunk_concurrency: ClassVar[int] = 2
     expiry_clock: ClassVar[Literal["client", "server"]] = "server"
     _pg = Connected(PostgresConnection)
@@ -119,8 +113,7 @@ class PostgresDeduplicationStore(DeduplicationStore):
             f"WHERE (r.expires_at IS NOT NULL AND r.expires_at <= {now}) "
             "OR r.writer = ANY(%(mine)s::text[]) "
         )
-        # Rows are inserted in one order (code points = UTF-8 bytes = COLLATE "C") by every writer,
-        # so overlapping batches wait for each other, never deadlock.
+        # Every writer inserts rows in one order (COLLATE "C"): overlapping batches never deadlock.
         self._sql_add_many = render(
             "INSERT INTO {table} AS r (endpoint, id, expires_at, writer) "
             f"SELECT %(endpoint)s::text, u.id, {expires}, %(token)s::text "
