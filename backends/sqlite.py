@@ -19,6 +19,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import sqlite3
 import threading
 import weakref
@@ -83,6 +84,11 @@ _PERMANENT_ERRNOS = {
     errno.ENXIO: "no such device",
     errno.ENODEV: "no such device",
 }
+#: SQLite errors (lower-cased) that retrying cannot heal: a table, file or permission to fix.
+_TO_FIX = re.compile(
+    "no such table|no such column|readonly database|unable to open|not a database"
+    "|has no column|authorization"
+)
 #: Options shared by the SQLite deduplication store, entity store and dispatcher.
 SQLITE_OPTIONS = (
     timeout_option(10.0, "seconds a call waits for another writer's lock"),
@@ -286,18 +292,7 @@ class SqliteConnection(Connection):
                 return ConfigurationError(f"cannot use SQLite file {path}: {problem}")
         if isinstance(exc, sqlite3.OperationalError) and ("locked" in message or "busy" in message):
             return StoreUnavailable
-        if isinstance(exc, sqlite3.DatabaseError) and any(
-            marker in message
-            for marker in (
-                "no such table",
-                "no such column",
-                "readonly database",
-                "unable to open",
-                "not a database",
-                "has no column",
-                "authorization",
-            )
-        ):
+        if isinstance(exc, sqlite3.DatabaseError) and _TO_FIX.search(message):
             return ConfigurationError
         if isinstance(exc, PermissionError | IsADirectoryError | NotADirectoryError):
             return ConfigurationError

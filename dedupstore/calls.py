@@ -106,11 +106,8 @@ def time_left() -> float | None:
 
 
 def capped(seconds: float) -> float:
-    """``seconds``, or the time left if that is shorter: a timeout for one attempt.
-
-    Raises :class:`DeadlinePassed` (a ``TimeoutError``) when no time is left, so no
-    request is sent that could not be answered in time.
-    """
+    """``seconds``, or the time left if shorter: a timeout for one attempt. Raises
+    :class:`DeadlinePassed` (a ``TimeoutError``) when no time is left."""
     left = time_left()
     if left is None:
         return seconds
@@ -129,11 +126,10 @@ def retry(
 ) -> T:
     """``fn()``, called again after an error ``retry_on`` accepts (or a result ``again`` refuses).
 
-    At most ``attempts`` calls (``None``: until the deadline), :data:`BACKOFF`
-    between them; never past the current deadline: no sleep ends after it, and
-    no attempt starts once it has passed. Returns the first accepted result, or
-    the last result once out of attempts; raises the last error otherwise.
-    :class:`DeadlinePassed` is never retried.
+    At most ``attempts`` calls (``None``: until the deadline), :data:`BACKOFF` between
+    them, never past the current deadline. Returns the first accepted result, or the
+    last one once out of attempts; raises the last error otherwise (never retrying
+    :class:`DeadlinePassed`).
     """
 
     def wanted(error: BaseException | None, result: Any = None) -> bool:

@@ -155,12 +155,9 @@ def normalized(value: Any, name: str = "value") -> tuple[Any, str]:
 
 
 def _normalized_text(value: Any, name: str = "value") -> tuple[Any, str]:
-    """:func:`normalized`, but where the text alone shows that decoding it gives a value
-    equal to ``value`` (no ``null`` in it: no NaN or infinity was written as one), the
-    value is ``_UNDECODED``: the caller decodes the text (:func:`loads`) when it needs it.
-    For the processor's outgoing bodies, most of which are never read back.
-
-    Raises what :func:`dumps` raises.
+    """:func:`normalized`, but ``_UNDECODED`` for the value where the text alone shows
+    that decoding it gives ``value`` back (no ``null``): for the processor's outgoing
+    bodies, most never read back. Raises what :func:`dumps` raises.
     """
     fast = _fast(value, name)
     return _normalized_slowly(value) if fast is None else (fast[2], fast[0])

@@ -390,13 +390,12 @@ class Client(Closing, abc.ABC):
     def __init__(self, url: str | StoreURL, /, **options: Any) -> None:
         """Open the store, table or queue named by ``url`` and check that it is usable.
 
-        ``options`` come as keywords or in the URL's query (the backend's module lists
-        them). Raises ``ConfigurationError`` for a bad URL or option before any I/O
-        (the checks :meth:`check_options` runs), and for what the server refuses:
-        credentials, permissions, a missing table (without ``create``) or one of
-        another shape; ``ConsistencyError`` for a server that cannot give the
-        backend's guarantees; ``StoreUnavailable`` when the server cannot be reached
-        within the deadline. A failed open leaves no connection behind.
+        ``options`` come as keywords or in the URL's query. Raises ``ConfigurationError``
+        for a bad URL or option before any I/O (:meth:`check_options`), and for what the
+        server refuses (credentials, permissions, a missing table without ``create``, one
+        of another shape); ``ConsistencyError`` for a server too weak for the backend's
+        guarantees; ``StoreUnavailable`` when the server cannot be reached within the
+        deadline. A failed open leaves no connection behind.
         """
         self._closed = False
         self.store_url = self.portable_url(url)
@@ -427,9 +426,8 @@ class Client(Closing, abc.ABC):
     def check_options(cls, url: str | StoreURL, **options: Any) -> None:
         """Raise ``ConfigurationError`` if ``url`` or ``options`` would be refused; no I/O.
 
-        Runs the checks the constructor runs before its first I/O (the option
-        converters and :meth:`_validate`): what passes here fails later only for
-        what needs the server (credentials, a missing table, ...) or this process's
+        The constructor's checks before its first I/O (the converters, :meth:`_validate`):
+        what passes fails later only for what needs the server or this process's
         environment (Cosmos DB's ``COSMOS_KEY``).
         """
         parsed = cls.portable_url(url)
@@ -469,10 +467,8 @@ class Client(Closing, abc.ABC):
         return self.options[name]
 
     def health_warnings(self) -> list[str]:
-        """Human-readable warnings about durability or consistency settings.
-
-        Raises ``StoreClosed`` and ``StoreUnavailable``.
-        """
+        """Human-readable warnings about durability or consistency settings (``dedupstore
+        check``). Raises ``StoreClosed`` and ``StoreUnavailable``."""
         self.check_open()
         with self.translating_errors("health check"):
             return self._health_warnings()
@@ -512,11 +508,8 @@ class Client(Closing, abc.ABC):
 
     @property
     def connection(self) -> Connection:
-        """This process's connection to the server, shared with its other clients.
-
-        Made (opened) on first use; see :class:`Connection`. Only for a class with a
-        :attr:`connection_class`.
-        """
+        """This process's connection to the server (:class:`Connection`), shared with its
+        other clients, made on first use; only for a class with a :attr:`connection_class`."""
         assert self._connection_handle is not None, f"{type(self).__name__} has no connection_class"
         return self._connection_handle.get()
 

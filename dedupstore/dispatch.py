@@ -183,11 +183,9 @@ class URLDispatcher(Client):
         """Send ``messages`` at least once; return when every one is handed over.
 
         Raises ``TypeError``/``ValueError``/``InvalidMessageId`` (bad batch) and
-        ``MessageTooLarge`` (a message over :attr:`max_message_bytes` or
-        :attr:`max_header_bytes`: none of the batch is sent) before any I/O,
-        ``StoreClosed`` after :meth:`close`, ``StoreUnavailable`` when the backend
-        cannot answer (some may have been sent: dispatch again), ``ConfigurationError``
-        for permissions or a resource of another shape.
+        ``MessageTooLarge`` (over :attr:`max_message_bytes` or :attr:`max_header_bytes`)
+        before any I/O, ``StoreClosed``, ``StoreUnavailable`` (some may have been sent:
+        dispatch again), ``ConfigurationError`` (permissions, a resource of another shape).
         """
         batch = _checked(self, messages)
         self.check_open()
@@ -205,12 +203,11 @@ class CallableDispatcher(Closing):
     """Wraps ``fn(messages)`` as a dispatcher; picklable when ``fn`` is.
 
     :meth:`dispatch` validates the batch like :class:`URLDispatcher` and calls ``fn``
-    with a list of the messages (not for an empty batch). Whatever ``fn`` raises
-    passes through unchanged; ``fn`` must raise if any message may not have been sent.
-    ``max_message_bytes`` and ``max_header_bytes`` (``None``: no bound) say what
-    ``fn``'s destination accepts (a Kafka producer: its ``message.max.bytes``, 1 MB
-    by default): a message over them is refused before ``fn`` is called
-    (``MessageTooLarge``), and the processor refuses it before it is saved.
+    with a list of the messages (not for an empty batch); what ``fn`` raises passes
+    through, and ``fn`` must raise if any message may not have been sent.
+    ``max_message_bytes`` and ``max_header_bytes`` (``None``: no bound) say what ``fn``'s
+    destination accepts (a Kafka producer: its ``message.max.bytes``): a message over
+    them is refused before ``fn`` is called (``MessageTooLarge``) and before it is saved.
     """
 
     receiver_dedup: ClassVar[str] = "up to the callable's receivers: by the message id"

@@ -487,10 +487,8 @@ class EntityStore(Client):
     # ------------------------------------------------------------------ public API
 
     def load(self, entity_id: str) -> Entity:
-        """The entity (a new empty one, ``version None``, when absent).
-
-        Raises ``InvalidMessageId`` before any I/O, ``StoreUnavailable``.
-        """
+        """The entity (a new empty one, ``version None``, when absent). Raises
+        ``InvalidMessageId`` before any I/O, ``StoreUnavailable``."""
         return self.load_many([entity_id])[validate_message_id(entity_id, "entity id")]
 
     def load_many(self, entity_ids: Iterable[str]) -> dict[str, Entity]:
@@ -511,21 +509,19 @@ class EntityStore(Client):
 
     def save(self, entity: Entity) -> Entity:
         """Save ``entity`` if nobody saved it since it was loaded; return it (new version).
-
         Raises ``ConcurrencyConflict`` otherwise (reload and retry),
-        ``EntityTooLarge``/``InvalidMessageId`` before any I/O, ``StoreUnavailable``.
-        """
+        ``EntityTooLarge``/``InvalidMessageId`` before any I/O, ``StoreUnavailable``."""
         record = self._record(entity, plain_ids([entity.id, *entity.outbox]))
         self.check_open()
-        _take_version(entity, self._save_records([record]))
+        with self.translating_errors("save"):
+            versions = self._save([record])
+        _take_version(entity, versions)
         return entity
 
     def save_many(self, entities: Sequence[Entity]) -> set[str]:
-        """Save each entity under its own token; return the ids that conflicted.
-
-        The others are saved and their ``version`` updated in place. No entity is
-        half-written. Every entity is encoded and checked before any I/O.
-        """
+        """Save each entity under its own token; return the ids that conflicted (the others
+        are saved, their ``version`` updated in place). Every entity is checked before any
+        I/O; none is half-written. Raises what :meth:`save` raises but the conflict."""
         checked = plain_ids([e.id for e in entities] + [m for e in entities for m in e.outbox])
         make = self._record
         records = [make(entity, checked) for entity in entities]
@@ -537,18 +533,14 @@ class EntityStore(Client):
         size = self.max_save_batch
         for start in range(0, len(records), size):
             chunk = records[start : start + size]
-            versions = self._save_records(chunk)
+            with self.translating_errors("save"):
+                versions = self._save(chunk)
             for record in chunk:
                 if record.id in versions:
                     by_id[record.id].version = versions[record.id]
                 else:
                     conflicts.add(record.id)
         return conflicts
-
-    def _save_records(self, records: list[EntityRecord]) -> dict[str, Any]:
-        """:meth:`_save` of records made and checked (one request): the ``save`` call."""
-        with self.translating_errors("save"):
-            return self._save(records)
 
     # ------------------------------------------------------------------ with a deduplication store
 
@@ -716,11 +708,7 @@ class EntityStore(Client):
 def _take_version(entity: Entity, versions: dict[str, Any]) -> None:
     """Give ``entity`` its new version from a save's answer, or raise its conflict."""
     if entity.id not in versions:
-        raise _conflict(entity.id)
+        raise ConcurrencyConflict(
+            f"entity {entity.id!r:.80} was saved by someone else since it was loaded"
+        )
     entity.version = versions[entity.id]
-
-
-def _conflict(entity_id: str) -> ConcurrencyConflict:
-    return ConcurrencyConflict(
-        f"entity {entity_id!r:.80} was saved by someone else since it was loaded"
-    )

@@ -141,16 +141,15 @@ class OptionSet(Mapping[str, Option]):
         driver: dict[str, str] = {}
         for key, raw in url.query:
             option = self._options.get(key)
-            if option is None or not option.in_url:
-                if option is None and self.driver_params and self.driver_params(key):
-                    if key in driver:
-                        raise ConfigurationError(f"option {key!r} is given twice in the URL")
-                    driver[key] = raw
-                    continue
+            if option is None and self.driver_params and self.driver_params(key):
+                target = driver
+            elif option is None or not option.in_url:
                 raise self._unknown(owner, key, "in the URL")
-            if key in in_url:
+            else:
+                target = in_url
+            if key in target:
                 raise ConfigurationError(f"option {key!r} is given twice in the URL")
-            in_url[key] = raw
+            target[key] = raw
         values: dict[str, Any] = {}
         given: dict[str, Any] = {}
         for key, value in keywords.items():
@@ -172,10 +171,8 @@ class OptionSet(Mapping[str, Option]):
                 if name in given and given[name] != from_url:
                     raise self._conflict(owner, name)
                 values[name] = from_url
-            elif name in given:
-                values[name] = given[name]
             else:
-                values[name] = option.default
+                values[name] = given.get(name, option.default)
         return Options(self, values, given, frozenset(in_url), driver)
 
     def _conflict(self, owner: str, name: str) -> ConfigurationError:

@@ -146,11 +146,10 @@ class DeduplicationStore(Client):
     def add(self, message_id: str) -> bool:
         """Record ``message_id``; return ``True`` if this call recorded it.
 
-        ``False`` means it was already recorded (and not expired). Durable and
-        visible to every client when this returns. Raises ``InvalidMessageId``
-        before any I/O, ``StoreUnavailable`` when the store cannot answer (its
-        ``unknown`` holds the id: a retry on this object reports it as recorded if
-        the failed call wrote it), ``StoreClosed`` after :meth:`close`.
+        ``False``: it was already recorded (and not expired). Durable and visible to every
+        client when this returns. Raises ``InvalidMessageId`` before any I/O,
+        ``StoreUnavailable`` (a retry on this object reports the id as recorded if the
+        failed call wrote it), ``StoreClosed`` after :meth:`close`.
         """
         mid = validate_message_id(message_id)
         self.check_open()
@@ -159,25 +158,20 @@ class DeduplicationStore(Client):
     def add_many(self, message_ids: Iterable[str]) -> set[str]:
         """Record every id; return the set of ids this call recorded.
 
-        Accepts any iterable, duplicates included; costs one round trip per chunk
-        of :attr:`max_write_batch` ids. Each id is returned by at most one of any
-        number of concurrent callers. A ``Collection`` (list, set, tuple, ...) is
-        validated whole before anything is written; any other iterable is streamed
-        and validated chunk by chunk (a bad id stops the call before its chunk is
-        written). A failure part-way raises with ``recorded`` (ids this call
-        recorded: act on them) and ``unknown`` (ids in flight). Raises
-        ``InvalidMessageId``, ``StoreUnavailable``, ``StoreClosed``.
+        Any iterable, duplicates included; one round trip per chunk of
+        :attr:`max_write_batch` ids. Each id is returned by at most one of any number of
+        concurrent callers. A ``Collection`` is validated whole before anything is
+        written; another iterable is streamed, validated chunk by chunk. A failure
+        part-way raises with ``recorded`` (act on them) and ``unknown`` (ids in flight).
+        Raises ``InvalidMessageId``, ``StoreUnavailable``, ``StoreClosed``.
         """
         return self._over_chunks(
             self._chunks(message_ids, self.max_write_batch), self._write_chunk, writes=True
         )
 
     def has_been_processed(self, message_id: str) -> bool:
-        """Return ``True`` if ``message_id`` is recorded and not expired.
-
-        Never returns a stale ``False`` for an id whose ``add`` has returned.
-        Raises ``InvalidMessageId`` before any I/O, ``StoreUnavailable``.
-        """
+        """Return ``True`` if ``message_id`` is recorded and not expired (never a stale
+        ``False``). Raises ``InvalidMessageId`` before any I/O, ``StoreUnavailable``."""
         mid = validate_message_id(message_id)
         self.check_open()
         with self.translating_errors("has_been_processed"):
@@ -228,11 +222,8 @@ class DeduplicationStore(Client):
             return self._endpoints(self._clock())
 
     def purge_expired(self) -> int:
-        """Delete this endpoint's expired records; return how many were deleted.
-
-        Only reclaims space: expired records already count as absent. Returns 0
-        when the store has no retention or when the server expires records itself.
-        Raises ``StoreUnavailable``.
+        """Delete this endpoint's expired records (only reclaims space); return how many:
+        0 without retention or where the server expires records. Raises ``StoreUnavailable``.
         """
         self.check_open()
         with self.translating_errors("purge_expired"):

@@ -1,14 +1,9 @@
 """``postgresql://`` / ``postgres://``: PostgreSQL tables for deduplication and entities.
 
-* :class:`PostgresDeduplicationStore` (:mod:`.store`): processed message ids, keyed by
-  ``(endpoint, id)``.
-* :class:`PostgresEntityStore` (:mod:`.entities`): entities and their outbox, one row each under a
-  ``version`` token.
-
-Both take the same URL (a libpq connection URI) and share one connection per server and process,
-:class:`PostgresConnection`: its module (:mod:`._client`) documents the common options, the pool,
-the bounds on every statement, what is re-sent, and the errors (``StoreUnavailable``: retry;
-``ConfigurationError``: fix the setup).
+:class:`PostgresDeduplicationStore` (:mod:`.store`) and :class:`PostgresEntityStore`
+(:mod:`.entities`) take the same URL (a libpq connection URI) and share one
+:class:`PostgresConnection` per server and process: its module (:mod:`._client`) documents the
+options, the pool, the bounds on every statement, what is re-sent, and the errors.
 """
 
 from ._client import PostgresConnection, StatementTimeout
