@@ -13,6 +13,7 @@ The fixture ``spark`` is parametrized indirectly by engine name:
 Only one classic SparkContext can live in a process: tests are grouped by engine
 (pytest orders tests by the parameter of a session fixture) and the previous engine
 is stopped before the next starts. A session that cannot start fails the tests.
+Under pytest-xdist each engine's tests are a group of their own (``tests/suite_rules.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ import pytest
 from tests.servers import HOST, ServerStartError, free_port
 
 ENGINES = ("local", "connect", "cluster")
+
+#: Set by PySpark while a Spark Connect session lives: every ``pyspark`` in the process
+#: and in its children then acts as a Connect client.
+CONNECT_MODE = "SPARK_CONNECT_MODE_ENABLED"
 
 #: Test-only AWS settings the executors inherit (moto accepts any credentials).
 TEST_AWS_ENV = {
@@ -185,9 +190,27 @@ def spark(
             session.stop()
         finally:
             server.stop()
-            # PySpark marks the process "Connect mode" (SPARK_CONNECT_MODE_ENABLED), which
-            # would turn the next classic session, and every child process, into a client
+            # PySpark marks the process "Connect mode" (CONNECT_MODE), which would turn
+            # the next classic session, and every child process, into a client
             os.environ.clear()
             os.environ.update(saved)
     else:  # pragma: no cover - a typo in a parametrization
         raise ValueError(engine)
+
+
+@pytest.fixture(autouse=True)
+def _connect_mode_only_on_connect(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Hide Connect mode from every test not on the ``connect`` engine.
+
+    The Connect session lives until its worker ends or needs another engine; meanwhile
+    the worker may run other tests (pytest-xdist), whose classic code, ``spark-submit``
+    or child processes must not become Connect clients.
+    """
+    callspec = getattr(request.node, "callspec", None)
+    on_connect = callspec is not None and callspec.params.get("spark") == "connect"
+    hidden = None if on_connect else os.environ.pop(CONNECT_MODE, None)
+    try:
+        yield
+    finally:
+        if hidden is not None:
+            os.environ[CONNECT_MODE] = hidden

@@ -3,11 +3,14 @@ and no silent skips in CI.
 
 * Every test of a ``test_spark*.py`` file, and every test using the ``spark`` session
   fixture, is marked ``spark`` (``make test-fast`` leaves them out).
-* Every Spark test is in the xdist group ``spark``: one worker runs them all, in the
-  order of a serial run, and starts each engine's JVMs once. One group, not one per
-  engine: while a Connect session lives, PySpark keeps its process in "Connect mode"
-  (an environment variable every child inherits), so a ``spark-submit`` or a Spark job
-  in a subprocess on that worker would fail outside that order.
+* Every Spark test is in an xdist group of its engine: ``spark-local``,
+  ``spark-connect``, ``spark-cluster`` (the session fixture's parameter, ``local`` when
+  it has none), and ``spark-jobs`` for the Spark tests without a session (jobs run by
+  ``spark-submit`` or in a subprocess). Each group runs on one worker, which starts
+  that engine's JVMs once; the four run side by side. While a Connect session lives,
+  PySpark keeps its process in "Connect mode" (an environment variable every child
+  inherits): ``tests/spark_fixtures.py`` hides it from every test that is not on
+  ``connect``, so a worker that ran the Connect group runs any other test as before.
 * Each consumer chaos suite (several consumer processes, killed at random, around its
   own servers) is a group, ``chaos-redis`` and ``chaos-rabbitmq``: its tests run one
   after another instead of competing with each other for the cores.
@@ -22,8 +25,8 @@ import os
 
 import pytest
 
-#: xdist group of the Spark tests.
-SPARK_GROUP = "spark"
+#: xdist group of the Spark tests without a session fixture.
+SPARK_JOBS_GROUP = "spark-jobs"
 #: xdist group of each consumer chaos suite, by module.
 CHAOS_GROUPS = {
     "test_consumer_chaos.py": "chaos-redis",
@@ -47,9 +50,18 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     uses_session = "spark" in getattr(item, "fixturenames", ())
     if uses_session or module.startswith("test_spark") or item.get_closest_marker("spark"):
         item.add_marker(pytest.mark.spark)
-        item.add_marker(pytest.mark.xdist_group(SPARK_GROUP))
+        item.add_marker(
+            pytest.mark.xdist_group(spark_group(item) if uses_session else SPARK_JOBS_GROUP)
+        )
     elif module in CHAOS_GROUPS:
         item.add_marker(pytest.mark.xdist_group(CHAOS_GROUPS[module]))
+
+
+def spark_group(item: pytest.Item) -> str:
+    """The xdist group of a test that uses the ``spark`` session: its engine's."""
+    callspec = getattr(item, "callspec", None)
+    engine = callspec.params.get("spark", "local") if callspec is not None else "local"
+    return f"spark-{engine}"
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

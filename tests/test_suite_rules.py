@@ -43,7 +43,7 @@ def test_outside_ci_a_skip_is_only_reported(
     assert result.ret == pytest.ExitCode.OK
 
 
-def test_spark_tests_share_a_group_and_chaos_suites_have_one_per_file(
+def test_spark_tests_are_grouped_by_engine_and_chaos_suites_have_one_per_file(
     pytester: pytest.Pytester,
 ) -> None:
     pytester.makeconftest(
@@ -85,10 +85,10 @@ def test_spark_tests_share_a_group_and_chaos_suites_have_one_per_file(
         for item in items
     }
     assert marks == {
-        "test_submits": (True, ["spark"]),
-        "test_with_session": (True, ["spark"]),
-        "engine[connect]": (True, ["spark"]),
-        "engine[cluster]": (True, ["spark"]),
+        "test_submits": (True, ["spark-jobs"]),
+        "test_with_session": (True, ["spark-local"]),
+        "engine[connect]": (True, ["spark-connect"]),
+        "engine[cluster]": (True, ["spark-cluster"]),
         "test_without": (False, []),
         "test_kills": (False, ["chaos-redis"]),
     }
@@ -133,5 +133,54 @@ def test_under_loadgroup_each_group_runs_on_one_worker(pytester: pytest.Pytester
     for line in result.outlines:
         if line.startswith("[gw") and "PASSED" in line and "@" in line:
             workers.setdefault(line.rsplit("@", 1)[1].strip(), set()).add(line.split("]")[0])
-    assert set(workers) == {"spark"}
+    assert set(workers) == {"spark-local", "spark-connect"}
     assert all(len(ran_on) == 1 for ran_on in workers.values()), workers
+
+
+_FAKE_CONNECT = textwrap.dedent(
+    """
+    import os
+    import pytest
+
+    @pytest.fixture(scope="session")
+    def spark(request):
+        if request.param == "connect":  # as PySpark does: set while the session lives
+            os.environ["SPARK_CONNECT_MODE_ENABLED"] = "1"
+        return request.param
+    """
+)
+
+_AFTER_CONNECT = textwrap.dedent(
+    """
+    import os
+    import subprocess
+    import sys
+    import pytest
+
+    @pytest.mark.parametrize("spark", ["connect"], indirect=True)
+    def test_on_connect(spark):
+        assert os.environ["SPARK_CONNECT_MODE_ENABLED"] == "1"
+
+    def test_after_it():
+        child = "import os; print('SPARK_CONNECT_MODE_ENABLED' in os.environ)"
+        out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True)
+        assert "SPARK_CONNECT_MODE_ENABLED" not in os.environ
+        assert out.stdout.strip() == "False"
+    """
+)
+
+
+@pytest.mark.parametrize("plugin", ["tests.spark_fixtures", None], ids=["hidden", "anti-test"])
+def test_connect_mode_is_hidden_from_tests_not_on_connect(
+    pytester: pytest.Pytester, plugin: str | None
+) -> None:
+    """A worker whose Connect session still lives runs other tests (and their children)
+    outside Connect mode; without the fixture that hides it, the check fails."""
+    pytester.makeconftest(_FAKE_CONNECT)
+    pytester.makepyfile(test_after_connect=_AFTER_CONNECT)
+    options = ["-p", plugin] if plugin else []
+    result = pytester.runpytest_subprocess(*options, "-p", "no:cacheprovider", "-p", "no:xdist")
+    if plugin:
+        result.assert_outcomes(passed=2)
+    else:
+        result.assert_outcomes(passed=1, failed=1)
