@@ -130,9 +130,6 @@ class _Partition:
             advanced = offset + 1
         return advanced
 
-    def first_not_done(self) -> int | None:
-        return next((offset for offset, done in self.outstanding.items() if not done), None)
-
 
 class KafkaBroker(Client, Broker):
     """One Kafka topic read through a consumer group; offsets committed after processing.
@@ -280,9 +277,9 @@ class KafkaBroker(Client, Broker):
             for record in records:
                 error = record.error()
                 if error is not None:
-                    if _benign(error):
+                    if error.code() == _kafka().KafkaError._PARTITION_EOF:  # not an error here
                         continue
-                    raise _kafka_exception(error)
+                    raise _kafka().KafkaException(error)
                 state = self._state(record.topic(), record.partition())
                 state.outstanding[record.offset()] = False
                 token = KafkaToken(record.topic(), record.partition(), record.offset(), state.epoch)
@@ -309,7 +306,7 @@ class KafkaBroker(Client, Broker):
         with self.translating_errors("nack"):
             for key in touched:
                 state = self._partitions[key]
-                first = state.first_not_done()
+                first = next((o for o, done in state.outstanding.items() if not done), None)
                 if first is None:
                     continue
                 self._consumer.seek(_topic_partition(key[0], key[1], first))
@@ -353,16 +350,6 @@ class KafkaBroker(Client, Broker):
 
 def _topic_partition(topic: str, partition: int, offset: int) -> Any:
     return _kafka().TopicPartition(topic, partition, offset)
-
-
-def _benign(error: Any) -> bool:
-    """End of partition: not an error for a consume loop."""
-    return bool(error.code() == _kafka().KafkaError._PARTITION_EOF)
-
-
-def _kafka_exception(error: Any) -> BaseException:
-    exception: BaseException = _kafka().KafkaException(error)
-    return exception
 
 
 def _headers(record: Any) -> dict[str, str]:

@@ -164,25 +164,34 @@ def _key(options: Options) -> str:
 @dataclasses.dataclass(frozen=True)
 class ContainerKind:
     """What a store keeps in its container (its public ``container_kind``): its use ("a
-    deduplication container"), the function that creates one, the container's properties besides
-    the partition key, why Strong is needed and what a weaker account risks."""
+    deduplication container"), the function that creates one, the item properties indexed (what
+    its queries filter on; nothing else is), why Strong is needed, what a weaker account risks,
+    and the container's default TTL (``None``: TTL off)."""
 
     what: str
     function: str
-    properties: Mapping[str, Any]
+    indexed: tuple[str, ...]
     strong_reason: str
     weak_risk: str
+    default_ttl: int | None = None
 
     def create(
         self, client: CosmosClient, database: str, container: str, throughput: int | None = None
     ) -> ContainerProxy:
         """Create ``database`` and ``container`` (partitioned on ``/id``) if missing."""
+        policy = {
+            "indexingMode": "consistent",
+            "automatic": True,
+            "includedPaths": [{"path": f"/{name}/?"} for name in self.indexed],
+            "excludedPaths": [{"path": "/*"}],
+        }
         db = client.create_database_if_not_exists(database)
         proxy: ContainerProxy = db.create_container_if_not_exists(
             id=container,
             partition_key=PartitionKey(path=PARTITION_KEY_PATH),
             offer_throughput=throughput,
-            **self.properties,
+            indexing_policy=policy,
+            default_ttl=self.default_ttl,
         )
         return proxy
 

@@ -72,12 +72,6 @@ MAX_REQUEST_BYTES: Final = 2 * 1024 * 1024
 ITEM_OVERHEAD_BYTES: Final = 16 * 1024
 #: Items per page of the scan.
 _SCAN_PAGE: Final = 100
-_INDEXING_POLICY: Final[dict[str, Any]] = {
-    "indexingMode": "consistent",
-    "automatic": True,
-    "includedPaths": [{"path": "/pending/?"}, {"path": "/bucket/?"}],
-    "excludedPaths": [{"path": "/*"}],
-}
 
 
 def entity_document_id(entity_id: str) -> str:
@@ -112,7 +106,7 @@ class CosmosEntityStore(EntityStore):
     container_kind: ClassVar[ContainerKind] = ContainerKind(
         "an entity container",
         "create_entity_container()",
-        {"indexing_policy": _INDEXING_POLICY},
+        ("pending", "bucket"),
         "a strongly consistent entity store",
         "loads may miss acknowledged saves and return stale entities",
     )

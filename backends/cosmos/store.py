@@ -60,12 +60,6 @@ _ID_NAMESPACE: Final = b"dedupstore/cosmos/v1\x00"
 _MAX_TTL_SECONDS: Final = 2**31 - 1
 #: Rounds of create / read / replace before giving up on a contended id.
 _MAX_ROUNDS: Final = 8
-_INDEXING_POLICY: Final[dict[str, Any]] = {
-    "indexingMode": "consistent",
-    "automatic": True,
-    "includedPaths": [{"path": "/endpoint/?"}, {"path": "/expires_at/?"}],
-    "excludedPaths": [{"path": "/*"}],
-}
 
 
 def document_id(endpoint: str, message_id: str) -> str:
@@ -102,9 +96,10 @@ class CosmosDeduplicationStore(DeduplicationStore):
     container_kind: ClassVar[ContainerKind] = ContainerKind(
         "a deduplication container",
         "create_container()",
-        {"indexing_policy": _INDEXING_POLICY, "default_ttl": -1},
+        ("endpoint", "expires_at"),
         "exactly-once deduplication",
         "reads may miss acknowledged writes and messages may be processed twice",
+        default_ttl=-1,
     )
 
     def _open(self) -> None:

@@ -22,11 +22,13 @@ from __future__ import annotations
 import contextlib
 import ssl
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
 import pika
 import pika.exceptions as pe
+from pika.adapters.blocking_connection import BlockingChannel
 from pika.adapters.utils.connection_workflow import AMQPConnectorException
 
 from dedupstore.backend import (
@@ -55,6 +57,7 @@ quiet_driver_logs("pika")
 __all__ = [
     "CONNECTION_OPTIONS",
     "Expiry",
+    "Link",
     "classify",
     "close_quietly",
     "connect",
@@ -94,6 +97,17 @@ def close_quietly(connection: pika.BlockingConnection) -> None:
     with contextlib.suppress(Exception):
         if connection.is_open:
             connection.close()
+
+
+@dataclass(eq=False)
+class Link:
+    """One process's connection and its channel (a client's ``ProcessLocal`` value)."""
+
+    connection: pika.BlockingConnection
+    channel: BlockingChannel
+
+    def close(self) -> None:
+        close_quietly(self.connection)
 
 
 def deadline_seconds(options: Options) -> float:

@@ -52,10 +52,11 @@ One consumer loop per object (not thread-safe).
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import pika
@@ -81,6 +82,7 @@ from dedupstore.backend import (
 
 from ._client import (
     CONNECTION_OPTIONS,
+    Link,
     classify,
     close_quietly,
     connect,
@@ -113,23 +115,15 @@ class RabbitMQToken:
     redelivered: bool
 
 
-class _Link:
-    """One connection, its consuming channel, and the deliveries received not yet fetched."""
+@dataclass(eq=False)
+class _Link(Link):
+    """The connection, its consuming channel, and the deliveries received not yet fetched."""
 
-    def __init__(
-        self, connection: pika.BlockingConnection, channel: BlockingChannel, generation: int
-    ) -> None:
-        self.connection = connection
-        self.channel = channel
-        self.generation = generation
-        self.received: collections.deque[Delivery] = collections.deque()
-        #: Delivery tags handed out and not settled yet: a second ack or nack of one
-        #: (which RabbitMQ answers by closing the channel) is skipped.
-        self.unsettled: set[int] = set()
-
-
-def _close_link(link: _Link) -> None:
-    close_quietly(link.connection)
+    generation: int
+    received: collections.deque[Delivery] = field(default_factory=collections.deque)
+    #: Delivery tags handed out and not settled yet: a second ack or nack of one
+    #: (which RabbitMQ answers by closing the channel) is skipped.
+    unsettled: set[int] = field(default_factory=set)
 
 
 def _text(value: object) -> str:
@@ -168,7 +162,7 @@ class RabbitMQBroker(Client, Broker):
         self.queue: str = self.options["queue"]
         self.prefetch: int = self.options["prefetch"]
         self._generation = 0
-        self._link: ProcessLocal[_Link] = ProcessLocal(self._open_link, _close_link)
+        self._link: ProcessLocal[_Link] = ProcessLocal(self._open_link, _Link.close)
         self._current()
 
     @classmethod
@@ -233,9 +227,16 @@ class RabbitMQBroker(Client, Broker):
         self._link.close()
         return self._link.get()
 
-    def _drop(self) -> None:
-        """Forget the link after an error (its unacknowledged deliveries are requeued)."""
-        self._link.close()
+    @contextlib.contextmanager
+    def _dropping(self, operation: str) -> Iterator[None]:
+        """``operation``'s errors translated; after one the link is dropped (the broker
+        requeues its unacknowledged deliveries)."""
+        try:
+            with self.translating_errors(operation):
+                yield
+        except BaseException:
+            self._link.close()
+            raise
 
     def _close(self) -> None:
         self._link.close()
@@ -252,21 +253,17 @@ class RabbitMQBroker(Client, Broker):
     def fetch(self, max_count: int, wait: float) -> list[Delivery]:
         """Up to ``max_count`` deliveries, waiting up to ``wait`` seconds for the first."""
         self.check_open()
-        try:
-            with self.translating_errors("fetch"):
-                link = self._current()
-                with expiring(link.connection, wait + self.options["timeout"]):
-                    link.connection.process_data_events(time_limit=0)
-                    until = time.monotonic() + wait
-                    while not link.received and (left := until - time.monotonic()) > 0:
-                        link.connection.process_data_events(time_limit=left)
-                count = min(max_count, len(link.received))
-                out = [link.received.popleft() for _ in range(count)]
-                link.unsettled.update(d.token.delivery_tag for d in out)
-                return out
-        except BaseException:
-            self._drop()
-            raise
+        with self._dropping("fetch"):
+            link = self._current()
+            with expiring(link.connection, wait + self.options["timeout"]):
+                link.connection.process_data_events(time_limit=0)
+                until = time.monotonic() + wait
+                while not link.received and (left := until - time.monotonic()) > 0:
+                    link.connection.process_data_events(time_limit=left)
+            count = min(max_count, len(link.received))
+            out = [link.received.popleft() for _ in range(count)]
+            link.unsettled.update(d.token.delivery_tag for d in out)
+            return out
 
     def ack(self, deliveries: Sequence[Delivery]) -> None:
         """``basic.ack`` each delivery of this channel not settled yet (idempotent;
@@ -292,32 +289,21 @@ class RabbitMQBroker(Client, Broker):
         if not tags:
             return
         link.unsettled.difference_update(tags)
-        try:
-            with (
-                self.translating_errors(operation),
-                expiring(link.connection, self.options["timeout"]),
-            ):
-                for tag in tags:
-                    if operation == "ack":
-                        link.channel.basic_ack(tag)
-                    else:
-                        link.channel.basic_nack(tag, requeue=True)
-        except BaseException:
-            self._drop()
-            raise
+        with self._dropping(operation), expiring(link.connection, self.options["timeout"]):
+            for tag in tags:
+                if operation == "ack":
+                    link.channel.basic_ack(tag)
+                else:
+                    link.channel.basic_nack(tag, requeue=True)
 
     def pending(self) -> int | None:
         """Messages ready in the queue (not counting those delivered, unacknowledged)."""
         self.check_open()
-        try:
-            with self.translating_errors("pending"):
-                link = self._current()
-                with expiring(link.connection, self.options["timeout"]):
-                    frame = link.channel.queue_declare(self.queue, passive=True)
-                return int(frame.method.message_count)
-        except BaseException:
-            self._drop()
-            raise
+        with self._dropping("pending"):
+            link = self._current()
+            with expiring(link.connection, self.options["timeout"]):
+                frame = link.channel.queue_declare(self.queue, passive=True)
+            return int(frame.method.message_count)
 
     # ------------------------------------------------------------------ deliveries
 

@@ -98,6 +98,7 @@ from dedupstore.backend import (
 from ._client import (
     CONNECTION_OPTIONS,
     Expiry,
+    Link,
     classify,
     close_quietly,
     connect,
@@ -128,17 +129,11 @@ def _short_string(what: str) -> Any:
     return convert
 
 
-@dataclass
-class _Link:
-    """One process's connection, its confirming channel and the queues it declared."""
+@dataclass(eq=False)
+class _Link(Link):
+    """The connection, its confirming channel and the queues it declared."""
 
-    connection: pika.BlockingConnection
-    channel: BlockingChannel
     declared: set[str] = field(default_factory=set)
-
-
-def _close_link(link: _Link) -> None:
-    close_quietly(link.connection)
 
 
 def _transient(exc: BaseException) -> bool:
@@ -191,7 +186,7 @@ class RabbitMQDispatcher(URLDispatcher):
     def _open(self) -> None:
         self._exchange: str = self.options["exchange"]
         self._lock = threading.Lock()
-        self._link: ProcessLocal[_Link] = ProcessLocal(self._open_link, _close_link)
+        self._link: ProcessLocal[_Link] = ProcessLocal(self._open_link, _Link.close)
         with self._lock:
             self._probe()
 

@@ -362,9 +362,10 @@ class RedisConnection(Connection):
         )
         return redis.Redis(connection_pool=pool)
 
-    def read(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` (redis-py reads), retried after a connection error or timeout."""
-        return retry(fn, attempts=self._attempts, retry_on=_transient)
+    def read(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` (redis-py), retried after a connection error or timeout."""
+        call = functools.partial(fn, *args, **kwargs)
+        return retry(call, attempts=self._attempts, retry_on=_transient)
 
     def pipelined(self, build: Callable[[Any], object], **execute: Any) -> list[Any]:
         """The replies of the commands ``build(pipe)`` queues, in one round trip (a read)."""
@@ -400,7 +401,7 @@ class RedisConnection(Connection):
                 "reads can be stale; point the store at the primary"
             )
         if script:  # refused now if the ACL forbids EVALSHA
-            self.read(lambda: self.client.evalsha(_sha1(script), 0))
+            self.read(self.client.evalsha, _sha1(script), 0)
 
     # ------------------------------------------------------------------ the write script
 

@@ -53,7 +53,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from redis.exceptions import ResponseError
@@ -160,7 +160,7 @@ class RedisStreamsBroker(Client, Broker):
     def _ensure_group(self) -> None:
         """The consumer group exists (created with ``create``); see the class."""
         try:
-            groups = self._redis.read(lambda: self._redis.client.xinfo_groups(self.stream))
+            groups = self._redis.read(self._redis.client.xinfo_groups, self.stream)
         except ResponseError as exc:
             if "no such key" not in str(exc).lower():
                 raise
@@ -173,14 +173,16 @@ class RedisStreamsBroker(Client, Broker):
                 "create it (XGROUP CREATE) or open with create=true",
             )
         try:
-            self._redis.read(
-                lambda: self._redis.client.xgroup_create(
-                    self.stream, self.group, id=self.options["start"], mkstream=True
-                )
+            self._on_group(
+                self._redis.client.xgroup_create, id=self.options["start"], mkstream=True
             )
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):  # created meanwhile by another consumer
                 raise
+
+    def _on_group(self, command: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``command(stream, group, *args, **kwargs)`` (redis-py), retried as a read."""
+        return self._redis.read(command, self.stream, self.group, *args, **kwargs)
 
     # ------------------------------------------------------------------ Broker
 
@@ -193,20 +195,19 @@ class RedisStreamsBroker(Client, Broker):
             if self._nacked:
                 ids: list[Any] = self._nacked[:max_count]
                 self._nacked = self._nacked[max_count:]
-                claimed = self._redis.read(
-                    lambda: self._redis.client.xclaim(
-                        self.stream, self.group, self.consumer, 0, ids
-                    )
-                )
+                claimed = self._on_group(self._redis.client.xclaim, self.consumer, 0, ids)
                 deliveries = self._deliveries(claimed)
                 if deliveries:
                     return deliveries
             block = min(wait, self._block_cap)
             block_ms = round(block * 1000) or None
             reply = self._redis.read(
-                lambda: self._redis.client.xreadgroup(
-                    self.group, self.consumer, {self.stream: ">"}, count=max_count, block=block_ms
-                )
+                self._redis.client.xreadgroup,
+                self.group,
+                self.consumer,
+                {self.stream: ">"},
+                count=max_count,
+                block=block_ms,
             )
         entries = [entry for _, stream_entries in reply or [] for entry in stream_entries]
         return [self._delivery(entry, 1) for entry in entries if entry[1] is not None]
@@ -216,10 +217,8 @@ class RedisStreamsBroker(Client, Broker):
         this consumer's name: an earlier process of that name died holding them."""
         start = self._resume
         assert start is not None
-        rows = self._redis.read(
-            lambda: self._redis.client.xpending_range(
-                self.stream, self.group, start, "+", max_count, self.consumer
-            )
+        rows = self._on_group(
+            self._redis.client.xpending_range, start, "+", max_count, self.consumer
         )
         ids = [text_of(row["message_id"]) for row in rows]
         self._resume = f"({ids[-1]}" if len(ids) == max_count else None
@@ -239,7 +238,7 @@ class RedisStreamsBroker(Client, Broker):
         if deliveries:
             ids = [d.token for d in deliveries]
             with self.translating_errors("ack"):
-                self._redis.read(lambda: self._redis.client.xack(self.stream, self.group, *ids))
+                self._on_group(self._redis.client.xack, *ids)
 
     def keep(self, deliveries: Sequence[Delivery]) -> None:
         """Renew their lease: ``XCLAIM ... JUSTID`` to this consumer resets their idle
@@ -248,11 +247,7 @@ class RedisStreamsBroker(Client, Broker):
         if deliveries:
             ids = [d.token for d in deliveries]
             with self.translating_errors("keep"):
-                self._redis.read(
-                    lambda: self._redis.client.xclaim(
-                        self.stream, self.group, self.consumer, 0, ids, justid=True
-                    )
-                )
+                self._on_group(self._redis.client.xclaim, self.consumer, 0, ids, justid=True)
 
     def nack(self, deliveries: Sequence[Delivery]) -> None:
         """Claimed back (``XCLAIM``, counted) at the next fetch; if this process dies
@@ -269,15 +264,12 @@ class RedisStreamsBroker(Client, Broker):
         if time.monotonic() < self._next_scan:
             return []
         with self.translating_errors("reclaim"):
-            reply = self._redis.read(
-                lambda: self._redis.client.xautoclaim(
-                    self.stream,
-                    self.group,
-                    self.consumer,
-                    self._lease_ms,
-                    start_id=self._cursor,
-                    count=max_count,
-                )
+            reply = self._on_group(
+                self._redis.client.xautoclaim,
+                self.consumer,
+                self._lease_ms,
+                start_id=self._cursor,
+                count=max_count,
             )
             cursor, entries = text_of(reply[0]), reply[1]
             self._cursor = cursor
@@ -291,11 +283,7 @@ class RedisStreamsBroker(Client, Broker):
         lease in other consumers' hands: most likely held by a consumer that died, they
         wait for the lease to run out before this consumer takes them over."""
         idle = max(self._lease_ms // 10, 1000)
-        rows = self._redis.read(
-            lambda: self._redis.client.xpending_range(
-                self.stream, self.group, "-", "+", 1000, idle=idle
-            )
-        )
+        rows = self._on_group(self._redis.client.xpending_range, "-", "+", 1000, idle=idle)
         waiting = [r for r in rows if text_of(r["consumer"]) != self.consumer]
         if len(waiting) != self._waiting:
             self._waiting = len(waiting)
@@ -317,7 +305,7 @@ class RedisStreamsBroker(Client, Broker):
         """Entries pending in the group plus those not delivered yet (its lag)."""
         self.check_open()
         with self.translating_errors("pending"):
-            groups = self._redis.read(lambda: self._redis.client.xinfo_groups(self.stream))
+            groups = self._redis.read(self._redis.client.xinfo_groups, self.stream)
         for group in groups:
             if text_of(group["name"]) == self.group:
                 lag = group.get("lag")

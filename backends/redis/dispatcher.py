@@ -201,15 +201,9 @@ class RedisDispatcher(URLDispatcher):
         key = self.stream_key(destination)
         out: list[ReadMessage] = []
         start = "-"
-        client, size = self._redis.client, self.page_size
-
-        def page_from(low: str) -> list[Any]:
-            page: list[Any] = self._redis.read(lambda: client.xrange(key, low, "+", count=size))
-            return page
-
         with self.translating_errors("read"):
             while True:
-                page = page_from(start)
+                page = self._redis.read(self._redis.client.xrange, key, start, count=self.page_size)
                 out += [_read(destination, entry) for entry in page]
                 if len(page) < self.page_size:
                     return out
@@ -224,7 +218,7 @@ class RedisDispatcher(URLDispatcher):
             return 0
         key = self.stream_key(destination)
         with self.translating_errors("remove"):
-            return int(self._redis.read(lambda: self._redis.client.xdel(key, *positions)))
+            return int(self._redis.read(self._redis.client.xdel, key, *positions))
 
 
 def _read(destination: str, entry: Any) -> ReadMessage:

@@ -421,9 +421,7 @@ class RedisEntityStore(EntityStore):
 
     def _pending_ids(self, segment: int, segments: int) -> Iterator[tuple[int, list[str]]]:
         """``(bucket, ids)`` from the pending sets of the segment's buckets, each id once."""
-        members = self._redis.read(
-            lambda: self._redis.client.smembers(buckets_key(self._key_prefix))
-        )
+        members = self._redis.read(self._redis.client.smembers, buckets_key(self._key_prefix))
         buckets = sorted(b for b in (int(_body(m)) for m in members) if b % segments == segment)
         for start in range(0, len(buckets), _BUCKETS_PER_ROUND):
             group = buckets[start : start + _BUCKETS_PER_ROUND]
@@ -434,12 +432,10 @@ class RedisEntityStore(EntityStore):
                     yield bucket, list(seen)
                 while int(cursor):
                     cursor, more = self._redis.read(
-                        functools.partial(
-                            self._redis.client.sscan,
-                            pending_key(self._key_prefix, bucket),
-                            cursor,
-                            count=_SSCAN_COUNT,
-                        )
+                        self._redis.client.sscan,
+                        pending_key(self._key_prefix, bucket),
+                        cursor,
+                        count=_SSCAN_COUNT,
                     )
                     fresh = {_body(m) for m in more} - seen
                     if fresh:

@@ -25,7 +25,6 @@ the same store object (or the store's own) reports the latter as recorded by it.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -194,12 +193,12 @@ class RedisDeduplicationStore(DeduplicationStore):
     def _find(self, ids: list[str], now: float) -> set[str]:
         """One ``MGET``; Redis never returns an expired key."""
         keys = self._record_keys(ids)
-        values = self._redis.read(lambda: self._redis.client.mget(keys))
+        values = self._redis.read(self._redis.client.mget, keys)
         return {mid for mid, value in zip(ids, values, strict=True) if self.counts_as_record(value)}
 
     def _contains_one(self, message_id: str, now: float) -> bool:
         return self.counts_as_record(
-            self._redis.read(lambda: self._redis.client.get(self.record_key(message_id)))
+            self._redis.read(self._redis.client.get, self.record_key(message_id))
         )
 
     def record_key(self, message_id: str) -> str:
@@ -255,14 +254,12 @@ class RedisDeduplicationStore(DeduplicationStore):
         cursor = 0
         while True:
             cursor, keys = self._redis.read(
-                functools.partial(
-                    self._redis.client.scan, cursor=cursor, match=pattern, count=_SCAN_COUNT
-                )
+                self._redis.client.scan, cursor=cursor, match=pattern, count=_SCAN_COUNT
             )
             fresh = [key for key in dict.fromkeys(keys) if key not in seen]
             if fresh:
                 seen.update(fresh)
-                values = self._redis.read(functools.partial(self._redis.client.mget, fresh))
+                values = self._redis.read(self._redis.client.mget, fresh)
                 yield from zip(fresh, values, strict=True)
             if not int(cursor):
                 return
