@@ -1,20 +1,10 @@
-"""What the RabbitMQ dispatcher and the RabbitMQ consumer broker share (pika).
-
-* :func:`parse_url` -- ``amqp[s]://[user[:password]@]host[:port][/vhost]`` into pika's
-  ``ConnectionParameters`` ingredients, checked before any I/O: the path is one
-  percent-encoded virtual host (``/%2F`` or nothing: the default vhost ``/``).
-* :data:`CONNECTION_OPTIONS` -- ``timeout``, ``connect_timeout``, ``retries``,
-  ``heartbeat``, ``username``/``password`` (override the URL's), ``ssl_ca_certs``
-  (``amqps://`` only).
-* :func:`connect` -- a ``pika.BlockingConnection`` whose TCP connect and AMQP handshake
-  are each bounded by ``connect_timeout`` and by the time left of the call's deadline
-  (:mod:`dedupstore.calls`).
-* :func:`expiring` -- aborts a connection when the current deadline passes (a broker
-  that stops answering cannot hold a call longer than its deadline).
-* :func:`classify` -- pika's exceptions as ``StoreUnavailable`` (connection lost,
-  refused, timed out, broker shutting down, a confirm nack) or ``ConfigurationError``
-  (credentials, permissions, a missing exchange or queue, a declaration that
-  contradicts the existing one).
+"""What the RabbitMQ dispatcher and the RabbitMQ consumer broker share (pika): the URL
+``amqp[s]://[user[:password]@]host[:port][/vhost]`` (:func:`parse_url`: the path is one
+percent-encoded virtual host, ``/%2F`` or nothing for ``/``), :data:`CONNECTION_OPTIONS`, connecting
+and aborting a connection within the call's deadline (:func:`connect`, :func:`expiring`), and pika's
+errors (:func:`classify`): ``StoreUnavailable`` for a connection lost, refused or timed out, a
+broker shutting down, a confirm nack; ``ConfigurationError`` for credentials, permissions, a missing
+exchange or queue, a declaration that contradicts the existing one.
 """
 
 from __future__ import annotations

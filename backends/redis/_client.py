@@ -1,29 +1,25 @@
 """The connection the Redis stores, dispatcher and broker share: :class:`RedisConnection`.
 
-Options (URL query or keywords), the same on every Redis object apart from the default
-``key_prefix``: ``key_prefix`` (``''`` or ending with ``:``), ``timeout`` (5 s per command),
-``connect_timeout`` (5 s), ``retries`` (3, after a connection error or timeout, with jittered
-exponential backoff), ``max_connections`` (pool size, redis-py's default), ``wait_replicas`` (0) and
-``wait_timeout_ms`` (1000, shorter than ``timeout``), ``username``, ``password`` (override the
-URL's), ``ssl_ca_certs``, ``ssl_cert_reqs`` (``rediss://`` only), and keyword-only ``client`` (a
-ready ``redis.Redis``: its own settings apply; neither closed nor pickled).
+Options: :data:`CONNECTION_OPTIONS` (the same on every Redis object) and ``key_prefix`` (``''`` or
+ending with ``:``; each class has its own default). ``wait_timeout_ms`` must be shorter than
+``timeout``; ``ssl_ca_certs`` and ``ssl_cert_reqs`` need ``rediss://``; a given ``client`` (a ready
+``redis.Redis``, keyword only) keeps its own settings and is neither closed nor pickled.
 
 Keys: ``key_prefix`` (keep the prefixes of the stores and the dispatcher apart), then parts escaped
 by :func:`escape` (``%`` ``:`` ``{`` ``}`` become ``%25`` ``%3A`` ``%7B`` ``%7D``): no two parts
 share a key and none forms a Redis Cluster hash tag.
 
 Each store and the dispatcher runs ONE Lua script for its writes, loaded at open and run by
-``EVALSHA`` through :meth:`RedisConnection.run_script`: on one pooled connection, followed by
-``WAIT`` when ``wait_replicas`` is set, so the caller knows when an attempt whose answer was lost
-may have run (and may send the script a "re-sent" flag then). Reads go through redis-py. redis-py
-retries nothing (its pool has no ``Retry``): every command, script or read, is retried here, by
-:func:`dedupstore.calls.retry`, after a connection error or a timeout.
+``EVALSHA`` through :meth:`RedisConnection.run_script` on one connection, followed by ``WAIT`` when
+``wait_replicas`` is set, so the caller knows when an attempt whose answer was lost may have run
+(and may send the script a "re-sent" flag then). Reads go through redis-py, whose pool retries
+nothing: every command is retried here (:func:`dedupstore.calls.retry`) after a connection error or
+timeout.
 
 Deadline: a call (one chunk of a batch) raises ``StoreUnavailable`` at most ``connect_timeout +
 (retries + 1) x timeout`` seconds after it started (25 s with the defaults), whatever the server
 does: attempts stop there, and every wait of an attempt (connecting, the handshake, each reply) is
-capped by the time left. Retries wait 0 to 0.05, 0.1, 0.2, ... s (at most 1 s) apart. A given
-``client`` keeps its own timeouts and retries (only the store's stop at the deadline).
+capped by the time left. A given ``client`` keeps its own timeouts and retries.
 
 Errors (:meth:`RedisConnection.classify_error`): ``StoreUnavailable`` for connection errors,
 timeouts, loading, failover to a replica (``READONLY``), out of memory,
