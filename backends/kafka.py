@@ -1,44 +1,28 @@
-"""A Kafka adapter for the consume loop: :class:`KafkaBroker` (confluent-kafka).
+"""A Kafka adapter for the consume loop: :class:`KafkaBroker` (confluent-kafka; the user's guide is
+"Kafka" in ``docs/consuming.md``).
 
-``pip install 'dedupstore[kafka]'``. The broker reads one topic through a consumer group with
-``enable.auto.commit=false`` and ``enable.auto.offset.store=false``: offsets are committed only
-after processing, by :meth:`KafkaBroker.ack`.
+The broker reads one topic through a consumer group with ``enable.auto.commit`` and
+``enable.auto.offset.store`` off (a ``config`` turning them on is refused): offsets are committed
+only after processing. Kafka commits a position per partition, so the broker keeps each partition's
+handed-out offsets in order: :meth:`KafkaBroker.ack` marks them done and commits (synchronously) the
+first offset not done, which never passes an unprocessed message; :meth:`KafkaBroker.nack` seeks the
+partition back to it (the later records come again: duplicates for the outbox). A seek or a
+revocation starts a new epoch of the partition: tokens of an older one are stale, acking or nacking
+them does nothing. Revoked partitions commit what is done and forget the rest, which the new owner
+processes again (harmless: ``duplicate``, or ``redispatched`` while an outbox entry is pending).
+Kafka counts no deliveries (``Delivery.deliveries`` is ``None``: the loop's ``max_deliveries`` does
+not apply) and there is nothing to reclaim (the group reassigns a dead consumer's partitions). An
+outage holds records uncommitted; while a whole round is held the loop does not poll, so an outage
+longer than ``max.poll.interval.ms`` rebalances the group (a repeat for the next owner).
 
-* **Commit after processing.** Kafka commits a position per partition, not single messages. The
-  broker keeps, per partition, the offsets it handed out in order; an ack marks them done and
-  commits (synchronously) the first offset not done, so a committed offset never passes a message
-  that was not processed.
-* **Nack = seek back.** :meth:`KafkaBroker.nack` seeks each partition concerned back to its first
-  offset not done: that message and every later one of the partition are fetched again (those done
-  come back as duplicates, which the outbox answers without running the handler). Deliveries of a
-  partition handed out before the seek are stale: acking or nacking them does nothing.
-* **Rebalances redeliver.** When partitions are revoked the broker commits what is done and forgets
-  the rest; the new owner reads from the committed offset, so messages in flight are processed again
-  by it (harmless: ``duplicate``, or ``redispatched`` while the first owner's entry is pending).
-* Kafka does not count deliveries: ``Delivery.deliveries`` is ``None`` (the consume loop's
-  ``max_deliveries`` does not apply; a handler that raises is still set aside through the
-  processor's ``dead_letters``). Nothing to reclaim: the group reassigns a dead consumer's
-  partitions.
-* An outage holds records (neither acked nor nacked: their offsets stay uncommitted) and the loop
-  runs them again; while a whole round is held it does not poll, so an outage longer than
-  ``max.poll.interval.ms`` rebalances the group (a repeat for the next owner: a duplicate).
+A delivery carries the record's value as ``body``, its headers as text, plus ``key`` (the record key
+as text) when the record has one and no header is named ``key``.
 
-A delivery carries the record's value as ``body`` and its headers as text, plus ``key`` (the record
-key as text) when the record has one and no header is named ``key``. The default
-:class:`~dedupstore.consumers.MessageRules` read the id from an ``id`` header and the entity from a
-``correlation_id`` header; ``MessageRules(correlation_id="key")`` keys entities by the record key.
-
-URL: ``kafka://host:port?topic=<topic>&group=<group id>`` (more servers:
-``bootstrap_servers=h1:9092,h2:9092``); ``topic`` and ``group`` are required. Keyword only:
-``config`` (further librdkafka settings, e.g. security; ``enable.auto.commit`` and
-``enable.auto.offset.store`` may not be turned on) and ``consumer`` (a ready
-``confluent_kafka.Consumer``-like object, not subscribed yet: the broker subscribes it; not closed
-by :meth:`close`).
-
-Not tested against a real Kafka broker: none can be installed from the package registries this
-project uses (see "Kafka" in docs/consuming.md). The unit tests replace confluent-kafka's consumer
-with a small fake; one test runs the adapter over TCP against librdkafka's built-in mock cluster
-(``test.mock.num.brokers``), which speaks the Kafka protocol but is not Kafka.
+URL: ``kafka://host:port?topic=<topic>&group=<group id>`` (more servers: ``bootstrap_servers``);
+keyword only: ``config`` (further librdkafka settings) and ``consumer`` (a ready, unsubscribed
+``confluent_kafka.Consumer``-like object: subscribed here, not closed by :meth:`close`). Not tested
+against a real Kafka broker (see the guide): the tests use a fake consumer and librdkafka's mock
+cluster.
 """
 
 from __future__ import annotations

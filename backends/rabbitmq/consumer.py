@@ -1,42 +1,29 @@
-"""The RabbitMQ broker of the consume loop: :class:`RabbitMQBroker` (pika).
+"""The RabbitMQ broker of the consume loop: :class:`RabbitMQBroker` (pika; the user's guide is
+"Consuming from RabbitMQ" in ``docs/consuming.md``).
 
 It consumes one queue with manual acknowledgements (``basic_consume``, no ``auto_ack``) under a
-prefetch window (``basic_qos(prefetch_count=prefetch)``: at most ``prefetch`` messages this consumer
-has not acknowledged). :meth:`~RabbitMQBroker.ack` sends ``basic.ack`` once the consume loop has
-processed a delivery, :meth:`~RabbitMQBroker.nack` ``basic.nack`` with ``requeue=true`` (back to the
-queue, for this consumer or another). A consumer that dies loses nothing: when its connection
-closes, the broker requeues every message it had not acknowledged for the other consumers, so there
-is nothing to reclaim (:meth:`~dedupstore.consumers.Broker.reclaim` returns none). An
-acknowledgement lost with the connection means the message comes back once more: the outbox answers
-``duplicate``.
+prefetch window (``basic_qos(prefetch_count=prefetch)``): :meth:`~RabbitMQBroker.ack` sends
+``basic.ack`` once the loop processed a delivery, :meth:`~RabbitMQBroker.nack` ``basic.nack`` with
+``requeue=true``. A consumer that dies loses nothing: the broker requeues what its connection had
+not acknowledged for the others, so there is nothing to reclaim; an acknowledgement lost with the
+connection brings the message back once more (a ``duplicate`` for the outbox).
 
-Delivery counts: a quorum queue carries ``x-delivery-count`` (earlier deliveries) on a redelivery,
-so ``Delivery.deliveries`` is that plus one; a first delivery (``redelivered`` unset) counts 1. A
-classic queue only says that a message was redelivered: ``Delivery.deliveries`` is then ``None`` and
-the consume loop's ``max_deliveries`` does not apply (a failing handler is still set aside through
-the processor's ``dead_letters``). ``redelivered`` is kept on the token (:class:`RabbitMQToken`).
+Delivery counts: a quorum queue's ``x-delivery-count`` (earlier deliveries) plus one, 1 for a first
+delivery; a classic queue only flags a redelivery, so ``Delivery.deliveries`` is then ``None`` (the
+loop's ``max_deliveries`` does not apply) and ``redelivered`` is kept on the token
+(:class:`RabbitMQToken`). Dead letters follow the library's policy: this broker never rejects with
+``requeue=false``; leave a quorum queue's ``x-delivery-limit`` unset or above ``max_deliveries``.
 
-Dead letters go through the library's policy, not RabbitMQ's: after ``max_deliveries`` the consume
-loop dispatches a dead letter (a deterministic id, recorded like any outgoing message) to the
-processor's ``dead_letters`` destination, then acknowledges the delivery; this broker never rejects
-with ``requeue=false``. A dead-letter exchange on the queue therefore only sees what RabbitMQ itself
-drops: expired messages (TTL), overflow (``x-max-length``) and, on a quorum queue, messages over its
-``x-delivery-limit``: leave that unset or above ``max_deliveries``, or RabbitMQ drops (or
-dead-letters, raw and unrecorded) a message before the library could set it aside.
+A delivery carries the body (bytes) and the AMQP headers as text, plus ``id`` from the
+``message_id`` property and ``correlation_id`` from that property when set (a property wins over a
+header of the same name); ``x-delivery-count`` is left out (it changes with every redelivery).
 
-A delivery carries (as :class:`~dedupstore.backends.rabbitmq.dispatcher.RabbitMQDispatcher`
-publishes, and the default :class:`~dedupstore.consumers.MessageRules` read): ``Delivery.body`` the
-body (bytes), ``Delivery.headers`` the AMQP headers as text, plus ``id`` from the ``message_id``
-property and ``correlation_id`` from that property when they are set (a property wins over a header
-of the same name); ``x-delivery-count`` is left out (it changes with every redelivery).
-
-URL: ``amqp[s]://[user[:password]@]host[:port][/vhost]?queue=<queue>``. Options: ``queue``
-(required; the dispatcher's destination on the default exchange), ``prefetch`` (100; at least the
-consume loop's ``batch_size``, or its batches stay small), ``create`` (true: declare the queue
-durable if it does not exist, of ``queue_type`` ``classic`` or ``quorum``; false or ``must_exist``:
-a missing queue is "no such store"), and those of :mod:`.rabbitmq._client`. After a lost connection
-the next call connects again (the lost channel's deliveries are requeued by the broker; ``ack`` and
-``nack`` ignore their tokens). One consumer loop per object (not thread-safe).
+URL: ``amqp[s]://[user[:password]@]host[:port][/vhost]?queue=<queue>``; options: ``queue``
+(required), ``prefetch`` (at least the loop's ``batch_size``), ``create`` (declare the queue
+durable, of ``queue_type``, if missing; without it a missing queue is "no such store") and those of
+:mod:`.rabbitmq._client`. After a lost connection the next call connects again (``ack`` and ``nack``
+ignore the lost channel's tokens: the broker requeued those deliveries). One consume loop per object
+(not thread-safe).
 """
 
 from __future__ import annotations

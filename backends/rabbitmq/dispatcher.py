@@ -1,50 +1,40 @@
-"""The RabbitMQ dispatcher: :class:`RabbitMQDispatcher` (pika, publisher confirms).
+"""The RabbitMQ dispatcher: :class:`RabbitMQDispatcher` (pika, publisher confirms; the user's guide
+is "Dispatching to RabbitMQ" in ``docs/dispatchers.md``).
 
-Every outgoing message is published to ONE exchange (``exchange``; by default ``''``, the default
-exchange, which routes a message to the queue named by its routing key) with its destination as the
-routing key: the body is its canonical JSON (``content_type`` ``application/json``), ``message_id``
-its id, ``headers`` its headers (``str`` -> ``str``), ``app_id`` ``dedupstore``, ``delivery_mode`` 2
-(persistent: a durable queue keeps it across a broker restart).
-
-* ``mandatory``: a message no queue is bound for comes back (``basic.return``) and the dispatch
-  fails with ``ConfigurationError`` (declare the queue, bind it, or set ``declare_queues``) instead
-  of the broker dropping it silently;
-* publisher confirms: ``dispatch`` returns only once the broker has confirmed every message of the
-  batch (for a persistent message in a durable queue: written to disk, or to a majority of a quorum
-  queue's replicas). A ``basic.nack`` (an internal error, a queue at its length limit with
-  ``reject-publish``) raises ``StoreUnavailable``. Either way the outbox dispatches the batch again.
-
-``declare_queues`` (default exchange only) declares each destination as a durable queue
-(``queue_type`` ``classic`` or ``quorum``) before its first message; one that exists with other
-arguments fails with ``ConfigurationError`` (``PRECONDITION_FAILED``).
+Every outgoing message is published to ONE exchange (``exchange``; by default ``''``, which routes
+to the queue named by the routing key) with its destination as the routing key, persistent
+(``delivery_mode`` 2), its id as ``message_id``, its headers as AMQP headers. ``mandatory``: a
+message no queue is bound for comes back (``basic.return``) and the dispatch fails with
+``ConfigurationError`` instead of the broker dropping it. Publisher confirms: ``dispatch`` returns
+only once the broker confirmed every message of the batch (for a durable queue: on disk, or on a
+majority of a quorum queue's replicas); a ``basic.nack`` raises ``StoreUnavailable``. Either way the
+outbox dispatches the batch again. ``declare_queues`` (default exchange only) declares each
+destination as a durable queue of ``queue_type`` before its first message (one that exists with
+other arguments: ``ConfigurationError``, ``PRECONDITION_FAILED``).
 
 One round trip per message (each publish waits for its confirmation). Delivery is at least once: a
-batch that failed part-way (a lost connection, an unroutable message, a nack) was partly delivered,
-and the outbox sends all of it again; receivers deduplicate by ``message_id``.
+batch that failed part-way was partly delivered and is sent again whole; receivers deduplicate by
+``message_id``.
 
 Deadline: a dispatch raises ``StoreUnavailable`` at most ``(retries + 1) x (connect_timeout +
-timeout)`` seconds after it started (30 s by default): each attempt connects if no connection is
-open (``connect_timeout``) and publishes the batch with its confirmations within ``timeout`` (a
-timer on pika's I/O loop drops the connection when it is up, so a silent broker cannot hold the
-call); after a lost connection the batch is published again on a new one, up to ``retries`` times.
+timeout)`` seconds after it started: each attempt connects if needed and publishes the batch with
+its confirmations within ``timeout`` (a timer on pika's I/O loop drops the connection when it is up,
+so a silent broker cannot hold the call); after a lost connection the batch is published again on a
+new one, up to ``retries`` times.
 
-Reading back (:class:`~dedupstore.dead_letters.ReadBack`, for ``dedupstore dead-letters``; the
-default exchange only, where a destination is a queue): on a connection of its own, ``read_back``
-takes the queue's messages with ``basic.get`` unacknowledged and closes the channel, which returns
-them all in place (they come back ``redelivered``); ``remove`` takes them the same way and
-acknowledges those whose ``message_id`` it was given before it closes. Both within the dispatch's
-deadline.
+Reading back (for ``dedupstore dead-letters``; the default exchange only, where a destination is a
+queue), within the dispatch's deadline: on a connection of its own, ``read_back`` takes the queue's
+messages with ``basic.get`` unacknowledged and closes the channel, which returns them all in place
+(now ``redelivered``); ``remove`` acknowledges those whose ``message_id`` it was given first.
 
 Size bounds (checked before any I/O: ``MessageTooLarge``, none of the batch sent):
-``max_message_bytes`` 128 MiB, RabbitMQ 3.x's default ``max_message_size`` (4.x lowered it to 16
-MiB, which AMQP cannot read: set the option to it), and ``max_header_bytes`` 127 KiB: the headers
-travel in one frame of at most ``frame_max`` (128 KiB by default), and a larger frame makes the
-broker close the connection (``FRAME_ERROR``) on every attempt; the AMQP table takes 3 bytes more
-than the headers' JSON, the other 1 KiB is room for the other properties.
+``max_message_bytes`` 128 MiB, RabbitMQ 3.x's default ``max_message_size`` (4.x has 16 MiB, which
+AMQP cannot read: set the option), and ``max_header_bytes`` 127 KiB: the headers travel in one frame
+of at most ``frame_max`` (128 KiB by default; a larger one makes the broker close the connection on
+every attempt), with 1 KiB left for the other properties.
 
-Options: ``exchange``, ``declare_queues``, ``queue_type``, ``max_message_bytes`` and those of
-:mod:`.rabbitmq._client`. Fork-safe (a child opens its own connection), thread-safe (one dispatch at
-a time per object), pickled by configuration.
+Fork-safe (a child opens its own connection), thread-safe (one dispatch at a time per object),
+pickled by configuration.
 """
 
 from __future__ import annotations

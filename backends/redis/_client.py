@@ -156,11 +156,9 @@ def key_prefix_option(default: str) -> Option:
 
 
 def _packed(conn: Any, commands: list[tuple[Any, ...]]) -> Any:
-    """The RESP packet of ``commands`` (tuples of ``str``/``int`` arguments, each led by a command
-    name without spaces) to send on the redis-py connection ``conn``. The bytes redis-py would send
-    (UTF-8, strict), packed by hiredis in one C call per command instead of redis-py's Python pass
-    over every argument (a save script's call carries six per entity). Raises redis-py's
-    ``DataError`` for an argument that cannot be packed."""
+    """The bytes redis-py would send on ``conn`` for ``commands`` (``str``/``int`` tuples led by a
+    command name), packed by hiredis in one C call per command rather than by redis-py's Python pass
+    over every argument. ``DataError`` for an argument that cannot be packed."""
     if _pack_command is None:  # pragma: no cover
         return conn.pack_commands(commands)
     try:
@@ -277,12 +275,11 @@ def _exchange(conn: Any, commands: list[tuple[Any, ...]], sent: list[bool]) -> l
 
 
 class RedisConnection(Connection):
-    """The ``redis.Redis`` of one standalone Redis primary, shared by its clients. Each client names
-    it as ``connection_class``, uses it as ``self._redis``, declares ``key_prefix_option(...)`` plus
-    :data:`CONNECTION_OPTIONS`, calls :meth:`probe` at open, and declares the public class
-    attributes the error rules read: ``commands`` (the commands it runs, named when an ACL refuses
-    one) and, if it calls :meth:`run_script`, ``unconfirmed`` (what
-    a write the replicas did not confirm means for it)."""
+    """The ``redis.Redis`` of one standalone Redis primary, shared by its clients. Each client uses
+    it as ``self._redis``, declares ``key_prefix_option(...)`` plus :data:`CONNECTION_OPTIONS`,
+    calls :meth:`probe` at open, and declares what the error rules read: ``commands`` (named when an
+    ACL refuses one) and, with :meth:`run_script`, ``unconfirmed`` (what an unreplicated write means
+    for it)."""
 
     schemes: ClassVar[tuple[str, ...]] = ("redis", "rediss")
     needs_host: ClassVar[bool] = True
@@ -454,12 +451,9 @@ class RedisConnection(Connection):
         may have reached the server. A failed connection is closed (reconnected at its next use);
         error replies are raised once all are read (the connection stays in step).
 
-        The connection is the one this object keeps checked out of the pool, unless another
-        thread is using it (then a pooled one). A checkout costs more than the script call it
-        serves: redis-py polls the socket for unread data each time (a non-blocking ``recv``),
-        which a kept connection does not need, as every request here reads all its replies or
-        closes the connection. A kept connection the server closed meanwhile fails its request
-        as a pooled one fails after a checkout, and the request is retried."""
+        On the connection this object keeps checked out (a pooled one while another thread uses
+        it): a checkout polls the socket for unread data, which costs more than the script call,
+        and every request here reads all its replies or closes the connection."""
         if self._keeping.acquire(blocking=False):
             try:
                 conn = self._kept

@@ -1,37 +1,24 @@
-"""The Redis Streams broker of the consume loop: :class:`RedisStreamsBroker`.
+"""The Redis Streams broker of the consume loop: :class:`RedisStreamsBroker` (the user's guide, with
+its options, is "Consuming from Redis Streams" in ``docs/consuming.md``).
 
-It reads one stream through a consumer group (``XREADGROUP ... >``), acknowledges with ``XACK``
-after processing, and takes over entries that another consumer of the group left pending for longer
-than ``lease`` (``XAUTOCLAIM``), so a consumer that died loses nothing: its entries are redelivered
-to the others. ``Delivery.deliveries`` is the group's delivery counter (``XPENDING``): 1 for a
-first delivery, one more for each claim (a nacked entry is claimed back by this consumer with
-``XCLAIM`` at its next fetch, which counts it).
+It reads one stream through a consumer group (``XREADGROUP ... >``, blocking at most ``wait`` and
+never more than half of ``timeout``), acknowledges with ``XACK`` after processing, and takes over
+entries another consumer of the group left pending for longer than ``lease`` (``XAUTOCLAIM``), so a
+consumer that died loses nothing. ``Delivery.deliveries`` is the group's delivery counter
+(``XPENDING``): 1 for a first delivery, one more for each claim (a nacked entry is claimed back with
+``XCLAIM`` at the next fetch, which counts it). A consumer named by the user takes back what its
+name held pending at its first fetches; the default name is new per process
+(``<host>-<pid>-<random>``), so what a killed process held is reclaimed, never read as its own.
 
-URL: ``redis[s]://[[user]:password@]host[:port][/db]?group=<group>&destination=<d>`` (or
-``stream=<key>``). Options, besides those of :mod:`.redis._client`:
+The stream is ``stream=<key>`` as is, or what the dispatcher writes for ``destination=<d>``
+(``<key_prefix><d>``, escaped); exactly one of the two. ``Delivery.headers`` holds every field of
+the entry but the body (``body_field``), plus the entries of the JSON object in ``headers_field``
+(as the dispatcher writes them; a field wins over a JSON header of the same name, and a headers
+field that is not a JSON object is kept as a plain field).
 
-* ``destination`` -- read what :class:`~dedupstore.backends.redis.dispatcher.RedisDispatcher`
-  writes to that destination (the stream ``<key_prefix><destination>``, with the dispatcher's
-  ``key_prefix`` and escaping); or ``stream``, a stream key as is. Exactly one of the two.
-* ``group`` (required); ``consumer`` (default ``<host>-<pid>-<random>``: a new name per process, so
-  what a killed process held is reclaimed, never read back as its own).
-* ``create`` (true) -- create the group if missing (``XGROUP CREATE ... MKSTREAM``) at ``start``
-  (``0``: every entry already in the stream; ``$``: only new ones; or an entry id).
-* ``lease`` (60 s) -- longer than any round takes (``timeout`` and the processing), or live
-  consumers' entries are processed twice (harmless, but wasted); ``0`` takes every pending entry.
-* ``body_field`` (``body``) and ``headers_field`` (``headers``, a JSON object of string headers, as
-  the dispatcher writes them). ``Delivery.headers`` holds every other field of the entry (``id``
-  among them) plus the entries of that object (a field wins over a JSON header of the same name; a
-  headers field that is not a JSON object is kept as a plain field).
-
-A fetch blocks at most ``wait`` seconds and never more than half of ``timeout``.
-
-Trimming is left to the user: acknowledged entries stay until ``XTRIM``/``MAXLEN`` (the
-dispatcher's ``maxlen``) or ``XDEL`` removes them. Trim only entries every group has acknowledged
-(below the smallest ``last-delivered-id`` of ``XINFO GROUPS`` with nothing pending below it): a
-trimmed entry still pending is dropped from the pending list on its next claim, never processed.
-Consumer names accumulate in the group (``XINFO CONSUMERS``); remove those of stopped processes with
-``XGROUP DELCONSUMER`` once they hold nothing pending.
+Trimming is left to the user: trim only entries every group has acknowledged (a trimmed entry still
+pending is never processed); remove stopped consumers' names (``XGROUP DELCONSUMER``) once they hold
+nothing pending.
 """
 
 from __future__ import annotations
