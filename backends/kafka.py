@@ -31,7 +31,7 @@ import contextlib
 import importlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from dedupstore.backend import (
@@ -80,9 +80,8 @@ def _config(value: object) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class KafkaToken:
-    """A delivery's handle: its record's ``topic``, ``partition``, ``offset``, and the
-    partition's ``epoch`` when it was handed out (a seek or a revocation starts a new
-    one: tokens of an older epoch are stale)."""
+    """A delivery's handle: its record's ``topic``, ``partition``, ``offset``, and the partition's
+    ``epoch`` when it was handed out (a seek or a revocation starts a new one: older are stale)."""
 
     topic: str
     partition: int
@@ -90,12 +89,12 @@ class KafkaToken:
     epoch: int
 
 
+@dataclass
 class _Partition:
     """The offsets handed out of one partition, in order, and which are done."""
 
-    def __init__(self) -> None:
-        self.epoch = 0
-        self.outstanding: dict[int, bool] = {}  # offset -> done, in fetch order
+    epoch: int = 0
+    outstanding: dict[int, bool] = field(default_factory=dict)  # offset -> done, in fetch order
 
     def committable(self) -> int | None:
         """The offset to commit after the done prefix (None: nothing new is done)."""
@@ -109,13 +108,10 @@ class _Partition:
 
 
 class KafkaBroker(Client, Broker):
-    """One Kafka topic read through a consumer group; offsets committed after processing.
-
-    See the module. Raises ``ConfigurationError`` for bad options or a setting that
-    would commit before processing (before any I/O), or when confluent-kafka is not
-    installed; ``StoreUnavailable`` (the Kafka error chained) when a fetch, commit
-    or seek fails.
-    """
+    """One Kafka topic read through a consumer group; offsets committed after processing (see the
+    module). Raises ``ConfigurationError`` for bad options or a setting that would commit before
+    processing (before any I/O), or when confluent-kafka is not installed; ``StoreUnavailable``
+    (the Kafka error chained) when a fetch, commit or seek fails."""
 
     kind: ClassVar[str] = "kafka"
     schemes: ClassVar[tuple[str, ...]] = ("kafka",)
@@ -156,11 +152,9 @@ class KafkaBroker(Client, Broker):
         self._partitions: dict[tuple[str, int], _Partition] = {}
 
     def _open(self) -> None:
-        """Make (or take) the consumer and subscribe it to the topic; see the class.
-
-        A consumer of its own first asks the cluster for the topic's metadata, so a
-        broker that cannot be reached is ``StoreUnavailable`` here, within ``timeout``
-        (librdkafka would otherwise retry in the background for ever)."""
+        """Make (or take) the consumer and subscribe it to the topic. A consumer of its own first
+        asks for the topic's metadata, so an unreachable cluster is ``StoreUnavailable`` here,
+        within ``timeout`` (librdkafka would retry in the background for ever)."""
         given = self.options["consumer"]
         self._consumer: Any = self._make_consumer() if given is None else given
         if given is None:

@@ -158,7 +158,8 @@ class DynamoDBEntityStore(EntityStore):
             raise ValueError(
                 f"DynamoDB scans in at most {MAX_SCAN_SEGMENTS} segments, got {segments}"
             )
-        return self._items(
+        pages = self._dynamodb.scan(
+            self,
             Segment=segment,
             TotalSegments=segments,
             FilterExpression="#p = :yes",
@@ -166,9 +167,8 @@ class DynamoDBEntityStore(EntityStore):
             ExpressionAttributeNames={**_NAMES, "#p": _PENDING},
             ExpressionAttributeValues={":yes": {"BOOL": True}},
         )
-
-    def _items(self, **request: Any) -> Iterator[tuple[str, str, Any]]:
-        """The items of a scan (``request``: its parameters), paged when they are needed."""
-        for page in self._dynamodb.scan(self, **request):
-            for item in page.get("Items", []):
-                yield str(item[_ID]["S"]), str(item[_BODY]["S"]), int(item[_VERSION]["N"])
+        return (
+            (str(item[_ID]["S"]), str(item[_BODY]["S"]), int(item[_VERSION]["N"]))
+            for page in pages
+            for item in page.get("Items", [])
+        )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ssl
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
@@ -40,12 +40,12 @@ from dedupstore.backend import (
     timeout_option,
 )
 
-# pika logs a dozen lines for a refused connection: quiet at the default level (the
-# error reaches the caller as one StoreUnavailable)
+# pika logs a dozen lines for a refused connection; the caller gets one StoreUnavailable
 quiet_driver_logs("pika")
 
 __all__ = [
     "CONNECTION_OPTIONS",
+    "SHORT_STRING_BYTES",
     "Expiry",
     "Link",
     "classify",
@@ -56,12 +56,13 @@ __all__ = [
     "queue_arguments",
     "queue_type_option",
     "reply_code",
+    "short_string",
     "vhost",
 ]
 
-#: AMQP reply codes that mean "fix the configuration": access refused (403), not found
-#: (404), resource locked (405, an exclusive queue), precondition failed (406, a
-#: declaration with other arguments), not allowed (530).
+#: AMQP reply codes that mean "fix the configuration": access refused (403), not found (404),
+#: resource locked (405, an exclusive queue), precondition failed (406, a declaration with other
+#: arguments), not allowed (530).
 _CONFIGURATION_CODES = frozenset({403, 404, 405, 406, 530})
 
 CONNECTION_OPTIONS: tuple[Option, ...] = (
@@ -80,6 +81,22 @@ CONNECTION_OPTIONS: tuple[Option, ...] = (
     Option("password", optional(text()), None, "password (instead of the URL's)", secret=True),
     Option("ssl_ca_certs", optional(text()), None, "CA bundle file (amqps://)"),
 )
+
+
+#: The longest name AMQP 0-9-1 carries (a short string: exchange, queue, routing key).
+SHORT_STRING_BYTES = 255
+
+
+def short_string(what: str) -> Callable[[object], str]:
+    """A name AMQP can carry: ``what`` names it in errors."""
+
+    def convert(value: object) -> str:
+        name: str = text(what=what)(value)
+        if len(name.encode("utf-8")) > SHORT_STRING_BYTES:
+            raise ValueError(f"{what} is longer than {SHORT_STRING_BYTES} UTF-8 bytes")
+        return name
+
+    return convert
 
 
 def close_quietly(connection: pika.BlockingConnection) -> None:
@@ -163,12 +180,10 @@ class Expiry:
 def expiring(connection: pika.BlockingConnection, seconds: float) -> Iterator[Expiry]:
     """Abort ``connection`` if the block outlives ``seconds`` or the call's deadline.
 
-    pika's blocking calls (a publish waiting for its confirm, a ``basic_get``) wait
-    without a timeout of their own; a timer on the connection's I/O loop drops the
-    TCP stream when the time is up, so the blocked call raises (a
-    ``StreamLostError``) and :attr:`Expiry.fired` says why. The connection is then
-    unusable: the caller opens another.
-    """
+    pika's blocking calls (a publish waiting for its confirm, a ``basic_get``) have no timeout of
+    their own: a timer on the connection's I/O loop drops the TCP stream when the time is up, so the
+    blocked call raises (``StreamLostError``; :attr:`Expiry.fired` says why) and the caller opens
+    another connection."""
     left = time_left()
     delay = seconds if left is None else max(0.0, min(seconds, left))
     expiry = Expiry()
@@ -195,11 +210,8 @@ def queue_type_option(doc: str) -> Option:
 
 
 def queue_arguments(queue_type: str) -> dict[str, Any] | None:
-    """The declaration arguments of a queue of ``queue_type``.
-
-    None for ``classic`` (the default type), so that a classic queue declared
-    elsewhere without arguments is not refused as inequivalent.
-    """
+    """The declaration arguments of a queue of ``queue_type``: none for ``classic`` (the default),
+    so that a classic queue declared elsewhere without arguments is not refused as inequivalent."""
     return None if queue_type == "classic" else {"x-queue-type": queue_type}
 
 

@@ -54,7 +54,6 @@ from dedupstore.backend import (
     boolean,
     integer,
     optional,
-    text,
 )
 
 from ._client import (
@@ -69,6 +68,7 @@ from ._client import (
     queue_arguments,
     queue_type_option,
     reply_code,
+    short_string,
     vhost,
 )
 
@@ -80,12 +80,9 @@ DELIVERY_COUNT = "x-delivery-count"
 
 @dataclass(frozen=True)
 class RabbitMQToken:
-    """A delivery's handle: its channel (``generation``), ``delivery_tag``, ``redelivered``.
-
-    A delivery tag means something only on the channel that delivered it; after a
-    reconnection the old channel's deliveries were requeued by the broker, and
-    ``ack``/``nack`` ignore their tokens.
-    """
+    """A delivery's handle: its channel (``generation``), ``delivery_tag``, ``redelivered``. A tag
+    means something only on the channel that delivered it: after a reconnection ``ack``/``nack``
+    ignore the old channel's tokens (the broker requeued those deliveries)."""
 
     generation: int
     delivery_tag: int
@@ -112,18 +109,17 @@ def _text(value: object) -> str:
 
 
 class RabbitMQBroker(Client, Broker):
-    """A RabbitMQ queue consumed with manual acknowledgements and a prefetch window.
-
-    See the module. Raises ``ConfigurationError`` for bad options (before any I/O),
-    credentials, permissions, a missing queue without ``create``, or a queue
-    declared with other arguments; ``StoreUnavailable`` when the broker cannot
-    answer (the next call connects again).
-    """
+    """A RabbitMQ queue consumed with manual acknowledgements and a prefetch window (see the
+    module). Raises ``ConfigurationError`` for bad options (before any I/O), credentials,
+    permissions, a missing queue without ``create``, or a queue declared with other arguments;
+    ``StoreUnavailable`` when the broker cannot answer (the next call connects again)."""
 
     kind: ClassVar[str] = "rabbitmq"
     schemes: ClassVar[tuple[str, ...]] = ("amqp", "amqps")
     declared_options: ClassVar[OptionSet] = Client.declared_options.extend(
-        Option("queue", optional(text()), None, "the queue to consume (required)"),
+        Option(
+            "queue", optional(short_string("a queue name")), None, "the queue to consume (required)"
+        ),
         Option(
             "prefetch",
             integer(1, 65535),
@@ -149,8 +145,6 @@ class RabbitMQBroker(Client, Broker):
         parse_url(url, options)
         if not options["queue"]:
             raise ConfigurationError("RabbitMQBroker needs queue=<queue name>")
-        if len(options["queue"].encode("utf-8")) > 255:
-            raise ConfigurationError("queue is longer than the 255 UTF-8 bytes of an AMQP name")
 
     def _deadline_seconds(self) -> float:
         """``(retries + 1) x (connect_timeout + timeout)``, as the dispatcher's."""

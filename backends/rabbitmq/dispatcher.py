@@ -66,12 +66,12 @@ from dedupstore.backend import (
     URLDispatcher,
     boolean,
     retry,
-    text,
     time_left,
 )
 
 from ._client import (
     CONNECTION_OPTIONS,
+    SHORT_STRING_BYTES,
     Expiry,
     Link,
     classify,
@@ -83,25 +83,13 @@ from ._client import (
     queue_arguments,
     queue_type_option,
     reply_code,
+    short_string,
     vhost,
 )
 
 __all__ = ["RabbitMQDispatcher"]
 
 T = TypeVar("T")
-
-#: The longest exchange name or routing key AMQP 0-9-1 carries (a short string).
-_SHORT_STRING_BYTES = 255
-
-
-def _short_string(what: str) -> Any:
-    def convert(value: object) -> str:
-        name: str = text(what=what)(value)
-        if len(name.encode("utf-8")) > _SHORT_STRING_BYTES:
-            raise ValueError(f"{what} is longer than {_SHORT_STRING_BYTES} UTF-8 bytes")
-        return name
-
-    return convert
 
 
 @dataclass(eq=False)
@@ -121,16 +109,13 @@ def _transient(exc: BaseException) -> bool:
 
 
 class RabbitMQDispatcher(URLDispatcher):
-    """Outgoing messages published to a RabbitMQ exchange, confirmed by the broker.
+    """Outgoing messages published to a RabbitMQ exchange, confirmed by the broker (see the module).
 
-    :meth:`dispatch` returns once the broker confirmed every message (persistent,
-    ``mandatory``); raises ``ConfigurationError`` for a message no queue is bound for
-    (the broker returned it), credentials, permissions, a missing exchange or a queue
-    declared with other arguments, and ``StoreUnavailable`` (pika's error chained)
-    for a nack, a lost or refused connection, or no confirmation before the deadline.
-    After an error some messages of the batch may have been delivered: dispatch it
-    again (the outbox does), receivers deduplicate by ``message_id``.
-    """
+    :meth:`dispatch` raises ``ConfigurationError`` for a message no queue is bound for (the broker
+    returned it), credentials, permissions, a missing exchange or a queue declared with other
+    arguments, and ``StoreUnavailable`` (pika's error chained) for a nack, a lost or refused
+    connection, or no confirmation before the deadline. After an error some messages of the batch
+    may have been delivered: dispatch it again (the outbox does)."""
 
     schemes: ClassVar[tuple[str, ...]] = ("amqp", "amqps")
     #: RabbitMQ 3.x's default ``max_message_size`` (see the module).
@@ -144,7 +129,7 @@ class RabbitMQDispatcher(URLDispatcher):
     declared_options: ClassVar[OptionSet] = URLDispatcher.declared_options.extend(
         Option(
             "exchange",
-            _short_string("an exchange name"),
+            short_string("an exchange name"),
             "",
             "exchange to publish to; '' (the default exchange): the destination is the queue",
         ),
@@ -216,10 +201,10 @@ class RabbitMQDispatcher(URLDispatcher):
 
     def _dispatch(self, batch: list[EncodedMessage]) -> None:
         for message in batch:  # before any I/O
-            if len(message.destination.encode("utf-8")) > _SHORT_STRING_BYTES:
+            if len(message.destination.encode("utf-8")) > SHORT_STRING_BYTES:
                 raise ValueError(
                     f"the destination of outgoing message {message.id!r:.80} is longer than "
-                    f"the {_SHORT_STRING_BYTES} UTF-8 bytes of an AMQP routing key"
+                    f"the {SHORT_STRING_BYTES} UTF-8 bytes of an AMQP routing key"
                 )
         with self._lock:
             retry(
