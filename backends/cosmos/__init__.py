@@ -38,11 +38,10 @@ retry; an entity save raises and the caller reloads). A call (one chunk of a bat
 (45 s by default): every HTTP attempt and every pause between attempts is cut at that deadline; only
 the waits a throttling service asks for (429 ``retry-after``, at most ``timeout`` in all) can extend
 it. A given ``client`` keeps its own transport and retries: azure-core's refuses a body shorter than
-its length, but not a reply cut inside its headers (``dedupstore.replies``).
-``StoreUnavailable`` (unreachable, timeout, throttling, 5xx, a reply cut short): retry.
-``ConfigurationError``: rejected key, missing database or container, a container of another shape or
-shared with other data. ``ConsistencyError``: weaker than Strong. Each store's module says what it
-guarantees on failure.
+its length, but not a reply cut inside its headers (``dedupstore.replies``). ``StoreUnavailable``
+(unreachable, timeout, throttling, 5xx, a reply cut short): retry. ``ConfigurationError``: rejected
+key, missing database or container, a container of another shape or shared with other data.
+``ConsistencyError``: weaker than Strong. Each store's module says what it guarantees on failure.
 """
 
 from __future__ import annotations

@@ -2,25 +2,23 @@
 
 One item per (endpoint, message id): ``id`` (:func:`document_id`), ``endpoint``, ``message_id``,
 ``expires_at``, ``ttl`` and ``write_token``. Correctness rests on three native guarantees:
+``create_item`` is atomic per id (409 Conflict: the id is there, so of concurrent writers exactly
+one creates it); an expired record is overwritten by ``replace_item`` with ``If-Match`` on the
+``_etag`` that was read (412: another writer changed it first); Strong consistency (see
+:mod:`.cosmos`).
 
-* ``create_item`` is atomic per id: 409 Conflict means the id is already there, so of concurrent
-  writers exactly one creates it (first writer wins);
-* an expired record is overwritten by ``replace_item`` with ``If-Match`` on the ``_etag`` that was
-  read: a 412 means another writer changed it first;
-* Strong consistency (see the package documentation).
-
-Every item records the write token of the call that wrote it. An item holding a token of this call
+Every item records the write token of the call that wrote it: an item holding a token of this call
 (a create or replace resent by the transport, or a retry on the same store object after
-``StoreUnavailable``) is this call's own write: reported as recorded, exactly once. ``add_many``
+``StoreUnavailable``) is this call's own write, reported as recorded, exactly once. ``add_many``
 sends one ``create_item`` per id (at most ``max_concurrency`` in flight), then one read-many for the
 ids that already existed; ``processed_among`` one read-many per chunk of 1000.
 
 Expiry is judged by the CLIENT's clock (``clock``, ``time.time`` by default): every client of a
 container must keep its clock in sync (NTP). Items carry ``expires_at`` (compared with the clock on
 every read) and a native ``ttl`` of the retention plus ``max_clock_skew``, which only reclaims space
-(the emulator ignores it); records without retention carry ``ttl: -1``. Per-item TTL needs the
-container's default TTL set: :func:`create_container` sets ``-1``. ``purge_expired`` deletes
-(``If-Match``) only records expired for longer than ``max_clock_skew``.
+(``-1`` without retention; per-item TTL needs the container's default TTL set:
+:func:`create_container` sets ``-1``). ``purge_expired`` deletes (``If-Match``) only records
+expired for longer than ``max_clock_skew``.
 
 ``StoreUnavailable`` carries ``recorded`` ids (recorded by the call) and ``unknown`` ids (maybe
 recorded: a retry on the same store object reports those as recorded).

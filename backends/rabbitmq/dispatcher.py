@@ -300,9 +300,8 @@ class RabbitMQDispatcher(URLDispatcher):
         return self._holding(destination, lambda channel, held: [read for _, read in held])
 
     def remove(self, destination: str, messages: Sequence[ReadMessage]) -> int:
-        """Acknowledge (remove) the messages of the queue ``destination`` whose
-        ``message_id`` is one of ``messages``' ids; the others go back. Raises as
-        :meth:`read_back`."""
+        """Acknowledge (remove) the messages of the queue ``destination`` whose ``message_id`` is
+        one of ``messages``' ids; the others go back. Raises as :meth:`read_back`."""
         ids = {m.message.id for m in messages}
         if not ids:
             return 0

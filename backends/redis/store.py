@@ -245,10 +245,9 @@ class RedisDeduplicationStore(DeduplicationStore):
         return {unescape(endpoint) for endpoint in found}
 
     def _scan_values(self, prefix: str) -> Iterator[tuple[bytes | str, Any]]:
-        """Every key under ``prefix`` (``SCAN MATCH``, a page at a time) with its value
-        (one ``MGET`` per page; ``None`` for a key of another type or one that expired
-        since the scan saw it). ``SCAN`` may return a key twice: the keys seen are held in
-        memory to give each once."""
+        """Every key under ``prefix`` (``SCAN MATCH``, a page at a time) with its value (one
+        ``MGET`` per page; ``None`` for a key of another type or one that expired since the scan saw
+        it). ``SCAN`` may return a key twice: the keys seen are held in memory to give each once."""
         pattern = prefix.translate(_GLOB_ESCAPE) + "*"
         seen: set[bytes | str] = set()
         cursor = 0
