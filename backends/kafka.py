@@ -214,8 +214,6 @@ class KafkaBroker(Client, Broker):
             return StoreUnavailable
         return super()._classify_error(exc)
 
-    # ------------------------------------------------------------------ rebalances
-
     def _state(self, topic: str, partition: int) -> _Partition:
         return self._partitions.setdefault((topic, partition), _Partition())
 
@@ -236,8 +234,6 @@ class KafkaBroker(Client, Broker):
         if offsets:
             with contextlib.suppress(Exception):  # not committed: redelivered, harmless
                 consumer.commit(offsets=offsets, asynchronous=False)
-
-    # ------------------------------------------------------------------ Broker
 
     def fetch(self, max_count: int, wait: float) -> list[Delivery]:
         """Up to ``max_count`` records, waiting up to ``wait`` seconds (``consume``)."""

@@ -317,8 +317,6 @@ class CosmosConnection(Connection):
                 ) from None
             raise
 
-    # ------------------------------------------------------------------ the stores' containers
-
     def open_container(self, client: Client) -> Mapping[str, Any]:
         """Check the account's consistency (``ConsistencyError``) and ``client``'s container
         (created first if ``client`` creates; missing or not partitioned on ``/id``:
@@ -453,8 +451,6 @@ class CosmosConnection(Connection):
     def parallel(self, fn: Callable[[_T], _R], items: Iterable[_T]) -> list[_R]:
         """:func:`~dedupstore.calls.fan_out` with up to ``max_concurrency`` calls in flight."""
         return fan_out(fn, items, concurrency=self.options["max_concurrency"])
-
-    # ------------------------------------------------------------------ errors, health
 
     @classmethod
     def describe_error(cls, client: Client, exc: BaseException) -> str | None:

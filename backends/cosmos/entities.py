@@ -120,8 +120,6 @@ class CosmosEntityStore(EntityStore):
                 "enable_compact_utf8_item_writes=True"
             )
 
-    # ------------------------------------------------------------------ items
-
     @staticmethod
     def _item(record: EntityRecord, token: str) -> dict[str, Any]:
         return {
@@ -152,8 +150,6 @@ class CosmosEntityStore(EntityStore):
                 "entities a container of their own",
             )
         return stored
-
-    # ------------------------------------------------------------------ primitives
 
     def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
         found = self._cosmos.read_many(self, {eid: entity_document_id(eid) for eid in ids})

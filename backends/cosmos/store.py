@@ -105,8 +105,6 @@ class CosmosDeduplicationStore(DeduplicationStore):
         ttl = self._cosmos.open_container(self).get("defaultTtl")
         self._default_ttl = ttl if isinstance(ttl, int) else None
 
-    # ------------------------------------------------------------------ items
-
     def _item(self, message_id: str, request: WriteRequest) -> dict[str, Any]:
         ttl = -1
         if request.expires_at is not None:
@@ -141,8 +139,6 @@ class CosmosDeduplicationStore(DeduplicationStore):
     def _live(item: Mapping[str, Any], now: float) -> bool:
         expires_at = item.get("expires_at")
         return expires_at is None or float(expires_at) > now
-
-    # ------------------------------------------------------------------ primitives
 
     def _add_new(self, request: WriteRequest) -> set[str]:
         def create(mid: str) -> tuple[str, int]:

@@ -375,8 +375,6 @@ class DynamoDBConnection(Connection):
         place = f"DynamoDB table {client.store_url.netloc!r} in region {region}"
         return place + (f" at {at}" if at else "")
 
-    # ------------------------------------------------------------------ errors
-
     @classmethod
     def classify_error(cls, client: Client, exc: BaseException) -> ErrorKind:
         """Classify a botocore error of ``client`` (see :mod:`.dynamodb`)."""
@@ -432,8 +430,6 @@ class DynamoDBConnection(Connection):
             f"DynamoDB cancelled a transaction on {client.store_url.netloc!r} "
             f"({', '.join(odd or reasons) or _error_message(exc)}): {hint}",
         )
-
-    # ------------------------------------------------------------------ tables
 
     def open_table(self, client: Client) -> None:
         """A store's ``_open``: :meth:`create_table` if it creates, then :meth:`check_table`."""
@@ -558,8 +554,6 @@ class DynamoDBConnection(Connection):
                 f"not {attribute!r}: expired records stay until purge_expired()"
             )
         return warnings
-
-    # ------------------------------------------------------------------ requests
 
     def conditional_put(
         self,

@@ -99,8 +99,6 @@ class DynamoDBEntityStore(EntityStore):
         """The DynamoDB table name."""
         return self.store_url.netloc
 
-    # ------------------------------------------------------------------ primitives
-
     def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
         items = self._dynamodb.batch_get(
             self, [{_ID: {"S": eid}} for eid in ids], "#i, #b, #v", _NAMES

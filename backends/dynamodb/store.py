@@ -117,8 +117,6 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
         """The DynamoDB table name."""
         return self.store_url.netloc
 
-    # ------------------------------------------------------------------ primitives
-
     def _key(self, message_id: str) -> dict[str, AttributeValueTypeDef]:
         return {_ID: {"S": message_id}, _ENDPOINT: self._endpoint_value}
 

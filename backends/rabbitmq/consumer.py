@@ -150,8 +150,6 @@ class RabbitMQBroker(Client, Broker):
         """``(retries + 1) x (connect_timeout + timeout)``, as the dispatcher's."""
         return deadline_seconds(self.options)
 
-    # ------------------------------------------------------------------ connection
-
     def _open_link(self) -> _Link:
         connection = connect(self.store_url, self.options)
         try:
@@ -219,8 +217,6 @@ class RabbitMQBroker(Client, Broker):
             )
         return classify(exc) or super()._classify_error(exc)
 
-    # ------------------------------------------------------------------ Broker
-
     def fetch(self, max_count: int, wait: float) -> list[Delivery]:
         """Up to ``max_count`` deliveries, waiting up to ``wait`` seconds for the first."""
         self.check_open()
@@ -275,8 +271,6 @@ class RabbitMQBroker(Client, Broker):
             with expiring(link.connection, self.options["timeout"]):
                 frame = link.channel.queue_declare(self.queue, passive=True)
             return int(frame.method.message_count)
-
-    # ------------------------------------------------------------------ deliveries
 
     @staticmethod
     def _delivery(

@@ -165,8 +165,6 @@ class RabbitMQDispatcher(URLDispatcher):
         """``(retries + 1) x (connect_timeout + timeout)``: see the module."""
         return deadline_seconds(self.options)
 
-    # ------------------------------------------------------------------ connection
-
     def _open_link(self) -> _Link:
         connection = connect(self.store_url, self.options)
         try:
@@ -196,8 +194,6 @@ class RabbitMQDispatcher(URLDispatcher):
     def _close(self) -> None:
         with self._lock:
             self._link.close()
-
-    # ------------------------------------------------------------------ dispatch
 
     def _dispatch(self, batch: list[EncodedMessage]) -> None:
         for message in batch:  # before any I/O
@@ -289,8 +285,6 @@ class RabbitMQDispatcher(URLDispatcher):
                 f"{self.describe_error(exc)} (a missing exchange or queue)",
             )
         return classify(exc) or super()._classify_error(exc)
-
-    # ------------------------------------------------------------------ reading back
 
     def read_back(self, destination: str) -> list[ReadMessage]:
         """Every message of the queue ``destination``, oldest first, left in the queue

@@ -332,8 +332,6 @@ class RedisConnection(Connection):
             )
         check_client(options, redis.Redis, "a redis.Redis", "Redis Cluster is not supported")
 
-    # ------------------------------------------------------------------ opening
-
     def _connect(self) -> redis.Redis:
         """A client with its own pool (fork-safe: redis-py's pool resets in a child)."""
         url = self.url
@@ -395,8 +393,6 @@ class RedisConnection(Connection):
             )
         if script:  # refused now if the ACL forbids EVALSHA
             self.read(self.client.evalsha, _sha1(script), 0)
-
-    # ------------------------------------------------------------------ the write script
 
     def run_script(
         self,
@@ -474,8 +470,6 @@ class RedisConnection(Connection):
                 raise reply
         return replies
 
-    # ------------------------------------------------------------------ errors
-
     @classmethod
     def classify_error(cls, client: Client, exc: BaseException) -> ErrorKind:
         """Classify a redis-py error (the rules: see the module)."""
@@ -526,8 +520,6 @@ class RedisConnection(Connection):
         if type(exc).__module__.split(".", 1)[0] == "redis":
             return StoreUnavailable
         return None
-
-    # ------------------------------------------------------------------ health
 
     def health_warnings(self, client: Client) -> list[str]:
         """Warn about settings that can lose acknowledged writes."""

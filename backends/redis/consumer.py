@@ -160,8 +160,6 @@ class RedisStreamsBroker(Client, Broker):
         """``command(stream, group, *args, **kwargs)`` (redis-py), retried as a read."""
         return self._redis.read(command, self.stream, self.group, *args, **kwargs)
 
-    # ------------------------------------------------------------------ Broker
-
     def fetch(self, max_count: int, wait: float) -> list[Delivery]:
         """Nacked entries first (claimed back, counted), then new ones (``XREADGROUP >``)."""
         self.check_open()
@@ -287,8 +285,6 @@ class RedisStreamsBroker(Client, Broker):
                 lag = group.get("lag")
                 return int(group.get("pending") or 0) + int(lag or 0)
         return None
-
-    # ------------------------------------------------------------------ entries
 
     def _deliveries(self, entries: list[Any]) -> list[Delivery]:
         """Claimed entries with their delivery counters (one ``XPENDING`` per entry,

@@ -184,8 +184,6 @@ class RedisDispatcher(URLDispatcher):
                 "dispatch them again (receivers deduplicate by id)",
             )
 
-    # ------------------------------------------------------------------ reading back
-
     #: Entries per ``XRANGE`` of :meth:`read_back`.
     page_size: ClassVar[int] = 500
 

@@ -313,8 +313,6 @@ class RedisEntityStore(EntityStore):
     def _key(self, entity_id: str) -> str:
         return entity_key(self._key_prefix, entity_id)
 
-    # ------------------------------------------------------------------ primitives
-
     def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
         """One pipelined ``HMGET`` per id, in one round trip."""
         replies = self._redis.pipelined(
@@ -332,8 +330,6 @@ class RedisEntityStore(EntityStore):
         if body is None or version is None:
             raise foreign_value_error(self, f"{self._key(entity_id)[:200]!r} is not an entity")
         return _body(body), version
-
-    # ------------------------------------------------------------------ with a dedup store
 
     def _load_with(
         self, dedup: DeduplicationStore, entity_id: str, key: str

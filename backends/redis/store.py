@@ -171,8 +171,6 @@ class RedisDeduplicationStore(DeduplicationStore):
         )
         self._redis.probe(self, ADD_SCRIPT)
 
-    # ------------------------------------------------------------------ primitives
-
     def _add_new(self, request: WriteRequest) -> set[str]:
         """One script run (plus ``WAIT`` when configured) for the whole chunk."""
         keys, args = self.add_call(request)
