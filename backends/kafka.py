@@ -126,12 +126,7 @@ class KafkaBroker(Client, Broker):
         ),
         timeout_option(10.0, "seconds a commit, seek or metadata call may take"),
         Option(
-            "config",
-            _config,
-            {},
-            "further librdkafka settings (a dict)",
-            in_url=False,
-            secret=True,
+            "config", _config, {}, "further librdkafka settings (a dict)", in_url=False, secret=True
         ),
         Option(
             "consumer",

@@ -23,25 +23,23 @@ Correctness needs the account's default consistency to be **Strong**, checked at
 accounts raise ``ConsistencyError``); requests ask for Strong explicitly, so an account weakened
 later makes them fail loudly rather than read stale data.
 ``allow_weak_consistency_for_emulator_only`` is **UNSAFE in production.** It opens an account
-weaker than Strong (the emulator reports "Session"), where reads may miss acknowledged writes:
-messages may be processed twice, entities may load stale. Logged as a WARNING at every open, and
-reported by ``health_warnings()``.
+weaker than Strong (the emulator reports "Session"), where reads may miss acknowledged writes;
+logged as a WARNING at every open, and reported by ``health_warnings()``.
 
 Options: the stores' declarations (tables in ``docs/cosmos.md``); the account key is ``key`` or
 else ``COSMOS_KEY`` (then not pickled). The entity store's given ``client`` must have been created
 with ``enable_compact_utf8_item_writes=True`` (see its size limit).
 
-Failures: the SDK retries connection failures, reads and throttling (429) ``retries`` times, but
-never resends a write whose answer was lost (the deduplication store's write token settles it on a
-retry; an entity save raises and the caller reloads). A call (one chunk of a batch) raises
-``StoreUnavailable`` at most ``connect_timeout + (retries + 1) x timeout`` seconds after it started
-(45 s by default): every HTTP attempt and every pause between attempts is cut at that deadline; only
-the waits a throttling service asks for (429 ``retry-after``, at most ``timeout`` in all) can extend
-it. A given ``client`` keeps its own transport and retries: azure-core's refuses a body shorter than
-its length, but not a reply cut inside its headers (``dedupstore.replies``). ``StoreUnavailable``
-(unreachable, timeout, throttling, 5xx, a reply cut short): retry. ``ConfigurationError``: rejected
-key, missing database or container, a container of another shape or shared with other data.
-``ConsistencyError``: weaker than Strong. Each store's module says what it guarantees on failure.
+Failures: the SDK retries connection failures, reads and throttling (429) ``retries`` times, never a
+write whose answer was lost (the deduplication store's write token settles it on a retry; an entity
+save raises and the caller reloads). A call (one chunk of a batch) raises ``StoreUnavailable`` at
+most ``connect_timeout + (retries + 1) x timeout`` seconds after it started: every HTTP attempt and
+every pause is cut at that deadline; only the waits a throttling service asks for (429
+``retry-after``, at most ``timeout`` in all) can extend it. A given ``client`` keeps its own
+transport, which refuses a body shorter than its length but not a reply cut inside its headers.
+``StoreUnavailable`` (unreachable, timeout, throttling, 5xx, a reply cut short): retry.
+``ConfigurationError``: rejected key, missing database or container, a container of another shape or
+shared with other data. ``ConsistencyError``: weaker than Strong.
 """
 
 from __future__ import annotations

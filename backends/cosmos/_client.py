@@ -296,9 +296,8 @@ class CosmosConnection(Connection):
                 retry_throttle_backoff_max=throttle_wait,
                 # item sizes as the service counts them (the entity store's size limit)
                 enable_compact_utf8_item_writes=True,
-                # Requests demand Strong: if the account is ever weakened, they fail (HTTP 400)
-                # instead of silently reading stale data. A client cannot ask for more than the
-                # account default, so emulators (the option) get None.
+                # Strong on every request: on an account weakened later they fail (HTTP 400)
+                # rather than read stale data; emulators (the option) cannot ask above theirs
                 consistency_level=(
                     None if opts["allow_weak_consistency_for_emulator_only"] else "Strong"
                 ),
@@ -420,19 +419,14 @@ class CosmosConnection(Connection):
                 result = container.create_item(item)
             else:
                 result = container.replace_item(
-                    item["id"],
-                    item,
-                    etag=etag,
-                    match_condition=MatchConditions.IfNotModified,
+                    item["id"], item, etag=etag, match_condition=MatchConditions.IfNotModified
                 )
         except CosmosHttpResponseError as exc:
             status = exc.status_code or 0
             if status in ((409,) if etag is None else (404, 412)):
                 return status, None
             raise
-        # the body's, not the response headers': the SDK's retry bookkeeping writes into the
-        # last response's headers from other threads (a copy of them raised "OrderedDict
-        # mutated during iteration" under parallel writes), so they are not read here
+        # from the body: the SDK's retry bookkeeping writes the headers from other threads
         new_etag = result.get("_etag") if result else None
         return (201 if etag is None else 200), str(new_etag) if new_etag else None
 
@@ -518,8 +512,7 @@ class CosmosConnection(Connection):
             if 400 <= status < 500:
                 return ConfigurationError
             return StoreUnavailable  # a garbled answer (e.g. an undecodable body)
-        # ServiceRequestError, ServiceResponseError, CosmosClientTimeoutError, ...: the transport
-        # failed or gave up (connection, timeout).
+        # the transport failed or gave up (ServiceRequestError, CosmosClientTimeoutError, ...)
         if isinstance(exc, AzureError | requests.RequestException):
             return StoreUnavailable
         return None

@@ -258,7 +258,6 @@ class TableKind:
 
 
 def _kind(client: Client) -> TableKind:
-    """The kind of a store's table (its ``table_kind``)."""
     return part_of(client, "table_kind", TableKind)
 
 
@@ -318,7 +317,6 @@ class DynamoDBConnection(Connection):
         )
 
     def _new_client(self) -> Boto3DynamoDB:
-        """Build this process's low-level client from the connection options."""
         opts = self.options
         config = Config(
             # retried by the store (request), within the call's deadline
@@ -326,8 +324,7 @@ class DynamoDBConnection(Connection):
             connect_timeout=opts["connect_timeout"],
             read_timeout=opts["timeout"],
             user_agent_extra="dedupstore",
-            # the requests are built here, not by users; validating 100-item transactions
-            # client-side costs more CPU than the round trip
+            # our own requests: validating 100-item transactions costs more than the round trip
             parameter_validation=False,
         )
         session = boto3.session.Session(
@@ -377,7 +374,6 @@ class DynamoDBConnection(Connection):
 
     @classmethod
     def classify_error(cls, client: Client, exc: BaseException) -> ErrorKind:
-        """Classify a botocore error of ``client`` (see :mod:`.dynamodb`)."""
         if isinstance(exc, boto_errors.ClientError):
             code, message = _error_code(exc), _error_message(exc)
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")

@@ -93,8 +93,7 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
 
     max_write_batch: ClassVar[int] = MAX_TRANSACT_ITEMS
     max_read_batch: ClassVar[int] = MAX_BATCH_GET_KEYS
-    # Chunks in flight at once: hides the request latency of the service; an id in two chunks at
-    # once is settled by DynamoDB's transaction conflict check.
+    # hides the service's latency; an id in two chunks at once meets a transaction conflict
     chunk_concurrency: ClassVar[int] = 4
     table_kind: ClassVar[TableKind] = TableKind(
         "a deduplication table", ((_ID, "HASH"), (_ENDPOINT, "RANGE")), _TTL

@@ -225,15 +225,13 @@ def reply_code(exc: BaseException) -> int | None:
 def classify(exc: BaseException) -> ErrorKind:
     """pika's exception as a dedupstore error class (``None``: not pika's)."""
     if isinstance(
-        exc,
-        pe.ProbableAuthenticationError | pe.ProbableAccessDeniedError | pe.AuthenticationError,
+        exc, pe.ProbableAuthenticationError | pe.ProbableAccessDeniedError | pe.AuthenticationError
     ):
         return ConfigurationError
     code = reply_code(exc)
     if code is not None:
         return ConfigurationError if code in _CONFIGURATION_CODES else StoreUnavailable
     if isinstance(exc, pe.AMQPError | AMQPConnectorException | OSError | TimeoutError):
-        # connection refused, lost or timed out; the broker shutting down (320);
-        # an unexpected frame on a broken stream
+        # connection refused, lost or timed out; broker shutting down (320); a broken stream
         return StoreUnavailable
     return None

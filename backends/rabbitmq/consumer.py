@@ -147,7 +147,6 @@ class RabbitMQBroker(Client, Broker):
             raise ConfigurationError("RabbitMQBroker needs queue=<queue name>")
 
     def _deadline_seconds(self) -> float:
-        """``(retries + 1) x (connect_timeout + timeout)``, as the dispatcher's."""
         return deadline_seconds(self.options)
 
     def _open_link(self) -> _Link:

@@ -162,7 +162,6 @@ class RabbitMQDispatcher(URLDispatcher):
             )
 
     def _deadline_seconds(self) -> float:
-        """``(retries + 1) x (connect_timeout + timeout)``: see the module."""
         return deadline_seconds(self.options)
 
     def _open_link(self) -> _Link:
@@ -236,9 +235,7 @@ class RabbitMQDispatcher(URLDispatcher):
             destination = message.destination
             if self.options["declare_queues"] and destination not in link.declared:
                 channel.queue_declare(
-                    destination,
-                    durable=True,
-                    arguments=queue_arguments(self.options["queue_type"]),
+                    destination, durable=True, arguments=queue_arguments(self.options["queue_type"])
                 )
                 link.declared.add(destination)
             properties = pika.BasicProperties(

@@ -169,7 +169,6 @@ def _packed(conn: Any, commands: list[tuple[Any, ...]]) -> Any:
 
 @functools.cache
 def _sha1(source: str) -> str:
-    """The SHA-1 ``EVALSHA`` names a script by."""
     return hashlib.sha1(source.encode()).hexdigest()
 
 
@@ -296,8 +295,7 @@ class RedisConnection(Connection):
         self._attempts: int = options["retries"] + 1
         self._wait_replicas: int = options["wait_replicas"]
         self._wait_timeout_ms: int = options["wait_timeout_ms"]
-        # the connection _send keeps checked out of the pool (a child after fork() has its own
-        # RedisConnection: see Connection)
+        # what _send keeps checked out of the pool (a child after fork() has its own object)
         self._kept: Any = None  # (redis-py leaves its connection methods untyped)
         self._keeping = threading.Lock()
 
@@ -472,7 +470,6 @@ class RedisConnection(Connection):
 
     @classmethod
     def classify_error(cls, client: Client, exc: BaseException) -> ErrorKind:
-        """Classify a redis-py error (the rules: see the module)."""
         name, detail = type(client).__name__, client.describe_error(exc)
         if isinstance(
             exc, AuthenticationError | AuthorizationError | AuthenticationWrongNumberOfArgsError

@@ -114,8 +114,7 @@ class RedisStreamsBroker(Client, Broker):
         self._nacked: list[str] = []
         self._cursor = "0-0"
         self._next_scan = float("-inf")
-        # A consumer named by the user may be this name's earlier process: what that one
-        # held pending is taken back at the first fetches, not after the lease.
+        # a name given may be an earlier process's: what it held is taken back at once
         self._resume: str | None = "-" if opts["consumer"] else None
         self._waiting = 0  # deliveries last seen waiting for a lease (logged on change)
         self._redis.probe(self, "")

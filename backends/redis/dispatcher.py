@@ -53,13 +53,7 @@ from dedupstore.backend import (
     seconds,
 )
 
-from ._client import (
-    CONNECTION_OPTIONS,
-    RedisConnection,
-    escape,
-    key_prefix_option,
-    text_of,
-)
+from ._client import CONNECTION_OPTIONS, RedisConnection, escape, key_prefix_option, text_of
 
 __all__ = ["RedisDispatcher", "sent_key", "stream_key"]
 

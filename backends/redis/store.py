@@ -147,8 +147,7 @@ class RedisDeduplicationStore(DeduplicationStore):
     # The script unpack()s 2 values per key: Lua's stack allows about 8000.
     max_write_batch: ClassVar[int] = 1000
     max_read_batch: ClassVar[int] = 2000
-    # Two chunks in flight: Python builds and parses one while the server runs the other (each
-    # script runs atomically, so first-writer-wins is unaffected).
+    # Python builds and parses one chunk while the server runs the other (atomically each)
     chunk_concurrency: ClassVar[int] = 2
     declared_options: ClassVar[OptionSet] = DeduplicationStore.declared_options.extend(
         key_prefix_option("dedup:"), *CONNECTION_OPTIONS
