@@ -1,51 +1,28 @@
-"""A Kafka adapter for the consume loop: :class:`KafkaBroker` (confluent-kafka).
+"""A Kafka adapter for the consume loop: :class:`KafkaBroker` (confluent-kafka; the user's guide is
+"Kafka" in ``docs/consuming.md``).
 
-``pip install 'dedupstore[kafka]'``. The broker reads one topic through a consumer
-group with ``enable.auto.commit=false`` and ``enable.auto.offset.store=false``:
-offsets are committed only after processing, by :meth:`KafkaBroker.ack`.
+The broker reads one topic through a consumer group with ``enable.auto.commit`` and
+``enable.auto.offset.store`` off (a ``config`` turning them on is refused): offsets are committed
+only after processing. Kafka commits a position per partition, so the broker keeps each partition's
+handed-out offsets in order: :meth:`KafkaBroker.ack` marks them done and commits (synchronously) the
+first offset not done, which never passes an unprocessed message; :meth:`KafkaBroker.nack` seeks the
+partition back to it (the later records come again: duplicates for the outbox). A seek or a
+revocation starts a new epoch of the partition: tokens of an older one are stale, acking or nacking
+them does nothing. Revoked partitions commit what is done and forget the rest, which the new owner
+processes again (harmless: ``duplicate``, or ``redispatched`` while an outbox entry is pending).
+Kafka counts no deliveries (``Delivery.deliveries`` is ``None``: the loop's ``max_deliveries`` does
+not apply) and there is nothing to reclaim (the group reassigns a dead consumer's partitions). An
+outage holds records uncommitted; while a whole round is held the loop does not poll, so an outage
+longer than ``max.poll.interval.ms`` rebalances the group (a repeat for the next owner).
 
-* **Commit after processing.** Kafka commits a position per partition, not single
-  messages. The broker keeps, per partition, the offsets it handed out in order; an
-  ack marks them done and commits (synchronously) the first offset that is not done,
-  so a committed offset never passes a message that was not processed.
-* **Nack = seek back.** :meth:`KafkaBroker.nack` seeks each partition concerned back to
-  its first offset that is not done: that message and every later one of the
-  partition are fetched again (those done already come back as duplicates, which
-  the outbox answers without running the handler again). Deliveries of a partition
-  handed out before the seek are stale: acking or nacking them does nothing.
-* **Rebalances redeliver.** When partitions are revoked the broker commits what is
-  done and forgets the rest; the new owner reads from the committed offset, so
-  messages in flight are processed again by it (the outbox makes that harmless:
-  ``duplicate``, or ``redispatched`` while the first owner's outbox entry is pending).
-* Kafka does not count deliveries: ``Delivery.deliveries`` is ``None`` (the consume
-  loop's ``max_deliveries`` does not apply; a handler that raises is still set aside
-  through the processor's ``dead_letters``). Nothing to reclaim: a dead consumer's
-  partitions are reassigned by the group.
-* An outage holds records (neither acked nor nacked: their offsets stay uncommitted)
-  and the loop runs them again; while a whole round is held it does not poll, so an
-  outage longer than ``max.poll.interval.ms`` rebalances the group and the next owner
-  reads from the committed offset (a repeat: a duplicate for the outbox).
+A delivery carries the record's value as ``body``, its headers as text, plus ``key`` (the record key
+as text) when the record has one and no header is named ``key``.
 
-A delivery carries the record's value as ``body`` and its headers as text
-(``Delivery.headers``), plus ``key`` (the record key as text) when the record has one
-and no header is named ``key``. The default :class:`~dedupstore.consumers.MessageRules`
-read the message id from an ``id`` header and the entity from a ``correlation_id``
-header; use ``MessageRules(correlation_id="key")`` to key entities by the record key.
-
-URL: ``kafka://host:port?topic=<topic>&group=<group id>`` (more bootstrap servers:
-``bootstrap_servers=h1:9092,h2:9092``). Options: ``topic``, ``group`` (required),
-``bootstrap_servers``, ``timeout`` (10 s: commits, seeks and metadata calls), and two
-keyword-only ones: ``config`` (a dict of further librdkafka settings, e.g. security;
-``enable.auto.commit`` and ``enable.auto.offset.store`` may not be turned on) and
-``consumer`` (a ready ``confluent_kafka.Consumer``-like object, not subscribed yet:
-the broker subscribes it; not closed by :meth:`close`).
-
-Not tested against a real Kafka broker: none can be installed from the package
-registries this project uses (see "Kafka" in docs/consuming.md). The unit tests replace
-confluent-kafka's consumer with a small fake (offsets committed only after acks,
-seeks on nacks, rebalances); one test runs the adapter over TCP against librdkafka's
-built-in mock cluster (``test.mock.num.brokers``), which speaks the Kafka protocol
-but is not Kafka.
+URL: ``kafka://host:port?topic=<topic>&group=<group id>`` (more servers: ``bootstrap_servers``);
+keyword only: ``config`` (further librdkafka settings) and ``consumer`` (a ready, unsubscribed
+``confluent_kafka.Consumer``-like object: subscribed here, not closed by :meth:`close`). Not tested
+against a real Kafka broker (see the guide): the tests use a fake consumer and librdkafka's mock
+cluster.
 """
 
 from __future__ import annotations
@@ -54,7 +31,7 @@ import contextlib
 import importlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from dedupstore.backend import (
@@ -103,9 +80,8 @@ def _config(value: object) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class KafkaToken:
-    """A delivery's handle: its record's ``topic``, ``partition``, ``offset``, and the
-    partition's ``epoch`` when it was handed out (a seek or a revocation starts a new
-    one: tokens of an older epoch are stale)."""
+    """A delivery's handle: its record's ``topic``, ``partition``, ``offset``, and the partition's
+    ``epoch`` when it was handed out (a seek or a revocation starts a new one: older are stale)."""
 
     topic: str
     partition: int
@@ -113,12 +89,12 @@ class KafkaToken:
     epoch: int
 
 
+@dataclass
 class _Partition:
     """The offsets handed out of one partition, in order, and which are done."""
 
-    def __init__(self) -> None:
-        self.epoch = 0
-        self.outstanding: dict[int, bool] = {}  # offset -> done, in fetch order
+    epoch: int = 0
+    outstanding: dict[int, bool] = field(default_factory=dict)  # offset -> done, in fetch order
 
     def committable(self) -> int | None:
         """The offset to commit after the done prefix (None: nothing new is done)."""
@@ -130,18 +106,12 @@ class _Partition:
             advanced = offset + 1
         return advanced
 
-    def first_not_done(self) -> int | None:
-        return next((offset for offset, done in self.outstanding.items() if not done), None)
-
 
 class KafkaBroker(Client, Broker):
-    """One Kafka topic read through a consumer group; offsets committed after processing.
-
-    See the module. Raises ``ConfigurationError`` for bad options or a setting that
-    would commit before processing (before any I/O), or when confluent-kafka is not
-    installed; ``StoreUnavailable`` (the Kafka error chained) when a fetch, commit
-    or seek fails.
-    """
+    """One Kafka topic read through a consumer group; offsets committed after processing (see the
+    module). Raises ``ConfigurationError`` for bad options or a setting that would commit before
+    processing (before any I/O), or when confluent-kafka is not installed; ``StoreUnavailable``
+    (the Kafka error chained) when a fetch, commit or seek fails."""
 
     kind: ClassVar[str] = "kafka"
     schemes: ClassVar[tuple[str, ...]] = ("kafka",)
@@ -156,12 +126,7 @@ class KafkaBroker(Client, Broker):
         ),
         timeout_option(10.0, "seconds a commit, seek or metadata call may take"),
         Option(
-            "config",
-            _config,
-            {},
-            "further librdkafka settings (a dict)",
-            in_url=False,
-            secret=True,
+            "config", _config, {}, "further librdkafka settings (a dict)", in_url=False, secret=True
         ),
         Option(
             "consumer",
@@ -182,11 +147,9 @@ class KafkaBroker(Client, Broker):
         self._partitions: dict[tuple[str, int], _Partition] = {}
 
     def _open(self) -> None:
-        """Make (or take) the consumer and subscribe it to the topic; see the class.
-
-        A consumer of its own first asks the cluster for the topic's metadata, so a
-        broker that cannot be reached is ``StoreUnavailable`` here, within ``timeout``
-        (librdkafka would otherwise retry in the background for ever)."""
+        """Make (or take) the consumer and subscribe it to the topic. A consumer of its own first
+        asks for the topic's metadata, so an unreachable cluster is ``StoreUnavailable`` here,
+        within ``timeout`` (librdkafka would retry in the background for ever)."""
         given = self.options["consumer"]
         self._consumer: Any = self._make_consumer() if given is None else given
         if given is None:
@@ -246,8 +209,6 @@ class KafkaBroker(Client, Broker):
             return StoreUnavailable
         return super()._classify_error(exc)
 
-    # ------------------------------------------------------------------ rebalances
-
     def _state(self, topic: str, partition: int) -> _Partition:
         return self._partitions.setdefault((topic, partition), _Partition())
 
@@ -269,8 +230,6 @@ class KafkaBroker(Client, Broker):
             with contextlib.suppress(Exception):  # not committed: redelivered, harmless
                 consumer.commit(offsets=offsets, asynchronous=False)
 
-    # ------------------------------------------------------------------ Broker
-
     def fetch(self, max_count: int, wait: float) -> list[Delivery]:
         """Up to ``max_count`` records, waiting up to ``wait`` seconds (``consume``)."""
         self.check_open()
@@ -280,9 +239,9 @@ class KafkaBroker(Client, Broker):
             for record in records:
                 error = record.error()
                 if error is not None:
-                    if _benign(error):
+                    if error.code() == _kafka().KafkaError._PARTITION_EOF:  # not an error here
                         continue
-                    raise _kafka_exception(error)
+                    raise _kafka().KafkaException(error)
                 state = self._state(record.topic(), record.partition())
                 state.outstanding[record.offset()] = False
                 token = KafkaToken(record.topic(), record.partition(), record.offset(), state.epoch)
@@ -309,7 +268,7 @@ class KafkaBroker(Client, Broker):
         with self.translating_errors("nack"):
             for key in touched:
                 state = self._partitions[key]
-                first = state.first_not_done()
+                first = next((o for o, done in state.outstanding.items() if not done), None)
                 if first is None:
                     continue
                 self._consumer.seek(_topic_partition(key[0], key[1], first))
@@ -353,16 +312,6 @@ class KafkaBroker(Client, Broker):
 
 def _topic_partition(topic: str, partition: int, offset: int) -> Any:
     return _kafka().TopicPartition(topic, partition, offset)
-
-
-def _benign(error: Any) -> bool:
-    """End of partition: not an error for a consume loop."""
-    return bool(error.code() == _kafka().KafkaError._PARTITION_EOF)
-
-
-def _kafka_exception(error: Any) -> BaseException:
-    exception: BaseException = _kafka().KafkaException(error)
-    return exception
 
 
 def _headers(record: Any) -> dict[str, str]:

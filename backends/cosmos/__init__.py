@@ -1,70 +1,45 @@
 """``cosmos://<host>[:port]/<database>/<container>?...``: Azure Cosmos DB (NoSQL API).
 
 Two thread-safe stores share one ``CosmosClient`` per account and process
-(:class:`CosmosConnection`; a child after ``fork`` opens its own):
+(:class:`CosmosConnection`; a child after ``fork`` opens its own), each kind in a container of its
+own (the URL names the container of the store it opens):
 
 * :class:`CosmosDeduplicationStore` (``open_store``; :mod:`.cosmos.store`): one item per
-  (endpoint, message id) in a container made by :func:`create_container`;
+  (endpoint, message id), in a container made by :func:`create_container`;
 * :class:`CosmosEntityStore` (``open_entity_store``; :mod:`.cosmos.entities`): one item per
   entity, version = the item's ``_etag``, in a container made by :func:`create_entity_container`.
-  Give each kind its own container: the URL names the container of the store it opens.
 
 An item's ``id`` is a hex SHA-256 of its key (:func:`document_id`, :func:`entity_document_id`):
 Cosmos DB ids may not contain ``/ \\ ? #``, have at most 255 characters and travel in URLs; keys are
 up to 1024 bytes of anything. The item keeps the key, compared on every read: a mismatch (a SHA-256
 collision, or a container shared with other data) raises ``ConfigurationError``, never a merge.
-Containers are partitioned on ``/id`` (items spread evenly); reads are read-many queries, never
-point reads (:meth:`CosmosConnection.read_many`). Opening checks the container's partition key
-(missing or another: ``ConfigurationError``), or creates database and container with
-``create=true``. The creation functions leave an existing container as it is (``offer_throughput``,
-RU/s, applies to a new one only; ``None`` on serverless accounts) and raise the SDK's errors
-(``CosmosHttpResponseError``, azure-core's), which a store opening with ``create=true`` translates.
+Containers are partitioned on ``/id``; reads are queries, never point reads
+(:meth:`CosmosConnection.read_many`). Opening checks the partition key (``ConfigurationError``), or
+creates database and container with ``create=true``. The creation functions leave an existing
+container as it is (``offer_throughput``, RU/s, applies to a new one only) and raise the SDK's
+errors (``CosmosHttpResponseError``), which a store opening with ``create=true`` translates.
 
 Correctness needs the account's default consistency to be **Strong**, checked at open (weaker
-accounts raise ``ConsistencyError``); requests then ask for Strong explicitly, so an account
-weakened later makes them fail loudly rather than read stale data.
+accounts raise ``ConsistencyError``); requests ask for Strong explicitly, so an account weakened
+later makes them fail loudly rather than read stale data.
+``allow_weak_consistency_for_emulator_only`` is **UNSAFE in production.** It opens an account
+weaker than Strong (the emulator reports "Session"), where reads may miss acknowledged writes;
+logged as a WARNING at every open, and reported by ``health_warnings()``.
 
-Options of both stores (URL query or keyword; ``client`` keyword only):
+Options: the stores' declarations (tables in ``docs/cosmos.md``); the account key is ``key`` or
+else ``COSMOS_KEY`` (then not pickled). The entity store's given ``client`` must have been created
+with ``enable_compact_utf8_item_writes=True`` (see its size limit).
 
-=============================================  ==========  =========================================
-``key``                                        COSMOS_KEY  account key (secret; one from the
-                                                           environment is not pickled)
-``tls``                                        true        false: plain ``http://``
-``endpoint_discovery``                         true        follow regional endpoints
-``allow_weak_consistency_for_emulator_only``   false       see below
-``create``                                     false       create database, container
-``max_concurrency``                            32          requests in flight
-``timeout``                                    10 s        read timeout per request
-``connect_timeout``                            5 s         connect timeout per request
-``retries``                                    3           SDK retries per request
-``client``                                     none        a ready ``CosmosClient`` (not pickled,
-                                                           not closed; key, tls, timeouts and
-                                                           retries then unused)
-=============================================  ==========  =========================================
-
-The deduplication store adds ``endpoint``, ``retention``, ``max_clock_skew`` (60 s) and ``clock``
-(keyword only); the entity store's ``client`` must have been created with
-``enable_compact_utf8_item_writes=True`` (see its size limit).
-
-``allow_weak_consistency_for_emulator_only`` is **UNSAFE in production.** It opens an account whose
-default consistency is weaker than Strong (the emulator reports "Session"); reads may then miss
-acknowledged writes: messages may be processed twice, entities may load stale. Logged as a WARNING
-at every open, and reported by ``health_warnings()``.
-
-Failures: the SDK retries connection failures, reads and throttling (429) ``retries`` times, but
-never resends a write whose answer was lost (the deduplication store's write token settles it on a
-retry; an entity save raises and the caller reloads). A call (one chunk of a batch) raises
-``StoreUnavailable`` at most ``connect_timeout + (retries + 1) x timeout`` seconds after it started
-(45 s with the defaults), whatever the service does: every HTTP attempt of the SDK (connecting and
-reading together) and every pause between attempts is cut at that deadline, and no attempt starts
-after it; only the waits a throttling service asks for (429 ``retry-after``, at most ``timeout``
-rounded up, in all) can extend it. A given ``client`` keeps its own transport and retries, so lacks
-the store's check of a reply cut short (``dedupstore.replies``): azure-core's default
-transport still refuses a body shorter than its length, but not a reply cut inside its headers.
+Failures: the SDK retries connection failures, reads and throttling (429) ``retries`` times, never a
+write whose answer was lost (the deduplication store's write token settles it on a retry; an entity
+save raises and the caller reloads). A call (one chunk of a batch) raises ``StoreUnavailable`` at
+most ``connect_timeout + (retries + 1) x timeout`` seconds after it started: every HTTP attempt and
+every pause is cut at that deadline; only the waits a throttling service asks for (429
+``retry-after``, at most ``timeout`` in all) can extend it. A given ``client`` keeps its own
+transport, which refuses a body shorter than its length but not a reply cut inside its headers.
 ``StoreUnavailable`` (unreachable, timeout, throttling, 5xx, a reply cut short): retry.
-``ConfigurationError``: rejected key, missing database or container, a container of another
-shape or shared with other data.
-``ConsistencyError``: weaker than Strong. Each store's module says what it guarantees on failure.
+``ConfigurationError``: rejected key, missing database or container, a container of another shape or
+shared with other data. ``ConsistencyError``: weaker than Strong.
 """
 
 from __future__ import annotations

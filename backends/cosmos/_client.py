@@ -164,25 +164,34 @@ def _key(options: Options) -> str:
 @dataclasses.dataclass(frozen=True)
 class ContainerKind:
     """What a store keeps in its container (its public ``container_kind``): its use ("a
-    deduplication container"), the function that creates one, the container's properties besides
-    the partition key, why Strong is needed and what a weaker account risks."""
+    deduplication container"), the function that creates one, the item properties indexed (what
+    its queries filter on; nothing else is), why Strong is needed, what a weaker account risks,
+    and the container's default TTL (``None``: TTL off)."""
 
     what: str
     function: str
-    properties: Mapping[str, Any]
+    indexed: tuple[str, ...]
     strong_reason: str
     weak_risk: str
+    default_ttl: int | None = None
 
     def create(
         self, client: CosmosClient, database: str, container: str, throughput: int | None = None
     ) -> ContainerProxy:
         """Create ``database`` and ``container`` (partitioned on ``/id``) if missing."""
+        policy = {
+            "indexingMode": "consistent",
+            "automatic": True,
+            "includedPaths": [{"path": f"/{name}/?"} for name in self.indexed],
+            "excludedPaths": [{"path": "/*"}],
+        }
         db = client.create_database_if_not_exists(database)
         proxy: ContainerProxy = db.create_container_if_not_exists(
             id=container,
             partition_key=PartitionKey(path=PARTITION_KEY_PATH),
             offer_throughput=throughput,
-            **self.properties,
+            indexing_policy=policy,
+            default_ttl=self.default_ttl,
         )
         return proxy
 
@@ -287,9 +296,8 @@ class CosmosConnection(Connection):
                 retry_throttle_backoff_max=throttle_wait,
                 # item sizes as the service counts them (the entity store's size limit)
                 enable_compact_utf8_item_writes=True,
-                # Requests demand Strong: if the account is ever weakened, they fail (HTTP 400)
-                # instead of silently reading stale data. A client cannot ask for more than the
-                # account default, so emulators (the option) get None.
+                # Strong on every request: on an account weakened later they fail (HTTP 400)
+                # rather than read stale data; emulators (the option) cannot ask above theirs
                 consistency_level=(
                     None if opts["allow_weak_consistency_for_emulator_only"] else "Strong"
                 ),
@@ -307,8 +315,6 @@ class CosmosConnection(Connection):
                     f"cannot create a Cosmos DB client for {self.url.masked}: {detail}"
                 ) from None
             raise
-
-    # ------------------------------------------------------------------ the stores' containers
 
     def open_container(self, client: Client) -> Mapping[str, Any]:
         """Check the account's consistency (``ConsistencyError``) and ``client``'s container
@@ -413,19 +419,14 @@ class CosmosConnection(Connection):
                 result = container.create_item(item)
             else:
                 result = container.replace_item(
-                    item["id"],
-                    item,
-                    etag=etag,
-                    match_condition=MatchConditions.IfNotModified,
+                    item["id"], item, etag=etag, match_condition=MatchConditions.IfNotModified
                 )
         except CosmosHttpResponseError as exc:
             status = exc.status_code or 0
             if status in ((409,) if etag is None else (404, 412)):
                 return status, None
             raise
-        # the body's, not the response headers': the SDK's retry bookkeeping writes into the
-        # last response's headers from other threads (a copy of them raised "OrderedDict
-        # mutated during iteration" under parallel writes), so they are not read here
+        # from the body: the SDK's retry bookkeeping writes the headers from other threads
         new_etag = result.get("_etag") if result else None
         return (201 if etag is None else 200), str(new_etag) if new_etag else None
 
@@ -444,8 +445,6 @@ class CosmosConnection(Connection):
     def parallel(self, fn: Callable[[_T], _R], items: Iterable[_T]) -> list[_R]:
         """:func:`~dedupstore.calls.fan_out` with up to ``max_concurrency`` calls in flight."""
         return fan_out(fn, items, concurrency=self.options["max_concurrency"])
-
-    # ------------------------------------------------------------------ errors, health
 
     @classmethod
     def describe_error(cls, client: Client, exc: BaseException) -> str | None:
@@ -513,8 +512,7 @@ class CosmosConnection(Connection):
             if 400 <= status < 500:
                 return ConfigurationError
             return StoreUnavailable  # a garbled answer (e.g. an undecodable body)
-        # ServiceRequestError, ServiceResponseError, CosmosClientTimeoutError, ...: the transport
-        # failed or gave up (connection, timeout).
+        # the transport failed or gave up (ServiceRequestError, CosmosClientTimeoutError, ...)
         if isinstance(exc, AzureError | requests.RequestException):
             return StoreUnavailable
         return None

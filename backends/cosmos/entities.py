@@ -1,41 +1,34 @@
 """The Cosmos DB entity store: :class:`CosmosEntityStore`, one item per entity.
 
-The URL names the ENTITY container (:func:`create_entity_container`, or ``create=true``). An item::
+The URL names the ENTITY container (:func:`create_entity_container`, or ``create=true``). An item:
+``id`` (:func:`entity_document_id` of the entity id), ``entity_id`` (as given), ``body`` (the
+canonical JSON of state and outbox, as a string), ``bucket`` (``bucket_of(entity id)``, 0..4095),
+``pending`` (true when the outbox is not empty) and ``token`` (random, new on every save).
 
-    {"id": "<entity_document_id(entity id)>",
-     "entity_id": "<the entity id as given>",
-     "body": "<the canonical JSON of state and outbox, as a string>",
-     "bucket": <bucket_of(entity id), 0..4095>,
-     "pending": <true when the outbox is not empty>,
-     "token": "<random, new on every save>"}
-
-* ``body`` is the canonical JSON text, not a nested object: Cosmos DB keeps numbers as IEEE doubles,
-  so an integer beyond 2**53 in the state would not round-trip.
+* ``body`` is JSON text, not a nested object: Cosmos DB keeps numbers as IEEE doubles, so an integer
+  beyond 2**53 in the state would not round-trip.
 * Token: the item's ``_etag``. A new entity is written with ``create_item`` (409: someone created it
   first: a conflict); a loaded one with ``replace_item`` and ``If-Match: <version>`` (412, or 404
   when gone: a conflict). Each write is atomic: nothing is half-written.
 * ``save_many`` sends one request per entity (``max_concurrency`` in flight), not a transactional
-  batch, which fails as a whole on one conflict (and the emulator refuses for anything but creates).
-  A refused write (409/412) is read back: an item carrying this save's ``token`` is this save's own
-  write, resent by the SDK after its first attempt succeeded: reported as saved with its ``_etag``.
-  The SDK resends only requests never sent and answers meaning "not done" (429, 449, 410, 503 with
-  endpoint discovery), never a write whose answer was lost; so the one case left, a resend finding
-  our write already replaced by a third writer, is a conflict (a reload shows both).
+  batch, which fails as a whole on one conflict. A refused write (409/412) is read back: an item
+  carrying this save's ``token`` is this save's own write, resent by the SDK after its first attempt
+  succeeded: reported as saved with its ``_etag``. The SDK resends only requests never sent and
+  answers meaning "not done" (429, 449, 410, 503 with endpoint discovery), never a write whose
+  answer was lost; so the one case left, a resend finding our write already replaced by a third
+  writer, is a conflict (a reload shows both).
 * ``pending_outboxes(segment, segments)`` is a cross-partition query ``WHERE c.pending = true AND
-  c.bucket % @segments = @segment``, read page by page (continuation tokens, at most 100 items a
-  page): segments follow the stored bucket, so they are disjoint and complete for any count (the
-  emulator exposes a single feed range, so feed ranges cannot be the segments). The container
-  indexes ``/pending`` and ``/bucket`` only.
+  c.bucket % @segments = @segment``, page by page (at most 100 items a page): segments follow the
+  stored bucket, so they are disjoint and complete for any count (the emulator exposes one feed
+  range, so feed ranges cannot be the segments). The container indexes ``/pending`` and ``/bucket``.
 
-Size limit: Cosmos DB refuses a request over 2 MiB of JSON as sent (413, "Request size is too
-large"). The body travels as a JSON string inside the item, where every ``"`` and ``\\`` doubles,
-provided the client writes compact UTF-8 (``enable_compact_utf8_item_writes``, as the store's own
-client does; else non-ASCII text travels as ``\\uXXXX``, up to 6 bytes per byte). Hence
-``max_entity_bytes`` = (2 MiB - 16 KiB) // 2 = 1,040,384 bytes of canonical JSON (a larger entity
-raises ``EntityTooLarge`` before any I/O), 16 KiB being room for the id, the entity id (up to 6 KiB
-escaped), bucket, pending, token and the system properties (``_rid``, ``_self``, ``_etag``, ``_ts``,
-``_attachments``). cosmosdb-server (the test emulator) does not enforce the limit; the tests check
-the item's serialized size instead.
+Size limit: Cosmos DB refuses a request over 2 MiB of JSON as sent (413). The body travels as a JSON
+string inside the item, where every ``"`` and ``\\`` doubles, provided the client writes compact
+UTF-8 (``enable_compact_utf8_item_writes``, as the store's own client does; else non-ASCII text
+travels as ``\\uXXXX``). Hence ``max_entity_bytes`` = (2 MiB - 16 KiB) // 2 = 1,040,384 bytes of
+canonical JSON (a larger entity raises ``EntityTooLarge`` before any I/O), 16 KiB being room for the
+id, the entity id (up to 6 KiB escaped), bucket, pending, token and the system properties.
+cosmosdb-server (the test emulator) does not enforce the limit; the tests check the item's size.
 """
 
 from __future__ import annotations
@@ -72,12 +65,6 @@ MAX_REQUEST_BYTES: Final = 2 * 1024 * 1024
 ITEM_OVERHEAD_BYTES: Final = 16 * 1024
 #: Items per page of the scan.
 _SCAN_PAGE: Final = 100
-_INDEXING_POLICY: Final[dict[str, Any]] = {
-    "indexingMode": "consistent",
-    "automatic": True,
-    "includedPaths": [{"path": "/pending/?"}, {"path": "/bucket/?"}],
-    "excludedPaths": [{"path": "/*"}],
-}
 
 
 def entity_document_id(entity_id: str) -> str:
@@ -112,7 +99,7 @@ class CosmosEntityStore(EntityStore):
     container_kind: ClassVar[ContainerKind] = ContainerKind(
         "an entity container",
         "create_entity_container()",
-        {"indexing_policy": _INDEXING_POLICY},
+        ("pending", "bucket"),
         "a strongly consistent entity store",
         "loads may miss acknowledged saves and return stale entities",
     )
@@ -132,8 +119,6 @@ class CosmosEntityStore(EntityStore):
                 "exceed Cosmos DB's 2 MiB request limit; create it with "
                 "enable_compact_utf8_item_writes=True"
             )
-
-    # ------------------------------------------------------------------ items
 
     @staticmethod
     def _item(record: EntityRecord, token: str) -> dict[str, Any]:
@@ -165,8 +150,6 @@ class CosmosEntityStore(EntityStore):
                 "entities a container of their own",
             )
         return stored
-
-    # ------------------------------------------------------------------ primitives
 
     def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
         found = self._cosmos.read_many(self, {eid: entity_document_id(eid) for eid in ids})

@@ -2,25 +2,23 @@
 
 One item per (endpoint, message id): ``id`` (:func:`document_id`), ``endpoint``, ``message_id``,
 ``expires_at``, ``ttl`` and ``write_token``. Correctness rests on three native guarantees:
+``create_item`` is atomic per id (409 Conflict: the id is there, so of concurrent writers exactly
+one creates it); an expired record is overwritten by ``replace_item`` with ``If-Match`` on the
+``_etag`` that was read (412: another writer changed it first); Strong consistency (see
+:mod:`.cosmos`).
 
-* ``create_item`` is atomic per id: 409 Conflict means the id is already there, so of concurrent
-  writers exactly one creates it (first writer wins);
-* an expired record is overwritten by ``replace_item`` with ``If-Match`` on the ``_etag`` that was
-  read: a 412 means another writer changed it first;
-* Strong consistency (see the package documentation).
-
-Every item records the write token of the call that wrote it. An item holding a token of this call
+Every item records the write token of the call that wrote it: an item holding a token of this call
 (a create or replace resent by the transport, or a retry on the same store object after
-``StoreUnavailable``) is this call's own write: reported as recorded, exactly once. ``add_many``
+``StoreUnavailable``) is this call's own write, reported as recorded, exactly once. ``add_many``
 sends one ``create_item`` per id (at most ``max_concurrency`` in flight), then one read-many for the
 ids that already existed; ``processed_among`` one read-many per chunk of 1000.
 
 Expiry is judged by the CLIENT's clock (``clock``, ``time.time`` by default): every client of a
 container must keep its clock in sync (NTP). Items carry ``expires_at`` (compared with the clock on
 every read) and a native ``ttl`` of the retention plus ``max_clock_skew``, which only reclaims space
-(the emulator ignores it); records without retention carry ``ttl: -1``. Per-item TTL needs the
-container's default TTL set: :func:`create_container` sets ``-1``. ``purge_expired`` deletes
-(``If-Match``) only records expired for longer than ``max_clock_skew``.
+(``-1`` without retention; per-item TTL needs the container's default TTL set:
+:func:`create_container` sets ``-1``). ``purge_expired`` deletes (``If-Match``) only records
+expired for longer than ``max_clock_skew``.
 
 ``StoreUnavailable`` carries ``recorded`` ids (recorded by the call) and ``unknown`` ids (maybe
 recorded: a retry on the same store object reports those as recorded).
@@ -60,12 +58,6 @@ _ID_NAMESPACE: Final = b"dedupstore/cosmos/v1\x00"
 _MAX_TTL_SECONDS: Final = 2**31 - 1
 #: Rounds of create / read / replace before giving up on a contended id.
 _MAX_ROUNDS: Final = 8
-_INDEXING_POLICY: Final[dict[str, Any]] = {
-    "indexingMode": "consistent",
-    "automatic": True,
-    "includedPaths": [{"path": "/endpoint/?"}, {"path": "/expires_at/?"}],
-    "excludedPaths": [{"path": "/*"}],
-}
 
 
 def document_id(endpoint: str, message_id: str) -> str:
@@ -102,17 +94,16 @@ class CosmosDeduplicationStore(DeduplicationStore):
     container_kind: ClassVar[ContainerKind] = ContainerKind(
         "a deduplication container",
         "create_container()",
-        {"indexing_policy": _INDEXING_POLICY, "default_ttl": -1},
+        ("endpoint", "expires_at"),
         "exactly-once deduplication",
         "reads may miss acknowledged writes and messages may be processed twice",
+        default_ttl=-1,
     )
 
     def _open(self) -> None:
         self._max_skew: float = self.options["max_clock_skew"]
         ttl = self._cosmos.open_container(self).get("defaultTtl")
         self._default_ttl = ttl if isinstance(ttl, int) else None
-
-    # ------------------------------------------------------------------ items
 
     def _item(self, message_id: str, request: WriteRequest) -> dict[str, Any]:
         ttl = -1
@@ -148,8 +139,6 @@ class CosmosDeduplicationStore(DeduplicationStore):
     def _live(item: Mapping[str, Any], now: float) -> bool:
         expires_at = item.get("expires_at")
         return expires_at is None or float(expires_at) > now
-
-    # ------------------------------------------------------------------ primitives
 
     def _add_new(self, request: WriteRequest) -> set[str]:
         def create(mid: str) -> tuple[str, int]:

@@ -1,52 +1,29 @@
 """``dynamodb://<table>?region=…``: Amazon DynamoDB (or a compatible endpoint).
 
 Two stores, each in a table of its own named by the URL (a table of the other kind is refused: its
-key schema differs), opened by ``dedupstore.open_store(url)`` and
-``dedupstore.open_entity_store(url)``:
+key schema differs), both holding this process's :class:`DynamoDBConnection` (one boto3 client per
+endpoint and credentials, new after ``fork``):
 
 * :class:`DynamoDBDeduplicationStore` (:mod:`.dynamodb.store`): key ``pk`` (message id) +
   ``sk`` (endpoint), expiry by the client's clock, native TTL;
 * :class:`DynamoDBEntityStore` (:mod:`.dynamodb.entities`): key ``id``, one item per entity,
   ``version`` the concurrency token.
 
-Both hold a :class:`DynamoDBConnection` (:mod:`.dynamodb._client`): one boto3 client per
-process (new after ``fork``), endpoint, credentials and connection options, for any table.
-
 Consistency: every read is strongly consistent (``ConsistentRead=True``). Tables with global-table
 replicas (MRSC tables included) are refused with ``ConsistencyError`` (a strongly consistent read
 only sees writes made in its own Region, and conditional writes in two Regions can both succeed),
 unless ``allow_global_table=True`` (UNSAFE).
 
-Options of both stores (URL query or keyword; ``client`` keyword only):
-
-======================  =========  ==================================================
-``region``              chain      AWS region (else ``AWS_REGION`` / the profile)
-``endpoint_url``        AWS        another endpoint (DynamoDB Local, moto)
-``aws_access_key_id``   chain      with ``aws_secret_access_key`` (and optionally
-                                   ``aws_session_token``); both secret. Prefer boto3's
-                                   default chain (environment, profile, role)
-``timeout``             10 s       one HTTP request (botocore read timeout)
-``connect_timeout``     5 s        opening a connection
-``retries``             4          retries of a failed or throttled request
-``create``              false      create the table (on demand; TTL on ``ttl`` for
-                                   a deduplication table)
-``allow_global_table``  false      UNSAFE: accept a table with replicas
-``client``              none       a ready boto3 DynamoDB client (not pickled, not
-                                   closed; the connection options are then unused)
-======================  =========  ==================================================
-
-The deduplication store also takes ``endpoint``, ``retention``, ``max_clock_skew`` (60 s) and
-``clock`` (keyword only).
+Options: the stores' declarations (tables in ``docs/dynamodb.md``). Credentials default to boto3's
+chain; a given ``client`` (keyword only) is neither pickled nor closed, and the connection options
+are then unused. ``create=true`` makes the table (on demand; TTL on ``ttl`` for deduplication).
 
 Deadline: a call (one chunk of a batch) raises ``StoreUnavailable`` at most ``connect_timeout +
-(retries + 1) x timeout`` seconds after it started (55 s with the defaults), whatever the endpoint
-does. The store, not botocore, retries each request (connection errors, timeouts, throttling, 5xx;
-:func:`dedupstore.calls.retry`: 0 to 0.05, 0.1, 0.2, ... s apart, at most 1 s), transaction
-conflicts and unprocessed keys; attempts start and wait for an answer (botocore's read timeout) only
-until ``connect_timeout`` before the deadline, so a last connection attempt still ends within it. A
-``client`` given by the user keeps its own timeouts and retries (only the store's stop at the
-deadline). Every client, a given one included, refuses a reply cut short
-(:mod:`dedupstore.replies`).
+(retries + 1) x timeout`` seconds after it started, whatever the endpoint does. The store, not
+botocore, retries each request (connection errors, timeouts, throttling, 5xx), transaction conflicts
+and unprocessed keys; attempts start and wait only until ``connect_timeout`` before the deadline, so
+a last connection attempt still ends within it. A given ``client`` keeps its own timeouts and
+retries; every client refuses a reply cut short (:mod:`dedupstore.replies`).
 
 Errors: ``StoreUnavailable`` (connection failure, a reply cut short, timeout, throttling, 5xx,
 conflicts that outlast the backoff: retry), ``ConfigurationError`` (rejected credentials or IAM

@@ -258,7 +258,6 @@ class TableKind:
 
 
 def _kind(client: Client) -> TableKind:
-    """The kind of a store's table (its ``table_kind``)."""
     return part_of(client, "table_kind", TableKind)
 
 
@@ -318,7 +317,6 @@ class DynamoDBConnection(Connection):
         )
 
     def _new_client(self) -> Boto3DynamoDB:
-        """Build this process's low-level client from the connection options."""
         opts = self.options
         config = Config(
             # retried by the store (request), within the call's deadline
@@ -326,8 +324,7 @@ class DynamoDBConnection(Connection):
             connect_timeout=opts["connect_timeout"],
             read_timeout=opts["timeout"],
             user_agent_extra="dedupstore",
-            # the requests are built here, not by users; validating 100-item transactions
-            # client-side costs more CPU than the round trip
+            # our own requests: validating 100-item transactions costs more than the round trip
             parameter_validation=False,
         )
         session = boto3.session.Session(
@@ -375,11 +372,8 @@ class DynamoDBConnection(Connection):
         place = f"DynamoDB table {client.store_url.netloc!r} in region {region}"
         return place + (f" at {at}" if at else "")
 
-    # ------------------------------------------------------------------ errors
-
     @classmethod
     def classify_error(cls, client: Client, exc: BaseException) -> ErrorKind:
-        """Classify a botocore error of ``client`` (see :mod:`.dynamodb`)."""
         if isinstance(exc, boto_errors.ClientError):
             code, message = _error_code(exc), _error_message(exc)
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
@@ -432,8 +426,6 @@ class DynamoDBConnection(Connection):
             f"DynamoDB cancelled a transaction on {client.store_url.netloc!r} "
             f"({', '.join(odd or reasons) or _error_message(exc)}): {hint}",
         )
-
-    # ------------------------------------------------------------------ tables
 
     def open_table(self, client: Client) -> None:
         """A store's ``_open``: :meth:`create_table` if it creates, then :meth:`check_table`."""
@@ -558,8 +550,6 @@ class DynamoDBConnection(Connection):
                 f"not {attribute!r}: expired records stay until purge_expired()"
             )
         return warnings
-
-    # ------------------------------------------------------------------ requests
 
     def conditional_put(
         self,

@@ -1,15 +1,10 @@
 """The DynamoDB entity store: :class:`DynamoDBEntityStore`.
 
 Table: partition key ``id`` (S) = the entity id, nothing else in the key (``create=true`` or
-``create_table()`` makes it: on demand, no TTL). One item per entity:
-
-==============  ====  ==========================================================
-``id``          S     the entity id (at most 1024 UTF-8 bytes)
-``body``        S     the canonical JSON of the state and the outbox
-``version``     N     the concurrency token: 1 for a new entity, +1 per save
-``token``       S     random per save (128 bits): tells our write from another's
-``pending``     BOOL  ``true``, present only while the outbox is not empty
-==============  ====  ==========================================================
+``create_table()`` makes it: on demand, no TTL). One item per entity: ``id``; ``body`` (S, the
+canonical JSON of the state and the outbox); ``version`` (N, the concurrency token: 1 for a new
+entity, +1 per save); ``token`` (S, random per save: tells our write from another's); ``pending``
+(BOOL ``true``, present only while the outbox is not empty).
 
 Saves: one conditional ``PutItem`` per entity (the whole item: nothing is ever half-written),
 ``attribute_not_exists(id)`` for a new entity, ``version = :expected`` otherwise. ``save_many`` runs
@@ -28,20 +23,16 @@ response limit) are asked again, at most 10 rounds, then ``StoreUnavailable``.
 Scan (``pending_outboxes``): DynamoDB's own consistent parallel scan, ``Segment=segment,
 TotalSegments=segments`` (at most 1,000,000; more is a ``ValueError``), filtered on
 ``pending = true``, page by page (at most 1 MB each). Segments are DynamoDB's split of the key space
-(disjoint and complete), not :func:`dedupstore.entities.bucket_of`; a scan reads every item of the
-segment (read units for the whole table).
+(disjoint and complete; moto splits by the first byte of an MD5 of the key), not
+:func:`dedupstore.entities.bucket_of`; a scan reads every item of the segment.
 
 Size limit: DynamoDB refuses items over 400 KB (409,600 bytes), counting attribute names and values.
 The attributes other than the body take at most 1,103 bytes (a 1024-byte id, a 38-digit version, the
 32-character token, the flag, the names), so :attr:`DynamoDBEntityStore.max_entity_bytes` is 400,000
 bytes of JSON: under the service limit with room to spare and under moto's 405,000-byte check.
 
-Options and errors: see :mod:`.dynamodb`; ``StoreUnavailable`` also for an ambiguous
-re-send, and a ``save_many`` chunk that raises keeps its successful puts (reload to see).
-
-Emulator notes (tests run against moto's server, which keeps no data across a restart): moto's
-parallel scan splits by the first byte of an MD5 of the key (so at most 256 non-empty segments),
-where DynamoDB splits by its own hash. Nothing here relies on moto being more lenient than DynamoDB.
+Options and errors: see :mod:`.dynamodb`; ``StoreUnavailable`` also for an ambiguous re-send, and a
+``save_many`` chunk that raises keeps its successful puts (reload to see).
 """
 
 from __future__ import annotations
@@ -108,8 +99,6 @@ class DynamoDBEntityStore(EntityStore):
         """The DynamoDB table name."""
         return self.store_url.netloc
 
-    # ------------------------------------------------------------------ primitives
-
     def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
         items = self._dynamodb.batch_get(
             self, [{_ID: {"S": eid}} for eid in ids], "#i, #b, #v", _NAMES
@@ -167,7 +156,8 @@ class DynamoDBEntityStore(EntityStore):
             raise ValueError(
                 f"DynamoDB scans in at most {MAX_SCAN_SEGMENTS} segments, got {segments}"
             )
-        return self._items(
+        pages = self._dynamodb.scan(
+            self,
             Segment=segment,
             TotalSegments=segments,
             FilterExpression="#p = :yes",
@@ -175,9 +165,8 @@ class DynamoDBEntityStore(EntityStore):
             ExpressionAttributeNames={**_NAMES, "#p": _PENDING},
             ExpressionAttributeValues={":yes": {"BOOL": True}},
         )
-
-    def _items(self, **request: Any) -> Iterator[tuple[str, str, Any]]:
-        """The items of a scan (``request``: its parameters), paged when they are needed."""
-        for page in self._dynamodb.scan(self, **request):
-            for item in page.get("Items", []):
-                yield str(item[_ID]["S"]), str(item[_BODY]["S"]), int(item[_VERSION]["N"])
+        return (
+            (str(item[_ID]["S"]), str(item[_BODY]["S"]), int(item[_VERSION]["N"]))
+            for page in pages
+            for item in page.get("Items", [])
+        )

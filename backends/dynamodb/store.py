@@ -1,41 +1,38 @@
 """The DynamoDB deduplication store: :class:`DynamoDBDeduplicationStore`.
 
 Table layout (``create_table()`` makes it; infrastructure code must match it): partition key ``pk``
-(S) = the message id, sort key ``sk`` (S) = the endpoint. The pair *is* the key, so no encoding is
-involved and (endpoint, id) maps injectively to an item for every valid id and endpoint (ids and
-endpoints are at most 1024 UTF-8 bytes, the sort-key limit; a single length-prefixed string key
-would need up to 2054 bytes, over the 2048-byte partition-key limit). Keying the partition by id
-spreads the writes of one busy endpoint over the whole table. Other attributes: ``expires_at`` (N,
+(S) = the message id, sort key ``sk`` (S) = the endpoint. The pair *is* the key, so (endpoint, id)
+maps injectively to an item with no encoding (both are at most 1024 UTF-8 bytes, the sort-key limit;
+one length-prefixed key would need up to 2054 bytes, over the 2048-byte partition-key limit), and
+the writes of one busy endpoint spread over the whole table. Other attributes: ``expires_at`` (N,
 the exact expiry in epoch seconds, only with a retention), ``ttl`` (N, ``ceil(expires_at +
 max_clock_skew)``: native TTL deletes by the service's clock, so it waits as long as
 ``purge_expired`` would for a client whose clock runs behind) and ``writer`` (S, the write token of
 the call that recorded the item).
 
-Expiry is judged by the CLIENT's clock (the ``clock`` option, ``time.time`` by default): DynamoDB
-has no server clock usable in a condition, so every client of a table must keep its clock in sync
-(NTP). ``purge_expired`` only deletes records expired for longer than ``max_clock_skew``, so a
-client whose clock runs up to that much ahead never deletes a record another still counts as live.
+Expiry is judged by the CLIENT's clock (the ``clock`` option, ``time.time`` by default): every
+client of a table must keep its clock in sync (NTP). ``purge_expired`` only deletes records expired
+for longer than ``max_clock_skew``, so a client whose clock runs up to that much ahead never deletes
+a record another still counts as live.
 
 Writes: ``add`` is one conditional ``PutItem``; ``add_many`` sends up to 100 conditional puts per
-``TransactWriteItems`` (two write units per item), with a ``ClientRequestToken``. Condition:
-``attribute_not_exists(pk) OR expires_at <= :now``. A cancelled transaction writes nothing: the ids
-whose condition failed are already recorded, the others are sent again (conflicts and throttling
-back off, at most 10 rounds of up to 1 s). An item failing the condition that holds a token of this
-call (``writer``, returned by ``ReturnValuesOnConditionCheckFailure=ALL_OLD``) is this call's own
-write whose answer was lost (a re-sent request, or the caller's retry on the same object after
-``StoreUnavailable``): it is reported as recorded, exactly once.
+``TransactWriteItems`` with a ``ClientRequestToken``. Condition: ``attribute_not_exists(pk) OR
+expires_at <= :now``. A cancelled transaction writes nothing: the ids whose condition failed are
+already recorded, the others are sent again (conflicts and throttling back off, at most 10 rounds).
+An item failing the condition that holds a token of this call (``writer``, returned by
+``ReturnValuesOnConditionCheckFailure=ALL_OLD``) is this call's own write whose answer was lost (a
+re-sent request, or a retry on the same object after ``StoreUnavailable``): reported as recorded,
+exactly once.
 
 Reads: ``processed_among`` uses ``BatchGetItem`` (100 keys per request, unprocessed keys asked
 again, boundedly) and compares ``expires_at`` with the client's clock, so lazy native TTL (and moto,
-which ignores TTL) never yields a wrong answer. ``purge_expired`` and ``count`` (``Select=COUNT``)
-scan the whole table, filtered on the endpoint and ``expires_at`` (read units for every item of
-every endpoint: the endpoint is the sort key, so no ``Query`` reaches one endpoint);
-``purge_expired`` deletes the matches with conditional deletes, 100 per transaction, and is rarely
-needed with native TTL (``create_table`` enables it).
+which ignores TTL) never yields a wrong answer. ``purge_expired`` and ``count`` scan the whole table
+(the endpoint is the sort key: no ``Query`` reaches one endpoint), filtered on the endpoint and
+``expires_at``; ``purge_expired`` deletes the matches with conditional deletes, 100 per transaction.
 
-Options and errors: see :mod:`.dynamodb`. After ``StoreUnavailable`` the ids in its
-``unknown`` may or may not be recorded: retry (on the same object, the ids the failed call wrote are
-then reported as recorded). After ``ConfigurationError``, fix the setup: retrying does not help.
+Options and errors: see :mod:`.dynamodb`. After ``StoreUnavailable`` the ids in its ``unknown`` may
+or may not be recorded: retry (on the same object, the ids the failed call wrote are then reported
+as recorded). After ``ConfigurationError``, fix the setup: retrying does not help.
 """
 
 from __future__ import annotations
@@ -96,8 +93,7 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
 
     max_write_batch: ClassVar[int] = MAX_TRANSACT_ITEMS
     max_read_batch: ClassVar[int] = MAX_BATCH_GET_KEYS
-    # Chunks in flight at once: hides the request latency of the service; an id in two chunks at
-    # once is settled by DynamoDB's transaction conflict check.
+    # hides the service's latency; an id in two chunks at once meets a transaction conflict
     chunk_concurrency: ClassVar[int] = 4
     table_kind: ClassVar[TableKind] = TableKind(
         "a deduplication table", ((_ID, "HASH"), (_ENDPOINT, "RANGE")), _TTL
@@ -119,8 +115,6 @@ class DynamoDBDeduplicationStore(DeduplicationStore):
     def table(self) -> str:
         """The DynamoDB table name."""
         return self.store_url.netloc
-
-    # ------------------------------------------------------------------ primitives
 
     def _key(self, message_id: str) -> dict[str, AttributeValueTypeDef]:
         return {_ID: {"S": message_id}, _ENDPOINT: self._endpoint_value}

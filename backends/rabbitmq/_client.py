@@ -1,32 +1,24 @@
-"""What the RabbitMQ dispatcher and the RabbitMQ consumer broker share (pika).
-
-* :func:`parse_url` -- ``amqp[s]://[user[:password]@]host[:port][/vhost]`` into pika's
-  ``ConnectionParameters`` ingredients, checked before any I/O: the path is one
-  percent-encoded virtual host (``/%2F`` or nothing: the default vhost ``/``).
-* :data:`CONNECTION_OPTIONS` -- ``timeout``, ``connect_timeout``, ``retries``,
-  ``heartbeat``, ``username``/``password`` (override the URL's), ``ssl_ca_certs``
-  (``amqps://`` only).
-* :func:`connect` -- a ``pika.BlockingConnection`` whose TCP connect and AMQP handshake
-  are each bounded by ``connect_timeout`` and by the time left of the call's deadline
-  (:mod:`dedupstore.calls`).
-* :func:`expiring` -- aborts a connection when the current deadline passes (a broker
-  that stops answering cannot hold a call longer than its deadline).
-* :func:`classify` -- pika's exceptions as ``StoreUnavailable`` (connection lost,
-  refused, timed out, broker shutting down, a confirm nack) or ``ConfigurationError``
-  (credentials, permissions, a missing exchange or queue, a declaration that
-  contradicts the existing one).
+"""What the RabbitMQ dispatcher and the RabbitMQ consumer broker share (pika): the URL
+``amqp[s]://[user[:password]@]host[:port][/vhost]`` (:func:`parse_url`: the path is one
+percent-encoded virtual host, ``/%2F`` or nothing for ``/``), :data:`CONNECTION_OPTIONS`, connecting
+and aborting a connection within the call's deadline (:func:`connect`, :func:`expiring`), and pika's
+errors (:func:`classify`): ``StoreUnavailable`` for a connection lost, refused or timed out, a
+broker shutting down, a confirm nack; ``ConfigurationError`` for credentials, permissions, a missing
+exchange or queue, a declaration that contradicts the existing one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ssl
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
 import pika
 import pika.exceptions as pe
+from pika.adapters.blocking_connection import BlockingChannel
 from pika.adapters.utils.connection_workflow import AMQPConnectorException
 
 from dedupstore.backend import (
@@ -48,13 +40,14 @@ from dedupstore.backend import (
     timeout_option,
 )
 
-# pika logs a dozen lines for a refused connection: quiet at the default level (the
-# error reaches the caller as one StoreUnavailable)
+# pika logs a dozen lines for a refused connection; the caller gets one StoreUnavailable
 quiet_driver_logs("pika")
 
 __all__ = [
     "CONNECTION_OPTIONS",
+    "SHORT_STRING_BYTES",
     "Expiry",
+    "Link",
     "classify",
     "close_quietly",
     "connect",
@@ -63,12 +56,13 @@ __all__ = [
     "queue_arguments",
     "queue_type_option",
     "reply_code",
+    "short_string",
     "vhost",
 ]
 
-#: AMQP reply codes that mean "fix the configuration": access refused (403), not found
-#: (404), resource locked (405, an exclusive queue), precondition failed (406, a
-#: declaration with other arguments), not allowed (530).
+#: AMQP reply codes that mean "fix the configuration": access refused (403), not found (404),
+#: resource locked (405, an exclusive queue), precondition failed (406, a declaration with other
+#: arguments), not allowed (530).
 _CONFIGURATION_CODES = frozenset({403, 404, 405, 406, 530})
 
 CONNECTION_OPTIONS: tuple[Option, ...] = (
@@ -89,11 +83,38 @@ CONNECTION_OPTIONS: tuple[Option, ...] = (
 )
 
 
+#: The longest name AMQP 0-9-1 carries (a short string: exchange, queue, routing key).
+SHORT_STRING_BYTES = 255
+
+
+def short_string(what: str) -> Callable[[object], str]:
+    """A name AMQP can carry: ``what`` names it in errors."""
+
+    def convert(value: object) -> str:
+        name: str = text(what=what)(value)
+        if len(name.encode("utf-8")) > SHORT_STRING_BYTES:
+            raise ValueError(f"{what} is longer than {SHORT_STRING_BYTES} UTF-8 bytes")
+        return name
+
+    return convert
+
+
 def close_quietly(connection: pika.BlockingConnection) -> None:
     """Close ``connection`` if it is open, ignoring any error (it may be dead already)."""
     with contextlib.suppress(Exception):
         if connection.is_open:
             connection.close()
+
+
+@dataclass(eq=False)
+class Link:
+    """One process's connection and its channel (a client's ``ProcessLocal`` value)."""
+
+    connection: pika.BlockingConnection
+    channel: BlockingChannel
+
+    def close(self) -> None:
+        close_quietly(self.connection)
 
 
 def deadline_seconds(options: Options) -> float:
@@ -159,12 +180,10 @@ class Expiry:
 def expiring(connection: pika.BlockingConnection, seconds: float) -> Iterator[Expiry]:
     """Abort ``connection`` if the block outlives ``seconds`` or the call's deadline.
 
-    pika's blocking calls (a publish waiting for its confirm, a ``basic_get``) wait
-    without a timeout of their own; a timer on the connection's I/O loop drops the
-    TCP stream when the time is up, so the blocked call raises (a
-    ``StreamLostError``) and :attr:`Expiry.fired` says why. The connection is then
-    unusable: the caller opens another.
-    """
+    pika's blocking calls (a publish waiting for its confirm, a ``basic_get``) have no timeout of
+    their own: a timer on the connection's I/O loop drops the TCP stream when the time is up, so the
+    blocked call raises (``StreamLostError``; :attr:`Expiry.fired` says why) and the caller opens
+    another connection."""
     left = time_left()
     delay = seconds if left is None else max(0.0, min(seconds, left))
     expiry = Expiry()
@@ -191,11 +210,8 @@ def queue_type_option(doc: str) -> Option:
 
 
 def queue_arguments(queue_type: str) -> dict[str, Any] | None:
-    """The declaration arguments of a queue of ``queue_type``.
-
-    None for ``classic`` (the default type), so that a classic queue declared
-    elsewhere without arguments is not refused as inequivalent.
-    """
+    """The declaration arguments of a queue of ``queue_type``: none for ``classic`` (the default),
+    so that a classic queue declared elsewhere without arguments is not refused as inequivalent."""
     return None if queue_type == "classic" else {"x-queue-type": queue_type}
 
 
@@ -209,15 +225,13 @@ def reply_code(exc: BaseException) -> int | None:
 def classify(exc: BaseException) -> ErrorKind:
     """pika's exception as a dedupstore error class (``None``: not pika's)."""
     if isinstance(
-        exc,
-        pe.ProbableAuthenticationError | pe.ProbableAccessDeniedError | pe.AuthenticationError,
+        exc, pe.ProbableAuthenticationError | pe.ProbableAccessDeniedError | pe.AuthenticationError
     ):
         return ConfigurationError
     code = reply_code(exc)
     if code is not None:
         return ConfigurationError if code in _CONFIGURATION_CODES else StoreUnavailable
     if isinstance(exc, pe.AMQPError | AMQPConnectorException | OSError | TimeoutError):
-        # connection refused, lost or timed out; the broker shutting down (320);
-        # an unexpected frame on a broken stream
+        # connection refused, lost or timed out; broker shutting down (320); a broken stream
         return StoreUnavailable
     return None

@@ -1,61 +1,39 @@
-"""The RabbitMQ broker of the consume loop: :class:`RabbitMQBroker` (pika).
+"""The RabbitMQ broker of the consume loop: :class:`RabbitMQBroker` (pika; the user's guide is
+"Consuming from RabbitMQ" in ``docs/consuming.md``).
 
-It consumes one queue with manual acknowledgements (``basic_consume``, no
-``auto_ack``) under a prefetch window (``basic_qos(prefetch_count=prefetch)``): the
-broker sends at most ``prefetch`` messages that this consumer has not acknowledged
-yet. :meth:`~RabbitMQBroker.ack` sends ``basic.ack`` once the consume loop has
-processed a delivery, :meth:`~RabbitMQBroker.nack` ``basic.nack`` with
-``requeue=true`` (the message goes back to the queue, to this consumer or another).
-A consumer that dies (SIGKILL, a lost machine) loses nothing: when its connection
-closes, the broker requeues every message it had not acknowledged and delivers them
-to the other consumers, so there is nothing to reclaim
-(:meth:`~dedupstore.consumers.Broker.reclaim` returns none). An acknowledgement
-lost with the connection means the message comes back once more: the outbox
-answers ``duplicate``.
+It consumes one queue with manual acknowledgements (``basic_consume``, no ``auto_ack``) under a
+prefetch window (``basic_qos(prefetch_count=prefetch)``): :meth:`~RabbitMQBroker.ack` sends
+``basic.ack`` once the loop processed a delivery, :meth:`~RabbitMQBroker.nack` ``basic.nack`` with
+``requeue=true``. A consumer that dies loses nothing: the broker requeues what its connection had
+not acknowledged for the others, so there is nothing to reclaim; an acknowledgement lost with the
+connection brings the message back once more (a ``duplicate`` for the outbox).
 
-Delivery counts: a quorum queue (``x-queue-type=quorum``) carries the
-``x-delivery-count`` header on a redelivery (the number of earlier deliveries), so
-``Delivery.deliveries`` is that plus one; a first delivery (``redelivered`` unset)
-counts 1. A classic queue only says that a message was redelivered, not how often:
-``Delivery.deliveries`` is then ``None`` and the consume loop's ``max_deliveries`` does
-not apply to it (a handler that fails is still set aside through the processor's
-``dead_letters``). ``redelivered`` is kept on the token (:class:`RabbitMQToken`).
+Delivery counts: a quorum queue's ``x-delivery-count`` (earlier deliveries) plus one, 1 for a first
+delivery; a classic queue only flags a redelivery, so ``Delivery.deliveries`` is then ``None`` (the
+loop's ``max_deliveries`` does not apply) and ``redelivered`` is kept on the token
+(:class:`RabbitMQToken`). Dead letters follow the library's policy: this broker never rejects with
+``requeue=false``; leave a quorum queue's ``x-delivery-limit`` unset or above ``max_deliveries``.
 
-Dead letters go through the library's policy, not RabbitMQ's: the consume loop
-dispatches a dead letter (a deterministic id, recorded like any outgoing message)
-to the processor's ``dead_letters`` destination after ``max_deliveries``, then
-acknowledges the delivery; this broker never rejects with ``requeue=false``. A
-dead-letter exchange (``x-dead-letter-exchange``) on the queue therefore only sees
-what RabbitMQ itself drops: expired messages (TTL), overflow (``x-max-length``) and,
-on a quorum queue, messages over its ``x-delivery-limit``. Leave ``x-delivery-limit``
-unset or above ``max_deliveries``, or RabbitMQ drops (or dead-letters, raw and
-unrecorded) a message before the library could set it aside.
+A delivery carries the body (bytes) and the AMQP headers as text, plus ``id`` from the
+``message_id`` property and ``correlation_id`` from that property when set (a property wins over a
+header of the same name); ``x-delivery-count`` is left out (it changes with every redelivery).
 
-What a delivery carries (the default :class:`~dedupstore.consumers.MessageRules`
-read what :class:`~dedupstore.backends.rabbitmq.dispatcher.RabbitMQDispatcher` publishes):
-``Delivery.body`` the message body (bytes), ``Delivery.headers`` the AMQP headers as
-text, plus ``id`` from the ``message_id`` property and ``correlation_id`` from the
-``correlation_id`` property when they are set (a property wins over a header of the
-same name); ``x-delivery-count`` is left out (it changes with every redelivery).
-
-URL: ``amqp[s]://[user[:password]@]host[:port][/vhost]?queue=<queue>``. Options:
-``queue`` (required; the dispatcher's destination on the default exchange),
-``prefetch`` (100; at least the consume loop's ``batch_size``, or its batches stay
-small), ``create`` (true: declare the queue durable if it does not exist, of
-``queue_type`` ``classic`` or ``quorum``; false or ``must_exist``: a missing queue is
-"no such store"), and the connection options of :mod:`.rabbitmq._client`.
-After a lost connection the next call connects again (deliveries of the lost
-channel are requeued by the broker; their tokens are ignored by ``ack``/``nack``).
-One consumer loop per object (not thread-safe).
+URL: ``amqp[s]://[user[:password]@]host[:port][/vhost]?queue=<queue>``; options: ``queue``
+(required), ``prefetch`` (at least the loop's ``batch_size``), ``create`` (declare the queue
+durable, of ``queue_type``, if missing; without it a missing queue is "no such store") and those of
+:mod:`.rabbitmq._client`. After a lost connection the next call connects again (``ack`` and ``nack``
+ignore the lost channel's tokens: the broker requeued those deliveries). One consume loop per object
+(not thread-safe).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import pika
@@ -76,11 +54,11 @@ from dedupstore.backend import (
     boolean,
     integer,
     optional,
-    text,
 )
 
 from ._client import (
     CONNECTION_OPTIONS,
+    Link,
     classify,
     close_quietly,
     connect,
@@ -90,6 +68,7 @@ from ._client import (
     queue_arguments,
     queue_type_option,
     reply_code,
+    short_string,
     vhost,
 )
 
@@ -101,35 +80,24 @@ DELIVERY_COUNT = "x-delivery-count"
 
 @dataclass(frozen=True)
 class RabbitMQToken:
-    """A delivery's handle: its channel (``generation``), ``delivery_tag``, ``redelivered``.
-
-    A delivery tag means something only on the channel that delivered it; after a
-    reconnection the old channel's deliveries were requeued by the broker, and
-    ``ack``/``nack`` ignore their tokens.
-    """
+    """A delivery's handle: its channel (``generation``), ``delivery_tag``, ``redelivered``. A tag
+    means something only on the channel that delivered it: after a reconnection ``ack``/``nack``
+    ignore the old channel's tokens (the broker requeued those deliveries)."""
 
     generation: int
     delivery_tag: int
     redelivered: bool
 
 
-class _Link:
-    """One connection, its consuming channel, and the deliveries received not yet fetched."""
+@dataclass(eq=False)
+class _Link(Link):
+    """The connection, its consuming channel, and the deliveries received not yet fetched."""
 
-    def __init__(
-        self, connection: pika.BlockingConnection, channel: BlockingChannel, generation: int
-    ) -> None:
-        self.connection = connection
-        self.channel = channel
-        self.generation = generation
-        self.received: collections.deque[Delivery] = collections.deque()
-        #: Delivery tags handed out and not settled yet: a second ack or nack of one
-        #: (which RabbitMQ answers by closing the channel) is skipped.
-        self.unsettled: set[int] = set()
-
-
-def _close_link(link: _Link) -> None:
-    close_quietly(link.connection)
+    generation: int
+    received: collections.deque[Delivery] = field(default_factory=collections.deque)
+    #: Delivery tags handed out and not settled yet: a second ack or nack of one
+    #: (which RabbitMQ answers by closing the channel) is skipped.
+    unsettled: set[int] = field(default_factory=set)
 
 
 def _text(value: object) -> str:
@@ -141,18 +109,17 @@ def _text(value: object) -> str:
 
 
 class RabbitMQBroker(Client, Broker):
-    """A RabbitMQ queue consumed with manual acknowledgements and a prefetch window.
-
-    See the module. Raises ``ConfigurationError`` for bad options (before any I/O),
-    credentials, permissions, a missing queue without ``create``, or a queue
-    declared with other arguments; ``StoreUnavailable`` when the broker cannot
-    answer (the next call connects again).
-    """
+    """A RabbitMQ queue consumed with manual acknowledgements and a prefetch window (see the
+    module). Raises ``ConfigurationError`` for bad options (before any I/O), credentials,
+    permissions, a missing queue without ``create``, or a queue declared with other arguments;
+    ``StoreUnavailable`` when the broker cannot answer (the next call connects again)."""
 
     kind: ClassVar[str] = "rabbitmq"
     schemes: ClassVar[tuple[str, ...]] = ("amqp", "amqps")
     declared_options: ClassVar[OptionSet] = Client.declared_options.extend(
-        Option("queue", optional(text()), None, "the queue to consume (required)"),
+        Option(
+            "queue", optional(short_string("a queue name")), None, "the queue to consume (required)"
+        ),
         Option(
             "prefetch",
             integer(1, 65535),
@@ -168,7 +135,7 @@ class RabbitMQBroker(Client, Broker):
         self.queue: str = self.options["queue"]
         self.prefetch: int = self.options["prefetch"]
         self._generation = 0
-        self._link: ProcessLocal[_Link] = ProcessLocal(self._open_link, _close_link)
+        self._link: ProcessLocal[_Link] = ProcessLocal(self._open_link, _Link.close)
         self._current()
 
     @classmethod
@@ -178,14 +145,9 @@ class RabbitMQBroker(Client, Broker):
         parse_url(url, options)
         if not options["queue"]:
             raise ConfigurationError("RabbitMQBroker needs queue=<queue name>")
-        if len(options["queue"].encode("utf-8")) > 255:
-            raise ConfigurationError("queue is longer than the 255 UTF-8 bytes of an AMQP name")
 
     def _deadline_seconds(self) -> float:
-        """``(retries + 1) x (connect_timeout + timeout)``, as the dispatcher's."""
         return deadline_seconds(self.options)
-
-    # ------------------------------------------------------------------ connection
 
     def _open_link(self) -> _Link:
         connection = connect(self.store_url, self.options)
@@ -233,9 +195,16 @@ class RabbitMQBroker(Client, Broker):
         self._link.close()
         return self._link.get()
 
-    def _drop(self) -> None:
-        """Forget the link after an error (its unacknowledged deliveries are requeued)."""
-        self._link.close()
+    @contextlib.contextmanager
+    def _dropping(self, operation: str) -> Iterator[None]:
+        """``operation``'s errors translated; after one the link is dropped (the broker
+        requeues its unacknowledged deliveries)."""
+        try:
+            with self.translating_errors(operation):
+                yield
+        except BaseException:
+            self._link.close()
+            raise
 
     def _close(self) -> None:
         self._link.close()
@@ -247,26 +216,20 @@ class RabbitMQBroker(Client, Broker):
             )
         return classify(exc) or super()._classify_error(exc)
 
-    # ------------------------------------------------------------------ Broker
-
     def fetch(self, max_count: int, wait: float) -> list[Delivery]:
         """Up to ``max_count`` deliveries, waiting up to ``wait`` seconds for the first."""
         self.check_open()
-        try:
-            with self.translating_errors("fetch"):
-                link = self._current()
-                with expiring(link.connection, wait + self.options["timeout"]):
-                    link.connection.process_data_events(time_limit=0)
-                    until = time.monotonic() + wait
-                    while not link.received and (left := until - time.monotonic()) > 0:
-                        link.connection.process_data_events(time_limit=left)
-                count = min(max_count, len(link.received))
-                out = [link.received.popleft() for _ in range(count)]
-                link.unsettled.update(d.token.delivery_tag for d in out)
-                return out
-        except BaseException:
-            self._drop()
-            raise
+        with self._dropping("fetch"):
+            link = self._current()
+            with expiring(link.connection, wait + self.options["timeout"]):
+                link.connection.process_data_events(time_limit=0)
+                until = time.monotonic() + wait
+                while not link.received and (left := until - time.monotonic()) > 0:
+                    link.connection.process_data_events(time_limit=left)
+            count = min(max_count, len(link.received))
+            out = [link.received.popleft() for _ in range(count)]
+            link.unsettled.update(d.token.delivery_tag for d in out)
+            return out
 
     def ack(self, deliveries: Sequence[Delivery]) -> None:
         """``basic.ack`` each delivery of this channel not settled yet (idempotent;
@@ -292,34 +255,21 @@ class RabbitMQBroker(Client, Broker):
         if not tags:
             return
         link.unsettled.difference_update(tags)
-        try:
-            with (
-                self.translating_errors(operation),
-                expiring(link.connection, self.options["timeout"]),
-            ):
-                for tag in tags:
-                    if operation == "ack":
-                        link.channel.basic_ack(tag)
-                    else:
-                        link.channel.basic_nack(tag, requeue=True)
-        except BaseException:
-            self._drop()
-            raise
+        with self._dropping(operation), expiring(link.connection, self.options["timeout"]):
+            for tag in tags:
+                if operation == "ack":
+                    link.channel.basic_ack(tag)
+                else:
+                    link.channel.basic_nack(tag, requeue=True)
 
     def pending(self) -> int | None:
         """Messages ready in the queue (not counting those delivered, unacknowledged)."""
         self.check_open()
-        try:
-            with self.translating_errors("pending"):
-                link = self._current()
-                with expiring(link.connection, self.options["timeout"]):
-                    frame = link.channel.queue_declare(self.queue, passive=True)
-                return int(frame.method.message_count)
-        except BaseException:
-            self._drop()
-            raise
-
-    # ------------------------------------------------------------------ deliveries
+        with self._dropping("pending"):
+            link = self._current()
+            with expiring(link.connection, self.options["timeout"]):
+                frame = link.channel.queue_declare(self.queue, passive=True)
+            return int(frame.method.message_count)
 
     @staticmethod
     def _delivery(

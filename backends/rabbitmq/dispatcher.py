@@ -1,65 +1,40 @@
-"""The RabbitMQ dispatcher: :class:`RabbitMQDispatcher` (pika, publisher confirms).
+"""The RabbitMQ dispatcher: :class:`RabbitMQDispatcher` (pika, publisher confirms; the user's guide
+is "Dispatching to RabbitMQ" in ``docs/dispatchers.md``).
 
-Layout: every outgoing message is published to ONE exchange (``exchange``; by default
-``''``, the default exchange, which routes a message to the queue named by its
-routing key) with the message's destination as the routing key:
+Every outgoing message is published to ONE exchange (``exchange``; by default ``''``, which routes
+to the queue named by the routing key) with its destination as the routing key, persistent
+(``delivery_mode`` 2), its id as ``message_id``, its headers as AMQP headers. ``mandatory``: a
+message no queue is bound for comes back (``basic.return``) and the dispatch fails with
+``ConfigurationError`` instead of the broker dropping it. Publisher confirms: ``dispatch`` returns
+only once the broker confirmed every message of the batch (for a durable queue: on disk, or on a
+majority of a quorum queue's replicas); a ``basic.nack`` raises ``StoreUnavailable``. Either way the
+outbox dispatches the batch again. ``declare_queues`` (default exchange only) declares each
+destination as a durable queue of ``queue_type`` before its first message (one that exists with
+other arguments: ``ConfigurationError``, ``PRECONDITION_FAILED``).
 
-* the body is the message's canonical JSON (``content_type`` ``application/json``),
-  ``message_id`` its id, ``headers`` its headers (``str`` -> ``str``), ``app_id``
-  ``dedupstore``; ``delivery_mode`` 2 (persistent: a durable queue keeps it across a
-  broker restart);
-* ``mandatory``: a message no queue is bound for comes back (``basic.return``) and
-  the dispatch fails with ``ConfigurationError`` (declare the queue, bind it, or set
-  ``declare_queues``) instead of the broker dropping it silently;
-* publisher confirms (``confirm.select``): :meth:`~RabbitMQDispatcher.dispatch`
-  returns only once the broker has confirmed every message of the batch (for a
-  persistent message in a durable queue: written to disk, or, for a quorum queue,
-  to a majority of its replicas). A ``basic.nack`` (the broker could not take the
-  message: an internal error, a queue at its length limit with ``reject-publish``)
-  raises ``StoreUnavailable``. Either way the outbox keeps the batch pending and
-  dispatches it again later.
+One round trip per message (each publish waits for its confirmation). Delivery is at least once: a
+batch that failed part-way was partly delivered and is sent again whole; receivers deduplicate by
+``message_id``.
 
-``declare_queues`` (default exchange only) declares each destination as a durable
-queue (``queue_type`` ``classic`` or ``quorum``) before the first message to it; a
-queue that exists with other arguments fails with ``ConfigurationError``
-(``PRECONDITION_FAILED``).
+Deadline: a dispatch raises ``StoreUnavailable`` at most ``(retries + 1) x (connect_timeout +
+timeout)`` seconds after it started: each attempt connects if needed and publishes the batch with
+its confirmations within ``timeout`` (a timer on pika's I/O loop drops the connection when it is up,
+so a silent broker cannot hold the call); after a lost connection the batch is published again on a
+new one, up to ``retries`` times.
 
-One round trip per message: each publish waits for its confirmation (pika's
-``BlockingChannel``). Delivery is at least once: a batch that failed part-way (a lost
-connection, an unroutable message, a nack) was partly delivered, and the outbox
-sends all of it again; receivers deduplicate by ``message_id`` (the consume loop of
-:mod:`dedupstore.consumers` does, through the outbox).
+Reading back (for ``dedupstore dead-letters``; the default exchange only, where a destination is a
+queue), within the dispatch's deadline: on a connection of its own, ``read_back`` takes the queue's
+messages with ``basic.get`` unacknowledged and closes the channel, which returns them all in place
+(now ``redelivered``); ``remove`` acknowledges those whose ``message_id`` it was given first.
 
-Deadline: one dispatch raises ``StoreUnavailable`` at most ``(retries + 1) x
-(connect_timeout + timeout)`` seconds after it started (30 s with the defaults):
-each attempt opens a connection if none is open (``connect_timeout``) and publishes
-the batch with its confirmations (``timeout``, a timer on pika's I/O loop drops the
-connection when it is up, so a broker that stops answering cannot hold the call);
-after a lost connection the batch is published again on a new one, up to
-``retries`` times. A batch that needs longer than ``timeout`` to be confirmed needs a
-larger ``timeout``.
+Size bounds (checked before any I/O: ``MessageTooLarge``, none of the batch sent):
+``max_message_bytes`` 128 MiB, RabbitMQ 3.x's default ``max_message_size`` (4.x has 16 MiB, which
+AMQP cannot read: set the option), and ``max_header_bytes`` 127 KiB: the headers travel in one frame
+of at most ``frame_max`` (128 KiB by default; a larger one makes the broker close the connection on
+every attempt), with 1 KiB left for the other properties.
 
-Reading back (:class:`~dedupstore.dead_letters.ReadBack`, for ``dedupstore dead-letters``; the
-default exchange only, where a destination is a queue): on a connection of its own,
-``read_back`` takes the queue's messages with ``basic.get`` without acknowledging them and
-closes the channel, which returns them all to the queue (RabbitMQ puts them back in
-place; they come back ``redelivered``); ``remove`` takes them the same way and acknowledges
-those whose ``message_id`` it was given before it closes. Both bounded by the dispatch's
-deadline.
-
-Size bounds (checked before any I/O, ``MessageTooLarge``, none of the batch sent):
-``max_message_bytes`` 128 MiB, RabbitMQ 3.x's default ``max_message_size`` (4.x
-lowered it to 16 MiB; AMQP cannot read the broker's value: set the
-``max_message_bytes`` option to it), and ``max_header_bytes`` 127 KiB: the headers
-travel in one frame of at most ``frame_max`` (128 KiB, RabbitMQ's default and pika's),
-and a larger frame makes the broker close the connection (``FRAME_ERROR``) on every
-attempt. The AMQP table takes 3 bytes more than the headers' JSON; the other 1 KiB is
-room for the other properties.
-
-Options: ``exchange``, ``declare_queues``, ``queue_type``, ``max_message_bytes`` and the
-connection options of :mod:`.rabbitmq._client`. Fork-safe (a child process opens its own
-connection) and thread-safe (one dispatch at a time per object); pickled by
-configuration.
+Fork-safe (a child opens its own connection), thread-safe (one dispatch at a time per object),
+pickled by configuration.
 """
 
 from __future__ import annotations
@@ -91,13 +66,14 @@ from dedupstore.backend import (
     URLDispatcher,
     boolean,
     retry,
-    text,
     time_left,
 )
 
 from ._client import (
     CONNECTION_OPTIONS,
+    SHORT_STRING_BYTES,
     Expiry,
+    Link,
     classify,
     close_quietly,
     connect,
@@ -107,6 +83,7 @@ from ._client import (
     queue_arguments,
     queue_type_option,
     reply_code,
+    short_string,
     vhost,
 )
 
@@ -114,31 +91,12 @@ __all__ = ["RabbitMQDispatcher"]
 
 T = TypeVar("T")
 
-#: The longest exchange name or routing key AMQP 0-9-1 carries (a short string).
-_SHORT_STRING_BYTES = 255
 
+@dataclass(eq=False)
+class _Link(Link):
+    """The connection, its confirming channel and the queues it declared."""
 
-def _short_string(what: str) -> Any:
-    def convert(value: object) -> str:
-        name: str = text(what=what)(value)
-        if len(name.encode("utf-8")) > _SHORT_STRING_BYTES:
-            raise ValueError(f"{what} is longer than {_SHORT_STRING_BYTES} UTF-8 bytes")
-        return name
-
-    return convert
-
-
-@dataclass
-class _Link:
-    """One process's connection, its confirming channel and the queues it declared."""
-
-    connection: pika.BlockingConnection
-    channel: BlockingChannel
     declared: set[str] = field(default_factory=set)
-
-
-def _close_link(link: _Link) -> None:
-    close_quietly(link.connection)
 
 
 def _transient(exc: BaseException) -> bool:
@@ -151,16 +109,13 @@ def _transient(exc: BaseException) -> bool:
 
 
 class RabbitMQDispatcher(URLDispatcher):
-    """Outgoing messages published to a RabbitMQ exchange, confirmed by the broker.
+    """Outgoing messages published to a RabbitMQ exchange, confirmed by the broker (see the module).
 
-    :meth:`dispatch` returns once the broker confirmed every message (persistent,
-    ``mandatory``); raises ``ConfigurationError`` for a message no queue is bound for
-    (the broker returned it), credentials, permissions, a missing exchange or a queue
-    declared with other arguments, and ``StoreUnavailable`` (pika's error chained)
-    for a nack, a lost or refused connection, or no confirmation before the deadline.
-    After an error some messages of the batch may have been delivered: dispatch it
-    again (the outbox does), receivers deduplicate by ``message_id``.
-    """
+    :meth:`dispatch` raises ``ConfigurationError`` for a message no queue is bound for (the broker
+    returned it), credentials, permissions, a missing exchange or a queue declared with other
+    arguments, and ``StoreUnavailable`` (pika's error chained) for a nack, a lost or refused
+    connection, or no confirmation before the deadline. After an error some messages of the batch
+    may have been delivered: dispatch it again (the outbox does)."""
 
     schemes: ClassVar[tuple[str, ...]] = ("amqp", "amqps")
     #: RabbitMQ 3.x's default ``max_message_size`` (see the module).
@@ -174,7 +129,7 @@ class RabbitMQDispatcher(URLDispatcher):
     declared_options: ClassVar[OptionSet] = URLDispatcher.declared_options.extend(
         Option(
             "exchange",
-            _short_string("an exchange name"),
+            short_string("an exchange name"),
             "",
             "exchange to publish to; '' (the default exchange): the destination is the queue",
         ),
@@ -191,7 +146,7 @@ class RabbitMQDispatcher(URLDispatcher):
     def _open(self) -> None:
         self._exchange: str = self.options["exchange"]
         self._lock = threading.Lock()
-        self._link: ProcessLocal[_Link] = ProcessLocal(self._open_link, _close_link)
+        self._link: ProcessLocal[_Link] = ProcessLocal(self._open_link, _Link.close)
         with self._lock:
             self._probe()
 
@@ -207,10 +162,7 @@ class RabbitMQDispatcher(URLDispatcher):
             )
 
     def _deadline_seconds(self) -> float:
-        """``(retries + 1) x (connect_timeout + timeout)``: see the module."""
         return deadline_seconds(self.options)
-
-    # ------------------------------------------------------------------ connection
 
     def _open_link(self) -> _Link:
         connection = connect(self.store_url, self.options)
@@ -242,14 +194,12 @@ class RabbitMQDispatcher(URLDispatcher):
         with self._lock:
             self._link.close()
 
-    # ------------------------------------------------------------------ dispatch
-
     def _dispatch(self, batch: list[EncodedMessage]) -> None:
         for message in batch:  # before any I/O
-            if len(message.destination.encode("utf-8")) > _SHORT_STRING_BYTES:
+            if len(message.destination.encode("utf-8")) > SHORT_STRING_BYTES:
                 raise ValueError(
                     f"the destination of outgoing message {message.id!r:.80} is longer than "
-                    f"the {_SHORT_STRING_BYTES} UTF-8 bytes of an AMQP routing key"
+                    f"the {SHORT_STRING_BYTES} UTF-8 bytes of an AMQP routing key"
                 )
         with self._lock:
             retry(
@@ -285,9 +235,7 @@ class RabbitMQDispatcher(URLDispatcher):
             destination = message.destination
             if self.options["declare_queues"] and destination not in link.declared:
                 channel.queue_declare(
-                    destination,
-                    durable=True,
-                    arguments=queue_arguments(self.options["queue_type"]),
+                    destination, durable=True, arguments=queue_arguments(self.options["queue_type"])
                 )
                 link.declared.add(destination)
             properties = pika.BasicProperties(
@@ -335,8 +283,6 @@ class RabbitMQDispatcher(URLDispatcher):
             )
         return classify(exc) or super()._classify_error(exc)
 
-    # ------------------------------------------------------------------ reading back
-
     def read_back(self, destination: str) -> list[ReadMessage]:
         """Every message of the queue ``destination``, oldest first, left in the queue
         (see the module); the ``position`` is the message's place when read. Raises
@@ -345,9 +291,8 @@ class RabbitMQDispatcher(URLDispatcher):
         return self._holding(destination, lambda channel, held: [read for _, read in held])
 
     def remove(self, destination: str, messages: Sequence[ReadMessage]) -> int:
-        """Acknowledge (remove) the messages of the queue ``destination`` whose
-        ``message_id`` is one of ``messages``' ids; the others go back. Raises as
-        :meth:`read_back`."""
+        """Acknowledge (remove) the messages of the queue ``destination`` whose ``message_id`` is
+        one of ``messages``' ids; the others go back. Raises as :meth:`read_back`."""
         ids = {m.message.id for m in messages}
         if not ids:
             return 0

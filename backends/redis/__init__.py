@@ -1,17 +1,15 @@
 """``redis://`` and ``rediss://``: stores and a dispatcher on a Redis primary.
 
-* :mod:`.redis._client` -- :class:`RedisConnection`, shared by the objects of one server in
-  a process: the options, the pool, timeouts and retries, the write script, errors, health warnings;
-  it refuses Redis Cluster and replicas.
-* :mod:`.redis.store` -- :class:`RedisDeduplicationStore`: a string key per (endpoint, id),
-  native expiry.
+* :mod:`.redis._client` -- :class:`RedisConnection`, shared by the objects of one server in a
+  process: options, pool, timeouts and retries, the write script, errors, health warnings.
+* :mod:`.redis.store` -- :class:`RedisDeduplicationStore`: a string key per (endpoint, id).
 * :mod:`.redis.entities` -- :class:`RedisEntityStore`: a hash per entity.
 * :mod:`.redis.dispatcher` -- :class:`RedisDispatcher`: a stream per destination.
-* :mod:`.redis.consumer` -- :class:`RedisStreamsBroker`: the consume loop's broker, a
-  consumer group; imported on first use (``dedupstore.consumers.open_broker``).
+* :mod:`.redis.consumer` -- :class:`RedisStreamsBroker`: the consume loop's broker, a consumer
+  group; imported on first use (``dedupstore.consumers.open_broker``).
 
-All take the URL ``redis[s]://[[user]:password@]host[:port][/db]`` and the connection options; each
-module documents its key layout, token and failure semantics.
+All take the URL ``redis[s]://[[user]:password@]host[:port][/db]``; each module documents its key
+layout, token and failure semantics.
 """
 
 from ._client import RedisConnection

@@ -1,29 +1,25 @@
 """The connection the Redis stores, dispatcher and broker share: :class:`RedisConnection`.
 
-Options (URL query or keywords), the same on every Redis object apart from the default
-``key_prefix``: ``key_prefix`` (``''`` or ending with ``:``), ``timeout`` (5 s per command),
-``connect_timeout`` (5 s), ``retries`` (3, after a connection error or timeout, with jittered
-exponential backoff), ``max_connections`` (pool size, redis-py's default), ``wait_replicas`` (0) and
-``wait_timeout_ms`` (1000, shorter than ``timeout``), ``username``, ``password`` (override the
-URL's), ``ssl_ca_certs``, ``ssl_cert_reqs`` (``rediss://`` only), and keyword-only ``client`` (a
-ready ``redis.Redis``: its own settings apply; neither closed nor pickled).
+Options: :data:`CONNECTION_OPTIONS` (the same on every Redis object) and ``key_prefix`` (``''`` or
+ending with ``:``; each class has its own default). ``wait_timeout_ms`` must be shorter than
+``timeout``; ``ssl_ca_certs`` and ``ssl_cert_reqs`` need ``rediss://``; a given ``client`` (a ready
+``redis.Redis``, keyword only) keeps its own settings and is neither closed nor pickled.
 
 Keys: ``key_prefix`` (keep the prefixes of the stores and the dispatcher apart), then parts escaped
 by :func:`escape` (``%`` ``:`` ``{`` ``}`` become ``%25`` ``%3A`` ``%7B`` ``%7D``): no two parts
 share a key and none forms a Redis Cluster hash tag.
 
 Each store and the dispatcher runs ONE Lua script for its writes, loaded at open and run by
-``EVALSHA`` through :meth:`RedisConnection.run_script`: on one pooled connection, followed by
-``WAIT`` when ``wait_replicas`` is set, so the caller knows when an attempt whose answer was lost
-may have run (and may send the script a "re-sent" flag then). Reads go through redis-py. redis-py
-retries nothing (its pool has no ``Retry``): every command, script or read, is retried here, by
-:func:`dedupstore.calls.retry`, after a connection error or a timeout.
+``EVALSHA`` through :meth:`RedisConnection.run_script` on one connection, followed by ``WAIT`` when
+``wait_replicas`` is set, so the caller knows when an attempt whose answer was lost may have run
+(and may send the script a "re-sent" flag then). Reads go through redis-py, whose pool retries
+nothing: every command is retried here (:func:`dedupstore.calls.retry`) after a connection error or
+timeout.
 
 Deadline: a call (one chunk of a batch) raises ``StoreUnavailable`` at most ``connect_timeout +
 (retries + 1) x timeout`` seconds after it started (25 s with the defaults), whatever the server
 does: attempts stop there, and every wait of an attempt (connecting, the handshake, each reply) is
-capped by the time left. Retries wait 0 to 0.05, 0.1, 0.2, ... s (at most 1 s) apart. A given
-``client`` keeps its own timeouts and retries (only the store's stop at the deadline).
+capped by the time left. A given ``client`` keeps its own timeouts and retries.
 
 Errors (:meth:`RedisConnection.classify_error`): ``StoreUnavailable`` for connection errors,
 timeouts, loading, failover to a replica (``READONLY``), out of memory,
@@ -160,11 +156,9 @@ def key_prefix_option(default: str) -> Option:
 
 
 def _packed(conn: Any, commands: list[tuple[Any, ...]]) -> Any:
-    """The RESP packet of ``commands`` (tuples of ``str``/``int`` arguments, each led by a command
-    name without spaces) to send on the redis-py connection ``conn``. The bytes redis-py would send
-    (UTF-8, strict), packed by hiredis in one C call per command instead of redis-py's Python pass
-    over every argument (a save script's call carries six per entity). Raises redis-py's
-    ``DataError`` for an argument that cannot be packed."""
+    """The bytes redis-py would send on ``conn`` for ``commands`` (``str``/``int`` tuples led by a
+    command name), packed by hiredis in one C call per command rather than by redis-py's Python pass
+    over every argument. ``DataError`` for an argument that cannot be packed."""
     if _pack_command is None:  # pragma: no cover
         return conn.pack_commands(commands)
     try:
@@ -175,7 +169,6 @@ def _packed(conn: Any, commands: list[tuple[Any, ...]]) -> Any:
 
 @functools.cache
 def _sha1(source: str) -> str:
-    """The SHA-1 ``EVALSHA`` names a script by."""
     return hashlib.sha1(source.encode()).hexdigest()
 
 
@@ -281,12 +274,11 @@ def _exchange(conn: Any, commands: list[tuple[Any, ...]], sent: list[bool]) -> l
 
 
 class RedisConnection(Connection):
-    """The ``redis.Redis`` of one standalone Redis primary, shared by its clients. Each client names
-    it as ``connection_class``, uses it as ``self._redis``, declares ``key_prefix_option(...)`` plus
-    :data:`CONNECTION_OPTIONS`, calls :meth:`probe` at open, and declares the public class
-    attributes the error rules read: ``commands`` (the commands it runs, named when an ACL refuses
-    one) and, if it calls :meth:`run_script`, ``unconfirmed`` (what
-    a write the replicas did not confirm means for it)."""
+    """The ``redis.Redis`` of one standalone Redis primary, shared by its clients. Each client uses
+    it as ``self._redis``, declares ``key_prefix_option(...)`` plus :data:`CONNECTION_OPTIONS`,
+    calls :meth:`probe` at open, and declares what the error rules read: ``commands`` (named when an
+    ACL refuses one) and, with :meth:`run_script`, ``unconfirmed`` (what an unreplicated write means
+    for it)."""
 
     schemes: ClassVar[tuple[str, ...]] = ("redis", "rediss")
     needs_host: ClassVar[bool] = True
@@ -303,8 +295,7 @@ class RedisConnection(Connection):
         self._attempts: int = options["retries"] + 1
         self._wait_replicas: int = options["wait_replicas"]
         self._wait_timeout_ms: int = options["wait_timeout_ms"]
-        # the connection _send keeps checked out of the pool (a child after fork() has its own
-        # RedisConnection: see Connection)
+        # what _send keeps checked out of the pool (a child after fork() has its own object)
         self._kept: Any = None  # (redis-py leaves its connection methods untyped)
         self._keeping = threading.Lock()
 
@@ -339,8 +330,6 @@ class RedisConnection(Connection):
             )
         check_client(options, redis.Redis, "a redis.Redis", "Redis Cluster is not supported")
 
-    # ------------------------------------------------------------------ opening
-
     def _connect(self) -> redis.Redis:
         """A client with its own pool (fork-safe: redis-py's pool resets in a child)."""
         url = self.url
@@ -362,9 +351,10 @@ class RedisConnection(Connection):
         )
         return redis.Redis(connection_pool=pool)
 
-    def read(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` (redis-py reads), retried after a connection error or timeout."""
-        return retry(fn, attempts=self._attempts, retry_on=_transient)
+    def read(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` (redis-py), retried after a connection error or timeout."""
+        call = functools.partial(fn, *args, **kwargs)
+        return retry(call, attempts=self._attempts, retry_on=_transient)
 
     def pipelined(self, build: Callable[[Any], object], **execute: Any) -> list[Any]:
         """The replies of the commands ``build(pipe)`` queues, in one round trip (a read)."""
@@ -400,9 +390,7 @@ class RedisConnection(Connection):
                 "reads can be stale; point the store at the primary"
             )
         if script:  # refused now if the ACL forbids EVALSHA
-            self.read(lambda: self.client.evalsha(_sha1(script), 0))
-
-    # ------------------------------------------------------------------ the write script
+            self.read(self.client.evalsha, _sha1(script), 0)
 
     def run_script(
         self,
@@ -457,12 +445,9 @@ class RedisConnection(Connection):
         may have reached the server. A failed connection is closed (reconnected at its next use);
         error replies are raised once all are read (the connection stays in step).
 
-        The connection is the one this object keeps checked out of the pool, unless another
-        thread is using it (then a pooled one). A checkout costs more than the script call it
-        serves: redis-py polls the socket for unread data each time (a non-blocking ``recv``),
-        which a kept connection does not need, as every request here reads all its replies or
-        closes the connection. A kept connection the server closed meanwhile fails its request
-        as a pooled one fails after a checkout, and the request is retried."""
+        On the connection this object keeps checked out (a pooled one while another thread uses
+        it): a checkout polls the socket for unread data, which costs more than the script call,
+        and every request here reads all its replies or closes the connection."""
         if self._keeping.acquire(blocking=False):
             try:
                 conn = self._kept
@@ -483,11 +468,8 @@ class RedisConnection(Connection):
                 raise reply
         return replies
 
-    # ------------------------------------------------------------------ errors
-
     @classmethod
     def classify_error(cls, client: Client, exc: BaseException) -> ErrorKind:
-        """Classify a redis-py error (the rules: see the module)."""
         name, detail = type(client).__name__, client.describe_error(exc)
         if isinstance(
             exc, AuthenticationError | AuthorizationError | AuthenticationWrongNumberOfArgsError
@@ -535,8 +517,6 @@ class RedisConnection(Connection):
         if type(exc).__module__.split(".", 1)[0] == "redis":
             return StoreUnavailable
         return None
-
-    # ------------------------------------------------------------------ health
 
     def health_warnings(self, client: Client) -> list[str]:
         """Warn about settings that can lose acknowledged writes."""

@@ -1,48 +1,24 @@
-"""The Redis Streams broker of the consume loop: :class:`RedisStreamsBroker`.
+"""The Redis Streams broker of the consume loop: :class:`RedisStreamsBroker` (the user's guide, with
+its options, is "Consuming from Redis Streams" in ``docs/consuming.md``).
 
-It reads one stream through a consumer group (``XREADGROUP ... >``), acknowledges
-with ``XACK`` after processing, and takes over entries that another consumer of the
-group left pending for longer than ``lease`` (``XAUTOCLAIM``), so a consumer that
-died (SIGKILL, a lost machine) loses nothing: its entries are redelivered to the
-others. ``Delivery.deliveries`` is the group's delivery counter (``XPENDING``):
-1 for a first delivery, and one more for each claim (a nacked entry is claimed
-back by this consumer with ``XCLAIM`` at its next fetch, which counts it).
+It reads one stream through a consumer group (``XREADGROUP ... >``, blocking at most ``wait`` and
+never more than half of ``timeout``), acknowledges with ``XACK`` after processing, and takes over
+entries another consumer of the group left pending for longer than ``lease`` (``XAUTOCLAIM``), so a
+consumer that died loses nothing. ``Delivery.deliveries`` is the group's delivery counter
+(``XPENDING``): 1 for a first delivery, one more for each claim (a nacked entry is claimed back with
+``XCLAIM`` at the next fetch, which counts it). A consumer named by the user takes back what its
+name held pending at its first fetches; the default name is new per process
+(``<host>-<pid>-<random>``), so what a killed process held is reclaimed, never read as its own.
 
-URL: ``redis[s]://[[user]:password@]host[:port][/db]?group=<group>&destination=<d>``
-(or ``stream=<key>``). Options:
+The stream is ``stream=<key>`` as is, or what the dispatcher writes for ``destination=<d>``
+(``<key_prefix><d>``, escaped); exactly one of the two. ``Delivery.headers`` holds every field of
+the entry but the body (``body_field``), plus the entries of the JSON object in ``headers_field``
+(as the dispatcher writes them; a field wins over a JSON header of the same name, and a headers
+field that is not a JSON object is kept as a plain field).
 
-* ``destination`` -- read what :class:`~dedupstore.backends.redis.dispatcher.RedisDispatcher`
-  writes to that destination: the stream ``<key_prefix><destination>``, with the
-  dispatcher's ``key_prefix`` (``dedupout:``) and escaping; or ``stream``, a stream
-  key as is. Exactly one of the two.
-* ``group`` -- the consumer group (required); ``consumer`` -- this consumer's name in
-  it (default ``<host>-<pid>-<random>``: a new name per process, so what a killed
-  process held is reclaimed, never read back as its own).
-* ``create`` (true) -- create the group if it does not exist (``XGROUP CREATE ...
-  MKSTREAM``), at ``start`` (``0``: every entry already in the stream; ``$``: only
-  entries added from now on; or an entry id).
-* ``lease`` (60 s) -- entries pending longer than this are taken over by
-  ``XAUTOCLAIM``; longer than any round takes (``timeout`` and the processing), or
-  live consumers' entries are processed twice (harmless, but wasted). ``0`` takes
-  every pending entry at once (for tests).
-* ``body_field`` (``body``) and ``headers_field`` (``headers``): the entry field
-  holding the payload, and the field holding a JSON object of string headers (as
-  the dispatcher writes them). ``Delivery.headers`` holds every other field of the
-  entry (``id`` among them) plus the entries of that JSON object (a field wins over
-  a JSON header of the same name; a headers field that is not a JSON object is kept
-  as a plain field).
-* the connection options of :mod:`.redis._client` (``timeout``, retries,
-  pool, credentials, TLS, ``client``). A fetch blocks at most ``wait`` seconds and
-  never more than half of ``timeout``.
-
-Trimming is left to the user: acknowledged entries stay in the stream until
-``XTRIM``/``MAXLEN`` (the dispatcher's ``maxlen``) or ``XDEL`` removes them. Trim
-only entries every group has acknowledged (below the smallest ``last-delivered-id``
-of ``XINFO GROUPS`` with nothing pending below it): a trimmed entry that was still
-pending is dropped from the pending list on its next claim and never processed.
-
-Consumer names accumulate in the group (``XINFO CONSUMERS``); remove those of
-stopped processes with ``XGROUP DELCONSUMER`` once they hold nothing pending.
+Trimming is left to the user: trim only entries every group has acknowledged (a trimmed entry still
+pending is never processed); remove stopped consumers' names (``XGROUP DELCONSUMER``) once they hold
+nothing pending.
 """
 
 from __future__ import annotations
@@ -53,7 +29,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from redis.exceptions import ResponseError
@@ -138,8 +114,7 @@ class RedisStreamsBroker(Client, Broker):
         self._nacked: list[str] = []
         self._cursor = "0-0"
         self._next_scan = float("-inf")
-        # A consumer named by the user may be this name's earlier process: what that one
-        # held pending is taken back at the first fetches, not after the lease.
+        # a name given may be an earlier process's: what it held is taken back at once
         self._resume: str | None = "-" if opts["consumer"] else None
         self._waiting = 0  # deliveries last seen waiting for a lease (logged on change)
         self._redis.probe(self, "")
@@ -160,7 +135,7 @@ class RedisStreamsBroker(Client, Broker):
     def _ensure_group(self) -> None:
         """The consumer group exists (created with ``create``); see the class."""
         try:
-            groups = self._redis.read(lambda: self._redis.client.xinfo_groups(self.stream))
+            groups = self._redis.read(self._redis.client.xinfo_groups, self.stream)
         except ResponseError as exc:
             if "no such key" not in str(exc).lower():
                 raise
@@ -173,16 +148,16 @@ class RedisStreamsBroker(Client, Broker):
                 "create it (XGROUP CREATE) or open with create=true",
             )
         try:
-            self._redis.read(
-                lambda: self._redis.client.xgroup_create(
-                    self.stream, self.group, id=self.options["start"], mkstream=True
-                )
+            self._on_group(
+                self._redis.client.xgroup_create, id=self.options["start"], mkstream=True
             )
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):  # created meanwhile by another consumer
                 raise
 
-    # ------------------------------------------------------------------ Broker
+    def _on_group(self, command: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``command(stream, group, *args, **kwargs)`` (redis-py), retried as a read."""
+        return self._redis.read(command, self.stream, self.group, *args, **kwargs)
 
     def fetch(self, max_count: int, wait: float) -> list[Delivery]:
         """Nacked entries first (claimed back, counted), then new ones (``XREADGROUP >``)."""
@@ -193,20 +168,19 @@ class RedisStreamsBroker(Client, Broker):
             if self._nacked:
                 ids: list[Any] = self._nacked[:max_count]
                 self._nacked = self._nacked[max_count:]
-                claimed = self._redis.read(
-                    lambda: self._redis.client.xclaim(
-                        self.stream, self.group, self.consumer, 0, ids
-                    )
-                )
+                claimed = self._on_group(self._redis.client.xclaim, self.consumer, 0, ids)
                 deliveries = self._deliveries(claimed)
                 if deliveries:
                     return deliveries
             block = min(wait, self._block_cap)
             block_ms = round(block * 1000) or None
             reply = self._redis.read(
-                lambda: self._redis.client.xreadgroup(
-                    self.group, self.consumer, {self.stream: ">"}, count=max_count, block=block_ms
-                )
+                self._redis.client.xreadgroup,
+                self.group,
+                self.consumer,
+                {self.stream: ">"},
+                count=max_count,
+                block=block_ms,
             )
         entries = [entry for _, stream_entries in reply or [] for entry in stream_entries]
         return [self._delivery(entry, 1) for entry in entries if entry[1] is not None]
@@ -216,10 +190,8 @@ class RedisStreamsBroker(Client, Broker):
         this consumer's name: an earlier process of that name died holding them."""
         start = self._resume
         assert start is not None
-        rows = self._redis.read(
-            lambda: self._redis.client.xpending_range(
-                self.stream, self.group, start, "+", max_count, self.consumer
-            )
+        rows = self._on_group(
+            self._redis.client.xpending_range, start, "+", max_count, self.consumer
         )
         ids = [text_of(row["message_id"]) for row in rows]
         self._resume = f"({ids[-1]}" if len(ids) == max_count else None
@@ -239,7 +211,7 @@ class RedisStreamsBroker(Client, Broker):
         if deliveries:
             ids = [d.token for d in deliveries]
             with self.translating_errors("ack"):
-                self._redis.read(lambda: self._redis.client.xack(self.stream, self.group, *ids))
+                self._on_group(self._redis.client.xack, *ids)
 
     def keep(self, deliveries: Sequence[Delivery]) -> None:
         """Renew their lease: ``XCLAIM ... JUSTID`` to this consumer resets their idle
@@ -248,11 +220,7 @@ class RedisStreamsBroker(Client, Broker):
         if deliveries:
             ids = [d.token for d in deliveries]
             with self.translating_errors("keep"):
-                self._redis.read(
-                    lambda: self._redis.client.xclaim(
-                        self.stream, self.group, self.consumer, 0, ids, justid=True
-                    )
-                )
+                self._on_group(self._redis.client.xclaim, self.consumer, 0, ids, justid=True)
 
     def nack(self, deliveries: Sequence[Delivery]) -> None:
         """Claimed back (``XCLAIM``, counted) at the next fetch; if this process dies
@@ -269,15 +237,12 @@ class RedisStreamsBroker(Client, Broker):
         if time.monotonic() < self._next_scan:
             return []
         with self.translating_errors("reclaim"):
-            reply = self._redis.read(
-                lambda: self._redis.client.xautoclaim(
-                    self.stream,
-                    self.group,
-                    self.consumer,
-                    self._lease_ms,
-                    start_id=self._cursor,
-                    count=max_count,
-                )
+            reply = self._on_group(
+                self._redis.client.xautoclaim,
+                self.consumer,
+                self._lease_ms,
+                start_id=self._cursor,
+                count=max_count,
             )
             cursor, entries = text_of(reply[0]), reply[1]
             self._cursor = cursor
@@ -291,11 +256,7 @@ class RedisStreamsBroker(Client, Broker):
         lease in other consumers' hands: most likely held by a consumer that died, they
         wait for the lease to run out before this consumer takes them over."""
         idle = max(self._lease_ms // 10, 1000)
-        rows = self._redis.read(
-            lambda: self._redis.client.xpending_range(
-                self.stream, self.group, "-", "+", 1000, idle=idle
-            )
-        )
+        rows = self._on_group(self._redis.client.xpending_range, "-", "+", 1000, idle=idle)
         waiting = [r for r in rows if text_of(r["consumer"]) != self.consumer]
         if len(waiting) != self._waiting:
             self._waiting = len(waiting)
@@ -317,14 +278,12 @@ class RedisStreamsBroker(Client, Broker):
         """Entries pending in the group plus those not delivered yet (its lag)."""
         self.check_open()
         with self.translating_errors("pending"):
-            groups = self._redis.read(lambda: self._redis.client.xinfo_groups(self.stream))
+            groups = self._redis.read(self._redis.client.xinfo_groups, self.stream)
         for group in groups:
             if text_of(group["name"]) == self.group:
                 lag = group.get("lag")
                 return int(group.get("pending") or 0) + int(lag or 0)
         return None
-
-    # ------------------------------------------------------------------ entries
 
     def _deliveries(self, entries: list[Any]) -> list[Delivery]:
         """Claimed entries with their delivery counters (one ``XPENDING`` per entry,

@@ -8,33 +8,28 @@ Layout (``key_prefix`` ``dedupout:`` by default; keys: see :mod:`.redis._client`
 * with ``dedupe_window``: one marker per message id, ``<key_prefix>sent:<id>`` (the id escaped), a
   string that expires after the window.
 
-A dispatch is ONE ``EVALSHA`` (Redis runs a script atomically). The script checks every key's type
-before writing any (a key of another type: ``ConfigurationError``, nothing written), then for each
-message whose marker is absent runs ``XADD``, then ``SET <marker> 1 NX PX <window>`` (atomically
-"SET NX, and XADD only if it succeeded", but should Redis refuse a write half-way, say an ACL
-without ``SET``, a message ends up appended without its marker, a later duplicate, rather than
-marked and never appended): within the window a re-dispatch of an id appends nothing. ``maxlen``
-trims each stream approximately (``XADD ... MAXLEN ~ n``).
+A dispatch is ONE ``EVALSHA``. The script checks every key's type before writing any (a key of
+another type: ``ConfigurationError``, nothing written), then for each message whose marker is absent
+runs ``XADD``, then ``SET <marker> 1 NX PX <window>`` (should Redis refuse a write half-way, say an
+ACL without ``SET``, a message is appended without its marker, a later duplicate, rather than marked
+and never appended): within the window a re-dispatch of an id appends nothing. ``maxlen`` trims each
+stream approximately (``XADD ... MAXLEN ~ n``).
 
 Lost answers: the script is retried (``retries``). With the window a retry is harmless (an attempt
 that ran left markers); without it (``dedupe_window=0``) the script refuses a retry of an attempt
 that may have run and the call raises ``StoreUnavailable`` (outcome unknown: dispatch again).
-
-Receivers still deduplicate by the ``id`` field: the window is finite, and ``maxlen`` trimming and
-consumer-group redelivery (``XREADGROUP`` + ``XACK``, after a receiver crash) are independent of it:
-delivery is at least once.
+Receivers still deduplicate by the ``id`` field: the window is finite, and trimming and
+consumer-group redelivery are independent of it: delivery is at least once.
 
 Reading back (:class:`~dedupstore.dead_letters.ReadBack`, for ``dedupstore dead-letters``):
 ``read_back`` pages through a destination's stream with ``XRANGE`` (a missing stream holds nothing),
 ``remove`` deletes entries with ``XDEL`` by their entry ids.
 
-Size bound: ``max_message_bytes`` 512 MiB, the default ``proto-max-bulk-len`` (the largest
-field value Redis accepts). It is not read from the server (``CONFIG`` is refused on most
-managed servers); a server configured lower needs the ``max_message_bytes`` option.
+Size bound: ``max_message_bytes`` 512 MiB, the default ``proto-max-bulk-len``; not read from the
+server (``CONFIG`` is refused on most managed servers): a server configured lower needs the option.
 
 Options: ``key_prefix``, ``dedupe_window`` (7 days; ``0``/``none``: off), ``maxlen`` (none),
-``max_message_bytes`` and those of :mod:`.redis._client`, which also documents the
-errors.
+``max_message_bytes`` and those of :mod:`.redis._client`, which also documents the errors.
 """
 
 from __future__ import annotations
@@ -58,13 +53,7 @@ from dedupstore.backend import (
     seconds,
 )
 
-from ._client import (
-    CONNECTION_OPTIONS,
-    RedisConnection,
-    escape,
-    key_prefix_option,
-    text_of,
-)
+from ._client import CONNECTION_OPTIONS, RedisConnection, escape, key_prefix_option, text_of
 
 __all__ = ["RedisDispatcher", "sent_key", "stream_key"]
 
@@ -189,8 +178,6 @@ class RedisDispatcher(URLDispatcher):
                 "dispatch them again (receivers deduplicate by id)",
             )
 
-    # ------------------------------------------------------------------ reading back
-
     #: Entries per ``XRANGE`` of :meth:`read_back`.
     page_size: ClassVar[int] = 500
 
@@ -201,15 +188,9 @@ class RedisDispatcher(URLDispatcher):
         key = self.stream_key(destination)
         out: list[ReadMessage] = []
         start = "-"
-        client, size = self._redis.client, self.page_size
-
-        def page_from(low: str) -> list[Any]:
-            page: list[Any] = self._redis.read(lambda: client.xrange(key, low, "+", count=size))
-            return page
-
         with self.translating_errors("read"):
             while True:
-                page = page_from(start)
+                page = self._redis.read(self._redis.client.xrange, key, start, count=self.page_size)
                 out += [_read(destination, entry) for entry in page]
                 if len(page) < self.page_size:
                     return out
@@ -224,7 +205,7 @@ class RedisDispatcher(URLDispatcher):
             return 0
         key = self.stream_key(destination)
         with self.translating_errors("remove"):
-            return int(self._redis.read(lambda: self._redis.client.xdel(key, *positions)))
+            return int(self._redis.read(self._redis.client.xdel, key, *positions))
 
 
 def _read(destination: str, entry: Any) -> ReadMessage:

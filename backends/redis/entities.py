@@ -9,42 +9,37 @@ Layout (``key_prefix`` ``dedupent:`` by default; keys: see :mod:`.redis._client`
 * one set per bucket, ``<key_prefix>pending:<bucket>`` (``bucket_of(id)``, 0..4095), holding the ids
   of the entities of that bucket whose outbox is not empty, and of some whose outbox emptied since
   the last scan (see below);
-* one set ``<key_prefix>pending-buckets`` of the buckets whose set is not empty (the scan's index,
-  kept by the same scripts).
+* one set ``<key_prefix>pending-buckets`` of the buckets whose set is not empty (the scan's index).
 
 Token: the version. A save is one ``EVALSHA`` per chunk of up to 500 entities and 16 MiB of bodies
-(one flush on a durable server; Redis runs a script atomically and serves no other client meanwhile:
-a few ms for 500 small entities). For each entity the script compares the stored version with the
-one the entity was loaded at (absent when ``None``) and either writes body, version + 1, token and
-pending flag, or leaves it alone (a conflict). A pending entity whose hash does not say ``i = 1``
-also joins its bucket's set (and the bucket the index); an entity whose outbox empties stays in the
-set: a save costs one read and one write of the hash, plus a set and the index only when an entity
-becomes pending for the first time since it was pruned. Every key is checked before any is written:
-a foreign key fails the whole chunk, nothing half-written. Loads: one pipelined ``HMGET b v`` per
-id, 100 ids per round trip (a hash without those two fields loads as absent; saving it is refused).
+(Redis runs a script atomically: a few ms for 500 small entities). For each entity the script
+compares the stored version with the one the entity was loaded at (absent when ``None``) and either
+writes body, version + 1, token and pending flag, or leaves it alone (a conflict). A pending entity
+whose hash does not say ``i = 1`` also joins its bucket's set (and the bucket the index); an entity
+whose outbox empties stays in the set: a save costs one read and one write of the hash, plus the
+sets only when an entity becomes pending for the first time since it was pruned. Every key is
+checked before any is written: a foreign key fails the whole chunk, nothing half-written. Loads: one
+pipelined ``HMGET b v`` per id, 100 ids per round trip (a hash without those two fields loads as
+absent; saving it is refused).
 
 Lost answers: an entity whose hash already holds this save's token was written by an earlier attempt
 and is reported as saved. A re-sent script that meets an entity whose version moved on cannot tell
 "another client saved first" from "our lost attempt wrote it and someone saved on top": it writes
-nothing and the save raises ``StoreUnavailable`` (outcome unknown: reload before saving again)
-rather than report a conflict that may be false.
+nothing and the save raises ``StoreUnavailable`` (outcome unknown: reload before saving again).
 
-Scan: segment ``s`` of ``n`` reads the index (``SMEMBERS``, at most 4096 numbers) and walks the sets
-of its non-empty buckets ``b % n == s`` with ``SSCAN`` (64 buckets per pipelined round trip; an
-empty store costs one round trip) and reads the bodies with one pipelined ``HMGET`` per id, a page
-of 100 ids at a time. The ids of a page whose entity is gone or no longer pending are pruned: one
-script per page removes each from its set if the entity is still not pending then (a save in between
-keeps it), clears its ``i``, and removes the buckets left empty from the index. So the sets hold the
-pending entities plus those that stopped being pending since the last scan of their bucket (their
-ids only: about 60 bytes each). Memory: one page of bodies plus the ids of one round of buckets (an
-id set per bucket de-duplicates ``SSCAN``'s repeats).
+Scan: segment ``s`` of ``n`` reads the index (``SMEMBERS``) and walks the sets of its non-empty
+buckets ``b % n == s`` with ``SSCAN`` (64 buckets per pipelined round trip), reading the bodies a
+page of 100 ids at a time (one pipelined ``HMGET`` per id). The ids of a page whose entity is gone
+or no longer pending are pruned by one script per page (:data:`_PRUNE_SCRIPT`), so the sets hold the
+pending entities plus those that stopped being pending since the last scan of their bucket (ids
+only). Memory: one page of bodies plus the ids of one round of buckets.
 
-Size limit: 4 MiB of JSON per entity (``max_entity_bytes``). Redis takes values up to 512 MB
-(``proto-max-bulk-len``), but an entity is read whole by every load and scan, and a chunk of them
-travels in one command: 4 MiB keeps a page of a scan and a script call within tens of MiB.
+Size limit: 4 MiB of JSON per entity (``max_entity_bytes``): Redis takes values up to 512 MB, but an
+entity is read whole by every load and scan, and a chunk travels in one command: 4 MiB keeps a page
+of a scan and a script call within tens of MiB.
 
-Options and errors: see :mod:`.redis._client` (after ``StoreUnavailable`` the outcome of a
-save is unknown).
+Options and errors: see :mod:`.redis._client` (after ``StoreUnavailable`` the outcome of a save is
+unknown).
 """
 
 from __future__ import annotations
@@ -318,8 +313,6 @@ class RedisEntityStore(EntityStore):
     def _key(self, entity_id: str) -> str:
         return entity_key(self._key_prefix, entity_id)
 
-    # ------------------------------------------------------------------ primitives
-
     def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
         """One pipelined ``HMGET`` per id, in one round trip."""
         replies = self._redis.pipelined(
@@ -337,8 +330,6 @@ class RedisEntityStore(EntityStore):
         if body is None or version is None:
             raise foreign_value_error(self, f"{self._key(entity_id)[:200]!r} is not an entity")
         return _body(body), version
-
-    # ------------------------------------------------------------------ with a dedup store
 
     def _load_with(
         self, dedup: DeduplicationStore, entity_id: str, key: str
@@ -421,9 +412,7 @@ class RedisEntityStore(EntityStore):
 
     def _pending_ids(self, segment: int, segments: int) -> Iterator[tuple[int, list[str]]]:
         """``(bucket, ids)`` from the pending sets of the segment's buckets, each id once."""
-        members = self._redis.read(
-            lambda: self._redis.client.smembers(buckets_key(self._key_prefix))
-        )
+        members = self._redis.read(self._redis.client.smembers, buckets_key(self._key_prefix))
         buckets = sorted(b for b in (int(_body(m)) for m in members) if b % segments == segment)
         for start in range(0, len(buckets), _BUCKETS_PER_ROUND):
             group = buckets[start : start + _BUCKETS_PER_ROUND]
@@ -434,12 +423,10 @@ class RedisEntityStore(EntityStore):
                     yield bucket, list(seen)
                 while int(cursor):
                     cursor, more = self._redis.read(
-                        functools.partial(
-                            self._redis.client.sscan,
-                            pending_key(self._key_prefix, bucket),
-                            cursor,
-                            count=_SSCAN_COUNT,
-                        )
+                        self._redis.client.sscan,
+                        pending_key(self._key_prefix, bucket),
+                        cursor,
+                        count=_SSCAN_COUNT,
                     )
                     fresh = {_body(m) for m in more} - seen
                     if fresh:

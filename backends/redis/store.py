@@ -25,7 +25,6 @@ the same store object (or the store's own) reports the latter as recorded by it.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -148,8 +147,7 @@ class RedisDeduplicationStore(DeduplicationStore):
     # The script unpack()s 2 values per key: Lua's stack allows about 8000.
     max_write_batch: ClassVar[int] = 1000
     max_read_batch: ClassVar[int] = 2000
-    # Two chunks in flight: Python builds and parses one while the server runs the other (each
-    # script runs atomically, so first-writer-wins is unaffected).
+    # Python builds and parses one chunk while the server runs the other (atomically each)
     chunk_concurrency: ClassVar[int] = 2
     declared_options: ClassVar[OptionSet] = DeduplicationStore.declared_options.extend(
         key_prefix_option("dedup:"), *CONNECTION_OPTIONS
@@ -172,8 +170,6 @@ class RedisDeduplicationStore(DeduplicationStore):
         )
         self._redis.probe(self, ADD_SCRIPT)
 
-    # ------------------------------------------------------------------ primitives
-
     def _add_new(self, request: WriteRequest) -> set[str]:
         """One script run (plus ``WAIT`` when configured) for the whole chunk."""
         keys, args = self.add_call(request)
@@ -194,12 +190,12 @@ class RedisDeduplicationStore(DeduplicationStore):
     def _find(self, ids: list[str], now: float) -> set[str]:
         """One ``MGET``; Redis never returns an expired key."""
         keys = self._record_keys(ids)
-        values = self._redis.read(lambda: self._redis.client.mget(keys))
+        values = self._redis.read(self._redis.client.mget, keys)
         return {mid for mid, value in zip(ids, values, strict=True) if self.counts_as_record(value)}
 
     def _contains_one(self, message_id: str, now: float) -> bool:
         return self.counts_as_record(
-            self._redis.read(lambda: self._redis.client.get(self.record_key(message_id)))
+            self._redis.read(self._redis.client.get, self.record_key(message_id))
         )
 
     def record_key(self, message_id: str) -> str:
@@ -246,23 +242,20 @@ class RedisDeduplicationStore(DeduplicationStore):
         return {unescape(endpoint) for endpoint in found}
 
     def _scan_values(self, prefix: str) -> Iterator[tuple[bytes | str, Any]]:
-        """Every key under ``prefix`` (``SCAN MATCH``, a page at a time) with its value
-        (one ``MGET`` per page; ``None`` for a key of another type or one that expired
-        since the scan saw it). ``SCAN`` may return a key twice: the keys seen are held in
-        memory to give each once."""
+        """Every key under ``prefix`` (``SCAN MATCH``, a page at a time) with its value (one
+        ``MGET`` per page; ``None`` for a key of another type or one that expired since the scan saw
+        it). ``SCAN`` may return a key twice: the keys seen are held in memory to give each once."""
         pattern = prefix.translate(_GLOB_ESCAPE) + "*"
         seen: set[bytes | str] = set()
         cursor = 0
         while True:
             cursor, keys = self._redis.read(
-                functools.partial(
-                    self._redis.client.scan, cursor=cursor, match=pattern, count=_SCAN_COUNT
-                )
+                self._redis.client.scan, cursor=cursor, match=pattern, count=_SCAN_COUNT
             )
             fresh = [key for key in dict.fromkeys(keys) if key not in seen]
             if fresh:
                 seen.update(fresh)
-                values = self._redis.read(functools.partial(self._redis.client.mget, fresh))
+                values = self._redis.read(self._redis.client.mget, fresh)
                 yield from zip(fresh, values, strict=True)
             if not int(cursor):
                 return
