@@ -15,12 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from dedupstore.consumers._base import Broker, Delivery, MessageRules
-from dedupstore.consumers._loop import (
-    MALFORMED_ENTITY,
-    SET_ASIDE_POSITION,
-    Consumer,
-    ConsumeStats,
-)
+from dedupstore.consumers._loop import MALFORMED_ENTITY, SET_ASIDE_POSITION, Consumer, ConsumeStats
 from dedupstore.errors import MalformedDelivery
 
 if TYPE_CHECKING:

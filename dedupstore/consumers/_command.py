@@ -173,7 +173,7 @@ def open_processor(
             "--dead-letters sends dead letters through the dispatcher: give --dispatcher URL"
         )
     entities_url, entities_options = _target(args.entities, entities=True)
-    store_url, store_options = _target(args.store, entities=False)
+    store_url, store_options = _target(args.store)
     endpoint = args.endpoint or store_options.pop("endpoint", None) or "default"
     store_options.pop("endpoint", None)
     for flag, url in (("--entities", entities_url), ("--store", store_url)):
@@ -253,7 +253,7 @@ def _close(opened: list[Any]) -> None:
 
 
 def _duration(value: str) -> float:
-    """0 or more seconds: ``1``, ``0.5``, ``"1s"``, ``"250ms"`` (the library's parser)."""
+    """An argparse ``type``: 0 or more seconds, ``1``, ``0.5``, ``"1s"``, ``"250ms"``."""
     try:
         return float(seconds(zero=True)(value))
     except (TypeError, ValueError) as exc:
@@ -302,9 +302,10 @@ class _NoDispatcher:
             )
 
 
-def _target(url: str, entities: bool) -> tuple[str, dict[str, Any]]:
-    """The URL and options to open: ``url`` as given, or the configured ones for 'config'."""
-    if url != "config":
+def _target(url: str | None, entities: bool = False) -> tuple[str, dict[str, Any]]:
+    """The URL and options to open: ``url`` as given, or the configured ones for 'config'
+    (or ``None``)."""
+    if url is not None and url != "config":
         return url, {}
     from dedupstore.config import resolve_config
 

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from types import FrameType
 from typing import Any, Literal
@@ -50,6 +50,7 @@ from dedupstore.outbox import (
     bounded_letter,
     check_handler,
 )
+from dedupstore.outbox.letters import _refusing
 
 __all__ = [
     "MALFORMED_ENTITY",
@@ -113,20 +114,26 @@ class ConsumeStats:
 
     def add(self, other: ConsumeStats) -> None:
         """Add ``other``'s counts to these."""
-        for name in (
-            "rounds",
-            "fetched",
-            "reclaimed",
-            "acked",
-            "nacked",
-            "held",
-            "set_aside",
-            "isolated",
-        ):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.failures += other.failures
+        for count in fields(self):
+            if count.name != "outcomes":
+                setattr(self, count.name, getattr(self, count.name) + getattr(other, count.name))
         for outcome, n in other.outcomes.items():
             self.outcomes[outcome] = self.outcomes.get(outcome, 0) + n
+
+
+@dataclass
+class _Fates:
+    """A round's deliveries by fate: ``done`` (acked), ``left`` (given back: nacked),
+    ``kept`` (held for the next round); ``stats``: the round's."""
+
+    stats: ConsumeStats
+    done: list[Delivery] = field(default_factory=list)
+    left: list[Delivery] = field(default_factory=list)
+    kept: list[Delivery] = field(default_factory=list)
+
+    def processed(self, delivery: Delivery, outcome: str) -> None:
+        self.stats.outcomes[outcome] = self.stats.outcomes.get(outcome, 0) + 1
+        self.done.append(delivery)
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -417,27 +424,26 @@ class Consumer:
                 self._alone_ids.add(id(delivery))
             else:
                 work.append((delivery, message))
-        done: list[Delivery] = []
-        left: list[Delivery] = []
-        kept: list[Delivery] = []
+        fates = _Fates(stats)
         fatal: BaseException | None = None
         try:
             if aside:
-                self._set_aside(aside, done, left, kept, stats)
+                self._set_aside(aside, fates)
             if alone:  # first: a consumer died holding them, so they are the older
-                self._alone(alone, done, left, kept, stats)
-            if kept:  # an outage: the rest waits too, in order behind what it stopped
-                self._hold(work, kept, None)
+                self._alone(alone, fates)
+            if fates.kept:  # an outage: the rest waits too, in order behind what it stopped
+                self._hold(work, fates.kept, None)
             elif work:
                 if self.mode == "batch":
-                    self._batch(work, done, left, kept, stats)
+                    self._batch(work, fates)
                 else:
-                    self._single(work, self.handler, done, left, kept, stats)
+                    self._single(work, self.handler, fates)
         except _FATAL as exc:
             fatal = exc
-            settled = {id(d) for d in (*done, *left)}
-            left.extend(d for d in deliveries if id(d) not in settled)
-            kept = []
+            settled = {id(d) for d in (*fates.done, *fates.left)}
+            fates.left.extend(d for d in deliveries if id(d) not in settled)
+            fates.kept = []
+        done, left, kept = fates.done, fates.left, fates.kept
         kept_ids = {id(d) for d in kept}
         self._counted &= kept_ids  # a recorded run stays recorded while held
         self._alone_ids &= kept_ids  # and a suspect stays one (even if not yet recorded)
@@ -459,14 +465,7 @@ class Consumer:
             return False
         return id(delivery) not in held or id(delivery) in self._alone_ids
 
-    def _alone(
-        self,
-        alone: list[tuple[Delivery, Message]],
-        done: list[Delivery],
-        left: list[Delivery],
-        kept: list[Delivery],
-        stats: ConsumeStats,
-    ) -> None:
+    def _alone(self, alone: list[tuple[Delivery, Message]], fates: _Fates) -> None:
         """Run each delivery alone: its run recorded in its entity first; once the
         recorded runs exceed ``max_deliveries``, the handler refuses it."""
         limit = self.max_deliveries
@@ -478,7 +477,18 @@ class Consumer:
                     runs = self.processor.begin_attempt(message)
                     self._counted.add(id(delivery))
                     if runs > limit:
-                        handler = self._refusing(message, runs - 1)
+                        # The processor runs a handler only for a message not applied yet:
+                        # one applied by an earlier run stays a duplicate; the others are
+                        # dead-lettered without running the handler that killed consumers.
+                        refused = MaxDeliveriesExceeded(
+                            f"message {message.id!r:.80} of entity "
+                            f"{message.correlation_id!r:.80}: {runs - 1} runs of its handler "
+                            f"ended with their consumer dead, more than max_deliveries={limit} "
+                            "allows; set aside without running it again"
+                        )
+                        handler = _refusing(
+                            handler, {(message.correlation_id, message.id): refused}
+                        )
                         _log.warning(
                             "consumer %s: message %r of entity %r was being run by a consumer "
                             "that died, %d times (max_deliveries=%d); dead-lettered unless "
@@ -502,22 +512,15 @@ class Consumer:
                             runs,
                             limit,
                         )
-                if self._one(delivery, message, handler, done, left, stats):
-                    stats.isolated += 1
+                if self._one(delivery, message, handler, fates):
+                    fates.stats.isolated += 1
             except _FATAL:
                 raise
             except Exception as exc:  # noqa: BLE001 - an outage: held with the rest
-                self._hold(alone[index:], kept, exc)
+                self._hold(alone[index:], fates.kept, exc)
                 return
 
-    def _set_aside(
-        self,
-        aside: list[tuple[Delivery, OutgoingMessage, str]],
-        done: list[Delivery],
-        left: list[Delivery],
-        kept: list[Delivery],
-        stats: ConsumeStats,
-    ) -> None:
+    def _set_aside(self, aside: list[tuple[Delivery, OutgoingMessage, str]], fates: _Fates) -> None:
         if self.processor.dead_letters is None:
             for delivery, _, reason in aside:
                 _log.error(
@@ -527,7 +530,7 @@ class Consumer:
                     delivery.token,
                     reason,
                 )
-            left.extend(d for d, _, _ in aside)
+            fates.left.extend(d for d, _, _ in aside)
             return
         try:
             self.processor.dispatcher.dispatch([letter for _, letter, _ in aside])
@@ -543,7 +546,7 @@ class Consumer:
                 type(exc).__name__,
                 format_error(exc),
             )
-            kept.extend(d for d, _, _ in aside)
+            fates.kept.extend(d for d, _, _ in aside)
             return
         for delivery, letter, reason in aside:
             _log.warning(
@@ -554,59 +557,37 @@ class Consumer:
                 letter.id,
                 reason,
             )
-        done.extend(d for d, _, _ in aside)
-        stats.set_aside += len(aside)
+        fates.done.extend(d for d, _, _ in aside)
+        fates.stats.set_aside += len(aside)
         metrics.count_deliveries(self.consumer, self.broker.kind, "set_aside", len(aside))
 
-    def _batch(
-        self,
-        work: list[tuple[Delivery, Message]],
-        done: list[Delivery],
-        left: list[Delivery],
-        kept: list[Delivery],
-        stats: ConsumeStats,
-    ) -> None:
+    def _batch(self, work: list[tuple[Delivery, Message]], fates: _Fates) -> None:
         try:
             results = self.processor.process_batch([m for _, m in work], self.handler)
         except _MESSAGE_ERRORS:  # one message's own failure: one by one, only it is left
-            self._single(work, self.handler, done, left, kept, stats)
+            self._single(work, self.handler, fates)
             return
         except _FATAL:
             raise
         except Exception as exc:  # noqa: BLE001 - an outage: held, run again next round
-            self._hold(work, kept, exc)
+            self._hold(work, fates.kept, exc)
             return
-        for result in results:
-            stats.outcomes[result.outcome] = stats.outcomes.get(result.outcome, 0) + 1
-        done.extend(d for d, _ in work)
+        for (delivery, _), result in zip(work, results, strict=True):
+            fates.processed(delivery, result.outcome)
 
     def _single(
-        self,
-        work: list[tuple[Delivery, Message]],
-        handler: Handler,
-        done: list[Delivery],
-        left: list[Delivery],
-        kept: list[Delivery],
-        stats: ConsumeStats,
+        self, work: list[tuple[Delivery, Message]], handler: Handler, fates: _Fates
     ) -> None:
         for index, (delivery, message) in enumerate(work):
             try:
-                self._one(delivery, message, handler, done, left, stats)
+                self._one(delivery, message, handler, fates)
             except _FATAL:
                 raise
             except Exception as exc:  # noqa: BLE001 - an outage: hold it and the rest
-                self._hold(work[index:], kept, exc)
+                self._hold(work[index:], fates.kept, exc)
                 return
 
-    def _one(
-        self,
-        delivery: Delivery,
-        message: Message,
-        handler: Handler,
-        done: list[Delivery],
-        left: list[Delivery],
-        stats: ConsumeStats,
-    ) -> bool:
+    def _one(self, delivery: Delivery, message: Message, handler: Handler, fates: _Fates) -> bool:
         """Process one message: done (True), or given back when it fails on its own
         (``_MESSAGE_ERRORS``: False). Raises what an outage or a fatal error raises."""
         try:
@@ -615,10 +596,9 @@ class Consumer:
             _log.warning(
                 "consumer %s: %s; given back for redelivery", self.consumer, format_error(exc)
             )
-            left.append(delivery)
+            fates.left.append(delivery)
             return False
-        stats.outcomes[result.outcome] = stats.outcomes.get(result.outcome, 0) + 1
-        done.append(delivery)
+        fates.processed(delivery, result.outcome)
         return True
 
     def _hold(
@@ -668,29 +648,6 @@ class Consumer:
         parts = (("delivery", "body"), ("delivery", "headers"))
         return self._letter(letter_id, {"delivery": shown, "error": error}, parts), reason
 
-    def _refusing(self, refused: Message, crashed: int) -> Handler:
-        """The handler, except for ``refused``: it refuses that one.
-
-        The processor calls a handler only for a message not applied yet, so a
-        message applied in an earlier run (whose acknowledgement was lost) stays a
-        duplicate; one never applied is dead-lettered by the processor (its
-        ``dead_letters`` are required with ``max_deliveries``) without running the
-        user's handler, which is what killed the earlier consumers.
-        """
-        limit, handler = self.max_deliveries, self.handler
-        key = (refused.correlation_id, refused.id)
-
-        def refusing(state: dict[str, Any], message: Message) -> Any:
-            if (message.correlation_id, message.id) != key:
-                return handler(state, message)
-            raise MaxDeliveriesExceeded(
-                f"message {message.id!r:.80} of entity {message.correlation_id!r:.80}: "
-                f"{crashed} runs of its handler ended with their consumer dead, more than "
-                f"max_deliveries={limit} allows; set aside without running it again"
-            )
-
-        return refusing
-
     # ------------------------------------------------------------------ metrics
 
     #: Seconds between two reads of the broker's pending count (for the gauge).
@@ -709,13 +666,3 @@ class Consumer:
             _log.debug("consumer %s: reading the pending count failed: %s", self.consumer, exc)
             return
         metrics.set_pending(self.consumer, self.broker.kind, value)
-
-
-def _as_json(value: Any) -> Any:
-    """``value`` as JSON (bytes as text or hex; what is not JSON as its ``repr``)."""
-    if isinstance(value, bytes):
-        return shown_body(value)
-    try:
-        return canonical.normalized(value)[0]
-    except (TypeError, ValueError):
-        return {"repr": repr(value)}

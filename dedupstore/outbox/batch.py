@@ -18,14 +18,8 @@ from dedupstore.entities import (
     head_size,
     json_size,
 )
-from dedupstore.errors import (
-    ConcurrencyConflict,
-    EntityTooLarge,
-)
-from dedupstore.ids import (
-    message_key,
-    plain_ids,
-)
+from dedupstore.errors import ConcurrencyConflict, EntityTooLarge
+from dedupstore.ids import message_key, plain_ids
 from dedupstore.outbox._base import _Base
 from dedupstore.outbox.entries import (
     _dispatched,

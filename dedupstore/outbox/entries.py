@@ -9,15 +9,8 @@ import logging
 from collections.abc import Collection, Sequence
 
 from dedupstore import metrics
-from dedupstore.entities import (
-    Entity,
-    OutgoingMessage,
-)
-from dedupstore.errors import (
-    ConfigurationError,
-    EntityTooLarge,
-    format_error,
-)
+from dedupstore.entities import Entity, OutgoingMessage
+from dedupstore.errors import ConfigurationError, EntityTooLarge, format_error
 from dedupstore.outbox.messages import Dispatcher, Message
 
 #: Every module of the outbox logs as ``dedupstore.outbox``.

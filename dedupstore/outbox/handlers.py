@@ -9,9 +9,7 @@ import inspect
 from typing import Any
 
 from dedupstore import canonical
-from dedupstore.entities import (
-    OutgoingMessage,
-)
+from dedupstore.entities import OutgoingMessage
 from dedupstore.errors import (
     ConfigurationError,
     EntityTooLarge,
@@ -20,10 +18,7 @@ from dedupstore.errors import (
     MessageTooLarge,
     StoreUnavailable,
 )
-from dedupstore.ids import (
-    outgoing_id,
-    validate_message_id,
-)
+from dedupstore.ids import outgoing_id, validate_message_id
 from dedupstore.outbox._base import _Base
 from dedupstore.outbox.letters import (
     _LETTER_PARTS,

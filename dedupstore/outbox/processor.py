@@ -33,23 +33,9 @@ from collections.abc import Iterable, Sequence
 from typing import Literal
 
 from dedupstore import metrics
-from dedupstore.entities import (
-    Entity,
-    EntityStore,
-    EntryMark,
-    OutgoingMessage,
-)
-from dedupstore.errors import (
-    ConcurrencyConflict,
-    ConfigurationError,
-    EntityTooLarge,
-)
-from dedupstore.ids import (
-    MAX_ID_BYTES,
-    message_key,
-    outgoing_id,
-    validate_name,
-)
+from dedupstore.entities import Entity, EntityStore, EntryMark, OutgoingMessage
+from dedupstore.errors import ConcurrencyConflict, ConfigurationError, EntityTooLarge
+from dedupstore.ids import MAX_ID_BYTES, message_key, outgoing_id, validate_name
 from dedupstore.outbox.batch import _Batching
 from dedupstore.outbox.cache import _EntityCache
 from dedupstore.outbox.entries import (
@@ -61,12 +47,7 @@ from dedupstore.outbox.entries import (
     _too_large,
     _unplaceable,
 )
-from dedupstore.outbox.handlers import (
-    _DEDUP_CALLS,
-    _ENTITY_CALLS,
-    _check_part,
-    _Handling,
-)
+from dedupstore.outbox.handlers import _DEDUP_CALLS, _ENTITY_CALLS, _check_part, _Handling
 from dedupstore.outbox.letters import _letter_error, _Redriving, _refusing, _SetAside
 from dedupstore.outbox.messages import (
     Dispatcher,

@@ -11,18 +11,9 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, replace
 
 from dedupstore import metrics
-from dedupstore.entities import (
-    Entity,
-    EntityStore,
-    OutgoingMessage,
-)
-from dedupstore.errors import (
-    ConfigurationError,
-)
-from dedupstore.ids import (
-    message_key,
-    validate_message_id,
-)
+from dedupstore.entities import Entity, EntityStore, OutgoingMessage
+from dedupstore.errors import ConfigurationError
+from dedupstore.ids import message_key, validate_message_id
 from dedupstore.outbox.entries import _dispatched, _foreign, _remove, _send
 from dedupstore.outbox.messages import Dispatcher
 from dedupstore.store import DeduplicationStore
