@@ -1,19 +1,4 @@
-"""``dedupstore consume``: a consume loop as a service (see :func:`add_parser`).
-
-It opens the broker, the entity store, the deduplication store and the dispatcher
-from URLs (``config``: the configured store), imports the handler
-(``module:function``, the current directory first on the import path), prints one
-start line on stderr (the broker and what it reads, the endpoint, the clean-up mode),
-runs :meth:`~dedupstore.consumers.Consumer.run` until SIGTERM or SIGINT, and prints
-the totals as JSON on stdout whenever the loop ends: exit 0 after a signal, the
-error's exit code after an error. Bad arguments (an async handler, a handler module
-that does not import, no ``--dispatcher`` without ``--no-dispatcher``, a
-``memory://`` store without ``--allow-memory``) exit 2 in one line before any I/O. A
-store, dispatcher or broker that cannot be reached at start is tried again, with a
-backoff and one WARNING line per try, for at most ``--start-timeout`` (default 60 s:
-a consumer restarted during a short outage waits it out); then it exits 3. SIGTERM or
-SIGINT while it waits exits 0.
-"""
+"""``dedupstore consume``: a consume loop as a service (:func:`add_parser`, :func:`run`)."""
 
 from __future__ import annotations
 
@@ -344,8 +329,11 @@ def _start_line(args: argparse.Namespace, broker: Any, consumer: Consumer) -> st
 def run(args: argparse.Namespace) -> int:
     """Run ``dedupstore consume``; return the exit code (0 after SIGTERM/SIGINT).
 
-    The totals are printed (JSON, stdout) whenever the loop ran, also when it ended
-    with an error (raised after the totals: the CLI prints it in one line).
+    Bad arguments are refused (exit 2) before any I/O; what cannot be reached at start
+    is tried again for ``--start-timeout`` (then exit 3), a signal meanwhile exits 0.
+    One start line on stderr, then the loop; the totals are printed (JSON, stdout)
+    whenever the loop ran, also when it ended with an error (raised after the totals:
+    the CLI prints it in one line).
     """
 
     logging.basicConfig(

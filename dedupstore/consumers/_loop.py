@@ -1,14 +1,4 @@
-"""The consume loop: :class:`Consumer`.
-
-Each round (:meth:`Consumer.run_once`): take again what an outage left held, reclaim
-what a dead consumer left, fetch new deliveries (together at most ``batch_size``), set
-aside those that cannot become a message (a dead letter, then acknowledged), run
-alone, one by one, those a consumer died holding (their runs counted in their entity:
-after ``max_deliveries`` runs, dead-lettered), run the others through the
-:class:`~dedupstore.outbox.OutboxProcessor`, acknowledge what is done and hold what an
-outage stopped for the next round. :meth:`Consumer.run` repeats rounds until
-:meth:`Consumer.stop` (or SIGTERM/SIGINT), backing off after a round that failed.
-"""
+"""The consume loop: :class:`Consumer`."""
 
 from __future__ import annotations
 
@@ -76,11 +66,8 @@ class MaxDeliveriesExceeded(Exception):
 
 #: Errors that no retry fixes: the loop leaves the batch for redelivery and raises.
 _FATAL = (ConfigurationError, ConsistencyError, StoreClosed)
-#: Errors of one message that no retry of it fixes (raised only without the
-#: processor's ``dead_letters``, which sets such a message aside: a handler that
-#: raises, an entity that cannot hold it, an outgoing message larger than the
-#: dispatcher takes): the batch is run message by message so that only that message
-#: is given back, and the others go on.
+#: One message's own failures (raised only without the processor's ``dead_letters``):
+#: the batch is run message by message, so that only that message is given back.
 _MESSAGE_ERRORS = (HandlerError, EntityTooLarge, MessageTooLarge)
 
 
@@ -266,16 +253,11 @@ class Consumer:
         self._stopping = threading.Event()
         self._failures = 0  # consecutive rounds that left something for redelivery
         self._pending_read = float("-inf")
-        #: deliveries an outage stopped, run first in the next round (never nacked)
-        self._held: list[Delivery] = []
-        #: ``id()`` of held deliveries judged suspect: they run alone when taken again
-        self._alone_ids: set[int] = set()
-        #: ``id()`` of held deliveries whose run was recorded (not recorded again)
-        self._counted: set[int] = set()
-        #: deliveries done in a round whose acknowledgement failed (acked next round)
-        self._unacked: list[Delivery] = []
-        #: the round in flight (what :meth:`run` adds to the totals when it fails)
-        self._round = ConsumeStats()
+        self._held: list[Delivery] = []  # an outage stopped them: run first next round
+        self._alone_ids: set[int] = set()  # id() of held suspects: they run alone again
+        self._counted: set[int] = set()  # id() of held deliveries whose run was recorded
+        self._unacked: list[Delivery] = []  # done, but their ack failed: acked next round
+        self._round = ConsumeStats()  # the round in flight: added to the totals if it fails
         #: what the last :meth:`run` did (so far, while it runs)
         self.totals = ConsumeStats()
 
@@ -356,7 +338,10 @@ class Consumer:
     # ------------------------------------------------------------------ one round
 
     def run_once(self) -> ConsumeStats:
-        """One round: reclaim and fetch up to ``batch_size``, process, ack, nack.
+        """One round: take again what an outage held, reclaim, fetch (at most
+        ``batch_size`` together); set aside the malformed, run alone (counted) what a
+        dead consumer held, process the rest; ack what is done, nack what failed on its
+        own, hold what an outage stopped for the next round.
 
         Raises what the broker raises from ``reclaim``, ``fetch``, ``ack`` or
         ``nack`` (what was not acknowledged is redelivered), and the errors no retry

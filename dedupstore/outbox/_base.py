@@ -1,12 +1,6 @@
-"""What the parts of :class:`~dedupstore.outbox.OutboxProcessor` share.
-
-The processor is one class made of parts, each in the module of its responsibility:
-its batches (:mod:`~dedupstore.outbox.batch`), its calls of the handler
-(:mod:`~dedupstore.outbox.handlers`), its redrive (:mod:`~dedupstore.outbox.letters`)
-and the steps for one message (:mod:`~dedupstore.outbox.processor`, the class
-itself). :class:`_Base` declares the attributes its ``__init__`` sets and, for the
-type checker only, the methods one part calls on another.
-"""
+"""What the parts of :class:`~dedupstore.outbox.OutboxProcessor` (one class made of
+mixins, one module each) share: :class:`_Base` declares the attributes its ``__init__``
+sets and, for the type checker only, the methods one part calls on another."""
 
 from __future__ import annotations
 
@@ -43,7 +37,8 @@ class _Base:
     _destinations: dict[str, str]
     #: the entities process() saved last, at the version of that save
     _kept: _EntityCache
-    #: whether the two stores share a server (joined calls)
+    #: whether the two stores share a server: process() loads the entity and checks the
+    #: id in one round trip, and the inline clean-up is one atomic write
     _joined: bool
 
     if TYPE_CHECKING:  # the methods one part calls on another (defined by their part)

@@ -163,18 +163,14 @@ class OutboxProcessor(_Batching, _Handling, _Redriving):
         self.max_attempts = max_attempts
         self.deferred_limit = deferred_limit
         self.gc_threshold = gc_threshold
-        self._checked_handler: Handler | None = None  # the handler that passed the check
-        #: the dispatcher's bounds (max_message_bytes, max_header_bytes): see check_size
+        # (the private attributes are described where _Base declares them)
+        self._checked_handler = None
         self._bounds = _bounds(dispatcher)
-        #: valid destinations the handler named, as JSON strings (checked once each)
-        self._destinations: dict[str, str] = {}
-        #: the entities process() saved last, at the version of that save
+        self._destinations = {}
         self._kept = _EntityCache(entity_cache)
-        # The two stores share a server: process() loads the entity and checks the id
-        # in one round trip, and the inline clean-up is one atomic write. (getattr: an
-        # entity store that wraps another need not implement the joined calls.)
+        # getattr: an entity store that wraps another need not implement the joined calls
         joined = getattr(entities, "_joined", None)
-        self._joined: bool = joined is not None and bool(joined(dedup))
+        self._joined = joined is not None and bool(joined(dedup))
 
     @property
     def consumer(self) -> str:

@@ -64,70 +64,18 @@ class FakeClock:
 
 #: Valid ids that break naive key schemes; each must round-trip and never collide.
 HOSTILE_IDS: tuple[str, ...] = (
-    "plain",
-    "Plain",
-    "PLAIN",
-    "plain ",
-    " plain",
-    "plain\t",
-    "plain\n",
-    "a/b",
-    "a\\b",
-    "a?b",
-    "a#b",
-    "a*b",
-    "a:b",
-    "a::b",
-    "a%b",
-    "%s",
-    "%(id)s",
-    "%2F",
-    "a b",
-    "'",
-    '"',
-    "';",
-    "'; DROP TABLE dedup_records; --",
-    '"; DROP TABLE "dedup_records"; --',
-    "*",
-    "?",
-    "[abc]",
-    "[a-z]*?",
-    "{hash}",
-    "{hash}:tail",
-    "a{b}c",
-    "$1",
-    "${HOME}",
-    "..",
-    ".",
-    "/",
-    "//",
-    "\\",
-    "#",
-    "\r\n",
-    "\x01\x02\x7f",
-    "é",
-    "e\u0301",
-    "ß",
-    "SS",
-    "İ",
-    "i̇",
-    "日本語のメッセージ",
-    "🦄",
-    "🦄🦄🦄 unicorns",
-    "\u200b",
-    "\ufeffbom",
-    "\U0010ffff",
-    "null",
-    "None",
-    "0",
-    "-1",
-    "true",
-    "x" * 255,
-    "x" * 256,
-    "y" * MAX_ID_BYTES,
-    "é" * (MAX_ID_BYTES // 2),
-    "🦄" * (MAX_ID_BYTES // 4),
-    "a/b?c#d*e:f\\g" * 50,
+    *("plain", "Plain", "PLAIN", "plain ", " plain", "plain\t", "plain\n"),  # case, spaces
+    *("a/b", "a\\b", "a?b", "a#b", "a*b", "a:b", "a::b", "a%b"),  # separators
+    *("%s", "%(id)s", "%2F", "a b"),  # format and percent-encoding syntax
+    *("'", '"', "';", "'; DROP TABLE dedup_records; --", '"; DROP TABLE "dedup_records"; --'),
+    *("*", "?", "[abc]", "[a-z]*?", "{hash}", "{hash}:tail", "a{b}c", "$1", "${HOME}"),
+    *("..", ".", "/", "//", "\\", "#", "\r\n", "\x01\x02\x7f"),  # paths, control characters
+    *("é", "e\u0301", "ß", "SS", "İ", "i̇"),  # composed, decomposed, case folding
+    *("日本語のメッセージ", "🦄", "🦄🦄🦄 unicorns"),  # wide and astral characters
+    *("\u200b", "\ufeffbom", "\U0010ffff"),  # invisible, byte order mark, the last code point
+    *("null", "None", "0", "-1", "true"),  # what a careless decoder turns into a value
+    *("x" * 255, "x" * 256, "y" * MAX_ID_BYTES, "é" * (MAX_ID_BYTES // 2)),  # lengths
+    *("🦄" * (MAX_ID_BYTES // 4), "a/b?c#d*e:f\\g" * 50),
 )
 
 #: Values that must raise ``InvalidMessageId`` before any I/O, with why.
