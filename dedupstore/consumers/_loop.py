@@ -8,7 +8,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from types import FrameType
@@ -281,8 +281,9 @@ class Consumer:
         left held when the loop ends is given back (:meth:`release`).
         """
         self.totals = totals = ConsumeStats()
+        said = f"consumer {self.consumer}: %s received; stopping after the batch in flight"
         try:
-            with self._signals(install_signal_handlers):
+            with stopping_on_signals(self.stop if install_signal_handlers else None, said):
                 while not self._stopping.is_set():
                     try:
                         totals.add(self.run_once())
@@ -328,12 +329,6 @@ class Consumer:
 
     def _pause(self) -> None:
         self._stopping.wait(pause_before(self._failures, self._backoff))
-
-    def _signals(self, install: bool) -> AbstractContextManager[None]:
-        return stopping_on_signals(
-            self.stop if install else None,
-            f"consumer {self.consumer}: %s received; stopping after the batch in flight",
-        )
 
     # ------------------------------------------------------------------ one round
 

@@ -20,7 +20,6 @@ from dedupstore.entities import (
 )
 from dedupstore.errors import ConcurrencyConflict, EntityTooLarge
 from dedupstore.ids import message_key, plain_ids
-from dedupstore.outbox._base import _Base
 from dedupstore.outbox.entries import (
     _dispatched,
     _remove,
@@ -29,6 +28,7 @@ from dedupstore.outbox.entries import (
     _too_large,
     _unplaceable,
 )
+from dedupstore.outbox.handlers import _Handling
 from dedupstore.outbox.letters import _refusing, _SetAside
 from dedupstore.outbox.messages import (
     BeforeCleanup,
@@ -40,8 +40,9 @@ from dedupstore.outbox.messages import (
 )
 
 
-class _Batching(_Base):
-    """:class:`~dedupstore.outbox.OutboxProcessor`'s batches."""
+class _Batching(_Handling):
+    """:class:`~dedupstore.outbox.OutboxProcessor`'s batches (built on its calls of the
+    handler)."""
 
     def process_batch(
         self,

@@ -13,7 +13,7 @@ from dedupstore.entities import Entity, OutgoingMessage
 from dedupstore.errors import ConfigurationError, EntityTooLarge, format_error
 from dedupstore.outbox.messages import Dispatcher, Message
 
-#: Every module of the outbox logs as ``dedupstore.outbox``.
+#: Every module of the outbox logs as ``dedupstore.outbox`` (imports this one).
 _log = logging.getLogger("dedupstore.outbox")
 
 

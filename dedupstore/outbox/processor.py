@@ -27,7 +27,6 @@ stable across redeliveries; receivers deduplicate outgoing messages by id.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterable, Sequence
 from typing import Literal
@@ -41,13 +40,14 @@ from dedupstore.outbox.cache import _EntityCache
 from dedupstore.outbox.entries import (
     _dispatched,
     _foreign,
+    _log,
     _remove,
     _retrying,
     _send,
     _too_large,
     _unplaceable,
 )
-from dedupstore.outbox.handlers import _DEDUP_CALLS, _ENTITY_CALLS, _check_part, _Handling
+from dedupstore.outbox.handlers import _DEDUP_CALLS, _ENTITY_CALLS, _check_part
 from dedupstore.outbox.letters import _letter_error, _Redriving, _refusing, _SetAside
 from dedupstore.outbox.messages import (
     Dispatcher,
@@ -61,11 +61,8 @@ from dedupstore.outbox.messages import (
 )
 from dedupstore.store import DeduplicationStore
 
-#: Every module of the outbox logs as ``dedupstore.outbox``.
-_log = logging.getLogger("dedupstore.outbox")
 
-
-class OutboxProcessor(_Batching, _Handling, _Redriving):
+class OutboxProcessor(_Batching, _Redriving):
     """Processes messages exactly once: entity state, outbox, dispatch, then the id.
 
     A message is identified by (consumer, entity, message id): the consumer is the
@@ -171,11 +168,6 @@ class OutboxProcessor(_Batching, _Handling, _Redriving):
         # getattr: an entity store that wraps another need not implement the joined calls
         joined = getattr(entities, "_joined", None)
         self._joined = joined is not None and bool(joined(dedup))
-
-    @property
-    def consumer(self) -> str:
-        """The consumer's name: the deduplication store's endpoint."""
-        return self.dedup.endpoint
 
     def _claim(self, entity: Entity) -> Entity:
         """``entity`` (loaded), recorded as this consumer's: every entity the processor

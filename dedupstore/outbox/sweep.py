@@ -14,12 +14,9 @@ from dedupstore import metrics
 from dedupstore.entities import Entity, EntityStore, OutgoingMessage
 from dedupstore.errors import ConfigurationError
 from dedupstore.ids import message_key, validate_message_id
-from dedupstore.outbox.entries import _dispatched, _foreign, _remove, _send
+from dedupstore.outbox.entries import _dispatched, _foreign, _log, _remove, _send
 from dedupstore.outbox.messages import Dispatcher
 from dedupstore.store import DeduplicationStore
-
-#: Every module of the outbox logs as ``dedupstore.outbox``.
-_log = logging.getLogger("dedupstore.outbox")
 
 
 @dataclass
