@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from types import FrameType
-from typing import Any, Literal
+from typing import Literal
 
 from tenacity import wait_random_exponential
 
@@ -600,24 +600,12 @@ class Consumer:
 
     # ------------------------------------------------------------------ dead letters
 
-    def _letter(
-        self, letter_id: str, body: dict[str, Any], parts: Sequence[tuple[str, str]]
-    ) -> OutgoingMessage:
-        """A dead letter of the consumer, bounded by the processor's rule
-        (:func:`~dedupstore.outbox.bounded_letter` to its ``letter_bytes()``: ``parts``
-        replaced by their size and digest while it is over)."""
-        # without dead_letters the letter is never dispatched (see _set_aside)
-        destination = self.processor.dead_letters or ""
-        letter, _ = bounded_letter(
-            {**body, "consumer": self.consumer}, parts, self.processor.letter_bytes()
-        )
-        return OutgoingMessage(letter_id, destination, letter)
-
     def _malformed_letter(
         self, delivery: Delivery, exc: MalformedDelivery
     ) -> tuple[OutgoingMessage, str]:
         """The dead letter of a delivery that is not a message: named by its content
-        (the whole delivery, even when the letter carries only its size and digest)."""
+        (the whole delivery, even when the letter carries only its size and digest),
+        bounded by the processor's rule (:func:`~dedupstore.outbox.bounded_letter`)."""
         shown = {"body": shown_body(delivery.body), "headers": headers_of(delivery)}
         digest = hashlib.sha256(canonical.dumps(shown).encode()).hexdigest()
         letter_id = outgoing_id(self.consumer, MALFORMED_ENTITY, digest, SET_ASIDE_POSITION)
@@ -625,8 +613,11 @@ class Consumer:
         if len(reason) > LETTER_ERROR_CHARS:
             reason = f"{reason[:LETTER_ERROR_CHARS]}... ({len(reason)} characters)"
         error = {"type": "dedupstore.errors.MalformedDelivery", "text": reason}
+        body = {"delivery": shown, "error": error, "consumer": self.consumer}
         parts = (("delivery", "body"), ("delivery", "headers"))
-        return self._letter(letter_id, {"delivery": shown, "error": error}, parts), reason
+        letter, _ = bounded_letter(body, parts, self.processor.letter_bytes())
+        # without dead_letters the letter is never dispatched (see _set_aside)
+        return OutgoingMessage(letter_id, self.processor.dead_letters or "", letter), reason
 
     # ------------------------------------------------------------------ metrics
 

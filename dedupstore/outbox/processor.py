@@ -45,7 +45,6 @@ from dedupstore.outbox.entries import (
     _retrying,
     _send,
     _too_large,
-    _unplaceable,
 )
 from dedupstore.outbox.handlers import _DEDUP_CALLS, _ENTITY_CALLS, _check_part
 from dedupstore.outbox.letters import _letter_error, _Redriving, _refusing, _SetAside
@@ -84,13 +83,11 @@ class OutboxProcessor(_Batching, _Redriving):
     a load), so keeping never changes an answer, only the requests a message costs.
 
     By default the processor changes no setting of the process. ``gc_threshold``
-    (an int, e.g. :data:`~dedupstore.calls.GC_BATCH_THRESHOLD`) opts in to raising
-    CPython's cyclic garbage collector's young-generation threshold to it while
-    :meth:`process_batch` runs (:func:`~dedupstore.calls.gc_relaxed`), for the whole
-    process, every thread included, put back when the last batch running at once
-    ends: a batch's objects would otherwise set off full collections, each walking
-    every object of the process, which in a process holding much data cost more
-    than the batch itself.
+    (an int, e.g. :data:`~dedupstore.calls.GC_BATCH_THRESHOLD`) raises CPython's
+    young-generation GC threshold to it for the whole process while :meth:`process_batch`
+    runs (:func:`~dedupstore.calls.gc_relaxed`; put back when the last batch ends): a
+    batch's objects would otherwise set off full collections, each walking every object
+    of the process, which in a process holding much data cost more than the batch.
 
     Every outbox entry it writes is marked with the time it was written (what
     :func:`~dedupstore.stats.outbox_backlog` reports as the oldest pending entry) and
@@ -348,11 +345,9 @@ class OutboxProcessor(_Batching, _Redriving):
         """Save the entity holding ``message``'s new entry (step 2c); with ``checked``
         (the message's key), unless the deduplication store holds it: None then.
 
-        When it does not fit and the entity holds other entries, they are cleared
-        (:meth:`_clear`, on a fresh load, under its token) and False says: start
-        again. When it does not fit without them, ``EntityTooLarge`` names the message
-        (without ``dead_letters``), or ``_SetAside`` says how to set it aside
-        (:meth:`_refusals`).
+        When it does not fit, the entity's other entries are cleared (:meth:`_clear`,
+        on a fresh load) and False says: start again; without others, ``EntityTooLarge``
+        names the message, or (``dead_letters``) ``_SetAside`` says how to set it aside.
         """
         try:
             if checked is None:
@@ -370,7 +365,7 @@ class OutboxProcessor(_Batching, _Redriving):
                     raise too_large from None
                 refusals = self._refusals(message, entity.outbox.get(message.id), too_large)
                 if not refusals:
-                    raise _unplaceable(message, too_large) from None
+                    raise _too_large(message, too_large, set_aside=True) from None
                 raise refusals[0] from None
             if not self._clear([fresh], set()):
                 raise ConcurrencyConflict(f"entity {entity.id!r:.80} changed") from None
