@@ -9,11 +9,9 @@ no such letter, or the demo saw an invariant fail;
 ``ConcurrencyConflict`` that persisted). Expected errors print one line, never a
 traceback.
 
-Commands that only read or clean up (``has``, ``purge``, ``stats``, ``entities
-show/pending/sweep``, the Spark ``sweep``, and ``check`` unless the URL or configuration
-says ``create=true``) open their stores with ``must_exist=True``: they never create a
-store, and a missing file, table, database or container is "no such store" (exit 2).
-Only ``add`` (and ``check`` with ``create=true``) may create one.
+Only ``add`` (and ``check`` when the URL or configuration says ``create=true``) may
+create a store: the commands that read or clean up open theirs with ``must_exist=True``,
+and a missing file, table, database or container is "no such store" (exit 2).
 """
 
 from __future__ import annotations

@@ -121,15 +121,14 @@ class OutboxProcessor(_Batching, _Redriving):
         below 0, or a ``gc_threshold`` that is neither None nor an int >= 1."""
         if cleanup not in ("inline", "deferred"):
             raise ConfigurationError(f"cleanup must be 'inline' or 'deferred', got {cleanup!r}")
-        for name, value in (
-            ("max_attempts", max_attempts),
-            ("deferred_limit", deferred_limit),
-            ("handler_attempts", handler_attempts),
+        for name, value, low in (
+            ("max_attempts", max_attempts, 1),
+            ("deferred_limit", deferred_limit, 1),
+            ("handler_attempts", handler_attempts, 1),
+            ("entity_cache", entity_cache, 0),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
-        if isinstance(entity_cache, bool) or not isinstance(entity_cache, int) or entity_cache < 0:
-            raise ConfigurationError(f"entity_cache must be an int >= 0, got {entity_cache!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigurationError(f"{name} must be an int >= {low}, got {value!r}")
         if gc_threshold is not None and (
             isinstance(gc_threshold, bool) or not isinstance(gc_threshold, int) or gc_threshold < 1
         ):

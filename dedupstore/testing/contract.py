@@ -322,21 +322,8 @@ class DeduplicationStoreContract:
 
     def test_store_is_shared_by_threads(self, store: DeduplicationStore) -> None:
         ids = [_unique() for _ in range(60)]
-        wins: list[str] = []
-        lock = threading.Lock()
-
-        def run() -> None:
-            for m in ids:
-                if store.add(m):
-                    with lock:
-                        wins.append(m)
-
-        threads = [threading.Thread(target=run) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert sorted(wins) == sorted(ids)
+        results = run_concurrently(lambda _: [m for m in ids if store.add(m)], 4)
+        assert sorted(m for wins in results for m in wins) == sorted(ids)
 
     # ------------------------------------------------------------------ ids
 

@@ -289,10 +289,10 @@ class _Turns:
             raise Crash(f"actor {actor} crashed after {name}")
         return result
 
-    def end_turn(self, actor: int, done: bool) -> None:
+    def end_turn(self, actor: int) -> None:
+        """``actor`` finished."""
         with self.cond:
-            if done:
-                self.finished.add(actor)
+            self.finished.add(actor)
             if self.running == actor:
                 self.running = None
             self.cond.notify_all()
@@ -493,7 +493,7 @@ def _run_once(
             result = exc
         finally:
             turns.run.results[index] = result
-            turns.end_turn(index, done=True)
+            turns.end_turn(index)
 
     def observe(trace: list[str]) -> None:
         entity = checker_entities.load(entity_id)
