@@ -472,14 +472,6 @@ def _config(_: argparse.Namespace) -> int:
     return 0
 
 
-def _segment(args: argparse.Namespace) -> tuple[int, int]:
-    if args.segment >= args.segments:
-        raise ConfigurationError(
-            f"--segment must be below --segments ({args.segments}), got {args.segment}"
-        )
-    return args.segment, args.segments
-
-
 def _entities(args: argparse.Namespace) -> int:
     if args.entity_command == "show":
         with _open_entities(args.url) as store:
@@ -495,7 +487,9 @@ def _entities(args: argparse.Namespace) -> int:
         shown = {"id": entity.id, "version": entity.version, "state": entity.state}
         print(json.dumps({**shown, "outbox": outbox}, indent=2, ensure_ascii=False, default=str))
         return 0
-    segment, segments = _segment(args)
+    segment, segments = args.segment, args.segments
+    if segment >= segments:
+        raise ConfigurationError(f"--segment must be below --segments ({segments}), got {segment}")
     if args.entity_command == "pending":
         count = entries = 0
         with _open_entities(args.url) as store:
