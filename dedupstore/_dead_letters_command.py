@@ -20,7 +20,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from dedupstore.consumers import _command as consume_command
-from dedupstore.dead_letters import DeadLetter, DeadLetterQueue, ReadBack
+from dedupstore.dead_letters import DeadLetter, DeadLetterQueue, ReadBack, _unreadable
 from dedupstore.errors import ConfigurationError
 from dedupstore.ids import validate_message_id, validate_name
 from dedupstore.urls import StoreURL
@@ -82,11 +82,7 @@ def _readable(url: str) -> dict[str, Any]:
     parsed = StoreURL.parse(url)
     cls = resolve("dispatcher", parsed.scheme)
     if not issubclass(cls, ReadBack):
-        raise ConfigurationError(
-            f"dead letters cannot be read back from a {parsed.scheme}:// dispatcher "
-            "(readable: redis://, sqlite:// and amqp:// dispatchers); read them where the "
-            "destination delivers them"
-        )
+        raise _unreadable(f"{parsed.scheme}://")
     declared = set(cls.declared_options)
     if "create" in declared and not any(key == "create" for key, _ in parsed.query):
         return {"create": False}
@@ -126,8 +122,7 @@ def run(args: argparse.Namespace) -> int:
             queue = DeadLetterQueue(processor.dispatcher, args.dead_letters)
             return _redrive(queue, processor, handler, chosen)
         finally:
-            for client in reversed(opened):
-                client.close()
+            consume_command._close(opened)
     with open_dispatcher(args.dispatcher, **options) as dispatcher:
         queue = DeadLetterQueue(dispatcher, args.dead_letters)
         if args.letters_command == "list":

@@ -9,11 +9,9 @@ no such letter, or the demo saw an invariant fail;
 ``ConcurrencyConflict`` that persisted). Expected errors print one line, never a
 traceback.
 
-Commands that only read or clean up (``has``, ``purge``, ``stats``, ``entities
-show/pending/sweep``, the Spark ``sweep``, and ``check`` unless the URL or configuration
-says ``create=true``) open their stores with ``must_exist=True``: they never create a
-store, and a missing file, table, database or container is "no such store" (exit 2).
-Only ``add`` (and ``check`` with ``create=true``) may create one.
+Only ``add`` (and ``check`` when the URL or configuration says ``create=true``) may
+create a store: the commands that read or clean up open theirs with ``must_exist=True``,
+and a missing file, table, database or container is "no such store" (exit 2).
 """
 
 from __future__ import annotations
@@ -32,6 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 from dedupstore import __version__, open_entity_store, open_store, registry
 from dedupstore import _dead_letters_command as dead_letters_command
 from dedupstore.consumers import _command as consume_command
+from dedupstore.consumers._command import _duration, _target
 from dedupstore.entities import EntityStore
 from dedupstore.errors import (
     ConcurrencyConflict,
@@ -42,7 +41,7 @@ from dedupstore.errors import (
 )
 from dedupstore.ids import message_key, validate_ids, validate_message_id
 from dedupstore.masking import MASK, mask_options
-from dedupstore.options import format_duration, retention, seconds
+from dedupstore.options import format_duration, retention
 from dedupstore.stats import Backlog, outbox_backlog
 from dedupstore.store import DeduplicationStore
 from dedupstore.urls import StoreURL
@@ -128,14 +127,6 @@ def _retention(value: str) -> timedelta | None:
         return retention(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _interval(value: str) -> float:
-    """0 or more seconds: ``2``, ``0.5``, ``"2s"``, ``"250ms"`` (the library's duration parser)."""
-    try:
-        return float(seconds(zero=True)(value))
-    except (TypeError, ValueError) as exc:
-        raise argparse.ArgumentTypeError(f"expected 0 or more seconds ({exc})") from None
 
 
 def int_range(low: int, high: int) -> Callable[[str], int]:
@@ -284,7 +275,7 @@ def _parser(plugins: Mapping[str, Command]) -> argparse.ArgumentParser:
     )
     sweep.add_argument(
         "--progress",
-        type=_interval,
+        type=_duration,
         default=2.0,
         metavar="SECONDS",
         help="print the running totals to stderr at most this often, and a last line when "
@@ -296,16 +287,6 @@ def _parser(plugins: Mapping[str, Command]) -> argparse.ArgumentParser:
     for name, command in plugins.items():
         command.add_parser(commands, name)
     return parser
-
-
-def _target(url: str | None, entities: bool = False) -> tuple[str, dict[str, Any]]:
-    """The URL and options to open: ``url`` as given, or the configured ones for 'config'."""
-    from dedupstore.config import resolve_config
-
-    if url in (None, "config"):
-        resolved = resolve_config(entities=entities)
-        return resolved.url, dict(resolved.options)
-    return str(url), {}
 
 
 def _replacing(
@@ -335,10 +316,10 @@ def _open_entities(url: str) -> EntityStore:
     return open_entity_store(target, **options)
 
 
-def _names_endpoint(url: str | None) -> bool:
-    """Whether the URL's query or the configured options set ``endpoint``."""
+def _sets(url: str | None, option: str) -> bool:
+    """Whether the URL's query or the configured options set ``option`` (to any value)."""
     target, options = _target(url)
-    return "endpoint" in options or any(k == "endpoint" for k, _ in StoreURL.parse(target).query)
+    return option in options or any(key == option for key, _ in StoreURL.parse(target).query)
 
 
 def _sweep_endpoint(
@@ -347,18 +328,12 @@ def _sweep_endpoint(
     """The endpoint a sweep moves ids to: ``--endpoint``, else the configured one (None:
     let the store's options say), else the one consumer recorded on the segment's
     outboxes (one scan; ``ConfigurationError`` listing them when there are several)."""
-    if given is not None or _names_endpoint(dedup_url):
+    if given is not None or _sets(dedup_url, "endpoint"):
         return given
     from dedupstore.outbox import recorded_consumer
 
     backlog = outbox_backlog(entities, segment=segment, segments=segments)
     return recorded_consumer(backlog.consumers, "--endpoint")
-
-
-def _asks_to_create(url: str | None) -> bool:
-    """Whether the URL's query or the configured options set ``create`` (to any value)."""
-    target, options = _target(url)
-    return "create" in options or any(key == "create" for key, _ in StoreURL.parse(target).query)
 
 
 def _keys(args: argparse.Namespace) -> dict[str, str]:
@@ -380,7 +355,7 @@ def _timed(action: Callable[[], T]) -> tuple[T, float]:
 
 
 def _check(args: argparse.Namespace) -> int:
-    must_exist = not _asks_to_create(args.url)  # a health check must not make the store it checks
+    must_exist = not _sets(args.url, "create")  # a health check must not make the store it checks
     store, open_ms = _timed(
         lambda: _open(
             args.url,
@@ -497,14 +472,6 @@ def _config(_: argparse.Namespace) -> int:
     return 0
 
 
-def _segment(args: argparse.Namespace) -> tuple[int, int]:
-    if args.segment >= args.segments:
-        raise ConfigurationError(
-            f"--segment must be below --segments ({args.segments}), got {args.segment}"
-        )
-    return args.segment, args.segments
-
-
 def _entities(args: argparse.Namespace) -> int:
     if args.entity_command == "show":
         with _open_entities(args.url) as store:
@@ -520,7 +487,9 @@ def _entities(args: argparse.Namespace) -> int:
         shown = {"id": entity.id, "version": entity.version, "state": entity.state}
         print(json.dumps({**shown, "outbox": outbox}, indent=2, ensure_ascii=False, default=str))
         return 0
-    segment, segments = _segment(args)
+    segment, segments = args.segment, args.segments
+    if segment >= segments:
+        raise ConfigurationError(f"--segment must be below --segments ({segments}), got {segment}")
     if args.entity_command == "pending":
         count = entries = 0
         with _open_entities(args.url) as store:
@@ -586,7 +555,7 @@ def _stats(args: argparse.Namespace) -> int:
                 }
     if store_url is not None:
         endpoint = args.endpoint
-        chosen = endpoint is not None or _names_endpoint(store_url)
+        chosen = endpoint is not None or _sets(store_url, "endpoint")
         if not chosen and len(consumers) == 1:
             (endpoint,), chosen = consumers, True
         store = _open(store_url, endpoint=endpoint)

@@ -216,6 +216,13 @@ def _letter(copies: list[ReadMessage]) -> DeadLetter:
     )
 
 
+def _unreadable(scheme: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"dead letters cannot be read back from a {scheme} dispatcher (readable: redis://, "
+        "sqlite:// and amqp:// dispatchers); read them where the destination delivers them"
+    )
+
+
 def _scheme(dispatcher: object) -> str:
     url = getattr(dispatcher, "url", None)
     if isinstance(url, str) and "://" in url:
@@ -232,11 +239,7 @@ class DeadLetterQueue:
 
     def __init__(self, dispatcher: object, destination: str) -> None:
         if not isinstance(dispatcher, ReadBack):
-            raise ConfigurationError(
-                f"dead letters cannot be read back from a {_scheme(dispatcher)} dispatcher "
-                "(readable: redis://, sqlite:// and amqp:// dispatchers); read them where "
-                "the destination delivers them"
-            )
+            raise _unreadable(_scheme(dispatcher))
         if not isinstance(destination, str) or not destination:
             raise ConfigurationError(f"a dead-letter destination is needed, got {destination!r}")
         self.dispatcher: ReadBack = dispatcher

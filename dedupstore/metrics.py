@@ -7,38 +7,8 @@ proxies record nothing. Without ``opentelemetry-api`` installed every function h
 does nothing. No function here raises (beyond what the OpenTelemetry API raises,
 which by its own contract is nothing).
 
-Instruments (their names and attributes are the contract):
-
-``dedupstore.messages`` (counter)
-    messages whose processing returned; ``outcome`` (``processed``, ``duplicate``,
-    ``redispatched``, ``dead_lettered``) and ``consumer`` (the deduplication store's
-    endpoint).
-``dedupstore.conflicts`` (counter)
-    concurrency conflicts about to be retried; ``consumer``, ``source``
-    (``processor`` or ``sweep``).
-``dedupstore.dispatch.failures`` (counter)
-    dispatcher calls that raised; ``consumer``, ``error`` (the exception's class name).
-``dedupstore.store.duration`` (histogram, seconds)
-    every backend call (each pass through ``Client.translating_errors``);
-    ``backend`` (the class's main URL scheme: ``memory``, ``sqlite``, ``postgresql``,
-    ``redis``, ``dynamodb``, ``cosmos``, or a registered one), ``operation`` (``load``,
-    ``save``, ``scan``, ``add``, ``add_many``, ``has_been_processed``,
-    ``processed_among``, ``purge_expired``, ``dispatch``, ``open``, and where the
-    entity store and the deduplication store share a server ``load_and_check``,
-    ``check_and_save`` and ``add_and_save``...) and, when the
-    call failed, ``error`` (the class name of the exception it raised).
-``dedupstore.sweep.ids`` (counter)
-    ids the sweep moved from outboxes to the deduplication store; ``consumer``.
-``dedupstore.consumer.deliveries`` (counter)
-    broker deliveries a consume loop (:mod:`dedupstore.consumers`) handled;
-    ``consumer``, ``broker`` (the broker class's ``kind``: ``redis_streams``, ...) and
-    ``event``: ``fetched`` (new deliveries), ``reclaimed`` (taken over from a dead
-    consumer), ``acked`` (done: never redelivered), ``nacked`` (left for
-    redelivery), ``set_aside`` (malformed or delivered too often: dead-lettered, then
-    acked).
-``dedupstore.consumer.pending`` (observable gauge)
-    deliveries the broker holds for the consumer (pending or lag), as the last
-    batch saw it, for brokers that tell; ``consumer``, ``broker``.
+The instruments' names (the constants below) and attributes are a contract; the table
+in the operating guide (``docs/operating.md``, "Logs and metrics") says what each counts.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ sweep, and finds the oldest entry still awaiting dispatch. The deduplication sid
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
 
@@ -67,11 +67,7 @@ class Backlog:
         ms; ``consumers`` sorted)."""
         oldest = self.oldest_pending_at
         return {
-            "entities_scanned": self.entities_scanned,
-            "entities_pending": self.entities_pending,
-            "messages_pending": self.messages_pending,
-            "outgoing_pending": self.outgoing_pending,
-            "ids_awaiting_sweep": self.ids_awaiting_sweep,
+            **{field.name: getattr(self, field.name) for field in fields(self)},
             "oldest_pending_at": (
                 None if oldest is None else oldest.isoformat(timespec="milliseconds")
             ),

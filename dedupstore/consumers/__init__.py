@@ -1,13 +1,8 @@
 """Consume loops: read a broker, process exactly once, acknowledge only what is done.
 
-* :class:`Broker` -- the small interface a broker implements (fetch, ack, nack,
-  reclaim, pending); :class:`Delivery` -- one delivery it hands out.
-* :class:`MessageRules` -- how a delivery becomes a :class:`~dedupstore.outbox.Message`.
-* :class:`Consumer` -- the loop: :meth:`Consumer.run_once`, :meth:`Consumer.run`
-  (until :meth:`Consumer.stop`, SIGTERM or SIGINT), :class:`ConsumeStats`.
-
-Brokers: :class:`dedupstore.backends.redis.consumer.RedisStreamsBroker` (Redis Streams
-consumer groups), or a class of your own.
+A :class:`Broker` (Redis Streams, RabbitMQ and Kafka built in: :func:`open_broker`; or
+a class of your own) hands out each :class:`Delivery`; :class:`MessageRules` turns one
+into a :class:`~dedupstore.outbox.Message`; :class:`Consumer` is the loop.
 """
 
 from __future__ import annotations
@@ -15,12 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from dedupstore.consumers._base import Broker, Delivery, MessageRules
-from dedupstore.consumers._loop import (
-    MALFORMED_ENTITY,
-    SET_ASIDE_POSITION,
-    Consumer,
-    ConsumeStats,
-)
+from dedupstore.consumers._loop import MALFORMED_ENTITY, SET_ASIDE_POSITION, Consumer, ConsumeStats
 from dedupstore.errors import MalformedDelivery
 
 if TYPE_CHECKING:

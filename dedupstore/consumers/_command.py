@@ -1,19 +1,4 @@
-"""``dedupstore consume``: a consume loop as a service (see :func:`add_parser`).
-
-It opens the broker, the entity store, the deduplication store and the dispatcher
-from URLs (``config``: the configured store), imports the handler
-(``module:function``, the current directory first on the import path), prints one
-start line on stderr (the broker and what it reads, the endpoint, the clean-up mode),
-runs :meth:`~dedupstore.consumers.Consumer.run` until SIGTERM or SIGINT, and prints
-the totals as JSON on stdout whenever the loop ends: exit 0 after a signal, the
-error's exit code after an error. Bad arguments (an async handler, a handler module
-that does not import, no ``--dispatcher`` without ``--no-dispatcher``, a
-``memory://`` store without ``--allow-memory``) exit 2 in one line before any I/O. A
-store, dispatcher or broker that cannot be reached at start is tried again, with a
-backoff and one WARNING line per try, for at most ``--start-timeout`` (default 60 s:
-a consumer restarted during a short outage waits it out); then it exits 3. SIGTERM or
-SIGINT while it waits exits 0.
-"""
+"""``dedupstore consume``: a consume loop as a service (:func:`add_parser`, :func:`run`)."""
 
 from __future__ import annotations
 
@@ -173,7 +158,7 @@ def open_processor(
             "--dead-letters sends dead letters through the dispatcher: give --dispatcher URL"
         )
     entities_url, entities_options = _target(args.entities, entities=True)
-    store_url, store_options = _target(args.store, entities=False)
+    store_url, store_options = _target(args.store)
     endpoint = args.endpoint or store_options.pop("endpoint", None) or "default"
     store_options.pop("endpoint", None)
     for flag, url in (("--entities", entities_url), ("--store", store_url)):
@@ -253,7 +238,7 @@ def _close(opened: list[Any]) -> None:
 
 
 def _duration(value: str) -> float:
-    """0 or more seconds: ``1``, ``0.5``, ``"1s"``, ``"250ms"`` (the library's parser)."""
+    """An argparse ``type``: 0 or more seconds, ``1``, ``0.5``, ``"1s"``, ``"250ms"``."""
     try:
         return float(seconds(zero=True)(value))
     except (TypeError, ValueError) as exc:
@@ -302,9 +287,10 @@ class _NoDispatcher:
             )
 
 
-def _target(url: str, entities: bool) -> tuple[str, dict[str, Any]]:
-    """The URL and options to open: ``url`` as given, or the configured ones for 'config'."""
-    if url != "config":
+def _target(url: str | None, entities: bool = False) -> tuple[str, dict[str, Any]]:
+    """The URL and options to open: ``url`` as given, or the configured ones for 'config'
+    (or ``None``)."""
+    if url is not None and url != "config":
         return url, {}
     from dedupstore.config import resolve_config
 
@@ -343,8 +329,11 @@ def _start_line(args: argparse.Namespace, broker: Any, consumer: Consumer) -> st
 def run(args: argparse.Namespace) -> int:
     """Run ``dedupstore consume``; return the exit code (0 after SIGTERM/SIGINT).
 
-    The totals are printed (JSON, stdout) whenever the loop ran, also when it ended
-    with an error (raised after the totals: the CLI prints it in one line).
+    Bad arguments are refused (exit 2) before any I/O; what cannot be reached at start
+    is tried again for ``--start-timeout`` (then exit 3), a signal meanwhile exits 0.
+    One start line on stderr, then the loop; the totals are printed (JSON, stdout)
+    whenever the loop ran, also when it ended with an error (raised after the totals:
+    the CLI prints it in one line).
     """
 
     logging.basicConfig(

@@ -1,14 +1,4 @@
-"""The consume loop: :class:`Consumer`.
-
-Each round (:meth:`Consumer.run_once`): take again what an outage left held, reclaim
-what a dead consumer left, fetch new deliveries (together at most ``batch_size``), set
-aside those that cannot become a message (a dead letter, then acknowledged), run
-alone, one by one, those a consumer died holding (their runs counted in their entity:
-after ``max_deliveries`` runs, dead-lettered), run the others through the
-:class:`~dedupstore.outbox.OutboxProcessor`, acknowledge what is done and hold what an
-outage stopped for the next round. :meth:`Consumer.run` repeats rounds until
-:meth:`Consumer.stop` (or SIGTERM/SIGINT), backing off after a round that failed.
-"""
+"""The consume loop: :class:`Consumer`."""
 
 from __future__ import annotations
 
@@ -18,11 +8,11 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from types import FrameType
-from typing import Any, Literal
+from typing import Literal
 
 from tenacity import wait_random_exponential
 
@@ -50,6 +40,7 @@ from dedupstore.outbox import (
     bounded_letter,
     check_handler,
 )
+from dedupstore.outbox.letters import _refusing
 
 __all__ = [
     "MALFORMED_ENTITY",
@@ -75,11 +66,8 @@ class MaxDeliveriesExceeded(Exception):
 
 #: Errors that no retry fixes: the loop leaves the batch for redelivery and raises.
 _FATAL = (ConfigurationError, ConsistencyError, StoreClosed)
-#: Errors of one message that no retry of it fixes (raised only without the
-#: processor's ``dead_letters``, which sets such a message aside: a handler that
-#: raises, an entity that cannot hold it, an outgoing message larger than the
-#: dispatcher takes): the batch is run message by message so that only that message
-#: is given back, and the others go on.
+#: One message's own failures (raised only without the processor's ``dead_letters``):
+#: the batch is run message by message, so that only that message is given back.
 _MESSAGE_ERRORS = (HandlerError, EntityTooLarge, MessageTooLarge)
 
 
@@ -113,20 +101,26 @@ class ConsumeStats:
 
     def add(self, other: ConsumeStats) -> None:
         """Add ``other``'s counts to these."""
-        for name in (
-            "rounds",
-            "fetched",
-            "reclaimed",
-            "acked",
-            "nacked",
-            "held",
-            "set_aside",
-            "isolated",
-        ):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.failures += other.failures
+        for count in fields(self):
+            if count.name != "outcomes":
+                setattr(self, count.name, getattr(self, count.name) + getattr(other, count.name))
         for outcome, n in other.outcomes.items():
             self.outcomes[outcome] = self.outcomes.get(outcome, 0) + n
+
+
+@dataclass
+class _Fates:
+    """A round's deliveries by fate: ``done`` (acked), ``left`` (given back: nacked),
+    ``kept`` (held for the next round); ``stats``: the round's."""
+
+    stats: ConsumeStats
+    done: list[Delivery] = field(default_factory=list)
+    left: list[Delivery] = field(default_factory=list)
+    kept: list[Delivery] = field(default_factory=list)
+
+    def processed(self, delivery: Delivery, outcome: str) -> None:
+        self.stats.outcomes[outcome] = self.stats.outcomes.get(outcome, 0) + 1
+        self.done.append(delivery)
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -259,16 +253,11 @@ class Consumer:
         self._stopping = threading.Event()
         self._failures = 0  # consecutive rounds that left something for redelivery
         self._pending_read = float("-inf")
-        #: deliveries an outage stopped, run first in the next round (never nacked)
-        self._held: list[Delivery] = []
-        #: ``id()`` of held deliveries judged suspect: they run alone when taken again
-        self._alone_ids: set[int] = set()
-        #: ``id()`` of held deliveries whose run was recorded (not recorded again)
-        self._counted: set[int] = set()
-        #: deliveries done in a round whose acknowledgement failed (acked next round)
-        self._unacked: list[Delivery] = []
-        #: the round in flight (what :meth:`run` adds to the totals when it fails)
-        self._round = ConsumeStats()
+        self._held: list[Delivery] = []  # an outage stopped them: run first next round
+        self._alone_ids: set[int] = set()  # id() of held suspects: they run alone again
+        self._counted: set[int] = set()  # id() of held deliveries whose run was recorded
+        self._unacked: list[Delivery] = []  # done, but their ack failed: acked next round
+        self._round = ConsumeStats()  # the round in flight: added to the totals if it fails
         #: what the last :meth:`run` did (so far, while it runs)
         self.totals = ConsumeStats()
 
@@ -292,8 +281,9 @@ class Consumer:
         left held when the loop ends is given back (:meth:`release`).
         """
         self.totals = totals = ConsumeStats()
+        said = f"consumer {self.consumer}: %s received; stopping after the batch in flight"
         try:
-            with self._signals(install_signal_handlers):
+            with stopping_on_signals(self.stop if install_signal_handlers else None, said):
                 while not self._stopping.is_set():
                     try:
                         totals.add(self.run_once())
@@ -340,16 +330,13 @@ class Consumer:
     def _pause(self) -> None:
         self._stopping.wait(pause_before(self._failures, self._backoff))
 
-    def _signals(self, install: bool) -> AbstractContextManager[None]:
-        return stopping_on_signals(
-            self.stop if install else None,
-            f"consumer {self.consumer}: %s received; stopping after the batch in flight",
-        )
-
     # ------------------------------------------------------------------ one round
 
     def run_once(self) -> ConsumeStats:
-        """One round: reclaim and fetch up to ``batch_size``, process, ack, nack.
+        """One round: take again what an outage held, reclaim, fetch (at most
+        ``batch_size`` together); set aside the malformed, run alone (counted) what a
+        dead consumer held, process the rest; ack what is done, nack what failed on its
+        own, hold what an outage stopped for the next round.
 
         Raises what the broker raises from ``reclaim``, ``fetch``, ``ack`` or
         ``nack`` (what was not acknowledged is redelivered), and the errors no retry
@@ -417,27 +404,26 @@ class Consumer:
                 self._alone_ids.add(id(delivery))
             else:
                 work.append((delivery, message))
-        done: list[Delivery] = []
-        left: list[Delivery] = []
-        kept: list[Delivery] = []
+        fates = _Fates(stats)
         fatal: BaseException | None = None
         try:
             if aside:
-                self._set_aside(aside, done, left, kept, stats)
+                self._set_aside(aside, fates)
             if alone:  # first: a consumer died holding them, so they are the older
-                self._alone(alone, done, left, kept, stats)
-            if kept:  # an outage: the rest waits too, in order behind what it stopped
-                self._hold(work, kept, None)
+                self._alone(alone, fates)
+            if fates.kept:  # an outage: the rest waits too, in order behind what it stopped
+                self._hold(work, fates.kept, None)
             elif work:
                 if self.mode == "batch":
-                    self._batch(work, done, left, kept, stats)
+                    self._batch(work, fates)
                 else:
-                    self._single(work, self.handler, done, left, kept, stats)
+                    self._single(work, self.handler, fates)
         except _FATAL as exc:
             fatal = exc
-            settled = {id(d) for d in (*done, *left)}
-            left.extend(d for d in deliveries if id(d) not in settled)
-            kept = []
+            settled = {id(d) for d in (*fates.done, *fates.left)}
+            fates.left.extend(d for d in deliveries if id(d) not in settled)
+            fates.kept = []
+        done, left, kept = fates.done, fates.left, fates.kept
         kept_ids = {id(d) for d in kept}
         self._counted &= kept_ids  # a recorded run stays recorded while held
         self._alone_ids &= kept_ids  # and a suspect stays one (even if not yet recorded)
@@ -459,14 +445,7 @@ class Consumer:
             return False
         return id(delivery) not in held or id(delivery) in self._alone_ids
 
-    def _alone(
-        self,
-        alone: list[tuple[Delivery, Message]],
-        done: list[Delivery],
-        left: list[Delivery],
-        kept: list[Delivery],
-        stats: ConsumeStats,
-    ) -> None:
+    def _alone(self, alone: list[tuple[Delivery, Message]], fates: _Fates) -> None:
         """Run each delivery alone: its run recorded in its entity first; once the
         recorded runs exceed ``max_deliveries``, the handler refuses it."""
         limit = self.max_deliveries
@@ -478,7 +457,18 @@ class Consumer:
                     runs = self.processor.begin_attempt(message)
                     self._counted.add(id(delivery))
                     if runs > limit:
-                        handler = self._refusing(message, runs - 1)
+                        # The processor runs a handler only for a message not applied yet:
+                        # one applied by an earlier run stays a duplicate; the others are
+                        # dead-lettered without running the handler that killed consumers.
+                        refused = MaxDeliveriesExceeded(
+                            f"message {message.id!r:.80} of entity "
+                            f"{message.correlation_id!r:.80}: {runs - 1} runs of its handler "
+                            f"ended with their consumer dead, more than max_deliveries={limit} "
+                            "allows; set aside without running it again"
+                        )
+                        handler = _refusing(
+                            handler, {(message.correlation_id, message.id): refused}
+                        )
                         _log.warning(
                             "consumer %s: message %r of entity %r was being run by a consumer "
                             "that died, %d times (max_deliveries=%d); dead-lettered unless "
@@ -502,22 +492,15 @@ class Consumer:
                             runs,
                             limit,
                         )
-                if self._one(delivery, message, handler, done, left, stats):
-                    stats.isolated += 1
+                if self._one(delivery, message, handler, fates):
+                    fates.stats.isolated += 1
             except _FATAL:
                 raise
             except Exception as exc:  # noqa: BLE001 - an outage: held with the rest
-                self._hold(alone[index:], kept, exc)
+                self._hold(alone[index:], fates.kept, exc)
                 return
 
-    def _set_aside(
-        self,
-        aside: list[tuple[Delivery, OutgoingMessage, str]],
-        done: list[Delivery],
-        left: list[Delivery],
-        kept: list[Delivery],
-        stats: ConsumeStats,
-    ) -> None:
+    def _set_aside(self, aside: list[tuple[Delivery, OutgoingMessage, str]], fates: _Fates) -> None:
         if self.processor.dead_letters is None:
             for delivery, _, reason in aside:
                 _log.error(
@@ -527,7 +510,7 @@ class Consumer:
                     delivery.token,
                     reason,
                 )
-            left.extend(d for d, _, _ in aside)
+            fates.left.extend(d for d, _, _ in aside)
             return
         try:
             self.processor.dispatcher.dispatch([letter for _, letter, _ in aside])
@@ -543,7 +526,7 @@ class Consumer:
                 type(exc).__name__,
                 format_error(exc),
             )
-            kept.extend(d for d, _, _ in aside)
+            fates.kept.extend(d for d, _, _ in aside)
             return
         for delivery, letter, reason in aside:
             _log.warning(
@@ -554,59 +537,37 @@ class Consumer:
                 letter.id,
                 reason,
             )
-        done.extend(d for d, _, _ in aside)
-        stats.set_aside += len(aside)
+        fates.done.extend(d for d, _, _ in aside)
+        fates.stats.set_aside += len(aside)
         metrics.count_deliveries(self.consumer, self.broker.kind, "set_aside", len(aside))
 
-    def _batch(
-        self,
-        work: list[tuple[Delivery, Message]],
-        done: list[Delivery],
-        left: list[Delivery],
-        kept: list[Delivery],
-        stats: ConsumeStats,
-    ) -> None:
+    def _batch(self, work: list[tuple[Delivery, Message]], fates: _Fates) -> None:
         try:
             results = self.processor.process_batch([m for _, m in work], self.handler)
         except _MESSAGE_ERRORS:  # one message's own failure: one by one, only it is left
-            self._single(work, self.handler, done, left, kept, stats)
+            self._single(work, self.handler, fates)
             return
         except _FATAL:
             raise
         except Exception as exc:  # noqa: BLE001 - an outage: held, run again next round
-            self._hold(work, kept, exc)
+            self._hold(work, fates.kept, exc)
             return
-        for result in results:
-            stats.outcomes[result.outcome] = stats.outcomes.get(result.outcome, 0) + 1
-        done.extend(d for d, _ in work)
+        for (delivery, _), result in zip(work, results, strict=True):
+            fates.processed(delivery, result.outcome)
 
     def _single(
-        self,
-        work: list[tuple[Delivery, Message]],
-        handler: Handler,
-        done: list[Delivery],
-        left: list[Delivery],
-        kept: list[Delivery],
-        stats: ConsumeStats,
+        self, work: list[tuple[Delivery, Message]], handler: Handler, fates: _Fates
     ) -> None:
         for index, (delivery, message) in enumerate(work):
             try:
-                self._one(delivery, message, handler, done, left, stats)
+                self._one(delivery, message, handler, fates)
             except _FATAL:
                 raise
             except Exception as exc:  # noqa: BLE001 - an outage: hold it and the rest
-                self._hold(work[index:], kept, exc)
+                self._hold(work[index:], fates.kept, exc)
                 return
 
-    def _one(
-        self,
-        delivery: Delivery,
-        message: Message,
-        handler: Handler,
-        done: list[Delivery],
-        left: list[Delivery],
-        stats: ConsumeStats,
-    ) -> bool:
+    def _one(self, delivery: Delivery, message: Message, handler: Handler, fates: _Fates) -> bool:
         """Process one message: done (True), or given back when it fails on its own
         (``_MESSAGE_ERRORS``: False). Raises what an outage or a fatal error raises."""
         try:
@@ -615,10 +576,9 @@ class Consumer:
             _log.warning(
                 "consumer %s: %s; given back for redelivery", self.consumer, format_error(exc)
             )
-            left.append(delivery)
+            fates.left.append(delivery)
             return False
-        stats.outcomes[result.outcome] = stats.outcomes.get(result.outcome, 0) + 1
-        done.append(delivery)
+        fates.processed(delivery, result.outcome)
         return True
 
     def _hold(
@@ -640,24 +600,12 @@ class Consumer:
 
     # ------------------------------------------------------------------ dead letters
 
-    def _letter(
-        self, letter_id: str, body: dict[str, Any], parts: Sequence[tuple[str, str]]
-    ) -> OutgoingMessage:
-        """A dead letter of the consumer, bounded by the processor's rule
-        (:func:`~dedupstore.outbox.bounded_letter` to its ``letter_bytes()``: ``parts``
-        replaced by their size and digest while it is over)."""
-        # without dead_letters the letter is never dispatched (see _set_aside)
-        destination = self.processor.dead_letters or ""
-        letter, _ = bounded_letter(
-            {**body, "consumer": self.consumer}, parts, self.processor.letter_bytes()
-        )
-        return OutgoingMessage(letter_id, destination, letter)
-
     def _malformed_letter(
         self, delivery: Delivery, exc: MalformedDelivery
     ) -> tuple[OutgoingMessage, str]:
         """The dead letter of a delivery that is not a message: named by its content
-        (the whole delivery, even when the letter carries only its size and digest)."""
+        (the whole delivery, even when the letter carries only its size and digest),
+        bounded by the processor's rule (:func:`~dedupstore.outbox.bounded_letter`)."""
         shown = {"body": shown_body(delivery.body), "headers": headers_of(delivery)}
         digest = hashlib.sha256(canonical.dumps(shown).encode()).hexdigest()
         letter_id = outgoing_id(self.consumer, MALFORMED_ENTITY, digest, SET_ASIDE_POSITION)
@@ -665,31 +613,11 @@ class Consumer:
         if len(reason) > LETTER_ERROR_CHARS:
             reason = f"{reason[:LETTER_ERROR_CHARS]}... ({len(reason)} characters)"
         error = {"type": "dedupstore.errors.MalformedDelivery", "text": reason}
+        body = {"delivery": shown, "error": error, "consumer": self.consumer}
         parts = (("delivery", "body"), ("delivery", "headers"))
-        return self._letter(letter_id, {"delivery": shown, "error": error}, parts), reason
-
-    def _refusing(self, refused: Message, crashed: int) -> Handler:
-        """The handler, except for ``refused``: it refuses that one.
-
-        The processor calls a handler only for a message not applied yet, so a
-        message applied in an earlier run (whose acknowledgement was lost) stays a
-        duplicate; one never applied is dead-lettered by the processor (its
-        ``dead_letters`` are required with ``max_deliveries``) without running the
-        user's handler, which is what killed the earlier consumers.
-        """
-        limit, handler = self.max_deliveries, self.handler
-        key = (refused.correlation_id, refused.id)
-
-        def refusing(state: dict[str, Any], message: Message) -> Any:
-            if (message.correlation_id, message.id) != key:
-                return handler(state, message)
-            raise MaxDeliveriesExceeded(
-                f"message {message.id!r:.80} of entity {message.correlation_id!r:.80}: "
-                f"{crashed} runs of its handler ended with their consumer dead, more than "
-                f"max_deliveries={limit} allows; set aside without running it again"
-            )
-
-        return refusing
+        letter, _ = bounded_letter(body, parts, self.processor.letter_bytes())
+        # without dead_letters the letter is never dispatched (see _set_aside)
+        return OutgoingMessage(letter_id, self.processor.dead_letters or "", letter), reason
 
     # ------------------------------------------------------------------ metrics
 
@@ -709,13 +637,3 @@ class Consumer:
             _log.debug("consumer %s: reading the pending count failed: %s", self.consumer, exc)
             return
         metrics.set_pending(self.consumer, self.broker.kind, value)
-
-
-def _as_json(value: Any) -> Any:
-    """``value`` as JSON (bytes as text or hex; what is not JSON as its ``repr``)."""
-    if isinstance(value, bytes):
-        return shown_body(value)
-    try:
-        return canonical.normalized(value)[0]
-    except (TypeError, ValueError):
-        return {"repr": repr(value)}

@@ -1,19 +1,11 @@
 """The improving-outbox algorithm: :class:`OutboxProcessor` and :func:`sweep`.
 
-The package's modules, each one responsibility (the names below are imported from
-here):
-
-* ``processor``: :class:`OutboxProcessor` and the algorithm's
-  steps for one message (its docstring states them);
-* ``batch``: :meth:`~dedupstore.outbox.OutboxProcessor.process_batch` and its rounds;
-* ``handlers``: the handler's check and runs;
-* ``letters``: dead letters and :meth:`~dedupstore.outbox.OutboxProcessor.redrive`;
-* ``messages``: :class:`Message`, :class:`Send`,
-  :class:`ProcessResult`, the :class:`Dispatcher` protocol and the size rules;
-* ``entries``: outbox entries and their dispatch;
-* ``cache``: the entities a processor keeps;
-* ``sweep``: :func:`sweep`, :func:`applied_among`,
-  :func:`recorded_consumer`.
+Every name below is imported from here. The modules, one responsibility each:
+``processor`` (the class, the steps for one message), ``batch`` (its batches),
+``handlers`` (the handler's check and runs), ``letters`` (dead letters, redrive),
+``messages`` (what the processor takes and gives, the size rules), ``entries`` (outbox
+entries and their dispatch), ``cache`` (the entities a processor keeps), ``sweep``
+(:func:`sweep`, :func:`applied_among`, :func:`recorded_consumer`).
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
-"""What the parts of :class:`~dedupstore.outbox.OutboxProcessor` share.
-
-The processor is one class made of parts, each in the module of its responsibility:
-its batches (:mod:`~dedupstore.outbox.batch`), its calls of the handler
-(:mod:`~dedupstore.outbox.handlers`), its redrive (:mod:`~dedupstore.outbox.letters`)
-and the steps for one message (:mod:`~dedupstore.outbox.processor`, the class
-itself). :class:`_Base` declares the attributes its ``__init__`` sets and, for the
-type checker only, the methods one part calls on another.
-"""
+"""What the parts of :class:`~dedupstore.outbox.OutboxProcessor` (one class made of
+mixins, one module each) share: :class:`_Base` declares the attributes its ``__init__``
+sets and, for the type checker only, the methods a part calls on a later one."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from dedupstore.entities import Entity, EntityStore, EntryMark, OutgoingMessage
-    from dedupstore.errors import EntityTooLarge
     from dedupstore.outbox.cache import _EntityCache
-    from dedupstore.outbox.letters import _SetAside
     from dedupstore.outbox.messages import Dispatcher, Handler, Message, Outcome, ProcessResult
     from dedupstore.store import DeduplicationStore
 
@@ -43,14 +35,16 @@ class _Base:
     _destinations: dict[str, str]
     #: the entities process() saved last, at the version of that save
     _kept: _EntityCache
-    #: whether the two stores share a server (joined calls)
+    #: whether the two stores share a server: process() loads the entity and checks the
+    #: id in one round trip, and the inline clean-up is one atomic write
     _joined: bool
 
-    if TYPE_CHECKING:  # the methods one part calls on another (defined by their part)
+    @property
+    def consumer(self) -> str:
+        """The consumer's name: the deduplication store's endpoint."""
+        return self.dedup.endpoint
 
-        @property
-        def consumer(self) -> str:
-            raise NotImplementedError
+    if TYPE_CHECKING:  # the methods one part calls on another (defined by their part)
 
         def process(self, message: Message, handler: Handler) -> ProcessResult:
             raise NotImplementedError
@@ -61,9 +55,6 @@ class _Base:
             raise NotImplementedError
 
         def _claim_all(self, entities: dict[str, Entity]) -> dict[str, Entity]:
-            raise NotImplementedError
-
-        def _check_handler(self, handler: Handler) -> None:
             raise NotImplementedError
 
         def _found(self, entity: Entity, mid: str) -> tuple[Outcome, str | None]:
@@ -87,18 +78,4 @@ class _Base:
             raise NotImplementedError
 
         def _report(self, messages: Sequence[Message], results: Sequence[ProcessResult]) -> None:
-            raise NotImplementedError
-
-        def _run(
-            self,
-            state: dict[str, Any],
-            message: Message,
-            handler: Handler,
-            source: str | None = None,
-        ) -> tuple[dict[str, Any], str | None, list[OutgoingMessage], str | None]:
-            raise NotImplementedError
-
-        def _refusals(
-            self, message: Message, entry: list[OutgoingMessage] | None, too_large: EntityTooLarge
-        ) -> list[_SetAside]:
             raise NotImplementedError

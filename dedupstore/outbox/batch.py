@@ -18,23 +18,16 @@ from dedupstore.entities import (
     head_size,
     json_size,
 )
-from dedupstore.errors import (
-    ConcurrencyConflict,
-    EntityTooLarge,
-)
-from dedupstore.ids import (
-    message_key,
-    plain_ids,
-)
-from dedupstore.outbox._base import _Base
+from dedupstore.errors import ConcurrencyConflict, EntityTooLarge
+from dedupstore.ids import message_key, plain_ids
 from dedupstore.outbox.entries import (
     _dispatched,
     _remove,
     _retrying,
     _send,
     _too_large,
-    _unplaceable,
 )
+from dedupstore.outbox.handlers import _Handling
 from dedupstore.outbox.letters import _refusing, _SetAside
 from dedupstore.outbox.messages import (
     BeforeCleanup,
@@ -46,8 +39,9 @@ from dedupstore.outbox.messages import (
 )
 
 
-class _Batching(_Base):
-    """:class:`~dedupstore.outbox.OutboxProcessor`'s batches."""
+class _Batching(_Handling):
+    """:class:`~dedupstore.outbox.OutboxProcessor`'s batches (built on its calls of the
+    handler)."""
 
     def process_batch(
         self,
@@ -58,29 +52,26 @@ class _Batching(_Base):
     ) -> list[ProcessResult]:
         """Run the algorithm for many messages at once; one result per message, in order.
 
-        Round trips per batch, not per message: ``load_many``, one
-        ``processed_among``, ``save_many``, one ``dispatch``, then the clean-up
-        (``add_many`` + ``save_many`` inline, ``save_many`` deferred); a batch that finds
-        messages of entities it kept recorded loads those entities too (and may ask
-        ``processed_among`` once more about them). Each entity's
-        messages are handled in their order in ``messages``. Entities whose save
-        conflicts are retried alone with :meth:`process`. When one entity's share of
-        the batch does not fit in its record, the batch runs in consecutive rounds
-        that each fit (``EntityTooLarge`` only for a message that does not fit alone).
-        The same message (same entity and id) twice in a batch is applied once: the
-        first copy says ``processed``, the others ``duplicate``. Same guarantees and
-        errors as :meth:`process` for every message: with ``dead_letters`` a message
-        too large to process is ``dead_lettered`` and the others go on; without, the
-        batch raises ``EntityTooLarge``/``MessageTooLarge`` for the first such message
-        (``message_id``, ``correlation_id``) with nothing of it saved: process the
-        others without it.
+        Round trips per batch, not per message: ``load_many``, one ``processed_among``,
+        ``save_many``, one ``dispatch``, then the clean-up (``add_many`` + ``save_many``
+        inline, ``save_many`` deferred); a batch that finds messages of entities it kept
+        recorded loads those entities too (and may ask ``processed_among`` once more).
+        Each entity's messages are handled in their order in ``messages``. Entities whose
+        save conflicts are retried alone with :meth:`process`. When one entity's share of
+        the batch does not fit in its record, the batch runs in consecutive rounds that
+        each fit. The same message (same entity and id) twice in a batch is applied once:
+        the first copy says ``processed``, the others ``duplicate``. Same guarantees and
+        errors as :meth:`process` for every message: with ``dead_letters`` a message too
+        large to process is ``dead_lettered`` and the others go on; without, the batch
+        raises ``EntityTooLarge``/``MessageTooLarge`` for the first such message
+        (``message_id``, ``correlation_id``) with nothing of it saved.
 
-        ``before_cleanup(messages, results)`` is called once the outcomes of
-        ``messages`` (all of them, or one round's) are final and their outgoing
-        messages dispatched, before any of their entries is cleaned up (step 5):
-        with a ``run``, whatever it records of them (and makes durable) before it
-        returns stays true when the call is cut short and run again. Should it
-        raise, nothing is cleaned up and the error propagates (a later call cleans up).
+        ``before_cleanup(messages, results)`` is called once the outcomes of ``messages``
+        (all of them, or one round's) are final and their outgoing messages dispatched,
+        before any of their entries is cleaned up (step 5): with a ``run``, whatever it
+        records of them (and makes durable) before it returns stays true when the call is
+        cut short and run again. Should it raise, nothing is cleaned up and the error
+        propagates (a later call cleans up).
         """
         if handler is not self._checked_handler:
             self._check_handler(handler)
@@ -100,15 +91,10 @@ class _Batching(_Base):
         """Each message's key, and the keys the store holds among those not in an outbox.
 
         ``taken``: the ids of the kept entities among ``entities``. A recorded message
-        saves nothing, so nothing checks a kept entity it belongs to, and the stored
-        outbox may still hold its entry (a consumer recorded the id, then died before
-        the save removing it): those entities are loaded in place in ``entities``,
-        and the check is made again on them (an entry found is then cleaned up). An
-        answer holds only for an entity loaded before it was asked (the id reaches
-        the store before its entry leaves the outbox): where the reload shows a new
-        version (someone saved it since it was kept, maybe between the question and
-        the load), every id of it not recorded then and not in its new outbox is
-        asked again, after the load.
+        saves nothing, so nothing checks a kept entity, whose stored outbox may still
+        hold its entry (a consumer recorded the id, then died before the save removing
+        it): those entities are reloaded in place in ``entities`` and checked again
+        (an entry found is then cleaned up).
         """
         keys = [message_key(m.correlation_id, m.id) for m in messages]
         fresh = [
@@ -122,9 +108,10 @@ class _Batching(_Base):
         if stale:
             kept = {cid: entities[cid].version for cid in stale}
             entities.update(self._claim_all(self.entities.load_many(sorted(stale))))
-            # A version that moved may have moved after the question: an id asked then
-            # may have been applied and cleaned up since. One that did not is the kept
-            # record itself (the same outbox): the answers were about this very version.
+            # An answer holds only for an entity loaded before it was asked (the id
+            # reaches the store before its entry leaves the outbox): a version that moved
+            # may have moved after the question, so its ids not recorded then and not in
+            # its new outbox are asked again. One that did not is the kept record itself.
             moved = {cid for cid in stale if entities[cid].version != kept[cid]}
             again = [
                 k
@@ -392,7 +379,7 @@ class _Batching(_Base):
                         refusals[ident] = refusal
                         break
                 else:
-                    raise _unplaceable(message, too_large)
+                    raise _too_large(message, too_large, set_aside=True)
             size.add(message.id, state, entry)
             numbers.append(size.round)
         return numbers, refusals

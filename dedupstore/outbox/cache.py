@@ -6,9 +6,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from dedupstore.entities import (
-    Entity,
-)
+from dedupstore.entities import Entity
 
 
 class _EntityCache:

@@ -9,18 +9,11 @@ import logging
 from collections.abc import Collection, Sequence
 
 from dedupstore import metrics
-from dedupstore.entities import (
-    Entity,
-    OutgoingMessage,
-)
-from dedupstore.errors import (
-    ConfigurationError,
-    EntityTooLarge,
-    format_error,
-)
+from dedupstore.entities import Entity, OutgoingMessage
+from dedupstore.errors import ConfigurationError, EntityTooLarge, format_error
 from dedupstore.outbox.messages import Dispatcher, Message
 
-#: Every module of the outbox logs as ``dedupstore.outbox``.
+#: Every module of the outbox logs as ``dedupstore.outbox`` (imports this one).
 _log = logging.getLogger("dedupstore.outbox")
 
 
@@ -86,22 +79,18 @@ def _foreign(entity: Entity, consumer: str) -> ConfigurationError:
     )
 
 
-def _too_large(message: Message, exc: EntityTooLarge) -> EntityTooLarge:
-    return EntityTooLarge(
-        f"message {message.id!r:.80} of entity {message.correlation_id!r:.80}: its new state "
-        f"and outgoing messages do not fit in one entity record ({exc}); nothing of it was "
-        "saved. Make the state or the outgoing messages smaller.",
-        message_id=message.id,
-        correlation_id=message.correlation_id,
+def _too_large(message: Message, exc: EntityTooLarge, set_aside: bool = False) -> EntityTooLarge:
+    """``message`` does not fit in its entity: its new state and outgoing messages, or
+    (``set_aside``) even its bounded dead letter beside the entity's state."""
+    why = (
+        " cannot be set aside: even its bounded dead letter does not fit beside the entity's "
+        f"state ({exc})"
+        if set_aside
+        else ": its new state and outgoing messages do not fit in one entity record "
+        f"({exc}); nothing of it was saved. Make the state or the outgoing messages smaller."
     )
-
-
-def _unplaceable(message: Message, too_large: EntityTooLarge) -> EntityTooLarge:
-    """The entity cannot hold even the message's bounded dead letter beside its state."""
     return EntityTooLarge(
-        f"message {message.id!r:.80} of entity {message.correlation_id!r:.80} cannot be set "
-        "aside: even its bounded dead letter does not fit beside the entity's state "
-        f"({too_large})",
+        f"message {message.id!r:.80} of entity {message.correlation_id!r:.80}{why}",
         message_id=message.id,
         correlation_id=message.correlation_id,
     )

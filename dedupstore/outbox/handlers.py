@@ -9,9 +9,7 @@ import inspect
 from typing import Any
 
 from dedupstore import canonical
-from dedupstore.entities import (
-    OutgoingMessage,
-)
+from dedupstore.entities import OutgoingMessage
 from dedupstore.errors import (
     ConfigurationError,
     EntityTooLarge,
@@ -20,10 +18,7 @@ from dedupstore.errors import (
     MessageTooLarge,
     StoreUnavailable,
 )
-from dedupstore.ids import (
-    outgoing_id,
-    validate_message_id,
-)
+from dedupstore.ids import outgoing_id, validate_message_id
 from dedupstore.outbox._base import _Base
 from dedupstore.outbox.letters import (
     _LETTER_PARTS,
@@ -120,20 +115,14 @@ class _Handling(_Base):
         self, state: dict[str, Any], message: Message, handler: Handler, source: str | None = None
     ) -> tuple[dict[str, Any], str | None, list[OutgoingMessage], str | None]:
         """Run the handler on ``state``: new state and its canonical text, outgoing
-        messages, error.
+        messages, error. It gets a copy of ``state``, or, with ``source`` (a JSON text
+        of it), ``state`` itself, decoded again from ``source`` should the handler fail.
 
-        The handler gets a copy of ``state``, or, with ``source`` (a JSON text that
-        decodes to it), ``state`` itself: should the handler fail, the state returned
-        is then decoded again from ``source`` (whatever the handler changed in it).
-
-        A handler that raises (a store's ``StoreUnavailable`` excepted: that is never
-        the message's fault) or returns something else than ``(dict, sends)`` with
-        JSON-compatible contents is run up to ``handler_attempts`` times; then, with
+        A handler that raises (but ``StoreUnavailable``: never the message's fault) or
+        breaks its contract is run up to ``handler_attempts`` times; then, with
         ``dead_letters``, the state stays as it was (no text) and the one outgoing
-        message is the dead letter (the error is the fourth item); without,
-        ``HandlerError``. The processor's own refusal of the message (``_SetAside``:
-        an outgoing message over the dispatcher's bound, or an entity that cannot hold
-        the message) is not run again: dead-lettered at once, or, without
+        message is the dead letter; without, ``HandlerError``. The processor's own
+        refusal (``_SetAside``) is not run again: dead-lettered at once, or, without
         ``dead_letters``, its ``MessageTooLarge`` / ``EntityTooLarge`` raised.
         """
         attempt = 1
@@ -229,15 +218,10 @@ class _Handling(_Base):
     def _dead_letter(
         self, message: Message, error: dict[str, str], attempts: int, whole: bool = True
     ) -> OutgoingMessage:
-        """The one dead-letter message of ``message`` (id: :func:`outgoing_id` position -1),
-        bounded (:func:`bounded_letter`) to :meth:`letter_bytes`: a letter over it (and,
-        without ``whole``, every letter) carries the message's body, then its headers,
-        as their size and SHA-256 digest. The error text is cut to
-        :data:`LETTER_ERROR_CHARS` characters.
-
-        Raises ``MessageTooLarge`` (naming the message) when even the bounded letter is
-        over the dispatcher's bound: the message cannot be set aside.
-        """
+        """The one dead letter of ``message`` (:func:`outgoing_id` position -1), bounded
+        (:func:`bounded_letter`) to :meth:`letter_bytes` (always, without ``whole``); the
+        error text cut to :data:`LETTER_ERROR_CHARS` characters. ``MessageTooLarge``
+        when even the bounded letter is over the dispatcher's bound."""
         consumer, cid, mid = self.consumer, message.correlation_id, message.id
         assert self.dead_letters is not None
         text = error["text"]

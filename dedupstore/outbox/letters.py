@@ -11,18 +11,14 @@ from typing import Any
 
 from dedupstore import canonical
 from dedupstore.dead_letters import letter_body, letter_kind
-from dedupstore.entities import (
-    OutgoingMessage,
-)
+from dedupstore.entities import OutgoingMessage
 from dedupstore.errors import (
     ConfigurationError,
     DeadLetterIncomplete,
     DedupStoreError,
     MessageTooLarge,
 )
-from dedupstore.ids import (
-    outgoing_id,
-)
+from dedupstore.ids import outgoing_id
 from dedupstore.outbox._base import _Base
 from dedupstore.outbox.messages import Handler, Message, ProcessResult, Send, _shown, _utf8_over
 
@@ -86,9 +82,9 @@ class _SetAside(Exception):
         self.whole = whole
 
 
-def _refusing(handler: Handler, refusals: Mapping[tuple[str, str], _SetAside]) -> Handler:
+def _refusing(handler: Handler, refusals: Mapping[tuple[str, str], Exception]) -> Handler:
     """``handler``, but for the messages ``(correlation id, id)`` of ``refusals``: it
-    raises their refusal."""
+    raises their refusal (a ``_SetAside``, or the consume loop's ``MaxDeliveriesExceeded``)."""
 
     def refusing(state: dict[str, Any], message: Message) -> Any:
         refusal = refusals.get((message.correlation_id, message.id))

@@ -11,17 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from dedupstore import canonical
-from dedupstore.entities import (
-    OutgoingMessage,
-    body_text,
-)
-from dedupstore.errors import (
-    InvalidValue,
-    MessageTooLarge,
-)
-from dedupstore.ids import (
-    validate_message_id,
-)
+from dedupstore.entities import OutgoingMessage, body_text
+from dedupstore.errors import InvalidValue, MessageTooLarge
+from dedupstore.ids import validate_message_id
 
 Outcome = Literal["processed", "duplicate", "redispatched", "dead_lettered"]
 

@@ -27,46 +27,26 @@ stable across redeliveries; receivers deduplicate outgoing messages by id.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
 from dedupstore import metrics
-from dedupstore.entities import (
-    Entity,
-    EntityStore,
-    EntryMark,
-    OutgoingMessage,
-)
-from dedupstore.errors import (
-    ConcurrencyConflict,
-    ConfigurationError,
-    EntityTooLarge,
-)
-from dedupstore.ids import (
-    MAX_ID_BYTES,
-    message_key,
-    outgoing_id,
-    validate_name,
-)
+from dedupstore.entities import Entity, EntityStore, EntryMark, OutgoingMessage
+from dedupstore.errors import ConcurrencyConflict, ConfigurationError, EntityTooLarge
+from dedupstore.ids import MAX_ID_BYTES, message_key, outgoing_id, validate_name
 from dedupstore.outbox.batch import _Batching
 from dedupstore.outbox.cache import _EntityCache
 from dedupstore.outbox.entries import (
     _dispatched,
     _foreign,
+    _log,
     _remove,
     _retrying,
     _send,
     _too_large,
-    _unplaceable,
 )
-from dedupstore.outbox.handlers import (
-    _DEDUP_CALLS,
-    _ENTITY_CALLS,
-    _check_part,
-    _Handling,
-)
+from dedupstore.outbox.handlers import _DEDUP_CALLS, _ENTITY_CALLS, _check_part
 from dedupstore.outbox.letters import _letter_error, _Redriving, _refusing, _SetAside
 from dedupstore.outbox.messages import (
     Dispatcher,
@@ -80,11 +60,8 @@ from dedupstore.outbox.messages import (
 )
 from dedupstore.store import DeduplicationStore
 
-#: Every module of the outbox logs as ``dedupstore.outbox``.
-_log = logging.getLogger("dedupstore.outbox")
 
-
-class OutboxProcessor(_Batching, _Handling, _Redriving):
+class OutboxProcessor(_Batching, _Redriving):
     """Processes messages exactly once: entity state, outbox, dispatch, then the id.
 
     A message is identified by (consumer, entity, message id): the consumer is the
@@ -106,13 +83,11 @@ class OutboxProcessor(_Batching, _Handling, _Redriving):
     a load), so keeping never changes an answer, only the requests a message costs.
 
     By default the processor changes no setting of the process. ``gc_threshold``
-    (an int, e.g. :data:`~dedupstore.calls.GC_BATCH_THRESHOLD`) opts in to raising
-    CPython's cyclic garbage collector's young-generation threshold to it while
-    :meth:`process_batch` runs (:func:`~dedupstore.calls.gc_relaxed`), for the whole
-    process, every thread included, put back when the last batch running at once
-    ends: a batch's objects would otherwise set off full collections, each walking
-    every object of the process, which in a process holding much data cost more
-    than the batch itself.
+    (an int, e.g. :data:`~dedupstore.calls.GC_BATCH_THRESHOLD`) raises CPython's
+    young-generation GC threshold to it for the whole process while :meth:`process_batch`
+    runs (:func:`~dedupstore.calls.gc_relaxed`; put back when the last batch ends): a
+    batch's objects would otherwise set off full collections, each walking every object
+    of the process, which in a process holding much data cost more than the batch.
 
     Every outbox entry it writes is marked with the time it was written (what
     :func:`~dedupstore.stats.outbox_backlog` reports as the oldest pending entry) and
@@ -146,15 +121,14 @@ class OutboxProcessor(_Batching, _Handling, _Redriving):
         below 0, or a ``gc_threshold`` that is neither None nor an int >= 1."""
         if cleanup not in ("inline", "deferred"):
             raise ConfigurationError(f"cleanup must be 'inline' or 'deferred', got {cleanup!r}")
-        for name, value in (
-            ("max_attempts", max_attempts),
-            ("deferred_limit", deferred_limit),
-            ("handler_attempts", handler_attempts),
+        for name, value, low in (
+            ("max_attempts", max_attempts, 1),
+            ("deferred_limit", deferred_limit, 1),
+            ("handler_attempts", handler_attempts, 1),
+            ("entity_cache", entity_cache, 0),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
-        if isinstance(entity_cache, bool) or not isinstance(entity_cache, int) or entity_cache < 0:
-            raise ConfigurationError(f"entity_cache must be an int >= 0, got {entity_cache!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigurationError(f"{name} must be an int >= {low}, got {value!r}")
         if gc_threshold is not None and (
             isinstance(gc_threshold, bool) or not isinstance(gc_threshold, int) or gc_threshold < 1
         ):
@@ -182,23 +156,14 @@ class OutboxProcessor(_Batching, _Handling, _Redriving):
         self.max_attempts = max_attempts
         self.deferred_limit = deferred_limit
         self.gc_threshold = gc_threshold
-        self._checked_handler: Handler | None = None  # the handler that passed the check
-        #: the dispatcher's bounds (max_message_bytes, max_header_bytes): see check_size
+        # (the private attributes are described where _Base declares them)
+        self._checked_handler = None
         self._bounds = _bounds(dispatcher)
-        #: valid destinations the handler named, as JSON strings (checked once each)
-        self._destinations: dict[str, str] = {}
-        #: the entities process() saved last, at the version of that save
+        self._destinations = {}
         self._kept = _EntityCache(entity_cache)
-        # The two stores share a server: process() loads the entity and checks the id
-        # in one round trip, and the inline clean-up is one atomic write. (getattr: an
-        # entity store that wraps another need not implement the joined calls.)
+        # getattr: an entity store that wraps another need not implement the joined calls
         joined = getattr(entities, "_joined", None)
-        self._joined: bool = joined is not None and bool(joined(dedup))
-
-    @property
-    def consumer(self) -> str:
-        """The consumer's name: the deduplication store's endpoint."""
-        return self.dedup.endpoint
+        self._joined = joined is not None and bool(joined(dedup))
 
     def _claim(self, entity: Entity) -> Entity:
         """``entity`` (loaded), recorded as this consumer's: every entity the processor
@@ -379,11 +344,9 @@ class OutboxProcessor(_Batching, _Handling, _Redriving):
         """Save the entity holding ``message``'s new entry (step 2c); with ``checked``
         (the message's key), unless the deduplication store holds it: None then.
 
-        When it does not fit and the entity holds other entries, they are cleared
-        (:meth:`_clear`, on a fresh load, under its token) and False says: start
-        again. When it does not fit without them, ``EntityTooLarge`` names the message
-        (without ``dead_letters``), or ``_SetAside`` says how to set it aside
-        (:meth:`_refusals`).
+        When it does not fit, the entity's other entries are cleared (:meth:`_clear`,
+        on a fresh load) and False says: start again; without others, ``EntityTooLarge``
+        names the message, or (``dead_letters``) ``_SetAside`` says how to set it aside.
         """
         try:
             if checked is None:
@@ -401,7 +364,7 @@ class OutboxProcessor(_Batching, _Handling, _Redriving):
                     raise too_large from None
                 refusals = self._refusals(message, entity.outbox.get(message.id), too_large)
                 if not refusals:
-                    raise _unplaceable(message, too_large) from None
+                    raise _too_large(message, too_large, set_aside=True) from None
                 raise refusals[0] from None
             if not self._clear([fresh], set()):
                 raise ConcurrencyConflict(f"entity {entity.id!r:.80} changed") from None

@@ -11,24 +11,12 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, replace
 
 from dedupstore import metrics
-from dedupstore.entities import (
-    Entity,
-    EntityStore,
-    OutgoingMessage,
-)
-from dedupstore.errors import (
-    ConfigurationError,
-)
-from dedupstore.ids import (
-    message_key,
-    validate_message_id,
-)
-from dedupstore.outbox.entries import _dispatched, _foreign, _remove, _send
+from dedupstore.entities import Entity, EntityStore, OutgoingMessage
+from dedupstore.errors import ConfigurationError
+from dedupstore.ids import message_key, validate_message_id
+from dedupstore.outbox.entries import _dispatched, _foreign, _log, _remove, _send
 from dedupstore.outbox.messages import Dispatcher
 from dedupstore.store import DeduplicationStore
-
-#: Every module of the outbox logs as ``dedupstore.outbox``.
-_log = logging.getLogger("dedupstore.outbox")
 
 
 @dataclass
@@ -58,23 +46,23 @@ def sweep(
 ) -> SweepResult:
     """Move the ids of dispatched outbox entries into ``dedup``, for one segment.
 
-    For each entity of the segment with dispatched (``None``) entries: the ids go
-    to the deduplication store with ``add_many`` (batched across entities, about one
-    call per ``batch_ids`` ids), then leave the outbox in a save under the entity's
-    token (on conflict: reload, remove the ids that were added, save; at most
-    ``max_attempts`` times, then the ids stay for the next sweep: ``ids_left``).
-    Each id is recorded as :func:`~dedupstore.ids.message_key` of its entity and id,
-    under ``dedup``'s endpoint: an entity recorded for another consumer raises
-    ``ConfigurationError`` naming both before it or anything of its batch is written
-    (an entity with no consumer recorded is taken as this one's, and saved so).
-    With ``redispatch``, entries still pending are dispatched first; without it they
-    stay and count in ``ids_left`` (so ``ids_left == 0`` means every outbox of the
-    segment was empty when the sweep saved it). Safe beside
-    live consumers and other sweeps; memory is bounded by the batch.
+    For each entity of the segment with dispatched (``None``) entries: the ids go to the
+    deduplication store with ``add_many`` (batched across entities, about one call per
+    ``batch_ids`` ids), then leave the outbox in a save under the entity's token (on
+    conflict: reload, remove the ids that were added, save; at most ``max_attempts``
+    times, then the ids stay for the next sweep: ``ids_left``). Each id is recorded as
+    :func:`~dedupstore.ids.message_key` of its entity and id, under ``dedup``'s
+    endpoint: an entity recorded for another consumer raises ``ConfigurationError``
+    naming both before it or anything of its batch is written (an entity with no
+    consumer recorded is taken as this one's, and saved so). With ``redispatch``,
+    entries still pending are dispatched first; without it they stay and count in
+    ``ids_left`` (so ``ids_left == 0`` means every outbox of the segment was empty when
+    the sweep saved it). Safe beside live consumers and other sweeps; memory is bounded
+    by the batch.
 
-    ``progress``, if given, is called after each batch of ids is moved (not per
-    entity) with a copy of the running totals (``seconds`` so far); what it raises
-    stops the sweep (the batches before it are done). Raises ``StoreUnavailable``,
+    ``progress``, if given, is called after each batch of ids is moved (not per entity)
+    with a copy of the running totals (``seconds`` so far); what it raises stops the
+    sweep (the batches before it are done). Raises ``StoreUnavailable``,
     ``ConfigurationError`` (a missing store), and what ``redispatch`` raises.
     """
     started = time.perf_counter()

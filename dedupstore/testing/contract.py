@@ -27,6 +27,7 @@ from typing import TypeVar
 
 import pytest
 
+from dedupstore.entities import EntityStore
 from dedupstore.errors import ConfigurationError, InvalidMessageId, StoreClosed
 from dedupstore.store import MAX_ID_BYTES, DeduplicationStore
 
@@ -44,6 +45,7 @@ __all__ = [
 
 StoreFactory = Callable[..., DeduplicationStore]
 T = TypeVar("T")
+C = TypeVar("C", bound=DeduplicationStore | EntityStore)
 
 
 class FakeClock:
@@ -62,70 +64,18 @@ class FakeClock:
 
 #: Valid ids that break naive key schemes; each must round-trip and never collide.
 HOSTILE_IDS: tuple[str, ...] = (
-    "plain",
-    "Plain",
-    "PLAIN",
-    "plain ",
-    " plain",
-    "plain\t",
-    "plain\n",
-    "a/b",
-    "a\\b",
-    "a?b",
-    "a#b",
-    "a*b",
-    "a:b",
-    "a::b",
-    "a%b",
-    "%s",
-    "%(id)s",
-    "%2F",
-    "a b",
-    "'",
-    '"',
-    "';",
-    "'; DROP TABLE dedup_records; --",
-    '"; DROP TABLE "dedup_records"; --',
-    "*",
-    "?",
-    "[abc]",
-    "[a-z]*?",
-    "{hash}",
-    "{hash}:tail",
-    "a{b}c",
-    "$1",
-    "${HOME}",
-    "..",
-    ".",
-    "/",
-    "//",
-    "\\",
-    "#",
-    "\r\n",
-    "\x01\x02\x7f",
-    "é",
-    "e\u0301",
-    "ß",
-    "SS",
-    "İ",
-    "i̇",
-    "日本語のメッセージ",
-    "🦄",
-    "🦄🦄🦄 unicorns",
-    "\u200b",
-    "\ufeffbom",
-    "\U0010ffff",
-    "null",
-    "None",
-    "0",
-    "-1",
-    "true",
-    "x" * 255,
-    "x" * 256,
-    "y" * MAX_ID_BYTES,
-    "é" * (MAX_ID_BYTES // 2),
-    "🦄" * (MAX_ID_BYTES // 4),
-    "a/b?c#d*e:f\\g" * 50,
+    *("plain", "Plain", "PLAIN", "plain ", " plain", "plain\t", "plain\n"),  # case, spaces
+    *("a/b", "a\\b", "a?b", "a#b", "a*b", "a:b", "a::b", "a%b"),  # separators
+    *("%s", "%(id)s", "%2F", "a b"),  # format and percent-encoding syntax
+    *("'", '"', "';", "'; DROP TABLE dedup_records; --", '"; DROP TABLE "dedup_records"; --'),
+    *("*", "?", "[abc]", "[a-z]*?", "{hash}", "{hash}:tail", "a{b}c", "$1", "${HOME}"),
+    *("..", ".", "/", "//", "\\", "#", "\r\n", "\x01\x02\x7f"),  # paths, control characters
+    *("é", "e\u0301", "ß", "SS", "İ", "i̇"),  # composed, decomposed, case folding
+    *("日本語のメッセージ", "🦄", "🦄🦄🦄 unicorns"),  # wide and astral characters
+    *("\u200b", "\ufeffbom", "\U0010ffff"),  # invisible, byte order mark, the last code point
+    *("null", "None", "0", "-1", "true"),  # what a careless decoder turns into a value
+    *("x" * 255, "x" * 256, "y" * MAX_ID_BYTES, "é" * (MAX_ID_BYTES // 2)),  # lengths
+    *("🦄" * (MAX_ID_BYTES // 4), "a/b?c#d*e:f\\g" * 50),
 )
 
 #: Values that must raise ``InvalidMessageId`` before any I/O, with why.
@@ -207,6 +157,21 @@ def _unique(prefix: str = "m") -> str:
     return f"{prefix}-{uuid.uuid4()}"
 
 
+def _closing(factory: Callable[..., C]) -> Iterator[Callable[..., C]]:
+    """``factory``, every client it opens closed when the test ends (a fixture's body)."""
+    opened: list[C] = []
+
+    def open_client(**options: object) -> C:
+        opened.append(factory(**options))
+        return opened[-1]
+
+    try:
+        yield open_client
+    finally:
+        for client in opened:
+            client.close()
+
+
 class DeduplicationStoreContract:
     """The whole store contract of DESIGN.md section 2.
 
@@ -219,13 +184,14 @@ class DeduplicationStoreContract:
         raise NotImplementedError("provide a store_factory fixture")
 
     @pytest.fixture
-    def store(self, store_factory: StoreFactory) -> Iterator[DeduplicationStore]:
+    def clients(self, store_factory: StoreFactory) -> Iterator[StoreFactory]:
+        """``store_factory``, every store it opens closed after the test."""
+        yield from _closing(store_factory)
+
+    @pytest.fixture
+    def store(self, clients: StoreFactory) -> DeduplicationStore:
         """A store on the default endpoint, closed after the test."""
-        store = store_factory()
-        try:
-            yield store
-        finally:
-            store.close()
+        return clients()
 
     @pytest.fixture
     def clock(self) -> FakeClock:
@@ -297,96 +263,67 @@ class DeduplicationStoreContract:
 
     # ------------------------------------------------------------------ consistency
 
-    def test_visible_to_another_client(self, store_factory: StoreFactory) -> None:
-        writer, reader = store_factory(), store_factory()
-        try:
-            mid, batch = _unique(), [_unique() for _ in range(20)]
-            assert not reader.has_been_processed(mid)
-            writer.add(mid)
-            assert reader.has_been_processed(mid)
-            assert reader.add(mid) is False
-            writer.add_many(batch)
-            assert reader.processed_among(batch) == set(batch)
-        finally:
-            writer.close()
-            reader.close()
+    def test_visible_to_another_client(self, clients: StoreFactory) -> None:
+        writer, reader = clients(), clients()
+        mid, batch = _unique(), [_unique() for _ in range(20)]
+        assert not reader.has_been_processed(mid)
+        writer.add(mid)
+        assert reader.has_been_processed(mid)
+        assert reader.add(mid) is False
+        writer.add_many(batch)
+        assert reader.processed_among(batch) == set(batch)
 
-    def test_endpoint_isolation(self, store_factory: StoreFactory) -> None:
-        orders, billing = store_factory(endpoint="orders"), store_factory(endpoint="billing")
-        try:
-            mid = _unique()
-            assert orders.add(mid) is True
-            assert billing.has_been_processed(mid) is False
-            assert billing.add(mid) is True
-            assert orders.add(mid) is False
-            assert orders.endpoint == "orders"
-        finally:
-            orders.close()
-            billing.close()
+    def test_endpoint_isolation(self, clients: StoreFactory) -> None:
+        orders, billing = clients(endpoint="orders"), clients(endpoint="billing")
+        mid = _unique()
+        assert orders.add(mid) is True
+        assert billing.has_been_processed(mid) is False
+        assert billing.add(mid) is True
+        assert orders.add(mid) is False
+        assert orders.endpoint == "orders"
 
-    def test_endpoint_names_do_not_collide_with_ids(self, store_factory: StoreFactory) -> None:
+    def test_endpoint_names_do_not_collide_with_ids(self, clients: StoreFactory) -> None:
         pairs = [("a", "b:c"), ("a:b", "c"), ("a/b", "c"), ("a", "b/c"), ("a\\", "b"), ("a", "\\b")]
-        stores = {ep: store_factory(endpoint=ep) for ep, _ in pairs}
-        try:
-            for ep, mid in pairs:
-                assert stores[ep].add(mid) is True, (ep, mid)
-            for ep, mid in pairs:
-                others = [m for e, m in pairs if e == ep and m != mid]
-                assert stores[ep].processed_among([mid, *others, "b", "c"]) == {mid, *others}
-        finally:
-            for s in stores.values():
-                s.close()
+        stores = {ep: clients(endpoint=ep) for ep, _ in pairs}
+        for ep, mid in pairs:
+            assert stores[ep].add(mid) is True, (ep, mid)
+        for ep, mid in pairs:
+            others = [m for e, m in pairs if e == ep and m != mid]
+            assert stores[ep].processed_among([mid, *others, "b", "c"]) == {mid, *others}
 
     def test_default_endpoint_is_default(self, store: DeduplicationStore) -> None:
         assert store.endpoint == "default"
 
-    def test_concurrent_add_first_writer_wins(self, store_factory: StoreFactory) -> None:
+    def test_concurrent_add_first_writer_wins(self, clients: StoreFactory) -> None:
         ids = [_unique("race") for _ in range(40)]
-        clients = [store_factory() for _ in range(6)]
+        stores = [clients() for _ in range(6)]
 
         def run(index: int) -> list[str]:
             order = ids[:]
             random.Random(index).shuffle(order)
-            return [m for m in order if clients[index].add(m)]
+            return [m for m in order if stores[index].add(m)]
 
-        results = run_concurrently(run, len(clients))
-        for c in clients:
-            c.close()
+        results = run_concurrently(run, len(stores))
         winners = [m for r in results for m in r]
         assert sorted(winners) == sorted(ids), "each id must be recorded by exactly one add"
 
-    def test_concurrent_add_many_first_writer_wins(self, store_factory: StoreFactory) -> None:
+    def test_concurrent_add_many_first_writer_wins(self, clients: StoreFactory) -> None:
         ids = [_unique("race") for _ in range(300)]
-        clients = [store_factory() for _ in range(4)]
+        stores = [clients() for _ in range(4)]
 
         def run(index: int) -> set[str]:
             rng = random.Random(index)
-            return clients[index].add_many(rng.sample(ids, 200) + rng.sample(ids, 50))
+            return stores[index].add_many(rng.sample(ids, 200) + rng.sample(ids, 50))
 
-        results = run_concurrently(run, len(clients))
+        results = run_concurrently(run, len(stores))
         union = set().union(*results)
         assert sum(len(r) for r in results) == len(union), "an id was reported by two callers"
-        assert clients[0].processed_among(ids) == union
-        for c in clients:
-            c.close()
+        assert stores[0].processed_among(ids) == union
 
     def test_store_is_shared_by_threads(self, store: DeduplicationStore) -> None:
         ids = [_unique() for _ in range(60)]
-        wins: list[str] = []
-        lock = threading.Lock()
-
-        def run() -> None:
-            for m in ids:
-                if store.add(m):
-                    with lock:
-                        wins.append(m)
-
-        threads = [threading.Thread(target=run) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert sorted(wins) == sorted(ids)
+        results = run_concurrently(lambda _: [m for m in ids if store.add(m)], 4)
+        assert sorted(m for wins in results for m in wins) == sorted(ids)
 
     # ------------------------------------------------------------------ ids
 
@@ -467,11 +404,10 @@ class DeduplicationStoreContract:
         with pytest.raises(ConfigurationError):
             store_factory(endpoint=endpoint)
 
-    def test_options_given_as_strings_convert(self, store_factory: StoreFactory) -> None:
-        store = store_factory(endpoint="strings", retention="2h")
+    def test_options_given_as_strings_convert(self, clients: StoreFactory) -> None:
+        store = clients(endpoint="strings", retention="2h")
         assert store.retention == timedelta(hours=2)
         assert store.endpoint == "strings"
-        store.close()
 
     @pytest.mark.parametrize("option", ["no_such_option", "create_schema_typo"])
     def test_unknown_option_is_a_configuration_error(
@@ -495,12 +431,10 @@ class DeduplicationStoreContract:
     # (the server judges expiry) get real time and retentions of a few seconds.
 
     @pytest.fixture
-    def timeline(self, store_factory: StoreFactory, clock: FakeClock) -> Timeline:
+    def timeline(self, clients: StoreFactory, clock: FakeClock) -> Timeline:
         """Opens stores on a clock the test can move (fake, or real for server clocks)."""
-        probe = store_factory()
-        kind = type(probe).expiry_clock
-        probe.close()
-        return Timeline(store_factory, clock if kind == "client" else None)
+        kind = type(clients()).expiry_clock
+        return Timeline(clients, clock if kind == "client" else None)
 
     def test_without_retention_records_never_expire(self, timeline: Timeline) -> None:
         store = timeline.store()
@@ -510,7 +444,6 @@ class DeduplicationStoreContract:
         assert store.has_been_processed(mid)
         assert store.purge_expired() == 0
         assert store.has_been_processed(mid)
-        store.close()
 
     def test_retention_expires_records(self, timeline: Timeline) -> None:
         store = timeline.store(retention=timeline.unit)
@@ -526,7 +459,6 @@ class DeduplicationStoreContract:
         assert not store.has_been_processed(mid)
         assert mid not in store
         assert store.processed_among([mid, *batch]) == set()
-        store.close()
 
     def test_endpoints_lists_those_holding_live_records(self, timeline: Timeline) -> None:
         # names of any text (a Redis key escapes ':', '%', '{', '}'); others' records may be
@@ -536,24 +468,20 @@ class DeduplicationStoreContract:
         stores = [timeline.store(endpoint=name) for name in kept]
         stores.append(timeline.store(endpoint=empty))
         stores.append(timeline.store(endpoint=short, retention=timeline.unit))
-        try:
-            for store in stores[:3]:
-                store.add_many([_unique(), _unique()])
-            stores[4].add(_unique())
-            listed = stores[3].endpoints()
-            if type(stores[3])._endpoints is DeduplicationStore._endpoints:
-                assert listed is None, "a backend that cannot list its endpoints says None"
-                return
-            assert listed is not None
-            assert {*kept, short} <= listed, "every endpoint with a record, not only its own"
-            assert empty not in listed, "an endpoint without records is not listed"
-            timeline.advance(timeline.unit * 1.25)
-            listed = stores[0].endpoints()
-            assert listed is not None and set(kept) <= listed
-            assert short not in listed, "expired records do not count"
-        finally:
-            for store in stores:
-                store.close()
+        for store in stores[:3]:
+            store.add_many([_unique(), _unique()])
+        stores[4].add(_unique())
+        listed = stores[3].endpoints()
+        if type(stores[3])._endpoints is DeduplicationStore._endpoints:
+            assert listed is None, "a backend that cannot list its endpoints says None"
+            return
+        assert listed is not None
+        assert {*kept, short} <= listed, "every endpoint with a record, not only its own"
+        assert empty not in listed, "an endpoint without records is not listed"
+        timeline.advance(timeline.unit * 1.25)
+        listed = stores[0].endpoints()
+        assert listed is not None and set(kept) <= listed
+        assert short not in listed, "expired records do not count"
 
     def test_expired_record_is_recorded_again(self, timeline: Timeline) -> None:
         store = timeline.store(retention=timeline.unit)
@@ -566,7 +494,6 @@ class DeduplicationStoreContract:
         assert store.processed_among([mid, *batch]) == {mid, *batch}
         timeline.advance(timeline.unit * 0.5)
         assert store.has_been_processed(mid), "re-recording must write a new expiry"
-        store.close()
 
     def test_concurrent_re_add_of_expired_record(self, timeline: Timeline) -> None:
         ids = [_unique() for _ in range(20)]
@@ -576,8 +503,6 @@ class DeduplicationStoreContract:
         clients = [timeline.store(retention=timeline.unit) for _ in range(4)]
         results = run_concurrently(lambda i: [m for m in ids if clients[i].add(m)], len(clients))
         assert sorted(m for r in results for m in r) == sorted(ids)
-        for c in [first, *clients]:
-            c.close()
 
     def test_a_reader_without_retention_sees_the_writers_expiry(self, timeline: Timeline) -> None:
         writer = timeline.store(retention=timeline.unit)
@@ -591,8 +516,6 @@ class DeduplicationStoreContract:
         assert reader.add(mid) is True
         timeline.advance(timeline.unit * (24 * 3650 if timeline.fake else 1.3))
         assert reader.has_been_processed(mid), "a record without retention never expires"
-        writer.close()
-        reader.close()
 
     def test_purge_expired(self, timeline: Timeline) -> None:
         store = timeline.store(retention=timeline.unit)
@@ -611,8 +534,6 @@ class DeduplicationStoreContract:
         assert store.processed_among(old + young) == set(young)
         assert other.processed_among(old) == set()
         assert other.purge_expired() in ({len(old)} if timeline.fake else {0, len(old)})
-        store.close()
-        other.close()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -632,12 +553,10 @@ class DeduplicationStoreContract:
         finally:
             clone.close()
 
-    def test_pickled_store_keeps_endpoint_and_retention(self, store_factory: StoreFactory) -> None:
-        store = store_factory(endpoint="pickled", retention=timedelta(days=2))
-        clone = pickle.loads(pickle.dumps(store))
+    def test_pickled_store_keeps_endpoint_and_retention(self, clients: StoreFactory) -> None:
+        clone = pickle.loads(pickle.dumps(clients(endpoint="pickled", retention=timedelta(days=2))))
         assert clone.endpoint == "pickled"
         assert clone.retention == timedelta(days=2)
-        store.close()
         clone.close()
 
     def test_close_is_idempotent_and_final(self, store_factory: StoreFactory) -> None:
@@ -645,24 +564,21 @@ class DeduplicationStoreContract:
             store.add(_unique())
         assert store.closed
         store.close()
-        with pytest.raises(StoreClosed):
-            store.add(_unique())
-        with pytest.raises(StoreClosed):
-            store.add_many([_unique()])
-        with pytest.raises(StoreClosed):
-            store.processed_among([_unique()])
-        with pytest.raises(StoreClosed):
-            store.has_been_processed(_unique())
-        with pytest.raises(StoreClosed):
-            store.purge_expired()
-        with pytest.raises(StoreClosed):
-            store.health_warnings()
+        for call in (
+            lambda: store.add(_unique()),
+            lambda: store.add_many([_unique()]),
+            lambda: store.processed_among([_unique()]),
+            lambda: store.has_been_processed(_unique()),
+            store.purge_expired,
+            store.health_warnings,
+        ):
+            with pytest.raises(StoreClosed):
+                call()
 
-    def test_repr_names_the_class_and_endpoint(self, store_factory: StoreFactory) -> None:
-        store = store_factory(endpoint="repr-endpoint")
+    def test_repr_names_the_class_and_endpoint(self, clients: StoreFactory) -> None:
+        store = clients(endpoint="repr-endpoint")
         assert type(store).__name__ in repr(store)
         assert "repr-endpoint" in repr(store)
-        store.close()
 
 
 # ---------------------------------------------------------------------- processes

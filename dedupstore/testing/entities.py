@@ -26,7 +26,7 @@ from dedupstore.errors import (
     StoreClosed,
     StoreUnavailable,
 )
-from dedupstore.testing.contract import HOSTILE_IDS, INVALID_IDS, run_concurrently
+from dedupstore.testing.contract import HOSTILE_IDS, INVALID_IDS, _closing, run_concurrently
 
 __all__ = ["EntityStoreContract", "EntityStoreFactory", "EntityStoreRestartContract"]
 
@@ -52,13 +52,16 @@ class EntityStoreContract:
         raise NotImplementedError("provide an entity_store_factory fixture")
 
     @pytest.fixture
-    def entities(self, entity_store_factory: EntityStoreFactory) -> Iterator[EntityStore]:
+    def entity_clients(
+        self, entity_store_factory: EntityStoreFactory
+    ) -> Iterator[EntityStoreFactory]:
+        """``entity_store_factory``, every store it opens closed after the test."""
+        yield from _closing(entity_store_factory)
+
+    @pytest.fixture
+    def entities(self, entity_clients: EntityStoreFactory) -> EntityStore:
         """An entity store, closed after the test."""
-        store = entity_store_factory()
-        try:
-            yield store
-        finally:
-            store.close()
+        return entity_clients()
 
     # ------------------------------------------------------------------ basics
 
@@ -82,8 +85,8 @@ class EntityStoreContract:
         assert loaded.version == saved.version
         assert loaded.pending == ["m-1"] and loaded.dispatched == ["m-0"]
 
-    def test_a_stale_save_conflicts(self, entity_store_factory: EntityStoreFactory) -> None:
-        a, b = entity_store_factory(), entity_store_factory()
+    def test_a_stale_save_conflicts(self, entity_clients: EntityStoreFactory) -> None:
+        a, b = entity_clients(), entity_clients()
         eid = _eid()
         first = a.load(eid)
         first.state = {"v": 1}
@@ -99,8 +102,6 @@ class EntityStoreContract:
         again.state = {"v": 3}
         b.save(again)
         assert a.load(eid).state == {"v": 3}
-        a.close()
-        b.close()
 
     def test_two_creators_of_one_new_entity_conflict(self, entities: EntityStore) -> None:
         eid = _eid()
@@ -112,9 +113,9 @@ class EntityStoreContract:
         assert entities.load(eid).state == {"by": "one"}
 
     def test_concurrent_savers_exactly_one_wins_per_round(
-        self, entity_store_factory: EntityStoreFactory
+        self, entity_clients: EntityStoreFactory
     ) -> None:
-        clients = [entity_store_factory() for _ in range(4)]
+        clients = [entity_clients() for _ in range(4)]
         eid = _eid()
 
         def increment(index: int) -> int:
@@ -131,8 +132,6 @@ class EntityStoreContract:
 
         assert sum(run_concurrently(increment, len(clients))) == 40
         assert clients[0].load(eid).state == {"count": 40}, "an increment was lost"
-        for client in clients:
-            client.close()
 
     # ------------------------------------------------------------------ batches
 

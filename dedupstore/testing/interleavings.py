@@ -289,10 +289,10 @@ class _Turns:
             raise Crash(f"actor {actor} crashed after {name}")
         return result
 
-    def end_turn(self, actor: int, done: bool) -> None:
+    def end_turn(self, actor: int) -> None:
+        """``actor`` finished."""
         with self.cond:
-            if done:
-                self.finished.add(actor)
+            self.finished.add(actor)
             if self.running == actor:
                 self.running = None
             self.cond.notify_all()
@@ -354,80 +354,56 @@ class _OneEntity:
         )
 
 
-class _Entities:
-    """The entity store as one actor sees it: every call waits for the actor's turn."""
-
-    def __init__(self, real: EntityStore | _OneEntity, turns: _Turns, actor: int) -> None:
-        self._real, self._turns, self._actor = real, turns, actor
-        self.max_entity_bytes: int = real.max_entity_bytes
-
-    def _call(self, name: str, action: Callable[[], Any]) -> Any:
-        return self._turns.call(self._actor, name, action)
-
-    def load(self, entity_id: str) -> Entity:
-        return self._call("load", lambda: self._real.load(entity_id))  # type: ignore[no-any-return]
-
-    def load_many(self, ids: Sequence[str]) -> dict[str, Entity]:
-        return self._call("load_many", lambda: self._real.load_many(ids))  # type: ignore[no-any-return]
-
-    def save(self, entity: Entity) -> Entity:
-        return self._call("save", lambda: self._real.save(entity))  # type: ignore[no-any-return]
-
-    def save_many(self, entities: Sequence[Entity]) -> set[str]:
-        return self._call("save_many", lambda: self._real.save_many(entities))  # type: ignore[no-any-return]
-
-    def pending_outboxes(self, segment: int = 0, segments: int = 1) -> Iterator[Entity]:
-        page = self._call("scan", lambda: list(self._real.pending_outboxes(segment, segments)))
-        return iter(page)
-
-    def _joined(self, dedup: _Dedup) -> bool:
-        return self._real._joined(dedup._real)
-
-    def _load_checked(self, entity_id: str, dedup: _Dedup, key: str) -> tuple[Entity, bool]:
-        return self._call(  # type: ignore[no-any-return]
-            "load_and_check", lambda: self._real._load_checked(entity_id, dedup._real, key)
-        )
-
-    def _save_checked(self, entity: Entity, dedup: _Dedup, key: str) -> bool:
-        return self._call(  # type: ignore[no-any-return]
-            "check_and_save", lambda: self._real._save_checked(entity, dedup._real, key)
-        )
-
-    def _save_recording(self, entity: Entity, dedup: _Dedup, key: str) -> None:
-        self._call("add_and_save", lambda: self._real._save_recording(entity, dedup._real, key))
+#: What the processor and the sweep call on each part: method -> its step (``None``:
+#: no step, it asks nothing of the store). Any other method is refused, so no call
+#: can run outside the scheduler.
+_ENTITY_STEPS: dict[str, str | None] = {
+    "load": "load",
+    "load_many": "load_many",
+    "save": "save",
+    "save_many": "save_many",
+    "pending_outboxes": "scan",
+    "_joined": None,
+    "_load_checked": "load_and_check",
+    "_save_checked": "check_and_save",
+    "_save_recording": "add_and_save",
+}
+_DEDUP_STEPS: dict[str, str | None] = {
+    "has_been_processed": "has",
+    "processed_among": "processed_among",
+    "add": "add",
+    "add_many": "add_many",
+}
+_DISPATCH_STEPS: dict[str, str | None] = {"dispatch": "dispatch"}
 
 
-class _Dedup:
-    """The deduplication store as one actor sees it."""
+class _Turned:
+    """A store or the dispatcher as one actor sees it: every call waits for the
+    actor's turn (and gets the real stores where the actor passes its wrappers)."""
 
-    def __init__(self, real: DeduplicationStore, turns: _Turns, actor: int) -> None:
-        self._real, self._turns, self._actor = real, turns, actor
-        self.endpoint = real.endpoint
+    def __init__(self, real: Any, turns: _Turns, actor: int, steps: dict[str, str | None]) -> None:
+        self._real, self._turns, self._actor, self._steps = real, turns, actor, steps
 
-    def _call(self, name: str, action: Callable[[], Any]) -> Any:
-        return self._turns.call(self._actor, name, action)
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._real, name)
+        if name not in self._steps:
+            if callable(value):
+                raise AttributeError(f"{name}() is not a step the harness schedules")
+            return value  # an attribute: endpoint, max_entity_bytes
+        step = self._steps[name]
 
-    def has_been_processed(self, message_id: str) -> bool:
-        return self._call("has", lambda: self._real.has_been_processed(message_id))  # type: ignore[no-any-return]
+        def call(*args: Any) -> Any:
+            real = [arg._real if isinstance(arg, _Turned) else arg for arg in args]
+            if step is None:
+                return value(*real)
+            # a scan's pages are read in its turn, not as the caller iterates
+            return self._turns.call(self._actor, step, lambda: _whole(value(*real)))
 
-    def processed_among(self, ids: Sequence[str]) -> set[str]:
-        return self._call("processed_among", lambda: self._real.processed_among(ids))  # type: ignore[no-any-return]
-
-    def add(self, message_id: str) -> bool:
-        return self._call("add", lambda: self._real.add(message_id))  # type: ignore[no-any-return]
-
-    def add_many(self, ids: Sequence[str]) -> set[str]:
-        return self._call("add_many", lambda: self._real.add_many(ids))  # type: ignore[no-any-return]
+        return call
 
 
-class _Dispatcher:
-    """The dispatcher as one actor sees it; checks for ghosts when it sends."""
-
-    def __init__(self, real: _Ledger, turns: _Turns, actor: int) -> None:
-        self._real, self._turns, self._actor = real, turns, actor
-
-    def dispatch(self, messages: Sequence[OutgoingMessage]) -> None:
-        self._turns.call(self._actor, "dispatch", lambda: self._real.dispatch(messages))
+def _whole(result: Any) -> Any:
+    return iter(list(result)) if isinstance(result, Iterator) else result
 
 
 class _Ledger(InMemoryDispatcher):
@@ -495,9 +471,9 @@ def _run_once(
 
     def actor_main(index: int, actor: Actor) -> None:
         own = _OneEntity(world.entity_clients[index], entity_id)
-        entities: Any = _Entities(own, turns, index)
-        dedup: Any = _Dedup(world.dedup_clients[index], turns, index)
-        dispatcher = _Dispatcher(ledger, turns, index)
+        entities: Any = _Turned(own, turns, index, _ENTITY_STEPS)
+        dedup: Any = _Turned(world.dedup_clients[index], turns, index, _DEDUP_STEPS)
+        dispatcher: Any = _Turned(ledger, turns, index, _DISPATCH_STEPS)
         result: list[ProcessResult] | BaseException | None = None
         try:
             if actor.kind == "sweep":
@@ -517,7 +493,7 @@ def _run_once(
             result = exc
         finally:
             turns.run.results[index] = result
-            turns.end_turn(index, done=True)
+            turns.end_turn(index)
 
     def observe(trace: list[str]) -> None:
         entity = checker_entities.load(entity_id)
