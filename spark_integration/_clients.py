@@ -91,7 +91,7 @@ class Opened:
     dispatcher: Dispatcher | None
 
 
-class TaskClients:
+class TaskClients(ExitStack):
     """The clients of one task, opened at first use (an empty partition opens nothing).
 
     A context manager: every client opened is closed on the way out.
@@ -103,8 +103,8 @@ class TaskClients:
         dedup: ClientSpec | None = None,
         dispatcher: ClientSpec | None = None,
     ) -> None:
+        super().__init__()
         self._specs = (entities, dedup, dispatcher)
-        self._stack = ExitStack()
         self._opened: Opened | None = None
 
     def get(self) -> Opened:
@@ -119,11 +119,5 @@ class TaskClients:
         client = spec.open()
         close = getattr(client, "close", None)
         if close is not None:
-            self._stack.callback(close)
+            self.callback(close)
         return client
-
-    def __enter__(self) -> TaskClients:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stack.close()

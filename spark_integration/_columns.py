@@ -317,28 +317,33 @@ def body_reader(schema: T.StructType, names: Sequence[str]) -> BodyReader:
     naming the column and its type. See the table of docs/spark.md for what each type gives.
     """
     kinds = {f.name: f.dataType for f in schema.fields}
-    converters: list[tuple[str, Convert]] = []
-    for name in names:
-        convert = _converter(kinds[name], name, kinds[name])
-        if convert is not None:
-            converters.append((name, convert))
-    return BodyReader(tuple(names), tuple(converters))
+    converters = ((name, _converter(kinds[name], name, kinds[name])) for name in names)
+    return BodyReader(tuple(names), tuple((n, c) for n, c in converters if c is not None))
 
 
-class BodyReader:
+class _StructConverter:
+    """Converts the non-null fields that have a converter, in a copy of a struct's dict."""
+
+    def __init__(self, fields: tuple[tuple[str, Convert], ...]) -> None:
+        self.fields = fields
+
+    def __call__(self, value: Mapping[str, Any]) -> dict[str, Any]:
+        converted = dict(value)
+        for name, convert in self.fields:
+            if converted[name] is not None:
+                converted[name] = convert(converted[name])
+        return converted
+
+
+class BodyReader(_StructConverter):
     """Picklable: the column names and the converters of the columns that need one."""
 
     def __init__(self, names: tuple[str, ...], converters: tuple[tuple[str, Convert], ...]) -> None:
+        super().__init__(converters)
         self.names = names
-        self.converters = converters
 
     def __call__(self, row: Mapping[str, Any]) -> dict[str, Any]:
-        body = {name: row[name] for name in self.names}
-        for name, convert in self.converters:
-            value = body[name]
-            if value is not None:
-                body[name] = convert(value)
-        return body
+        return super().__call__({name: row[name] for name in self.names})
 
     def rows(self, columns: Mapping[str, list[Any]], count: int) -> list[dict[str, Any]]:
         """The bodies of ``count`` rows given as columns (``to_pylist`` of each):
@@ -347,7 +352,7 @@ class BodyReader:
         if not names:
             return [{} for _ in range(count)]
         values = {name: columns[name] for name in names}
-        for name, convert in self.converters:
+        for name, convert in self.fields:
             values[name] = [None if v is None else convert(v) for v in values[name]]
         return [dict(zip(names, row, strict=True)) for row in zip(*values.values(), strict=True)]
 
@@ -422,18 +427,6 @@ def _map_converter(key: Convert | None, value: Convert | None) -> Convert:
         }
 
     return convert
-
-
-class _StructConverter:
-    def __init__(self, fields: tuple[tuple[str, Convert], ...]) -> None:
-        self.fields = fields
-
-    def __call__(self, value: dict[str, Any]) -> dict[str, Any]:
-        value = dict(value)
-        for name, convert in self.fields:
-            if value[name] is not None:
-                value[name] = convert(value[name])
-        return value
 
 
 def _variant(value: Mapping[str, bytes]) -> Any:

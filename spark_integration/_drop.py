@@ -32,23 +32,21 @@ def drop_processed(
 
     Under deferred clean-up a processed message's id waits in its entity's outbox
     until the sweep moves it: without ``entities_url`` such a row is kept (read only
-    the deduplication store after a sweep). With it, a row whose id is in its entity's
-    outbox is dropped too (:func:`dedupstore.outbox.applied_among`: one ``load_many``
-    of the batch's entities, then one ``processed_among``; an entity recorded for
-    another consumer than the store's endpoint fails the task with
-    ``ConfigurationError``).
+    the deduplication store after a sweep); with it, it is dropped too
+    (:func:`dedupstore.outbox.applied_among`: one ``load_many`` of the batch's
+    entities, then one ``processed_among``; an entity recorded for another consumer
+    than the store's endpoint fails the task with ``ConfigurationError``).
 
     A row's message is ``message_key(correlation id, message id)``, the key
-    :class:`~dedupstore.outbox.OutboxProcessor` records, the two ids being the texts
-    of ``correlation_col`` and ``id_col`` by the same rule as in
-    :func:`process_messages` (so a row it processed is dropped here, under any
-    session time zone). Only those two texts cross to Python, through a pandas UDF:
-    one ``processed_among`` per Arrow batch of a partition (the store splits it into
-    its own chunks); the other columns, of any type, stay in the JVM. Lazy; same
-    schema as ``df``. A store that cannot answer fails the task: a row is never kept
-    or dropped on a guess. Raises ``ConfigurationError`` before any I/O (a missing
-    column, a refused id type, a column named ``__dedupstore_*``); tasks raise
-    ``InvalidMessageId`` for a null or invalid id, naming its column.
+    :class:`~dedupstore.outbox.OutboxProcessor` records, of the texts of
+    ``correlation_col`` and ``id_col`` by the rule of :func:`process_messages` (so a
+    row it processed is dropped here, under any session time zone). Only those two
+    texts cross to Python, through a pandas UDF: one ``processed_among`` per Arrow
+    batch of a partition; the other columns, of any type, stay in the JVM. Lazy;
+    same schema as ``df``. A store that cannot answer fails the task: a row is never
+    kept or dropped on a guess. Raises ``ConfigurationError`` before any I/O (a
+    missing column, a refused id type, a column named ``__dedupstore_*``); tasks
+    raise ``InvalidMessageId`` for a null or invalid id, naming its column.
     """
     from pyspark.sql import functions as F
 

@@ -52,21 +52,20 @@ def sweep_outboxes(
     """Move dispatched outbox ids into the deduplication store, one Spark task per segment.
 
     The ids go to ``endpoint``, else the one ``dedup_url`` or ``dedup_options`` name,
-    else the consumer recorded with the entities. One more Spark job (a task per
-    segment) first scans the non-empty outboxes for the consumers they record, so a
-    mismatch is a ``ConfigurationError`` naming both before any write, and several
-    consumers without an endpoint one listing them. (Each task refuses an entity of
-    another consumer too, before anything of its batch is written: one recorded
-    between the two jobs fails its task.)
+    else the consumer recorded with the entities. A first Spark job (a task per
+    segment) scans the non-empty outboxes for the consumers they record: a mismatch
+    is a ``ConfigurationError`` naming both before any write, and several consumers
+    without an endpoint one listing them (each task refuses an entity of another
+    consumer too, before writing anything of its batch).
 
-    Each task opens its own clients from the URLs and runs
-    :func:`dedupstore.outbox.sweep` on its segment: memory per task is bounded by
-    ``batch_ids``, not by the segment. With ``redispatch_url``, entries still
-    pending dispatch are dispatched first (outbox relay). Runs now (an action) and
-    returns a small DataFrame, one row per segment (:data:`SWEEP_SCHEMA`: the
-    counts of :class:`~dedupstore.outbox.SweepResult` plus the peak memory of the
-    Python worker that ran it, since that worker started), sorted by segment.
-    Safe to re-run, to run twice at once and beside live consumers.
+    Each task opens its own clients and runs :func:`dedupstore.outbox.sweep` on its
+    segment, in memory bounded by ``batch_ids``, not by the segment. With
+    ``redispatch_url``, entries still pending dispatch are dispatched first (outbox
+    relay). Runs now (an action) and returns a small DataFrame, one row per segment,
+    sorted by segment (:data:`SWEEP_SCHEMA`: the counts of
+    :class:`~dedupstore.outbox.SweepResult` and the peak memory of the Python worker
+    that ran it, since it started). Safe to re-run, to run twice at once and beside
+    live consumers.
 
     Raises ``ConfigurationError`` (bad URL, option or argument; before any I/O)
     and, through Spark, whatever a task raised after its retries.

@@ -30,14 +30,16 @@ if not __package__:  # run as a file (spark-submit .../order_pipeline.py): the p
     sys.exit(0)  # not reached: the module's main exits
 
 import argparse
+import functools
 import logging
 import os
 import re
 import time
 import uuid
 import zlib
+from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from pyspark.sql.pandas.types import to_arrow_schema
@@ -48,7 +50,7 @@ from dedupstore.entities import OutgoingMessage
 from dedupstore.outbox import Handler, outgoing_id
 
 from .orders import POISON_SKU, expected_outgoing, handle_order, is_poison, make_workload
-from .pipeline import process_messages, sweep_outboxes
+from .pipeline import drop_processed, process_messages, sweep_outboxes
 from .session import local_session, quiet_task_retries
 
 if TYPE_CHECKING:
@@ -72,14 +74,12 @@ class FlakyDispatcher:
     Per batch (keyed by its first message id): with probability ``fail`` the
     dispatch fails before sending; with ``crash`` it sends and then fails (a crash
     after dispatch, before the clean-up). With ``kill_marker``, the first batch sent
-    in the run (whichever task gets there first) then ends its Python worker with
-    ``os._exit``: exactly one kill per run, whatever the rolls (the marker file
-    records it). With ``faults``, each injected failure appends its kind
-    (``refused`` or ``crashed``) as a line to that file, which the report counts
-    (local masters: the workers share the driver's disk, as for the kill marker).
-    In the worker, the WARNING lines the library logs about the injected faults
-    (and about the poison messages it dead-letters) are dropped: the report counts
-    them instead. Picklable; opens its dispatcher in the task.
+    in the run then ends its Python worker with ``os._exit``: exactly one kill per
+    run (the marker file records it). With ``faults``, each injected failure appends
+    its kind (``refused`` or ``crashed``) as a line to that file (local masters: the
+    workers share the driver's disk). The report counts both; the worker drops the
+    WARNING lines the library logs about them and about dead-lettered poison.
+    Picklable; opens its dispatcher in the task.
     """
 
     url: str
@@ -109,22 +109,17 @@ class FlakyDispatcher:
     def _record(self, kind: str) -> None:
         """Append ``kind`` to the :attr:`faults` file (one short write: atomic)."""
         if self.faults:
-            fd = os.open(self.faults, os.O_CREAT | os.O_WRONLY | os.O_APPEND)
-            try:
-                os.write(fd, f"{kind}\n".encode())
-            finally:
-                os.close(fd)
+            with open(self.faults, "a", encoding="utf-8") as faults:
+                faults.write(f"{kind}\n")
 
 
 def injected_faults(path: str) -> dict[str, int]:
     """The faults a :class:`FlakyDispatcher` recorded in ``path``, counted by kind."""
-    counts = {"refused": 0, "crashed": 0}
+    counts = Counter({"refused": 0, "crashed": 0})
     if os.path.exists(path):
         with open(path, encoding="utf-8") as lines:
-            for line in lines:
-                kind = line.strip()
-                counts[kind] = counts.get(kind, 0) + 1
-    return counts
+            counts.update(line.strip() for line in lines)
+    return dict(counts)
 
 
 class _InjectedFaults(logging.Filter):
@@ -138,27 +133,20 @@ class _InjectedFaults(logging.Filter):
         return InjectedFailure.__name__ not in text and self.poison not in text
 
 
-#: The loggers that report the injected faults: the processor's and the Spark job's.
-_FAULT_LOGGERS = ("dedupstore.outbox", "dedupstore.spark.pipeline")
-_quieted: list[bool] = []
-
-
+@functools.cache
 def _quiet_injected_faults() -> None:
-    """In this (worker) process, once: the injected faults' records dropped."""
-    if not _quieted:
-        _quieted.append(True)
-        for name in _FAULT_LOGGERS:
-            logging.getLogger(name).addFilter(_InjectedFaults())
+    """In this (worker) process, once: the injected faults' records dropped from the
+    loggers that report them, the processor's and the Spark job's."""
+    for name in ("dedupstore.outbox", "dedupstore.spark.pipeline"):
+        logging.getLogger(name).addFilter(_InjectedFaults())
 
 
 _attempted: set[str] = set()
-_dispatchers: dict[str, Any] = {}
 
 
+@functools.cache
 def _dispatcher(url: str) -> Any:
-    if url not in _dispatchers:
-        _dispatchers[url] = dedupstore.open_dispatcher(url)
-    return _dispatchers[url]
+    return dedupstore.open_dispatcher(url)
 
 
 def _claim(path: str) -> bool:
@@ -211,10 +199,8 @@ class Report:
             want = "" if c.ok else f"   (expected {_fmt(c.expected)})"
             lines.append(f"  [{mark}] {c.name:<{width}} {_fmt(c.value)}{want}")
         lines.append("")
-        for name, value in self.info:
-            lines.append(f"         {name:<{width}} {_fmt(value)}")
-        lines.append("")
-        lines.append("all invariants hold" if self.ok else "INVARIANTS FAILED")
+        lines.extend(f"         {name:<{width}} {_fmt(value)}" for name, value in self.info)
+        lines += ["", "all invariants hold" if self.ok else "INVARIANTS FAILED"]
         return "\n".join(lines)
 
 
@@ -349,14 +335,12 @@ def run(
         seed=settings.seed,
         poison=settings.poison,
     )
-    rows = [
-        {**row, "id": f"{run_id}/{row['id']}", "order_id": f"{run_id}/{row['order_id']}"}
-        for row in workload.delivered
-    ]
-    commands = [
-        {**row, "id": f"{run_id}/{row['id']}", "order_id": f"{run_id}/{row['order_id']}"}
-        for row in workload.commands
-    ]
+
+    def of_this_run(row: dict[str, Any]) -> dict[str, Any]:
+        return {**row, "id": f"{run_id}/{row['id']}", "order_id": f"{run_id}/{row['order_id']}"}
+
+    rows = [of_this_run(row) for row in workload.delivered]
+    commands = [of_this_run(row) for row in workload.commands]
     messages = spark.createDataFrame(rows, INPUT_SCHEMA).cache()
     messages.count()
     os.makedirs(workdir, exist_ok=True)
@@ -406,7 +390,6 @@ def run(
         .agg(
             F.sum("entities_scanned").alias("scanned"),
             F.sum("ids_moved").alias("moved"),
-            F.sum("ids_left").alias("left"),
         )
         .first()
     )
@@ -443,8 +426,6 @@ def run(
     marked = sources.join(applied.withColumn("saved", F.lit(True)), "id", "left")
     saved = F.col("saved").isNotNull()
     ghosts = marked.where(F.when(F.col("dead"), saved).otherwise(~saved)).count() if ours else 0
-    from .pipeline import drop_processed
-
     pairs = messages.select("id", "order_id").distinct()
     unrecorded = drop_processed(pairs, settings.dedup_url, correlation_col="order_id").count()
 
@@ -536,16 +517,23 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, str, str]:
         prog="order_pipeline", description="The order pipeline on Spark, proven exactly once."
     )
     p.add_argument("--orders", type=int, default=d.orders, help="size: number of orders")
-    p.add_argument("--entities", default=d.entities_url, help="entity store URL")
-    p.add_argument("--store", default=d.dedup_url, help="deduplication store URL")
-    p.add_argument("--dispatcher", default=d.dispatcher_url, help="dispatcher URL (sqlite, redis)")
+    for flag, dest, what in (
+        ("entities", "entities_url", "entity store URL"),
+        ("store", "dedup_url", "deduplication store URL"),
+        ("dispatcher", "dispatcher_url", "dispatcher URL (sqlite, redis)"),
+    ):
+        p.add_argument(
+            f"--{flag}", dest=dest, metavar=flag.upper(), default=getattr(d, dest), help=what
+        )
     p.add_argument("--cleanup", choices=("deferred", "inline"), default=d.cleanup)
     p.add_argument("--segments", type=int, default=d.segments, help="sweep segments")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--duplicates", type=float, default=d.duplicates)
     p.add_argument("--fail", type=float, default=d.fail, help="first-attempt dispatch failures")
     p.add_argument("--crash", type=float, default=d.crash, help="crashes after dispatch")
-    p.add_argument("--no-kill", action="store_true", help="do not kill a Python worker")
+    p.add_argument(
+        "--no-kill", dest="kill", action="store_false", help="do not kill a Python worker"
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
         "--poison", type=int, default=d.poison, help="orders with one poison add_item (bad sku)"
@@ -558,22 +546,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, str, str]:
         p.error("--orders must be >= 1")
     if a.poison < 0:
         p.error("--poison must be >= 0")
-    settings = Settings(
-        a.orders,
-        a.entities,
-        a.store,
-        a.dispatcher,
-        a.cleanup,
-        a.segments,
-        a.batch_size,
-        a.duplicates,
-        a.fail,
-        a.crash,
-        not a.no_kill,
-        a.seed,
-        a.poison,
-        a.dead_letters,
-    )
+    settings = Settings(**{f.name: getattr(a, f.name) for f in fields(Settings)})
     return settings, a.master, a.workdir
 
 

@@ -1,13 +1,10 @@
-"""The improving outbox as Spark jobs: process, record a run, stream; sweep, drop processed.
+"""The processing jobs: ``process_messages``, ``run_messages`` and ``process_stream``.
 
-Built on DataFrame APIs only (``mapInArrow``, a pandas UDF, ``repartition``,
-``foreachBatch``), so every function runs unchanged on a classic session and on a
-Spark Connect session. Each task opens its own clients from URLs (checked on the
-driver first, without I/O) and closes them; nothing live is pickled and nothing is
-kept on the driver. How columns become ids, order and bodies is
-:mod:`dedupstore.spark._columns`, checked on the driver too. This module holds the
-processing; the sweep, ``drop_processed`` and the record of a run have their own
-modules, and their public names are re-exported here.
+DataFrame APIs only (``mapInArrow``, ``repartition``, ``foreachBatch``), so they run
+on a classic session and on Spark Connect alike; each task opens its own clients from
+URLs checked on the driver (``_clients``); columns are read by the rules of
+``_columns``. The other jobs' public names are re-exported here: the sweep
+(``_sweep``), ``drop_processed`` (``_drop``) and the result schemas (``_record``).
 """
 
 from __future__ import annotations
@@ -137,23 +134,20 @@ def process_messages(
     Rows are repartitioned by the correlation id so one entity's messages are
     handled by one task: over ``partitions`` tasks when given; by default over
     ``spark.sql.shuffle.partitions`` hash partitions, which adaptive query execution
-    (``spark.sql.adaptive.enabled``, on by default) merges into fewer tasks when they
-    hold little data, so a small input does not pay for 200 tasks each opening its
-    clients (merging keeps every partition whole, so an entity stays in one task).
-    Within a task, in this order: with ``order_col`` (a number,
-    a date or a timestamp), by its value, null values last, ties by the message id's
-    text (bytewise); without it, in input order, the order in which ``df``'s
-    partitions hold the rows (after a shuffle upstream it can change between
-    evaluations, so give ``order_col`` when order matters). Each task opens its own
-    clients and runs :meth:`~dedupstore.outbox.OutboxProcessor.process_batch` over
-    ``batch_size`` messages at a time. A message's body is a dict of its row's other
-    columns (the order column included), as plain Python values: maps as dicts,
-    timestamps as UTC ``datetime``s (the Spark page of the docs lists every type);
-    ``headers_col``, a ``map<string,string>``, becomes its headers (null values
-    left out). A batch that raises is re-run up to ``retries`` times (every step is
-    restartable), then the task fails and Spark retries it; a killed task or a full
-    re-run of the same input changes nothing further (their messages come out
-    ``duplicate`` or ``redispatched``).
+    (on by default) merges, whole, into fewer tasks when they hold little data (so
+    an entity stays in one task, and a small input does not open 200 tasks' clients).
+    Within a task, with ``order_col`` (a number, a date or a timestamp), by its
+    value, nulls last, ties by the message id's text (bytewise); without it, in the
+    order in which ``df``'s partitions hold the rows (a shuffle upstream can change
+    it between evaluations: give ``order_col`` when order matters). Each task runs
+    :meth:`~dedupstore.outbox.OutboxProcessor.process_batch` over ``batch_size``
+    messages at a time. A message's body is a dict of its row's other columns (the
+    order column included) as plain Python values: maps as dicts, timestamps as UTC
+    ``datetime``s (the Spark page of the docs lists every type); ``headers_col``, a
+    ``map<string,string>``, becomes its headers (null values left out). A batch that
+    raises is re-run up to ``retries`` times (every step is restartable), then the
+    task fails and Spark retries it; a killed task or a full re-run of the same input
+    changes nothing further (their messages come out ``duplicate`` or ``redispatched``).
 
     A handler that raises (or returns something else than ``(dict, sends)``) fails
     the task with ``HandlerError`` naming the message and the entity, and is not
@@ -357,18 +351,17 @@ def run_messages(
     processing runs once, when called; each task writes the result rows of each of
     its batches to ``results_path`` as Parquet (under ``batch=<digest>``, with the
     row's ``position`` in its batch) after their outgoing messages are dispatched
-    and before any clean-up, and a retried task, a task that crashed or a re-run of
-    the same call keeps what was written first. So the record does not depend on
-    which attempt of a task got through: a message this run applied says
-    ``processed`` (or ``dead_lettered``, with its error) even when a crashed attempt
-    applied it; ``duplicate`` and ``redispatched`` mean applied before this run. The
-    run is named after ``results_path``: a call that failed (a task out of retries,
-    the driver gone) is finished by calling again with the same path, which keeps
-    every batch already recorded. Returns ``spark.read`` of the record
-    (:data:`PROCESS_SCHEMA` columns); read it as often as you like, nothing runs
-    again. ``results_path`` is any path or URI that both the driver and the
-    executors reach through ``pyarrow.fs`` (a local or shared directory, ``hdfs://``,
-    ``s3://``, ``gs://``).
+    and before any clean-up, and a retried task, a crashed one or a re-run of the
+    same call keeps what was written first. So the record does not depend on which
+    attempt got through: a message this run applied says ``processed`` (or
+    ``dead_lettered``, with its error) even when a crashed attempt applied it;
+    ``duplicate`` and ``redispatched`` mean applied before this run. The run is
+    named after ``results_path``: a call that failed (a task out of retries, the
+    driver gone) is finished by calling again with the same path. Returns
+    ``spark.read`` of the record (:data:`PROCESS_SCHEMA` columns): reading it runs
+    nothing again. ``results_path`` is any path or URI that the driver and the
+    executors reach through ``pyarrow.fs`` (a local or shared directory,
+    ``hdfs://``, ``s3://``, ``gs://``).
 
     Exact for this run's own task attempts and re-runs. One gap: should another
     consumer clean up the entry of a message this run applied in an attempt that
@@ -420,12 +413,11 @@ def process_stream(
 
     ``checkpoint`` is the query's checkpoint location: after a stop or a crash the
     query restarts from it, and the micro-batch that was in flight is replayed,
-    which is harmless (its messages come out ``duplicate`` or ``redispatched``).
-    Without ``results_path`` the result rows are only counted.
-    ``trigger`` is passed to ``DataStreamWriter.trigger`` (e.g.
-    ``{"availableNow": True}``); ``options`` are those of :func:`process_messages`,
-    checked now, by the same column rules, before the query starts. Returns the
-    started query.
+    harmlessly (its messages come out ``duplicate`` or ``redispatched``). ``trigger``
+    goes to ``DataStreamWriter.trigger`` (e.g. ``{"availableNow": True}``);
+    ``options`` are those of :func:`process_messages`, checked before the query
+    starts (``ConfigurationError``). Returns the started query. Without
+    ``results_path`` the result rows are only counted.
 
     With ``results_path`` each micro-batch is run as :func:`run_messages` into
     ``results_path/batch_id=<n>``: an exact record of what the micro-batch did, kept
