@@ -6,10 +6,9 @@ Run it with ``make demo``, ``python -m dedupstore.spark.order_pipeline`` or
 1. generate an order workload delivered at least once (duplicates, reordering), with
    a few poison messages (an ``add_item`` whose sku the handler refuses);
 2. :func:`~dedupstore.spark.process_messages` with ``dead_letters`` and a
-   dispatcher that fails some dispatches on their first attempt, crashes some
-   batches after dispatching and before the clean-up, and kills one Python worker
-   outright (Spark retries its task; the attempt's failure is not logged, it is
-   counted and said in one line);
+   :class:`FlakyDispatcher` that fails some dispatches, crashes some batches after
+   dispatching and kills one Python worker (Spark retries its task; the report
+   counts the failed attempt instead of logging it);
 3. :func:`~dedupstore.spark.sweep_outboxes`;
 4. replay the whole input once more;
 5. check the invariants from the stores and the outgoing queue against a model
@@ -30,26 +29,23 @@ if not __package__:  # run as a file (spark-submit .../order_pipeline.py): the p
     sys.exit(0)  # not reached: the module's main exits
 
 import argparse
-import functools
-import logging
 import os
 import re
 import time
 import uuid
-import zlib
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from pyspark.sql.pandas.types import to_arrow_schema
-from pyspark.sql.types import ArrayType, IntegerType, StringType, StructField, StructType
+from pyspark.sql.types import ArrayType, IntegerType, StringType
 
 import dedupstore
-from dedupstore.entities import OutgoingMessage
 from dedupstore.outbox import Handler, outgoing_id
 
-from .orders import POISON_SKU, expected_outgoing, handle_order, is_poison, make_workload
+from ._columns import schema
+from ._faults import FlakyDispatcher, injected_faults
+from .orders import expected_outgoing, handle_order, is_poison, make_workload
 from .pipeline import drop_processed, process_messages, sweep_outboxes
 from .session import local_session, quiet_task_retries
 
@@ -61,100 +57,6 @@ __all__ = ["FlakyDispatcher", "Report", "injected_faults", "main", "run"]
 
 INPUT_SCHEMA = "id string, order_id string, seq int, type string, sku string, qty int"
 DEFAULT_DIR = ".dedupstore/orders-demo"
-
-
-class InjectedFailure(RuntimeError):
-    """A failure the demo injects on purpose."""
-
-
-@dataclass(frozen=True)
-class FlakyDispatcher:
-    """Dispatches through ``url``, failing on purpose on the first attempt of some batches.
-
-    Per batch (keyed by its first message id): with probability ``fail`` the
-    dispatch fails before sending; with ``crash`` it sends and then fails (a crash
-    after dispatch, before the clean-up). With ``kill_marker``, the first batch sent
-    in the run then ends its Python worker with ``os._exit``: exactly one kill per
-    run (the marker file records it). With ``faults``, each injected failure appends
-    its kind (``refused`` or ``crashed``) as a line to that file (local masters: the
-    workers share the driver's disk). The report counts both; the worker drops the
-    WARNING lines the library logs about them and about dead-lettered poison.
-    Picklable; opens its dispatcher in the task.
-    """
-
-    url: str
-    fail: float = 0.05
-    crash: float = 0.05
-    kill_marker: str | None = None
-    seed: int = 0
-    faults: str | None = None
-
-    def __call__(self, messages: list[OutgoingMessage]) -> None:
-        """Dispatch ``messages``, or fail as decided for their batch."""
-        _quiet_injected_faults()
-        key = messages[0].id if messages else ""
-        roll = (zlib.crc32(f"{self.seed}:{key}".encode()) % 10_000) / 10_000
-        first = key not in _attempted
-        _attempted.add(key)
-        if first and roll < self.fail:
-            self._record("refused")
-            raise InjectedFailure("injected: the broker refused the dispatch")
-        _dispatcher(self.url).dispatch(messages)
-        if self.kill_marker and _claim(self.kill_marker):
-            os._exit(3)  # a real crash: Spark sees the worker die and retries the task
-        if first and roll < self.fail + self.crash:
-            self._record("crashed")
-            raise InjectedFailure("injected: crash after dispatch, before the clean-up")
-
-    def _record(self, kind: str) -> None:
-        """Append ``kind`` to the :attr:`faults` file (one short write: atomic)."""
-        if self.faults:
-            with open(self.faults, "a", encoding="utf-8") as faults:
-                faults.write(f"{kind}\n")
-
-
-def injected_faults(path: str) -> dict[str, int]:
-    """The faults a :class:`FlakyDispatcher` recorded in ``path``, counted by kind."""
-    counts = Counter({"refused": 0, "crashed": 0})
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as lines:
-            counts.update(line.strip() for line in lines)
-    return dict(counts)
-
-
-class _InjectedFaults(logging.Filter):
-    """Drops the records about the demo's injected faults: a failure of the type
-    :class:`InjectedFailure`, or the dead letter of a poison message (its sku)."""
-
-    poison = f"unknown sku {POISON_SKU!r}"
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        text = record.getMessage()
-        return InjectedFailure.__name__ not in text and self.poison not in text
-
-
-@functools.cache
-def _quiet_injected_faults() -> None:
-    """In this (worker) process, once: the injected faults' records dropped from the
-    loggers that report them, the processor's and the Spark job's."""
-    for name in ("dedupstore.outbox", "dedupstore.spark.pipeline"):
-        logging.getLogger(name).addFilter(_InjectedFaults())
-
-
-_attempted: set[str] = set()
-
-
-@functools.cache
-def _dispatcher(url: str) -> Any:
-    return dedupstore.open_dispatcher(url)
-
-
-def _claim(path: str) -> bool:
-    try:
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        return False
-    return True
 
 
 # ---------------------------------------------------------------------- checks
@@ -217,12 +119,8 @@ def _fmt(value: Any) -> str:
 # ---------------------------------------------------------------------- inspection
 
 
-ENTITY_SCHEMA = StructType(
-    [
-        StructField("order_id", StringType()),
-        StructField("applied", ArrayType(StringType())),
-        StructField("outbox_entries", IntegerType()),
-    ]
+ENTITY_SCHEMA = schema(
+    order_id=StringType(), applied=ArrayType(StringType()), outbox_entries=IntegerType()
 )
 
 

@@ -134,8 +134,9 @@ def process_messages(
     Rows are repartitioned by the correlation id so one entity's messages are
     handled by one task: over ``partitions`` tasks when given; by default over
     ``spark.sql.shuffle.partitions`` hash partitions, which adaptive query execution
-    (on by default) merges, whole, into fewer tasks when they hold little data (so
-    an entity stays in one task, and a small input does not open 200 tasks' clients).
+    (``spark.sql.adaptive.enabled``, on by default) merges, whole, into fewer tasks
+    when they hold little data (an entity stays in one task, and a small input does
+    not open 200 tasks' clients).
     Within a task, with ``order_col`` (a number, a date or a timestamp), by its
     value, nulls last, ties by the message id's text (bytewise); without it, in the
     order in which ``df``'s partitions hold the rows (a shuffle upstream can change
@@ -143,11 +144,12 @@ def process_messages(
     :meth:`~dedupstore.outbox.OutboxProcessor.process_batch` over ``batch_size``
     messages at a time. A message's body is a dict of its row's other columns (the
     order column included) as plain Python values: maps as dicts, timestamps as UTC
-    ``datetime``s (the Spark page of the docs lists every type); ``headers_col``, a
-    ``map<string,string>``, becomes its headers (null values left out). A batch that
-    raises is re-run up to ``retries`` times (every step is restartable), then the
-    task fails and Spark retries it; a killed task or a full re-run of the same input
-    changes nothing further (their messages come out ``duplicate`` or ``redispatched``).
+    ``datetime`` objects (the Spark page of the docs lists every type);
+    ``headers_col``, a ``map<string,string>``, becomes its headers (null values left
+    out). A batch that raises is re-run up to ``retries`` times (every step is
+    restartable), then the task fails and Spark retries it; a killed task or a full
+    re-run of the same input changes nothing further (their messages come out
+    ``duplicate`` or ``redispatched``).
 
     A handler that raises (or returns something else than ``(dict, sends)``) fails
     the task with ``HandlerError`` naming the message and the entity, and is not
@@ -243,10 +245,7 @@ def _entity_ordered(
     ordered = df.withColumns(
         {**texts, C.SEQ: seq if seq is not None else F.monotonically_increasing_id()}
     )
-    if partitions is None:
-        # spark.sql.shuffle.partitions hash partitions, which adaptive execution (on by
-        # default) merges into fewer tasks when they are small: it merges whole
-        # partitions, never splits one, so an entity's rows stay in one task
+    if partitions is None:  # adaptive execution may merge them, whole: an entity stays in one task
         by_entity = ordered.repartition(F.col(C.CID))
     else:  # an explicit count: adaptive execution keeps it
         by_entity = ordered.repartition(partitions, F.col(C.CID))
