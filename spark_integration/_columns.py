@@ -23,6 +23,7 @@ import functools
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pyspark.sql import types as T
@@ -318,14 +319,14 @@ def body_reader(schema: T.StructType, names: Sequence[str]) -> BodyReader:
     """
     kinds = {f.name: f.dataType for f in schema.fields}
     converters = ((name, _converter(kinds[name], name, kinds[name])) for name in names)
-    return BodyReader(tuple(names), tuple((n, c) for n, c in converters if c is not None))
+    return BodyReader(tuple((n, c) for n, c in converters if c is not None), tuple(names))
 
 
+@dataclass(frozen=True)
 class _StructConverter:
     """Converts the non-null fields that have a converter, in a copy of a struct's dict."""
 
-    def __init__(self, fields: tuple[tuple[str, Convert], ...]) -> None:
-        self.fields = fields
+    fields: tuple[tuple[str, Convert], ...]
 
     def __call__(self, value: Mapping[str, Any]) -> dict[str, Any]:
         converted = dict(value)
@@ -335,12 +336,11 @@ class _StructConverter:
         return converted
 
 
+@dataclass(frozen=True)
 class BodyReader(_StructConverter):
-    """Picklable: the column names and the converters of the columns that need one."""
+    """Picklable: the converters of the columns that need one, and the column names."""
 
-    def __init__(self, names: tuple[str, ...], converters: tuple[tuple[str, Convert], ...]) -> None:
-        super().__init__(converters)
-        self.names = names
+    names: tuple[str, ...]
 
     def __call__(self, row: Mapping[str, Any]) -> dict[str, Any]:
         return super().__call__({name: row[name] for name in self.names})
@@ -440,22 +440,15 @@ def _geospatial(value_class: Any, value: Mapping[str, Any]) -> Any:
 # ---------------------------------------------------------------------- messages
 
 
+@dataclass(frozen=True)
 class Rows:
     """Turns the Arrow rows of a ``process_messages`` task into :class:`Message` objects."""
 
-    def __init__(
-        self,
-        id_col: str,
-        correlation_col: str,
-        order_col: str | None,
-        headers_col: str | None,
-        body: BodyReader,
-    ) -> None:
-        self.id_col = id_col
-        self.correlation_col = correlation_col
-        self.order_col = order_col
-        self.headers_col = headers_col
-        self.body = body
+    id_col: str
+    correlation_col: str
+    order_col: str | None
+    headers_col: str | None
+    body: BodyReader
 
     def messages(
         self, batch: pa.RecordBatch, invalid: dict[tuple[str, str], str] | None = None

@@ -159,8 +159,7 @@ def quiet_task_retries(
     if sc is None:
         yield seen
         return
-    jvm: Any = sc._jvm
-    log4j = jvm.org.apache.logging.log4j
+    log4j = sc._jvm.org.apache.logging.log4j
     context = log4j.LogManager.getContext(False)
     config = context.getConfiguration()
     saved: dict[str, Any] = {}
