@@ -3,6 +3,7 @@
 Nothing live crosses to the executors. The driver checks each URL and its options
 (scheme known, client library installed, every option valid) without any I/O, and
 ships a :class:`ClientSpec`; each task opens its own client from it and closes it.
+The jobs' other arguments are checked on the driver too (:func:`positive_int`).
 """
 
 from __future__ import annotations
@@ -22,13 +23,19 @@ from dedupstore.urls import StoreURL
 
 Kind = Literal["entities", "dedup", "dispatcher"]
 
-#: ClientSpec kind -> the registry's kind of plugin.
-_PLUGIN_KIND: dict[str, registry.Kind] = {
-    "entities": "entity_store",
-    "dedup": "store",
-    "dispatcher": "dispatcher",
+#: ClientSpec kind -> the registry's kind of plugin, what it is called, how a task opens it.
+_KINDS: dict[str, tuple[registry.Kind, str, Callable[..., Any]]] = {
+    "entities": ("entity_store", "entity store", dedupstore.open_entity_store),
+    "dedup": ("store", "deduplication store", dedupstore.open_store),
+    "dispatcher": ("dispatcher", "dispatcher", dedupstore.open_dispatcher),
 }
-_WHAT = {"entities": "entity store", "dedup": "deduplication store", "dispatcher": "dispatcher"}
+
+
+def positive_int(name: str, value: object, minimum: int = 1) -> int:
+    """``value``, an int of at least ``minimum``; ``ConfigurationError`` if not."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigurationError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -51,19 +58,18 @@ class ClientSpec:
         run in separate Python workers.
         """
         options = dict(options or {})
+        plugin_kind, what, _ = _KINDS[kind]
         if kind == "dispatcher" and callable(url) and not isinstance(url, str):
             if options:
                 raise ConfigurationError("a callable dispatcher takes no options")
             return cls(kind, url, options)
         if not isinstance(url, str) or not url:
-            raise ConfigurationError(
-                f"the {_WHAT[kind]} URL must be a non-empty string, got {url!r}"
-            )
+            raise ConfigurationError(f"the {what} URL must be a non-empty string, got {url!r}")
         parsed = StoreURL.parse(url)
-        target: Any = registry.resolve(_PLUGIN_KIND[kind], parsed.scheme)
+        target: Any = registry.resolve(plugin_kind, parsed.scheme)
         if target.process_local:
             raise ConfigurationError(
-                f"{parsed.masked!r}: this {_WHAT[kind]} lives in one process, and "
+                f"{parsed.masked!r}: this {what} lives in one process, and "
                 "Spark tasks run in separate Python workers; use sqlite:/// on one machine or "
                 "a server"
             )
@@ -73,11 +79,7 @@ class ClientSpec:
 
     def open(self) -> Any:
         """Open the client (in a task)."""
-        if self.kind == "entities":
-            return dedupstore.open_entity_store(str(self.url), **self.options)
-        if self.kind == "dedup":
-            return dedupstore.open_store(str(self.url), **self.options)
-        return dedupstore.open_dispatcher(self.url, **self.options)
+        return _KINDS[self.kind][2](self.url, **self.options)
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,7 @@ class Opened:
     dispatcher: Dispatcher | None
 
 
-class TaskClients:
+class TaskClients(ExitStack):
     """The clients of one task, opened at first use (an empty partition opens nothing).
 
     A context manager: every client opened is closed on the way out.
@@ -101,8 +103,8 @@ class TaskClients:
         dedup: ClientSpec | None = None,
         dispatcher: ClientSpec | None = None,
     ) -> None:
+        super().__init__()
         self._specs = (entities, dedup, dispatcher)
-        self._stack = ExitStack()
         self._opened: Opened | None = None
 
     def get(self) -> Opened:
@@ -117,11 +119,5 @@ class TaskClients:
         client = spec.open()
         close = getattr(client, "close", None)
         if close is not None:
-            self._stack.callback(close)
+            self.callback(close)
         return client
-
-    def __enter__(self) -> TaskClients:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stack.close()

@@ -8,7 +8,8 @@
 * :func:`check_headers`, :func:`headers_of`: ``headers_col`` is a map of strings;
 * :func:`body_reader`: a row's other columns as the handler's ``message.body``:
   plain Python values, maps as dicts at any depth, timestamps in UTC;
-* :func:`message_ids`: the task's check of one row's two ids.
+* :class:`Rows`: a task's Arrow rows as messages, each row's two ids checked by
+  :func:`message_ids`.
 
 Everything that inspects a type runs on the driver, before any job; the functions a
 task runs are plain Python, pickled with the job.
@@ -16,24 +17,33 @@ task runs are plain Python, pickled with the job.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import functools
+import hashlib
+import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pyspark.sql import types as T
 
 from dedupstore.errors import ConfigurationError, InvalidMessageId
-from dedupstore.ids import validate_message_id
+from dedupstore.ids import plain_ids, validate_message_id
+from dedupstore.outbox import Message
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     from pyspark.sql import Column
 
 __all__ = [
     "CID",
     "DONE",
     "ID",
+    "INVALID_ENTITY",
     "RESERVED_PREFIX",
     "SEQ",
+    "Rows",
     "body_reader",
     "check_headers",
     "check_names",
@@ -43,6 +53,7 @@ __all__ = [
     "id_text",
     "message_ids",
     "order_key",
+    "schema",
 ]
 
 #: Column names starting with this (in any case) are dedupstore's own.
@@ -53,10 +64,12 @@ DONE = f"{RESERVED_PREFIX}done"
 _DAY_US = 86_400_000_000
 _SECOND_US = 1_000_000
 
-# Geospatial types, when this PySpark release has them (4.1 and later).
-_GEOMETRY: type | None = getattr(T, "GeometryType", None)
-_GEOGRAPHY: type | None = getattr(T, "GeographyType", None)
-_GEOSPATIAL = tuple(t for t in (_GEOMETRY, _GEOGRAPHY) if t is not None)
+#: Geospatial types, when this PySpark release has them (4.1 and later) -> their values' class.
+_GEOSPATIAL: dict[type, Any] = {
+    getattr(T, f"{name}Type"): getattr(T, name)
+    for name in ("Geometry", "Geography")
+    if hasattr(T, f"{name}Type")
+}
 #: Map key types whose Python values cannot be dict keys (unhashable).
 _NOT_KEYS = (
     T.ArrayType,
@@ -77,6 +90,11 @@ _ID_TYPES = (
     "string, char, varchar, tinyint, smallint, int, bigint, decimal(p,0), date, "
     "timestamp, timestamp_ntz or binary"
 )
+
+
+def schema(**columns: T.DataType) -> T.StructType:
+    """A struct of these columns, in this order."""
+    return T.StructType([T.StructField(name, kind) for name, kind in columns.items()])
 
 
 def column(name: str) -> Column:
@@ -153,9 +171,9 @@ def id_text(schema: T.StructType, argument: str, name: str) -> Column:
     value = column(name)
     if isinstance(kind, _TEXT):
         return F.collate(value.cast("string"), "UTF8_BINARY")
-    if isinstance(kind, _INTEGRAL) or (isinstance(kind, T.DecimalType) and kind.scale == 0):
-        return value.cast("string")
-    if isinstance(kind, T.DateType):
+    if isinstance(kind, (*_INTEGRAL, T.DateType)) or (
+        isinstance(kind, T.DecimalType) and kind.scale == 0
+    ):
         return value.cast("string")
     if isinstance(kind, T.TimestampType):
         return _micros_text(F.unix_micros(value), "Z")
@@ -300,28 +318,32 @@ def body_reader(schema: T.StructType, names: Sequence[str]) -> BodyReader:
     naming the column and its type. See the table of docs/spark.md for what each type gives.
     """
     kinds = {f.name: f.dataType for f in schema.fields}
-    converters: list[tuple[str, Convert]] = []
-    for name in names:
-        convert = _converter(kinds[name], name, kinds[name])
-        if convert is not None:
-            converters.append((name, convert))
-    return BodyReader(tuple(names), tuple(converters))
+    converters = ((name, _converter(kinds[name], name, kinds[name])) for name in names)
+    return BodyReader(tuple((n, c) for n, c in converters if c is not None), tuple(names))
 
 
-class BodyReader:
-    """Picklable: the column names and the converters of the columns that need one."""
+@dataclass(frozen=True)
+class _StructConverter:
+    """Converts the non-null fields that have a converter, in a copy of a struct's dict."""
 
-    def __init__(self, names: tuple[str, ...], converters: tuple[tuple[str, Convert], ...]) -> None:
-        self.names = names
-        self.converters = converters
+    fields: tuple[tuple[str, Convert], ...]
+
+    def __call__(self, value: Mapping[str, Any]) -> dict[str, Any]:
+        converted = dict(value)
+        for name, convert in self.fields:
+            if converted[name] is not None:
+                converted[name] = convert(converted[name])
+        return converted
+
+
+@dataclass(frozen=True)
+class BodyReader(_StructConverter):
+    """Picklable: the converters of the columns that need one, and the column names."""
+
+    names: tuple[str, ...]
 
     def __call__(self, row: Mapping[str, Any]) -> dict[str, Any]:
-        body = {name: row[name] for name in self.names}
-        for name, convert in self.converters:
-            value = body[name]
-            if value is not None:
-                body[name] = convert(value)
-        return body
+        return super().__call__({name: row[name] for name in self.names})
 
     def rows(self, columns: Mapping[str, list[Any]], count: int) -> list[dict[str, Any]]:
         """The bodies of ``count`` rows given as columns (``to_pylist`` of each):
@@ -330,7 +352,7 @@ class BodyReader:
         if not names:
             return [{} for _ in range(count)]
         values = {name: columns[name] for name in names}
-        for name, convert in self.converters:
+        for name, convert in self.fields:
             values[name] = [None if v is None else convert(v) for v in values[name]]
         return [dict(zip(names, row, strict=True)) for row in zip(*values.values(), strict=True)]
 
@@ -371,10 +393,9 @@ def _converter(kind: T.DataType, name: str, top: T.DataType) -> Convert | None:
         return _StructConverter(active) if active else None
     if isinstance(kind, T.VariantType):
         return _variant
-    if _GEOMETRY is not None and isinstance(kind, _GEOMETRY):
-        return _geometry
-    if _GEOGRAPHY is not None and isinstance(kind, _GEOGRAPHY):
-        return _geography
+    for geospatial, value_class in _GEOSPATIAL.items():
+        if isinstance(kind, geospatial):
+            return functools.partial(_geospatial, value_class)
     if isinstance(kind, T.UserDefinedType):
         return _converter(kind.sqlType(), name, top)
     if isinstance(kind, T.YearMonthIntervalType | T.CalendarIntervalType):
@@ -408,25 +429,97 @@ def _map_converter(key: Convert | None, value: Convert | None) -> Convert:
     return convert
 
 
-class _StructConverter:
-    def __init__(self, fields: tuple[tuple[str, Convert], ...]) -> None:
-        self.fields = fields
-
-    def __call__(self, value: dict[str, Any]) -> dict[str, Any]:
-        value = dict(value)
-        for name, convert in self.fields:
-            if value[name] is not None:
-                value[name] = convert(value[name])
-        return value
-
-
 def _variant(value: Mapping[str, bytes]) -> Any:
     return T.VariantVal(value["value"], value["metadata"]).toPython()
 
 
-def _geometry(value: Mapping[str, Any]) -> Any:
-    return getattr(T, "Geometry")(value["wkb"], value["srid"])  # noqa: B009 - PySpark 4.1+
+def _geospatial(value_class: Any, value: Mapping[str, Any]) -> Any:
+    return value_class(value["wkb"], value["srid"])
 
 
-def _geography(value: Mapping[str, Any]) -> Any:
-    return getattr(T, "Geography")(value["wkb"], value["srid"])  # noqa: B009 - PySpark 4.1+
+# ---------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Turns the Arrow rows of a ``process_messages`` task into :class:`Message` objects."""
+
+    id_col: str
+    correlation_col: str
+    order_col: str | None
+    headers_col: str | None
+    body: BodyReader
+
+    def messages(
+        self, batch: pa.RecordBatch, invalid: dict[tuple[str, str], str] | None = None
+    ) -> list[Message]:
+        """The messages of an Arrow batch's rows, in order, as :meth:`message` makes them.
+
+        Column by column: each column becomes Python values once (``to_pylist``), the
+        bodies are zipped from them, and the ids are checked in one pass; when an id
+        is null or not a plain valid id, every row goes through :meth:`message`.
+        """
+        names = batch.schema.names
+        columns = {name: batch.column(i).to_pylist() for i, name in enumerate(names)}
+        ids, cids = columns[ID], columns[CID]
+        if not plain_ids(ids) or not plain_ids(cids):
+            return [
+                self.message({name: columns[name][i] for name in names}, invalid)
+                for i in range(batch.num_rows)
+            ]
+        bodies = self.body.rows(columns, batch.num_rows)
+        if self.headers_col:
+            headers = [headers_of(value) for value in columns[self.headers_col]]
+        else:
+            headers = [{} for _ in ids]
+        return list(map(Message, ids, cids, bodies, headers))
+
+    def message(
+        self, row: Mapping[str, Any], invalid: dict[tuple[str, str], str] | None = None
+    ) -> Message:
+        """The row's message; ``InvalidMessageId`` for a null or invalid id, naming its column.
+
+        With ``invalid`` (the task has ``dead_letters``), an invalid row becomes a
+        stand-in message to dead-letter instead: its id is ``invalid-row:`` and a
+        digest of the row (the same row gives the same id on every run), its entity
+        the row's correlation id when that is valid (else :data:`INVALID_ENTITY`), its
+        body the row's columns and both raw ids; ``invalid`` maps it to the error.
+        """
+        body = self.body(row)
+        mid, cid = row[ID], row[CID]
+        where = ""  # the row's order value, to find a row whose id is null
+        if (mid is None or cid is None) and self.order_col in body:
+            where = f", {self.order_col} {body[self.order_col]!r:.80}"
+        try:
+            mid, cid = message_ids(mid, cid, self.id_col, self.correlation_col, where)
+        except InvalidMessageId as exc:
+            if invalid is None:
+                raise
+            return _stand_in(body, mid, cid, str(exc), invalid)
+        headers = headers_of(row[self.headers_col]) if self.headers_col else {}
+        return Message(id=mid, correlation_id=cid, body=body, headers=headers)
+
+
+#: The entity that holds the dead letters of rows whose correlation id is invalid.
+INVALID_ENTITY = "__dedupstore_invalid_rows__"
+
+
+def _stand_in(
+    body: dict[str, Any],
+    mid: str | None,
+    cid: str | None,
+    error: str,
+    invalid: dict[tuple[str, str], str],
+) -> Message:
+    """The message that stands for an invalid row, to be dead-lettered (see :class:`Rows`)."""
+    content = {"body": body, "id": mid, "correlation_id": cid}
+    digest = hashlib.sha256(
+        json.dumps(content, sort_keys=True, default=repr).encode("utf-8", "surrogatepass")
+    ).hexdigest()[:32]
+    entity = INVALID_ENTITY
+    if cid is not None:
+        with contextlib.suppress(InvalidMessageId):
+            entity = validate_message_id(cid)
+    message = Message(id=f"invalid-row:{digest}", correlation_id=entity, body=content)
+    invalid[(message.correlation_id, message.id)] = error
+    return message

@@ -54,9 +54,7 @@ class SweepCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         """Sweep; print the rows and the totals; 0 if no id is left, else 3."""
-        # The sweep never creates a store: both must exist, checked here before Spark
-        # starts (an error raised in a task would reach us wrapped by Spark), and in
-        # every task.
+        # before Spark starts (a task's error would reach us wrapped by Spark), and in each task
         existing = {"must_exist": True}
         open_entity_store(args.entities, **existing).close()
         open_store(

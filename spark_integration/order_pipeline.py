@@ -6,10 +6,9 @@ Run it with ``make demo``, ``python -m dedupstore.spark.order_pipeline`` or
 1. generate an order workload delivered at least once (duplicates, reordering), with
    a few poison messages (an ``add_item`` whose sku the handler refuses);
 2. :func:`~dedupstore.spark.process_messages` with ``dead_letters`` and a
-   dispatcher that fails some dispatches on their first attempt, crashes some
-   batches after dispatching and before the clean-up, and kills one Python worker
-   outright (Spark retries its task; the attempt's failure is not logged, it is
-   counted and said in one line);
+   :class:`FlakyDispatcher` that fails some dispatches, crashes some batches after
+   dispatching and kills one Python worker (Spark retries its task; the report
+   counts the failed attempt instead of logging it);
 3. :func:`~dedupstore.spark.sweep_outboxes`;
 4. replay the whole input once more;
 5. check the invariants from the stores and the outgoing queue against a model
@@ -30,25 +29,24 @@ if not __package__:  # run as a file (spark-submit .../order_pipeline.py): the p
     sys.exit(0)  # not reached: the module's main exits
 
 import argparse
-import logging
 import os
 import re
 import time
 import uuid
-import zlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from pyspark.sql.pandas.types import to_arrow_schema
-from pyspark.sql.types import ArrayType, IntegerType, StringType, StructField, StructType
+from pyspark.sql.types import ArrayType, IntegerType, StringType
 
 import dedupstore
-from dedupstore.entities import OutgoingMessage
 from dedupstore.outbox import Handler, outgoing_id
 
-from .orders import POISON_SKU, expected_outgoing, handle_order, is_poison, make_workload
-from .pipeline import process_messages, sweep_outboxes
+from ._columns import schema
+from ._faults import FlakyDispatcher, injected_faults
+from .orders import expected_outgoing, handle_order, is_poison, make_workload
+from .pipeline import drop_processed, process_messages, sweep_outboxes
 from .session import local_session, quiet_task_retries
 
 if TYPE_CHECKING:
@@ -59,114 +57,6 @@ __all__ = ["FlakyDispatcher", "Report", "injected_faults", "main", "run"]
 
 INPUT_SCHEMA = "id string, order_id string, seq int, type string, sku string, qty int"
 DEFAULT_DIR = ".dedupstore/orders-demo"
-
-
-class InjectedFailure(RuntimeError):
-    """A failure the demo injects on purpose."""
-
-
-@dataclass(frozen=True)
-class FlakyDispatcher:
-    """Dispatches through ``url``, failing on purpose on the first attempt of some batches.
-
-    Per batch (keyed by its first message id): with probability ``fail`` the
-    dispatch fails before sending; with ``crash`` it sends and then fails (a crash
-    after dispatch, before the clean-up). With ``kill_marker``, the first batch sent
-    in the run (whichever task gets there first) then ends its Python worker with
-    ``os._exit``: exactly one kill per run, whatever the rolls (the marker file
-    records it). With ``faults``, each injected failure appends its kind
-    (``refused`` or ``crashed``) as a line to that file, which the report counts
-    (local masters: the workers share the driver's disk, as for the kill marker).
-    In the worker, the WARNING lines the library logs about the injected faults
-    (and about the poison messages it dead-letters) are dropped: the report counts
-    them instead. Picklable; opens its dispatcher in the task.
-    """
-
-    url: str
-    fail: float = 0.05
-    crash: float = 0.05
-    kill_marker: str | None = None
-    seed: int = 0
-    faults: str | None = None
-
-    def __call__(self, messages: list[OutgoingMessage]) -> None:
-        """Dispatch ``messages``, or fail as decided for their batch."""
-        _quiet_injected_faults()
-        key = messages[0].id if messages else ""
-        roll = (zlib.crc32(f"{self.seed}:{key}".encode()) % 10_000) / 10_000
-        first = key not in _attempted
-        _attempted.add(key)
-        if first and roll < self.fail:
-            self._record("refused")
-            raise InjectedFailure("injected: the broker refused the dispatch")
-        _dispatcher(self.url).dispatch(messages)
-        if self.kill_marker and _claim(self.kill_marker):
-            os._exit(3)  # a real crash: Spark sees the worker die and retries the task
-        if first and roll < self.fail + self.crash:
-            self._record("crashed")
-            raise InjectedFailure("injected: crash after dispatch, before the clean-up")
-
-    def _record(self, kind: str) -> None:
-        """Append ``kind`` to the :attr:`faults` file (one short write: atomic)."""
-        if self.faults:
-            fd = os.open(self.faults, os.O_CREAT | os.O_WRONLY | os.O_APPEND)
-            try:
-                os.write(fd, f"{kind}\n".encode())
-            finally:
-                os.close(fd)
-
-
-def injected_faults(path: str) -> dict[str, int]:
-    """The faults a :class:`FlakyDispatcher` recorded in ``path``, counted by kind."""
-    counts = {"refused": 0, "crashed": 0}
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as lines:
-            for line in lines:
-                kind = line.strip()
-                counts[kind] = counts.get(kind, 0) + 1
-    return counts
-
-
-class _InjectedFaults(logging.Filter):
-    """Drops the records about the demo's injected faults: a failure of the type
-    :class:`InjectedFailure`, or the dead letter of a poison message (its sku)."""
-
-    poison = f"unknown sku {POISON_SKU!r}"
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        text = record.getMessage()
-        return InjectedFailure.__name__ not in text and self.poison not in text
-
-
-#: The loggers that report the injected faults: the processor's and the Spark job's.
-_FAULT_LOGGERS = ("dedupstore.outbox", "dedupstore.spark.pipeline")
-_quieted: list[bool] = []
-
-
-def _quiet_injected_faults() -> None:
-    """In this (worker) process, once: the injected faults' records dropped."""
-    if not _quieted:
-        _quieted.append(True)
-        for name in _FAULT_LOGGERS:
-            logging.getLogger(name).addFilter(_InjectedFaults())
-
-
-_attempted: set[str] = set()
-_dispatchers: dict[str, Any] = {}
-
-
-def _dispatcher(url: str) -> Any:
-    if url not in _dispatchers:
-        _dispatchers[url] = dedupstore.open_dispatcher(url)
-    return _dispatchers[url]
-
-
-def _claim(path: str) -> bool:
-    try:
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        return False
-    return True
 
 
 # ---------------------------------------------------------------------- checks
@@ -211,10 +101,8 @@ class Report:
             want = "" if c.ok else f"   (expected {_fmt(c.expected)})"
             lines.append(f"  [{mark}] {c.name:<{width}} {_fmt(c.value)}{want}")
         lines.append("")
-        for name, value in self.info:
-            lines.append(f"         {name:<{width}} {_fmt(value)}")
-        lines.append("")
-        lines.append("all invariants hold" if self.ok else "INVARIANTS FAILED")
+        lines.extend(f"         {name:<{width}} {_fmt(value)}" for name, value in self.info)
+        lines += ["", "all invariants hold" if self.ok else "INVARIANTS FAILED"]
         return "\n".join(lines)
 
 
@@ -231,12 +119,8 @@ def _fmt(value: Any) -> str:
 # ---------------------------------------------------------------------- inspection
 
 
-ENTITY_SCHEMA = StructType(
-    [
-        StructField("order_id", StringType()),
-        StructField("applied", ArrayType(StringType())),
-        StructField("outbox_entries", IntegerType()),
-    ]
+ENTITY_SCHEMA = schema(
+    order_id=StringType(), applied=ArrayType(StringType()), outbox_entries=IntegerType()
 )
 
 
@@ -349,14 +233,12 @@ def run(
         seed=settings.seed,
         poison=settings.poison,
     )
-    rows = [
-        {**row, "id": f"{run_id}/{row['id']}", "order_id": f"{run_id}/{row['order_id']}"}
-        for row in workload.delivered
-    ]
-    commands = [
-        {**row, "id": f"{run_id}/{row['id']}", "order_id": f"{run_id}/{row['order_id']}"}
-        for row in workload.commands
-    ]
+
+    def of_this_run(row: dict[str, Any]) -> dict[str, Any]:
+        return {**row, "id": f"{run_id}/{row['id']}", "order_id": f"{run_id}/{row['order_id']}"}
+
+    rows = [of_this_run(row) for row in workload.delivered]
+    commands = [of_this_run(row) for row in workload.commands]
     messages = spark.createDataFrame(rows, INPUT_SCHEMA).cache()
     messages.count()
     os.makedirs(workdir, exist_ok=True)
@@ -406,7 +288,6 @@ def run(
         .agg(
             F.sum("entities_scanned").alias("scanned"),
             F.sum("ids_moved").alias("moved"),
-            F.sum("ids_left").alias("left"),
         )
         .first()
     )
@@ -443,8 +324,6 @@ def run(
     marked = sources.join(applied.withColumn("saved", F.lit(True)), "id", "left")
     saved = F.col("saved").isNotNull()
     ghosts = marked.where(F.when(F.col("dead"), saved).otherwise(~saved)).count() if ours else 0
-    from .pipeline import drop_processed
-
     pairs = messages.select("id", "order_id").distinct()
     unrecorded = drop_processed(pairs, settings.dedup_url, correlation_col="order_id").count()
 
@@ -536,16 +415,23 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, str, str]:
         prog="order_pipeline", description="The order pipeline on Spark, proven exactly once."
     )
     p.add_argument("--orders", type=int, default=d.orders, help="size: number of orders")
-    p.add_argument("--entities", default=d.entities_url, help="entity store URL")
-    p.add_argument("--store", default=d.dedup_url, help="deduplication store URL")
-    p.add_argument("--dispatcher", default=d.dispatcher_url, help="dispatcher URL (sqlite, redis)")
+    for flag, dest, what in (
+        ("entities", "entities_url", "entity store URL"),
+        ("store", "dedup_url", "deduplication store URL"),
+        ("dispatcher", "dispatcher_url", "dispatcher URL (sqlite, redis)"),
+    ):
+        p.add_argument(
+            f"--{flag}", dest=dest, metavar=flag.upper(), default=getattr(d, dest), help=what
+        )
     p.add_argument("--cleanup", choices=("deferred", "inline"), default=d.cleanup)
     p.add_argument("--segments", type=int, default=d.segments, help="sweep segments")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--duplicates", type=float, default=d.duplicates)
     p.add_argument("--fail", type=float, default=d.fail, help="first-attempt dispatch failures")
     p.add_argument("--crash", type=float, default=d.crash, help="crashes after dispatch")
-    p.add_argument("--no-kill", action="store_true", help="do not kill a Python worker")
+    p.add_argument(
+        "--no-kill", dest="kill", action="store_false", help="do not kill a Python worker"
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
         "--poison", type=int, default=d.poison, help="orders with one poison add_item (bad sku)"
@@ -558,22 +444,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, str, str]:
         p.error("--orders must be >= 1")
     if a.poison < 0:
         p.error("--poison must be >= 0")
-    settings = Settings(
-        a.orders,
-        a.entities,
-        a.store,
-        a.dispatcher,
-        a.cleanup,
-        a.segments,
-        a.batch_size,
-        a.duplicates,
-        a.fail,
-        a.crash,
-        not a.no_kill,
-        a.seed,
-        a.poison,
-        a.dead_letters,
-    )
+    settings = Settings(**{f.name: getattr(a, f.name) for f in fields(Settings)})
     return settings, a.master, a.workdir
 
 

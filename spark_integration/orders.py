@@ -112,36 +112,18 @@ def make_workload(
     per_order: list[list[dict[str, Any]]] = []
     for n in range(orders):
         order = f"order-{n:07d}"
-        rows = []
-        for seq in range(rng.randint(1, 4)):
-            rows.append(
-                {
-                    "id": f"{order}/cmd-{seq}",
-                    "order_id": order,
-                    "seq": seq,
-                    "type": "add_item",
-                    "sku": rng.choice(list(PRICES)),
-                    "qty": rng.randint(1, 5),
-                }
-            )
+        steps = [
+            {"type": "add_item", "sku": rng.choice(list(PRICES)), "qty": rng.randint(1, 5)}
+            for _ in range(rng.randint(1, 4))
+        ]
         if n in poisoned:
-            at = poison_rng.randint(0, len(rows))
-            rows.insert(at, {"type": "add_item", "sku": POISON_SKU, "qty": 1})
-            rows = [  # renumbered: ids and seq follow the new positions
-                {"id": f"{order}/cmd-{seq}", "order_id": order, "seq": seq}
-                | {k: row[k] for k in ("type", "sku", "qty")}
-                for seq, row in enumerate(rows)
-            ]
-        rows.append(
-            {
-                "id": f"{order}/cmd-{len(rows)}",
-                "order_id": order,
-                "seq": len(rows),
-                "type": "submit",
-                "sku": None,
-                "qty": None,
-            }
-        )
+            poisoned_step = {"type": "add_item", "sku": POISON_SKU, "qty": 1}
+            steps.insert(poison_rng.randint(0, len(steps)), poisoned_step)
+        steps.append({"type": "submit", "sku": None, "qty": None})
+        rows = [
+            {"id": f"{order}/cmd-{seq}", "order_id": order, "seq": seq} | step
+            for seq, step in enumerate(steps)
+        ]
         per_order.append(rows)
         commands.extend(rows)
     # interleave the orders as a stream would, keeping each order's commands in order

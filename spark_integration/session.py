@@ -1,14 +1,10 @@
 """Sessions for these jobs: a local SparkSession, the workers' Python, quiet retried tasks.
 
 * :func:`local_session`: a loopback SparkSession (``spark-submit``'s master wins).
-* :func:`use_this_python`: on a classic session with a local master (``local``,
-  ``local[...]``, ``local-cluster[...]``) and no ``PYSPARK_PYTHON``, the Python
-  workers run this interpreter (``sys.executable``), not whatever ``python3`` is on
-  the ``PATH``. Every job of :mod:`dedupstore.spark.pipeline` calls it, so a job
-  started from a virtual environment, activated or not, finds its packages in the
-  workers. Never on a cluster master (YARN, Kubernetes, ``spark://``) or Spark
-  Connect, whose executors run another machine's Python: there the cluster's
-  ``spark.pyspark.python`` (or ``PYSPARK_PYTHON``) decides.
+* :func:`use_this_python`: on a local master, the Python workers run this
+  interpreter, not whatever ``python3`` is on the ``PATH``; every job of
+  :mod:`dedupstore.spark.pipeline` calls it, so a job started from a virtual
+  environment, activated or not, finds its packages in the workers.
 * :func:`quiet_task_retries`: a block in which a failed task attempt that Spark
   retries is not logged with its stack trace, and which counts such attempts.
 """
@@ -57,21 +53,20 @@ def use_this_python(spark: Any) -> bool:
 
     Only on a classic session whose master is local (``local``, ``local[...]``,
     ``local-cluster[...]``: the workers run on this machine, so ``sys.executable``
-    exists for them) and only when nobody chose the workers' Python: neither
-    ``PYSPARK_PYTHON`` nor ``spark.pyspark.python`` is set, so PySpark would start
-    ``python3`` from the ``PATH`` (another interpreter when the virtual environment
-    is not activated, which then lacks this package). Applies to the Python
-    functions created afterwards (each carries its interpreter), not to the
-    session's earlier ones. Idempotent; changes no environment variable.
+    exists for them; never on a cluster master or Spark Connect, whose executors run
+    another machine's Python) and only when nobody chose the workers' Python:
+    neither ``PYSPARK_PYTHON`` nor ``spark.pyspark.python`` is set, so PySpark would
+    start ``python3`` from the ``PATH`` (without the virtual environment activated,
+    one that lacks this package). Applies to the Python functions created
+    afterwards, not to the session's earlier ones. Idempotent; changes no
+    environment variable.
     """
     sc = _classic_context(spark)
     if sc is None or not is_local_master(str(sc.master)):
         return False
     if os.environ.get("PYSPARK_PYTHON") or sc.getConf().get("spark.pyspark.python"):
         return False
-    if sc.pythonExec == sys.executable:
-        return False
-    if sc.pythonExec != "python3":  # PySpark's default: anything else was chosen
+    if sc.pythonExec != "python3":  # PySpark's default: anything else was chosen (or is ours)
         return False
     sc.pythonExec = sys.executable
     return True
@@ -150,26 +145,21 @@ def quiet_task_retries(
     """A block in which failed task attempts are not logged; counts them on the way out.
 
     For a stage in which a task failure is expected and retried (the demo kills a
-    Python worker on purpose): Spark would log each failed attempt with a long Java
-    stack trace. Inside the block the :data:`TASK_FAILURE_LOGGERS` log nothing;
-    the levels are restored on the way out, whatever happens. Nothing real is lost:
-    a task that fails for good still fails its job, and the action raises with the
-    task's error; and the yielded :class:`TaskRetries` counts, from Spark's status
-    tracker, every failed attempt of the jobs the block ran (in this thread's job
-    group), so a failure that a retry hid is still reported. ``settle`` bounds the
-    wait for the status tracker to see the jobs end. With ``quiet=False`` it only
-    counts.
-
-    On Spark Connect the driver's logs are the server's, not this process's:
-    nothing is silenced and nothing is counted.
+    Python worker on purpose), which Spark would log with a long Java stack trace:
+    inside the block the :data:`TASK_FAILURE_LOGGERS` log nothing, and their levels
+    are restored on the way out, whatever happens. Nothing real is lost: a task
+    that fails for good still fails its job, and the yielded :class:`TaskRetries`
+    counts, from Spark's status tracker, every failed attempt of the jobs the block
+    ran (in this thread's job group); ``settle`` bounds the wait for the tracker to
+    see them end. With ``quiet=False`` it only counts. On Spark Connect (the
+    driver's logs are the server's) nothing is silenced and nothing is counted.
     """
     sc = _classic_context(spark)
     seen = TaskRetries()
     if sc is None:
         yield seen
         return
-    jvm: Any = sc._jvm
-    log4j = jvm.org.apache.logging.log4j
+    log4j = sc._jvm.org.apache.logging.log4j
     context = log4j.LogManager.getContext(False)
     config = context.getConfiguration()
     saved: dict[str, Any] = {}

@@ -278,7 +278,7 @@ def test_a_redrive_that_fails_again_is_dead_lettered_again() -> None:
 def test_invalid_rows_are_dead_lettered_with_dead_letters(spark: Any, tmp_path: Any) -> None:
     """A null or invalid id is set aside (once per distinct row) instead of failing the job."""
     from dedupstore.spark import process_messages
-    from dedupstore.spark.pipeline import INVALID_ENTITY
+    from dedupstore.spark._columns import INVALID_ENTITY
 
     db = f"sqlite:///{tmp_path}/stores.db"
     rows = [("m1", "acct-1", 1), (None, "acct-1", 2), ("m2", None, 3), ("x" * 2000, "acct-2", 4)]

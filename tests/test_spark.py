@@ -25,9 +25,9 @@ import pytest
 from dedupstore.backends.sqlite import SqliteDeduplicationStore
 from dedupstore.spark import drop_processed, process_messages, process_stream, sweep_outboxes
 from dedupstore.spark._clients import ClientSpec, TaskClients
+from dedupstore.spark._drop import _processed_flags
 from dedupstore.spark.order_pipeline import INPUT_SCHEMA, FlakyDispatcher, Settings, run
 from dedupstore.spark.orders import PRICES, expected_outgoing, handle_order, make_workload
-from dedupstore.spark.pipeline import _processed_flags
 
 import dedupstore
 from dedupstore.errors import ConfigurationError

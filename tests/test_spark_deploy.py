@@ -27,7 +27,8 @@ from typing import Any
 
 import pytest
 from dedupstore.spark import process_messages
-from dedupstore.spark.order_pipeline import _claim, task_attempts
+from dedupstore.spark._faults import _claim
+from dedupstore.spark.order_pipeline import task_attempts
 from dedupstore.spark.session import TASK_FAILURE_LOGGERS, is_local_master, quiet_task_retries
 
 import dedupstore

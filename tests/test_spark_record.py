@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from dedupstore.spark import process_stream, run_messages
-from dedupstore.spark.order_pipeline import FlakyDispatcher, _claim
+from dedupstore.spark._faults import FlakyDispatcher, _claim
 
 import dedupstore
 from dedupstore.errors import ConfigurationError
