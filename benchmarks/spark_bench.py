@@ -40,15 +40,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import dedupstore
+from dedupstore.entities import Entity
+from dedupstore.outbox import Message, OutboxProcessor
 from dedupstore.spark import process_messages, sweep_outboxes
 from dedupstore.spark.order_pipeline import INPUT_SCHEMA
 from dedupstore.spark.orders import handle_order, make_workload
 from dedupstore.spark.pipeline import _entity_ordered
 from dedupstore.spark.session import local_session
-
-import dedupstore
-from dedupstore.entities import Entity
-from dedupstore.outbox import Message, OutboxProcessor
 from tests.servers import PostgresServer, RedisServer
 
 RESULTS = Path(__file__).with_name("RESULTS.md")

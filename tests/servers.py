@@ -1054,6 +1054,7 @@ class RabbitMQServer(LocalServer):
         do) and restart gracefully, so that a later kill keeps them: RabbitMQ answers
         declare-ok before its metadata store has the record on disk."""
         import pika
+
         from dedupstore.backends.rabbitmq._client import queue_arguments
 
         connection = pika.BlockingConnection(pika.URLParameters(self.url))

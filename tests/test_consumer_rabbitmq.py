@@ -20,10 +20,10 @@ from typing import Any
 
 import pika
 import pytest
-from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
-from dedupstore.backends.rabbitmq.consumer import RabbitMQBroker, RabbitMQToken
 
 from dedupstore import open_dispatcher
+from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
+from dedupstore.backends.rabbitmq.consumer import RabbitMQBroker, RabbitMQToken
 from dedupstore.consumers import Consumer, open_broker
 from dedupstore.entities import OutgoingMessage
 from dedupstore.errors import ConfigurationError, StoreUnavailable

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 import redis
-from dedupstore.backends.redis.consumer import RedisStreamsBroker
 
 from dedupstore import open_dispatcher, open_entity_store, open_store
+from dedupstore.backends.redis.consumer import RedisStreamsBroker
 from dedupstore.consumers import Consumer, open_broker
 from dedupstore.errors import ConfigurationError
 from dedupstore.outbox import Message, OutboxProcessor, Send

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
 
+from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
 from dedupstore.consumers import (
     MALFORMED_ENTITY,
     SET_ASIDE_POSITION,

@@ -369,7 +369,6 @@ def test_dollar_dollar_is_a_literal_dollar(in_tmp: Path) -> None:
 
 def test_repr_masks_password_options() -> None:
     from dedupstore.backends.memory import MemoryDeduplicationStore
-
     from dedupstore.options import Option, text
 
     class WithPassword(MemoryDeduplicationStore):
@@ -415,7 +414,6 @@ def test_the_version_comes_from_the_package_metadata() -> None:
 
 def test_a_short_secret_masks_whole_words_only() -> None:
     from dedupstore.backends.memory import MemoryDeduplicationStore
-
     from dedupstore.options import Option, text
 
     class WithPassword(MemoryDeduplicationStore):

@@ -37,10 +37,10 @@ import pytest
 from azure.core.exceptions import AzureError, ServiceRequestError, ServiceResponseError
 from azure.cosmos import ContainerProxy, CosmosClient, PartitionKey
 from azure.cosmos.exceptions import CosmosResourceNotFoundError
-from dedupstore.backends import cosmos as cosmos_backend
-from dedupstore.backends.cosmos import CosmosDeduplicationStore, create_container, document_id
 
 from dedupstore import DeduplicationStore, open_store
+from dedupstore.backends import cosmos as cosmos_backend
+from dedupstore.backends.cosmos import CosmosDeduplicationStore, create_container, document_id
 from dedupstore.errors import (
     ConfigurationError,
     ConsistencyError,

@@ -16,8 +16,8 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
 
+from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
 from dedupstore.errors import ConfigurationError, HandlerError, StoreUnavailable
 from dedupstore.ids import message_key, outgoing_id
 from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send, sweep
@@ -200,9 +200,8 @@ def test_a_bad_dead_letter_destination_is_a_configuration_error(bad: Any) -> Non
 @pytest.mark.sqlite
 @pytest.mark.parametrize("spark", ["local", "connect"], indirect=True)
 def test_process_messages_dead_letters_a_poison_row_and_goes_on(spark: Any, tmp_path: Any) -> None:
-    from dedupstore.spark import process_messages
-
     from dedupstore import open_dispatcher
+    from dedupstore.spark import process_messages
 
     db = f"sqlite:///{tmp_path}/stores.db"
     queue = f"sqlite:///{tmp_path}/queue.db"

@@ -21,9 +21,9 @@ from typing import Any
 import pika
 import pytest
 import redis
-from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
 
 from dedupstore import open_dispatcher, open_entity_store, open_store
+from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
 from dedupstore.cli import main
 from dedupstore.consumers import Consumer, open_broker
 from dedupstore.dead_letters import DeadLetterQueue, ReadMessage, letter_body, letter_kind

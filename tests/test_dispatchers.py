@@ -13,9 +13,6 @@ from typing import Any, ClassVar
 
 import pytest
 import redis
-from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryDispatcher, MemoryEntityStore
-from dedupstore.backends.redis import RedisDispatcher, sent_key, stream_key
-from dedupstore.backends.sqlite import SqliteDispatcher
 
 import dedupstore
 from dedupstore import (
@@ -28,6 +25,9 @@ from dedupstore import (
     register,
     registry,
 )
+from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryDispatcher, MemoryEntityStore
+from dedupstore.backends.redis import RedisDispatcher, sent_key, stream_key
+from dedupstore.backends.sqlite import SqliteDispatcher
 from dedupstore.dispatch import (
     CallableDispatcher,
     DispatchStats,

@@ -33,11 +33,10 @@ from typing import Any
 
 import boto3
 import botocore.exceptions
-import dedupstore.backends.dynamodb._client as dynamodb_client
 import pytest
 import tenacity
-from dedupstore.backends.dynamodb import DynamoDBDeduplicationStore
 
+import dedupstore.backends.dynamodb._client as dynamodb_client
 from dedupstore import (
     ConfigurationError,
     ConsistencyError,
@@ -47,6 +46,7 @@ from dedupstore import (
     calls,
     open_store,
 )
+from dedupstore.backends.dynamodb import DynamoDBDeduplicationStore
 from dedupstore.store import MAX_ID_BYTES, DeduplicationStore
 from dedupstore.testing import (
     DeduplicationStoreContract,

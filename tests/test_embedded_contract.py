@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dedupstore.backends.memory import MemoryDeduplicationStore
 
 from dedupstore import DeduplicationStore, InvalidMessageId, StoreUnavailable, open_store
+from dedupstore.backends.memory import MemoryDeduplicationStore
 from dedupstore.store import WriteRequest
 from dedupstore.testing import DeduplicationStoreContract, MultiProcessContract, StoreFactory
 

@@ -35,6 +35,8 @@ import pytest
 from azure.core.exceptions import AzureError, ServiceRequestError, ServiceResponseError
 from azure.cosmos import ContainerProxy, CosmosClient, PartitionKey
 from azure.cosmos.exceptions import CosmosHttpResponseError
+
+import dedupstore
 from dedupstore.backends import cosmos as cosmos_backend
 from dedupstore.backends.cosmos import (
     CosmosConnection,
@@ -45,8 +47,6 @@ from dedupstore.backends.cosmos import (
     entity_document_id,
 )
 from dedupstore.backends.cosmos.entities import ITEM_OVERHEAD_BYTES, MAX_REQUEST_BYTES
-
-import dedupstore
 from dedupstore.entities import (
     Entity,
     EntityRecord,

@@ -23,11 +23,11 @@ from typing import Any
 import botocore.exceptions
 import pytest
 import tenacity
-from dedupstore.backends.dynamodb import DynamoDBDeduplicationStore, DynamoDBEntityStore
-from dedupstore.backends.dynamodb.entities import MAX_ITEM_BYTES, MAX_SCAN_SEGMENTS
 
 import dedupstore
 from dedupstore import calls as dedup_calls
+from dedupstore.backends.dynamodb import DynamoDBDeduplicationStore, DynamoDBEntityStore
+from dedupstore.backends.dynamodb.entities import MAX_ITEM_BYTES, MAX_SCAN_SEGMENTS
 from dedupstore.entities import Entity, EntityStore, OutgoingMessage, encode_entity
 from dedupstore.errors import (
     ConcurrencyConflict,

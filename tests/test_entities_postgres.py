@@ -16,14 +16,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
-import dedupstore.backends.postgres.entities
 import psycopg
 import psycopg.errors
 import pytest
-from dedupstore.backends.postgres import DEFAULT_ENTITY_TABLE, DEFAULT_TABLE, PostgresEntityStore
 from psycopg import sql
 
 import dedupstore
+import dedupstore.backends.postgres.entities
+from dedupstore.backends.postgres import DEFAULT_ENTITY_TABLE, DEFAULT_TABLE, PostgresEntityStore
 from dedupstore.entities import Entity, EntityStore, OutgoingMessage, bucket_of, encode_entity
 from dedupstore.errors import (
     ConcurrencyConflict,

@@ -10,6 +10,10 @@ from typing import Any
 
 import pytest
 import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dedupstore
 from dedupstore.backends.redis import (
     RedisEntityStore,
     buckets_key,
@@ -19,10 +23,6 @@ from dedupstore.backends.redis import (
 )
 from dedupstore.backends.redis._client import RedisConnection
 from dedupstore.backends.redis.entities import _PRUNE_SCRIPT
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-import dedupstore
 from dedupstore.client import Connected
 from dedupstore.entities import Entity, OutgoingMessage, bucket_of, encode_entity
 from dedupstore.errors import (

@@ -9,9 +9,9 @@ import threading
 from pathlib import Path
 
 import pytest
-from dedupstore.backends.sqlite import SqliteEntityStore
 
 import dedupstore
+from dedupstore.backends.sqlite import SqliteEntityStore
 from dedupstore.entities import bucket_of
 from dedupstore.errors import ConfigurationError, StoreUnavailable
 from dedupstore.testing.entities import EntityStoreContract, EntityStoreFactory

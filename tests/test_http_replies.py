@@ -9,8 +9,8 @@ import zlib
 
 import pytest
 from botocore.awsrequest import HeadersDict
-from dedupstore.backends.dynamodb._client import _TRANSIENT_ERRORS, _CutShort, _refuse_cut_replies
 
+from dedupstore.backends.dynamodb._client import _TRANSIENT_ERRORS, _CutShort, _refuse_cut_replies
 from dedupstore.replies import cut_short
 
 BODY = b'{"Responses": {"t": [{"pk": {"S": "a"}}]}}'

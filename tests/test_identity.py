@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dedupstore import open_dispatcher
+from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
 from dedupstore.entities import (
     ENTITY_FRAME_BYTES,
     Entity,

@@ -32,11 +32,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
-from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dedupstore.outbox as outbox_module
+from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
 from dedupstore.entities import Entity, EntityStore, OutgoingMessage
 from dedupstore.ids import outgoing_id
 from dedupstore.outbox import Message, OutboxProcessor, Send, sweep

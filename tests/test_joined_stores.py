@@ -16,9 +16,9 @@ from typing import Any
 import psycopg
 import pytest
 import redis
+
 from dedupstore.backends.postgres._client import PostgresConnection
 from dedupstore.backends.redis._client import _Bounded
-
 from dedupstore.client import Client
 from dedupstore.entities import Entity, EntityStore
 from dedupstore.errors import (

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 from confluent_kafka import KafkaError, Producer, TopicPartition
+
 from dedupstore.backends.kafka import KafkaBroker, KafkaToken
 from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryDispatcher, MemoryEntityStore
-
 from dedupstore.consumers import Consumer, open_broker
 from dedupstore.errors import ConfigurationError, StoreUnavailable
 from dedupstore.outbox import Message, OutboxProcessor, Send

@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
-from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
 from opentelemetry import metrics as otel_metrics
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader
 
 from dedupstore import metrics, open_entity_store, open_store
+from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
 from dedupstore.cli import SweepProgress, main
 from dedupstore.entities import OutgoingMessage
 from dedupstore.errors import ConcurrencyConflict, StoreUnavailable

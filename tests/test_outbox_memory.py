@@ -11,8 +11,8 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
 
+from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
 from dedupstore.entities import OutgoingMessage, message_text
 from dedupstore.errors import ConfigurationError, HandlerError, InvalidMessageId
 from dedupstore.outbox import (

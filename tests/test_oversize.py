@@ -18,9 +18,9 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
 
 from dedupstore import canonical
+from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
 from dedupstore.dispatch import CallableDispatcher
 from dedupstore.errors import DeadLetterIncomplete, EntityTooLarge, MessageTooLarge
 from dedupstore.ids import message_key, outgoing_id
@@ -348,9 +348,8 @@ def test_spark_sets_aside_an_oversize_message_and_processes_every_other_entity(
     """``process_messages`` and ``run_messages`` with one message larger than an entity
     among normal ones: it is dead-lettered (bounded), every other entity is processed,
     the task does not fail, and the run's record says so."""
-    from dedupstore.spark import process_messages, run_messages
-
     from dedupstore import open_dispatcher
+    from dedupstore.spark import process_messages, run_messages
 
     db = f"sqlite:///{tmp_path}/stores.db"
     queue = f"sqlite:///{tmp_path}/queue.db"

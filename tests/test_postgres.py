@@ -21,11 +21,11 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import psycopg
 import psycopg.errors
 import pytest
-from dedupstore.backends.postgres import PostgresDeduplicationStore
 from psycopg import sql
 from psycopg_pool import ConnectionPool
 
 from dedupstore import DeduplicationStore, open_store
+from dedupstore.backends.postgres import PostgresDeduplicationStore
 from dedupstore.errors import (
     ConfigurationError,
     DedupStoreError,

@@ -10,8 +10,6 @@ from typing import Any
 
 import pika
 import pytest
-from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
-from dedupstore.backends.rabbitmq import RabbitMQDispatcher
 
 from dedupstore import (
     ConfigurationError,
@@ -19,6 +17,8 @@ from dedupstore import (
     StoreUnavailable,
     open_dispatcher,
 )
+from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
+from dedupstore.backends.rabbitmq import RabbitMQDispatcher
 from dedupstore.entities import OutgoingMessage
 from dedupstore.outbox import Message, OutboxProcessor, Send
 from tests.proxy import TcpProxy

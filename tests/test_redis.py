@@ -18,6 +18,11 @@ from typing import Any
 
 import pytest
 import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from redis.crc import key_slot
+
+from dedupstore import DeduplicationStore, open_store
 from dedupstore.backends.redis import RedisDeduplicationStore, RedisEntityStore, record_key
 from dedupstore.backends.redis import dispatcher as redis_dispatcher
 from dedupstore.backends.redis import entities as redis_entities
@@ -25,11 +30,6 @@ from dedupstore.backends.redis import store as redis_store
 from dedupstore.backends.redis._client import _packed, escape
 from dedupstore.backends.redis.consumer import RedisStreamsBroker
 from dedupstore.backends.redis.dispatcher import RedisDispatcher
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from redis.crc import key_slot
-
-from dedupstore import DeduplicationStore, open_store
 from dedupstore.errors import (
     ConfigurationError,
     ConsistencyError,

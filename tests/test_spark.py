@@ -22,17 +22,17 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+
+import dedupstore
 from dedupstore.backends.sqlite import SqliteDeduplicationStore
+from dedupstore.errors import ConfigurationError
+from dedupstore.ids import message_key
+from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send
 from dedupstore.spark import drop_processed, process_messages, process_stream, sweep_outboxes
 from dedupstore.spark._clients import ClientSpec, TaskClients
 from dedupstore.spark._drop import _processed_flags
 from dedupstore.spark.order_pipeline import INPUT_SCHEMA, FlakyDispatcher, Settings, run
 from dedupstore.spark.orders import PRICES, expected_outgoing, handle_order, make_workload
-
-import dedupstore
-from dedupstore.errors import ConfigurationError
-from dedupstore.ids import message_key
-from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send
 from tests.outbox_backends import OutboxBackend
 from tests.spark_fixtures import TEST_AWS_ENV
 

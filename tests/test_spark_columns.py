@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dedupstore.spark import drop_processed, process_messages, process_stream
 
 from dedupstore.entities import EntityStore
 from dedupstore.errors import ConfigurationError, InvalidMessageId
 from dedupstore.outbox import Message, Send
 from dedupstore.registry import open_url
+from dedupstore.spark import drop_processed, process_messages, process_stream
 
 LOCAL = pytest.mark.parametrize("spark", ["local"], indirect=True)
 pytestmark = pytest.mark.sqlite

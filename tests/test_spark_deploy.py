@@ -26,13 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+import dedupstore
+from dedupstore.outbox import Message, Send
 from dedupstore.spark import process_messages
 from dedupstore.spark._faults import _claim
 from dedupstore.spark.order_pipeline import task_attempts
 from dedupstore.spark.session import TASK_FAILURE_LOGGERS, is_local_master, quiet_task_retries
-
-import dedupstore
-from dedupstore.outbox import Message, Send
 from tests.spark_fixtures import TEST_AWS_ENV, spark_home
 from tests.wheel import build_wheel
 

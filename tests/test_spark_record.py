@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dedupstore.spark import process_stream, run_messages
-from dedupstore.spark._faults import FlakyDispatcher, _claim
 
 import dedupstore
 from dedupstore.errors import ConfigurationError
 from dedupstore.ids import outgoing_id
 from dedupstore.outbox import Message, Send
+from dedupstore.spark import process_stream, run_messages
+from dedupstore.spark._faults import FlakyDispatcher, _claim
 from tests.test_dead_letters import deposit
 
 SCHEMA = "id string, correlation_id string, amount long"

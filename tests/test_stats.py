@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dedupstore.backends.memory import MemoryDeduplicationStore
 
+from dedupstore.backends.memory import MemoryDeduplicationStore
 from dedupstore.cli import main
 from dedupstore.entities import OutgoingMessage
 from dedupstore.errors import ConfigurationError, StoreClosed
