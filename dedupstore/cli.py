@@ -41,7 +41,7 @@ from dedupstore.errors import (
 )
 from dedupstore.ids import message_key, validate_ids, validate_message_id
 from dedupstore.masking import MASK, mask_options
-from dedupstore.options import format_duration, retention
+from dedupstore.options import format_duration, parse_duration
 from dedupstore.stats import Backlog, outbox_backlog
 from dedupstore.store import DeduplicationStore
 from dedupstore.urls import StoreURL
@@ -124,7 +124,7 @@ class _Unavailable(Command):
 
 def _retention(value: str) -> timedelta | None:
     try:
-        return retention(value)
+        return parse_duration(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

@@ -395,10 +395,6 @@ def _is_zero(value: object) -> bool:
     return isinstance(value, str) and _ZERO.fullmatch(value.strip()) is not None
 
 
-#: A retention: ``None`` (forever), a ``timedelta``, seconds, or ``'30d'``-style text.
-retention = parse_duration
-
-
 def text(pattern: str | None = None, what: str = "a string") -> Converter:
     """A ``str``, optionally matching ``pattern`` entirely (``what`` names the shape)."""
     compiled = re.compile(pattern) if pattern else None

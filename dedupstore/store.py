@@ -19,7 +19,7 @@ from dedupstore.calls import fan_out, write_token
 from dedupstore.client import Client
 from dedupstore.errors import DedupStoreError, InvalidMessageId
 from dedupstore.ids import MAX_ID_BYTES, validate_ids, validate_message_id
-from dedupstore.options import Option, OptionSet, callable_, retention, seconds
+from dedupstore.options import Option, OptionSet, callable_, parse_duration, seconds
 
 __all__ = [
     "CLOCK",
@@ -113,7 +113,7 @@ class DeduplicationStore(Client):
         Option("endpoint", _endpoint, "default", "the consumer's name; records are per endpoint"),
         Option(
             "retention",
-            retention,
+            parse_duration,
             None,
             "how long a record counts as processed ('30d', '12h', seconds); none: forever",
         ),

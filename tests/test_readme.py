@@ -627,3 +627,10 @@ def test_the_configuration_file_is_accepted(tmp_path: Path, environment: str) ->
     shown = "\n".join(succeeded(done))
     assert f'"environment": "{environment}"' in shown
     assert "s3cret-for-the-test" not in shown
+
+
+def test_the_readme_is_a_front_door() -> None:
+    """At most 300 lines: the guide lives in docs/, the changelog in CHANGELOG.md."""
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 300
+    assert "## Changelog" not in text and (ROOT / "CHANGELOG.md").is_file()

@@ -40,7 +40,7 @@ from dedupstore.outbox import (
     bounded_letter,
     check_handler,
 )
-from dedupstore.outbox.letters import _refusing
+from dedupstore.outbox.letters import refusing
 
 __all__ = [
     "MALFORMED_ENTITY",
@@ -466,9 +466,7 @@ class Consumer:
                             f"ended with their consumer dead, more than max_deliveries={limit} "
                             "allows; set aside without running it again"
                         )
-                        handler = _refusing(
-                            handler, {(message.correlation_id, message.id): refused}
-                        )
+                        handler = refusing(handler, {(message.correlation_id, message.id): refused})
                         _log.warning(
                             "consumer %s: message %r of entity %r was being run by a consumer "
                             "that died, %d times (max_deliveries=%d); dead-lettered unless "

@@ -28,7 +28,7 @@ from dedupstore.outbox.entries import (
     _too_large,
 )
 from dedupstore.outbox.handlers import _Handling
-from dedupstore.outbox.letters import _refusing, _SetAside
+from dedupstore.outbox.letters import _SetAside, refusing
 from dedupstore.outbox.messages import (
     BeforeCleanup,
     Handler,
@@ -308,7 +308,7 @@ class _Batching(_Handling):
         rounds: dict[int, list[int]] = {}
         numbers, refusals = self._rounds(messages, handler)
         if refusals:  # the messages their entity cannot hold: set aside in their round
-            handler = _refusing(handler, refusals)
+            handler = refusing(handler, refusals)
         for index, number in enumerate(numbers):
             rounds.setdefault(number, []).append(index)
         results: list[ProcessResult | None] = [None] * len(messages)
@@ -371,8 +371,8 @@ class _Batching(_Handling):
                     ),
                 )
                 for refusal in self._refusals(message, outgoing, too_large):
-                    refusing = _refusing(handler, {ident: refusal})
-                    state, _, outgoing, _ = self._run(size.state, message, refusing)
+                    refused = refusing(handler, {ident: refusal})
+                    state, _, outgoing, _ = self._run(size.state, message, refused)
                     entry = entry_size(message.id, outgoing, self._mark())
                     total = size.total_with(state, entry)
                     if total <= limit:

@@ -82,17 +82,17 @@ class _SetAside(Exception):
         self.whole = whole
 
 
-def _refusing(handler: Handler, refusals: Mapping[tuple[str, str], Exception]) -> Handler:
+def refusing(handler: Handler, refusals: Mapping[tuple[str, str], Exception]) -> Handler:
     """``handler``, but for the messages ``(correlation id, id)`` of ``refusals``: it
     raises their refusal (a ``_SetAside``, or the consume loop's ``MaxDeliveriesExceeded``)."""
 
-    def refusing(state: dict[str, Any], message: Message) -> Any:
+    def run(state: dict[str, Any], message: Message) -> Any:
         refusal = refusals.get((message.correlation_id, message.id))
         if refusal is not None:
             raise refusal
         return handler(state, message)
 
-    return refusing
+    return run
 
 
 def _too_large_to_send(message: Message, refused: MessageTooLarge) -> _SetAside:

@@ -47,7 +47,7 @@ from dedupstore.outbox.entries import (
     _too_large,
 )
 from dedupstore.outbox.handlers import _DEDUP_CALLS, _ENTITY_CALLS, _check_part
-from dedupstore.outbox.letters import _letter_error, _Redriving, _refusing, _SetAside
+from dedupstore.outbox.letters import _letter_error, _Redriving, _SetAside, refusing
 from dedupstore.outbox.messages import (
     Dispatcher,
     Handler,
@@ -283,7 +283,7 @@ class OutboxProcessor(_Batching, _Redriving):
                         except _SetAside as refusal:
                             # set it aside instead, from a fresh load (not a conflict:
                             # at most twice, the letter whole then bounded)
-                            run_handler = _refusing(handler, {(cid, mid): refusal})
+                            run_handler = refusing(handler, {(cid, mid): refusal})
                             budget += 1
                             continue
                         if saved is False:
