@@ -620,6 +620,49 @@ def test_pickled_store_keeps_cosmos_options(open_cosmos: StoreFactory) -> None:
         clone.close()
 
 
+def _one_query(store: DeduplicationStore, hook: Callable[[Any, Any], None]) -> None:
+    container = store._cosmos.container(store)  # type: ignore[attr-defined]
+    query = "SELECT * FROM c WHERE c.id = @id"
+    params = [{"name": "@id", "value": "x"}]
+    list(container.query_items(query, parameters=params, partition_key="x", response_hook=hook))
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["own-client", "given-client"])
+def test_threads_sharing_a_client_never_write_into_each_others_response_headers(
+    open_cosmos: StoreFactory, cosmos_server: CosmosEndpoint, given: bool
+) -> None:
+    """The SDK keeps one ``last_response_headers`` per client and, after each request, writes
+    throttle counts into it while the thread that put its own headers there may be reading them
+    ("OrderedDict mutated during iteration" in a parallel read-many). B finishes its request
+    while A's headers are the client's last: B's write must not land in A's."""
+    given_client = CosmosClient(**cosmos_server.client_kwargs) if given else None
+    try:
+        store = open_cosmos(client=given_client) if given else open_cosmos()
+        a_stored, b_done = threading.Event(), threading.Event()
+        seen: dict[str, Any] = {}
+
+        def hook_a(headers: Any, _: Any) -> None:  # runs once A's headers are the client's last
+            a_stored.set()
+            assert b_done.wait(10)
+            seen["a"] = dict(headers)
+
+        def hook_b(headers: Any, _: Any) -> None:  # B's own headers stored; B waits for A's
+            assert a_stored.wait(10)
+
+        b = threading.Thread(target=_one_query, args=(store, hook_b))
+        b.start()
+        a = threading.Thread(target=_one_query, args=(store, hook_a))
+        a.start()
+        b.join(20)
+        b_done.set()
+        a.join(20)
+        assert "a" in seen
+        assert "x-ms-throttle-retry-count" not in {k.lower() for k in seen["a"]}
+    finally:
+        if given_client is not None:
+            given_client.close()
+
+
 # ---------------------------------------------------------------------- failures
 
 

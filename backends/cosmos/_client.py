@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import threading
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Final, TypeVar
 from urllib.parse import unquote
@@ -20,6 +21,7 @@ import urllib3
 from azure.core import MatchConditions
 from azure.core.exceptions import AzureError, HttpResponseError, ServiceResponseError
 from azure.core.pipeline.transport import RequestsTransport
+from azure.core.utils import CaseInsensitiveDict
 from azure.cosmos import CosmosClient, PartitionKey
 from azure.cosmos.documents import ConnectionPolicy
 from azure.cosmos.exceptions import CosmosHttpResponseError
@@ -156,6 +158,44 @@ def _names(url: StoreURL) -> tuple[str, str]:
     )
 
 
+class _ThreadsOwnHeaders:
+    """``last_response_headers`` kept per thread. The SDK keeps one per client and, after every
+    request, writes throttle counts into it from the thread that finished, while another thread
+    whose headers are there may be reading them ("OrderedDict mutated during iteration" in a
+    parallel read-many; the SDK calls the attribute not thread safe, azure-sdk-for-python#35791)."""
+
+    def __get__(self, connection: Any, owner: type | None = None) -> Any:
+        if connection is None:
+            return self
+        local = connection.__dict__[_LOCAL]
+        if not hasattr(local, "headers"):
+            local.headers = CaseInsensitiveDict()
+        return local.headers
+
+    def __set__(self, connection: Any, headers: Any) -> None:
+        connection.__dict__[_LOCAL].headers = headers
+
+
+_LOCAL: Final = "_dedupstore_thread_headers"
+_PER_THREAD: dict[type, type] = {}
+
+
+def _headers_per_thread(client: CosmosClient) -> CosmosClient:
+    """``client``, its connection's last response headers now kept per thread (this client only:
+    its connection's class becomes a subclass that adds nothing else)."""
+    connection = client.client_connection
+    cls = type(connection)
+    if _LOCAL not in connection.__dict__:
+        sub = _PER_THREAD.get(cls)
+        if sub is None:
+            attrs = {"last_response_headers": _ThreadsOwnHeaders()}
+            sub = _PER_THREAD[cls] = type(cls.__name__, (cls,), attrs)
+        connection.__dict__[_LOCAL] = threading.local()
+        connection.__dict__.pop("last_response_headers", None)
+        connection.__class__ = sub
+    return client
+
+
 def _key(options: Options) -> str:
     """The account key: option ``key``, else ``COSMOS_KEY`` (``""``: none)."""
     return str(options["key"] or os.environ.get(KEY_ENV_VAR, ""))
@@ -245,7 +285,8 @@ class CosmosConnection(Connection):
         self.endpoint = f"{'https' if options['tls'] else 'http'}://{url.netloc}/"
         self._containers: dict[str, ContainerProxy] = {}
         self._given = options["client"] is not None
-        self.client: CosmosClient = options["client"] if self._given else self._connect()
+        client = options["client"] if self._given else self._connect()
+        self.client: CosmosClient = _headers_per_thread(client)
 
     @classmethod
     def address(cls, url: StoreURL, options: Options) -> Hashable:
