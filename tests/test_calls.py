@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -319,21 +321,36 @@ def test_write_tokens_are_unique_across_threads_and_forked_children() -> None:
     assert calls.pid() == os.getpid()
 
 
+_RAW_FORK = """
+import ctypes, os
+from dedupstore.calls import write_token
+write_token()
+read, write = os.pipe()
+pid = ctypes.PyDLL(None).fork()
+if pid == 0:
+    os.close(read)
+    os.write(write, "\\n".join(write_token() for _ in range(100)).encode())
+    os._exit(0)
+os.close(write)
+with os.fdopen(read) as pipe:
+    copy = pipe.read().split("\\n")
+os.waitpid(pid, 0)
+mine = [write_token() for _ in range(100)]
+print(len(copy), len(set(copy) & set(mine)))
+"""
+
+
 def test_a_copy_of_the_process_that_skipped_the_fork_hooks_draws_other_tokens() -> None:
     """A process copied with its memory (a VM snapshot restored twice, a fork by C
     code) runs no fork hook: a token made from state kept in the process (a random
     part and a counter) would repeat in both copies. ``fork(2)`` called directly
-    (holding the GIL, bypassing ``os.fork``'s hooks) makes such a copy."""
-    import ctypes
-
-    from dedupstore.calls import write_token
-
-    write_token()
-    copy = _in_child(
-        lambda: "\n".join(write_token() for _ in range(100)), fork=ctypes.PyDLL(None).fork
-    ).split("\n")
-    mine = [write_token() for _ in range(100)]
-    assert len(copy) == 100 and not set(copy) & set(mine)
+    (holding the GIL, bypassing ``os.fork``'s hooks) makes such a copy, in a fresh
+    interpreter: in this one another thread may be waiting for the GIL, and the copy
+    would wait forever to hand it over."""
+    done = subprocess.run(
+        [sys.executable, "-c", _RAW_FORK], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.split() == ["100", "0"], done.stdout + done.stderr
 
 
 def test_a_deadline_applies_in_its_block_only_and_again_when_reentered() -> None:
