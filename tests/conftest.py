@@ -13,6 +13,15 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     [_ROOT, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != _ROOT)]
 )
 
+# Every JVM the tests start (Spark's driver, the local-cluster master, workers and executors,
+# the Connect server, spark-submit) runs for seconds, not hours: the client compiler only and
+# the serial collector spend about a fifth less CPU than C2 and G1 on the 2-core machine
+# (docs/contributing.md), and change nothing Spark computes.
+JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+_given = os.environ.get("JAVA_TOOL_OPTIONS", "")
+if JVM_OPTIONS not in _given:
+    os.environ["JAVA_TOOL_OPTIONS"] = f"{_given} {JVM_OPTIONS}".strip()
+
 pytest_plugins = [
     "pytester",
     "tests.suite_rules",

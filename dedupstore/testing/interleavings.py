@@ -38,6 +38,7 @@ schedule, so a broken processor variant is reported, not just failed.
 from __future__ import annotations
 
 import itertools
+import queue
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -249,12 +250,13 @@ Observer = Callable[[list[str]], None]
 
 
 class _Turns:
-    """Gives one actor at a time the right to make its next call."""
+    """Gives one actor at a time the right to make its next call. Hand-offs are direct: an
+    actor tells the scheduler (a queue) that it asks for a turn or has finished, and waits on
+    its own semaphore; the scheduler opens exactly the chosen one's (no thread wakes to go back
+    to sleep)."""
 
     def __init__(self, actors: int, explorer: _Explorer, crash: CrashPoint | None) -> None:
-        self.cond = threading.Condition()
         self.waiting: dict[int, str] = {}  # actor -> the call it waits to make
-        self.running: int | None = None
         self.finished: set[int] = set()
         self.count = actors
         self.steps = [0] * actors
@@ -263,20 +265,19 @@ class _Turns:
         self.crash = crash
         self.run = Run()
         self.aborted = False
+        self.told: queue.SimpleQueue[int] = queue.SimpleQueue()  # asked for a turn, or finished
+        self.go = [threading.Semaphore(0) for _ in range(actors)]
 
     def call(self, actor: int, name: str, action: Callable[[], Any]) -> Any:
         """Wait for ``actor``'s turn, run ``action``; crash there if told to."""
-        with self.cond:
-            if self.running == actor:  # its previous step is over
-                self.running = None
-            self.waiting[actor] = name
-            self.cond.notify_all()
-            if not self.cond.wait_for(lambda: self.running == actor or self.aborted, _WAIT):
-                raise TimeoutError(f"actor {actor} never got its turn for {name}")
-            if self.aborted:
-                raise Crash("the schedule was abandoned")
-            step = self.steps[actor]
-            self.steps[actor] += 1
+        self.waiting[actor] = name
+        self.told.put(actor)
+        if not self.go[actor].acquire(timeout=_WAIT):
+            raise TimeoutError(f"actor {actor} never got its turn for {name}")
+        if self.aborted:
+            raise Crash("the schedule was abandoned")
+        step = self.steps[actor]
+        self.steps[actor] += 1
         crash = self.crash
         here = crash is not None and crash.actor == actor and crash.step == step
         self.run.crash_reached = self.run.crash_reached or here
@@ -291,52 +292,45 @@ class _Turns:
 
     def end_turn(self, actor: int) -> None:
         """``actor`` finished."""
-        with self.cond:
-            self.finished.add(actor)
-            if self.running == actor:
-                self.running = None
-            self.cond.notify_all()
+        self.finished.add(actor)
+        self.told.put(actor)
 
     def schedule(self, labels: Sequence[str], observe: Observer) -> Run:
         """Run the actors to the end, one step at a time; return the run."""
         try:
             return self._schedule(labels, observe)
         except BaseException:
-            with self.cond:
-                self.aborted = True
-                self.cond.notify_all()
+            self._abandon()
             raise
 
+    def _abandon(self) -> None:
+        self.aborted = True
+        for go in self.go:  # every actor waiting, or about to, ends with a Crash
+            go.release()
+
+    def _heard(self, what: str) -> None:
+        try:
+            self.told.get(timeout=_WAIT)
+        except queue.Empty:
+            raise TimeoutError(what) from None
+
     def _schedule(self, labels: Sequence[str], observe: Observer) -> Run:
-        while True:
-            with self.cond:
-                if not self.cond.wait_for(
-                    lambda: (
-                        self.running is None
-                        and len(self.waiting) + len(self.finished) >= self.count
-                    ),
-                    _WAIT,
-                ):
-                    raise TimeoutError("an actor neither finished nor asked for a turn")
-                if not self.waiting:
-                    return self.run
-                chosen = self.explorer.choose(self.position, dict(self.waiting))
-                self.position += 1
-                if chosen is None:
-                    self.run.blocked = True
-                    self.aborted = True
-                    self.cond.notify_all()
-                    return self.run
-                name = self.waiting.pop(chosen)
-                self.run.trace.append(f"{labels[chosen]}.{name}")
-                self.running = chosen
-                self.cond.notify_all()
-                if not self.cond.wait_for(lambda: self.running is None, _WAIT):
-                    raise TimeoutError(f"{labels[chosen]}.{name} did not return")
-                if self.run.blocked:
-                    return self.run
+        for _ in range(self.count):  # every actor asks for its first turn, or ends
+            self._heard("an actor neither finished nor asked for a turn")
+        while self.waiting:
+            chosen = self.explorer.choose(self.position, dict(self.waiting))
+            self.position += 1
+            if chosen is None:
+                self.run.blocked = True
+                self._abandon()
+                return self.run
+            name = self.waiting.pop(chosen)
+            self.run.trace.append(f"{labels[chosen]}.{name}")
+            self.go[chosen].release()
+            self._heard(f"{labels[chosen]}.{name} did not return")  # its next call, or its end
             if _ACCESS[name][1] - {"X"}:  # only a write to a store can break a state check
                 observe(self.run.trace)
+        return self.run
 
 
 class _OneEntity:
