@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import dedupstore.outbox as outbox_module
@@ -406,6 +406,8 @@ def backend_worlds(backend: OutboxBackend) -> Factory:
     return open_world
 
 
+#: An anti-test's phases: generate until an example fails, and do not shrink it.
+FIND_ONLY = (Phase.explicit, Phase.reuse, Phase.generate)
 PROPERTY = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
@@ -476,9 +478,10 @@ def _assert_the_harness_fails(
     among: st.SearchStrategy[Scenario] = scenarios,
     examples: int = 300,
 ) -> None:
-    """Some scenario generated ``among`` breaks an invariant (for an anti-test)."""
+    """Some scenario generated ``among`` breaks an invariant (for an anti-test). Found
+    is enough: no shrinking to the smallest such scenario."""
 
-    @settings(PROPERTY, max_examples=examples, report_multiple_bugs=False)
+    @settings(PROPERTY, max_examples=examples, report_multiple_bugs=False, phases=FIND_ONLY)
     @given(scenario=among)
     def check(scenario: Scenario) -> None:
         run(scenario, memory_worlds(), uuid.uuid4().hex[:8], redeliver=redeliver)
