@@ -7,6 +7,7 @@ from __future__ import annotations
 import binascii
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -167,32 +168,28 @@ class _ThreadsOwnHeaders:
     def __get__(self, connection: Any, owner: type | None = None) -> Any:
         if connection is None:
             return self
-        local = connection.__dict__[_LOCAL]
+        local = connection._dedupstore_headers
         if not hasattr(local, "headers"):
             local.headers = CaseInsensitiveDict()
         return local.headers
 
     def __set__(self, connection: Any, headers: Any) -> None:
-        connection.__dict__[_LOCAL].headers = headers
+        connection._dedupstore_headers.headers = headers
 
 
-_LOCAL: Final = "_dedupstore_thread_headers"
-_PER_THREAD: dict[type, type] = {}
+@functools.cache
+def _with_headers_per_thread(cls: Any) -> type:
+    return type(cls.__name__, (cls,), {"last_response_headers": _ThreadsOwnHeaders()})
 
 
 def _headers_per_thread(client: CosmosClient) -> CosmosClient:
     """``client``, its connection's last response headers now kept per thread (this client only:
     its connection's class becomes a subclass that adds nothing else)."""
-    connection = client.client_connection
-    cls = type(connection)
-    if _LOCAL not in connection.__dict__:
-        sub = _PER_THREAD.get(cls)
-        if sub is None:
-            attrs = {"last_response_headers": _ThreadsOwnHeaders()}
-            sub = _PER_THREAD[cls] = type(cls.__name__, (cls,), attrs)
-        connection.__dict__[_LOCAL] = threading.local()
+    connection: Any = client.client_connection
+    if not hasattr(connection, "_dedupstore_headers"):
+        connection._dedupstore_headers = threading.local()
         connection.__dict__.pop("last_response_headers", None)
-        connection.__class__ = sub
+        connection.__class__ = _with_headers_per_thread(connection.__class__)
     return client
 
 
@@ -467,7 +464,7 @@ class CosmosConnection(Connection):
             if status in ((409,) if etag is None else (404, 412)):
                 return status, None
             raise
-        # from the body: the SDK's retry bookkeeping writes the headers from other threads
+        # from the body, which is this request's own
         new_etag = result.get("_etag") if result else None
         return (201 if etag is None else 200), str(new_etag) if new_etag else None
 

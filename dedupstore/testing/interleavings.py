@@ -257,8 +257,6 @@ class _Turns:
 
     def __init__(self, actors: int, explorer: _Explorer, crash: CrashPoint | None) -> None:
         self.waiting: dict[int, str] = {}  # actor -> the call it waits to make
-        self.finished: set[int] = set()
-        self.count = actors
         self.steps = [0] * actors
         self.explorer = explorer
         self.position = 0
@@ -292,7 +290,6 @@ class _Turns:
 
     def end_turn(self, actor: int) -> None:
         """``actor`` finished."""
-        self.finished.add(actor)
         self.told.put(actor)
 
     def schedule(self, labels: Sequence[str], observe: Observer) -> Run:
@@ -315,7 +312,7 @@ class _Turns:
             raise TimeoutError(what) from None
 
     def _schedule(self, labels: Sequence[str], observe: Observer) -> Run:
-        for _ in range(self.count):  # every actor asks for its first turn, or ends
+        for _ in self.go:  # every actor asks for its first turn, or ends
             self._heard("an actor neither finished nor asked for a turn")
         while self.waiting:
             chosen = self.explorer.choose(self.position, dict(self.waiting))
