@@ -39,6 +39,7 @@ schedule, so a broken processor variant is reported, not just failed.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import queue
 import threading
@@ -433,12 +434,53 @@ class _Ledger(InMemoryDispatcher):
         super().dispatch(messages)
 
 
+class _Crew:
+    """One long-lived thread per actor, for every run of an exploration (a thread started
+    per run and actor cost a start, and each client's per-thread connection anew)."""
+
+    def __init__(self, size: int) -> None:
+        self._jobs: list[queue.SimpleQueue[Callable[[], None] | None]] = []
+        self._ended: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for index in range(size):
+            jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+            self._jobs.append(jobs)
+            name = f"actor-{chr(65 + index)}"
+            threading.Thread(target=self._work, args=(jobs,), daemon=True, name=name).start()
+
+    def _work(self, jobs: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+        while (job := jobs.get()) is not None:
+            try:
+                job()
+            finally:
+                self._ended.put(0)
+
+    def start(self, jobs: Sequence[Callable[[], None]]) -> None:
+        """Give actor ``i`` the job ``jobs[i]``."""
+        for queued, job in zip(self._jobs, jobs, strict=True):
+            queued.put(job)
+
+    def join(self) -> None:
+        """Wait until every actor's job has returned."""
+        for _ in self._jobs:
+            try:
+                self._ended.get(timeout=_WAIT)
+            except queue.Empty:
+                raise TimeoutError("an actor did not end after its schedule") from None
+
+    def close(self) -> None:
+        """End the threads."""
+        for queued in self._jobs:
+            queued.put(None)
+
+
 @dataclass
 class _World:
-    """The real stores (one client per actor, plus the checker's) of one exploration."""
+    """The real stores (one client per actor, plus the checker's) of one exploration,
+    and the actors' threads."""
 
     entity_clients: list[EntityStore]
     dedup_clients: list[DeduplicationStore]
+    crew: _Crew
 
 
 def _run_once(
@@ -518,15 +560,11 @@ def _run_once(
                 trace,
             )
 
-    threads = [
-        threading.Thread(target=actor_main, args=(i, a), daemon=True, name=labels[i])
-        for i, a in enumerate(scenario.actors)
-    ]
-    for thread in threads:
-        thread.start()
+    world.crew.start(
+        [functools.partial(actor_main, i, a) for i, a in enumerate(scenario.actors)]
+    )
     run = turns.schedule(labels, observe)
-    for thread in threads:
-        thread.join(_WAIT)
+    world.crew.join()
     if run.blocked:
         _retire(checker_entities, entity_id)
         return run
@@ -653,6 +691,7 @@ def explore(
     world = _World(
         [entity_store() for _ in range(len(scenario.actors) + 1)],
         [dedup_store() for _ in range(len(scenario.actors) + 1)],
+        _Crew(len(scenario.actors)),
     )
     runs = 0
     try:
@@ -681,5 +720,6 @@ def explore(
                 return runs  # the actor never makes this many steps: every crash was tried
         return runs
     finally:
+        world.crew.close()
         for client in (*world.entity_clients, *world.dedup_clients):
             client.close()
