@@ -560,9 +560,7 @@ def _run_once(
                 trace,
             )
 
-    world.crew.start(
-        [functools.partial(actor_main, i, a) for i, a in enumerate(scenario.actors)]
-    )
+    world.crew.start([functools.partial(actor_main, i, a) for i, a in enumerate(scenario.actors)])
     run = turns.schedule(labels, observe)
     world.crew.join()
     if run.blocked:
