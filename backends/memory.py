@@ -24,11 +24,20 @@ from dedupstore.backend import (
     OptionSet,
     OutgoingMessage,
     StoreURL,
+    TokenCount,
+    TokenRecord,
+    TokenStore,
     URLDispatcher,
     WriteRequest,
 )
 
-__all__ = ["MemoryDeduplicationStore", "MemoryDispatcher", "MemoryEntityStore", "namespace_name"]
+__all__ = [
+    "MemoryDeduplicationStore",
+    "MemoryDispatcher",
+    "MemoryEntityStore",
+    "MemoryTokenStore",
+    "namespace_name",
+]
 
 
 #: One deduplication record: (expiry or None, token).
@@ -37,12 +46,14 @@ _Record = tuple[float | None, str]
 
 class _Space:
     """The data of one ``memory://<name>``: deduplication records (endpoint -> id -> record),
-    entities (id -> (body, version, bucket, pending)) and dispatched messages."""
+    entities (id -> (body, version, bucket, pending)), tokens (id -> (endpoint, created))
+    and dispatched messages."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.records: dict[str, dict[str, _Record]] = {}
         self.entities: dict[str, tuple[str, int, int, bool]] = {}
+        self.tokens: dict[str, tuple[str, float]] = {}
         self.sent: list[OutgoingMessage] = []
 
 
@@ -182,6 +193,46 @@ class MemoryEntityStore(EntityStore):
             for eid, record in page:
                 if record is not None and record[3]:
                     yield eid, record[0], record[1]
+
+
+class MemoryTokenStore(TokenStore):
+    """In-process token store; tokens live as long as the process. Shared per URL name."""
+
+    connection_class = MemoryConnection
+
+    max_batch: ClassVar[int] = 10_000
+
+    def _configure(self) -> None:
+        super()._configure()
+        self._ns = _space(self.store_url)
+
+    def _create(self, records: list[TokenRecord]) -> None:
+        tokens = self._ns.tokens
+        with self._ns.lock:
+            for record in records:
+                tokens.setdefault(record.id, (record.endpoint, record.created))
+
+    def _present(self, ids: list[str]) -> set[str]:
+        with self._ns.lock:
+            return self._ns.tokens.keys() & ids
+
+    def _delete(self, ids: list[str]) -> None:
+        tokens = self._ns.tokens
+        with self._ns.lock:
+            for token_id in ids:
+                tokens.pop(token_id, None)
+
+    def _outstanding(self) -> dict[str, TokenCount]:
+        counts: dict[str, TokenCount] = {}
+        with self._ns.lock:
+            for endpoint, created in self._ns.tokens.values():
+                known = counts.get(endpoint)
+                counts[endpoint] = (
+                    TokenCount(1, created)
+                    if known is None
+                    else TokenCount(known.outstanding + 1, min(known.oldest, created))
+                )
+        return counts
 
 
 class MemoryDispatcher(URLDispatcher):

@@ -50,6 +50,9 @@ from dedupstore.backend import (
     StoredMessage,
     StoreUnavailable,
     StoreURL,
+    TokenCount,
+    TokenRecord,
+    TokenStore,
     URLDispatcher,
     WriteRequest,
     choice,
@@ -64,6 +67,7 @@ __all__ = [
     "SqliteDeduplicationStore",
     "SqliteDispatcher",
     "SqliteEntityStore",
+    "SqliteTokenStore",
     "absolute_sqlite_url",
     "sqlite_path",
 ]
@@ -417,6 +421,48 @@ class SqliteDeduplicationStore(DeduplicationStore):
     def _endpoints(self, now: float) -> set[str]:
         """Exact, one statement (a snapshot) over the table."""
         return {row[0] for row in self._sqlite.fetch(self._sql_endpoints, (now,))}
+
+
+class SqliteTokenStore(TokenStore):
+    """Tokens in one table of a SQLite file (``id`` primary key, ``endpoint``, ``created``);
+    safe across threads and processes. A chunk is one statement in one write transaction."""
+
+    _sqlite = Connected(SqliteConnection)
+
+    max_batch: ClassVar[int] = 5000
+    declared_options: ClassVar[OptionSet] = TokenStore.declared_options.extend(
+        _table_option("dedup_tokens"), *SQLITE_OPTIONS
+    )
+
+    def _open(self) -> None:
+        _, t = self._sqlite.open_table(
+            self,
+            "a token table",
+            {"id": "TEXT PRIMARY KEY NOT NULL", "endpoint": "TEXT NOT NULL", "created": "REAL"},
+        )
+        self._sql_create = (
+            f"INSERT INTO {t} (id, endpoint, created) SELECT value ->> '$[0]', "
+            f"value ->> '$[1]', value ->> '$[2]' FROM json_each(?) WHERE true "
+            "ON CONFLICT (id) DO NOTHING"
+        )
+        self._sql_present = f"SELECT id FROM {t} WHERE id IN (SELECT value FROM json_each(?))"
+        self._sql_delete = f"DELETE FROM {t} WHERE id IN (SELECT value FROM json_each(?))"
+        self._sql_outstanding = f"SELECT endpoint, count(*), min(created) FROM {t} GROUP BY 1"
+
+    def _create(self, records: list[TokenRecord]) -> None:
+        with self._sqlite.write_transaction() as conn:
+            conn.execute(self._sql_create, (json.dumps([list(r) for r in records]),))
+
+    def _present(self, ids: list[str]) -> set[str]:
+        return {row[0] for row in self._sqlite.fetch(self._sql_present, (json.dumps(ids),))}
+
+    def _delete(self, ids: list[str]) -> None:
+        with self._sqlite.write_transaction() as conn:
+            conn.execute(self._sql_delete, (json.dumps(ids),))
+
+    def _outstanding(self) -> dict[str, TokenCount]:
+        rows = self._sqlite.fetch(self._sql_outstanding)
+        return {row[0]: TokenCount(int(row[1]), float(row[2])) for row in rows}
 
 
 class SqliteEntityStore(EntityStore):

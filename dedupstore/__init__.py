@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from dedupstore.entities import EntityStore, OutgoingMessage
     from dedupstore.outbox import Dispatcher
     from dedupstore.registry import Kind
+    from dedupstore.tokens import TokenStore
     from dedupstore.urls import StoreURL
 
 D = TypeVar("D", bound="Dispatcher")
@@ -69,6 +70,7 @@ __all__ = [
     "open_dispatcher",
     "open_entity_store",
     "open_store",
+    "open_token_store",
     "register",
 ]
 
@@ -109,6 +111,22 @@ def open_entity_store(url: str | None = None, **options: Any) -> EntityStore:
     """
     entities: EntityStore = _open("entity_store", url, options, entities=True)
     return entities
+
+
+def open_token_store(url: str | StoreURL, /, **options: Any) -> TokenStore:
+    """Open the token store at ``url`` (token-based deduplication: a message may be
+    processed only while its token exists; see :class:`~dedupstore.tokens.TokenStore`).
+
+    Schemes: ``memory://<name>`` and ``sqlite:///file.db`` (table ``dedup_tokens``);
+    options as for :func:`open_store`, without ``endpoint`` and ``retention``: a token
+    names its receiving endpoint, and tokens never expire.
+
+    Raises ``ConfigurationError`` (bad URL, unknown scheme or option, bad value,
+    missing extra) and ``StoreUnavailable``.
+    """
+    from dedupstore.registry import open_url
+
+    return open_url("token_store", url, **options)
 
 
 @overload

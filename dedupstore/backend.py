@@ -7,7 +7,8 @@ from it. The names, by group:
 
 Bases
     :class:`Client`, :class:`Connection`, :class:`Connected`, :class:`Closing`,
-    :class:`DeduplicationStore` with :class:`WriteRequest`, :class:`EntityStore` with
+    :class:`DeduplicationStore` with :class:`WriteRequest`, :class:`TokenStore` with
+    :class:`TokenRecord` and :class:`TokenCount`, :class:`EntityStore` with
     :class:`EntityRecord`, :class:`OutgoingMessage` and :func:`groups_by_size`,
     :class:`URLDispatcher` with :class:`EncodedMessage`, :class:`StoredMessage`,
     :class:`DispatchStats` and :class:`ReadMessage`, :class:`Broker` with
@@ -41,6 +42,7 @@ Identity
     :func:`decode_entity`, :func:`canonical_json`, :func:`dumps`, :func:`loads`.
 Contract kit (needs pytest; imported on first use)
     :class:`DeduplicationStoreContract`, :class:`MultiProcessContract`,
+    :class:`TokenStoreContract`,
     :class:`EntityStoreContract`, :class:`FakeClock`, :class:`Timeline`,
     :data:`StoreFactory`, :data:`INVALID_IDS`, :data:`HOSTILE_IDS`,
     :func:`random_valid_ids`.
@@ -133,6 +135,7 @@ from dedupstore.options import (
 )
 from dedupstore.replies import cut_short
 from dedupstore.store import CLOCK, MAX_CLOCK_SKEW, DeduplicationStore, WriteRequest
+from dedupstore.tokens import TokenCount, TokenRecord, TokenStore
 from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
@@ -144,6 +147,7 @@ if TYPE_CHECKING:
         MultiProcessContract,
         StoreFactory,
         Timeline,
+        TokenStoreContract,
         random_valid_ids,
     )
     from dedupstore.testing.entities import EntityStoreContract
@@ -168,6 +172,11 @@ HOOKS: Final[frozenset[str]] = frozenset(
         "_count",
         "_endpoints",
         "_purge",
+        # TokenStore
+        "_create",
+        "_present",
+        "_delete",
+        "_outstanding",
         # EntityStore
         "_load",
         "_save",
@@ -192,6 +201,7 @@ _CONTRACT_KIT: Final[dict[str, str]] = {
     "HOSTILE_IDS": "dedupstore.testing",
     "random_valid_ids": "dedupstore.testing",
     "EntityStoreContract": "dedupstore.testing.entities",
+    "TokenStoreContract": "dedupstore.testing",
 }
 
 
@@ -251,6 +261,10 @@ __all__ = [
     "StoreUnavailable",
     "StoredMessage",
     "Timeline",
+    "TokenCount",
+    "TokenRecord",
+    "TokenStore",
+    "TokenStoreContract",
     "URLDispatcher",
     "WriteRequest",
     "anything",

@@ -1,7 +1,8 @@
 """Every kind of plugin: one table of names -> ``"module:Class"`` strings, resolved lazily.
 
-Kinds (:data:`KINDS`): ``store`` and ``entity_store`` (URL schemes of
-:func:`dedupstore.open_store` and :func:`dedupstore.open_entity_store`), ``dispatcher``
+Kinds (:data:`KINDS`): ``store``, ``entity_store`` and ``token_store`` (URL schemes of
+:func:`dedupstore.open_store`, :func:`dedupstore.open_entity_store` and
+:func:`dedupstore.open_token_store`), ``dispatcher``
 (:func:`dedupstore.open_dispatcher`), ``broker``
 (:func:`dedupstore.consumers.open_broker`) and ``command`` (subcommands of the
 ``dedupstore`` command line, :class:`dedupstore.cli.Command`).
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from dedupstore.dispatch import URLDispatcher
     from dedupstore.entities import EntityStore
     from dedupstore.store import DeduplicationStore
+    from dedupstore.tokens import TokenStore
 
 __all__ = [
     "KINDS",
@@ -49,7 +51,7 @@ __all__ = [
 ]
 
 #: A kind of plugin.
-Kind = Literal["store", "entity_store", "dispatcher", "broker", "command"]
+Kind = Literal["store", "entity_store", "token_store", "dispatcher", "broker", "command"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class _KindInfo:
 _KINDS: dict[str, _KindInfo] = {
     "store": _KindInfo("store", "dedupstore.store:DeduplicationStore", True),
     "entity_store": _KindInfo("entity store", "dedupstore.entities:EntityStore", True),
+    "token_store": _KindInfo("token store", "dedupstore.tokens:TokenStore", True),
     "dispatcher": _KindInfo("dispatcher", "dedupstore.dispatch:URLDispatcher", True),
     "broker": _KindInfo("broker", "dedupstore.consumers:Broker", True),
     "command": _KindInfo("command", "dedupstore.cli:Command", False),
@@ -123,6 +126,10 @@ _BUILTIN: dict[str, dict[str, PluginSpec]] = {
         "rediss": _spec(f"{_B}.redis:RedisEntityStore", "redis"),
         "dynamodb": _spec(f"{_B}.dynamodb:DynamoDBEntityStore", "dynamodb"),
         "cosmos": _spec(f"{_B}.cosmos:CosmosEntityStore", "cosmos"),
+    },
+    "token_store": {
+        "memory": _spec(f"{_B}.memory:MemoryTokenStore"),
+        "sqlite": _spec(f"{_B}.sqlite:SqliteTokenStore"),
     },
     "dispatcher": {
         "memory": _spec(f"{_B}.memory:MemoryDispatcher"),
@@ -243,6 +250,8 @@ def resolve(kind: Literal["store"], name: str) -> type[DeduplicationStore]: ...
 @overload
 def resolve(kind: Literal["entity_store"], name: str) -> type[EntityStore]: ...
 @overload
+def resolve(kind: Literal["token_store"], name: str) -> type[TokenStore]: ...
+@overload
 def resolve(kind: Literal["dispatcher"], name: str) -> type[URLDispatcher]: ...
 @overload
 def resolve(kind: Literal["broker"], name: str) -> type[Broker]: ...
@@ -301,6 +310,10 @@ def open_url(
 def open_url(
     kind: Literal["entity_store"], url: str | StoreURL, /, **options: Any
 ) -> EntityStore: ...
+@overload
+def open_url(
+    kind: Literal["token_store"], url: str | StoreURL, /, **options: Any
+) -> TokenStore: ...
 @overload
 def open_url(
     kind: Literal["dispatcher"], url: str | StoreURL, /, **options: Any

@@ -25,8 +25,11 @@ __all__ = [
     "CLOCK",
     "MAX_CLOCK_SKEW",
     "MAX_ID_BYTES",
+    "Clock",
     "DeduplicationStore",
     "WriteRequest",
+    "over_chunks",
+    "split_ids",
     "validate_message_id",
 ]
 
@@ -334,30 +337,7 @@ class DeduplicationStore(Client):
         *,
         writes: bool,
     ) -> set[str]:
-        """Union of ``work(chunk)``, with up to :attr:`chunk_concurrency` in flight
-        (:func:`~dedupstore.calls.fan_out`); a write's error carries ``recorded`` /
-        ``unknown``."""
-        result: set[str] = set()
-        unknown: set[str] = set()
-        lock = threading.Lock()
-
-        def run(chunk: list[str]) -> None:
-            try:
-                done = work(chunk)
-            except BaseException:
-                with lock:
-                    unknown.update(chunk)
-                raise
-            with lock:
-                result.update(done)
-
-        try:
-            fan_out(run, chunks, concurrency=self.chunk_concurrency)
-        except DedupStoreError as exc:
-            if writes:
-                raise exc.with_progress(result, unknown) from exc.__cause__
-            raise
-        return result
+        return over_chunks(chunks, work, writes=writes, concurrency=self.chunk_concurrency)
 
     def _chunks(self, message_ids: Iterable[str], size: int) -> Iterator[list[str]]:
         """Validate and split ``message_ids`` into duplicate-free chunks of ``size``."""
@@ -369,8 +349,7 @@ class DeduplicationStore(Client):
         if isinstance(message_ids, Collection):
             validated = validate_ids(message_ids)
             self.check_open()
-            for start in range(0, len(validated), size):
-                yield list(dict.fromkeys(validated[start : start + size]))
+            yield from split_ids(validated, size)
             return
         try:
             iterator = iter(message_ids)
@@ -384,3 +363,42 @@ class DeduplicationStore(Client):
             if not chunk:
                 return
             yield list(dict.fromkeys(chunk))
+
+
+def split_ids(ids: list[str], size: int) -> Iterator[list[str]]:
+    """Validated ``ids`` in duplicate-free chunks of at most ``size``."""
+    for start in range(0, len(ids), size):
+        yield list(dict.fromkeys(ids[start : start + size]))
+
+
+def over_chunks(
+    chunks: Iterator[list[str]],
+    work: Callable[[list[str]], set[str]],
+    *,
+    writes: bool,
+    concurrency: int,
+) -> set[str]:
+    """Union of ``work(chunk)``, with up to ``concurrency`` in flight
+    (:func:`~dedupstore.calls.fan_out`); a write's error carries ``recorded`` (the
+    chunks done) / ``unknown`` (those in flight)."""
+    result: set[str] = set()
+    unknown: set[str] = set()
+    lock = threading.Lock()
+
+    def run(chunk: list[str]) -> None:
+        try:
+            done = work(chunk)
+        except BaseException:
+            with lock:
+                unknown.update(chunk)
+            raise
+        with lock:
+            result.update(done)
+
+    try:
+        fan_out(run, chunks, concurrency=concurrency)
+    except DedupStoreError as exc:
+        if writes:
+            raise exc.with_progress(result, unknown) from exc.__cause__
+        raise
+    return result

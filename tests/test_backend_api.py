@@ -347,5 +347,5 @@ def test_the_public_api_backend_example_runs(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", sorted(api.HOOKS))
 def test_every_hook_is_a_method_of_a_base(name: str) -> None:
-    bases = [api.Client, api.DeduplicationStore, api.EntityStore, api.URLDispatcher]
+    bases = [api.Client, api.DeduplicationStore, api.TokenStore, api.EntityStore, api.URLDispatcher]
     assert any(name in vars(base) for base in bases), name

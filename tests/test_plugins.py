@@ -34,6 +34,11 @@ BUILT_IN: dict[str, tuple[str, str, str]] = {
         "dedupstore.backends.sqlite:SqliteEntityStore",
         "dedupstore.backends.sqlite:SqliteDeduplicationStore",
     ),
+    "token_store": (
+        "sqlite",
+        "dedupstore.backends.sqlite:SqliteTokenStore",
+        "dedupstore.backends.sqlite:SqliteDeduplicationStore",
+    ),
     "dispatcher": (
         "memory",
         "dedupstore.backends.memory:MemoryDispatcher",
@@ -80,7 +85,7 @@ def scratch() -> Iterator[list[tuple[str, str]]]:
 
 
 def test_the_table_covers_every_kind() -> None:
-    assert KINDS == ("store", "entity_store", "dispatcher", "broker", "command")
+    assert KINDS == ("store", "entity_store", "token_store", "dispatcher", "broker", "command")
     assert set(BUILT_IN) == set(KINDS)
     for kind in KINDS:
         assert registry.entry_point_group(kind) == f"dedupstore.{kind}"

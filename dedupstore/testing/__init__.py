@@ -25,6 +25,7 @@ from dedupstore.testing.contract import (
     Timeline,
     random_valid_ids,
 )
+from dedupstore.testing.tokens import TokenStoreContract, TokenStoreFactory
 
 __all__ = [
     "HOSTILE_IDS",
@@ -34,5 +35,7 @@ __all__ = [
     "MultiProcessContract",
     "StoreFactory",
     "Timeline",
+    "TokenStoreContract",
+    "TokenStoreFactory",
     "random_valid_ids",
 ]

@@ -30,6 +30,7 @@ import pytest
 from dedupstore.entities import EntityStore
 from dedupstore.errors import ConfigurationError, InvalidMessageId, StoreClosed
 from dedupstore.store import MAX_ID_BYTES, DeduplicationStore
+from dedupstore.tokens import TokenStore
 
 __all__ = [
     "HOSTILE_IDS",
@@ -39,13 +40,14 @@ __all__ = [
     "MultiProcessContract",
     "StoreFactory",
     "Timeline",
+    "closing_clients",
     "random_valid_ids",
     "run_concurrently",
 ]
 
 StoreFactory = Callable[..., DeduplicationStore]
 T = TypeVar("T")
-C = TypeVar("C", bound=DeduplicationStore | EntityStore)
+C = TypeVar("C", bound=DeduplicationStore | EntityStore | TokenStore)
 
 
 class FakeClock:
@@ -157,7 +159,7 @@ def _unique(prefix: str = "m") -> str:
     return f"{prefix}-{uuid.uuid4()}"
 
 
-def _closing(factory: Callable[..., C]) -> Iterator[Callable[..., C]]:
+def closing_clients(factory: Callable[..., C]) -> Iterator[Callable[..., C]]:
     """``factory``, every client it opens closed when the test ends (a fixture's body)."""
     opened: list[C] = []
 
@@ -186,7 +188,7 @@ class DeduplicationStoreContract:
     @pytest.fixture
     def clients(self, store_factory: StoreFactory) -> Iterator[StoreFactory]:
         """``store_factory``, every store it opens closed after the test."""
-        yield from _closing(store_factory)
+        yield from closing_clients(store_factory)
 
     @pytest.fixture
     def store(self, clients: StoreFactory) -> DeduplicationStore:

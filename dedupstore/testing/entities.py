@@ -26,7 +26,7 @@ from dedupstore.errors import (
     StoreClosed,
     StoreUnavailable,
 )
-from dedupstore.testing.contract import HOSTILE_IDS, INVALID_IDS, _closing, run_concurrently
+from dedupstore.testing.contract import HOSTILE_IDS, INVALID_IDS, closing_clients, run_concurrently
 
 __all__ = ["EntityStoreContract", "EntityStoreFactory", "EntityStoreRestartContract"]
 
@@ -56,7 +56,7 @@ class EntityStoreContract:
         self, entity_store_factory: EntityStoreFactory
     ) -> Iterator[EntityStoreFactory]:
         """``entity_store_factory``, every store it opens closed after the test."""
-        yield from _closing(entity_store_factory)
+        yield from closing_clients(entity_store_factory)
 
     @pytest.fixture
     def entities(self, entity_clients: EntityStoreFactory) -> EntityStore:

@@ -1,0 +1,200 @@
+"""The token store contract: :class:`TokenStore` (token-based deduplication, in progress).
+
+A token is the right of one receiving endpoint to process one message once: the
+sender creates it (a fresh id) before it dispatches the message, the receiver reads
+it after it loads the entity and deletes it once its own outputs are dispatched. A
+message whose token is absent is a duplicate. So the failure mode of a token store
+is the inverse of a deduplication store's: a lost, expired or evicted token, or a
+stale "absent", drops a legitimate message. The contract therefore has no
+retention, reads are strongly consistent, and a store that cannot answer raises.
+
+The base class owns what every backend shares (id validation before any I/O,
+chunking, progress on failure); a backend implements four primitives whose
+atomicity their docstrings state. Open token stores with
+:func:`dedupstore.open_token_store`.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Iterable, Mapping
+from typing import ClassVar, NamedTuple
+
+from dedupstore.client import Client
+from dedupstore.errors import InvalidMessageId
+from dedupstore.ids import validate_ids, validate_message_id
+from dedupstore.options import OptionSet
+from dedupstore.store import CLOCK, Clock, over_chunks, split_ids
+
+__all__ = ["TokenCount", "TokenRecord", "TokenStore"]
+
+
+class TokenRecord(NamedTuple):
+    """One token handed to :meth:`TokenStore._create`: its id, the receiving endpoint
+    it authorises, and when it was minted (epoch seconds, the client's clock)."""
+
+    id: str
+    endpoint: str
+    created: float
+
+
+class TokenCount(NamedTuple):
+    """The tokens of one receiving endpoint: how many exist, and when the oldest was
+    minted (epoch seconds, the minting client's clock)."""
+
+    outstanding: int
+    oldest: float
+
+
+class TokenStore(Client):
+    """A strongly consistent set of tokens, each minted for one receiving endpoint.
+
+    Guarantees (every backend, checked by
+    :class:`dedupstore.testing.TokenStoreContract`):
+
+    * :meth:`create` is create-if-absent per token, durable and visible to every
+      client when it returns; creating a token that exists changes nothing (token
+      ids are fresh per mint, so it was an earlier try of the same creation);
+    * :meth:`present` / :meth:`present_among` are strongly consistent: never a
+      stale "absent", never a stale "present";
+    * :meth:`delete` is idempotent, durable when it returns;
+    * tokens never expire: there is no retention option, and a backend that could
+      evict data refuses to open;
+    * invalid ids or endpoints raise :class:`~dedupstore.errors.InvalidMessageId`
+      before any I/O, and nothing is written; a store that cannot answer raises
+      :class:`~dedupstore.errors.StoreUnavailable`; a batch that fails part-way
+      says what it completed (``recorded``: created, or deleted) and what is
+      ``unknown``.
+
+    Instances pickle to their URL and options; they are safe to share between threads.
+    """
+
+    #: Largest number of tokens handed to one primitive call.
+    max_batch: ClassVar[int] = 1000
+    #: How many chunks of one call may be in flight at once (1: one by one).
+    chunk_concurrency: ClassVar[int] = 1
+
+    declared_options: ClassVar[OptionSet] = Client.declared_options.extend(CLOCK)
+
+    def _configure(self) -> None:
+        super()._configure()
+        clock = self.options.get("clock")
+        self._clock: Clock = clock if clock is not None else time.time
+
+    # ------------------------------------------------------------------ public API
+
+    def create(self, tokens: Mapping[str, str]) -> None:
+        """Create every token of ``tokens`` (token id -> receiving endpoint) that does
+        not exist; one round trip per chunk of :attr:`max_batch`.
+
+        Every id and endpoint is validated before anything is written. A failure
+        part-way raises with ``recorded`` (created for sure) and ``unknown``; creating
+        the same tokens again completes it. Raises ``InvalidMessageId``,
+        ``StoreUnavailable``, ``StoreClosed``.
+        """
+        if not isinstance(tokens, Mapping):
+            raise InvalidMessageId(
+                f"expected a mapping of token id -> receiving endpoint, got {type(tokens).__name__}"
+            )
+        ids = validate_ids(list(tokens), "token id")
+        endpoints = {mid: validate_message_id(tokens[mid], "endpoint") for mid in ids}
+        self.check_open()
+        now = self._clock()
+
+        def create_chunk(chunk: list[str]) -> set[str]:
+            with self.translating_errors("create tokens"):
+                self._create([TokenRecord(mid, endpoints[mid], now) for mid in chunk])
+            return set(chunk)
+
+        over_chunks(
+            split_ids(ids, self.max_batch),
+            create_chunk,
+            writes=True,
+            concurrency=self.chunk_concurrency,
+        )
+
+    def present(self, token_id: str) -> bool:
+        """Whether the token ``token_id`` exists (strongly consistent). Raises
+        ``InvalidMessageId`` before any I/O, ``StoreUnavailable``, ``StoreClosed``."""
+        return bool(self.present_among([validate_message_id(token_id, "token id")]))
+
+    def present_among(self, token_ids: Iterable[str]) -> set[str]:
+        """The ids among ``token_ids`` whose token exists (strongly consistent); one
+        round trip per chunk of :attr:`max_batch`. Raises ``InvalidMessageId`` before
+        any I/O, ``StoreUnavailable``, ``StoreClosed``."""
+        ids = self._validated(token_ids)
+
+        def find_chunk(chunk: list[str]) -> set[str]:
+            with self.translating_errors("read tokens"):
+                return self._present(chunk)
+
+        return over_chunks(
+            split_ids(ids, self.max_batch),
+            find_chunk,
+            writes=False,
+            concurrency=self.chunk_concurrency,
+        )
+
+    def delete(self, token_ids: Iterable[str]) -> None:
+        """Delete the tokens ``token_ids`` (those that do not exist are left alone:
+        idempotent); durable when it returns. A failure part-way raises with
+        ``recorded`` (deleted for sure) and ``unknown``. Raises ``InvalidMessageId``
+        before any I/O, ``StoreUnavailable``, ``StoreClosed``."""
+        ids = self._validated(token_ids)
+
+        def delete_chunk(chunk: list[str]) -> set[str]:
+            with self.translating_errors("delete tokens"):
+                self._delete(chunk)
+            return set(chunk)
+
+        over_chunks(
+            split_ids(ids, self.max_batch),
+            delete_chunk,
+            writes=True,
+            concurrency=self.chunk_concurrency,
+        )
+
+    def outstanding(self) -> dict[str, TokenCount]:
+        """Receiving endpoint -> its tokens (how many, the oldest's mint time): the
+        messages in flight, dead-lettered or lost. A maintenance read of every token.
+        Raises ``StoreUnavailable``, ``StoreClosed``."""
+        self.check_open()
+        with self.translating_errors("count tokens"):
+            return self._outstanding()
+
+    def _validated(self, token_ids: Iterable[str]) -> list[str]:
+        if isinstance(token_ids, str | bytes):
+            raise InvalidMessageId(
+                f"expected an iterable of token ids, got a single {type(token_ids).__name__}"
+                f" {token_ids!r:.80}; wrap it in a list"
+            )
+        try:
+            listed = list(token_ids)
+        except TypeError:
+            raise InvalidMessageId(
+                f"expected an iterable of token ids, got {type(token_ids).__name__}"
+            ) from None
+        ids = validate_ids(listed, "token id")
+        self.check_open()
+        return ids
+
+    # ------------------------------------------------------------------ primitives
+
+    @abc.abstractmethod
+    def _create(self, records: list[TokenRecord]) -> None:
+        """Atomically per token, create each record whose id does not exist (an
+        existing one is left as it is). ``records`` is non-empty, duplicate-free and at
+        most :attr:`max_batch` long. Durable and visible to all clients on return."""
+
+    @abc.abstractmethod
+    def _present(self, ids: list[str]) -> set[str]:
+        """The ids that exist; a strongly consistent read. ``ids`` as in :meth:`_create`."""
+
+    @abc.abstractmethod
+    def _delete(self, ids: list[str]) -> None:
+        """Delete the tokens that exist among ``ids``; durable on return."""
+
+    @abc.abstractmethod
+    def _outstanding(self) -> dict[str, TokenCount]:
+        """Receiving endpoint -> count and oldest mint time, over every token."""
