@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import shutil
 import subprocess
@@ -19,6 +20,7 @@ SOURCES = ("pyproject.toml", "README.md", "dedupstore", "backends", "spark_integ
 @functools.cache
 def _built() -> Path:
     where = Path(tempfile.mkdtemp(prefix="dedupstore-wheel-"))
+    atexit.register(shutil.rmtree, where, ignore_errors=True)  # the session's, not the machine's
     source = where / "source"
     source.mkdir()
     for name in SOURCES:
