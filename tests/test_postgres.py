@@ -25,13 +25,24 @@ from psycopg import sql
 from psycopg_pool import ConnectionPool
 
 from dedupstore import DeduplicationStore, open_store
-from dedupstore.backends.postgres import PostgresDeduplicationStore
+from dedupstore.backends.postgres import (
+    DEFAULT_TOKEN_TABLE,
+    PostgresDeduplicationStore,
+    PostgresTokenStore,
+)
 from dedupstore.errors import (
     ConfigurationError,
     DedupStoreError,
     StoreUnavailable,
 )
-from dedupstore.testing import DeduplicationStoreContract, MultiProcessContract, StoreFactory
+from dedupstore.testing import (
+    DeduplicationStoreContract,
+    MultiProcessContract,
+    StoreFactory,
+    TokenStoreContract,
+    TokenStoreFactory,
+)
+from dedupstore.tokens import TokenCount, TokenStore
 from tests.outbox_backends import own_connection
 from tests.proxy import TcpProxy
 from tests.servers import PostgresServer, Server, _freeze_tree, free_port
@@ -74,6 +85,19 @@ class TestPostgresStore(DeduplicationStoreContract, MultiProcessContract):
 
         def make(**options: Any) -> DeduplicationStore:
             return open_store(url, **options)
+
+        yield make
+        _drop(postgres_server.url, table)
+
+
+class TestPostgresTokenStore(TokenStoreContract):
+    @pytest.fixture
+    def token_store_factory(self, postgres_server: Server) -> Iterator[TokenStoreFactory]:
+        table = f"tokens_{uuid.uuid4().hex}"
+        url = f"{postgres_server.url}?table={table}&create=true&pool_min_size=1"
+
+        def make(**options: Any) -> TokenStore:
+            return PostgresTokenStore(url, **options)
 
         yield make
         _drop(postgres_server.url, table)
@@ -1143,7 +1167,7 @@ def test_a_call_during_an_outage_fails_then_the_first_call_after_succeeds(
 
 
 def _breaking_answers(
-    store: DeduplicationStore, statement: bytes, lose: Callable[[int], bool]
+    store: DeduplicationStore | TokenStore, statement: bytes, lose: Callable[[int], bool]
 ) -> None:
     """Make ``store`` run ``statement`` for real, then lose the answer with the connection."""
     connection = own_connection(store)
@@ -1212,3 +1236,196 @@ def test_add_applied_then_connection_lost_is_reported_as_recorded(
     assert other.add_many([*ids, "mine"]) == set()
     store.close()
     other.close()
+
+
+# ---------------------------------------------------------------------- token store
+
+
+def test_token_table_layout(postgres_server: Server) -> None:
+    """The default table (created in the first schema of the search path): its columns and key,
+    and the rows of tokens (an existing token left as it was)."""
+    schema = f"tokens_{uuid.uuid4().hex[:12]}"
+    _exec(postgres_server.url, sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+    url = f"{postgres_server.url}?options=-csearch_path%3D{schema}"
+    try:
+        PostgresTokenStore.create_schema(url)
+        PostgresTokenStore.create_schema(url)  # idempotent
+        with PostgresTokenStore(url, clock=lambda: 1234.5) as tokens:
+            assert tokens.option("table") == DEFAULT_TOKEN_TABLE == "dedup_tokens"
+            tokens.create({"t-2": "billing", "t-1": "billing"})
+            tokens.create({"t-1": "shipping", "t-3": "Straße"})
+            assert tokens.present_among(["t-1", "t-2", "t-3", "T-1"]) == {"t-1", "t-2", "t-3"}
+            assert tokens.outstanding() == {
+                "billing": TokenCount(2, 1234.5),
+                "Straße": TokenCount(1, 1234.5),
+            }
+        name = f"{schema}.{DEFAULT_TOKEN_TABLE}"
+        with psycopg.connect(postgres_server.url) as conn:
+            columns = conn.execute(
+                "SELECT attname, format_type(atttypid, atttypmod), attnotnull, collname "
+                "FROM pg_attribute LEFT JOIN pg_collation c ON c.oid = attcollation "
+                "WHERE attrelid = to_regclass(%s) AND attnum > 0 ORDER BY attnum",
+                [name],
+            ).fetchall()
+            keys = conn.execute(
+                "SELECT contype, pg_get_constraintdef(oid) FROM pg_constraint "
+                "WHERE conrelid = to_regclass(%s)",
+                [name],
+            ).fetchall()
+            query = sql.SQL("SELECT id, endpoint, created FROM {} ORDER BY id")
+            rows = conn.execute(query.format(sql.Identifier(schema, DEFAULT_TOKEN_TABLE)))
+            stored = rows.fetchall()
+        assert columns == [
+            ("id", "text", True, "C"),
+            ("endpoint", "text", True, "C"),
+            ("created", "double precision", True, None),
+        ]
+        assert keys == [("p", "PRIMARY KEY (id)")]
+        assert stored == [
+            ("t-1", "billing", 1234.5),
+            ("t-2", "billing", 1234.5),
+            ("t-3", "Straße", 1234.5),
+        ]
+    finally:
+        _exec(
+            postgres_server.url,
+            sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)),
+        )
+
+
+def test_missing_token_table_names_it_and_the_fix(
+    postgres_server: Server, fresh_table: str
+) -> None:
+    _assert_configuration(
+        lambda: PostgresTokenStore(postgres_server.url, table=fresh_table),
+        fresh_table,
+        "does not exist",
+        "PostgresTokenStore.create_schema(url)",
+        "create=true",
+    )
+
+
+@pytest.mark.parametrize(
+    ("columns", "fragments"),
+    [
+        (
+            'id text COLLATE "C" PRIMARY KEY, endpoint text NOT NULL',
+            ("has no column created", "(needed: id, endpoint, created)", "drop it"),
+        ),
+        ("ident text PRIMARY KEY, created float8", ("has no column id, endpoint",)),
+        ("id text, endpoint text NOT NULL, created float8 NOT NULL", ("ON CONFLICT",)),
+        ("id int PRIMARY KEY, endpoint text NOT NULL, created float8 NOT NULL", ("integer",)),
+    ],
+    ids=["no created", "no id nor endpoint", "id not unique", "id not text"],
+)
+def test_token_table_of_another_shape_is_refused(
+    postgres_server: Server, fresh_table: str, columns: str, fragments: tuple[str, ...]
+) -> None:
+    """Refused with or without create, naming the table, and left as it was."""
+    table = sql.Identifier(fresh_table)
+    _exec(postgres_server.url, sql.SQL(f"CREATE TABLE {{}} ({columns})").format(table))
+    for create in (False, True):
+        _assert_configuration(
+            functools.partial(
+                PostgresTokenStore, postgres_server.url, table=fresh_table, create=create
+            ),
+            f'table "{fresh_table}" is not usable as a token table',
+            *fragments,
+        )
+    with psycopg.connect(postgres_server.url) as conn:
+        count = conn.execute(
+            "SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass(%s) AND attnum > 0",
+            [fresh_table],
+        ).fetchone()
+    assert count == (len(columns.split(",")),), "left as it was"
+
+
+def test_token_table_privileges(
+    postgres_server: Server, fresh_table: str, second_role: tuple[str, str]
+) -> None:
+    """SELECT, INSERT and DELETE are needed (checked at open), UPDATE is not."""
+    url, role = second_role
+    PostgresTokenStore.create_schema(postgres_server.url, table=fresh_table)
+    table, grantee = sql.Identifier(fresh_table), sql.Identifier(role)
+    needed = f'GRANT SELECT, INSERT, DELETE ON "{fresh_table}"'
+    for granted in ("SELECT", "INSERT", "DELETE"):
+        _assert_configuration(
+            lambda: PostgresTokenStore(url, table=fresh_table), "permission denied", needed
+        )
+        grant = sql.SQL("GRANT {} ON {} TO {}").format(sql.SQL(granted), table, grantee)
+        _exec(postgres_server.url, grant)
+    with PostgresTokenStore(url, table=fresh_table) as tokens:
+        tokens.create({"granted": "e"})
+        assert tokens.present("granted")
+        _exec(postgres_server.url, sql.SQL("REVOKE DELETE ON {} FROM {}").format(table, grantee))
+        _assert_configuration(lambda: tokens.delete(["granted"]), "permission denied", needed)
+        _exec(postgres_server.url, sql.SQL("REVOKE INSERT ON {} FROM {}").format(table, grantee))
+        _assert_configuration(lambda: tokens.create({"later": "e"}), "permission denied", needed)
+        assert tokens.present_among(["granted", "later"]) == {"granted"}  # reads still allowed
+        _exec(postgres_server.url, sql.SQL("REVOKE SELECT ON {} FROM {}").format(table, grantee))
+        _assert_configuration(lambda: tokens.present("granted"), "permission denied", needed)
+        _assert_configuration(tokens.outstanding, "permission denied", needed)
+
+
+def test_token_calls_take_one_statement_per_chunk(
+    postgres_server: Server, fresh_table: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokens = PostgresTokenStore(
+        postgres_server.url, table=fresh_table, create=True, clock=lambda: 42.0
+    )
+    statements: list[object] = []
+    original = psycopg.Connection.execute
+
+    def counting(self: psycopg.Connection[Any], query: Any, *args: Any, **kwargs: Any) -> Any:
+        if fresh_table.encode() in (query if isinstance(query, bytes) else str(query).encode()):
+            statements.append(query)  # not the session set-up of new pooled connections
+        return original(self, query, *args, **kwargs)
+
+    monkeypatch.setattr(psycopg.Connection, "execute", counting)
+    ids = [f"chunk-{i}" for i in range(tokens.max_batch * 2 + 1)]
+    tokens.create(dict.fromkeys(ids, "e"))
+    assert len(statements) == 3
+    statements.clear()
+    assert tokens.present_among(ids) == set(ids)
+    assert len(statements) == 3
+    statements.clear()
+    assert tokens.outstanding() == {"e": TokenCount(len(ids), 42.0)}
+    assert len(statements) == 1
+    statements.clear()
+    tokens.delete(ids)
+    assert len(statements) == 3
+    assert tokens.present_among(ids) == set()
+    tokens.close()
+
+
+def test_token_writes_are_resent_when_the_connection_breaks(
+    postgres_server: Server, fresh_table: str
+) -> None:
+    """A create or delete applied, then its connection lost, is re-sent and returns."""
+    tokens = PostgresTokenStore(postgres_server.url, table=fresh_table, create=True)
+    ids = [f"resent-{i}" for i in range(5)]
+    _breaking_answers(tokens, tokens._sql_insert, lambda n: n == 1)
+    tokens.create(dict.fromkeys(ids, "e"))
+    _breaking_answers(tokens, tokens._sql_delete, lambda n: n == 1)
+    tokens.delete(ids[1:])
+    assert tokens.present_among(ids) == {ids[0]}
+    tokens.close()
+
+
+def test_token_store_shares_the_connection_of_the_other_stores(
+    postgres_server: Server, fresh_table: str
+) -> None:
+    url = f"{postgres_server.url}?create=true"
+    token_table = f"{fresh_table}_tokens"
+    try:
+        with (
+            open_store(url, table=fresh_table) as store,
+            PostgresTokenStore(url, table=token_table) as tokens,
+        ):
+            assert tokens.connection is store.connection
+            assert store.add("same-id") is True
+            tokens.create({"same-id": "e"})
+            assert store.processed_among(["same-id"]) == {"same-id"}
+            assert tokens.present_among(["same-id"]) == {"same-id"}
+    finally:
+        _drop(postgres_server.url, token_table)

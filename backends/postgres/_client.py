@@ -1,4 +1,4 @@
-"""The connection both PostgreSQL stores share: :class:`PostgresConnection`.
+"""The connection the PostgreSQL stores share: :class:`PostgresConnection`.
 
 Options: :func:`postgres_options`. The URL is a libpq connection URI: undeclared query
 parameters that are libpq keywords (``sslmode``, ...) go to libpq unchanged, and libpq's
@@ -10,11 +10,11 @@ Every statement is bounded: the server cancels it after ``timeout``, TCP keepali
 with no answer shortly after ``timeout`` (a frozen server still accepts TCP). A pooled
 connection the server closed is discarded before use without a round trip; one that died
 silently fails when used, so a read, or a write marked ``resend`` (answering alike when applied
-twice: the deduplication store's inserts, by their write token), is re-sent on another
-connection until the deadline, and any other write (an entity save) is sent once, on a
-connection that just answered an empty query (a failure after sending it is raised). Writes the
-server rolled back (deadlock, serialization failure) are retried, 3 attempts in all; a statement
-the watchdog timed out is never re-sent.
+twice: the deduplication store's inserts, by their write token; the token store's creates and
+deletes), is re-sent on another connection until the deadline, and any other write (an entity
+save) is sent once, on a connection that just answered an empty query (a failure after sending
+it is raised). Writes the server rolled back (deadlock, serialization failure) are retried, 3
+attempts in all; a statement the watchdog timed out is never re-sent.
 
 Deadline: ``connect_timeout + timeout + min(1 s, timeout / 2)`` per call (16 s by default; a
 given pool's timeout stands for ``connect_timeout``). Errors: ``StoreUnavailable`` (retry:
@@ -448,6 +448,25 @@ class PostgresConnection(Connection):
             check(conn)
         if isinstance(self.pool, _OwnPool):
             self.pool.start()  # usable: fill it while the caller goes on
+
+    def check_columns(self, client: Client, conn: PgConnection, columns: tuple[str, ...]) -> None:
+        """Refuse ``client``'s table if it lacks one of ``columns`` (naming what is missing)."""
+        table = part_of(client, "table", Table)
+        found = self.execute(
+            conn,
+            "SELECT array_agg(attname::text) FROM pg_attribute WHERE attrelid = "
+            "to_regclass(%s) AND attnum > 0 AND NOT attisdropped",
+            [table.text],
+        )
+        missing = [c for c in columns if c not in (found[0][0] or [])]
+        if missing:
+            raise client.make_error(
+                ConfigurationError,
+                None,
+                f"table {table.text} is not usable as {table.kind}: it has no "
+                f"column {', '.join(missing)} (needed: {', '.join(columns)}); drop it or "
+                "name another table, then open with create=true",
+            )
 
     def _create_table(self, conn: PgConnection, table: Table, create: list[bytes]) -> None:
         """The schema (if named) and ``create``, one process at a time (an advisory lock)."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from dedupstore.backend import (
-    ConfigurationError,
     Connected,
     DeduplicationStore,
     OptionSet,
@@ -67,21 +66,7 @@ class PostgresDeduplicationStore(DeduplicationStore):
 
     def _check_table(self, conn: PgConnection) -> None:
         """Every column (one missing is named), then a dry-run write."""
-        found = self._pg.execute(
-            conn,
-            "SELECT array_agg(attname::text) FROM pg_attribute WHERE attrelid = "
-            "to_regclass(%s) AND attnum > 0 AND NOT attisdropped",
-            [self.table.text],
-        )
-        missing = [c for c in _COLUMNS if c not in (found[0][0] or [])]
-        if missing:
-            raise self.make_error(
-                ConfigurationError,
-                None,
-                f"table {self.table.text} is not usable as {self.table.kind}: it has no "
-                f"column {', '.join(missing)} (needed: {', '.join(_COLUMNS)}); drop it or "
-                "name another table, then open with create=true",
-            )
+        self._pg.check_columns(self, conn, _COLUMNS)
         self._pg.execute(
             conn,
             self._sql_add_many,
