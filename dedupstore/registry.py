@@ -130,6 +130,8 @@ _BUILTIN: dict[str, dict[str, PluginSpec]] = {
     "token_store": {
         "memory": _spec(f"{_B}.memory:MemoryTokenStore"),
         "sqlite": _spec(f"{_B}.sqlite:SqliteTokenStore"),
+        "postgresql": _spec(f"{_B}.postgres:PostgresTokenStore", "postgres"),
+        "postgres": _spec(f"{_B}.postgres:PostgresTokenStore", "postgres"),
     },
     "dispatcher": {
         "memory": _spec(f"{_B}.memory:MemoryDispatcher"),
