@@ -14,7 +14,10 @@ Emulator gaps handled here, in the test configuration, never in the library:
   ``x-ms-documentdb-query-enablecrosspartition: true``: the store never point-reads
   (read-many queries, and a single-partition query for a lone id).
 * ``create_item`` into a deleted container answers 500 (the service: 404), so the
-  deleted-container test checks reads and purges, which answer 404 as the service does.
+  deleted-container tests check reads, purges and token counts, which answer 404 as the
+  service does.
+* it answers ``GROUP BY`` with aggregates only in part: the token store counts its
+  tokens client-side anyway (one item per token crosses), so nothing is configured.
 """
 
 from __future__ import annotations
@@ -40,7 +43,15 @@ from azure.cosmos.exceptions import CosmosResourceNotFoundError
 
 from dedupstore import DeduplicationStore, open_store
 from dedupstore.backends import cosmos as cosmos_backend
-from dedupstore.backends.cosmos import CosmosDeduplicationStore, create_container, document_id
+from dedupstore.backends.cosmos import (
+    DEFAULT_TOKEN_CONTAINER,
+    CosmosDeduplicationStore,
+    CosmosTokenStore,
+    create_container,
+    create_token_container,
+    document_id,
+    token_document_id,
+)
 from dedupstore.errors import (
     ConfigurationError,
     ConsistencyError,
@@ -52,7 +63,10 @@ from dedupstore.testing import (
     FakeClock,
     MultiProcessContract,
     StoreFactory,
+    TokenStoreContract,
+    TokenStoreFactory,
 )
+from dedupstore.tokens import TokenCount
 from tests.servers import CosmosEndpoint, CosmosServer
 
 pytestmark = pytest.mark.cosmos
@@ -955,3 +969,234 @@ def test_a_forked_child_opens_its_own_client(open_cosmos: StoreFactory) -> None:
     assert store._cosmos.client is parent_client  # type: ignore[attr-defined]
     assert store.add("c1") is False
     assert store.add_many(["p3", "p4"]) == {"p3", "p4"}
+
+
+# ---------------------------------------------------------------------- token store
+
+
+@pytest.fixture
+def token_container_name(raw_client: CosmosClient) -> Iterator[str]:
+    """A fresh token container for this test, deleted afterwards."""
+    name = f"tok-{uuid.uuid4().hex[:12]}"
+    create_token_container(raw_client, DATABASE, name)
+    yield name
+    raw_client.get_database_client(DATABASE).delete_container(name)
+
+
+@pytest.fixture
+def token_url(cosmos_server: CosmosEndpoint, token_container_name: str) -> str:
+    return store_url(cosmos_server, DATABASE, token_container_name)
+
+
+@pytest.fixture
+def raw_tokens(raw_client: CosmosClient, token_container_name: str) -> ContainerProxy:
+    return raw_client.get_database_client(DATABASE).get_container_client(token_container_name)
+
+
+@pytest.fixture
+def open_tokens(cosmos_server: CosmosEndpoint, token_url: str) -> Iterator[TokenStoreFactory]:
+    """Open token stores on this test's container; closes them all at the end."""
+    opened: list[CosmosTokenStore] = []
+
+    def make(**options: Any) -> CosmosTokenStore:
+        options.setdefault("key", cosmos_server.key)
+        opened.append(CosmosTokenStore(token_url, **options))
+        return opened[-1]
+
+    yield make
+    for tokens in opened:
+        tokens.close()
+
+
+class TestCosmosTokenStore(TokenStoreContract):
+    @pytest.fixture
+    def token_store_factory(
+        self, cosmos_server: CosmosEndpoint, token_url: str
+    ) -> TokenStoreFactory:
+        def make(**options: Any) -> CosmosTokenStore:
+            options.setdefault("key", cosmos_server.key)
+            return CosmosTokenStore(token_url, **options)
+
+        return make
+
+
+def test_a_token_item_holds_its_id_endpoint_and_mint_time(
+    open_tokens: TokenStoreFactory, raw_tokens: ContainerProxy
+) -> None:
+    tokens = open_tokens(clock=lambda: 1234.5)
+    token = "order/42?x#y\\z "  # not a valid Cosmos DB id as it is
+    tokens.create({token: "billing/eu"})
+    doc = token_document_id(token)
+    (item,) = raw_tokens.read_items([(doc, doc)])
+    assert {k: v for k, v in item.items() if not k.startswith("_")} == {
+        "id": doc,
+        "token_id": token,
+        "endpoint": "billing/eu",
+        "created": 1234.5,
+    }
+    assert "ttl" not in item
+    assert tokens.outstanding() == {"billing/eu": TokenCount(1, 1234.5)}
+    assert len(doc) == 64 and set(doc) <= set("0123456789abcdef")
+    # a namespace of its own: never the id of a deduplication or entity item
+    assert doc not in {document_id("", token), document_id("default", token)}
+
+
+def test_a_url_naming_only_the_database_opens_dedup_tokens(
+    cosmos_server: CosmosEndpoint, raw_client: CosmosClient
+) -> None:
+    database = f"db-{uuid.uuid4().hex[:8]}"
+    bare = store_url(cosmos_server, database, "x").replace(f"/{database}/x?", f"/{database}?")
+    try:
+        with pytest.raises(ConfigurationError, match=f"database '{database}' does not exist"):
+            CosmosTokenStore(bare, key=cosmos_server.key)
+        with CosmosTokenStore(f"{bare}&create=true", key=cosmos_server.key) as tokens:
+            assert f"/{database}/{DEFAULT_TOKEN_CONTAINER}?" in tokens.url
+            tokens.create({"t-1": "e"})
+            clone = pickle.loads(pickle.dumps(tokens))
+            try:
+                assert clone.present("t-1")
+            finally:
+                clone.close()
+        container = raw_client.get_database_client(database).get_container_client(
+            DEFAULT_TOKEN_CONTAINER
+        )
+        properties = container.read()
+        assert properties["partitionKey"]["paths"] == ["/id"]
+        assert properties.get("defaultTtl") is None  # TTL off
+        named = store_url(cosmos_server, database, DEFAULT_TOKEN_CONTAINER)
+        with CosmosTokenStore(named, key=cosmos_server.key) as again:  # the same container
+            assert again.present("t-1")
+    finally:
+        raw_client.delete_database(database)
+
+
+def test_a_container_whose_items_expire_is_refused(
+    cosmos_server: CosmosEndpoint, raw_client: CosmosClient
+) -> None:
+    database = raw_client.get_database_client(DATABASE)
+    expiring, per_item = f"ttl-{uuid.uuid4().hex[:8]}", f"ttl1-{uuid.uuid4().hex[:8]}"
+    database.create_container(expiring, partition_key=PartitionKey("/id"), default_ttl=3600)
+    database.create_container(per_item, partition_key=PartitionKey("/id"), default_ttl=-1)
+    try:
+        with pytest.raises(ConfigurationError, match="default TTL of 3600 s") as info:
+            CosmosTokenStore(store_url(cosmos_server, DATABASE, expiring), key=cosmos_server.key)
+        assert "\n" not in str(info.value)
+        # -1: only items carrying a ttl expire, and token items carry none
+        with CosmosTokenStore(
+            store_url(cosmos_server, DATABASE, per_item), key=cosmos_server.key
+        ) as tokens:
+            tokens.create({"t-1": "e"})
+            assert tokens.present("t-1")
+    finally:
+        database.delete_container(expiring)
+        database.delete_container(per_item)
+
+
+def test_a_token_container_of_another_partition_key_is_refused(
+    cosmos_server: CosmosEndpoint, raw_client: CosmosClient
+) -> None:
+    name = f"pk-{uuid.uuid4().hex[:8]}"
+    database = raw_client.get_database_client(DATABASE)
+    database.create_container(name, partition_key=PartitionKey("/endpoint"))
+    try:
+        with pytest.raises(ConfigurationError, match="partition key path '/id'"):
+            CosmosTokenStore(store_url(cosmos_server, DATABASE, name), key=cosmos_server.key)
+    finally:
+        database.delete_container(name)
+
+
+def test_the_token_store_refuses_the_session_emulator_without_the_unsafe_option(
+    cosmos_server: CosmosEndpoint, token_container_name: str
+) -> None:
+    url = store_url(cosmos_server, DATABASE, token_container_name).replace(
+        "&allow_weak_consistency_for_emulator_only=true", ""
+    )
+    with pytest.raises(ConsistencyError, match=r"'Session'.*token-based deduplication"):
+        CosmosTokenStore(url, key=cosmos_server.key)
+
+
+@pytest.mark.parametrize("level", ["Strong", "BoundedStaleness", "Session", "Eventual"])
+def test_the_token_store_needs_a_strong_account(
+    stub: Callable[..., _StubCosmos], level: str
+) -> None:
+    service = stub(consistency=level)
+    if level != "Strong":
+        with pytest.raises(ConsistencyError, match=f"'{level}'"):
+            CosmosTokenStore(service.url, key=_STUB_KEY, retries=0)
+        return
+    with CosmosTokenStore(service.url, key=_STUB_KEY, retries=0) as tokens:
+        assert tokens.health_warnings() == []
+    assert service.headers[-1].get("x-ms-consistency-level") == "Strong"
+
+
+def test_a_foreign_item_in_the_token_container_is_detected_not_merged(
+    open_tokens: TokenStoreFactory, raw_tokens: ContainerProxy
+) -> None:
+    tokens = open_tokens()
+    raw_tokens.create_item(
+        {"id": token_document_id("victim"), "token_id": "impostor", "endpoint": "e", "created": 1}
+    )
+    for call in (
+        lambda: tokens.present("victim"),
+        lambda: tokens.present_among(["other", "victim"]),
+        lambda: tokens.create({"victim": "e"}),  # 409: read back, not taken for the token
+        tokens.outstanding,
+    ):
+        with pytest.raises(ConfigurationError, match="shared with other data"):
+            call()
+    raw_tokens.delete_item(token_document_id("victim"), token_document_id("victim"))
+    # a deduplication item (a container shared with a deduplication store)
+    doc = document_id("default", "m")
+    raw_tokens.create_item({"id": doc, "endpoint": "default", "message_id": "m"})
+    with pytest.raises(ConfigurationError, match="is not a token"):
+        tokens.outstanding()
+
+
+def test_a_token_create_whose_answer_was_lost_is_settled_by_a_retry(
+    open_tokens: TokenStoreFactory,
+) -> None:
+    tokens, other = open_tokens(clock=lambda: 100.0), open_tokens(clock=lambda: 200.0)
+    with _lose_answers(lambda n: True), pytest.raises(StoreUnavailable) as info:
+        tokens.create({"l1": "e", "l2": "e"})
+    assert info.value.unknown == {"l1", "l2"} and not info.value.recorded
+    assert isinstance(info.value.__cause__, ServiceResponseError)
+    assert other.present_among(["l1", "l2"]) == {"l1", "l2"}  # performed, answers lost
+    other.create({"l1": "e", "l2": "e"})  # 409: exists, left as it is
+    assert tokens.outstanding() == {"e": TokenCount(2, 100.0)}
+
+
+def test_token_deletes_run_in_parallel_and_one_by_one(open_tokens: TokenStoreFactory) -> None:
+    ids = [f"d-{i}" for i in range(40)]
+    for concurrency in (1, 8):
+        tokens = open_tokens(max_concurrency=concurrency)
+        tokens.create(dict.fromkeys(ids, "e"))
+        assert tokens.present_among(ids) == set(ids)
+        tokens.delete(ids[::2])
+        assert tokens.present_among(ids) == set(ids[1::2])
+        tokens.delete(ids)  # half gone already: 404s are successes
+        assert tokens.present_among(ids) == set()
+        assert tokens.outstanding() == {}
+
+
+def test_a_deleted_token_container_is_a_configuration_error(
+    cosmos_server: CosmosEndpoint, raw_client: CosmosClient
+) -> None:
+    name = f"gone-{uuid.uuid4().hex[:8]}"
+    create_token_container(raw_client, DATABASE, name)
+    tokens = CosmosTokenStore(store_url(cosmos_server, DATABASE, name), key=cosmos_server.key)
+    try:
+        tokens.create({"a": "e", "b": "e"})
+        raw_client.get_database_client(DATABASE).delete_container(name)
+        calls: list[Callable[[], object]] = [
+            lambda: tokens.present("a"),  # never a stale "absent"
+            lambda: tokens.present_among(["a", "b", "c"]),
+            tokens.outstanding,
+        ]
+        for call in calls:
+            with pytest.raises(ConfigurationError, match=f"container '{name}'") as info:
+                call()
+            assert "create_token_container() or open with create=true" in str(info.value)
+    finally:
+        tokens.close()
+    with pytest.raises(CosmosResourceNotFoundError):
+        raw_client.get_database_client(DATABASE).get_container_client(name).read()

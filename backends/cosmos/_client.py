@@ -1,6 +1,7 @@
-"""The connection both Cosmos DB stores share: :class:`CosmosConnection` (the ``CosmosClient`` of
+"""The connection the Cosmos DB stores share: :class:`CosmosConnection` (the ``CosmosClient`` of
 one account per process, the consistency and container checks, error classification, read-many,
-queries and parallel requests); each store describes its container in a :class:`ContainerKind`."""
+writes, deletes, queries and parallel requests); each store describes its container in a
+:class:`ContainerKind`."""
 
 from __future__ import annotations
 
@@ -467,6 +468,22 @@ class CosmosConnection(Connection):
         # from the body, which is this request's own
         new_etag = result.get("_etag") if result else None
         return (201 if etag is None else 200), str(new_etag) if new_etag else None
+
+    def delete(self, client: Client, doc_id: str, etag: str | None = None) -> int:
+        """Delete the item ``doc_id`` of ``client``'s container (with ``etag``: only if its
+        ``_etag`` is still that): 204, or the status of a refusal: 404 (no such item, gone already;
+        a missing container fails the next read) or 412 (changed since). Other errors propagate."""
+        condition: dict[str, Any] = (
+            {} if etag is None else {"etag": etag, "match_condition": MatchConditions.IfNotModified}
+        )
+        try:
+            self.container(client).delete_item(doc_id, doc_id, **condition)
+        except CosmosHttpResponseError as exc:
+            status = exc.status_code or 0
+            if status == 404 or (status == 412 and etag is not None):
+                return status
+            raise
+        return 204
 
     def query(
         self, client: Client, sql: str, page_size: int | None = None, /, **params: Any

@@ -30,9 +30,7 @@ import hashlib
 import math
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
-from azure.core import MatchConditions
 from azure.cosmos import CosmosClient
-from azure.cosmos.exceptions import CosmosHttpResponseError
 
 from dedupstore.backend import (
     CLOCK,
@@ -183,19 +181,9 @@ class CosmosDeduplicationStore(DeduplicationStore):
         return {mid for mid, item in self._read(ids).items() if self._live(item, now)}
 
     def _purge(self, now: float) -> int:
-        container = self._cosmos.container(self)
-
         def delete(item: Mapping[str, Any]) -> int:
-            doc_id, etag = str(item["id"]), str(item["_etag"])
-            try:
-                container.delete_item(
-                    doc_id, doc_id, etag=etag, match_condition=MatchConditions.IfNotModified
-                )
-            except CosmosHttpResponseError as exc:
-                if exc.status_code in (404, 412):  # gone already, or re-recorded since
-                    return 0
-                raise
-            return 1
+            # 404: gone already; 412: re-recorded since
+            return int(self._cosmos.delete(self, str(item["id"]), str(item["_etag"])) == 204)
 
         # Only records expired for longer than max_clock_skew: a client whose clock runs up to that
         # much ahead never deletes a record others count as live.
