@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -23,19 +23,36 @@ from hypothesis import strategies as st
 from redis.crc import key_slot
 
 from dedupstore import DeduplicationStore, open_store
-from dedupstore.backends.redis import RedisDeduplicationStore, RedisEntityStore, record_key
+from dedupstore.backends.redis import (
+    RedisDeduplicationStore,
+    RedisEntityStore,
+    RedisTokenStore,
+    record_key,
+    token_key,
+)
 from dedupstore.backends.redis import dispatcher as redis_dispatcher
 from dedupstore.backends.redis import entities as redis_entities
 from dedupstore.backends.redis import store as redis_store
-from dedupstore.backends.redis._client import _packed, escape
+from dedupstore.backends.redis._client import RedisConnection, _packed, escape
 from dedupstore.backends.redis.consumer import RedisStreamsBroker
 from dedupstore.backends.redis.dispatcher import RedisDispatcher
+from dedupstore.client import Connected
 from dedupstore.errors import (
     ConfigurationError,
     ConsistencyError,
     StoreUnavailable,
 )
-from dedupstore.testing import DeduplicationStoreContract, MultiProcessContract, StoreFactory
+from dedupstore.options import Options
+from dedupstore.testing import (
+    DeduplicationStoreContract,
+    FakeClock,
+    MultiProcessContract,
+    StoreFactory,
+    TokenStoreContract,
+    TokenStoreFactory,
+)
+from dedupstore.tokens import TokenCount, TokenStore
+from dedupstore.urls import StoreURL
 from tests.servers import HOST, RedisServer, Server, free_port
 
 pytestmark = pytest.mark.redis
@@ -1050,3 +1067,285 @@ def test_the_grant_hint_names_every_command_a_script_runs(cls: Any, script: str)
 
 def test_the_broker_names_its_commands() -> None:
     assert "+xreadgroup" in RedisStreamsBroker.commands.split()
+
+
+# ---------------------------------------------------------------------- token store
+
+
+class TestRedisTokenStore(TokenStoreContract):
+    @pytest.fixture
+    def token_store_factory(self, redis_server: Server) -> TokenStoreFactory:
+        url, prefix = redis_server.url, _prefix()
+
+        def make(**options: Any) -> TokenStore:
+            return RedisTokenStore(url, key_prefix=prefix, **options)
+
+        return make
+
+
+def test_tokens_use_the_documented_key_and_value_and_never_expire(redis_server: Server) -> None:
+    prefix = _prefix()
+    tokens = RedisTokenStore(redis_server.url, key_prefix=prefix, clock=FakeClock(1_000_000.5))
+    admin = _admin(redis_server.url)
+    try:
+        assert RedisTokenStore.declared_options["key_prefix"].default == "dedup_tokens:"
+        tokens.create({"t:{1}": "billing:{eu}", "%3A": "e"})
+        key = f"{prefix}t%3A%7B1%7D"
+        assert key == token_key(prefix, "t:{1}")
+        assert admin.get(key) == b'dst1:{"endpoint":"billing:{eu}","created":1000000.5}'
+        assert admin.pttl(key) == -1, "a token never expires"
+        assert admin.exists(f"{prefix}%253A") == 1
+        assert sorted(admin.scan_iter(match=prefix + "*")) == sorted(
+            [key.encode(), f"{prefix}%253A".encode()]
+        )
+        assert tokens.outstanding() == {
+            "billing:{eu}": TokenCount(1, 1_000_000.5),
+            "e": TokenCount(1, 1_000_000.5),
+        }
+    finally:
+        tokens.close()
+        admin.close()
+
+
+def test_token_keys_have_no_hash_tag_and_spread_over_slots() -> None:
+    for part in _TRICKY_PARTS:
+        key = token_key("dedup_tokens:", part)
+        assert "{" not in key and "}" not in key, key
+    tagged = [token_key("dedup_tokens:", f"{{hash}}{n}") for n in range(200)]
+    assert len({key_slot(k.encode()) for k in tagged}) > 150
+
+
+def test_token_outstanding_scans_only_its_own_prefix(redis_server: Server) -> None:
+    """A glob character in a prefix matches only itself: neither a deduplication store's
+    records nor another token store's tokens are counted."""
+    base, clock = _prefix(), FakeClock(7.0)
+    globbed = RedisTokenStore(redis_server.url, key_prefix=f"{base}t*:", clock=clock)
+    plain = RedisTokenStore(redis_server.url, key_prefix=f"{base}tx:", clock=clock)
+    records = RedisDeduplicationStore(redis_server.url, key_prefix=f"{base}t:", endpoint="e")
+    try:
+        globbed.create({"one": "e"})
+        plain.create({"two": "e", "three": "e"})
+        assert records.add_many(["r1", "r2"]) == {"r1", "r2"}
+        assert globbed.outstanding() == {"e": TokenCount(1, 7.0)}
+        assert plain.outstanding() == {"e": TokenCount(2, 7.0)}
+        assert records.count() == 2
+    finally:
+        for client in (globbed, plain, records):
+            client.close()
+
+
+def test_a_foreign_key_under_the_token_prefix_is_a_loud_error(redis_server: Server) -> None:
+    """A value dedupstore did not write, or a key of another type (which ``MGET`` reads as
+    nil), is a ConfigurationError: a silent "absent" would drop a message."""
+    prefix = _prefix()
+    tokens = RedisTokenStore(redis_server.url, key_prefix=prefix)
+    admin = _admin(redis_server.url)
+    try:
+        tokens.create({"mine": "e"})
+        admin.hset(token_key(prefix, "hashed"), "field", "value")
+        with pytest.raises(ConfigurationError, match="another type") as info:
+            tokens.present("hashed")
+        assert "\n" not in str(info.value)
+        with pytest.raises(ConfigurationError, match="another type"):
+            tokens.present_among(["mine", "hashed", "absent"])
+        assert tokens.present_among(["mine", "absent"]) == {"mine"}
+        counts = tokens.outstanding()
+        assert list(counts) == ["e"] and counts["e"].outstanding == 1, "the hash is not counted"
+        admin.set(token_key(prefix, "intruder"), "not ours")
+        with pytest.raises(ConfigurationError, match="did not write"):
+            tokens.present("intruder")
+        with pytest.raises(ConfigurationError, match="did not write"):
+            tokens.outstanding()
+        admin.set(token_key(prefix, "intruder"), "dst1:[1, 2]")
+        with pytest.raises(ConfigurationError, match="did not write"):
+            tokens.outstanding()
+    finally:
+        tokens.close()
+        admin.close()
+
+
+def test_a_token_store_refuses_a_server_that_may_evict_keys(own_redis_server: RedisServer) -> None:
+    """INFO memory, not CONFIG GET: refused even for a user who may not run CONFIG."""
+    url = own_redis_server.url
+    admin = _admin(url)
+    try:
+        admin.acl_setuser(
+            "no-config", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-config"]
+        )
+        admin.config_set("maxmemory-policy", "allkeys-lru")
+        for options in ({}, {"username": "no-config", "password": "pw"}):
+            with pytest.raises(ConfigurationError, match="allkeys-lru") as info:
+                RedisTokenStore(url, key_prefix=_prefix(), **options)
+            message = str(info.value)
+            assert "maxmemory-policy noeviction" in message and "\n" not in message, message
+        # a deduplication store only warns: an evicted record means a duplicate, not a loss
+        with open_store(url, key_prefix=_prefix()) as store:
+            assert any("evict" in w for w in store.health_warnings())
+        admin.config_set("maxmemory-policy", "noeviction")
+        with RedisTokenStore(url, key_prefix=_prefix(), username="no-config", password="pw") as t:
+            t.create({"after": "e"})
+            assert t.present("after")
+        with RedisTokenStore(url, key_prefix=_prefix()) as t:
+            assert t.health_warnings() == []
+            admin.config_set("maxmemory-policy", "volatile-lru")  # changed while open
+            (warning,) = t.health_warnings()
+            assert "volatile-lru" in warning and "noeviction" in warning
+    finally:
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.close()
+
+
+def test_a_token_store_refuses_a_replica(replica: _ReplicaServer) -> None:
+    """Reads must be strongly consistent: never served by a replica."""
+    with pytest.raises(ConsistencyError, match="replica"):
+        RedisTokenStore(replica.url, key_prefix=_prefix())
+
+
+def test_token_calls_cost_one_request_per_chunk(own_redis_server: RedisServer) -> None:
+    tokens = RedisTokenStore(own_redis_server.url, key_prefix=_prefix())
+    admin = _admin(own_redis_server.url)
+    try:
+        ids = [f"chunk-{i}" for i in range(2 * tokens.max_batch + 1)]
+        chunks = 3
+        before = {c: _calls(admin, c) for c in ("set", "mget", "exists", "exec", "del", "evalsha")}
+        tokens.create(dict.fromkeys(ids, "e"))
+        assert tokens.present_among(ids) == set(ids)
+        tokens.delete(ids)
+        after = {c: _calls(admin, c) - before[c] for c in before}
+        assert after == {
+            "set": len(ids),  # one SET NX per token, one packet per chunk
+            "mget": chunks,
+            "exists": chunks,
+            "exec": chunks,
+            "del": chunks,
+            "evalsha": 0,
+        }
+        assert tokens.present_among(ids) == set()
+    finally:
+        tokens.close()
+        admin.close()
+
+
+def test_token_writes_wait_for_replicas_when_asked(redis_server: Server) -> None:
+    prefix = _prefix()
+    waiting = RedisTokenStore(
+        redis_server.url, key_prefix=prefix, wait_replicas=1, wait_timeout_ms=50
+    )
+    other = RedisTokenStore(redis_server.url, key_prefix=prefix)
+    try:
+        with pytest.raises(StoreUnavailable, match="0 of 1 replicas") as info:
+            waiting.create({"waited": "e"})
+        assert "durability is unknown" in str(info.value)
+        assert info.value.unknown == {"waited"}
+        assert other.present("waited"), "the token is on the primary"
+        with pytest.raises(StoreUnavailable, match="durability is unknown"):
+            waiting.delete(["waited"])
+        assert not other.present("waited")
+    finally:
+        waiting.close()
+        other.close()
+
+
+def test_killed_server_raises_then_the_token_store_recovers(own_redis_server: RedisServer) -> None:
+    """AOF with appendfsync always: every acknowledged token survives a kill -9."""
+    prefix = _prefix()
+    tokens = RedisTokenStore(own_redis_server.url, key_prefix=prefix, retries=1)
+    try:
+        acked = [f"acked-{i}" for i in range(50)]
+        tokens.create(dict.fromkeys(acked, "e"))
+        tokens.delete(acked[:10])
+        own_redis_server.kill()
+        for call in (
+            lambda: tokens.create({"during-outage": "e"}),
+            lambda: tokens.present_among(acked),
+            lambda: tokens.delete(acked),
+            tokens.outstanding,
+        ):
+            with pytest.raises(StoreUnavailable) as info:
+                call()
+            assert isinstance(info.value.__cause__, redis.ConnectionError), info.value.__cause__
+        own_redis_server.restart()
+        assert tokens.present_among(acked) == set(acked[10:]), "an acknowledged write was lost"
+        assert tokens.present("during-outage") is False
+        assert tokens.outstanding()["e"].outstanding == 40
+    finally:
+        tokens.close()
+
+
+def test_token_acl_refusal_names_the_commands_to_grant(own_redis_server: RedisServer) -> None:
+    admin = _admin(own_redis_server.url)
+    try:
+        admin.acl_setuser(
+            "no-set", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-set"]
+        )
+        tokens = RedisTokenStore(
+            own_redis_server.url, key_prefix=_prefix(), username="no-set", password="pw"
+        )
+        try:
+            with pytest.raises(ConfigurationError, match="may not run") as info:
+                tokens.create({"refused": "e"})
+            assert "+set" in str(info.value).split()
+            assert tokens.present("refused") is False
+        finally:
+            tokens.close()
+    finally:
+        admin.close()
+
+
+def test_token_store_on_a_ready_client_decoding_responses(redis_server: Server) -> None:
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    tokens = RedisTokenStore(
+        redis_server.url, key_prefix=_prefix(), client=client, clock=FakeClock(5.25)
+    )
+    try:
+        tokens.create({"a": "é", "b": "é"})
+        assert tokens.present_among(["a", "b", "c"]) == {"a", "b"}
+        assert tokens.outstanding() == {"é": TokenCount(2, 5.25)}
+    finally:
+        tokens.close()
+    assert client.ping() is True
+    client.close()
+
+
+class _LosingTokenConnection(RedisConnection):
+    """Sends the writes, then loses the answers of the next ``losses`` ones. One per store."""
+
+    losses = 0
+
+    @classmethod
+    def key(cls, url: StoreURL, options: Options) -> Hashable:
+        return object()
+
+    def _send(self, commands: list[tuple[Any, ...]], sent: list[bool]) -> list[Any]:
+        replies = super()._send(commands, sent)
+        if self.losses > 0:
+            self.losses -= 1
+            raise redis.ConnectionError("answer lost (simulated)")
+        return replies
+
+
+class _LosingTokenStore(RedisTokenStore):
+    _redis = Connected(_LosingTokenConnection)
+
+
+def test_token_writes_whose_answer_was_lost_are_resent_harmlessly(redis_server: Server) -> None:
+    prefix, clock = _prefix(), FakeClock(100.0)
+    tokens = _LosingTokenStore(redis_server.url, key_prefix=prefix, clock=clock)
+    once = _LosingTokenStore(redis_server.url, key_prefix=prefix, retries=0)
+    try:
+        tokens._redis.losses = 1
+        tokens.create({"a": "e", "b": "e"})  # written, answer lost, SET NX again: no change
+        assert tokens.present_among(["a", "b"]) == {"a", "b"}
+        assert tokens.outstanding() == {"e": TokenCount(2, 100.0)}
+        tokens._redis.losses = 1
+        tokens.delete(["a"])  # deleted, answer lost, DEL again
+        assert tokens.present_among(["a", "b"]) == {"b"}
+        once._redis.losses = 1
+        with pytest.raises(StoreUnavailable) as info:
+            once.create({"c": "e"})
+        assert info.value.unknown == {"c"} and not info.value.recorded
+        once.create({"c": "e"})  # the caller's retry completes it
+        assert tokens.present_among(["a", "b", "c"]) == {"b", "c"}
+    finally:
+        tokens.close()
+        once.close()

@@ -12,9 +12,10 @@ share a key and none forms a Redis Cluster hash tag.
 Each store and the dispatcher runs ONE Lua script for its writes, loaded at open and run by
 ``EVALSHA`` through :meth:`RedisConnection.run_script` on one connection, followed by ``WAIT`` when
 ``wait_replicas`` is set, so the caller knows when an attempt whose answer was lost may have run
-(and may send the script a "re-sent" flag then). Reads go through redis-py, whose pool retries
-nothing: every command is retried here (:func:`dedupstore.calls.retry`) after a connection error or
-timeout.
+(and may send the script a "re-sent" flag then); the token store, whose writes are idempotent
+commands, sends them the same way (:meth:`RedisConnection.write`). Reads go through redis-py, whose
+pool retries nothing: every command is retried here (:func:`dedupstore.calls.retry`) after a
+connection error or timeout.
 
 Deadline: a call (one chunk of a batch) raises ``StoreUnavailable`` at most ``connect_timeout +
 (retries + 1) x timeout`` seconds after it started (25 s with the defaults), whatever the server
@@ -26,7 +27,8 @@ timeouts, loading, failover to a replica (``READONLY``), out of memory,
 ``BUSY``/``MISCONF``/``NOREPLICAS``/``NOSCRIPT``, any other redis-py error, and fewer replicas than
 ``wait_replicas`` acknowledging; ``ConfigurationError`` for credentials, ACL permissions, a key
 under the prefix that dedupstore did not write, Redis Cluster (redirects) and any other error reply.
-Opening refuses a Redis Cluster node (``ConfigurationError``) and a replica (``ConsistencyError``).
+Opening refuses a Redis Cluster node (``ConfigurationError``) and a replica (``ConsistencyError``),
+and for the token store a server that may evict keys (``ConfigurationError``).
 Durability needs ``appendonly yes`` + ``appendfsync always`` and ``maxmemory-policy noeviction``
 (``health_warnings()`` says when not); replication is asynchronous unless ``wait_replicas`` is set.
 """
@@ -38,7 +40,7 @@ import hashlib
 import logging
 import re
 import threading
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import redis
@@ -112,6 +114,10 @@ _log = logging.getLogger(__name__)
 _TRANSIENT_CODES = frozenset({"BUSY", "MISCONF", "NOREPLICAS"})
 #: The path of a Redis URL: none, ``/`` or a database number.
 _DB_PATH = re.compile(r"/?|/\d{1,5}")
+#: Keys asked of each ``SCAN`` round trip by :meth:`RedisConnection.scan_values`.
+_SCAN_COUNT = 1000
+#: Makes a text a ``SCAN MATCH`` pattern matching exactly itself.
+_GLOB_ESCAPE = str.maketrans({c: "\\" + c for c in "\\*?[]"})
 _PIPELINE_PREFIX = re.compile(r"^Command # \d+ \(.*?\) of pipeline caused error: ", re.S)
 
 
@@ -347,7 +353,7 @@ class RedisConnection(Connection):
             socket_timeout=self.options["timeout"],
             socket_connect_timeout=self.options["connect_timeout"],
             max_connections=self.options["max_connections"],
-            retry=Retry(NoBackoff(), 0),  # retried here (read, run_script)
+            retry=Retry(NoBackoff(), 0),  # retried here (read, write)
         )
         return redis.Redis(connection_pool=pool)
 
@@ -356,29 +362,36 @@ class RedisConnection(Connection):
         call = functools.partial(fn, *args, **kwargs)
         return retry(call, attempts=self._attempts, retry_on=_transient)
 
-    def pipelined(self, build: Callable[[Any], object], **execute: Any) -> list[Any]:
-        """The replies of the commands ``build(pipe)`` queues, in one round trip (a read)."""
+    def pipelined(
+        self, build: Callable[[Any], object], *, transaction: bool = False, **execute: Any
+    ) -> list[Any]:
+        """The replies of the commands ``build(pipe)`` queues, in one round trip (a read);
+        ``transaction``: wrapped in ``MULTI``/``EXEC`` (run atomically)."""
 
         def attempt() -> list[Any]:
-            pipe = self.client.pipeline(transaction=False)
+            pipe = self.client.pipeline(transaction=transaction)
             build(pipe)
             return pipe.execute(**execute)
 
         replies: list[Any] = self.read(attempt)
         return replies
 
-    def probe(self, client: Client, script: str) -> None:
+    def probe(self, client: Client, script: str, *, no_eviction: bool = False) -> None:
         """``PING``; check the server is a primary, not a cluster, and runs ``script`` (the write
-        script of ``client``, loaded now; ``""``: none)."""
+        script of ``client``, loaded now; ``""``: none). ``no_eviction``: refuse a server that may
+        evict keys (``INFO memory``, allowed where ``CONFIG`` is not; ``ConfigurationError``)."""
 
         def build(pipe: Any) -> None:
             pipe.ping()
             if script:
                 pipe.script_load(script)
+            if no_eviction:
+                pipe.info("memory")
             pipe.info("replication")
             pipe.info("cluster")
 
-        *_, replication, cluster = self.pipelined(build)
+        replies = self.pipelined(build)
+        replication, cluster = replies[-2:]
         if isinstance(cluster, Mapping) and str(cluster.get("cluster_enabled", "0")) == "1":
             raise ConfigurationError(
                 f"{client.url} is a Redis Cluster node; {type(client).__name__} needs a "
@@ -389,6 +402,20 @@ class RedisConnection(Connection):
                 f"{client.url} is a read-only replica (role {replication.get('role')!r}): its "
                 "reads can be stale; point the store at the primary"
             )
+        if no_eviction:
+            memory = replies[-3]
+            policy = memory.get("maxmemory_policy") if isinstance(memory, Mapping) else None
+            if policy != "noeviction":
+                said = (
+                    f"may evict keys (maxmemory_policy {text_of(policy)!r})"
+                    if policy is not None
+                    else "does not say whether it evicts keys (no maxmemory_policy in INFO memory)"
+                )
+                raise ConfigurationError(
+                    f"{client.url} {said}: {type(client).__name__} must never lose a key; set "
+                    "maxmemory-policy noeviction (CONFIG SET maxmemory-policy noeviction, or the "
+                    "managed service's parameter) and raise maxmemory if memory runs short"
+                )
         if script:  # refused now if the ACL forbids EVALSHA
             self.read(self.client.evalsha, _sha1(script), 0)
 
@@ -400,29 +427,47 @@ class RedisConnection(Connection):
         args: list[str],
         resent_args: list[str] | None = None,
     ) -> Any:
-        """Run ``client``'s write script ``source`` (then ``WAIT``); return its answer. Once a
-        request may have reached the server, later attempts send ``resent_args`` (``args`` when
-        ``None``); after ``NOSCRIPT`` (a restarted or flushed server) the script is loaded and
-        re-sent in the same attempt. Raises the last attempt's redis-py error, or
-        ``StoreUnavailable`` when fewer than ``wait_replicas`` replicas confirmed in time."""
+        """Run ``client``'s write script ``source`` by :meth:`write` (then ``WAIT``); return its
+        answer. Once a request may have reached the server, later attempts send ``resent_args``
+        (``args`` when ``None``)."""
         sha = _sha1(source)
-        commands: list[tuple[Any, ...]] = [("EVALSHA", sha, len(keys), *keys, *args)]
+        command: tuple[Any, ...] = ("EVALSHA", sha, len(keys), *keys, *args)
+        resent = None if resent_args is None else [("EVALSHA", sha, len(keys), *keys, *resent_args)]
+        return self.write(client, [command], resent, script=source)[0]
+
+    def write(
+        self,
+        client: Client,
+        commands: list[tuple[Any, ...]],
+        resent: list[tuple[Any, ...]] | None = None,
+        *,
+        script: str = "",
+    ) -> list[Any]:
+        """Send ``commands`` (then ``WAIT`` when ``wait_replicas`` is set) in one packet on one
+        connection, retried after a connection error or timeout; return their replies. Once a
+        request may have reached the server, later attempts send ``resent`` (``commands`` when
+        ``None``); after ``NOSCRIPT`` (a restarted or flushed server) ``script``, the source the
+        commands run by ``EVALSHA``, is loaded and the request re-sent in the same attempt. Raises
+        the last attempt's redis-py error (the first error reply, all replies read), or
+        ``StoreUnavailable`` when fewer than ``wait_replicas`` replicas confirmed in time."""
+        wait: list[tuple[Any, ...]] = []
         if self._wait_replicas:
-            commands.append(("WAIT", self._wait_replicas, self._wait_timeout_ms))
+            wait.append(("WAIT", self._wait_replicas, self._wait_timeout_ms))
         sent: list[bool] = []
 
         def attempt() -> list[Any]:
-            if sent and resent_args is not None:
-                commands[0] = ("EVALSHA", sha, len(keys), *keys, *resent_args)
+            request = [*(resent if sent and resent is not None else commands), *wait]
             try:
-                return self._send(commands, sent)
+                return self._send(request, sent)
             except NoScriptError:  # the script did not run: load it, send again at once
-                self.client.script_load(source)
-                return self._send(commands, sent)
+                if not script:
+                    raise
+                self.client.script_load(script)
+                return self._send(request, sent)
 
         def log(state: Any) -> None:
             _log.info(
-                "%s: the write script failed (%s); retry %d of %d",
+                "%s: a write failed (%s); retry %d of %d",
                 client.url,
                 client.describe_error(state.outcome.exception()),
                 state.attempt_number,
@@ -430,15 +475,36 @@ class RedisConnection(Connection):
             )
 
         replies = retry(attempt, attempts=self._attempts, retry_on=_transient, before_sleep=log)
-        if self._wait_replicas and int(replies[1]) < self._wait_replicas:
+        if wait and int(replies[-1]) < self._wait_replicas:
             unconfirmed = part_of(client, "unconfirmed", str)
             raise client.make_error(
                 StoreUnavailable,
                 None,
-                f"only {replies[1]} of {self._wait_replicas} replicas acknowledged the write "
+                f"only {replies[-1]} of {self._wait_replicas} replicas acknowledged the write "
                 f"within {self._wait_timeout_ms} ms; {unconfirmed}",
             )
-        return replies[0]
+        return replies[: len(replies) - len(wait)]
+
+    def scan_values(self, prefix: str) -> Iterator[tuple[bytes | str, Any]]:
+        """Every key under ``prefix`` (``SCAN MATCH``, a page at a time) with its value (one
+        ``MGET`` per page; ``None`` for a key of another type or one that expired or was deleted
+        since the scan saw it). ``SCAN`` may return a key twice: the keys seen are held in memory
+        to give each once. Cost: ``SCAN`` walks every key of the database (filtering on the
+        server)."""
+        pattern = prefix.translate(_GLOB_ESCAPE) + "*"
+        seen: set[bytes | str] = set()
+        cursor = 0
+        while True:
+            cursor, keys = self.read(
+                self.client.scan, cursor=cursor, match=pattern, count=_SCAN_COUNT
+            )
+            fresh = [key for key in dict.fromkeys(keys) if key not in seen]
+            if fresh:
+                seen.update(fresh)
+                values = self.read(self.client.mget, fresh)
+                yield from zip(fresh, values, strict=True)
+            if not int(cursor):
+                return
 
     def _send(self, commands: list[tuple[Any, ...]], sent: list[bool]) -> list[Any]:
         """Send ``commands`` in one packet; read every reply. Appends to ``sent`` once the request

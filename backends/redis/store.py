@@ -25,7 +25,6 @@ the same store object (or the store's own) reports the latter as recorded by it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -129,12 +128,6 @@ return todo
 """
 
 
-#: Keys asked of each ``SCAN`` round trip by :meth:`RedisDeduplicationStore.count`.
-_SCAN_COUNT = 1000
-#: Makes a text a ``SCAN MATCH`` pattern matching exactly itself.
-_GLOB_ESCAPE = str.maketrans({c: "\\" + c for c in "\\*?[]"})
-
-
 def record_key(key_prefix: str, endpoint: str, message_id: str) -> str:
     """Return the Redis key of (endpoint, id): injective, no ``:`` or braces in the parts."""
     return f"{key_prefix}{escape(endpoint)}:{escape(message_id)}"
@@ -225,8 +218,10 @@ class RedisDeduplicationStore(DeduplicationStore):
         dedupstore's does (the endpoint is escaped: it holds no ``:``); ``MGET`` keeps the records
         (a key of another type reads as absent, a foreign string value is ``ConfigurationError``)
         and drops keys that expired since the scan saw them. Cost: ``SCAN`` walks every key of
-        the database (filtering on the server); see :meth:`_scan_values`."""
-        return sum(self.counts_as_record(value) for _, value in self._scan_values(self._key_base))
+        the database (filtering on the server); see :meth:`.RedisConnection.scan_values`."""
+        return sum(
+            self.counts_as_record(value) for _, value in self._redis.scan_values(self._key_base)
+        )
 
     def _endpoints(self, now: float) -> set[str]:
         """Exact, as :meth:`_count`, over ``<key_prefix>*``: each record key's endpoint is
@@ -234,28 +229,9 @@ class RedisDeduplicationStore(DeduplicationStore):
         value, or with no ``:`` there, are not records)."""
         prefix = self.options["key_prefix"]
         found: set[str] = set()
-        for key, value in self._scan_values(prefix):
+        for key, value in self._redis.scan_values(prefix):
             name = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
             endpoint, colon, _ = name[len(prefix) :].partition(":")
             if colon and endpoint not in found and _is_record(value):
                 found.add(endpoint)
         return {unescape(endpoint) for endpoint in found}
-
-    def _scan_values(self, prefix: str) -> Iterator[tuple[bytes | str, Any]]:
-        """Every key under ``prefix`` (``SCAN MATCH``, a page at a time) with its value (one
-        ``MGET`` per page; ``None`` for a key of another type or one that expired since the scan saw
-        it). ``SCAN`` may return a key twice: the keys seen are held in memory to give each once."""
-        pattern = prefix.translate(_GLOB_ESCAPE) + "*"
-        seen: set[bytes | str] = set()
-        cursor = 0
-        while True:
-            cursor, keys = self._redis.read(
-                self._redis.client.scan, cursor=cursor, match=pattern, count=_SCAN_COUNT
-            )
-            fresh = [key for key in dict.fromkeys(keys) if key not in seen]
-            if fresh:
-                seen.update(fresh)
-                values = self._redis.read(self._redis.client.mget, fresh)
-                yield from zip(fresh, values, strict=True)
-            if not int(cursor):
-                return
