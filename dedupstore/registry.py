@@ -132,6 +132,9 @@ _BUILTIN: dict[str, dict[str, PluginSpec]] = {
         "sqlite": _spec(f"{_B}.sqlite:SqliteTokenStore"),
         "postgresql": _spec(f"{_B}.postgres:PostgresTokenStore", "postgres"),
         "postgres": _spec(f"{_B}.postgres:PostgresTokenStore", "postgres"),
+        "redis": _spec(f"{_B}.redis:RedisTokenStore", "redis"),
+        "rediss": _spec(f"{_B}.redis:RedisTokenStore", "redis"),
+        "cosmos": _spec(f"{_B}.cosmos:CosmosTokenStore", "cosmos"),
     },
     "dispatcher": {
         "memory": _spec(f"{_B}.memory:MemoryDispatcher"),
