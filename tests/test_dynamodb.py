@@ -46,14 +46,18 @@ from dedupstore import (
     calls,
     open_store,
 )
-from dedupstore.backends.dynamodb import DynamoDBDeduplicationStore
+from dedupstore.backends.dynamodb import DynamoDBDeduplicationStore, DynamoDBTokenStore
+from dedupstore.client import Client
 from dedupstore.store import MAX_ID_BYTES, DeduplicationStore
 from dedupstore.testing import (
     DeduplicationStoreContract,
     FakeClock,
     MultiProcessContract,
     StoreFactory,
+    TokenStoreContract,
+    TokenStoreFactory,
 )
+from dedupstore.tokens import TokenCount, TokenStore
 from tests.proxy import TcpProxy
 from tests.servers import DynamoDBEndpoint, MotoServer, free_port
 
@@ -117,6 +121,25 @@ class TestDynamoDBStore(DeduplicationStoreContract, MultiProcessContract):
     def store_factory(self, table_url: str) -> StoreFactory:
         def make(**options: Any) -> DeduplicationStore:
             return open_store(table_url, **options)
+
+        return make
+
+
+@pytest.fixture
+def token_url(dynamodb_server: DynamoDBEndpoint, raw_client: Any) -> Iterator[str]:
+    """A fresh token table for this test, created through ``create=True``."""
+    table = f"tokens-{uuid.uuid4().hex}"
+    url = _url(dynamodb_server, table)
+    DynamoDBTokenStore(url, create=True).close()
+    yield url
+    raw_client.delete_table(TableName=table)
+
+
+class TestDynamoDBTokenStore(TokenStoreContract):
+    @pytest.fixture
+    def token_store_factory(self, token_url: str) -> TokenStoreFactory:
+        def make(**options: Any) -> TokenStore:
+            return DynamoDBTokenStore(token_url, **options)
 
         return make
 
@@ -916,7 +939,7 @@ def test_create_table_after_close_raises_store_closed(table_url: str) -> None:
 
 def _lose_answers(
     monkeypatch: pytest.MonkeyPatch,
-    store: DeduplicationStore,
+    store: Client,
     method: str,
     fail: set[int],
     error: Callable[[], Exception] = lambda: botocore.exceptions.ReadTimeoutError(
@@ -1107,3 +1130,246 @@ def test_another_aws_environment_gets_a_client_of_its_own(
         monkeypatch.delenv("AWS_MAX_ATTEMPTS")
         with open_store(table_url) as third:
             assert third._dynamodb is first._dynamodb  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------- token store
+
+
+def test_token_items_hold_id_endpoint_and_mint_time(token_url: str, raw_client: Any) -> None:
+    table = _table(token_url)
+    minted = 1_700_000_000.123456
+    endpoint = "🦄:billing/" + "e" * 900
+    with DynamoDBTokenStore(token_url, clock=lambda: minted) as tokens:
+        assert tokens.table == table and tokens.health_warnings() == []
+        tokens.create({"t:1": endpoint, "t:2": "shipping"})
+        assert tokens.outstanding() == {
+            endpoint: TokenCount(1, minted),
+            "shipping": TokenCount(1, minted),
+        }
+    items = raw_client.scan(TableName=table, ConsistentRead=True)["Items"]
+    assert sorted(items, key=lambda i: i["id"]["S"]) == [
+        {"id": {"S": "t:1"}, "endpoint": {"S": endpoint}, "created": {"N": repr(minted)}},
+        {"id": {"S": "t:2"}, "endpoint": {"S": "shipping"}, "created": {"N": repr(minted)}},
+    ]
+    description = raw_client.describe_table(TableName=table)["Table"]
+    assert description["KeySchema"] == [{"AttributeName": "id", "KeyType": "HASH"}]
+    assert description["AttributeDefinitions"] == [{"AttributeName": "id", "AttributeType": "S"}]
+    assert description["BillingModeSummary"]["BillingMode"] == "PAY_PER_REQUEST"
+    ttl = raw_client.describe_time_to_live(TableName=table)["TimeToLiveDescription"]
+    assert ttl["TimeToLiveStatus"] == "DISABLED", "tokens never expire"
+
+
+def test_token_requests_are_conditional_puts_batch_gets_deletes_and_a_scan(
+    dynamodb_server: DynamoDBEndpoint, token_url: str
+) -> None:
+    client = _client(dynamodb_server)
+    recorder = Recorder(client)
+    table = _table(token_url)
+    in_flight, peak, lock = 0, 0, threading.Lock()
+
+    def sent(**_: Any) -> None:
+        nonlocal in_flight, peak
+        with lock:
+            in_flight += 1
+            peak = max(peak, in_flight)
+
+    def answered(**_: Any) -> None:
+        nonlocal in_flight
+        with lock:
+            in_flight -= 1
+
+    for operation in ("PutItem", "DeleteItem"):
+        client.meta.events.register(f"before-send.dynamodb.{operation}", sent)
+        client.meta.events.register(f"needs-retry.dynamodb.{operation}", answered)
+    ids = [f"req-{i}" for i in range(230)]
+    with DynamoDBTokenStore(token_url, client=client) as tokens:
+        recorder.calls.clear()
+        tokens.create(dict.fromkeys(ids, "billing"))
+        tokens.create(dict.fromkeys(ids[:5], "billing"))  # exist: conditions fail, no error
+        assert tokens.present_among([*ids, "absent"]) == set(ids)
+        assert tokens.outstanding()["billing"].outstanding == 230
+        tokens.delete([*ids, "absent"])
+    names = [name for name, _ in recorder.calls]
+    assert set(names) == {"PutItem", "BatchGetItem", "DeleteItem", "Scan"}, "no batch write"
+    puts = recorder.named("PutItem")
+    assert len(puts) == 230 + 5
+    assert all(
+        p["ConditionExpression"] == "attribute_not_exists(#i)"
+        and p["ExpressionAttributeNames"] == {"#i": "id"}
+        and set(p["Item"]) == {"id", "endpoint", "created"}
+        for p in puts
+    )
+    assert 1 < peak <= DynamoDBTokenStore.write_concurrency, "writes run in parallel, bounded"
+    gets = recorder.named("BatchGetItem")
+    assert [len(g["RequestItems"][table]["Keys"]) for g in gets] == [100, 100, 31]
+    assert all(g["RequestItems"][table]["ConsistentRead"] is True for g in gets)
+    deletes = recorder.named("DeleteItem")
+    assert sorted(d["Key"]["id"]["S"] for d in deletes) == sorted([*ids, "absent"])
+    assert not any("ConditionExpression" in d for d in deletes)
+    (scan,) = recorder.named("Scan")
+    assert scan["ConsistentRead"] is True and "FilterExpression" not in scan
+    assert scan["ProjectionExpression"] == "#e, #c"
+
+
+def test_token_outstanding_adds_up_every_page(
+    dynamodb_server: DynamoDBEndpoint, token_url: str
+) -> None:
+    client = _client(dynamodb_server)
+    recorder = Recorder(client)
+
+    def one_item_per_page(params: dict[str, Any], **_: Any) -> None:
+        params["Limit"] = 1
+
+    client.meta.events.register("before-parameter-build.dynamodb.Scan", one_item_per_page)
+    clock = FakeClock(1_000_000.0)
+    with DynamoDBTokenStore(token_url, client=client, clock=clock) as tokens:
+        tokens.create({"a": "billing", "b": "shipping"})
+        clock.advance(5)
+        tokens.create({"c": "billing", "d": "billing"})
+        assert tokens.outstanding() == {
+            "billing": TokenCount(3, 1_000_000.0),
+            "shipping": TokenCount(1, 1_000_000.0),
+        }
+    assert len(recorder.named("Scan")) >= 4
+
+
+def test_token_create_and_delete_whose_answers_are_lost_succeed_on_the_retry(
+    token_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A re-sent put meets its own token: a failed condition, a success; a re-sent delete
+    finds nothing to delete, a success."""
+    tokens = DynamoDBTokenStore(token_url, retries=1, clock=lambda: 5.0)
+    client = tokens._dynamodb.client  # type: ignore[attr-defined]
+    sent: list[str] = []
+
+    def counting(method: str) -> Callable[..., Any]:
+        real = getattr(client, method)
+
+        def call(**kwargs: Any) -> Any:
+            sent.append(method)
+            return real(**kwargs)
+
+        return call
+
+    for method in ("put_item", "delete_item"):
+        monkeypatch.setattr(client, method, counting(method))
+    put = _lose_answers(monkeypatch, tokens, "put_item", {1})
+    tokens.create({"lost": "billing"})
+    assert sent == ["put_item"] * 2 and len(put) == 1, "the re-sent put failed its condition"
+    assert tokens.outstanding() == {"billing": TokenCount(1, 5.0)}
+    deleted = _lose_answers(monkeypatch, tokens, "delete_item", {1})
+    tokens.delete(["lost"])
+    assert sent[2:] == ["delete_item"] * 2 and len(deleted) == 2
+    assert not tokens.present("lost")
+    tokens.close()
+
+
+@pytest.mark.parametrize("operation", ["create", "delete"])
+def test_token_batch_failing_part_way_reports_its_progress(
+    dynamodb_server: DynamoDBEndpoint, token_url: str, operation: str
+) -> None:
+    client = _client(dynamodb_server)
+    ids = [f"part-{i}" for i in range(150)]  # two chunks, one after the other
+    with DynamoDBTokenStore(token_url, client=client, retries=0) as tokens:
+        if operation == "delete":
+            tokens.create(dict.fromkeys(ids, "e"))
+        name = "PutItem" if operation == "create" else "DeleteItem"
+        error = {"Error": {"Code": "InternalServerError", "Message": "down"}}
+        answers: list[dict[str, Any] | None] = [None] * 100
+        answers += [json.loads(json.dumps(error)) for _ in range(50)]
+        _inject(client, name, answers)
+        run = (
+            (lambda: tokens.create(dict.fromkeys(ids, "e")))
+            if operation == "create"
+            else (lambda: tokens.delete(ids))
+        )
+        with pytest.raises(StoreUnavailable, match="InternalServerError") as info:
+            run()
+        assert info.value.recorded == set(ids[:100]) and info.value.unknown == set(ids[100:])
+        answers.clear()  # the server answers again
+        present = tokens.present_among(ids)
+        assert (set(ids[:100]) <= present) if operation == "create" else present <= set(ids[100:])
+        run()  # the same call again completes it
+        assert tokens.present_among(ids) == (set(ids) if operation == "create" else set())
+
+
+@pytest.mark.parametrize(
+    "code", ["ProvisionedThroughputExceededException", "ThrottlingException", "InternalServerError"]
+)
+def test_token_calls_retry_throttling_then_raise_store_unavailable(
+    dynamodb_server: DynamoDBEndpoint, token_url: str, code: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _no_backoff(monkeypatch)
+    client = _client(dynamodb_server)
+    with DynamoDBTokenStore(token_url, client=client, retries=1) as tokens:
+        error = {"Error": {"Code": code, "Message": "slow down"}}
+        calls: list[tuple[str, Callable[[], object]]] = [
+            ("PutItem", lambda: tokens.create({"t": "e"})),
+            ("BatchGetItem", lambda: tokens.present_among(["t", "u"])),
+            ("DeleteItem", lambda: tokens.delete(["t"])),
+            ("Scan", tokens.outstanding),
+        ]
+        for operation, call in calls:
+            seen = _inject(client, operation, [json.loads(json.dumps(error))])
+            call()  # one failure: retried
+            assert len(seen) == 2
+            _inject(client, operation, [json.loads(json.dumps(error)) for _ in range(2)])
+            with pytest.raises(StoreUnavailable, match=code) as info:
+                call()
+            assert isinstance(info.value.__cause__, botocore.exceptions.ClientError)
+            _one_line(info.value)
+
+
+def test_token_unprocessed_keys_are_retried_boundedly(
+    dynamodb_server: DynamoDBEndpoint, token_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _no_backoff(monkeypatch)
+    client = _client(dynamodb_server)
+    table = _table(token_url)
+    with DynamoDBTokenStore(token_url, client=client) as tokens:
+        tokens.create({"u1": "e", "u2": "e"})
+        partial = {
+            "Responses": {table: [{"id": {"S": "u1"}}]},
+            "UnprocessedKeys": {
+                table: {"Keys": [{"id": {"S": "u2"}}, {"id": {"S": "u3"}}], "ConsistentRead": True}
+            },
+        }
+        seen = _inject(client, "BatchGetItem", [json.loads(json.dumps(partial))])
+        assert tokens.present_among(["u1", "u2", "u3"]) == {"u1", "u2"}
+        assert len(seen) == 2
+        stuck = {**partial, "Responses": {table: []}}
+        _inject(client, "BatchGetItem", [json.loads(json.dumps(stuck)) for _ in range(20)])
+        with pytest.raises(StoreUnavailable, match="unprocessed"):
+            tokens.present_among(["u1", "u2", "u3"])
+
+
+def test_token_store_refusals(
+    dynamodb_server: DynamoDBEndpoint, table_url: str, token_url: str
+) -> None:
+    """A missing table (without ``create``), a deduplication table (its key schema), a
+    global table, and the options of a deduplication store."""
+    with pytest.raises(ConfigurationError, match="create=True") as info:
+        DynamoDBTokenStore(_url(dynamodb_server, "no-such-tokens"))
+    assert "no-such-tokens" in _one_line(info.value)
+    with pytest.raises(ConfigurationError, match="key schema") as info:
+        DynamoDBTokenStore(table_url)  # pk + sk: a deduplication table
+    assert "a token table needs id (S, HASH)" in _one_line(info.value)
+    for option, value in (("retention", "1d"), ("max_clock_skew", "1m"), ("endpoint", "e")):
+        with pytest.raises(ConfigurationError, match=option):
+            DynamoDBTokenStore(table_url, **{option: value})
+    client = _client(dynamodb_server)
+    _with_replicas(client)
+    with pytest.raises(ConsistencyError, match="allow_global_table"):
+        DynamoDBTokenStore(token_url, client=client)
+    with DynamoDBTokenStore(token_url, client=client, allow_global_table=True) as tokens:
+        tokens.create({"g": "e"})
+        assert tokens.present("g")
+        assert any("replicas" in w for w in tokens.health_warnings())
+
+
+def test_token_create_table_after_close_raises_store_closed(token_url: str) -> None:
+    tokens = DynamoDBTokenStore(token_url)
+    tokens.create_table()  # idempotent
+    tokens.close()
+    with pytest.raises(StoreClosed):
+        tokens.create_table()

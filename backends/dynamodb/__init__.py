@@ -1,13 +1,16 @@
 """``dynamodb://<table>?region=…``: Amazon DynamoDB (or a compatible endpoint).
 
-Two stores, each in a table of its own named by the URL (a table of the other kind is refused: its
-key schema differs), both holding this process's :class:`DynamoDBConnection` (one boto3 client per
+Three stores, each in a table of its own named by the URL (a table whose key schema differs is
+refused; the entity and token tables share theirs, key ``id``, so neither tells the other's table:
+name them apart), all holding this process's :class:`DynamoDBConnection` (one boto3 client per
 endpoint and credentials, new after ``fork``):
 
 * :class:`DynamoDBDeduplicationStore` (:mod:`.dynamodb.store`): key ``pk`` (message id) +
   ``sk`` (endpoint), expiry by the client's clock, native TTL;
 * :class:`DynamoDBEntityStore` (:mod:`.dynamodb.entities`): key ``id``, one item per entity,
-  ``version`` the concurrency token.
+  ``version`` the concurrency token;
+* :class:`DynamoDBTokenStore` (:mod:`.dynamodb.tokens`): key ``id`` (token id), ``endpoint`` and
+  ``created``, one item per token, never expiring.
 
 Consistency: every read is strongly consistent (``ConsistentRead=True``). Tables with global-table
 replicas (MRSC tables included) are refused with ``ConsistencyError`` (a strongly consistent read
@@ -37,6 +40,7 @@ from __future__ import annotations
 from ._client import MAX_BATCH_GET_KEYS, MAX_TRANSACT_ITEMS, DynamoDBConnection
 from .entities import DynamoDBEntityStore
 from .store import DynamoDBDeduplicationStore
+from .tokens import DynamoDBTokenStore
 
 __all__ = [
     "MAX_BATCH_GET_KEYS",
@@ -44,4 +48,5 @@ __all__ = [
     "DynamoDBConnection",
     "DynamoDBDeduplicationStore",
     "DynamoDBEntityStore",
+    "DynamoDBTokenStore",
 ]

@@ -1,0 +1,138 @@
+"""The DynamoDB token store: :class:`DynamoDBTokenStore`.
+
+Table (``create=true`` or ``create_table()`` makes it: on demand, no TTL): partition key ``id`` (S)
+= the token id, nothing else in the key; by convention named ``dedup_tokens`` (the URL names it, as
+for every DynamoDB store). One item per token: ``id``; ``endpoint`` (S, the receiving endpoint,
+verbatim); ``created`` (N, the mint time in epoch seconds by the minting client's clock, exact).
+Nothing expires: the table has no TTL and the store never deletes a token it was not asked to.
+
+Creates: one conditional ``PutItem`` per token, ``attribute_not_exists(id)``; a chunk's puts (100)
+run in parallel (at most :attr:`DynamoDBTokenStore.write_concurrency`), as the entity store's
+``save_many`` does. A failed condition means the token exists (an earlier try of the same creation,
+token ids being fresh per mint): left as it is, and the create succeeds.
+
+Reads: ``present_among`` is a consistent ``BatchGetItem``, 100 keys per request; unprocessed keys
+are asked again, at most 10 rounds, then ``StoreUnavailable``.
+
+Deletes: one unconditional ``DeleteItem`` per token (idempotent: deleting an absent item succeeds),
+a chunk's deletes in parallel like the creates. The connection has no ``BatchWriteItem`` helper and
+the per-item requests reuse its retries and the fan-out, so no second unprocessed-items loop.
+
+``outstanding``: a consistent ``Scan`` of the whole table projecting ``endpoint`` and ``created``,
+page by page (1 MB each), counted and aggregated client-side.
+
+Options and errors: see :mod:`.dynamodb`. A chunk of ``create`` or ``delete`` that raises keeps
+the puts or deletes that succeeded; the base class reports the chunk as ``unknown``: the same call
+again completes it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, ClassVar
+
+from dedupstore.backend import (
+    Connected,
+    OptionSet,
+    TokenCount,
+    TokenRecord,
+    TokenStore,
+    create_option,
+    fan_out,
+    retry,
+)
+
+from ._client import (
+    _MAX_BACKOFF_ROUNDS,
+    CONNECTION_OPTIONS,
+    MAX_BATCH_GET_KEYS,
+    DynamoDBConnection,
+    TableKind,
+    _conflict,
+    _number,
+    create_table,
+)
+
+if TYPE_CHECKING:
+    from mypy_boto3_dynamodb.type_defs import AttributeValueTypeDef
+
+__all__ = ["DynamoDBTokenStore"]
+
+_ID, _ENDPOINT, _CREATED = "id", "endpoint", "created"
+_CREATE_CONDITION = "attribute_not_exists(#i)"
+
+
+class DynamoDBTokenStore(TokenStore):
+    """Tokens in a DynamoDB table of their own (see the module), one item each; strongly
+    consistent, never expiring. Safe to share between threads and to pickle (by URL)."""
+
+    _dynamodb = Connected(DynamoDBConnection)
+
+    # one BatchGetItem per chunk of present_among
+    max_batch: ClassVar[int] = MAX_BATCH_GET_KEYS
+    #: Puts or deletes of one chunk in flight at once (under botocore's 10 connections).
+    write_concurrency: ClassVar[int] = 8
+    table_kind: ClassVar[TableKind] = TableKind("a token table", ((_ID, "HASH"),))
+    declared_options: ClassVar[OptionSet] = TokenStore.declared_options.extend(
+        *CONNECTION_OPTIONS,
+        create_option(False, "create the token table (key 'id', on demand, no TTL) when missing"),
+    )
+
+    def _open(self) -> None:
+        self._dynamodb.open_table(self)
+
+    create_table = create_table
+
+    @property
+    def table(self) -> str:
+        """The DynamoDB table name."""
+        return self.store_url.netloc
+
+    def _create(self, records: list[TokenRecord]) -> None:
+        fan_out(self._create_one, records, concurrency=self.write_concurrency)
+
+    def _create_one(self, record: TokenRecord) -> None:
+        """Put ``record`` unless its token exists; a failed condition is that token, left as is."""
+        item: dict[str, AttributeValueTypeDef] = {
+            _ID: {"S": record.id},
+            _ENDPOINT: {"S": record.endpoint},
+            _CREATED: _number(record.created),
+        }
+        self._dynamodb.conditional_put(self, item, _CREATE_CONDITION, {"#i": _ID}, {})
+
+    def _present(self, ids: list[str]) -> set[str]:
+        items = self._dynamodb.batch_get(
+            self, [{_ID: {"S": tid}} for tid in ids], "#i", {"#i": _ID}
+        )
+        return {str(item[_ID]["S"]) for item in items}
+
+    def _delete(self, ids: list[str]) -> None:
+        fan_out(self._delete_one, ids, concurrency=self.write_concurrency)
+
+    def _delete_one(self, token_id: str) -> None:
+        """Delete the token ``token_id`` if it exists; transaction conflicts (nothing deleted)
+        are retried after a pause, as :meth:`DynamoDBConnection.conditional_put` does."""
+        dynamodb = self._dynamodb
+        delete = functools.partial(
+            dynamodb.client.delete_item, TableName=self.table, Key={_ID: {"S": token_id}}
+        )
+        once = functools.partial(dynamodb.request, self, delete)
+        retry(once, attempts=_MAX_BACKOFF_ROUNDS + 1, retry_on=_conflict)
+
+    def _outstanding(self) -> dict[str, TokenCount]:
+        pages = self._dynamodb.scan(
+            self,
+            ProjectionExpression="#e, #c",
+            ExpressionAttributeNames={"#e": _ENDPOINT, "#c": _CREATED},
+        )
+        counts: dict[str, TokenCount] = {}
+        for page in pages:
+            for item in page.get("Items", []):
+                endpoint, created = str(item[_ENDPOINT]["S"]), float(item[_CREATED]["N"])
+                known = counts.get(endpoint)
+                counts[endpoint] = (
+                    TokenCount(1, created)
+                    if known is None
+                    else TokenCount(known.outstanding + 1, min(known.oldest, created))
+                )
+        return counts
