@@ -29,6 +29,7 @@ from dedupstore.backend import (
     TokenStore,
     URLDispatcher,
     WriteRequest,
+    count_tokens,
 )
 
 __all__ = [
@@ -223,16 +224,9 @@ class MemoryTokenStore(TokenStore):
                 tokens.pop(token_id, None)
 
     def _outstanding(self) -> dict[str, TokenCount]:
-        counts: dict[str, TokenCount] = {}
         with self._ns.lock:
-            for endpoint, created in self._ns.tokens.values():
-                known = counts.get(endpoint)
-                counts[endpoint] = (
-                    TokenCount(1, created)
-                    if known is None
-                    else TokenCount(known.outstanding + 1, min(known.oldest, created))
-                )
-        return counts
+            tokens = list(self._ns.tokens.values())
+        return count_tokens(tokens)
 
 
 class MemoryDispatcher(URLDispatcher):

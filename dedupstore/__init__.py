@@ -117,9 +117,10 @@ def open_token_store(url: str | StoreURL, /, **options: Any) -> TokenStore:
     """Open the token store at ``url`` (token-based deduplication: a message may be
     processed only while its token exists; see :class:`~dedupstore.tokens.TokenStore`).
 
-    Schemes: ``memory://<name>`` and ``sqlite:///file.db`` (table ``dedup_tokens``);
-    options as for :func:`open_store`, without ``endpoint`` and ``retention``: a token
-    names its receiving endpoint, and tokens never expire.
+    The schemes of :func:`open_store` (default table, container or key prefix
+    ``dedup_tokens``; a DynamoDB URL names its table); options as for it, without
+    ``endpoint`` and ``retention``: a token names its receiving endpoint, and tokens
+    never expire (Redis is refused unless its ``maxmemory-policy`` is ``noeviction``).
 
     Raises ``ConfigurationError`` (bad URL, unknown scheme or option, bad value,
     missing extra) and ``StoreUnavailable``.

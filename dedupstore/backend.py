@@ -8,7 +8,8 @@ from it. The names, by group:
 Bases
     :class:`Client`, :class:`Connection`, :class:`Connected`, :class:`Closing`,
     :class:`DeduplicationStore` with :class:`WriteRequest`, :class:`TokenStore` with
-    :class:`TokenRecord` and :class:`TokenCount`, :class:`EntityStore` with
+    :class:`TokenRecord`, :class:`TokenCount` and :func:`count_tokens`,
+    :class:`EntityStore` with
     :class:`EntityRecord`, :class:`OutgoingMessage` and :func:`groups_by_size`,
     :class:`URLDispatcher` with :class:`EncodedMessage`, :class:`StoredMessage`,
     :class:`DispatchStats` and :class:`ReadMessage`, :class:`Broker` with
@@ -135,7 +136,7 @@ from dedupstore.options import (
 )
 from dedupstore.replies import cut_short
 from dedupstore.store import CLOCK, MAX_CLOCK_SKEW, DeduplicationStore, WriteRequest
-from dedupstore.tokens import TokenCount, TokenRecord, TokenStore
+from dedupstore.tokens import TokenCount, TokenRecord, TokenStore, count_tokens
 from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
@@ -275,6 +276,7 @@ __all__ = [
     "choice",
     "client_option",
     "connect_timeout_option",
+    "count_tokens",
     "create_option",
     "creates",
     "cut_short",

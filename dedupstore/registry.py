@@ -134,6 +134,7 @@ _BUILTIN: dict[str, dict[str, PluginSpec]] = {
         "postgres": _spec(f"{_B}.postgres:PostgresTokenStore", "postgres"),
         "redis": _spec(f"{_B}.redis:RedisTokenStore", "redis"),
         "rediss": _spec(f"{_B}.redis:RedisTokenStore", "redis"),
+        "dynamodb": _spec(f"{_B}.dynamodb:DynamoDBTokenStore", "dynamodb"),
         "cosmos": _spec(f"{_B}.cosmos:CosmosTokenStore", "cosmos"),
     },
     "dispatcher": {

@@ -27,7 +27,7 @@ from dedupstore.ids import validate_ids, validate_message_id
 from dedupstore.options import OptionSet
 from dedupstore.store import CLOCK, Clock, over_chunks, split_ids
 
-__all__ = ["TokenCount", "TokenRecord", "TokenStore"]
+__all__ = ["TokenCount", "TokenRecord", "TokenStore", "count_tokens"]
 
 
 class TokenRecord(NamedTuple):
@@ -45,6 +45,20 @@ class TokenCount(NamedTuple):
 
     outstanding: int
     oldest: float
+
+
+def count_tokens(tokens: Iterable[tuple[str, float]]) -> dict[str, TokenCount]:
+    """Receiving endpoint -> :class:`TokenCount`, from ``(endpoint, created)`` per token:
+    what :meth:`TokenStore._outstanding` returns, for backends that count on the client."""
+    counts: dict[str, TokenCount] = {}
+    for endpoint, created in tokens:
+        known = counts.get(endpoint)
+        counts[endpoint] = (
+            TokenCount(1, created)
+            if known is None
+            else TokenCount(known.outstanding + 1, min(known.oldest, created))
+        )
+    return counts
 
 
 class TokenStore(Client):

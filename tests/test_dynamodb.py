@@ -1208,7 +1208,7 @@ def test_token_requests_are_conditional_puts_batch_gets_deletes_and_a_scan(
     assert not any("ConditionExpression" in d for d in deletes)
     (scan,) = recorder.named("Scan")
     assert scan["ConsistentRead"] is True and "FilterExpression" not in scan
-    assert scan["ProjectionExpression"] == "#e, #c"
+    assert scan["ProjectionExpression"] == "#i, #e, #c"
 
 
 def test_token_outstanding_adds_up_every_page(
@@ -1329,7 +1329,9 @@ def test_token_unprocessed_keys_are_retried_boundedly(
     with DynamoDBTokenStore(token_url, client=client) as tokens:
         tokens.create({"u1": "e", "u2": "e"})
         partial = {
-            "Responses": {table: [{"id": {"S": "u1"}}]},
+            "Responses": {
+                table: [{"id": {"S": "u1"}, "endpoint": {"S": "e"}, "created": {"N": "1"}}]
+            },
             "UnprocessedKeys": {
                 table: {"Keys": [{"id": {"S": "u2"}}, {"id": {"S": "u3"}}], "ConsistentRead": True}
             },
@@ -1373,3 +1375,25 @@ def test_token_create_table_after_close_raises_store_closed(token_url: str) -> N
     tokens.close()
     with pytest.raises(StoreClosed):
         tokens.create_table()
+
+
+def test_a_token_store_on_an_entity_table_never_takes_an_entity_for_a_token(
+    dynamodb_server: DynamoDBEndpoint, raw_client: Any
+) -> None:
+    """An entity table has the token table's key: its items are refused, never read as
+    tokens (a stale "present" would process a message twice)."""
+    from dedupstore import open_entity_store
+    from dedupstore.entities import Entity
+
+    table = f"entities-{uuid.uuid4().hex}"
+    url = _url(dynamodb_server, table)
+    try:
+        with open_entity_store(url, create=True) as entities:
+            entities.save(Entity("order-1", {"n": 1}))
+        with DynamoDBTokenStore(url) as tokens:
+            for call in (lambda: tokens.present("order-1"), tokens.outstanding):
+                with pytest.raises(ConfigurationError, match="not a token"):
+                    call()
+            assert tokens.present("order-2") is False
+    finally:
+        raw_client.delete_table(TableName=table)

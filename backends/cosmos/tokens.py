@@ -42,6 +42,7 @@ from dedupstore.backend import (
     TokenCount,
     TokenRecord,
     TokenStore,
+    count_tokens,
 )
 
 from ._client import CONNECTION_OPTIONS, ContainerKind, CosmosConnection
@@ -172,16 +173,7 @@ class CosmosTokenStore(TokenStore):
         self._cosmos.parallel(lambda tid: self._cosmos.delete(self, token_document_id(tid)), ids)
 
     def _outstanding(self) -> dict[str, TokenCount]:
-        counts: dict[str, TokenCount] = {}
         items = self._cosmos.query(
             self, "SELECT c.id, c.token_id, c.endpoint, c.created FROM c", self.max_batch
         )
-        for item in items:
-            endpoint, created = self._check_item(item)
-            known = counts.get(endpoint)
-            counts[endpoint] = (
-                TokenCount(1, created)
-                if known is None
-                else TokenCount(known.outstanding + 1, min(known.oldest, created))
-            )
-        return counts
+        return count_tokens(self._check_item(item) for item in items)

@@ -29,14 +29,17 @@ again completes it.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from dedupstore.backend import (
+    ConfigurationError,
     Connected,
     OptionSet,
     TokenCount,
     TokenRecord,
     TokenStore,
+    count_tokens,
     create_option,
     fan_out,
     retry,
@@ -102,9 +105,16 @@ class DynamoDBTokenStore(TokenStore):
 
     def _present(self, ids: list[str]) -> set[str]:
         items = self._dynamodb.batch_get(
-            self, [{_ID: {"S": tid}} for tid in ids], "#i", {"#i": _ID}
+            self,
+            [{_ID: {"S": tid}} for tid in ids],
+            "#i, #e, #c",
+            {"#i": _ID, "#e": _ENDPOINT, "#c": _CREATED},
         )
-        return {str(item[_ID]["S"]) for item in items}
+        found = set()
+        for item in items:
+            self._checked(item)  # an entity's item is never taken for a token
+            found.add(str(item[_ID]["S"]))
+        return found
 
     def _delete(self, ids: list[str]) -> None:
         fan_out(self._delete_one, ids, concurrency=self.write_concurrency)
@@ -122,17 +132,21 @@ class DynamoDBTokenStore(TokenStore):
     def _outstanding(self) -> dict[str, TokenCount]:
         pages = self._dynamodb.scan(
             self,
-            ProjectionExpression="#e, #c",
-            ExpressionAttributeNames={"#e": _ENDPOINT, "#c": _CREATED},
+            ProjectionExpression="#i, #e, #c",
+            ExpressionAttributeNames={"#i": _ID, "#e": _ENDPOINT, "#c": _CREATED},
         )
-        counts: dict[str, TokenCount] = {}
-        for page in pages:
-            for item in page.get("Items", []):
-                endpoint, created = str(item[_ENDPOINT]["S"]), float(item[_CREATED]["N"])
-                known = counts.get(endpoint)
-                counts[endpoint] = (
-                    TokenCount(1, created)
-                    if known is None
-                    else TokenCount(known.outstanding + 1, min(known.oldest, created))
-                )
-        return counts
+        return count_tokens(self._checked(item) for page in pages for item in page.get("Items", []))
+
+    def _checked(self, item: Mapping[str, Any]) -> tuple[str, float]:
+        """The endpoint and mint time of a token item; ``ConfigurationError`` for an item that
+        is not a token (the table is another store's: an entity table has the same key)."""
+        try:
+            return str(item[_ENDPOINT]["S"]), float(item[_CREATED]["N"])
+        except (KeyError, TypeError, ValueError):
+            raise self.make_error(
+                ConfigurationError,
+                None,
+                f"item {item.get(_ID, {}).get('S')!r} of table {self.table!r} is not a token "
+                "(no endpoint and mint time): the table belongs to another store; give the "
+                "token store a table of its own",
+            ) from None

@@ -42,6 +42,7 @@ from dedupstore.backend import (
     TokenCount,
     TokenRecord,
     TokenStore,
+    count_tokens,
 )
 
 from ._client import (
@@ -125,18 +126,9 @@ class RedisTokenStore(TokenStore):
         self._redis.write(self, [("DEL", *self._keys(ids))])
 
     def _outstanding(self) -> dict[str, TokenCount]:
-        counts: dict[str, TokenCount] = {}
-        for _, value in self._redis.scan_values(self._key_prefix):
-            if value is None:  # deleted since the scan saw it, or another type
-                continue
-            endpoint, created = self._decoded(value)
-            known = counts.get(endpoint)
-            counts[endpoint] = (
-                TokenCount(1, created)
-                if known is None
-                else TokenCount(known.outstanding + 1, min(known.oldest, created))
-            )
-        return counts
+        values = self._redis.scan_values(self._key_prefix)
+        # None: deleted since the scan saw it, or a key of another type
+        return count_tokens(self._decoded(value) for _, value in values if value is not None)
 
     def _is_token(self, value: bytes | str | None) -> bool:
         """Whether an ``MGET`` answer is a token (a foreign value: ``ConfigurationError``)."""
