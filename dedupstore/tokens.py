@@ -131,7 +131,7 @@ class TokenStore(Client):
     def present(self, token_id: str) -> bool:
         """Whether the token ``token_id`` exists (strongly consistent). Raises
         ``InvalidMessageId`` before any I/O, ``StoreUnavailable``, ``StoreClosed``."""
-        return bool(self.present_among([validate_message_id(token_id, "token id")]))
+        return bool(self.present_among([token_id]))  # validated there, before any I/O
 
     def present_among(self, token_ids: Iterable[str]) -> set[str]:
         """The ids among ``token_ids`` whose token exists (strongly consistent); one

@@ -588,8 +588,21 @@ class DynamoDBConnection(Connection):
                 resent = True  # the request may have reached DynamoDB
                 raise
 
+        return self.conflicts_retried(client, attempt)
+
+    def conflicts_retried(self, client: Client, attempt: Callable[[], T]) -> T:
+        """``attempt`` (a write) through :meth:`request`; transaction conflicts (nothing written)
+        retried after a pause, at most ``_MAX_BACKOFF_ROUNDS`` times within the deadline."""
         once = functools.partial(self.request, client, attempt)
         return retry(once, attempts=_MAX_BACKOFF_ROUNDS + 1, retry_on=_conflict)
+
+    def delete_item(self, client: Client, key: Mapping[str, AttributeValueTypeDef]) -> None:
+        """One unconditional ``DeleteItem`` of ``key`` in ``client``'s table (an absent item is
+        no error, so a re-sent delete is safe); conflicts retried as for :meth:`conditional_put`."""
+        table = client.store_url.netloc
+        self.conflicts_retried(
+            client, functools.partial(self.client.delete_item, TableName=table, Key=key)
+        )
 
     def batch_get(
         self,

@@ -28,7 +28,6 @@ again completes it.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -42,16 +41,13 @@ from dedupstore.backend import (
     count_tokens,
     create_option,
     fan_out,
-    retry,
 )
 
 from ._client import (
-    _MAX_BACKOFF_ROUNDS,
     CONNECTION_OPTIONS,
     MAX_BATCH_GET_KEYS,
     DynamoDBConnection,
     TableKind,
-    _conflict,
     _number,
     create_table,
 )
@@ -120,14 +116,7 @@ class DynamoDBTokenStore(TokenStore):
         fan_out(self._delete_one, ids, concurrency=self.write_concurrency)
 
     def _delete_one(self, token_id: str) -> None:
-        """Delete the token ``token_id`` if it exists; transaction conflicts (nothing deleted)
-        are retried after a pause, as :meth:`DynamoDBConnection.conditional_put` does."""
-        dynamodb = self._dynamodb
-        delete = functools.partial(
-            dynamodb.client.delete_item, TableName=self.table, Key={_ID: {"S": token_id}}
-        )
-        once = functools.partial(dynamodb.request, self, delete)
-        retry(once, attempts=_MAX_BACKOFF_ROUNDS + 1, retry_on=_conflict)
+        self._dynamodb.delete_item(self, {_ID: {"S": token_id}})
 
     def _outstanding(self) -> dict[str, TokenCount]:
         pages = self._dynamodb.scan(
