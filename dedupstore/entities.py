@@ -36,6 +36,7 @@ __all__ = [
     "EntityRecord",
     "EntityStore",
     "EntryMark",
+    "EntryTokens",
     "OutgoingMessage",
     "body_text",
     "bucket_of",
@@ -216,6 +217,59 @@ class EntryMark:
         return (f'{{"at":{at},"out":[', f"]{run}}}")
 
 
+@dataclass(frozen=True)
+class EntryTokens:
+    """The tokens of one outbox entry, in token mode (see :mod:`dedupstore.tokens`).
+
+    ``incoming``: the incoming message's token id, deleted at the clean-up (None: the
+    message came without one and is recorded in the deduplication store instead).
+    ``to``: per destination, the receiving endpoints of its outgoing messages, as
+    subscribed when the entry was written (one token per message and endpoint).
+    ``registered``: the nonces attempts recorded before creating their tokens, in
+    order; ``made``: the one whose tokens were created and whose messages are
+    dispatched (never created again). The others' tokens are garbage, and ``drop``
+    holds the ids of those of a dispatched entry: both are deleted at the clean-up.
+    ``letter``: the message was dead-lettered; its incoming token stays until it is
+    redriven or discarded.
+    """
+
+    incoming: str | None = None
+    to: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    registered: tuple[str, ...] = ()
+    made: str | None = None
+    drop: tuple[str, ...] = ()
+    letter: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON-compatible form saved in the entity (empty parts left out)."""
+        data: dict[str, Any] = {}
+        if self.incoming is not None:
+            data["in"] = self.incoming
+        if self.to:
+            data["to"] = {d: list(e) for d, e in self.to.items()}
+        if self.registered:
+            data["reg"] = list(self.registered)
+        if self.made is not None:
+            data["made"] = self.made
+        if self.drop:
+            data["drop"] = list(self.drop)
+        if self.letter:
+            data["letter"] = True
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> EntryTokens:
+        """The inverse of :meth:`to_json`."""
+        return cls(
+            data.get("in"),
+            {str(d): tuple(map(str, e)) for d, e in (data.get("to") or {}).items()},
+            tuple(map(str, data.get("reg") or ())),
+            data.get("made"),
+            tuple(map(str, data.get("drop") or ())),
+            bool(data.get("letter")),
+        )
+
+
 @dataclass
 class Entity:
     """One entity: its id, state, outbox and the opaque version it was loaded at.
@@ -227,7 +281,8 @@ class Entity:
     refuse an entity of another consumer); ``None`` when nobody claimed it.
     ``attempts``: per incoming message id not applied yet, the runs of its handler
     begun after a consumer died holding it
-    (:meth:`~dedupstore.outbox.OutboxProcessor.begin_attempt`).
+    (:meth:`~dedupstore.outbox.OutboxProcessor.begin_attempt`). ``tokens``: the
+    :class:`EntryTokens` of entries written in token mode, by incoming message id.
     """
 
     id: str
@@ -237,6 +292,7 @@ class Entity:
     marks: dict[str, EntryMark] = field(default_factory=dict)
     consumer: str | None = None
     attempts: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, EntryTokens] = field(default_factory=dict)
     #: ``(state, its canonical text)`` when the processor set the state from that text.
     _state_text: tuple[dict[str, Any], str] | None = field(
         default=None, init=False, repr=False, compare=False
@@ -287,6 +343,7 @@ class Entity:
             dict(self.marks),
             self.consumer,
             dict(self.attempts),
+            dict(self.tokens),
         )
 
 
@@ -337,16 +394,26 @@ def _head(entity: Entity) -> str:
     return head
 
 
+def _tail(entity: Entity) -> str:
+    """The optional ``tokens`` key of :func:`encode_entity`'s text, after the state,
+    with its leading comma (``""`` when no entry has tokens)."""
+    tokens = entity.tokens
+    if not tokens:
+        return ""
+    return f',"tokens":{canonical.dumps({m: t.to_json() for m, t in tokens.items()})}'
+
+
 def head_size(entity: Entity) -> int:
     """UTF-8 bytes of the optional top-level keys of ``entity``'s text (``attempts``,
-    ``consumer``)."""
-    head = _head(entity)
+    ``consumer``, ``tokens``)."""
+    head = _head(entity) + _tail(entity)
     return len(head) if head.isascii() else len(head.encode("utf-8"))
 
 
 def encode_entity(entity: Entity) -> str:
     """``canonical_json({"attempts": ..., "consumer": ..., "outbox": {id: entry},
-    "state": ...})`` (``attempts`` only when not empty, ``consumer`` only when set),
+    "state": ..., "tokens": ...})`` (``attempts`` and ``tokens`` only when not empty,
+    ``consumer`` only when set),
     composed from its parts' texts. Raises ``ValueError`` when the state or a message
     body is not JSON-compatible.
     """
@@ -375,7 +442,7 @@ def encode_entity(entity: Entity) -> str:
             f"entity {entity.id!r:.80} is not JSON-compatible (state and message bodies must "
             f"be dicts, lists, str, int, float, bool or None): {exc}"
         ) from None
-    return f'{{{_head(entity)}"outbox":{{{entries}}},"state":{state}}}'
+    return f'{{{_head(entity)}"outbox":{{{entries}}},"state":{state}{_tail(entity)}}}'
 
 
 #: How :func:`encode_entity`'s text continues after its optional keys when the outbox
@@ -421,8 +488,9 @@ def decode_entity(entity_id: str, text: str | bytes, version: Any) -> Entity:
             marks[mid] = EntryMark(int(entry["at"]), entry.get("run"))
     attempts = {str(mid): int(n) for mid, n in data.get("attempts", {}).items()}
     consumer = data.get("consumer")
+    tokens = {str(mid): EntryTokens.from_json(t) for mid, t in data.get("tokens", {}).items()}
     return Entity(
-        entity_id, dict(data.get("state", {})), outbox, version, marks, consumer, attempts
+        entity_id, dict(data.get("state", {})), outbox, version, marks, consumer, attempts, tokens
     )
 
 

@@ -27,12 +27,14 @@ __all__ = [
     "MESSAGES",
     "STORE_DURATION",
     "SWEEP_IDS",
+    "TOKENS",
     "available",
     "count_conflicts",
     "count_deliveries",
     "count_dispatch_failure",
     "count_outcomes",
     "count_swept",
+    "count_tokens",
     "record_store_call",
     "set_pending",
 ]
@@ -42,6 +44,7 @@ CONFLICTS = "dedupstore.conflicts"
 DISPATCH_FAILURES = "dedupstore.dispatch.failures"
 STORE_DURATION = "dedupstore.store.duration"
 SWEEP_IDS = "dedupstore.sweep.ids"
+TOKENS = "dedupstore.tokens"
 CONSUMER_DELIVERIES = "dedupstore.consumer.deliveries"
 CONSUMER_PENDING = "dedupstore.consumer.pending"
 
@@ -89,6 +92,9 @@ class _Instruments:
         )
         self.sweep_ids = meter.create_counter(
             SWEEP_IDS, "{id}", "ids moved by the sweep into the deduplication store"
+        )
+        self.tokens = meter.create_counter(
+            TOKENS, "{token}", "tokens created, consumed or found missing, by consumer"
         )
         self.consumer_deliveries = meter.create_counter(
             CONSUMER_DELIVERIES, "{delivery}", "broker deliveries a consume loop handled, by event"
@@ -204,6 +210,14 @@ def count_dispatch_failure(consumer: str, error: BaseException) -> None:
     made = _get()
     if made is not None:
         made.dispatch_failures.add(1, {"consumer": consumer, "error": type(error).__name__})
+
+
+def count_tokens(consumer: str, event: str, n: int) -> None:
+    """Add ``n`` to ``dedupstore.tokens`` (``event``: ``created``, ``consumed``, or
+    ``missing``: an incoming message whose token was absent, a duplicate)."""
+    made = _get()
+    if made is not None and n > 0:
+        made.tokens.add(n, {"consumer": consumer, "event": event})
 
 
 def count_swept(consumer: str, ids: int) -> None:

@@ -17,6 +17,8 @@ atomicity their docstrings state. Open token stores with
 from __future__ import annotations
 
 import abc
+import hashlib
+import secrets
 import time
 from collections.abc import Iterable, Mapping
 from typing import ClassVar, NamedTuple
@@ -27,7 +29,68 @@ from dedupstore.ids import validate_ids, validate_message_id
 from dedupstore.options import OptionSet
 from dedupstore.store import CLOCK, Clock, over_chunks, split_ids
 
-__all__ = ["TokenCount", "TokenRecord", "TokenStore", "count_tokens"]
+__all__ = [
+    "TOKEN_HEADER",
+    "TokenCount",
+    "TokenRecord",
+    "TokenStore",
+    "count_tokens",
+    "new_nonce",
+    "token_id",
+    "token_of",
+]
+
+#: The header that carries a message's token to its receivers: the *nonce* of the
+#: tokens minted for it. Each receiving endpoint's token id is
+#: :func:`token_id` ``(message id, endpoint, nonce)``, so one header serves every
+#: subscriber of a fanned-out message while each has a token of its own.
+TOKEN_HEADER = "dedupstore-token"
+
+_NONCE_CHARS = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ-_")
+#: Longest nonce a header may carry.
+MAX_NONCE_CHARS = 64
+
+
+def new_nonce() -> str:
+    """A fresh nonce (64 random bits, hex): one per minting of a message's tokens."""
+    return secrets.token_hex(8)
+
+
+def validate_nonce(nonce: object, message_id: str) -> str:
+    """``nonce`` if it is a valid :data:`TOKEN_HEADER` value (1 to 64 characters of
+    ``[A-Za-z0-9_-]``), else ``InvalidMessageId`` naming the message."""
+    if (
+        not isinstance(nonce, str)
+        or not 0 < len(nonce) <= MAX_NONCE_CHARS
+        or not _NONCE_CHARS.issuperset(nonce)
+    ):
+        raise InvalidMessageId(
+            f"message {message_id!r:.80}: its {TOKEN_HEADER} header must be 1 to "
+            f"{MAX_NONCE_CHARS} characters of [A-Za-z0-9_-], got {nonce!r:.80}"
+        )
+    return nonce
+
+
+def token_id(message_id: str, endpoint: str, nonce: str) -> str:
+    """The id of the token that lets ``endpoint`` process message ``message_id`` once,
+    minted with ``nonce`` (the message's :data:`TOKEN_HEADER`): a hash of the three,
+    so two endpoints never share a token and a new nonce is a new token."""
+    digest = hashlib.sha256(
+        f"{len(message_id)}:{message_id}\0{len(endpoint)}:{endpoint}\0{nonce}".encode(
+            "utf-8", "surrogatepass"
+        )
+    ).hexdigest()
+    return f"tk-{digest[:40]}"
+
+
+def token_of(message_id: str, headers: Mapping[str, str], endpoint: str) -> str | None:
+    """The token id of an incoming message for ``endpoint``, from its
+    :data:`TOKEN_HEADER` (None: the message came without a token). Raises
+    ``InvalidMessageId`` for a header that is not a nonce."""
+    nonce = headers.get(TOKEN_HEADER) if headers else None
+    if nonce is None:
+        return None
+    return token_id(message_id, endpoint, validate_nonce(nonce, message_id))
 
 
 class TokenRecord(NamedTuple):

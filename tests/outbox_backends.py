@@ -22,6 +22,7 @@ from dedupstore.client import Client, ProcessLocal
 from dedupstore.entities import EntityStore
 from dedupstore.registry import open_url
 from dedupstore.store import DeduplicationStore
+from dedupstore.tokens import TokenStore
 from tests.servers import RedisServer
 
 BACKENDS = ("memory", "sqlite", "postgres", "redis", "dynamodb", "cosmos")
@@ -29,12 +30,14 @@ BACKENDS = ("memory", "sqlite", "postgres", "redis", "dynamodb", "cosmos")
 
 @dataclass
 class OutboxBackend:
-    """Factories of clients of one fresh entity store and deduplication store."""
+    """Factories of clients of one fresh entity store, deduplication store and token
+    store."""
 
     name: str
     entities_url: str
     dedup_url: str
     options: dict[str, Any]
+    tokens_url: str = ""
 
     def entities(self, **options: Any) -> EntityStore:
         """A new entity store client."""
@@ -43,6 +46,10 @@ class OutboxBackend:
     def dedup(self, **options: Any) -> DeduplicationStore:
         """A new deduplication store client."""
         return open_url("store", self.dedup_url, **{**self.options, **options})
+
+    def tokens(self, **options: Any) -> TokenStore:
+        """A new token store client."""
+        return open_url("token_store", self.tokens_url, **{**self.options, **options})
 
 
 def backend_params(names: tuple[str, ...] = BACKENDS) -> list[Any]:
@@ -77,12 +84,12 @@ def outbox_backend(
     tag = uuid.uuid4().hex[:12]
     cleanup: list[Callable[[], None]] = []
     if name == "memory":
-        backend = OutboxBackend(name, f"memory://{tag}", f"memory://{tag}", {})
+        backend = OutboxBackend(name, f"memory://{tag}", f"memory://{tag}", {}, f"memory://{tag}")
     elif name == "sqlite":
         # synchronous=OFF: these tests check the algorithm, not the disk (power loss
         # is not simulated); it keeps thousands of schedules fast.
         url = f"sqlite:///{tmp_path}/outbox.db"
-        backend = OutboxBackend(name, url, url, {"synchronous": "OFF"})
+        backend = OutboxBackend(name, url, url, {"synchronous": "OFF"}, url)
     elif name == "postgres":
         server = request.getfixturevalue("postgres_server")
         backend = OutboxBackend(
@@ -90,8 +97,11 @@ def outbox_backend(
             f"{server.url}?table=ent_{tag}&create=true",
             f"{server.url}?table=dedup_{tag}&create=true",
             {},
+            f"{server.url}?table=tok_{tag}&create=true",
         )
-        cleanup.append(lambda: _drop_postgres(server.url, [f"ent_{tag}", f"dedup_{tag}"]))
+        cleanup.append(
+            lambda: _drop_postgres(server.url, [f"ent_{tag}", f"dedup_{tag}", f"tok_{tag}"])
+        )
     elif name == "redis":
         server = request.getfixturevalue("unsynced_redis_server")
         backend = OutboxBackend(
@@ -99,13 +109,18 @@ def outbox_backend(
             f"{server.url}?key_prefix=ent{tag}:",
             f"{server.url}?key_prefix=dd{tag}:",
             {},
+            f"{server.url}?key_prefix=tk{tag}:",
         )
     elif name == "dynamodb":
         _aws(monkeypatch)
         server = request.getfixturevalue("dynamodb_server")
         query = f"region={server.region}&endpoint_url={server.endpoint_url}&create=true"
         backend = OutboxBackend(
-            name, f"dynamodb://ent-{tag}?{query}", f"dynamodb://dd-{tag}?{query}", {}
+            name,
+            f"dynamodb://ent-{tag}?{query}",
+            f"dynamodb://dd-{tag}?{query}",
+            {},
+            f"dynamodb://tk-{tag}?{query}",
         )
     elif name == "cosmos":
         server = request.getfixturevalue("cosmos_server")
@@ -121,6 +136,7 @@ def outbox_backend(
             f"{base}/ent-{tag}?{query}",
             f"{base}/dd-{tag}?{query}",
             {"key": server.key},
+            f"{base}/tk-{tag}?{query}",
         )
     else:  # pragma: no cover - a typo in a parametrization
         raise ValueError(name)

@@ -4,6 +4,7 @@ sets and, for the type checker only, the methods a part calls on a later one."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Literal
 
@@ -12,6 +13,7 @@ if TYPE_CHECKING:
     from dedupstore.outbox.cache import _EntityCache
     from dedupstore.outbox.messages import Dispatcher, Handler, Message, Outcome, ProcessResult
     from dedupstore.store import DeduplicationStore
+    from dedupstore.tokens import TokenStore
 
 
 class _Base:
@@ -27,6 +29,13 @@ class _Base:
     max_attempts: int
     deferred_limit: int
     gc_threshold: int | None
+    #: token mode: the token store (None: retention mode only) and, per destination,
+    #: the receiving endpoints each outgoing message gets a token for
+    tokens: TokenStore | None
+    subscriptions: dict[str, tuple[str, ...]]
+    #: per thread, ``nonces``: those this thread's current call registered (only the
+    #: registrant of a nonce creates its tokens)
+    _mine: threading.local
     #: the handler that passed the check
     _checked_handler: Handler | None
     #: the dispatcher's bounds (max_message_bytes, max_header_bytes): see check_size
@@ -71,7 +80,24 @@ class _Base:
         def _over_limit(self, entity: Entity) -> bool:
             raise NotImplementedError
 
-        def _move_dispatched(self, entities: Sequence[Entity], keys: Sequence[str] = ()) -> None:
+        def _move_dispatched(
+            self, entities: Sequence[Entity], retiring: Sequence[tuple[Entity, str]] = ()
+        ) -> None:
+            raise NotImplementedError
+
+        def _token_of(self, message: Message) -> str | None:
+            raise NotImplementedError
+
+        def _register(self, entity: Entity, message: Message, letter: bool) -> None:
+            raise NotImplementedError
+
+        def _recorded_by_token(self, tokens: dict[str, str]) -> set[str]:
+            raise NotImplementedError
+
+        def _make(self, pairs: Sequence[tuple[Entity, str]]) -> set[str]:
+            raise NotImplementedError
+
+        def _retire(self, pairs: Sequence[tuple[Entity, str]]) -> None:
             raise NotImplementedError
 
         def _clear(self, entities: Iterable[Entity], keep: set[tuple[str, str]]) -> set[str]:

@@ -37,6 +37,7 @@ from dedupstore.outbox.messages import (
     ProcessResult,
     _validate,
 )
+from dedupstore.outbox.tokened import stamped
 
 
 class _Batching(_Handling):
@@ -80,6 +81,10 @@ class _Batching(_Handling):
         if not plain_ids([m.id for m in messages] + [m.correlation_id for m in messages]):
             for message in messages:
                 _validate(message)
+        if self.tokens is not None:
+            for message in messages:
+                self._token_of(message)  # a bad token header: before any I/O
+        self._mine.nonces = set()
         with gc_relaxed(self.gc_threshold):
             results = self._batch(list(messages), handler, 0, before_cleanup)
         self._report(messages, results)
@@ -97,10 +102,16 @@ class _Batching(_Handling):
         (an entry found is then cleaned up).
         """
         keys = [message_key(m.correlation_id, m.id) for m in messages]
+        tokens: dict[str, str] = {}
+        if self.tokens is not None:
+            for key, message in zip(keys, messages, strict=True):
+                token = self._token_of(message)
+                if token is not None:
+                    tokens[key] = token
         fresh = [
             keys[i] for i, m in enumerate(messages) if m.id not in entities[m.correlation_id].outbox
         ]
-        already = self.dedup.processed_among(fresh) if fresh else set()
+        already = self._asked(fresh, tokens)
         if not (already and taken):
             return keys, already
         pairs = list(zip(messages, keys, strict=True))
@@ -121,8 +132,19 @@ class _Batching(_Handling):
                 and m.id not in entities[m.correlation_id].outbox
             ]
             if again:
-                already |= self.dedup.processed_among(again)
+                already |= self._asked(again, tokens)
         return keys, already
+
+    def _asked(self, keys: list[str], tokens: dict[str, str]) -> set[str]:
+        """The ``keys`` recorded as done: those of messages with a token (``tokens``:
+        key -> token id) whose token is absent, the others' in the deduplication store."""
+        if not keys:
+            return set()
+        if not tokens:
+            return self.dedup.processed_among(keys)
+        plain = [k for k in keys if k not in tokens]
+        found = self.dedup.processed_among(plain) if plain else set()
+        return found | self._recorded_by_token({k: tokens[k] for k in keys if k in tokens})
 
     def _batch(
         self,
@@ -210,7 +232,13 @@ class _Batching(_Handling):
     ) -> list[ProcessResult]:
         """The rest of :meth:`_batch` with ``before_cleanup``: dispatch (steps 1-4 again
         for the entities whose save conflicted), ``before_cleanup``, then the clean-up."""
-        sent = self._dispatch(self._entries(messages, entities, conflicts), set())
+        entries = self._entries(messages, entities, conflicts)
+        if self.tokens is not None:
+            unmade = self._make(list(entries.values()))
+            if unmade:
+                conflicts = conflicts | unmade
+                entries = {k: e for k, e in entries.items() if e[0].id not in unmade}
+        sent = self._dispatch(entries, set())
         _retrying(self.consumer, conflicts)
         for index, message in enumerate(messages):
             if message.correlation_id in conflicts:
@@ -262,7 +290,7 @@ class _Batching(_Handling):
         for entity, mid in entries.values():
             entry = entity.outbox[mid]
             if entry:
-                for m in entry:
+                for m in stamped(entity, mid) if entity.tokens else entry:
                     if m.id not in unique and m.id not in sent:
                         unique[m.id] = m
         if unique:
@@ -278,24 +306,29 @@ class _Batching(_Handling):
         Returns the ids of the entities whose clean-up conflicted, and the outgoing ids
         dispatched (a retry of a conflicted entity does not send them again).
         """
+        unmade = self._make(list(entries.values())) if self.tokens is not None else set()
+        if unmade:
+            entries = {k: e for k, e in entries.items() if e[0].id not in unmade}
         sent = self._dispatch(entries, set(sent or ()))
         to_save: dict[str, Entity] = {}
-        moved: list[str] = []
+        retiring: list[tuple[Entity, str]] = []
         inline = self.cleanup == "inline"
-        for key, (entity, mid) in entries.items():
+        for entity, mid in entries.values():
             if inline:
-                moved.append(key)
-                _remove(entity, mid)
+                retiring.append((entity, mid))
             elif entity.outbox[mid] is not None:
                 _dispatched(entity, mid)
             else:
                 continue
             to_save[entity.id] = entity
         heavy = [] if inline else [e for e in to_save.values() if self._over_limit(e)]
-        # The ids reach the deduplication store before the save that removes them.
-        self._move_dispatched(heavy, moved)
+        # The ids reach the deduplication store (their tokens are deleted) before the
+        # save that removes them.
+        self._move_dispatched(heavy, retiring)
+        for entity, mid in retiring:
+            _remove(entity, mid)
         conflicts = self.entities.save_many(list(to_save.values())) if to_save else set()
-        return conflicts, sent
+        return conflicts | unmade, sent
 
     def _in_rounds(
         self,

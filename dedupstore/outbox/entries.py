@@ -12,13 +12,19 @@ from dedupstore import metrics
 from dedupstore.entities import Entity, OutgoingMessage
 from dedupstore.errors import ConfigurationError, EntityTooLarge, format_error
 from dedupstore.outbox.messages import Dispatcher, Message
+from dedupstore.outbox.tokened import retired
 
 #: Every module of the outbox logs as ``dedupstore.outbox`` (imports this one).
 _log = logging.getLogger("dedupstore.outbox")
 
 
 def _dispatched(entity: Entity, mid: str) -> None:
-    """Mark the entry of ``mid`` dispatched (it keeps no mark)."""
+    """Mark the entry of ``mid`` dispatched (it keeps no mark; its tokens keep what the
+    clean-up deletes)."""
+    if entity.tokens:
+        kept = retired(entity, mid)
+        if kept is not None:
+            entity.tokens[mid] = kept
     entity.outbox[mid] = None
     entity.marks.pop(mid, None)
 
@@ -34,6 +40,10 @@ def _remove(entity: Entity, mid: str) -> None:
     outbox.pop(mid, None)
     if not outbox:
         entity.outbox = {}
+    if entity.tokens:
+        entity.tokens.pop(mid, None)
+        if not entity.tokens:
+            entity.tokens = {}
     if marks:
         marks.pop(mid, None)
         if not marks:

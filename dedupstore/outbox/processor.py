@@ -27,8 +27,9 @@ stable across redeliveries; receivers deduplicate outgoing messages by id.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
 from dedupstore import metrics
@@ -58,10 +59,12 @@ from dedupstore.outbox.messages import (
     _shown,
     _validate,
 )
+from dedupstore.outbox.tokened import _Tokened, check_subscriptions, stamped, unmade
 from dedupstore.store import DeduplicationStore
+from dedupstore.tokens import TokenStore
 
 
-class OutboxProcessor(_Batching, _Redriving):
+class OutboxProcessor(_Batching, _Redriving, _Tokened):
     """Processes messages exactly once: entity state, outbox, dispatch, then the id.
 
     A message is identified by (consumer, entity, message id): the consumer is the
@@ -96,6 +99,15 @@ class OutboxProcessor(_Batching, _Redriving):
     not finish (a crash, a retried task) comes out ``processed`` (or
     ``dead_lettered``) again, not ``redispatched``: outcomes say what the run did,
     whichever call of it got through.
+
+    Token mode (``tokens``, a :class:`~dedupstore.tokens.TokenStore`): a message that
+    carries a token (:data:`~dedupstore.tokens.TOKEN_HEADER`) is a duplicate when its
+    token is absent, and its token is deleted once its outputs are dispatched; one
+    without a token goes through the deduplication store as in retention mode (a
+    hybrid endpoint, in the same batch). Each outgoing message to a destination of
+    ``subscriptions`` (destination -> receiving endpoints) gets one token per
+    endpoint, created before it is dispatched and never again after. See
+    :mod:`dedupstore.outbox.tokened` for the steps and docs/tokens.md for the choice.
     """
 
     def __init__(
@@ -112,13 +124,17 @@ class OutboxProcessor(_Batching, _Redriving):
         run: str | None = None,
         entity_cache: int = 10_000,
         gc_threshold: int | None = None,
+        tokens: TokenStore | None = None,
+        subscriptions: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         """Raises ``ConfigurationError`` (no I/O) for an ``entities`` that is not an
         ``EntityStore``, a ``dedup`` that is not a ``DeduplicationStore``, a
         ``dispatcher`` without a callable ``dispatch``, an unknown ``cleanup``, a bad
         ``dead_letters`` destination or ``run`` name, ``max_attempts``,
         ``deferred_limit`` or ``handler_attempts`` below 1, ``entity_cache``
-        below 0, or a ``gc_threshold`` that is neither None nor an int >= 1."""
+        below 0, a ``gc_threshold`` that is neither None nor an int >= 1, a ``tokens``
+        that is not a ``TokenStore``, or ``subscriptions`` without ``tokens`` or not a
+        mapping of destinations to lists of endpoints."""
         if cleanup not in ("inline", "deferred"):
             raise ConfigurationError(f"cleanup must be 'inline' or 'deferred', got {cleanup!r}")
         for name, value, low in (
@@ -146,6 +162,21 @@ class OutboxProcessor(_Batching, _Redriving):
                 "dispatcher must have a callable dispatch(messages) (a Dispatcher, such as "
                 f"open_dispatcher(url)), got {_shown(dispatcher)}"
             )
+        if tokens is not None:
+            _check_part(
+                "tokens",
+                tokens,
+                TokenStore,
+                ("create", "present_among", "delete"),
+                "open_token_store(url)",
+            )
+        elif subscriptions:
+            raise ConfigurationError(
+                "subscriptions need a token store: pass tokens=open_token_store(url)"
+            )
+        self.subscriptions = check_subscriptions(subscriptions)
+        self.tokens = tokens
+        self._mine = threading.local()
         self.run = run
         self.dead_letters = dead_letters
         self.handler_attempts = handler_attempts
@@ -200,8 +231,10 @@ class OutboxProcessor(_Batching, _Redriving):
         ``dead_letters`` too when even the bounded letter cannot be written.
         """
         _validate(message)
+        self._token_of(message)  # a bad token header: before any I/O
         if handler is not self._checked_handler:
             self._check_handler(handler)
+        self._mine.nonces = set()
         result = self._process(message, handler, set())
         self._report([message], [result])
         return result
@@ -221,12 +254,17 @@ class OutboxProcessor(_Batching, _Redriving):
         ``ConcurrencyConflict`` after ``max_attempts`` conflicts.
         """
         _validate(message)
+        token = self._token_of(message)
         mid, cid = message.id, message.correlation_id
         key = message_key(cid, mid)
         for _attempt in range(self.max_attempts):
             self._kept.take(cid)  # a fresh load: the count must be the stored one
             entity = self._claim(self.entities.load(cid))
-            if mid in entity.outbox or self.dedup.has_been_processed(key):
+            if mid in entity.outbox or (
+                self.dedup.has_been_processed(key)
+                if token is None
+                else bool(self._recorded_by_token({key: token}))
+            ):
                 return 0
             runs = entity.attempts.get(mid, 0) + 1
             entity.attempts[mid] = runs
@@ -250,6 +288,8 @@ class OutboxProcessor(_Batching, _Redriving):
         (which gets those it sends); without ``clean``, steps 1-4 only."""
         mid, cid = message.id, message.correlation_id
         key = message_key(cid, mid)
+        token = self._token_of(message)
+        joined = self._joined and token is None  # (a token is read from its own store)
         applied = False
         outcome: Outcome | None = None
         error: str | None = None
@@ -265,7 +305,7 @@ class OutboxProcessor(_Batching, _Redriving):
                 taken = entity is not None
                 recorded: bool | None = None
                 if entity is None:
-                    if self._joined:
+                    if joined:
                         entity, recorded = self.entities._load_checked(cid, self.dedup, key)
                     else:
                         entity = self.entities.load(cid)
@@ -273,9 +313,13 @@ class OutboxProcessor(_Batching, _Redriving):
                 found = mid in entity.outbox
                 if not found:
                     # (a kept entity of joined stores: the save itself checks the id)
-                    checked = self._joined and recorded is None
+                    checked = joined and recorded is None
                     if not checked and recorded is None:
-                        recorded = self.dedup.has_been_processed(key)
+                        recorded = (
+                            self.dedup.has_been_processed(key)
+                            if token is None
+                            else bool(self._recorded_by_token({key: token}))
+                        )
                     if not recorded:
                         outgoing, failed = self._apply(entity, message, run_handler)
                         try:
@@ -308,7 +352,9 @@ class OutboxProcessor(_Batching, _Redriving):
                     if outcome is None:
                         outcome, error = self._found(entity, mid)
                 if outgoing is not None and not {m.id for m in outgoing} <= dispatched:
-                    _send(self.dispatcher, outgoing, self.consumer)
+                    if self._make([(entity, mid)]):
+                        raise ConcurrencyConflict(f"entity {cid!r:.80} changed")
+                    _send(self.dispatcher, stamped(entity, mid), self.consumer)
                     dispatched.update(m.id for m in outgoing)
                 if clean:
                     self._clean_up(entity, mid)
@@ -385,6 +431,8 @@ class OutboxProcessor(_Batching, _Redriving):
             entity.state = state
         entity.outbox[message.id] = outgoing
         entity.marks[message.id] = self._mark() if mark is None else mark
+        if self.tokens is not None:
+            self._register(entity, message, error is not None)
         if entity.attempts:  # applied (or dead-lettered): its count of runs is done
             entity.attempts.pop(message.id, None)
         return outgoing, error
@@ -397,6 +445,11 @@ class OutboxProcessor(_Batching, _Redriving):
         """Step 5 for one message on a loaded entity (saves it)."""
         if self.cleanup == "inline":
             key = message_key(entity.id, mid)
+            if mid in entity.tokens:  # token mode: its tokens deleted, then the save
+                self._retire([(entity, mid)])
+                _remove(entity, mid)
+                self.entities.save(entity)
+                return
             _remove(entity, mid)
             if self._joined:  # one atomic request, the id recorded first
                 self.entities._save_recording(entity, self.dedup, key)
@@ -420,13 +473,16 @@ class OutboxProcessor(_Batching, _Redriving):
             and sum(len(m.encode()) + 8 for m in done) > budget
         )
 
-    def _move_dispatched(self, entities: Sequence[Entity], keys: Sequence[str] = ()) -> None:
-        """Record the dispatched ids of ``entities`` in the deduplication store (with
-        ``keys``, in the same ``add_many``), then remove them from the outboxes in
-        memory (the caller saves): the inline clean-up of entries the deferred one left."""
-        keys = [*keys, *(message_key(e.id, mid) for e in entities for mid in e.dispatched)]
-        if keys:
-            self.dedup.add_many(keys)
+    def _move_dispatched(
+        self, entities: Sequence[Entity], retiring: Sequence[tuple[Entity, str]] = ()
+    ) -> None:
+        """Record the dispatched ids of ``entities`` as done (:meth:`_retire`, with the
+        entries ``retiring``, in the same requests), then remove them from the outboxes
+        in memory (the caller saves): the inline clean-up of entries the deferred one
+        left."""
+        pairs = [*retiring, *((e, mid) for e in entities for mid in e.dispatched)]
+        if pairs:
+            self._retire(pairs)
         for entity in entities:
             for mid in entity.dispatched:
                 _remove(entity, mid)
@@ -440,10 +496,14 @@ class OutboxProcessor(_Batching, _Redriving):
         """
         relay: list[OutgoingMessage] = []
         cleared: list[Entity] = []
-        for entity in entities:
-            for mid in [m for m in entity.pending if (entity.id, m) not in keep]:
-                relay.extend(entity.outbox[mid] or [])
+        entities = list(entities)
+        others = [(e, m) for e in entities for m in e.pending if (e.id, m) not in keep]
+        unmade_left = self._make([(e, m) for e, m in others if unmade(e, m)])
+        for entity, mid in others:
+            if entity.id not in unmade_left:
+                relay.extend(stamped(entity, mid))
                 _dispatched(entity, mid)
+        for entity in entities:
             if entity.dispatched:
                 cleared.append(entity)
         if relay:

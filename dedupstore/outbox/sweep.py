@@ -16,7 +16,9 @@ from dedupstore.errors import ConfigurationError
 from dedupstore.ids import message_key, validate_message_id
 from dedupstore.outbox.entries import _dispatched, _foreign, _log, _remove, _send
 from dedupstore.outbox.messages import Dispatcher
+from dedupstore.outbox.tokened import _no_token_store, retire, stamped, unmade
 from dedupstore.store import DeduplicationStore
+from dedupstore.tokens import TokenStore
 
 
 @dataclass
@@ -43,6 +45,7 @@ def sweep(
     batch_ids: int = 1000,
     max_attempts: int = 10,
     progress: Callable[[SweepResult], None] | None = None,
+    tokens: TokenStore | None = None,
 ) -> SweepResult:
     """Move the ids of dispatched outbox entries into ``dedup``, for one segment.
 
@@ -64,6 +67,13 @@ def sweep(
     with a copy of the running totals (``seconds`` so far); what it raises stops the
     sweep (the batches before it are done). Raises ``StoreUnavailable``,
     ``ConfigurationError`` (a missing store), and what ``redispatch`` raises.
+
+    Entries written in token mode need ``tokens``, the token store of the processor
+    that wrote them (``ConfigurationError`` without, before anything of the entity's
+    batch is written): a dispatched entry's incoming token and garbage tokens are
+    deleted instead of its id being added. A pending entry whose outgoing tokens were
+    not made yet (its consumer died before) is not redispatched: it counts in
+    ``ids_left`` and the message's redelivery completes it.
     """
     started = time.perf_counter()
     result = SweepResult(segment=segment, segments=segments)
@@ -75,9 +85,12 @@ def sweep(
     for entity in entities.pending_outboxes(segment, segments):
         result.entities_scanned += 1
         _swept(entity, consumer)
+        if entity.tokens and tokens is None:
+            raise _no_token_store(consumer)
         pending = entity.pending if redispatch is not None else []
+        pending = [mid for mid in pending if not unmade(entity, mid)]
         for mid in pending:
-            relay.extend(entity.outbox[mid] or [])
+            relay.extend(stamped(entity, mid))
             _dispatched(entity, mid)
         result.redispatched += len(pending)
         if redispatch is None:
@@ -88,11 +101,11 @@ def sweep(
         batch.append((entity, done))
         size += len(done)
         if size >= batch_ids:
-            _flush(entities, dedup, batch, result, max_attempts, redispatch, relay)
+            _flush(entities, dedup, tokens, batch, result, max_attempts, redispatch, relay)
             report.flushed()
             batch, relay, size = [], [], 0
     if batch:
-        _flush(entities, dedup, batch, result, max_attempts, redispatch, relay)
+        _flush(entities, dedup, tokens, batch, result, max_attempts, redispatch, relay)
         report.flushed()
     result.seconds = time.perf_counter() - started
     report.done()
@@ -232,16 +245,18 @@ def _totals(result: SweepResult) -> str:
 def _flush(
     entities: EntityStore,
     dedup: DeduplicationStore,
+    tokens: TokenStore | None,
     batch: list[tuple[Entity, list[str]]],
     result: SweepResult,
     max_attempts: int,
     redispatch: Dispatcher | None,
     relay: list[OutgoingMessage],
 ) -> None:
-    """Dispatch ``relay`` (one call), ``add_many`` the batch's ids, then remove them."""
+    """Dispatch ``relay`` (one call), record the batch's ids as done (``add_many``, or
+    their tokens deleted), then remove them."""
     if redispatch is not None and relay:
         _send(redispatch, relay, dedup.endpoint)
-    dedup.add_many([message_key(entity.id, mid) for entity, ids in batch for mid in ids])
+    retire([(entity, mid) for entity, ids in batch for mid in ids], dedup, tokens, dedup.endpoint)
     moved = {entity.id: ids for entity, ids in batch}
     for entity, ids in batch:
         for mid in ids:

@@ -1,0 +1,278 @@
+"""Token mode: the processor's steps for messages that carry a token (see
+:mod:`dedupstore.tokens`), beside retention mode's for those that do not (a hybrid
+endpoint: each message goes the way its headers say).
+
+For an incoming message with a token ``T`` (step numbers as in ``processor``):
+
+2. after the load, a message not in the outbox whose token is absent is a duplicate
+   (a token is deleted only once the message's outputs are dispatched);
+   otherwise the handler runs, and the save of the new entry *registers* a fresh
+   nonce for its outgoing tokens (one per outgoing message and subscribed
+   endpoint) before any of them exists (W1);
+3. before the dispatch, the tokens of the last nonce this call registered are
+   created (put-if-absent), then a save marks that nonce ``made`` (W2b): from then on
+   the entry's messages carry it and its tokens are never created again. A pending
+   entry whose last nonce is not this call's (a consumer died after W1) gets a new
+   nonce registered first (W2a): only the call that registered a nonce creates its
+   tokens, so a stalled copy can never bring back a token its receiver consumed;
+4. the dispatch stamps :data:`~dedupstore.tokens.TOKEN_HEADER` on every subscribed
+   message;
+5. the clean-up deletes ``T`` and the tokens of every nonce registered but not made
+   (garbage of attempts that failed), then removes the entry; a dead-lettered message
+   keeps ``T`` (its redrive checks and deletes it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+
+from dedupstore import metrics
+from dedupstore.entities import Entity, EntryTokens, OutgoingMessage
+from dedupstore.errors import ConfigurationError
+from dedupstore.ids import message_key, validate_message_id
+from dedupstore.outbox._base import _Base
+from dedupstore.outbox.letters import _REDRIVE_OF
+from dedupstore.outbox.messages import Message
+from dedupstore.store import DeduplicationStore
+from dedupstore.tokens import TOKEN_HEADER, TokenStore, new_nonce, token_id, token_of
+
+
+def minted(entity: Entity, mid: str, nonce: str) -> dict[str, str]:
+    """Token id -> receiving endpoint, of the tokens of ``nonce`` for the pending entry
+    ``mid`` of ``entity``."""
+    tokens = entity.tokens[mid]
+    made: dict[str, str] = {}
+    for message in entity.outbox[mid] or ():
+        for endpoint in tokens.to.get(message.destination, ()):
+            made[token_id(message.id, endpoint, nonce)] = endpoint
+    return made
+
+
+def garbage(entity: Entity, mid: str) -> list[str]:
+    """The ids of the tokens of the entry ``mid`` that no message carries: those of
+    nonces registered but not made (and the ``drop`` of a dispatched entry)."""
+    tokens = entity.tokens.get(mid)
+    if tokens is None:
+        return []
+    ids = list(tokens.drop)
+    if entity.outbox.get(mid) is not None:
+        for nonce in tokens.registered:
+            if nonce != tokens.made:
+                ids.extend(minted(entity, mid, nonce))
+    return ids
+
+
+def retired(entity: Entity, mid: str) -> EntryTokens | None:
+    """The tokens of the entry ``mid`` as they stay once it is marked dispatched: the
+    incoming token and the garbage ids (the messages that named them are gone)."""
+    tokens = entity.tokens.get(mid)
+    if tokens is None:
+        return None
+    return EntryTokens(tokens.incoming, drop=tuple(garbage(entity, mid)), letter=tokens.letter)
+
+
+def stamped(entity: Entity, mid: str) -> list[OutgoingMessage]:
+    """The pending entry ``mid``'s messages as dispatched: those of a subscribed
+    destination carry the made nonce in :data:`~dedupstore.tokens.TOKEN_HEADER`."""
+    entry = entity.outbox[mid] or []
+    tokens = entity.tokens.get(mid)
+    if tokens is None or tokens.made is None:
+        return entry
+    made, to = tokens.made, tokens.to
+    return [
+        OutgoingMessage(m.id, m.destination, m.body, {**m.headers, TOKEN_HEADER: made})
+        if m.destination in to
+        else m
+        for m in entry
+    ]
+
+
+def unmade(entity: Entity, mid: str) -> bool:
+    """Whether the pending entry ``mid`` has outgoing tokens not made yet (it cannot be
+    dispatched before they are)."""
+    tokens = entity.tokens.get(mid)
+    return (
+        tokens is not None
+        and tokens.made is None
+        and bool(tokens.to)
+        and entity.outbox.get(mid) is not None
+    )
+
+
+def check_subscriptions(subscriptions: object) -> dict[str, tuple[str, ...]]:
+    """``subscriptions`` (destination -> receiving endpoints) checked and copied, or
+    ``ConfigurationError`` naming what is wrong (before any I/O)."""
+    if subscriptions is None:
+        return {}
+    if not isinstance(subscriptions, Mapping):
+        raise ConfigurationError(
+            "subscriptions must map each destination to its receiving endpoints, got "
+            f"{type(subscriptions).__name__}"
+        )
+    checked: dict[str, tuple[str, ...]] = {}
+    for destination, endpoints in subscriptions.items():
+        validate_message_id(destination, "subscribed destination")
+        if isinstance(endpoints, str) or not isinstance(endpoints, Iterable):
+            raise ConfigurationError(
+                f"subscriptions[{destination!r:.80}] must be a list of receiving endpoints, "
+                f"got {endpoints!r:.80}"
+            )
+        listed = tuple(dict.fromkeys(validate_message_id(e, "endpoint") for e in endpoints))
+        if listed:
+            checked[destination] = listed
+    return checked
+
+
+def retire(
+    pairs: Sequence[tuple[Entity, str]],
+    dedup: DeduplicationStore,
+    tokens: TokenStore | None,
+    consumer: str,
+) -> None:
+    """Record ``pairs`` (entity, incoming message id) as done: delete the incoming
+    tokens (not a dead letter's) and the garbage tokens, then add the keys of those
+    that came without a token to ``dedup``. ``ConfigurationError`` before any write
+    when an entry has tokens and ``tokens`` is None."""
+    keys: list[str] = []
+    ids: list[str] = []
+    consumed = 0
+    for entity, mid in pairs:
+        entry = entity.tokens.get(mid)
+        if entry is None or entry.incoming is None:
+            keys.append(message_key(entity.id, mid))
+        elif not entry.letter:
+            ids.append(entry.incoming)
+            consumed += 1
+        if entry is not None:
+            ids.extend(garbage(entity, mid))
+    if ids:
+        if tokens is None:
+            raise _no_token_store(consumer)
+        tokens.delete(ids)
+        metrics.count_tokens(consumer, "consumed", consumed)
+    if keys:
+        dedup.add_many(keys)
+
+
+def _no_token_store(consumer: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"consumer {consumer!r:.80}: an entity holds outbox entries written in token mode, "
+        "but no token store was given (tokens=...); nothing of them was written. Give the "
+        "token store the entries were written with"
+    )
+
+
+class _Tokened(_Base):
+    """:class:`~dedupstore.outbox.OutboxProcessor`'s token mode."""
+
+    def _token_of(self, message: Message) -> str | None:
+        """The incoming token of ``message`` for this consumer (None: retention mode)."""
+        if self.tokens is None or not message.headers:
+            return None
+        headers = message.headers
+        if TOKEN_HEADER not in headers:
+            return None
+        original = headers.get(_REDRIVE_OF) or message.id  # a redrive: the original's token
+        return token_of(original, headers, self.consumer)
+
+    def _register(self, entity: Entity, message: Message, letter: bool) -> None:
+        """Record in ``entity`` (in memory) the tokens of ``message``'s new entry: its
+        incoming token, and a fresh nonce for the outgoing tokens it needs."""
+        if self.tokens is None:
+            return
+        mid = message.id
+        incoming = self._token_of(message)
+        subscribed = self.subscriptions
+        to = {
+            m.destination: subscribed[m.destination]
+            for m in entity.outbox[mid] or ()
+            if m.destination in subscribed
+        }
+        if incoming is None and not to:
+            entity.tokens.pop(mid, None)
+            return
+        entity.tokens[mid] = EntryTokens(
+            incoming, to, (self._nonce(),) if to else (), None, (), letter
+        )
+
+    def _nonce(self) -> str:
+        """A fresh nonce, remembered as this call's (only its registrant creates a
+        nonce's tokens)."""
+        nonce = new_nonce()
+        self._my_nonces().add(nonce)
+        return nonce
+
+    def _my_nonces(self) -> set[str]:
+        """The nonces this thread's current call registered."""
+        nonces: set[str] | None = getattr(self._mine, "nonces", None)
+        if nonces is None:
+            nonces = self._mine.nonces = set()
+        return nonces
+
+    def _recorded_by_token(self, tokens: Mapping[str, str]) -> set[str]:
+        """Of ``tokens`` (message key -> incoming token id), the keys whose token is
+        absent: duplicates."""
+        if not tokens:
+            return set()
+        store = self._token_store()
+        present = store.present_among(list(dict.fromkeys(tokens.values())))
+        missing = {key for key, token in tokens.items() if token not in present}
+        if missing:
+            metrics.count_tokens(self.consumer, "missing", len(missing))
+        return missing
+
+    def _make(self, pairs: Sequence[tuple[Entity, str]]) -> set[str]:
+        """Make the outgoing tokens of the pending entries ``pairs`` that need them
+        (steps W2a, W3, W2b above, each one request for all); returns the ids of the
+        entities whose saves conflicted (their entries are not made: retry them)."""
+        todo = [(e, mid) for e, mid in pairs if unmade(e, mid)]
+        if not todo:
+            return set()
+        store = self._token_store()
+        mine = self._my_nonces()
+        register: dict[str, Entity] = {}
+        for entity, mid in todo:
+            tokens = entity.tokens[mid]
+            if not (tokens.registered and tokens.registered[-1] in mine):
+                entity.tokens[mid] = replace(tokens, registered=(*tokens.registered, self._nonce()))
+                register[entity.id] = entity
+        conflicts = self.entities.save_many(list(register.values())) if register else set()
+        live = [(e, mid) for e, mid in todo if e.id not in conflicts]
+        made: dict[str, str] = {}
+        for entity, mid in live:
+            made.update(minted(entity, mid, entity.tokens[mid].registered[-1]))
+        if made:
+            store.create(made)
+        marked: dict[str, Entity] = {}
+        for entity, mid in live:
+            tokens = entity.tokens[mid]
+            entity.tokens[mid] = replace(tokens, made=tokens.registered[-1])
+            marked[entity.id] = entity
+        late = self.entities.save_many(list(marked.values()))
+        if late:
+            # Nobody else registered these nonces and no message carries them: they
+            # can never be made now, so no token of theirs is left behind.
+            lost = {
+                t
+                for e, mid in live
+                if e.id in late
+                for t in minted(e, mid, e.tokens[mid].made or "")
+            }
+            store.delete(lost)
+            made = {t: p for t, p in made.items() if t not in lost}
+        if made:
+            metrics.count_tokens(self.consumer, "created", len(made))
+        return conflicts | late
+
+    def _retire(self, pairs: Sequence[tuple[Entity, str]]) -> None:
+        """Record ``pairs`` (entity, incoming message id; entries about to leave their
+        outboxes) as done (:func:`retire`), before the save that removes them."""
+        retire(pairs, self.dedup, self.tokens, self.consumer)
+
+    def _token_store(self) -> TokenStore:
+        """The token store, or ``ConfigurationError``: an entity written in token mode
+        met by a processor without one."""
+        if self.tokens is None:
+            raise _no_token_store(self.consumer)
+        return self.tokens
