@@ -19,14 +19,18 @@ the memory and SQLite path, ``has_been_processed`` then the conditional save.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import pytest
 
+from dedupstore import tokens as tokens_module
 from dedupstore.entities import Entity, EntityStore
 from dedupstore.errors import ConcurrencyConflict
 from dedupstore.outbox import Handler, Message, OutboxProcessor, ProcessResult, message_key
+from dedupstore.outbox import tokened as tokened_module
+from dedupstore.outbox.tokened import minted
 from dedupstore.testing.interleavings import (
     Actor,
     InterleavingViolation,
@@ -489,3 +493,115 @@ def test_reads_commute_and_writes_to_either_store_do_not() -> None:
     assert not independent("load", "save") and not independent("has", "add")
     assert not independent("save", "add"), "a state the per-step checks see would be skipped"
     assert not independent("dispatch", "save"), "the ghost check reads the saved state"
+
+
+# ---------------------------------------------------------------------- token mode
+
+
+class RecreatesMadeTokens(OutboxProcessor):
+    """BROKEN: before each dispatch, creates the made tokens again ("make sure they
+    exist"): a copy that dispatches after a receiver consumed one brings it back."""
+
+    def _make(self, pairs: Sequence[tuple[Entity, str]], alone: bool = False) -> set[str]:
+        conflicts = super()._make(pairs, alone)
+        again: dict[str, str] = {}
+        for entity, mid in pairs:
+            tokens = entity.tokens.get(mid)
+            if tokens and tokens.made and entity.id not in conflicts and entity.outbox.get(mid):
+                again.update(minted(entity, mid, tokens.made))
+        if again and self.tokens is not None:
+            self.tokens.create(again)
+        return conflicts
+
+
+class DeletesTokenFirst(OutboxProcessor):
+    """BROKEN: deletes the incoming token as soon as it found it, before its change
+    and outputs are saved (a crash then loses the message)."""
+
+    def _recorded_by_token(self, tokens: Mapping[str, str]) -> set[str]:
+        missing = super()._recorded_by_token(tokens)
+        present = [t for k, t in tokens.items() if k not in missing]
+        if present and self.tokens is not None:
+            self.tokens.delete(present)
+        return missing
+
+
+class ReadsTokenBeforeLoad(OutboxProcessor):
+    """BROKEN: reads the incoming token before it loads the entity (a copy that
+    finishes in between leaves it a token it saw present and an outbox without
+    the entry)."""
+
+    early: set[str] | None = None
+
+    def process(self, message: Message, handler: Handler) -> ProcessResult:
+        token = self._token_of(message)
+        key = message_key(message.correlation_id, message.id)
+        self.early = None if token is None else super()._recorded_by_token({key: token})
+        return super().process(message, handler)
+
+    def _recorded_by_token(self, tokens: Mapping[str, str]) -> set[str]:
+        if self.early is not None:
+            return self.early
+        return super()._recorded_by_token(tokens)
+
+
+def _shared_token_id(message_id: str, endpoint: str, nonce: str) -> str:
+    """BROKEN: one token per message, whoever receives it."""
+    return _token_id(message_id, "everyone", nonce)
+
+
+_token_id = tokens_module.token_id
+
+
+class TokenBroken(NamedTuple):
+    """A broken token-mode processor, its scenario, the invariants reported, and
+    whether only a crash of actor 0 shows it."""
+
+    processor: Callable[..., OutboxProcessor]
+    scenario: Scenario
+    invariants: set[str]
+    crash: int | None = None
+
+
+TOKEN_BROKEN = {
+    "token-created-again-after-dispatch": TokenBroken(
+        RecreatesMadeTokens, Scenario((ONE, ONE), 1, "inline", tokens="all"), {"recreated"}
+    ),
+    "token-deleted-before-dispatch": TokenBroken(
+        DeletesTokenFirst, Scenario((ONE, ONE), 1, "inline", tokens="all"), {"once"}, crash=0
+    ),
+    "token-read-before-load": TokenBroken(
+        ReadsTokenBeforeLoad,
+        Scenario((ONE, ONE), 1, "inline", tokens="all"),
+        {"once", "honest-result"},
+    ),
+    "one-token-shared-by-two-receivers": TokenBroken(
+        OutboxProcessor,
+        Scenario((ONE, ONE), 1, "inline", tokens="all"),
+        {"token-before-dispatch"},
+    ),
+}
+
+
+@pytest.mark.parametrize("outbox_backend", backend_params(("memory", "sqlite")), indirect=True)
+@pytest.mark.parametrize("variant", list(TOKEN_BROKEN))
+def test_the_harness_catches_a_broken_token_mode(
+    outbox_backend: OutboxBackend, variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broken = TOKEN_BROKEN[variant]
+    if variant == "one-token-shared-by-two-receivers":  # senders and receivers alike
+        monkeypatch.setattr(tokens_module, "token_id", _shared_token_id)
+        monkeypatch.setattr(tokened_module, "token_id", _shared_token_id)
+    explored = functools.partial(
+        explore,
+        broken.scenario,
+        outbox_backend.entities,
+        outbox_backend.dedup,
+        processor=broken.processor,
+        token_store=outbox_backend.tokens,
+    )
+    if broken.crash is not None:  # right unless it crashes
+        assert explored() >= 3
+    with pytest.raises(InterleavingViolation) as caught:
+        explored(crash_actor=broken.crash)
+    assert caught.value.invariant in broken.invariants, str(caught.value)

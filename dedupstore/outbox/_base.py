@@ -94,7 +94,7 @@ class _Base:
         def _recorded_by_token(self, tokens: dict[str, str]) -> set[str]:
             raise NotImplementedError
 
-        def _make(self, pairs: Sequence[tuple[Entity, str]]) -> set[str]:
+        def _make(self, pairs: Sequence[tuple[Entity, str]], alone: bool = False) -> set[str]:
             raise NotImplementedError
 
         def _retire(self, pairs: Sequence[tuple[Entity, str]]) -> None:

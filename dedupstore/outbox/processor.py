@@ -59,7 +59,7 @@ from dedupstore.outbox.messages import (
     _shown,
     _validate,
 )
-from dedupstore.outbox.tokened import _Tokened, check_subscriptions, stamped, unmade
+from dedupstore.outbox.tokened import _Outraced, _Tokened, check_subscriptions, stamped, unmade
 from dedupstore.store import DeduplicationStore
 from dedupstore.tokens import TokenStore
 
@@ -352,7 +352,7 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
                     if outcome is None:
                         outcome, error = self._found(entity, mid)
                 if outgoing is not None and not {m.id for m in outgoing} <= dispatched:
-                    if self._make([(entity, mid)]):
+                    if self._make([(entity, mid)], alone=True):
                         raise ConcurrencyConflict(f"entity {cid!r:.80} changed")
                     _send(self.dispatcher, stamped(entity, mid), self.consumer)
                     dispatched.update(m.id for m in outgoing)
@@ -360,6 +360,8 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
                     self._clean_up(entity, mid)
                     self._kept.keep(entity)
                 return ProcessResult(mid, outcome, tuple(outgoing or ()), attempt, error)
+            except _Outraced:
+                raise
             except ConcurrencyConflict:
                 if attempt < self.max_attempts:
                     _retrying(self.consumer, [cid])

@@ -14,7 +14,10 @@ For an incoming message with a token ``T`` (step numbers as in ``processor``):
    the entry's messages carry it and its tokens are never created again. A pending
    entry whose last nonce is not this call's (a consumer died after W1) gets a new
    nonce registered first (W2a): only the call that registered a nonce creates its
-   tokens, so a stalled copy can never bring back a token its receiver consumed;
+   tokens, so a stalled copy can never bring back a token its receiver consumed. A
+   call registers at most one nonce per entry: one whose nonce another copy replaced
+   gives way (``ConcurrencyConflict``: redeliver it) instead of replacing it back, so
+   two copies never take turns forever;
 4. the dispatch stamps :data:`~dedupstore.tokens.TOKEN_HEADER` on every subscribed
    message;
 5. the clean-up deletes ``T`` and the tokens of every nonce registered but not made
@@ -29,7 +32,7 @@ from dataclasses import replace
 
 from dedupstore import metrics
 from dedupstore.entities import Entity, EntryTokens, OutgoingMessage
-from dedupstore.errors import ConfigurationError
+from dedupstore.errors import ConcurrencyConflict, ConfigurationError
 from dedupstore.ids import message_key, validate_message_id
 from dedupstore.outbox._base import _Base
 from dedupstore.outbox.letters import _REDRIVE_OF
@@ -163,6 +166,11 @@ def _no_token_store(consumer: str) -> ConfigurationError:
     )
 
 
+class _Outraced(ConcurrencyConflict):
+    """Another copy of the message registered a nonce after this call's: this call
+    gives way (the message is redelivered) instead of taking turns with it."""
+
+
 class _Tokened(_Base):
     """:class:`~dedupstore.outbox.OutboxProcessor`'s token mode."""
 
@@ -222,22 +230,36 @@ class _Tokened(_Base):
             metrics.count_tokens(self.consumer, "missing", len(missing))
         return missing
 
-    def _make(self, pairs: Sequence[tuple[Entity, str]]) -> set[str]:
+    def _make(self, pairs: Sequence[tuple[Entity, str]], alone: bool = False) -> set[str]:
         """Make the outgoing tokens of the pending entries ``pairs`` that need them
         (steps W2a, W3, W2b above, each one request for all); returns the ids of the
-        entities whose saves conflicted (their entries are not made: retry them)."""
+        entities whose saves conflicted, or that this call registered a nonce for
+        that another copy replaced since (their entries are not made: retry them;
+        ``alone``, for one message: ``_Outraced`` for the second kind)."""
         todo = [(e, mid) for e, mid in pairs if unmade(e, mid)]
         if not todo:
             return set()
         store = self._token_store()
         mine = self._my_nonces()
         register: dict[str, Entity] = {}
+        outraced: set[str] = set()
         for entity, mid in todo:
             tokens = entity.tokens[mid]
-            if not (tokens.registered and tokens.registered[-1] in mine):
-                entity.tokens[mid] = replace(tokens, registered=(*tokens.registered, self._nonce()))
-                register[entity.id] = entity
+            if tokens.registered and tokens.registered[-1] in mine:
+                continue
+            if mine.intersection(tokens.registered):
+                if alone:
+                    raise _Outraced(
+                        f"message {mid!r:.80} of entity {entity.id!r:.80}: another copy is "
+                        "making the tokens of its outgoing messages; redeliver it"
+                    )
+                outraced.add(entity.id)
+                continue
+            entity.tokens[mid] = replace(tokens, registered=(*tokens.registered, self._nonce()))
+            register[entity.id] = entity
+        todo = [(e, mid) for e, mid in todo if e.id not in outraced]
         conflicts = self.entities.save_many(list(register.values())) if register else set()
+        conflicts |= outraced
         live = [(e, mid) for e, mid in todo if e.id not in conflicts]
         made: dict[str, str] = {}
         for entity, mid in live:

@@ -33,6 +33,20 @@ the steps before its new choice, and the explorer verifies that it does):
 ``honest-result``
     at most one call reports ``"processed"`` for a message.
 
+In token mode (``Scenario.tokens``: every message carries a token, or every other
+one: a hybrid endpoint), ``in-outbox-or-store`` reads "in its entity's outbox, or its
+token gone" for a message with a token, and ``settled`` also requires every token of
+the run gone (the incoming ones consumed, garbage deleted) and nothing of the
+tokened messages in the deduplication store. Outgoing messages go to two
+subscribed receivers that consume their tokens as the message is dispatched, so:
+
+``token-before-dispatch``
+    each subscribed message carries the nonce of its tokens, and its first dispatch
+    finds each receiver's token present (else that receiver would drop it);
+``recreated``
+    no token a receiver consumed exists again (a redelivery to it would be applied
+    twice).
+
 A violation raises :class:`InterleavingViolation` naming the invariant and the
 schedule, so a broken processor variant is reported, not just failed.
 """
@@ -48,6 +62,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from dedupstore import tokens as tokens_module
 from dedupstore.entities import Entity, EntityStore, OutgoingMessage
 from dedupstore.outbox import (
     InMemoryDispatcher,
@@ -59,7 +74,9 @@ from dedupstore.outbox import (
     outgoing_id,
     sweep,
 )
+from dedupstore.outbox.tokened import _Outraced
 from dedupstore.store import DeduplicationStore
+from dedupstore.tokens import TOKEN_HEADER, TokenStore, new_nonce
 
 __all__ = [
     "Actor",
@@ -140,6 +157,9 @@ class Scenario:
     message_count: int
     cleanup: Literal["inline", "deferred"] = "inline"
     earlier: tuple[int, ...] = ()
+    #: ``"off"``: retention mode; ``"all"``: every message carries a token;
+    #: ``"hybrid"``: the even-numbered ones do (the others come from outside).
+    tokens: Literal["off", "all", "hybrid"] = "off"
 
 
 @dataclass(frozen=True)
@@ -175,7 +195,12 @@ _ACCESS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "processed_among": (frozenset("D"), frozenset()),
     "add": (frozenset("D"), frozenset("DV")),
     "add_many": (frozenset("D"), frozenset("DV")),
-    "dispatch": (frozenset("E"), frozenset("X")),  # the ghost check reads the entity
+    # the ghost check reads the entity; the receivers consume their tokens
+    "dispatch": (frozenset("ET"), frozenset("XT")),
+    # the token store (T)
+    "read_tokens": (frozenset("T"), frozenset()),
+    "create_tokens": (frozenset("T"), frozenset("TV")),
+    "delete_tokens": (frozenset("T"), frozenset("TV")),
     # the two stores of one server, in one request (EntityStore._joined)
     "load_and_check": (frozenset("ED"), frozenset()),
     "check_and_save": (frozenset("ED"), frozenset("EV")),
@@ -380,6 +405,11 @@ _DEDUP_STEPS: dict[str, str | None] = {
     "add_many": "add_many",
 }
 _DISPATCH_STEPS: dict[str, str | None] = {"dispatch": "dispatch"}
+_TOKEN_STEPS: dict[str, str | None] = {
+    "present_among": "read_tokens",
+    "create": "create_tokens",
+    "delete": "delete_tokens",
+}
 
 
 class _Turned:
@@ -412,16 +442,63 @@ def _whole(result: Any) -> Any:
 
 
 class _Ledger(InMemoryDispatcher):
-    """Records what was sent, and the saved state at that moment (for ``ghost``)."""
+    """Records what was sent, and the saved state at that moment (for ``ghost``); in
+    token mode, the subscribed receivers consume their tokens as it is sent."""
 
-    def __init__(self, entities: EntityStore, entity_id: str, turns: _Turns) -> None:
+    def __init__(
+        self,
+        entities: EntityStore,
+        entity_id: str,
+        turns: _Turns,
+        tokens: TokenStore | None = None,
+        receivers: tuple[str, ...] = (),
+    ) -> None:
         super().__init__()
         self._entities, self._entity_id, self._turns = entities, entity_id, turns
+        self._tokens, self.receivers = tokens, receivers
+        #: (receiver, token id) of the tokens the receivers consumed
+        self.consumed: set[tuple[str, str]] = set()
+        #: every token id an actor created (through its token store's steps)
+        self.created: set[str] = set()
+
+    def _consume(self, messages: Sequence[OutgoingMessage]) -> None:
+        """The receivers take the subscribed messages: a token present is consumed (a
+        state change, so replayed steps make it too); a first copy without one is lost."""
+        tokens = self._tokens
+        if tokens is None:
+            return
+        for message in messages:
+            if message.destination != "ledger":
+                continue
+            nonce = message.headers.get(TOKEN_HEADER)
+            if nonce is None:
+                raise InterleavingViolation(
+                    "token-before-dispatch",
+                    f"{message.id} was dispatched without its tokens' nonce",
+                    self._turns.run.trace,
+                )
+            for receiver in self.receivers:  # each on its own, as receivers do
+                token = tokens_module.token_id(message.id, receiver, nonce)
+                if (receiver, token) in self.consumed:
+                    continue  # a copy: the receiver drops it
+                if not tokens.present_among([token]):
+                    if self._turns.fresh:
+                        raise InterleavingViolation(
+                            "token-before-dispatch",
+                            f"{message.id} was dispatched, but receiver {receiver} found no "
+                            "token for it (it would drop the message)",
+                            self._turns.run.trace,
+                        )
+                    continue
+                tokens.delete([token])
+                self.consumed.add((receiver, token))
 
     def dispatch(self, messages: Sequence[OutgoingMessage]) -> None:
         if not self._turns.fresh:  # a replayed step: this check passed when it was made
+            self._consume(messages)
             super().dispatch(messages)
             return
+        self._consume(messages)
         saved = self._entities.load(self._entity_id).state.get("applied", [])
         for message in messages:
             if message.body["mid"] not in saved:
@@ -481,6 +558,26 @@ class _World:
     entity_clients: list[EntityStore]
     dedup_clients: list[DeduplicationStore]
     crew: _Crew
+    token_clients: list[TokenStore] = field(default_factory=list)
+
+
+class _Creating:
+    """A token store that tells the ledger every token it creates (then creates it)."""
+
+    def __init__(self, real: TokenStore, ledger: _Ledger) -> None:
+        self._real, self._ledger = real, ledger
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def create(self, tokens: Any) -> None:
+        self._ledger.created.update(tokens)
+        self._real.create(tokens)
+
+
+def _minted(scenario: Scenario, index: int) -> bool:
+    """Whether message ``index`` carries a token in ``scenario``."""
+    return scenario.tokens == "all" or (scenario.tokens == "hybrid" and index % 2 == 0)
 
 
 def _run_once(
@@ -493,11 +590,33 @@ def _run_once(
     """Run one schedule of ``scenario`` on fresh ids, then redeliver, sweep and check."""
     tag = uuid.uuid4().hex[:12]
     entity_id = f"ent-{tag}"
-    messages = [Message(f"m{n}-{tag}", entity_id, n) for n in range(scenario.message_count)]
     checker_entities, checker_dedup = world.entity_clients[-1], world.dedup_clients[-1]
+    checker_tokens = world.token_clients[-1] if world.token_clients else None
+    endpoint = checker_dedup.endpoint
+    messages = [Message(f"m{n}-{tag}", entity_id, n) for n in range(scenario.message_count)]
+    incoming: dict[str, str] = {}  # message id -> its token id
+    if checker_tokens is not None:
+        for n, message in enumerate(messages):
+            if _minted(scenario, n):
+                nonce = new_nonce()
+                messages[n] = Message(message.id, entity_id, n, {TOKEN_HEADER: nonce})
+                incoming[message.id] = tokens_module.token_id(message.id, endpoint, nonce)
+        if incoming:
+            checker_tokens.create(dict.fromkeys(incoming.values(), endpoint))
     turns = _Turns(len(scenario.actors), explorer, crash)
-    ledger = _Ledger(checker_entities, entity_id, turns)
+    receivers = (f"r1-{tag}", f"r2-{tag}") if checker_tokens is not None else ()
+    ledger = _Ledger(checker_entities, entity_id, turns, checker_tokens, receivers)
     labels = [f"{chr(65 + i)}:{a.label}" for i, a in enumerate(scenario.actors)]
+
+    def options(index: int | None) -> dict[str, Any]:
+        """The processor's token options (``index``: an actor's, through its steps)."""
+        if checker_tokens is None:
+            return {}
+        client: Any = checker_tokens if index is None else world.token_clients[index]
+        store: Any = _Creating(client, ledger)
+        if index is not None:
+            store = _Turned(store, turns, index, _TOKEN_STEPS)
+        return {"tokens": store, "subscriptions": {"ledger": list(receivers)}}
 
     # what the actors' processors did before the run, alone: the entity each kept
     kept = {}
@@ -509,12 +628,15 @@ def _run_once(
                 world.dedup_clients[index],
                 ledger,
                 cleanup=scenario.cleanup,
+                **options(None),
             )
             for i in actor.after:
                 before.process(messages[i], ledger_handler)
             kept[index] = before._kept
     if scenario.earlier:
-        other = processor(checker_entities, checker_dedup, ledger, cleanup=scenario.cleanup)
+        other = processor(
+            checker_entities, checker_dedup, ledger, cleanup=scenario.cleanup, **options(None)
+        )
         for i in scenario.earlier:
             other.process(messages[i], ledger_handler)
 
@@ -526,9 +648,11 @@ def _run_once(
         result: list[ProcessResult] | BaseException | None = None
         try:
             if actor.kind == "sweep":
-                sweep(entities, dedup)
+                sweep(entities, dedup, tokens=options(index).get("tokens"))
             else:
-                runner = processor(entities, dedup, dispatcher, cleanup=scenario.cleanup)
+                runner = processor(
+                    entities, dedup, dispatcher, cleanup=scenario.cleanup, **options(index)
+                )
                 runner._kept = kept.get(index, runner._kept)
                 survivors[index] = (actor.kind, runner._kept)
                 chosen = [messages[i] for i in actor.messages]
@@ -549,14 +673,30 @@ def _run_once(
         applied = entity.state.get("applied", [])
         if len(applied) != len(set(applied)):
             raise InterleavingViolation("once", f"a message was applied twice: {applied}", trace)
-        # only an applied id that left the outbox must be in the store (one question, or none)
-        gone = {message_key(entity_id, mid): mid for mid in applied if mid not in entity.outbox}
+        # only an applied id that left the outbox must be in the store (one question, or
+        # none); or, for a message with a token, its token must be gone
+        gone = {
+            message_key(entity_id, mid): mid
+            for mid in applied
+            if mid not in entity.outbox and mid not in incoming
+        }
         stored = {gone[k] for k in checker_dedup.processed_among(list(gone))} if gone else set()
         lost = [mid for mid in gone.values() if mid not in stored]
+        if checker_tokens is not None:
+            left = [incoming[m] for m in applied if m not in entity.outbox and m in incoming]
+            if left:
+                alive = checker_tokens.present_among(left)
+                lost += [m for m in applied if incoming.get(m) in alive]
+            back = [t for _, t in ledger.consumed]
+            if back and checker_tokens.present_among(back):
+                raise InterleavingViolation(
+                    "recreated", "a token its receiver consumed exists again", trace
+                )
         if lost:
             raise InterleavingViolation(
                 "in-outbox-or-store",
-                f"{lost} applied but neither in the outbox nor in the deduplication store",
+                f"{lost} applied but neither in the outbox nor in the deduplication store "
+                "(nor, with a token, its token gone)",
                 trace,
             )
 
@@ -565,10 +705,14 @@ def _run_once(
     world.crew.join()
     if run.blocked:
         _retire(checker_entities, entity_id)
+        if checker_tokens is not None:  # so that nothing of it is left in the store
+            checker_tokens.delete({*incoming.values(), *ledger.created})
         return run
     for index, result in run.results.items():
         if isinstance(result, InterleavingViolation):
             raise result
+        if isinstance(result, _Outraced):
+            continue  # token mode: it gave way to another copy (redelivered below)
         if isinstance(result, BaseException) and not isinstance(result, Crash):
             raise InterleavingViolation(
                 "no-error", f"{labels[index]} raised {result!r}", run.trace
@@ -576,7 +720,9 @@ def _run_once(
     # the redelivery goes to a consumer that did not crash, with what it kept
     alive = [c for i, c in survivors.items() if not isinstance(run.results.get(i), Crash)]
     kind, cache = alive[0] if alive else ("process", None)
-    _settle_and_check(scenario, world, processor, messages, ledger, run, kind, cache)
+    _settle_and_check(
+        scenario, world, processor, messages, ledger, run, kind, cache, incoming, options(None)
+    )
     return run
 
 
@@ -590,6 +736,16 @@ def _retire(entities: EntityStore, entity_id: str) -> None:
         entities.save(entity)
 
 
+def _crashed_after_creating(trace: Sequence[str]) -> bool:
+    """Whether an actor crashed after it created tokens (a crash is marked right after
+    the crashing actor's step)."""
+    for index, step in enumerate(trace):
+        if "!crash" in step and index > 0:
+            actor = trace[index - 1].split(".")[0]
+            return f"{actor}.create_tokens" in trace[:index]
+    return False
+
+
 def _settle_and_check(
     scenario: Scenario,
     world: _World,
@@ -599,6 +755,8 @@ def _settle_and_check(
     run: Run,
     kind: str = "process",
     kept: Any = None,
+    incoming: dict[str, str] | None = None,
+    token_options: dict[str, Any] | None = None,
 ) -> None:
     """Redeliver every message (as a ``kind`` consumer: one by one, or in one
     batch; holding the entities ``kept``, if given: a kept entity must not hide an
@@ -613,7 +771,10 @@ def _settle_and_check(
     if twice:
         raise InterleavingViolation("honest-result", f"reported processed twice: {twice}", trace)
     entities, dedup = world.entity_clients[-1], world.dedup_clients[-1]
-    final = processor(entities, dedup, ledger, cleanup=scenario.cleanup)
+    incoming = incoming or {}
+    token_options = token_options or {}
+    tokens: TokenStore | None = token_options.get("tokens")
+    final = processor(entities, dedup, ledger, cleanup=scenario.cleanup, **token_options)
     if kept is not None:
         final._kept = kept
     if kind == "batch":
@@ -621,7 +782,7 @@ def _settle_and_check(
     else:
         for message in messages:
             final.process(message, ledger_handler)
-    sweep(_OneEntity(entities, messages[0].correlation_id), dedup)  # type: ignore[arg-type]
+    sweep(_OneEntity(entities, messages[0].correlation_id), dedup, tokens=tokens)  # type: ignore[arg-type]
     entity = entities.load(messages[0].correlation_id)
     applied = entity.state.get("applied", [])
     ids = [m.id for m in messages]
@@ -630,15 +791,37 @@ def _settle_and_check(
             "once", f"after redelivery the state applied {applied}, expected {ids} once each", trace
         )
     cid = messages[0].correlation_id
-    keys = [message_key(cid, mid) for mid in ids]
-    if entity.outbox or entity.attempts or dedup.processed_among(keys) != set(keys):
+    keys = [message_key(cid, mid) for mid in ids if mid not in incoming]
+    all_keys = [message_key(cid, mid) for mid in ids]
+    if entity.outbox or entity.attempts or dedup.processed_among(all_keys) != set(keys):
         raise InterleavingViolation(
             "settled",
             f"after redelivery and a sweep the outbox is {sorted(entity.outbox)}, the runs "
             f"recorded {entity.attempts} and the store holds "
-            f"{sorted(dedup.processed_among(keys))} of {keys}",
+            f"{sorted(dedup.processed_among(all_keys))}, expected {keys}",
             trace,
         )
+    if tokens is not None:
+        left = tokens.present_among({*incoming.values(), *ledger.created})
+        carried = {
+            tokens_module.token_id(m.id, r, m.headers[TOKEN_HEADER])
+            for m in ledger.sent
+            if TOKEN_HEADER in m.headers
+            for r in ledger.receivers
+        }
+        # The one window two stores cannot close: an actor overtaken by a copy that
+        # made, dispatched and cleaned the entry up (deleting the tokens of the actor's
+        # registered nonce, not created yet), then creating them and dying before it
+        # deletes them. No message carries those: an orphan report finds them.
+        if left and _crashed_after_creating(trace):
+            left = left & ({*incoming.values()} | carried)
+        if left:
+            raise InterleavingViolation(
+                "settled",
+                f"after redelivery and a sweep {len(left)} token(s) of the run are left "
+                f"(incoming: {sorted(m for m, t in incoming.items() if t in left)})",
+                trace,
+            )
     sent: dict[str, OutgoingMessage] = {}
     for out in ledger.sent:
         first = sent.setdefault(out.id, out)
@@ -677,6 +860,7 @@ def explore(
     processor: ProcessorFactory = OutboxProcessor,
     crash_actor: int | None = None,
     limit: int | None = None,
+    token_store: Callable[[], TokenStore] | None = None,
 ) -> int:
     """Run every schedule of ``scenario``; return how many. Raises :class:`InterleavingViolation`.
 
@@ -685,11 +869,17 @@ def explore(
     ``crash_actor``, every schedule is run once more for every gap between that
     actor's steps, crashing there: before its first step, then after each step.
     ``limit`` stops after that many schedules (for slow emulators; ``None``: all).
+    ``token_store`` opens a client of the token store, for a scenario in token mode
+    (``ValueError`` without one).
     """
+    if scenario.tokens != "off" and token_store is None:
+        raise ValueError(f"a scenario with tokens={scenario.tokens!r} needs a token_store")
+    size = len(scenario.actors) + 1
     world = _World(
-        [entity_store() for _ in range(len(scenario.actors) + 1)],
-        [dedup_store() for _ in range(len(scenario.actors) + 1)],
+        [entity_store() for _ in range(size)],
+        [dedup_store() for _ in range(size)],
         _Crew(len(scenario.actors)),
+        [token_store() for _ in range(size)] if scenario.tokens != "off" and token_store else [],
     )
     runs = 0
     try:
@@ -719,5 +909,5 @@ def explore(
         return runs
     finally:
         world.crew.close()
-        for client in (*world.entity_clients, *world.dedup_clients):
+        for client in (*world.entity_clients, *world.dedup_clients, *world.token_clients):
             client.close()
