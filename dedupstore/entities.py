@@ -229,8 +229,9 @@ class EntryTokens:
     order; ``made``: the one whose tokens were created and whose messages are
     dispatched (never created again). The others' tokens are garbage, and ``drop``
     holds the ids of those of a dispatched entry: both are deleted at the clean-up.
-    ``letter``: the message was dead-lettered; its incoming token stays until it is
-    redriven or discarded.
+    ``letter``: the message was dead-lettered: the token of its redrive (the dead
+    letter's id, the same nonce), created when the incoming token is deleted, so that
+    the original is a duplicate and the redrive is processed once.
     """
 
     incoming: str | None = None
@@ -238,7 +239,7 @@ class EntryTokens:
     registered: tuple[str, ...] = ()
     made: str | None = None
     drop: tuple[str, ...] = ()
-    letter: bool = False
+    letter: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The JSON-compatible form saved in the entity (empty parts left out)."""
@@ -253,8 +254,8 @@ class EntryTokens:
             data["made"] = self.made
         if self.drop:
             data["drop"] = list(self.drop)
-        if self.letter:
-            data["letter"] = True
+        if self.letter is not None:
+            data["letter"] = self.letter
         return data
 
     @classmethod
@@ -266,7 +267,7 @@ class EntryTokens:
             tuple(map(str, data.get("reg") or ())),
             data.get("made"),
             tuple(map(str, data.get("drop") or ())),
-            bool(data.get("letter")),
+            data.get("letter"),
         )
 
 

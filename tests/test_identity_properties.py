@@ -15,6 +15,14 @@ checked against the model:
 * with a run record (``run`` and ``before_cleanup``, a crashed batch retried whole as
   a Spark task is), every message is recorded applied exactly once, crashes or not.
 
+In token mode (every delivery carries a token, or in hybrid mode those of m1 and m3)
+the crashes reach the token store's calls too, the outputs to ``out`` get tokens for
+a receiver that consumes them as they are dispatched, and: every first copy of an
+output finds its token, no consumed token comes back, nothing of a tokened message
+is in the deduplication store, and no token is left but a dead letter's (kept for its
+redrive) and those no message carries of an attempt that died right after creating
+them (the orphan report's).
+
 Entity records are small here (a few KB) so batches run in rounds, and
 ``deferred_limit`` is tiny so the deferred clean-up moves ids inline. Full runs on the
 in-process and SQLite backends; shorter ones on PostgreSQL and Redis. Anti-tests
@@ -24,6 +32,7 @@ that ignore the consumer.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import uuid
 from collections import Counter
@@ -36,12 +45,18 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import dedupstore.outbox as outbox_module
-from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
+from dedupstore.backends.memory import (
+    MemoryDeduplicationStore,
+    MemoryEntityStore,
+    MemoryTokenStore,
+)
 from dedupstore.entities import Entity, EntityStore, OutgoingMessage
 from dedupstore.ids import outgoing_id
 from dedupstore.outbox import Message, OutboxProcessor, Send, sweep
+from dedupstore.outbox.tokened import minted
 from dedupstore.registry import open_url
 from dedupstore.store import DeduplicationStore
+from dedupstore.tokens import TOKEN_HEADER, TokenStore, token_id
 from tests.outbox_backends import OutboxBackend, _drop_postgres
 
 ENTITIES = ("a", "b", "c")
@@ -57,6 +72,9 @@ OPERATIONS = (
     "add",
     "add_many",
     "dispatch",
+    "create",
+    "present_among",
+    "delete",
 )
 RECORD_BYTES = 2200
 
@@ -71,19 +89,25 @@ class Faults:
     def __init__(self) -> None:
         self.armed: tuple[str, int, bool] | None = None
         self.calls: Counter[str] = Counter()
+        #: the armed attempt created tokens; a crash came after it did
+        self.created = False
+        self.crashed_after_create = False
 
     def arm(self, crash: tuple[str, int, bool] | None) -> None:
-        self.armed, self.calls = crash, Counter()
+        self.armed, self.calls, self.created = crash, Counter(), False
 
     def call(self, name: str, action: Callable[[], Any]) -> Any:
         self.calls[name] += 1
         hit = self.armed is not None and self.armed[:2] == (name, self.calls[name])
         if hit and self.armed is not None and not self.armed[2]:
             self.armed = None
+            self.crashed_after_create |= self.created
             raise Crash(f"before {name}")
         result = action()
+        self.created |= name == "create"
         if hit:
             self.armed = None
+            self.crashed_after_create |= self.created
             raise Crash(f"after {name}")
         return result
 
@@ -100,13 +124,41 @@ class _Wrapped:
 
 
 class Ledger:
-    """The receivers: every dispatched copy, in order."""
+    """The receivers: every dispatched copy, in order. With ``tokens``, the receiver
+    ``down`` of ``out`` consumes each copy's token as it is dispatched."""
 
-    def __init__(self) -> None:
+    def __init__(self, tokens: TokenStore | None = None) -> None:
         self.sent: list[OutgoingMessage] = []
+        self.tokens = tokens
+        self.consumed: set[str] = set()
+        self.created: set[str] = set()  # every token a processor created
 
     def dispatch(self, messages: Any) -> None:
+        if self.tokens is not None:
+            for message in messages:
+                if message.destination != "out":
+                    continue
+                token = token_id(message.id, "down", message.headers[TOKEN_HEADER])
+                if token in self.consumed:
+                    continue
+                assert self.tokens.present_among([token]), f"{message.id} sent before its token"
+                self.tokens.delete([token])
+                self.consumed.add(token)
         self.sent.extend(messages)
+
+
+class _Creating:
+    """A token store that tells the ledger every token it creates."""
+
+    def __init__(self, real: TokenStore, ledger: Ledger) -> None:
+        self._real, self._ledger = real, ledger
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def create(self, tokens: Any) -> None:
+        self._ledger.created.update(tokens)
+        self._real.create(tokens)
 
 
 def handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
@@ -147,6 +199,8 @@ class Scenario:
     poison: bool = False
     #: batches only, each with a run record, a crashed batch retried at once and whole
     record: bool = False
+    #: "all": every delivery carries a token; "hybrid": those of m1 and m3
+    tokens: str = "off"
 
     @property
     def handler(self) -> Any:
@@ -174,6 +228,7 @@ scenarios = st.builds(
     cleanup=st.fixed_dictionaries({c: st.sampled_from(["inline", "deferred"]) for c in CONSUMERS}),
     poison=st.booleans(),
     record=st.booleans(),
+    tokens=st.sampled_from(["off", "all", "hybrid"]),
 )
 
 
@@ -183,6 +238,7 @@ class World:
 
     entities: EntityStore
     dedup: DeduplicationStore
+    tokens: TokenStore | None = None
 
 
 Factory = Callable[[str], World]
@@ -204,9 +260,11 @@ def run(
     """
     tags = dict.fromkeys(CONSUMERS, tag)
     faults = Faults()
-    ledger = Ledger()
     worlds = {c: open_world(f"{c}-{tag}") for c in CONSUMERS}
+    token_store = worlds[CONSUMERS[0]].tokens if scenario.tokens != "off" else None
+    ledger = Ledger(token_store)
     try:
+        incoming = _mint(scenario, worlds, tags, token_store)
         for world in worlds.values():
             world.entities.max_entity_bytes = RECORD_BYTES  # type: ignore[misc]
         processors = {
@@ -218,19 +276,103 @@ def run(
                 deferred_limit=2,
                 dead_letters="dead" if scenario.poison else None,
                 run=f"run-{tag}" if scenario.record else None,
+                **_token_options(token_store, ledger, faults),
             )
             for c, w in worlds.items()
         }
         reports = _play(scenario, processors, worlds, faults, tags, redeliver)
         _check(scenario, processors, worlds, ledger, tags, reports, replay=redeliver)
+        if token_store is not None:
+            _check_tokens(scenario, worlds, ledger, tags, incoming, faults)
     finally:
         for world in worlds.values():
             world.entities.close()
             world.dedup.close()
+            if world.tokens is not None:
+                world.tokens.close()
 
 
-def _message(consumer: str, cid: str, mid: str, tags: dict[str, str]) -> Message:
-    return Message(mid, f"{cid}-{tags[consumer]}", None)
+def _token_options(tokens: TokenStore | None, ledger: Ledger, faults: Faults) -> dict[str, Any]:
+    if tokens is None:
+        return {}
+    store = _Wrapped(_Creating(tokens, ledger), faults)
+    return {"tokens": store, "subscriptions": {"out": ["down"]}}
+
+
+def _tokened(scenario: Scenario, mid: str) -> bool:
+    return scenario.tokens == "all" or (scenario.tokens == "hybrid" and mid in ("m1", "m3"))
+
+
+def _nonce(consumer: str, cid: str, mid: str, tags: dict[str, str]) -> str:
+    """The nonce of a delivery's token (the same on every copy of it)."""
+    return hashlib.sha256(f"{consumer}/{cid}/{mid}/{tags[consumer]}".encode()).hexdigest()[:16]
+
+
+def _mint(
+    scenario: Scenario,
+    worlds: dict[str, World],
+    tags: dict[str, str],
+    tokens: TokenStore | None,
+) -> dict[tuple[str, str, str], str]:
+    """Create the token of every delivery that carries one (its producer's part):
+    ``(consumer, entity, id) -> token id``."""
+    minted: dict[tuple[str, str, str], str] = {}
+    if tokens is None:
+        return minted
+    for consumer, cid, mid in dict.fromkeys(scenario.deliveries):
+        if _tokened(scenario, mid):
+            endpoint = worlds[consumer].dedup.endpoint
+            nonce = _nonce(consumer, cid, mid, tags)
+            minted[(consumer, cid, mid)] = token_id(mid, endpoint, nonce)
+    if minted:
+        tokens.create({t: worlds[c].dedup.endpoint for (c, _, _), t in minted.items()})
+    return minted
+
+
+def _message(
+    consumer: str, cid: str, mid: str, tags: dict[str, str], scenario: Scenario | None = None
+) -> Message:
+    headers = {}
+    if scenario is not None and scenario.tokens != "off" and _tokened(scenario, mid):
+        headers[TOKEN_HEADER] = _nonce(consumer, cid, mid, tags)
+    return Message(mid, f"{cid}-{tags[consumer]}", None, headers)
+
+
+def _check_tokens(
+    scenario: Scenario,
+    worlds: dict[str, World],
+    ledger: Ledger,
+    tags: dict[str, str],
+    incoming: dict[tuple[str, str, str], str],
+    faults: Faults,
+) -> None:
+    """After the drain: no token left but the dead letters' (for their redrive) and, after
+    a crash, the ones no message carries; nothing of a tokened message recorded."""
+    tokens = ledger.tokens
+    assert tokens is not None
+    redrives = {
+        token_id(
+            outgoing_id(worlds[c].dedup.endpoint, f"{cid}-{tags[c]}", mid, -1),
+            worlds[c].dedup.endpoint,
+            _nonce(c, cid, mid, tags),
+        )
+        for (c, cid, mid) in incoming
+        if scenario.poison and is_poison(f"{cid}-{tags[c]}", mid)
+    }
+    assert tokens.present_among(redrives) == redrives, "a dead letter lost its redrive's token"
+    carried = {
+        token_id(m.id, "down", m.headers[TOKEN_HEADER])
+        for m in ledger.sent
+        if m.destination == "out"
+    }
+    left = tokens.present_among({*incoming.values(), *ledger.created}) - redrives
+    if faults.crashed_after_create:  # the orphans of an attempt that died making them
+        left &= {*incoming.values(), *carried}
+    assert not left, f"{len(left)} token(s) left after the drain"
+    assert not tokens.present_among(ledger.consumed), "a consumed token exists again"
+    for consumer, cid, mid in incoming:
+        key = outbox_module.message_key(f"{cid}-{tags[consumer]}", mid)
+        assert not worlds[consumer].dedup.processed_among([key]), f"{mid}: recorded with a token"
 
 
 def _play(
@@ -254,7 +396,7 @@ def _play(
             if not mine:
                 continue
             faults.arm(step.crash)
-            messages = [_message(*d, tags) for d in mine]
+            messages = [_message(*d, tags, scenario) for d in mine]
             if scenario.record:
                 _record(processors[consumer], messages, scenario.handler, reports, consumer)
                 faults.arm(None)
@@ -276,7 +418,7 @@ def _play(
             faults.arm(None)
         if step.sweep:
             for world in worlds.values():
-                sweep(world.entities, world.dedup)
+                sweep(world.entities, world.dedup, tokens=world.tokens)
     return reports
 
 
@@ -331,11 +473,14 @@ def _check(
         model.setdefault((consumer, f"{cid}-{tags[consumer]}"), set()).add(mid)
     # a final replay of everything, then a sweep: nothing new may happen
     for consumer, processor in processors.items():
-        again = [_message(*d, tags) for d in scenario.deliveries if d[0] == consumer and replay]
+        again = [
+            _message(*d, tags, scenario) for d in scenario.deliveries if d[0] == consumer and replay
+        ]
         if again:
             outcomes = {r.outcome for r in processor.process_batch(again, scenario.handler)}
             assert outcomes <= {"duplicate", "redispatched"}, f"replay of {consumer}: {outcomes}"
-        result = sweep(worlds[consumer].entities, worlds[consumer].dedup)
+        world = worlds[consumer]
+        result = sweep(world.entities, world.dedup, tokens=world.tokens)
         assert result.ids_left == 0, result
     sent: dict[str, OutgoingMessage] = {}
     for copy in ledger.sent:
@@ -352,8 +497,13 @@ def _check(
         assert not entity.outbox, f"{consumer}/{cid} keeps {entity.outbox}"
         # the processor's own key function: an anti-test that breaks it must be caught
         # by the invariants on the entities and the outputs, not by this line
-        keys = {outbox_module.message_key(cid, mid) for mid in mids}
-        assert world.dedup.processed_among(keys) == keys, f"{consumer}/{cid}: ids not recorded"
+        keys = {
+            outbox_module.message_key(cid, mid)
+            for mid in mids
+            if scenario.tokens == "off" or not _tokened(scenario, mid)
+        }
+        recorded = world.dedup.processed_among(keys) if keys else set()
+        assert recorded == keys, f"{consumer}/{cid}: ids not recorded"
         endpoint = world.dedup.endpoint
         for mid in poison:  # set aside once: one dead letter, never applied
             letter = sent.get(outgoing_id(endpoint, cid, mid, -1))
@@ -383,6 +533,7 @@ def memory_worlds() -> Factory:
     return lambda name: World(
         MemoryEntityStore(f"memory://{uuid.uuid4().hex}"),
         MemoryDeduplicationStore(shared, endpoint=name),
+        MemoryTokenStore(shared),
     )
 
 
@@ -401,7 +552,7 @@ def backend_worlds(backend: OutboxBackend) -> Factory:
             url = url.replace("table=ent_", f"table=ent_{consumer}_")
             url = url.replace("key_prefix=ent", f"key_prefix=ent{consumer}")
             entities = open_url("entity_store", url, **backend.options)
-        return World(entities, backend.dedup(endpoint=name))
+        return World(entities, backend.dedup(endpoint=name), backend.tokens())
 
     return open_world
 
@@ -532,3 +683,34 @@ def test_the_harness_catches_dead_letters_without_a_stable_id(
 
     monkeypatch.setattr(OutboxProcessor, "_dead_letter", unstable)
     _assert_the_harness_fails()
+
+
+@pytest.mark.memory
+@pytest.mark.parametrize("broken", ["created-again-after-dispatch", "deleted-before-the-save"])
+def test_the_harness_catches_token_bugs(monkeypatch: pytest.MonkeyPatch, broken: str) -> None:
+    """Tokens made again before every dispatch bring back consumed ones; an incoming
+    token deleted as soon as it is read loses the message when the attempt dies."""
+    if broken == "created-again-after-dispatch":
+        original_make = OutboxProcessor._make
+
+        def make(self: OutboxProcessor, pairs: Any, alone: bool = False) -> set[str]:
+            conflicts = original_make(self, pairs, alone)
+            for entity, mid in pairs:
+                tokens = entity.tokens.get(mid)
+                if tokens and tokens.made and entity.outbox.get(mid) and self.tokens:
+                    self.tokens.create(minted(entity, mid, tokens.made))
+            return conflicts
+
+        monkeypatch.setattr(OutboxProcessor, "_make", make)
+    else:
+        original_read = OutboxProcessor._recorded_by_token
+
+        def read(self: OutboxProcessor, tokens: Any) -> set[str]:
+            missing = original_read(self, tokens)
+            if self.tokens is not None:
+                self.tokens.delete([t for k, t in tokens.items() if k not in missing])
+            return missing
+
+        monkeypatch.setattr(OutboxProcessor, "_recorded_by_token", read)
+    tokened = scenarios.map(lambda s: replace(s, tokens="all"))
+    _assert_the_harness_fails(among=tokened, examples=1000)

@@ -147,6 +147,80 @@ def test_every_schedule_keeps_every_invariant(
     assert runs >= 3, f"only {runs} schedules: the harness did not interleave"
 
 
+class TokenCase(NamedTuple):
+    """A scenario in token mode: actors, messages, which actor crashes, the token
+    mode, the backends per clean-up mode, and a bound on the schedules (None: all)."""
+
+    actors: tuple[Actor, ...]
+    messages: int
+    crash: int | None
+    tokens: Literal["all", "hybrid"]
+    where: Mapping[str, tuple[str, ...]]
+    limit: int | None = None
+
+
+#: Token mode doubles a message's calls (the token read, create, the made marker, the
+#: delete), so its schedules grow fast: every schedule of the scenarios below but the
+#: last, on the backends listed (see the module's docstring for what runs where).
+TOKEN_SCENARIOS: dict[str, TokenCase] = {
+    "token-duplicates": TokenCase(
+        (ONE, ONE), 1, None, "all", {"inline": IN_PROCESS, "deferred": ALL}
+    ),
+    "token-crash-beside-duplicate": TokenCase(
+        (ONE, ONE), 1, 0, "all", {"inline": ("memory",), "deferred": ("sqlite",)}
+    ),
+    "token-crash-sweep": TokenCase((ONE, SWEEP), 1, 1, "all", {"inline": ALL, "deferred": ALL}),
+    "token-kept-beside-duplicate": TokenCase(
+        (KEPT, OTHER), 2, None, "all", {"inline": ("memory",), "deferred": ("sqlite",)}
+    ),
+    "token-retry-beside-duplicate": TokenCase(
+        (RETRY, ONE), 1, None, "all", {"inline": ("memory",), "deferred": ()}
+    ),
+    # one batch of a message with a token and one without, crashed after each call
+    "hybrid-crash-batch": TokenCase((BATCH,), 2, 0, "hybrid", {"inline": ALL, "deferred": ALL}),
+    "hybrid-crash-batch+sweep": TokenCase(
+        (BATCH, SWEEP), 2, 0, "hybrid", {"inline": FAST, "deferred": FAST}
+    ),
+    # two consumers, one message with a token and one without: bounded (the first
+    # 3,000 schedules of the depth-first order; all of them take tens of minutes)
+    "hybrid-two-messages": TokenCase(
+        (ONE, OTHER), 2, None, "hybrid", {"inline": ("memory",), "deferred": ("memory",)}, 3000
+    ),
+}
+
+TOKEN_CASES = [
+    pytest.param(
+        name,
+        cleanup,
+        backend,
+        marks=getattr(pytest.mark, backend),
+        id=f"{name}-{cleanup}-{backend}",
+    )
+    for name, case in TOKEN_SCENARIOS.items()
+    for cleanup in MODES
+    for backend in case.where[cleanup]
+]
+
+
+@pytest.mark.parametrize(
+    ("scenario", "cleanup", "outbox_backend"), TOKEN_CASES, indirect=["outbox_backend"]
+)
+@pytest.mark.timeout(1200)
+def test_every_schedule_in_token_mode_keeps_every_invariant(
+    outbox_backend: OutboxBackend, cleanup: Literal["inline", "deferred"], scenario: str
+) -> None:
+    case = TOKEN_SCENARIOS[scenario]
+    runs = explore(
+        Scenario(case.actors, case.messages, cleanup, tokens=case.tokens),
+        outbox_backend.entities,
+        outbox_backend.dedup,
+        crash_actor=case.crash,
+        token_store=outbox_backend.tokens,
+        limit=case.limit,
+    )
+    assert runs >= 3, f"only {runs} schedules: the harness did not interleave"
+
+
 # ---------------------------------------------------------------------- broken variants
 
 
@@ -601,7 +675,7 @@ def test_the_harness_catches_a_broken_token_mode(
         token_store=outbox_backend.tokens,
     )
     if broken.crash is not None:  # right unless it crashes
-        assert explored() >= 3
+        assert explored(limit=300) >= 3
     with pytest.raises(InterleavingViolation) as caught:
         explored(crash_actor=broken.crash)
     assert caught.value.invariant in broken.invariants, str(caught.value)

@@ -338,7 +338,7 @@ def test_entries_in_token_mode_need_the_token_store(chain: Chain) -> None:
         )
 
 
-def test_a_dead_letter_keeps_its_token_until_it_is_redriven(chain: Chain) -> None:
+def test_a_dead_letter_keeps_a_token_until_it_is_redriven(chain: Chain) -> None:
     chain.a.process(Message("in-1", "o1", 9), a_handler)
     (message,) = chain.to_b()
     letters = InMemoryDispatcher()
@@ -353,7 +353,8 @@ def test_a_dead_letter_keeps_its_token_until_it_is_redriven(chain: Chain) -> Non
         chain.entities["B"], chain.dedups["B"], letters, tokens=chain.tokens, dead_letters="dlq"
     )
     assert b.process(message, flaky).outcome == "dead_lettered"
-    assert outstanding(chain) == 1  # kept for the redrive
+    assert outstanding(chain) == 1  # exchanged for the redrive's
+    assert chain.receiver("B").process(message, flaky).outcome == "duplicate"  # a copy
     (letter,) = letters.sent
     fixed["yet"] = True
     assert b.redrive(letter, flaky).outcome == "processed"

@@ -100,6 +100,9 @@ class _Base:
         def _retire(self, pairs: Sequence[tuple[Entity, str]]) -> None:
             raise NotImplementedError
 
+        def _token_room(self, message: Message, outgoing: Sequence[OutgoingMessage]) -> int:
+            raise NotImplementedError
+
         def _clear(self, entities: Iterable[Entity], keep: set[tuple[str, str]]) -> set[str]:
             raise NotImplementedError
 

@@ -391,6 +391,7 @@ class _Batching(_Handling):
             seen.add(ident)
             state, _, outgoing, _ = self._run(size.state, message, handler)
             entry = entry_size(message.id, outgoing, self._mark())
+            entry += self._token_room(message, outgoing)
             total = size.total_with(state, entry)
             if total > limit and size.this_round:
                 size.next_round(self.cleanup)
@@ -407,6 +408,7 @@ class _Batching(_Handling):
                     refused = refusing(handler, {ident: refusal})
                     state, _, outgoing, _ = self._run(size.state, message, refused)
                     entry = entry_size(message.id, outgoing, self._mark())
+                    entry += self._token_room(message, outgoing)
                     total = size.total_with(state, entry)
                     if total <= limit:
                         refusals[ident] = refusal

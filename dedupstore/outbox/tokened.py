@@ -21,8 +21,10 @@ For an incoming message with a token ``T`` (step numbers as in ``processor``):
 4. the dispatch stamps :data:`~dedupstore.tokens.TOKEN_HEADER` on every subscribed
    message;
 5. the clean-up deletes ``T`` and the tokens of every nonce registered but not made
-   (garbage of attempts that failed), then removes the entry; a dead-lettered message
-   keeps ``T`` (its redrive checks and deletes it).
+   (garbage of attempts that failed), then removes the entry. A dead-lettered
+   message's ``T`` is exchanged for the token of its redrive (the letter's id, the
+   same nonce), created first: a copy of the original is then a duplicate, and the
+   redrive (or its discarding) consumes the redrive's token.
 """
 
 from __future__ import annotations
@@ -30,12 +32,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
-from dedupstore import metrics
+from dedupstore import canonical, metrics
 from dedupstore.entities import Entity, EntryTokens, OutgoingMessage
 from dedupstore.errors import ConcurrencyConflict, ConfigurationError
 from dedupstore.ids import message_key, validate_message_id
 from dedupstore.outbox._base import _Base
-from dedupstore.outbox.letters import _REDRIVE_OF
 from dedupstore.outbox.messages import Message
 from dedupstore.store import DeduplicationStore
 from dedupstore.tokens import TOKEN_HEADER, TokenStore, new_nonce, token_id, token_of
@@ -133,25 +134,31 @@ def retire(
     tokens: TokenStore | None,
     consumer: str,
 ) -> None:
-    """Record ``pairs`` (entity, incoming message id) as done: delete the incoming
-    tokens (not a dead letter's) and the garbage tokens, then add the keys of those
-    that came without a token to ``dedup``. ``ConfigurationError`` before any write
-    when an entry has tokens and ``tokens`` is None."""
+    """Record ``pairs`` (entity, incoming message id) as done: create the redrive
+    tokens of dead letters, delete the incoming tokens and the garbage tokens, then
+    add the keys of those that came without a token to ``dedup``.
+    ``ConfigurationError`` before any write when an entry has tokens and ``tokens``
+    is None."""
     keys: list[str] = []
     ids: list[str] = []
+    redrives: dict[str, str] = {}
     consumed = 0
     for entity, mid in pairs:
         entry = entity.tokens.get(mid)
         if entry is None or entry.incoming is None:
             keys.append(message_key(entity.id, mid))
-        elif not entry.letter:
+        else:
             ids.append(entry.incoming)
             consumed += 1
+            if entry.letter is not None:
+                redrives[entry.letter] = consumer
         if entry is not None:
             ids.extend(garbage(entity, mid))
     if ids:
         if tokens is None:
             raise _no_token_store(consumer)
+        if redrives:  # before the incoming tokens go: a crash between leaves both
+            tokens.create(redrives)
         tokens.delete(ids)
         metrics.count_tokens(consumer, "consumed", consumed)
     if keys:
@@ -181,8 +188,7 @@ class _Tokened(_Base):
         headers = message.headers
         if TOKEN_HEADER not in headers:
             return None
-        original = headers.get(_REDRIVE_OF) or message.id  # a redrive: the original's token
-        return token_of(original, headers, self.consumer)
+        return token_of(message.id, headers, self.consumer)  # (a redrive: the letter's id)
 
     def _register(self, entity: Entity, message: Message, letter: bool) -> None:
         """Record in ``entity`` (in memory) the tokens of ``message``'s new entry: its
@@ -200,9 +206,34 @@ class _Tokened(_Base):
         if incoming is None and not to:
             entity.tokens.pop(mid, None)
             return
+        redrive = None
+        if letter and incoming is not None:  # the letter is the entry's one message
+            (dead,) = entity.outbox[mid] or []
+            redrive = token_id(dead.id, self.consumer, message.headers[TOKEN_HEADER])
         entity.tokens[mid] = EntryTokens(
-            incoming, to, (self._nonce(),) if to else (), None, (), letter
+            incoming, to, (self._nonce(),) if to else (), None, (), redrive
         )
+
+    def _token_room(self, message: Message, outgoing: Sequence[OutgoingMessage]) -> int:
+        """Bytes the tokens of ``message``'s entry may take in its entity (as made,
+        with room for two more registrations, or as a dead letter's): what a batch
+        plans with, so that the saves that register and make them still fit."""
+        if self.tokens is None:
+            return 0
+        incoming = self._token_of(message)
+        to = {
+            m.destination: self.subscriptions[m.destination]
+            for m in outgoing
+            if m.destination in self.subscriptions
+        }
+        if incoming is None and not to:
+            return 0
+        nonce = "n" * 16
+        widest = EntryTokens(
+            incoming, to, (nonce,) * 3 if to else (), nonce if to else None, (), incoming
+        )
+        record = canonical.dumps({message.id: widest.to_json()})
+        return len(record.encode("utf-8")) + len(',"tokens":')
 
     def _nonce(self) -> str:
         """A fresh nonce, remembered as this call's (only its registrant creates a
