@@ -61,7 +61,7 @@ nitpick_ignore_regex = [
     (r"py:class", r"(DataFrame|SparkSession|StreamingQuery|abc\.ABC)"),
     # String annotations (``from __future__ import annotations``) of dataclass fields that
     # Sphinx splits at the comma: ``dict[str, Any]`` is looked up as ``dict[str``.
-    (r"py:class", r"dict\[str"),
+    (r"py:class", r"(dict|tuple)\[str"),
     # Private modules and helpers: the base class every store derives from, parsed URLs,
     # type variables and type aliases, private methods a backend implements (named in
     # docstrings for backend authors; the backend API page describes them).

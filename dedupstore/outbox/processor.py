@@ -106,8 +106,8 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
     without a token goes through the deduplication store as in retention mode (a
     hybrid endpoint, in the same batch). Each outgoing message to a destination of
     ``subscriptions`` (destination -> receiving endpoints) gets one token per
-    endpoint, created before it is dispatched and never again after. See
-    :mod:`dedupstore.outbox.tokened` for the steps and docs/tokens.md for the choice.
+    endpoint, created before it is dispatched and never again after. The guide's
+    "Token mode" page says how, and when to choose it.
     """
 
     def __init__(
