@@ -17,6 +17,7 @@ and a missing file, table, database or container is "no such store" (exit 2).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -44,6 +45,7 @@ from dedupstore.masking import MASK, mask_options
 from dedupstore.options import format_duration, parse_duration
 from dedupstore.stats import Backlog, outbox_backlog
 from dedupstore.store import DeduplicationStore
+from dedupstore.tokens import TokenStore
 from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
@@ -264,6 +266,12 @@ def _parser(plugins: Mapping[str, Command]) -> argparse.ArgumentParser:
         help="consumer name (default: the configured one, else the one recorded with the "
         "entities; an entity of another consumer is refused)",
     )
+    sweep.add_argument(
+        "--tokens",
+        metavar="URL",
+        help="the token store of a consumer in token mode (its entries' tokens are deleted "
+        "instead of their ids moved; an entity holding them is refused without it)",
+    )
     for sub in (pending, sweep):
         sub.add_argument("--segment", type=int_range(0, 999_999), default=0)
         sub.add_argument("--segments", type=int_range(1, 1_000_000), default=1)
@@ -308,6 +316,15 @@ def _open(url: str | None, *, must_exist: bool = True, **replace: Any) -> Dedupl
     """
     target, options = _replacing(*_target(url), {**replace, "must_exist": must_exist or None})
     return open_store(target, **options)
+
+
+def _open_tokens(url: str | None) -> contextlib.AbstractContextManager[TokenStore | None]:
+    """The token store at ``url`` (closed on exit), or None without one."""
+    if url is None:
+        return contextlib.nullcontext()
+    from dedupstore import open_token_store
+
+    return open_token_store(url)
 
 
 def _open_entities(url: str) -> EntityStore:
@@ -508,9 +525,15 @@ def _entities(args: argparse.Namespace) -> int:
     report = None if args.quiet else SweepProgress(args.progress)
     with _open_entities(args.url) as store:
         endpoint = _sweep_endpoint(args.endpoint, args.dedup, store, segment, segments)
-        with _open(args.dedup, endpoint=endpoint) as dedup:
+        with _open(args.dedup, endpoint=endpoint) as dedup, _open_tokens(args.tokens) as tokens:
             result = sweep(
-                store, dedup, segment, segments, batch_ids=args.batch_ids, progress=report
+                store,
+                dedup,
+                segment,
+                segments,
+                batch_ids=args.batch_ids,
+                progress=report,
+                tokens=tokens,
             )
     if report is not None:
         report.finish(result)

@@ -20,6 +20,7 @@ from typing import Any
 from dedupstore.entities import EntityStore, OutgoingMessage
 from dedupstore.outbox import Message, OutboxProcessor, Send, message_key, outgoing_id, sweep
 from dedupstore.store import DeduplicationStore
+from dedupstore.tokens import TokenStore
 from tests.outbox_backends import OutboxBackend
 
 
@@ -39,6 +40,8 @@ def soak_violations(
     dedup: DeduplicationStore,
     sent: Iterable[Mapping[str, Any]],
     consumer: str = "default",
+    tokens: TokenStore | None = None,
+    letters: int = 0,
 ) -> list[str]:
     """Sweep, then check every invariant against the plain model of the input; the
     violations found (empty: all hold).
@@ -50,9 +53,13 @@ def soak_violations(
     every key recorded in the deduplication store; the outgoing ids exactly
     ``outgoing_id(consumer, entity, id, 0)`` of the input (none missing, no ghost),
     every copy of one id identical, each showing the state its message produced.
+
+    With ``tokens`` (every input message carried a token): no key in the deduplication
+    store instead, and no token left but the ``letters`` dead letters' (kept for their
+    redrive).
     """
     violations: list[str] = []
-    result = sweep(entities, dedup)
+    result = sweep(entities, dedup, tokens=tokens)
     if result.ids_left:
         violations.append(f"the sweep left {result.ids_left} ids")
     loaded = entities.load_many(sorted(set(owner.values())))
@@ -73,9 +80,15 @@ def soak_violations(
     if twice:
         violations.append(f"{len(twice)} messages applied twice, e.g. {twice[:3]}")
     keys = [message_key(cid, mid) for mid, cid in owner.items()]
-    unrecorded = set(keys) - dedup.processed_among(keys)
-    if unrecorded:
-        violations.append(f"{len(unrecorded)} ids not in the deduplication store")
+    recorded = dedup.processed_among(keys)
+    if tokens is None and set(keys) - recorded:
+        violations.append(f"{len(set(keys) - recorded)} ids not in the deduplication store")
+    if tokens is not None:
+        if recorded:
+            violations.append(f"{len(recorded)} ids with a token in the deduplication store")
+        left = sum(count.outstanding for count in tokens.outstanding().values())
+        if left != letters:
+            violations.append(f"{left} tokens left, expected {letters} (the dead letters')")
     first: dict[str, Mapping[str, Any]] = {}
     differing: set[str] = set()
     for message in sent:

@@ -56,6 +56,7 @@ from dedupstore.outbox import Message, OutboxProcessor, Send, sweep
 from dedupstore.outbox.tokened import minted
 from dedupstore.registry import open_url
 from dedupstore.store import DeduplicationStore
+from dedupstore.testing.interleavings import _Creating
 from dedupstore.tokens import TOKEN_HEADER, TokenStore, token_id
 from tests.outbox_backends import OutboxBackend, _drop_postgres
 
@@ -145,20 +146,6 @@ class Ledger:
                 self.tokens.delete([token])
                 self.consumed.add(token)
         self.sent.extend(messages)
-
-
-class _Creating:
-    """A token store that tells the ledger every token it creates."""
-
-    def __init__(self, real: TokenStore, ledger: Ledger) -> None:
-        self._real, self._ledger = real, ledger
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
-
-    def create(self, tokens: Any) -> None:
-        self._ledger.created.update(tokens)
-        self._real.create(tokens)
 
 
 def handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
@@ -295,7 +282,7 @@ def run(
 def _token_options(tokens: TokenStore | None, ledger: Ledger, faults: Faults) -> dict[str, Any]:
     if tokens is None:
         return {}
-    store = _Wrapped(_Creating(tokens, ledger), faults)
+    store = _Wrapped(_Creating(tokens, ledger.created), faults)
     return {"tokens": store, "subscriptions": {"out": ["down"]}}
 
 

@@ -73,16 +73,19 @@ ALL = (*FAST, "dynamodb", "cosmos")
 
 class Case(NamedTuple):
     """One scenario: its actors and messages, which actor crashes (or None), the
-    backends per clean-up mode, and the messages processed before the run."""
+    backends per clean-up mode, the messages processed before the run, the token
+    mode, and a bound on the schedules (None: all of them)."""
 
     actors: tuple[Actor, ...]
     messages: int
     crash: int | None
     where: Mapping[str, tuple[str, ...]]
     earlier: tuple[int, ...] = ()
+    tokens: Literal["off", "all", "hybrid"] = "off"
+    limit: int | None = None
 
     def scenario(self, cleanup: Literal["inline", "deferred"]) -> Scenario:
-        return Scenario(self.actors, self.messages, cleanup, self.earlier)
+        return Scenario(self.actors, self.messages, cleanup, self.earlier, self.tokens)
 
 
 BOTH_FAST: dict[str, tuple[str, ...]] = {"inline": FAST, "deferred": FAST}
@@ -127,6 +130,42 @@ SCENARIOS: dict[str, Case] = {
     ),
 }
 
+#: Token mode adds four calls to a message's (the token read, the create, the made
+#: marker, the delete), so its schedules grow fast: every schedule of the scenarios
+#: below but the bounded ones, on the backends listed.
+TOKEN_SCENARIOS: dict[str, Case] = {
+    "token-duplicates": Case(
+        (ONE, ONE), 1, None, {"inline": IN_PROCESS, "deferred": FAST}, (), "all"
+    ),
+    # on the emulators (70-150 ms a schedule): the first 400 of its 1,302 schedules
+    "token-duplicates-bounded": Case(
+        (ONE, ONE), 1, None, {"inline": (), "deferred": ("dynamodb", "cosmos")}, (), "all", 400
+    ),
+    "token-crash-beside-duplicate": Case(
+        (ONE, ONE), 1, 0, {"inline": ("memory",), "deferred": ("sqlite",)}, (), "all"
+    ),
+    "token-crash-sweep": Case((ONE, SWEEP), 1, 1, {"inline": ALL, "deferred": ALL}, (), "all"),
+    "token-kept-beside-duplicate": Case(
+        (KEPT, OTHER), 2, None, {"inline": ("memory",), "deferred": ("sqlite",)}, (), "all"
+    ),
+    "token-retry-beside-duplicate": Case(
+        (RETRY, ONE), 1, None, {"inline": ("memory",), "deferred": ()}, (), "all"
+    ),
+    # one batch of a message with a token and one without, crashed after each call
+    "hybrid-crash-batch": Case((BATCH,), 2, 0, {"inline": ALL, "deferred": ALL}, (), "hybrid"),
+    "hybrid-crash-batch+sweep": Case(
+        (BATCH, SWEEP), 2, 0, {"inline": FAST, "deferred": FAST}, (), "hybrid"
+    ),
+    # two consumers, one message with a token and one without: bounded (the first
+    # 3,000 schedules of the depth-first order; all of them take tens of minutes)
+    "hybrid-two-messages": Case(
+        (ONE, OTHER), 2, None, {"inline": ("memory",), "deferred": ("memory",)}, (), "hybrid", 3000
+    ),
+}
+
+#: every scenario, in retention mode and in token mode
+EVERY_SCENARIO = {**SCENARIOS, **TOKEN_SCENARIOS}
+
 CASES = [
     pytest.param(
         name,
@@ -135,7 +174,7 @@ CASES = [
         marks=getattr(pytest.mark, backend),
         id=f"{name}-{cleanup}-{backend}",
     )
-    for name, case in SCENARIOS.items()
+    for name, case in EVERY_SCENARIO.items()
     for cleanup in MODES
     for backend in case.where[cleanup]
 ]
@@ -148,89 +187,13 @@ CASES = [
 def test_every_schedule_keeps_every_invariant(
     outbox_backend: OutboxBackend, cleanup: Literal["inline", "deferred"], scenario: str
 ) -> None:
-    case = SCENARIOS[scenario]
+    case = EVERY_SCENARIO[scenario]
     runs = explore(
         case.scenario(cleanup),
         outbox_backend.entities,
         outbox_backend.dedup,
         crash_actor=case.crash,
-    )
-    assert runs >= 3, f"only {runs} schedules: the harness did not interleave"
-
-
-class TokenCase(NamedTuple):
-    """A scenario in token mode: actors, messages, which actor crashes, the token
-    mode, the backends per clean-up mode, and a bound on the schedules (None: all)."""
-
-    actors: tuple[Actor, ...]
-    messages: int
-    crash: int | None
-    tokens: Literal["all", "hybrid"]
-    where: Mapping[str, tuple[str, ...]]
-    limit: int | None = None
-
-
-#: Token mode adds four calls to a message's (the token read, the create, the made
-#: marker, the delete), so its schedules grow fast: every schedule of the scenarios
-#: below but the bounded ones, on the backends listed.
-TOKEN_SCENARIOS: dict[str, TokenCase] = {
-    "token-duplicates": TokenCase(
-        (ONE, ONE), 1, None, "all", {"inline": IN_PROCESS, "deferred": FAST}
-    ),
-    # on the emulators (70-150 ms a schedule): the first 400 of its 1,302 schedules
-    "token-duplicates-bounded": TokenCase(
-        (ONE, ONE), 1, None, "all", {"inline": (), "deferred": ("dynamodb", "cosmos")}, 400
-    ),
-    "token-crash-beside-duplicate": TokenCase(
-        (ONE, ONE), 1, 0, "all", {"inline": ("memory",), "deferred": ("sqlite",)}
-    ),
-    "token-crash-sweep": TokenCase((ONE, SWEEP), 1, 1, "all", {"inline": ALL, "deferred": ALL}),
-    "token-kept-beside-duplicate": TokenCase(
-        (KEPT, OTHER), 2, None, "all", {"inline": ("memory",), "deferred": ("sqlite",)}
-    ),
-    "token-retry-beside-duplicate": TokenCase(
-        (RETRY, ONE), 1, None, "all", {"inline": ("memory",), "deferred": ()}
-    ),
-    # one batch of a message with a token and one without, crashed after each call
-    "hybrid-crash-batch": TokenCase((BATCH,), 2, 0, "hybrid", {"inline": ALL, "deferred": ALL}),
-    "hybrid-crash-batch+sweep": TokenCase(
-        (BATCH, SWEEP), 2, 0, "hybrid", {"inline": FAST, "deferred": FAST}
-    ),
-    # two consumers, one message with a token and one without: bounded (the first
-    # 3,000 schedules of the depth-first order; all of them take tens of minutes)
-    "hybrid-two-messages": TokenCase(
-        (ONE, OTHER), 2, None, "hybrid", {"inline": ("memory",), "deferred": ("memory",)}, 3000
-    ),
-}
-
-TOKEN_CASES = [
-    pytest.param(
-        name,
-        cleanup,
-        backend,
-        marks=getattr(pytest.mark, backend),
-        id=f"{name}-{cleanup}-{backend}",
-    )
-    for name, case in TOKEN_SCENARIOS.items()
-    for cleanup in MODES
-    for backend in case.where[cleanup]
-]
-
-
-@pytest.mark.parametrize(
-    ("scenario", "cleanup", "outbox_backend"), TOKEN_CASES, indirect=["outbox_backend"]
-)
-@pytest.mark.timeout(1200)
-def test_every_schedule_in_token_mode_keeps_every_invariant(
-    outbox_backend: OutboxBackend, cleanup: Literal["inline", "deferred"], scenario: str
-) -> None:
-    case = TOKEN_SCENARIOS[scenario]
-    runs = explore(
-        Scenario(case.actors, case.messages, cleanup, tokens=case.tokens),
-        outbox_backend.entities,
-        outbox_backend.dedup,
-        crash_actor=case.crash,
-        token_store=outbox_backend.tokens,
+        token_store=outbox_backend.tokens if case.tokens != "off" else None,
         limit=case.limit,
     )
     assert runs >= 3, f"only {runs} schedules: the harness did not interleave"

@@ -361,3 +361,29 @@ def test_a_dead_letter_keeps_a_token_until_it_is_redriven(chain: Chain) -> None:
     assert outstanding(chain) == 0
     assert b.redrive(letter, flaky).outcome == "duplicate"
     assert state_of(chain, "B", "b-o1")["sum"] == 9
+
+
+def test_a_sweep_leaves_an_entry_whose_tokens_are_not_made_to_its_redelivery(
+    chain: Chain,
+) -> None:
+    """A sender died between creating its tokens and the save marking them made: a
+    sweep with redispatch must not send the messages (it cannot know the tokens are
+    all there), counts the entry as left, and the redelivery completes it."""
+    message = Message("in-1", "o1", 3)
+    dying = OutboxProcessor(
+        Crashing(chain.entities["A"], 2),  # type: ignore[arg-type]
+        chain.dedups["A"],
+        chain.a_out,
+        tokens=chain.tokens,
+        subscriptions={"b-in": [chain.names["B"]]},
+    )
+    with pytest.raises(Crash):
+        dying.process(message, a_handler)
+    relay = InMemoryDispatcher()
+    done = sweep(chain.entities["A"], chain.dedups["A"], redispatch=relay, tokens=chain.tokens)
+    assert (done.redispatched, done.ids_left, relay.sent) == (0, 1, [])
+    assert chain.a.process(message, a_handler).outcome == "redispatched"
+    for copy in chain.to_b():
+        chain.receivers["B"].process(copy, b_handler)
+    assert state_of(chain, "B", "b-o1")["sum"] == 3
+    assert outstanding(chain) == 0

@@ -94,8 +94,8 @@ def add_parser(commands: Any, positive: Callable[[str], int]) -> None:
 
 def add_processor_arguments(sub: argparse.ArgumentParser) -> None:
     """The processor's arguments (``consume``, ``dead-letters redrive``): ``--entities``,
-    ``--store``, ``--handler``, ``--endpoint``, ``--cleanup``, ``--allow-memory``; see
-    :func:`open_processor`."""
+    ``--store``, ``--handler``, ``--endpoint``, ``--cleanup``, ``--tokens``,
+    ``--subscription``, ``--allow-memory``; see :func:`open_processor`."""
     sub.add_argument(
         "--entities", required=True, metavar="URL", help="entity store URL, or 'config'"
     )
@@ -114,6 +114,20 @@ def add_processor_arguments(sub: argparse.ArgumentParser) -> None:
         "--store config, else 'default')",
     )
     sub.add_argument("--cleanup", choices=("inline", "deferred"), default="inline")
+    sub.add_argument(
+        "--tokens",
+        metavar="URL",
+        help="token mode: the token store (a message with a dedupstore-token header is "
+        "deduplicated by its token, one without by --store)",
+    )
+    sub.add_argument(
+        "--subscription",
+        metavar="DEST=ENDPOINT[,ENDPOINT...]",
+        action="append",
+        default=[],
+        help="token mode: the receiving endpoints of destination DEST, each of which gets a "
+        "token for every message sent to DEST (repeat for each destination)",
+    )
     sub.add_argument(
         "--allow-memory",
         action="store_true",
@@ -173,10 +187,39 @@ def open_processor(
     if args.dispatcher:
         dispatcher = open_dispatcher(args.dispatcher, **(dispatcher_options or {}))
         opened.append(dispatcher)
+    tokens = None
+    if getattr(args, "tokens", None):
+        from dedupstore import open_token_store
+
+        _in_memory("--tokens", args.tokens, args.allow_memory)
+        tokens = open_token_store(args.tokens)
+        opened.append(tokens)
     processor = OutboxProcessor(
-        entities, dedup, dispatcher, cleanup=args.cleanup, dead_letters=args.dead_letters
+        entities,
+        dedup,
+        dispatcher,
+        cleanup=args.cleanup,
+        dead_letters=args.dead_letters,
+        tokens=tokens,
+        subscriptions=parse_subscriptions(getattr(args, "subscription", [])),
     )
     return processor, handler
+
+
+def parse_subscriptions(given: list[str]) -> dict[str, list[str]]:
+    """``--subscription DEST=ENDPOINT[,ENDPOINT...]`` flags as destination -> endpoints;
+    ``ConfigurationError`` naming a flag without ``=`` or without endpoints."""
+    subscriptions: dict[str, list[str]] = {}
+    for flag in given:
+        destination, sep, endpoints = flag.partition("=")
+        names = [e.strip() for e in endpoints.split(",") if e.strip()]
+        if not sep or not destination or not names:
+            raise ConfigurationError(
+                f"--subscription {flag!r:.80}: expected DEST=ENDPOINT[,ENDPOINT...], e.g. "
+                "orders=billing,shipping"
+            )
+        subscriptions.setdefault(destination, []).extend(names)
+    return subscriptions
 
 
 #: How long ``consume`` keeps trying what it cannot reach at start (``--start-timeout``).

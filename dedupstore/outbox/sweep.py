@@ -93,8 +93,9 @@ def sweep(
             relay.extend(stamped(entity, mid))
             _dispatched(entity, mid)
         result.redispatched += len(pending)
-        if redispatch is None:
-            result.ids_left += len(entity.pending)  # still awaiting dispatch: not moved
+        # still awaiting dispatch (all, without redispatch; with, those whose tokens
+        # are not made yet): not moved
+        result.ids_left += len(entity.pending)
         done = entity.dispatched
         if not done:
             continue

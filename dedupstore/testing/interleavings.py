@@ -562,16 +562,16 @@ class _World:
 
 
 class _Creating:
-    """A token store that tells the ledger every token it creates (then creates it)."""
+    """A token store that adds to ``created`` every token id it creates (then creates it)."""
 
-    def __init__(self, real: TokenStore, ledger: _Ledger) -> None:
-        self._real, self._ledger = real, ledger
+    def __init__(self, real: TokenStore, created: set[str]) -> None:
+        self._real, self._created = real, created
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
 
     def create(self, tokens: Any) -> None:
-        self._ledger.created.update(tokens)
+        self._created.update(tokens)
         self._real.create(tokens)
 
 
@@ -613,7 +613,7 @@ def _run_once(
         if checker_tokens is None:
             return {}
         client: Any = checker_tokens if index is None else world.token_clients[index]
-        store: Any = _Creating(client, ledger)
+        store: Any = _Creating(client, ledger.created)
         if index is not None:
             store = _Turned(store, turns, index, _TOKEN_STEPS)
         return {"tokens": store, "subscriptions": {"ledger": list(receivers)}}
