@@ -7,6 +7,8 @@
 * :func:`sweep_outboxes` moves dispatched ids from the entities' outboxes into
   the deduplication store, one task per segment.
 * :func:`drop_processed` removes rows whose (correlation id, id) is already recorded.
+* :func:`mint_tokens` mints the tokens of a DataFrame's messages at the boundary
+  (token mode: see the Token mode page).
 
 Everything is built on DataFrame APIs, so it runs on a classic session, on a
 cluster and on Spark Connect alike. Clients are opened in each task from URLs
@@ -20,10 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .pipeline import (
+        MINT_SCHEMA,
         PROCESS_SCHEMA,
         RECORD_SCHEMA,
         SWEEP_SCHEMA,
         drop_processed,
+        mint_tokens,
         process_messages,
         process_stream,
         run_messages,
@@ -32,11 +36,13 @@ if TYPE_CHECKING:
     from .session import local_session, use_this_python
 
 __all__ = [
+    "MINT_SCHEMA",
     "PROCESS_SCHEMA",
     "RECORD_SCHEMA",
     "SWEEP_SCHEMA",
     "drop_processed",
     "local_session",
+    "mint_tokens",
     "process_messages",
     "process_stream",
     "run_messages",

@@ -19,15 +19,17 @@ from dedupstore.entities import EntityStore
 from dedupstore.errors import ConfigurationError
 from dedupstore.outbox import Dispatcher
 from dedupstore.store import DeduplicationStore
+from dedupstore.tokens import TokenStore
 from dedupstore.urls import StoreURL
 
-Kind = Literal["entities", "dedup", "dispatcher"]
+Kind = Literal["entities", "dedup", "dispatcher", "tokens"]
 
 #: ClientSpec kind -> the registry's kind of plugin, what it is called, how a task opens it.
 _KINDS: dict[str, tuple[registry.Kind, str, Callable[..., Any]]] = {
     "entities": ("entity_store", "entity store", dedupstore.open_entity_store),
     "dedup": ("store", "deduplication store", dedupstore.open_store),
     "dispatcher": ("dispatcher", "dispatcher", dedupstore.open_dispatcher),
+    "tokens": ("token_store", "token store", dedupstore.open_token_store),
 }
 
 
@@ -89,6 +91,7 @@ class Opened:
     entities: EntityStore
     dedup: DeduplicationStore
     dispatcher: Dispatcher | None
+    tokens: TokenStore | None = None
 
 
 class TaskClients(ExitStack):
@@ -102,9 +105,10 @@ class TaskClients(ExitStack):
         entities: ClientSpec | None = None,
         dedup: ClientSpec | None = None,
         dispatcher: ClientSpec | None = None,
+        tokens: ClientSpec | None = None,
     ) -> None:
         super().__init__()
-        self._specs = (entities, dedup, dispatcher)
+        self._specs = (entities, dedup, dispatcher, tokens)
         self._opened: Opened | None = None
 
     def get(self) -> Opened:

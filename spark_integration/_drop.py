@@ -7,11 +7,13 @@ from typing import TYPE_CHECKING, Any
 
 from pyspark.sql.types import BooleanType
 
+from dedupstore.errors import ConfigurationError
 from dedupstore.ids import message_key
 from dedupstore.outbox import applied_among
+from dedupstore.tokens import TOKEN_HEADER, token_id, validate_nonce
 
 from . import _columns as C
-from ._clients import ClientSpec, TaskClients
+from ._clients import ClientSpec, Opened, TaskClients
 from .session import use_this_python
 
 if TYPE_CHECKING:
@@ -27,6 +29,9 @@ def drop_processed(
     dedup_options: Mapping[str, Any] | None = None,
     entities_url: str | None = None,
     entities_options: Mapping[str, Any] | None = None,
+    headers_col: str | None = None,
+    tokens_url: str | None = None,
+    tokens_options: Mapping[str, Any] | None = None,
 ) -> DataFrame:
     """``df`` without the rows whose message is recorded in the deduplication store.
 
@@ -47,6 +52,13 @@ def drop_processed(
     kept or dropped on a guess. Raises ``ConfigurationError`` before any I/O (a
     missing column, a refused id type, a column named ``__dedupstore_*``); tasks
     raise ``InvalidMessageId`` for a null or invalid id, naming its column.
+
+    Token mode: with ``headers_col`` and ``tokens_url``, a row whose headers carry a
+    ``dedupstore-token`` is dropped when its token for the store's endpoint is gone
+    (consumed, or exchanged for a dead letter's: the processor would drop it too) or,
+    with ``entities_url``, when its id is in its entity's outbox; the deduplication
+    store is not asked about it. ``headers_col`` without ``tokens_url`` is a
+    ``ConfigurationError`` (such rows cannot be told apart otherwise).
     """
     from pyspark.sql import functions as F
 
@@ -54,33 +66,47 @@ def drop_processed(
     C.check_names(schema.fieldNames(), repeated=())
     mid = C.id_text(schema, "id_col", id_col)
     cid = C.id_text(schema, "correlation_col", correlation_col)
+    if (headers_col is None) != (tokens_url is None):
+        raise ConfigurationError("drop_processed: headers_col and tokens_url go together")
     dedup = ClientSpec.checked("dedup", dedup_url, dedup_options)
     ents = (
         None
         if entities_url is None
         else ClientSpec.checked("entities", entities_url, entities_options)
     )
-    processed = _processed_udf(dedup, id_col, correlation_col, ents)
+    tokens = None
+    nonce = F.lit(None).cast("string")
+    if headers_col is not None and tokens_url is not None:
+        C.check_headers(schema, headers_col)
+        tokens = ClientSpec.checked("tokens", tokens_url, tokens_options)
+        nonce = F.col(headers_col).getItem(TOKEN_HEADER)
+    processed = _processed_udf(dedup, id_col, correlation_col, ents, tokens)
     use_this_python(df.sparkSession)  # a local master: the workers run this interpreter
-    return df.withColumn(C.DONE, processed(mid, cid)).where(~F.col(C.DONE)).drop(F.col(C.DONE))
+    done = processed(mid, cid, nonce)
+    return df.withColumn(C.DONE, done).where(~F.col(C.DONE)).drop(F.col(C.DONE))
 
 
 def _processed_udf(
-    dedup: ClientSpec, id_col: str, correlation_col: str, entities: ClientSpec | None = None
+    dedup: ClientSpec,
+    id_col: str,
+    correlation_col: str,
+    entities: ClientSpec | None = None,
+    tokens: ClientSpec | None = None,
 ) -> Any:
-    """A nondeterministic pandas UDF (iterator of batches): (message id, correlation id) -> done."""
+    """A nondeterministic pandas UDF (iterator of batches): (message id, correlation id,
+    token nonce or null) -> done."""
     import pandas as pd  # type: ignore[import-untyped]
     from pyspark.sql.pandas.functions import pandas_udf
 
     def processed(batches: Any) -> Any:
-        pairs = ((mids.tolist(), cids.tolist()) for mids, cids in batches)
-        for flags in _processed_flags(pairs, dedup, id_col, correlation_col, entities):
+        rows = ((m.tolist(), c.tolist(), n.tolist()) for m, c, n in batches)
+        for flags in _processed_flags(rows, dedup, id_col, correlation_col, entities, tokens):
             yield pd.Series(flags, dtype=bool)
 
     # real types, not the strings of `from __future__ import annotations`: pandas_udf
     # reads them to know it is an iterator UDF
     processed.__annotations__ = {
-        "batches": Iterator[tuple[pd.Series, pd.Series]],
+        "batches": Iterator[tuple[pd.Series, pd.Series, pd.Series]],
         "return": Iterator[pd.Series],
     }
     make: Any = pandas_udf  # its overloads know no iterator UDF built from hints
@@ -88,16 +114,23 @@ def _processed_udf(
 
 
 def _processed_flags(
-    batches: Iterable[tuple[Sequence[str | None], Sequence[str | None]]],
+    batches: Iterable[
+        tuple[Sequence[str | None], Sequence[str | None], Sequence[str | None]]
+        | tuple[Sequence[str | None], Sequence[str | None]]
+    ],
     dedup: ClientSpec,
     id_col: str,
     correlation_col: str,
     entities: ClientSpec | None = None,
+    tokens: ClientSpec | None = None,
 ) -> Iterator[list[bool]]:
     """One task of :func:`drop_processed`: one ``processed_among`` per non-empty batch
-    (with ``entities``, :func:`~dedupstore.outbox.applied_among`)."""
-    with TaskClients(entities, dedup) as task:
-        for mids, cids in batches:
+    (with ``entities`` or a token, :func:`~dedupstore.outbox.applied_among`). Each
+    batch: message ids, correlation ids and, optionally, the rows' token nonces."""
+    with TaskClients(entities, dedup, tokens=tokens) as task:
+        for batch in batches:
+            mids, cids = batch[0], batch[1]
+            nonces = batch[2] if len(batch) > 2 else [None] * len(mids)
             if not mids:
                 yield []
                 continue
@@ -105,11 +138,42 @@ def _processed_flags(
                 C.message_ids(m, c, id_col, correlation_col)
                 for m, c in zip(mids, cids, strict=True)
             ]
+            carried = {  # checked before any I/O
+                (cid, mid): validate_nonce(nonce, mid)
+                for (mid, cid), nonce in zip(ids, nonces, strict=True)
+                if tokens is not None and nonce is not None
+            }
             clients = task.get()
-            if entities is not None:
-                applied = applied_among(clients.entities, clients.dedup, [(c, m) for m, c in ids])
+            endpoint = clients.dedup.endpoint
+            token_ids = {pair: token_id(pair[1], endpoint, n) for pair, n in carried.items()}
+            if entities is not None or token_ids:
+                applied = (
+                    applied_among(
+                        clients.entities,
+                        clients.dedup,
+                        [(c, m) for m, c in ids],
+                        tokens=clients.tokens,
+                        token_ids=token_ids,
+                    )
+                    if entities is not None
+                    else _by_token(clients, ids, token_ids)
+                )
                 yield [(cid, mid) in applied for mid, cid in ids]
                 continue
             keys = [message_key(cid, mid) for mid, cid in ids]
             done = clients.dedup.processed_among(keys)
             yield [key in done for key in keys]
+
+
+def _by_token(
+    clients: Opened, ids: list[tuple[str, str]], token_ids: dict[tuple[str, str], str]
+) -> set[tuple[str, str]]:
+    """Without the entity store: the pairs whose token is gone, and the untokened pairs
+    recorded in the deduplication store."""
+    assert clients.tokens is not None
+    present = clients.tokens.present_among(sorted(set(token_ids.values())))
+    applied = {pair for pair, tid in token_ids.items() if tid not in present}
+    keys = {message_key(cid, mid): (cid, mid) for mid, cid in ids if (cid, mid) not in token_ids}
+    if keys:
+        applied.update(keys[k] for k in clients.dedup.processed_among(list(keys)))
+    return applied

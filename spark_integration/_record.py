@@ -105,6 +105,11 @@ class Journal:
     def __getstate__(self) -> dict[str, Any]:
         return {"path": self.path, "run": self.run}  # each process opens its own filesystem
 
+    @property
+    def filesystem(self) -> tuple[Any, str]:
+        """The run directory's ``pyarrow`` filesystem and its path there."""
+        return self._filesystem
+
     @functools.cached_property
     def _filesystem(self) -> tuple[Any, str]:
         from pyarrow import fs

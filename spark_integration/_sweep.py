@@ -48,6 +48,8 @@ def sweep_outboxes(
     batch_ids: int = 1000,
     max_attempts: int = 10,
     endpoint: str | None = None,
+    tokens_url: str | None = None,
+    tokens_options: Mapping[str, Any] | None = None,
 ) -> DataFrame:
     """Move dispatched outbox ids into the deduplication store, one Spark task per segment.
 
@@ -61,7 +63,11 @@ def sweep_outboxes(
     Each task opens its own clients and runs :func:`dedupstore.outbox.sweep` on its
     segment, in memory bounded by ``batch_ids``, not by the segment. With
     ``redispatch_url``, entries still pending dispatch are dispatched first (outbox
-    relay). Runs now (an action) and returns a small DataFrame, one row per segment,
+    relay). With ``tokens_url`` (the consumer's token store), entries written in
+    token mode have their tokens deleted instead of their ids moved (without it, a
+    task that meets such an entity fails with ``ConfigurationError``, nothing of its
+    batch written); an entry whose outgoing tokens are not made yet is left to its
+    message's redelivery. Runs now (an action) and returns a small DataFrame, one row per segment,
     sorted by segment (:data:`SWEEP_SCHEMA`: the counts of
     :class:`~dedupstore.outbox.SweepResult` and the peak memory of the Python worker
     that ran it, since it started). Safe to re-run, to run twice at once and beside
@@ -86,6 +92,9 @@ def sweep_outboxes(
         if redispatch_url is not None
         else None
     )
+    tokens = (
+        None if tokens_url is None else ClientSpec.checked("tokens", tokens_url, tokens_options)
+    )
     use_this_python(spark)  # a local master: the workers run this interpreter
 
     def consumers_of(segment: int) -> list[dict[str, Any]]:
@@ -100,7 +109,7 @@ def sweep_outboxes(
         dedup = replace(dedup, options={**dedup.options, "endpoint": chosen})
 
     def sweep_segment(segment: int) -> list[dict[str, Any]]:
-        with TaskClients(ents, dedup, relay) as task:
+        with TaskClients(ents, dedup, relay, tokens) as task:
             clients = task.get()
             done = sweep(
                 clients.entities,
@@ -110,6 +119,7 @@ def sweep_outboxes(
                 clients.dispatcher,
                 batch_ids=batch_ids,
                 max_attempts=max_attempts,
+                tokens=clients.tokens,
             )
         return [{**vars(done), "worker_peak_rss_bytes": _peak_rss()}]
 

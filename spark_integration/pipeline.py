@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -34,10 +34,12 @@ from dedupstore.errors import (
 )
 from dedupstore.ids import validate_name
 from dedupstore.outbox import Handler, Message, OutboxProcessor, ProcessResult
+from dedupstore.outbox.tokened import check_subscriptions
 
 from . import _columns as C
 from ._clients import ClientSpec, TaskClients, positive_int
 from ._drop import drop_processed
+from ._mint import MINT_SCHEMA, mint_tokens
 from ._record import (
     PROCESS_SCHEMA,
     RECORD_SCHEMA,
@@ -58,10 +60,12 @@ if TYPE_CHECKING:
 _log = logging.getLogger(__name__)
 
 __all__ = [
+    "MINT_SCHEMA",
     "PROCESS_SCHEMA",
     "RECORD_SCHEMA",
     "SWEEP_SCHEMA",
     "drop_processed",
+    "mint_tokens",
     "process_messages",
     "process_stream",
     "run_messages",
@@ -121,6 +125,9 @@ def process_messages(
     entities_options: Mapping[str, Any] | None = None,
     dedup_options: Mapping[str, Any] | None = None,
     dispatcher_options: Mapping[str, Any] | None = None,
+    tokens_url: str | None = None,
+    tokens_options: Mapping[str, Any] | None = None,
+    subscriptions: Mapping[str, Sequence[str]] | None = None,
 ) -> DataFrame:
     """Process a DataFrame of messages exactly once; one result row per input row.
 
@@ -159,6 +166,13 @@ def process_messages(
     and the rest of the batch, task and job go on (see
     :class:`~dedupstore.outbox.OutboxProcessor`).
 
+    Token mode (see the Token mode page): with ``tokens_url``, the token store, a
+    row whose ``headers_col`` carries a ``dedupstore-token`` (for example from
+    :func:`mint_tokens`) is processed only while its token exists, and consumes it;
+    rows without one go through the deduplication store (a hybrid job).
+    ``subscriptions`` (destination -> receiving endpoints, needs ``tokens_url``)
+    mints a token per receiver for every outgoing message to those destinations.
+
     Lazy, like any transformation: every action on the result runs the processing
     again (harmlessly); write or cache it once. Result columns: :data:`PROCESS_SCHEMA`
     (``message_id`` and ``correlation_id`` are the texts above).
@@ -167,6 +181,9 @@ def process_messages(
     column type or argument, or a column named ``__dedupstore_*``; tasks raise
     ``InvalidMessageId`` for a null or invalid id, naming its column.
     """
+    if subscriptions is not None and tokens_url is None:
+        raise ConfigurationError("subscriptions need tokens_url (the token store to mint in)")
+    subscribed = check_subscriptions(subscriptions)
     if not callable(handler):
         raise ConfigurationError(f"handler must be callable, got {handler!r}")
     if cleanup not in ("inline", "deferred"):
@@ -185,6 +202,9 @@ def process_messages(
     ents = ClientSpec.checked("entities", entities_url, entities_options)
     dedup = ClientSpec.checked("dedup", dedup_url, dedup_options)
     out = ClientSpec.checked("dispatcher", dispatcher_url, dispatcher_options)
+    tokens = (
+        None if tokens_url is None else ClientSpec.checked("tokens", tokens_url, tokens_options)
+    )
 
     journal = _JOURNAL.get()  # run_messages: each batch's record goes there
     processor_options: dict[str, Any] = {
@@ -192,13 +212,14 @@ def process_messages(
         "max_attempts": max_attempts,
         "dead_letters": dead_letters,
         "handler_attempts": handler_attempts,
+        "subscriptions": subscribed or None,
         "run": None if journal is None else journal.run,
         # a Spark task's Python worker: its collector is relaxed during each batch
         "gc_threshold": GC_BATCH_THRESHOLD,
     }
 
     def process_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        with TaskClients(ents, dedup, out) as task:
+        with TaskClients(ents, dedup, out, tokens) as task:
             step = _BatchRunner(task, handler, processor_options, retries, journal)
             pending: list[Message] = []
             for batch in batches:
@@ -296,6 +317,7 @@ class _BatchRunner:
                 clients.entities,
                 clients.dedup,
                 clients.dispatcher,
+                tokens=clients.tokens,
                 **self._options,
             )
         return self._processor.process_batch(messages, self._guarded, before_cleanup=record)

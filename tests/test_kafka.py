@@ -7,10 +7,16 @@ first offset not done; a rebalance commits what is done and makes in-flight
 deliveries stale), and once over TCP against librdkafka's built-in mock cluster
 (``test.mock.num.brokers``: the Kafka protocol, consumer groups and offset commits,
 but not Kafka itself).
+
+Token mode (issue 38): a record's ``dedupstore-token`` header reaches the processor (the
+fake consumer), and over the mock cluster two services chain in token mode, B's
+messages produced by a ``CallableDispatcher`` (there is no Kafka dispatcher), with a
+dead letter that keeps its token until it is redriven.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import uuid
 from collections.abc import Callable, Iterator
@@ -19,11 +25,16 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, Producer, TopicPartition
 
+from dedupstore import open_store, open_token_store
 from dedupstore.backends.kafka import KafkaBroker, KafkaToken
 from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryDispatcher, MemoryEntityStore
-from dedupstore.consumers import Consumer, open_broker
+from dedupstore.consumers import Consumer, ConsumeStats, MessageRules, open_broker
+from dedupstore.dead_letters import letter_body
+from dedupstore.dispatch import CallableDispatcher
+from dedupstore.entities import OutgoingMessage
 from dedupstore.errors import ConfigurationError, StoreUnavailable
 from dedupstore.outbox import Message, OutboxProcessor, Send
+from dedupstore.tokens import TOKEN_HEADER, token_id
 
 URL = "kafka://127.0.0.1:9?topic=orders&group=billing"
 
@@ -74,6 +85,7 @@ class FakeConsumer:
         self.on_assign: Callable[..., None] | None = None
         self.on_revoke: Callable[..., None] | None = None
         self.fail_next: Exception | None = None
+        self.record: Callable[[int, int], _Record] = _Record  # what consume() hands out
 
     def subscribe(self, topics: list[str], on_assign: Any, on_revoke: Any) -> None:
         assert topics == ["orders"]
@@ -87,7 +99,7 @@ class FakeConsumer:
         out: list[_Record] = []
         for partition in self.position:
             while self.position[partition] < self.size and len(out) < num_messages:
-                out.append(_Record(partition, self.position[partition]))
+                out.append(self.record(partition, self.position[partition]))
                 self.position[partition] += 1
         return out
 
@@ -202,6 +214,53 @@ def test_bad_options_are_refused_before_any_io(monkeypatch: pytest.MonkeyPatch) 
         open_broker(URL)
 
 
+class _TokenedRecord(_Record):
+    """A record a token-mode sender produced: its correlation id and the token header
+    (``dedupstore-token``, nonce ``n<offset>``) among its headers, as bytes."""
+
+    def headers(self) -> list[tuple[str, bytes]]:
+        return [
+            *super().headers(),
+            ("correlation_id", b"o1"),
+            (TOKEN_HEADER, b"n%d" % self._offset),
+        ]
+
+
+def test_a_records_token_header_reaches_the_processor_in_token_mode(fake: FakeConsumer) -> None:
+    """The delivery's headers keep the token header as text, the message keeps it, and
+    the processor deduplicates by the token: a record whose token was never minted (or
+    is consumed already: the records again after a nack) is a duplicate, and nothing is
+    recorded in the deduplication store."""
+    probe = FakeConsumer()
+    probe.record = _TokenedRecord
+    with KafkaBroker(URL, consumer=probe) as reader:
+        delivery = reader.fetch(1, 0.0)[0]
+    assert delivery.headers[TOKEN_HEADER] == "n0"
+    assert MessageRules().message(delivery).headers == {TOKEN_HEADER: "n0", "key": "o0"}
+
+    fake.record = _TokenedRecord
+    name = uuid.uuid4().hex
+    tokens = open_token_store(f"memory://{name}")
+    ids = [f"p{p}-m{o}" for p in (0, 1) for o in range(5)]
+    tokens.create({token_id(mid, "billing", f"n{mid[-1]}"): "billing" for mid in ids[:-1]})
+    processor = OutboxProcessor(
+        MemoryEntityStore(f"memory://{name}"),
+        open_store(f"memory://{name}", endpoint="billing"),
+        MemoryDispatcher(f"memory://{name}"),
+        tokens=tokens,
+    )
+    with KafkaBroker(URL, consumer=fake) as broker:
+        consumer = Consumer(broker, processor, count, batch_size=10, max_deliveries=None)
+        stats = consumer.run_once()
+        assert stats.outcomes == {"processed": 9, "duplicate": 1}  # p1-m4: no token minted
+        assert tokens.outstanding() == {}
+        fake.seek(TopicPartition("orders", 0, 0))  # every record again (a new owner, say)
+        fake.seek(TopicPartition("orders", 1, 0))
+        assert consumer.run_once().outcomes == {"duplicate": 10}
+    assert processor.entities.load("o1").state["applied"] == ids[:-1]
+    assert processor.dedup.processed_among(ids) == set()
+
+
 # ---------------------------------------------------------------- librdkafka's mock cluster
 
 
@@ -307,6 +366,96 @@ def test_over_the_kafka_protocol_an_outage_holds_records_and_commits_nothing_pas
         assert processor.entities.load("o1").state["applied"] == [f"m{n}" for n in range(5)]
         assert broker.pending() == 0
         assert not [m for m in sent.sent if m.destination == "dlq"]
+    finally:
+        broker.close()
+        assert cluster.flush(1) == 0  # the mock cluster lived until here
+
+
+def forward(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+    """A: forwards each message to B's entity ``b-<entity>``."""
+    applied = [*state.get("applied", []), message.id]
+    to_b = {"correlation_id": f"b-{message.correlation_id}"}
+    return {"applied": applied}, [Send("shipments", {"order": message.id}, to_b)]
+
+
+def ship(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+    """B: records each order."""
+    return {"orders": [*state.get("orders", []), message.body["order"]]}, []
+
+
+def ship_but_m5(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
+    """B before its fix: refuses order ``m5``."""
+    if message.body["order"] == "m5":
+        raise ValueError("cannot ship m5")
+    return ship(state, message)
+
+
+@pytest.mark.timeout(120)
+def test_over_the_kafka_protocol_two_services_in_token_mode_apply_each_message_once() -> None:
+    """librdkafka's mock cluster: A (in process, its input without tokens: retention
+    mode) sends B's messages through a Kafka dispatcher (a ``CallableDispatcher``
+    producing one record per message, its id and headers as record headers); B reads
+    them with the consume loop in token mode. B applies each once, a record produced
+    again after B consumed its token is a duplicate, the dead letter of a record B
+    refused keeps the token and its redrive applies it once; no token is left and B's
+    deduplication store holds nothing."""
+    cluster, servers, _ = _mock_topic(0)
+    shipments, name = f"s-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    produced: list[tuple[bytes, dict[str, str]]] = []
+
+    def produce(messages: list[OutgoingMessage]) -> None:
+        for m in messages:
+            assert m.destination == "shipments"
+            value, headers = json.dumps(m.body).encode(), {"id": m.id, **m.headers}
+            cluster.produce(shipments, value=value, headers=headers, partition=0)
+            produced.append((value, headers))
+        if cluster.flush(10):
+            raise StoreUnavailable("records not delivered")
+
+    tokens = open_token_store(f"memory://{name}")
+    a = OutboxProcessor(
+        MemoryEntityStore(f"memory://a{name}"),
+        open_store(f"memory://a{name}", endpoint="a"),
+        CallableDispatcher(produce),
+        tokens=tokens,
+        subscriptions={"shipments": ["b"]},
+    )
+    orders = [Message(f"m{n}", "o1", {}) for n in range(6)]
+    assert {r.outcome for r in a.process_batch(orders, forward)} == {"processed"}
+    assert all(TOKEN_HEADER in headers for _, headers in produced)  # on the record
+    assert tokens.outstanding()["b"].outstanding == 6
+    letters = MemoryDispatcher(f"memory://b{name}")
+    b = OutboxProcessor(
+        MemoryEntityStore(f"memory://b{name}"),
+        open_store(f"memory://b{name}", endpoint="b"),
+        letters,
+        tokens=tokens,
+        dead_letters="dlq",
+    )
+    fast = {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500, "log_level": 0}
+    broker = open_broker(f"kafka://{servers}?topic={shipments}&group=b-{name}", config=fast)
+    consumer = Consumer(broker, b, ship_but_m5, max_deliveries=None, wait=1.0)
+    totals = ConsumeStats()
+    try:
+        while totals.acked < 6:  # bounded by the test's timeout (the group's assignment)
+            totals.add(consumer.run_once())
+        assert totals.outcomes == {"processed": 5, "dead_lettered": 1}
+        assert tokens.outstanding()["b"].outstanding == 1  # the redrive's token
+        value, headers = produced[0]  # produced again: a producer retry
+        cluster.produce(shipments, value=value, headers=headers, partition=0)
+        assert cluster.flush(10) == 0
+        while totals.acked < 7:
+            totals.add(consumer.run_once())
+        assert totals.outcomes == {"processed": 5, "dead_lettered": 1, "duplicate": 1}
+        assert broker.pending() == 0
+        (letter,) = [m for m in letters.sent if m.destination == "dlq"]
+        assert TOKEN_HEADER in letter_body(letter)["message"]["headers"]
+        assert b.redrive(letter, ship).outcome == "processed"
+        assert tokens.outstanding() == {}
+        assert b.redrive(letter, ship).outcome == "duplicate"
+        assert b.entities.load("b-o1").state["orders"] == [f"m{n}" for n in (0, 1, 2, 3, 4, 5)]
+        recorded = [headers["id"] for _, headers in produced] + [letter.id]
+        assert b.dedup.processed_among(recorded) == set()  # B recorded nothing
     finally:
         broker.close()
         assert cluster.flush(1) == 0  # the mock cluster lived until here

@@ -18,7 +18,14 @@ import pytest
 from dedupstore.entities import Entity, EntityStore, OutgoingMessage
 from dedupstore.errors import ConfigurationError, InvalidMessageId
 from dedupstore.ids import message_key
-from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send, sweep
+from dedupstore.outbox import (
+    InMemoryDispatcher,
+    Message,
+    OutboxProcessor,
+    Send,
+    applied_among,
+    sweep,
+)
 from dedupstore.store import DeduplicationStore
 from dedupstore.tokens import TOKEN_HEADER, TokenStore, new_nonce, token_id
 from tests.outbox_backends import OutboxBackend, backend_params
@@ -387,3 +394,48 @@ def test_a_sweep_leaves_an_entry_whose_tokens_are_not_made_to_its_redelivery(
         chain.receivers["B"].process(copy, b_handler)
     assert state_of(chain, "B", "b-o1")["sum"] == 3
     assert outstanding(chain) == 0
+
+
+def test_applied_among_tells_tokened_messages_by_their_outbox_then_their_token(
+    chain: Chain,
+) -> None:
+    """applied_among in token mode: an id in the outbox (deferred) or a token gone is
+    applied; a token present and no entry is not; the deduplication store is not asked
+    about a tokened message; a token id without the token store is refused first."""
+    for i in range(3):
+        chain.a.process(Message(f"in-{i}", f"o{i}", i + 1), a_handler)
+    first, second, third = chain.to_b()
+    b = chain.receiver("B", cleanup="deferred")
+    b.process(first, b_handler)  # applied, its id in the outbox, its token not yet deleted
+    chain.receivers["B"].process(second, b_handler)  # applied, token deleted, entry gone
+    plain = Message("p-1", "b-o0", {"n": 1})
+    chain.receivers["B"].process(plain, b_handler)
+    endpoint = chain.names["B"]
+    tokened = {
+        (m.correlation_id, m.id): token_id(m.id, endpoint, m.headers[TOKEN_HEADER])
+        for m in (first, second, third)
+    }
+    asked = [*tokened, ("b-o0", "p-1"), ("b-o0", "p-2")]
+    found = applied_among(
+        chain.entities["B"], chain.dedups["B"], asked, tokens=chain.tokens, token_ids=tokened
+    )
+    assert found == {
+        (first.correlation_id, first.id),
+        (second.correlation_id, second.id),
+        ("b-o0", "p-1"),
+    }
+    # without token mode, the same messages look unapplied but the one still in the outbox
+    assert applied_among(chain.entities["B"], chain.dedups["B"], asked) == {
+        (first.correlation_id, first.id),
+        ("b-o0", "p-1"),
+    }
+    with pytest.raises(ConfigurationError, match="token store"):
+        applied_among(chain.entities["B"], chain.dedups["B"], asked, token_ids=tokened)
+    with pytest.raises(InvalidMessageId):
+        applied_among(
+            chain.entities["B"],
+            chain.dedups["B"],
+            asked,
+            tokens=chain.tokens,
+            token_ids={asked[0]: ""},
+        )

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from dedupstore import metrics
 from dedupstore.entities import Entity, EntityStore, OutgoingMessage
 from dedupstore.errors import ConfigurationError
-from dedupstore.ids import message_key, validate_message_id
+from dedupstore.ids import message_key, validate_ids, validate_message_id
 from dedupstore.outbox.entries import _dispatched, _foreign, _log, _remove, _send
 from dedupstore.outbox.messages import Dispatcher
 from dedupstore.outbox.tokened import _no_token_store, retire, stamped, unmade
@@ -123,7 +123,12 @@ def _swept(entity: Entity, consumer: str) -> Entity:
 
 
 def applied_among(
-    entities: EntityStore, dedup: DeduplicationStore, messages: Iterable[tuple[str, str]]
+    entities: EntityStore,
+    dedup: DeduplicationStore,
+    messages: Iterable[tuple[str, str]],
+    *,
+    tokens: TokenStore | None = None,
+    token_ids: Mapping[tuple[str, str], str] | None = None,
 ) -> set[tuple[str, str]]:
     """The ``(correlation id, message id)`` pairs among ``messages`` that were applied.
 
@@ -132,14 +137,27 @@ def applied_among(
     :func:`~dedupstore.ids.message_key` is recorded in ``dedup``. The entities are
     loaded first, then ``dedup`` is asked about the others: an id reaches the store
     before it leaves the outbox, so a sweep running meanwhile never hides one. One
-    ``load_many`` and one ``processed_among``. Raises ``InvalidMessageId`` before any
-    I/O, ``ConfigurationError`` for an entity recorded for another consumer than
-    ``dedup``'s endpoint (its outbox says nothing about this one), ``StoreUnavailable``.
+    ``load_many`` and one ``processed_among``.
+
+    Token mode: a pair of ``token_ids`` (pair -> its token id for ``dedup``'s
+    endpoint, :func:`~dedupstore.tokens.token_of`) was applied when its id is in the
+    outbox or its token is gone from ``tokens`` (read after the load, as the
+    processor does; one ``present_among``); ``dedup`` is not asked about it.
+
+    Raises ``InvalidMessageId`` before any I/O, ``ConfigurationError`` for an entity
+    recorded for another consumer than ``dedup``'s endpoint (its outbox says nothing
+    about this one) or ``token_ids`` without ``tokens``, ``StoreUnavailable``.
     """
     pairs = list(dict.fromkeys(messages))
     for cid, mid in pairs:
         validate_message_id(cid, "correlation id")
         validate_message_id(mid)
+    tokened = {pair: token_ids[pair] for pair in pairs if pair in token_ids} if token_ids else {}
+    if tokened and tokens is None:
+        raise ConfigurationError(
+            "messages with a token need the token store (tokens=): nothing was read"
+        )
+    validate_ids(list(tokened.values()), "token id")
     if not pairs:
         return set()
     loaded = entities.load_many([cid for cid, _ in pairs])
@@ -148,7 +166,16 @@ def applied_among(
         if entity.consumer is not None and entity.consumer != consumer:
             raise _foreign(entity, consumer)
     found = {(cid, mid) for cid, mid in pairs if mid in loaded[cid].outbox}
-    rest = {message_key(cid, mid): (cid, mid) for cid, mid in pairs if (cid, mid) not in found}
+    waiting = [p for p in pairs if p in tokened and p not in found]
+    if waiting:
+        assert tokens is not None
+        present = tokens.present_among(sorted({tokened[p] for p in waiting}))
+        found.update(p for p in waiting if tokened[p] not in present)
+    rest = {
+        message_key(cid, mid): (cid, mid)
+        for cid, mid in pairs
+        if (cid, mid) not in found and (cid, mid) not in tokened
+    }
     if rest:
         found.update(rest[key] for key in dedup.processed_among(rest))
     return found
