@@ -228,6 +228,19 @@ class MemoryTokenStore(TokenStore):
             tokens = list(self._ns.tokens.values())
         return count_tokens(tokens)
 
+    def _scan(self) -> Iterator[TokenRecord]:
+        """The ids of a snapshot, then a page of :attr:`page_size` at a time under the lock
+        (like the servers: a token deleted meanwhile is left out)."""
+        with self._ns.lock:
+            ids = sorted(self._ns.tokens)
+        size = self.page_size
+        for start in range(0, len(ids), size):
+            with self._ns.lock:
+                page = [(tid, self._ns.tokens.get(tid)) for tid in ids[start : start + size]]
+            for tid, token in page:
+                if token is not None:
+                    yield TokenRecord(tid, token[0], token[1])
+
 
 class MemoryDispatcher(URLDispatcher):
     """A process-wide named queue: every dispatcher opened with ``memory://<name>`` shares it.

@@ -448,6 +448,7 @@ class SqliteTokenStore(TokenStore):
         self._sql_present = f"SELECT id FROM {t} WHERE id IN (SELECT value FROM json_each(?))"
         self._sql_delete = f"DELETE FROM {t} WHERE id IN (SELECT value FROM json_each(?))"
         self._sql_outstanding = f"SELECT endpoint, count(*), min(created) FROM {t} GROUP BY 1"
+        self._sql_scan = f"SELECT id, endpoint, created FROM {t} WHERE id > ? ORDER BY id LIMIT ?"
 
     def _create(self, records: list[TokenRecord]) -> None:
         with self._sqlite.write_transaction() as conn:
@@ -463,6 +464,18 @@ class SqliteTokenStore(TokenStore):
     def _outstanding(self) -> dict[str, TokenCount]:
         rows = self._sqlite.fetch(self._sql_outstanding)
         return {row[0]: TokenCount(int(row[1]), float(row[2])) for row in rows}
+
+    def _scan(self) -> Iterator[TokenRecord]:
+        """Pages of :attr:`page_size` rows in id order, each one statement after the last
+        id seen (the primary key's index: no offset, no long read transaction)."""
+        after, size = "", self.page_size
+        while True:
+            rows = self._sqlite.fetch(self._sql_scan, (after, size))
+            for row in rows:
+                yield TokenRecord(row[0], row[1], float(row[2]))
+            if len(rows) < size:
+                return
+            after = rows[-1][0]
 
 
 class SqliteEntityStore(EntityStore):

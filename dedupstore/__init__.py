@@ -34,6 +34,7 @@ from dedupstore.errors import (
     MessageTooLarge,
     StoreClosed,
     StoreUnavailable,
+    TokenPresent,
     format_error,
 )
 from dedupstore.registry import register
@@ -65,6 +66,7 @@ __all__ = [
     "MessageTooLarge",
     "StoreClosed",
     "StoreUnavailable",
+    "TokenPresent",
     "__version__",
     "format_error",
     "open_dispatcher",

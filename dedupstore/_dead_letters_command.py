@@ -7,7 +7,10 @@ queue and RabbitMQ queues can be read back; any other dispatcher is refused befo
 any I/O. ``redrive`` runs each letter through
 :meth:`~dedupstore.outbox.OutboxProcessor.redrive` with the processor ``consume``
 would build from the same arguments, and removes a letter only after its redrive
-returned (a crash in between leaves it: redriving it again is a duplicate).
+returned (a crash in between leaves it: redriving it again is a duplicate). ``purge``
+discards letters through :meth:`~dedupstore.dead_letters.DeadLetterQueue.purge`: the
+redrive token a letter keeps in token mode is deleted with it (``--tokens``), and a
+letter that keeps one is refused without the token store unless ``--leave-tokens``.
 """
 
 from __future__ import annotations
@@ -62,9 +65,27 @@ def add_parser(commands: Any) -> None:
     _which(redrive)
     consume_command.add_dispatcher_arguments(redrive, required=True)
     consume_command.add_processor_arguments(redrive)
-    purge = actions.add_parser("purge", help="remove letters for good (needs --yes)")
+    purge = actions.add_parser(
+        "purge",
+        help="remove letters for good, and their redrive tokens (needs --yes)",
+        description="Remove letters for good. A letter set aside in token mode keeps a "
+        "redrive token: give the token store (--tokens) to delete it with the letter; without "
+        "it such a letter is refused (its token would be left forever) unless --leave-tokens.",
+    )
     _which(purge)
     purge.add_argument("--yes", action="store_true", help="confirm: the letters are lost")
+    purge.add_argument(
+        "--tokens",
+        metavar="URL",
+        help="token mode: the token store (or 'config'); the redrive token of each purged "
+        "letter is deleted from it",
+    )
+    purge.add_argument(
+        "--leave-tokens",
+        action="store_true",
+        help="purge letters that keep a redrive token without deleting it (found later by "
+        "'dedupstore tokens orphans')",
+    )
     consume_command.add_dispatcher_arguments(purge, required=True)
 
 
@@ -113,6 +134,10 @@ def run(args: argparse.Namespace) -> int:
     options = _readable(args.dispatcher)
     if args.letters_command == "purge" and not args.yes:
         raise ConfigurationError("purge removes dead letters for good: add --yes to confirm")
+    if args.letters_command == "purge" and args.tokens is not None and args.leave_tokens:
+        raise ConfigurationError(
+            "--tokens deletes the letters' redrive tokens, --leave-tokens leaves them: give one"
+        )
     if args.letters_command == "redrive":
         consume_command.load_handler(args.handler)  # a bad handler is refused before any I/O
         opened: list[Any] = []
@@ -136,8 +161,15 @@ def run(args: argparse.Namespace) -> int:
         if args.letters_command == "show":
             print(json.dumps(letters[0].to_json(), indent=2, sort_keys=True, ensure_ascii=False))
             return 0
-        removed = queue.delete(letters)
-        print(json.dumps({"purged": len(letters), "messages_removed": removed}))
+        from dedupstore._tokens_command import open_tokens
+
+        tokens = None if args.tokens is None else open_tokens(args.tokens)
+        try:
+            purged = queue.purge(letters, tokens=tokens, leave_tokens=args.leave_tokens)
+        finally:
+            if tokens is not None:
+                tokens.close()
+        print(json.dumps(purged.to_json()))
         return 0
 
 

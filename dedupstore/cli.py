@@ -1,6 +1,7 @@
 """The ``dedupstore`` command.
 
-Exit codes: 0 success (``consume``: stopped by SIGTERM/SIGINT); 1 ``has`` found an id
+Exit codes: 0 success (``consume``: stopped by SIGTERM/SIGINT; ``tokens mint``: a dry run
+too); 1 ``has`` found an id
 not processed, ``entities show`` found no such entity, ``dead-letters show/redrive/purge``
 no such letter, or the demo saw an invariant fail;
 2 fix your configuration or input (``ConfigurationError``, ``InvalidMessageId``,
@@ -25,11 +26,12 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from dedupstore import __version__, open_entity_store, open_store, registry
 from dedupstore import _dead_letters_command as dead_letters_command
+from dedupstore import _tokens_command as tokens_command
 from dedupstore.consumers import _command as consume_command
 from dedupstore.consumers._command import _duration, _target
 from dedupstore.entities import EntityStore
@@ -45,7 +47,7 @@ from dedupstore.masking import MASK, mask_options
 from dedupstore.options import format_duration, parse_duration
 from dedupstore.stats import Backlog, outbox_backlog
 from dedupstore.store import DeduplicationStore
-from dedupstore.tokens import TokenStore
+from dedupstore.tokens import TokenCount, TokenStore
 from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
@@ -216,10 +218,18 @@ def _parser(plugins: Mapping[str, Command]) -> argparse.ArgumentParser:
         "store only if the configuration names one); with either, what they name.",
         epilog=f"{NEVER_CREATES} Costs a scan of the non-empty outboxes, and a count: one "
         "statement on SQLite and PostgreSQL, a query on Cosmos DB, a SCAN of the database "
-        "on Redis, a scan of the table on DynamoDB.",
+        "on Redis, a scan of the table on DynamoDB; with a token store, a count of its "
+        "tokens per endpoint (the same kind of read).",
     )
     stats.add_argument("--entities", metavar="URL", help="entity store URL, or 'config'")
     stats.add_argument("--store", metavar="URL", help="deduplication store URL, or 'config'")
+    stats.add_argument(
+        "--tokens",
+        metavar="URL",
+        help="token store URL, or 'config': its tokens outstanding per receiving endpoint "
+        "and the oldest (without --entities, --store and --tokens: the configured one, if "
+        "the configuration names one)",
+    )
     stats.add_argument(
         "--endpoint",
         help="consumer name (default: the configured one, else the one recorded or present)",
@@ -269,8 +279,9 @@ def _parser(plugins: Mapping[str, Command]) -> argparse.ArgumentParser:
     sweep.add_argument(
         "--tokens",
         metavar="URL",
-        help="the token store of a consumer in token mode (its entries' tokens are deleted "
-        "instead of their ids moved; an entity holding them is refused without it)",
+        help="the token store of a consumer in token mode, or 'config' (its entries' tokens "
+        "are deleted instead of their ids moved; an entity holding them is refused without "
+        "it)",
     )
     for sub in (pending, sweep):
         sub.add_argument("--segment", type=int_range(0, 999_999), default=0)
@@ -292,6 +303,7 @@ def _parser(plugins: Mapping[str, Command]) -> argparse.ArgumentParser:
     sweep.add_argument("--quiet", action="store_true", help="print no progress lines")
     consume_command.add_parser(commands, int_range(1, 1_000_000))
     dead_letters_command.add_parser(commands)
+    tokens_command.add_parser(commands)
     for name, command in plugins.items():
         command.add_parser(commands, name)
     return parser
@@ -319,12 +331,11 @@ def _open(url: str | None, *, must_exist: bool = True, **replace: Any) -> Dedupl
 
 
 def _open_tokens(url: str | None) -> contextlib.AbstractContextManager[TokenStore | None]:
-    """The token store at ``url`` (closed on exit), or None without one."""
+    """The token store at ``url`` ('config': the configured one; never created, closed on
+    exit), or None without one."""
     if url is None:
         return contextlib.nullcontext()
-    from dedupstore import open_token_store
-
-    return open_token_store(url)
+    return tokens_command.open_tokens(url)
 
 
 def _open_entities(url: str) -> EntityStore:
@@ -485,6 +496,19 @@ def _config(_: argparse.Namespace) -> int:
         )
         if ents.source != resolved.source:
             shown["entities_source"] = ents.source
+    try:
+        toks = resolve_config(tokens=True)
+    except ConfigurationError as exc:
+        if "has no 'tokens_url'" not in str(exc):
+            raise
+        shown.update(tokens_url=None, tokens_backend="not configured", tokens_options={})
+    else:
+        shown["tokens_url"] = toks.masked()["url"]
+        shown["tokens_backend"], shown["tokens_options"] = _describe(
+            toks.url, toks.options, "token_store"
+        )
+        if toks.source != resolved.source:
+            shown["tokens_source"] = toks.source
     print(json.dumps(shown, indent=2, default=str))
     return 0
 
@@ -544,12 +568,12 @@ def _entities(args: argparse.Namespace) -> int:
 def _stats(args: argparse.Namespace) -> int:
     # Neither --entities nor --store: both configured stores; else what they name
     # (--endpoint alone names the configured store).
-    explicit = args.entities is not None or args.store is not None
+    explicit = args.entities is not None or args.store is not None or args.tokens is not None
     entities_url = args.entities if explicit else "config"
     store_url = args.store
     if store_url is None and (args.endpoint is not None or not explicit):
         store_url = "config"
-    shown: dict[str, Any] = {"entities": None, "store": None}
+    shown: dict[str, Any] = {"entities": None, "store": None, "tokens": None}
     notes: list[str] = []
     progress = _scan_progress if not args.json and sys.stderr.isatty() else None
     consumers: frozenset[str] = frozenset()
@@ -598,6 +622,11 @@ def _stats(args: argparse.Namespace) -> int:
             }
         finally:
             store.close()
+    tokens_url = args.tokens if explicit else _configured_tokens()
+    if tokens_url is not None:
+        with tokens_command.open_tokens(tokens_url) as tokens:
+            counts = tokens.outstanding()
+            shown["tokens"] = _token_stats(tokens, counts, time.time())
     if args.json:
         print(json.dumps(shown, indent=2, ensure_ascii=False))
         return 0
@@ -605,6 +634,40 @@ def _stats(args: argparse.Namespace) -> int:
     for note in notes:
         print(note)
     return 0
+
+
+def _configured_tokens() -> str | None:
+    """'config' when the configuration names a token store (``tokens_url``), else None."""
+    from dedupstore.config import resolve_config
+
+    try:
+        resolved = resolve_config(tokens=True)
+    except ConfigurationError as exc:
+        if "has no 'tokens_url'" in str(exc):
+            return None
+        raise
+    return None if resolved.source == "embedded default" else "config"
+
+
+def _token_stats(tokens: TokenStore, counts: dict[str, TokenCount], now: float) -> dict[str, Any]:
+    """What ``stats`` shows of a token store: the tokens outstanding per receiving endpoint
+    and the oldest's mint time and age (the minting client's clock)."""
+    endpoints = {
+        endpoint: {
+            "outstanding": count.outstanding,
+            "oldest_at": datetime.fromtimestamp(count.oldest, UTC).isoformat(),
+            "oldest_age_seconds": round(max(0.0, now - count.oldest), 3),
+        }
+        for endpoint, count in sorted(counts.items())
+    }
+    oldest = min((count.oldest for count in counts.values()), default=None)
+    return {
+        "backend": type(tokens).__name__,
+        "url": tokens.url,
+        "outstanding": sum(count.outstanding for count in counts.values()),
+        "oldest_age_seconds": None if oldest is None else round(max(0.0, now - oldest), 3),
+        "endpoints": endpoints,
+    }
 
 
 def _scan_progress(backlog: Backlog) -> None:
@@ -630,6 +693,7 @@ def _print_stats(shown: dict[str, Any]) -> None:
             ("  ids awaiting the sweep", f"{ents['ids_awaiting_sweep']:,}"),
             ("  oldest pending entry", oldest),
             ("  consumers recorded", ", ".join(ents["consumers"]) or "none"),
+            ("  with token-mode entries", f"{ents['entities_tokened']:,}"),
         ]
     store = shown["store"]
     if store is not None:
@@ -643,6 +707,20 @@ def _print_stats(shown: dict[str, Any]) -> None:
             ("  endpoint", store["endpoint"]),
             ("  live ids", "not countable on this backend" if ids is None else f"{ids:,}"),
         ]
+    toks = shown.get("tokens")
+    if toks is not None:
+        rows += [
+            ("tokens:", f"{toks['backend']} {toks['url']}"),
+            ("  tokens outstanding", f"{toks['outstanding']:,}"),
+        ]
+        for endpoint, count in toks["endpoints"].items():
+            age = format_duration(timedelta(seconds=int(count["oldest_age_seconds"])))
+            rows.append(
+                (
+                    f"  endpoint {endpoint}",
+                    f"{count['outstanding']:,} (oldest {count['oldest_at']}, {age} ago)",
+                )
+            )
     width = max((len(label) for label, _ in rows), default=0)
     for label, value in rows:
         print(f"{label:<{width}}  {value}")
@@ -701,6 +779,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "entities": _entities,
     "consume": consume_command.run,
     "dead-letters": dead_letters_command.run,
+    "tokens": tokens_command.run,
 }
 
 

@@ -27,15 +27,19 @@ file's ``default_env``, else ``default``)::
     table = "order_entities"
 
 ``url``/``options`` are for ``open_store()``, ``entities_url``/``entities_options``
-for ``open_entity_store()`` (``DEDUPSTORE_ENTITIES_URL`` overrides the latter).
+for ``open_entity_store()`` (``DEDUPSTORE_ENTITIES_URL`` overrides the latter),
+``tokens_url``/``tokens_options`` for ``open_token_store()``, token mode's token store
+(``DEDUPSTORE_TOKENS_URL`` overrides it): what ``--tokens config`` opens, and what
+``dedupstore stats`` shows without arguments. A token store never expires anything, so
+its table takes no ``endpoint`` or ``retention``.
 
 Relative paths in a configuration file are relative to the file's directory, not to
 the current one, so every command finds the same store from any subdirectory: the
-path of a ``sqlite:///relative.db`` URL (``url`` and ``entities_url``) and the
+path of a ``sqlite:///relative.db`` URL (``url``, ``entities_url``, ``tokens_url``) and the
 values of the options naming files (:data:`PATH_OPTIONS`: ``ssl_ca_certs``, libpq's
 ``sslrootcert``, ``sslcert``, ``sslkey``, ...), in a table or in a URL's query. A URL
-from ``DEDUPSTORE_URL`` / ``DEDUPSTORE_ENTITIES_URL`` and the embedded default
-(``./.dedupstore/``) stay relative to the current directory.
+from ``DEDUPSTORE_URL`` / ``DEDUPSTORE_ENTITIES_URL`` / ``DEDUPSTORE_TOKENS_URL`` and the
+embedded default (``./.dedupstore/``) stay relative to the current directory.
 
 ``${VAR}`` is expanded from the environment everywhere (``$$`` is a literal ``$``);
 a value inserted into the user-info of a URL (a password) is percent-encoded, so a
@@ -66,7 +70,16 @@ __all__ = ["DEFAULT_URL", "PATH_OPTIONS", "ResolvedConfig", "find_config_file", 
 DEFAULT_URL = "sqlite:///.dedupstore/dedup.db"
 
 _ENV_KEYS = frozenset(
-    {"url", "endpoint", "retention", "options", "entities_url", "entities_options"}
+    {
+        "url",
+        "endpoint",
+        "retention",
+        "options",
+        "entities_url",
+        "entities_options",
+        "tokens_url",
+        "tokens_options",
+    }
 )
 _TOP_KEYS = frozenset({"default_env"})
 #: Options (and URL query keys) whose value is a file path: relative to the
@@ -210,21 +223,30 @@ def resolve_config(
     environ: Mapping[str, str] | None = None,
     *,
     entities: bool = False,
+    tokens: bool = False,
 ) -> ResolvedConfig:
     """Resolve the URL and options for ``open_store()`` without a URL.
 
     With ``entities=True``, for ``open_entity_store()`` instead: the environment's
     ``entities_url`` and ``entities_options``, overridden by
     ``DEDUPSTORE_ENTITIES_URL``; with no configuration at all, the embedded SQLite
-    file (the entities have their own table there).
+    file (the entities have their own table there). With ``tokens=True``, for
+    ``open_token_store()``: ``tokens_url`` and ``tokens_options``, overridden by
+    ``DEDUPSTORE_TOKENS_URL``; with no configuration at all, the embedded SQLite
+    file (the tokens have their own table there).
 
     Raises ``ConfigurationError`` for an unknown key, a missing environment, an
-    unset ``${VAR}`` or a malformed file, naming which.
+    unset ``${VAR}``, a malformed file or both ``entities`` and ``tokens``, naming
+    which; an environment without the URL asked for: "has no '<key>'".
     """
     env = os.environ if environ is None else environ
+    if entities and tokens:
+        raise ConfigurationError("resolve_config: ask for entities or tokens, not both")
     url_key, options_key, own_keys, override_var = (
         ("entities_url", "entities_options", (), "DEDUPSTORE_ENTITIES_URL")
         if entities
+        else ("tokens_url", "tokens_options", (), "DEDUPSTORE_TOKENS_URL")
+        if tokens
         else ("url", "options", ("endpoint", "retention"), "DEDUPSTORE_URL")
     )
     override = env.get(override_var) or None

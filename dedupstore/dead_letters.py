@@ -11,6 +11,10 @@ deletes the letters of one destination through it (what ``dedupstore dead-letter
 runs), and :func:`letter_body` turns a letter in any form it is read (the
 ``OutgoingMessage``, a stream entry, a queue row, an AMQP body, JSON text) into the
 letter's body, the form :meth:`~dedupstore.outbox.OutboxProcessor.redrive` takes.
+
+In token mode a letter keeps a token, its *redrive token* (:func:`redrive_token`):
+:meth:`DeadLetterQueue.purge` deletes it with the letter, so that discarding a letter
+never leaves its token behind.
 """
 
 from __future__ import annotations
@@ -18,18 +22,24 @@ from __future__ import annotations
 import json
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 from dedupstore.entities import OutgoingMessage
-from dedupstore.errors import ConfigurationError, InvalidMessageId
+from dedupstore.errors import ConfigurationError, DeadLetterIncomplete, InvalidMessageId
+
+if TYPE_CHECKING:
+    from dedupstore.tokens import TokenStore
 
 __all__ = [
     "DeadLetter",
     "DeadLetterQueue",
+    "Purged",
     "ReadBack",
     "ReadMessage",
+    "RedriveToken",
     "letter_body",
     "letter_kind",
+    "redrive_token",
 ]
 
 #: What a letter is: a processor's letter of a ``message``, the consume loop's letter
@@ -216,6 +226,85 @@ def _letter(copies: list[ReadMessage]) -> DeadLetter:
     )
 
 
+class RedriveToken(NamedTuple):
+    """The token a dead letter keeps in token mode: its ``id`` and the receiving
+    ``endpoint`` it was minted for (the consumer that set the message aside)."""
+
+    id: str
+    endpoint: str
+
+
+def redrive_token(letter: DeadLetter) -> RedriveToken | None:
+    """The redrive token of ``letter``, or None when it keeps none.
+
+    A processor in token mode that sets aside a message carrying a token exchanges
+    that token for ``token_id(letter id, consumer, nonce)`` (the nonce of the
+    original's ``dedupstore-token`` header, kept in the letter): what the letter's
+    redrive consumes. Letters of messages without the header, of malformed
+    deliveries and of Spark rows keep none. No I/O: whether the token still exists
+    is the token store's to say. Raises ``DeadLetterIncomplete`` for a bounded letter
+    whose original headers were replaced by their size and digest (its token, if it
+    has one, cannot be named), ``InvalidMessageId`` for a header that is not a nonce
+    or a letter whose consumer is missing.
+    """
+    from dedupstore.tokens import TOKEN_HEADER, token_id, validate_nonce
+
+    if letter.kind not in ("message", "bounded"):
+        return None
+    try:
+        body = letter_body(letter)
+    except ConfigurationError:
+        return None
+    original = body.get("message")
+    if not isinstance(original, Mapping):
+        return None
+    headers = original.get("headers")
+    if not isinstance(headers, Mapping):
+        if "headers_omitted" in original:
+            raise DeadLetterIncomplete(
+                f"dead letter {letter.id} of message {letter.message_id!r:.80} of entity "
+                f"{letter.entity!r:.80} was too large to keep the original's headers (only "
+                "their size and digest): whether it keeps a redrive token, and which, "
+                "cannot be told",
+                letter_id=letter.id,
+                message_id=str(letter.message_id),
+                correlation_id=str(letter.entity),
+            )
+        return None
+    nonce = headers.get(TOKEN_HEADER)
+    if nonce is None:
+        return None
+    consumer = letter.consumer
+    if not consumer:
+        raise InvalidMessageId(
+            f"dead letter {letter.id}: it carries a {TOKEN_HEADER} header but names no "
+            "consumer, so its redrive token cannot be named"
+        )
+    return RedriveToken(token_id(letter.id, consumer, validate_nonce(nonce, letter.id)), consumer)
+
+
+@dataclass(frozen=True)
+class Purged:
+    """What :meth:`DeadLetterQueue.purge` did: ``letters`` purged, ``messages_removed``
+    (copies included), ``tokens_deleted`` (redrive tokens deleted: those that no longer
+    existed count too, a delete being idempotent) and ``tokens_left`` (the letters whose
+    token was left, with ``leave_tokens``)."""
+
+    letters: int
+    messages_removed: int
+    tokens_deleted: int
+    tokens_left: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        """As ``dedupstore dead-letters purge`` prints it."""
+        return {
+            "purged": self.letters,
+            "messages_removed": self.messages_removed,
+            "tokens_deleted": self.tokens_deleted,
+            "tokens_left": list(self.tokens_left),
+        }
+
+
 def _unreadable(scheme: str) -> ConfigurationError:
     return ConfigurationError(
         f"dead letters cannot be read back from a {scheme} dispatcher (readable: redis://, "
@@ -258,6 +347,63 @@ class DeadLetterQueue:
         return next((letter for letter in self.list() if letter.id == letter_id), None)
 
     def delete(self, letters: Collection[DeadLetter]) -> int:
-        """Remove ``letters`` (every copy); return how many messages were removed."""
+        """Remove ``letters`` (every copy); return how many messages were removed. Their
+        redrive tokens are not touched: what a redrive that consumed them does; to
+        discard letters, :meth:`purge`."""
         copies = [read for letter in letters for read in letter.copies]
         return self.dispatcher.remove(self.destination, copies) if copies else 0
+
+    def purge(
+        self,
+        letters: Collection[DeadLetter],
+        *,
+        tokens: TokenStore | None = None,
+        leave_tokens: bool = False,
+    ) -> Purged:
+        """Discard ``letters`` for good: delete the redrive token of each that keeps one
+        (:func:`redrive_token`) from ``tokens``, then remove the letters.
+
+        Every letter is checked before anything is written: without ``tokens``, a letter
+        that keeps a token (or may: a bounded letter without its headers) raises
+        ``ConfigurationError`` naming it, since its token would be left forever, unless
+        ``leave_tokens`` says to leave such tokens (``dedupstore tokens orphans`` finds
+        them later). The tokens go first: a failure between the two leaves letters
+        whose redrive would be a duplicate, and purging them again completes it. Raises
+        ``ConfigurationError``, ``DeadLetterIncomplete`` (a bounded letter without
+        ``leave_tokens``), ``InvalidMessageId``, ``StoreUnavailable``.
+        """
+        letters = list(letters)
+        ids: dict[str, str] = {}
+        left: list[str] = []
+        for letter in letters:
+            try:
+                token = redrive_token(letter)
+            except DeadLetterIncomplete as exc:
+                if not leave_tokens:
+                    raise DeadLetterIncomplete(
+                        f"{exc}; purge it leaving its token (--leave-tokens) and look for "
+                        "the token with 'dedupstore tokens orphans'; nothing was purged",
+                        letter_id=exc.letter_id,
+                        message_id=exc.message_id,
+                        correlation_id=exc.correlation_id,
+                    ) from None
+                left.append(letter.id)
+                continue
+            if token is None:
+                continue
+            if tokens is None:
+                if not leave_tokens:
+                    raise ConfigurationError(
+                        f"dead letter {letter.id} (message {letter.message_id!r:.80}, consumer "
+                        f"{token.endpoint!r:.80}) keeps a redrive token: give the token store "
+                        "to delete it with the letter (--tokens URL), or leave it on purpose "
+                        "(--leave-tokens); nothing was purged"
+                    )
+                left.append(letter.id)
+                continue
+            ids[token.id] = letter.id
+        if ids:
+            assert tokens is not None
+            tokens.delete(list(ids))
+        removed = self.delete(letters)
+        return Purged(len(letters), removed, len(ids), tuple(left))

@@ -13,6 +13,7 @@ error                    meaning                                CLI exit code
 ``EntityTooLarge``       too large for one entity record        2
 ``MessageTooLarge``      too large for the dispatcher           2
 ``MalformedDelivery``    a broker delivery is not a message     2
+``TokenPresent``         a token to mint again still exists     2
 ``ConsistencyError``     the store is too weak to be safe       2
 ``StoreClosed``          the object was closed; open a new one  2
 ``StoreUnavailable``     the store could not answer; retry      3
@@ -40,6 +41,7 @@ __all__ = [
     "MessageTooLarge",
     "StoreClosed",
     "StoreUnavailable",
+    "TokenPresent",
     "format_error",
 ]
 
@@ -180,6 +182,18 @@ class DeadLetterIncomplete(DedupStoreError, ValueError):
         self.letter_id = letter_id
         self.message_id = message_id
         self.correlation_id = correlation_id
+
+
+class TokenPresent(DedupStoreError, ValueError):
+    """A token asked to be minted again still exists: its message was never consumed
+    (or is being processed), so minting it "again" would be a mistake; nothing was
+    written. ``message_ids`` names the messages, ``token_ids`` their tokens.
+    """
+
+    def __init__(self, text: str, *, message_ids: Iterable[str], token_ids: Iterable[str]):
+        super().__init__(text)
+        self.message_ids = tuple(message_ids)
+        self.token_ids = tuple(token_ids)
 
 
 class StoreUnavailable(DedupStoreError):

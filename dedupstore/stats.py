@@ -37,7 +37,9 @@ class Backlog:
       when none is pending (entries written before marks existed carry no time);
     * ``consumers``: the consumers recorded on the entities scanned (those that wrote
       them: see :attr:`~dedupstore.entities.Entity.consumer`), an entity that records
-      none adding nothing.
+      none adding nothing;
+    * ``entities_tokened``: entities scanned whose entries keep token data (written in
+      token mode: sweeping them needs the token store).
     """
 
     entities_scanned: int = 0
@@ -47,6 +49,7 @@ class Backlog:
     ids_awaiting_sweep: int = 0
     oldest_pending_at: datetime | None = None
     consumers: frozenset[str] = frozenset()
+    entities_tokened: int = 0
 
     def merged(self, other: Backlog) -> Backlog:
         """The backlog of both parts (counts added, the older oldest entry): for segments
@@ -60,6 +63,7 @@ class Backlog:
             ids_awaiting_sweep=self.ids_awaiting_sweep + other.ids_awaiting_sweep,
             oldest_pending_at=min(times, default=None),
             consumers=self.consumers | other.consumers,
+            entities_tokened=self.entities_tokened + other.entities_tokened,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -80,11 +84,14 @@ class _Tally:
 
     def __init__(self) -> None:
         self.scanned = self.entities = self.messages = self.outgoing = self.swept = 0
+        self.tokened = 0
         self.oldest: int | None = None
         self.consumers: set[str] = set()
 
     def add(self, entity: Entity) -> None:
         self.scanned += 1
+        if entity.tokens:
+            self.tokened += 1
         if entity.consumer is not None:
             self.consumers.add(entity.consumer)
         pending = entity.pending
@@ -108,6 +115,7 @@ class _Tally:
                 None if self.oldest is None else datetime.fromtimestamp(self.oldest / 1000, UTC)
             ),
             consumers=frozenset(self.consumers),
+            entities_tokened=self.tokened,
         )
 
 

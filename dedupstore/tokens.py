@@ -9,7 +9,7 @@ stale "absent", drops a legitimate message. The contract therefore has no
 retention, reads are strongly consistent, and a store that cannot answer raises.
 
 The base class owns what every backend shares (id validation before any I/O,
-chunking, progress on failure); a backend implements four primitives whose
+chunking, progress on failure); a backend implements five primitives whose
 atomicity their docstrings state. Open token stores with
 :func:`dedupstore.open_token_store`.
 """
@@ -20,11 +20,11 @@ import abc
 import hashlib
 import secrets
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import ClassVar, NamedTuple
 
 from dedupstore.client import Client
-from dedupstore.errors import InvalidMessageId
+from dedupstore.errors import ConfigurationError, InvalidMessageId
 from dedupstore.ids import validate_ids, validate_message_id
 from dedupstore.options import OptionSet
 from dedupstore.store import CLOCK, Clock, over_chunks, split_ids
@@ -151,6 +151,9 @@ class TokenStore(Client):
     max_batch: ClassVar[int] = 1000
     #: How many chunks of one call may be in flight at once (1: one by one).
     chunk_concurrency: ClassVar[int] = 1
+    #: Tokens asked per page of :meth:`scan` (Redis: the ``COUNT`` of its ``SCAN`` is its
+    #: own; DynamoDB: also at most 1 MB a page).
+    page_size: ClassVar[int] = 1000
 
     declared_options: ClassVar[OptionSet] = Client.declared_options.extend(CLOCK)
 
@@ -240,6 +243,46 @@ class TokenStore(Client):
         with self.translating_errors("count tokens"):
             return self._outstanding()
 
+    def scan(
+        self, *, endpoint: str | None = None, created_before: float | None = None
+    ) -> Iterator[TokenRecord]:
+        """Every token as a :class:`TokenRecord` (id, receiving endpoint, mint time), read a
+        page of about :attr:`page_size` at a time as the iterator is consumed: a maintenance
+        read (the orphan report), never one request for the whole store.
+
+        A token that exists for the whole scan is listed exactly once; one created or
+        deleted meanwhile may or may not be. The order is the backend's. ``endpoint`` and
+        ``created_before`` (epoch seconds) keep only the tokens of that receiving endpoint /
+        minted before that time (filtered as the pages are read). Raises
+        ``InvalidMessageId`` (a bad endpoint) or ``ConfigurationError`` (a bad
+        ``created_before``) at the call, before any I/O; ``StoreClosed``; while iterating,
+        ``StoreUnavailable`` (iterate again from the start: nothing is written).
+        """
+        if endpoint is not None:
+            endpoint = validate_message_id(endpoint, "endpoint")
+        if created_before is not None and (
+            isinstance(created_before, bool)
+            or not isinstance(created_before, int | float)
+            or created_before != created_before  # NaN
+        ):
+            raise ConfigurationError(
+                f"created_before must be epoch seconds (a number), got {created_before!r:.80}"
+            )
+        self.check_open()
+        return self._scanning(endpoint, created_before)
+
+    def _scanning(self, endpoint: str | None, before: float | None) -> Iterator[TokenRecord]:
+        records = self._scan()
+        while True:
+            with self.translating_errors("list tokens"):
+                record = next(records, None)
+            if record is None:
+                return
+            if (endpoint is None or record.endpoint == endpoint) and (
+                before is None or record.created < before
+            ):
+                yield record
+
     def _validated(self, token_ids: Iterable[str]) -> list[str]:
         if isinstance(token_ids, str | bytes):
             raise InvalidMessageId(
@@ -275,3 +318,10 @@ class TokenStore(Client):
     @abc.abstractmethod
     def _outstanding(self) -> dict[str, TokenCount]:
         """Receiving endpoint -> count and oldest mint time, over every token."""
+
+    @abc.abstractmethod
+    def _scan(self) -> Iterator[TokenRecord]:
+        """Every token (its id as created, endpoint, mint time), a page of about
+        :attr:`page_size` per request, read lazily as the iterator is consumed; each token
+        that exists for the whole scan exactly once (a backend whose pages may repeat a
+        token drops the repeats). Driver errors propagate (the caller translates them)."""

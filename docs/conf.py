@@ -84,5 +84,5 @@ nitpick_ignore_regex = [
         r"dedupstore\.entities\.Entity\.consumer|dedupstore\.stats\.Backlog\.consumers)",
     ),
     # The Spark schemas are module constants without docstrings of their own.
-    (r"py:data", r"(PROCESS_SCHEMA|SWEEP_SCHEMA|RECORD_SCHEMA)"),
+    (r"py:data", r"(PROCESS_SCHEMA|SWEEP_SCHEMA|RECORD_SCHEMA|MINT_SCHEMA)"),
 ]

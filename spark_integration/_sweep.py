@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import DoubleType, IntegerType, LongType, StringType, StructType
 
+from dedupstore.errors import ConfigurationError
 from dedupstore.outbox import recorded_consumer, sweep
 from dedupstore.stats import outbox_backlog
 from dedupstore.urls import StoreURL
@@ -100,10 +101,18 @@ def sweep_outboxes(
     def consumers_of(segment: int) -> list[dict[str, Any]]:
         with TaskClients(ents) as task:
             found = outbox_backlog(task.get().entities, segment=segment, segments=segments)
-        return [{"consumer": c} for c in sorted(found.consumers)]
+        tokened = [{"consumer": None, "tokened": found.entities_tokened}]
+        return [*({"consumer": c, "tokened": 0} for c in sorted(found.consumers)), *tokened]
 
-    recorded = _per_segment(spark, segments, schema(consumer=StringType()), consumers_of)
-    consumers = {row.consumer for row in recorded}
+    scanned = schema(consumer=StringType(), tokened=LongType())
+    recorded = _per_segment(spark, segments, scanned, consumers_of)
+    consumers = {row.consumer for row in recorded if row.consumer is not None}
+    tokened = sum(row.tokened for row in recorded)
+    if tokened and tokens is None:
+        raise ConfigurationError(
+            f"{tokened} entities hold entries written in token mode: their sweep needs the "
+            "token store (tokens_url); nothing was written"
+        )
     chosen = recorded_consumer(consumers, "endpoint", None if named is None else str(named))
     if named is None:
         dedup = replace(dedup, options={**dedup.options, "endpoint": chosen})

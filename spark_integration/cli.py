@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dedupstore import open_entity_store, open_store
+from dedupstore import open_entity_store, open_store, open_token_store
 from dedupstore.cli import EXIT_RETRY, NEVER_CREATES, Command, int_range
 
 __all__ = ["DemoCommand", "SweepCommand"]
@@ -48,6 +48,11 @@ class SweepCommand(Command):
         )
         sub.add_argument("--batch-ids", type=int_range(1, 1_000_000), default=1000)
         sub.add_argument(
+            "--tokens",
+            metavar="URL",
+            help="the token store of a consumer in token mode (its entries' tokens are deleted)",
+        )
+        sub.add_argument(
             "--master", default="local[*]", help="Spark master (ignored under spark-submit)"
         )
         return sub
@@ -60,6 +65,8 @@ class SweepCommand(Command):
         open_store(
             args.store, **existing, **({"endpoint": args.endpoint} if args.endpoint else {})
         ).close()
+        if args.tokens:
+            open_token_store(args.tokens, **existing).close()
         from . import pipeline, session
 
         spark = session.local_session(args.master, "dedupstore-sweep")
@@ -74,6 +81,8 @@ class SweepCommand(Command):
                 dedup_options=existing,
                 batch_ids=args.batch_ids,
                 endpoint=args.endpoint,
+                tokens_url=args.tokens,
+                tokens_options=existing if args.tokens else None,
             )
             rows = [row.asDict() for row in result.collect()]
         finally:

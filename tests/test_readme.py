@@ -613,8 +613,8 @@ def test_the_quick_start_runs(tmp_path: Path) -> None:
 def test_the_configuration_file_is_accepted(tmp_path: Path, environment: str) -> None:
     """The ``dedupstore.toml`` of the configuration page, as written, resolves in each
     of its environments (``dedupstore config``: no I/O), the expanded secret masked."""
-    [block] = section_blocks("# Per-environment configuration", "toml", DOCS / "configuration.md")
-    assert block.code == example("configuration-file")
+    block = section_blocks("# Per-environment configuration", "toml", DOCS / "configuration.md")[0]
+    assert block.code == example("configuration-file")  # (the next block is a fragment)
     (tmp_path / "dedupstore.toml").write_text(block.code, encoding="utf-8")
     done = subprocess.run(
         [str(VENV_BIN / "dedupstore"), "config"],

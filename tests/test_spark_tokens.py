@@ -340,3 +340,41 @@ def test_token_arguments_are_refused_before_any_io(spark: Any, tmp_path: Path) -
     with pytest.raises(ConfigurationError, match="headers must be a map"):
         drop_processed(df, url, headers_col="n", tokens_url=url)
     assert not db.exists()
+
+
+def test_the_spark_sweep_command_deletes_the_tokens_of_deferred_entries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``dedupstore sweep --tokens``: without it an entity in token mode is refused,
+    nothing written; with it its entry is cleared and its token deleted."""
+    from dedupstore.cli import main
+    from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor
+
+    monkeypatch.chdir(tmp_path)
+    url = f"sqlite:///{tmp_path}/sw.db"
+    nonce = "n1"
+    with (
+        dedupstore.open_entity_store(url) as entities,
+        dedupstore.open_store(url, endpoint=ENDPOINT) as dedup,
+        dedupstore.open_token_store(url) as tokens,
+    ):
+        tokens.create({token_id("dep-1", ENDPOINT, nonce): ENDPOINT})
+        processor = OutboxProcessor(
+            entities, dedup, InMemoryDispatcher(), cleanup="deferred", tokens=tokens
+        )
+        deposit = Message("dep-1", "acct-1", 100, {TOKEN_HEADER: nonce})
+        credit = lambda state, m: ({"balance": state.get("balance", 0) + m.body}, [])  # noqa: E731
+        assert processor.process(deposit, credit).outcome == "processed"
+    cli = ["sweep", "--entities", url, "--store", url, "--segments", "2", "--master", "local[2]"]
+    assert main(cli) != 0
+    assert "token store" in capsys.readouterr().err
+    with dedupstore.open_entity_store(url) as entities:
+        assert entities.load("acct-1").outbox == {"dep-1": None}
+    assert main([*cli, "--tokens", url]) == 0
+    with (
+        dedupstore.open_entity_store(url) as entities,
+        dedupstore.open_store(url, endpoint=ENDPOINT) as dedup,
+        dedupstore.open_token_store(url) as tokens,
+    ):
+        assert entities.load("acct-1").outbox == {} and dedup.count() == 0
+        assert tokens.outstanding() == {}

@@ -296,6 +296,7 @@ def test_stats_json_and_text_on_sqlite(in_tmp: Path, capsys: pytest.CaptureFixtu
             "outgoing_pending": 2,
             "ids_awaiting_sweep": 1,
             "consumers": ["orders"],
+            "entities_tokened": 0,
         },
         "store": {
             "backend": "SqliteDeduplicationStore",
@@ -304,6 +305,7 @@ def test_stats_json_and_text_on_sqlite(in_tmp: Path, capsys: pytest.CaptureFixtu
             "ids": 1,
             "endpoints": ["orders"],
         },
+        "tokens": None,  # no token store named (token mode: --tokens)
     }
     assert main(["stats", "--entities", url, "--store", url]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -364,6 +364,11 @@ def test_a_dead_letter_keeps_a_token_until_it_is_redriven(chain: Chain) -> None:
     assert chain.receiver("B").process(message, flaky).outcome == "duplicate"  # a copy
     (letter,) = letters.sent
     fixed["yet"] = True
+    # a processor without the token store refuses it before any I/O (its token would be left)
+    plain = OutboxProcessor(chain.entities["B"], chain.dedups["B"], letters, dead_letters="dlq")
+    with pytest.raises(ConfigurationError, match="keeps a redrive token"):
+        plain.redrive(letter, flaky)
+    assert outstanding(chain) == 1
     assert b.redrive(letter, flaky).outcome == "processed"
     assert outstanding(chain) == 0
     assert b.redrive(letter, flaky).outcome == "duplicate"

@@ -17,7 +17,8 @@ receiving endpoint) and ``created`` (the mint time, epoch seconds of the minting
   gone already.
 * ``outstanding``: one cross-partition query of every token's ``id``, ``token_id``, ``endpoint``
   and ``created``, pages of 1000, counted here (``GROUP BY`` with aggregates is not answered by
-  every server; the emulator's is limited).
+  every server; the emulator's is limited); ``scan``: the same query, each page of 1000 fetched as
+  the caller reaches it.
 
 Tokens never expire: a container with a default TTL that expires items (a positive number of
 seconds) is refused at open (``ConfigurationError``); ``-1`` (per-item TTL, which token items do not
@@ -28,7 +29,7 @@ carry) and off are accepted. The account must be Strong, as for the other stores
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 from urllib.parse import urlsplit, urlunsplit
 
@@ -177,3 +178,13 @@ class CosmosTokenStore(TokenStore):
             self, "SELECT c.id, c.token_id, c.endpoint, c.created FROM c", self.max_batch
         )
         return count_tokens(self._check_item(item) for item in items)
+
+    def _scan(self) -> Iterator[TokenRecord]:
+        """The query of :meth:`_outstanding`, pages of :attr:`page_size` items fetched as the
+        iterator reaches them; each item checked to be a token."""
+        items = self._cosmos.query(
+            self, "SELECT c.id, c.token_id, c.endpoint, c.created FROM c", self.page_size
+        )
+        for item in items:
+            endpoint, created = self._check_item(item)
+            yield TokenRecord(str(item["token_id"]), endpoint, created)

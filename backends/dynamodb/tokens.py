@@ -19,7 +19,8 @@ a chunk's deletes in parallel like the creates. The connection has no ``BatchWri
 the per-item requests reuse its retries and the fan-out, so no second unprocessed-items loop.
 
 ``outstanding``: a consistent ``Scan`` of the whole table projecting ``endpoint`` and ``created``,
-page by page (1 MB each), counted and aggregated client-side.
+page by page (1 MB each), counted and aggregated client-side. ``scan``: the same ``Scan``, 1000
+items (or 1 MB) a page, each page read as the caller reaches it.
 
 Options and errors: see :mod:`.dynamodb`. A chunk of ``create`` or ``delete`` that raises keeps
 the puts or deletes that succeeded; the base class reports the chunk as ``unknown``: the same call
@@ -28,7 +29,7 @@ again completes it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from dedupstore.backend import (
@@ -125,6 +126,20 @@ class DynamoDBTokenStore(TokenStore):
             ExpressionAttributeNames={"#i": _ID, "#e": _ENDPOINT, "#c": _CREATED},
         )
         return count_tokens(self._checked(item) for page in pages for item in page.get("Items", []))
+
+    def _scan(self) -> Iterator[TokenRecord]:
+        """A consistent ``Scan`` of :attr:`page_size` items (at most 1 MB) per request, each
+        page asked for when the last one is used up."""
+        pages = self._dynamodb.scan(
+            self,
+            ProjectionExpression="#i, #e, #c",
+            ExpressionAttributeNames={"#i": _ID, "#e": _ENDPOINT, "#c": _CREATED},
+            Limit=self.page_size,
+        )
+        for page in pages:
+            for item in page.get("Items", []):
+                endpoint, created = self._checked(item)
+                yield TokenRecord(str(item[_ID]["S"]), endpoint, created)
 
     def _checked(self, item: Mapping[str, Any]) -> tuple[str, float]:
         """The endpoint and mint time of a token item; ``ConfigurationError`` for an item that

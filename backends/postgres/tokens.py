@@ -27,6 +27,7 @@ under them. Nothing expires and the store never deletes a token on its own.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, ClassVar
 
 from dedupstore.backend import Connected, OptionSet, TokenCount, TokenRecord, TokenStore
@@ -99,6 +100,10 @@ class PostgresTokenStore(TokenStore):
         self._sql_outstanding = render(
             "SELECT endpoint, count(*), min(created) FROM {table} GROUP BY endpoint"
         )
+        self._sql_scan = render(
+            "SELECT id, endpoint, created FROM {table} WHERE id > %(after)s "
+            "ORDER BY id LIMIT %(limit)s"
+        )
 
     @staticmethod
     def _create_params(records: list[TokenRecord]) -> dict[str, list[str] | list[float]]:
@@ -126,3 +131,15 @@ class PostgresTokenStore(TokenStore):
         many millions of tokens)."""
         rows = self._pg.read(self, self._sql_outstanding, {})
         return {endpoint: TokenCount(int(n), float(oldest)) for endpoint, n, oldest in rows}
+
+    def _scan(self) -> Iterator[TokenRecord]:
+        """Pages of :attr:`page_size` rows in id order (the primary key's index), each one
+        statement starting after the last id seen: no offset, no cursor held open."""
+        after, size = "", self.page_size
+        while True:
+            rows = self._pg.read(self, self._sql_scan, {"after": after, "limit": size})
+            for tid, endpoint, created in rows:
+                yield TokenRecord(tid, endpoint, float(created))
+            if len(rows) < size:
+                return
+            after = rows[-1][0]

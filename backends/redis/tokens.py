@@ -18,7 +18,9 @@ Round trips, each per chunk of 1000 tokens (two chunks in flight), all on the pr
 * ``outstanding``: ``SCAN MATCH <key_prefix>*`` (the prefix escaped for the glob) a page of about
   1000 keys at a time, an ``MGET`` per page, counted per endpoint in memory (the keys seen are held
   to count each once); ``SCAN`` walks every key of the database. A key of another type, or one
-  deleted since the scan saw it, is not counted.
+  deleted since the scan saw it, is not counted;
+* ``scan``: the same ``SCAN`` and ``MGET`` per page, each token yielded as its page is read (the
+  id is the key's tail, unescaped).
 
 Strong consistency and durability: every read goes to the primary the URL names (there is no
 replica-read option; opening refuses a replica with ``ConsistencyError``). Opening refuses a server
@@ -34,6 +36,7 @@ and ``ConfigurationError`` are raised.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from dedupstore.backend import (
@@ -51,6 +54,7 @@ from ._client import (
     escape,
     foreign_value_error,
     key_prefix_option,
+    unescape,
 )
 
 __all__ = ["RedisTokenStore", "token_key", "token_value"]
@@ -129,6 +133,17 @@ class RedisTokenStore(TokenStore):
         values = self._redis.scan_values(self._key_prefix)
         # None: deleted since the scan saw it, or a key of another type
         return count_tokens(self._decoded(value) for _, value in values if value is not None)
+
+    def _scan(self) -> Iterator[TokenRecord]:
+        """``SCAN MATCH`` a page at a time, an ``MGET`` per page (see the module); each key
+        once. A key of another type, or one deleted since the scan saw it, is left out."""
+        skip = len(self._key_prefix)
+        for key, value in self._redis.scan_values(self._key_prefix):
+            if value is None:
+                continue
+            endpoint, created = self._decoded(value)
+            name = key.decode("utf-8") if isinstance(key, bytes) else key
+            yield TokenRecord(unescape(name[skip:]), endpoint, created)
 
     def _is_token(self, value: bytes | str | None) -> bool:
         """Whether an ``MGET`` answer is a token (a foreign value: ``ConfigurationError``)."""

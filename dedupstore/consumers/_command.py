@@ -117,8 +117,9 @@ def add_processor_arguments(sub: argparse.ArgumentParser) -> None:
     sub.add_argument(
         "--tokens",
         metavar="URL",
-        help="token mode: the token store (a message with a dedupstore-token header is "
-        "deduplicated by its token, one without by --store)",
+        help="token mode: the token store, or 'config' for the configured one (tokens_url; a "
+        "message with a dedupstore-token header is deduplicated by its token, one without by "
+        "--store)",
     )
     sub.add_argument(
         "--subscription",
@@ -191,8 +192,9 @@ def open_processor(
     if getattr(args, "tokens", None):
         from dedupstore import open_token_store
 
-        _in_memory("--tokens", args.tokens, args.allow_memory)
-        tokens = open_token_store(args.tokens)
+        tokens_url, tokens_options = _target(args.tokens, tokens=True)
+        _in_memory("--tokens", tokens_url, args.allow_memory)
+        tokens = open_token_store(tokens_url, **tokens_options)
         opened.append(tokens)
     processor = OutboxProcessor(
         entities,
@@ -330,14 +332,17 @@ class _NoDispatcher:
             )
 
 
-def _target(url: str | None, entities: bool = False) -> tuple[str, dict[str, Any]]:
+def _target(
+    url: str | None, entities: bool = False, tokens: bool = False
+) -> tuple[str, dict[str, Any]]:
     """The URL and options to open: ``url`` as given, or the configured ones for 'config'
-    (or ``None``)."""
+    (or ``None``): the store's, the entity store's (``entities``) or the token store's
+    (``tokens``)."""
     if url is not None and url != "config":
         return url, {}
     from dedupstore.config import resolve_config
 
-    resolved = resolve_config(entities=entities)
+    resolved = resolve_config(entities=entities, tokens=tokens)
     return resolved.url, dict(resolved.options)
 
 

@@ -21,6 +21,7 @@ from dedupstore.errors import (
 from dedupstore.ids import outgoing_id
 from dedupstore.outbox._base import _Base
 from dedupstore.outbox.messages import Handler, Message, ProcessResult, Send, _shown, _utf8_over
+from dedupstore.tokens import TOKEN_HEADER
 
 #: The header a redriven message carries: the id of the message first dead-lettered.
 _REDRIVE_OF = "dedupstore-redrive-of"
@@ -151,9 +152,10 @@ class _Redriving(_Base):
         dead-lettered again (a letter of this one, whose redrive the handler also
         sees under the original id). Raises ``ConfigurationError`` before any I/O for
         a letter that is not a dead letter, the letter of a malformed delivery (never
-        a message: nothing to redrive) or a letter of another consumer (naming
-        both), ``DeadLetterIncomplete`` for a bounded letter (the original's body or
-        headers replaced by their size and digest), and what :meth:`process` raises.
+        a message: nothing to redrive), a letter of another consumer (naming both) or
+        a letter that keeps a redrive token given to a processor without ``tokens``,
+        ``DeadLetterIncomplete`` for a bounded letter (the original's body or headers
+        replaced by their size and digest), and what :meth:`process` raises.
         """
         body = letter_body(letter)
         kind = letter_kind(body)
@@ -205,6 +207,13 @@ class _Redriving(_Base):
             )
         given = original.get("headers")
         headers = {str(k): str(v) for k, v in given.items()} if isinstance(given, Mapping) else {}
+        if TOKEN_HEADER in headers and self.tokens is None:
+            raise ConfigurationError(
+                f"dead letter {letter_id} of message {mid!r:.80} of entity {cid!r:.80} keeps "
+                "a redrive token (the message came in token mode): redrive it with the token "
+                "store (tokens=, --tokens), or its token is left forever and the redrive "
+                "recorded in the deduplication store instead"
+            )
         first = headers.setdefault(_REDRIVE_OF, mid)  # a letter of a redrive: the first id
         seen = Message(first, cid, original.get("body"), headers)
 

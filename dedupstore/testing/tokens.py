@@ -24,7 +24,7 @@ from dedupstore.testing.contract import (
     random_valid_ids,
     run_concurrently,
 )
-from dedupstore.tokens import TokenCount, TokenStore
+from dedupstore.tokens import TokenCount, TokenRecord, TokenStore
 
 __all__ = ["TokenStoreContract", "TokenStoreFactory"]
 
@@ -33,6 +33,12 @@ TokenStoreFactory = Callable[..., TokenStore]
 
 def _fresh(count: int, prefix: str = "t") -> list[str]:
     return [f"{prefix}-{uuid.uuid4()}" for _ in range(count)]
+
+
+def _paging(tokens: TokenStore, size: int) -> TokenStore:
+    """``tokens``, asking ``size`` tokens per page of ``scan`` (shadows the class's)."""
+    tokens.__dict__["page_size"] = size
+    return tokens
 
 
 class TokenStoreContract:
@@ -127,6 +133,70 @@ class TokenStoreContract:
         assert {e: c for e, c in counts.items() if e != "billing-ep"} == {
             e: c for e, c in before.items() if e not in ("billing-ep", "shipping-ep")
         }
+
+    # ------------------------------------------------------------------ scan
+
+    def test_scan_lists_every_token_once_with_its_endpoint_and_mint_time(
+        self, token_clients: TokenStoreFactory
+    ) -> None:
+        clock = FakeClock(3_000_000.0)
+        tokens = _paging(token_clients(clock=clock), 7)  # several pages
+        before = {record.id for record in tokens.scan()}
+        ids = _fresh(23)
+        tokens.create(dict.fromkeys(ids[:20], "scan-a"))
+        clock.advance(5)
+        tokens.create(dict.fromkeys(ids[20:], "scan-b"))
+        listed = [record for record in tokens.scan() if record.id not in before]
+        assert all(type(record) is TokenRecord for record in listed)
+        assert len(listed) == len({record.id for record in listed}), "a token listed twice"
+        assert sorted(listed) == sorted(
+            [TokenRecord(t, "scan-a", 3_000_000.0) for t in ids[:20]]
+            + [TokenRecord(t, "scan-b", 3_000_005.0) for t in ids[20:]]
+        )
+        assert all(type(r.id) is str and type(r.created) is float for r in listed)
+        tokens.delete(ids[:15])
+        assert {record.id for record in tokens.scan()} - before == set(ids[15:])
+        other = _paging(token_clients(), 1000)
+        assert {record.id for record in other.scan()} - before == set(ids[15:])
+
+    def test_scan_keeps_an_endpoint_and_what_was_minted_before_a_time(
+        self, token_clients: TokenStoreFactory
+    ) -> None:
+        clock = FakeClock(4_000_000.0)
+        tokens = token_clients(clock=clock)
+        old_a, old_b, new_a = _fresh(3)
+        tokens.create({old_a: "filter-a", old_b: "filter-b"})
+        clock.advance(100)
+        tokens.create({new_a: "filter-a"})
+        assert {r.id for r in tokens.scan(endpoint="filter-a")} == {old_a, new_a}
+        assert {r.id for r in tokens.scan(created_before=4_000_050)} >= {old_a, old_b}
+        assert new_a not in {r.id for r in tokens.scan(created_before=4_000_050)}
+        assert list(tokens.scan(endpoint="filter-a", created_before=4_000_050.0)) == [
+            TokenRecord(old_a, "filter-a", 4_000_000.0)
+        ]
+        assert list(tokens.scan(endpoint="filter-none")) == []
+
+    def test_scan_gives_hostile_ids_back_exactly(self, tokens: TokenStore) -> None:
+        ids = list(dict.fromkeys([*HOSTILE_IDS, *random_valid_ids(50, seed=41)]))
+        tokens.delete(ids)
+        tokens.create(dict.fromkeys(ids, "hostile-scan"))
+        listed = [r.id for r in tokens.scan(endpoint="hostile-scan")]
+        assert sorted(listed) == sorted(ids)
+        assert tokens.present_among(listed) == set(ids)
+        tokens.delete(ids)
+        assert list(tokens.scan(endpoint="hostile-scan")) == []
+
+    def test_bad_scan_arguments_are_refused_before_any_io(
+        self, token_store_factory: TokenStoreFactory
+    ) -> None:
+        tokens = token_store_factory()
+        tokens.close()
+        for bad in ("", 5, "a\x00b"):
+            with pytest.raises(InvalidMessageId):
+                tokens.scan(endpoint=bad)  # type: ignore[arg-type]
+        for when in ("yesterday", float("nan"), True):
+            with pytest.raises(ConfigurationError, match="created_before"):
+                tokens.scan(created_before=when)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ clients and threads
 
@@ -255,6 +325,7 @@ class TokenStoreContract:
             lambda: tokens.present_among(_fresh(1)),
             lambda: tokens.delete(_fresh(1)),
             tokens.outstanding,
+            tokens.scan,
         ):
             with pytest.raises(StoreClosed):
                 call()
