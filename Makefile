@@ -12,7 +12,7 @@ XDIST := -n $(TEST_WORKERS) --dist loadgroup
 # make test-fast: no servers, no Spark, nothing marked slow (unit, memory and SQLite tests)
 FAST_MARKERS := not (postgres or redis or dynamodb or cosmos or rabbitmq or spark or slow)
 
-.PHONY: demo test test-fast docs lint format test-deps bench clean
+.PHONY: demo test test-fast docs lint format test-deps bench bench-tokens clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,10 @@ test-fast: $(STAMP)
 bench: $(STAMP) test-deps
 	$(PY) -m benchmarks.bench $(BENCH_ARGS)
 	$(PY) -m benchmarks.spark_bench $(SPARK_BENCH_ARGS)
+
+# The token-mode section alone (issue 38): replaces only its part of benchmarks/RESULTS.md.
+bench-tokens: $(STAMP) test-deps
+	$(PY) -m benchmarks.bench --only tokens $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) docs/_build .dedupstore .pytest_cache .mypy_cache .ruff_cache node_modules

@@ -32,6 +32,15 @@ tables; ``''`` for none), ``--outbox-backends``, ``--configs durable|fast``,
 (``process_batch`` runs), ``--outbox-single`` (``process`` and powertools runs),
 ``--rounds``, ``--cpu-rounds``, ``--baseline <commit>``, ``--skip-baseline``,
 ``--skip-powertools``, ``--skip-outbox``, ``--out`` (another file than RESULTS.md).
+
+The token-mode section (issue 38; :mod:`benchmarks.tokens_bench`): the deduplication
+data left after ``--tokens-sizes`` messages (10k, 100k, 1M) in retention mode and in
+token mode, on SQLite, and the round trips (counted) and rates of ``process`` and
+``process_batch`` in both modes, on stores that share a server and on separate ones;
+``--tokens-layouts``, ``--tokens-batch``, ``--tokens-single``, ``--tokens-messages``,
+``--skip-tokens``. ``--only tokens`` (or ``make bench-tokens``) runs that section alone
+and replaces only its part of RESULTS.md; ``--only`` takes a comma-separated list of
+``ids``, ``outbox``, ``tokens``.
 """
 
 from __future__ import annotations
@@ -59,6 +68,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
+from benchmarks import tokens_bench
 from benchmarks.cpu_compare import (
     THIS_TREE,
     Measured,
@@ -94,6 +104,8 @@ SERVERS = frozenset({"postgres", "redis"})
 BASELINE = "45ec147"
 #: ``process`` and ``process_batch`` against ``BASELINE``: within 5% on every backend.
 BASELINE_GOAL = 0.95
+#: The sections ``--only`` selects (all by default).
+SECTIONS = ("ids", "outbox", "tokens")
 
 
 @dataclass(frozen=True)
@@ -964,7 +976,43 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-rounds", type=int, default=7, help="rounds on memory:// (CPU)")
     parser.add_argument("--seed", type=int, default=20_240_601, help="entity of each message")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--only",
+        default=",".join(SECTIONS),
+        help=f"sections to run, comma-separated: {', '.join(SECTIONS)} (only tokens: "
+        "its part of --out is replaced, the rest kept)",
+    )
+    parser.add_argument("--skip-tokens", action="store_true")
+    parser.add_argument(
+        "--tokens-sizes",
+        default="10000,100000,1000000",
+        help="checkpoints of the stream of the token section's 'data left' part",
+    )
+    parser.add_argument("--tokens-batch", type=int, default=1000, help="batch of that stream")
+    parser.add_argument(
+        "--tokens-layouts",
+        default=",".join(tokens_bench.LAYOUTS),
+        help="stores of the token section's round trips",
+    )
+    parser.add_argument(
+        "--tokens-single", type=int, default=1_000, help="messages per token-section process run"
+    )
+    parser.add_argument(
+        "--tokens-messages",
+        type=int,
+        default=20_000,
+        help="messages per token-section process_batch run",
+    )
     args = parser.parse_args(argv)
+    sections = {s for s in args.only.split(",") if s}
+    if not sections or sections - set(SECTIONS):
+        raise SystemExit(f"--only: choose from {', '.join(SECTIONS)}")
+    if args.skip_tokens:
+        sections.discard("tokens")
+    if "ids" not in sections:
+        args.backends = ""
+    if "outbox" not in sections:
+        args.skip_outbox = True
     sizes = tuple(int(s) for s in args.memory_sizes.split(",") if s)
     dedup_names = [b for b in args.backends.split(",") if b]
     outbox_names = [] if args.skip_outbox else [b for b in args.outbox_backends.split(",") if b]
@@ -997,10 +1045,46 @@ def main(argv: list[str] | None = None) -> int:
                         result.load = os.getloadavg()[0]
                 print(f"   {result}", file=sys.stderr, flush=True)
                 results.append(result)
+    tokens = _tokens_section(args, configs[0], argv) if "tokens" in sections else None
+    if sections == {"tokens"}:
+        assert tokens is not None
+        tokens_bench.write(tokens, args.out)
+        print(tokens)
+        return 0
+    kept = _kept_tokens_section(args.out) if tokens is None else tokens
     text = _render(results, args, time.perf_counter() - started)
     args.out.write_text(text, encoding="utf-8")
-    print(text)
+    if kept:
+        tokens_bench.write(kept, args.out)
+    print(args.out.read_text(encoding="utf-8"))
     return 0
+
+
+def _tokens_section(args: argparse.Namespace, config: str, argv: list[str] | None) -> str:
+    """Run the token-mode section (:mod:`benchmarks.tokens_bench`); its Markdown."""
+    results = tokens_bench.run(
+        sizes=[int(s) for s in args.tokens_sizes.split(",") if s],
+        left_batch=args.tokens_batch,
+        layouts=[name for name in args.tokens_layouts.split(",") if name],
+        single=args.tokens_single,
+        batched=args.tokens_messages,
+        seed=args.seed,
+        config=config,
+        redis=CONFIGS[config].redis,
+        postgres=CONFIGS[config].postgres,
+    )
+    given = sys.argv[1:] if argv is None else argv
+    command = " ".join(["python -m benchmarks.bench", *given]) if given else "make bench"
+    return tokens_bench.render(results, command)
+
+
+def _kept_tokens_section(out: Path) -> str | None:
+    """The token-mode section of ``out`` as it is (a run without that section keeps it)."""
+    text = out.read_text(encoding="utf-8") if out.exists() else ""
+    begin, end = tokens_bench.BEGIN, tokens_bench.END
+    if begin not in text or end not in text:
+        return None
+    return text[text.index(begin) : text.index(end) + len(end)]
 
 
 def _ids_section(
