@@ -57,7 +57,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import tracemalloc
 import uuid
@@ -399,46 +398,15 @@ _ENTITY_PRIMITIVES = ("_load", "_save", "_load_with", "_save_unless", "_save_wit
 _DEDUP_PRIMITIVES = ("_add_new", "_add_one", "_find", "_contains_one")
 
 
-@contextlib.contextmanager
-def _counting_calls(entities: EntityStore, dedup: DeduplicationStore) -> Iterator[Counter[str]]:
+def _counting_calls(
+    entities: EntityStore, dedup: DeduplicationStore
+) -> contextlib.AbstractContextManager[Counter[str]]:
     """Count the store primitives called (outermost only: ``_add_one`` may call ``_add_new``).
 
     Each primitive is one request to the store (one statement, script, pipeline or
     API call; a DynamoDB or Cosmos entity save sends one request per entity).
     """
-    counts: Counter[str] = Counter()
-    lock = threading.Lock()
-    inside = threading.local()
-    patched: list[tuple[object, str]] = []
-    stores: tuple[tuple[object, tuple[str, ...]], ...] = (
-        (entities, _ENTITY_PRIMITIVES),
-        (dedup, _DEDUP_PRIMITIVES),
-    )
-    for store, names in stores:
-        for name in names:
-            original = getattr(store, name)
-
-            def counted(
-                *args: Any, _original: Callable[..., Any] = original, _name: str = name
-            ) -> Any:
-                outer = not getattr(inside, "on", False)
-                if outer:
-                    with lock:
-                        counts[_name] += 1
-                    inside.on = True
-                try:
-                    return _original(*args)
-                finally:
-                    if outer:
-                        inside.on = False
-
-            setattr(store, name, counted)
-            patched.append((store, name))
-    try:
-        yield counts
-    finally:
-        for store, name in patched:
-            delattr(store, name)
+    return tokens_bench.counting_calls((entities, _ENTITY_PRIMITIVES), (dedup, _DEDUP_PRIMITIVES))
 
 
 def _outbox_run(

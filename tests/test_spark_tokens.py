@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -29,10 +28,10 @@ from dedupstore.spark import (
     sweep_outboxes,
 )
 from dedupstore.spark.order_pipeline import INPUT_SCHEMA
-from dedupstore.spark.orders import expected_outgoing, handle_order, make_workload
+from dedupstore.spark.orders import expected_outgoing, handle_order
 from dedupstore.tokens import TOKEN_HEADER, token_id
 from tests.outbox_backends import OutboxBackend
-from tests.test_spark import EMULATORS, _outcomes, _pairs
+from tests.test_spark import _outcomes, _pairs, _workload
 
 TOKEN_PAIRS = _pairs(
     [
@@ -47,21 +46,6 @@ TOKEN_PAIRS = _pairs(
 )
 #: The job's endpoint (its deduplication store's), and the receiver it mints for.
 ENDPOINT, SHIPPING = "orders", "shipping"
-
-
-def _rows(backend: OutboxBackend, orders: int = 30) -> tuple[list[dict[str, Any]], list[Any]]:
-    workload = make_workload(orders if backend.name not in EMULATORS else 10, seed=orders)
-    tag = uuid.uuid4().hex[:8]
-
-    def tagged(row: dict[str, Any]) -> dict[str, Any]:
-        return {**row, "id": f"{tag}/{row['id']}", "order_id": f"{tag}/{row['order_id']}"}
-
-    commands = [tagged(r) for r in workload.commands]
-    rows = [
-        (r["id"], r["order_id"], r["seq"], r["type"], r["sku"], r["qty"])
-        for r in (tagged(r) for r in workload.delivered)
-    ]
-    return commands, rows
 
 
 def _args(backend: OutboxBackend, queue: str, **more: Any) -> dict[str, Any]:
@@ -146,7 +130,7 @@ def test_minted_input_is_processed_once_and_leaves_no_tokens(
     applied once, its outputs dispatched with a token for the subscribed receiver,
     nothing in the deduplication store, and after the sweep only the outputs' tokens
     left. Minting again with the same path and processing again change nothing."""
-    commands, rows = _rows(outbox_backend)
+    commands, rows = _workload(outbox_backend, orders=30)
     queue = f"sqlite:///{tmp_path}/outgoing.db"
     df = spark.createDataFrame(rows, INPUT_SCHEMA)
     minted = _mint(df, outbox_backend, tmp_path / "mint")
@@ -200,7 +184,7 @@ def test_a_mint_run_cut_short_is_finished_with_the_same_nonces(
     """A mint whose job failed creates, when called again with the same path, the same
     tokens (the nonces depend on the path and the id); a new path mints new ones: a
     deliberate replay, applied again."""
-    commands, rows = _rows(outbox_backend, orders=8)
+    commands, rows = _workload(outbox_backend, orders=8)
     df = spark.createDataFrame(rows, INPUT_SCHEMA)
     path = tmp_path / "mint"
     path.mkdir()
@@ -234,7 +218,7 @@ def test_hybrid_input_and_run_messages_record_each_row(
     deduplication store; a re-run of the record's path changes nothing."""
     from pyspark.sql import functions as F
 
-    commands, rows = _rows(outbox_backend, orders=12)
+    commands, rows = _workload(outbox_backend, orders=12)
     orders = sorted({r[1] for r in rows})
     df = spark.createDataFrame(rows, INPUT_SCHEMA)
     minted = _mint(df.where(df.order_id.isin(orders[::2])), outbox_backend, tmp_path / "mint")
@@ -271,7 +255,7 @@ def test_a_stream_of_minted_messages_consumes_their_tokens(
 ) -> None:
     """process_stream in token mode: files of minted rows (one of them delivered again
     in a later file) are processed once; the tokens are gone."""
-    commands, rows = _rows(outbox_backend, orders=10)
+    commands, rows = _workload(outbox_backend, orders=10)
     df = spark.createDataFrame(rows, INPUT_SCHEMA)
     minted = [r.asDict() for r in _mint(df, outbox_backend, tmp_path / "mint").collect()]
     orders = sorted({r["order_id"] for r in minted})

@@ -36,10 +36,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def a_handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
-    """A: records the order and ships it (B's entity: the customer)."""
+    """A: records the order and ships it to its ``ship_to`` header's destination
+    (default ``shipments``), B's entity being the customer."""
     seen = [*state.get("seen", []), message.id]
+    to = message.headers.get("ship_to", "shipments")
     return {"seen": seen}, [
-        Send("shipments", {"order": message.id}, {"correlation_id": f"b-{message.correlation_id}"})
+        Send(to, {"order": message.id}, {"correlation_id": f"b-{message.correlation_id}"})
     ]
 
 
@@ -48,12 +50,23 @@ def b_handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], 
     return {"orders": [*state.get("orders", []), message.body["order"]]}, []
 
 
-def _consume(*args: str) -> subprocess.Popen[str]:
+def consume(*args: str) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "dedupstore.cli", "consume", *args]
     return subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+
+
+def stopped(named: dict[str, subprocess.Popen[str]]) -> dict[str, Any]:
+    """SIGTERM each consume process; name -> its totals line (each must exit 0)."""
+    totals = {}
+    for name, process in named.items():
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate()
+        assert process.returncode == 0, err
+        totals[name] = json.loads(out.strip().splitlines()[-1])
+    return totals
 
 
 def _drained(admin: redis.Redis, stream: str) -> bool:
@@ -87,14 +100,14 @@ def test_two_services_apply_each_message_once_and_leave_no_deduplication_data(
             {"id": mid, "correlation_id": owner[mid], "body": "{}"},
         )
     common = ("--batch-size", "20", "--wait", "0.2")
-    a = _consume(
+    a = consume(
         *("--broker", f"{url}?destination=orders&group=a&key_prefix=in{tag}:"),
         *("--entities", f"{url}?key_prefix=ae{tag}:", "--store", f"{url}?key_prefix=ad{tag}:"),
         *("--endpoint", "a", "--dispatcher", f"{url}?key_prefix={a_out}"),
         *("--handler", "tests.test_token_chain:a_handler", "--tokens", tokens_url),
         *("--subscription", "shipments=b", *common),
     )
-    b = _consume(
+    b = consume(
         *("--broker", f"{url}?destination=shipments&group=b&key_prefix={a_out}"),
         *("--entities", f"{url}?key_prefix=be{tag}:", "--store", b_dedup),
         *("--endpoint", "b", "--no-dispatcher", "--tokens", tokens_url),
@@ -109,12 +122,7 @@ def test_two_services_apply_each_message_once_and_leave_no_deduplication_data(
         assert TOKEN_HEADER in json.loads(first[1][b"headers"])
         admin.xadd(streams[1], first[1])
         _wait(admin, streams, processes)
-        totals = {}
-        for name, process in (("a", a), ("b", b)):
-            process.send_signal(signal.SIGTERM)
-            out, err = process.communicate()
-            assert process.returncode == 0, err
-            totals[name] = json.loads(out.strip().splitlines()[-1])
+        totals = stopped({"a": a, "b": b})
         assert totals["a"]["outcomes"] == {"processed": 120, "duplicate": 3}
         assert totals["b"]["outcomes"].get("processed") == 120
         assert totals["b"]["outcomes"].get("duplicate", 0) >= 1

@@ -25,10 +25,8 @@ back from the broker applies it once and consumes that token. (Kafka's are in
 from __future__ import annotations
 
 import json
-import signal
 import sqlite3
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -46,35 +44,12 @@ from dedupstore.entities import OutgoingMessage
 from dedupstore.outbox import Message, OutboxProcessor, Send
 from dedupstore.tokens import TOKEN_HEADER
 from tests.servers import Server
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def a_handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
-    """A: records the order and ships it to its ``ship_to`` header's destination (a
-    queue of this test's own), B's entity being the customer."""
-    seen = [*state.get("seen", []), message.id]
-    to = message.headers.get("ship_to", "shipments")
-    return {"seen": seen}, [
-        Send(to, {"order": message.id}, {"correlation_id": f"b-{message.correlation_id}"})
-    ]
-
-
-def b_handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
-    """B: records each shipment's order."""
-    return {"orders": [*state.get("orders", []), message.body["order"]]}, []
+from tests.test_token_chain import a_handler, b_handler, consume, stopped
 
 
 def poison(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
     """B before its fix: refuses every shipment."""
     raise ValueError(f"cannot ship {message.body['order']}")
-
-
-def _consume(*args: str) -> subprocess.Popen[str]:
-    command = [sys.executable, "-m", "dedupstore.cli", "consume", *args]
-    return subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
 
 
 def _until(done: Callable[[], bool], processes: Sequence[subprocess.Popen[str]] = ()) -> None:
@@ -141,10 +116,10 @@ def test_two_services_over_rabbitmq_apply_each_message_once_and_leave_no_dedupli
     producer.dispatch(orders(*list(owner)[:120]))
     producer.dispatch(orders("o3", "o4", "o5"))  # producer duplicates
     common = ("--batch-size", "20", "--wait", "0.2")
-    a = _consume(
+    a = consume(
         *("--broker", f"{url}?queue={orders_q}", "--endpoint", "a"),
         *("--entities", f"sqlite:///{a_db}", "--store", f"sqlite:///{a_db}"),
-        *("--dispatcher", url, "--handler", "tests.test_token_chain_brokers:a_handler"),
+        *("--dispatcher", url, "--handler", "tests.test_token_chain:a_handler"),
         *("--tokens", tokens_url, "--subscription", f"{ship_q}=b", *common),
     )
     processes = [a]
@@ -156,10 +131,10 @@ def test_two_services_over_rabbitmq_apply_each_message_once_and_leave_no_dedupli
         assert isinstance(nonce, str) and nonce
         admin.basic_nack(method.delivery_tag, requeue=True)
         assert _outstanding(tokens_url)["b"].outstanding == 120
-        b = _consume(
+        b = consume(
             *("--broker", f"{url}?queue={ship_q}", "--endpoint", "b", "--no-dispatcher"),
             *("--entities", f"sqlite:///{b_db}", "--store", f"sqlite:///{b_dedup}"),
-            *("--handler", "tests.test_token_chain_brokers:b_handler", "--tokens", tokens_url),
+            *("--handler", "tests.test_token_chain:b_handler", "--tokens", tokens_url),
             *common,
         )
         processes.append(b)
@@ -172,12 +147,7 @@ def test_two_services_over_rabbitmq_apply_each_message_once_and_leave_no_dedupli
         producer.dispatch(orders("o120"))
         _until(lambda: "o120" in _shipped(b_entities, {owner["o120"]}), processes)
         _until(lambda: _outstanding(tokens_url) == {}, processes)
-        totals = {}
-        for name, process in (("a", a), ("b", b)):
-            process.send_signal(signal.SIGTERM)
-            out, err = process.communicate()
-            assert process.returncode == 0, err
-            totals[name] = json.loads(out.strip().splitlines()[-1])
+        totals = stopped({"a": a, "b": b})
         assert totals["a"]["outcomes"] == {"processed": 121, "duplicate": 3}
         assert totals["b"]["outcomes"].get("processed") == 121
         assert totals["b"]["outcomes"].get("duplicate", 0) >= 1  # the copy

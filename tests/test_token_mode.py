@@ -444,3 +444,21 @@ def test_applied_among_tells_tokened_messages_by_their_outbox_then_their_token(
             tokens=chain.tokens,
             token_ids={asked[0]: ""},
         )
+
+
+def test_a_processor_without_a_token_store_reports_a_tokened_message_once(
+    chain: Chain, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A receiver the sender lists but that runs without tokens= processes the message
+    in retention mode (exactly once within the retention) and says so once: the token
+    it leaves would otherwise go unnoticed until the orphan report."""
+    for i in range(2):
+        chain.a.process(Message(f"in-{i}", f"o{i}", i + 1), a_handler)
+    plain = OutboxProcessor(chain.entities["B"], chain.dedups["B"], InMemoryDispatcher())
+    with caplog.at_level("WARNING", logger="dedupstore.outbox"):
+        for message in chain.to_b() * 2:
+            plain.process(message, b_handler)
+    warned = [r for r in caplog.records if "no token store" in r.getMessage()]
+    assert len(warned) == 1 and "in-0" not in warned[0].getMessage()
+    assert sum(state_of(chain, "B", f"b-o{i}")["sum"] for i in range(2)) == 3
+    assert outstanding(chain) == 2  # left in the sender's token store

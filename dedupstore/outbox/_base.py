@@ -33,6 +33,8 @@ class _Base:
     #: the receiving endpoints each outgoing message gets a token for
     tokens: TokenStore | None
     subscriptions: dict[str, tuple[str, ...]]
+    #: without a token store: whether a message carrying a token was already reported
+    _untokened_reported: bool
     #: per thread, ``nonces``: those this thread's current call registered (only the
     #: registrant of a nonce creates its tokens)
     _mine: threading.local

@@ -176,6 +176,7 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
             )
         self.subscriptions = check_subscriptions(subscriptions)
         self.tokens = tokens
+        self._untokened_reported = False
         self._mine = threading.local()
         self.run = run
         self.dead_letters = dead_letters

@@ -29,6 +29,7 @@ For an incoming message with a token ``T`` (step numbers as in ``processor``):
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
@@ -182,11 +183,25 @@ class _Tokened(_Base):
     """:class:`~dedupstore.outbox.OutboxProcessor`'s token mode."""
 
     def _token_of(self, message: Message) -> str | None:
-        """The incoming token of ``message`` for this consumer (None: retention mode)."""
-        if self.tokens is None or not message.headers:
-            return None
+        """The incoming token of ``message`` for this consumer (None: retention mode).
+
+        Without a token store, a message carrying a token goes through retention mode;
+        the first such message is logged (WARNING, once per processor): its sender
+        listed this endpoint, so its token stays in the sender's token store."""
         headers = message.headers
-        if TOKEN_HEADER not in headers:
+        if not headers or TOKEN_HEADER not in headers:
+            return None
+        if self.tokens is None:
+            if not self._untokened_reported:
+                self._untokened_reported = True
+                logging.getLogger("dedupstore.outbox").warning(
+                    "consumer %s: message %.80r carries a %s header but this processor has "
+                    "no token store: processed in retention mode, its token left in the "
+                    "sender's token store (give tokens= / --tokens; reported once)",
+                    self.consumer,
+                    message.id,
+                    TOKEN_HEADER,
+                )
             return None
         return token_of(message.id, headers, self.consumer)  # (a redrive: the letter's id)
 
