@@ -69,10 +69,13 @@ def mint_tokens(
     applied again by design. Keep one path per input (say, named after the input's
     own path or version).
 
+    A row whose id is null or not a valid id gets no token (its nonce is recorded
+    for a non-null one): :func:`process_messages` refuses such a row, naming its
+    column, or with ``dead_letters`` sets it aside, as without tokens.
+
     The returned DataFrame is lazy and deterministic (the same nonce on every
     evaluation). Raises ``ConfigurationError`` before any I/O for a bad URL, option,
-    endpoint, column or ``results_path``; tasks raise ``InvalidMessageId`` for a
-    null or invalid id, naming its column.
+    endpoint, column or ``results_path``.
     """
     from pyspark.sql import functions as F
 
@@ -96,7 +99,9 @@ def mint_tokens(
     journal = Journal.at(results_path)
 
     # the nonce: the run's name (a digest of its path) and the message id, hashed
-    minted = F.substring(F.sha2(F.concat_ws("\0", F.lit(journal.run), mid), 256), 1, 32)
+    minted = F.when(
+        mid.isNotNull(), F.substring(F.sha2(F.concat_ws("\0", F.lit(journal.run), mid), 256), 1, 32)
+    )
     carried = F.col(headers_col).getItem(TOKEN_HEADER) if has_headers else F.lit(None)
     planned = df.withColumns({_FRESH: carried.isNull(), _NONCE: F.coalesce(carried, minted)})
 
@@ -112,11 +117,12 @@ def mint_tokens(
                         continue
                     wanted: dict[str, str] = {}
                     for message_id, nonce in zip(ids, nonces, strict=True):
-                        if message_id is None:
-                            raise InvalidMessageId(f"column {id_col!r} holds a null message id")
-                        message_id = validate_message_id(
-                            message_id, f"message id in column {id_col!r}"
-                        )
+                        if nonce is None:
+                            continue  # a null id: no token (process_messages refuses the row)
+                        try:
+                            message_id = validate_message_id(message_id)
+                        except InvalidMessageId:
+                            continue  # the same: refused, or set aside, by process_messages
                         for endpoint in receivers:
                             wanted[token_id(message_id, endpoint, nonce)] = endpoint
                     store = task.get().tokens
@@ -124,7 +130,7 @@ def mint_tokens(
                     store.create(wanted)  # create-if-absent: a retried task changes nothing
                     yield batch  # the record: (message_id, nonce)
 
-        fresh = planned.where(F.col(_FRESH)).select(
+        fresh = planned.where(F.col(_FRESH) & F.col(_NONCE).isNotNull()).select(
             mid.alias("message_id"), F.col(_NONCE).alias("nonce")
         )
         use_this_python(df.sparkSession)  # a local master: the workers run this interpreter
@@ -132,8 +138,10 @@ def mint_tokens(
         fresh.mapInArrow(create, MINT_SCHEMA).write.mode("overwrite").parquet(results_path)
 
     token = F.create_map(F.lit(TOKEN_HEADER), F.col(_NONCE))
+    none = F.create_map().cast("map<string,string>")
+    token = F.when(F.col(_NONCE).isNotNull(), token).otherwise(none)  # (a null id: no token)
     if has_headers:
-        known = F.coalesce(F.col(headers_col), F.create_map().cast("map<string,string>"))
+        known = F.coalesce(F.col(headers_col), none)
         headers = F.map_concat(F.map_filter(known, lambda k, _: k != F.lit(TOKEN_HEADER)), token)
     else:
         headers = token

@@ -326,6 +326,33 @@ def test_token_arguments_are_refused_before_any_io(spark: Any, tmp_path: Path) -
     assert not db.exists()
 
 
+@pytest.mark.parametrize(("spark", "outbox_backend"), _pairs([("local", "sqlite")]), indirect=True)
+def test_a_row_with_a_null_id_gets_no_token_and_is_set_aside(
+    spark: Any, outbox_backend: OutboxBackend, tmp_path: Path
+) -> None:
+    """A bad row is set aside, not fatal: minting skips it (no token, no header), and
+    process_messages with dead_letters sets it aside as without tokens."""
+    commands, rows = _workload(outbox_backend, orders=6)
+    bad = (None, rows[0][1], 99, "add_item", "sku-1", 1)
+    df = spark.createDataFrame([*rows, bad], INPUT_SCHEMA)
+    minted = _mint(df, outbox_backend, tmp_path / "mint")
+    headers = [r["headers"] for r in minted.where(minted.id.isNull()).collect()]
+    assert headers == [{}]
+    assert spark.read.parquet(str(tmp_path / "mint")).count() == len(rows)
+    queue = f"sqlite:///{tmp_path}/outgoing.db"
+    args = _args(outbox_backend, queue, cleanup="inline", dead_letters="dead")
+    outcomes = _outcomes(process_messages(minted, handle_order, **args))
+    assert outcomes == Counter(
+        {
+            "processed": len(commands),
+            "duplicate": len(rows) - len(commands),
+            "dead_lettered": 1,
+        }
+    )
+    assert _outstanding(outbox_backend) == {}
+
+
+# (last: its command starts and stops a session of its own)
 def test_the_spark_sweep_command_deletes_the_tokens_of_deferred_entries(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
