@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 from dedupstore.entities import OutgoingMessage
-from dedupstore.errors import ConfigurationError, DeadLetterIncomplete, InvalidMessageId
+from dedupstore.errors import ConfigurationError, InvalidMessageId
 
 if TYPE_CHECKING:
     from dedupstore.tokens import TokenStore
@@ -242,10 +242,10 @@ def redrive_token(letter: DeadLetter) -> RedriveToken | None:
     original's ``dedupstore-token`` header, kept in the letter): what the letter's
     redrive consumes. Letters of messages without the header, of malformed
     deliveries and of Spark rows keep none. No I/O: whether the token still exists
-    is the token store's to say. Raises ``DeadLetterIncomplete`` for a bounded letter
-    whose original headers were replaced by their size and digest (its token, if it
-    has one, cannot be named), ``InvalidMessageId`` for a header that is not a nonce
-    or a letter whose consumer is missing.
+    is the token store's to say. A bounded letter, whose original headers were
+    replaced by their size and digest, keeps their nonce beside them (``token``).
+    Raises ``InvalidMessageId`` for a nonce that is not one or a letter whose
+    consumer is missing.
     """
     from dedupstore.tokens import TOKEN_HEADER, token_id, validate_nonce
 
@@ -259,19 +259,8 @@ def redrive_token(letter: DeadLetter) -> RedriveToken | None:
     if not isinstance(original, Mapping):
         return None
     headers = original.get("headers")
-    if not isinstance(headers, Mapping):
-        if "headers_omitted" in original:
-            raise DeadLetterIncomplete(
-                f"dead letter {letter.id} of message {letter.message_id!r:.80} of entity "
-                f"{letter.entity!r:.80} was too large to keep the original's headers (only "
-                "their size and digest): whether it keeps a redrive token, and which, "
-                "cannot be told",
-                letter_id=letter.id,
-                message_id=str(letter.message_id),
-                correlation_id=str(letter.entity),
-            )
-        return None
-    nonce = headers.get(TOKEN_HEADER)
+    # a bounded letter keeps its headers' size and digest, and the nonce they carried
+    nonce = headers.get(TOKEN_HEADER) if isinstance(headers, Mapping) else original.get("token")
     if nonce is None:
         return None
     consumer = letter.consumer
@@ -364,31 +353,18 @@ class DeadLetterQueue:
         (:func:`redrive_token`) from ``tokens``, then remove the letters.
 
         Every letter is checked before anything is written: without ``tokens``, a letter
-        that keeps a token (or may: a bounded letter without its headers) raises
-        ``ConfigurationError`` naming it, since its token would be left forever, unless
-        ``leave_tokens`` says to leave such tokens (``dedupstore tokens orphans`` finds
-        them later). The tokens go first: a failure between the two leaves letters
-        whose redrive would be a duplicate, and purging them again completes it. Raises
-        ``ConfigurationError``, ``DeadLetterIncomplete`` (a bounded letter without
-        ``leave_tokens``), ``InvalidMessageId``, ``StoreUnavailable``.
+        that keeps a token raises ``ConfigurationError`` naming it, since its token
+        would be left forever, unless ``leave_tokens`` says to leave such tokens
+        (``dedupstore tokens orphans`` finds them later). The tokens go first: a failure
+        between the two leaves letters whose redrive would be a duplicate, and purging
+        them again completes it. Raises
+        ``ConfigurationError``, ``InvalidMessageId``, ``StoreUnavailable``.
         """
         letters = list(letters)
         ids: dict[str, str] = {}
         left: list[str] = []
         for letter in letters:
-            try:
-                token = redrive_token(letter)
-            except DeadLetterIncomplete as exc:
-                if not leave_tokens:
-                    raise DeadLetterIncomplete(
-                        f"{exc}; purge it leaving its token (--leave-tokens) and look for "
-                        "the token with 'dedupstore tokens orphans'; nothing was purged",
-                        letter_id=exc.letter_id,
-                        message_id=exc.message_id,
-                        correlation_id=exc.correlation_id,
-                    ) from None
-                left.append(letter.id)
-                continue
+            token = redrive_token(letter)
             if token is None:
                 continue
             if tokens is None:

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from dedupstore.dead_letters import DeadLetterQueue, redrive_token
 from dedupstore.entities import Entity, EntityStore
-from dedupstore.errors import ConfigurationError, DeadLetterIncomplete, TokenPresent
+from dedupstore.errors import ConfigurationError, TokenPresent
 from dedupstore.ids import validate_message_id
 from dedupstore.tokens import TokenRecord, TokenStore, token_id, validate_nonce
 
@@ -90,8 +90,6 @@ def orphan_tokens(
 
     Raises ``ConfigurationError`` (a bad threshold or argument) and ``InvalidMessageId``
     (a bad endpoint) at the call, before any I/O; ``StoreUnavailable`` while iterating.
-    A bounded letter that kept neither its headers nor so its token id is skipped (its
-    token, if any, may be reported).
     """
     if not isinstance(tokens, TokenStore):
         raise ConfigurationError(f"tokens must be a TokenStore, got {type(tokens).__name__}")
@@ -130,10 +128,7 @@ def _orphans(
             named |= listed_tokens(entity)
     for queue in queues:
         for letter in queue.list():
-            try:
-                token = redrive_token(letter)
-            except DeadLetterIncomplete:
-                continue
+            token = redrive_token(letter)
             if token is not None:
                 named.add(token.id)
     for record in tokens.scan(endpoint=endpoint, created_before=cutoff):

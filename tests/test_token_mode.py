@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from dedupstore import canonical
+from dedupstore.dead_letters import DeadLetterQueue, ReadMessage, redrive_token
 from dedupstore.entities import Entity, EntityStore, OutgoingMessage
 from dedupstore.errors import ConfigurationError, InvalidMessageId
 from dedupstore.ids import message_key
@@ -462,3 +464,53 @@ def test_a_processor_without_a_token_store_reports_a_tokened_message_once(
     assert len(warned) == 1 and "in-0" not in warned[0].getMessage()
     assert sum(state_of(chain, "B", f"b-o{i}")["sum"] for i in range(2)) == 3
     assert outstanding(chain) == 2  # left in the sender's token store
+
+
+class _Bounded(InMemoryDispatcher):
+    """A dispatcher whose messages are at most 1,500 bytes: a large letter is bounded."""
+
+    max_message_bytes = 1500
+    max_header_bytes = None
+
+    def read_back(self, destination: str) -> list[ReadMessage]:
+        return [
+            ReadMessage(m, len(canonical.dumps(m.body)), str(n))
+            for n, m in enumerate(self.sent)
+            if m.destination == destination
+        ]
+
+    def remove(self, destination: str, messages: Sequence[ReadMessage]) -> int:
+        gone = {m.message.id for m in messages}
+        before = len(self.sent)
+        self.sent[:] = [m for m in self.sent if m.destination != destination or m.id not in gone]
+        return before - len(self.sent)
+
+
+def test_a_bounded_dead_letter_keeps_the_nonce_that_names_its_redrive_token(
+    chain: Chain,
+) -> None:
+    """A letter too large to keep the original's headers keeps its nonce beside their
+    digest: its redrive token can be named, so purging it deletes the token."""
+    chain.a.process(Message("in-1", "o1", 9), a_handler)
+    (message,) = chain.to_b()
+    big = Message(
+        message.id, message.correlation_id, message.body, {**message.headers, "x": "y" * 2000}
+    )
+    letters = _Bounded()
+
+    def refuse(state: dict[str, Any], m: Message) -> tuple[dict[str, Any], list[Send]]:
+        raise ValueError("no")
+
+    b = OutboxProcessor(
+        chain.entities["B"], chain.dedups["B"], letters, tokens=chain.tokens, dead_letters="dlq"
+    )
+    assert b.process(big, refuse).outcome == "dead_lettered"
+    (sent,) = letters.sent
+    assert "headers_omitted" in sent.body["message"]
+    assert sent.body["message"]["token"] == message.headers[TOKEN_HEADER]
+    assert outstanding(chain) == 1
+    (letter,) = DeadLetterQueue(letters, "dlq").list()
+    named = redrive_token(letter)
+    assert named is not None and chain.tokens.present_among([named.id]) == {named.id}
+    DeadLetterQueue(letters, "dlq").purge([letter], tokens=chain.tokens)
+    assert outstanding(chain) == 0

@@ -35,6 +35,9 @@ LETTER_ERROR_CHARS = 1000
 #: What a processor's dead letter carries of the original message, replaced in this
 #: order by its size and digest when the letter does not fit (:func:`bounded_letter`).
 _LETTER_PARTS = (("message", "body"), ("message", "headers"))
+#: The field of a bounded letter's ``message`` that keeps the nonce of the original's
+#: ``dedupstore-token`` header when its headers are replaced by their size and digest.
+TOKEN_FIELD = "token"
 
 
 def omitted(value: Any) -> dict[str, Any]:
@@ -54,8 +57,10 @@ def bounded_letter(
     ``body`` is JSON-compatible; ``parts`` name the ``(section, key)`` of what it
     carries of the original (its body, then its headers). While the letter's text is
     over ``bound`` (and always without ``whole``), each part in turn is replaced by
-    ``<key>_omitted``: :func:`omitted` of it (its size and SHA-256 digest). The result
-    may still be over ``bound`` (its ids alone are): the caller checks.
+    ``<key>_omitted``: :func:`omitted` of it (its size and SHA-256 digest); headers
+    that carried a ``dedupstore-token`` leave its nonce as :data:`TOKEN_FIELD` (what
+    names the letter's redrive token). The result may still be over ``bound`` (its
+    ids alone are): the caller checks.
     """
     value, text = canonical.normalized(body)
     for section, key in parts:
@@ -64,7 +69,11 @@ def bounded_letter(
         holder = value.get(section)
         if not isinstance(holder, dict) or key not in holder:
             continue
-        holder[f"{key}_omitted"] = omitted(holder.pop(key))
+        part = holder.pop(key)
+        holder[f"{key}_omitted"] = omitted(part)
+        if key == "headers" and isinstance(part, dict) and TOKEN_HEADER in part:
+            # a nonce (64 characters at most) names the letter's redrive token
+            holder[TOKEN_FIELD] = part[TOKEN_HEADER]
         value, text = canonical.normalized(value)
     return value, text
 
