@@ -58,7 +58,7 @@ def bounded_letter(
     carries of the original (its body, then its headers). While the letter's text is
     over ``bound`` (and always without ``whole``), each part in turn is replaced by
     ``<key>_omitted``: :func:`omitted` of it (its size and SHA-256 digest); headers
-    that carried a ``dedupstore-token`` leave its nonce as :data:`TOKEN_FIELD` (what
+    that carried a ``dedupstore-token`` leave its nonce in the field ``token`` (what
     names the letter's redrive token). The result may still be over ``bound`` (its
     ids alone are): the caller checks.
     """
