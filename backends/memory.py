@@ -24,12 +24,10 @@ from dedupstore.backend import (
     OptionSet,
     OutgoingMessage,
     StoreURL,
-    TokenCount,
     TokenRecord,
     TokenStore,
     URLDispatcher,
     WriteRequest,
-    count_tokens,
 )
 
 __all__ = [
@@ -222,11 +220,6 @@ class MemoryTokenStore(TokenStore):
         with self._ns.lock:
             for token_id in ids:
                 tokens.pop(token_id, None)
-
-    def _outstanding(self) -> dict[str, TokenCount]:
-        with self._ns.lock:
-            tokens = list(self._ns.tokens.values())
-        return count_tokens(tokens)
 
     def _scan(self) -> Iterator[TokenRecord]:
         """The ids of a snapshot, then a page of :attr:`page_size` at a time under the lock

@@ -78,7 +78,6 @@ from benchmarks.cpu_compare import (
     paired,
     redis_requests,
 )
-from benchmarks.cpu_compare import handler as _handler
 from benchmarks.cpu_compare import workload as _workload
 from dedupstore import DeduplicationStore, open_entity_store, open_store
 from dedupstore.entities import EntityStore
@@ -424,16 +423,7 @@ def _outbox_run(
         dispatcher = InMemoryDispatcher()
         processor = OutboxProcessor(entities, dedup, dispatcher, cleanup=cleanup)
         with _counting_calls(entities, dedup) as calls, redis_requests(on_redis) as sent:
-            started = time.perf_counter()
-            if batch is None:
-                outcomes = [processor.process(m, _handler).outcome for m in messages]
-            else:
-                outcomes = [
-                    r.outcome
-                    for start in range(0, len(messages), batch)
-                    for r in processor.process_batch(messages[start : start + batch], _handler)
-                ]
-            seconds = time.perf_counter() - started
+            outcomes, seconds = tokens_bench.timed_outcomes(processor, messages, batch)
         count = len(messages)
         if outcomes.count("processed") != count or len(dispatcher.sent) != count:
             raise SystemExit(f"{result.backend} {label}: not every message was processed once")

@@ -51,7 +51,14 @@ from benchmarks.cpu_compare import handler as _handler
 from benchmarks.cpu_compare import redis_requests
 from dedupstore import open_entity_store, open_store, open_token_store
 from dedupstore.entities import EntityStore, OutgoingMessage
-from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send, message_key
+from dedupstore.outbox import (
+    InMemoryDispatcher,
+    Message,
+    OutboxProcessor,
+    Outcome,
+    Send,
+    message_key,
+)
 from dedupstore.store import DeduplicationStore
 from dedupstore.tokens import TOKEN_HEADER, TokenStore, new_nonce, token_id
 
@@ -215,6 +222,23 @@ def counting_calls(
 
 
 # ------------------------------------------------------------------ workloads
+
+
+def timed_outcomes(
+    processor: OutboxProcessor, messages: list[Message], batch: int | None
+) -> tuple[list[Outcome], float]:
+    """Process ``messages`` with the bench's handler, one by one (``batch`` None) or in
+    batches of ``batch``: their outcomes, and the seconds it took."""
+    started = time.perf_counter()
+    if batch is None:
+        outcomes = [processor.process(m, _handler).outcome for m in messages]
+    else:
+        outcomes = [
+            r.outcome
+            for start in range(0, len(messages), batch)
+            for r in processor.process_batch(messages[start : start + batch], _handler)
+        ]
+    return outcomes, time.perf_counter() - started
 
 
 def workload(count: int, seed: int) -> list[Message]:
@@ -409,16 +433,7 @@ def measure(
             ) as calls,
             redis_requests(on_redis) as sent,
         ):
-            started = time.perf_counter()
-            if batch is None:
-                outcomes = [processor.process(m, _handler).outcome for m in messages]
-            else:
-                outcomes = [
-                    r.outcome
-                    for start in range(0, count, batch)
-                    for r in processor.process_batch(messages[start : start + batch], _handler)
-                ]
-            seconds = time.perf_counter() - started
+            outcomes, seconds = timed_outcomes(processor, messages, batch)
         _check(layout, mode, run, messages, outcomes, dispatcher, dedup, tokens)
     size = batch or 1
     chunks = [messages[start : start + size] for start in range(0, count, size)]

@@ -127,9 +127,10 @@ def add_parser(commands: Any) -> None:
 def open_tokens(url: str) -> TokenStore:
     """The token store at ``url`` ('config': the configured one), never created."""
     from dedupstore import open_token_store
+    from dedupstore.cli import _replacing
 
-    target, options = _target(url, tokens=True)
-    return open_token_store(target, **{**options, "must_exist": True})
+    target, options = _replacing(*_target(url, tokens=True), {"must_exist": True})
+    return open_token_store(target, **options)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -142,8 +143,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _orphans(args: argparse.Namespace) -> int:
-    from dedupstore import open_dispatcher, open_entity_store
+    from dedupstore import open_dispatcher
     from dedupstore._dead_letters_command import _readable
+    from dedupstore.cli import _open_entities
     from dedupstore.dead_letters import DeadLetterQueue
     from dedupstore.token_admin import orphan_tokens
 
@@ -169,8 +171,7 @@ def _orphans(args: argparse.Namespace) -> int:
         opened.append(tokens)
         stores = []
         for url in args.entities:
-            target, options = _target(url, entities=True)
-            store = open_entity_store(target, **{**options, "must_exist": True})
+            store = _open_entities(url)
             opened.append(store)
             stores.append(store)
         queues = []

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 from dedupstore import __version__, open_entity_store, open_store, registry
 from dedupstore import _dead_letters_command as dead_letters_command
 from dedupstore import _tokens_command as tokens_command
+from dedupstore.config import NotConfigured
 from dedupstore.consumers import _command as consume_command
 from dedupstore.consumers._command import _duration, _target
 from dedupstore.entities import EntityStore
@@ -483,32 +484,20 @@ def _config(_: argparse.Namespace) -> int:
     resolved = resolve_config()
     shown = resolved.masked()
     shown["backend"], shown["options"] = _describe(resolved.url, resolved.options, "store")
-    try:
-        ents = resolve_config(entities=True)
-    except ConfigurationError as exc:
-        if "has no 'entities_url'" not in str(exc):
-            raise
-        shown.update(entities_url=None, entities_backend="not configured", entities_options={})
-    else:
-        shown["entities_url"] = ents.masked()["url"]
-        shown["entities_backend"], shown["entities_options"] = _describe(
-            ents.url, ents.options, "entity_store"
+    others: tuple[tuple[str, Kind], ...] = (("entities", "entity_store"), ("tokens", "token_store"))
+    for prefix, kind in others:
+        try:
+            other = resolve_config(entities=prefix == "entities", tokens=prefix == "tokens")
+        except NotConfigured:
+            shown[f"{prefix}_url"], shown[f"{prefix}_backend"] = None, "not configured"
+            shown[f"{prefix}_options"] = {}
+            continue
+        shown[f"{prefix}_url"] = other.masked()["url"]
+        shown[f"{prefix}_backend"], shown[f"{prefix}_options"] = _describe(
+            other.url, other.options, kind
         )
-        if ents.source != resolved.source:
-            shown["entities_source"] = ents.source
-    try:
-        toks = resolve_config(tokens=True)
-    except ConfigurationError as exc:
-        if "has no 'tokens_url'" not in str(exc):
-            raise
-        shown.update(tokens_url=None, tokens_backend="not configured", tokens_options={})
-    else:
-        shown["tokens_url"] = toks.masked()["url"]
-        shown["tokens_backend"], shown["tokens_options"] = _describe(
-            toks.url, toks.options, "token_store"
-        )
-        if toks.source != resolved.source:
-            shown["tokens_source"] = toks.source
+        if other.source != resolved.source:
+            shown[f"{prefix}_source"] = other.source
     print(json.dumps(shown, indent=2, default=str))
     return 0
 
@@ -580,8 +569,8 @@ def _stats(args: argparse.Namespace) -> int:
     if entities_url is not None:
         try:
             entities = _open_entities(entities_url)
-        except ConfigurationError as exc:
-            if explicit or "has no 'entities_url'" not in str(exc):
+        except NotConfigured as exc:
+            if explicit:
                 raise
             notes.append(f"no entity store: {format_error(exc)} (give --entities URL)")
         else:
@@ -642,10 +631,8 @@ def _configured_tokens() -> str | None:
 
     try:
         resolved = resolve_config(tokens=True)
-    except ConfigurationError as exc:
-        if "has no 'tokens_url'" in str(exc):
-            return None
-        raise
+    except NotConfigured:
+        return None
     return None if resolved.source == "embedded default" else "config"
 
 

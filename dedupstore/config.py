@@ -64,7 +64,14 @@ from dedupstore.errors import ConfigurationError
 from dedupstore.masking import authority_bounds, mask_options, mask_url
 from dedupstore.urls import StoreURL
 
-__all__ = ["DEFAULT_URL", "PATH_OPTIONS", "ResolvedConfig", "find_config_file", "resolve_config"]
+__all__ = [
+    "DEFAULT_URL",
+    "PATH_OPTIONS",
+    "NotConfigured",
+    "ResolvedConfig",
+    "find_config_file",
+    "resolve_config",
+]
 
 #: The embedded default store.
 DEFAULT_URL = "sqlite:///.dedupstore/dedup.db"
@@ -92,6 +99,15 @@ _NOT_PATHS = frozenset({"", "system"})
 #: Schemes whose URL path is a file path.
 _FILE_SCHEMES = frozenset({"sqlite"})
 _VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$\{[^}]*\}?")
+
+
+class NotConfigured(ConfigurationError):
+    """The selected environment names no URL of the store asked for (``key``: ``url``,
+    ``entities_url`` or ``tokens_url``) and its override variable is not set."""
+
+    def __init__(self, text: str, key: str) -> None:
+        super().__init__(text)
+        self.key = key
 
 
 @dataclass(frozen=True)
@@ -237,7 +253,8 @@ def resolve_config(
 
     Raises ``ConfigurationError`` for an unknown key, a missing environment, an
     unset ``${VAR}``, a malformed file or both ``entities`` and ``tokens``, naming
-    which; an environment without the URL asked for: "has no '<key>'".
+    which; :class:`NotConfigured` (a ``ConfigurationError``) for an environment without
+    the URL asked for.
     """
     env = os.environ if environ is None else environ
     if entities and tokens:
@@ -314,7 +331,7 @@ def resolve_config(
     options = {k: _anchor_path(v, base) if k in PATH_OPTIONS else v for k, v in options.items()}
     url = override or (None if raw_url is None else _expand_url(raw_url, where, env))
     if not url:
-        raise ConfigurationError(f"{where} has no {url_key!r} and {override_var} is not set")
+        raise NotConfigured(f"{where} has no {url_key!r} and {override_var} is not set", url_key)
     if not override:
         url = _anchor_url(url, base)
     in_query = {key for key, _ in StoreURL.parse(url).query} & set(options)

@@ -1,4 +1,4 @@
-"""The token store contract: :class:`TokenStore` (token-based deduplication, in progress).
+"""The token store contract: :class:`TokenStore` (token-based deduplication).
 
 A token is the right of one receiving endpoint to process one message once: the
 sender creates it (a fresh id) before it dispatches the message, the receiver reads
@@ -9,8 +9,9 @@ stale "absent", drops a legitimate message. The contract therefore has no
 retention, reads are strongly consistent, and a store that cannot answer raises.
 
 The base class owns what every backend shares (id validation before any I/O,
-chunking, progress on failure); a backend implements five primitives whose
-atomicity their docstrings state. Open token stores with
+chunking, progress on failure); a backend implements four primitives whose
+atomicity their docstrings state, and may count its tokens itself (``_outstanding``:
+by default a count of what ``_scan`` lists). Open token stores with
 :func:`dedupstore.open_token_store`.
 """
 
@@ -112,7 +113,7 @@ class TokenCount(NamedTuple):
 
 def count_tokens(tokens: Iterable[tuple[str, float]]) -> dict[str, TokenCount]:
     """Receiving endpoint -> :class:`TokenCount`, from ``(endpoint, created)`` per token:
-    what :meth:`TokenStore._outstanding` returns, for backends that count on the client."""
+    what :meth:`TokenStore._outstanding` returns, counted on the client."""
     counts: dict[str, TokenCount] = {}
     for endpoint, created in tokens:
         known = counts.get(endpoint)
@@ -315,9 +316,11 @@ class TokenStore(Client):
     def _delete(self, ids: list[str]) -> None:
         """Delete the tokens that exist among ``ids``; durable on return."""
 
-    @abc.abstractmethod
     def _outstanding(self) -> dict[str, TokenCount]:
-        """Receiving endpoint -> count and oldest mint time, over every token."""
+        """Receiving endpoint -> count and oldest mint time, over every token: by default
+        counted on the client from :meth:`_scan`; a backend that can count in one
+        request (SQL's ``GROUP BY``) overrides it."""
+        return count_tokens((record.endpoint, record.created) for record in self._scan())
 
     @abc.abstractmethod
     def _scan(self) -> Iterator[TokenRecord]:

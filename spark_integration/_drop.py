@@ -8,12 +8,11 @@ from typing import TYPE_CHECKING, Any
 from pyspark.sql.types import BooleanType
 
 from dedupstore.errors import ConfigurationError
-from dedupstore.ids import message_key
-from dedupstore.outbox import applied_among
+from dedupstore.outbox import applied_among, recorded_among
 from dedupstore.tokens import TOKEN_HEADER, token_id, validate_nonce
 
 from . import _columns as C
-from ._clients import ClientSpec, Opened, TaskClients
+from ._clients import ClientSpec, TaskClients
 from .session import use_this_python
 
 if TYPE_CHECKING:
@@ -114,23 +113,18 @@ def _processed_udf(
 
 
 def _processed_flags(
-    batches: Iterable[
-        tuple[Sequence[str | None], Sequence[str | None], Sequence[str | None]]
-        | tuple[Sequence[str | None], Sequence[str | None]]
-    ],
+    batches: Iterable[tuple[Sequence[str | None], Sequence[str | None], Sequence[str | None]]],
     dedup: ClientSpec,
     id_col: str,
     correlation_col: str,
     entities: ClientSpec | None = None,
     tokens: ClientSpec | None = None,
 ) -> Iterator[list[bool]]:
-    """One task of :func:`drop_processed`: one ``processed_among`` per non-empty batch
-    (with ``entities`` or a token, :func:`~dedupstore.outbox.applied_among`). Each
-    batch: message ids, correlation ids and, optionally, the rows' token nonces."""
+    """One task of :func:`drop_processed`: per non-empty batch (message ids, correlation
+    ids, the rows' token nonces or None), :func:`~dedupstore.outbox.applied_among` with
+    ``entities``, else :func:`~dedupstore.outbox.recorded_among`: one read per store."""
     with TaskClients(entities, dedup, tokens=tokens) as task:
-        for batch in batches:
-            mids, cids = batch[0], batch[1]
-            nonces = batch[2] if len(batch) > 2 else [None] * len(mids)
+        for mids, cids, nonces in batches:
             if not mids:
                 yield []
                 continue
@@ -146,34 +140,17 @@ def _processed_flags(
             clients = task.get()
             endpoint = clients.dedup.endpoint
             token_ids = {pair: token_id(pair[1], endpoint, n) for pair, n in carried.items()}
-            if entities is not None or token_ids:
-                applied = (
-                    applied_among(
-                        clients.entities,
-                        clients.dedup,
-                        [(c, m) for m, c in ids],
-                        tokens=clients.tokens,
-                        token_ids=token_ids,
-                    )
-                    if entities is not None
-                    else _by_token(clients, ids, token_ids)
+            pairs = [(cid, mid) for mid, cid in ids]
+            if entities is not None:
+                applied = applied_among(
+                    clients.entities,
+                    clients.dedup,
+                    pairs,
+                    tokens=clients.tokens,
+                    token_ids=token_ids,
                 )
-                yield [(cid, mid) in applied for mid, cid in ids]
-                continue
-            keys = [message_key(cid, mid) for mid, cid in ids]
-            done = clients.dedup.processed_among(keys)
-            yield [key in done for key in keys]
-
-
-def _by_token(
-    clients: Opened, ids: list[tuple[str, str]], token_ids: dict[tuple[str, str], str]
-) -> set[tuple[str, str]]:
-    """Without the entity store: the pairs whose token is gone, and the untokened pairs
-    recorded in the deduplication store."""
-    assert clients.tokens is not None
-    present = clients.tokens.present_among(sorted(set(token_ids.values())))
-    applied = {pair for pair, tid in token_ids.items() if tid not in present}
-    keys = {message_key(cid, mid): (cid, mid) for mid, cid in ids if (cid, mid) not in token_ids}
-    if keys:
-        applied.update(keys[k] for k in clients.dedup.processed_among(list(keys)))
-    return applied
+            else:
+                applied = recorded_among(
+                    clients.dedup, pairs, tokens=clients.tokens, token_ids=token_ids
+                )
+            yield [pair in applied for pair in pairs]

@@ -7,7 +7,14 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from pyspark.sql.pandas.types import to_arrow_schema
-from pyspark.sql.types import DoubleType, IntegerType, LongType, StringType, StructType
+from pyspark.sql.types import (
+    ArrayType,
+    DoubleType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructType,
+)
 
 from dedupstore.errors import ConfigurationError
 from dedupstore.outbox import recorded_consumer, sweep
@@ -101,12 +108,11 @@ def sweep_outboxes(
     def consumers_of(segment: int) -> list[dict[str, Any]]:
         with TaskClients(ents) as task:
             found = outbox_backlog(task.get().entities, segment=segment, segments=segments)
-        tokened = [{"consumer": None, "tokened": found.entities_tokened}]
-        return [*({"consumer": c, "tokened": 0} for c in sorted(found.consumers)), *tokened]
+        return [{"consumers": sorted(found.consumers), "tokened": found.entities_tokened}]
 
-    scanned = schema(consumer=StringType(), tokened=LongType())
+    scanned = schema(consumers=ArrayType(StringType()), tokened=LongType())
     recorded = _per_segment(spark, segments, scanned, consumers_of)
-    consumers = {row.consumer for row in recorded if row.consumer is not None}
+    consumers = {consumer for row in recorded for consumer in row.consumers}
     tokened = sum(row.tokened for row in recorded)
     if tokened and tokens is None:
         raise ConfigurationError(

@@ -110,6 +110,8 @@ class TcpProxy:
             target=self._loop.run_forever, name="test-tcp-proxy", daemon=True
         )
         self._server: asyncio.Server | None = None
+        #: The port held (bound, not listening) during a "refuse" outage.
+        self._held: socket.socket | None = None
         self._links: set[_Link] = set()
         self._mode: OutageMode | None = None
         self._cut: Callable[[bytes], int] | None = None
@@ -231,18 +233,43 @@ class TcpProxy:
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(_COMMAND_TIMEOUT)
 
-    async def _listen(self) -> None:
-        self._server = await asyncio.start_server(
-            self._accept, _HOST, self._port, reuse_address=True
-        )
-        self._port = self._server.sockets[0].getsockname()[1]
+    def _bound(self) -> socket.socket:
+        """A socket bound to the proxy's port (a free one at first), not listening.
 
-    async def _stop_listening(self) -> None:
+        ``SO_REUSEPORT`` lets it be bound while the listener still is: a "refuse"
+        outage binds one before it closes the listener, so the port is never free
+        (an outgoing connection of any process could otherwise be given it as its
+        local port, and listening on it again would fail). Nothing listens on it,
+        so connections to it are refused.
+        """
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((_HOST, self._port))
+        except BaseException:
+            sock.close()
+            raise
+        sock.setblocking(False)
+        return sock
+
+    async def _listen(self) -> None:
+        sock, self._held = self._held or self._bound(), None
+        sock.listen(128)
+        self._server = await asyncio.start_server(self._accept, sock=sock)
+        self._port = sock.getsockname()[1]
+
+    async def _stop_listening(self, *, hold: bool = False) -> None:
         # close() closes the listening socket at once; not wait_closed(), which
         # also waits for every accepted connection since Python 3.12.
+        if hold and self._held is None:
+            self._held = self._bound()
         if self._server is not None:
             self._server.close()
             self._server = None
+        if not hold and self._held is not None:
+            self._held.close()
+            self._held = None
 
     async def _count(self) -> int:
         return sum(not link.forgotten for link in self._links)
@@ -269,7 +296,7 @@ class TcpProxy:
         if previous == "hang" or mode is None:  # held or frozen connections: end them
             await self._reset(held_only=True)
         if mode == "refuse" and previous != "refuse":
-            await self._stop_listening()
+            await self._stop_listening(hold=True)
         elif mode != "refuse" and self._server is None:
             await self._listen()
 

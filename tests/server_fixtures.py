@@ -16,14 +16,14 @@ fixture                environment variable
 External instances cannot be killed or restarted; tests that crash a server use
 ``own_redis_server`` / ``own_postgres_server`` / ``own_rabbitmq_server``, a fresh process
 per test.  A server that cannot start makes the tests using it error out (never skip),
-with its log tail.
+with its log tail. ``rabbitmq_channel``: a pika channel on ``rabbitmq_server``, per test.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -55,6 +55,7 @@ __all__ = [
     "own_rabbitmq_server",
     "own_redis_server",
     "postgres_server",
+    "rabbitmq_channel",
     "rabbitmq_server",
     "redis_server",
 ]
@@ -108,6 +109,19 @@ def cosmos_server() -> Iterator[CosmosEndpoint]:
 def rabbitmq_server() -> Iterator[Server]:
     """A RabbitMQ broker for the session; ``url`` is ``amqp://guest:guest@.../%2F``."""
     yield from _serve(ENV_RABBITMQ_URL, lambda url: ExternalServer("rabbitmq", url), RabbitMQServer)
+
+
+@pytest.fixture
+def rabbitmq_channel(rabbitmq_server: Server) -> Iterator[Any]:
+    """A pika channel on the session's broker (to declare queues and read messages
+    back), its connection closed after the test."""
+    import pika
+
+    connection = pika.BlockingConnection(pika.URLParameters(rabbitmq_server.url))
+    try:
+        yield connection.channel()
+    finally:
+        connection.close()
 
 
 @pytest.fixture

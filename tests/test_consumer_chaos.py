@@ -230,13 +230,20 @@ class Chaos:
             process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=out)
         self.processes.append(process)
 
-    def wait_until_consuming(self) -> None:
-        """Until every live consumer process has read the group (its stores opened)."""
+    def wait_until_consuming(self, within: float = 60.0) -> None:
+        """Until every live consumer process has read the group (its stores opened); after
+        ``within`` seconds, fail naming those that have not, with the group's view."""
+        deadline = time.monotonic() + within
         while True:
             seen = {c["name"].decode() for c in self.admin.xinfo_consumers(self.stream, self.group)}
             live = {n for n, i in self.names.items() if self.processes[i].poll() is None}
             if live <= seen:
                 return
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"consumers {sorted(live - seen)} never read the group in {within:.0f} s "
+                    f"(seen: {sorted(seen)}; group: {self.group_state()})\n{self._log_tail()}"
+                )
             time.sleep(0.05)
 
     def group_state(self) -> tuple[int, int]:

@@ -14,11 +14,9 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pika
 import pytest
 
 from dedupstore import open_dispatcher
@@ -44,15 +42,6 @@ def _msgs(queue: str, count: int, entity: str = "o1", first: int = 0) -> list[Ou
         OutgoingMessage(f"m{n}", queue, {"n": n}, {"correlation_id": entity})
         for n in range(first, first + count)
     ]
-
-
-@pytest.fixture
-def admin(rabbitmq_server: Server) -> Iterator[Any]:
-    connection = pika.BlockingConnection(pika.URLParameters(rabbitmq_server.url))
-    try:
-        yield connection.channel()
-    finally:
-        connection.close()
 
 
 def count(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
@@ -118,7 +107,7 @@ def test_a_pipeline_of_services_chains_through_rabbitmq(rabbitmq_server: Server)
 
 
 def test_the_prefetch_window_bounds_what_a_consumer_holds(
-    rabbitmq_server: Server, admin: Any
+    rabbitmq_server: Server, rabbitmq_channel: Any
 ) -> None:
     queue = _queue()
     with open_dispatcher(rabbitmq_server.url, declare_queues=True) as dispatcher:
@@ -172,13 +161,13 @@ class Crash(BaseException):
 
 
 def test_a_quorum_queue_counts_deliveries_and_max_deliveries_dead_letters(
-    rabbitmq_server: Server, admin: Any
+    rabbitmq_server: Server, rabbitmq_channel: Any
 ) -> None:
     """m0 kills every consumer that runs it (its connection drops: RabbitMQ requeues,
     counted); m1, in flight in every crash, is processed once; m0 is dead-lettered
     after its runs alone exceed max_deliveries=2, without running the handler again."""
     url, queue = rabbitmq_server.url, _queue()
-    admin.queue_declare("dlq", durable=True)
+    rabbitmq_channel.queue_declare("dlq", durable=True)
     with open_dispatcher(url, declare_queues=True, queue_type="quorum") as dispatcher:
         dispatcher.dispatch(_msgs(queue, 2))
     processor, entities = _processor(url, _queue())
@@ -204,7 +193,7 @@ def test_a_quorum_queue_counts_deliveries_and_max_deliveries_dead_letters(
     assert crashes == 3 and runs.count("m0") == 3, "once in the batch, then twice alone"
     assert stats.outcomes == {"dead_lettered": 1, "processed": 1}
     assert entities.load("o1").state == {"applied": ["m1"]}
-    method, _, body = admin.basic_get("dlq", auto_ack=True)
+    method, _, body = rabbitmq_channel.basic_get("dlq", auto_ack=True)
     assert method is not None
     assert b"max_deliveries=2" in body
     with open_broker(url, queue=queue, queue_type="quorum") as broker:

@@ -575,12 +575,14 @@ def test_drop_processed_asks_the_store_once_per_batch(tmp_path: Path) -> None:
         (
             [f"m{n}" for n in range(start, start + 1000)],
             [f"e{n % 7}" for n in range(start, start + 1000)],
+            [None] * 1000,  # no token nonces
         )
         for start in (0, 1000, 2000)
     ]
     CountingSqliteStore.calls.clear()
     spec = ClientSpec.checked("dedup", url)
-    flags = list(_processed_flags(iter([batches[0], ([], []), *batches[1:]]), spec, "id", "cid"))
+    asked = iter([batches[0], ([], [], []), *batches[1:]])
+    flags = list(_processed_flags(asked, spec, "id", "cid"))
     assert CountingSqliteStore.calls == [1000, 1000, 1000]
     assert [len(f) for f in flags] == [1000, 0, 1000, 1000]
     assert [n for n, done in enumerate(f for fs in flags for f in fs) if not done] == list(
@@ -762,7 +764,7 @@ def test_drop_processed_with_the_entity_store_drops_ids_awaiting_the_sweep(tmp_p
         processor.process(Message("m2", "acct-2", 1), credit)
         sweep_ids = dedup.add(message_key("acct-3", "m3"))  # in the store
         assert sweep_ids
-    batch = (["m1", "m2", "m3", "m4"], ["acct-1", "acct-2", "acct-3", "acct-1"])
+    batch = (["m1", "m2", "m3", "m4"], ["acct-1", "acct-2", "acct-3", "acct-1"], [None] * 4)
     dedup_spec = ClientSpec.checked("dedup", url, {"endpoint": "accounts"})
     alone = list(_processed_flags(iter([batch]), dedup_spec, "id", "cid"))
     assert alone == [[False, False, True, False]], "the store alone misses the outboxes"

@@ -29,11 +29,10 @@ import sqlite3
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import pika
 import pytest
 
 from dedupstore import open_dispatcher, open_entity_store, open_store, open_token_store
@@ -80,28 +79,19 @@ def _shipped(entities_url: str, customers: set[str]) -> list[str]:
 # ---------------------------------------------------------------------------- RabbitMQ
 
 
-@pytest.fixture
-def admin(rabbitmq_server: Server) -> Iterator[Any]:
-    connection = pika.BlockingConnection(pika.URLParameters(rabbitmq_server.url))
-    try:
-        yield connection.channel()
-    finally:
-        connection.close()
-
-
-def _ready(admin: Any, queue: str) -> int:
-    return int(admin.queue_declare(queue, passive=True).method.message_count)
+def _ready(rabbitmq_channel: Any, queue: str) -> int:
+    return int(rabbitmq_channel.queue_declare(queue, passive=True).method.message_count)
 
 
 @pytest.mark.rabbitmq
 @pytest.mark.timeout(180)
 def test_two_services_over_rabbitmq_apply_each_message_once_and_leave_no_deduplication_data(
-    rabbitmq_server: Server, admin: Any, tmp_path: Path
+    rabbitmq_server: Server, rabbitmq_channel: Any, tmp_path: Path
 ) -> None:
     url, tag = rabbitmq_server.url, uuid.uuid4().hex[:8]
     orders_q, ship_q = f"orders-{tag}", f"shipments-{tag}"
     for queue in (orders_q, ship_q):
-        admin.queue_declare(queue, durable=True)
+        rabbitmq_channel.queue_declare(queue, durable=True)
     tokens_url = f"sqlite:///{tmp_path}/tokens.db"
     a_db, b_db, b_dedup = tmp_path / "a.db", tmp_path / "b.db", tmp_path / "b-dedup.db"
     owner = {f"o{n}": f"c{n % 9}" for n in range(121)}  # o120 comes last, alone
@@ -124,12 +114,12 @@ def test_two_services_over_rabbitmq_apply_each_message_once_and_leave_no_dedupli
     )
     processes = [a]
     try:
-        _until(lambda: _ready(admin, ship_q) == 120, processes)
+        _until(lambda: _ready(rabbitmq_channel, ship_q) == 120, processes)
         # one of A's messages as RabbitMQ delivers it: the token is an AMQP header
-        method, properties, body = admin.basic_get(ship_q, auto_ack=False)
+        method, properties, body = rabbitmq_channel.basic_get(ship_q, auto_ack=False)
         nonce = properties.headers[TOKEN_HEADER]
         assert isinstance(nonce, str) and nonce
-        admin.basic_nack(method.delivery_tag, requeue=True)
+        rabbitmq_channel.basic_nack(method.delivery_tag, requeue=True)
         assert _outstanding(tokens_url)["b"].outstanding == 120
         b = consume(
             *("--broker", f"{url}?queue={ship_q}", "--endpoint", "b", "--no-dispatcher"),
@@ -143,7 +133,7 @@ def test_two_services_over_rabbitmq_apply_each_message_once_and_leave_no_dedupli
         assert _outstanding(tokens_url) == {}  # B consumed them: it read the header
         # a broker duplicate of that message after B consumed its token, then one more
         # order: B reads the queue in order, so once o120 is applied the copy was run
-        admin.basic_publish("", ship_q, body, properties)
+        rabbitmq_channel.basic_publish("", ship_q, body, properties)
         producer.dispatch(orders("o120"))
         _until(lambda: "o120" in _shipped(b_entities, {owner["o120"]}), processes)
         _until(lambda: _outstanding(tokens_url) == {}, processes)
@@ -155,7 +145,7 @@ def test_two_services_over_rabbitmq_apply_each_message_once_and_leave_no_dedupli
         assert _outstanding(tokens_url) == {}  # every token consumed
         assert _rows(b_dedup, "dedup_records") == 0  # B recorded nothing
         assert _rows(a_db, "dedup_records") == 121  # A, at the boundary, did
-        assert (_ready(admin, orders_q), _ready(admin, ship_q)) == (0, 0)
+        assert (_ready(rabbitmq_channel, orders_q), _ready(rabbitmq_channel, ship_q)) == (0, 0)
     finally:
         for process in processes:
             if process.poll() is None:
@@ -205,12 +195,12 @@ def _redriven_once(b: OutboxProcessor, letter: object, tokens_url: str) -> None:
 @pytest.mark.rabbitmq
 @pytest.mark.timeout(60)
 def test_a_dead_letter_over_rabbitmq_keeps_its_token_until_redriven(
-    rabbitmq_server: Server, admin: Any, tmp_path: Path
+    rabbitmq_server: Server, rabbitmq_channel: Any, tmp_path: Path
 ) -> None:
     url, tag = rabbitmq_server.url, uuid.uuid4().hex[:8]
     ship_q, dlq = f"shipments-{tag}", f"dlq-{tag}"
     for queue in (ship_q, dlq):
-        admin.queue_declare(queue, durable=True)
+        rabbitmq_channel.queue_declare(queue, durable=True)
     stores, tokens_url = f"sqlite:///{tmp_path}/stores.db", f"sqlite:///{tmp_path}/tokens.db"
     a = _sender(stores, stores, url, tokens_url, ship_q)
     b = _receiver(f"sqlite:///{tmp_path}/b.db", url, tokens_url, dlq)
@@ -223,7 +213,7 @@ def test_a_dead_letter_over_rabbitmq_keeps_its_token_until_redriven(
             while not stats.acked:  # the first fetch may come before the delivery
                 stats = consumer.run_once()
         assert stats.outcomes == {"dead_lettered": 1}
-        method, _, letter = admin.basic_get(dlq, auto_ack=True)  # the AMQP body
+        method, _, letter = rabbitmq_channel.basic_get(dlq, auto_ack=True)  # the AMQP body
         assert method is not None
         _redriven_once(b, letter, tokens_url)
     finally:

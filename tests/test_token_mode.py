@@ -26,6 +26,7 @@ from dedupstore.outbox import (
     OutboxProcessor,
     Send,
     applied_among,
+    recorded_among,
     sweep,
 )
 from dedupstore.store import DeduplicationStore
@@ -431,6 +432,10 @@ def test_applied_among_tells_tokened_messages_by_their_outbox_then_their_token(
         (second.correlation_id, second.id),
         ("b-o0", "p-1"),
     }
+    # without the entity store: the one whose id waits in its outbox (token still there) not
+    assert recorded_among(
+        chain.dedups["B"], asked, tokens=chain.tokens, token_ids=tokened
+    ) == found - {(first.correlation_id, first.id)}
     # without token mode, the same messages look unapplied but the one still in the outbox
     assert applied_among(chain.entities["B"], chain.dedups["B"], asked) == {
         (first.correlation_id, first.id),

@@ -15,10 +15,10 @@ receiving endpoint) and ``created`` (the mint time, epoch seconds of the minting
   never point reads), strongly consistent.
 * ``delete``: one ``delete_item`` per token (at most ``max_concurrency`` in flight); 404 Not Found:
   gone already.
-* ``outstanding``: one cross-partition query of every token's ``id``, ``token_id``, ``endpoint``
-  and ``created``, pages of 1000, counted here (``GROUP BY`` with aggregates is not answered by
-  every server; the emulator's is limited); ``scan``: the same query, each page of 1000 fetched as
-  the caller reaches it.
+* ``scan``: one cross-partition query of every token's ``id``, ``token_id``, ``endpoint`` and
+  ``created``, each page of 1000 fetched as the caller reaches it; ``outstanding``: the same
+  query, counted here (``GROUP BY`` with aggregates is not answered by every server; the
+  emulator's is limited).
 
 Tokens never expire: a container with a default TTL that expires items (a positive number of
 seconds) is refused at open (``ConfigurationError``); ``-1`` (per-item TTL, which token items do not
@@ -40,10 +40,8 @@ from dedupstore.backend import (
     Connected,
     OptionSet,
     StoreURL,
-    TokenCount,
     TokenRecord,
     TokenStore,
-    count_tokens,
 )
 
 from ._client import CONNECTION_OPTIONS, ContainerKind, CosmosConnection
@@ -173,14 +171,8 @@ class CosmosTokenStore(TokenStore):
     def _delete(self, ids: list[str]) -> None:
         self._cosmos.parallel(lambda tid: self._cosmos.delete(self, token_document_id(tid)), ids)
 
-    def _outstanding(self) -> dict[str, TokenCount]:
-        items = self._cosmos.query(
-            self, "SELECT c.id, c.token_id, c.endpoint, c.created FROM c", self.max_batch
-        )
-        return count_tokens(self._check_item(item) for item in items)
-
     def _scan(self) -> Iterator[TokenRecord]:
-        """The query of :meth:`_outstanding`, pages of :attr:`page_size` items fetched as the
+        """One cross-partition query, pages of :attr:`page_size` items fetched as the
         iterator reaches them; each item checked to be a token."""
         items = self._cosmos.query(
             self, "SELECT c.id, c.token_id, c.endpoint, c.created FROM c", self.page_size

@@ -18,9 +18,9 @@ Deletes: one unconditional ``DeleteItem`` per token (idempotent: deleting an abs
 a chunk's deletes in parallel like the creates. The connection has no ``BatchWriteItem`` helper and
 the per-item requests reuse its retries and the fan-out, so no second unprocessed-items loop.
 
-``outstanding``: a consistent ``Scan`` of the whole table projecting ``endpoint`` and ``created``,
-page by page (1 MB each), counted and aggregated client-side. ``scan``: the same ``Scan``, 1000
-items (or 1 MB) a page, each page read as the caller reaches it.
+``scan``: a consistent ``Scan`` of the table projecting the id, ``endpoint`` and ``created``, 1000
+items (or 1 MB) a page, each page read as the caller reaches it; ``outstanding``: the same
+``Scan``, counted client-side.
 
 Options and errors: see :mod:`.dynamodb`. A chunk of ``create`` or ``delete`` that raises keeps
 the puts or deletes that succeeded; the base class reports the chunk as ``unknown``: the same call
@@ -36,10 +36,8 @@ from dedupstore.backend import (
     ConfigurationError,
     Connected,
     OptionSet,
-    TokenCount,
     TokenRecord,
     TokenStore,
-    count_tokens,
     create_option,
     fan_out,
 )
@@ -118,14 +116,6 @@ class DynamoDBTokenStore(TokenStore):
 
     def _delete_one(self, token_id: str) -> None:
         self._dynamodb.delete_item(self, {_ID: {"S": token_id}})
-
-    def _outstanding(self) -> dict[str, TokenCount]:
-        pages = self._dynamodb.scan(
-            self,
-            ProjectionExpression="#i, #e, #c",
-            ExpressionAttributeNames={"#i": _ID, "#e": _ENDPOINT, "#c": _CREATED},
-        )
-        return count_tokens(self._checked(item) for page in pages for item in page.get("Items", []))
 
     def _scan(self) -> Iterator[TokenRecord]:
         """A consistent ``Scan`` of :attr:`page_size` items (at most 1 MB) per request, each

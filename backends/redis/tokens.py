@@ -42,10 +42,8 @@ from typing import Any, ClassVar
 from dedupstore.backend import (
     Connected,
     OptionSet,
-    TokenCount,
     TokenRecord,
     TokenStore,
-    count_tokens,
 )
 
 from ._client import (
@@ -128,11 +126,6 @@ class RedisTokenStore(TokenStore):
     def _delete(self, ids: list[str]) -> None:
         """One ``DEL`` (then ``WAIT`` when configured)."""
         self._redis.write(self, [("DEL", *self._keys(ids))])
-
-    def _outstanding(self) -> dict[str, TokenCount]:
-        values = self._redis.scan_values(self._key_prefix)
-        # None: deleted since the scan saw it, or a key of another type
-        return count_tokens(self._decoded(value) for _, value in values if value is not None)
 
     def _scan(self) -> Iterator[TokenRecord]:
         """``SCAN MATCH`` a page at a time, an ``MGET`` per page (see the module); each key

@@ -5,7 +5,7 @@ Every name below is imported from here. The modules, one responsibility each:
 ``handlers`` (the handler's check and runs), ``letters`` (dead letters, redrive),
 ``messages`` (what the processor takes and gives, the size rules), ``entries`` (outbox
 entries and their dispatch), ``cache`` (the entities a processor keeps), ``sweep``
-(:func:`sweep`, :func:`applied_among`, :func:`recorded_consumer`).
+(:func:`sweep`, :func:`applied_among`, :func:`recorded_among`, :func:`recorded_consumer`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,13 @@ from dedupstore.outbox.messages import (
     message_size,
 )
 from dedupstore.outbox.processor import OutboxProcessor
-from dedupstore.outbox.sweep import SweepResult, applied_among, recorded_consumer, sweep
+from dedupstore.outbox.sweep import (
+    SweepResult,
+    applied_among,
+    recorded_among,
+    recorded_consumer,
+    sweep,
+)
 
 __all__ = [
     "LETTER_ERROR_CHARS",
@@ -48,6 +54,7 @@ __all__ = [
     "message_size",
     "omitted",
     "outgoing_id",
+    "recorded_among",
     "recorded_consumer",
     "sweep",
 ]

@@ -1,6 +1,6 @@
 """:func:`sweep` (the deferred clean-up: dispatched ids moved to the deduplication store)
-and the questions asked of an entity store's outboxes: :func:`applied_among`,
-:func:`recorded_consumer`.
+and the questions asked of an entity store's outboxes: :func:`applied_among`
+(:func:`recorded_among` without them), :func:`recorded_consumer`.
 """
 
 from __future__ import annotations
@@ -148,6 +148,46 @@ def applied_among(
     recorded for another consumer than ``dedup``'s endpoint (its outbox says nothing
     about this one) or ``token_ids`` without ``tokens``, ``StoreUnavailable``.
     """
+    pairs, tokened = _asked(messages, tokens, token_ids)
+    if not pairs:
+        return set()
+    loaded = entities.load_many([cid for cid, _ in pairs])
+    consumer = dedup.endpoint
+    for entity in loaded.values():
+        if entity.consumer is not None and entity.consumer != consumer:
+            raise _foreign(entity, consumer)
+    found = {(cid, mid) for cid, mid in pairs if mid in loaded[cid].outbox}
+    rest = [pair for pair in pairs if pair not in found]
+    return found | _recorded(dedup, rest, tokens, tokened)
+
+
+def recorded_among(
+    dedup: DeduplicationStore,
+    messages: Iterable[tuple[str, str]],
+    *,
+    tokens: TokenStore | None = None,
+    token_ids: Mapping[tuple[str, str], str] | None = None,
+) -> set[tuple[str, str]]:
+    """The ``(correlation id, message id)`` pairs among ``messages`` whose record says
+    they were applied: :func:`applied_among` without the entity store, so without the
+    ids still in an outbox (read after a sweep, or accept that those look unapplied).
+
+    A pair of ``token_ids`` was applied when its token is gone from ``tokens`` (one
+    ``present_among``); the others when their key is recorded in ``dedup`` (one
+    ``processed_among``). Raises ``InvalidMessageId`` before any I/O,
+    ``ConfigurationError`` for ``token_ids`` without ``tokens``, ``StoreUnavailable``.
+    """
+    pairs, tokened = _asked(messages, tokens, token_ids)
+    return _recorded(dedup, pairs, tokens, tokened)
+
+
+def _asked(
+    messages: Iterable[tuple[str, str]],
+    tokens: TokenStore | None,
+    token_ids: Mapping[tuple[str, str], str] | None,
+) -> tuple[list[tuple[str, str]], dict[tuple[str, str], str]]:
+    """The pairs asked about (each once) and the token ids of those with one, checked
+    before any I/O."""
     pairs = list(dict.fromkeys(messages))
     for cid, mid in pairs:
         validate_message_id(cid, "correlation id")
@@ -158,24 +198,23 @@ def applied_among(
             "messages with a token need the token store (tokens=): nothing was read"
         )
     validate_ids(list(tokened.values()), "token id")
-    if not pairs:
-        return set()
-    loaded = entities.load_many([cid for cid, _ in pairs])
-    consumer = dedup.endpoint
-    for entity in loaded.values():
-        if entity.consumer is not None and entity.consumer != consumer:
-            raise _foreign(entity, consumer)
-    found = {(cid, mid) for cid, mid in pairs if mid in loaded[cid].outbox}
-    waiting = [p for p in pairs if p in tokened and p not in found]
+    return pairs, tokened
+
+
+def _recorded(
+    dedup: DeduplicationStore,
+    pairs: list[tuple[str, str]],
+    tokens: TokenStore | None,
+    tokened: Mapping[tuple[str, str], str],
+) -> set[tuple[str, str]]:
+    """Those of ``pairs`` whose token is gone (tokened) or whose key ``dedup`` holds."""
+    found: set[tuple[str, str]] = set()
+    waiting = [pair for pair in pairs if pair in tokened]
     if waiting:
         assert tokens is not None
         present = tokens.present_among(sorted({tokened[p] for p in waiting}))
         found.update(p for p in waiting if tokened[p] not in present)
-    rest = {
-        message_key(cid, mid): (cid, mid)
-        for cid, mid in pairs
-        if (cid, mid) not in found and (cid, mid) not in tokened
-    }
+    rest = {message_key(cid, mid): (cid, mid) for cid, mid in pairs if (cid, mid) not in tokened}
     if rest:
         found.update(rest[key] for key in dedup.processed_among(rest))
     return found
