@@ -23,7 +23,7 @@ import re
 import sqlite3
 import threading
 import weakref
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import quote, unquote, urlsplit
@@ -53,6 +53,7 @@ from dedupstore.backend import (
     TokenCount,
     TokenRecord,
     TokenStore,
+    TokenWrites,
     URLDispatcher,
     WriteRequest,
     choice,
@@ -440,26 +441,26 @@ class SqliteTokenStore(TokenStore):
             "a token table",
             {"id": "TEXT PRIMARY KEY NOT NULL", "endpoint": "TEXT NOT NULL", "created": "REAL"},
         )
-        self._sql_create = (
+        self.sql_create = (
             f"INSERT INTO {t} (id, endpoint, created) SELECT value ->> '$[0]', "
             f"value ->> '$[1]', value ->> '$[2]' FROM json_each(?) WHERE true "
             "ON CONFLICT (id) DO NOTHING"
         )
-        self._sql_present = f"SELECT id FROM {t} WHERE id IN (SELECT value FROM json_each(?))"
-        self._sql_delete = f"DELETE FROM {t} WHERE id IN (SELECT value FROM json_each(?))"
+        self.sql_present = f"SELECT id FROM {t} WHERE id IN (SELECT value FROM json_each(?))"
+        self.sql_delete = f"DELETE FROM {t} WHERE id IN (SELECT value FROM json_each(?))"
         self._sql_outstanding = f"SELECT endpoint, count(*), min(created) FROM {t} GROUP BY 1"
         self._sql_scan = f"SELECT id, endpoint, created FROM {t} WHERE id > ? ORDER BY id LIMIT ?"
 
     def _create(self, records: list[TokenRecord]) -> None:
         with self._sqlite.write_transaction() as conn:
-            conn.execute(self._sql_create, (json.dumps([list(r) for r in records]),))
+            conn.execute(self.sql_create, (json.dumps([list(r) for r in records]),))
 
     def _present(self, ids: list[str]) -> set[str]:
-        return {row[0] for row in self._sqlite.fetch(self._sql_present, (json.dumps(ids),))}
+        return {row[0] for row in self._sqlite.fetch(self.sql_present, (json.dumps(ids),))}
 
     def _delete(self, ids: list[str]) -> None:
         with self._sqlite.write_transaction() as conn:
-            conn.execute(self._sql_delete, (json.dumps(ids),))
+            conn.execute(self.sql_delete, (json.dumps(ids),))
 
     def _outstanding(self) -> dict[str, TokenCount]:
         rows = self._sqlite.fetch(self._sql_outstanding)
@@ -492,6 +493,7 @@ class SqliteEntityStore(EntityStore):
     declared_options: ClassVar[OptionSet] = EntityStore.declared_options.extend(
         _table_option("dedup_entities"), *SQLITE_OPTIONS
     )
+    token_joins = SqliteTokenStore
 
     def _open(self) -> None:
         conn, t = self._sqlite.open_table(
@@ -541,6 +543,55 @@ class SqliteEntityStore(EntityStore):
                 if cursor.rowcount == 1:
                     saved[r.id] = 1 if r.version is None else r.version + 1
         return saved
+
+    def _load_with_token(
+        self, tokens: TokenStore, entity_id: str, token_id: str
+    ) -> tuple[tuple[str, Any] | None, bool]:
+        """The entity's row, then the token's, in one read transaction."""
+        assert isinstance(tokens, SqliteTokenStore)
+        conn = self._sqlite.thread_connection()
+        conn.execute("BEGIN")
+        try:
+            row = conn.execute(self._sql_load, (json.dumps([entity_id]),)).fetchone()
+            found = conn.execute(tokens.sql_present, (json.dumps([token_id]),)).fetchone()
+        finally:
+            conn.execute("COMMIT")
+        return (None if row is None else (row[1], row[2])), found is not None
+
+    def _save_tokens(
+        self,
+        tokens: TokenStore,
+        records: list[EntityRecord],
+        writes: Mapping[str, TokenWrites],
+    ) -> tuple[set[str], dict[str, Any]]:
+        """One write transaction for the chunk: per record, the required token's row read,
+        then the save, then (if it wrote) the token rows inserted and deleted."""
+        assert isinstance(tokens, SqliteTokenStore)
+        missing: set[str] = set()
+        saved: dict[str, Any] = {}
+        with self._sqlite.write_transaction() as conn:
+            for r in records:
+                change = writes.get(r.id)
+                if change is not None and change.require is not None:
+                    found = conn.execute(tokens.sql_present, (json.dumps([change.require]),))
+                    if found.fetchone() is None:
+                        missing.add(r.id)
+                        continue
+                if r.version is None:
+                    cursor = conn.execute(self._sql_insert, (r.id, r.body, r.bucket, r.pending))
+                else:
+                    cursor = conn.execute(
+                        self._sql_update, (r.body, r.bucket, r.pending, r.id, r.version)
+                    )
+                if cursor.rowcount != 1:
+                    continue
+                saved[r.id] = 1 if r.version is None else r.version + 1
+                if change is not None and change.create:
+                    rows = json.dumps([list(t) for t in change.create])
+                    conn.execute(tokens.sql_create, (rows,))
+                if change is not None and change.delete:
+                    conn.execute(tokens.sql_delete, (json.dumps(change.delete),))
+        return missing, saved
 
     def _scan(self, segment: int, segments: int) -> Iterator[tuple[str, str, Any]]:
         after = ""

@@ -8,7 +8,8 @@ from it. The names, by group:
 Bases
     :class:`Client`, :class:`Connection`, :class:`Connected`, :class:`Closing`,
     :class:`DeduplicationStore` with :class:`WriteRequest`, :class:`TokenStore` with
-    :class:`TokenRecord`, :class:`TokenCount` and :func:`count_tokens`,
+    :class:`TokenRecord`, :class:`TokenCount`, :class:`TokenWrites` and
+    :func:`count_tokens`,
     :class:`EntityStore` with
     :class:`EntityRecord`, :class:`OutgoingMessage` and :func:`groups_by_size`,
     :class:`URLDispatcher` with :class:`EncodedMessage`, :class:`StoredMessage`,
@@ -17,7 +18,7 @@ Bases
     ``options``, ``connection``, ``made_connection``, ``creates``, ``check_open()``,
     ``translating_errors()``, ``make_error()``, ``describe_error()``,
     ``no_such_store()``, ``scrub()``; a store's ``endpoint``, ``retention``; an entity
-    store's ``joins``.
+    store's ``joins`` and ``token_joins``.
 Options
     :class:`Option`, :class:`OptionSet`, :class:`Options`, :func:`boolean`,
     :func:`integer`, :func:`seconds`, :func:`text`, :func:`choice`, :func:`optional`,
@@ -136,7 +137,7 @@ from dedupstore.options import (
 )
 from dedupstore.replies import cut_short
 from dedupstore.store import CLOCK, MAX_CLOCK_SKEW, DeduplicationStore, WriteRequest
-from dedupstore.tokens import TokenCount, TokenRecord, TokenStore, count_tokens
+from dedupstore.tokens import TokenCount, TokenRecord, TokenStore, TokenWrites, count_tokens
 from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
@@ -186,6 +187,8 @@ HOOKS: Final[frozenset[str]] = frozenset(
         "_save_with",
         "_save_unless",
         "_joint_record",
+        "_load_with_token",
+        "_save_tokens",
         # URLDispatcher
         "_dispatch",
     }
@@ -266,6 +269,7 @@ __all__ = [
     "TokenRecord",
     "TokenStore",
     "TokenStoreContract",
+    "TokenWrites",
     "URLDispatcher",
     "WriteRequest",
     "anything",

@@ -26,6 +26,7 @@ from dedupstore.options import OptionSet
 
 if TYPE_CHECKING:
     from dedupstore.store import DeduplicationStore, WriteRequest
+    from dedupstore.tokens import TokenChange, TokenStore, TokenWrites
 
 T = TypeVar("T")
 
@@ -711,6 +712,122 @@ class EntityStore(Client):
         """Joined backends, atomically in one request: whether ``dedup`` holds a live
         record of ``key``, and if not (or if this call's earlier attempt saved the
         record), ``_save([record])``'s result; nothing written when it does."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ with a token store
+
+    #: The token store class this store can share requests with (set by a backend
+    #: that implements :meth:`_save_tokens`).
+    token_joins: ClassVar[type[Client] | None] = None
+
+    def _tokens_joined(self, tokens: TokenStore) -> bool:
+        """Whether one request can save entities and write ``tokens`` together:
+        ``tokens`` is of the class :attr:`token_joins` and shares this store's
+        connection. Then :meth:`_save_tokened` folds token-mode steps into the saves.
+        The processor asks once; the calls assume it."""
+        return (
+            self.token_joins is not None
+            and isinstance(tokens, self.token_joins)
+            and self._shares_connection_with(tokens)
+        )
+
+    def _load_tokened(
+        self, entity_id: str, tokens: TokenStore, token_id: str
+    ) -> tuple[Entity, bool]:
+        """The entity, then whether the token ``token_id`` exists (read after it), in
+        one round trip. Only for a joined ``tokens`` (:meth:`_tokens_joined`). Raises
+        what :meth:`load` and ``tokens.present`` raise."""
+        eid = validate_message_id(entity_id, "entity id")
+        tid = validate_message_id(token_id, "token id")
+        self.check_open()
+        tokens.check_open()
+        with self.translating_errors("load_and_read_token"):
+            found, present = self._load_with_token(tokens, eid, tid)
+        entity = Entity(eid) if found is None else decode_entity(eid, found[0], found[1])
+        return entity, present
+
+    def _save_tokened(
+        self,
+        entities: Sequence[Entity],
+        tokens: TokenStore,
+        changes: Mapping[str, TokenChange],
+    ) -> tuple[set[str], set[str]]:
+        """:meth:`save_many` of ``entities``, each atomically with its token change
+        (``changes[entity id]``, none for an id not there): an entity whose ``require``
+        token is absent is not saved; one saved gets its tokens created and deleted in
+        the same request, one not saved none. Returns ``(missing, conflicts)``: the ids
+        not saved because a required token was absent, and because the save conflicted;
+        nothing of either was written.
+
+        Only for a joined ``tokens`` (:meth:`_tokens_joined`). One request per chunk of
+        at most :attr:`max_save_batch` entities and ``tokens.max_batch`` token ids (a
+        backend may split a chunk further by bytes; each entity stays whole). Raises
+        ``InvalidMessageId`` and ``EntityTooLarge`` before any I/O, ``ValueError`` for
+        one entity's change naming more than ``tokens.max_batch`` ids, and
+        ``StoreUnavailable`` (the chunks before it are written).
+        """
+        records = [self._record(entity) for entity in entities]
+        limit = tokens.max_batch
+        writes: dict[str, TokenWrites] = {}
+        for eid, change in changes.items():
+            if change.size > limit:
+                raise ValueError(
+                    f"entity {eid!r:.80}: a joint save names {change.size} tokens; at most "
+                    f"{limit} (tokens.max_batch) fit in one request"
+                )
+            writes[eid] = tokens._writes(change)
+        self.check_open()
+        tokens.check_open()
+        by_id = {entity.id: entity for entity in entities}
+        missing: set[str] = set()
+        conflicts: set[str] = set()
+        chunk: list[EntityRecord] = []
+        named = 0
+
+        def flush() -> None:
+            with self.translating_errors("save_with_tokens"):
+                absent, versions = self._save_tokens(
+                    tokens, chunk, {r.id: writes[r.id] for r in chunk if r.id in writes}
+                )
+            for record in chunk:
+                if record.id in versions:
+                    by_id[record.id].version = versions[record.id]
+                elif record.id in absent:
+                    missing.add(record.id)
+                else:
+                    conflicts.add(record.id)
+
+        for record in records:
+            size = changes[record.id].size if record.id in changes else 0
+            if chunk and (len(chunk) >= self.max_save_batch or named + size > limit):
+                flush()
+                chunk, named = [], 0
+            chunk.append(record)
+            named += size
+        if chunk:
+            flush()
+        return missing, conflicts
+
+    def _load_with_token(
+        self, tokens: TokenStore, entity_id: str, token_id: str
+    ) -> tuple[tuple[str, Any] | None, bool]:
+        """Token-joined backends: ``_load([entity_id])``'s record (or None), then whether
+        the token ``token_id`` exists, read after it, in one round trip."""
+        raise NotImplementedError
+
+    def _save_tokens(
+        self,
+        tokens: TokenStore,
+        records: list[EntityRecord],
+        writes: Mapping[str, TokenWrites],
+    ) -> tuple[set[str], dict[str, Any]]:
+        """Token-joined backends: per record, atomically (one request for them all
+        where it can): if ``writes[record.id].require`` names a token that is absent,
+        nothing (its id is in the first set returned); else ``_save([record])``, and if
+        that wrote it, ``tokens._create`` and ``tokens._delete`` of its writes. Returns
+        the ids refused for a missing token and ``{id: new version}`` of the records
+        saved. A record an earlier attempt of this very call saved (its answer lost)
+        counts as saved, its token writes not made again."""
         raise NotImplementedError
 
     def pending_outboxes(self, segment: int = 0, segments: int = 1) -> Iterator[Entity]:

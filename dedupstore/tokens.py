@@ -32,9 +32,11 @@ from dedupstore.store import CLOCK, Clock, over_chunks, split_ids
 
 __all__ = [
     "TOKEN_HEADER",
+    "TokenChange",
     "TokenCount",
     "TokenRecord",
     "TokenStore",
+    "TokenWrites",
     "count_tokens",
     "new_nonce",
     "token_id",
@@ -101,6 +103,32 @@ class TokenRecord(NamedTuple):
     id: str
     endpoint: str
     created: float
+
+
+class TokenChange(NamedTuple):
+    """What one entity's joint save does to a token store on the entity store's server
+    (``EntityStore._save_tokened``), in the save's request:
+    the entity is saved only if the token ``require`` exists (None: no condition), and
+    only once it is saved are ``create`` (token id -> receiving endpoint) created where
+    absent and ``delete`` deleted."""
+
+    require: str | None = None
+    create: Mapping[str, str] = {}
+    delete: tuple[str, ...] = ()
+
+    @property
+    def size(self) -> int:
+        """How many token ids it names."""
+        return (self.require is not None) + len(self.create) + len(self.delete)
+
+
+class TokenWrites(NamedTuple):
+    """A :class:`TokenChange` as a backend's joint save gets it (ids validated, the
+    tokens to create stamped with their mint time)."""
+
+    require: str | None
+    create: tuple[TokenRecord, ...]
+    delete: tuple[str, ...]
 
 
 class TokenCount(NamedTuple):
@@ -283,6 +311,21 @@ class TokenStore(Client):
                 before is None or record.created < before
             ):
                 yield record
+
+    def _writes(self, change: TokenChange) -> TokenWrites:
+        """``change`` checked (``InvalidMessageId`` before any I/O) and stamped now."""
+        if not isinstance(change, TokenChange):
+            raise TypeError(f"expected a TokenChange, got {type(change).__name__}")
+        require = (
+            None if change.require is None else validate_message_id(change.require, "token id")
+        )
+        ids = validate_ids(list(change.create), "token id")
+        now = self._clock()
+        created = tuple(
+            TokenRecord(tid, validate_message_id(change.create[tid], "endpoint"), now)
+            for tid in ids
+        )
+        return TokenWrites(require, created, tuple(validate_ids(list(change.delete), "token id")))
 
     def _validated(self, token_ids: Iterable[str]) -> list[str]:
         if isinstance(token_ids, str | bytes):

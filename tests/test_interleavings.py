@@ -17,7 +17,11 @@ run on those four only: on DynamoDB and Cosmos DB (not joined) a kept entity tak
 the memory and SQLite path, ``has_been_processed`` then the conditional save.
 
 Token mode (``TOKEN_SCENARIOS``) has about 15 to 45 times the schedules of the same
-scenario in retention mode (four more calls per message). Every schedule of two
+scenario in retention mode where its calls are separate (four more per message: on
+memory, whose stores do not join, and on DynamoDB and Cosmos DB); on SQLite,
+PostgreSQL and Redis the token store shares the entity store's server and the token
+steps ride in the entity store's requests (``load_and_read``, ``save_tokened``), so
+both paths are explored. Every schedule of two
 copies of a message with a token runs on memory, SQLite, PostgreSQL and Redis
 (deferred; inline on the first two), the first 400 of them on DynamoDB and Cosmos DB;
 a crash after every call of a sweep beside a consumer, and of a batch of a message
@@ -49,6 +53,7 @@ from dedupstore.testing.interleavings import (
     explore,
     independent,
 )
+from dedupstore.tokens import TokenChange
 from tests.consume_worker import Late
 from tests.outbox_backends import OutboxBackend, backend_params
 
@@ -131,8 +136,10 @@ SCENARIOS: dict[str, Case] = {
 }
 
 #: Token mode adds four calls to a message's (the token read, the create, the made
-#: marker, the delete), so its schedules grow fast: every schedule of the scenarios
-#: below but the bounded ones, on the backends listed.
+#: marker, the delete) where the stores do not join (memory, DynamoDB, Cosmos DB;
+#: folded into the entity store's requests on the others), so its
+#: schedules grow fast: every schedule of the scenarios below but the bounded ones, on
+#: the backends listed.
 TOKEN_SCENARIOS: dict[str, Case] = {
     "token-duplicates": Case(
         (ONE, ONE), 1, None, {"inline": IN_PROCESS, "deferred": FAST}, (), "all"
@@ -566,9 +573,40 @@ class RecreatesMadeTokens(OutboxProcessor):
         return conflicts
 
 
+class _BrokenJointLoad:
+    """The joint calls of an entity store and a token store on one server, broken:
+    ``"delete"`` deletes the token as soon as the load finds it; ``"early"`` reads it
+    before it loads the entity (two requests). Either way the save of the applied entry
+    trusts that read instead of checking the token again (as the unfolded path does)."""
+
+    def __init__(self, real: Any, how: Literal["delete", "early"]) -> None:
+        self._real, self._how = real, how
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def _load_tokened(self, entity_id: str, tokens: Any, token_id: str) -> tuple[Entity, bool]:
+        if self._how == "early":
+            present = bool(tokens.present_among([token_id]))
+            return self._real.load(entity_id), present
+        entity, present = self._real._load_tokened(entity_id, tokens, token_id)
+        if present:
+            tokens.delete([token_id])
+        return entity, present
+
+    def _save_tokened(
+        self, entities: Sequence[Entity], tokens: Any, changes: Mapping[str, TokenChange]
+    ) -> tuple[set[str], set[str]]:
+        trusted = {eid: change._replace(require=None) for eid, change in changes.items()}
+        return self._real._save_tokened(entities, tokens, trusted)  # type: ignore[no-any-return]
+
+
 class DeletesTokenFirst(OutboxProcessor):
     """BROKEN: deletes the incoming token as soon as it found it, before its change
     and outputs are saved (a crash then loses the message)."""
+
+    def __init__(self, entities: EntityStore, *args: Any, **kwargs: Any) -> None:
+        super().__init__(_BrokenJointLoad(entities, "delete"), *args, **kwargs)  # type: ignore[arg-type]
 
     def _recorded_by_token(self, tokens: Mapping[str, str]) -> set[str]:
         missing = super()._recorded_by_token(tokens)
@@ -584,6 +622,9 @@ class ReadsTokenBeforeLoad(OutboxProcessor):
     the entry)."""
 
     early: set[str] | None = None
+
+    def __init__(self, entities: EntityStore, *args: Any, **kwargs: Any) -> None:
+        super().__init__(_BrokenJointLoad(entities, "early"), *args, **kwargs)  # type: ignore[arg-type]
 
     def process(self, message: Message, handler: Handler) -> ProcessResult:
         token = self._token_of(message)

@@ -42,11 +42,22 @@ class Crash(Exception):
 
 class Crashing:
     """An entity store that raises :class:`Crash` instead of its ``n``-th save (counting
-    ``save`` and ``save_many``), everything else delegated."""
+    ``save`` and ``save_many``, and with ``folded`` the joint saves of a token store on
+    its server), everything else delegated."""
 
-    def __init__(self, store: EntityStore, n: int) -> None:
-        self.store, self.n = store, n
+    def __init__(self, store: EntityStore, n: int, folded: bool = False) -> None:
+        self.store, self.n, self.folded = store, n, folded
         self.max_entity_bytes = store.max_entity_bytes
+
+    def _tokens_joined(self, tokens: TokenStore) -> bool:
+        return self.folded and self.store._tokens_joined(tokens)
+
+    def _load_tokened(self, entity_id: str, tokens: TokenStore, token: str) -> Any:
+        return self.store._load_tokened(entity_id, tokens, token)
+
+    def _save_tokened(self, entities: Sequence[Entity], tokens: TokenStore, changes: Any) -> Any:
+        self._count()
+        return self.store._save_tokened(entities, tokens, changes)
 
     def _count(self) -> None:
         self.n -= 1
@@ -208,19 +219,24 @@ def test_a_message_without_a_token_goes_through_the_deduplication_store(chain: C
     assert outstanding(chain) == 0
 
 
-@pytest.mark.parametrize("crash_at", [1, 2, 3])
+@pytest.mark.parametrize(
+    ("folded", "crash_at"), [(False, 1), (False, 2), (False, 3), (True, 1), (True, 2)]
+)
 @pytest.mark.parametrize("how", ["process", "process_batch"])
 def test_a_sender_that_dies_at_any_save_mints_no_token_twice_and_leaves_none(
-    outbox_backend: OutboxBackend, crash_at: int, how: str
+    outbox_backend: OutboxBackend, crash_at: int, how: str, folded: bool
 ) -> None:
     """A dies at its first save (the entry and its registered nonce), its second (the
-    tokens made) or its third (the clean-up); its redelivery completes, B applies the
-    message once however often it is delivered, and no token is left."""
+    tokens made) or its third (the clean-up); folded (a token store on the entity
+    store's server: SQLite, PostgreSQL, Redis; elsewhere the same as unfolded), at its
+    first (the entry with its tokens made) or its second (the clean-up). Its redelivery
+    completes, B applies the message once however often it is delivered, and no token
+    is left."""
     chain = Chain(outbox_backend)
     try:
         message = Message("in-1", "o1", 7)
         dying = OutboxProcessor(
-            Crashing(chain.entities["A"], crash_at),  # type: ignore[arg-type]
+            Crashing(chain.entities["A"], crash_at, folded),  # type: ignore[arg-type]
             chain.dedups["A"],
             chain.a_out,
             tokens=chain.tokens,
@@ -314,6 +330,22 @@ def test_deferred_clean_up_leaves_tokens_to_the_sweep(chain: Chain) -> None:
     for message in chain.to_b():
         assert b.process(message, b_handler).outcome == "duplicate"
     assert sum(state_of(chain, "B", f"b-o{i}")["sum"] for i in range(3)) == 6
+
+
+def test_a_deferred_entity_over_its_limit_deletes_its_tokens_inline(chain: Chain) -> None:
+    """A deferred clean-up that holds more than ``deferred_limit`` dispatched entries
+    moves them inline: their tokens are deleted (on one server, in the save that
+    removes them), the others' left to the sweep."""
+    for i in range(3):
+        chain.a.process(Message(f"in-{i}", "o1", i + 1), a_handler)
+    b = chain.receiver("B", cleanup="deferred", deferred_limit=1)
+    for message in chain.to_b():
+        assert b.process(message, b_handler).outcome == "processed"
+    entity = chain.entities["B"].load("b-o1")
+    assert len(entity.dispatched) == 1 and outstanding(chain) == 1
+    for message in chain.to_b():
+        assert b.process(message, b_handler).outcome == "duplicate"
+    assert state_of(chain, "B", "b-o1")["sum"] == 6
 
 
 def test_a_bad_token_header_is_refused_before_any_io(chain: Chain) -> None:

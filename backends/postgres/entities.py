@@ -40,7 +40,7 @@ retry conflicts if the first was applied (reload: the entity then holds that sav
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from dedupstore.backend import (
@@ -49,12 +49,15 @@ from dedupstore.backend import (
     EntityRecord,
     EntityStore,
     OptionSet,
+    TokenStore,
+    TokenWrites,
     WriteRequest,
     groups_by_size,
 )
 
 from ._client import PostgresConnection, Table, create_schema, postgres_options
 from .store import PostgresDeduplicationStore
+from .tokens import PostgresTokenStore
 
 if TYPE_CHECKING:
     from ._client import PgConnection
@@ -92,6 +95,7 @@ class PostgresEntityStore(EntityStore):
     #: Entities per save statement (one commit, one flush on a durable server).
     max_save_batch: ClassVar[int] = 1000
     joins = PostgresDeduplicationStore
+    token_joins = PostgresTokenStore
     _pg = Connected(PostgresConnection)
     declared_options: ClassVar[OptionSet] = postgres_options(
         EntityStore.declared_options, DEFAULT_ENTITY_TABLE
@@ -152,6 +156,7 @@ class PostgresEntityStore(EntityStore):
 
         self._sql_save = save()
         self._sql_save_unless = save(" AND NOT EXISTS (SELECT 1 FROM a)")
+        self._sql_save_tokened = save(" AND NOT EXISTS (SELECT 1 FROM q WHERE q.eid = u.id)")
         self._sql_load = render(
             "SELECT id, body, version FROM {table} WHERE id = ANY(%(ids)b::text[])"
         )
@@ -225,6 +230,80 @@ class PostgresEntityStore(EntityStore):
         params = {**params, **self._save_params(_candidates([record]))}
         rows = self._pg.write(self, query, params)
         return any(eid is None for eid, _ in rows), {e: v for e, v in rows if e is not None}
+
+    # ------------------------------------------------------------------ with a token store
+
+    def _load_with_token(
+        self, tokens: TokenStore, entity_id: str, token_id: str
+    ) -> tuple[tuple[str, Any] | None, bool]:
+        """The entity's row and the token's, in one statement (a ``UNION ALL``: one
+        snapshot, as good as a read after the load)."""
+        assert isinstance(tokens, PostgresTokenStore)
+        query = (
+            b"SELECT l.body, l.version FROM (" + self._sql_load + b") AS l "
+            b"UNION ALL SELECT NULL, NULL FROM " + tokens.sql_table + b" WHERE id = %(token)s"
+        )
+        rows = self._pg.read(self, query, {"ids": [entity_id], "token": token_id})
+        entity = next(((body, version) for body, version in rows if body is not None), None)
+        return entity, any(body is None for body, _ in rows)
+
+    def _save_tokens(
+        self,
+        tokens: TokenStore,
+        records: list[EntityRecord],
+        writes: Mapping[str, TokenWrites],
+    ) -> tuple[set[str], dict[str, Any]]:
+        """One statement per group of up to 16 MiB of bodies, so one transaction: ``q`` the
+        entities whose required token is absent, ``s`` the save of the others, then the token
+        rows inserted (``c``) and deleted (``d``) of the entities ``s`` returned (data-modifying
+        ``WITH`` queries; a token written only once its entity's row is locked and saved). Not
+        re-sent after a lost answer (its version check would refuse it)."""
+        assert isinstance(tokens, PostgresTokenStore)
+        candidates = _candidates(records)
+        candidates.sort(key=lambda pair: pair[0].id)  # one lock order for every saver
+        table = tokens.sql_table
+        query = (
+            b"WITH q AS (SELECT r.eid FROM unnest(%(req_e)b::text[], %(req_t)b::text[]) "
+            b"AS r(eid, tid) WHERE NOT EXISTS (SELECT 1 FROM " + table + b" AS k "
+            b"WHERE k.id = r.tid)), s AS (" + self._sql_save_tokened + b"), "
+            b"c AS (INSERT INTO " + table + b" (id, endpoint, created) "
+            b"SELECT n.tid, n.endpoint, n.created FROM unnest(%(new_e)b::text[], "
+            b"%(new_t)b::text[], %(new_p)b::text[], %(new_c)b::float8[]) "
+            b"AS n(eid, tid, endpoint, created) WHERE n.eid IN (SELECT id FROM s) "
+            b"ORDER BY n.tid ON CONFLICT (id) DO NOTHING), "
+            b"d AS (DELETE FROM " + table + b" WHERE id IN (SELECT g.tid FROM "
+            b"unnest(%(gone_e)b::text[], %(gone_t)b::text[]) AS g(eid, tid) "
+            b"WHERE g.eid IN (SELECT id FROM s))) "
+            b"SELECT q.eid, NULL::int8 FROM q UNION ALL SELECT s.id, s.version FROM s"
+        )
+        missing: set[str] = set()
+        saved: dict[str, Any] = {}
+        for group in groups_by_size(candidates, _STATEMENT_BYTES, lambda pair: pair[0].size):
+            params: dict[str, Any] = {
+                "req_e": [], "req_t": [], "new_e": [], "new_t": [], "new_p": [], "new_c": [],
+                "gone_e": [], "gone_t": [],
+            }  # fmt: skip
+            for record, _ in group:
+                change = writes.get(record.id)
+                if change is None:
+                    continue
+                if change.require is not None:
+                    params["req_e"].append(record.id)
+                    params["req_t"].append(change.require)
+                for token in change.create:
+                    params["new_e"].append(record.id)
+                    params["new_t"].append(token.id)
+                    params["new_p"].append(token.endpoint)
+                    params["new_c"].append(float(token.created))
+                params["gone_e"] += [record.id] * len(change.delete)
+                params["gone_t"] += list(change.delete)
+            params.update(self._save_params(group))
+            for eid, version in self._pg.write(self, query, params):
+                if version is None:
+                    missing.add(eid)
+                else:
+                    saved[eid] = version
+        return missing, saved
 
     def _save(self, records: list[EntityRecord]) -> dict[str, Any]:
         candidates = _candidates(records)

@@ -96,6 +96,8 @@ class PostgresTokenStore(TokenStore):
             "ON CONFLICT (id) DO NOTHING"
         )
         self._sql_present = render("SELECT id FROM {table} WHERE id = ANY(%(ids)b::text[])")
+        #: The table's quoted name, for the entity store's joint saves.
+        self.sql_table = render("{table}")
         self._sql_delete = render("DELETE FROM {table} WHERE id = ANY(%(ids)b::text[])")
         self._sql_outstanding = render(
             "SELECT endpoint, count(*), min(created) FROM {table} GROUP BY endpoint"

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 from dedupstore.backend import (
@@ -56,6 +56,8 @@ from dedupstore.backend import (
     EntityStore,
     OptionSet,
     StoreUnavailable,
+    TokenStore,
+    TokenWrites,
     WriteRequest,
     groups_by_size,
     write_token,
@@ -69,6 +71,7 @@ from ._client import (
     key_prefix_option,
 )
 from .store import ADD_SCRIPT, RedisDeduplicationStore
+from .tokens import RedisTokenStore, token_value
 
 __all__ = ["RedisEntityStore", "buckets_key", "entity_key", "pending_key"]
 
@@ -254,6 +257,81 @@ return save(keys, ARGV)
 """
 
 
+#: The save script with each entity's token writes (a token store on the same server). KEYS: the
+#: save's (n entity keys, n pending sets, the index), then the token keys; ARGV: the number of the
+#: save's keys and of its arguments, its arguments, then per entity: the index in KEYS of its
+#: required token's key (0: none), the number of tokens to create and each one's key index and
+#: value, the number to delete and their key indexes. An entity whose required token is absent is
+#: left out of the save (unless its hash holds this call's write token: an earlier attempt saved
+#: it); the tokens of an entity the save writes now are created (SET NX) and deleted after it.
+#: Returns ``{the save's status, {i, version, ...}, {i of each entity refused for its token}}``.
+_TOKENED_SCRIPT = f"""
+local function save(KEYS, ARGV)
+{_SAVE_SCRIPT}
+end
+local nkeys, nargs = tonumber(ARGV[1]), tonumber(ARGV[2])
+local n = (nkeys - 1) / 2
+local token = ARGV[3]
+local at, ops = 3 + nargs, {{}}
+for i = 1, n do
+  local op = {{require = tonumber(ARGV[at]), create = {{}}, delete = {{}}}}
+  local count = tonumber(ARGV[at + 1])
+  at = at + 2
+  for c = 1, count do
+    op.create[c] = {{tonumber(ARGV[at]), ARGV[at + 1]}}
+    at = at + 2
+  end
+  count = tonumber(ARGV[at])
+  at = at + 1
+  for d = 1, count do
+    op.delete[d] = tonumber(ARGV[at])
+    at = at + 1
+  end
+  ops[i] = op
+end
+local mine, missing, gone = {{}}, {{}}, {{}}
+for i = 1, n do
+  local written = redis.pcall('HGET', KEYS[i], 't')
+  mine[i] = type(written) == 'string' and written == token
+  if not mine[i] and ops[i].require > 0 then
+    local key = KEYS[ops[i].require]
+    local value = redis.call('GET', key)
+    if not value then
+      missing[i] = true
+      gone[#gone + 1] = i
+    elseif string.sub(value, 1, 5) ~= 'dst1:' then
+      return redis.error_reply('DEDUPSTORE key ' .. string.sub(key, 1, 200)
+        .. ' holds a value dedupstore did not write')
+    end
+  end
+end
+local keys, args, back = {{}}, {{ARGV[3], ARGV[4]}}, {{}}
+for i = 1, n do
+  if not missing[i] then back[#back + 1] = i end
+end
+local m = #back
+for j, i in ipairs(back) do
+  keys[j] = KEYS[i]
+  keys[m + j] = KEYS[n + i]
+  for k = 0, 3 do args[#args + 1] = ARGV[5 + (i - 1) * 4 + k] end
+end
+keys[2 * m + 1] = KEYS[nkeys]
+local saved = save(keys, args)
+if saved['err'] then return saved end
+local done = {{}}
+for k = 2, #saved, 2 do
+  local i = back[tonumber(saved[k])]
+  done[#done + 1] = i
+  done[#done + 1] = saved[k + 1]
+  if not mine[i] then
+    for _, c in ipairs(ops[i].create) do redis.call('SET', KEYS[c[1]], c[2], 'NX') end
+    for _, d in ipairs(ops[i].delete) do redis.call('DEL', KEYS[d]) end
+  end
+end
+return {{saved[1], done, gone}}
+"""
+
+
 #: Bodies per script call, in bytes (a call holds at least one entity).
 _MAX_CALL_BYTES = 16 * 1024 * 1024
 #: Pending sets read per pipelined round trip of the scan, and SSCAN's COUNT hint.
@@ -297,9 +375,11 @@ class RedisEntityStore(EntityStore):
     )
     _redis = Connected(RedisConnection)
     joins = RedisDeduplicationStore
-    commands: ClassVar[str] = (  # with the deduplication store's (the joined calls)
+    token_joins = RedisTokenStore
+    commands: ClassVar[str] = (  # with the deduplication and token stores' (the joined calls)
         "+ping +info +script|load +evalsha +wait +hmget +get +sscan +smembers, and in the "
-        "script +type +hget +hmget +hset +hdel +sadd +srem +scard +exists +mget +set +mset"
+        "script +type +hget +hmget +hset +hdel +sadd +srem +scard +exists +get +mget +set "
+        "+mset +del"
     )
     unconfirmed: ClassVar[str] = (
         "the entities are saved on the primary but their durability is unknown (reload "
@@ -366,6 +446,59 @@ class RedisEntityStore(EntityStore):
         if reply and int(reply[0]) == 2:
             return True, {}
         return False, self._saved([record], reply)
+
+    def _load_with_token(
+        self, tokens: TokenStore, entity_id: str, token_id: str
+    ) -> tuple[tuple[str, Any] | None, bool]:
+        """``HMGET`` of the entity and ``GET`` of the token, pipelined in that order: one
+        round trip, the token read after the load."""
+        assert isinstance(tokens, RedisTokenStore)
+        token_key = tokens.key(token_id)
+        entity, value = self._redis.pipelined(
+            lambda pipe: (pipe.hmget(self._key(entity_id), ["b", "v"]), pipe.get(token_key))
+        )
+        return self._loaded(entity_id, entity), tokens.is_token(value)
+
+    def _save_tokens(
+        self,
+        tokens: TokenStore,
+        records: list[EntityRecord],
+        writes: Mapping[str, TokenWrites],
+    ) -> tuple[set[str], dict[str, Any]]:
+        """One script run per group of records (up to 16 MiB of bodies): the required tokens
+        read, the save, then the token writes of the entities it wrote (:data:`_TOKENED_SCRIPT`)."""
+        assert isinstance(tokens, RedisTokenStore)
+        missing: set[str] = set()
+        saved: dict[str, Any] = {}
+        token = write_token()
+        for group in groups_by_size(records, _MAX_CALL_BYTES, lambda r: r.size):
+            keys, args, resent = self._save_call(group, token)
+            head = [str(len(keys)), str(len(args))]
+            ops: list[str] = []
+            for record in group:
+                change = writes.get(record.id)
+                if change is None:
+                    ops += ["0", "0", "0"]
+                    continue
+                if change.require is None:
+                    ops.append("0")
+                else:
+                    keys.append(tokens.key(change.require))
+                    ops.append(str(len(keys)))
+                ops.append(str(len(change.create)))
+                for made in change.create:
+                    keys.append(tokens.key(made.id))
+                    ops += [str(len(keys)), token_value(made.endpoint, made.created)]
+                ops.append(str(len(change.delete)))
+                for tid in change.delete:
+                    keys.append(tokens.key(tid))
+                    ops.append(str(len(keys)))
+            status, pairs, gone = self._redis.run_script(
+                self, _TOKENED_SCRIPT, keys, head + args + ops, head + resent + ops
+            )
+            saved.update(self._saved(group, [status, *pairs]))
+            missing.update(group[int(i) - 1].id for i in gone)
+        return missing, saved
 
     def _save(self, records: list[EntityRecord]) -> dict[str, Any]:
         """One script call per group of records (up to 16 MiB of bodies)."""

@@ -92,6 +92,10 @@ class RedisTokenStore(TokenStore):
         self._key_prefix: str = self.options["key_prefix"]
         self._redis.probe(self, "", no_eviction=True)
 
+    def key(self, token_id: str) -> str:
+        """The Redis key of token ``token_id`` (for the entity store's joint saves)."""
+        return token_key(self._key_prefix, token_id)
+
     def _keys(self, ids: list[str]) -> list[str]:
         prefix = self._key_prefix
         return [prefix + escape(token_id) for token_id in ids]
@@ -137,6 +141,11 @@ class RedisTokenStore(TokenStore):
             endpoint, created = self._decoded(value)
             name = key.decode("utf-8") if isinstance(key, bytes) else key
             yield TokenRecord(unescape(name[skip:]), endpoint, created)
+
+    def is_token(self, value: bytes | str | None) -> bool:
+        """Whether a ``GET`` answer is a token (the entity store's joint reads): None is
+        not; a foreign value is ``ConfigurationError``."""
+        return self._is_token(value)
 
     def _is_token(self, value: bytes | str | None) -> bool:
         """Whether an ``MGET`` answer is a token (a foreign value: ``ConfigurationError``)."""

@@ -5,7 +5,7 @@ sets and, for the type checker only, the methods a part calls on a later one."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from dedupstore.outbox.cache import _EntityCache
     from dedupstore.outbox.messages import Dispatcher, Handler, Message, Outcome, ProcessResult
     from dedupstore.store import DeduplicationStore
-    from dedupstore.tokens import TokenStore
+    from dedupstore.tokens import TokenChange, TokenStore
 
 
 class _Base:
@@ -49,6 +49,9 @@ class _Base:
     #: whether the two stores share a server: process() loads the entity and checks the
     #: id in one round trip, and the inline clean-up is one atomic write
     _joined: bool
+    #: whether the token store shares the entity store's server: token mode's writes
+    #: are folded into the entity's saves (``EntityStore._save_tokened``)
+    _tokens_joined: bool
 
     @property
     def consumer(self) -> str:
@@ -82,9 +85,23 @@ class _Base:
         def _over_limit(self, entity: Entity) -> bool:
             raise NotImplementedError
 
-        def _move_dispatched(
-            self, entities: Sequence[Entity], retiring: Sequence[tuple[Entity, str]] = ()
-        ) -> None:
+        def _move_and_save(
+            self,
+            to_save: Sequence[Entity],
+            moving: Sequence[Entity],
+            retiring: Sequence[tuple[Entity, str]] = (),
+        ) -> set[str]:
+            raise NotImplementedError
+
+        def _minting(self, entity: Entity, mid: str) -> dict[str, str]:
+            raise NotImplementedError
+
+        def _token_store(self) -> TokenStore:
+            raise NotImplementedError
+
+        def _save_folded(
+            self, entities: Sequence[Entity], changes: Mapping[str, TokenChange]
+        ) -> tuple[set[str], set[str]]:
             raise NotImplementedError
 
         def _token_of(self, message: Message) -> str | None:

@@ -22,7 +22,6 @@ from dedupstore.errors import ConcurrencyConflict, EntityTooLarge
 from dedupstore.ids import message_key, plain_ids
 from dedupstore.outbox.entries import (
     _dispatched,
-    _remove,
     _retrying,
     _send,
     _too_large,
@@ -38,6 +37,7 @@ from dedupstore.outbox.messages import (
     _validate,
 )
 from dedupstore.outbox.tokened import stamped
+from dedupstore.tokens import TokenChange
 
 
 class _Batching(_Handling):
@@ -192,7 +192,7 @@ class _Batching(_Handling):
                 results.append(ProcessResult(mid, done, tuple(outgoing), 1, error))
                 entries[key] = (entity, mid)
         try:
-            first_conflicts = self.entities.save_many(list(changed.values()))
+            first_conflicts = self._save_applied_many(changed, entries)
         except EntityTooLarge:
             if depth >= 3:  # the rounds were measured to fit: only a racing writer gets here
                 raise
@@ -220,6 +220,34 @@ class _Batching(_Handling):
                     alone = replace(alone, outcome=first.outcome, error=first.error)
                 results[index] = alone
         return results
+
+    def _save_applied_many(
+        self, changed: dict[str, Entity], entries: dict[str, tuple[Entity, str]]
+    ) -> set[str]:
+        """The batch's save of the entities it ``changed``; the ids that conflicted. On
+        one server the outgoing tokens of the entries it applied are created in the same
+        requests (:meth:`_minting`)."""
+        entities = list(changed.values())
+        if not self._tokens_joined:
+            return self.entities.save_many(entities)
+        limit = self._token_store().max_batch - 1
+        made: dict[str, dict[str, str]] = {}
+        for entity, mid in entries.values():
+            if entity.id not in changed:
+                continue
+            before = entity.tokens.get(mid)
+            tokens = self._minting(entity, mid)
+            if not tokens:
+                continue
+            have = made.setdefault(entity.id, {})
+            if len(have) + len(tokens) > limit and before is not None:
+                entity.tokens[mid] = before  # too many for one request: _make does it
+                continue
+            have.update(tokens)
+        changes = {eid: TokenChange(create=m) for eid, m in made.items() if m}
+        if not changes:
+            return self.entities.save_many(entities)
+        return self._save_folded(entities, changes)[1]
 
     def _in_two_phases(
         self,
@@ -323,11 +351,8 @@ class _Batching(_Handling):
             to_save[entity.id] = entity
         heavy = [] if inline else [e for e in to_save.values() if self._over_limit(e)]
         # The ids reach the deduplication store (their tokens are deleted) before the
-        # save that removes them.
-        self._move_dispatched(heavy, retiring)
-        for entity, mid in retiring:
-            _remove(entity, mid)
-        conflicts = self.entities.save_many(list(to_save.values())) if to_save else set()
+        # save that removes them, or with it on one server.
+        conflicts = self._move_and_save(list(to_save.values()), heavy, retiring)
         return conflicts | unmade, sent
 
     def _in_rounds(

@@ -59,9 +59,16 @@ from dedupstore.outbox.messages import (
     _shown,
     _validate,
 )
-from dedupstore.outbox.tokened import _Outraced, _Tokened, check_subscriptions, stamped, unmade
+from dedupstore.outbox.tokened import (
+    _Outraced,
+    _Tokened,
+    check_subscriptions,
+    retirement,
+    stamped,
+    unmade,
+)
 from dedupstore.store import DeduplicationStore
-from dedupstore.tokens import TokenStore
+from dedupstore.tokens import TokenChange, TokenStore
 
 
 class OutboxProcessor(_Batching, _Redriving, _Tokened):
@@ -196,6 +203,10 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
         # getattr: an entity store that wraps another need not implement the joined calls
         joined = getattr(entities, "_joined", None)
         self._joined = joined is not None and bool(joined(dedup))
+        token_joined = getattr(entities, "_tokens_joined", None)
+        self._tokens_joined = (
+            tokens is not None and token_joined is not None and bool(token_joined(tokens))
+        )
 
     def _claim(self, entity: Entity) -> Entity:
         """``entity`` (loaded), recorded as this consumer's: every entity the processor
@@ -291,6 +302,9 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
         key = message_key(cid, mid)
         token = self._token_of(message)
         joined = self._joined and token is None  # (a token is read from its own store)
+        # stores on one server: the load reads the token in its request, and the save
+        # of a kept entity (no load) checks it itself
+        folded = token is not None and self._tokens_joined
         applied = False
         outcome: Outcome | None = None
         error: str | None = None
@@ -308,6 +322,13 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
                 if entity is None:
                     if joined:
                         entity, recorded = self.entities._load_checked(cid, self.dedup, key)
+                    elif folded and token is not None:
+                        entity, present = self.entities._load_tokened(
+                            cid, self._token_store(), token
+                        )
+                        recorded = not present
+                        if recorded:
+                            metrics.count_tokens(self.consumer, "missing", 1)
                     else:
                         entity = self.entities.load(cid)
                     self._claim(entity)
@@ -315,7 +336,7 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
                 if not found:
                     # (a kept entity of joined stores: the save itself checks the id)
                     checked = joined and recorded is None
-                    if not checked and recorded is None:
+                    if not checked and not (folded and taken) and recorded is None:
                         recorded = (
                             self.dedup.has_been_processed(key)
                             if token is None
@@ -324,7 +345,9 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
                     if not recorded:
                         outgoing, failed = self._apply(entity, message, run_handler)
                         try:
-                            saved = self._save_applied(entity, message, key if checked else None)
+                            saved = self._save_applied(
+                                entity, message, key if checked else None, token if folded else None
+                            )
                         except _SetAside as refusal:
                             # set it aside instead, from a fresh load (not a conflict:
                             # at most twice, the letter whole then bounded)
@@ -389,22 +412,41 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
             return "dead_lettered", _letter_error(entry[0])
         return "processed", None
 
-    def _save_applied(self, entity: Entity, message: Message, checked: str | None) -> bool | None:
+    def _save_applied(
+        self, entity: Entity, message: Message, checked: str | None, required: str | None = None
+    ) -> bool | None:
         """Save the entity holding ``message``'s new entry (step 2c); with ``checked``
-        (the message's key), unless the deduplication store holds it: None then.
+        (the message's key), unless the deduplication store holds it, and with
+        ``required`` (its incoming token; stores on one server), unless that token is
+        gone: None then. On one server the entry's outgoing tokens are created in the
+        same request (:meth:`_minting`).
 
         When it does not fit, the entity's other entries are cleared (:meth:`_clear`,
         on a fresh load) and False says: start again; without others, ``EntityTooLarge``
         names the message, or (``dead_letters``) ``_SetAside`` says how to set it aside.
         """
         try:
-            if checked is None:
+            # (a save checked against the deduplication store mints the unfolded way)
+            made = self._minting(entity, message.id) if self._tokens_joined and not checked else {}
+            if checked is None and (required is not None or made):
+                missing, conflicts = self._save_folded(
+                    [entity], {entity.id: TokenChange(required, made)}
+                )
+                if missing:
+                    metrics.count_tokens(self.consumer, "missing", 1)
+                    return None
+                if conflicts:
+                    raise _conflict(entity)
+            elif checked is None:
                 self.entities.save(entity)
             elif self.entities._save_checked(entity, self.dedup, checked):
                 return None
             return True
         except EntityTooLarge as exc:
             if checked is not None and self.dedup.has_been_processed(checked):
+                return None
+            key = message_key(entity.id, message.id)
+            if required is not None and self._recorded_by_token({key: required}):
                 return None
             fresh = self._claim(self.entities.load(entity.id))
             if not fresh.outbox:
@@ -448,8 +490,14 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
         """Step 5 for one message on a loaded entity (saves it)."""
         if self.cleanup == "inline":
             key = message_key(entity.id, mid)
-            if mid in entity.tokens:  # token mode: its tokens deleted, then the save
-                self._retire([(entity, mid)])
+            plan = retirement([(entity, mid)], self.consumer) if mid in entity.tokens else None
+            if plan is not None and plan.changes:
+                if self._tokens_joined:  # one atomic request: the tokens go with the entry
+                    _remove(entity, mid)
+                    if self._save_retired([entity], plan):
+                        raise _conflict(entity)
+                    return
+                self._retire([(entity, mid)])  # token mode: its tokens deleted, then the save
                 _remove(entity, mid)
                 self.entities.save(entity)
                 return
@@ -462,7 +510,9 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
         elif entity.outbox[mid] is not None:
             _dispatched(entity, mid)
             if self._over_limit(entity):
-                self._move_dispatched([entity])
+                if self._move_and_save([entity], [entity]):
+                    raise _conflict(entity)
+                return
             self.entities.save(entity)
 
     def _over_limit(self, entity: Entity) -> bool:
@@ -476,19 +526,28 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
             and sum(len(m.encode()) + 8 for m in done) > budget
         )
 
-    def _move_dispatched(
-        self, entities: Sequence[Entity], retiring: Sequence[tuple[Entity, str]] = ()
-    ) -> None:
-        """Record the dispatched ids of ``entities`` as done (:meth:`_retire`, with the
-        entries ``retiring``, in the same requests), then remove them from the outboxes
-        in memory (the caller saves): the inline clean-up of entries the deferred one
-        left."""
-        pairs = [*retiring, *((e, mid) for e in entities for mid in e.dispatched)]
+    def _move_and_save(
+        self,
+        to_save: Sequence[Entity],
+        moving: Sequence[Entity],
+        retiring: Sequence[tuple[Entity, str]] = (),
+    ) -> set[str]:
+        """Record the dispatched ids of ``moving`` and the entries ``retiring`` as done
+        (:meth:`_retire`), remove them from the outboxes, then save ``to_save`` (which
+        holds the entities of both); returns the ids whose save conflicted. The inline
+        clean-up, and that of the entries a deferred one left. On one server the token
+        writes go in the saves (:meth:`_save_retired`)."""
+        pairs = [*retiring, *((e, mid) for e in moving for mid in e.dispatched)]
+        plan = retirement(pairs, self.consumer) if self._tokens_joined and pairs else None
+        if plan is not None and plan.changes:
+            for entity, mid in pairs:
+                _remove(entity, mid)
+            return self._save_retired(to_save, plan)
         if pairs:
             self._retire(pairs)
-        for entity in entities:
-            for mid in entity.dispatched:
-                _remove(entity, mid)
+        for entity, mid in pairs:
+            _remove(entity, mid)
+        return self.entities.save_many(to_save) if to_save else set()
 
     def _clear(self, entities: Iterable[Entity], keep: set[tuple[str, str]]) -> set[str]:
         """Empty the outboxes of ``entities`` but for the entries of ``keep`` (and save).
@@ -513,8 +572,7 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
             _send(self.dispatcher, relay, self.consumer)
         if not cleared:
             return set()
-        self._move_dispatched(cleared)
-        conflicts = self.entities.save_many(cleared)
+        conflicts = self._move_and_save(cleared, cleared)
         return {e.id for e in cleared} - conflicts
 
     def _report(self, messages: Sequence[Message], results: Sequence[ProcessResult]) -> None:
@@ -530,3 +588,10 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
                     self.dead_letters,
                     result.error,
                 )
+
+
+def _conflict(entity: Entity) -> ConcurrencyConflict:
+    """The conflict of a save of ``entity`` that another writer beat."""
+    return ConcurrencyConflict(
+        f"entity {entity.id!r:.80} was saved by someone else since it was loaded"
+    )

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
+from typing import NamedTuple
 
 from dedupstore import canonical, metrics
 from dedupstore.entities import Entity, EntryTokens, OutgoingMessage
@@ -40,7 +41,14 @@ from dedupstore.ids import message_key, validate_message_id
 from dedupstore.outbox._base import _Base
 from dedupstore.outbox.messages import Message
 from dedupstore.store import DeduplicationStore
-from dedupstore.tokens import TOKEN_HEADER, TokenStore, new_nonce, token_id, token_of
+from dedupstore.tokens import (
+    TOKEN_HEADER,
+    TokenChange,
+    TokenStore,
+    new_nonce,
+    token_id,
+    token_of,
+)
 
 
 def minted(entity: Entity, mid: str, nonce: str) -> dict[str, str]:
@@ -129,6 +137,45 @@ def check_subscriptions(subscriptions: object) -> dict[str, tuple[str, ...]]:
     return checked
 
 
+class Retirement(NamedTuple):
+    """What recording entries as done writes (:func:`retirement`)."""
+
+    #: the message keys of the entries that came without a token (to the dedup store)
+    keys: list[str]
+    #: per entity id, the token writes: its redrive tokens created, then its incoming
+    #: and garbage tokens deleted
+    changes: dict[str, TokenChange]
+    #: per entity id, how many incoming tokens it consumes
+    consumed: dict[str, int]
+
+
+def retirement(pairs: Sequence[tuple[Entity, str]], consumer: str) -> Retirement:
+    """What recording ``pairs`` (entity, incoming message id) as done writes: the
+    keys of those that came without a token, and per entity its token writes (a dead
+    letter's redrive token created; the incoming and garbage tokens deleted)."""
+    keys: list[str] = []
+    create: dict[str, dict[str, str]] = {}
+    delete: dict[str, list[str]] = {}
+    consumed: dict[str, int] = {}
+    for entity, mid in pairs:
+        entry = entity.tokens.get(mid)
+        if entry is None or entry.incoming is None:
+            keys.append(message_key(entity.id, mid))
+        else:
+            delete.setdefault(entity.id, []).append(entry.incoming)
+            consumed[entity.id] = consumed.get(entity.id, 0) + 1
+            if entry.letter is not None:
+                create.setdefault(entity.id, {})[entry.letter] = consumer
+        if entry is not None:
+            delete.setdefault(entity.id, []).extend(garbage(entity, mid))
+    changes = {
+        eid: TokenChange(create=create.get(eid, {}), delete=tuple(delete.get(eid, ())))
+        for eid in {*create, *delete}
+        if create.get(eid) or delete.get(eid)
+    }
+    return Retirement(keys, changes, consumed)
+
+
 def retire(
     pairs: Sequence[tuple[Entity, str]],
     dedup: DeduplicationStore,
@@ -140,30 +187,17 @@ def retire(
     add the keys of those that came without a token to ``dedup``.
     ``ConfigurationError`` before any write when an entry has tokens and ``tokens``
     is None."""
-    keys: list[str] = []
-    ids: list[str] = []
-    redrives: dict[str, str] = {}
-    consumed = 0
-    for entity, mid in pairs:
-        entry = entity.tokens.get(mid)
-        if entry is None or entry.incoming is None:
-            keys.append(message_key(entity.id, mid))
-        else:
-            ids.append(entry.incoming)
-            consumed += 1
-            if entry.letter is not None:
-                redrives[entry.letter] = consumer
-        if entry is not None:
-            ids.extend(garbage(entity, mid))
-    if ids:
+    plan = retirement(pairs, consumer)
+    if plan.changes:
         if tokens is None:
             raise _no_token_store(consumer)
+        redrives = {t: e for change in plan.changes.values() for t, e in change.create.items()}
         if redrives:  # before the incoming tokens go: a crash between leaves both
             tokens.create(redrives)
-        tokens.delete(ids)
-        metrics.count_tokens(consumer, "consumed", consumed)
-    if keys:
-        dedup.add_many(keys)
+        tokens.delete([t for change in plan.changes.values() for t in change.delete])
+        metrics.count_tokens(consumer, "consumed", sum(plan.consumed.values()))
+    if plan.keys:
+        dedup.add_many(plan.keys)
 
 
 def _no_token_store(consumer: str) -> ConfigurationError:
@@ -332,6 +366,57 @@ class _Tokened(_Base):
         if made:
             metrics.count_tokens(self.consumer, "created", len(made))
         return conflicts | late
+
+    # ------------------------------------------------------------------ folded (one server)
+
+    def _minting(self, entity: Entity, mid: str) -> dict[str, str]:
+        """Stores on one server (``_tokens_joined``), before the save of the entry
+        ``mid`` this call applied: its nonce marked made in memory, and the tokens to
+        create in that save (token id -> endpoint), so registering, creating and marking
+        made are one atomic request and "registered but not made" never exists. Empty
+        (nothing marked) when the entry has nothing to make, its nonce is not this
+        call's, or its tokens are too many for one request (then :meth:`_make` does it)."""
+        if not unmade(entity, mid):
+            return {}
+        tokens = entity.tokens[mid]
+        if not tokens.registered or tokens.registered[-1] not in self._my_nonces():
+            return {}
+        nonce = tokens.registered[-1]
+        made = minted(entity, mid, nonce)
+        if len(made) + 1 > self._token_store().max_batch:
+            return {}
+        entity.tokens[mid] = replace(tokens, made=nonce)
+        return made
+
+    def _save_folded(
+        self, entities: Sequence[Entity], changes: Mapping[str, TokenChange]
+    ) -> tuple[set[str], set[str]]:
+        """``EntityStore._save_tokened`` of ``entities`` with their token ``changes``;
+        ``(missing, conflicts)`` as it returns them. Counts the tokens created."""
+        store = self._token_store()
+        missing, conflicts = self.entities._save_tokened(entities, store, changes)
+        created = sum(
+            len(change.create)
+            for eid, change in changes.items()
+            if eid not in missing and eid not in conflicts
+        )
+        if created:
+            metrics.count_tokens(self.consumer, "created", created)
+        return missing, conflicts
+
+    def _save_retired(self, entities: Sequence[Entity], plan: Retirement) -> set[str]:
+        """Stores on one server: the writes of ``plan`` (:func:`retirement` of entries
+        the caller then removed from ``entities``): the keys of the entries without a
+        token reach the deduplication store first, then each entity is saved with its
+        token writes in its save. Returns the ids whose save conflicted (none of their
+        tokens written: the retry does it). Counts the tokens consumed."""
+        if plan.keys:
+            self.dedup.add_many(plan.keys)
+        _, conflicts = self._save_folded(entities, plan.changes)
+        consumed = sum(n for eid, n in plan.consumed.items() if eid not in conflicts)
+        if consumed:
+            metrics.count_tokens(self.consumer, "consumed", consumed)
+        return conflicts
 
     def _retire(self, pairs: Sequence[tuple[Entity, str]]) -> None:
         """Record ``pairs`` (entity, incoming message id; entries about to leave their

@@ -58,7 +58,7 @@ import itertools
 import queue
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -205,6 +205,11 @@ _ACCESS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "load_and_check": (frozenset("ED"), frozenset()),
     "check_and_save": (frozenset("ED"), frozenset("EV")),
     "add_and_save": (frozenset("ED"), frozenset("EDV")),
+    # the entity and token stores of one server (EntityStore._tokens_joined): a load
+    # that reads a token after it; a save that may read a token, then create and
+    # delete tokens
+    "load_and_read": (frozenset("ET"), frozenset()),
+    "save_tokened": (frozenset("ET"), frozenset("ETV")),
 }
 
 
@@ -397,6 +402,9 @@ _ENTITY_STEPS: dict[str, str | None] = {
     "_load_checked": "load_and_check",
     "_save_checked": "check_and_save",
     "_save_recording": "add_and_save",
+    "_tokens_joined": None,
+    "_load_tokened": "load_and_read",
+    "_save_tokened": "save_tokened",
 }
 _DEDUP_STEPS: dict[str, str | None] = {
     "has_been_processed": "has",
@@ -429,6 +437,11 @@ class _Turned:
 
         def call(*args: Any) -> Any:
             real = [arg._real if isinstance(arg, _Turned) else arg for arg in args]
+            for i, arg in enumerate(real):
+                if isinstance(arg, _Creating):  # the joint save: the real store, recorded
+                    if name == "_save_tokened":
+                        arg.record(t for change in real[2].values() for t in change.create)
+                    real[i] = arg._real
             if step is None:
                 return value(*real)
             # a scan's pages are read in its turn, not as the caller iterates
@@ -571,8 +584,12 @@ class _Creating:
         return getattr(self._real, name)
 
     def create(self, tokens: Any) -> None:
-        self._created.update(tokens)
+        self.record(tokens)
         self._real.create(tokens)
+
+    def record(self, token_ids: Iterable[str]) -> None:
+        """Add ``token_ids`` to ``created`` (a joint save creates them)."""
+        self._created.update(token_ids)
 
 
 def _minted(scenario: Scenario, index: int) -> bool:
