@@ -719,6 +719,16 @@ class EntityStore(Client):
     #: The token store class this store can share requests with (set by a backend
     #: that implements :meth:`_save_tokens`).
     token_joins: ClassVar[type[Client] | None] = None
+    #: Most token ids one entity's joint save may name (None: the token store's
+    #: ``max_batch``); see :meth:`joint_token_limit`.
+    max_joint_tokens: ClassVar[int | None] = None
+
+    def joint_token_limit(self, tokens: TokenStore) -> int:
+        """Most token ids one entity's :meth:`_save_tokened` may name with ``tokens``: the
+        token store's ``max_batch``, or less where the joint request holds fewer
+        (:attr:`max_joint_tokens`)."""
+        own = self.max_joint_tokens
+        return tokens.max_batch if own is None else min(own, tokens.max_batch)
 
     def _tokens_joined(self, tokens: TokenStore) -> bool:
         """Whether one request can save entities and write ``tokens`` together:
@@ -763,17 +773,17 @@ class EntityStore(Client):
         at most :attr:`max_save_batch` entities and ``tokens.max_batch`` token ids (a
         backend may split a chunk further by bytes; each entity stays whole). Raises
         ``InvalidMessageId`` and ``EntityTooLarge`` before any I/O, ``ValueError`` for
-        one entity's change naming more than ``tokens.max_batch`` ids, and
+        one entity's change naming more than :meth:`joint_token_limit` ids, and
         ``StoreUnavailable`` (the chunks before it are written).
         """
         records = [self._record(entity) for entity in entities]
-        limit = tokens.max_batch
+        limit = self.joint_token_limit(tokens)
         writes: dict[str, TokenWrites] = {}
         for eid, change in changes.items():
             if change.size > limit:
                 raise ValueError(
                     f"entity {eid!r:.80}: a joint save names {change.size} tokens; at most "
-                    f"{limit} (tokens.max_batch) fit in one request"
+                    f"{limit} fit in one request (joint_token_limit)"
                 )
             writes[eid] = tokens._writes(change)
         self.check_open()

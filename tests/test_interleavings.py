@@ -18,10 +18,10 @@ the memory and SQLite path, ``has_been_processed`` then the conditional save.
 
 Token mode (``TOKEN_SCENARIOS``) has about 15 to 45 times the schedules of the same
 scenario in retention mode where its calls are separate (four more per message: on
-memory, whose stores do not join, and on DynamoDB and Cosmos DB); on SQLite,
-PostgreSQL and Redis the token store shares the entity store's server and the token
-steps ride in the entity store's requests (``load_and_read``, ``save_tokened``), so
-both paths are explored. Every schedule of two
+memory, whose stores do not join, and on Cosmos DB); on SQLite, PostgreSQL, Redis
+and DynamoDB the token store shares the entity store's server and the token steps
+ride in the entity store's requests (``load_and_read``, ``save_tokened``), so both
+paths are explored. Every schedule of two
 copies of a message with a token runs on memory, SQLite, PostgreSQL and Redis
 (deferred; inline on the first two), the first 400 of them on DynamoDB and Cosmos DB;
 a crash after every call of a sweep beside a consumer, and of a batch of a message
@@ -136,8 +136,8 @@ SCENARIOS: dict[str, Case] = {
 }
 
 #: Token mode adds four calls to a message's (the token read, the create, the made
-#: marker, the delete) where the stores do not join (memory, DynamoDB, Cosmos DB;
-#: folded into the entity store's requests on the others), so its
+#: marker, the delete) where the stores do not join (memory, Cosmos DB; folded into
+#: the entity store's requests on the others), so its
 #: schedules grow fast: every schedule of the scenarios below but the bounded ones, on
 #: the backends listed.
 TOKEN_SCENARIOS: dict[str, Case] = {

@@ -1,7 +1,8 @@
 """Token mode on one server: the token writes folded into the entity's requests.
 
 When the token store shares the entity store's connection (SQLite: one file;
-PostgreSQL and Redis: one server; :meth:`EntityStore._tokens_joined`), ``process``
+PostgreSQL and Redis: one server; DynamoDB: one account and region, through
+transactions; :meth:`EntityStore._tokens_joined`), ``process``
 loads the entity and reads the incoming token in one request, saves the applied
 entry with its outgoing tokens created in the same atomic request (so "registered
 but not made" never exists), and the inline clean-up deletes the incoming token
@@ -28,11 +29,14 @@ from dedupstore.tokens import TOKEN_HEADER, TokenChange, TokenStore, new_nonce, 
 from tests.outbox_backends import OutboxBackend, backend_params
 from tests.test_entities_redis import _LosingAnswers as LosingAnswers
 
-FOLDED = ("sqlite", "postgres", "redis")
+FOLDED = ("sqlite", "postgres", "redis", "dynamodb")
 ON_FOLDED = pytest.mark.parametrize("outbox_backend", backend_params(FOLDED), indirect=True)
 ON_REDIS = pytest.mark.parametrize("outbox_backend", backend_params(("redis",)), indirect=True)
 ON_POSTGRES = pytest.mark.parametrize(
     "outbox_backend", backend_params(("postgres",)), indirect=True
+)
+ON_DYNAMODB = pytest.mark.parametrize(
+    "outbox_backend", backend_params(("dynamodb",)), indirect=True
 )
 NEXT = "shipper"
 
@@ -74,9 +78,7 @@ def test_the_token_store_of_the_entity_stores_server_is_joined(
         dedup.close()
 
 
-@pytest.mark.parametrize(
-    "outbox_backend", backend_params(("memory", "dynamodb", "cosmos")), indirect=True
-)
+@pytest.mark.parametrize("outbox_backend", backend_params(("memory", "cosmos")), indirect=True)
 def test_stores_without_a_joint_request_fold_nothing(
     stores: tuple[EntityStore, TokenStore],
 ) -> None:
@@ -145,8 +147,8 @@ def test_a_joint_save_checks_everything_before_any_io(
         entities._save_tokened([entity], tokens, {"e": TokenChange(None, {"bad\x00id": NEXT})})
     with pytest.raises(InvalidMessageId):
         entities._save_tokened([entity], tokens, {"e": TokenChange("", {})})
-    too_many = {f"t{i}": NEXT for i in range(tokens.max_batch + 1)}
-    with pytest.raises(ValueError, match="max_batch"):
+    too_many = {f"t{i}": NEXT for i in range(entities.joint_token_limit(tokens) + 1)}
+    with pytest.raises(ValueError, match="joint_token_limit"):
         entities._save_tokened([entity], tokens, {"e": TokenChange(None, too_many)})
     assert entities.load("e").version is None and not tokens.outstanding()
 
@@ -193,6 +195,42 @@ def test_a_lost_answer_never_creates_a_consumed_token_again(
         change = TokenChange("t-in", {"t-out": NEXT})
         assert losing._save_tokened([entity], tokens, {"e": change}) == (set(), set())
         assert entity.version == 1 and entities.load("e").state == {"v": 1}
+        assert not tokens.present("t-out"), "a consumed token came back"
+    finally:
+        losing.close()
+
+
+@ON_DYNAMODB
+def test_a_resent_transaction_never_creates_a_consumed_token_again(
+    outbox_backend: OutboxBackend, stores: tuple[EntityStore, TokenStore], dynamodb_server: Any
+) -> None:
+    """botocore sends the joint transaction again after it was applied (its answer lost),
+    and the receiver consumed the token in between: the re-send writes nothing (DynamoDB
+    answers it from its ClientRequestToken; moto runs it again and it is cancelled on the
+    entity's version, which holds this save's write token), and it counts as saved."""
+    from tests.test_dynamodb import _client
+
+    entities, tokens = stores
+    client = _client(dynamodb_server)
+    losing = type(entities)(outbox_backend.entities_url, client=client)
+    forced: list[int] = []
+
+    def lose_the_first(response: Any, attempts: int, **_: Any) -> int | None:
+        if response is not None and response[0].status_code == 200 and not forced:
+            forced.append(attempts)
+            tokens.delete(["t-out"])  # the receiver was quick
+            return 0
+        return None
+
+    client.meta.events.register("needs-retry.dynamodb.TransactWriteItems", lose_the_first)
+    try:
+        tokens.create({"t-in": "me"})
+        entity = losing.load("e")
+        entity.state = {"v": 1}
+        change = TokenChange("t-in", {"t-out": NEXT})
+        assert losing._save_tokened([entity], tokens, {"e": change}) == (set(), set())
+        assert forced == [1] and entity.version == 1
+        assert entities.load("e").state == {"v": 1}
         assert not tokens.present("t-out"), "a consumed token came back"
     finally:
         losing.close()

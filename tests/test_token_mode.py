@@ -52,6 +52,9 @@ class Crashing:
     def _tokens_joined(self, tokens: TokenStore) -> bool:
         return self.folded and self.store._tokens_joined(tokens)
 
+    def joint_token_limit(self, tokens: TokenStore) -> int:
+        return self.store.joint_token_limit(tokens)
+
     def _load_tokened(self, entity_id: str, tokens: TokenStore, token: str) -> Any:
         return self.store._load_tokened(entity_id, tokens, token)
 

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import os
 import re
+import uuid
 import zlib
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -52,6 +53,8 @@ if TYPE_CHECKING:
         PutItemInputTypeDef,
         ScanOutputTypeDef,
         TableDescriptionTypeDef,
+        TransactGetItemTypeDef,
+        TransactWriteItemTypeDef,
     )
 
 __all__ = [
@@ -61,6 +64,7 @@ __all__ = [
     "DynamoDBConnection",
     "PutOutcome",
     "TableKind",
+    "TransactOutcome",
     "create_table",
 ]
 
@@ -173,8 +177,16 @@ def _retryable(exc: BaseException) -> bool:
 
 
 def _conflict(exc: BaseException) -> bool:
-    """An item locked by someone's transaction: nothing written, try again later."""
-    return isinstance(exc, boto_errors.ClientError) and _error_code(exc) in _CONFLICT_CODES
+    """An item locked by someone's transaction, or a transaction cancelled only for
+    conflicts or throttling: nothing written, try again later."""
+    if not isinstance(exc, boto_errors.ClientError):
+        return False
+    code = _error_code(exc)
+    if code == "TransactionCanceledException":
+        cancelled = exc.response.get("CancellationReasons", [])
+        reasons = {str(r.get("Code") or "None") for r in cancelled}
+        return bool(reasons & _RETRYABLE_REASONS) and reasons <= _RETRYABLE_REASONS | {"None"}
+    return code in _CONFLICT_CODES
 
 
 def _error_code(exc: boto_errors.ClientError) -> str:
@@ -229,6 +241,17 @@ CONNECTION_OPTIONS: tuple[Option, ...] = (
     Option("allow_global_table", boolean, False, "UNSAFE: accept a table with replicas"),
     client_option("a ready boto3 DynamoDB client (the connection options are then unused)"),
 )
+
+
+@dataclass(frozen=True)
+class TransactOutcome:
+    """What one ``TransactWriteItems`` did: ``written``, or else the ``reasons`` it was cancelled
+    for (one per operation: ``None`` or ``ConditionalCheckFailed``, with ``Item``, the stored item,
+    where the operation asked for it), and ``resent`` as for :class:`PutOutcome`."""
+
+    written: bool
+    reasons: list[Mapping[str, Any]]
+    resent: bool
 
 
 @dataclass(frozen=True)
@@ -589,6 +612,53 @@ class DynamoDBConnection(Connection):
                 raise
 
         return self.conflicts_retried(client, attempt)
+
+    def transaction(
+        self, client: Client, operations: Sequence[TransactWriteItemTypeDef]
+    ) -> TransactOutcome:
+        """One ``TransactWriteItems`` of ``operations`` (at most 100), with one
+        ``ClientRequestToken`` for every attempt (DynamoDB answers a re-send within ten minutes
+        with the first outcome), maybe sent more than once (the outcome says so). A cancellation
+        for conditions only is returned with its reasons; conflicts and throttling (nothing
+        written) are sent again after a pause, as for :meth:`conditional_put`, then raised."""
+        request_token = str(uuid.uuid4())
+        resent = False
+
+        def attempt() -> TransactOutcome:
+            nonlocal resent
+            try:
+                response = self.client.transact_write_items(
+                    TransactItems=list(operations), ClientRequestToken=request_token
+                )
+                return TransactOutcome(True, [], resent or _retry_attempts(response) > 0)
+            except boto_errors.ClientError as exc:
+                resent = resent or _retry_attempts(exc.response) > 0
+                if _error_code(exc) == "TransactionCanceledException":
+                    reasons = list(exc.response.get("CancellationReasons", []))
+                    codes = {str(r.get("Code") or "None") for r in reasons}
+                    if len(reasons) == len(operations) and codes <= {
+                        "None",
+                        "ConditionalCheckFailed",
+                    }:
+                        return TransactOutcome(False, reasons, resent)  # type: ignore[arg-type]
+                resent = resent or _retryable(exc)
+                raise
+            except _TRANSIENT_ERRORS:
+                resent = True  # the request may have reached DynamoDB
+                raise
+
+        return self.conflicts_retried(client, attempt)
+
+    def transact_get(
+        self, client: Client, gets: Sequence[TransactGetItemTypeDef]
+    ) -> list[dict[str, Any] | None]:
+        """One ``TransactGetItems`` (at most 100): each item, or ``None`` where there is none, read
+        as one serializable snapshot; a cancellation for conflicts is asked again after a pause,
+        as for :meth:`conditional_put`."""
+        response = self.conflicts_retried(
+            client, lambda: self.client.transact_get_items(TransactItems=list(gets))
+        )
+        return [cast("dict[str, Any] | None", r.get("Item")) for r in response["Responses"]]
 
     def conflicts_retried(self, client: Client, attempt: Callable[[], T]) -> T:
         """``attempt`` (a write) through :meth:`request`; transaction conflicts (nothing written)

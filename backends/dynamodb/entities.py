@@ -20,6 +20,15 @@ rather than guess. Without a re-send, a failed condition is a plain conflict.
 Loads: consistent ``BatchGetItem``, 100 keys per request; unprocessed keys (throttling, the 16 MB
 response limit) are asked again, at most 10 rounds, then ``StoreUnavailable``.
 
+With a token store of the same connection (:class:`~.tokens.DynamoDBTokenStore`, ``token_joins``):
+the joint load is one ``TransactGetItems`` of the entity's item and the token's (one serializable
+snapshot); a joint save is one ``TransactWriteItems`` per entity (in parallel, as the puts of
+``save_many``): a ``ConditionCheck`` that the required token exists, the conditional put, a ``Put``
+per token created and a ``Delete`` per token deleted (at most 99 token operations:
+``max_joint_tokens``). Its ``ClientRequestToken`` makes a re-send within ten minutes answer with
+the first outcome; later, the put's condition cancels it and the stored item's write token tells an
+earlier attempt of this save (counted as saved, its tokens not written again) from another save.
+
 Scan (``pending_outboxes``): DynamoDB's own consistent parallel scan, ``Segment=segment,
 TotalSegments=segments`` (at most 1,000,000; more is a ``ValueError``), filtered on
 ``pending = true``, page by page (at most 1 MB each). Segments are DynamoDB's split of the key space
@@ -37,7 +46,7 @@ Options and errors: see :mod:`.dynamodb`; ``StoreUnavailable`` also for an ambig
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from dedupstore.backend import (
@@ -46,6 +55,8 @@ from dedupstore.backend import (
     EntityStore,
     OptionSet,
     StoreUnavailable,
+    TokenStore,
+    TokenWrites,
     create_option,
     fan_out,
     write_token,
@@ -54,13 +65,20 @@ from dedupstore.backend import (
 from ._client import (
     CONNECTION_OPTIONS,
     MAX_BATCH_GET_KEYS,
+    MAX_TRANSACT_ITEMS,
     DynamoDBConnection,
     TableKind,
     create_table,
 )
+from .tokens import DynamoDBTokenStore
 
 if TYPE_CHECKING:
-    from mypy_boto3_dynamodb.type_defs import AttributeValueTypeDef
+    from mypy_boto3_dynamodb.type_defs import (
+        AttributeValueTypeDef,
+        GetTypeDef,
+        PutTypeDef,
+        TransactWriteItemTypeDef,
+    )
 
 __all__ = ["MAX_ITEM_BYTES", "MAX_SCAN_SEGMENTS", "DynamoDBEntityStore"]
 
@@ -84,6 +102,9 @@ class DynamoDBEntityStore(EntityStore):
     #: Puts of one ``save_many`` chunk in flight at once (under botocore's 10 connections).
     save_concurrency: ClassVar[int] = 8
     table_kind: ClassVar[TableKind] = TableKind("an entity table", ((_ID, "HASH"),))
+    token_joins = DynamoDBTokenStore
+    #: A joint save is one transaction: the entity's put and at most 99 token operations.
+    max_joint_tokens: ClassVar[int | None] = MAX_TRANSACT_ITEMS - 1
     declared_options: ClassVar[OptionSet] = EntityStore.declared_options.extend(
         *CONNECTION_OPTIONS,
         create_option(False, "create the entity table (key 'id', on demand) when missing"),
@@ -114,34 +135,56 @@ class DynamoDBEntityStore(EntityStore):
     def _save_one(self, record: EntityRecord) -> int | None:
         """Put ``record`` if the stored version is ``record.version``: the new version, or ``None``
         for a conflict; ``StoreUnavailable`` for an ambiguous re-send."""
+        put = self._put(record)
+        if put is None:
+            return None
+        item, condition, names, values, new = put
+        outcome = self._dynamodb.conditional_put(self, item, condition, names, values)
+        if outcome.written:
+            return new
+        return self._failed(record, new, item[_TOKEN]["S"], outcome.old, outcome.resent)
+
+    def _put(
+        self, record: EntityRecord
+    ) -> (
+        tuple[
+            dict[str, AttributeValueTypeDef],
+            str,
+            dict[str, str],
+            dict[str, AttributeValueTypeDef],
+            int,
+        ]
+        | None
+    ):
+        """The item, condition, names and values of ``record``'s conditional put, and the version
+        it writes; ``None`` when no stored version can equal ``record.version`` (a conflict)."""
         expected = record.version
         if expected is not None and (type(expected) is not int or expected < 1):
-            return None  # no stored version equals it
+            return None
         new = 1 if expected is None else expected + 1
-        token = write_token()
         item: dict[str, AttributeValueTypeDef] = {
             _ID: {"S": record.id},
             _BODY: {"S": record.body},
             _VERSION: {"N": str(new)},
-            _TOKEN: {"S": token},
+            _TOKEN: {"S": write_token()},
         }
         if record.pending:
             item[_PENDING] = {"BOOL": True}
         if expected is None:
-            outcome = self._dynamodb.conditional_put(
-                self, item, "attribute_not_exists(#i)", {"#i": _ID}, {}
-            )
-        else:
-            outcome = self._dynamodb.conditional_put(
-                self, item, "#v = :expected", {"#v": _VERSION}, {":expected": {"N": str(expected)}}
-            )
-        if outcome.written:
-            return new
-        old = outcome.old
+            return item, "attribute_not_exists(#i)", {"#i": _ID}, {}, new
+        values: dict[str, AttributeValueTypeDef] = {":expected": {"N": str(expected)}}
+        return item, "#v = :expected", {"#v": _VERSION}, values, new
+
+    def _failed(
+        self, record: EntityRecord, new: int, token: str, old: Mapping[str, Any], resent: bool
+    ) -> int | None:
+        """A put whose condition failed on ``old`` (the stored item): ``new`` when ``old`` holds
+        this put's ``token`` (an attempt whose answer was lost applied it), ``None`` for a
+        conflict; ``StoreUnavailable`` when a re-sent put meets another save's later version."""
         if old.get(_TOKEN, {}).get("S") == token:
             return new  # applied by an attempt whose answer was lost
         stored = int(old[_VERSION]["N"]) if _VERSION in old else None
-        if not outcome.resent or not old or stored == new:
+        if not resent or not old or stored == new:
             return None  # another save made the step from ``expected``: ours never did
         raise self.make_error(
             StoreUnavailable,
@@ -150,6 +193,94 @@ class DynamoDBEntityStore(EntityStore):
             f"{stored} written by another save: whether this save was applied before it is "
             "unknown; reload and retry",
         )
+
+    # ------------------------------------------------------------------ with a token store
+
+    def _load_with_token(
+        self, tokens: TokenStore, entity_id: str, token_id: str
+    ) -> tuple[tuple[str, Any] | None, bool]:
+        """One ``TransactGetItems`` of the entity's item and the token's: one serializable
+        snapshot of both, as good as a read after the load."""
+        assert isinstance(tokens, DynamoDBTokenStore)
+        get: GetTypeDef = {
+            "TableName": self.table,
+            "Key": {_ID: {"S": entity_id}},
+            "ProjectionExpression": "#i, #b, #v",
+            "ExpressionAttributeNames": _NAMES,
+        }
+        entity, token = self._dynamodb.transact_get(
+            self,
+            [{"Get": get}, {"Get": tokens.getter(token_id)}],
+        )
+        found = None if entity is None else (str(entity[_BODY]["S"]), int(entity[_VERSION]["N"]))
+        return found, token is not None and tokens.is_token(token)
+
+    def _save_tokens(
+        self,
+        tokens: TokenStore,
+        records: list[EntityRecord],
+        writes: Mapping[str, TokenWrites],
+    ) -> tuple[set[str], dict[str, Any]]:
+        """One ``TransactWriteItems`` per record (in parallel, as :meth:`_save` runs its puts):
+        a ``ConditionCheck`` that the required token exists, the conditional put, then a ``Put``
+        per token created and a ``Delete`` per token deleted, all or nothing. A record without
+        token writes is a plain put."""
+        assert isinstance(tokens, DynamoDBTokenStore)
+
+        def one(record: EntityRecord) -> tuple[str, int | None]:
+            change = writes.get(record.id)
+            if change is None:
+                return "saved", self._save_one(record)
+            return self._save_with_tokens(tokens, record, change)
+
+        outcomes = fan_out(one, records, concurrency=self.save_concurrency)
+        missing = {
+            r.id for r, (what, _) in zip(records, outcomes, strict=True) if what == "missing"
+        }
+        saved = {
+            r.id: version
+            for r, (_, version) in zip(records, outcomes, strict=True)
+            if version is not None
+        }
+        return missing, saved
+
+    def _save_with_tokens(
+        self, tokens: DynamoDBTokenStore, record: EntityRecord, change: TokenWrites
+    ) -> tuple[str, int | None]:
+        """``("saved", version)``, ``("missing", None)`` or ``("conflict", None)`` for one record
+        and its token writes in one transaction."""
+        put = self._put(record)
+        if put is None:
+            return "conflict", None
+        item, condition, names, values, new = put
+        entity: PutTypeDef = {
+            "TableName": self.table,
+            "Item": item,
+            "ConditionExpression": condition,
+            "ExpressionAttributeNames": names,
+            "ReturnValuesOnConditionCheckFailure": "ALL_OLD",
+        }
+        if values:
+            entity["ExpressionAttributeValues"] = values
+        operations: list[TransactWriteItemTypeDef] = []
+        if change.require is not None:
+            operations.append({"ConditionCheck": tokens.required(change.require)})
+        operations.append({"Put": entity})
+        operations += [{"Put": tokens.put(made)} for made in change.create]
+        operations += [{"Delete": tokens.deletion(tid)} for tid in change.delete]
+        outcome = self._dynamodb.transaction(self, operations)
+        if outcome.written:
+            return "saved", new
+        at = 1 if change.require is not None else 0
+        reason = outcome.reasons[at]
+        if str(reason.get("Code")) == "ConditionalCheckFailed":
+            old = reason.get("Item") or {}
+            version = self._failed(record, new, item[_TOKEN]["S"], old, outcome.resent)
+            if version is not None:
+                return "saved", version
+        if at and str(outcome.reasons[0].get("Code")) == "ConditionalCheckFailed":
+            return "missing", None
+        return "conflict", None
 
     def _scan(self, segment: int, segments: int) -> Iterator[tuple[str, str, Any]]:
         if segments > MAX_SCAN_SEGMENTS:

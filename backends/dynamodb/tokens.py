@@ -52,7 +52,13 @@ from ._client import (
 )
 
 if TYPE_CHECKING:
-    from mypy_boto3_dynamodb.type_defs import AttributeValueTypeDef
+    from mypy_boto3_dynamodb.type_defs import (
+        AttributeValueTypeDef,
+        ConditionCheckTypeDef,
+        DeleteTypeDef,
+        GetTypeDef,
+        PutTypeDef,
+    )
 
 __all__ = ["DynamoDBTokenStore"]
 
@@ -86,16 +92,56 @@ class DynamoDBTokenStore(TokenStore):
         """The DynamoDB table name."""
         return self.store_url.netloc
 
+    # ------------------------------------------------------------------ joint calls
+
+    def put(self, record: TokenRecord) -> PutTypeDef:
+        """The ``Put`` of a transaction that creates ``record`` (unconditional: the entity's
+        conditional put in the same transaction decides whether it is written)."""
+        return {"TableName": self.table, "Item": self._item(record)}
+
+    def deletion(self, token_id: str) -> DeleteTypeDef:
+        """The ``Delete`` of a transaction that deletes token ``token_id``."""
+        return {"TableName": self.table, "Key": {_ID: {"S": token_id}}}
+
+    def required(self, token_id: str) -> ConditionCheckTypeDef:
+        """The ``ConditionCheck`` of a transaction that requires token ``token_id`` to exist."""
+        return {
+            "TableName": self.table,
+            "Key": {_ID: {"S": token_id}},
+            "ConditionExpression": "attribute_exists(#i)",
+            "ExpressionAttributeNames": {"#i": _ID},
+        }
+
+    def getter(self, token_id: str) -> GetTypeDef:
+        """The ``Get`` of a ``TransactGetItems`` that reads token ``token_id``."""
+        return {
+            "TableName": self.table,
+            "Key": {_ID: {"S": token_id}},
+            "ProjectionExpression": "#i, #e, #c",
+            "ExpressionAttributeNames": {"#i": _ID, "#e": _ENDPOINT, "#c": _CREATED},
+        }
+
+    def is_token(self, item: Mapping[str, Any]) -> bool:
+        """Whether ``item`` (read by :meth:`getter`) is a token: ``ConfigurationError`` when
+        it is another store's item."""
+        self._checked(item)
+        return True
+
+    # ------------------------------------------------------------------ primitives
+
+    def _item(self, record: TokenRecord) -> dict[str, AttributeValueTypeDef]:
+        return {
+            _ID: {"S": record.id},
+            _ENDPOINT: {"S": record.endpoint},
+            _CREATED: _number(record.created),
+        }
+
     def _create(self, records: list[TokenRecord]) -> None:
         fan_out(self._create_one, records, concurrency=self.write_concurrency)
 
     def _create_one(self, record: TokenRecord) -> None:
         """Put ``record`` unless its token exists; a failed condition is that token, left as is."""
-        item: dict[str, AttributeValueTypeDef] = {
-            _ID: {"S": record.id},
-            _ENDPOINT: {"S": record.endpoint},
-            _CREATED: _number(record.created),
-        }
+        item = self._item(record)
         self._dynamodb.conditional_put(self, item, _CREATE_CONDITION, {"#i": _ID}, {})
 
     def _present(self, ids: list[str]) -> set[str]:

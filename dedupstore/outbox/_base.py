@@ -52,6 +52,8 @@ class _Base:
     #: whether the token store shares the entity store's server: token mode's writes
     #: are folded into the entity's saves (``EntityStore._save_tokened``)
     _tokens_joined: bool
+    #: then: most token ids one entity's joint save may name
+    _joint_tokens: int
 
     @property
     def consumer(self) -> str:

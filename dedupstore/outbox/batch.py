@@ -230,7 +230,7 @@ class _Batching(_Handling):
         entities = list(changed.values())
         if not self._tokens_joined:
             return self.entities.save_many(entities)
-        limit = self._token_store().max_batch - 1
+        limit = self._joint_tokens - 1
         made: dict[str, dict[str, str]] = {}
         for entity, mid in entries.values():
             if entity.id not in changed:

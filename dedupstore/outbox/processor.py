@@ -207,6 +207,9 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
         self._tokens_joined = (
             tokens is not None and token_joined is not None and bool(token_joined(tokens))
         )
+        self._joint_tokens = (
+            entities.joint_token_limit(tokens) if tokens is not None and self._tokens_joined else 0
+        )
 
     def _claim(self, entity: Entity) -> Entity:
         """``entity`` (loaded), recorded as this consumer's: every entity the processor

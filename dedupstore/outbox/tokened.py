@@ -383,7 +383,7 @@ class _Tokened(_Base):
             return {}
         nonce = tokens.registered[-1]
         made = minted(entity, mid, nonce)
-        if len(made) + 1 > self._token_store().max_batch:
+        if len(made) + 1 > self._joint_tokens:
             return {}
         entity.tokens[mid] = replace(tokens, made=nonce)
         return made

@@ -403,6 +403,7 @@ _ENTITY_STEPS: dict[str, str | None] = {
     "_save_checked": "check_and_save",
     "_save_recording": "add_and_save",
     "_tokens_joined": None,
+    "joint_token_limit": None,
     "_load_tokened": "load_and_read",
     "_save_tokened": "save_tokened",
 }
