@@ -23,7 +23,7 @@ import pytest
 from dedupstore.client import Client
 from dedupstore.entities import Entity, EntityStore
 from dedupstore.errors import DedupStoreError, InvalidMessageId
-from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send
+from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send, sweep
 from dedupstore.testing.interleavings import Actor, InterleavingViolation, Scenario, explore
 from dedupstore.tokens import TOKEN_HEADER, TokenChange, TokenStore, new_nonce, token_id
 from tests.outbox_backends import OutboxBackend, backend_params
@@ -312,6 +312,93 @@ def _refused(name: str) -> Any:
         raise AssertionError(f"{name} called: the token write was not folded")
 
     return refused
+
+
+@pytest.mark.parametrize("outbox_backend", backend_params(("postgres", "redis")), indirect=True)
+def test_a_boundary_mints_in_one_request_even_after_a_death_between_its_saves(
+    outbox_backend: OutboxBackend, stores: tuple[EntityStore, TokenStore]
+) -> None:
+    """A message without a token whose output is subscribed (the boundary of a chain),
+    where the deduplication store joins too: a kept entity's save checks the
+    deduplication store, so its tokens are made by one more joint save (created and
+    marked made together; elsewhere the save itself creates them). A consumer that dies between
+    the two leaves an entry registered but not made; its redelivery makes it in one
+    request with a fresh nonce, and no token of the dead one's nonce ever exists."""
+    entities, tokens = stores
+    dedup, own = outbox_backend.dedup(), outbox_backend.tokens()
+    try:
+        for name in ("_create", "_present", "_delete"):
+            setattr(tokens, name, _refused(name))
+        sent = InMemoryDispatcher()
+        dying = OutboxProcessor(
+            entities, dedup, sent, tokens=tokens, subscriptions={"shipping": [NEXT]}
+        )
+        assert dying.process(Message("m0", "e", {}), _relay).outcome == "processed"
+
+        def die(*args: Any) -> None:
+            raise RuntimeError("killed between the save and the make")
+
+        dying._make_folded = die  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="killed"):
+            dying.process(Message("m1", "e", {}), _relay)
+        (registered,) = entities.load("e").tokens["m1"].registered
+        assert entities.load("e").tokens["m1"].made is None
+        again = OutboxProcessor(
+            entities, dedup, sent, tokens=tokens, subscriptions={"shipping": [NEXT]}
+        )
+        assert again.process(Message("m1", "e", {}), _relay).outcome == "redispatched"
+        nonces = [m.headers[TOKEN_HEADER] for m in sent.sent]
+        assert len(nonces) == 2 and registered not in nonces
+        assert {e: c.outstanding for e, c in own.outstanding().items()} == {NEXT: 2}
+        assert not entities.load("e").outbox
+    finally:
+        dedup.close()
+        own.close()
+
+
+@ON_FOLDED
+def test_the_sweep_deletes_the_tokens_in_its_saves_and_plans_again_after_a_conflict(
+    outbox_backend: OutboxBackend, stores: tuple[EntityStore, TokenStore]
+) -> None:
+    """Deferred clean-up: the sweep moves the dispatched entries, their incoming tokens
+    deleted in the save that removes them (no request of the token store's own); a save
+    that conflicts wrote nothing, so the retry plans the entries again from the reload."""
+    entities, tokens = stores
+    dedup, own = outbox_backend.dedup(), outbox_backend.tokens()
+    try:
+        consumer = dedup.endpoint
+        processor = OutboxProcessor(
+            entities, dedup, InMemoryDispatcher(), tokens=tokens, cleanup="deferred"
+        )
+        for i in range(3):
+            message = _tokened(consumer, f"m{i}", "e", own)
+            assert processor.process(message, _relay).outcome == "processed"
+        assert sum(c.outstanding for c in own.outstanding().values()) == 3
+        for name in ("_create", "_present", "_delete"):
+            setattr(tokens, name, _refused(name))
+        real = entities._save_tokened
+        rivals: list[int] = []
+
+        def rival_first(*args: Any) -> Any:
+            if not rivals:
+                rivals.append(1)
+                rival = outbox_backend.entities()
+                try:
+                    entity = rival.load("e")
+                    entity.state = {**entity.state, "rival": True}
+                    rival.save(entity)
+                finally:
+                    rival.close()
+            return real(*args)
+
+        entities._save_tokened = rival_first  # type: ignore[method-assign]
+        done = sweep(entities, dedup, tokens=tokens)
+        assert (done.ids_moved, done.conflicts_retried, done.ids_left) == (3, 1, 0)
+        assert not own.outstanding() and not entities.load("e").outbox
+        assert entities.load("e").state["rival"] is True
+    finally:
+        dedup.close()
+        own.close()
 
 
 # ---------------------------------------------------------------------- the harness

@@ -335,6 +335,45 @@ def test_deferred_clean_up_leaves_tokens_to_the_sweep(chain: Chain) -> None:
     assert sum(state_of(chain, "B", f"b-o{i}")["sum"] for i in range(3)) == 6
 
 
+@pytest.mark.parametrize("when", ["deferred", "inline-died-before-clean-up"])
+def test_a_letter_redriven_before_its_clean_up_is_applied_once(chain: Chain, when: str) -> None:
+    """The token of a dead-lettered message is exchanged for its redrive's by the clean-up
+    (deferred: the sweep). A redrive that comes first cleans the entry up itself, so it
+    is applied, not told a duplicate (which an operator would take for done)."""
+    chain.a.process(Message("in-1", "o1", 9), a_handler)
+    (message,) = chain.to_b()
+    letters = InMemoryDispatcher()
+    fixed = {"yet": False}
+
+    def flaky(state: dict[str, Any], m: Message) -> tuple[dict[str, Any], list[Send]]:
+        if not fixed["yet"]:
+            raise ValueError("not yet")
+        return b_handler(state, m)
+
+    deferred = when == "deferred"
+    b = OutboxProcessor(
+        chain.entities["B"],
+        chain.dedups["B"],
+        letters,
+        tokens=chain.tokens,
+        dead_letters="dlq",
+        cleanup="deferred" if deferred else "inline",
+    )
+    if deferred:
+        assert b.process(message, flaky).outcome == "dead_lettered"
+    else:  # the letter dispatched, then the consumer died before its clean-up
+        assert b._process(message, flaky, set(), clean=False).outcome == "dead_lettered"
+    (letter,) = letters.sent
+    fixed["yet"] = True
+    assert b.redrive(letter, flaky).outcome == "processed"
+    assert b.redrive(letter, flaky).outcome == "duplicate"
+    assert chain.receiver("B").process(message, flaky).outcome == "duplicate"
+    sweep(chain.entities["B"], chain.dedups["B"], tokens=chain.tokens)
+    assert outstanding(chain) == 0
+    assert state_of(chain, "B", "b-o1")["sum"] == 9
+    assert not chain.entities["B"].load("b-o1").outbox
+
+
 def test_a_deferred_entity_over_its_limit_deletes_its_tokens_inline(chain: Chain) -> None:
     """A deferred clean-up that holds more than ``deferred_limit`` dispatched entries
     moves them inline: their tokens are deleted (on one server, in the save that

@@ -13,6 +13,7 @@ from dedupstore import canonical
 from dedupstore.dead_letters import letter_body, letter_kind
 from dedupstore.entities import OutgoingMessage
 from dedupstore.errors import (
+    ConcurrencyConflict,
     ConfigurationError,
     DeadLetterIncomplete,
     DedupStoreError,
@@ -223,6 +224,8 @@ class _Redriving(_Base):
                 "store (tokens=, --tokens), or its token is left forever and the redrive "
                 "recorded in the deduplication store instead"
             )
+        if TOKEN_HEADER in headers:
+            self._exchange_now(cid, mid)
         first = headers.setdefault(_REDRIVE_OF, mid)  # a letter of a redrive: the first id
         seen = Message(first, cid, original.get("body"), headers)
 
@@ -230,3 +233,22 @@ class _Redriving(_Base):
             return handler(state, seen)
 
         return self.process(Message(letter_id, cid, seen.body, headers), as_original)
+
+    def _exchange_now(self, cid: str, mid: str) -> None:
+        """Before the redrive of a letter of message ``mid`` in token mode: if the entry of
+        ``mid`` is still in the outbox of ``cid`` (deferred clean-up: the sweep has not moved
+        it yet; inline: a consumer died between dispatching the letter and its clean-up),
+        clean it up now, so that its token is exchanged for the redrive's before the
+        redrive looks for it (else the redrive would be told a duplicate). Raises
+        ``ConcurrencyConflict`` when the entity changes meanwhile (redrive again)."""
+        entity = self._claim_all({cid: self.entities.load(cid)})[cid]
+        entry = entity.tokens.get(mid)
+        if mid not in entity.outbox or entry is None or entry.letter is None:
+            return
+        self._kept.take(cid)
+        if self._move_and_save([entity], [], [(entity, mid)]):
+            raise ConcurrencyConflict(
+                f"entity {cid!r:.80} changed while the entry of dead-lettered message "
+                f"{mid!r:.80} was cleaned up before its redrive; redrive it again"
+            )
+        self._kept.keep(entity)

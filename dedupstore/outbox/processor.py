@@ -63,6 +63,7 @@ from dedupstore.outbox.tokened import (
     _Outraced,
     _Tokened,
     check_subscriptions,
+    foldable,
     retirement,
     stamped,
     unmade,
@@ -495,7 +496,8 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
             key = message_key(entity.id, mid)
             plan = retirement([(entity, mid)], self.consumer) if mid in entity.tokens else None
             if plan is not None and plan.changes:
-                if self._tokens_joined:  # one atomic request: the tokens go with the entry
+                if self._tokens_joined and foldable(plan, self._joint_tokens):
+                    # one atomic request: the tokens go with the entry
                     _remove(entity, mid)
                     if self._save_retired([entity], plan):
                         raise _conflict(entity)
@@ -542,7 +544,7 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
         writes go in the saves (:meth:`_save_retired`)."""
         pairs = [*retiring, *((e, mid) for e in moving for mid in e.dispatched)]
         plan = retirement(pairs, self.consumer) if self._tokens_joined and pairs else None
-        if plan is not None and plan.changes:
+        if plan is not None and foldable(plan, self._joint_tokens):
             for entity, mid in pairs:
                 _remove(entity, mid)
             return self._save_retired(to_save, plan)

@@ -16,7 +16,15 @@ from dedupstore.errors import ConfigurationError
 from dedupstore.ids import message_key, validate_ids, validate_message_id
 from dedupstore.outbox.entries import _dispatched, _foreign, _log, _remove, _send
 from dedupstore.outbox.messages import Dispatcher
-from dedupstore.outbox.tokened import _no_token_store, retire, stamped, unmade
+from dedupstore.outbox.tokened import (
+    _no_token_store,
+    foldable,
+    retire,
+    retire_joined,
+    retirement,
+    stamped,
+    unmade,
+)
 from dedupstore.store import DeduplicationStore
 from dedupstore.tokens import TokenStore
 
@@ -309,6 +317,39 @@ def _totals(result: SweepResult) -> str:
     )
 
 
+def _joint_limit(entities: EntityStore, tokens: TokenStore | None) -> int:
+    """Most token ids one entity's joint save may name, or 0: the token store does not
+    share the entity store's server (``EntityStore._tokens_joined``)."""
+    joined = getattr(entities, "_tokens_joined", None)
+    if tokens is None or joined is None or not joined(tokens):
+        return 0
+    return entities.joint_token_limit(tokens)
+
+
+def _retire_and_save(
+    entities: EntityStore,
+    dedup: DeduplicationStore,
+    tokens: TokenStore | None,
+    batch: list[tuple[Entity, list[str]]],
+    joint: int,
+) -> tuple[set[str], bool]:
+    """Record the ids of ``batch`` as done, remove them and save: the ids of the entities
+    whose save conflicted, and whether the token writes went in the saves (``joint``
+    allowing: on one server; then a conflicted entity wrote nothing), or before them
+    (then its ids are recorded and its tokens deleted all the same)."""
+    pairs = [(entity, mid) for entity, ids in batch for mid in ids]
+    plan = retirement(pairs, dedup.endpoint) if joint else None
+    folded = plan is not None and tokens is not None and foldable(plan, joint)
+    if not folded:
+        retire(pairs, dedup, tokens, dedup.endpoint)
+    for entity, mid in pairs:
+        _remove(entity, mid)
+    saved = [entity for entity, _ in batch]
+    if plan is not None and tokens is not None and folded:
+        return retire_joined(entities, saved, plan, dedup, tokens, dedup.endpoint), True
+    return entities.save_many(saved), False
+
+
 def _flush(
     entities: EntityStore,
     dedup: DeduplicationStore,
@@ -320,15 +361,13 @@ def _flush(
     relay: list[OutgoingMessage],
 ) -> None:
     """Dispatch ``relay`` (one call), record the batch's ids as done (``add_many``, or
-    their tokens deleted), then remove them."""
+    their tokens deleted), then remove them; with a token store on the entity store's
+    server, each entity's tokens are deleted in the save that removes its ids."""
     if redispatch is not None and relay:
         _send(redispatch, relay, dedup.endpoint)
-    retire([(entity, mid) for entity, ids in batch for mid in ids], dedup, tokens, dedup.endpoint)
+    joint = _joint_limit(entities, tokens)
+    conflicted, folded = _retire_and_save(entities, dedup, tokens, batch, joint)
     moved = {entity.id: ids for entity, ids in batch}
-    for entity, ids in batch:
-        for mid in ids:
-            _remove(entity, mid)
-    conflicted = entities.save_many([entity for entity, _ in batch])
     result.ids_moved += sum(len(ids) for eid, ids in moved.items() if eid not in conflicted)
     for eid in conflicted:
         ids = moved[eid]
@@ -339,9 +378,13 @@ def _flush(
             if not present:
                 result.ids_moved += len(ids)
                 break
-            for mid in present:
-                _remove(entity, mid)
-            if not entities.save_many([entity]):
+            if folded:  # nothing of it was written: planned again from the reload
+                again, _ = _retire_and_save(entities, dedup, tokens, [(entity, present)], joint)
+            else:  # recorded already (its tokens deleted): only removed
+                for mid in present:
+                    _remove(entity, mid)
+                again = entities.save_many([entity])
+            if not again:
                 result.ids_moved += len(ids)
                 break
         else:

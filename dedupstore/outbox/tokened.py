@@ -35,7 +35,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from dedupstore import canonical, metrics
-from dedupstore.entities import Entity, EntryTokens, OutgoingMessage
+from dedupstore.entities import Entity, EntityStore, EntryTokens, OutgoingMessage
 from dedupstore.errors import ConcurrencyConflict, ConfigurationError
 from dedupstore.ids import message_key, validate_message_id
 from dedupstore.outbox._base import _Base
@@ -174,6 +174,34 @@ def retirement(pairs: Sequence[tuple[Entity, str]], consumer: str) -> Retirement
         if create.get(eid) or delete.get(eid)
     }
     return Retirement(keys, changes, consumed)
+
+
+def foldable(plan: Retirement, limit: int) -> bool:
+    """Whether ``plan`` has token writes and each entity's fit in one joint save of at
+    most ``limit`` token ids (else :func:`retire` makes them on their own)."""
+    return bool(plan.changes) and all(c.size <= limit for c in plan.changes.values())
+
+
+def retire_joined(
+    entities: EntityStore,
+    to_save: Sequence[Entity],
+    plan: Retirement,
+    dedup: DeduplicationStore,
+    tokens: TokenStore,
+    consumer: str,
+) -> set[str]:
+    """Stores on one server: the writes of ``plan`` (:func:`retirement` of entries the
+    caller then removed from ``to_save``): the keys of the entries without a token reach
+    the deduplication store first, then each entity is saved with its token writes in
+    its save. Returns the ids whose save conflicted (none of their tokens written: the
+    retry plans them again). Counts the tokens consumed."""
+    if plan.keys:
+        dedup.add_many(plan.keys)
+    _, conflicts = entities._save_tokened(to_save, tokens, plan.changes)
+    consumed = sum(n for eid, n in plan.consumed.items() if eid not in conflicts)
+    if consumed:
+        metrics.count_tokens(consumer, "consumed", consumed)
+    return conflicts
 
 
 def retire(
@@ -319,6 +347,10 @@ class _Tokened(_Base):
         todo = [(e, mid) for e, mid in pairs if unmade(e, mid)]
         if not todo:
             return set()
+        if self._tokens_joined:
+            folded = self._make_folded(todo)
+            if folded is not None:
+                return folded
         store = self._token_store()
         mine = self._my_nonces()
         register: dict[str, Entity] = {}
@@ -388,6 +420,42 @@ class _Tokened(_Base):
         entity.tokens[mid] = replace(tokens, made=nonce)
         return made
 
+    def _make_folded(self, todo: Sequence[tuple[Entity, str]]) -> set[str] | None:
+        """Stores on one server: :meth:`_make` of the unmade entries ``todo`` in one joint
+        save: each entry's nonce (this call's last one, else a fresh one) registered and
+        marked made, its tokens created, atomically; a save that conflicts creates nothing
+        (the caller retries from a fresh load, which finds the entry made or not). Returns
+        the ids whose save conflicted; None (nothing done) when an entity's tokens are too
+        many for one request."""
+        mine = self._my_nonces()
+        made: dict[str, dict[str, str]] = {}
+        marked: dict[str, Entity] = {}
+        plan: list[tuple[Entity, str, str]] = []
+        for entity, mid in todo:
+            tokens = entity.tokens[mid]
+            last = tokens.registered[-1] if tokens.registered else None
+            nonce = last if last is not None and last in mine else new_nonce()
+            tokens_of = minted(entity, mid, nonce)
+            have = made.setdefault(entity.id, {})
+            if len(have) + len(tokens_of) > self._joint_tokens:
+                return None
+            have.update(tokens_of)
+            plan.append((entity, mid, nonce))
+        for entity, mid, nonce in plan:
+            tokens = entity.tokens[mid]
+            registered = (
+                tokens.registered
+                if nonce in tokens.registered
+                else (
+                    *tokens.registered,
+                    nonce,
+                )
+            )
+            entity.tokens[mid] = replace(tokens, registered=registered, made=nonce)
+            marked[entity.id] = entity
+        changes = {eid: TokenChange(create=tokens) for eid, tokens in made.items() if tokens}
+        return self._save_folded(list(marked.values()), changes)[1]
+
     def _save_folded(
         self, entities: Sequence[Entity], changes: Mapping[str, TokenChange]
     ) -> tuple[set[str], set[str]]:
@@ -405,18 +473,9 @@ class _Tokened(_Base):
         return missing, conflicts
 
     def _save_retired(self, entities: Sequence[Entity], plan: Retirement) -> set[str]:
-        """Stores on one server: the writes of ``plan`` (:func:`retirement` of entries
-        the caller then removed from ``entities``): the keys of the entries without a
-        token reach the deduplication store first, then each entity is saved with its
-        token writes in its save. Returns the ids whose save conflicted (none of their
-        tokens written: the retry does it). Counts the tokens consumed."""
-        if plan.keys:
-            self.dedup.add_many(plan.keys)
-        _, conflicts = self._save_folded(entities, plan.changes)
-        consumed = sum(n for eid, n in plan.consumed.items() if eid not in conflicts)
-        if consumed:
-            metrics.count_tokens(self.consumer, "consumed", consumed)
-        return conflicts
+        """Stores on one server: :func:`retire_joined` of ``plan`` with ``entities``."""
+        store = self._token_store()
+        return retire_joined(self.entities, entities, plan, self.dedup, store, self.consumer)
 
     def _retire(self, pairs: Sequence[tuple[Entity, str]]) -> None:
         """Record ``pairs`` (entity, incoming message id; entries about to leave their
