@@ -45,7 +45,8 @@ Identity
 Contract kit (needs pytest; imported on first use)
     :class:`DeduplicationStoreContract`, :class:`MultiProcessContract`,
     :class:`TokenStoreContract`,
-    :class:`EntityStoreContract`, :class:`FakeClock`, :class:`Timeline`,
+    :class:`EntityStoreContract`, :class:`JointTokenContract`, :class:`FakeClock`,
+    :class:`Timeline`,
     :data:`StoreFactory`, :data:`INVALID_IDS`, :data:`HOSTILE_IDS`,
     :func:`random_valid_ids`.
 """
@@ -152,7 +153,7 @@ if TYPE_CHECKING:
         TokenStoreContract,
         random_valid_ids,
     )
-    from dedupstore.testing.entities import EntityStoreContract
+    from dedupstore.testing.entities import EntityStoreContract, JointTokenContract
 
 #: The underscore methods of the bases that a backend implements or extends (calling
 #: ``super()`` where the base has a body); the base calls them, users never do.
@@ -205,6 +206,7 @@ _CONTRACT_KIT: Final[dict[str, str]] = {
     "HOSTILE_IDS": "dedupstore.testing",
     "random_valid_ids": "dedupstore.testing",
     "EntityStoreContract": "dedupstore.testing.entities",
+    "JointTokenContract": "dedupstore.testing.entities",
     "TokenStoreContract": "dedupstore.testing",
 }
 
@@ -251,6 +253,7 @@ __all__ = [
     "FakeClock",
     "InvalidMessageId",
     "InvalidValue",
+    "JointTokenContract",
     "MessageTooLarge",
     "MultiProcessContract",
     "Option",

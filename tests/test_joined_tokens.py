@@ -22,8 +22,9 @@ import pytest
 
 from dedupstore.client import Client
 from dedupstore.entities import Entity, EntityStore
-from dedupstore.errors import DedupStoreError, InvalidMessageId
+from dedupstore.errors import DedupStoreError
 from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send, sweep
+from dedupstore.testing.entities import JointTokenContract
 from dedupstore.testing.interleavings import Actor, InterleavingViolation, Scenario, explore
 from dedupstore.tokens import TOKEN_HEADER, TokenChange, TokenStore, new_nonce, token_id
 from tests.outbox_backends import OutboxBackend, backend_params
@@ -102,71 +103,16 @@ def test_another_file_or_connection_is_not_joined(tmp_path: Any) -> None:
 
 
 @ON_FOLDED
-def test_a_joint_save_writes_its_tokens_only_with_its_entity(
-    stores: tuple[EntityStore, TokenStore],
-) -> None:
-    entities, tokens = stores
-    tokens.create({"t-required": "me", "t-old": "me", "t-kept": "me"})
-    rival = entities.load("stale")
-    rival.state = {"v": 1}
-    entities.save(rival)
-    stale = entities.load("stale")
-    rival.state = {"v": 2}
-    entities.save(rival)  # ``stale`` conflicts now
-    fresh, stale.state, lacking = entities.load("fresh"), {"v": 3}, entities.load("lacking")
-    fresh.state, lacking.state = {"v": 1}, {"v": 1}
-    missing, conflicts = entities._save_tokened(
-        [fresh, stale, lacking],
-        tokens,
-        {
-            "fresh": TokenChange("t-required", {"t-new": NEXT}, ("t-old",)),
-            "stale": TokenChange(None, {"t-conflict": NEXT}, ("t-kept",)),
-            "lacking": TokenChange("t-absent", {"t-missing": NEXT}, ("t-required",)),
-        },
-    )
-    assert (missing, conflicts) == ({"lacking"}, {"stale"})
-    assert fresh.version is not None and entities.load("fresh").state == {"v": 1}
-    assert entities.load("stale").state == {"v": 2}
-    assert entities.load("lacking").version is None, "a missing token writes nothing"
-    present = tokens.present_among(
-        ["t-required", "t-new", "t-old", "t-conflict", "t-kept", "t-missing"]
-    )
-    assert present == {"t-required", "t-new", "t-kept"}
-    (made,) = tokens.scan(endpoint=NEXT)
-    assert made.id == "t-new"
+class TestJointTokenContract(JointTokenContract):
+    """The contract kit's suite of the joint calls, on every backend that joins."""
 
+    @pytest.fixture
+    def entity_store_factory(self, outbox_backend: OutboxBackend) -> Any:
+        return outbox_backend.entities
 
-@ON_FOLDED
-def test_a_joint_save_checks_everything_before_any_io(
-    stores: tuple[EntityStore, TokenStore],
-) -> None:
-    entities, tokens = stores
-    entity = entities.load("e")
-    entity.state = {"v": 1}
-    with pytest.raises(InvalidMessageId):
-        entities._save_tokened([entity], tokens, {"e": TokenChange(None, {"bad\x00id": NEXT})})
-    with pytest.raises(InvalidMessageId):
-        entities._save_tokened([entity], tokens, {"e": TokenChange("", {})})
-    too_many = {f"t{i}": NEXT for i in range(entities.joint_token_limit(tokens) + 1)}
-    with pytest.raises(ValueError, match="joint_token_limit"):
-        entities._save_tokened([entity], tokens, {"e": TokenChange(None, too_many)})
-    assert entities.load("e").version is None and not tokens.outstanding()
-
-
-@ON_FOLDED
-def test_the_joint_load_reads_the_entity_and_then_the_token(
-    stores: tuple[EntityStore, TokenStore],
-) -> None:
-    entities, tokens = stores
-    entity, present = entities._load_tokened("e", tokens, "t")
-    assert entity.version is None and not present
-    entity.state = {"v": 1}
-    entities.save(entity)
-    tokens.create({"t": "me"})
-    loaded, present = entities._load_tokened("e", tokens, "t")
-    assert loaded.state == {"v": 1} and loaded.version == entity.version and present
-    with pytest.raises(InvalidMessageId):
-        entities._load_tokened("e", tokens, "")
+    @pytest.fixture
+    def token_store_factory(self, outbox_backend: OutboxBackend) -> Any:
+        return outbox_backend.tokens
 
 
 class _LosingTokenJoined(LosingAnswers):

@@ -2,7 +2,9 @@
 
 Subclass :class:`EntityStoreContract` and provide ``entity_store_factory``: a callable
 ``(**options) -> EntityStore`` where every call opens a NEW client of the SAME
-fresh, empty storage, reserved for the current test. A backend with a server also
+fresh, empty storage, reserved for the current test. An entity store that joins a
+token store (``token_joins``) also subclasses :class:`JointTokenContract` and
+provides ``token_store_factory`` too. A backend with a server also
 subclasses :class:`EntityStoreRestartContract` and provides ``restartable``: a
 factory on a server the test owns, and a callable that restarts that server
 (stopping it and starting it again on the same address, data kept).
@@ -27,8 +29,14 @@ from dedupstore.errors import (
     StoreUnavailable,
 )
 from dedupstore.testing.contract import HOSTILE_IDS, INVALID_IDS, closing_clients, run_concurrently
+from dedupstore.tokens import TokenChange, TokenStore
 
-__all__ = ["EntityStoreContract", "EntityStoreFactory", "EntityStoreRestartContract"]
+__all__ = [
+    "EntityStoreContract",
+    "EntityStoreFactory",
+    "EntityStoreRestartContract",
+    "JointTokenContract",
+]
 
 EntityStoreFactory = Callable[..., EntityStore]
 
@@ -311,3 +319,154 @@ class EntityStoreRestartContract:
             store.save(stale)
         assert eid in {e.id for e in store.pending_outboxes()}
         store.close()
+
+
+class JointTokenContract:
+    """What an entity store that joins a token store (``token_joins``: it implements
+    ``_load_with_token`` and ``_save_tokens``) guarantees of the joint calls; provide
+    ``entity_store_factory`` and ``token_store_factory``, each opening a new client of
+    this test's fresh storage, the two sharing one connection (one file, one server)."""
+
+    @pytest.fixture
+    def entity_store_factory(self) -> EntityStoreFactory:
+        """Open a new entity store client: override in the subclass."""
+        raise NotImplementedError("provide an entity_store_factory fixture")
+
+    @pytest.fixture
+    def token_store_factory(self) -> Callable[..., TokenStore]:
+        """Open a new token store client (the entity store's connection): override."""
+        raise NotImplementedError("provide a token_store_factory fixture")
+
+    @pytest.fixture
+    def joined(
+        self,
+        entity_store_factory: EntityStoreFactory,
+        token_store_factory: Callable[..., TokenStore],
+    ) -> Iterator[tuple[EntityStore, TokenStore]]:
+        """An entity store and a token store, closed after the test."""
+        entities, tokens = entity_store_factory(), token_store_factory()
+        yield entities, tokens
+        entities.close()
+        tokens.close()
+
+    def test_the_stores_join(self, joined: tuple[EntityStore, TokenStore]) -> None:
+        entities, tokens = joined
+        assert entities._tokens_joined(tokens)
+        assert 1 <= entities.joint_token_limit(tokens) <= tokens.max_batch
+
+    def test_a_joint_save_writes_its_tokens_only_with_its_entity(
+        self, joined: tuple[EntityStore, TokenStore]
+    ) -> None:
+        entities, tokens = joined
+        tag = uuid.uuid4().hex[:8]
+        required, old, kept = f"req-{tag}", f"old-{tag}", f"kept-{tag}"
+        tokens.create({required: "me", old: "me", kept: "me"})
+        stale_id, fresh_id, lacking_id = _eid("stale"), _eid("fresh"), _eid("lacking")
+        rival = entities.load(stale_id)
+        rival.state = {"v": 1}
+        entities.save(rival)
+        stale = entities.load(stale_id)
+        rival.state = {"v": 2}
+        entities.save(rival)  # ``stale`` conflicts now
+        fresh, lacking = entities.load(fresh_id), entities.load(lacking_id)
+        fresh.state, stale.state, lacking.state = {"v": 1}, {"v": 3}, {"v": 1}
+        fresh.outbox["m"] = [_message("m")]  # pending: listed for the scan
+        missing, conflicts = entities._save_tokened(
+            [fresh, stale, lacking],
+            tokens,
+            {
+                fresh_id: TokenChange(required, {f"new-{tag}": "next"}, (old,)),
+                stale_id: TokenChange(None, {f"conflict-{tag}": "next"}, (kept,)),
+                lacking_id: TokenChange(f"absent-{tag}", {f"missing-{tag}": "next"}, (required,)),
+            },
+        )
+        assert (missing, conflicts) == ({lacking_id}, {stale_id})
+        assert fresh.version is not None and entities.load(fresh_id) == fresh
+        assert fresh_id in {e.id for e in entities.pending_outboxes()}
+        assert entities.load(stale_id).state == {"v": 2}
+        assert entities.load(lacking_id).version is None, "a missing token writes nothing"
+        names = [required, f"new-{tag}", old, f"conflict-{tag}", kept, f"missing-{tag}"]
+        assert tokens.present_among(names) == {required, f"new-{tag}", kept}
+        assert [t.id for t in tokens.scan(endpoint="next")] == [f"new-{tag}"]
+
+    def test_a_joint_save_without_token_writes_is_a_save(
+        self, joined: tuple[EntityStore, TokenStore]
+    ) -> None:
+        entities, tokens = joined
+        entity = entities.load(_eid())
+        entity.state = {"v": 1}
+        assert entities._save_tokened([entity], tokens, {}) == (set(), set())
+        assert entities.load(entity.id) == entity
+        entity.state = {"v": 2}
+        entities.save(entity)
+        assert entities.load(entity.id).version == entity.version
+
+    def test_concurrent_joint_saves_of_one_version_one_wins_with_only_its_tokens(
+        self,
+        entity_store_factory: EntityStoreFactory,
+        token_store_factory: Callable[..., TokenStore],
+    ) -> None:
+        eid = _eid("raced")
+        with entity_store_factory() as setup:
+            base = setup.load(eid)
+            setup.save(base)
+        clients = [(entity_store_factory(), token_store_factory()) for _ in range(4)]
+        loaded = [entities.load(eid) for entities, _ in clients]  # one version, all of them
+
+        def save(i: int) -> tuple[set[str], set[str]]:
+            entities, tokens = clients[i]
+            entity = loaded[i]
+            entity.state = {"by": i}
+            change = TokenChange(None, {f"{eid}-by-{i}": "next"})
+            return entities._save_tokened([entity], tokens, {eid: change})
+
+        try:
+            outcomes = run_concurrently(save, len(clients))
+            won = [i for i, (_, conflicts) in enumerate(outcomes) if not conflicts]
+            entities, tokens = clients[0]
+            present = tokens.present_among([f"{eid}-by-{i}" for i in range(len(clients))])
+            assert len(won) == 1, outcomes
+            assert entities.load(eid).state == {"by": won[0]}
+            assert present == {f"{eid}-by-{won[0]}"}, "a token of a save that lost"
+        finally:
+            for entities, tokens in clients:
+                entities.close()
+                tokens.close()
+
+    def test_joint_calls_check_everything_before_any_io(
+        self, joined: tuple[EntityStore, TokenStore]
+    ) -> None:
+        entities, tokens = joined
+        entity = entities.load(_eid())
+        entity.state = {"v": 1}
+        for bad in [value for _, value in INVALID_IDS if isinstance(value, str)][:4]:
+            with pytest.raises(InvalidMessageId):
+                entities._save_tokened([entity], tokens, {entity.id: TokenChange(None, {bad: "x"})})
+            with pytest.raises(InvalidMessageId):
+                entities._save_tokened([entity], tokens, {entity.id: TokenChange(bad, {})})
+            with pytest.raises(InvalidMessageId):
+                entities._load_tokened(entity.id, tokens, bad)
+        over = entities.joint_token_limit(tokens) + 1
+        too_many = {f"t{i}-{uuid.uuid4().hex[:6]}": "x" for i in range(over)}
+        with pytest.raises(ValueError, match="joint_token_limit"):
+            entities._save_tokened([entity], tokens, {entity.id: TokenChange(None, too_many)})
+        huge = entities.load(_eid())
+        huge.state = {"blob": "x" * (entities.max_entity_bytes + 1)}
+        with pytest.raises(EntityTooLarge):
+            entities._save_tokened([huge], tokens, {huge.id: TokenChange(None, {"t-huge": "x"})})
+        assert entities.load(entity.id).version is None and not tokens.present("t-huge")
+
+    def test_the_joint_load_reads_the_entity_and_then_the_token(
+        self, joined: tuple[EntityStore, TokenStore]
+    ) -> None:
+        entities, tokens = joined
+        eid, tid = _eid(), f"t-{uuid.uuid4()}"
+        entity, present = entities._load_tokened(eid, tokens, tid)
+        assert entity == Entity(eid) and entity.version is None and not present
+        entity.state = {"v": 1}
+        entities.save(entity)
+        tokens.create({tid: "me"})
+        loaded, present = entities._load_tokened(eid, tokens, tid)
+        assert loaded == entity and present
+        tokens.delete([tid])
+        assert entities._load_tokened(eid, tokens, tid) == (entity, False)
