@@ -231,17 +231,23 @@ class Chaos:
         self.processes.append(process)
 
     def wait_until_consuming(self, within: float = 60.0) -> None:
-        """Until every live consumer process has read the group (its stores opened); after
-        ``within`` seconds, fail naming those that have not, with the group's view."""
+        """Until every live consumer process has opened its stores: it printed its start
+        line (printed once they are open), or the group shows it. Not the group alone:
+        Redis 7.0 lists a consumer only once a read gave it an entry, and a replacement
+        started while the others drain the stream may find nothing to read (this wait
+        then timed out once, with the group at (0, 0)). After ``within`` seconds, fail
+        naming those that are not up, with the group's view."""
         deadline = time.monotonic() + within
         while True:
             seen = {c["name"].decode() for c in self.admin.xinfo_consumers(self.stream, self.group)}
             live = {n for n, i in self.names.items() if self.processes[i].poll() is None}
-            if live <= seen:
+            texts = {n: self.logs[self.names[n]].read_text(errors="replace") for n in live}
+            started = {n for n, text in texts.items() if START_LINE in text}
+            if live <= seen | started:
                 return
             if time.monotonic() > deadline:
                 raise AssertionError(
-                    f"consumers {sorted(live - seen)} never read the group in {within:.0f} s "
+                    f"consumers {sorted(live - seen - started)} never came up in {within:.0f} s "
                     f"(seen: {sorted(seen)}; group: {self.group_state()})\n{self._log_tail()}"
                 )
             time.sleep(0.05)
