@@ -97,6 +97,17 @@ def b_handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], 
     return {"applied": applied, "sum": state.get("sum", 0) + message.body["n"]}, []
 
 
+class Flaky:
+    """B's handler, failing until ``fixed`` (a dead letter, then its redrive)."""
+
+    fixed = False
+
+    def __call__(self, state: dict[str, Any], m: Message) -> tuple[dict[str, Any], list[Send]]:
+        if not self.fixed:
+            raise ValueError("not yet")
+        return b_handler(state, m)
+
+
 def delivered(out: OutgoingMessage, receiver: str = "B") -> Message:
     """What ``receiver`` gets from the broker for ``out`` (its entity: ``<r>-<order>``)."""
     return Message(out.id, f"{receiver.lower()}-{out.body['order']}", out.body, dict(out.headers))
@@ -343,12 +354,7 @@ def test_a_letter_redriven_before_its_clean_up_is_applied_once(chain: Chain, whe
     chain.a.process(Message("in-1", "o1", 9), a_handler)
     (message,) = chain.to_b()
     letters = InMemoryDispatcher()
-    fixed = {"yet": False}
-
-    def flaky(state: dict[str, Any], m: Message) -> tuple[dict[str, Any], list[Send]]:
-        if not fixed["yet"]:
-            raise ValueError("not yet")
-        return b_handler(state, m)
+    flaky = Flaky()
 
     deferred = when == "deferred"
     b = OutboxProcessor(
@@ -364,7 +370,7 @@ def test_a_letter_redriven_before_its_clean_up_is_applied_once(chain: Chain, whe
     else:  # the letter dispatched, then the consumer died before its clean-up
         assert b._process(message, flaky, set(), clean=False).outcome == "dead_lettered"
     (letter,) = letters.sent
-    fixed["yet"] = True
+    flaky.fixed = True
     assert b.redrive(letter, flaky).outcome == "processed"
     assert b.redrive(letter, flaky).outcome == "duplicate"
     assert chain.receiver("B").process(message, flaky).outcome == "duplicate"
@@ -426,12 +432,7 @@ def test_a_dead_letter_keeps_a_token_until_it_is_redriven(chain: Chain) -> None:
     chain.a.process(Message("in-1", "o1", 9), a_handler)
     (message,) = chain.to_b()
     letters = InMemoryDispatcher()
-    fixed = {"yet": False}
-
-    def flaky(state: dict[str, Any], m: Message) -> tuple[dict[str, Any], list[Send]]:
-        if not fixed["yet"]:
-            raise ValueError("not yet")
-        return b_handler(state, m)
+    flaky = Flaky()
 
     b = OutboxProcessor(
         chain.entities["B"], chain.dedups["B"], letters, tokens=chain.tokens, dead_letters="dlq"
@@ -440,7 +441,7 @@ def test_a_dead_letter_keeps_a_token_until_it_is_redriven(chain: Chain) -> None:
     assert outstanding(chain) == 1  # exchanged for the redrive's
     assert chain.receiver("B").process(message, flaky).outcome == "duplicate"  # a copy
     (letter,) = letters.sent
-    fixed["yet"] = True
+    flaky.fixed = True
     # a processor without the token store refuses it before any I/O (its token would be left)
     plain = OutboxProcessor(chain.entities["B"], chain.dedups["B"], letters, dead_letters="dlq")
     with pytest.raises(ConfigurationError, match="keeps a redrive token"):
