@@ -498,7 +498,7 @@ def test_durations_go_through_the_one_parser_and_async_handlers_are_refused() ->
     async def handler(state: dict[str, Any], message: Message) -> Any:
         return state, []
 
-    with pytest.raises(ConfigurationError, match="async handlers are not supported"):
+    with pytest.raises(ConfigurationError, match="sync OutboxProcessor cannot await it"):
         Consumer(ListBroker(), processor, handler)
 
 

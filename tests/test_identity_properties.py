@@ -55,6 +55,7 @@ from dedupstore.ids import outgoing_id
 from dedupstore.outbox import Message, OutboxProcessor, Send, sweep
 from dedupstore.outbox.tokened import minted
 from dedupstore.registry import open_url
+from dedupstore.steps import Steps
 from dedupstore.store import DeduplicationStore
 from dedupstore.testing.interleavings import _Creating
 from dedupstore.tokens import TOKEN_HEADER, TokenStore, token_id
@@ -680,8 +681,8 @@ def test_the_harness_catches_token_bugs(monkeypatch: pytest.MonkeyPatch, broken:
     if broken == "created-again-after-dispatch":
         original_make = OutboxProcessor._make
 
-        def make(self: OutboxProcessor, pairs: Any, alone: bool = False) -> set[str]:
-            conflicts = original_make(self, pairs, alone)
+        def make(self: OutboxProcessor, pairs: Any, alone: bool = False) -> Steps[set[str]]:
+            conflicts = yield from original_make(self, pairs, alone)
             for entity, mid in pairs:
                 tokens = entity.tokens.get(mid)
                 if tokens and tokens.made and entity.outbox.get(mid) and self.tokens:
@@ -692,8 +693,8 @@ def test_the_harness_catches_token_bugs(monkeypatch: pytest.MonkeyPatch, broken:
     else:
         original_read = OutboxProcessor._recorded_by_token
 
-        def read(self: OutboxProcessor, tokens: Any) -> set[str]:
-            missing = original_read(self, tokens)
+        def read(self: OutboxProcessor, tokens: Any) -> Steps[set[str]]:
+            missing = yield from original_read(self, tokens)
             if self.tokens is not None:
                 self.tokens.delete([t for k, t in tokens.items() if k not in missing])
             return missing

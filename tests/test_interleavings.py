@@ -46,6 +46,7 @@ from dedupstore.errors import ConcurrencyConflict
 from dedupstore.outbox import Handler, Message, OutboxProcessor, ProcessResult, message_key
 from dedupstore.outbox import tokened as tokened_module
 from dedupstore.outbox.tokened import minted
+from dedupstore.steps import Steps, run
 from dedupstore.testing.interleavings import (
     Actor,
     InterleavingViolation,
@@ -230,7 +231,7 @@ def _load_apply_save(
         message_key(message.correlation_id, message.id)
     ):
         return entity, None, False
-    outgoing, _ = processor._apply(entity, message, handler)
+    outgoing, _ = run(processor._apply(entity, message, handler))
     return entity, outgoing, True
 
 
@@ -247,7 +248,7 @@ class CheckBeforeLoad(OutboxProcessor):
                     self.entities.save(entity)
                 if outgoing is not None:
                     self.dispatcher.dispatch(outgoing)
-                self._clean_up(entity, message.id)
+                run(self._clean_up(entity, message.id))
                 return ProcessResult(message.id, "processed" if applied else "duplicate")
             except ConcurrencyConflict:
                 continue
@@ -267,7 +268,7 @@ class DispatchBeforeSave(OutboxProcessor):
                     self.dispatcher.dispatch(outgoing)
                 if applied:
                     self.entities.save(entity)
-                self._clean_up(entity, message.id)
+                run(self._clean_up(entity, message.id))
                 return ProcessResult(message.id, "processed" if applied else "duplicate")
             except ConcurrencyConflict:
                 continue
@@ -277,13 +278,13 @@ class DispatchBeforeSave(OutboxProcessor):
 class RemoveBeforeAdd(OutboxProcessor):
     """BROKEN: takes the id out of the outbox before it is in the deduplication store."""
 
-    def _clean_up(self, entity: Entity, mid: str) -> None:
+    def _clean_up(self, entity: Entity, mid: str) -> Steps[None]:
         if self.cleanup == "inline":
             del entity.outbox[mid]
             self.entities.save(entity)
             self.dedup.add(mid)
         else:
-            super()._clean_up(entity, mid)
+            yield from super()._clean_up(entity, mid)
 
 
 class _BlindSaves:
@@ -362,8 +363,8 @@ class DispatchAfterCleanUp(OutboxProcessor):
         self._held = Late(dispatcher)
         super().__init__(entities, dedup, self._held, **kwargs)
 
-    def _clean_up(self, entity: Entity, mid: str) -> None:
-        super()._clean_up(entity, mid)
+    def _clean_up(self, entity: Entity, mid: str) -> Steps[None]:
+        yield from super()._clean_up(entity, mid)
         self._held.flush()
 
 
@@ -406,7 +407,8 @@ class StaleAnswers(OutboxProcessor):
 
     def _recorded(
         self, messages: list[Message], entities: dict[str, Entity], taken: Any = ()
-    ) -> tuple[list[str], set[str]]:
+    ) -> Steps[tuple[list[str], set[str]]]:
+        yield from ()
         pairs = [(m, message_key(m.correlation_id, m.id)) for m in messages]
         fresh = [k for m, k in pairs if m.id not in entities[m.correlation_id].outbox]
         already = self.dedup.processed_among(fresh) if fresh else set()
@@ -442,7 +444,7 @@ class AttemptsKept(OutboxProcessor):
 
     def _apply(self, entity: Entity, *args: Any, **kwargs: Any) -> Any:
         attempts = dict(entity.attempts)
-        applied = super()._apply(entity, *args, **kwargs)
+        applied = yield from super()._apply(entity, *args, **kwargs)
         entity.attempts = attempts
         return applied
 
@@ -513,8 +515,8 @@ class KeptHidesEntries(OutboxProcessor):
 
     def _recorded(
         self, messages: list[Message], entities: dict[str, Entity], taken: Any = ()
-    ) -> tuple[list[str], set[str]]:
-        return super()._recorded(messages, entities)
+    ) -> Steps[tuple[list[str], set[str]]]:
+        return (yield from super()._recorded(messages, entities))
 
 
 class CrashOnly(NamedTuple):
@@ -571,8 +573,8 @@ class RecreatesMadeTokens(OutboxProcessor):
     """BROKEN: before each dispatch, creates the made tokens again ("make sure they
     exist"): a copy that dispatches after a receiver consumed one brings it back."""
 
-    def _make(self, pairs: Sequence[tuple[Entity, str]], alone: bool = False) -> set[str]:
-        conflicts = super()._make(pairs, alone)
+    def _make(self, pairs: Sequence[tuple[Entity, str]], alone: bool = False) -> Steps[set[str]]:
+        conflicts = yield from super()._make(pairs, alone)
         again: dict[str, str] = {}
         for entity, mid in pairs:
             tokens = entity.tokens.get(mid)
@@ -618,8 +620,8 @@ class DeletesTokenFirst(OutboxProcessor):
     def __init__(self, entities: EntityStore, *args: Any, **kwargs: Any) -> None:
         super().__init__(_BrokenJointLoad(entities, "delete"), *args, **kwargs)  # type: ignore[arg-type]
 
-    def _recorded_by_token(self, tokens: Mapping[str, str]) -> set[str]:
-        missing = super()._recorded_by_token(tokens)
+    def _recorded_by_token(self, tokens: Mapping[str, str]) -> Steps[set[str]]:
+        missing = yield from super()._recorded_by_token(tokens)
         present = [t for k, t in tokens.items() if k not in missing]
         if present and self.tokens is not None:
             self.tokens.delete(present)
@@ -639,13 +641,13 @@ class ReadsTokenBeforeLoad(OutboxProcessor):
     def process(self, message: Message, handler: Handler) -> ProcessResult:
         token = self._token_of(message)
         key = message_key(message.correlation_id, message.id)
-        self.early = None if token is None else super()._recorded_by_token({key: token})
+        self.early = None if token is None else run(super()._recorded_by_token({key: token}))
         return super().process(message, handler)
 
-    def _recorded_by_token(self, tokens: Mapping[str, str]) -> set[str]:
+    def _recorded_by_token(self, tokens: Mapping[str, str]) -> Steps[set[str]]:
         if self.early is not None:
             return self.early
-        return super()._recorded_by_token(tokens)
+        return (yield from super()._recorded_by_token(tokens))
 
 
 def _shared_token_id(message_id: str, endpoint: str, nonce: str) -> str:

@@ -582,9 +582,9 @@ class _AsyncCall:
 def test_an_async_handler_is_refused_before_anything_is_saved(handler: Any) -> None:
     entities, dedup = _stores()
     processor = OutboxProcessor(entities, dedup, InMemoryDispatcher(), dead_letters="dlq")
-    with pytest.raises(ConfigurationError, match="async handlers are not supported"):
+    with pytest.raises(ConfigurationError, match="sync OutboxProcessor cannot await it"):
         processor.process(Message("m1", "e1", {}), handler)
-    with pytest.raises(ConfigurationError, match="async handlers are not supported"):
+    with pytest.raises(ConfigurationError, match="sync OutboxProcessor cannot await it"):
         processor.process_batch([Message("m2", "e1", {})], handler)
     assert entities.load("e1").version is None
 

@@ -29,6 +29,7 @@ from dedupstore.outbox import (
     recorded_among,
     sweep,
 )
+from dedupstore.steps import run
 from dedupstore.store import DeduplicationStore
 from dedupstore.tokens import TOKEN_HEADER, TokenStore, new_nonce, token_id
 from tests.outbox_backends import OutboxBackend, backend_params
@@ -368,7 +369,7 @@ def test_a_letter_redriven_before_its_clean_up_is_applied_once(chain: Chain, whe
     if deferred:
         assert b.process(message, flaky).outcome == "dead_lettered"
     else:  # the letter dispatched, then the consumer died before its clean-up
-        assert b._process(message, flaky, set(), clean=False).outcome == "dead_lettered"
+        assert run(b._process(message, flaky, set(), clean=False)).outcome == "dead_lettered"
     (letter,) = letters.sent
     flaky.fixed = True
     assert b.redrive(letter, flaky).outcome == "processed"

@@ -4,7 +4,6 @@ sets and, for the type checker only, the methods a part calls on a later one."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal
 
@@ -12,6 +11,7 @@ if TYPE_CHECKING:
     from dedupstore.entities import Entity, EntityStore, EntryMark, OutgoingMessage
     from dedupstore.outbox.cache import _EntityCache
     from dedupstore.outbox.messages import Dispatcher, Handler, Message, Outcome, ProcessResult
+    from dedupstore.steps import Steps
     from dedupstore.store import DeduplicationStore
     from dedupstore.tokens import TokenChange, TokenStore
 
@@ -35,9 +35,6 @@ class _Base:
     subscriptions: dict[str, tuple[str, ...]]
     #: without a token store: whether a message carrying a token was already reported
     _untokened_reported: bool
-    #: per thread, ``nonces``: those this thread's current call registered (only the
-    #: registrant of a nonce creates its tokens)
-    _mine: threading.local
     #: the handler that passed the check
     _checked_handler: Handler | None
     #: the dispatcher's bounds (max_message_bytes, max_header_bytes): see check_size
@@ -62,12 +59,12 @@ class _Base:
 
     if TYPE_CHECKING:  # the methods one part calls on another (defined by their part)
 
-        def process(self, message: Message, handler: Handler) -> ProcessResult:
+        def _process_one(self, message: Message, handler: Handler) -> Steps[ProcessResult]:
             raise NotImplementedError
 
         def _process(
             self, message: Message, handler: Handler, dispatched: set[str], clean: bool = True
-        ) -> ProcessResult:
+        ) -> Steps[ProcessResult]:
             raise NotImplementedError
 
         def _claim_all(self, entities: dict[str, Entity]) -> dict[str, Entity]:
@@ -78,7 +75,7 @@ class _Base:
 
         def _apply(
             self, entity: Entity, message: Message, handler: Handler, mark: EntryMark | None = None
-        ) -> tuple[list[OutgoingMessage], str | None]:
+        ) -> Steps[tuple[list[OutgoingMessage], str | None]]:
             raise NotImplementedError
 
         def _mark(self) -> EntryMark:
@@ -92,7 +89,7 @@ class _Base:
             to_save: Sequence[Entity],
             moving: Sequence[Entity],
             retiring: Sequence[tuple[Entity, str]] = (),
-        ) -> set[str]:
+        ) -> Steps[set[str]]:
             raise NotImplementedError
 
         def _minting(self, entity: Entity, mid: str) -> dict[str, str]:
@@ -103,7 +100,7 @@ class _Base:
 
         def _save_folded(
             self, entities: Sequence[Entity], changes: Mapping[str, TokenChange]
-        ) -> tuple[set[str], set[str]]:
+        ) -> Steps[tuple[set[str], set[str]]]:
             raise NotImplementedError
 
         def _token_of(self, message: Message) -> str | None:
@@ -112,19 +109,21 @@ class _Base:
         def _register(self, entity: Entity, message: Message, letter: bool) -> None:
             raise NotImplementedError
 
-        def _recorded_by_token(self, tokens: dict[str, str]) -> set[str]:
+        def _recorded_by_token(self, tokens: dict[str, str]) -> Steps[set[str]]:
             raise NotImplementedError
 
-        def _make(self, pairs: Sequence[tuple[Entity, str]], alone: bool = False) -> set[str]:
+        def _make(
+            self, pairs: Sequence[tuple[Entity, str]], alone: bool = False
+        ) -> Steps[set[str]]:
             raise NotImplementedError
 
-        def _retire(self, pairs: Sequence[tuple[Entity, str]]) -> None:
+        def _retire(self, pairs: Sequence[tuple[Entity, str]]) -> Steps[None]:
             raise NotImplementedError
 
         def _token_room(self, message: Message, outgoing: Sequence[OutgoingMessage]) -> int:
             raise NotImplementedError
 
-        def _clear(self, entities: Iterable[Entity], keep: set[tuple[str, str]]) -> set[str]:
+        def _clear(self, entities: Iterable[Entity], keep: set[tuple[str, str]]) -> Steps[set[str]]:
             raise NotImplementedError
 
         def _report(self, messages: Sequence[Message], results: Sequence[ProcessResult]) -> None:

@@ -36,7 +36,8 @@ from dedupstore.outbox.messages import (
     ProcessResult,
     _validate,
 )
-from dedupstore.outbox.tokened import stamped
+from dedupstore.outbox.tokened import new_call, stamped
+from dedupstore.steps import Steps, io, user
 from dedupstore.tokens import TokenChange
 
 
@@ -44,36 +45,13 @@ class _Batching(_Handling):
     """:class:`~dedupstore.outbox.OutboxProcessor`'s batches (built on its calls of the
     handler)."""
 
-    def process_batch(
+    def _process_batch(
         self,
         messages: Sequence[Message],
         handler: Handler,
-        *,
         before_cleanup: BeforeCleanup | None = None,
-    ) -> list[ProcessResult]:
-        """Run the algorithm for many messages at once; one result per message, in order.
-
-        Round trips per batch, not per message: ``load_many``, one ``processed_among``,
-        ``save_many``, one ``dispatch``, then the clean-up (``add_many`` + ``save_many``
-        inline, ``save_many`` deferred); a batch that finds messages of entities it kept
-        recorded loads those entities too (and may ask ``processed_among`` once more).
-        Each entity's messages are handled in their order in ``messages``. Entities whose
-        save conflicts are retried alone with :meth:`process`. When one entity's share of
-        the batch does not fit in its record, the batch runs in consecutive rounds that
-        each fit. The same message (same entity and id) twice in a batch is applied once:
-        the first copy says ``processed``, the others ``duplicate``. Same guarantees and
-        errors as :meth:`process` for every message: with ``dead_letters`` a message too
-        large to process is ``dead_lettered`` and the others go on; without, the batch
-        raises ``EntityTooLarge``/``MessageTooLarge`` for the first such message
-        (``message_id``, ``correlation_id``) with nothing of it saved.
-
-        ``before_cleanup(messages, results)`` is called once the outcomes of ``messages``
-        (all of them, or one round's) are final and their outgoing messages dispatched,
-        before any of their entries is cleaned up (step 5): with a ``run``, whatever it
-        records of them (and makes durable) before it returns stays true when the call is
-        cut short and run again. Should it raise, nothing is cleaned up and the error
-        propagates (a later call cleans up).
-        """
+    ) -> Steps[list[ProcessResult]]:
+        """The steps of :meth:`OutboxProcessor.process_batch`."""
         if handler is not self._checked_handler:
             self._check_handler(handler)
         if not messages:
@@ -84,15 +62,15 @@ class _Batching(_Handling):
         if self.tokens is not None:
             for message in messages:
                 self._token_of(message)  # a bad token header: before any I/O
-        self._mine.nonces = set()
+        new_call()
         with gc_relaxed(self.gc_threshold):
-            results = self._batch(list(messages), handler, 0, before_cleanup)
+            results = yield from self._batch(list(messages), handler, 0, before_cleanup)
         self._report(messages, results)
         return results
 
     def _recorded(
         self, messages: list[Message], entities: dict[str, Entity], taken: Collection[str] = ()
-    ) -> tuple[list[str], set[str]]:
+    ) -> Steps[tuple[list[str], set[str]]]:
         """Each message's key, and the keys the store holds among those not in an outbox.
 
         ``taken``: the ids of the kept entities among ``entities``. A recorded message
@@ -111,14 +89,16 @@ class _Batching(_Handling):
         fresh = [
             keys[i] for i, m in enumerate(messages) if m.id not in entities[m.correlation_id].outbox
         ]
-        already = self._asked(fresh, tokens)
+        already = yield from self._asked(fresh, tokens)
         if not (already and taken):
             return keys, already
         pairs = list(zip(messages, keys, strict=True))
         stale = {m.correlation_id for m, k in pairs if k in already} & set(taken)
         if stale:
             kept = {cid: entities[cid].version for cid in stale}
-            entities.update(self._claim_all(self.entities.load_many(sorted(stale))))
+            entities.update(
+                self._claim_all((yield from io(self.entities.load_many, sorted(stale))))
+            )
             # An answer holds only for an entity loaded before it was asked (the id
             # reaches the store before its entry leaves the outbox): a version that moved
             # may have moved after the question, so its ids not recorded then and not in
@@ -132,19 +112,21 @@ class _Batching(_Handling):
                 and m.id not in entities[m.correlation_id].outbox
             ]
             if again:
-                already |= self._asked(again, tokens)
+                already |= yield from self._asked(again, tokens)
         return keys, already
 
-    def _asked(self, keys: list[str], tokens: dict[str, str]) -> set[str]:
+    def _asked(self, keys: list[str], tokens: dict[str, str]) -> Steps[set[str]]:
         """The ``keys`` recorded as done: those of messages with a token (``tokens``:
         key -> token id) whose token is absent, the others' in the deduplication store."""
         if not keys:
             return set()
         if not tokens:
-            return self.dedup.processed_among(keys)
+            return (yield from io(self.dedup.processed_among, keys))
         plain = [k for k in keys if k not in tokens]
-        found = self.dedup.processed_among(plain) if plain else set()
-        return found | self._recorded_by_token({k: tokens[k] for k in keys if k in tokens})
+        found = (yield from io(self.dedup.processed_among, plain)) if plain else set()
+        return found | (
+            yield from self._recorded_by_token({k: tokens[k] for k in keys if k in tokens})
+        )
 
     def _batch(
         self,
@@ -152,14 +134,14 @@ class _Batching(_Handling):
         handler: Handler,
         depth: int,
         before_cleanup: BeforeCleanup | None = None,
-    ) -> list[ProcessResult]:
+    ) -> Steps[list[ProcessResult]]:
         # the kept entities stand for loads (a stale one conflicts: retried alone below)
         entities = self._kept.take_many([m.correlation_id for m in messages])
         taken = set(entities)
         missing = [m.correlation_id for m in messages if m.correlation_id not in entities]
         if missing:
-            entities.update(self._claim_all(self.entities.load_many(missing)))
-        keys, already = self._recorded(messages, entities, taken)
+            entities.update(self._claim_all((yield from io(self.entities.load_many, missing))))
+        keys, already = yield from self._recorded(messages, entities, taken)
         mark = self._mark()
         results: list[ProcessResult] = []
         # A message (entity and id) is known by its key (message_key: one per pair).
@@ -185,25 +167,27 @@ class _Batching(_Handling):
             elif key in already:
                 results.append(ProcessResult(mid, "duplicate"))
             else:
-                outgoing, error = self._apply(entity, message, handler, mark)
+                outgoing, error = yield from self._apply(entity, message, handler, mark)
                 applied[key] = index
                 changed[entity.id] = entity
                 done: Outcome = "processed" if error is None else "dead_lettered"
                 results.append(ProcessResult(mid, done, tuple(outgoing), 1, error))
                 entries[key] = (entity, mid)
         try:
-            first_conflicts = self._save_applied_many(changed, entries)
+            first_conflicts = yield from self._save_applied_many(changed, entries)
         except EntityTooLarge:
             if depth >= 3:  # the rounds were measured to fit: only a racing writer gets here
                 raise
-            return self._in_rounds(messages, handler, depth, before_cleanup)
+            return (yield from self._in_rounds(messages, handler, depth, before_cleanup))
         if before_cleanup is not None:
-            return self._in_two_phases(
-                messages, handler, entities, first_conflicts, results, before_cleanup
+            return (
+                yield from self._in_two_phases(
+                    messages, handler, entities, first_conflicts, results, before_cleanup
+                )
             )
         if first_conflicts:
             entries = {k: e for k, e in entries.items() if e[0].id not in first_conflicts}
-        late_conflicts, sent = self._dispatch_and_clean_up(entries)
+        late_conflicts, sent = yield from self._dispatch_and_clean_up(entries)
         conflicts = first_conflicts | late_conflicts
         for entity in entities.values():  # as saved (or loaded): each stands for a load
             if entity.id not in conflicts:
@@ -214,7 +198,7 @@ class _Batching(_Handling):
         for index, message in enumerate(messages):
             cid = message.correlation_id
             if cid in conflicts:
-                alone = self._process(message, handler, set(sent))
+                alone = yield from self._process(message, handler, set(sent))
                 if applied.get(keys[index]) == index and cid not in first_conflicts:
                     first = results[index]  # its change was saved above: what it did then
                     alone = replace(alone, outcome=first.outcome, error=first.error)
@@ -223,13 +207,13 @@ class _Batching(_Handling):
 
     def _save_applied_many(
         self, changed: dict[str, Entity], entries: dict[str, tuple[Entity, str]]
-    ) -> set[str]:
+    ) -> Steps[set[str]]:
         """The batch's save of the entities it ``changed``; the ids that conflicted. On
         one server the outgoing tokens of the entries it applied are created in the same
         requests (:meth:`_minting`)."""
         entities = list(changed.values())
         if not self._tokens_joined:
-            return self.entities.save_many(entities)
+            return (yield from io(self.entities.save_many, entities))
         limit = self._joint_tokens - 1
         made: dict[str, dict[str, str]] = {}
         for entity, mid in entries.values():
@@ -246,8 +230,8 @@ class _Batching(_Handling):
             have.update(tokens)
         changes = {eid: TokenChange(create=m) for eid, m in made.items() if m}
         if not changes:
-            return self.entities.save_many(entities)
-        return self._save_folded(entities, changes)[1]
+            return (yield from io(self.entities.save_many, entities))
+        return (yield from self._save_folded(entities, changes))[1]
 
     def _in_two_phases(
         self,
@@ -257,29 +241,30 @@ class _Batching(_Handling):
         conflicts: set[str],
         results: list[ProcessResult],
         before_cleanup: BeforeCleanup,
-    ) -> list[ProcessResult]:
+    ) -> Steps[list[ProcessResult]]:
         """The rest of :meth:`_batch` with ``before_cleanup``: dispatch (steps 1-4 again
         for the entities whose save conflicted), ``before_cleanup``, then the clean-up."""
         entries = self._entries(messages, entities, conflicts)
         if self.tokens is not None:
-            unmade = self._make(list(entries.values()))
+            unmade = yield from self._make(list(entries.values()))
             if unmade:
                 conflicts = conflicts | unmade
                 entries = {k: e for k, e in entries.items() if e[0].id not in unmade}
-        sent = self._dispatch(entries, set())
+        sent = yield from self._dispatch(entries, set())
         _retrying(self.consumer, conflicts)
         for index, message in enumerate(messages):
             if message.correlation_id in conflicts:
-                results[index] = self._process(message, handler, sent, clean=False)
+                results[index] = yield from self._process(message, handler, sent, clean=False)
         final = list(results)
-        before_cleanup(messages, final)
+        yield from user(before_cleanup, messages, final)
         # the entities saved above are as saved (their versions updated); those that
         # conflicted were handled alone on fresh copies: reload only them
         if conflicts:
-            entities = {**entities, **self._claim_all(self.entities.load_many(sorted(conflicts)))}
+            loaded = yield from io(self.entities.load_many, sorted(conflicts))
+            entities = {**entities, **self._claim_all(loaded)}
         remaining = messages
         for attempt in range(1, self.max_attempts + 1):
-            conflicts, _ = self._dispatch_and_clean_up(
+            conflicts, _ = yield from self._dispatch_and_clean_up(
                 self._entries(remaining, entities, set()), sent
             )
             remaining = [m for m in remaining if m.correlation_id in conflicts]
@@ -288,7 +273,7 @@ class _Batching(_Handling):
             if attempt < self.max_attempts:
                 _retrying(self.consumer, conflicts)
             entities = self._claim_all(
-                self.entities.load_many([m.correlation_id for m in remaining])
+                (yield from io(self.entities.load_many, [m.correlation_id for m in remaining]))
             )
         raise ConcurrencyConflict(
             f"the clean-up of {len(remaining)} messages (entity "
@@ -311,7 +296,7 @@ class _Batching(_Handling):
                     entries[key] = (entity, mid)
         return entries
 
-    def _dispatch(self, entries: dict[str, tuple[Entity, str]], sent: set[str]) -> set[str]:
+    def _dispatch(self, entries: dict[str, tuple[Entity, str]], sent: set[str]) -> Steps[set[str]]:
         """Step 4: one ``dispatch`` of the pending outgoing messages of ``entries`` but
         those in ``sent``; returns ``sent`` with them."""
         unique: dict[str, OutgoingMessage] = {}
@@ -322,22 +307,24 @@ class _Batching(_Handling):
                     if m.id not in unique and m.id not in sent:
                         unique[m.id] = m
         if unique:
-            _send(self.dispatcher, list(unique.values()), self.consumer)
+            yield from _send(self.dispatcher, list(unique.values()), self.consumer)
         return sent | unique.keys()
 
     def _dispatch_and_clean_up(
         self, entries: dict[str, tuple[Entity, str]], sent: set[str] | None = None
-    ) -> tuple[set[str], set[str]]:
+    ) -> Steps[tuple[set[str], set[str]]]:
         """Steps 4-5 for the outbox ``entries`` (:meth:`_entries`), not sending ``sent``
         again.
 
         Returns the ids of the entities whose clean-up conflicted, and the outgoing ids
         dispatched (a retry of a conflicted entity does not send them again).
         """
-        unmade = self._make(list(entries.values())) if self.tokens is not None else set()
+        unmade = (
+            (yield from self._make(list(entries.values()))) if self.tokens is not None else set()
+        )
         if unmade:
             entries = {k: e for k, e in entries.items() if e[0].id not in unmade}
-        sent = self._dispatch(entries, set(sent or ()))
+        sent = yield from self._dispatch(entries, set(sent or ()))
         to_save: dict[str, Entity] = {}
         retiring: list[tuple[Entity, str]] = []
         inline = self.cleanup == "inline"
@@ -352,7 +339,7 @@ class _Batching(_Handling):
         heavy = [] if inline else [e for e in to_save.values() if self._over_limit(e)]
         # The ids reach the deduplication store (their tokens are deleted) before the
         # save that removes them, or with it on one server.
-        conflicts = self._move_and_save(list(to_save.values()), heavy, retiring)
+        conflicts = yield from self._move_and_save(list(to_save.values()), heavy, retiring)
         return conflicts | unmade, sent
 
     def _in_rounds(
@@ -361,10 +348,10 @@ class _Batching(_Handling):
         handler: Handler,
         depth: int,
         before_cleanup: BeforeCleanup | None = None,
-    ) -> list[ProcessResult]:
+    ) -> Steps[list[ProcessResult]]:
         """The batch in consecutive rounds in which each entity's new entries fit."""
         rounds: dict[int, list[int]] = {}
-        numbers, refusals = self._rounds(messages, handler)
+        numbers, refusals = yield from self._rounds(messages, handler)
         if refusals:  # the messages their entity cannot hold: set aside in their round
             handler = refusing(handler, refusals)
         for index, number in enumerate(numbers):
@@ -372,14 +359,16 @@ class _Batching(_Handling):
         results: list[ProcessResult | None] = [None] * len(messages)
         for number in sorted(rounds):
             indexes = rounds[number]
-            done = self._batch([messages[i] for i in indexes], handler, depth + 1, before_cleanup)
+            done = yield from self._batch(
+                [messages[i] for i in indexes], handler, depth + 1, before_cleanup
+            )
             for index, result in zip(indexes, done, strict=True):
                 results[index] = result
         return [r for r in results if r is not None]
 
     def _rounds(
         self, messages: list[Message], handler: Handler
-    ) -> tuple[list[int], dict[tuple[str, str], _SetAside]]:
+    ) -> Steps[tuple[list[int], dict[tuple[str, str], _SetAside]]]:
         """The round of each message: per entity, the longest runs that fit in its record;
         and the messages to set aside, by ``(correlation id, id)``.
 
@@ -394,9 +383,11 @@ class _Batching(_Handling):
         aside instead, its dead letter in its place (:meth:`_refusals`).
         """
         limit = self.entities.max_entity_bytes
-        entities = self._claim_all(self.entities.load_many([m.correlation_id for m in messages]))
-        self._clear(entities.values(), {(m.correlation_id, m.id) for m in messages})
-        keys, already = self._recorded(messages, entities)
+        entities = self._claim_all(
+            (yield from io(self.entities.load_many, [m.correlation_id for m in messages]))
+        )
+        yield from self._clear(entities.values(), {(m.correlation_id, m.id) for m in messages})
+        keys, already = yield from self._recorded(messages, entities)
         sizes = {cid: _Sizes.of(entity) for cid, entity in entities.items()}
         for entity in entities.values():
             for mid in entity.outbox:  # this batch's own: redispatched, cleaned in the first run
@@ -414,7 +405,7 @@ class _Batching(_Handling):
                 numbers.append(size.round)
                 continue
             seen.add(ident)
-            state, _, outgoing, _ = self._run(size.state, message, handler)
+            state, _, outgoing, _ = yield from self._run(size.state, message, handler)
             entry = entry_size(message.id, outgoing, self._mark())
             entry += self._token_room(message, outgoing)
             total = size.total_with(state, entry)
@@ -431,7 +422,7 @@ class _Batching(_Handling):
                 )
                 for refusal in self._refusals(message, outgoing, too_large):
                     refused = refusing(handler, {ident: refusal})
-                    state, _, outgoing, _ = self._run(size.state, message, refused)
+                    state, _, outgoing, _ = yield from self._run(size.state, message, refused)
                     entry = entry_size(message.id, outgoing, self._mark())
                     entry += self._token_room(message, outgoing)
                     total = size.total_with(state, entry)

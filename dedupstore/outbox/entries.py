@@ -13,6 +13,7 @@ from dedupstore.entities import Entity, OutgoingMessage
 from dedupstore.errors import ConfigurationError, EntityTooLarge, format_error
 from dedupstore.outbox.messages import Dispatcher, Message
 from dedupstore.outbox.tokened import retired
+from dedupstore.steps import Steps, io
 
 #: Every module of the outbox logs as ``dedupstore.outbox`` (imports this one).
 _log = logging.getLogger("dedupstore.outbox")
@@ -50,10 +51,12 @@ def _remove(entity: Entity, mid: str) -> None:
             entity.marks = {}
 
 
-def _send(dispatcher: Dispatcher, messages: Sequence[OutgoingMessage], consumer: str) -> None:
+def _send(
+    dispatcher: Dispatcher, messages: Sequence[OutgoingMessage], consumer: str
+) -> Steps[None]:
     """``dispatcher.dispatch(messages)``; a failure is counted and logged, then raised."""
     try:
-        dispatcher.dispatch(messages)
+        yield from io(dispatcher.dispatch, messages)
     except Exception as exc:
         metrics.count_dispatch_failure(consumer, exc)
         _log.warning(

@@ -31,20 +31,24 @@ from dedupstore.outbox.letters import (
     bounded_letter,
 )
 from dedupstore.outbox.messages import Handler, Message, Send, _shown, check_size
+from dedupstore.steps import Steps, user
 
 
-def check_handler(handler: object) -> None:
-    """Raise ``ConfigurationError`` if ``handler`` is not callable or is asynchronous
-    (an ``async def`` function, or an object whose ``__call__`` is one): async handlers
-    are not supported yet (the processor would save the coroutine it returns)."""
+def check_handler(handler: object, *, awaitable: bool = False) -> None:
+    """Raise ``ConfigurationError`` if ``handler`` is not callable or, unless
+    ``awaitable`` (the async API), is asynchronous (an ``async def`` function, or an
+    object whose ``__call__`` is one): the sync API cannot await what it returns."""
     if not callable(handler):
         raise ConfigurationError(f"handler must be callable, got {_shown(handler)}")
+    if awaitable:
+        return
     call = getattr(handler, "__call__", None)  # noqa: B004 (the method itself is inspected)
     if inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(call):
         raise ConfigurationError(
             f"the handler {getattr(handler, '__qualname__', type(handler).__name__)!r:.80} is "
-            "an async function: async handlers are not supported yet; make it a plain "
-            "function (a handler is pure: no I/O to await)"
+            "an async function: the sync OutboxProcessor cannot await it; use "
+            "dedupstore.aio.AsyncOutboxProcessor, or make it a plain function (a handler "
+            "is pure: no I/O to await)"
         )
 
 
@@ -105,15 +109,18 @@ _encoded = OutgoingMessage._encoded
 class _Handling(_Base):
     """:class:`~dedupstore.outbox.OutboxProcessor`'s calls of the handler (steps 2b-2c)."""
 
+    #: whether the face drives the steps on an event loop (async handlers accepted)
+    _awaits = False
+
     def _check_handler(self, handler: Handler) -> None:
         """Refuse (``ConfigurationError``) what cannot be a handler, before any I/O; the
         last handler that passed is remembered, so a loop checks its handler once."""
-        check_handler(handler)
+        check_handler(handler, awaitable=self._awaits)
         self._checked_handler = handler
 
     def _run(
         self, state: dict[str, Any], message: Message, handler: Handler, source: str | None = None
-    ) -> tuple[dict[str, Any], str | None, list[OutgoingMessage], str | None]:
+    ) -> Steps[tuple[dict[str, Any], str | None, list[OutgoingMessage], str | None]]:
         """Run the handler on ``state``: new state and its canonical text, outgoing
         messages, error. It gets a copy of ``state``, or, with ``source`` (a JSON text
         of it), ``state`` itself, decoded again from ``source`` should the handler fail.
@@ -129,7 +136,7 @@ class _Handling(_Base):
         while True:
             try:
                 given = canonical.copy(state) if source is None else state
-                return (*self._outputs(given, message, handler), None)
+                return (*(yield from self._outputs(given, message, handler)), None)
             except StoreUnavailable:
                 raise
             except _SetAside as refusal:
@@ -153,11 +160,11 @@ class _Handling(_Base):
 
     def _outputs(
         self, state: dict[str, Any], message: Message, handler: Handler
-    ) -> tuple[dict[str, Any], str, list[OutgoingMessage]]:
+    ) -> Steps[tuple[dict[str, Any], str, list[OutgoingMessage]]]:
         """The handler's new state (normalized: what a reload will show) and its text,
         and the outgoing messages (with their ids, bodies encoded once and decoded only
         when read: see :meth:`OutgoingMessage.__getattr__`)."""
-        returned = handler(state, message)
+        returned = yield from user(handler, state, message)
         if not (isinstance(returned, tuple) and len(returned) == 2):
             raise _HandlerContract(f"it returned {_shown(returned)}")
         state, sends = returned

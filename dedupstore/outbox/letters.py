@@ -22,6 +22,7 @@ from dedupstore.errors import (
 from dedupstore.ids import outgoing_id
 from dedupstore.outbox._base import _Base
 from dedupstore.outbox.messages import Handler, Message, ProcessResult, Send, _shown, _utf8_over
+from dedupstore.steps import Steps, io
 from dedupstore.tokens import TOKEN_HEADER
 
 #: The header a redriven message carries: the id of the message first dead-lettered.
@@ -146,27 +147,8 @@ def _letter_error(letter: OutgoingMessage) -> str:
 class _Redriving(_Base):
     """:class:`~dedupstore.outbox.OutboxProcessor`'s redrive of a dead letter."""
 
-    def redrive(self, letter: object, handler: Handler) -> ProcessResult:
-        """Process a dead-lettered message again, after a fix; once per dead letter.
-
-        ``letter`` is the dead letter in any form it is read back (see
-        :func:`~dedupstore.dead_letters.letter_body`): the ``OutgoingMessage`` as
-        dispatched or its body, a Redis stream entry, a row of the SQLite table queue,
-        an AMQP body, the JSON ``dedupstore dead-letters show`` prints. The original
-        message runs as a message of the same entity whose id (what the processor
-        records) is the dead letter's id (deterministic) and whose headers add
-        ``dedupstore-redrive-of`` (the original id); the handler sees the original
-        message: its id, body and headers (with that header). The original id stays
-        recorded, so a replay of it is still a duplicate, and redriving one letter
-        twice applies it once. Should the handler fail again, the message is
-        dead-lettered again (a letter of this one, whose redrive the handler also
-        sees under the original id). Raises ``ConfigurationError`` before any I/O for
-        a letter that is not a dead letter, the letter of a malformed delivery (never
-        a message: nothing to redrive), a letter of another consumer (naming both) or
-        a letter that keeps a redrive token given to a processor without ``tokens``,
-        ``DeadLetterIncomplete`` for a bounded letter (the original's body or headers
-        replaced by their size and digest), and what :meth:`process` raises.
-        """
+    def _redrive(self, letter: object, handler: Handler) -> Steps[ProcessResult]:
+        """The steps of :meth:`OutboxProcessor.redrive`."""
         body = letter_body(letter)
         kind = letter_kind(body)
         error = body.get("error")
@@ -225,28 +207,30 @@ class _Redriving(_Base):
                 "recorded in the deduplication store instead"
             )
         if TOKEN_HEADER in headers:
-            self._exchange_now(cid, mid)
+            yield from self._exchange_now(cid, mid)
         first = headers.setdefault(_REDRIVE_OF, mid)  # a letter of a redrive: the first id
         seen = Message(first, cid, original.get("body"), headers)
 
         def as_original(state: dict[str, Any], _: Message) -> tuple[dict[str, Any], Sequence[Send]]:
-            return handler(state, seen)
+            return handler(state, seen)  # (what an async handler returns, awaited by the face)
 
-        return self.process(Message(letter_id, cid, seen.body, headers), as_original)
+        return (
+            yield from self._process_one(Message(letter_id, cid, seen.body, headers), as_original)
+        )
 
-    def _exchange_now(self, cid: str, mid: str) -> None:
+    def _exchange_now(self, cid: str, mid: str) -> Steps[None]:
         """Before the redrive of a letter of message ``mid`` in token mode: if the entry of
         ``mid`` is still in the outbox of ``cid`` (deferred clean-up: the sweep has not moved
         it yet; inline: a consumer died between dispatching the letter and its clean-up),
         clean it up now, so that its token is exchanged for the redrive's before the
         redrive looks for it (else the redrive would be told a duplicate). Raises
         ``ConcurrencyConflict`` when the entity changes meanwhile (redrive again)."""
-        entity = self._claim_all({cid: self.entities.load(cid)})[cid]
+        entity = self._claim_all({cid: (yield from io(self.entities.load, cid))})[cid]
         entry = entity.tokens.get(mid)
         if mid not in entity.outbox or entry is None or entry.letter is None:
             return
         self._kept.take(cid)
-        if self._move_and_save([entity], [], [(entity, mid)]):
+        if (yield from self._move_and_save([entity], [], [(entity, mid)])):
             raise ConcurrencyConflict(
                 f"entity {cid!r:.80} changed while the entry of dead-lettered message "
                 f"{mid!r:.80} was cleaned up before its redrive; redrive it again"

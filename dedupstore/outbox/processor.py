@@ -27,7 +27,6 @@ stable across redeliveries; receivers deduplicate outgoing messages by id.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
@@ -50,6 +49,7 @@ from dedupstore.outbox.entries import (
 from dedupstore.outbox.handlers import _DEDUP_CALLS, _ENTITY_CALLS, _check_part
 from dedupstore.outbox.letters import _letter_error, _Redriving, _SetAside, refusing
 from dedupstore.outbox.messages import (
+    BeforeCleanup,
     Dispatcher,
     Handler,
     Message,
@@ -64,59 +64,20 @@ from dedupstore.outbox.tokened import (
     _Tokened,
     check_subscriptions,
     foldable,
+    new_call,
     retirement,
     stamped,
     unmade,
 )
+from dedupstore.steps import Steps, io, run
 from dedupstore.store import DeduplicationStore
 from dedupstore.tokens import TokenChange, TokenStore
 
 
-class OutboxProcessor(_Batching, _Redriving, _Tokened):
-    """Processes messages exactly once: entity state, outbox, dispatch, then the id.
-
-    A message is identified by (consumer, entity, message id): the consumer is the
-    deduplication store's endpoint, the entity the message's correlation id. The same
-    message id under two entities is two messages; the deduplication store records
-    :func:`~dedupstore.ids.message_key` ``(correlation id, message id)``.
-
-    ``cleanup="inline"`` moves each id to the deduplication store as part of
-    processing (two more round trips); ``"deferred"`` only marks the outbox entry
-    dispatched and leaves the move to :func:`sweep`, except that an entity holding
-    more than ``deferred_limit`` dispatched ids (or more than an eighth of the entity
-    store's ``max_entity_bytes`` of them) has them moved inline, so a hot entity's
-    record never grows with the number of messages it received. ``max_attempts``
-    bounds the retries after ``ConcurrencyConflict``. Thread-safe if the stores are.
-
-    The processor keeps up to ``entity_cache`` entities it saved (0: none), as of
-    that save, and takes one instead of loading it for the entity's next message;
-    the save's token refuses it if anyone saved the entity since (one conflict, then
-    a load), so keeping never changes an answer, only the requests a message costs.
-
-    By default the processor changes no setting of the process. ``gc_threshold``
-    (an int, e.g. :data:`~dedupstore.calls.GC_BATCH_THRESHOLD`) raises CPython's
-    young-generation GC threshold to it for the whole process while :meth:`process_batch`
-    runs (:func:`~dedupstore.calls.gc_relaxed`; put back when the last batch ends): a
-    batch's objects would otherwise set off full collections, each walking every object
-    of the process, which in a process holding much data cost more than the batch.
-
-    Every outbox entry it writes is marked with the time it was written (what
-    :func:`~dedupstore.stats.outbox_backlog` reports as the oldest pending entry) and
-    with ``run``, a name for one run of a job over its input: with a ``run``, a
-    message this run applied (or dead-lettered) in an earlier call whose clean-up did
-    not finish (a crash, a retried task) comes out ``processed`` (or
-    ``dead_lettered``) again, not ``redispatched``: outcomes say what the run did,
-    whichever call of it got through.
-
-    Token mode (``tokens``, a :class:`~dedupstore.tokens.TokenStore`): a message that
-    carries a token (:data:`~dedupstore.tokens.TOKEN_HEADER`) is a duplicate when its
-    token is absent, and its token is deleted once its outputs are dispatched; one
-    without a token goes through the deduplication store as in retention mode (a
-    hybrid endpoint, in the same batch). Each outgoing message to a destination of
-    ``subscriptions`` (destination -> receiving endpoints) gets one token per
-    endpoint, created before it is dispatched and never again after. The guide's
-    "Token mode" page says how, and when to choose it.
-    """
+class _Processor(_Batching, _Redriving, _Tokened):
+    """The processor's arguments and the algorithm's steps, written once without I/O
+    (:mod:`dedupstore.steps`): what :class:`OutboxProcessor` drives in the calling
+    thread and :class:`~dedupstore.aio.AsyncOutboxProcessor` on an event loop."""
 
     def __init__(
         self,
@@ -185,7 +146,6 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
         self.subscriptions = check_subscriptions(subscriptions)
         self.tokens = tokens
         self._untokened_reported = False
-        self._mine = threading.local()
         self.run = run
         self.dead_letters = dead_letters
         self.handler_attempts = handler_attempts
@@ -231,61 +191,36 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
 
     # ------------------------------------------------------------------ one message
 
-    def process(self, message: Message, handler: Handler) -> ProcessResult:
-        """Run the algorithm for one message; return what it did.
-
-        Raises ``InvalidMessageId`` (before any I/O), ``ConcurrencyConflict`` after
-        ``max_attempts`` conflicts, ``StoreUnavailable``, and whatever the handler or
-        the dispatcher raises (then the message must be redelivered). A message that
-        cannot be processed on any retry, because its own new state and outbox entry
-        do not fit in one entity record (``EntityTooLarge``) or an outgoing message is
-        over the dispatcher's ``max_message_bytes``/``max_header_bytes``
-        (``MessageTooLarge``, checked before anything is saved or sent), is set aside
-        with ``dead_letters`` (``dead_lettered``, its letter bounded: see
-        :meth:`letter_bytes`); without, that error is raised with ``message_id`` and
-        ``correlation_id`` naming it, nothing of it saved. They are raised with
-        ``dead_letters`` too when even the bounded letter cannot be written.
-        """
+    def _process_one(self, message: Message, handler: Handler) -> Steps[ProcessResult]:
+        """The steps of :meth:`OutboxProcessor.process`."""
         _validate(message)
         self._token_of(message)  # a bad token header: before any I/O
         if handler is not self._checked_handler:
             self._check_handler(handler)
-        self._mine.nonces = set()
-        result = self._process(message, handler, set())
+        new_call()
+        result = yield from self._process(message, handler, set())
         self._report([message], [result])
         return result
 
-    def begin_attempt(self, message: Message) -> int:
-        """Record in ``message``'s entity that its handler is about to run once more;
-        return how many such runs began, this one included (0: the message needs no
-        run: it was applied, dead-lettered or recorded already).
-
-        What a consume loop calls before it runs, alone, a message that a consumer
-        died holding (a broker delivery count above 1): the count survives the
-        process, so a message that kills every consumer running it can be set aside
-        after ``max_deliveries`` runs (see :class:`~dedupstore.consumers.Consumer`),
-        while an outage or a crash with the message merely in flight counts nothing.
-        The entity's ``attempts`` entry goes when the message is applied. Raises
-        ``InvalidMessageId`` (before any I/O), ``StoreUnavailable``, and
-        ``ConcurrencyConflict`` after ``max_attempts`` conflicts.
-        """
+    def _begin_attempt(self, message: Message) -> Steps[int]:
+        """The steps of :meth:`OutboxProcessor.begin_attempt`."""
         _validate(message)
         token = self._token_of(message)
         mid, cid = message.id, message.correlation_id
         key = message_key(cid, mid)
         for _attempt in range(self.max_attempts):
             self._kept.take(cid)  # a fresh load: the count must be the stored one
-            entity = self._claim(self.entities.load(cid))
+            entity = self._claim((yield from io(self.entities.load, cid)))
             if mid in entity.outbox or (
-                self.dedup.has_been_processed(key)
+                (yield from io(self.dedup.has_been_processed, key))
                 if token is None
-                else bool(self._recorded_by_token({key: token}))
+                else bool((yield from self._recorded_by_token({key: token})))
             ):
                 return 0
             runs = entity.attempts.get(mid, 0) + 1
             entity.attempts[mid] = runs
             try:
-                self.entities.save(entity)
+                yield from io(self.entities.save, entity)
             except ConcurrencyConflict:
                 continue
             except EntityTooLarge:  # a full record cannot count: the run is not recorded
@@ -299,7 +234,7 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
 
     def _process(
         self, message: Message, handler: Handler, dispatched: set[str], clean: bool = True
-    ) -> ProcessResult:
+    ) -> Steps[ProcessResult]:
         """:meth:`process`, not sending again the outgoing ids in ``dispatched``
         (which gets those it sends); without ``clean``, steps 1-4 only."""
         mid, cid = message.id, message.correlation_id
@@ -325,16 +260,18 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
                 recorded: bool | None = None
                 if entity is None:
                     if joined:
-                        entity, recorded = self.entities._load_checked(cid, self.dedup, key)
+                        entity, recorded = yield from io(
+                            self.entities._load_checked, cid, self.dedup, key
+                        )
                     elif folded and token is not None:
-                        entity, present = self.entities._load_tokened(
-                            cid, self._token_store(), token
+                        entity, present = yield from io(
+                            self.entities._load_tokened, cid, self._token_store(), token
                         )
                         recorded = not present
                         if recorded:
                             metrics.count_tokens(self.consumer, "missing", 1)
                     else:
-                        entity = self.entities.load(cid)
+                        entity = yield from io(self.entities.load, cid)
                     self._claim(entity)
                 found = mid in entity.outbox
                 if not found:
@@ -342,14 +279,14 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
                     checked = joined and recorded is None
                     if not checked and not (folded and taken) and recorded is None:
                         recorded = (
-                            self.dedup.has_been_processed(key)
+                            (yield from io(self.dedup.has_been_processed, key))
                             if token is None
-                            else bool(self._recorded_by_token({key: token}))
+                            else bool((yield from self._recorded_by_token({key: token})))
                         )
                     if not recorded:
-                        outgoing, failed = self._apply(entity, message, run_handler)
+                        outgoing, failed = yield from self._apply(entity, message, run_handler)
                         try:
-                            saved = self._save_applied(
+                            saved = yield from self._save_applied(
                                 entity, message, key if checked else None, token if folded else None
                             )
                         except _SetAside as refusal:
@@ -366,7 +303,7 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
                         # entity, and the stored outbox may still hold the message's
                         # entry (a consumer recorded the id, then died before the save
                         # removing it): load it, and clean the entry up if it is there.
-                        entity = self._claim(self.entities.load(cid))
+                        entity = self._claim((yield from io(self.entities.load, cid)))
                         found = mid in entity.outbox
                     if recorded and not found:  # the entity is as loaded: kept
                         self._kept.keep(entity)
@@ -380,12 +317,12 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
                     if outcome is None:
                         outcome, error = self._found(entity, mid)
                 if outgoing is not None and not {m.id for m in outgoing} <= dispatched:
-                    if self._make([(entity, mid)], alone=True):
+                    if (yield from self._make([(entity, mid)], alone=True)):
                         raise ConcurrencyConflict(f"entity {cid!r:.80} changed")
-                    _send(self.dispatcher, stamped(entity, mid), self.consumer)
+                    yield from _send(self.dispatcher, stamped(entity, mid), self.consumer)
                     dispatched.update(m.id for m in outgoing)
                 if clean:
-                    self._clean_up(entity, mid)
+                    yield from self._clean_up(entity, mid)
                     self._kept.keep(entity)
                 return ProcessResult(mid, outcome, tuple(outgoing or ()), attempt, error)
             except _Outraced:
@@ -418,7 +355,7 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
 
     def _save_applied(
         self, entity: Entity, message: Message, checked: str | None, required: str | None = None
-    ) -> bool | None:
+    ) -> Steps[bool | None]:
         """Save the entity holding ``message``'s new entry (step 2c); with ``checked``
         (the message's key), unless the deduplication store holds it, and with
         ``required`` (its incoming token; stores on one server), unless that token is
@@ -433,7 +370,7 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
             # (a save checked against the deduplication store mints the unfolded way)
             made = self._minting(entity, message.id) if self._tokens_joined and not checked else {}
             if checked is None and (required is not None or made):
-                missing, conflicts = self._save_folded(
+                missing, conflicts = yield from self._save_folded(
                     [entity], {entity.id: TokenChange(required, made)}
                 )
                 if missing:
@@ -442,17 +379,17 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
                 if conflicts:
                     raise _conflict(entity)
             elif checked is None:
-                self.entities.save(entity)
-            elif self.entities._save_checked(entity, self.dedup, checked):
+                yield from io(self.entities.save, entity)
+            elif (yield from io(self.entities._save_checked, entity, self.dedup, checked)):
                 return None
             return True
         except EntityTooLarge as exc:
-            if checked is not None and self.dedup.has_been_processed(checked):
+            if checked is not None and (yield from io(self.dedup.has_been_processed, checked)):
                 return None
             key = message_key(entity.id, message.id)
-            if required is not None and self._recorded_by_token({key: required}):
+            if required is not None and (yield from self._recorded_by_token({key: required})):
                 return None
-            fresh = self._claim(self.entities.load(entity.id))
+            fresh = self._claim((yield from io(self.entities.load, entity.id)))
             if not fresh.outbox:
                 too_large = _too_large(message, exc)
                 if self.dead_letters is None:
@@ -461,19 +398,21 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
                 if not refusals:
                     raise _too_large(message, too_large, set_aside=True) from None
                 raise refusals[0] from None
-            if not self._clear([fresh], set()):
+            if not (yield from self._clear([fresh], set())):
                 raise ConcurrencyConflict(f"entity {entity.id!r:.80} changed") from None
             return False
 
     def _apply(
         self, entity: Entity, message: Message, handler: Handler, mark: EntryMark | None = None
-    ) -> tuple[list[OutgoingMessage], str | None]:
+    ) -> Steps[tuple[list[OutgoingMessage], str | None]]:
         """Steps 2b-2c in memory: run the handler, record its outputs in the outbox,
         marked with ``mark`` (one per batch; a new one by default).
 
         Returns the outgoing messages and, for a dead-lettered message, the error.
         """
-        state, text, outgoing, error = self._run(entity.state, message, handler, entity._source())
+        state, text, outgoing, error = yield from self._run(
+            entity.state, message, handler, entity._source()
+        )
         if text is not None:
             entity._set_state(state, text)
         else:  # dead-lettered: the state as it was (decoded again if the handler had it)
@@ -490,7 +429,7 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
         """The mark of an entry written now."""
         return EntryMark(int(time.time() * 1000), self.run)
 
-    def _clean_up(self, entity: Entity, mid: str) -> None:
+    def _clean_up(self, entity: Entity, mid: str) -> Steps[None]:
         """Step 5 for one message on a loaded entity (saves it)."""
         if self.cleanup == "inline":
             key = message_key(entity.id, mid)
@@ -499,26 +438,27 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
                 if self._tokens_joined and foldable(plan, self._joint_tokens):
                     # one atomic request: the tokens go with the entry
                     _remove(entity, mid)
-                    if self._save_retired([entity], plan):
+                    if (yield from self._save_retired([entity], plan)):
                         raise _conflict(entity)
                     return
-                self._retire([(entity, mid)])  # token mode: its tokens deleted, then the save
+                # token mode: its tokens deleted, then the save
+                yield from self._retire([(entity, mid)])
                 _remove(entity, mid)
-                self.entities.save(entity)
+                yield from io(self.entities.save, entity)
                 return
             _remove(entity, mid)
             if self._joined:  # one atomic request, the id recorded first
-                self.entities._save_recording(entity, self.dedup, key)
+                yield from io(self.entities._save_recording, entity, self.dedup, key)
             else:
-                self.dedup.add(key)
-                self.entities.save(entity)
+                yield from io(self.dedup.add, key)
+                yield from io(self.entities.save, entity)
         elif entity.outbox[mid] is not None:
             _dispatched(entity, mid)
             if self._over_limit(entity):
-                if self._move_and_save([entity], [entity]):
+                if (yield from self._move_and_save([entity], [entity])):
                     raise _conflict(entity)
                 return
-            self.entities.save(entity)
+            yield from io(self.entities.save, entity)
 
     def _over_limit(self, entity: Entity) -> bool:
         """Whether a deferred entity holds too many dispatched ids to keep them."""
@@ -536,7 +476,7 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
         to_save: Sequence[Entity],
         moving: Sequence[Entity],
         retiring: Sequence[tuple[Entity, str]] = (),
-    ) -> set[str]:
+    ) -> Steps[set[str]]:
         """Record the dispatched ids of ``moving`` and the entries ``retiring`` as done
         (:meth:`_retire`), remove them from the outboxes, then save ``to_save`` (which
         holds the entities of both); returns the ids whose save conflicted. The inline
@@ -547,14 +487,14 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
         if plan is not None and foldable(plan, self._joint_tokens):
             for entity, mid in pairs:
                 _remove(entity, mid)
-            return self._save_retired(to_save, plan)
+            return (yield from self._save_retired(to_save, plan))
         if pairs:
-            self._retire(pairs)
+            yield from self._retire(pairs)
         for entity, mid in pairs:
             _remove(entity, mid)
-        return self.entities.save_many(to_save) if to_save else set()
+        return (yield from io(self.entities.save_many, to_save)) if to_save else set()
 
-    def _clear(self, entities: Iterable[Entity], keep: set[tuple[str, str]]) -> set[str]:
+    def _clear(self, entities: Iterable[Entity], keep: set[tuple[str, str]]) -> Steps[set[str]]:
         """Empty the outboxes of ``entities`` but for the entries of ``keep`` (and save).
 
         Entries still pending for other messages are dispatched again (at least once,
@@ -565,7 +505,7 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
         cleared: list[Entity] = []
         entities = list(entities)
         others = [(e, m) for e in entities for m in e.pending if (e.id, m) not in keep]
-        unmade_left = self._make([(e, m) for e, m in others if unmade(e, m)])
+        unmade_left = yield from self._make([(e, m) for e, m in others if unmade(e, m)])
         for entity, mid in others:
             if entity.id not in unmade_left:
                 relay.extend(stamped(entity, mid))
@@ -574,10 +514,10 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
             if entity.dispatched:
                 cleared.append(entity)
         if relay:
-            _send(self.dispatcher, relay, self.consumer)
+            yield from _send(self.dispatcher, relay, self.consumer)
         if not cleared:
             return set()
-        conflicts = self._move_and_save(cleared, cleared)
+        conflicts = yield from self._move_and_save(cleared, cleared)
         return {e.id for e in cleared} - conflicts
 
     def _report(self, messages: Sequence[Message], results: Sequence[ProcessResult]) -> None:
@@ -593,6 +533,141 @@ class OutboxProcessor(_Batching, _Redriving, _Tokened):
                     self.dead_letters,
                     result.error,
                 )
+
+
+class OutboxProcessor(_Processor):
+    """Processes messages exactly once: entity state, outbox, dispatch, then the id.
+
+    A message is identified by (consumer, entity, message id): the consumer is the
+    deduplication store's endpoint, the entity the message's correlation id. The same
+    message id under two entities is two messages; the deduplication store records
+    :func:`~dedupstore.ids.message_key` ``(correlation id, message id)``.
+
+    ``cleanup="inline"`` moves each id to the deduplication store as part of
+    processing (two more round trips); ``"deferred"`` only marks the outbox entry
+    dispatched and leaves the move to :func:`sweep`, except that an entity holding
+    more than ``deferred_limit`` dispatched ids (or more than an eighth of the entity
+    store's ``max_entity_bytes`` of them) has them moved inline, so a hot entity's
+    record never grows with the number of messages it received. ``max_attempts``
+    bounds the retries after ``ConcurrencyConflict``. Thread-safe if the stores are.
+
+    The processor keeps up to ``entity_cache`` entities it saved (0: none), as of
+    that save, and takes one instead of loading it for the entity's next message;
+    the save's token refuses it if anyone saved the entity since (one conflict, then
+    a load), so keeping never changes an answer, only the requests a message costs.
+
+    By default the processor changes no setting of the process. ``gc_threshold``
+    (an int, e.g. :data:`~dedupstore.calls.GC_BATCH_THRESHOLD`) raises CPython's
+    young-generation GC threshold to it for the whole process while :meth:`process_batch`
+    runs (:func:`~dedupstore.calls.gc_relaxed`; put back when the last batch ends): a
+    batch's objects would otherwise set off full collections, each walking every object
+    of the process, which in a process holding much data cost more than the batch.
+
+    Every outbox entry it writes is marked with the time it was written (what
+    :func:`~dedupstore.stats.outbox_backlog` reports as the oldest pending entry) and
+    with ``run``, a name for one run of a job over its input: with a ``run``, a
+    message this run applied (or dead-lettered) in an earlier call whose clean-up did
+    not finish (a crash, a retried task) comes out ``processed`` (or
+    ``dead_lettered``) again, not ``redispatched``: outcomes say what the run did,
+    whichever call of it got through.
+
+    Token mode (``tokens``, a :class:`~dedupstore.tokens.TokenStore`): a message that
+    carries a token (:data:`~dedupstore.tokens.TOKEN_HEADER`) is a duplicate when its
+    token is absent, and its token is deleted once its outputs are dispatched; one
+    without a token goes through the deduplication store as in retention mode (a
+    hybrid endpoint, in the same batch). Each outgoing message to a destination of
+    ``subscriptions`` (destination -> receiving endpoints) gets one token per
+    endpoint, created before it is dispatched and never again after. The guide's
+    "Token mode" page says how, and when to choose it.
+    """
+
+    def process(self, message: Message, handler: Handler) -> ProcessResult:
+        """Run the algorithm for one message; return what it did.
+
+        Raises ``InvalidMessageId`` (before any I/O), ``ConcurrencyConflict`` after
+        ``max_attempts`` conflicts, ``StoreUnavailable``, and whatever the handler or
+        the dispatcher raises (then the message must be redelivered). A message that
+        cannot be processed on any retry, because its own new state and outbox entry
+        do not fit in one entity record (``EntityTooLarge``) or an outgoing message is
+        over the dispatcher's ``max_message_bytes``/``max_header_bytes``
+        (``MessageTooLarge``, checked before anything is saved or sent), is set aside
+        with ``dead_letters`` (``dead_lettered``, its letter bounded: see
+        :meth:`letter_bytes`); without, that error is raised with ``message_id`` and
+        ``correlation_id`` naming it, nothing of it saved. They are raised with
+        ``dead_letters`` too when even the bounded letter cannot be written.
+        """
+        return run(self._process_one(message, handler))
+
+    def begin_attempt(self, message: Message) -> int:
+        """Record in ``message``'s entity that its handler is about to run once more;
+        return how many such runs began, this one included (0: the message needs no
+        run: it was applied, dead-lettered or recorded already).
+
+        What a consume loop calls before it runs, alone, a message that a consumer
+        died holding (a broker delivery count above 1): the count survives the
+        process, so a message that kills every consumer running it can be set aside
+        after ``max_deliveries`` runs (see :class:`~dedupstore.consumers.Consumer`),
+        while an outage or a crash with the message merely in flight counts nothing.
+        The entity's ``attempts`` entry goes when the message is applied. Raises
+        ``InvalidMessageId`` (before any I/O), ``StoreUnavailable``, and
+        ``ConcurrencyConflict`` after ``max_attempts`` conflicts.
+        """
+        return run(self._begin_attempt(message))
+
+    def process_batch(
+        self,
+        messages: Sequence[Message],
+        handler: Handler,
+        *,
+        before_cleanup: BeforeCleanup | None = None,
+    ) -> list[ProcessResult]:
+        """Run the algorithm for many messages at once; one result per message, in order.
+
+        Round trips per batch, not per message: ``load_many``, one ``processed_among``,
+        ``save_many``, one ``dispatch``, then the clean-up (``add_many`` + ``save_many``
+        inline, ``save_many`` deferred); a batch that finds messages of entities it kept
+        recorded loads those entities too (and may ask ``processed_among`` once more).
+        Each entity's messages are handled in their order in ``messages``. Entities whose
+        save conflicts are retried alone with :meth:`process`. When one entity's share of
+        the batch does not fit in its record, the batch runs in consecutive rounds that
+        each fit. The same message (same entity and id) twice in a batch is applied once:
+        the first copy says ``processed``, the others ``duplicate``. Same guarantees and
+        errors as :meth:`process` for every message: with ``dead_letters`` a message too
+        large to process is ``dead_lettered`` and the others go on; without, the batch
+        raises ``EntityTooLarge``/``MessageTooLarge`` for the first such message
+        (``message_id``, ``correlation_id``) with nothing of it saved.
+
+        ``before_cleanup(messages, results)`` is called once the outcomes of ``messages``
+        (all of them, or one round's) are final and their outgoing messages dispatched,
+        before any of their entries is cleaned up (step 5): with a ``run``, whatever it
+        records of them (and makes durable) before it returns stays true when the call is
+        cut short and run again. Should it raise, nothing is cleaned up and the error
+        propagates (a later call cleans up).
+        """
+        return run(self._process_batch(messages, handler, before_cleanup))
+
+    def redrive(self, letter: object, handler: Handler) -> ProcessResult:
+        """Process a dead-lettered message again, after a fix; once per dead letter.
+
+        ``letter`` is the dead letter in any form it is read back (see
+        :func:`~dedupstore.dead_letters.letter_body`): the ``OutgoingMessage`` as
+        dispatched or its body, a Redis stream entry, a row of the SQLite table queue,
+        an AMQP body, the JSON ``dedupstore dead-letters show`` prints. The original
+        message runs as a message of the same entity whose id (what the processor
+        records) is the dead letter's id (deterministic) and whose headers add
+        ``dedupstore-redrive-of`` (the original id); the handler sees the original
+        message: its id, body and headers (with that header). The original id stays
+        recorded, so a replay of it is still a duplicate, and redriving one letter
+        twice applies it once. Should the handler fail again, the message is
+        dead-lettered again (a letter of this one, whose redrive the handler also
+        sees under the original id). Raises ``ConfigurationError`` before any I/O for
+        a letter that is not a dead letter, the letter of a malformed delivery (never
+        a message: nothing to redrive), a letter of another consumer (naming both) or
+        a letter that keeps a redrive token given to a processor without ``tokens``,
+        ``DeadLetterIncomplete`` for a bounded letter (the original's body or headers
+        replaced by their size and digest), and what :meth:`process` raises.
+        """
+        return run(self._redrive(letter, handler))
 
 
 def _conflict(entity: Entity) -> ConcurrencyConflict:

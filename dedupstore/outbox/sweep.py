@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 
 from dedupstore import metrics
@@ -25,6 +25,7 @@ from dedupstore.outbox.tokened import (
     stamped,
     unmade,
 )
+from dedupstore.steps import Steps, io, run, user
 from dedupstore.store import DeduplicationStore
 from dedupstore.tokens import TokenStore
 
@@ -83,6 +84,34 @@ def sweep(
     not made yet (its consumer died before) is not redispatched: it counts in
     ``ids_left`` and the message's redelivery completes it.
     """
+    return run(
+        _sweep(
+            entities,
+            dedup,
+            segment,
+            segments,
+            redispatch,
+            batch_ids=batch_ids,
+            max_attempts=max_attempts,
+            progress=progress,
+            tokens=tokens,
+        )
+    )
+
+
+def _sweep(
+    entities: EntityStore,
+    dedup: DeduplicationStore,
+    segment: int,
+    segments: int,
+    redispatch: Dispatcher | None,
+    *,
+    batch_ids: int,
+    max_attempts: int,
+    progress: Callable[[SweepResult], object] | None,
+    tokens: TokenStore | None,
+) -> Steps[SweepResult]:
+    """The steps of :func:`sweep`."""
     started = time.perf_counter()
     result = SweepResult(segment=segment, segments=segments)
     report = _SweepProgress(result, started, dedup.endpoint, progress)
@@ -90,7 +119,11 @@ def sweep(
     relay: list[OutgoingMessage] = []  # pending entries of the batch, sent in one call
     size = 0
     consumer = dedup.endpoint
-    for entity in entities.pending_outboxes(segment, segments):
+    scan = yield from io(entities.pending_outboxes, segment, segments)
+    while True:
+        entity = yield from io(_next, scan)
+        if entity is None:
+            break
         result.entities_scanned += 1
         _swept(entity, consumer)
         if entity.tokens and tokens is None:
@@ -110,15 +143,22 @@ def sweep(
         batch.append((entity, done))
         size += len(done)
         if size >= batch_ids:
-            _flush(entities, dedup, tokens, batch, result, max_attempts, redispatch, relay)
-            report.flushed()
+            yield from _flush(
+                entities, dedup, tokens, batch, result, max_attempts, redispatch, relay
+            )
+            yield from report.flushed()
             batch, relay, size = [], [], 0
     if batch:
-        _flush(entities, dedup, tokens, batch, result, max_attempts, redispatch, relay)
-        report.flushed()
+        yield from _flush(entities, dedup, tokens, batch, result, max_attempts, redispatch, relay)
+        yield from report.flushed()
     result.seconds = time.perf_counter() - started
     report.done()
     return result
+
+
+def _next(scan: Iterator[Entity]) -> Entity | None:
+    """The next entity of a scan (I/O when it reads a page), None at its end."""
+    return next(scan, None)
 
 
 def _swept(entity: Entity, consumer: str) -> Entity:
@@ -156,17 +196,29 @@ def applied_among(
     recorded for another consumer than ``dedup``'s endpoint (its outbox says nothing
     about this one) or ``token_ids`` without ``tokens``, ``StoreUnavailable``.
     """
+    return run(_applied_among(entities, dedup, messages, tokens=tokens, token_ids=token_ids))
+
+
+def _applied_among(
+    entities: EntityStore,
+    dedup: DeduplicationStore,
+    messages: Iterable[tuple[str, str]],
+    *,
+    tokens: TokenStore | None,
+    token_ids: Mapping[tuple[str, str], str] | None,
+) -> Steps[set[tuple[str, str]]]:
+    """The steps of :func:`applied_among`."""
     pairs, tokened = _asked(messages, tokens, token_ids)
     if not pairs:
         return set()
-    loaded = entities.load_many([cid for cid, _ in pairs])
+    loaded = yield from io(entities.load_many, [cid for cid, _ in pairs])
     consumer = dedup.endpoint
     for entity in loaded.values():
         if entity.consumer is not None and entity.consumer != consumer:
             raise _foreign(entity, consumer)
     found = {(cid, mid) for cid, mid in pairs if mid in loaded[cid].outbox}
     rest = [pair for pair in pairs if pair not in found]
-    return found | _recorded(dedup, rest, tokens, tokened)
+    return found | (yield from _recorded(dedup, rest, tokens, tokened))
 
 
 def recorded_among(
@@ -185,8 +237,19 @@ def recorded_among(
     ``processed_among``). Raises ``InvalidMessageId`` before any I/O,
     ``ConfigurationError`` for ``token_ids`` without ``tokens``, ``StoreUnavailable``.
     """
+    return run(_recorded_among(dedup, messages, tokens=tokens, token_ids=token_ids))
+
+
+def _recorded_among(
+    dedup: DeduplicationStore,
+    messages: Iterable[tuple[str, str]],
+    *,
+    tokens: TokenStore | None,
+    token_ids: Mapping[tuple[str, str], str] | None,
+) -> Steps[set[tuple[str, str]]]:
+    """The steps of :func:`recorded_among`."""
     pairs, tokened = _asked(messages, tokens, token_ids)
-    return _recorded(dedup, pairs, tokens, tokened)
+    return (yield from _recorded(dedup, pairs, tokens, tokened))
 
 
 def _asked(
@@ -214,17 +277,17 @@ def _recorded(
     pairs: list[tuple[str, str]],
     tokens: TokenStore | None,
     tokened: Mapping[tuple[str, str], str],
-) -> set[tuple[str, str]]:
+) -> Steps[set[tuple[str, str]]]:
     """Those of ``pairs`` whose token is gone (tokened) or whose key ``dedup`` holds."""
     found: set[tuple[str, str]] = set()
     waiting = [pair for pair in pairs if pair in tokened]
     if waiting:
         assert tokens is not None
-        present = tokens.present_among(sorted({tokened[p] for p in waiting}))
+        present = yield from io(tokens.present_among, sorted({tokened[p] for p in waiting}))
         found.update(p for p in waiting if tokened[p] not in present)
     rest = {message_key(cid, mid): (cid, mid) for cid, mid in pairs if (cid, mid) not in tokened}
     if rest:
-        found.update(rest[key] for key in dedup.processed_among(rest))
+        found.update(rest[key] for key in (yield from io(dedup.processed_among, rest)))
     return found
 
 
@@ -274,7 +337,7 @@ class _SweepProgress:
         result: SweepResult,
         started: float,
         consumer: str,
-        callback: Callable[[SweepResult], None] | None,
+        callback: Callable[[SweepResult], object] | None,
     ) -> None:
         self.result = result
         self.started = started
@@ -290,7 +353,7 @@ class _SweepProgress:
         metrics.count_conflicts(self.consumer, "sweep", result.conflicts_retried - self.conflicts)
         self.moved, self.conflicts = result.ids_moved, result.conflicts_retried
 
-    def flushed(self) -> None:
+    def flushed(self) -> Steps[None]:
         self._count()
         now = time.perf_counter()
         snapshot = replace(self.result, seconds=now - self.started)
@@ -302,7 +365,7 @@ class _SweepProgress:
                 level, "sweep of consumer %s in progress: %s", self.consumer, _totals(snapshot)
             )
         if self.callback is not None:
-            self.callback(snapshot)
+            yield from user(self.callback, snapshot)
 
     def done(self) -> None:
         self._count()
@@ -332,7 +395,7 @@ def _retire_and_save(
     tokens: TokenStore | None,
     batch: list[tuple[Entity, list[str]]],
     joint: int,
-) -> tuple[set[str], bool]:
+) -> Steps[tuple[set[str], bool]]:
     """Record the ids of ``batch`` as done, remove them and save: the ids of the entities
     whose save conflicted, and whether the token writes went in the saves (``joint``
     allowing: on one server; then a conflicted entity wrote nothing), or before them
@@ -341,13 +404,14 @@ def _retire_and_save(
     plan = retirement(pairs, dedup.endpoint) if joint else None
     folded = plan is not None and tokens is not None and foldable(plan, joint)
     if not folded:
-        retire(pairs, dedup, tokens, dedup.endpoint)
+        yield from retire(pairs, dedup, tokens, dedup.endpoint)
     for entity, mid in pairs:
         _remove(entity, mid)
     saved = [entity for entity, _ in batch]
     if plan is not None and tokens is not None and folded:
-        return retire_joined(entities, saved, plan, dedup, tokens, dedup.endpoint), True
-    return entities.save_many(saved), False
+        conflicts = yield from retire_joined(entities, saved, plan, dedup, tokens, dedup.endpoint)
+        return conflicts, True
+    return (yield from io(entities.save_many, saved)), False
 
 
 def _flush(
@@ -359,31 +423,33 @@ def _flush(
     max_attempts: int,
     redispatch: Dispatcher | None,
     relay: list[OutgoingMessage],
-) -> None:
+) -> Steps[None]:
     """Dispatch ``relay`` (one call), record the batch's ids as done (``add_many``, or
     their tokens deleted), then remove them; with a token store on the entity store's
     server, each entity's tokens are deleted in the save that removes its ids."""
     if redispatch is not None and relay:
-        _send(redispatch, relay, dedup.endpoint)
+        yield from _send(redispatch, relay, dedup.endpoint)
     joint = _joint_limit(entities, tokens)
-    conflicted, folded = _retire_and_save(entities, dedup, tokens, batch, joint)
+    conflicted, folded = yield from _retire_and_save(entities, dedup, tokens, batch, joint)
     moved = {entity.id: ids for entity, ids in batch}
     result.ids_moved += sum(len(ids) for eid, ids in moved.items() if eid not in conflicted)
     for eid in conflicted:
         ids = moved[eid]
         for _attempt in range(max_attempts):
             result.conflicts_retried += 1
-            entity = _swept(entities.load(eid), dedup.endpoint)
+            entity = _swept((yield from io(entities.load, eid)), dedup.endpoint)
             present = [mid for mid in ids if mid in entity.outbox]
             if not present:
                 result.ids_moved += len(ids)
                 break
             if folded:  # nothing of it was written: planned again from the reload
-                again, _ = _retire_and_save(entities, dedup, tokens, [(entity, present)], joint)
+                again, _ = yield from _retire_and_save(
+                    entities, dedup, tokens, [(entity, present)], joint
+                )
             else:  # recorded already (its tokens deleted): only removed
                 for mid in present:
                     _remove(entity, mid)
-                again = entities.save_many([entity])
+                again = yield from io(entities.save_many, [entity])
             if not again:
                 result.ids_moved += len(ids)
                 break

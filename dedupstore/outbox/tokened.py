@@ -29,6 +29,7 @@ For an incoming message with a token ``T`` (step numbers as in ``processor``):
 
 from __future__ import annotations
 
+import contextvars
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -40,6 +41,7 @@ from dedupstore.errors import ConcurrencyConflict, ConfigurationError
 from dedupstore.ids import message_key, validate_message_id
 from dedupstore.outbox._base import _Base
 from dedupstore.outbox.messages import Message
+from dedupstore.steps import Steps, io
 from dedupstore.store import DeduplicationStore
 from dedupstore.tokens import (
     TOKEN_HEADER,
@@ -189,15 +191,15 @@ def retire_joined(
     dedup: DeduplicationStore,
     tokens: TokenStore,
     consumer: str,
-) -> set[str]:
+) -> Steps[set[str]]:
     """Stores on one server: the writes of ``plan`` (:func:`retirement` of entries the
     caller then removed from ``to_save``): the keys of the entries without a token reach
     the deduplication store first, then each entity is saved with its token writes in
     its save. Returns the ids whose save conflicted (none of their tokens written: the
     retry plans them again). Counts the tokens consumed."""
     if plan.keys:
-        dedup.add_many(plan.keys)
-    _, conflicts = entities._save_tokened(to_save, tokens, plan.changes)
+        yield from io(dedup.add_many, plan.keys)
+    _, conflicts = yield from io(entities._save_tokened, to_save, tokens, plan.changes)
     consumed = sum(n for eid, n in plan.consumed.items() if eid not in conflicts)
     if consumed:
         metrics.count_tokens(consumer, "consumed", consumed)
@@ -209,7 +211,7 @@ def retire(
     dedup: DeduplicationStore,
     tokens: TokenStore | None,
     consumer: str,
-) -> None:
+) -> Steps[None]:
     """Record ``pairs`` (entity, incoming message id) as done: create the redrive
     tokens of dead letters, delete the incoming tokens and the garbage tokens, then
     add the keys of those that came without a token to ``dedup``.
@@ -221,11 +223,23 @@ def retire(
             raise _no_token_store(consumer)
         redrives = {t: e for change in plan.changes.values() for t, e in change.create.items()}
         if redrives:  # before the incoming tokens go: a crash between leaves both
-            tokens.create(redrives)
-        tokens.delete([t for change in plan.changes.values() for t in change.delete])
+            yield from io(tokens.create, redrives)
+        yield from io(tokens.delete, [t for change in plan.changes.values() for t in change.delete])
         metrics.count_tokens(consumer, "consumed", sum(plan.consumed.values()))
     if plan.keys:
-        dedup.add_many(plan.keys)
+        yield from io(dedup.add_many, plan.keys)
+
+
+#: The nonces the current call of a processor registered (only the registrant of a
+#: nonce creates its tokens): one set per call, in the thread's or the task's context.
+_NONCES: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
+    "dedupstore_nonces", default=None
+)
+
+
+def new_call() -> None:
+    """A public call of a processor begins: no nonce is its yet."""
+    _NONCES.set(set())
 
 
 def _no_token_store(consumer: str) -> ConfigurationError:
@@ -320,25 +334,26 @@ class _Tokened(_Base):
         return nonce
 
     def _my_nonces(self) -> set[str]:
-        """The nonces this thread's current call registered."""
-        nonces: set[str] | None = getattr(self._mine, "nonces", None)
+        """The nonces the current call registered (per thread, per task)."""
+        nonces = _NONCES.get()
         if nonces is None:
-            nonces = self._mine.nonces = set()
+            nonces = set()
+            _NONCES.set(nonces)
         return nonces
 
-    def _recorded_by_token(self, tokens: Mapping[str, str]) -> set[str]:
+    def _recorded_by_token(self, tokens: Mapping[str, str]) -> Steps[set[str]]:
         """Of ``tokens`` (message key -> incoming token id), the keys whose token is
         absent: duplicates."""
         if not tokens:
             return set()
         store = self._token_store()
-        present = store.present_among(list(dict.fromkeys(tokens.values())))
+        present = yield from io(store.present_among, list(dict.fromkeys(tokens.values())))
         missing = {key for key, token in tokens.items() if token not in present}
         if missing:
             metrics.count_tokens(self.consumer, "missing", len(missing))
         return missing
 
-    def _make(self, pairs: Sequence[tuple[Entity, str]], alone: bool = False) -> set[str]:
+    def _make(self, pairs: Sequence[tuple[Entity, str]], alone: bool = False) -> Steps[set[str]]:
         """Make the outgoing tokens of the pending entries ``pairs`` that need them
         (steps W2a, W3, W2b above, each one request for all); returns the ids of the
         entities whose saves conflicted, or that this call registered a nonce for
@@ -348,7 +363,7 @@ class _Tokened(_Base):
         if not todo:
             return set()
         if self._tokens_joined:
-            folded = self._make_folded(todo)
+            folded = yield from self._make_folded(todo)
             if folded is not None:
                 return folded
         store = self._token_store()
@@ -370,20 +385,22 @@ class _Tokened(_Base):
             entity.tokens[mid] = replace(tokens, registered=(*tokens.registered, self._nonce()))
             register[entity.id] = entity
         todo = [(e, mid) for e, mid in todo if e.id not in outraced]
-        conflicts = self.entities.save_many(list(register.values())) if register else set()
+        conflicts = (
+            (yield from io(self.entities.save_many, list(register.values()))) if register else set()
+        )
         conflicts |= outraced
         live = [(e, mid) for e, mid in todo if e.id not in conflicts]
         made: dict[str, str] = {}
         for entity, mid in live:
             made.update(minted(entity, mid, entity.tokens[mid].registered[-1]))
         if made:
-            store.create(made)
+            yield from io(store.create, made)
         marked: dict[str, Entity] = {}
         for entity, mid in live:
             tokens = entity.tokens[mid]
             entity.tokens[mid] = replace(tokens, made=tokens.registered[-1])
             marked[entity.id] = entity
-        late = self.entities.save_many(list(marked.values()))
+        late = yield from io(self.entities.save_many, list(marked.values()))
         if late:
             # Nobody else registered these nonces and no message carries them: they
             # can never be made now, so no token of theirs is left behind.
@@ -393,7 +410,7 @@ class _Tokened(_Base):
                 if e.id in late
                 for t in minted(e, mid, e.tokens[mid].made or "")
             }
-            store.delete(lost)
+            yield from io(store.delete, lost)
             made = {t: p for t, p in made.items() if t not in lost}
         if made:
             metrics.count_tokens(self.consumer, "created", len(made))
@@ -420,7 +437,7 @@ class _Tokened(_Base):
         entity.tokens[mid] = replace(tokens, made=nonce)
         return made
 
-    def _make_folded(self, todo: Sequence[tuple[Entity, str]]) -> set[str] | None:
+    def _make_folded(self, todo: Sequence[tuple[Entity, str]]) -> Steps[set[str] | None]:
         """Stores on one server: :meth:`_make` of the unmade entries ``todo`` in one joint
         save: each entry's nonce (this call's last one, else a fresh one) registered and
         marked made, its tokens created, atomically; a save that conflicts creates nothing
@@ -454,15 +471,15 @@ class _Tokened(_Base):
             entity.tokens[mid] = replace(tokens, registered=registered, made=nonce)
             marked[entity.id] = entity
         changes = {eid: TokenChange(create=tokens) for eid, tokens in made.items() if tokens}
-        return self._save_folded(list(marked.values()), changes)[1]
+        return (yield from self._save_folded(list(marked.values()), changes))[1]
 
     def _save_folded(
         self, entities: Sequence[Entity], changes: Mapping[str, TokenChange]
-    ) -> tuple[set[str], set[str]]:
+    ) -> Steps[tuple[set[str], set[str]]]:
         """``EntityStore._save_tokened`` of ``entities`` with their token ``changes``;
         ``(missing, conflicts)`` as it returns them. Counts the tokens created."""
         store = self._token_store()
-        missing, conflicts = self.entities._save_tokened(entities, store, changes)
+        missing, conflicts = yield from io(self.entities._save_tokened, entities, store, changes)
         created = sum(
             len(change.create)
             for eid, change in changes.items()
@@ -472,15 +489,19 @@ class _Tokened(_Base):
             metrics.count_tokens(self.consumer, "created", created)
         return missing, conflicts
 
-    def _save_retired(self, entities: Sequence[Entity], plan: Retirement) -> set[str]:
+    def _save_retired(self, entities: Sequence[Entity], plan: Retirement) -> Steps[set[str]]:
         """Stores on one server: :func:`retire_joined` of ``plan`` with ``entities``."""
         store = self._token_store()
-        return retire_joined(self.entities, entities, plan, self.dedup, store, self.consumer)
+        return (
+            yield from retire_joined(
+                self.entities, entities, plan, self.dedup, store, self.consumer
+            )
+        )
 
-    def _retire(self, pairs: Sequence[tuple[Entity, str]]) -> None:
+    def _retire(self, pairs: Sequence[tuple[Entity, str]]) -> Steps[None]:
         """Record ``pairs`` (entity, incoming message id; entries about to leave their
         outboxes) as done (:func:`retire`), before the save that removes them."""
-        retire(pairs, self.dedup, self.tokens, self.consumer)
+        yield from retire(pairs, self.dedup, self.tokens, self.consumer)
 
     def _token_store(self) -> TokenStore:
         """The token store, or ``ConfigurationError``: an entity written in token mode
