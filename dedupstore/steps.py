@@ -159,7 +159,7 @@ def _executor() -> ThreadPoolExecutor:
 
 
 async def offload(fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
-    """``fn(*args, **kwargs)``, a blocking call, run in one of :data:`OFFLOAD_THREADS`
+    """``fn(*args, **kwargs)``, a blocking call, run in one of ``OFFLOAD_THREADS``
     threads in a copy of the caller's context (its deadline).
 
     Cancelled while the call runs, it waits for the call to end (bounded by the

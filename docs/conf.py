@@ -67,6 +67,7 @@ nitpick_ignore_regex = [
     # docstrings for backend authors; the backend API page describes them).
     (r"py:.*", r"dedupstore\.(client|urls|calls|canonical|dead_letters)\..*"),
     (r"py:.*", r"dedupstore\.(D|T|entities\.T|registry\.T|entities\._Texts)"),
+    (r"py:.*", r"dedupstore\.(steps\.[TRP]|aio\.stores\.[ST]|aio\.processor\.C)"),
     (r"py:.*", r"dedupstore\.spark\._columns\..*"),
     (r"py:class", r"(StoreURL|Cleanup|Command|Handler)"),  # annotations imported for type checking
     # OutboxProcessor's private parts (one per module of dedupstore.outbox), shown as bases.
