@@ -240,7 +240,10 @@ def _bad_args(redis_server: Server, *args: str) -> tuple[int, str, str]:
         ("x = (\n", "SyntaxError"),
         ("import no_such_module_at_all\n", "ModuleNotFoundError: No module named"),
         ("raise RuntimeError('boom at import')\n", "RuntimeError: boom at import"),
-        ("async def handle(state, message):\n    return state, []\n", "async handlers are not"),
+        (
+            "async def handle(state, message):\n    return state, []\n",
+            "the sync OutboxProcessor cannot await it",
+        ),
     ],
 )
 def test_a_handler_that_cannot_run_is_reported_in_one_line_with_exit_2(

@@ -40,13 +40,14 @@ from typing import Any, Literal, NamedTuple
 
 import pytest
 
+from dedupstore import aio
 from dedupstore import tokens as tokens_module
 from dedupstore.entities import Entity, EntityStore
 from dedupstore.errors import ConcurrencyConflict
 from dedupstore.outbox import Handler, Message, OutboxProcessor, ProcessResult, message_key
 from dedupstore.outbox import tokened as tokened_module
 from dedupstore.outbox.tokened import minted
-from dedupstore.steps import Steps, run
+from dedupstore.steps import Steps, io, run
 from dedupstore.testing.interleavings import (
     Actor,
     InterleavingViolation,
@@ -190,12 +191,68 @@ CASES = [
 ]
 
 
+def _async_cases() -> list[Any]:
+    """The async face: every scenario once, in one clean-up mode (alternating), on one
+    backend of those the sync face runs it on there (rotating, so that every backend
+    runs some): the same steps as the sync face, driven on an event loop."""
+    cases = []
+    turn = 0
+    for index, (name, case) in enumerate(EVERY_SCENARIO.items()):
+        modes = [m for m in (MODES[index % 2], MODES[1 - index % 2]) if case.where[m]]
+        if not modes:
+            continue
+        cleanup = modes[0]
+        where = case.where[cleanup]
+        backend = where[turn % len(where)]
+        turn += 1
+        cases.append(
+            pytest.param(
+                name,
+                cleanup,
+                backend,
+                marks=getattr(pytest.mark, backend),
+                id=f"async-{name}-{cleanup}-{backend}",
+            )
+        )
+    return cases
+
+
+ASYNC_CASES = _async_cases()
+
+
 @pytest.mark.parametrize(
     ("scenario", "cleanup", "outbox_backend"), CASES, indirect=["outbox_backend"]
 )
 @pytest.mark.timeout(1200)
 def test_every_schedule_keeps_every_invariant(
     outbox_backend: OutboxBackend, cleanup: Literal["inline", "deferred"], scenario: str
+) -> None:
+    _explore_case(outbox_backend, cleanup, scenario, "sync")
+
+
+@pytest.mark.parametrize(
+    ("scenario", "cleanup", "outbox_backend"), ASYNC_CASES, indirect=["outbox_backend"]
+)
+@pytest.mark.timeout(1200)
+def test_every_schedule_of_the_async_face_keeps_every_invariant(
+    outbox_backend: OutboxBackend, cleanup: Literal["inline", "deferred"], scenario: str
+) -> None:
+    _explore_case(outbox_backend, cleanup, scenario, "async")
+
+
+def test_the_async_face_runs_every_scenario_and_reaches_every_backend() -> None:
+    names = {p.values[0] for p in ASYNC_CASES}
+    assert names == set(EVERY_SCENARIO) - {
+        n for n, c in EVERY_SCENARIO.items() if not any(c.where.values())
+    }
+    assert {p.values[2] for p in ASYNC_CASES} == set(ALL)
+
+
+def _explore_case(
+    outbox_backend: OutboxBackend,
+    cleanup: Literal["inline", "deferred"],
+    scenario: str,
+    face: Literal["sync", "async"],
 ) -> None:
     case = EVERY_SCENARIO[scenario]
     # The harness checks the algorithm, not deadlines: a call that outlasts its timeout
@@ -213,6 +270,7 @@ def test_every_schedule_keeps_every_invariant(
             functools.partial(outbox_backend.tokens, **patient) if case.tokens != "off" else None
         ),
         limit=case.limit,
+        face=face,
     )
     assert runs >= 3, f"only {runs} schedules: the harness did not interleave"
 
@@ -507,6 +565,59 @@ def test_the_harness_catches_a_broken_processor(
     violation = caught.value
     assert violation.invariant in broken.invariants, str(violation)
     assert violation.schedule and "schedule:" in str(violation)
+
+
+class AsyncRemoveBeforeAdd(aio.AsyncOutboxProcessor):
+    """BROKEN, on the async face: takes the id out of the outbox before it is in the
+    deduplication store."""
+
+    def _clean_up(self, entity: Entity, mid: str) -> Steps[None]:
+        if self.cleanup != "inline":
+            return (yield from super()._clean_up(entity, mid))
+        del entity.outbox[mid]
+        yield from io(self.entities.save, entity)
+        yield from io(self.dedup.add, message_key(entity.id, mid))
+
+
+class AsyncSendFirst(aio.AsyncOutboxProcessor):
+    """BROKEN, on the async face: a batch dispatches its new outgoing messages before it
+    saves them."""
+
+    def _save_applied_many(
+        self, changed: dict[str, Entity], entries: dict[str, tuple[Entity, str]]
+    ) -> Steps[set[str]]:
+        pending = [m for e, mid in entries.values() for m in e.outbox[mid] or ()]
+        if pending:
+            yield from io(self.dispatcher.dispatch, pending)
+        return (yield from super()._save_applied_many(changed, entries))
+
+
+ASYNC_BROKEN = {
+    "remove-before-add": Broken(
+        AsyncRemoveBeforeAdd, Scenario((ONE, ONE), 1, "inline"), {"in-outbox-or-store"}
+    ),
+    "batch-dispatch-before-save": Broken(
+        AsyncSendFirst, Scenario((BATCH, ONE), 2, "deferred"), {"ghost"}
+    ),
+}
+
+
+@pytest.mark.parametrize("outbox_backend", backend_params(("memory", "sqlite")), indirect=True)
+@pytest.mark.parametrize("variant", list(ASYNC_BROKEN))
+def test_the_harness_catches_a_broken_async_processor(
+    outbox_backend: OutboxBackend, variant: str
+) -> None:
+    """ANTI-TEST: the async face's exploration catches a broken variant of it."""
+    broken = ASYNC_BROKEN[variant]
+    with pytest.raises(InterleavingViolation) as caught:
+        explore(
+            broken.scenario,
+            outbox_backend.entities,
+            outbox_backend.dedup,
+            processor=broken.processor,
+            face="async",
+        )
+    assert caught.value.invariant in broken.invariants, str(caught.value)
 
 
 class KeptHidesEntries(OutboxProcessor):

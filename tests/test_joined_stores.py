@@ -29,6 +29,7 @@ from dedupstore.errors import (
     StoreUnavailable,
 )
 from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send, message_key
+from dedupstore.steps import run
 from dedupstore.store import DeduplicationStore
 from dedupstore.testing.interleavings import (
     Actor,
@@ -184,7 +185,7 @@ def test_process_costs_two_requests_on_one_server_once_it_kept_the_entity(
 def _pending(entities: EntityStore, dedup: DeduplicationStore, mid: str) -> Entity:
     """An entity holding ``mid`` pending, saved (steps 1-4 of ``process``)."""
     processor = OutboxProcessor(entities, dedup, InMemoryDispatcher())
-    processor._process(Message(mid, "e", {}), _handler, set(), clean=False)
+    run(processor._process(Message(mid, "e", {}), _handler, set(), clean=False))
     entity = entities.load("e")
     assert entity.outbox.get(mid)
     return entity

@@ -23,7 +23,7 @@ from dedupstore.dispatch import URLDispatcher
 from dedupstore.entities import Entity, EntityStore
 from dedupstore.steps import offload
 from dedupstore.store import DeduplicationStore
-from dedupstore.tokens import TokenCount, TokenStore
+from dedupstore.tokens import TokenCount, TokenRecord, TokenStore
 
 __all__ = [
     "AsyncClient",
@@ -57,6 +57,11 @@ class AsyncClient(Generic[S]):
     def option(self, name: str) -> Any:
         """The value of the option ``name`` (converted)."""
         return self.sync.option(name)
+
+    async def health_warnings(self) -> list[str]:
+        """What the sync client's ``health_warnings`` reports (a configuration that
+        weakens a guarantee). Raises ``StoreClosed``, ``StoreUnavailable``."""
+        return await offload(self.sync.health_warnings)
 
     async def close(self) -> None:
         """Release what the client holds (its connection, when it was the last)."""
@@ -192,6 +197,13 @@ class AsyncTokenStore(AsyncClient[TokenStore]):
     async def outstanding(self) -> dict[str, TokenCount]:
         """:meth:`TokenStore.outstanding <dedupstore.tokens.TokenStore.outstanding>`."""
         return await offload(self.sync.outstanding)
+
+    def scan(
+        self, *, endpoint: str | None = None, created_before: float | None = None
+    ) -> AsyncIterator[TokenRecord]:
+        """:meth:`TokenStore.scan <dedupstore.tokens.TokenStore.scan>`, page by page:
+        ``async for record in tokens.scan()``; its arguments checked at the call."""
+        return _each(self.sync.scan(endpoint=endpoint, created_before=created_before))
 
 
 class AsyncDispatcher(AsyncClient[URLDispatcher]):

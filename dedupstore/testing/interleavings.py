@@ -53,6 +53,7 @@ schedule, so a broken processor variant is reported, not just failed.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import itertools
 import queue
@@ -62,6 +63,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from dedupstore import aio
 from dedupstore import tokens as tokens_module
 from dedupstore.entities import Entity, EntityStore, OutgoingMessage
 from dedupstore.outbox import (
@@ -70,6 +72,7 @@ from dedupstore.outbox import (
     OutboxProcessor,
     ProcessResult,
     Send,
+    SweepResult,
     message_key,
     outgoing_id,
     sweep,
@@ -82,12 +85,15 @@ __all__ = [
     "Actor",
     "Crash",
     "CrashPoint",
+    "Face",
     "InterleavingViolation",
+    "OnLoop",
     "Run",
     "Scenario",
     "explore",
     "independent",
     "ledger_handler",
+    "sweep_with",
 ]
 
 _WAIT = 120.0  # seconds a step may take before the run is declared stuck
@@ -283,7 +289,61 @@ class _Explorer:
         self.finished = True
 
 
-ProcessorFactory = Callable[..., OutboxProcessor]
+ProcessorFactory = Callable[..., Any]
+#: Which face of the library the actors drive: ``OutboxProcessor`` and ``sweep`` in
+#: the actor's thread, or ``AsyncOutboxProcessor`` and ``aio.sweep`` on an event loop of
+#: its own (its store calls in the async face's threads).
+Face = Literal["sync", "async"]
+
+
+class OnLoop:
+    """An :class:`~dedupstore.aio.AsyncOutboxProcessor`, called as the sync one is: each
+    call runs on an event loop of its own, in the calling (actor's) thread."""
+
+    def __init__(self, processor: aio.AsyncOutboxProcessor) -> None:
+        self.processor = processor
+
+    @property
+    def _kept(self) -> Any:
+        return self.processor._kept
+
+    @_kept.setter
+    def _kept(self, kept: Any) -> None:
+        self.processor._kept = kept
+
+    def process(self, message: Message, handler: Any) -> ProcessResult:
+        return asyncio.run(self.processor.process(message, handler))
+
+    def process_batch(
+        self, messages: Sequence[Message], handler: Any, *, before_cleanup: Any = None
+    ) -> list[ProcessResult]:
+        return asyncio.run(
+            self.processor.process_batch(messages, handler, before_cleanup=before_cleanup)
+        )
+
+    def begin_attempt(self, message: Message) -> int:
+        return asyncio.run(self.processor.begin_attempt(message))
+
+
+def _faced(processor: ProcessorFactory | None, face: Face) -> ProcessorFactory:
+    """The factory of the actors' processors for ``face`` (``None``: the face's own)."""
+    if face == "sync":
+        return processor or OutboxProcessor
+    made = processor or aio.AsyncOutboxProcessor
+
+    def on_loop(*args: Any, **kwargs: Any) -> OnLoop:
+        return OnLoop(made(*args, **kwargs))
+
+    return on_loop
+
+
+def sweep_with(face: Face, entities: Any, dedup: Any, tokens: Any = None) -> SweepResult:
+    """One :func:`~dedupstore.outbox.sweep`, by ``face``."""
+    if face == "sync":
+        return sweep(entities, dedup, tokens=tokens)
+    return asyncio.run(aio.sweep(entities, dedup, tokens=tokens))
+
+
 Observer = Callable[[list[str]], None]
 
 
@@ -604,6 +664,7 @@ def _run_once(
     processor: ProcessorFactory,
     explorer: _Explorer,
     crash: CrashPoint | None,
+    face: Face = "sync",
 ) -> Run:
     """Run one schedule of ``scenario`` on fresh ids, then redeliver, sweep and check."""
     tag = uuid.uuid4().hex[:12]
@@ -666,7 +727,7 @@ def _run_once(
         result: list[ProcessResult] | BaseException | None = None
         try:
             if actor.kind == "sweep":
-                sweep(entities, dedup, tokens=options(index).get("tokens"))
+                sweep_with(face, entities, dedup, options(index).get("tokens"))
             else:
                 runner = processor(
                     entities, dedup, dispatcher, cleanup=scenario.cleanup, **options(index)
@@ -875,10 +936,11 @@ def explore(
     entity_store: Callable[[], EntityStore],
     dedup_store: Callable[[], DeduplicationStore],
     *,
-    processor: ProcessorFactory = OutboxProcessor,
+    processor: ProcessorFactory | None = None,
     crash_actor: int | None = None,
     limit: int | None = None,
     token_store: Callable[[], TokenStore] | None = None,
+    face: Face = "sync",
 ) -> int:
     """Run every schedule of ``scenario``; return how many. Raises :class:`InterleavingViolation`.
 
@@ -888,8 +950,12 @@ def explore(
     actor's steps, crashing there: before its first step, then after each step.
     ``limit`` stops after that many schedules (for slow emulators; ``None``: all).
     ``token_store`` opens a client of the token store, for a scenario in token mode
-    (``ValueError`` without one).
+    (``ValueError`` without one). ``face``: the actors drive ``OutboxProcessor``
+    (``"sync"``) or :class:`~dedupstore.aio.AsyncOutboxProcessor` (``"async"``, each
+    call on an event loop of its own); ``processor`` (a class of that face, default
+    the face's own) makes them.
     """
+    made = _faced(processor, face)
     if scenario.tokens != "off" and token_store is None:
         raise ValueError(f"a scenario with tokens={scenario.tokens!r} needs a token_store")
     size = len(scenario.actors) + 1
@@ -914,7 +980,7 @@ def explore(
             fired = False
             explorer = _Explorer()
             while not explorer.finished:
-                run = _run_once(scenario, world, processor, explorer, crash)
+                run = _run_once(scenario, world, made, explorer, crash, face)
                 explorer.backtrack()
                 fired = fired or run.crash_reached
                 if run.blocked:
