@@ -39,6 +39,7 @@ PARTS: dict[str, str | None] = {
     "backends/rabbitmq": "rabbitmq",
     "backends/kafka.py": "kafka",
     "spark_integration": "spark",
+    "dedupstore/aio/faststream.py": "faststream",
 }
 
 
@@ -112,10 +113,11 @@ def _module_imports(path: Path) -> set[str]:
 def _files(part: str) -> list[Path]:
     path = ROOT / part
     files = [path] if path.suffix == ".py" else sorted(path.rglob("*.py"))
+    inner = [p for p in PARTS if p.startswith(f"{part}/")]  # parts of their own
     return [
         f
         for f in files
-        if not any(f.relative_to(ROOT).as_posix().startswith(lazy) for lazy in LAZY)
+        if not any(f.relative_to(ROOT).as_posix().startswith(x) for x in (*LAZY, *inner))
     ]
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from tests.wheel import build_wheel, top_level_names
 
+ROOT_DIR = Path(__file__).resolve().parent.parent
+
 
 def test_the_wheel_installs_only_the_dedupstore_package(tmp_path: Path) -> None:
     wheel = build_wheel(tmp_path)
@@ -28,4 +30,9 @@ def test_the_wheel_installs_only_the_dedupstore_package(tmp_path: Path) -> None:
         "dedupstore/py.typed",
     ):
         assert module in names, module
+    # every package of the source tree is in the wheel (a new subpackage not listed in
+    # pyproject.toml would be left out silently)
+    for init in sorted(ROOT_DIR.glob("dedupstore/**/__init__.py")):
+        module = init.relative_to(ROOT_DIR).as_posix()
+        assert module in names, f"{module} is not in the wheel: list its package"
     assert not any(name.startswith(("backends/", "spark_integration/")) for name in names)
