@@ -19,7 +19,7 @@ from dedupstore import aio, steps
 from dedupstore.entities import OutgoingMessage
 from dedupstore.errors import ConcurrencyConflict, ConfigurationError, InvalidMessageId
 from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, ProcessResult, Send
-from dedupstore.tokens import TOKEN_HEADER
+from dedupstore.tokens import TOKEN_HEADER, new_nonce, token_id
 from tests.outbox_backends import OutboxBackend, backend_params
 from tests.test_readme import example, run_python, runs, succeeded
 
@@ -238,6 +238,75 @@ def test_a_task_cancelled_in_any_call_leaves_what_a_redelivery_completes(
     exactly once, its outputs sent (again, same ids), nothing left over."""
 
     asyncio.run(_cancel_in_each_call(outbox_backend, cleanup, monkeypatch))
+
+
+@backends
+def test_a_task_cancelled_in_any_call_of_token_mode_leaves_no_token_behind_or_back(
+    outbox_backend: OutboxBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Token mode (a message with a token, outputs subscribed): for each call of its
+    processing, a task cancelled while that call is in flight; the redelivery applies
+    it once, consumes its token, and leaves exactly one made token per subscribed
+    output (none created again once its receiver could have consumed it)."""
+
+    async def main() -> None:
+        tag = uuid.uuid4().hex[:6]
+        entities, dedup, tokens = await _open(outbox_backend, endpoint=f"b-{tag}")
+        out = InMemoryDispatcher()
+
+        def processor() -> aio.AsyncOutboxProcessor:
+            return aio.AsyncOutboxProcessor(
+                entities, dedup, out, tokens=tokens, subscriptions={"out": [f"r-{tag}"]}
+            )
+
+        def tokened(n: int) -> Message:
+            nonce = new_nonce()
+            return Message(f"m{n}", f"e{n}", n, {TOKEN_HEADER: nonce})
+
+        async def minted_for(message: Message) -> None:
+            await tokens.create(
+                {token_id(message.id, f"b-{tag}", message.headers[TOKEN_HEADER]): f"b-{tag}"}
+            )
+
+        probe = tokened(0)
+        await minted_for(probe)
+        counter = _Gated(hold=0)  # counts the calls of one message's processing
+        monkeypatch.setattr(steps, "_executor", lambda: counter)
+        await processor().process(probe, counting)
+        calls = counter.calls
+        for hold in range(1, calls + 1):
+            message = tokened(hold)
+            await minted_for(message)
+            gate = _Gated(hold)
+            monkeypatch.setattr(steps, "_executor", lambda gate=gate: gate)
+            task = asyncio.create_task(processor().process(message, counting))
+            try:
+                await asyncio.to_thread(gate.entered.wait, 30)
+                task.cancel()
+                await asyncio.sleep(0.05)
+                assert not task.done(), "cancelled before the call in flight ended"
+            finally:
+                gate.release.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            monkeypatch.setattr(steps, "_executor", lambda: counter)
+            again = await processor().process(message, counting)
+            assert again.outcome in ("processed", "redispatched", "duplicate"), again
+            entity = await entities.load(message.correlation_id)
+            assert entity.state["seen"] == [message.id], (hold, entity.state)
+            assert not entity.outbox and not entity.tokens, (hold, entity.outbox)
+            incoming = token_id(message.id, f"b-{tag}", message.headers[TOKEN_HEADER])
+            assert not await tokens.present(incoming), "the incoming token was consumed"
+            sent = {m.id: m for m in out.sent if m.body.get("of") == message.id}
+            subscribed = [m for m in sent.values() if m.destination == "out"]
+            assert len(subscribed) == 1, (hold, sent)
+            made = subscribed[0].headers[TOKEN_HEADER]
+            assert await tokens.present(token_id(subscribed[0].id, f"r-{tag}", made))
+            assert (await processor().process(message, counting)).outcome == "duplicate"
+        for client in (entities, dedup, tokens):
+            await client.close()
+
+    asyncio.run(main())
 
 
 @pytest.mark.memory
