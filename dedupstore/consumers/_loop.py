@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from types import FrameType
-from typing import Literal
+from typing import Any, Literal
 
 from tenacity import wait_random_exponential
 
@@ -38,9 +38,10 @@ from dedupstore.outbox import (
     Message,
     OutboxProcessor,
     bounded_letter,
-    check_handler,
 )
 from dedupstore.outbox.letters import refusing
+from dedupstore.outbox.processor import _Processor
+from dedupstore.steps import Steps, io, run
 
 __all__ = [
     "MALFORMED_ENTITY",
@@ -163,71 +164,43 @@ def stopping_on_signals(stop: Callable[[], None] | None, said: str) -> Iterator[
             signal.signal(sig, handler)
 
 
-class Consumer:
-    """Reads a :class:`~dedupstore.consumers.Broker` and processes exactly once.
+class _Loop:
+    """The consume loop's rounds, written once as steps (:mod:`dedupstore.steps`):
+    :class:`Consumer` drives them in its thread, :class:`dedupstore.aio.AsyncConsumer`
+    on the event loop. A face supplies :meth:`run_once`, :meth:`release` and
+    :meth:`_pause` (a plain or an ``async def`` method each)."""
 
-    Guarantees: a delivery is acknowledged only once it is done, i.e. the
-    processor returned for it (``processed``, ``duplicate``, ``redispatched``,
-    ``dead_lettered``) or it was set aside (its dead letter dispatched).
-
-    **Outages are never poison.** A delivery that an outage stopped
-    (``StoreUnavailable`` from a store or the dispatcher, a conflict that
-    persisted, any error that is not the message's own) is *held*: this consumer
-    keeps it (:meth:`Broker.keep <dedupstore.consumers.Broker.keep>` keeps its lease)
-    and runs it first in its next round, after a jittered exponential backoff (at
-    most ``max_backoff`` seconds), in order before later deliveries of its entity.
-    It is never given back to the broker, so no broker delivery count rises with an
-    outage, however long.
-
-    **A message that kills its consumer is set aside.** A delivery whose broker
-    count is above 1 was held by a consumer that died (or lost its lease). Before
-    running it, the loop records the run in the message's entity
-    (:meth:`OutboxProcessor.begin_attempt
-    <dedupstore.outbox.OutboxProcessor.begin_attempt>`) and runs it alone, with no
-    other handler running in this process, so a crash counts only against the
-    message that was running. Once a message's recorded runs would exceed
-    ``max_deliveries``, it is handed to the processor with a handler that refuses
-    it: a duplicate if an earlier run applied it, else dead-lettered by the
-    processor exactly once (recorded in its entity, so ``redrive`` applies it once)
-    without running the handler that killed the earlier consumers. A crash with a
-    batch merely in flight, or an outage, counts nothing. Brokers that do not count
-    deliveries (Kafka) isolate nothing: ``max_deliveries`` does not apply there.
-
-    A delivery that ``rules`` cannot turn into a message is set aside once: one
-    dead letter to the processor's ``dead_letters`` with a deterministic id (a
-    redelivery dispatches the same id and bytes), then acknowledged.
-    ``mode="batch"`` runs ``process_batch`` over the round (a batch with a message
-    that fails on its own, a handler that raises or an entity that cannot hold it,
-    without ``dead_letters``, is run message by message, so only that message is
-    given back, with ``nack``); ``"single"`` runs ``process`` per message.
-    :meth:`stop` (and SIGTERM/SIGINT under :meth:`run`) ends the loop after the
-    round in flight is processed and acknowledged; what is held then is given back.
-    """
+    #: What the face accepts as a broker (checked in ``__init__``).
+    _brokers: tuple[type, ...] = (Broker,)
+    #: The processor class the face needs (named in the error).
+    _processor_class: type = OutboxProcessor
+    #: The broker read (a face narrows its type).
+    broker: Any
+    #: The outbox processor (the face's: its methods are the loop's calls).
+    processor: Any
 
     def __init__(
         self,
-        broker: Broker,
-        processor: OutboxProcessor,
-        handler: Handler,
+        broker: Any,
+        processor: _Processor,
+        handler: Any,
         *,
-        rules: MessageRules | None = None,
-        batch_size: int = 100,
-        mode: Literal["batch", "single"] = "batch",
-        max_deliveries: int | None = 5,
-        wait: float | str | timedelta = 1.0,
-        max_backoff: float | str | timedelta = 30.0,
+        rules: MessageRules | None,
+        batch_size: int,
+        mode: Literal["batch", "single"],
+        max_deliveries: int | None,
+        wait: float | str | timedelta,
+        max_backoff: float | str | timedelta,
     ) -> None:
-        """``wait`` and ``max_backoff``: seconds, or durations such as ``"1s"`` or
-        ``"250ms"`` (as URLs take them). Raises ``ConfigurationError`` (no I/O) for a
-        bad option, an async handler, or ``max_deliveries`` without ``dead_letters`` on
-        the processor."""
-        if not isinstance(broker, Broker):
-            raise ConfigurationError(f"broker must be a Broker, got {type(broker).__name__}")
-        if not isinstance(processor, OutboxProcessor):
+        if not isinstance(broker, self._brokers):
+            names = " or ".join(kind.__name__ for kind in self._brokers)
+            raise ConfigurationError(f"broker must be a {names}, got {type(broker).__name__}")
+        if not isinstance(processor, self._processor_class):
             raise ConfigurationError(
-                f"processor must be an OutboxProcessor, got {type(processor).__name__}"
+                f"processor must be an {self._processor_class.__name__}, got "
+                f"{type(processor).__name__}"
             )
-        check_handler(handler)
+        processor._check_handler(handler)
         rules = MessageRules() if rules is None else rules
         if not isinstance(rules, MessageRules):
             raise ConfigurationError(f"rules must be MessageRules, got {type(rules).__name__}")
@@ -264,56 +237,63 @@ class Consumer:
     @property
     def consumer(self) -> str:
         """The consumer's name (the processor's deduplication endpoint)."""
-        return self.processor.consumer
+        return str(self.processor.consumer)
+
+    def stop(self) -> None:
+        """End :meth:`run` after the round in flight (processed and acknowledged); called
+        before :meth:`run` (from a signal handler, another thread), the run does no round."""
+        self._stopping.set()
+
+    # The face's own: plain methods (the sync face) or ``async def`` (the async one).
+    def run_once(self) -> Any:
+        """One round (the face's)."""
+        raise NotImplementedError
+
+    def release(self) -> Any:
+        """Give back what is held (the face's)."""
+        raise NotImplementedError
+
+    def _pause(self) -> Any:
+        raise NotImplementedError
+
+    def _pause_seconds(self) -> float:
+        return pause_before(self._failures, self._backoff)
 
     # ------------------------------------------------------------------ the loop
 
-    def run(self, *, install_signal_handlers: bool = True) -> ConsumeStats:
-        """Run rounds until :meth:`stop`; return the totals.
-
-        With ``install_signal_handlers`` (in the main thread), SIGTERM and SIGINT
-        call :meth:`stop` (the previous handlers are restored on return). Between
-        rounds that left something for redelivery it sleeps a bounded backoff
-        (:meth:`stop` cuts it short). A broker that cannot answer
-        (``StoreUnavailable``) is retried the same way; ``ConfigurationError``,
-        ``ConsistencyError`` and ``StoreClosed`` end the loop (raised); :attr:`totals`
-        then holds what the run did, the round that failed included. What an outage
-        left held when the loop ends is given back (:meth:`release`).
-        """
+    def _rounds(self) -> Steps[ConsumeStats]:
+        """The steps of ``run``: the face's ``run_once`` until stopped, its ``_pause``
+        after a round that failed; what is held is given back at the end."""
         self.totals = totals = ConsumeStats()
-        said = f"consumer {self.consumer}: %s received; stopping after the batch in flight"
         try:
-            with stopping_on_signals(self.stop if install_signal_handlers else None, said):
-                while not self._stopping.is_set():
-                    try:
-                        totals.add(self.run_once())
-                    except _FATAL:
-                        totals.add(self._round)  # what the failed round did before
-                        raise
-                    except Exception as exc:  # noqa: BLE001 - the broker failed: back off
-                        self._failures += 1
-                        totals.failures += 1
-                        _log.warning(
-                            "consumer %s: the broker call failed (%s: %s); retrying",
-                            self.consumer,
-                            type(exc).__name__,
-                            format_error(exc),
-                        )
-                    if self._failures and not self._stopping.is_set():
-                        self._pause()
+            while not self._stopping.is_set():
+                try:
+                    totals.add((yield from io(self.run_once)))
+                except _FATAL:
+                    totals.add(self._round)  # what the failed round did before
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the broker failed: back off
+                    self._failures += 1
+                    totals.failures += 1
+                    _log.warning(
+                        "consumer %s: the broker call failed (%s: %s); retrying",
+                        self.consumer,
+                        type(exc).__name__,
+                        format_error(exc),
+                    )
+                if self._failures and not self._stopping.is_set():
+                    yield from io(self._pause)
         finally:
             self._stopping.clear()  # the next run starts afresh
-            self.release()
+            yield from io(self.release)
             metrics.set_pending(self.consumer, self.broker.kind, None)
         return totals
 
-    def release(self) -> None:
-        """Give back to the broker what an outage left held (:meth:`run` does on
-        return); a broker that cannot answer redelivers them anyway (after the lease)."""
+    def _release(self) -> Steps[None]:
         held, self._held = self._held, []
         if held:
             try:
-                self.broker.nack(held)
+                yield from io(self.broker.nack, held)
             except Exception as exc:  # noqa: BLE001 - redelivered after the lease anyway
                 _log.warning(
                     "consumer %s: giving back %d held deliveries failed (%s)",
@@ -322,41 +302,28 @@ class Consumer:
                     format_error(exc),
                 )
 
-    def stop(self) -> None:
-        """End :meth:`run` after the round in flight (processed and acknowledged); called
-        before :meth:`run` (from a signal handler, another thread), the run does no round."""
-        self._stopping.set()
-
-    def _pause(self) -> None:
-        self._stopping.wait(pause_before(self._failures, self._backoff))
-
     # ------------------------------------------------------------------ one round
 
-    def run_once(self) -> ConsumeStats:
-        """One round: take again what an outage held, reclaim, fetch (at most
-        ``batch_size`` together); set aside the malformed, run alone (counted) what a
-        dead consumer held, process the rest; ack what is done, nack what failed on its
-        own, hold what an outage stopped for the next round.
-
-        Raises what the broker raises from ``reclaim``, ``fetch``, ``ack`` or
-        ``nack`` (what was not acknowledged is redelivered), and the errors no retry
-        fixes (``ConfigurationError``, ``ConsistencyError``, ``StoreClosed``) after
-        leaving the round for redelivery.
-        """
+    def _run_once(self) -> Steps[ConsumeStats]:
+        """The steps of ``run_once``."""
         self._round = stats = ConsumeStats(rounds=1)
         kind = self.broker.kind
         if self._unacked:  # done in a round whose acknowledgement failed: not run again
-            self.broker.ack(self._unacked)
+            yield from io(self.broker.ack, self._unacked)
             stats.acked, self._unacked = len(self._unacked), []
         held, self._held = self._held, []
         try:
             if held:
-                self.broker.keep(held)  # still this consumer's: its lease renewed
+                yield from io(self.broker.keep, held)  # still this consumer's: lease renewed
             room = self.batch_size - len(held)
-            reclaimed = self.broker.reclaim(room) if room > 0 else []
+            reclaimed = (yield from io(self.broker.reclaim, room)) if room > 0 else []
             room -= len(reclaimed)
             busy = held or reclaimed
-            fetched = self.broker.fetch(room, 0.0 if busy else self.wait) if room > 0 else []
+            fetched = (
+                (yield from io(self.broker.fetch, room, 0.0 if busy else self.wait))
+                if room > 0
+                else []
+            )
         except BaseException:
             self._held = held  # still held: the broker failed, not the deliveries
             raise
@@ -365,16 +332,16 @@ class Consumer:
         metrics.count_deliveries(self.consumer, kind, "fetched", len(fetched))
         deliveries = [*held, *reclaimed, *fetched]
         if deliveries:
-            done, left, kept = self._handle(deliveries, stats, {id(d) for d in held})
+            done, left, kept = yield from self._handle(deliveries, stats, {id(d) for d in held})
             self._held = kept
             if done:
                 try:
-                    self.broker.ack(done)
+                    yield from io(self.broker.ack, done)
                 except BaseException:
                     self._unacked = done  # acknowledged first thing next round
                     raise
             if left:
-                self.broker.nack(left)
+                yield from io(self.broker.nack, left)
             stats.acked += len(done)
             stats.nacked, stats.held = len(left), len(kept)
             metrics.count_deliveries(self.consumer, kind, "acked", len(done))
@@ -382,12 +349,12 @@ class Consumer:
             metrics.count_deliveries(self.consumer, kind, "held", len(kept))
             stats.failures = int(bool(left or kept))
             self._failures = self._failures + 1 if left or kept else 0
-        self._report_pending()
+        yield from self._report_pending()
         return stats
 
     def _handle(
         self, deliveries: list[Delivery], stats: ConsumeStats, held: set[int]
-    ) -> tuple[list[Delivery], list[Delivery], list[Delivery]]:
+    ) -> Steps[tuple[list[Delivery], list[Delivery], list[Delivery]]]:
         """Set aside, run alone, process: the deliveries done, those given back
         (nack), and those an outage stopped (held for the next round)."""
         aside: list[tuple[Delivery, OutgoingMessage, str]] = []
@@ -408,16 +375,16 @@ class Consumer:
         fatal: BaseException | None = None
         try:
             if aside:
-                self._set_aside(aside, fates)
+                yield from self._set_aside(aside, fates)
             if alone:  # first: a consumer died holding them, so they are the older
-                self._alone(alone, fates)
+                yield from self._alone(alone, fates)
             if fates.kept:  # an outage: the rest waits too, in order behind what it stopped
                 self._hold(work, fates.kept, None)
             elif work:
                 if self.mode == "batch":
-                    self._batch(work, fates)
+                    yield from self._batch(work, fates)
                 else:
-                    self._single(work, self.handler, fates)
+                    yield from self._single(work, self.handler, fates)
         except _FATAL as exc:
             fatal = exc
             settled = {id(d) for d in (*fates.done, *fates.left)}
@@ -430,9 +397,9 @@ class Consumer:
         if fatal is not None:
             stats.acked, stats.nacked = len(done), len(left)
             if done:
-                self.broker.ack(done)
+                yield from io(self.broker.ack, done)
             if left:
-                self.broker.nack(left)
+                yield from io(self.broker.nack, left)
             raise fatal
         return done, left, kept
 
@@ -445,7 +412,7 @@ class Consumer:
             return False
         return id(delivery) not in held or id(delivery) in self._alone_ids
 
-    def _alone(self, alone: list[tuple[Delivery, Message]], fates: _Fates) -> None:
+    def _alone(self, alone: list[tuple[Delivery, Message]], fates: _Fates) -> Steps[None]:
         """Run each delivery alone: its run recorded in its entity first; once the
         recorded runs exceed ``max_deliveries``, the handler refuses it."""
         limit = self.max_deliveries
@@ -454,7 +421,7 @@ class Consumer:
             handler = self.handler
             try:
                 if id(delivery) not in self._counted:
-                    runs = self.processor.begin_attempt(message)
+                    runs = yield from io(self.processor.begin_attempt, message)
                     self._counted.add(id(delivery))
                     if runs > limit:
                         # The processor runs a handler only for a message not applied yet:
@@ -490,7 +457,7 @@ class Consumer:
                             runs,
                             limit,
                         )
-                if self._one(delivery, message, handler, fates):
+                if (yield from self._one(delivery, message, handler, fates)):
                     fates.stats.isolated += 1
             except _FATAL:
                 raise
@@ -498,7 +465,9 @@ class Consumer:
                 self._hold(alone[index:], fates.kept, exc)
                 return
 
-    def _set_aside(self, aside: list[tuple[Delivery, OutgoingMessage, str]], fates: _Fates) -> None:
+    def _set_aside(
+        self, aside: list[tuple[Delivery, OutgoingMessage, str]], fates: _Fates
+    ) -> Steps[None]:
         if self.processor.dead_letters is None:
             for delivery, _, reason in aside:
                 _log.error(
@@ -511,7 +480,7 @@ class Consumer:
             fates.left.extend(d for d, _, _ in aside)
             return
         try:
-            self.processor.dispatcher.dispatch([letter for _, letter, _ in aside])
+            yield from io(self.processor.dispatcher.dispatch, [letter for _, letter, _ in aside])
         except _FATAL:
             raise
         except Exception as exc:  # noqa: BLE001 - not sent: held, set aside next round
@@ -539,11 +508,12 @@ class Consumer:
         fates.stats.set_aside += len(aside)
         metrics.count_deliveries(self.consumer, self.broker.kind, "set_aside", len(aside))
 
-    def _batch(self, work: list[tuple[Delivery, Message]], fates: _Fates) -> None:
+    def _batch(self, work: list[tuple[Delivery, Message]], fates: _Fates) -> Steps[None]:
         try:
-            results = self.processor.process_batch([m for _, m in work], self.handler)
+            messages = [m for _, m in work]
+            results = yield from io(self.processor.process_batch, messages, self.handler)
         except _MESSAGE_ERRORS:  # one message's own failure: one by one, only it is left
-            self._single(work, self.handler, fates)
+            yield from self._single(work, self.handler, fates)
             return
         except _FATAL:
             raise
@@ -555,21 +525,23 @@ class Consumer:
 
     def _single(
         self, work: list[tuple[Delivery, Message]], handler: Handler, fates: _Fates
-    ) -> None:
+    ) -> Steps[None]:
         for index, (delivery, message) in enumerate(work):
             try:
-                self._one(delivery, message, handler, fates)
+                yield from self._one(delivery, message, handler, fates)
             except _FATAL:
                 raise
             except Exception as exc:  # noqa: BLE001 - an outage: hold it and the rest
                 self._hold(work[index:], fates.kept, exc)
                 return
 
-    def _one(self, delivery: Delivery, message: Message, handler: Handler, fates: _Fates) -> bool:
+    def _one(
+        self, delivery: Delivery, message: Message, handler: Handler, fates: _Fates
+    ) -> Steps[bool]:
         """Process one message: done (True), or given back when it fails on its own
         (``_MESSAGE_ERRORS``: False). Raises what an outage or a fatal error raises."""
         try:
-            result = self.processor.process(message, handler)
+            result = yield from io(self.processor.process, message, handler)
         except _MESSAGE_ERRORS as exc:
             _log.warning(
                 "consumer %s: %s; given back for redelivery", self.consumer, format_error(exc)
@@ -622,7 +594,7 @@ class Consumer:
     #: Seconds between two reads of the broker's pending count (for the gauge).
     pending_every = 5.0
 
-    def _report_pending(self) -> None:
+    def _report_pending(self) -> Steps[None]:
         if not metrics.available():
             return
         now = time.monotonic()
@@ -630,8 +602,121 @@ class Consumer:
             return
         self._pending_read = now
         try:
-            value = self.broker.pending()
+            value = yield from io(self.broker.pending)
         except Exception as exc:  # noqa: BLE001 - only a metric: never fail the round
             _log.debug("consumer %s: reading the pending count failed: %s", self.consumer, exc)
             return
         metrics.set_pending(self.consumer, self.broker.kind, value)
+
+
+class Consumer(_Loop):
+    """Reads a :class:`~dedupstore.consumers.Broker` and processes exactly once.
+
+    Guarantees: a delivery is acknowledged only once it is done, i.e. the
+    processor returned for it (``processed``, ``duplicate``, ``redispatched``,
+    ``dead_lettered``) or it was set aside (its dead letter dispatched).
+
+    **Outages are never poison.** A delivery that an outage stopped
+    (``StoreUnavailable`` from a store or the dispatcher, a conflict that
+    persisted, any error that is not the message's own) is *held*: this consumer
+    keeps it (:meth:`Broker.keep <dedupstore.consumers.Broker.keep>` keeps its lease)
+    and runs it first in its next round, after a jittered exponential backoff (at
+    most ``max_backoff`` seconds), in order before later deliveries of its entity.
+    It is never given back to the broker, so no broker delivery count rises with an
+    outage, however long.
+
+    **A message that kills its consumer is set aside.** A delivery whose broker
+    count is above 1 was held by a consumer that died (or lost its lease). Before
+    running it, the loop records the run in the message's entity
+    (:meth:`OutboxProcessor.begin_attempt
+    <dedupstore.outbox.OutboxProcessor.begin_attempt>`) and runs it alone, with no
+    other handler running in this process, so a crash counts only against the
+    message that was running. Once a message's recorded runs would exceed
+    ``max_deliveries``, it is handed to the processor with a handler that refuses
+    it: a duplicate if an earlier run applied it, else dead-lettered by the
+    processor exactly once (recorded in its entity, so ``redrive`` applies it once)
+    without running the handler that killed the earlier consumers. A crash with a
+    batch merely in flight, or an outage, counts nothing. Brokers that do not count
+    deliveries (Kafka) isolate nothing: ``max_deliveries`` does not apply there.
+
+    A delivery that ``rules`` cannot turn into a message is set aside once: one
+    dead letter to the processor's ``dead_letters`` with a deterministic id (a
+    redelivery dispatches the same id and bytes), then acknowledged.
+    ``mode="batch"`` runs ``process_batch`` over the round (a batch with a message
+    that fails on its own, a handler that raises or an entity that cannot hold it,
+    without ``dead_letters``, is run message by message, so only that message is
+    given back, with ``nack``); ``"single"`` runs ``process`` per message.
+    :meth:`stop` (and SIGTERM/SIGINT under :meth:`run`) ends the loop after the
+    round in flight is processed and acknowledged; what is held then is given back.
+    The loop's rounds are written once (:mod:`dedupstore.steps`):
+    :class:`dedupstore.aio.AsyncConsumer` runs the same on the event loop.
+    """
+
+    broker: Broker
+    processor: OutboxProcessor
+
+    def __init__(
+        self,
+        broker: Broker,
+        processor: OutboxProcessor,
+        handler: Handler,
+        *,
+        rules: MessageRules | None = None,
+        batch_size: int = 100,
+        mode: Literal["batch", "single"] = "batch",
+        max_deliveries: int | None = 5,
+        wait: float | str | timedelta = 1.0,
+        max_backoff: float | str | timedelta = 30.0,
+    ) -> None:
+        """``wait`` and ``max_backoff``: seconds, or durations such as ``"1s"`` or
+        ``"250ms"`` (as URLs take them). Raises ``ConfigurationError`` (no I/O) for a
+        bad option, an async handler, or ``max_deliveries`` without ``dead_letters`` on
+        the processor."""
+        super().__init__(
+            broker,
+            processor,
+            handler,
+            rules=rules,
+            batch_size=batch_size,
+            mode=mode,
+            max_deliveries=max_deliveries,
+            wait=wait,
+            max_backoff=max_backoff,
+        )
+
+    def run(self, *, install_signal_handlers: bool = True) -> ConsumeStats:
+        """Run rounds until :meth:`stop`; return the totals.
+
+        With ``install_signal_handlers`` (in the main thread), SIGTERM and SIGINT
+        call :meth:`stop` (the previous handlers are restored on return). Between
+        rounds that left something for redelivery it sleeps a bounded backoff
+        (:meth:`stop` cuts it short). A broker that cannot answer
+        (``StoreUnavailable``) is retried the same way; ``ConfigurationError``,
+        ``ConsistencyError`` and ``StoreClosed`` end the loop (raised); :attr:`totals`
+        then holds what the run did, the round that failed included. What an outage
+        left held when the loop ends is given back (:meth:`release`).
+        """
+        said = f"consumer {self.consumer}: %s received; stopping after the batch in flight"
+        with stopping_on_signals(self.stop if install_signal_handlers else None, said):
+            return run(self._rounds())
+
+    def release(self) -> None:
+        """Give back to the broker what an outage left held (:meth:`run` does on
+        return); a broker that cannot answer redelivers them anyway (after the lease)."""
+        run(self._release())
+
+    def _pause(self) -> None:
+        self._stopping.wait(self._pause_seconds())
+
+    def run_once(self) -> ConsumeStats:
+        """One round: take again what an outage held, reclaim, fetch (at most
+        ``batch_size`` together); set aside the malformed, run alone (counted) what a
+        dead consumer held, process the rest; ack what is done, nack what failed on its
+        own, hold what an outage stopped for the next round.
+
+        Raises what the broker raises from ``reclaim``, ``fetch``, ``ack`` or
+        ``nack`` (what was not acknowledged is redelivered), and the errors no retry
+        fixes (``ConfigurationError``, ``ConsistencyError``, ``StoreClosed``) after
+        leaving the round for redelivery.
+        """
+        return run(self._run_once())
