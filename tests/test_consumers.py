@@ -7,10 +7,17 @@ redelivery and done on the next; a delivery that is not a message, or that was
 delivered too often, is set aside once under a deterministic id; ``stop()`` and
 SIGTERM end the loop after the round in flight. The real brokers' tests (Redis
 Streams) are in ``tests/test_consumer_redis.py``.
+
+Every test runs on both faces (the ``face`` fixture): the sync
+:class:`~dedupstore.consumers.Consumer`, and :class:`~dedupstore.aio.AsyncConsumer`
+with an :class:`~dedupstore.aio.AsyncOutboxProcessor`, each call of the test's
+consumer run by ``asyncio.run`` in the test's (main) thread, so the signal tests
+reach the async face's handlers too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -20,12 +27,12 @@ from typing import Any
 
 import pytest
 
+from dedupstore.aio import AsyncBroker, AsyncConsumer, AsyncOutboxProcessor
 from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
 from dedupstore.consumers import (
     MALFORMED_ENTITY,
     SET_ASIDE_POSITION,
     Broker,
-    Consumer,
     Delivery,
     MalformedDelivery,
     MessageRules,
@@ -33,9 +40,83 @@ from dedupstore.consumers import (
 from dedupstore.entities import OutgoingMessage
 from dedupstore.errors import ConcurrencyConflict, ConfigurationError, StoreUnavailable
 from dedupstore.ids import message_key, outgoing_id
+from dedupstore.consumers import Consumer as SyncConsumer
 from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send
 
 pytestmark = pytest.mark.memory
+
+#: The face the running test is on (set by the ``face`` fixture).
+FACE = {"now": "sync"}
+
+
+@pytest.fixture(autouse=True, params=["sync", "async", "async-broker"])
+def face(request: Any) -> Any:
+    """Each test on the sync face, then on the async one with the sync broker (its
+    calls in threads), then with the broker behind an :class:`AsyncBroker`."""
+    FACE["now"] = request.param
+    yield request.param
+    FACE["now"] = "sync"
+
+
+class Awaited(AsyncBroker):
+    """The test's broker behind the async broker interface (each call awaited)."""
+
+    kind = "list"
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+
+    async def fetch(self, max_count: int, wait: float) -> list[Delivery]:
+        return self.broker.fetch(max_count, wait)
+
+    async def ack(self, deliveries: Sequence[Delivery]) -> None:
+        self.broker.ack(deliveries)
+
+    async def nack(self, deliveries: Sequence[Delivery]) -> None:
+        self.broker.nack(deliveries)
+
+    async def keep(self, deliveries: Sequence[Delivery]) -> None:
+        self.broker.keep(deliveries)
+
+    async def reclaim(self, max_count: int) -> list[Delivery]:
+        return self.broker.reclaim(max_count)
+
+    async def pending(self) -> int | None:
+        return self.broker.pending()
+
+
+class Driven:
+    """An :class:`AsyncConsumer` called as the sync one: each coroutine method run by
+    ``asyncio.run`` in the calling thread; the rest is the consumer's."""
+
+    def __init__(self, inner: AsyncConsumer) -> None:
+        self.inner = inner
+
+    def run_once(self) -> Any:
+        return asyncio.run(self.inner.run_once())
+
+    def run(self, **kwargs: Any) -> Any:
+        return asyncio.run(self.inner.run(**kwargs))
+
+    def release(self) -> None:
+        asyncio.run(self.inner.release())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def done(value: Any) -> Any:
+    """What a processor's method returned, awaited when the face is async."""
+    return asyncio.run(value) if asyncio.iscoroutine(value) else value
+
+
+def Consumer(broker: Any, processor: Any, handler: Any, **options: Any) -> Any:  # noqa: N802
+    """The consumer of the test's face."""
+    if FACE["now"] == "sync":
+        return SyncConsumer(broker, processor, handler, **options)
+    if FACE["now"] == "async-broker" and isinstance(broker, Broker):
+        broker = Awaited(broker)
+    return Driven(AsyncConsumer(broker, processor, handler, **options))
 
 
 class ListBroker(Broker):
@@ -114,7 +195,8 @@ def _processor(
 ) -> tuple[OutboxProcessor, InMemoryDispatcher]:
     url = f"memory://{uuid.uuid4().hex}"
     sent = InMemoryDispatcher()
-    processor = OutboxProcessor(
+    kind = OutboxProcessor if FACE["now"] == "sync" else AsyncOutboxProcessor
+    processor = kind(
         MemoryEntityStore(url),
         MemoryDeduplicationStore(url, endpoint="billing"),
         sent if dispatcher is None else dispatcher,
@@ -205,16 +287,26 @@ def test_the_loop_backs_off_after_a_failed_round_and_goes_on(monkeypatch: Any) -
         if broker.acked:
             consumer.stop()
 
-    monkeypatch.setattr(consumer, "_pause", pause)
-    original = consumer.run_once
-
-    def run_once() -> Any:
-        stats = original()
+    def after(stats: Any) -> Any:
         if broker.acked:
             consumer.stop()
         return stats
 
-    monkeypatch.setattr(consumer, "run_once", run_once)
+    target = getattr(consumer, "inner", consumer)  # the face's own methods are patched
+    original = target.run_once
+    if FACE["now"] == "sync":
+        monkeypatch.setattr(target, "_pause", pause)
+        monkeypatch.setattr(target, "run_once", lambda: after(original()))
+    else:
+
+        async def apause() -> None:
+            pause()
+
+        async def arun_once() -> Any:
+            return after(await original())
+
+        monkeypatch.setattr(target, "_pause", apause)
+        monkeypatch.setattr(target, "run_once", arun_once)
     totals = consumer.run(install_signal_handlers=False)
     assert pauses == [1, 2], "one backoff per failed round, growing"
     assert totals.acked == 1 and totals.failures == 2
@@ -325,8 +417,8 @@ def test_a_message_that_kills_every_consumer_running_it_is_dead_lettered_once(mo
     assert again.acked == 1 and again.outcomes == {"duplicate": 1}
     assert {m.id for m in sent.sent if m.destination == "dlq"} == {letter.id}
     # the redrive applies it exactly once
-    assert processor.redrive(letter, deposit).outcome == "processed"
-    assert processor.redrive(letter, deposit).outcome == "duplicate"
+    assert done(processor.redrive(letter, deposit)).outcome == "processed"
+    assert done(processor.redrive(letter, deposit)).outcome == "duplicate"
     assert processor.entities.load("acct").state["balance"] == 1
 
 
@@ -397,7 +489,7 @@ def test_a_message_applied_before_but_delivered_too_often_is_a_duplicate() -> No
     """An ack lost again and again: the message was applied; it must not be dead-lettered
     (a redrive of that letter would apply it a second time)."""
     processor, sent = _processor()
-    processor.process(Message("m1", "acct", {"amount": 1}), deposit)
+    done(processor.process(Message("m1", "acct", {"amount": 1}), deposit))
     broker = ListBroker([entry("m1", "acct", 1)])
     broker.counts = {1: 7}
     stats = Consumer(broker, processor, deposit, max_deliveries=5).run_once()
@@ -498,6 +590,10 @@ def test_durations_go_through_the_one_parser_and_async_handlers_are_refused() ->
     async def handler(state: dict[str, Any], message: Message) -> Any:
         return state, []
 
+    if FACE["now"] != "sync":  # accepted, and awaited
+        broker = ListBroker([entry("m1", "acct", 1)])
+        assert Consumer(broker, processor, handler).run_once().outcomes == {"processed": 1}
+        return
     with pytest.raises(ConfigurationError, match="sync OutboxProcessor cannot await it"):
         Consumer(ListBroker(), processor, handler)
 
@@ -601,9 +697,16 @@ def test_a_suspect_held_by_an_outage_before_its_run_was_recorded_still_runs_alon
         calls.append(message.id)
         if down["on"]:
             raise StoreUnavailable("the store is down")
-        return real(message)
+        return real(message)  # type: ignore[no-any-return]
 
-    processor.begin_attempt = begin_attempt  # type: ignore[method-assign]
+    async def abegin_attempt(message: Message) -> int:
+        calls.append(message.id)
+        if down["on"]:
+            raise StoreUnavailable("the store is down")
+        return await real(message)  # type: ignore[no-any-return]
+
+    patched = begin_attempt if FACE["now"] == "sync" else abegin_attempt
+    processor.begin_attempt = patched  # type: ignore[method-assign]
     consumer = Consumer(broker, processor, deposit, max_deliveries=2, mode=mode)
     first = consumer.run_once()
     assert (first.acked, first.held) == (0, 3) and broker.nacked == []

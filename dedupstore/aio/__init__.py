@@ -17,6 +17,7 @@ drives the very steps :class:`~dedupstore.outbox.OutboxProcessor` drives. The gu
 
 from __future__ import annotations
 
+from dedupstore.aio.consumer import AsyncBroker, AsyncConsumer
 from dedupstore.aio.processor import (
     AsyncBeforeCleanup,
     AsyncHandler,
@@ -39,7 +40,9 @@ from dedupstore.aio.stores import (
 
 __all__ = [
     "AsyncBeforeCleanup",
+    "AsyncBroker",
     "AsyncClient",
+    "AsyncConsumer",
     "AsyncDeduplicationStore",
     "AsyncDispatcher",
     "AsyncEntityStore",

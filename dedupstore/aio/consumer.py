@@ -1,0 +1,201 @@
+"""The consume loop of the async API: :class:`AsyncConsumer` and :class:`AsyncBroker`.
+
+:class:`AsyncConsumer` drives the very rounds :class:`~dedupstore.consumers.Consumer`
+drives (:mod:`dedupstore.steps`), on the event loop, with the same guarantees: a
+delivery is acknowledged only once it is done, an outage holds a delivery without
+counting it, a message that killed its consumers is set aside after
+``max_deliveries`` runs, a malformed delivery is set aside once, and :meth:`stop`
+(SIGTERM, SIGINT) ends the loop after the round in flight.
+
+It reads an :class:`AsyncBroker` (its calls awaited on the loop) or a sync
+:class:`~dedupstore.consumers.Broker` (its calls run in the async face's threads).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import signal
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from datetime import timedelta
+from types import TracebackType
+from typing import ClassVar, Literal
+
+from dedupstore.aio.processor import AsyncHandler, AsyncOutboxProcessor
+from dedupstore.consumers._base import Broker, Delivery, MessageRules
+from dedupstore.consumers._loop import ConsumeStats, _log, _Loop
+from dedupstore.steps import arun
+
+__all__ = ["AsyncBroker", "AsyncConsumer"]
+
+
+class AsyncBroker(abc.ABC):
+    """:class:`~dedupstore.consumers.Broker` for asyncio: the same calls and contract,
+    each an ``async def``. ``async with`` closes it.
+
+    Delivery is at least once: whatever is not acknowledged comes back. Methods raise
+    ``StoreUnavailable`` when the broker cannot answer (the loop backs off and tries
+    again); a cancelled call leaves nothing acknowledged that was not done.
+    """
+
+    #: The broker's name in metrics and logs.
+    kind: ClassVar[str] = "broker"
+
+    @abc.abstractmethod
+    async def fetch(self, max_count: int, wait: float) -> list[Delivery]:
+        """Up to ``max_count`` new deliveries, waiting up to ``wait`` seconds for one."""
+
+    @abc.abstractmethod
+    async def ack(self, deliveries: Sequence[Delivery]) -> None:
+        """``deliveries`` are done: never deliver them again."""
+
+    @abc.abstractmethod
+    async def nack(self, deliveries: Sequence[Delivery]) -> None:
+        """``deliveries`` are not done: deliver them again (later, maybe elsewhere)."""
+
+    async def keep(self, deliveries: Sequence[Delivery]) -> None:  # noqa: B027
+        """``deliveries`` are still this consumer's: keep their lease (see
+        :meth:`Broker.keep <dedupstore.consumers.Broker.keep>`; nothing by default)."""
+
+    async def reclaim(self, max_count: int) -> list[Delivery]:
+        """Up to ``max_count`` deliveries a dead consumer left (none by default)."""
+        return []
+
+    async def pending(self) -> int | None:
+        """How many deliveries await, when the broker tells; else ``None``."""
+        return None
+
+    async def close(self) -> None:  # noqa: B027
+        """Release the broker's connections (nothing by default)."""
+
+    async def __aenter__(self) -> AsyncBroker:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+class AsyncConsumer(_Loop):
+    """:class:`~dedupstore.consumers.Consumer` for asyncio: the same rounds, options,
+    statistics, errors and guarantees (see there), awaited.
+
+    ``broker``: an :class:`AsyncBroker`, or a sync :class:`~dedupstore.consumers.Broker`
+    (its calls then run in the async face's threads). ``processor``: an
+    :class:`~dedupstore.aio.AsyncOutboxProcessor`; ``handler`` may be ``async def``.
+    A task running :meth:`run` that is cancelled stops as a killed consumer does,
+    except that the call in flight ends first (nothing written behind its back):
+    what it had not acknowledged is redelivered, and the algorithm completes it
+    exactly once.
+    """
+
+    _brokers = (AsyncBroker, Broker)
+    _processor_class = AsyncOutboxProcessor
+
+    broker: AsyncBroker | Broker
+    processor: AsyncOutboxProcessor
+
+    def __init__(
+        self,
+        broker: AsyncBroker | Broker,
+        processor: AsyncOutboxProcessor,
+        handler: AsyncHandler,
+        *,
+        rules: MessageRules | None = None,
+        batch_size: int = 100,
+        mode: Literal["batch", "single"] = "batch",
+        max_deliveries: int | None = 5,
+        wait: float | str | timedelta = 1.0,
+        max_backoff: float | str | timedelta = 30.0,
+    ) -> None:
+        """The options of :class:`~dedupstore.consumers.Consumer`, and its
+        ``ConfigurationError`` for a bad one (no I/O)."""
+        super().__init__(
+            broker,
+            processor,
+            handler,
+            rules=rules,
+            batch_size=batch_size,
+            mode=mode,
+            max_deliveries=max_deliveries,
+            wait=wait,
+            max_backoff=max_backoff,
+        )
+        self._woken: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+
+    async def run(self, *, install_signal_handlers: bool = True) -> ConsumeStats:
+        """Run rounds until :meth:`stop`; return the totals (see
+        :meth:`Consumer.run <dedupstore.consumers.Consumer.run>`).
+
+        With ``install_signal_handlers`` (on the main thread's loop), SIGTERM and
+        SIGINT call :meth:`stop`; the previous handlers are restored on return.
+        """
+        loop = asyncio.get_running_loop()
+        self._woken = (loop, asyncio.Event())
+        try:
+            with self._signals(loop, install_signal_handlers):
+                return await arun(self._rounds())
+        finally:
+            self._woken = None
+
+    def stop(self) -> None:
+        """End :meth:`run` after the round in flight (processed and acknowledged). Safe
+        from any thread and from a signal handler; a backoff in progress is cut short."""
+        super().stop()
+        woken = self._woken
+        if woken is not None:
+            loop, event = woken
+            with suppress(RuntimeError):  # the loop closed: nothing waits
+                loop.call_soon_threadsafe(event.set)
+
+    async def run_once(self) -> ConsumeStats:
+        """One round (see :meth:`Consumer.run_once
+        <dedupstore.consumers.Consumer.run_once>`), awaited."""
+        return await arun(self._run_once())
+
+    async def release(self) -> None:
+        """Give back to the broker what an outage left held (:meth:`run` does on return)."""
+        await arun(self._release())
+
+    async def _pause(self) -> None:
+        woken = self._woken
+        seconds = self._pause_seconds()
+        if woken is None:
+            await asyncio.sleep(seconds)
+            return
+        event = woken[1]
+        event.clear()
+        if self._stopping.is_set():
+            return
+        with suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), seconds)
+
+    @contextmanager
+    def _signals(self, loop: asyncio.AbstractEventLoop, install: bool) -> Iterator[None]:
+        """SIGTERM and SIGINT call :meth:`stop` in the block (on the main thread only),
+        the previous handlers restored after it."""
+        if not install or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        said = f"consumer {self.consumer}: %s received; stopping after the batch in flight"
+        signals = (signal.SIGTERM, signal.SIGINT)
+        previous = {sig: signal.getsignal(sig) for sig in signals}
+
+        def on_signal(sig: signal.Signals) -> None:
+            _log.info(said, sig.name)
+            self.stop()
+
+        for sig in signals:
+            loop.add_signal_handler(sig, on_signal, sig)
+        try:
+            yield
+        finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, previous[sig])
