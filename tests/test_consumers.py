@@ -37,10 +37,10 @@ from dedupstore.consumers import (
     MalformedDelivery,
     MessageRules,
 )
+from dedupstore.consumers import Consumer as SyncConsumer
 from dedupstore.entities import OutgoingMessage
 from dedupstore.errors import ConcurrencyConflict, ConfigurationError, StoreUnavailable
 from dedupstore.ids import message_key, outgoing_id
-from dedupstore.consumers import Consumer as SyncConsumer
 from dedupstore.outbox import InMemoryDispatcher, Message, OutboxProcessor, Send
 
 pytestmark = pytest.mark.memory
@@ -110,7 +110,7 @@ def done(value: Any) -> Any:
     return asyncio.run(value) if asyncio.iscoroutine(value) else value
 
 
-def Consumer(broker: Any, processor: Any, handler: Any, **options: Any) -> Any:  # noqa: N802
+def Consumer(broker: Any, processor: Any, handler: Any, **options: Any) -> Any:
     """The consumer of the test's face."""
     if FACE["now"] == "sync":
         return SyncConsumer(broker, processor, handler, **options)
