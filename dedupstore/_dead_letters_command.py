@@ -139,11 +139,14 @@ def run(args: argparse.Namespace) -> int:
             "--tokens deletes the letters' redrive tokens, --leave-tokens leaves them: give one"
         )
     if args.letters_command == "redrive":
+        from dedupstore.outbox import OutboxProcessor
+
         consume_command.load_handler(args.handler)  # a bad handler is refused before any I/O
         opened: list[Any] = []
         try:
             # the processor's dispatcher is the letters' (never creating a file or table)
             processor, handler = consume_command.open_processor(args, opened, options)
+            assert isinstance(processor, OutboxProcessor)  # (on_loop not asked)
             queue = DeadLetterQueue(processor.dispatcher, args.dead_letters)
             return _redrive(queue, processor, handler, chosen)
         finally:

@@ -9,6 +9,7 @@ dispatched is appended, one JSON line per message, to its own file.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import threading
@@ -32,6 +33,14 @@ def soak_handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any
     """Appends the message id; sends the list as it is now (outputs depend on the state)."""
     applied = [*state.get("applied", []), message.id]
     return {"applied": applied}, [Send("audit", {"mid": message.id, "applied": applied})]
+
+
+async def async_soak_handler(
+    state: dict[str, Any], message: Message
+) -> tuple[dict[str, Any], list[Send]]:
+    """:func:`soak_handler` as an ``async def`` (it yields to the loop once first)."""
+    await asyncio.sleep(0)
+    return soak_handler(state, message)
 
 
 def soak_violations(

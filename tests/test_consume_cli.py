@@ -39,7 +39,16 @@ def _consume(*args: str) -> subprocess.Popen[str]:
 
 
 @pytest.mark.timeout(120)
-def test_consume_runs_until_sigterm_and_exits_0(redis_server: Server) -> None:
+@pytest.mark.parametrize(
+    "face",
+    [
+        ("tests.soak_worker:soak_handler",),
+        ("tests.soak_worker:async_soak_handler",),  # an async def handler: on asyncio
+        ("tests.soak_worker:soak_handler", "--asyncio"),
+    ],
+    ids=["sync", "async-def", "asyncio-flag"],
+)
+def test_consume_runs_until_sigterm_and_exits_0(redis_server: Server, face: tuple[str]) -> None:
     tag = uuid.uuid4().hex[:8]
     url = redis_server.url
     upstream = open_dispatcher(url, key_prefix=f"cli{tag}:")
@@ -58,7 +67,7 @@ def test_consume_runs_until_sigterm_and_exits_0(redis_server: Server) -> None:
         *("--broker", f"{url}?destination=orders&group=billing&key_prefix=cli{tag}:"),
         *("--entities", entities_url, "--store", store_url),
         *("--dispatcher", f"{url}?key_prefix=cli{tag}o:"),
-        *("--handler", "tests.soak_worker:soak_handler", "--batch-size", "50"),
+        *("--handler", *face, "--batch-size", "50"),
         *("--dead-letters", "dlq", "--wait", "0.2"),
     )
     try:
@@ -72,6 +81,7 @@ def test_consume_runs_until_sigterm_and_exits_0(redis_server: Server) -> None:
         process.send_signal(signal.SIGTERM)
         out, err = process.communicate()
         assert process.returncode == 0, err
+        assert ("on asyncio" in err) == (face[0].endswith("async_soak_handler") or len(face) > 1)
         totals = json.loads(out.strip().splitlines()[-1])
         assert totals["acked"] == 202 and totals["nacked"] == 0
         assert totals["outcomes"] == {"processed": 200, "duplicate": 2}
@@ -240,10 +250,6 @@ def _bad_args(redis_server: Server, *args: str) -> tuple[int, str, str]:
         ("x = (\n", "SyntaxError"),
         ("import no_such_module_at_all\n", "ModuleNotFoundError: No module named"),
         ("raise RuntimeError('boom at import')\n", "RuntimeError: boom at import"),
-        (
-            "async def handle(state, message):\n    return state, []\n",
-            "the sync OutboxProcessor cannot await it",
-        ),
     ],
 )
 def test_a_handler_that_cannot_run_is_reported_in_one_line_with_exit_2(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import importlib
+import inspect
 import json
 import logging
 import os
@@ -22,11 +24,19 @@ from dedupstore.consumers._loop import Consumer, ConsumeStats, stopping_on_signa
 from dedupstore.entities import OutgoingMessage
 from dedupstore.errors import ConfigurationError, StoreUnavailable, format_error
 from dedupstore.options import seconds
-from dedupstore.outbox import check_handler
+from dedupstore.outbox import Handler, OutboxProcessor, check_handler
 from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
-    from dedupstore.outbox import Handler, OutboxProcessor
+    from dedupstore.aio import AsyncConsumer, AsyncOutboxProcessor
+
+
+def is_async(handler: object) -> bool:
+    """Whether ``handler`` is an ``async def`` function (or an object whose
+    ``__call__`` is one)."""
+    call = getattr(handler, "__call__", None)  # noqa: B004 (the method itself is inspected)
+    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(call)
+
 
 __all__ = [
     "add_dispatcher_arguments",
@@ -83,6 +93,12 @@ def add_parser(commands: Any, positive: Callable[[str], int]) -> None:
         default=START_TIMEOUT,
         help="how long to keep trying a store, dispatcher or broker that cannot be reached "
         "at start, then exit 3: seconds or a duration such as 2m (default 60s; 0: one try)",
+    )
+    sub.add_argument(
+        "--asyncio",
+        action="store_true",
+        help="run the loop on asyncio (dedupstore.aio.AsyncConsumer; chosen by itself for an "
+        "async def handler): the stores' and the broker's calls then run in threads",
     )
     sub.add_argument(
         "--log-level",
@@ -157,17 +173,29 @@ def add_dispatcher_arguments(sub: argparse.ArgumentParser, *, required: bool = F
 
 
 def open_processor(
-    args: argparse.Namespace, opened: list[Any], dispatcher_options: dict[str, Any] | None = None
-) -> tuple[OutboxProcessor, Handler]:
+    args: argparse.Namespace,
+    opened: list[Any],
+    dispatcher_options: dict[str, Any] | None = None,
+    *,
+    on_loop: bool = False,
+) -> tuple[OutboxProcessor | AsyncOutboxProcessor, Handler]:
     """The processor and the handler the arguments of :func:`add_processor_arguments` and
     :func:`add_dispatcher_arguments` name (the dispatcher opened with ``dispatcher_options``);
     what it opens is appended to ``opened`` (for the caller to close, last first). The
     handler is imported and ``memory://`` stores refused (without ``--allow-memory``)
-    before any I/O. Raises ``ConfigurationError``, ``StoreUnavailable``."""
+    before any I/O. With ``on_loop`` (``consume``), an ``async def`` handler or
+    ``--asyncio`` gives an :class:`~dedupstore.aio.AsyncOutboxProcessor` (on the same
+    stores); otherwise an async handler is refused. Raises ``ConfigurationError``,
+    ``StoreUnavailable``."""
     from dedupstore import open_dispatcher, open_entity_store, open_store
-    from dedupstore.outbox import Dispatcher, OutboxProcessor
+    from dedupstore.outbox import Dispatcher
 
-    handler = load_handler(args.handler)
+    handler = load_handler(args.handler, awaitable=on_loop)
+    kind: type[OutboxProcessor | AsyncOutboxProcessor] = OutboxProcessor
+    if on_loop and (getattr(args, "asyncio", False) or is_async(handler)):
+        from dedupstore.aio import AsyncOutboxProcessor
+
+        kind = AsyncOutboxProcessor
     if args.dead_letters and getattr(args, "no_dispatcher", False):
         raise ConfigurationError(
             "--dead-letters sends dead letters through the dispatcher: give --dispatcher URL"
@@ -196,7 +224,7 @@ def open_processor(
         _in_memory("--tokens", tokens_url, args.allow_memory)
         tokens = open_token_store(tokens_url, **tokens_options)
         opened.append(tokens)
-    processor = OutboxProcessor(
+    processor = kind(
         entities,
         dedup,
         dispatcher,
@@ -233,7 +261,7 @@ _START_BACKOFF = wait_random_exponential(multiplier=0.5, max=5.0)
 
 def _open_when_reachable(
     args: argparse.Namespace, opened: list[Any], stop: threading.Event
-) -> tuple[OutboxProcessor, Handler, Any] | None:
+) -> tuple[OutboxProcessor | AsyncOutboxProcessor, Handler, Any] | None:
     """The processor, the handler and the broker, opened once all can be reached.
 
     ``StoreUnavailable`` closes what did open and tries again after a backoff, for at
@@ -246,7 +274,7 @@ def _open_when_reachable(
     attempt = 0
     while not stop.is_set():
         try:
-            processor, handler = open_processor(args, opened)
+            processor, handler = open_processor(args, opened, on_loop=True)
             broker = open_broker(args.broker)
             opened.append(broker)
             return processor, handler, broker
@@ -290,12 +318,12 @@ def _duration(value: str) -> float:
         raise argparse.ArgumentTypeError(f"expected 0 or more seconds ({exc})") from None
 
 
-def load_handler(spec: str) -> Callable[..., Any]:
+def load_handler(spec: str, *, awaitable: bool = False) -> Callable[..., Any]:
     """Import ``module:function`` (the current directory first on the import path).
 
     Raises ``ConfigurationError`` naming what could not be found, a module that fails
     to import (whatever it raised: a ``SyntaxError``, an ``ImportError``, ...), and a
-    handler that is not callable or is an ``async def`` function.
+    handler that is not callable or (unless ``awaitable``) is an ``async def`` function.
     """
     module_name, sep, attribute = spec.partition(":")
     if not sep or not module_name or not attribute:
@@ -315,7 +343,7 @@ def load_handler(spec: str) -> Callable[..., Any]:
             raise ConfigurationError(f"module {module_name!r} has no {attribute!r}") from None
     if not callable(target):
         raise ConfigurationError(f"the handler {spec!r} is not callable")
-    check_handler(target)
+    check_handler(target, awaitable=awaitable)
     handler: Callable[..., Any] = target
     return handler
 
@@ -357,7 +385,7 @@ def _in_memory(flag: str, url: str, allowed: bool) -> None:
         )
 
 
-def _start_line(args: argparse.Namespace, broker: Any, consumer: Consumer) -> str:
+def _start_line(args: argparse.Namespace, broker: Any, consumer: Consumer | AsyncConsumer) -> str:
     """What the service reads and how it processes, as one line."""
     reads = [
         f"{what} {value}"
@@ -371,6 +399,7 @@ def _start_line(args: argparse.Namespace, broker: Any, consumer: Consumer) -> st
         f"cleanup {args.cleanup}; mode {args.mode}; batch size {args.batch_size}; "
         f"dispatcher {dispatcher}; dead letters {args.dead_letters or 'none'}; "
         f"max deliveries {consumer.max_deliveries or 'never'}"
+        f"{'' if isinstance(consumer, Consumer) else '; on asyncio'}"
     )
 
 
@@ -401,7 +430,7 @@ def run(args: argparse.Namespace) -> int:
             "--dead-letters DEST, or --max-deliveries 0"
         )
     opened: list[Any] = []
-    consumer: Consumer | None = None
+    consumer: Consumer | AsyncConsumer | None = None
     totals: ConsumeStats | None = None
     stop = threading.Event()
 
@@ -417,19 +446,25 @@ def run(args: argparse.Namespace) -> int:
             if reached is None:  # stopped while waiting
                 return 0
             processor, handler, broker = reached
-            consumer = Consumer(
-                broker,
-                processor,
-                handler,
-                batch_size=args.batch_size,
-                mode=args.mode,
-                max_deliveries=limit or None,
-                wait=args.wait,
-            )
+            options: dict[str, Any] = {
+                "batch_size": args.batch_size,
+                "mode": args.mode,
+                "max_deliveries": limit or None,
+                "wait": args.wait,
+            }
+            if isinstance(processor, OutboxProcessor):
+                consumer = Consumer(broker, processor, handler, **options)
+            else:
+                from dedupstore.aio import AsyncConsumer
+
+                consumer = AsyncConsumer(broker, processor, handler, **options)
             if stop.is_set():  # a signal before the consumer could take it
                 consumer.stop()
             print(_start_line(args, broker, consumer), file=sys.stderr, flush=True)
-            totals = consumer.run(install_signal_handlers=False)
+            if isinstance(consumer, Consumer):
+                totals = consumer.run(install_signal_handlers=False)
+            else:  # the signal handlers above call stop(), which wakes the loop
+                totals = asyncio.run(consumer.run(install_signal_handlers=False))
         finally:
             try:
                 _close(opened)
