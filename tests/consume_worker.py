@@ -9,18 +9,22 @@ variant, which this module patches in first:
   entry removed or marked) before it dispatches the outgoing messages.
 
 The handler, :func:`slow_handler`, is the soak's (``tests/soak_worker.py``) with a
-pause, so that a batch takes long enough for a SIGKILL to land inside it.
+pause, so that a batch takes long enough for a SIGKILL to land inside it;
+:func:`async_slow_handler` is the same as an ``async def``, which runs the command on
+asyncio (the async face).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from dedupstore.outbox import Message, OutboxProcessor, Send
+from dedupstore.outbox import Message, Send
+from dedupstore.outbox.processor import _Processor
 from tests.soak_worker import soak_handler
 
 VARIANT_ENV = "DEDUPSTORE_CHAOS_VARIANT"
@@ -39,12 +43,27 @@ def slow_handler(state: dict[str, Any], message: Message) -> tuple[dict[str, Any
     messages (the chaos tests' oversize message: its entity can never hold it, also
     when a later message of the same batch follows it)."""
     time.sleep(PAUSE)
-    new, sends = soak_handler(state, message)
+    return _kept(state, message, soak_handler(state, message))
+
+
+def _kept(
+    state: dict[str, Any], message: Message, result: tuple[dict[str, Any], list[Send]]
+) -> tuple[dict[str, Any], list[Send]]:
+    new, sends = result
     if "kept" in state:
         new["kept"] = state["kept"]
     if isinstance(message.body, dict) and "keep" in message.body:
         new["kept"] = message.body["keep"]
     return new, sends
+
+
+async def async_slow_handler(
+    state: dict[str, Any], message: Message
+) -> tuple[dict[str, Any], list[Send]]:
+    """:func:`slow_handler` as an ``async def`` (its pause awaited): ``dedupstore
+    consume`` then runs the async face (:class:`~dedupstore.aio.AsyncConsumer`)."""
+    await asyncio.sleep(PAUSE)
+    return _kept(state, message, soak_handler(state, message))
 
 
 def _ack_first() -> None:
@@ -107,18 +126,17 @@ class _FlushAfterSave:
 
 
 def _dispatch_after_cleanup() -> None:
-    """BROKEN: dispatches go out after the save that follows them (the clean-up)."""
-    init = OutboxProcessor.__init__
+    """BROKEN: dispatches go out after the save that follows them (the clean-up), on
+    both faces (their processors share ``_Processor.__init__``)."""
+    init = _Processor.__init__
 
-    def late_init(
-        self: OutboxProcessor, entities: Any, dedup: Any, dispatcher: Any, **kw: Any
-    ) -> None:
+    def late_init(self: _Processor, entities: Any, dedup: Any, dispatcher: Any, **kw: Any) -> None:
         # 0.2 s: long enough that most of the random kills land in the window (at
         # 0.05 s, one run in a full suite saw none of its 10 kills lose a message)
         late = Late(dispatcher, pause=0.2, pausing=os.environ.get(PAUSE_FILE_ENV))
         init(self, _FlushAfterSave(entities, late), dedup, late, **kw)
 
-    OutboxProcessor.__init__ = late_init  # type: ignore[method-assign]
+    _Processor.__init__ = late_init  # type: ignore[method-assign]
 
 
 VARIANTS = {"ack-first": _ack_first, "dispatch-after-cleanup": _dispatch_after_cleanup}

@@ -137,9 +137,17 @@ class Chaos:
     """One run: the input in a stream, consumer processes, kills, the drain, the check."""
 
     def __init__(
-        self, redis_url: str, mode: str, cleanup: str, variant: str, seed: str, tokens: bool = False
+        self,
+        redis_url: str,
+        mode: str,
+        cleanup: str,
+        variant: str,
+        seed: str,
+        tokens: bool = False,
+        face: str = "sync",
     ) -> None:
         self.url, self.mode, self.cleanup, self.variant = redis_url, mode, cleanup, variant
+        self.handler = f"tests.consume_worker:{'async_' if face == 'async' else ''}slow_handler"
         self.rng = random.Random(seed)
         tag = uuid.uuid4().hex[:8]
         self.tag = tag
@@ -214,7 +222,7 @@ class Chaos:
         command = [
             *(sys.executable, "-m", "tests.consume_worker"),
             *("--broker", broker, "--entities", self.entities_url, "--store", self.store_url),
-            *("--dispatcher", dispatcher, "--handler", "tests.consume_worker:slow_handler"),
+            *("--dispatcher", dispatcher, "--handler", self.handler),
             *("--mode", self.mode, "--cleanup", self.cleanup, "--batch-size", "20"),
             *("--dead-letters", DEAD_LETTERS, "--max-deliveries", MAX_DELIVERIES),
             *("--wait", "0.2", "--log-level", "WARNING"),
@@ -371,9 +379,11 @@ class Chaos:
 def chaos(redis_server: Server, tmp_path: Path) -> Any:
     runs: list[Chaos] = []
 
-    def make(mode: str, cleanup: str, variant: str = "", tokens: bool = False) -> Chaos:
-        seed = f"{mode}-{cleanup}-{variant}-{tokens}"
-        run = Chaos(redis_server.url, mode, cleanup, variant, seed, tokens)
+    def make(
+        mode: str, cleanup: str, variant: str = "", tokens: bool = False, face: str = "sync"
+    ) -> Chaos:
+        seed = f"{mode}-{cleanup}-{variant}-{tokens}-{face}"
+        run = Chaos(redis_server.url, mode, cleanup, variant, seed, tokens, face)
         runs.append(run)
         run.run(tmp_path)
         return run
@@ -398,6 +408,27 @@ def test_consumers_killed_at_random_change_nothing_in_token_mode(chaos: Any) -> 
     run = chaos("batch", "inline", tokens=True)
     assert run.killed >= KILLS
     assert run.violations() == []
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("mode", "cleanup"), [("batch", "inline"), ("single", "deferred")])
+def test_async_consumers_killed_at_random_change_nothing(
+    chaos: Any, mode: str, cleanup: str
+) -> None:
+    """The same chaos with an ``async def`` handler: the consumers run the async face
+    (``dedupstore consume`` on asyncio, :class:`~dedupstore.aio.AsyncConsumer`)."""
+    run = chaos(mode, cleanup, face="async")
+    assert run.killed >= KILLS
+    assert run.violations() == []
+    starts = [log.read_text(errors="replace") for log in run.logs]
+    assert all("on asyncio" in text for text in starts if START_LINE in text)
+
+
+@pytest.mark.timeout(240)
+def test_the_chaos_check_catches_a_broken_async_consumer(chaos: Any) -> None:
+    """The anti-test on the async face: its processor dispatching after the clean-up."""
+    run = chaos("batch", "deferred", "dispatch-after-cleanup", face="async")
+    assert any("outgoing messages missing" in v for v in run.violations())
 
 
 @pytest.mark.timeout(240)
