@@ -14,7 +14,8 @@ Bases
     :class:`EntityRecord`, :class:`OutgoingMessage` and :func:`groups_by_size`,
     :class:`URLDispatcher` with :class:`EncodedMessage`, :class:`StoredMessage`,
     :class:`DispatchStats` and :class:`ReadMessage`, :class:`Broker` with
-    :class:`Delivery`; :data:`HOOKS`. A client's members for backends: ``store_url``,
+    :class:`Delivery`, :class:`AsyncBroker` (imported on first use); :data:`HOOKS`.
+    A client's members for backends: ``store_url``,
     ``options``, ``connection``, ``made_connection``, ``creates``, ``check_open()``,
     ``translating_errors()``, ``make_error()``, ``describe_error()``,
     ``no_such_store()``, ``scrub()``; a store's ``endpoint``, ``retention``; an entity
@@ -142,6 +143,7 @@ from dedupstore.tokens import TokenCount, TokenRecord, TokenStore, TokenWrites, 
 from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
+    from dedupstore.aio.consumer import AsyncBroker
     from dedupstore.testing import (
         HOSTILE_IDS,
         INVALID_IDS,
@@ -195,8 +197,10 @@ HOOKS: Final[frozenset[str]] = frozenset(
     }
 )
 
-#: The contract kit's names, imported from :mod:`dedupstore.testing` on first use.
+#: Names imported on first use: the async broker base (it imports asyncio and the async
+#: API) and the contract kit (it needs pytest).
 _CONTRACT_KIT: Final[dict[str, str]] = {
+    "AsyncBroker": "dedupstore.aio.consumer",
     "DeduplicationStoreContract": "dedupstore.testing",
     "MultiProcessContract": "dedupstore.testing",
     "FakeClock": "dedupstore.testing",
@@ -212,7 +216,7 @@ _CONTRACT_KIT: Final[dict[str, str]] = {
 
 
 def __getattr__(name: str) -> Any:
-    """The contract kit, imported when first asked for (it needs pytest)."""
+    """The async broker base and the contract kit, imported when first asked for."""
     module = _CONTRACT_KIT.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -230,6 +234,7 @@ __all__ = [
     "MAX_ID_BYTES",
     "MUST_EXIST",
     "SECRET_NAMES",
+    "AsyncBroker",
     "Broker",
     "Client",
     "Closing",

@@ -5,10 +5,17 @@ queue with the default rules; the prefetch window bounds what one consumer holds
 a nack requeues; a consumer process SIGKILLed with deliveries in hand loses none
 (the broker requeues them); quorum queues count deliveries, so ``max_deliveries``
 sets a message aside. The chaos test is in ``test_consumer_chaos_rabbitmq.py``.
+
+Every test of a consuming broker runs on both faces (the ``face`` fixture): pika's
+``RabbitMQBroker`` under the sync ``Consumer``, and aio-pika's ``AioPikaBroker`` under
+``AsyncConsumer`` (an ``AsyncOutboxProcessor`` on the same stores), each of their calls
+awaited on one event loop of its own thread (``dedupstore.testing.faces``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -20,17 +27,49 @@ from typing import Any
 import pytest
 
 from dedupstore import open_dispatcher
+from dedupstore.aio import AsyncConsumer, AsyncOutboxProcessor
+from dedupstore.aio import open_broker as open_async_broker
 from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
+from dedupstore.backends.rabbitmq.aio import AioPikaBroker
 from dedupstore.backends.rabbitmq.consumer import RabbitMQBroker, RabbitMQToken
 from dedupstore.consumers import Consumer, open_broker
 from dedupstore.entities import OutgoingMessage
 from dedupstore.errors import ConfigurationError, StoreUnavailable
 from dedupstore.outbox import Message, OutboxProcessor, Send
+from dedupstore.testing.faces import blocking, wait_for
 from tests.servers import HOST, RabbitMQServer, Server, free_port
 
 pytestmark = pytest.mark.rabbitmq
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(params=["pika", "aio-pika"])
+def face(request: Any) -> str:
+    """The broker and loop under test: pika and ``Consumer``, or aio-pika and
+    ``AsyncConsumer``."""
+    return str(request.param)
+
+
+def opened(face: str, url: str, **options: Any) -> Any:
+    """The face's broker of ``url``, called as the sync one."""
+    if face == "pika":
+        return open_broker(url, **options)
+    return blocking(wait_for(open_async_broker(url, **options)))
+
+
+def consumer_of(face: str, broker: Any, processor: OutboxProcessor, handler: Any, **kw: Any) -> Any:
+    """The face's consume loop on ``broker`` (as :func:`opened` made it), called as the
+    sync one; an ``AsyncOutboxProcessor`` on the processor's stores for aio-pika."""
+    if face == "pika":
+        return Consumer(broker, processor, handler, **kw)
+    async_processor = AsyncOutboxProcessor(
+        processor.entities,
+        processor.dedup,
+        processor.dispatcher,
+        dead_letters=processor.dead_letters,
+    )
+    return blocking(AsyncConsumer(broker._client, async_processor, handler, **kw))
 
 
 def _queue() -> str:
@@ -76,16 +115,17 @@ def _processor(url: str, next_queue: str) -> tuple[OutboxProcessor, MemoryEntity
     return processor, entities
 
 
-def test_a_pipeline_of_services_chains_through_rabbitmq(rabbitmq_server: Server) -> None:
+def test_a_pipeline_of_services_chains_through_rabbitmq(face: str, rabbitmq_server: Server) -> None:
     url, queue, following = rabbitmq_server.url, _queue(), _queue()
     with open_dispatcher(url, declare_queues=True) as upstream:
         upstream.dispatch(_msgs(queue, 10))
         upstream.dispatch(_msgs(queue, 1, first=4))  # a producer duplicate
     processor, entities = _processor(url, following)
-    broker = open_broker(url, queue=queue)
+    broker = opened(face, url, queue=queue)
     try:
-        assert isinstance(broker, RabbitMQBroker)
-        consumer = Consumer(broker, processor, count, batch_size=4, wait=0.5)
+        kind = RabbitMQBroker if face == "pika" else AioPikaBroker
+        assert isinstance(getattr(broker, "_client", broker), kind)
+        consumer = consumer_of(face, broker, processor, count, batch_size=4, wait=0.5)
         rounds = [consumer.run_once() for _ in range(4)]
         assert sum(r.acked for r in rounds) == 11
         assert not any(r.nacked for r in rounds)
@@ -93,7 +133,7 @@ def test_a_pipeline_of_services_chains_through_rabbitmq(rabbitmq_server: Server)
         assert entities.load("o1").state["applied"] == [f"m{n}" for n in range(10)]
         assert broker.pending() == 0
         # the outputs are the next service's input, read with the same rules
-        nxt = open_broker(url, queue=following)
+        nxt = opened(face, url, queue=following)
         try:
             got = _fetch_until(nxt, 10)
             assert len(got) == 10
@@ -107,12 +147,12 @@ def test_a_pipeline_of_services_chains_through_rabbitmq(rabbitmq_server: Server)
 
 
 def test_the_prefetch_window_bounds_what_a_consumer_holds(
-    rabbitmq_server: Server, rabbitmq_channel: Any
+    face: str, rabbitmq_server: Server, rabbitmq_channel: Any
 ) -> None:
     queue = _queue()
     with open_dispatcher(rabbitmq_server.url, declare_queues=True) as dispatcher:
         dispatcher.dispatch(_msgs(queue, 10))
-    with open_broker(rabbitmq_server.url, queue=queue, prefetch=3) as broker:
+    with opened(face, rabbitmq_server.url, queue=queue, prefetch=3) as broker:
         first = _fetch_until(broker, 3)
         assert [d.headers["id"] for d in first] == ["m0", "m1", "m2"]
         assert broker.fetch(10, 0.2) == [], "more than the window was delivered"
@@ -135,12 +175,13 @@ def _fetch_until(broker: Any, size: int) -> list[Any]:
 
 
 def test_a_nack_requeues_and_a_classic_queue_only_says_redelivered(
+    face: str,
     rabbitmq_server: Server,
 ) -> None:
     queue = _queue()
     with open_dispatcher(rabbitmq_server.url, declare_queues=True) as dispatcher:
         dispatcher.dispatch(_msgs(queue, 2))
-    with open_broker(rabbitmq_server.url, queue=queue) as broker:
+    with opened(face, rabbitmq_server.url, queue=queue) as broker:
         [one, two] = _fetch_until(broker, 2)
         assert (one.deliveries, one.token.redelivered) == (1, False)
         broker.nack([one])
@@ -161,7 +202,7 @@ class Crash(BaseException):
 
 
 def test_a_quorum_queue_counts_deliveries_and_max_deliveries_dead_letters(
-    rabbitmq_server: Server, rabbitmq_channel: Any
+    face: str, rabbitmq_server: Server, rabbitmq_channel: Any
 ) -> None:
     """m0 kills every consumer that runs it (its connection drops: RabbitMQ requeues,
     counted); m1, in flight in every crash, is processed once; m0 is dead-lettered
@@ -176,17 +217,20 @@ def test_a_quorum_queue_counts_deliveries_and_max_deliveries_dead_letters(
     def killing(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list[Send]]:
         runs.append(message.id)
         if message.id == "m0":
-            raise Crash
+            # a killed consumer; on asyncio, its task cancelled (nothing after it runs)
+            raise Crash if face == "pika" else asyncio.CancelledError
         return count(state, message)
 
     crashes = 0
     while True:
-        broker = open_broker(url, queue=queue, queue_type="quorum")
+        broker = opened(face, url, queue=queue, queue_type="quorum")
         try:
-            stats = Consumer(broker, processor, killing, max_deliveries=2, wait=1.0).run_once()
+            stats = consumer_of(
+                face, broker, processor, killing, max_deliveries=2, wait=1.0
+            ).run_once()
             if stats.acked == 2:
                 break
-        except Crash:
+        except (Crash, asyncio.CancelledError, concurrent.futures.CancelledError):
             crashes += 1
         finally:
             broker.close()  # the process is gone: what it held is requeued, counted
@@ -196,11 +240,13 @@ def test_a_quorum_queue_counts_deliveries_and_max_deliveries_dead_letters(
     method, _, body = rabbitmq_channel.basic_get("dlq", auto_ack=True)
     assert method is not None
     assert b"max_deliveries=2" in body
-    with open_broker(url, queue=queue, queue_type="quorum") as broker:
+    with opened(face, url, queue=queue, queue_type="quorum") as broker:
         assert broker.pending() == 0
 
 
-def test_an_outage_of_the_stores_is_held_and_counts_no_delivery(rabbitmq_server: Server) -> None:
+def test_an_outage_of_the_stores_is_held_and_counts_no_delivery(
+    face: str, rabbitmq_server: Server
+) -> None:
     """The stores unreachable for many rounds with max_deliveries=2: the deliveries stay
     unacknowledged with the consumer (no requeue: x-delivery-count does not rise),
     nothing is dead-lettered, and they are processed once the stores answer."""
@@ -215,8 +261,8 @@ def test_an_outage_of_the_stores_is_held_and_counts_no_delivery(rabbitmq_server:
 
     processor.dedup.processed_among = down  # type: ignore[method-assign]
     processor.dedup.has_been_processed = down  # type: ignore[method-assign]
-    with open_broker(url, queue=queue, queue_type="quorum") as broker:
-        consumer = Consumer(broker, processor, count, max_deliveries=2, wait=1.0)
+    with opened(face, url, queue=queue, queue_type="quorum") as broker:
+        consumer = consumer_of(face, broker, processor, count, max_deliveries=2, wait=1.0)
         for _ in range(5):
             stats = consumer.run_once()
             assert (stats.acked, stats.nacked) == (0, 0), "not requeued: not counted"
@@ -256,12 +302,12 @@ def _held_by_a_killed_consumer(url: str, queue: str, hold: int) -> None:
         assert child.wait() == -signal.SIGKILL
 
 
-def test_what_a_killed_consumer_held_is_redelivered(rabbitmq_server: Server) -> None:
+def test_what_a_killed_consumer_held_is_redelivered(face: str, rabbitmq_server: Server) -> None:
     url, queue = rabbitmq_server.url, _queue()
     with open_dispatcher(url, declare_queues=True) as dispatcher:
         dispatcher.dispatch(_msgs(queue, 8))
     _held_by_a_killed_consumer(url, queue, 5)
-    with open_broker(url, queue=queue) as survivor:
+    with opened(face, url, queue=queue) as survivor:
         got = _fetch_until(survivor, 8)
         assert sorted(d.headers["id"] for d in got) == [f"m{n}" for n in range(8)]
         redelivered = sorted(d.headers["id"] for d in got if d.token.redelivered)
@@ -271,13 +317,14 @@ def test_what_a_killed_consumer_held_is_redelivered(rabbitmq_server: Server) -> 
 
 
 def test_a_lost_connection_is_unavailable_then_reconnected(
+    face: str,
     own_rabbitmq_server: RabbitMQServer,
 ) -> None:
     url, queue = own_rabbitmq_server.url, _queue()
     own_rabbitmq_server.declare_queues(queue)  # so that the kill below keeps it
     with open_dispatcher(url, declare_queues=True) as dispatcher:
         dispatcher.dispatch(_msgs(queue, 2))
-    broker = open_broker(url, queue=queue, prefetch=1, connect_timeout=2, timeout=2, retries=0)
+    broker = opened(face, url, queue=queue, prefetch=1, connect_timeout=2, timeout=2, retries=0)
     try:
         held = broker.fetch(1, 1.0)
         own_rabbitmq_server.kill()
@@ -299,13 +346,17 @@ def test_a_lost_connection_is_unavailable_then_reconnected(
         broker.close()
 
 
-def test_a_missing_queue_without_create_is_no_such_store(rabbitmq_server: Server) -> None:
+def test_a_missing_queue_without_create_is_no_such_store(
+    face: str, rabbitmq_server: Server
+) -> None:
     for options in ({"create": False}, {"must_exist": True}):
         with pytest.raises(ConfigurationError, match=r"no such store: queue 'q-"):
-            open_broker(rabbitmq_server.url, queue=_queue(), **options)
+            opened(face, rabbitmq_server.url, queue=_queue(), **options)
 
 
-def test_bad_options_are_refused_before_any_io() -> None:
+def test_bad_options_are_refused_before_any_io(
+    face: str,
+) -> None:
     nobody = f"amqp://{HOST}:{free_port()}/%2F"  # nothing listens: any I/O would be unavailable
     for options, match in [
         ({}, "needs queue="),
@@ -315,6 +366,6 @@ def test_bad_options_are_refused_before_any_io() -> None:
         ({"queue": "q", "lease": 1}, "unknown option"),
     ]:
         with pytest.raises(ConfigurationError, match=match):
-            open_broker(nobody, **options)
+            opened(face, nobody, **options)
     with pytest.raises(ConfigurationError, match="one virtual host"):
-        open_broker(f"amqp://{HOST}:{free_port()}/a/b?queue=q")
+        opened(face, f"amqp://{HOST}:{free_port()}/a/b?queue=q")

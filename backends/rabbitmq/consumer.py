@@ -72,7 +72,7 @@ from ._client import (
     vhost,
 )
 
-__all__ = ["RabbitMQBroker", "RabbitMQToken"]
+__all__ = ["RabbitMQBroker", "RabbitMQQueue", "RabbitMQToken", "delivery_of"]
 
 #: The quorum queues' redelivery counter (earlier deliveries), left out of the headers.
 DELIVERY_COUNT = "x-delivery-count"
@@ -108,13 +108,11 @@ def _text(value: object) -> str:
     return json.dumps(value, default=str, sort_keys=True)
 
 
-class RabbitMQBroker(Client, Broker):
-    """A RabbitMQ queue consumed with manual acknowledgements and a prefetch window (see the
-    module). Raises ``ConfigurationError`` for bad options (before any I/O), credentials,
-    permissions, a missing queue without ``create``, or a queue declared with other arguments;
-    ``StoreUnavailable`` when the broker cannot answer (the next call connects again)."""
+class RabbitMQQueue(Client):
+    """What both RabbitMQ brokers (:class:`RabbitMQBroker`, pika; and
+    :class:`~dedupstore.backends.rabbitmq.aio.AioPikaBroker`, aio-pika) share: the URL, the
+    options and their checks (before any I/O), and one call's deadline."""
 
-    kind: ClassVar[str] = "rabbitmq"
     schemes: ClassVar[tuple[str, ...]] = ("amqp", "amqps")
     declared_options: ClassVar[OptionSet] = Client.declared_options.extend(
         Option(
@@ -131,12 +129,10 @@ class RabbitMQBroker(Client, Broker):
         *CONNECTION_OPTIONS,
     )
 
-    def _open(self) -> None:
+    def _configure(self) -> None:
+        super()._configure()
         self.queue: str = self.options["queue"]
         self.prefetch: int = self.options["prefetch"]
-        self._generation = 0
-        self._link: ProcessLocal[_Link] = ProcessLocal(self._open_link, _Link.close)
-        self._current()
 
     @classmethod
     def _validate(cls, url: StoreURL, options: Options) -> None:
@@ -144,10 +140,24 @@ class RabbitMQBroker(Client, Broker):
         super()._validate(url, options)
         parse_url(url, options)
         if not options["queue"]:
-            raise ConfigurationError("RabbitMQBroker needs queue=<queue name>")
+            raise ConfigurationError(f"{cls.__name__} needs queue=<queue name>")
 
     def _deadline_seconds(self) -> float:
         return deadline_seconds(self.options)
+
+
+class RabbitMQBroker(RabbitMQQueue, Broker):
+    """A RabbitMQ queue consumed with manual acknowledgements and a prefetch window (see the
+    module). Raises ``ConfigurationError`` for bad options (before any I/O), credentials,
+    permissions, a missing queue without ``create``, or a queue declared with other arguments;
+    ``StoreUnavailable`` when the broker cannot answer (the next call connects again)."""
+
+    kind: ClassVar[str] = "rabbitmq"
+
+    def _open(self) -> None:
+        self._generation = 0
+        self._link: ProcessLocal[_Link] = ProcessLocal(self._open_link, _Link.close)
+        self._current()
 
     def _open_link(self) -> _Link:
         connection = connect(self.store_url, self.options)
@@ -275,17 +285,34 @@ class RabbitMQBroker(Client, Broker):
     def _delivery(
         generation: int, method: Any, properties: pika.BasicProperties, body: bytes
     ) -> Delivery:
-        raw = dict(properties.headers or {})
-        count = raw.pop(DELIVERY_COUNT, None)
-        headers = {str(k): _text(v) for k, v in raw.items()}
-        if properties.message_id is not None:
-            headers["id"] = properties.message_id
-        if properties.correlation_id is not None:
-            headers["correlation_id"] = properties.correlation_id
-        redelivered = bool(method.redelivered)
-        if isinstance(count, int) and not isinstance(count, bool):
-            deliveries: int | None = count + 1
-        else:
-            deliveries = None if redelivered else 1
-        token = RabbitMQToken(generation, int(method.delivery_tag), redelivered)
-        return Delivery(token, body, headers, deliveries)
+        return delivery_of(
+            RabbitMQToken(generation, int(method.delivery_tag), bool(method.redelivered)),
+            body,
+            properties.headers,
+            properties.message_id,
+            properties.correlation_id,
+        )
+
+
+def delivery_of(
+    token: RabbitMQToken,
+    body: bytes,
+    headers: dict[str, Any] | None,
+    message_id: str | None,
+    correlation_id: str | None,
+) -> Delivery:
+    """A delivery as both RabbitMQ brokers make it (see the module): the headers as text
+    with ``id`` and ``correlation_id`` from the properties, the count from a quorum queue's
+    ``x-delivery-count`` (``None`` for a redelivery a classic queue only flags)."""
+    raw = dict(headers or {})
+    count = raw.pop(DELIVERY_COUNT, None)
+    shown = {str(k): _text(v) for k, v in raw.items()}
+    if message_id is not None:
+        shown["id"] = message_id
+    if correlation_id is not None:
+        shown["correlation_id"] = correlation_id
+    if isinstance(count, int) and not isinstance(count, bool):
+        deliveries: int | None = count + 1
+    else:
+        deliveries = None if token.redelivered else 1
+    return Delivery(token, body, shown, deliveries)

@@ -17,7 +17,7 @@ drives the very steps :class:`~dedupstore.outbox.OutboxProcessor` drives. The gu
 
 from __future__ import annotations
 
-from dedupstore.aio.consumer import AsyncBroker, AsyncConsumer
+from dedupstore.aio.consumer import AsyncBroker, AsyncConsumer, OffloadedBroker, open_broker
 from dedupstore.aio.processor import (
     AsyncBeforeCleanup,
     AsyncHandler,
@@ -49,7 +49,9 @@ __all__ = [
     "AsyncHandler",
     "AsyncOutboxProcessor",
     "AsyncTokenStore",
+    "OffloadedBroker",
     "applied_among",
+    "open_broker",
     "open_dispatcher",
     "open_entity_store",
     "open_store",

@@ -15,20 +15,22 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import importlib
 import signal
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from datetime import timedelta
 from types import TracebackType
-from typing import ClassVar, Literal
+from typing import Any, Literal
 
 from dedupstore.aio.processor import AsyncHandler, AsyncOutboxProcessor
 from dedupstore.consumers._base import Broker, Delivery, MessageRules
 from dedupstore.consumers._loop import ConsumeStats, _log, _Loop
-from dedupstore.steps import arun
+from dedupstore.steps import arun, offload
+from dedupstore.urls import StoreURL
 
-__all__ = ["AsyncBroker", "AsyncConsumer"]
+__all__ = ["AsyncBroker", "AsyncConsumer", "OffloadedBroker", "open_broker"]
 
 
 class AsyncBroker(abc.ABC):
@@ -41,7 +43,7 @@ class AsyncBroker(abc.ABC):
     """
 
     #: The broker's name in metrics and logs.
-    kind: ClassVar[str] = "broker"
+    kind: str = "broker"
 
     @abc.abstractmethod
     async def fetch(self, max_count: int, wait: float) -> list[Delivery]:
@@ -80,6 +82,67 @@ class AsyncBroker(abc.ABC):
         tb: TracebackType | None,
     ) -> None:
         await self.close()
+
+
+class OffloadedBroker(AsyncBroker):
+    """A sync :class:`~dedupstore.consumers.Broker` as an :class:`AsyncBroker`: each call
+    run in the async face's threads (:func:`dedupstore.steps.offload`), one at a time
+    (the consume loop makes one call at a time), within the broker's own deadline."""
+
+    def __init__(self, sync: Broker) -> None:
+        """Wrap ``sync``, an open broker (no I/O)."""
+        self.sync = sync
+        self.kind = sync.kind
+
+    async def fetch(self, max_count: int, wait: float) -> list[Delivery]:
+        """:meth:`Broker.fetch <dedupstore.consumers.Broker.fetch>`, in a thread."""
+        return await offload(self.sync.fetch, max_count, wait)
+
+    async def ack(self, deliveries: Sequence[Delivery]) -> None:
+        """:meth:`Broker.ack <dedupstore.consumers.Broker.ack>`, in a thread."""
+        await offload(self.sync.ack, deliveries)
+
+    async def nack(self, deliveries: Sequence[Delivery]) -> None:
+        """:meth:`Broker.nack <dedupstore.consumers.Broker.nack>`, in a thread."""
+        await offload(self.sync.nack, deliveries)
+
+    async def keep(self, deliveries: Sequence[Delivery]) -> None:
+        """:meth:`Broker.keep <dedupstore.consumers.Broker.keep>`, in a thread."""
+        await offload(self.sync.keep, deliveries)
+
+    async def reclaim(self, max_count: int) -> list[Delivery]:
+        """:meth:`Broker.reclaim <dedupstore.consumers.Broker.reclaim>`, in a thread."""
+        return await offload(self.sync.reclaim, max_count)
+
+    async def pending(self) -> int | None:
+        """:meth:`Broker.pending <dedupstore.consumers.Broker.pending>`, in a thread."""
+        return await offload(self.sync.pending)
+
+    async def close(self) -> None:
+        """Close the sync broker (in a thread)."""
+        await offload(self.sync.close)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sync, name)  # its queue, stream, group, consumer name...
+
+
+async def open_broker(url: str | StoreURL, /, **options: Any) -> AsyncBroker:
+    """The broker a URL names, for the async consume loop (the URLs and options of
+    :func:`dedupstore.consumers.open_broker`).
+
+    ``amqp://`` and ``amqps://``: an :class:`~dedupstore.backends.rabbitmq.aio.AioPikaBroker`
+    (aio-pika, on the event loop); other schemes: the sync broker, opened and called in
+    the async face's threads (:class:`OffloadedBroker`). Raises what the sync
+    ``open_broker`` raises (``ConfigurationError`` before any I/O, ``StoreUnavailable``).
+    """
+    parsed = StoreURL.parse(url) if isinstance(url, str) else url
+    if parsed.scheme in ("amqp", "amqps"):
+        module = importlib.import_module("dedupstore.backends.rabbitmq.aio")
+        broker: AsyncBroker = await module.AioPikaBroker(str(url), **options).open()
+        return broker
+    from dedupstore.consumers import open_broker as open_sync
+
+    return OffloadedBroker(await offload(open_sync, url, **options))
 
 
 class AsyncConsumer(_Loop):

@@ -18,7 +18,7 @@ import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any, TypeVar
 
-__all__ = ["blocking"]
+__all__ = ["blocking", "wait_for"]
 
 T = TypeVar("T")
 
@@ -36,8 +36,13 @@ def _portal() -> asyncio.AbstractEventLoop:
         return _loop
 
 
-def _wait(coroutine: Coroutine[Any, Any, T]) -> T:
+def wait_for(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run ``coroutine`` on the loop :func:`blocking` calls run on, and wait for its
+    result (open an async client there, so that its connections live on that loop)."""
     return asyncio.run_coroutine_threadsafe(coroutine, _portal()).result()
+
+
+_wait = wait_for
 
 
 def _synced(value: Any) -> Any:
