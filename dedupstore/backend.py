@@ -32,6 +32,8 @@ Connections, deadlines and retries
     :func:`time_left`, :func:`capped`, :class:`DeadlinePassed`, :func:`retry`,
     :data:`BACKOFF`, :func:`pause_before`, :func:`fan_out`, :func:`executor`,
     :func:`cut_short`.
+Steps (one driver logic for the sync and the async face, :mod:`dedupstore.steps`)
+    :data:`Steps`, :func:`io`, :func:`run`, :func:`arun`.
 Errors and masking
     :data:`ErrorKind`, :class:`DedupStoreError`, :class:`StoreUnavailable`,
     :class:`ConfigurationError`, :class:`ConsistencyError`, :class:`StoreClosed`,
@@ -138,6 +140,7 @@ from dedupstore.options import (
     timeout_option,
 )
 from dedupstore.replies import cut_short
+from dedupstore.steps import Steps, arun, io, run
 from dedupstore.store import CLOCK, MAX_CLOCK_SKEW, DeduplicationStore, WriteRequest
 from dedupstore.tokens import TokenCount, TokenRecord, TokenStore, TokenWrites, count_tokens
 from dedupstore.urls import StoreURL
@@ -267,6 +270,7 @@ __all__ = [
     "OutgoingMessage",
     "ProcessLocal",
     "ReadMessage",
+    "Steps",
     "StoreClosed",
     "StoreFactory",
     "StoreURL",
@@ -281,6 +285,7 @@ __all__ = [
     "URLDispatcher",
     "WriteRequest",
     "anything",
+    "arun",
     "boolean",
     "canonical_json",
     "capped",
@@ -302,6 +307,7 @@ __all__ = [
     "format_error",
     "groups_by_size",
     "integer",
+    "io",
     "is_secret",
     "loads",
     "mask_options",
@@ -317,6 +323,7 @@ __all__ = [
     "random_valid_ids",
     "retries_option",
     "retry",
+    "run",
     "scrub",
     "seconds",
     "text",

@@ -27,16 +27,13 @@ from typing import Any
 import pytest
 
 from dedupstore import open_dispatcher
-from dedupstore.aio import AsyncConsumer, AsyncOutboxProcessor
-from dedupstore.aio import open_broker as open_async_broker
 from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryEntityStore
 from dedupstore.backends.rabbitmq.aio import AioPikaBroker
 from dedupstore.backends.rabbitmq.consumer import RabbitMQBroker, RabbitMQToken
-from dedupstore.consumers import Consumer, open_broker
 from dedupstore.entities import OutgoingMessage
 from dedupstore.errors import ConfigurationError, StoreUnavailable
 from dedupstore.outbox import Message, OutboxProcessor, Send
-from dedupstore.testing.faces import blocking, wait_for
+from tests.aio_faces import FACES, consumer_of, opened_broker, unwrapped
 from tests.servers import HOST, RabbitMQServer, Server, free_port
 
 pytestmark = pytest.mark.rabbitmq
@@ -44,32 +41,10 @@ pytestmark = pytest.mark.rabbitmq
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(params=["pika", "aio-pika"])
+@pytest.fixture(params=FACES)
 def face(request: Any) -> str:
-    """The broker and loop under test: pika and ``Consumer``, or aio-pika and
-    ``AsyncConsumer``."""
+    """pika's broker and ``Consumer``, or aio-pika's and ``AsyncConsumer``."""
     return str(request.param)
-
-
-def opened(face: str, url: str, **options: Any) -> Any:
-    """The face's broker of ``url``, called as the sync one."""
-    if face == "pika":
-        return open_broker(url, **options)
-    return blocking(wait_for(open_async_broker(url, **options)))
-
-
-def consumer_of(face: str, broker: Any, processor: OutboxProcessor, handler: Any, **kw: Any) -> Any:
-    """The face's consume loop on ``broker`` (as :func:`opened` made it), called as the
-    sync one; an ``AsyncOutboxProcessor`` on the processor's stores for aio-pika."""
-    if face == "pika":
-        return Consumer(broker, processor, handler, **kw)
-    async_processor = AsyncOutboxProcessor(
-        processor.entities,
-        processor.dedup,
-        processor.dispatcher,
-        dead_letters=processor.dead_letters,
-    )
-    return blocking(AsyncConsumer(broker._client, async_processor, handler, **kw))
 
 
 def _queue() -> str:
@@ -121,10 +96,10 @@ def test_a_pipeline_of_services_chains_through_rabbitmq(face: str, rabbitmq_serv
         upstream.dispatch(_msgs(queue, 10))
         upstream.dispatch(_msgs(queue, 1, first=4))  # a producer duplicate
     processor, entities = _processor(url, following)
-    broker = opened(face, url, queue=queue)
+    broker = opened_broker(face, url, queue=queue)
     try:
-        kind = RabbitMQBroker if face == "pika" else AioPikaBroker
-        assert isinstance(getattr(broker, "_client", broker), kind)
+        kind = RabbitMQBroker if face == "sync" else AioPikaBroker
+        assert isinstance(unwrapped(broker), kind)
         consumer = consumer_of(face, broker, processor, count, batch_size=4, wait=0.5)
         rounds = [consumer.run_once() for _ in range(4)]
         assert sum(r.acked for r in rounds) == 11
@@ -133,7 +108,7 @@ def test_a_pipeline_of_services_chains_through_rabbitmq(face: str, rabbitmq_serv
         assert entities.load("o1").state["applied"] == [f"m{n}" for n in range(10)]
         assert broker.pending() == 0
         # the outputs are the next service's input, read with the same rules
-        nxt = opened(face, url, queue=following)
+        nxt = opened_broker(face, url, queue=following)
         try:
             got = _fetch_until(nxt, 10)
             assert len(got) == 10
@@ -152,7 +127,7 @@ def test_the_prefetch_window_bounds_what_a_consumer_holds(
     queue = _queue()
     with open_dispatcher(rabbitmq_server.url, declare_queues=True) as dispatcher:
         dispatcher.dispatch(_msgs(queue, 10))
-    with opened(face, rabbitmq_server.url, queue=queue, prefetch=3) as broker:
+    with opened_broker(face, rabbitmq_server.url, queue=queue, prefetch=3) as broker:
         first = _fetch_until(broker, 3)
         assert [d.headers["id"] for d in first] == ["m0", "m1", "m2"]
         assert broker.fetch(10, 0.2) == [], "more than the window was delivered"
@@ -181,7 +156,7 @@ def test_a_nack_requeues_and_a_classic_queue_only_says_redelivered(
     queue = _queue()
     with open_dispatcher(rabbitmq_server.url, declare_queues=True) as dispatcher:
         dispatcher.dispatch(_msgs(queue, 2))
-    with opened(face, rabbitmq_server.url, queue=queue) as broker:
+    with opened_broker(face, rabbitmq_server.url, queue=queue) as broker:
         [one, two] = _fetch_until(broker, 2)
         assert (one.deliveries, one.token.redelivered) == (1, False)
         broker.nack([one])
@@ -218,12 +193,12 @@ def test_a_quorum_queue_counts_deliveries_and_max_deliveries_dead_letters(
         runs.append(message.id)
         if message.id == "m0":
             # a killed consumer; on asyncio, its task cancelled (nothing after it runs)
-            raise Crash if face == "pika" else asyncio.CancelledError
+            raise Crash if face == "sync" else asyncio.CancelledError
         return count(state, message)
 
     crashes = 0
     while True:
-        broker = opened(face, url, queue=queue, queue_type="quorum")
+        broker = opened_broker(face, url, queue=queue, queue_type="quorum")
         try:
             stats = consumer_of(
                 face, broker, processor, killing, max_deliveries=2, wait=1.0
@@ -240,7 +215,7 @@ def test_a_quorum_queue_counts_deliveries_and_max_deliveries_dead_letters(
     method, _, body = rabbitmq_channel.basic_get("dlq", auto_ack=True)
     assert method is not None
     assert b"max_deliveries=2" in body
-    with opened(face, url, queue=queue, queue_type="quorum") as broker:
+    with opened_broker(face, url, queue=queue, queue_type="quorum") as broker:
         assert broker.pending() == 0
 
 
@@ -261,7 +236,7 @@ def test_an_outage_of_the_stores_is_held_and_counts_no_delivery(
 
     processor.dedup.processed_among = down  # type: ignore[method-assign]
     processor.dedup.has_been_processed = down  # type: ignore[method-assign]
-    with opened(face, url, queue=queue, queue_type="quorum") as broker:
+    with opened_broker(face, url, queue=queue, queue_type="quorum") as broker:
         consumer = consumer_of(face, broker, processor, count, max_deliveries=2, wait=1.0)
         for _ in range(5):
             stats = consumer.run_once()
@@ -307,7 +282,7 @@ def test_what_a_killed_consumer_held_is_redelivered(face: str, rabbitmq_server: 
     with open_dispatcher(url, declare_queues=True) as dispatcher:
         dispatcher.dispatch(_msgs(queue, 8))
     _held_by_a_killed_consumer(url, queue, 5)
-    with opened(face, url, queue=queue) as survivor:
+    with opened_broker(face, url, queue=queue) as survivor:
         got = _fetch_until(survivor, 8)
         assert sorted(d.headers["id"] for d in got) == [f"m{n}" for n in range(8)]
         redelivered = sorted(d.headers["id"] for d in got if d.token.redelivered)
@@ -324,7 +299,9 @@ def test_a_lost_connection_is_unavailable_then_reconnected(
     own_rabbitmq_server.declare_queues(queue)  # so that the kill below keeps it
     with open_dispatcher(url, declare_queues=True) as dispatcher:
         dispatcher.dispatch(_msgs(queue, 2))
-    broker = opened(face, url, queue=queue, prefetch=1, connect_timeout=2, timeout=2, retries=0)
+    broker = opened_broker(
+        face, url, queue=queue, prefetch=1, connect_timeout=2, timeout=2, retries=0
+    )
     try:
         held = broker.fetch(1, 1.0)
         own_rabbitmq_server.kill()
@@ -351,7 +328,7 @@ def test_a_missing_queue_without_create_is_no_such_store(
 ) -> None:
     for options in ({"create": False}, {"must_exist": True}):
         with pytest.raises(ConfigurationError, match=r"no such store: queue 'q-"):
-            opened(face, rabbitmq_server.url, queue=_queue(), **options)
+            opened_broker(face, rabbitmq_server.url, queue=_queue(), **options)
 
 
 def test_bad_options_are_refused_before_any_io(
@@ -366,6 +343,6 @@ def test_bad_options_are_refused_before_any_io(
         ({"queue": "q", "lease": 1}, "unknown option"),
     ]:
         with pytest.raises(ConfigurationError, match=match):
-            opened(face, nobody, **options)
+            opened_broker(face, nobody, **options)
     with pytest.raises(ConfigurationError, match="one virtual host"):
-        opened(face, f"amqp://{HOST}:{free_port()}/a/b?queue=q")
+        opened_broker(face, f"amqp://{HOST}:{free_port()}/a/b?queue=q")

@@ -8,6 +8,11 @@ deliveries stale), and once over TCP against librdkafka's built-in mock cluster
 (``test.mock.num.brokers``: the Kafka protocol, consumer groups and offset commits,
 but not Kafka itself).
 
+Every test runs on both faces (the ``face`` fixture): ``KafkaBroker`` under the sync
+``Consumer``, and ``AsyncKafkaBroker`` under ``AsyncConsumer`` (the fake behind
+``AIOConsumer``'s awaited surface, and over the mock cluster confluent-kafka's real
+``AIOConsumer``).
+
 Token mode (issue 38): a record's ``dedupstore-token`` header reaches the processor (the
 fake consumer), and over the mock cluster two services chain in token mode, B's
 messages produced by a ``CallableDispatcher`` (there is no Kafka dispatcher), with a
@@ -26,15 +31,17 @@ import pytest
 from confluent_kafka import KafkaError, Producer, TopicPartition
 
 from dedupstore import open_store, open_token_store
-from dedupstore.backends.kafka import KafkaBroker, KafkaToken
+from dedupstore.backends.kafka import AsyncKafkaBroker, KafkaBroker, KafkaToken
 from dedupstore.backends.memory import MemoryDeduplicationStore, MemoryDispatcher, MemoryEntityStore
-from dedupstore.consumers import Consumer, ConsumeStats, MessageRules, open_broker
+from dedupstore.consumers import ConsumeStats, MessageRules, open_broker
 from dedupstore.dead_letters import letter_body
 from dedupstore.dispatch import CallableDispatcher
 from dedupstore.entities import OutgoingMessage
 from dedupstore.errors import ConfigurationError, StoreUnavailable
 from dedupstore.outbox import Message, OutboxProcessor, Send
+from dedupstore.testing.faces import blocking, wait_for
 from dedupstore.tokens import TOKEN_HEADER, token_id
+from tests.aio_faces import FACES, consumer_of, opened_broker, unwrapped
 
 URL = "kafka://127.0.0.1:9?topic=orders&group=billing"
 
@@ -115,14 +122,63 @@ class FakeConsumer:
         raise AssertionError("a consumer given by the caller is not closed by the broker")
 
 
+class AsyncFake:
+    """A :class:`FakeConsumer` behind ``AIOConsumer``'s surface: every method awaited,
+    the rebalance callbacks ``async def`` (as ``AIOConsumer`` calls them). The fake keeps
+    sync callables of them, so that a test fires a rebalance as on the sync face."""
+
+    def __init__(self, fake: FakeConsumer) -> None:
+        self.fake = fake
+
+    async def subscribe(self, topics: list[str], on_assign: Any, on_revoke: Any) -> None:
+        def assign(_consumer: Any, partitions: list[Any]) -> None:
+            _at_once(on_assign(self, partitions))  # called on the loop: nothing to await
+
+        def revoke(_consumer: Any, partitions: list[Any]) -> None:
+            wait_for(on_revoke(self, partitions))  # fired by the test, off the loop
+
+        self.fake.subscribe(topics, assign, revoke)
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.fake, name)
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            return method(*args, **kwargs)
+
+        return call
+
+
+def _at_once(coroutine: Any) -> Any:
+    """Run a coroutine that awaits nothing to its end."""
+    try:
+        coroutine.send(None)
+    except StopIteration as stop:
+        return stop.value
+    raise AssertionError("the coroutine awaited something")
+
+
+@pytest.fixture(params=FACES)
+def face(request: Any) -> str:
+    """``KafkaBroker`` and ``Consumer``, or ``AsyncKafkaBroker`` and ``AsyncConsumer``."""
+    return str(request.param)
+
+
+def kafka_broker(face: str, url: str, consumer: FakeConsumer, **options: Any) -> Any:
+    """The face's broker on the fake ``consumer``, called as the sync one."""
+    if face == "sync":
+        return KafkaBroker(url, consumer=consumer, **options)
+    opening = AsyncKafkaBroker(url, consumer=AsyncFake(consumer), **options).open()
+    return blocking(wait_for(opening))
+
+
 @pytest.fixture
 def fake() -> FakeConsumer:
     return FakeConsumer()
 
 
 @pytest.fixture
-def broker(fake: FakeConsumer) -> Iterator[KafkaBroker]:
-    opened = KafkaBroker(URL, consumer=fake)
+def broker(face: str, fake: FakeConsumer) -> Iterator[Any]:
+    opened = kafka_broker(face, URL, fake)
     yield opened
     opened.close()
 
@@ -209,6 +265,8 @@ def test_bad_options_are_refused_before_any_io(monkeypatch: pytest.MonkeyPatch) 
     ]:
         with pytest.raises(ConfigurationError, match=match):
             open_broker(url, **options)
+        with pytest.raises(ConfigurationError, match=match):
+            AsyncKafkaBroker(url, **options)  # the async broker: the same checks, no I/O
     monkeypatch.setitem(sys.modules, "confluent_kafka", None)  # not installed
     with pytest.raises(ConfigurationError, match=r"pip install 'dedupstore\[kafka\]'"):
         open_broker(URL)
@@ -226,14 +284,16 @@ class _TokenedRecord(_Record):
         ]
 
 
-def test_a_records_token_header_reaches_the_processor_in_token_mode(fake: FakeConsumer) -> None:
+def test_a_records_token_header_reaches_the_processor_in_token_mode(
+    face: str, fake: FakeConsumer
+) -> None:
     """The delivery's headers keep the token header as text, the message keeps it, and
     the processor deduplicates by the token: a record whose token was never minted (or
     is consumed already: the records again after a nack) is a duplicate, and nothing is
     recorded in the deduplication store."""
     probe = FakeConsumer()
     probe.record = _TokenedRecord
-    with KafkaBroker(URL, consumer=probe) as reader:
+    with kafka_broker(face, URL, probe) as reader:
         delivery = reader.fetch(1, 0.0)[0]
     assert delivery.headers[TOKEN_HEADER] == "n0"
     assert MessageRules().message(delivery).headers == {TOKEN_HEADER: "n0", "key": "o0"}
@@ -249,8 +309,8 @@ def test_a_records_token_header_reaches_the_processor_in_token_mode(fake: FakeCo
         MemoryDispatcher(f"memory://{name}"),
         tokens=tokens,
     )
-    with KafkaBroker(URL, consumer=fake) as broker:
-        consumer = Consumer(broker, processor, count, batch_size=10, max_deliveries=None)
+    with kafka_broker(face, URL, fake) as broker:
+        consumer = consumer_of(face, broker, processor, count, batch_size=10, max_deliveries=None)
         stats = consumer.run_once()
         assert stats.outcomes == {"processed": 9, "duplicate": 1}  # p1-m4: no token minted
         assert tokens.outstanding() == {}
@@ -284,7 +344,9 @@ def _mock_topic(count: int) -> tuple[Any, str, str]:
 
 
 @pytest.mark.timeout(120)
-def test_over_the_kafka_protocol_a_restarted_consumer_resumes_after_what_was_acked() -> None:
+def test_over_the_kafka_protocol_a_restarted_consumer_resumes_after_what_was_acked(
+    face: str,
+) -> None:
     """librdkafka's mock cluster: produce, consume with the loop, close half way; a new
     consumer of the group starts at the committed offset (nothing lost, nothing
     applied twice: the redelivered message is a duplicate)."""
@@ -297,15 +359,17 @@ def test_over_the_kafka_protocol_a_restarted_consumer_resumes_after_what_was_ack
     )
     fast = {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500, "log_level": 0}
 
-    def opened() -> KafkaBroker:
-        made = open_broker(
-            f"kafka://{servers}?topic={topic}&group=billing-{name}", config=dict(fast)
+    def opened() -> Any:
+        made = opened_broker(
+            face, f"kafka://{servers}?topic={topic}&group=billing-{name}", config=dict(fast)
         )
-        assert isinstance(made, KafkaBroker)
+        assert isinstance(unwrapped(made), KafkaBroker if face == "sync" else AsyncKafkaBroker)
         return made
 
     first = opened()
-    consumer = Consumer(first, processor, count, batch_size=4, max_deliveries=None, wait=1.0)
+    consumer = consumer_of(
+        face, first, processor, count, batch_size=4, max_deliveries=None, wait=1.0
+    )
     done = 0
     while done < 4:
         done += consumer.run_once().acked
@@ -313,7 +377,9 @@ def test_over_the_kafka_protocol_a_restarted_consumer_resumes_after_what_was_ack
     first.close()
 
     second = opened()
-    consumer = Consumer(second, processor, count, batch_size=10, max_deliveries=None, wait=1.0)
+    consumer = consumer_of(
+        face, second, processor, count, batch_size=10, max_deliveries=None, wait=1.0
+    )
     # until the group gives the second consumer the partition: bounded by the test's
     # timeout (a consumer that never gets an assignment fails it there), not timed here
     while processor.entities.load("o1").state.get("applied", []) != [f"m{n}" for n in range(6)]:
@@ -324,7 +390,9 @@ def test_over_the_kafka_protocol_a_restarted_consumer_resumes_after_what_was_ack
 
 
 @pytest.mark.timeout(120)
-def test_over_the_kafka_protocol_an_outage_holds_records_and_commits_nothing_past_them() -> None:
+def test_over_the_kafka_protocol_an_outage_holds_records_and_commits_nothing_past_them(
+    face: str,
+) -> None:
     """librdkafka's mock cluster: the stores are down for several rounds. The records are
     held (not sought back, nothing committed past them, nothing set aside); once the
     stores answer they apply once each, in order, and the offset is committed."""
@@ -347,9 +415,12 @@ def test_over_the_kafka_protocol_an_outage_holds_records_and_commits_nothing_pas
 
     processor.entities.load_many = load_many  # type: ignore[method-assign]
     fast = {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500, "log_level": 0}
-    broker = open_broker(f"kafka://{servers}?topic={topic}&group=g-{name}", config=dict(fast))
-    assert isinstance(broker, KafkaBroker)
-    consumer = Consumer(broker, processor, count, batch_size=10, max_deliveries=None, wait=1.0)
+    url = f"kafka://{servers}?topic={topic}&group=g-{name}"
+    broker = opened_broker(face, url, config=dict(fast))
+    assert isinstance(unwrapped(broker), KafkaBroker if face == "sync" else AsyncKafkaBroker)
+    consumer = consumer_of(
+        face, broker, processor, count, batch_size=10, max_deliveries=None, wait=1.0
+    )
     try:
         held = 0
         while held < 5:  # until the group assigned the partition and the round was fetched
@@ -391,7 +462,9 @@ def ship_but_m5(state: dict[str, Any], message: Message) -> tuple[dict[str, Any]
 
 
 @pytest.mark.timeout(120)
-def test_over_the_kafka_protocol_two_services_in_token_mode_apply_each_message_once() -> None:
+def test_over_the_kafka_protocol_two_services_in_token_mode_apply_each_message_once(
+    face: str,
+) -> None:
     """librdkafka's mock cluster: A (in process, its input without tokens: retention
     mode) sends B's messages through a Kafka dispatcher (a ``CallableDispatcher``
     producing one record per message, its id and headers as record headers); B reads
@@ -433,8 +506,9 @@ def test_over_the_kafka_protocol_two_services_in_token_mode_apply_each_message_o
         dead_letters="dlq",
     )
     fast = {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500, "log_level": 0}
-    broker = open_broker(f"kafka://{servers}?topic={shipments}&group=b-{name}", config=fast)
-    consumer = Consumer(broker, b, ship_but_m5, max_deliveries=None, wait=1.0)
+    url = f"kafka://{servers}?topic={shipments}&group=b-{name}"
+    broker = opened_broker(face, url, config=fast)
+    consumer = consumer_of(face, broker, b, ship_but_m5, max_deliveries=None, wait=1.0)
     totals = ConsumeStats()
     try:
         while totals.acked < 6:  # bounded by the test's timeout (the group's assignment)

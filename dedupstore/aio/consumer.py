@@ -126,19 +126,31 @@ class OffloadedBroker(AsyncBroker):
         return getattr(self.sync, name)  # its queue, stream, group, consumer name...
 
 
+#: The async brokers of schemes that have one: (module, class).
+_NATIVE = {
+    "amqp": ("dedupstore.backends.rabbitmq.aio", "AioPikaBroker"),
+    "amqps": ("dedupstore.backends.rabbitmq.aio", "AioPikaBroker"),
+    "kafka": ("dedupstore.backends.kafka", "AsyncKafkaBroker"),
+}
+
+
 async def open_broker(url: str | StoreURL, /, **options: Any) -> AsyncBroker:
     """The broker a URL names, for the async consume loop (the URLs and options of
     :func:`dedupstore.consumers.open_broker`).
 
     ``amqp://`` and ``amqps://``: an :class:`~dedupstore.backends.rabbitmq.aio.AioPikaBroker`
-    (aio-pika, on the event loop); other schemes: the sync broker, opened and called in
-    the async face's threads (:class:`OffloadedBroker`). Raises what the sync
+    (aio-pika, on the event loop); ``kafka://``: an
+    :class:`~dedupstore.backends.kafka.AsyncKafkaBroker` (confluent-kafka's
+    ``AIOConsumer``); other schemes (Redis Streams): the sync broker, opened and called
+    in the async face's threads (:class:`OffloadedBroker`). Raises what the sync
     ``open_broker`` raises (``ConfigurationError`` before any I/O, ``StoreUnavailable``).
     """
     parsed = StoreURL.parse(url) if isinstance(url, str) else url
-    if parsed.scheme in ("amqp", "amqps"):
-        module = importlib.import_module("dedupstore.backends.rabbitmq.aio")
-        broker: AsyncBroker = await module.AioPikaBroker(str(url), **options).open()
+    native = _NATIVE.get(parsed.scheme)
+    if native is not None:
+        module, name = native
+        kind = getattr(importlib.import_module(module), name)
+        broker: AsyncBroker = await kind(str(url), **options).open()
         return broker
     from dedupstore.consumers import open_broker as open_sync
 
