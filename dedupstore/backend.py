@@ -14,7 +14,7 @@ Bases
     :class:`EntityRecord`, :class:`OutgoingMessage` and :func:`groups_by_size`,
     :class:`URLDispatcher` with :class:`EncodedMessage`, :class:`StoredMessage`,
     :class:`DispatchStats` and :class:`ReadMessage`, :class:`Broker` with
-    :class:`Delivery`, :class:`AsyncBroker` (imported on first use); :data:`HOOKS`.
+    :class:`Delivery`, :class:`AsyncBroker`; :data:`HOOKS`.
     A client's members for backends: ``store_url``,
     ``options``, ``connection``, ``made_connection``, ``creates``, ``check_open()``,
     ``translating_errors()``, ``make_error()``, ``describe_error()``,
@@ -85,7 +85,7 @@ from dedupstore.client import (
     part_of,
     quiet_driver_logs,
 )
-from dedupstore.consumers import Broker, Delivery
+from dedupstore.consumers import AsyncBroker, Broker, Delivery
 from dedupstore.dead_letters import ReadMessage
 from dedupstore.dispatch import DispatchStats, EncodedMessage, StoredMessage, URLDispatcher
 from dedupstore.entities import (
@@ -146,7 +146,6 @@ from dedupstore.tokens import TokenCount, TokenRecord, TokenStore, TokenWrites, 
 from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
-    from dedupstore.aio.consumer import AsyncBroker
     from dedupstore.testing import (
         HOSTILE_IDS,
         INVALID_IDS,
@@ -200,10 +199,8 @@ HOOKS: Final[frozenset[str]] = frozenset(
     }
 )
 
-#: Names imported on first use: the async broker base (it imports asyncio and the async
-#: API) and the contract kit (it needs pytest).
+#: The contract kit's names, imported from :mod:`dedupstore.testing` on first use.
 _CONTRACT_KIT: Final[dict[str, str]] = {
-    "AsyncBroker": "dedupstore.aio.consumer",
     "DeduplicationStoreContract": "dedupstore.testing",
     "MultiProcessContract": "dedupstore.testing",
     "FakeClock": "dedupstore.testing",
@@ -219,7 +216,7 @@ _CONTRACT_KIT: Final[dict[str, str]] = {
 
 
 def __getattr__(name: str) -> Any:
-    """The async broker base and the contract kit, imported when first asked for."""
+    """The contract kit, imported when first asked for (it needs pytest)."""
     module = _CONTRACT_KIT.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -72,6 +72,8 @@ nitpick_ignore_regex = [
     (r"py:class", r"(StoreURL|Cleanup|Command|Handler)"),  # annotations imported for type checking
     # OutboxProcessor's private parts (one per module of dedupstore.outbox), shown as bases.
     (r"py:class", r"dedupstore\.outbox\.\w+\._\w+"),
+    # The consume loop's rounds, shared by Consumer and AsyncConsumer, shown as a base.
+    (r"py:class", r"dedupstore\.consumers\._loop\._Loop"),
     (r"py:meth", r"(_\w+|\w+\._\w+|check_options|close)"),
     # Backends and brokers are described on their own pages, not in the API reference.
     (r"py:.*", r"dedupstore\.backends\..*"),

@@ -35,6 +35,7 @@ from dedupstore.errors import ConfigurationError, StoreUnavailable
 from dedupstore.outbox import Message, OutboxProcessor, Send
 from tests.aio_faces import FACES, consumer_of, opened_broker, unwrapped
 from tests.servers import HOST, RabbitMQServer, Server, free_port
+from tests.test_readme import example, run_python, runs, succeeded, user_env
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -346,3 +347,12 @@ def test_bad_options_are_refused_before_any_io(
             opened_broker(face, nobody, **options)
     with pytest.raises(ConfigurationError, match="one virtual host"):
         opened_broker(face, f"amqp://{HOST}:{free_port()}/a/b?queue=q")
+
+
+@runs("asyncio-consumer")
+def test_the_asyncio_consumer_example_runs(tmp_path: Path, rabbitmq_server: Server) -> None:
+    env = user_env(AMQP_URL=rabbitmq_server.url)
+    assert succeeded(run_python(example("asyncio-consumer"), tmp_path, env=env)) == [
+        "3 {'processed': 2, 'duplicate': 1}",
+        "{'balance': 750}",
+    ]

@@ -37,6 +37,7 @@ from dedupstore.aio.stores import (
     open_store,
     open_token_store,
 )
+from dedupstore.consumers._loop import ConsumeStats
 
 __all__ = [
     "AsyncBeforeCleanup",
@@ -49,6 +50,7 @@ __all__ = [
     "AsyncHandler",
     "AsyncOutboxProcessor",
     "AsyncTokenStore",
+    "ConsumeStats",
     "OffloadedBroker",
     "applied_among",
     "open_broker",

@@ -13,7 +13,6 @@ It reads an :class:`AsyncBroker` (its calls awaited on the loop) or a sync
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import importlib
 import signal
@@ -21,67 +20,15 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from datetime import timedelta
-from types import TracebackType
 from typing import Any, Literal
 
 from dedupstore.aio.processor import AsyncHandler, AsyncOutboxProcessor
-from dedupstore.consumers._base import Broker, Delivery, MessageRules
+from dedupstore.consumers._base import AsyncBroker, Broker, Delivery, MessageRules
 from dedupstore.consumers._loop import ConsumeStats, _log, _Loop
 from dedupstore.steps import arun, offload
 from dedupstore.urls import StoreURL
 
 __all__ = ["AsyncBroker", "AsyncConsumer", "OffloadedBroker", "open_broker"]
-
-
-class AsyncBroker(abc.ABC):
-    """:class:`~dedupstore.consumers.Broker` for asyncio: the same calls and contract,
-    each an ``async def``. ``async with`` closes it.
-
-    Delivery is at least once: whatever is not acknowledged comes back. Methods raise
-    ``StoreUnavailable`` when the broker cannot answer (the loop backs off and tries
-    again); a cancelled call leaves nothing acknowledged that was not done.
-    """
-
-    #: The broker's name in metrics and logs.
-    kind: str = "broker"
-
-    @abc.abstractmethod
-    async def fetch(self, max_count: int, wait: float) -> list[Delivery]:
-        """Up to ``max_count`` new deliveries, waiting up to ``wait`` seconds for one."""
-
-    @abc.abstractmethod
-    async def ack(self, deliveries: Sequence[Delivery]) -> None:
-        """``deliveries`` are done: never deliver them again."""
-
-    @abc.abstractmethod
-    async def nack(self, deliveries: Sequence[Delivery]) -> None:
-        """``deliveries`` are not done: deliver them again (later, maybe elsewhere)."""
-
-    async def keep(self, deliveries: Sequence[Delivery]) -> None:  # noqa: B027
-        """``deliveries`` are still this consumer's: keep their lease (see
-        :meth:`Broker.keep <dedupstore.consumers.Broker.keep>`; nothing by default)."""
-
-    async def reclaim(self, max_count: int) -> list[Delivery]:
-        """Up to ``max_count`` deliveries a dead consumer left (none by default)."""
-        return []
-
-    async def pending(self) -> int | None:
-        """How many deliveries await, when the broker tells; else ``None``."""
-        return None
-
-    async def close(self) -> None:  # noqa: B027
-        """Release the broker's connections (nothing by default)."""
-
-    async def __aenter__(self) -> AsyncBroker:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
 
 class OffloadedBroker(AsyncBroker):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dedupstore.consumers._base import Broker, Delivery, MessageRules
+from dedupstore.consumers._base import AsyncBroker, Broker, Delivery, MessageRules
 from dedupstore.consumers._loop import MALFORMED_ENTITY, SET_ASIDE_POSITION, Consumer, ConsumeStats
 from dedupstore.errors import MalformedDelivery
 
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MALFORMED_ENTITY",
     "SET_ASIDE_POSITION",
+    "AsyncBroker",
     "Broker",
     "ConsumeStats",
     "Consumer",

@@ -13,6 +13,7 @@ import abc
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any, ClassVar, Literal
 
 from dedupstore.client import Closing
@@ -20,7 +21,7 @@ from dedupstore.errors import ConfigurationError, InvalidMessageId, MalformedDel
 from dedupstore.ids import validate_message_id
 from dedupstore.outbox import Message
 
-__all__ = ["Broker", "Delivery", "MessageRules", "headers_of", "shown_body"]
+__all__ = ["AsyncBroker", "Broker", "Delivery", "MessageRules", "headers_of", "shown_body"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,57 @@ class Broker(Closing, abc.ABC):
 
     def close(self) -> None:
         """Release the broker's connections (nothing by default)."""
+
+
+class AsyncBroker(abc.ABC):
+    """:class:`~dedupstore.consumers.Broker` for asyncio: the same calls and contract,
+    each an ``async def``. ``async with`` closes it.
+
+    Delivery is at least once: whatever is not acknowledged comes back. Methods raise
+    ``StoreUnavailable`` when the broker cannot answer (the loop backs off and tries
+    again); a cancelled call leaves nothing acknowledged that was not done.
+    """
+
+    #: The broker's name in metrics and logs.
+    kind: str = "broker"
+
+    @abc.abstractmethod
+    async def fetch(self, max_count: int, wait: float) -> list[Delivery]:
+        """Up to ``max_count`` new deliveries, waiting up to ``wait`` seconds for one."""
+
+    @abc.abstractmethod
+    async def ack(self, deliveries: Sequence[Delivery]) -> None:
+        """``deliveries`` are done: never deliver them again."""
+
+    @abc.abstractmethod
+    async def nack(self, deliveries: Sequence[Delivery]) -> None:
+        """``deliveries`` are not done: deliver them again (later, maybe elsewhere)."""
+
+    async def keep(self, deliveries: Sequence[Delivery]) -> None:  # noqa: B027
+        """``deliveries`` are still this consumer's: keep their lease (see
+        :meth:`Broker.keep <dedupstore.consumers.Broker.keep>`; nothing by default)."""
+
+    async def reclaim(self, max_count: int) -> list[Delivery]:
+        """Up to ``max_count`` deliveries a dead consumer left (none by default)."""
+        return []
+
+    async def pending(self) -> int | None:
+        """How many deliveries await, when the broker tells; else ``None``."""
+        return None
+
+    async def close(self) -> None:  # noqa: B027
+        """Release the broker's connections (nothing by default)."""
+
+    async def __aenter__(self) -> AsyncBroker:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
 
 
 #: How a field of a delivery is read: a header name, or a function of the delivery.

@@ -692,7 +692,7 @@ class Consumer(_Loop):
         rounds that left something for redelivery it sleeps a bounded backoff
         (:meth:`stop` cuts it short). A broker that cannot answer
         (``StoreUnavailable``) is retried the same way; ``ConfigurationError``,
-        ``ConsistencyError`` and ``StoreClosed`` end the loop (raised); :attr:`totals`
+        ``ConsistencyError`` and ``StoreClosed`` end the loop (raised); ``totals``
         then holds what the run did, the round that failed included. What an outage
         left held when the loop ends is given back (:meth:`release`).
         """

@@ -59,9 +59,9 @@ import itertools
 import queue
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from dedupstore import aio
 from dedupstore import tokens as tokens_module
@@ -296,9 +296,15 @@ ProcessorFactory = Callable[..., Any]
 Face = Literal["sync", "async"]
 
 
+T = TypeVar("T")
+
+
 class OnLoop:
     """An :class:`~dedupstore.aio.AsyncOutboxProcessor`, called as the sync one is: each
-    call runs on an event loop of its own, in the calling (actor's) thread."""
+    call runs on the calling (actor's) thread's event loop, one per thread, made on
+    first use and kept (a loop per call would cost more than the call)."""
+
+    _loops = threading.local()
 
     def __init__(self, processor: aio.AsyncOutboxProcessor) -> None:
         self.processor = processor
@@ -311,18 +317,32 @@ class OnLoop:
     def _kept(self, kept: Any) -> None:
         self.processor._kept = kept
 
+    def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        loop: asyncio.AbstractEventLoop | None = getattr(self._loops, "loop", None)
+        if loop is None or loop.is_closed():
+            loop = self._loops.loop = asyncio.new_event_loop()
+        return loop.run_until_complete(coroutine)
+
+    @classmethod
+    def close_loop(cls) -> None:
+        """Close the calling thread's loop, if it made one."""
+        loop = getattr(cls._loops, "loop", None)
+        if loop is not None:
+            cls._loops.loop = None
+            loop.close()
+
     def process(self, message: Message, handler: Any) -> ProcessResult:
-        return asyncio.run(self.processor.process(message, handler))
+        return self._run(self.processor.process(message, handler))
 
     def process_batch(
         self, messages: Sequence[Message], handler: Any, *, before_cleanup: Any = None
     ) -> list[ProcessResult]:
-        return asyncio.run(
+        return self._run(
             self.processor.process_batch(messages, handler, before_cleanup=before_cleanup)
         )
 
     def begin_attempt(self, message: Message) -> int:
-        return asyncio.run(self.processor.begin_attempt(message))
+        return self._run(self.processor.begin_attempt(message))
 
 
 def _faced(processor: ProcessorFactory | None, face: Face) -> ProcessorFactory:
@@ -599,11 +619,14 @@ class _Crew:
             threading.Thread(target=self._work, args=(jobs,), daemon=True, name=name).start()
 
     def _work(self, jobs: queue.SimpleQueue[Callable[[], None] | None]) -> None:
-        while (job := jobs.get()) is not None:
-            try:
-                job()
-            finally:
-                self._ended.put(0)
+        try:
+            while (job := jobs.get()) is not None:
+                try:
+                    job()
+                finally:
+                    self._ended.put(0)
+        finally:
+            OnLoop.close_loop()
 
     def start(self, jobs: Sequence[Callable[[], None]]) -> None:
         """Give actor ``i`` the job ``jobs[i]``."""
