@@ -12,7 +12,7 @@ XDIST := -n $(TEST_WORKERS) --dist loadgroup
 # make test-fast: no servers, no Spark, nothing marked slow (unit, memory and SQLite tests)
 FAST_MARKERS := not (postgres or redis or dynamodb or cosmos or rabbitmq or spark or slow)
 
-.PHONY: demo test test-fast docs lint format test-deps bench bench-tokens clean
+.PHONY: demo test test-fast docs lint format test-deps bench bench-tokens bench-aio clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,10 @@ bench: $(STAMP) test-deps
 # The token-mode section alone (issue 38): replaces only its part of benchmarks/RESULTS.md.
 bench-tokens: $(STAMP) test-deps
 	$(PY) -m benchmarks.bench --only tokens $(BENCH_ARGS)
+
+# The async face against threads (issue 39): replaces only its part of benchmarks/RESULTS.md.
+bench-aio: $(STAMP) test-deps
+	$(PY) -m benchmarks.bench --only aio $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) docs/_build .dedupstore .pytest_cache .mypy_cache .ruff_cache node_modules

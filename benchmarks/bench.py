@@ -40,7 +40,12 @@ token mode, on SQLite, and the round trips (counted) and rates of ``process`` an
 ``--tokens-layouts``, ``--tokens-batch``, ``--tokens-single``, ``--tokens-messages``,
 ``--skip-tokens``. ``--only tokens`` (or ``make bench-tokens``) runs that section alone
 and replaces only its part of RESULTS.md; ``--only`` takes a comma-separated list of
-``ids``, ``outbox``, ``tokens``.
+``ids``, ``outbox``, ``tokens``, ``aio``.
+
+The async-face section (issue 39; :mod:`benchmarks.aio_bench`): 100 threads of the sync
+processor against 1,000 coroutines of the async one, on Redis and PostgreSQL: messages
+per second, p50 and p99 latency per message, memory; ``--aio-messages``. ``--only aio``
+(or ``make bench-aio``) runs it alone and replaces only its part.
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from benchmarks import tokens_bench
+from benchmarks import aio_bench, tokens_bench
 from benchmarks.cpu_compare import (
     THIS_TREE,
     Measured,
@@ -103,7 +108,7 @@ BASELINE = "45ec147"
 #: ``process`` and ``process_batch`` against ``BASELINE``: within 5% on every backend.
 BASELINE_GOAL = 0.95
 #: The sections ``--only`` selects (all by default).
-SECTIONS = ("ids", "outbox", "tokens")
+SECTIONS = ("ids", "outbox", "tokens", "aio")
 
 
 @dataclass(frozen=True)
@@ -961,6 +966,12 @@ def main(argv: list[str] | None = None) -> int:
         default=20_000,
         help="messages per token-section process_batch run",
     )
+    parser.add_argument(
+        "--aio-messages",
+        type=int,
+        default=10_000,
+        help="messages per run of the aio section (threads against coroutines)",
+    )
     args = parser.parse_args(argv)
     sections = {s for s in args.only.split(",") if s}
     if not sections or sections - set(SECTIONS):
@@ -1004,18 +1015,36 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"   {result}", file=sys.stderr, flush=True)
                 results.append(result)
     tokens = _tokens_section(args, configs[0], argv) if "tokens" in sections else None
-    if sections == {"tokens"}:
-        assert tokens is not None
-        tokens_bench.write(tokens, args.out)
-        print(tokens)
+    aio = _aio_section(args, configs[0], argv) if "aio" in sections else None
+    if sections <= {"tokens", "aio"}:  # only these: their parts replaced, the rest kept
+        if tokens is not None:
+            tokens_bench.write(tokens, args.out)
+        if aio is not None:
+            aio_bench.write(aio, args.out)
+        print(args.out.read_text(encoding="utf-8"))
         return 0
-    kept = _kept_tokens_section(args.out) if tokens is None else tokens
+    kept = (
+        _kept_section(args.out, tokens_bench.BEGIN, tokens_bench.END) if tokens is None else tokens
+    )
+    kept_aio = _kept_section(args.out, aio_bench.BEGIN, aio_bench.END) if aio is None else aio
     text = _render(results, args, time.perf_counter() - started)
     args.out.write_text(text, encoding="utf-8")
     if kept:
         tokens_bench.write(kept, args.out)
+    if kept_aio:
+        aio_bench.write(kept_aio, args.out)
     print(args.out.read_text(encoding="utf-8"))
     return 0
+
+
+def _aio_section(args: argparse.Namespace, config: str, argv: list[str] | None) -> str:
+    """Run the async-face section (:mod:`benchmarks.aio_bench`); its Markdown."""
+    results, config = aio_bench.run(
+        args.aio_messages, CONFIGS[config].redis, CONFIGS[config].postgres, config
+    )
+    given = sys.argv[1:] if argv is None else argv
+    command = " ".join(["python -m benchmarks.bench", *given]) if given else "make bench"
+    return aio_bench.render(results, args.aio_messages, config, command)
 
 
 def _tokens_section(args: argparse.Namespace, config: str, argv: list[str] | None) -> str:
@@ -1036,10 +1065,10 @@ def _tokens_section(args: argparse.Namespace, config: str, argv: list[str] | Non
     return tokens_bench.render(results, command)
 
 
-def _kept_tokens_section(out: Path) -> str | None:
-    """The token-mode section of ``out`` as it is (a run without that section keeps it)."""
+def _kept_section(out: Path, begin: str, end: str) -> str | None:
+    """The section of ``out`` between ``begin`` and ``end`` as it is (a run without that
+    section keeps it)."""
     text = out.read_text(encoding="utf-8") if out.exists() else ""
-    begin, end = tokens_bench.BEGIN, tokens_bench.END
     if begin not in text or end not in text:
         return None
     return text[text.index(begin) : text.index(end) + len(end)]

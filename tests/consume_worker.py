@@ -81,6 +81,17 @@ def _ack_first() -> None:
 
         cls.fetch = acking  # type: ignore[method-assign]
 
+    from dedupstore.backends.rabbitmq.aio import AioPikaBroker
+
+    afetch = AioPikaBroker.fetch
+
+    async def aacking(self: Any, max_count: int, wait: float) -> Any:
+        deliveries = await afetch(self, max_count, wait)
+        await self.ack(deliveries)
+        return deliveries
+
+    AioPikaBroker.fetch = aacking  # type: ignore[method-assign]
+
 
 class Late:
     """A dispatcher that holds what it is given until :meth:`flush`, which pauses

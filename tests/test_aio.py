@@ -8,7 +8,7 @@ import asyncio
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -227,6 +227,27 @@ class _Gated(ThreadPoolExecutor):
         return super().submit(held)
 
 
+async def cancel_in_call(
+    hold: int, call: Coroutine[Any, Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run ``call`` as a task whose ``hold``-th offloaded call is held; cancel the task
+    while that call is in flight; check the cancellation is heard only once the call
+    ended (``CancelledError`` raised, the call finished)."""
+    gate = _Gated(hold)
+    monkeypatch.setattr(steps, "_executor", lambda: gate)
+    task = asyncio.create_task(call)
+    try:
+        await asyncio.to_thread(gate.entered.wait, 30)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        assert not task.done(), "cancelled before the call in flight ended"
+    finally:
+        gate.release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert gate.finished.is_set()
+
+
 @backends
 @pytest.mark.parametrize("cleanup", ["inline", "deferred"])
 def test_a_task_cancelled_in_any_call_leaves_what_a_redelivery_completes(
@@ -277,18 +298,7 @@ def test_a_task_cancelled_in_any_call_of_token_mode_leaves_no_token_behind_or_ba
         for hold in range(1, calls + 1):
             message = tokened(hold)
             await minted_for(message)
-            gate = _Gated(hold)
-            monkeypatch.setattr(steps, "_executor", lambda gate=gate: gate)
-            task = asyncio.create_task(processor().process(message, counting))
-            try:
-                await asyncio.to_thread(gate.entered.wait, 30)
-                task.cancel()
-                await asyncio.sleep(0.05)
-                assert not task.done(), "cancelled before the call in flight ended"
-            finally:
-                gate.release.set()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+            await cancel_in_call(hold, processor().process(message, counting), monkeypatch)
             monkeypatch.setattr(steps, "_executor", lambda: counter)
             again = await processor().process(message, counting)
             assert again.outcome in ("processed", "redispatched", "duplicate"), again
@@ -342,19 +352,7 @@ async def _cancel_in_each_call(
     for hold in range(1, calls + 1):
         cid = f"e{hold}"
         message = Message(f"m{hold}", cid, hold)
-        gate = _Gated(hold)
-        monkeypatch.setattr(steps, "_executor", lambda gate=gate: gate)
-        task = asyncio.create_task(processor.process(message, counting))
-        try:
-            await asyncio.to_thread(gate.entered.wait, 30)
-            task.cancel()
-            await asyncio.sleep(0.05)
-            assert not task.done(), "cancelled before the call in flight ended"
-        finally:
-            gate.release.set()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        assert gate.finished.is_set()
+        await cancel_in_call(hold, processor.process(message, counting), monkeypatch)
         monkeypatch.setattr(steps, "_executor", lambda: counter)
         again = await aio.AsyncOutboxProcessor(entities, dedup, out, cleanup=cleanup).process(
             message, counting

@@ -5,7 +5,8 @@ RabbitMQ queue: thousands of deliveries (each message published one to three tim
 by the producer, spread over the queue, ``message_id`` the message id and the
 entity in the ``correlation_id`` header) over many entities; three consumer
 processes (``dedupstore consume`` through ``tests/consume_worker.py``) read the queue
-with a ``RabbitMQBroker`` (manual acknowledgements, a prefetch window of 40), keep
+with a ``RabbitMQBroker`` (manual acknowledgements, a prefetch window of 40; on the
+async face, ``dedupstore consume`` on asyncio with aio-pika's ``AioPikaBroker``), keep
 their entities and deduplication store on Redis, and publish their outputs with a
 ``RabbitMQDispatcher`` (publisher confirms) to an exchange of the run whose ``audit``
 key is bound to a queue the check reads. At random moments one consumer is
@@ -78,9 +79,18 @@ class RabbitChaos:
     """One run: the input in a queue, consumer processes, kills, the drain, the check."""
 
     def __init__(
-        self, amqp_url: str, redis_url: str, mode: str, cleanup: str, variant: str, seed: str
+        self,
+        amqp_url: str,
+        redis_url: str,
+        mode: str,
+        cleanup: str,
+        variant: str,
+        seed: str,
+        face: str = "sync",
     ) -> None:
         self.amqp_url, self.mode, self.cleanup, self.variant = amqp_url, mode, cleanup, variant
+        # an async def handler: the command runs on asyncio, reading through aio-pika
+        self.handler = f"tests.consume_worker:{'async_' if face == 'async' else ''}slow_handler"
         self.rng = random.Random(seed)
         tag = uuid.uuid4().hex[:8]
         self.queue, self.exchange, self.audit = f"chaos{tag}-in", f"chaos{tag}", f"chaos{tag}-audit"
@@ -150,7 +160,7 @@ class RabbitChaos:
         command = [
             *(sys.executable, "-m", "tests.consume_worker"),
             *("--broker", broker, "--entities", self.entities_url, "--store", self.store_url),
-            *("--dispatcher", dispatcher, "--handler", "tests.consume_worker:slow_handler"),
+            *("--dispatcher", dispatcher, "--handler", self.handler),
             *("--mode", self.mode, "--cleanup", self.cleanup, "--batch-size", "20"),
             *("--dead-letters", DEAD_LETTERS, "--max-deliveries", MAX_DELIVERIES),
             *("--wait", "0.2", "--log-level", "WARNING"),
@@ -261,14 +271,15 @@ class RabbitChaos:
 def chaos(rabbitmq_server: Server, redis_server: Server, tmp_path: Path) -> Any:
     runs: list[RabbitChaos] = []
 
-    def make(mode: str, cleanup: str, variant: str = "") -> RabbitChaos:
+    def make(mode: str, cleanup: str, variant: str = "", face: str = "sync") -> RabbitChaos:
         run = RabbitChaos(
             rabbitmq_server.url,
             redis_server.url,
             mode,
             cleanup,
             variant,
-            f"rabbitmq-{mode}-{cleanup}-{variant}",
+            f"rabbitmq-{mode}-{cleanup}-{variant}-{face}",
+            face,
         )
         runs.append(run)
         run.run(tmp_path)
@@ -288,6 +299,24 @@ def test_rabbitmq_consumers_killed_at_random_change_nothing(
     run = chaos(mode, cleanup)
     assert run.killed >= KILLS
     assert run.violations() == []
+
+
+@pytest.mark.timeout(240)
+def test_async_rabbitmq_consumers_killed_at_random_change_nothing(chaos: Any) -> None:
+    """The same chaos on the async face: ``dedupstore consume`` on asyncio (an ``async
+    def`` handler), reading the queue through aio-pika (``AioPikaBroker``)."""
+    run = chaos("batch", "inline", face="async")
+    assert run.killed >= KILLS
+    assert run.violations() == []
+    starts = [log.read_text(errors="replace") for log in run.logs]
+    assert any("on asyncio" in text for text in starts)
+
+
+@pytest.mark.timeout(240)
+def test_the_rabbitmq_chaos_check_catches_a_broken_async_consumer(chaos: Any) -> None:
+    """The anti-test of the async face's broker: aio-pika's acknowledging on receipt."""
+    run = chaos("batch", "inline", "ack-first", face="async")
+    assert any("messages lost" in v for v in run.violations())
 
 
 @pytest.mark.timeout(240)

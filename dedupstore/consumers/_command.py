@@ -98,7 +98,8 @@ def add_parser(commands: Any, positive: Callable[[str], int]) -> None:
         "--asyncio",
         action="store_true",
         help="run the loop on asyncio (dedupstore.aio.AsyncConsumer; chosen by itself for an "
-        "async def handler): the stores' and the broker's calls then run in threads",
+        "async def handler): RabbitMQ through aio-pika, Kafka through AIOConsumer; the "
+        "stores' and Redis Streams' calls in threads",
     )
     sub.add_argument(
         "--log-level",
@@ -403,6 +404,23 @@ def _start_line(args: argparse.Namespace, broker: Any, consumer: Consumer | Asyn
     )
 
 
+async def _run_on_loop(consumer: AsyncConsumer, url: str) -> ConsumeStats:
+    """Run ``consumer`` on this loop: on the broker's async client where it has one
+    (``dedupstore.aio.open_broker``: aio-pika, ``AIOConsumer``), opened here; else on
+    the sync broker it was made with (its calls in threads)."""
+    from dedupstore.aio import open_broker as open_async_broker
+    from dedupstore.aio.consumer import has_async_client
+
+    if not has_async_client(url):
+        return await consumer.run(install_signal_handlers=False)
+    native = await open_async_broker(url)
+    try:
+        consumer.broker = native
+        return await consumer.run(install_signal_handlers=False)
+    finally:
+        await native.close()
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``dedupstore consume``; return the exit code (0 after SIGTERM/SIGINT).
 
@@ -464,7 +482,7 @@ def run(args: argparse.Namespace) -> int:
             if isinstance(consumer, Consumer):
                 totals = consumer.run(install_signal_handlers=False)
             else:  # the signal handlers above call stop(), which wakes the loop
-                totals = asyncio.run(consumer.run(install_signal_handlers=False))
+                totals = asyncio.run(_run_on_loop(consumer, args.broker))
         finally:
             try:
                 _close(opened)
