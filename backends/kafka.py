@@ -355,6 +355,13 @@ class KafkaBroker(KafkaTopic, Broker):
         return run(self._reader.pending())
 
 
+class _AsyncTopic(KafkaTopic):
+    """:class:`AsyncKafkaBroker`'s options and error rule (no I/O of its own)."""
+
+
+_AsyncTopic.__name__ = "AsyncKafkaBroker"  # the name its errors give: the user's class
+
+
 class AsyncKafkaBroker(AsyncBroker):
     """:class:`KafkaBroker` for the async consume loop, on confluent-kafka's asyncio
     consumer (``confluent_kafka.aio.AIOConsumer``): the same options, offsets, tokens,
@@ -369,7 +376,7 @@ class AsyncKafkaBroker(AsyncBroker):
 
     def __init__(self, url: str, /, **options: Any) -> None:
         """Check ``url`` and ``options`` (those of :class:`KafkaBroker`); no I/O."""
-        self.client = KafkaTopic(url, **options)
+        self.client = _AsyncTopic(url, **options)
         self.topic, self.group = self.client.topic, self.client.group
         self._consumer: Any = None
         self._reader: _Reader | None = None

@@ -141,15 +141,19 @@ def _closed_port_broker(scheme: str) -> str:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("face", [(), ("--asyncio",)], ids=["sync", "asyncio"])
 @pytest.mark.parametrize("scheme", ["kafka", "amqp"])
-def test_an_unreachable_broker_fails_at_open_in_one_line(scheme: str, tmp_path: Path) -> None:
+def test_an_unreachable_broker_fails_at_open_in_one_line(
+    scheme: str, face: tuple[str, ...], tmp_path: Path
+) -> None:
     """No broker on the port: exit 3 in one line, the driver's logs quiet (librdkafka
-    printed every 50 ms and never exited; pika printed 14 lines before the error)."""
+    printed every 50 ms and never exited; pika printed 14 lines before the error); on
+    asyncio too (aio-pika, AIOConsumer)."""
     db = f"sqlite:///{tmp_path / 'd.db'}"
     process = _consume(
         *("--broker", _closed_port_broker(scheme), "--entities", db, "--store", db),
         *("--handler", "tests.soak_worker:soak_handler", "--no-dispatcher"),
-        *("--start-timeout", "0"),
+        *("--start-timeout", "0", *face),
     )
     out, err = process.communicate(timeout=100)
     assert process.returncode == 3, (out, err)

@@ -33,12 +33,16 @@ from dedupstore.backend import (
     Delivery,
     ErrorKind,
     StoreUnavailable,
+    quiet_driver_logs,
 )
 
 from ._client import queue_arguments, vhost
 from .consumer import RabbitMQQueue, RabbitMQToken, delivery_of
 
 __all__ = ["AioPikaBroker"]
+
+# aiormq logs an ERROR line for a refused connection; the caller gets one StoreUnavailable
+quiet_driver_logs("aiormq", "aio_pika")
 
 #: AMQP reply codes that mean "fix the configuration" (see ``_client``).
 _CONFIGURATION_CODES = frozenset({403, 404, 405, 406, 530})
@@ -60,6 +64,9 @@ class _Queue(RabbitMQQueue):
         if isinstance(exc, ae.AMQPError | OSError | TimeoutError | ConnectionError):
             return StoreUnavailable
         return super()._classify_error(exc)
+
+
+_Queue.__name__ = "AioPikaBroker"  # the name its errors give: the user's class
 
 
 def _reply_code(exc: BaseException) -> int | None:

@@ -81,13 +81,6 @@ _NATIVE = {
 }
 
 
-def has_async_client(url: str | StoreURL) -> bool:
-    """Whether :func:`open_broker` opens ``url`` with an async client (aio-pika,
-    ``AIOConsumer``) rather than the sync broker in threads."""
-    parsed = StoreURL.parse(url) if isinstance(url, str) else url
-    return parsed.scheme in _NATIVE
-
-
 async def open_broker(url: str | StoreURL, /, **options: Any) -> AsyncBroker:
     """The broker a URL names, for the async consume loop (the URLs and options of
     :func:`dedupstore.consumers.open_broker`).

@@ -28,7 +28,7 @@ from dedupstore.outbox import Handler, OutboxProcessor, check_handler
 from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
-    from dedupstore.aio import AsyncConsumer, AsyncOutboxProcessor
+    from dedupstore.aio import AsyncBroker, AsyncConsumer, AsyncOutboxProcessor
 
 
 def is_async(handler: object) -> bool:
@@ -261,39 +261,68 @@ _START_BACKOFF = wait_random_exponential(multiplier=0.5, max=5.0)
 
 
 def _open_when_reachable(
-    args: argparse.Namespace, opened: list[Any], stop: threading.Event
+    args: argparse.Namespace, opened: list[Any], stop: threading.Event, started: float
 ) -> tuple[OutboxProcessor | AsyncOutboxProcessor, Handler, Any] | None:
-    """The processor, the handler and the broker, opened once all can be reached.
+    """The processor, the handler and the broker, opened once all can be reached (the
+    broker ``None`` for an async processor: the async loop opens its own).
 
     ``StoreUnavailable`` closes what did open and tries again after a backoff, for at
-    most ``args.start_timeout`` seconds (then it is raised); ``stop`` set (by a signal)
-    returns ``None``. ``ConfigurationError`` is raised at once.
+    most ``args.start_timeout`` seconds from ``started`` (then it is raised); ``stop``
+    set (by a signal) returns ``None``. ``ConfigurationError`` is raised at once.
     """
     from dedupstore.consumers import open_broker
 
-    start = time.monotonic()
     attempt = 0
     while not stop.is_set():
         try:
             processor, handler = open_processor(args, opened, on_loop=True)
-            broker = open_broker(args.broker)
-            opened.append(broker)
+            broker = None
+            if isinstance(processor, OutboxProcessor):
+                broker = open_broker(args.broker)
+                opened.append(broker)
             return processor, handler, broker
         except StoreUnavailable as exc:
             _close(opened)
             attempt += 1
-            left = args.start_timeout - (time.monotonic() - start)
-            pause = min(pause_before(attempt, _START_BACKOFF), left)
-            if pause <= 0:
-                raise
-            _log.warning(
-                "dedupstore consume: cannot start yet (%s); trying again in %.1f s "
-                "(for %.0f s more: --start-timeout)",
-                format_error(exc),
-                pause,
-                left,
-            )
-            stop.wait(pause)
+            stop.wait(_start_pause(args, exc, attempt, started))
+    return None
+
+
+def _start_pause(
+    args: argparse.Namespace, exc: StoreUnavailable, attempt: int, started: float
+) -> float:
+    """The pause before the next try to start after ``exc``; ``exc`` raised once
+    ``--start-timeout`` is spent (one WARNING line per try)."""
+    left = args.start_timeout - (time.monotonic() - started)
+    pause = float(min(pause_before(attempt, _START_BACKOFF), left))
+    if pause <= 0:
+        raise exc
+    _log.warning(
+        "dedupstore consume: cannot start yet (%s); trying again in %.1f s "
+        "(for %.0f s more: --start-timeout)",
+        format_error(exc),
+        pause,
+        left,
+    )
+    return pause
+
+
+async def _open_on_loop(
+    args: argparse.Namespace, stop: threading.Event, started: float
+) -> AsyncBroker | None:
+    """The async loop's broker (``dedupstore.aio.open_broker``), tried again as
+    :func:`_open_when_reachable` does; ``None`` when stopped while waiting."""
+    from dedupstore.aio import open_broker as open_async_broker
+
+    attempt = 0
+    while not stop.is_set():
+        try:
+            return await open_async_broker(args.broker)
+        except StoreUnavailable as exc:
+            attempt += 1
+            until = time.monotonic() + _start_pause(args, exc, attempt, started)
+            while not stop.is_set() and time.monotonic() < until:
+                await asyncio.sleep(min(0.1, until - time.monotonic()))
     return None
 
 
@@ -404,23 +433,6 @@ def _start_line(args: argparse.Namespace, broker: Any, consumer: Consumer | Asyn
     )
 
 
-async def _run_on_loop(consumer: AsyncConsumer, url: str) -> ConsumeStats:
-    """Run ``consumer`` on this loop: on the broker's async client where it has one
-    (``dedupstore.aio.open_broker``: aio-pika, ``AIOConsumer``), opened here; else on
-    the sync broker it was made with (its calls in threads)."""
-    from dedupstore.aio import open_broker as open_async_broker
-    from dedupstore.aio.consumer import has_async_client
-
-    if not has_async_client(url):
-        return await consumer.run(install_signal_handlers=False)
-    native = await open_async_broker(url)
-    try:
-        consumer.broker = native
-        return await consumer.run(install_signal_handlers=False)
-    finally:
-        await native.close()
-
-
 def run(args: argparse.Namespace) -> int:
     """Run ``dedupstore consume``; return the exit code (0 after SIGTERM/SIGINT).
 
@@ -460,7 +472,8 @@ def run(args: argparse.Namespace) -> int:
     said = "dedupstore consume: %s received; stopping (after the batch in flight)"
     with stopping_on_signals(on_signal, said):
         try:
-            reached = _open_when_reachable(args, opened, stop)
+            started = time.monotonic()
+            reached = _open_when_reachable(args, opened, stop, started)
             if reached is None:  # stopped while waiting
                 return 0
             processor, handler, broker = reached
@@ -472,17 +485,31 @@ def run(args: argparse.Namespace) -> int:
             }
             if isinstance(processor, OutboxProcessor):
                 consumer = Consumer(broker, processor, handler, **options)
+                if stop.is_set():  # a signal before the consumer could take it
+                    consumer.stop()
+                print(_start_line(args, broker, consumer), file=sys.stderr, flush=True)
+                totals = consumer.run(install_signal_handlers=False)
             else:
                 from dedupstore.aio import AsyncConsumer
 
-                consumer = AsyncConsumer(broker, processor, handler, **options)
-            if stop.is_set():  # a signal before the consumer could take it
-                consumer.stop()
-            print(_start_line(args, broker, consumer), file=sys.stderr, flush=True)
-            if isinstance(consumer, Consumer):
-                totals = consumer.run(install_signal_handlers=False)
-            else:  # the signal handlers above call stop(), which wakes the loop
-                totals = asyncio.run(_run_on_loop(consumer, args.broker))
+                async def on_loop() -> ConsumeStats | None:
+                    """The broker opened on this loop (aio-pika, AIOConsumer, or the sync
+                    broker in threads), then the async loop; the signal handlers above
+                    call stop(), which wakes it."""
+                    nonlocal consumer
+                    native = await _open_on_loop(args, stop, started)
+                    if native is None:  # stopped while waiting
+                        return None
+                    try:
+                        consumer = AsyncConsumer(native, processor, handler, **options)
+                        if stop.is_set():
+                            consumer.stop()
+                        print(_start_line(args, native, consumer), file=sys.stderr, flush=True)
+                        return await consumer.run(install_signal_handlers=False)
+                    finally:
+                        await native.close()
+
+                totals = asyncio.run(on_loop())
         finally:
             try:
                 _close(opened)
