@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar, cast
 
-__all__ = ["Call", "Steps", "arun", "io", "offload", "run", "user"]
+__all__ = ["Call", "Steps", "arun", "awaited", "io", "offload", "run", "user"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -39,10 +39,11 @@ P = ParamSpec("P")
 class Call:
     """One call a step asks its face to make: ``fn(*args, **kwargs)``.
 
-    ``user``: the user's code (a handler, a callback): called in place by both faces
-    (the async face awaits what it returns when that is awaitable); otherwise I/O: a
-    store's, a dispatcher's or a broker's call, which the async face awaits when ``fn``
-    is a coroutine function and runs in a thread when it blocks.
+    I/O (a store's, a dispatcher's or a broker's call): the sync face calls it in place;
+    the async face awaits it when ``fn`` is a coroutine function and runs it in a thread
+    when it blocks. ``user``: the awaitable ``args[0]`` that the user's ``fn`` (a
+    handler, a callback, already called in place by the step) returned: the async face
+    awaits it, the sync face refuses it.
     """
 
     __slots__ = ("args", "fn", "kwargs", "user")
@@ -70,9 +71,20 @@ def io(fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> Steps[R]:
 
 
 def user(fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> Steps[R]:
-    """A step that runs the user's ``fn(*args, **kwargs)`` and returns what it returns
-    (awaited first by the async face, when it is awaitable)."""
-    return cast(R, (yield Call(fn, args, kwargs, True)))
+    """A step that runs the user's ``fn(*args, **kwargs)`` in place (both faces) and
+    returns what it returns, awaited first by the async face when it is awaitable."""
+    value = fn(*args, **kwargs)
+    if type(value) is not tuple and inspect.isawaitable(value):  # (a handler's: a tuple)
+        value = yield from awaited(value, fn)
+    return value
+
+
+def awaited(value: Any, fn: Callable[..., Any]) -> Steps[Any]:
+    """A step that awaits ``value``, which the user's ``fn`` returned: the async face
+    awaits it; the sync face refuses it (``TypeError`` naming ``fn``, thrown into the
+    step). A step that calls the user's code in place asks this only when what it got
+    is awaitable, so the sync face pays nothing per call."""
+    return (yield Call(fn, (value,), {}, True))
 
 
 def run(steps: Steps[T]) -> T:
@@ -86,15 +98,15 @@ def run(steps: Steps[T]) -> T:
             call = send(value) if error is None else throw(error)
         except StopIteration as stop:
             return cast(T, stop.value)
-        error = None
+        error = value = None
+        if call.user:  # an awaitable the user's code returned: the sync API cannot await it
+            _close(call.args[0])
+            error = _awaited_in_sync(call)
+            continue
         try:
             value = call.fn(*call.args, **call.kwargs)
         except BaseException as exc:  # noqa: BLE001 (thrown into the step, where it belongs)
-            error, value = exc, None
-        else:
-            if call.user and inspect.isawaitable(value):
-                _close(value)
-                error, value = _awaited_in_sync(call), None
+            error = exc
 
 
 def _close(value: object) -> None:
@@ -127,10 +139,8 @@ async def arun(steps: Steps[T]) -> T:
         error = None
         try:
             fn = call.fn
-            if call.user:
-                value = fn(*call.args, **call.kwargs)
-                if inspect.isawaitable(value):
-                    value = await value
+            if call.user:  # an awaitable the user's code returned
+                value = await call.args[0]
             elif inspect.iscoroutinefunction(fn):
                 value = await fn(*call.args, **call.kwargs)
             else:
