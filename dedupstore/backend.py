@@ -30,6 +30,7 @@ Options
 Connections, deadlines and retries
     :class:`ProcessLocal`, :func:`quiet_driver_logs`, :func:`part_of`, :func:`deadline`,
     :func:`time_left`, :func:`capped`, :class:`DeadlinePassed`, :func:`retry`,
+    :func:`aretry`,
     :data:`BACKOFF`, :func:`pause_before`, :func:`fan_out`, :func:`executor`,
     :func:`cut_short`.
 Steps (one driver logic for the sync and the async face, :mod:`dedupstore.steps`)
@@ -62,6 +63,7 @@ from typing import TYPE_CHECKING, Any, Final
 from dedupstore.calls import (
     BACKOFF,
     DeadlinePassed,
+    aretry,
     capped,
     deadline,
     executor,
@@ -282,6 +284,7 @@ __all__ = [
     "URLDispatcher",
     "WriteRequest",
     "anything",
+    "aretry",
     "arun",
     "boolean",
     "canonical_json",

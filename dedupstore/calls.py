@@ -13,16 +13,23 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar, cast
 
-from tenacity import RetryCallState, Retrying, wait_random_exponential
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    wait_random_exponential,
+)
 
 __all__ = [
     "BACKOFF",
     "GC_BATCH_THRESHOLD",
     "DeadlinePassed",
+    "aretry",
     "capped",
     "deadline",
     "executor",
@@ -191,6 +198,33 @@ def retry(
         sleep=lambda seconds: _sleep(seconds),
     )
     return retrying(attempt)
+
+
+async def aretry(
+    fn: Callable[[], Awaitable[T]],
+    *,
+    attempts: int | None,
+    retry_on: Callable[[BaseException], bool] = lambda exc: False,
+) -> T:
+    """:func:`retry` for a coroutine function: ``await fn()``, awaited again after an
+    error ``retry_on`` accepts, at most ``attempts`` times (``None``: until the
+    deadline), :data:`BACKOFF` between them (``asyncio.sleep``), never past the current
+    deadline; raises the last error (never retrying :class:`DeadlinePassed`)."""
+
+    def stop(state: RetryCallState) -> bool:
+        if attempts is not None and state.attempt_number >= attempts:
+            return True
+        left = time_left()
+        return left is not None and left <= (state.upcoming_sleep or 0.0)
+
+    retrying = AsyncRetrying(
+        stop=stop,
+        wait=BACKOFF,
+        retry=retry_if_exception(lambda exc: not isinstance(exc, DeadlinePassed) and retry_on(exc)),
+        reraise=True,
+    )
+    result: T = await retrying(fn)
+    return result
 
 
 # --------------------------------------------------------------------------- fan-out

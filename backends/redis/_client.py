@@ -80,6 +80,7 @@ from dedupstore.backend import (
     ErrorKind,
     Option,
     Options,
+    Steps,
     StoreUnavailable,
     StoreURL,
     capped,
@@ -89,10 +90,12 @@ from dedupstore.backend import (
     connect_timeout_option,
     format_error,
     integer,
+    io,
     optional,
     part_of,
     retries_option,
     retry,
+    run,
     text,
     time_left,
     timeout_option,
@@ -104,6 +107,7 @@ __all__ = [
     "escape",
     "foreign_value_error",
     "key_prefix_option",
+    "probe_steps",
     "unescape",
 ]
 
@@ -379,45 +383,9 @@ class RedisConnection(Connection):
     def probe(self, client: Client, script: str, *, no_eviction: bool = False) -> None:
         """``PING``; check the server is a primary, not a cluster, and runs ``script`` (the write
         script of ``client``, loaded now; ``""``: none). ``no_eviction``: refuse a server that may
-        evict keys (``INFO memory``, allowed where ``CONFIG`` is not; ``ConfigurationError``)."""
-
-        def build(pipe: Any) -> None:
-            pipe.ping()
-            if script:
-                pipe.script_load(script)
-            if no_eviction:
-                pipe.info("memory")
-            pipe.info("replication")
-            pipe.info("cluster")
-
-        replies = self.pipelined(build)
-        replication, cluster = replies[-2:]
-        if isinstance(cluster, Mapping) and str(cluster.get("cluster_enabled", "0")) == "1":
-            raise ConfigurationError(
-                f"{client.url} is a Redis Cluster node; {type(client).__name__} needs a "
-                "standalone primary (Redis Cluster is not supported yet)"
-            )
-        if isinstance(replication, Mapping) and replication.get("role") not in (None, "master"):
-            raise ConsistencyError(
-                f"{client.url} is a read-only replica (role {replication.get('role')!r}): its "
-                "reads can be stale; point the store at the primary"
-            )
-        if no_eviction:
-            memory = replies[-3]
-            policy = memory.get("maxmemory_policy") if isinstance(memory, Mapping) else None
-            if policy != "noeviction":
-                said = (
-                    f"may evict keys (maxmemory_policy {text_of(policy)!r})"
-                    if policy is not None
-                    else "does not say whether it evicts keys (no maxmemory_policy in INFO memory)"
-                )
-                raise ConfigurationError(
-                    f"{client.url} {said}: {type(client).__name__} must never lose a key; set "
-                    "maxmemory-policy noeviction (CONFIG SET maxmemory-policy noeviction, or the "
-                    "managed service's parameter) and raise maxmemory if memory runs short"
-                )
-        if script:  # refused now if the ACL forbids EVALSHA
-            self.read(self.client.evalsha, _sha1(script), 0)
+        evict keys (``INFO memory``, allowed where ``CONFIG`` is not; ``ConfigurationError``).
+        The steps are :func:`probe_steps`, which the async connection drives too."""
+        run(probe_steps(self, client, script, no_eviction=no_eviction))
 
     def run_script(
         self,
@@ -647,6 +615,53 @@ class RedisConnection(Connection):
                 self.client.connection_pool.release(kept)
         else:
             self.client.connection_pool.disconnect()
+
+
+def probe_steps(
+    connection: Any, client: Client, script: str, *, no_eviction: bool = False
+) -> Steps[None]:
+    """The steps of :meth:`RedisConnection.probe` over ``connection`` (sync or async):
+    ``PING``; check the server is a primary, not a cluster, and runs ``script`` (the write
+    script of ``client``, loaded now; ``""``: none). ``no_eviction``: refuse a server that may
+    evict keys (``INFO memory``, allowed where ``CONFIG`` is not; ``ConfigurationError``)."""
+
+    def build(pipe: Any) -> None:
+        pipe.ping()
+        if script:
+            pipe.script_load(script)
+        if no_eviction:
+            pipe.info("memory")
+        pipe.info("replication")
+        pipe.info("cluster")
+
+    replies = yield from io(connection.pipelined, build)
+    replication, cluster = replies[-2:]
+    if isinstance(cluster, Mapping) and str(cluster.get("cluster_enabled", "0")) == "1":
+        raise ConfigurationError(
+            f"{client.url} is a Redis Cluster node; {type(client).__name__} needs a "
+            "standalone primary (Redis Cluster is not supported yet)"
+        )
+    if isinstance(replication, Mapping) and replication.get("role") not in (None, "master"):
+        raise ConsistencyError(
+            f"{client.url} is a read-only replica (role {replication.get('role')!r}): its "
+            "reads can be stale; point the store at the primary"
+        )
+    if no_eviction:
+        memory = replies[-3]
+        policy = memory.get("maxmemory_policy") if isinstance(memory, Mapping) else None
+        if policy != "noeviction":
+            said = (
+                f"may evict keys (maxmemory_policy {text_of(policy)!r})"
+                if policy is not None
+                else "does not say whether it evicts keys (no maxmemory_policy in INFO memory)"
+            )
+            raise ConfigurationError(
+                f"{client.url} {said}: {type(client).__name__} must never lose a key; set "
+                "maxmemory-policy noeviction (CONFIG SET maxmemory-policy noeviction, or the "
+                "managed service's parameter) and raise maxmemory if memory runs short"
+            )
+    if script:  # refused now if the ACL forbids EVALSHA
+        yield from io(connection.read, connection.client.evalsha, _sha1(script), 0)
 
 
 def foreign_value_error(client: Client, detail: str = "") -> ConfigurationError:

@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 from redis.exceptions import ResponseError
 
 from dedupstore.backend import (
+    AsyncBroker,
     Broker,
     Client,
     ConfigurationError,
@@ -43,19 +44,30 @@ from dedupstore.backend import (
     Option,
     Options,
     OptionSet,
+    Steps,
     StoreURL,
+    arun,
     boolean,
+    io,
     optional,
+    run,
     seconds,
     text,
 )
 
-from ._client import CONNECTION_OPTIONS, RedisConnection, key_prefix_option, text_of
+from ._aio import AsyncRedisConnection
+from ._client import (
+    CONNECTION_OPTIONS,
+    RedisConnection,
+    key_prefix_option,
+    probe_steps,
+    text_of,
+)
 from .dispatcher import stream_key
 
 _log = logging.getLogger("dedupstore.consumers")
 
-__all__ = ["RedisStreamsBroker"]
+__all__ = ["AsyncRedisStreamsBroker", "RedisStreams", "RedisStreamsBroker"]
 
 
 def _lease(value: object) -> float:
@@ -70,15 +82,11 @@ def _default_consumer() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-class RedisStreamsBroker(Client, Broker):
-    """A Redis stream read through a consumer group: XREADGROUP, XACK, XAUTOCLAIM.
+class RedisStreams(Client):
+    """What both Redis Streams brokers (:class:`RedisStreamsBroker`, and
+    :class:`AsyncRedisStreamsBroker` on ``redis.asyncio``) share: the options and their
+    checks (before any I/O), and Redis's error rules."""
 
-    See the module for the options. Raises ``ConfigurationError`` for bad options
-    (before any I/O), credentials, ACL permissions, a key of another type, or a
-    missing group without ``create``; ``StoreUnavailable`` when Redis cannot answer.
-    """
-
-    kind: ClassVar[str] = "redis_streams"
     declared_options: ClassVar[OptionSet] = Client.declared_options.extend(
         key_prefix_option("dedupout:"),
         Option("destination", optional(text()), None, "the dispatcher destination to read"),
@@ -102,8 +110,29 @@ class RedisStreamsBroker(Client, Broker):
         "+ping +info +xgroup|create +xreadgroup +xack +xautoclaim +xclaim +xpending +xinfo|groups"
     )
 
-    def _open(self) -> None:
-        opts = self.options
+    @classmethod
+    def _validate(cls, url: StoreURL, options: Options) -> None:
+        """Exactly one of ``destination`` and ``stream``; a ``group``."""
+        super()._validate(url, options)
+        if (options["destination"] is None) == (options["stream"] is None):
+            raise ConfigurationError(
+                f"{cls.__name__} needs exactly one of destination=<dispatcher destination> "
+                "and stream=<stream key>"
+            )
+        if not options["group"]:
+            raise ConfigurationError(f"{cls.__name__} needs group=<consumer group name>")
+
+
+class _Streams:
+    """The broker's logic, written once as steps (:mod:`dedupstore.steps`) over a Redis
+    connection: :class:`RedisConnection` (redis-py, driven by :class:`RedisStreamsBroker`)
+    or :class:`~._aio.AsyncRedisConnection` (``redis.asyncio``, the same method names,
+    awaited: :class:`AsyncRedisStreamsBroker`)."""
+
+    def __init__(self, client: RedisStreams, redis: Any) -> None:
+        opts = client.options
+        self.client = client
+        self.redis = redis
         self.stream: str = opts["stream"] or stream_key(opts["key_prefix"], opts["destination"])
         self.group: str = opts["group"]
         self.consumer: str = opts["consumer"] or _default_consumer()
@@ -117,65 +146,55 @@ class RedisStreamsBroker(Client, Broker):
         # a name given may be an earlier process's: what it held is taken back at once
         self._resume: str | None = "-" if opts["consumer"] else None
         self._waiting = 0  # deliveries last seen waiting for a lease (logged on change)
-        self._redis.probe(self, "")
-        self._ensure_group()
 
-    @classmethod
-    def _validate(cls, url: StoreURL, options: Options) -> None:
-        """Exactly one of ``destination`` and ``stream``; a ``group``."""
-        super()._validate(url, options)
-        if (options["destination"] is None) == (options["stream"] is None):
-            raise ConfigurationError(
-                "RedisStreamsBroker needs exactly one of destination=<dispatcher destination> "
-                "and stream=<stream key>"
-            )
-        if not options["group"]:
-            raise ConfigurationError("RedisStreamsBroker needs group=<consumer group name>")
+    def opened(self) -> Steps[None]:
+        """The server checked (a primary, not a cluster), the consumer group there."""
+        yield from probe_steps(self.redis, self.client, "")
+        yield from self.ensure_group()
 
-    def _ensure_group(self) -> None:
-        """The consumer group exists (created with ``create``); see the class."""
+    def ensure_group(self) -> Steps[None]:
+        """The consumer group exists (created with ``create``); see the module."""
         try:
-            groups = self._redis.read(self._redis.client.xinfo_groups, self.stream)
+            groups = yield from io(self.redis.read, self.redis.client.xinfo_groups, self.stream)
         except ResponseError as exc:
             if "no such key" not in str(exc).lower():
                 raise
             groups = []
         if any(text_of(g["name"]) == self.group for g in groups):
             return
-        if not self.creates:
-            raise self.no_such_store(
+        if not self.client.creates:
+            raise self.client.no_such_store(
                 f"consumer group {self.group!r} of stream {self.stream!r}",
                 "create it (XGROUP CREATE) or open with create=true",
             )
         try:
-            self._on_group(
-                self._redis.client.xgroup_create, id=self.options["start"], mkstream=True
+            yield from self._on_group(
+                self.redis.client.xgroup_create, id=self.client.options["start"], mkstream=True
             )
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):  # created meanwhile by another consumer
                 raise
 
-    def _on_group(self, command: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``command(stream, group, *args, **kwargs)`` (redis-py), retried as a read."""
-        return self._redis.read(command, self.stream, self.group, *args, **kwargs)
+    def _on_group(self, command: Callable[..., Any], *args: Any, **kwargs: Any) -> Steps[Any]:
+        """``command(stream, group, *args, **kwargs)``, retried as a read."""
+        return (yield from io(self.redis.read, command, self.stream, self.group, *args, **kwargs))
 
-    def fetch(self, max_count: int, wait: float) -> list[Delivery]:
-        """Nacked entries first (claimed back, counted), then new ones (``XREADGROUP >``)."""
-        self.check_open()
-        with self.translating_errors("fetch"):
+    def fetch(self, max_count: int, wait: float) -> Steps[list[Delivery]]:
+        with self.client.translating_errors("fetch"):
             if self._resume is not None:
-                self._take_back_own(max_count)
+                yield from self._take_back_own(max_count)
             if self._nacked:
                 ids: list[Any] = self._nacked[:max_count]
                 self._nacked = self._nacked[max_count:]
-                claimed = self._on_group(self._redis.client.xclaim, self.consumer, 0, ids)
-                deliveries = self._deliveries(claimed)
+                claimed = yield from self._on_group(self.redis.client.xclaim, self.consumer, 0, ids)
+                deliveries = yield from self._deliveries(claimed)
                 if deliveries:
                     return deliveries
             block = min(wait, self._block_cap)
             block_ms = round(block * 1000) or None
-            reply = self._redis.read(
-                self._redis.client.xreadgroup,
+            reply = yield from io(
+                self.redis.read,
+                self.redis.client.xreadgroup,
                 self.group,
                 self.consumer,
                 {self.stream: ">"},
@@ -185,13 +204,13 @@ class RedisStreamsBroker(Client, Broker):
         entries = [entry for _, stream_entries in reply or [] for entry in stream_entries]
         return [self._delivery(entry, 1) for entry in entries if entry[1] is not None]
 
-    def _take_back_own(self, max_count: int) -> None:
+    def _take_back_own(self, max_count: int) -> Steps[None]:
         """Queue (as nacked: claimed, counted) up to ``max_count`` entries pending with
         this consumer's name: an earlier process of that name died holding them."""
         start = self._resume
         assert start is not None
-        rows = self._on_group(
-            self._redis.client.xpending_range, start, "+", max_count, self.consumer
+        rows = yield from self._on_group(
+            self.redis.client.xpending_range, start, "+", max_count, self.consumer
         )
         ids = [text_of(row["message_id"]) for row in rows]
         self._resume = f"({ids[-1]}" if len(ids) == max_count else None
@@ -205,40 +224,29 @@ class RedisStreamsBroker(Client, Broker):
             )
             self._nacked.extend(ids)
 
-    def ack(self, deliveries: Sequence[Delivery]) -> None:
-        """``XACK`` their entry ids (idempotent)."""
-        self.check_open()
+    def ack(self, deliveries: Sequence[Delivery]) -> Steps[None]:
         if deliveries:
             ids = [d.token for d in deliveries]
-            with self.translating_errors("ack"):
-                self._on_group(self._redis.client.xack, *ids)
+            with self.client.translating_errors("ack"):
+                yield from self._on_group(self.redis.client.xack, *ids)
 
-    def keep(self, deliveries: Sequence[Delivery]) -> None:
-        """Renew their lease: ``XCLAIM ... JUSTID`` to this consumer resets their idle
-        time without counting a delivery, so no other consumer reclaims them."""
-        self.check_open()
+    def keep(self, deliveries: Sequence[Delivery]) -> Steps[None]:
         if deliveries:
             ids = [d.token for d in deliveries]
-            with self.translating_errors("keep"):
-                self._on_group(self._redis.client.xclaim, self.consumer, 0, ids, justid=True)
+            with self.client.translating_errors("keep"):
+                yield from self._on_group(
+                    self.redis.client.xclaim, self.consumer, 0, ids, justid=True
+                )
 
     def nack(self, deliveries: Sequence[Delivery]) -> None:
-        """Claimed back (``XCLAIM``, counted) at the next fetch; if this process dies
-        first, another consumer reclaims them after ``lease``."""
         self._nacked.extend(d.token for d in deliveries)
 
-    def reclaim(self, max_count: int) -> list[Delivery]:
-        """``XAUTOCLAIM`` entries idle longer than ``lease``.
-
-        Scans the group's pending list with a cursor; after a full pass that found
-        nothing it rests for a tenth of the lease before scanning again.
-        """
-        self.check_open()
+    def reclaim(self, max_count: int) -> Steps[list[Delivery]]:
         if time.monotonic() < self._next_scan:
             return []
-        with self.translating_errors("reclaim"):
-            reply = self._on_group(
-                self._redis.client.xautoclaim,
+        with self.client.translating_errors("reclaim"):
+            reply = yield from self._on_group(
+                self.redis.client.xautoclaim,
                 self.consumer,
                 self._lease_ms,
                 start_id=self._cursor,
@@ -248,15 +256,17 @@ class RedisStreamsBroker(Client, Broker):
             self._cursor = cursor
             if cursor == "0-0" and not entries:
                 self._next_scan = time.monotonic() + self._lease_ms / 10000
-                self._report_waiting()
-            return self._deliveries(entries)
+                yield from self._report_waiting()
+            return (yield from self._deliveries(entries))
 
-    def _report_waiting(self) -> None:
+    def _report_waiting(self) -> Steps[None]:
         """Log (INFO, when it changes) the entries idle for more than a tenth of the
         lease in other consumers' hands: most likely held by a consumer that died, they
         wait for the lease to run out before this consumer takes them over."""
         idle = max(self._lease_ms // 10, 1000)
-        rows = self._on_group(self._redis.client.xpending_range, "-", "+", 1000, idle=idle)
+        rows = yield from self._on_group(
+            self.redis.client.xpending_range, "-", "+", 1000, idle=idle
+        )
         waiting = [r for r in rows if text_of(r["consumer"]) != self.consumer]
         if len(waiting) != self._waiting:
             self._waiting = len(waiting)
@@ -274,18 +284,16 @@ class RedisStreamsBroker(Client, Broker):
                     self._lease_ms / 1000,
                 )
 
-    def pending(self) -> int | None:
-        """Entries pending in the group plus those not delivered yet (its lag)."""
-        self.check_open()
-        with self.translating_errors("pending"):
-            groups = self._redis.read(self._redis.client.xinfo_groups, self.stream)
+    def pending(self) -> Steps[int | None]:
+        with self.client.translating_errors("pending"):
+            groups = yield from io(self.redis.read, self.redis.client.xinfo_groups, self.stream)
         for group in groups:
             if text_of(group["name"]) == self.group:
                 lag = group.get("lag")
                 return int(group.get("pending") or 0) + int(lag or 0)
         return None
 
-    def _deliveries(self, entries: list[Any]) -> list[Delivery]:
+    def _deliveries(self, entries: list[Any]) -> Steps[list[Delivery]]:
         """Claimed entries with their delivery counters (one ``XPENDING`` per entry,
         pipelined); entries deleted from the stream meanwhile are skipped."""
         live = [entry for entry in entries if entry and entry[1] is not None]
@@ -296,7 +304,7 @@ class RedisStreamsBroker(Client, Broker):
             for entry_id, _ in live:
                 pipe.xpending_range(self.stream, self.group, entry_id, entry_id, 1)
 
-        counts = self._redis.pipelined(build)
+        counts = yield from io(self.redis.pipelined, build)
         out = []
         for (entry_id, fields), info in zip(live, counts, strict=True):
             count = int(info[0]["times_delivered"]) if info else None
@@ -319,6 +327,140 @@ class RedisStreamsBroker(Client, Broker):
         for name, value in nested.items():
             headers.setdefault(name, value)
         return Delivery(text_of(entry_id), body, headers, count)
+
+
+class RedisStreamsBroker(RedisStreams, Broker):
+    """A Redis stream read through a consumer group: XREADGROUP, XACK, XAUTOCLAIM.
+
+    See the module for the options. Raises ``ConfigurationError`` for bad options
+    (before any I/O), credentials, ACL permissions, a key of another type, or a
+    missing group without ``create``; ``StoreUnavailable`` when Redis cannot answer.
+    """
+
+    kind: ClassVar[str] = "redis_streams"
+
+    def _open(self) -> None:
+        self._streams = _Streams(self, self._redis)
+        self.stream, self.group = self._streams.stream, self._streams.group
+        self.consumer = self._streams.consumer
+        run(self._streams.opened())
+
+    def fetch(self, max_count: int, wait: float) -> list[Delivery]:
+        """Nacked entries first (claimed back, counted), then new ones (``XREADGROUP >``)."""
+        self.check_open()
+        return run(self._streams.fetch(max_count, wait))
+
+    def ack(self, deliveries: Sequence[Delivery]) -> None:
+        """``XACK`` their entry ids (idempotent)."""
+        self.check_open()
+        run(self._streams.ack(deliveries))
+
+    def keep(self, deliveries: Sequence[Delivery]) -> None:
+        """Renew their lease: ``XCLAIM ... JUSTID`` to this consumer resets their idle
+        time without counting a delivery, so no other consumer reclaims them."""
+        self.check_open()
+        run(self._streams.keep(deliveries))
+
+    def nack(self, deliveries: Sequence[Delivery]) -> None:
+        """Claimed back (``XCLAIM``, counted) at the next fetch; if this process dies
+        first, another consumer reclaims them after ``lease``."""
+        self._streams.nack(deliveries)
+
+    def reclaim(self, max_count: int) -> list[Delivery]:
+        """``XAUTOCLAIM`` entries idle longer than ``lease``.
+
+        Scans the group's pending list with a cursor; after a full pass that found
+        nothing it rests for a tenth of the lease before scanning again.
+        """
+        self.check_open()
+        return run(self._streams.reclaim(max_count))
+
+    def pending(self) -> int | None:
+        """Entries pending in the group plus those not delivered yet (its lag)."""
+        self.check_open()
+        return run(self._streams.pending())
+
+
+class _AsyncStreams(RedisStreams):
+    """:class:`AsyncRedisStreamsBroker`'s options and error rules (no I/O of its own)."""
+
+
+_AsyncStreams.__name__ = "AsyncRedisStreamsBroker"  # the name its errors give
+
+
+class AsyncRedisStreamsBroker(AsyncBroker):
+    """:class:`RedisStreamsBroker` for the async consume loop, on ``redis.asyncio``: the
+    same options, commands, leases, counts, errors and guarantees (the same steps,
+    awaited), each call bounded by the same deadline.
+
+    Opened by :func:`dedupstore.aio.open_broker` (``redis://`` and ``rediss://`` URLs),
+    or ``await AsyncRedisStreamsBroker(url, **options).open()``.
+    """
+
+    kind = "redis_streams"
+
+    def __init__(self, url: str, /, **options: Any) -> None:
+        """Check ``url`` and ``options`` (those of :class:`RedisStreamsBroker`; not
+        ``client``); no I/O."""
+        self.client = _AsyncStreams(url, **options)
+        if self.client.options["client"] is not None:
+            raise ConfigurationError(
+                "AsyncRedisStreamsBroker makes its own redis.asyncio client: client= is "
+                "for the sync RedisStreamsBroker"
+            )
+        self._redis = AsyncRedisConnection(self.client.store_url, self.client.options)
+        self._streams = _Streams(self.client, self._redis)
+        self.stream, self.group = self._streams.stream, self._streams.group
+        self.consumer = self._streams.consumer
+
+    @property
+    def url(self) -> str:
+        """The broker's URL, its secrets masked."""
+        return self.client.url
+
+    async def open(self) -> AsyncRedisStreamsBroker:
+        """Check the server and the consumer group (created with ``create``)."""
+        try:
+            with self.client.translating_errors("open"):
+                await arun(self._streams.opened())
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def fetch(self, max_count: int, wait: float) -> list[Delivery]:
+        """Nacked entries first (claimed back, counted), then new ones (``XREADGROUP >``)."""
+        self.client.check_open()
+        return await arun(self._streams.fetch(max_count, wait))
+
+    async def ack(self, deliveries: Sequence[Delivery]) -> None:
+        """``XACK`` their entry ids (idempotent)."""
+        self.client.check_open()
+        await arun(self._streams.ack(deliveries))
+
+    async def keep(self, deliveries: Sequence[Delivery]) -> None:
+        """Renew their lease (``XCLAIM ... JUSTID``), counting no delivery."""
+        self.client.check_open()
+        await arun(self._streams.keep(deliveries))
+
+    async def nack(self, deliveries: Sequence[Delivery]) -> None:
+        """Claimed back (``XCLAIM``, counted) at the next fetch."""
+        self._streams.nack(deliveries)
+
+    async def reclaim(self, max_count: int) -> list[Delivery]:
+        """``XAUTOCLAIM`` entries idle longer than ``lease``."""
+        self.client.check_open()
+        return await arun(self._streams.reclaim(max_count))
+
+    async def pending(self) -> int | None:
+        """Entries pending in the group plus those not delivered yet (its lag)."""
+        self.client.check_open()
+        return await arun(self._streams.pending())
+
+    async def close(self) -> None:
+        """Close the connections."""
+        await self._redis.close()
+        self.client.close()
 
 
 def _json_headers(value: bytes | str) -> dict[str, str] | None:

@@ -78,6 +78,8 @@ _NATIVE = {
     "amqp": ("dedupstore.backends.rabbitmq.aio", "AioPikaBroker"),
     "amqps": ("dedupstore.backends.rabbitmq.aio", "AioPikaBroker"),
     "kafka": ("dedupstore.backends.kafka", "AsyncKafkaBroker"),
+    "redis": ("dedupstore.backends.redis.consumer", "AsyncRedisStreamsBroker"),
+    "rediss": ("dedupstore.backends.redis.consumer", "AsyncRedisStreamsBroker"),
 }
 
 
@@ -88,9 +90,12 @@ async def open_broker(url: str | StoreURL, /, **options: Any) -> AsyncBroker:
     ``amqp://`` and ``amqps://``: an :class:`~dedupstore.backends.rabbitmq.aio.AioPikaBroker`
     (aio-pika, on the event loop); ``kafka://``: an
     :class:`~dedupstore.backends.kafka.AsyncKafkaBroker` (confluent-kafka's
-    ``AIOConsumer``); other schemes (Redis Streams): the sync broker, opened and called
-    in the async face's threads (:class:`OffloadedBroker`). Raises what the sync
-    ``open_broker`` raises (``ConfigurationError`` before any I/O, ``StoreUnavailable``).
+    ``AIOConsumer``); ``redis://`` and ``rediss://``: an
+    :class:`~dedupstore.backends.redis.consumer.AsyncRedisStreamsBroker`
+    (``redis.asyncio``); other schemes (a registered broker of your own): the sync
+    broker, opened and called in the async face's threads (:class:`OffloadedBroker`).
+    Raises what the sync ``open_broker`` raises (``ConfigurationError`` before any I/O,
+    ``StoreUnavailable``).
     """
     parsed = StoreURL.parse(url) if isinstance(url, str) else url
     native = _NATIVE.get(parsed.scheme)
