@@ -223,7 +223,11 @@ async def aretry(
         retry=retry_if_exception(lambda exc: not isinstance(exc, DeadlinePassed) and retry_on(exc)),
         reraise=True,
     )
-    result: T = await retrying(fn)
+
+    async def attempt() -> T:  # (tenacity calls a plain callable without awaiting it)
+        return await fn()
+
+    result: T = await retrying(attempt)
     return result
 
 

@@ -82,15 +82,17 @@ def _ack_first() -> None:
         cls.fetch = acking  # type: ignore[method-assign]
 
     from dedupstore.backends.rabbitmq.aio import AioPikaBroker
+    from dedupstore.backends.redis.consumer import AsyncRedisStreamsBroker
 
-    afetch = AioPikaBroker.fetch
+    for acls in (AioPikaBroker, AsyncRedisStreamsBroker):
+        afetch = acls.fetch
 
-    async def aacking(self: Any, max_count: int, wait: float) -> Any:
-        deliveries = await afetch(self, max_count, wait)
-        await self.ack(deliveries)
-        return deliveries
+        async def aacking(self: Any, max_count: int, wait: float, afetch: Any = afetch) -> Any:
+            deliveries = await afetch(self, max_count, wait)
+            await self.ack(deliveries)
+            return deliveries
 
-    AioPikaBroker.fetch = aacking  # type: ignore[method-assign]
+        acls.fetch = aacking  # type: ignore[method-assign]
 
 
 class Late:

@@ -362,3 +362,45 @@ def test_a_deadline_applies_in_its_block_only_and_again_when_reentered() -> None
     with block:  # the same object again: a new deadline from now
         assert time_left() is not None
     assert time_left() is None
+
+
+def test_aretry_awaits_retries_what_it_is_told_and_never_past_the_deadline(
+    no_backoff: None,
+) -> None:
+    """The coroutine twin of ``retry``: each attempt awaited (tenacity would call a plain
+    callable without awaiting what it returns), at most ``attempts``, an error
+    ``retry_on`` refuses raised at once, ``DeadlinePassed`` never retried."""
+    import asyncio
+
+    from dedupstore.calls import aretry
+
+    tries: list[int] = []
+
+    async def flaky() -> str:
+        tries.append(1)
+        if len(tries) < 3:
+            raise ConnectionError("reset")
+        return "ok"
+
+    async def main() -> None:
+        assert await aretry(flaky, attempts=3, retry_on=lambda e: True) == "ok"
+        assert len(tries) == 3
+        tries.clear()
+        with pytest.raises(ConnectionError):
+            await aretry(flaky, attempts=2, retry_on=lambda e: True)
+        assert len(tries) == 2
+        tries.clear()
+        with pytest.raises(ConnectionError):
+            await aretry(flaky, attempts=5, retry_on=lambda e: False)
+        assert len(tries) == 1
+
+        async def late() -> None:
+            tries.append(1)
+            raise DeadlinePassed
+
+        tries.clear()
+        with pytest.raises(DeadlinePassed):
+            await aretry(late, attempts=5, retry_on=lambda e: True)
+        assert len(tries) == 1
+
+    asyncio.run(main())

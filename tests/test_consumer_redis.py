@@ -7,6 +7,10 @@ pending entry claimable at once: no test waits for a lease), delivery counters
 come from the group, nacked entries are claimed back and counted, and trimming is
 the user's. The consume command and the chaos test are in ``test_consume_cli.py``
 and ``test_consumer_chaos.py``.
+
+Every test runs on both faces (the ``face`` fixture): ``RedisStreamsBroker`` (redis-py)
+under ``Consumer``, and ``AsyncRedisStreamsBroker`` (``redis.asyncio``, the same steps)
+under ``AsyncConsumer``.
 """
 
 from __future__ import annotations
@@ -20,14 +24,28 @@ import pytest
 import redis
 
 from dedupstore import open_dispatcher, open_entity_store, open_store
-from dedupstore.backends.redis.consumer import RedisStreamsBroker
-from dedupstore.consumers import Consumer, open_broker
+from dedupstore.backends.redis.consumer import AsyncRedisStreamsBroker, RedisStreamsBroker
 from dedupstore.errors import ConfigurationError
 from dedupstore.outbox import Message, OutboxProcessor, Send
+from dedupstore.testing.faces import blocking, wait_for
+from tests.aio_faces import FACES, consumer_of, opened_broker, unwrapped
 from tests.proxy import TcpProxy
 from tests.servers import Server
 
 pytestmark = pytest.mark.redis
+
+
+@pytest.fixture(params=FACES)
+def face(request: Any) -> str:
+    """redis-py's broker and ``Consumer``, or ``redis.asyncio``'s and ``AsyncConsumer``."""
+    return str(request.param)
+
+
+def streams(face: str, url: str, **options: Any) -> Any:
+    """The face's Redis Streams broker, called as the sync one."""
+    if face == "sync":
+        return RedisStreamsBroker(url, **options)
+    return blocking(wait_for(AsyncRedisStreamsBroker(url, **options).open()))
 
 
 def _tag() -> str:
@@ -49,7 +67,7 @@ def count(state: dict[str, Any], message: Message) -> tuple[dict[str, Any], list
 
 
 def test_a_pipeline_of_services_chains_through_redis_streams(
-    redis_server: Server, admin: redis.Redis
+    face: str, redis_server: Server, admin: redis.Redis
 ) -> None:
     tag = _tag()
     url = redis_server.url
@@ -58,9 +76,10 @@ def test_a_pipeline_of_services_chains_through_redis_streams(
     dedup = open_store(url, key_prefix=f"d{tag}:", endpoint="billing")
     downstream = open_dispatcher(url, key_prefix=f"t{tag}:")
     processor = OutboxProcessor(entities, dedup, downstream, dead_letters="dlq")
-    broker = open_broker(url, destination="orders", group="billing", key_prefix=f"t{tag}:")
+    broker = opened_broker(face, url, destination="orders", group="billing", key_prefix=f"t{tag}:")
     try:
-        assert isinstance(broker, RedisStreamsBroker)
+        kind = RedisStreamsBroker if face == "sync" else AsyncRedisStreamsBroker
+        assert isinstance(unwrapped(broker), kind)
         assert broker.stream == upstream.stream_key("orders") == f"t{tag}:orders"
         from dedupstore.entities import OutgoingMessage
 
@@ -70,7 +89,7 @@ def test_a_pipeline_of_services_chains_through_redis_streams(
         ]
         upstream.dispatch(sent)
         admin.xadd(broker.stream, {"id": "m1", "body": '{"n": 1}', "correlation_id": "o1"})
-        consumer = Consumer(broker, processor, count, batch_size=4)
+        consumer = consumer_of(face, broker, processor, count, batch_size=4)
         rounds = [consumer.run_once() for _ in range(4)]
         assert sum(r.acked for r in rounds) == 11 and not any(r.nacked for r in rounds)
         assert sum(r.outcomes.get("duplicate", 0) for r in rounds) == 1
@@ -79,7 +98,7 @@ def test_a_pipeline_of_services_chains_through_redis_streams(
         assert admin.xpending(broker.stream, "billing")["pending"] == 0
         assert broker.pending() == 0
         # the outputs are the next service's input, with the same rules
-        nxt = open_broker(url, destination="next", group="audit", key_prefix=f"t{tag}:")
+        nxt = opened_broker(face, url, destination="next", group="audit", key_prefix=f"t{tag}:")
         try:
             got = nxt.fetch(100, 0)
             assert len(got) == 10 and all(d.headers["correlation_id"] for d in got)
@@ -92,13 +111,13 @@ def test_a_pipeline_of_services_chains_through_redis_streams(
 
 
 def test_what_a_dead_consumer_left_is_reclaimed_with_its_delivery_count(
-    redis_server: Server, admin: redis.Redis
+    face: str, redis_server: Server, admin: redis.Redis
 ) -> None:
     stream, group = f"s-{_tag()}", "g"
     for n in range(5):
         admin.xadd(stream, {"id": f"m{n}", "correlation_id": "a", "body": "{}"})
-    dead = RedisStreamsBroker(redis_server.url, stream=stream, group=group, consumer="dead")
-    alive = RedisStreamsBroker(redis_server.url, stream=stream, group=group, lease=0)
+    dead = streams(face, redis_server.url, stream=stream, group=group, consumer="dead")
+    alive = streams(face, redis_server.url, stream=stream, group=group, lease=0)
     try:
         held = dead.fetch(3, 0)
         assert [d.deliveries for d in held] == [1, 1, 1]
@@ -121,7 +140,7 @@ def test_what_a_dead_consumer_left_is_reclaimed_with_its_delivery_count(
 
 @pytest.mark.parametrize("mode", ["batch", "single"])
 def test_an_outage_of_the_stores_server_sets_nothing_aside(
-    redis_server: Server, admin: redis.Redis, mode: Any
+    face: str, redis_server: Server, admin: redis.Redis, mode: Any
 ) -> None:
     """The issue's case: the stores' Redis unreachable for many rounds, with
     max_deliveries=2 and dead letters. The deliveries are held by the consumer (their
@@ -133,7 +152,7 @@ def test_an_outage_of_the_stores_server_sets_nothing_aside(
         admin.xadd(stream, {"id": f"m{n}", "correlation_id": "a", "body": f'{{"n": {n}}}'})
     admin.xadd(stream, {"correlation_id": "a", "body": "{}"})  # no id: malformed
     letters = open_dispatcher(redis_server.url, key_prefix=f"t{tag}:")
-    broker = RedisStreamsBroker(redis_server.url, stream=stream, group="g", lease=60)
+    broker = streams(face, redis_server.url, stream=stream, group="g", lease=60)
     with TcpProxy.for_url(redis_server.url) as proxy:
         url = proxy.url(redis_server.url)
         fast = {"timeout": 0.5, "retries": 0}
@@ -141,7 +160,7 @@ def test_an_outage_of_the_stores_server_sets_nothing_aside(
         dedup = open_store(url, key_prefix=f"d{tag}:", endpoint="billing", **fast)
         processor = OutboxProcessor(entities, dedup, letters, dead_letters="dlq")
         try:
-            consumer = Consumer(broker, processor, count, max_deliveries=2, mode=mode)
+            consumer = consumer_of(face, broker, processor, count, max_deliveries=2, mode=mode)
             proxy.outage("refuse")
             proxy.reset()
             for round_ in range(5):
@@ -164,11 +183,11 @@ def test_an_outage_of_the_stores_server_sets_nothing_aside(
 
 
 def test_keep_renews_the_lease_without_counting_a_delivery(
-    redis_server: Server, admin: redis.Redis
+    face: str, redis_server: Server, admin: redis.Redis
 ) -> None:
     stream = f"s-{_tag()}"
     admin.xadd(stream, {"id": "m1", "correlation_id": "a", "body": "{}"})
-    broker = RedisStreamsBroker(redis_server.url, stream=stream, group="g", lease=60)
+    broker = streams(face, redis_server.url, stream=stream, group="g", lease=60)
     try:
         (delivery,) = broker.fetch(10, 0)
         time.sleep(0.3)  # the entry idles 0.3 s
@@ -182,17 +201,17 @@ def test_keep_renews_the_lease_without_counting_a_delivery(
 
 
 def test_a_consumer_restarted_under_its_name_takes_back_what_it_held_at_once(
-    redis_server: Server, admin: redis.Redis, caplog: pytest.LogCaptureFixture
+    face: str, redis_server: Server, admin: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A consumer named ``c1`` died holding two entries; its next process under the
     same name takes them back at its first fetch (counted), not after the lease."""
     stream = f"s-{_tag()}"
     for n in (1, 2, 3):
         admin.xadd(stream, {"id": f"m{n}", "correlation_id": "a", "body": "{}"})
-    first = RedisStreamsBroker(redis_server.url, stream=stream, group="g", consumer="c1")
+    first = streams(face, redis_server.url, stream=stream, group="g", consumer="c1")
     assert [d.headers["id"] for d in first.fetch(2, 0)] == ["m1", "m2"]
     first.close()  # died: nothing acknowledged
-    again = RedisStreamsBroker(redis_server.url, stream=stream, group="g", consumer="c1", lease=600)
+    again = streams(face, redis_server.url, stream=stream, group="g", consumer="c1", lease=600)
     try:
         with caplog.at_level("INFO", logger="dedupstore.consumers"):
             taken = again.fetch(10, 0)
@@ -204,15 +223,15 @@ def test_a_consumer_restarted_under_its_name_takes_back_what_it_held_at_once(
 
 
 def test_deliveries_waiting_for_a_lease_are_logged(
-    redis_server: Server, admin: redis.Redis, caplog: pytest.LogCaptureFixture
+    face: str, redis_server: Server, admin: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
     stream = f"s-{_tag()}"
     admin.xadd(stream, {"id": "m1", "correlation_id": "a", "body": "{}"})
-    dead = RedisStreamsBroker(redis_server.url, stream=stream, group="g", consumer="dead")
+    dead = streams(face, redis_server.url, stream=stream, group="g", consumer="dead")
     dead.fetch(1, 0)
     dead.close()
     time.sleep(1.1)  # idle beyond 1 s, a tenth of the lease at most
-    alive = RedisStreamsBroker(redis_server.url, stream=stream, group="g", lease=10)
+    alive = streams(face, redis_server.url, stream=stream, group="g", lease=10)
     try:
         with caplog.at_level("INFO", logger="dedupstore.consumers"):
             assert alive.reclaim(10) == []
@@ -222,13 +241,15 @@ def test_deliveries_waiting_for_a_lease_are_logged(
         alive.close()
 
 
-def test_the_group_start_and_creation_are_options(redis_server: Server, admin: redis.Redis) -> None:
+def test_the_group_start_and_creation_are_options(
+    face: str, redis_server: Server, admin: redis.Redis
+) -> None:
     stream = f"s-{_tag()}"
     admin.xadd(stream, {"id": "old", "correlation_id": "a", "body": "{}"})
     with pytest.raises(ConfigurationError, match="no such store: consumer group 'g'"):
-        RedisStreamsBroker(redis_server.url, stream=stream, group="g", create=False)
-    late = RedisStreamsBroker(redis_server.url, stream=stream, group="late", start="$")
-    early = RedisStreamsBroker(redis_server.url, stream=stream, group="early")
+        streams(face, redis_server.url, stream=stream, group="g", create=False)
+    late = streams(face, redis_server.url, stream=stream, group="late", start="$")
+    early = streams(face, redis_server.url, stream=stream, group="early")
     try:
         admin.xadd(stream, {"id": "new", "correlation_id": "a", "body": "{}"})
         assert [d.headers["id"] for d in late.fetch(10, 0)] == ["new"]
@@ -250,5 +271,37 @@ def test_the_group_start_and_creation_are_options(redis_server: Server, admin: r
     ],
 )
 def test_bad_options_are_refused_before_any_io(options: dict[str, Any], error: str) -> None:
-    with pytest.raises(ConfigurationError, match=error):
-        RedisStreamsBroker("redis://127.0.0.1:1/0", **options)  # nothing listens on port 1
+    for kind in (RedisStreamsBroker, AsyncRedisStreamsBroker):  # (the async: no I/O at all)
+        with pytest.raises(ConfigurationError, match=error):
+            kind("redis://127.0.0.1:1/0", **options)  # nothing listens on port 1
+
+
+@pytest.mark.timeout(60)
+def test_an_async_call_to_a_server_that_never_answers_ends_within_its_deadline(
+    redis_server: Server, admin: redis.Redis
+) -> None:
+    """``redis.asyncio`` keeps the sync client's deadline: against a server that accepts
+    and never answers, a fetch raises ``StoreUnavailable`` within
+    ``connect_timeout + (retries + 1) x timeout``, and the broker works again after."""
+    from dedupstore.errors import StoreUnavailable
+
+    stream = f"s-{_tag()}"
+    admin.xadd(stream, {"id": "m1", "correlation_id": "a", "body": "{}"})
+    with TcpProxy.for_url(redis_server.url) as proxy:
+        url = proxy.url(redis_server.url)
+        options = {"stream": stream, "group": "g", "timeout": 0.5, "retries": 1}
+        broker = blocking(
+            wait_for(AsyncRedisStreamsBroker(url, connect_timeout=0.5, **options).open())
+        )
+        try:
+            proxy.reset()
+            proxy.outage("hang")
+            began = time.monotonic()
+            with pytest.raises(StoreUnavailable):
+                broker.fetch(10, 0.2)
+            took = time.monotonic() - began
+            assert took < 0.5 + 2 * 0.5 + 3.0, took  # the deadline, and slack for a busy machine
+            proxy.restore()
+            assert [d.headers["id"] for d in broker.fetch(10, 0.2)] == ["m1"]
+        finally:
+            broker.close()
