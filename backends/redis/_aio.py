@@ -29,7 +29,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from dedupstore.backend import Options, StoreURL, aretry, capped
 
-from ._client import _transient
+from ._client import _transient, server_kwargs
 
 __all__ = ["AsyncRedisConnection"]
 
@@ -39,17 +39,9 @@ class AsyncRedisConnection:
     module). No I/O until the first call."""
 
     def __init__(self, url: StoreURL, options: Options) -> None:
-        kwargs: dict[str, Any] = {
-            "host": url.host or "localhost",
-            "port": url.port or 6379,
-            "db": int(url.path[1:] or 0),
-            "username": url.username or None,
-            "password": url.password or None,
-            **options.driver_kwargs(),
-        }
         self._timeout = float(options["timeout"])
         pool = ConnectionPool(
-            **kwargs,
+            **server_kwargs(url, options),
             connection_class=SSLConnection if url.scheme == "rediss" else DriverConnection,
             socket_timeout=options["timeout"],
             socket_connect_timeout=options["connect_timeout"],

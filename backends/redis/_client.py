@@ -108,6 +108,7 @@ __all__ = [
     "foreign_value_error",
     "key_prefix_option",
     "probe_steps",
+    "server_kwargs",
     "unescape",
 ]
 
@@ -343,16 +344,8 @@ class RedisConnection(Connection):
     def _connect(self) -> redis.Redis:
         """A client with its own pool (fork-safe: redis-py's pool resets in a child)."""
         url = self.url
-        kwargs: dict[str, Any] = {
-            "host": url.host or "localhost",
-            "port": url.port or 6379,
-            "db": int(url.path[1:] or 0),
-            "username": url.username or None,
-            "password": url.password or None,
-            **self.options.driver_kwargs(),
-        }
         pool = ConnectionPool(
-            **kwargs,
+            **server_kwargs(url, self.options),
             connection_class=_BoundedSSL if url.scheme == "rediss" else _Bounded,
             socket_timeout=self.options["timeout"],
             socket_connect_timeout=self.options["connect_timeout"],
@@ -615,6 +608,19 @@ class RedisConnection(Connection):
                 self.client.connection_pool.release(kept)
         else:
             self.client.connection_pool.disconnect()
+
+
+def server_kwargs(url: StoreURL, options: Options) -> dict[str, Any]:
+    """The server, database and credentials of ``url`` and ``options`` as redis-py's
+    connection pools take them (the sync one and ``redis.asyncio``'s alike)."""
+    return {
+        "host": url.host or "localhost",
+        "port": url.port or 6379,
+        "db": int(url.path[1:] or 0),
+        "username": url.username or None,
+        "password": url.password or None,
+        **options.driver_kwargs(),
+    }
 
 
 def probe_steps(
