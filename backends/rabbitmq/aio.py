@@ -20,6 +20,7 @@ import asyncio
 import collections
 import ssl
 from collections.abc import Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,6 +163,8 @@ class AioPikaBroker(AsyncBroker):
                 await channel.set_qos(prefetch_count=self.prefetch)
                 self._generation += 1
                 link = _Link(connection, channel, self._generation)
+                for closing in (connection, channel):  # a fetch waiting wakes up at once
+                    closing.close_callbacks.add(lambda *_: link.arrived.set())
 
                 async def received(message: AbstractIncomingMessage) -> None:
                     token = RabbitMQToken(
@@ -212,18 +215,10 @@ class AioPikaBroker(AsyncBroker):
         link = await self._current("fetch")
         try:
             with self.client.translating_errors("fetch"):
-                if not link.received and wait > 0:
-                    link.arrived.clear()
-                    async with asyncio.timeout(wait + self.client.options["timeout"]):
-                        waiting = asyncio.ensure_future(link.arrived.wait())
-                        closed = asyncio.ensure_future(_closing(link))
-                        try:
-                            await asyncio.wait(
-                                [waiting, closed], timeout=wait, return_when="FIRST_COMPLETED"
-                            )
-                        finally:
-                            waiting.cancel()
-                            closed.cancel()
+                if not link.received and wait > 0 and link.live:
+                    link.arrived.clear()  # set by a delivery, or by the link closing
+                    with suppress(TimeoutError):
+                        await asyncio.wait_for(link.arrived.wait(), wait)
                 if not link.received and not link.live:
                     raise ConnectionError("the connection to RabbitMQ was lost")
         except BaseException:
@@ -286,12 +281,6 @@ class AioPikaBroker(AsyncBroker):
         if link is not None:
             await _close_quietly(link.connection)
         self.client.close()
-
-
-async def _closing(link: _Link) -> None:
-    """Returns once the link's connection or channel closed."""
-    while link.live:
-        await asyncio.sleep(0.05)
 
 
 async def _close_quietly(connection: AbstractConnection) -> None:

@@ -191,12 +191,9 @@ class AsyncConsumer(_Loop):
         await arun(self._release())
 
     async def _pause(self) -> None:
-        woken = self._woken
+        assert self._woken is not None  # (called by run's rounds only)
         seconds = self._pause_seconds()
-        if woken is None:
-            await asyncio.sleep(seconds)
-            return
-        event = woken[1]
+        event = self._woken[1]
         event.clear()
         if self._stopping.is_set():
             return

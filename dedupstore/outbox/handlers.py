@@ -31,7 +31,7 @@ from dedupstore.outbox.letters import (
     bounded_letter,
 )
 from dedupstore.outbox.messages import Handler, Message, Send, _shown, check_size
-from dedupstore.steps import Steps, awaited
+from dedupstore.steps import Steps, user
 
 
 def check_handler(handler: object, *, awaitable: bool = False) -> None:
@@ -164,9 +164,7 @@ class _Handling(_Base):
         """The handler's new state (normalized: what a reload will show) and its text,
         and the outgoing messages (with their ids, bodies encoded once and decoded only
         when read: see :meth:`OutgoingMessage.__getattr__`)."""
-        returned = handler(state, message)  # in place, on both faces
-        if type(returned) is not tuple and inspect.isawaitable(returned):
-            returned = yield from awaited(returned, handler)
+        returned = yield from user(handler, state, message)
         if not (isinstance(returned, tuple) and len(returned) == 2):
             raise _HandlerContract(f"it returned {_shown(returned)}")
         state, sends = returned
