@@ -98,8 +98,8 @@ def add_parser(commands: Any, positive: Callable[[str], int]) -> None:
         "--asyncio",
         action="store_true",
         help="run the loop on asyncio (dedupstore.aio.AsyncConsumer; chosen by itself for an "
-        "async def handler): RabbitMQ through aio-pika, Kafka through AIOConsumer; the "
-        "stores' and Redis Streams' calls in threads",
+        "async def handler): RabbitMQ through aio-pika, Kafka through AIOConsumer, Redis "
+        "Streams through redis.asyncio; the stores' calls in threads",
     )
     sub.add_argument(
         "--log-level",
@@ -493,9 +493,8 @@ def run(args: argparse.Namespace) -> int:
                 from dedupstore.aio import AsyncConsumer
 
                 async def on_loop() -> ConsumeStats | None:
-                    """The broker opened on this loop (aio-pika, AIOConsumer, or the sync
-                    broker in threads), then the async loop; the signal handlers above
-                    call stop(), which wakes it."""
+                    """The broker opened on this loop (aio.open_broker), then the async
+                    loop; the signal handlers above call stop(), which wakes it."""
                     nonlocal consumer
                     native = await _open_on_loop(args, stop, started)
                     if native is None:  # stopped while waiting
