@@ -62,7 +62,6 @@ from tests.test_consumer_chaos import (
     ENTITIES,
     KILLS,
     MAX_DELIVERIES,
-    MESSAGES,
     OVERSIZE,
     ROOT,
     TOP_UP,
@@ -70,6 +69,7 @@ from tests.test_consumer_chaos import (
     outage_phase,
     oversize_violations,
     pick_victim,
+    planned,
 )
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.redis, pytest.mark.slow]
@@ -186,15 +186,17 @@ class RabbitChaos:
             assert code in (0, -signal.SIGKILL, -signal.SIGTERM), self._log_tail()
 
     def run(self, log_dir: Path) -> None:
-        """Start the consumers, kill and replace one at random KILLS times, drain, stop.
+        """Start the consumers, kill and replace one at random, drain, stop.
 
-        A broken variant's pause (``PAUSE_FILE_ENV``) lasts until the last kill."""
+        The kills and the first input are :func:`planned`. A broken variant's pause
+        (``PAUSE_FILE_ENV``) lasts until the last kill."""
         killing = log_dir / PAUSE_FILE
         killing.touch()
-        self.produce(MESSAGES)
+        kills, messages = planned(self.variant)
+        self.produce(messages)
         for _ in range(CONSUMERS):
             self.start(log_dir)
-        while self.killed < KILLS:
+        while self.killed < kills:
             time.sleep(self.rng.uniform(0.3, 0.8))
             if self.ready() < TOP_UP:  # every kill lands while there is work
                 self.produce(TOP_UP)
@@ -203,7 +205,7 @@ class RabbitChaos:
             assert victim.wait() == -signal.SIGKILL
             self.killed += 1
             self.start(log_dir)
-            if self.killed == KILLS // 2 and not self.variant:  # (the anti-tests: kills)
+            if self.killed == kills // 2 and not self.variant:  # (the anti-tests: kills)
                 if self.ready() < TOP_UP:  # the outage lands while there is work
                     self.produce(TOP_UP)
                 self.wait_until_consuming()  # one that cannot open its stores exits
