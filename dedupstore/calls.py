@@ -205,11 +205,13 @@ async def aretry(
     *,
     attempts: int | None,
     retry_on: Callable[[BaseException], bool] = lambda exc: False,
+    before_sleep: Callable[[RetryCallState], None] | None = None,
 ) -> T:
     """:func:`retry` for a coroutine function: ``await fn()``, awaited again after an
     error ``retry_on`` accepts, at most ``attempts`` times (``None``: until the
     deadline), :data:`BACKOFF` between them (``asyncio.sleep``), never past the current
-    deadline; raises the last error (never retrying :class:`DeadlinePassed`)."""
+    deadline; raises the last error (never retrying :class:`DeadlinePassed`).
+    ``before_sleep`` is called (with tenacity's state) before each pause."""
 
     def stop(state: RetryCallState) -> bool:
         if attempts is not None and state.attempt_number >= attempts:
@@ -221,6 +223,7 @@ async def aretry(
         stop=stop,
         wait=BACKOFF,
         retry=retry_if_exception(lambda exc: not isinstance(exc, DeadlinePassed) and retry_on(exc)),
+        before_sleep=before_sleep,
         reraise=True,
     )
 

@@ -11,14 +11,16 @@ shared by every client of that server in a process; its clients name it in
 from __future__ import annotations
 
 import abc
+import asyncio
 import contextlib
 import functools
+import inspect
 import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
 from types import TracebackType
-from typing import Any, ClassVar, Generic, Self, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar, cast
 
 from dedupstore import calls, metrics
 from dedupstore.errors import (
@@ -30,6 +32,7 @@ from dedupstore.errors import (
 )
 from dedupstore.masking import mask_url, scrub
 from dedupstore.options import Option, Options, OptionSet, boolean
+from dedupstore.steps import Steps, io, on_async_face
 from dedupstore.urls import StoreURL
 
 __all__ = [
@@ -245,6 +248,32 @@ def part_of(client: Client, name: str, kind: type[T]) -> T:
     return value
 
 
+class AsyncConnection(Protocol):
+    """What the async face needs of an async twin (:meth:`Connection.async_twin`)."""
+
+    async def close(self) -> None:
+        """Release the twin's connections."""
+
+
+class _Held:
+    """The connection of one client alone (an async twin, :meth:`Client._async_twin`),
+    in the place of its :class:`ProcessLocal` handle; closed by
+    :meth:`Client.close_async_twins`."""
+
+    def __init__(self, connection: Any, key: Hashable | None) -> None:
+        self.connection = connection
+        self.key = key
+
+    def get(self) -> Any:
+        return self.connection
+
+    def peek(self) -> Any:
+        return self.connection
+
+    def close(self) -> None:
+        """Nothing here: :meth:`Client.close_async_twins` awaits the connection's ``close``."""
+
+
 class Connection(abc.ABC):
     """A backend's connection to one server in one process, shared by its clients.
 
@@ -266,6 +295,15 @@ class Connection(abc.ABC):
     #: True when the URL must name the server's host (unless a ``client`` or a ``host``
     #: driver parameter is given): else ``ConfigurationError``, not a refused default host.
     needs_host: ClassVar[bool] = False
+
+    @classmethod
+    def async_twin(cls, url: StoreURL, options: Options) -> AsyncConnection | None:
+        """The async face's connection to the same server with the same options (no I/O:
+        it connects on first use, on the running event loop), with the same method names
+        as this class's, awaited: a client's primitives written as steps then run on it
+        natively on the async face (:meth:`Client._primitive`). ``None`` (the default):
+        the backend has no async driver, and its calls run in the async face's threads."""
+        return None
 
     def __init__(self, url: StoreURL, options: Options) -> None:
         """Open the connection (it may do I/O) from the first client's URL and options."""
@@ -375,11 +413,20 @@ class Client(Closing, abc.ABC):
     #: The backend's connection class (one instance per server and process, shared by
     #: its clients); ``None``: the client keeps no connection.
     connection_class: ClassVar[type[Connection] | None] = None
+    #: The names of the class's primitives (:meth:`_primitive`); a role class lists them.
+    primitives: ClassVar[tuple[str, ...]] = ()
+    #: Those of :attr:`primitives` the class writes as steps (generator functions),
+    #: found when the class is made.
+    stepped: ClassVar[frozenset[str]] = frozenset()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A class naming a ``connection_class`` takes its backend's :attr:`schemes` and
-        :attr:`process_local` from it, unless it sets its own."""
+        :attr:`process_local` from it, unless it sets its own; its :attr:`stepped`
+        primitives are found."""
         super().__init_subclass__(**kwargs)
+        cls.stepped = frozenset(
+            name for name in cls.primitives if inspect.isgeneratorfunction(getattr(cls, name))
+        )
         kind = cls.__dict__.get("connection_class")
         if kind is not None:
             if "schemes" not in cls.__dict__:
@@ -564,6 +611,51 @@ class Client(Closing, abc.ABC):
         """Raise ``StoreClosed`` if :meth:`close` was called (every public call's first line)."""
         if self._closed:
             raise StoreClosed(f"{self!r} is closed; open a new one")
+
+    def _primitive(self, name: str, *args: Any) -> Steps[Any]:
+        """The primitive ``name`` called with ``args``, as steps. One the class writes as a
+        generator function runs as its own steps: on the sync face over this client's
+        connection, on the async face (:func:`dedupstore.steps.on_async_face`) over the
+        async twin of it (:meth:`Connection.async_twin`), awaited on the loop. Any other
+        primitive is one blocking call (in a thread on the async face)."""
+        if name in self.stepped:
+            face = self._async_twin() if on_async_face() else self
+            return (yield from getattr(face, name)(*args))
+        return (yield from io(getattr(self, name), *args))
+
+    def _async_twin(self) -> Self:
+        """This client on the async twin of its connection, one per event loop (its
+        connection is bound to the loop), made on first use (no I/O: it connects at its
+        first call); this client itself when the backend has no async driver or the
+        user gave a ``client`` (a sync driver object). The twin shares this client's
+        state (options, write tokens) and is used only inside its primitives' steps."""
+        loop = asyncio.get_running_loop()
+        twins: dict[asyncio.AbstractEventLoop, Any] = self.__dict__.setdefault("_twins", {})
+        twin = twins.get(loop)
+        if twin is None:
+            kind = self.connection_class
+            connection = None
+            if kind is not None and self.options.get("client") is None:
+                connection = kind.async_twin(self.store_url, self.options)
+            if connection is None:
+                twin = self
+            else:
+                twin = object.__new__(type(self))
+                twin.__dict__.update(self.__dict__)
+                handle = self._connection_handle
+                twin._connection_handle = _Held(connection, None if handle is None else handle.key)  # type: ignore[assignment]
+            twin = twins.setdefault(loop, twin)
+        return cast(Self, twin)
+
+    async def close_async_twins(self) -> None:
+        """Close the async connections of this client's twins (:meth:`_async_twin`): the
+        running loop's awaited, those of other loops dropped. Called by the async face's
+        ``close``; a later async call makes a new one."""
+        twins: dict[asyncio.AbstractEventLoop, Any] = self.__dict__.get("_twins", {})
+        mine = twins.pop(asyncio.get_running_loop(), None)
+        twins.clear()
+        if mine is not None and mine is not self:
+            await cast(AsyncConnection, mine._connection_handle.get()).close()
 
     def _classify_error(self, exc: BaseException) -> ErrorKind:
         """Map a driver exception to an error class (or a ready error); ``None`` if foreign.

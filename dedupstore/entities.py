@@ -23,6 +23,7 @@ from dedupstore.client import Client
 from dedupstore.errors import ConcurrencyConflict, EntityTooLarge, InvalidMessageId, InvalidValue
 from dedupstore.ids import plain_ids, validate_ids, validate_message_id
 from dedupstore.options import OptionSet
+from dedupstore.steps import run
 
 if TYPE_CHECKING:
     from dedupstore.store import DeduplicationStore, WriteRequest
@@ -663,7 +664,7 @@ class EntityStore(Client):
             versions.update(saved)
             return added
 
-        dedup._write_chunk([mid], single=True, write=write, operation="add_and_save")
+        run(dedup._write_chunk([mid], single=True, write=write, operation="add_and_save"))
         _take_version(entity, versions)
 
     def _save_checked(self, entity: Entity, dedup: DeduplicationStore, key: str) -> bool:

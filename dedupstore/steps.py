@@ -23,51 +23,81 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import inspect
+import itertools
 import os
 import threading
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar, cast
 
-__all__ = ["Call", "Steps", "arun", "awaited", "io", "offload", "run", "user"]
+__all__ = [
+    "Call",
+    "Steps",
+    "arun",
+    "awaited",
+    "fan",
+    "io",
+    "offload",
+    "on_async_face",
+    "run",
+    "user",
+]
 
 T = TypeVar("T")
 R = TypeVar("R")
 P = ParamSpec("P")
 
 
+#: The kinds of :class:`Call`.
+IO, USER, FAN = 0, 1, 2
+
+
 class Call:
     """One call a step asks its face to make: ``fn(*args, **kwargs)``.
 
-    I/O (a store's, a dispatcher's or a broker's call): the sync face calls it in place;
-    the async face awaits it when ``fn`` is a coroutine function and runs it in a thread
-    when it blocks. ``user``: the awaitable ``args[0]`` that the user's ``fn`` (a
-    handler, a callback, already called in place by the step) returned: the async face
-    awaits it, the sync face refuses it.
+    ``kind`` :data:`IO` (a store's, a dispatcher's or a broker's call): the sync face
+    calls it in place; the async face awaits it when ``fn`` is a coroutine function and
+    runs it in a thread when it blocks. :data:`USER`: the awaitable ``args[0]`` that the
+    user's ``fn`` (a handler, a callback, already called in place by the step) returned:
+    the async face awaits it, the sync face refuses it. :data:`FAN` (:func:`fan`): the
+    steps ``args[0]`` run side by side, at most ``args[1]`` at once: the sync face
+    through ``fn`` (a thread fan-out), the async face as tasks.
     """
 
-    __slots__ = ("args", "fn", "kwargs", "user")
+    __slots__ = ("args", "fn", "kind", "kwargs")
 
     def __init__(
-        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], user: bool
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], kind: int
     ) -> None:
         self.fn = fn
         self.args = args
         self.kwargs = kwargs
-        self.user = user
+        self.kind = kind
 
     def __repr__(self) -> str:
         name = getattr(self.fn, "__qualname__", repr(self.fn))
-        return f"Call({name}, {'user' if self.user else 'io'})"
+        return f"Call({name}, {('io', 'user', 'fan')[self.kind]})"
 
 
 #: A step: a generator of the calls it needs, returning ``T``.
 Steps = Generator[Call, Any, T]
 
+#: True while :func:`arun` drives steps (in its task and the tasks it starts); false in
+#: the calls it runs in threads (:func:`offload`) and under :func:`run`.
+_ASYNC_FACE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "dedupstore_async_face", default=False
+)
+
+
+def on_async_face() -> bool:
+    """Whether the steps running now are driven by :func:`arun` (a store's primitive
+    written as steps then makes its driver calls on its connection's async twin)."""
+    return _ASYNC_FACE.get()
+
 
 def io(fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> Steps[R]:
     """A step that makes one I/O call, ``fn(*args, **kwargs)``, and returns its answer."""
-    return cast(R, (yield Call(fn, args, kwargs, False)))
+    return cast(R, (yield Call(fn, args, kwargs, IO)))
 
 
 def user(fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> Steps[R]:
@@ -84,12 +114,47 @@ def awaited(value: Any, fn: Callable[..., Any]) -> Steps[Any]:
     awaits it; the sync face refuses it (``TypeError`` naming ``fn``, thrown into the
     step). A step that calls the user's code in place asks this only when what it got
     is awaitable, so the sync face pays nothing per call."""
-    return (yield Call(fn, (value,), {}, True))
+    return (yield Call(fn, (value,), {}, USER))
+
+
+#: ``fan_out(fn, items, concurrency=n)``: the sync face's way of running calls side by
+#: side (:func:`dedupstore.calls.fan_out`: threads, the first failure raised).
+FanOut = Callable[..., list[Any]]
+
+
+def fan(fan_out: FanOut, items: Iterable[Steps[R]], concurrency: int) -> Steps[list[R]]:
+    """A step that runs each of ``items`` (steps, drawn as room frees up) with at most
+    ``concurrency`` in flight and returns their results in order: the sync face through
+    ``fan_out`` (:func:`dedupstore.calls.fan_out`, threads), the async face as tasks on
+    the loop. On both, once one failed (or drawing an item raised) no new one starts,
+    every started one is waited for, and the first failure in input order is raised.
+    With ``concurrency`` 1 or a single item they run one by one in this step (no thread,
+    no task)."""
+    iterator = iter(items)
+    head = list(itertools.islice(iterator, 1 if concurrency <= 1 else 2))
+    if len(head) > 1:
+        both = itertools.chain(head, iterator)
+        return cast(list[R], (yield Call(fan_out, (both, concurrency), {}, FAN)))
+    results: list[R] = []
+    for steps in itertools.chain(head, iterator):
+        results.append((yield from steps))
+    return results
 
 
 def run(steps: Steps[T]) -> T:
     """Drive ``steps`` in the calling thread: the sync face. Each call is made in
-    place; its error is thrown into the step that asked for it."""
+    place; its error is thrown into the step that asked for it. (Called from code the
+    async face runs, such as an async handler calling the sync API, it stays sync.)"""
+    if _ASYNC_FACE.get():
+        reset = _ASYNC_FACE.set(False)
+        try:
+            return _run(steps)
+        finally:
+            _ASYNC_FACE.reset(reset)
+    return _run(steps)
+
+
+def _run(steps: Steps[T]) -> T:
     send, throw = steps.send, steps.throw
     value: Any = None
     error: BaseException | None = None
@@ -99,9 +164,15 @@ def run(steps: Steps[T]) -> T:
         except StopIteration as stop:
             return cast(T, stop.value)
         error = value = None
-        if call.user:  # an awaitable the user's code returned: the sync API cannot await it
-            _close(call.args[0])
-            error = _awaited_in_sync(call)
+        if call.kind:
+            if call.kind == USER:  # an awaitable the user's code returned: the sync API
+                _close(call.args[0])  # cannot await it
+                error = _awaited_in_sync(call)
+                continue
+            try:
+                value = call.fn(run, call.args[0], concurrency=call.args[1])
+            except BaseException as exc:  # noqa: BLE001 (thrown into the step)
+                error = exc
             continue
         try:
             value = call.fn(*call.args, **call.kwargs)
@@ -128,6 +199,16 @@ async def arun(steps: Steps[T]) -> T:
     ``fn`` is a coroutine function is awaited; a blocking one runs in a thread
     (:func:`offload`); the user's code is called in place and what it returns awaited
     when it is awaitable. A cancellation is thrown into the step like any error."""
+    if _ASYNC_FACE.get():
+        return await _arun(steps)
+    reset = _ASYNC_FACE.set(True)
+    try:
+        return await _arun(steps)
+    finally:
+        _ASYNC_FACE.reset(reset)
+
+
+async def _arun(steps: Steps[T]) -> T:
     send, throw = steps.send, steps.throw
     value: Any = None
     error: BaseException | None = None
@@ -139,14 +220,67 @@ async def arun(steps: Steps[T]) -> T:
         error = None
         try:
             fn = call.fn
-            if call.user:  # an awaitable the user's code returned
+            if call.kind == USER:  # an awaitable the user's code returned
                 value = await call.args[0]
+            elif call.kind == FAN:
+                value = await _gathered(call.args[0], call.args[1])
             elif inspect.iscoroutinefunction(fn):
                 value = await fn(*call.args, **call.kwargs)
             else:
                 value = await offload(fn, *call.args, **call.kwargs)
         except BaseException as exc:  # noqa: BLE001 (thrown into the step, where it belongs)
             error, value = exc, None
+
+
+async def _gathered(items: Iterable[Steps[Any]], concurrency: int) -> list[Any]:
+    """:func:`fan` on the async face: each of ``items`` run by :func:`arun` in a task of
+    its own (a copy of the caller's context: its deadline), at most ``concurrency`` at
+    once, with :func:`dedupstore.calls.fan_out`'s rules. Cancelled, it cancels its tasks
+    and waits for them before it raises."""
+    iterator = iter(items)
+    running: dict[asyncio.Task[Any], int] = {}
+    results: dict[int, Any] = {}
+    errors: dict[int, BaseException] = {}
+
+    def settle(finished: Iterable[asyncio.Task[Any]]) -> None:
+        for task in finished:
+            index = running.pop(task)
+            if task.cancelled():
+                errors[index] = asyncio.CancelledError()
+            elif (error := task.exception()) is not None:
+                errors[index] = error
+            else:
+                results[index] = task.result()
+
+    try:
+        index = 0
+        while not errors:
+            while len(running) >= max(concurrency, 1):
+                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                settle(done)
+            if errors:
+                break
+            try:
+                steps = next(iterator)
+            except StopIteration:
+                break
+            except BaseException as exc:  # noqa: BLE001 (drawing an item: raised in order)
+                errors[index] = exc
+                break
+            running[asyncio.ensure_future(arun(steps))] = index
+            index += 1
+    except asyncio.CancelledError:
+        for task in running:
+            task.cancel()
+        await _finished(asyncio.gather(*running, return_exceptions=True))
+        raise
+    finally:
+        if running:
+            done, _ = await asyncio.wait(running)
+            settle(done)
+    if errors:
+        raise errors[min(errors)]
+    return [results[i] for i in sorted(results)]
 
 
 # ------------------------------------------------------------------------- threads
@@ -180,12 +314,18 @@ async def offload(fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
     repairs on redelivery."""
     loop = asyncio.get_running_loop()
     context = contextvars.copy_context()
-    future = loop.run_in_executor(_executor(), lambda: context.run(fn, *args, **kwargs))
+    future = loop.run_in_executor(_executor(), lambda: context.run(_blocking, fn, args, kwargs))
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
         await _finished(future)
         raise
+
+
+def _blocking(fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
+    """``fn(*args, **kwargs)`` in an offload thread's context: on the sync face."""
+    _ASYNC_FACE.set(False)
+    return fn(*args, **kwargs)
 
 
 async def _finished(future: Awaitable[Any]) -> None:

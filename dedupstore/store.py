@@ -13,13 +13,14 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from datetime import timedelta
-from typing import ClassVar, Literal, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple, TypeAlias, TypeVar, cast
 
 from dedupstore.calls import fan_out, write_token
 from dedupstore.client import Client
 from dedupstore.errors import DedupStoreError, InvalidMessageId
 from dedupstore.ids import MAX_ID_BYTES, validate_ids, validate_message_id
 from dedupstore.options import Option, OptionSet, callable_, parse_duration, seconds
+from dedupstore.steps import Steps, fan, io, run
 
 __all__ = [
     "CLOCK",
@@ -27,13 +28,22 @@ __all__ = [
     "MAX_ID_BYTES",
     "Clock",
     "DeduplicationStore",
+    "Stepped",
     "WriteRequest",
+    "chunked",
     "over_chunks",
     "split_ids",
     "validate_message_id",
 ]
 
 Clock = Callable[[], float]
+
+T = TypeVar("T")
+#: What a primitive returns: its answer (a blocking primitive, called in place by the
+#: sync face and in a thread by the async face), or the steps that make its driver calls
+#: (a generator function over the client's connection, sync or async: see
+#: :meth:`DeduplicationStore._primitive`).
+Stepped: TypeAlias = T | Steps[T]
 
 #: Ids whose last write failed, remembered (with the tokens tried) for a retry.
 _MAX_PENDING_IDS = 100_000
@@ -99,7 +109,24 @@ class DeduplicationStore(Client):
 
     Open stores with :func:`dedupstore.open_store`. Instances pickle to their URL
     and options and reconnect when unpickled. They are safe to share between threads.
+
+    Every public call is written once as steps (:mod:`dedupstore.steps`), run in place
+    here and awaited by :class:`dedupstore.aio.AsyncDeduplicationStore`. A backend writes
+    each primitive either as a blocking method or as a generator function of its driver
+    calls (``yield from io(self._redis.read, ...)``), which then also runs natively on the
+    async face's connection (:meth:`Connection.async_twin
+    <dedupstore.client.Connection.async_twin>`).
     """
+
+    primitives: ClassVar[tuple[str, ...]] = (
+        "_add_new",
+        "_find",
+        "_add_one",
+        "_contains_one",
+        "_purge",
+        "_count",
+        "_endpoints",
+    )
 
     #: Largest number of ids handed to one :meth:`_add_new` call.
     max_write_batch: ClassVar[int] = 1000
@@ -154,9 +181,12 @@ class DeduplicationStore(Client):
         ``StoreUnavailable`` (a retry on this object reports the id as recorded if the
         failed call wrote it), ``StoreClosed`` after :meth:`close`.
         """
+        return run(self._add_steps(message_id))
+
+    def _add_steps(self, message_id: str) -> Steps[bool]:
         mid = validate_message_id(message_id)
         self.check_open()
-        return bool(self._write_chunk([mid], single=True))
+        return bool((yield from self._write_chunk([mid], single=True)))
 
     def add_many(self, message_ids: Iterable[str]) -> set[str]:
         """Record every id; return the set of ids this call recorded.
@@ -168,17 +198,25 @@ class DeduplicationStore(Client):
         part-way raises with ``recorded`` (act on them) and ``unknown`` (ids in flight).
         Raises ``InvalidMessageId``, ``StoreUnavailable``, ``StoreClosed``.
         """
-        return self._over_chunks(
-            self._chunks(message_ids, self.max_write_batch), self._write_chunk, writes=True
+        return run(self._add_many_steps(message_ids))
+
+    def _add_many_steps(self, message_ids: Iterable[str]) -> Steps[set[str]]:
+        return (
+            yield from self._over_chunks(
+                self._chunks(message_ids, self.max_write_batch), self._write_chunk, writes=True
+            )
         )
 
     def has_been_processed(self, message_id: str) -> bool:
         """Return ``True`` if ``message_id`` is recorded and not expired (never a stale
         ``False``). Raises ``InvalidMessageId`` before any I/O, ``StoreUnavailable``."""
+        return run(self._has_been_processed_steps(message_id))
+
+    def _has_been_processed_steps(self, message_id: str) -> Steps[bool]:
         mid = validate_message_id(message_id)
         self.check_open()
         with self.translating_errors("has_been_processed"):
-            return self._contains_one(mid, self._clock())
+            return bool((yield from self._primitive("_contains_one", mid, self._clock())))
 
     def __contains__(self, message_id: object) -> bool:
         """``id in store`` is :meth:`has_been_processed` (invalid ids raise)."""
@@ -191,12 +229,18 @@ class DeduplicationStore(Client):
         :meth:`add_many`. Raises ``InvalidMessageId`` and ``StoreUnavailable``.
         """
 
-        def find_chunk(chunk: list[str]) -> set[str]:
-            with self.translating_errors("processed_among"):
-                return self._find(chunk, self._clock())
+        return run(self._processed_among_steps(message_ids))
 
-        return self._over_chunks(
-            self._chunks(message_ids, self.max_read_batch), find_chunk, writes=False
+    def _processed_among_steps(self, message_ids: Iterable[str]) -> Steps[set[str]]:
+        def find_chunk(chunk: list[str]) -> Steps[set[str]]:
+            with self.translating_errors("processed_among"):
+                found: set[str] = yield from self._primitive("_find", chunk, self._clock())
+                return found
+
+        return (
+            yield from self._over_chunks(
+                self._chunks(message_ids, self.max_read_batch), find_chunk, writes=False
+            )
         )
 
     def count(self) -> int | None:
@@ -209,9 +253,13 @@ class DeduplicationStore(Client):
         ``None`` when the backend cannot count exactly. Raises ``StoreUnavailable`` and
         ``StoreClosed``.
         """
+        return cast(int | None, run(self._maintenance_steps("count", "_count")))
+
+    def _maintenance_steps(self, operation: str, primitive: str) -> Steps[Any]:
+        """``primitive`` at the client's clock, as the public call ``operation``."""
         self.check_open()
-        with self.translating_errors("count"):
-            return self._count(self._clock())
+        with self.translating_errors(operation):
+            return (yield from self._primitive(primitive, self._clock()))
 
     def endpoints(self) -> set[str] | None:
         """Every endpoint (consumer) holding live records in this store, not only this
@@ -220,22 +268,18 @@ class DeduplicationStore(Client):
         Live as :meth:`count` judges it; a maintenance read like :meth:`count`. Raises
         ``StoreUnavailable`` and ``StoreClosed``.
         """
-        self.check_open()
-        with self.translating_errors("endpoints"):
-            return self._endpoints(self._clock())
+        return cast(set[str] | None, run(self._maintenance_steps("endpoints", "_endpoints")))
 
     def purge_expired(self) -> int:
         """Delete this endpoint's expired records (only reclaims space); return how many:
         0 without retention or where the server expires records. Raises ``StoreUnavailable``.
         """
-        self.check_open()
-        with self.translating_errors("purge_expired"):
-            return self._purge(self._clock())
+        return cast(int, run(self._maintenance_steps("purge_expired", "_purge")))
 
     # ------------------------------------------------------------------ primitives
 
     @abc.abstractmethod
-    def _add_new(self, request: WriteRequest) -> set[str]:
+    def _add_new(self, request: WriteRequest) -> Stepped[set[str]]:
         """Atomically per id, record each id that is absent or expired; return those.
 
         Also return (and re-mark with ``request.token``) the ids whose record holds
@@ -246,31 +290,31 @@ class DeduplicationStore(Client):
         """
 
     @abc.abstractmethod
-    def _find(self, ids: list[str], now: float) -> set[str]:
+    def _find(self, ids: list[str], now: float) -> Stepped[set[str]]:
         """Return the ids that have a live record (no expiry, or not expired yet).
 
         ``ids`` is non-empty, duplicate-free and at most :attr:`max_read_batch`
         long; ``now`` is the client's clock. The read must be strongly consistent.
         """
 
-    def _add_one(self, request: WriteRequest) -> bool:
+    def _add_one(self, request: WriteRequest) -> Stepped[bool]:
         """Single-id :meth:`_add_new`; override when the backend has a faster path."""
-        return bool(self._add_new(request))
+        return bool((yield from self._primitive("_add_new", request)))
 
-    def _contains_one(self, message_id: str, now: float) -> bool:
+    def _contains_one(self, message_id: str, now: float) -> Stepped[bool]:
         """Single-id :meth:`_find`; override when the backend has a faster path."""
-        return bool(self._find([message_id], now))
+        return bool((yield from self._primitive("_find", [message_id], now)))
 
     @abc.abstractmethod
-    def _purge(self, now: float) -> int:
+    def _purge(self, now: float) -> Stepped[int]:
         """Delete this endpoint's expired records; return the count."""
 
-    def _count(self, now: float) -> int | None:
+    def _count(self, now: float) -> Stepped[int | None]:
         """How many of this endpoint's records are live at ``now`` (the client's clock),
         expiry judged as :meth:`_find` does; ``None`` (the default): cannot count."""
         return None
 
-    def _endpoints(self, now: float) -> set[str] | None:
+    def _endpoints(self, now: float) -> Stepped[set[str] | None]:
         """The endpoints with a record live at ``now`` (the client's clock), expiry judged
         as :meth:`_find` does; ``None`` (the default): cannot list them."""
         return None
@@ -283,7 +327,7 @@ class DeduplicationStore(Client):
         single: bool = False,
         write: Callable[[WriteRequest], set[str]] | None = None,
         operation: str | None = None,
-    ) -> set[str]:
+    ) -> Steps[set[str]]:
         """Write one chunk under a fresh token; remember the tokens if it fails.
 
         ``write`` (default :meth:`_add_new`) lets a caller write the chunk with other
@@ -308,10 +352,11 @@ class DeduplicationStore(Client):
         try:
             with self.translating_errors(operation or ("add" if single else "add_many")):
                 if write is not None:
-                    return write(request)
+                    return (yield from io(write, request))
                 if single:
-                    return set(ids) if self._add_one(request) else set()
-                return self._add_new(request)
+                    added = yield from self._primitive("_add_one", request)
+                    return set(ids) if added else set()
+                return cast(set[str], (yield from self._primitive("_add_new", request)))
         except BaseException as exc:
             self._remember(ids, [*earlier, token])
             if single and isinstance(exc, DedupStoreError):
@@ -333,11 +378,11 @@ class DeduplicationStore(Client):
     def _over_chunks(
         self,
         chunks: Iterator[list[str]],
-        work: Callable[[list[str]], set[str]],
+        work: Callable[[list[str]], Steps[set[str]]],
         *,
         writes: bool,
-    ) -> set[str]:
-        return over_chunks(chunks, work, writes=writes, concurrency=self.chunk_concurrency)
+    ) -> Steps[set[str]]:
+        return (yield from chunked(chunks, work, writes=writes, concurrency=self.chunk_concurrency))
 
     def _chunks(self, message_ids: Iterable[str], size: int) -> Iterator[list[str]]:
         """Validate and split ``message_ids`` into duplicate-free chunks of ``size``."""
@@ -378,16 +423,29 @@ def over_chunks(
     writes: bool,
     concurrency: int,
 ) -> set[str]:
-    """Union of ``work(chunk)``, with up to ``concurrency`` in flight
-    (:func:`~dedupstore.calls.fan_out`); a write's error carries ``recorded`` (the
-    chunks done) / ``unknown`` (those in flight)."""
+    """:func:`chunked` of a blocking ``work``, run in place (the sync face)."""
+    return run(
+        chunked(chunks, lambda chunk: io(work, chunk), writes=writes, concurrency=concurrency)
+    )
+
+
+def chunked(
+    chunks: Iterator[list[str]],
+    work: Callable[[list[str]], Steps[set[str]]],
+    *,
+    writes: bool,
+    concurrency: int,
+) -> Steps[set[str]]:
+    """Union of the steps ``work(chunk)``, with up to ``concurrency`` in flight
+    (:func:`~dedupstore.steps.fan`: threads on the sync face, tasks on the async one); a
+    write's error carries ``recorded`` (the chunks done) / ``unknown`` (those in flight)."""
     result: set[str] = set()
     unknown: set[str] = set()
     lock = threading.Lock()
 
-    def run(chunk: list[str]) -> None:
+    def each(chunk: list[str]) -> Steps[None]:
         try:
-            done = work(chunk)
+            done = yield from work(chunk)
         except BaseException:
             with lock:
                 unknown.update(chunk)
@@ -396,7 +454,7 @@ def over_chunks(
             result.update(done)
 
     try:
-        fan_out(run, chunks, concurrency=concurrency)
+        yield from fan(fan_out, (each(chunk) for chunk in chunks), concurrency)
     except DedupStoreError as exc:
         if writes:
             raise exc.with_progress(result, unknown) from exc.__cause__

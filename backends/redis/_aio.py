@@ -2,10 +2,13 @@
 :class:`AsyncRedisConnection`, for the async face's Redis clients.
 
 The same server settings (:data:`~._client.CONNECTION_OPTIONS`: timeouts, retries,
-credentials, TLS, pool size), the same error rules (``RedisConnection.classify_error``:
-``redis.asyncio`` raises redis-py's exceptions) and the same method names as the sync
-connection (``read``, ``pipelined``; ``client`` is a ``redis.asyncio.Redis``), awaited,
-so that one driver logic written as steps (:mod:`dedupstore.steps`) runs on both.
+credentials, TLS, pool size, ``wait_replicas``), the same error rules
+(``RedisConnection.classify_error``: ``redis.asyncio`` raises redis-py's exceptions) and
+the same method names as the sync connection (``read``, ``pipelined``, ``run_script``,
+``write``; ``client`` is a ``redis.asyncio.Redis``), awaited, so that one driver logic
+written as steps (:mod:`dedupstore.steps`) runs on both: the brokers'
+(:class:`~.consumer.AsyncRedisStreamsBroker`) and the stores' primitives on the async
+face (:meth:`RedisConnection.async_twin <._client.RedisConnection.async_twin>`).
 
 Deadline: each attempt is bounded by ``timeout`` and by the time left of the call's
 deadline (``asyncio.timeout``; connecting by ``connect_timeout``), attempts are retried
@@ -25,11 +28,12 @@ from redis.asyncio.connection import Connection as DriverConnection
 from redis.asyncio.connection import ConnectionPool, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from dedupstore.backend import Options, StoreURL, aretry, capped
+from dedupstore.backend import Client, Options, StoreURL, aretry, capped
 
-from ._client import _transient, server_kwargs
+from ._client import _log_write_retry, _sha1, _transient, confirmed, server_kwargs, wait_command
 
 __all__ = ["AsyncRedisConnection"]
 
@@ -50,6 +54,7 @@ class AsyncRedisConnection:
         )
         self.client = aioredis.Redis(connection_pool=pool)
         self._attempts: int = options["retries"] + 1
+        self._wait = wait_command(options)
 
     async def read(self, fn: Callable[..., Awaitable[Any]], /, *args: Any, **kwargs: Any) -> Any:
         """``await fn(*args, **kwargs)`` (``redis.asyncio``), retried after a connection
@@ -71,6 +76,67 @@ class AsyncRedisConnection:
             return replies
 
         replies: list[Any] = await self.read(attempt)
+        return replies
+
+    async def run_script(
+        self,
+        client: Client,
+        source: str,
+        keys: list[str],
+        args: list[str],
+        resent_args: list[str] | None = None,
+    ) -> Any:
+        """``RedisConnection.run_script``: ``client``'s write script ``source`` by
+        :meth:`write` (then ``WAIT``); its answer."""
+        sha = _sha1(source)
+        command: tuple[Any, ...] = ("EVALSHA", sha, len(keys), *keys, *args)
+        resent = None if resent_args is None else [("EVALSHA", sha, len(keys), *keys, *resent_args)]
+        return (await self.write(client, [command], resent, script=source))[0]
+
+    async def write(
+        self,
+        client: Client,
+        commands: list[tuple[Any, ...]],
+        resent: list[tuple[Any, ...]] | None = None,
+        *,
+        script: str = "",
+    ) -> list[Any]:
+        """``RedisConnection.write``: ``commands`` (then ``WAIT``) in one round trip,
+        retried after a connection error or timeout (``resent`` once the request may have
+        reached the server), the script loaded after ``NOSCRIPT``; their replies."""
+        wait = self._wait
+        sent: list[bool] = []
+
+        async def attempt() -> list[Any]:
+            request = [*(resent if sent and resent is not None else commands), *wait]
+            try:
+                replies: list[Any] = await self._bounded(self._send(request, sent))
+            except NoScriptError:  # the script did not run: load it, send again at once
+                if not script:
+                    raise
+                await self._bounded(self.client.script_load(script))
+                replies = await self._bounded(self._send(request, sent))
+            return replies
+
+        replies = await aretry(
+            attempt,
+            attempts=self._attempts,
+            retry_on=_transient,
+            before_sleep=functools.partial(_log_write_retry, client, self._attempts),
+        )
+        return confirmed(client, replies, wait)
+
+    async def _send(self, commands: list[tuple[Any, ...]], sent: list[bool]) -> list[Any]:
+        """``commands`` in one pipeline (no transaction); every reply read, the first
+        error reply raised. Appends to ``sent`` once the request may reach the server."""
+        pipe = self.client.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        sent.append(True)
+        replies: list[Any] = await pipe.execute(raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, ResponseError):
+                raise reply
         return replies
 
     async def _bounded(self, pending: Awaitable[Any]) -> Any:

@@ -311,6 +311,13 @@ class RedisConnection(Connection):
         self._keeping = threading.Lock()
 
     @classmethod
+    def async_twin(cls, url: StoreURL, options: Options) -> Any:
+        """A :class:`~._aio.AsyncRedisConnection` (``redis.asyncio``) of the same server."""
+        from ._aio import AsyncRedisConnection
+
+        return AsyncRedisConnection(url, options)
+
+    @classmethod
     def address(cls, url: StoreURL, options: Options) -> Hashable:
         """The server, the database and the URL's credentials."""
         return (
@@ -411,9 +418,7 @@ class RedisConnection(Connection):
         commands run by ``EVALSHA``, is loaded and the request re-sent in the same attempt. Raises
         the last attempt's redis-py error (the first error reply, all replies read), or
         ``StoreUnavailable`` when fewer than ``wait_replicas`` replicas confirmed in time."""
-        wait: list[tuple[Any, ...]] = []
-        if self._wait_replicas:
-            wait.append(("WAIT", self._wait_replicas, self._wait_timeout_ms))
+        wait = wait_command(self.options)
         sent: list[bool] = []
 
         def attempt() -> list[Any]:
@@ -426,25 +431,13 @@ class RedisConnection(Connection):
                 self.client.script_load(script)
                 return self._send(request, sent)
 
-        def log(state: Any) -> None:
-            _log.info(
-                "%s: a write failed (%s); retry %d of %d",
-                client.url,
-                client.describe_error(state.outcome.exception()),
-                state.attempt_number,
-                self._attempts - 1,
-            )
-
-        replies = retry(attempt, attempts=self._attempts, retry_on=_transient, before_sleep=log)
-        if wait and int(replies[-1]) < self._wait_replicas:
-            unconfirmed = part_of(client, "unconfirmed", str)
-            raise client.make_error(
-                StoreUnavailable,
-                None,
-                f"only {replies[-1]} of {self._wait_replicas} replicas acknowledged the write "
-                f"within {self._wait_timeout_ms} ms; {unconfirmed}",
-            )
-        return replies[: len(replies) - len(wait)]
+        replies = retry(
+            attempt,
+            attempts=self._attempts,
+            retry_on=_transient,
+            before_sleep=functools.partial(_log_write_retry, client, self._attempts),
+        )
+        return confirmed(client, replies, wait)
 
     def scan_values(self, prefix: str) -> Iterator[tuple[bytes | str, Any]]:
         """Every key under ``prefix`` (``SCAN MATCH``, a page at a time) with its value (one
@@ -608,6 +601,41 @@ class RedisConnection(Connection):
                 self.client.connection_pool.release(kept)
         else:
             self.client.connection_pool.disconnect()
+
+
+def wait_command(options: Options) -> list[tuple[Any, ...]]:
+    """The ``WAIT`` a write ends with when ``wait_replicas`` is set (else none)."""
+    if not options["wait_replicas"]:
+        return []
+    return [("WAIT", options["wait_replicas"], options["wait_timeout_ms"])]
+
+
+def confirmed(client: Client, replies: list[Any], wait: list[tuple[Any, ...]]) -> list[Any]:
+    """A write's replies without its ``WAIT``'s; ``StoreUnavailable`` when fewer replicas
+    than ``wait_replicas`` acknowledged it in time (the sync and async writes alike)."""
+    if not wait:
+        return replies
+    _, wanted, timeout_ms = wait[0]
+    if int(replies[-1]) < wanted:
+        unconfirmed = part_of(client, "unconfirmed", str)
+        raise client.make_error(
+            StoreUnavailable,
+            None,
+            f"only {replies[-1]} of {wanted} replicas acknowledged the write within "
+            f"{timeout_ms} ms; {unconfirmed}",
+        )
+    return replies[:-1]
+
+
+def _log_write_retry(client: Client, attempts: int, state: Any) -> None:
+    """Before a write's retry: what failed, and which retry this is."""
+    _log.info(
+        "%s: a write failed (%s); retry %d of %d",
+        client.url,
+        client.describe_error(state.outcome.exception()),
+        state.attempt_number,
+        attempts - 1,
+    )
 
 
 def server_kwargs(url: StoreURL, options: Options) -> dict[str, Any]:

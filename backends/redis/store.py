@@ -28,7 +28,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any, ClassVar
 
-from dedupstore.backend import Connected, DeduplicationStore, OptionSet, WriteRequest
+from dedupstore.backend import Connected, DeduplicationStore, OptionSet, Steps, WriteRequest, io
 
 from ._client import (
     CONNECTION_OPTIONS,
@@ -134,7 +134,11 @@ def record_key(key_prefix: str, endpoint: str, message_id: str) -> str:
 
 
 class RedisDeduplicationStore(DeduplicationStore):
-    """Deduplication store on a Redis primary; thread- and process-safe (see the module)."""
+    """Deduplication store on a Redis primary; thread- and process-safe (see the module).
+
+    Its adds and reads are steps over ``self._redis``: redis-py on the sync API,
+    ``redis.asyncio`` on the async one (:class:`~dedupstore.aio.AsyncDeduplicationStore`);
+    ``count`` and ``endpoints`` (maintenance scans) run there in a thread."""
 
     expiry_clock = "server"
     # The script unpack()s 2 values per key: Lua's stack allows about 8000.
@@ -163,10 +167,11 @@ class RedisDeduplicationStore(DeduplicationStore):
         )
         self._redis.probe(self, ADD_SCRIPT)
 
-    def _add_new(self, request: WriteRequest) -> set[str]:
+    def _add_new(self, request: WriteRequest) -> Steps[set[str]]:
         """One script run (plus ``WAIT`` when configured) for the whole chunk."""
         keys, args = self.add_call(request)
-        return self.added_ids(request, self._redis.run_script(self, ADD_SCRIPT, keys, args))
+        answer = yield from io(self._redis.run_script, self, ADD_SCRIPT, keys, args)
+        return self.added_ids(request, answer)
 
     def add_call(self, request: WriteRequest) -> tuple[list[str], list[str]]:
         """The keys and arguments of the write script for ``request`` (public for the
@@ -180,16 +185,15 @@ class RedisDeduplicationStore(DeduplicationStore):
         """The ids the write script's answer says it recorded."""
         return {request.ids[int(i) - 1] for i in indexes}
 
-    def _find(self, ids: list[str], now: float) -> set[str]:
+    def _find(self, ids: list[str], now: float) -> Steps[set[str]]:
         """One ``MGET``; Redis never returns an expired key."""
         keys = self._record_keys(ids)
-        values = self._redis.read(self._redis.client.mget, keys)
+        values = yield from io(self._redis.read, self._redis.client.mget, keys)
         return {mid for mid, value in zip(ids, values, strict=True) if self.counts_as_record(value)}
 
-    def _contains_one(self, message_id: str, now: float) -> bool:
-        return self.counts_as_record(
-            self._redis.read(self._redis.client.get, self.record_key(message_id))
-        )
+    def _contains_one(self, message_id: str, now: float) -> Steps[bool]:
+        key = self.record_key(message_id)
+        return self.counts_as_record((yield from io(self._redis.read, self._redis.client.get, key)))
 
     def record_key(self, message_id: str) -> str:
         """The key of ``message_id``'s record (the entity store's joint scripts use it too)."""

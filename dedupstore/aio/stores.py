@@ -2,12 +2,21 @@
 the sync ones (:func:`open_store`, :func:`open_entity_store`, :func:`open_token_store`,
 :func:`open_dispatcher`).
 
-Each wraps the sync client of its URL (:attr:`~AsyncClient.sync`) and runs its calls in
-the async face's threads (:func:`dedupstore.steps.offload`): the same key layout, the
-same options, errors, deadlines and guarantees, because it is the same client. A call
-whose task is cancelled waits for the call in flight to end (within the call's own
-deadline) before ``CancelledError`` reaches the caller, so it never leaves a write
-running behind the caller's back.
+Each wraps the sync client of its URL (:attr:`~AsyncClient.sync`): the same key layout,
+the same options, errors, deadlines and guarantees, because it is the same client.
+
+* **Native.** The deduplication store's calls are the sync store's steps
+  (:mod:`dedupstore.steps`), awaited: where the backend writes a primitive as steps and
+  has an async driver (Redis: ``redis.asyncio``), its driver calls are awaited on the
+  loop, on the async twin of the store's connection (:meth:`Connection.async_twin
+  <dedupstore.client.Connection.async_twin>`), each within the call's deadline
+  (``asyncio.timeout``). A task cancelled in the middle of such a call stops at once;
+  the write may or may not have landed, as with a lost answer, and the store's write
+  tokens make a retry of the same ids on the same object report it as recorded by it.
+* **Offloaded.** Every other call runs in the async face's threads
+  (:func:`dedupstore.steps.offload`); a call whose task is cancelled waits for the call
+  in flight to end (within the call's own deadline) before ``CancelledError`` reaches
+  the caller, so it never leaves a write running behind the caller's back.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ import dedupstore
 from dedupstore.client import Client
 from dedupstore.dispatch import URLDispatcher
 from dedupstore.entities import Entity, EntityStore
-from dedupstore.steps import offload
+from dedupstore.steps import arun, offload
 from dedupstore.store import DeduplicationStore
 from dedupstore.tokens import TokenCount, TokenRecord, TokenStore
 
@@ -64,8 +73,12 @@ class AsyncClient(Generic[S]):
         return await offload(self.sync.health_warnings)
 
     async def close(self) -> None:
-        """Release what the client holds (its connection, when it was the last)."""
-        await offload(self.sync.close)
+        """Release what the client holds: its async connection on this loop (where the
+        backend has one), and its connection when it was the last."""
+        try:
+            await self.sync.close_async_twins()
+        finally:
+            await offload(self.sync.close)
 
     @property
     def closed(self) -> bool:
@@ -98,7 +111,7 @@ async def _each(scan: Iterator[T]) -> AsyncIterator[T]:
 
 class AsyncDeduplicationStore(AsyncClient[DeduplicationStore]):
     """:class:`~dedupstore.store.DeduplicationStore`'s calls, awaited: the same guarantees and
-    errors, method for method."""
+    errors, method for method; native where the backend's driver is (see the module)."""
 
     @property
     def endpoint(self) -> str:
@@ -112,21 +125,21 @@ class AsyncDeduplicationStore(AsyncClient[DeduplicationStore]):
 
     async def add(self, message_id: str) -> bool:
         """:meth:`DeduplicationStore.add <dedupstore.store.DeduplicationStore.add>`."""
-        return await offload(self.sync.add, message_id)
+        return await arun(self.sync._add_steps(message_id))
 
     async def add_many(self, message_ids: Iterable[str]) -> set[str]:
         """:meth:`DeduplicationStore.add_many <dedupstore.store.DeduplicationStore.add_many>`."""
-        return await offload(self.sync.add_many, message_ids)
+        return await arun(self.sync._add_many_steps(message_ids))
 
     async def has_been_processed(self, message_id: str) -> bool:
         """:meth:`DeduplicationStore.has_been_processed
         <dedupstore.store.DeduplicationStore.has_been_processed>`."""
-        return await offload(self.sync.has_been_processed, message_id)
+        return await arun(self.sync._has_been_processed_steps(message_id))
 
     async def processed_among(self, message_ids: Iterable[str]) -> set[str]:
         """:meth:`DeduplicationStore.processed_among
         <dedupstore.store.DeduplicationStore.processed_among>`."""
-        return await offload(self.sync.processed_among, message_ids)
+        return await arun(self.sync._processed_among_steps(message_ids))
 
     async def count(self) -> int | None:
         """:meth:`DeduplicationStore.count <dedupstore.store.DeduplicationStore.count>`."""
