@@ -16,17 +16,17 @@ import hashlib
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar, cast
 
 from dedupstore import canonical
 from dedupstore.client import Client
 from dedupstore.errors import ConcurrencyConflict, EntityTooLarge, InvalidMessageId, InvalidValue
 from dedupstore.ids import plain_ids, validate_ids, validate_message_id
 from dedupstore.options import OptionSet
-from dedupstore.steps import run
+from dedupstore.steps import Steps, run
 
 if TYPE_CHECKING:
-    from dedupstore.store import DeduplicationStore, WriteRequest
+    from dedupstore.store import DeduplicationStore, Stepped, WriteRequest
     from dedupstore.tokens import TokenChange, TokenStore, TokenWrites
 
 T = TypeVar("T")
@@ -554,23 +554,42 @@ class EntityStore(Client):
     max_save_batch: ClassVar[int] = 100
 
     declared_options: ClassVar[OptionSet] = Client.declared_options
+    primitives: ClassVar[tuple[str, ...]] = (
+        "_load",
+        "_save",
+        "_load_with",
+        "_save_with",
+        "_save_unless",
+        "_load_with_token",
+        "_save_tokens",
+    )
 
     # ------------------------------------------------------------------ public API
+    # Each call is written once as steps (``_<name>_steps``), run in place here and
+    # awaited by :class:`dedupstore.aio.AsyncEntityStore` and the async processor; a
+    # primitive written as steps runs natively there (:meth:`Client._primitive`).
 
     def load(self, entity_id: str) -> Entity:
         """The entity (a new empty one, ``version None``, when absent). Raises
         ``InvalidMessageId`` before any I/O, ``StoreUnavailable``."""
-        return self.load_many([entity_id])[validate_message_id(entity_id, "entity id")]
+        return run(self._load_steps(entity_id))
+
+    def _load_steps(self, entity_id: str) -> Steps[Entity]:
+        eid = validate_message_id(entity_id, "entity id")
+        return (yield from self._load_many_steps([eid]))[eid]
 
     def load_many(self, entity_ids: Iterable[str]) -> dict[str, Entity]:
         """Every entity by id (absent ones new and empty); one round trip per chunk."""
+        return run(self._load_many_steps(entity_ids))
+
+    def _load_many_steps(self, entity_ids: Iterable[str]) -> Steps[dict[str, Entity]]:
         ids = list(dict.fromkeys(validate_ids(entity_ids, "entity id")))
         self.check_open()
         result: dict[str, Entity] = {}
         for start in range(0, len(ids), self.max_load_batch):
             chunk = ids[start : start + self.max_load_batch]
             with self.translating_errors("load"):
-                found = self._load(chunk)
+                found = yield from self._primitive("_load", chunk)
             for eid in chunk:
                 record = found.get(eid)
                 result[eid] = (
@@ -582,10 +601,13 @@ class EntityStore(Client):
         """Save ``entity`` if nobody saved it since it was loaded; return it (new version).
         Raises ``ConcurrencyConflict`` otherwise (reload and retry),
         ``EntityTooLarge``/``InvalidMessageId`` before any I/O, ``StoreUnavailable``."""
+        return run(self._save_steps(entity))
+
+    def _save_steps(self, entity: Entity) -> Steps[Entity]:
         record = self._record(entity, plain_ids([entity.id, *entity.outbox]))
         self.check_open()
         with self.translating_errors("save"):
-            versions = self._save([record])
+            versions = yield from self._primitive("_save", [record])
         _take_version(entity, versions)
         return entity
 
@@ -593,6 +615,9 @@ class EntityStore(Client):
         """Save each entity under its own token; return the ids that conflicted (the others
         are saved, their ``version`` updated in place). Every entity is checked before any
         I/O; none is half-written. Raises what :meth:`save` raises but the conflict."""
+        return run(self._save_many_steps(entities))
+
+    def _save_many_steps(self, entities: Sequence[Entity]) -> Steps[set[str]]:
         checked = plain_ids([e.id for e in entities] + [m for e in entities for m in e.outbox])
         make = self._record
         records = [make(entity, checked) for entity in entities]
@@ -605,7 +630,7 @@ class EntityStore(Client):
         for start in range(0, len(records), size):
             chunk = records[start : start + size]
             with self.translating_errors("save"):
-                versions = self._save(chunk)
+                versions = yield from self._primitive("_save", chunk)
             for record in chunk:
                 if record.id in versions:
                     by_id[record.id].version = versions[record.id]
@@ -639,12 +664,17 @@ class EntityStore(Client):
         Only for a joined ``dedup`` (:meth:`_joined`). Raises what :meth:`load` and
         ``has_been_processed`` raise.
         """
+        return run(self._load_checked_steps(entity_id, dedup, key))
+
+    def _load_checked_steps(
+        self, entity_id: str, dedup: DeduplicationStore, key: str
+    ) -> Steps[tuple[Entity, bool]]:
         eid = validate_message_id(entity_id, "entity id")
         mid = validate_message_id(key)
         self.check_open()
         dedup.check_open()
         with self.translating_errors("load_and_check"):
-            found, recorded = self._load_with(dedup, eid, mid)
+            found, recorded = yield from self._primitive("_load_with", dedup, eid, mid)
         entity = Entity(eid) if found is None else decode_entity(eid, found[0], found[1])
         return entity, recorded
 
@@ -656,15 +686,20 @@ class EntityStore(Client):
         the entry stays in the stored outbox for a retry), and what ``add`` and
         :meth:`save` raise.
         """
+        run(self._save_recording_steps(entity, dedup, key))
+
+    def _save_recording_steps(
+        self, entity: Entity, dedup: DeduplicationStore, key: str
+    ) -> Steps[None]:
         mid, record = self._joint_record(entity, dedup, key)
         versions: dict[str, Any] = {}
 
-        def write(request: WriteRequest) -> set[str]:
-            added, saved = self._save_with(dedup, request, record)
+        def write(request: WriteRequest) -> Steps[set[str]]:
+            added, saved = yield from self._primitive("_save_with", dedup, request, record)
             versions.update(saved)
-            return added
+            return cast(set[str], added)
 
-        run(dedup._write_chunk([mid], single=True, write=write, operation="add_and_save"))
+        yield from dedup._write_chunk([mid], single=True, write=write, operation="add_and_save")
         _take_version(entity, versions)
 
     def _save_checked(self, entity: Entity, dedup: DeduplicationStore, key: str) -> bool:
@@ -675,12 +710,17 @@ class EntityStore(Client):
         reports False even when the id got recorded since. Raises what :meth:`save`
         and ``has_been_processed`` raise.
         """
+        return run(self._save_checked_steps(entity, dedup, key))
+
+    def _save_checked_steps(
+        self, entity: Entity, dedup: DeduplicationStore, key: str
+    ) -> Steps[bool]:
         mid, record = self._joint_record(entity, dedup, key)
         with self.translating_errors("check_and_save"):
-            recorded, versions = self._save_unless(dedup, mid, record)
+            recorded, versions = yield from self._primitive("_save_unless", dedup, mid, record)
         if not recorded:
             _take_version(entity, versions)
-        return recorded
+        return bool(recorded)
 
     def _joint_record(
         self, entity: Entity, dedup: DeduplicationStore, key: str
@@ -694,14 +734,14 @@ class EntityStore(Client):
 
     def _load_with(
         self, dedup: DeduplicationStore, entity_id: str, key: str
-    ) -> tuple[tuple[str, Any] | None, bool]:
+    ) -> Stepped[tuple[tuple[str, Any] | None, bool]]:
         """Joined backends: ``_load([entity_id])``'s record (or None) and whether
         ``dedup`` holds a live record of ``key``, read in one round trip."""
         raise NotImplementedError
 
     def _save_with(
         self, dedup: DeduplicationStore, request: WriteRequest, record: EntityRecord
-    ) -> tuple[set[str], dict[str, Any]]:
+    ) -> Stepped[tuple[set[str], dict[str, Any]]]:
         """Joined backends, atomically in one request: ``dedup._add_new(request)``,
         then ``_save([record])``; both results. Nothing of the save is written if the
         add fails."""
@@ -709,7 +749,7 @@ class EntityStore(Client):
 
     def _save_unless(
         self, dedup: DeduplicationStore, key: str, record: EntityRecord
-    ) -> tuple[bool, dict[str, Any]]:
+    ) -> Stepped[tuple[bool, dict[str, Any]]]:
         """Joined backends, atomically in one request: whether ``dedup`` holds a live
         record of ``key``, and if not (or if this call's earlier attempt saved the
         record), ``_save([record])``'s result; nothing written when it does."""
@@ -748,12 +788,17 @@ class EntityStore(Client):
         """The entity, then whether the token ``token_id`` exists (read after it), in
         one round trip. Only for a joined ``tokens`` (:meth:`_tokens_joined`). Raises
         what :meth:`load` and ``tokens.present`` raise."""
+        return run(self._load_tokened_steps(entity_id, tokens, token_id))
+
+    def _load_tokened_steps(
+        self, entity_id: str, tokens: TokenStore, token_id: str
+    ) -> Steps[tuple[Entity, bool]]:
         eid = validate_message_id(entity_id, "entity id")
         tid = validate_message_id(token_id, "token id")
         self.check_open()
         tokens.check_open()
         with self.translating_errors("load_and_read_token"):
-            found, present = self._load_with_token(tokens, eid, tid)
+            found, present = yield from self._primitive("_load_with_token", tokens, eid, tid)
         entity = Entity(eid) if found is None else decode_entity(eid, found[0], found[1])
         return entity, present
 
@@ -777,6 +822,14 @@ class EntityStore(Client):
         one entity's change naming more than :meth:`joint_token_limit` ids, and
         ``StoreUnavailable`` (the chunks before it are written).
         """
+        return run(self._save_tokened_steps(entities, tokens, changes))
+
+    def _save_tokened_steps(
+        self,
+        entities: Sequence[Entity],
+        tokens: TokenStore,
+        changes: Mapping[str, TokenChange],
+    ) -> Steps[tuple[set[str], set[str]]]:
         records = [self._record(entity) for entity in entities]
         limit = self.joint_token_limit(tokens)
         writes: dict[str, TokenWrites] = {}
@@ -795,10 +848,13 @@ class EntityStore(Client):
         chunk: list[EntityRecord] = []
         named = 0
 
-        def flush() -> None:
+        def flush() -> Steps[None]:
             with self.translating_errors("save_with_tokens"):
-                absent, versions = self._save_tokens(
-                    tokens, chunk, {r.id: writes[r.id] for r in chunk if r.id in writes}
+                absent, versions = yield from self._primitive(
+                    "_save_tokens",
+                    tokens,
+                    chunk,
+                    {r.id: writes[r.id] for r in chunk if r.id in writes},
                 )
             for record in chunk:
                 if record.id in versions:
@@ -811,17 +867,17 @@ class EntityStore(Client):
         for record in records:
             size = changes[record.id].size if record.id in changes else 0
             if chunk and (len(chunk) >= self.max_save_batch or named + size > limit):
-                flush()
+                yield from flush()
                 chunk, named = [], 0
             chunk.append(record)
             named += size
         if chunk:
-            flush()
+            yield from flush()
         return missing, conflicts
 
     def _load_with_token(
         self, tokens: TokenStore, entity_id: str, token_id: str
-    ) -> tuple[tuple[str, Any] | None, bool]:
+    ) -> Stepped[tuple[tuple[str, Any] | None, bool]]:
         """Token-joined backends: ``_load([entity_id])``'s record (or None), then whether
         the token ``token_id`` exists, read after it, in one round trip."""
         raise NotImplementedError
@@ -831,7 +887,7 @@ class EntityStore(Client):
         tokens: TokenStore,
         records: list[EntityRecord],
         writes: Mapping[str, TokenWrites],
-    ) -> tuple[set[str], dict[str, Any]]:
+    ) -> Stepped[tuple[set[str], dict[str, Any]]]:
         """Token-joined backends: per record, atomically (one request for them all
         where it can): if ``writes[record.id].require`` names a token that is absent,
         nothing (its id is in the first set returned); else ``_save([record])``, and if
@@ -866,11 +922,11 @@ class EntityStore(Client):
     # ------------------------------------------------------------------ primitives
 
     @abc.abstractmethod
-    def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
+    def _load(self, ids: list[str]) -> Stepped[dict[str, tuple[str, Any]]]:
         """``{id: (body, version)}`` for the ids that exist; strongly consistent."""
 
     @abc.abstractmethod
-    def _save(self, records: list[EntityRecord]) -> dict[str, Any]:
+    def _save(self, records: list[EntityRecord]) -> Stepped[dict[str, Any]]:
         """Write each record whose stored version is ``record.version`` (absent if None).
 
         Per record, atomically: compare the token and write the whole record, or

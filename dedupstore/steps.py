@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import inspect
 import itertools
 import os
@@ -35,6 +36,7 @@ __all__ = [
     "Steps",
     "arun",
     "awaited",
+    "call",
     "fan",
     "io",
     "offload",
@@ -98,6 +100,31 @@ def on_async_face() -> bool:
 def io(fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> Steps[R]:
     """A step that makes one I/O call, ``fn(*args, **kwargs)``, and returns its answer."""
     return cast(R, (yield Call(fn, args, kwargs, IO)))
+
+
+def call(target: Any, name: str, *args: Any) -> Steps[Any]:
+    """``target.<name>(*args)``, a store's call, as steps. On the async face, when
+    ``target``'s class writes that call as steps (``_<name>_steps``, leading underscores
+    of ``name`` dropped, beside the method: the stores of :mod:`dedupstore` do), those
+    steps, so that its primitives run natively; else (the sync face; an object of the
+    user's or a test's that stands for a store; a method overridden without its steps,
+    on a subclass or on the object) one I/O call of the method, in place or in a thread."""
+    if _ASYNC_FACE.get() and name not in getattr(target, "__dict__", ()):
+        own = _steps_of(type(target), name)  # type: ignore[arg-type]
+        if own is not None:
+            return own(target, *args)
+    return io(getattr(target, name), *args)
+
+
+@functools.cache
+def _steps_of(cls: type, name: str) -> Callable[..., Steps[Any]] | None:
+    """The steps function of ``cls``'s method ``name``: ``_<name>_steps`` of the class
+    that defines the method (``None`` if that class writes none)."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            found = vars(klass).get(f"_{name.lstrip('_')}_steps")
+            return cast(Callable[..., Steps[Any]] | None, found)
+    return None
 
 
 def user(fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> Steps[R]:

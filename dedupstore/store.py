@@ -325,7 +325,7 @@ class DeduplicationStore(Client):
         self,
         ids: list[str],
         single: bool = False,
-        write: Callable[[WriteRequest], set[str]] | None = None,
+        write: Callable[[WriteRequest], Steps[set[str]]] | None = None,
         operation: str | None = None,
     ) -> Steps[set[str]]:
         """Write one chunk under a fresh token; remember the tokens if it fails.
@@ -352,7 +352,7 @@ class DeduplicationStore(Client):
         try:
             with self.translating_errors(operation or ("add" if single else "add_many")):
                 if write is not None:
-                    return (yield from io(write, request))
+                    return (yield from write(request))
                 if single:
                     added = yield from self._primitive("_add_one", request)
                     return set(ids) if added else set()

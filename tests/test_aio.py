@@ -348,7 +348,9 @@ async def _cancel_in_each_call(
     monkeypatch.setattr(steps, "_executor", lambda: counter)
     await processor.process(Message("probe", "probe", 0), counting)
     calls = counter.calls
-    assert calls >= 3, calls
+    # (a backend whose store calls are native makes fewer here: the dispatcher's at least;
+    # tests/test_aio_native.py cancels its native calls)
+    assert calls >= 1, calls
     for hold in range(1, calls + 1):
         cid = f"e{hold}"
         message = Message(f"m{hold}", cid, hold)

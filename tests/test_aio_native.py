@@ -16,6 +16,7 @@ import pytest
 
 from dedupstore import aio, open_store, steps
 from dedupstore.errors import StoreUnavailable
+from dedupstore.outbox import Message, message_key
 from dedupstore.steps import Steps, arun, fan, io, run
 from dedupstore.store import DeduplicationStore
 from tests.proxy import TcpProxy
@@ -200,6 +201,135 @@ def test_a_store_given_a_sync_client_runs_its_calls_in_threads(redis_server: Ser
 
     asyncio.run(main())
     given.close()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("cleanup", ["inline", "deferred"])
+def test_the_processor_on_redis_makes_every_store_call_on_the_loop(
+    redis_server: Server, cleanup: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``AsyncOutboxProcessor`` on Redis stores (joined: one server): ``process`` (a new
+    message, its duplicate), ``process_batch`` and ``begin_attempt`` make every store
+    call, joint ones included, on ``redis.asyncio`` (the offload threads refuse any
+    call); the results are the sync face's."""
+    from tests.test_aio import AsyncDispatcher, counting
+
+    async def main() -> None:
+        tag = uuid.uuid4().hex[:6]
+        entities = await aio.open_entity_store(redis_server.url, key_prefix=f"e{tag}:")
+        dedup = await aio.open_store(redis_server.url, key_prefix=f"d{tag}:")
+        out = AsyncDispatcher()
+        processor = aio.AsyncOutboxProcessor(entities, dedup, out, cleanup=cleanup)
+        monkeypatch.setattr(steps, "_executor", _no_threads)
+        try:
+            assert await processor.begin_attempt(Message("m0", "e0", {})) == 1
+            first = await processor.process(Message("m0", "e0", {}), counting)
+            assert first.outcome == "processed"
+            again = await processor.process(Message("m0", "e0", {}), counting)
+            assert again.outcome == "duplicate"
+            batch = [Message(f"b{i}", f"e{i % 3}", {}) for i in range(9)]
+            results = await processor.process_batch([*batch, batch[0]], counting)
+            assert [r.outcome for r in results[:9]] == ["processed"] * 9
+            assert results[9].outcome == "duplicate"
+        finally:
+            monkeypatch.undo()
+        if cleanup == "deferred":
+            await aio.sweep(entities, dedup)
+        states = await entities.load_many(["e0", "e1", "e2"])
+        assert sorted(states["e0"].state["seen"]) == ["b0", "b3", "b6", "m0"]
+        assert all(not entity.outbox for entity in states.values())
+        keys = [message_key(m.correlation_id, m.id) for m in [Message("m0", "e0", {}), *batch]]
+        assert await dedup.processed_among(keys) == set(keys)
+        assert len({m.id for m in out.sent}) == 2 * 10
+        await entities.close()
+        await dedup.close()
+
+    asyncio.run(main())
+
+
+class _NativeGate:
+    """Counts the native calls of async Redis connections (each attempt goes through
+    ``_bounded``); the ``hold``-th is held ``before`` its request leaves or ``after``
+    the server answered it, until its task is cancelled."""
+
+    def __init__(self, hold: int, where: str) -> None:
+        self.calls, self.hold, self.where = 0, hold, where
+        self.entered = asyncio.Event()
+
+    def wrap(self, connection: Any) -> None:
+        real = connection._bounded
+
+        async def bounded(pending: Any) -> Any:
+            self.calls += 1
+            if self.calls != self.hold:
+                return await real(pending)
+            if self.where == "before":
+                pending.close()  # never sent
+            else:
+                await real(pending)
+            self.entered.set()
+            await asyncio.Event().wait()  # until cancelled
+
+        connection._bounded = bounded
+
+
+@pytest.mark.redis
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("where", ["before", "after"])
+@pytest.mark.parametrize("cleanup", ["inline", "deferred"])
+def test_a_task_cancelled_in_any_native_call_leaves_what_a_redelivery_completes(
+    redis_server: Server, cleanup: str, where: str
+) -> None:
+    """For each native call a message's processing makes on Redis (the joint load and
+    check, the joint save, the clean-up), a task cancelled while that call is held before
+    its request left or after the server ran it: the redelivered message is applied
+    exactly once, its outputs sent with the same ids, nothing left over; a third delivery
+    is a duplicate."""
+    from tests.test_aio import AsyncDispatcher, counting
+
+    async def main() -> None:
+        tag = uuid.uuid4().hex[:6]
+        entities = await aio.open_entity_store(redis_server.url, key_prefix=f"e{tag}:")
+        dedup = await aio.open_store(redis_server.url, key_prefix=f"d{tag}:")
+        out = AsyncDispatcher()
+
+        def processor() -> aio.AsyncOutboxProcessor:
+            return aio.AsyncOutboxProcessor(entities, dedup, out, cleanup=cleanup)
+
+        def gated(hold: int) -> _NativeGate:
+            gate = _NativeGate(hold, where)
+            for store in (entities, dedup):
+                gate.wrap(store.sync._async_twin()._redis)
+            return gate
+
+        counter = gated(0)
+        await processor().process(Message("probe", "probe", 0), counting)
+        calls = counter.calls
+        assert calls >= 2, calls
+        for hold in range(1, calls + 1):
+            message = Message(f"m{hold}", f"e{hold}", hold)
+            gate = gated(hold)
+            task = asyncio.create_task(processor().process(message, counting))
+            await asyncio.wait_for(gate.entered.wait(), 30)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            gated(0)
+            again = await processor().process(message, counting)
+            assert again.outcome in ("processed", "redispatched", "duplicate"), (hold, again)
+            if cleanup == "deferred":
+                await aio.sweep(entities, dedup)
+            entity = await entities.load(message.correlation_id)
+            assert entity.state["seen"] == [message.id], (hold, entity.state)
+            assert not entity.outbox, (hold, entity.outbox)
+            assert await dedup.has_been_processed(message_key(message.correlation_id, message.id))
+            sent = {m.id for m in out.sent if m.body.get("of") == message.id}
+            assert len(sent) == 1, (hold, sent)
+            assert (await processor().process(message, counting)).outcome == "duplicate"
+        await entities.close()
+        await dedup.close()
+
+    asyncio.run(main())
 
 
 # ------------------------------------------------------------------ fan, unit

@@ -2,7 +2,8 @@
 :class:`AsyncRedisConnection`, for the async face's Redis clients.
 
 The same server settings (:data:`~._client.CONNECTION_OPTIONS`: timeouts, retries,
-credentials, TLS, pool size, ``wait_replicas``), the same error rules
+credentials, TLS, pool size (:data:`ASYNC_POOL_SIZE` by default: a task past it waits
+for a connection, within its attempt's bound), ``wait_replicas``), the same error rules
 (``RedisConnection.classify_error``: ``redis.asyncio`` raises redis-py's exceptions) and
 the same method names as the sync connection (``read``, ``pipelined``, ``run_script``,
 ``write``; ``client`` is a ``redis.asyncio.Redis``), awaited, so that one driver logic
@@ -24,8 +25,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.connection import BlockingConnectionPool, SSLConnection
 from redis.asyncio.connection import Connection as DriverConnection
-from redis.asyncio.connection import ConnectionPool, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, ResponseError
@@ -35,7 +36,10 @@ from dedupstore.backend import Client, Options, StoreURL, aretry, capped
 
 from ._client import _log_write_retry, _sha1, _transient, confirmed, server_kwargs, wait_command
 
-__all__ = ["AsyncRedisConnection"]
+__all__ = ["ASYNC_POOL_SIZE", "AsyncRedisConnection"]
+
+#: Connections of one async connection's pool when ``max_connections`` is not set.
+ASYNC_POOL_SIZE = 100
 
 
 class AsyncRedisConnection:
@@ -44,12 +48,16 @@ class AsyncRedisConnection:
 
     def __init__(self, url: StoreURL, options: Options) -> None:
         self._timeout = float(options["timeout"])
-        pool = ConnectionPool(
+        # Many tasks share the pool: one past its size waits for a connection (within
+        # the attempt's bound, _bounded) instead of failing at once as redis.asyncio's
+        # plain pool does.
+        pool = BlockingConnectionPool(
             **server_kwargs(url, options),
             connection_class=SSLConnection if url.scheme == "rediss" else DriverConnection,
             socket_timeout=options["timeout"],
             socket_connect_timeout=options["connect_timeout"],
-            max_connections=options["max_connections"],
+            max_connections=options["max_connections"] or ASYNC_POOL_SIZE,
+            timeout=None,
             retry=Retry(NoBackoff(), 0),  # retried here (read)
         )
         self.client = aioredis.Redis(connection_pool=pool)

@@ -55,11 +55,13 @@ from dedupstore.backend import (
     EntityRecord,
     EntityStore,
     OptionSet,
+    Steps,
     StoreUnavailable,
     TokenStore,
     TokenWrites,
     WriteRequest,
     groups_by_size,
+    io,
     write_token,
 )
 
@@ -365,7 +367,11 @@ def _body(value: bytes | str) -> str:
 
 
 class RedisEntityStore(EntityStore):
-    """Entities on a Redis primary, one hash each; thread- and process-safe (see the module)."""
+    """Entities on a Redis primary, one hash each; thread- and process-safe (see the module).
+
+    Its loads and saves (joint ones too) are steps over ``self._redis``: redis-py on the
+    sync API, ``redis.asyncio`` on the async one; the scan of pending outboxes runs there
+    in a thread."""
 
     max_entity_bytes: ClassVar[int] = 4 * 1024 * 1024
     max_load_batch: ClassVar[int] = 100
@@ -393,10 +399,11 @@ class RedisEntityStore(EntityStore):
     def _key(self, entity_id: str) -> str:
         return entity_key(self._key_prefix, entity_id)
 
-    def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
+    def _load(self, ids: list[str]) -> Steps[dict[str, tuple[str, Any]]]:
         """One pipelined ``HMGET`` per id, in one round trip."""
-        replies = self._redis.pipelined(
-            lambda pipe: [pipe.hmget(self._key(eid), ["b", "v"]) for eid in ids]
+        replies = yield from io(
+            self._redis.pipelined,
+            lambda pipe: [pipe.hmget(self._key(eid), ["b", "v"]) for eid in ids],
         )
         loaded = {eid: self._loaded(eid, reply) for eid, reply in zip(ids, replies, strict=True)}
         return {eid: record for eid, record in loaded.items() if record is not None}
@@ -413,49 +420,51 @@ class RedisEntityStore(EntityStore):
 
     def _load_with(
         self, dedup: DeduplicationStore, entity_id: str, key: str
-    ) -> tuple[tuple[str, Any] | None, bool]:
+    ) -> Steps[tuple[tuple[str, Any] | None, bool]]:
         """``HMGET`` of the entity and ``GET`` of the record, pipelined: one round trip."""
         assert isinstance(dedup, RedisDeduplicationStore)
         record_key = dedup.record_key(key)
-        entity, record = self._redis.pipelined(
-            lambda pipe: (pipe.hmget(self._key(entity_id), ["b", "v"]), pipe.get(record_key))
+        entity, record = yield from io(
+            self._redis.pipelined,
+            lambda pipe: (pipe.hmget(self._key(entity_id), ["b", "v"]), pipe.get(record_key)),
         )
         return self._loaded(entity_id, entity), dedup.counts_as_record(record)
 
     def _save_with(
         self, dedup: DeduplicationStore, request: WriteRequest, record: EntityRecord
-    ) -> tuple[set[str], dict[str, Any]]:
+    ) -> Steps[tuple[set[str], dict[str, Any]]]:
         """The deduplication store's script, then this store's, in one script run."""
         assert isinstance(dedup, RedisDeduplicationStore)
         add_keys, add_args = dedup.add_call(request)
         keys, args, resent = self._save_call([record], write_token())
         head = [str(len(add_keys)), str(len(add_args)), *add_args]
-        added, saved = self._redis.run_script(
-            self, _JOINT_SCRIPT, add_keys + keys, head + args, head + resent
+        added, saved = yield from io(
+            self._redis.run_script, self, _JOINT_SCRIPT, add_keys + keys, head + args, head + resent
         )
         return dedup.added_ids(request, added), self._saved([record], saved)
 
     def _save_unless(
         self, dedup: DeduplicationStore, key: str, record: EntityRecord
-    ) -> tuple[bool, dict[str, Any]]:
+    ) -> Steps[tuple[bool, dict[str, Any]]]:
         """``GET`` of the record, then (if absent) the save script, in one script run."""
         assert isinstance(dedup, RedisDeduplicationStore)
         keys, args, resent = self._save_call([record], write_token())
         keys.append(dedup.record_key(key))
-        reply = self._redis.run_script(self, _SAVE_UNLESS_SCRIPT, keys, args, resent)
+        reply = yield from io(self._redis.run_script, self, _SAVE_UNLESS_SCRIPT, keys, args, resent)
         if reply and int(reply[0]) == 2:
             return True, {}
         return False, self._saved([record], reply)
 
     def _load_with_token(
         self, tokens: TokenStore, entity_id: str, token_id: str
-    ) -> tuple[tuple[str, Any] | None, bool]:
+    ) -> Steps[tuple[tuple[str, Any] | None, bool]]:
         """``HMGET`` of the entity and ``GET`` of the token, pipelined in that order: one
         round trip, the token read after the load."""
         assert isinstance(tokens, RedisTokenStore)
         token_key = tokens.key(token_id)
-        entity, value = self._redis.pipelined(
-            lambda pipe: (pipe.hmget(self._key(entity_id), ["b", "v"]), pipe.get(token_key))
+        entity, value = yield from io(
+            self._redis.pipelined,
+            lambda pipe: (pipe.hmget(self._key(entity_id), ["b", "v"]), pipe.get(token_key)),
         )
         return self._loaded(entity_id, entity), tokens.is_token(value)
 
@@ -464,7 +473,7 @@ class RedisEntityStore(EntityStore):
         tokens: TokenStore,
         records: list[EntityRecord],
         writes: Mapping[str, TokenWrites],
-    ) -> tuple[set[str], dict[str, Any]]:
+    ) -> Steps[tuple[set[str], dict[str, Any]]]:
         """One script run per group of records (up to 16 MiB of bodies): the required tokens
         read, the save, then the token writes of the entities it wrote (:data:`_TOKENED_SCRIPT`)."""
         assert isinstance(tokens, RedisTokenStore)
@@ -493,22 +502,26 @@ class RedisEntityStore(EntityStore):
                 for tid in change.delete:
                     keys.append(tokens.key(tid))
                     ops.append(str(len(keys)))
-            status, pairs, gone = self._redis.run_script(
-                self, _TOKENED_SCRIPT, keys, head + args + ops, head + resent + ops
+            status, pairs, gone = yield from io(
+                self._redis.run_script,
+                self,
+                _TOKENED_SCRIPT,
+                keys,
+                head + args + ops,
+                head + resent + ops,
             )
             saved.update(self._saved(group, [status, *pairs]))
             missing.update(group[int(i) - 1].id for i in gone)
         return missing, saved
 
-    def _save(self, records: list[EntityRecord]) -> dict[str, Any]:
+    def _save(self, records: list[EntityRecord]) -> Steps[dict[str, Any]]:
         """One script call per group of records (up to 16 MiB of bodies)."""
         token = write_token()
         saved: dict[str, Any] = {}
         for group in groups_by_size(records, _MAX_CALL_BYTES, lambda r: r.size):
             keys, args, resent = self._save_call(group, token)
-            saved.update(
-                self._saved(group, self._redis.run_script(self, _SAVE_SCRIPT, keys, args, resent))
-            )
+            reply = yield from io(self._redis.run_script, self, _SAVE_SCRIPT, keys, args, resent)
+            saved.update(self._saved(group, reply))
         return saved
 
     def _save_call(

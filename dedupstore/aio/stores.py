@@ -5,7 +5,7 @@ the sync ones (:func:`open_store`, :func:`open_entity_store`, :func:`open_token_
 Each wraps the sync client of its URL (:attr:`~AsyncClient.sync`): the same key layout,
 the same options, errors, deadlines and guarantees, because it is the same client.
 
-* **Native.** The deduplication store's calls are the sync store's steps
+* **Native.** The deduplication and entity stores' calls are the sync store's steps
   (:mod:`dedupstore.steps`), awaited: where the backend writes a primitive as steps and
   has an async driver (Redis: ``redis.asyncio``), its driver calls are awaited on the
   loop, on the async twin of the store's connection (:meth:`Connection.async_twin
@@ -157,7 +157,7 @@ class AsyncDeduplicationStore(AsyncClient[DeduplicationStore]):
 
 class AsyncEntityStore(AsyncClient[EntityStore]):
     """:class:`~dedupstore.entities.EntityStore`'s calls, awaited: the same guarantees
-    and errors, method for method."""
+    and errors, method for method; native where the backend's driver is (see the module)."""
 
     @property
     def max_entity_bytes(self) -> int:
@@ -166,19 +166,19 @@ class AsyncEntityStore(AsyncClient[EntityStore]):
 
     async def load(self, entity_id: str) -> Entity:
         """:meth:`EntityStore.load <dedupstore.entities.EntityStore.load>`."""
-        return await offload(self.sync.load, entity_id)
+        return await arun(self.sync._load_steps(entity_id))
 
     async def load_many(self, entity_ids: Iterable[str]) -> dict[str, Entity]:
         """:meth:`EntityStore.load_many <dedupstore.entities.EntityStore.load_many>`."""
-        return await offload(self.sync.load_many, entity_ids)
+        return await arun(self.sync._load_many_steps(entity_ids))
 
     async def save(self, entity: Entity) -> Entity:
         """:meth:`EntityStore.save <dedupstore.entities.EntityStore.save>`."""
-        return await offload(self.sync.save, entity)
+        return await arun(self.sync._save_steps(entity))
 
     async def save_many(self, entities: Sequence[Entity]) -> set[str]:
         """:meth:`EntityStore.save_many <dedupstore.entities.EntityStore.save_many>`."""
-        return await offload(self.sync.save_many, entities)
+        return await arun(self.sync._save_many_steps(entities))
 
     def pending_outboxes(self, segment: int = 0, segments: int = 1) -> AsyncIterator[Entity]:
         """:meth:`EntityStore.pending_outboxes

@@ -37,7 +37,7 @@ from dedupstore.outbox.messages import (
     _validate,
 )
 from dedupstore.outbox.tokened import new_call, stamped
-from dedupstore.steps import Steps, io, user
+from dedupstore.steps import Steps, call, user
 from dedupstore.tokens import TokenChange
 
 
@@ -97,7 +97,7 @@ class _Batching(_Handling):
         if stale:
             kept = {cid: entities[cid].version for cid in stale}
             entities.update(
-                self._claim_all((yield from io(self.entities.load_many, sorted(stale))))
+                self._claim_all((yield from call(self.entities, "load_many", sorted(stale))))
             )
             # An answer holds only for an entity loaded before it was asked (the id
             # reaches the store before its entry leaves the outbox): a version that moved
@@ -121,9 +121,10 @@ class _Batching(_Handling):
         if not keys:
             return set()
         if not tokens:
-            return (yield from io(self.dedup.processed_among, keys))
+            found: set[str] = yield from call(self.dedup, "processed_among", keys)
+            return found
         plain = [k for k in keys if k not in tokens]
-        found = (yield from io(self.dedup.processed_among, plain)) if plain else set()
+        found = (yield from call(self.dedup, "processed_among", plain)) if plain else set()
         return found | (
             yield from self._recorded_by_token({k: tokens[k] for k in keys if k in tokens})
         )
@@ -140,7 +141,7 @@ class _Batching(_Handling):
         taken = set(entities)
         missing = [m.correlation_id for m in messages if m.correlation_id not in entities]
         if missing:
-            entities.update(self._claim_all((yield from io(self.entities.load_many, missing))))
+            entities.update(self._claim_all((yield from call(self.entities, "load_many", missing))))
         keys, already = yield from self._recorded(messages, entities, taken)
         mark = self._mark()
         results: list[ProcessResult] = []
@@ -213,7 +214,8 @@ class _Batching(_Handling):
         requests (:meth:`_minting`)."""
         entities = list(changed.values())
         if not self._tokens_joined:
-            return (yield from io(self.entities.save_many, entities))
+            conflicts: set[str] = yield from call(self.entities, "save_many", entities)
+            return conflicts
         limit = self._joint_tokens - 1
         made: dict[str, dict[str, str]] = {}
         for entity, mid in entries.values():
@@ -230,7 +232,8 @@ class _Batching(_Handling):
             have.update(tokens)
         changes = {eid: TokenChange(create=m) for eid, m in made.items() if m}
         if not changes:
-            return (yield from io(self.entities.save_many, entities))
+            conflicts = yield from call(self.entities, "save_many", entities)
+            return conflicts
         return (yield from self._save_folded(entities, changes))[1]
 
     def _in_two_phases(
@@ -260,7 +263,7 @@ class _Batching(_Handling):
         # the entities saved above are as saved (their versions updated); those that
         # conflicted were handled alone on fresh copies: reload only them
         if conflicts:
-            loaded = yield from io(self.entities.load_many, sorted(conflicts))
+            loaded = yield from call(self.entities, "load_many", sorted(conflicts))
             entities = {**entities, **self._claim_all(loaded)}
         remaining = messages
         for attempt in range(1, self.max_attempts + 1):
@@ -273,7 +276,7 @@ class _Batching(_Handling):
             if attempt < self.max_attempts:
                 _retrying(self.consumer, conflicts)
             entities = self._claim_all(
-                (yield from io(self.entities.load_many, [m.correlation_id for m in remaining]))
+                (yield from call(self.entities, "load_many", [m.correlation_id for m in remaining]))
             )
         raise ConcurrencyConflict(
             f"the clean-up of {len(remaining)} messages (entity "
@@ -384,7 +387,7 @@ class _Batching(_Handling):
         """
         limit = self.entities.max_entity_bytes
         entities = self._claim_all(
-            (yield from io(self.entities.load_many, [m.correlation_id for m in messages]))
+            (yield from call(self.entities, "load_many", [m.correlation_id for m in messages]))
         )
         yield from self._clear(entities.values(), {(m.correlation_id, m.id) for m in messages})
         keys, already = yield from self._recorded(messages, entities)

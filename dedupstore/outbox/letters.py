@@ -22,7 +22,7 @@ from dedupstore.errors import (
 from dedupstore.ids import outgoing_id
 from dedupstore.outbox._base import _Base
 from dedupstore.outbox.messages import Handler, Message, ProcessResult, Send, _shown, _utf8_over
-from dedupstore.steps import Steps, io
+from dedupstore.steps import Steps, call
 from dedupstore.tokens import TOKEN_HEADER
 
 #: The header a redriven message carries: the id of the message first dead-lettered.
@@ -225,7 +225,7 @@ class _Redriving(_Base):
         clean it up now, so that its token is exchanged for the redrive's before the
         redrive looks for it (else the redrive would be told a duplicate). Raises
         ``ConcurrencyConflict`` when the entity changes meanwhile (redrive again)."""
-        entity = self._claim_all({cid: (yield from io(self.entities.load, cid))})[cid]
+        entity = self._claim_all({cid: (yield from call(self.entities, "load", cid))})[cid]
         entry = entity.tokens.get(mid)
         if mid not in entity.outbox or entry is None or entry.letter is None:
             return

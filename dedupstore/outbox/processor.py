@@ -69,7 +69,7 @@ from dedupstore.outbox.tokened import (
     stamped,
     unmade,
 )
-from dedupstore.steps import Steps, io, run
+from dedupstore.steps import Steps, call, run
 from dedupstore.store import DeduplicationStore
 from dedupstore.tokens import TokenChange, TokenStore
 
@@ -210,9 +210,9 @@ class _Processor(_Batching, _Redriving, _Tokened):
         key = message_key(cid, mid)
         for _attempt in range(self.max_attempts):
             self._kept.take(cid)  # a fresh load: the count must be the stored one
-            entity = self._claim((yield from io(self.entities.load, cid)))
+            entity = self._claim((yield from call(self.entities, "load", cid)))
             if mid in entity.outbox or (
-                (yield from io(self.dedup.has_been_processed, key))
+                (yield from call(self.dedup, "has_been_processed", key))
                 if token is None
                 else bool((yield from self._recorded_by_token({key: token})))
             ):
@@ -220,7 +220,7 @@ class _Processor(_Batching, _Redriving, _Tokened):
             runs = entity.attempts.get(mid, 0) + 1
             entity.attempts[mid] = runs
             try:
-                yield from io(self.entities.save, entity)
+                yield from call(self.entities, "save", entity)
             except ConcurrencyConflict:
                 continue
             except EntityTooLarge:  # a full record cannot count: the run is not recorded
@@ -260,18 +260,18 @@ class _Processor(_Batching, _Redriving, _Tokened):
                 recorded: bool | None = None
                 if entity is None:
                     if joined:
-                        entity, recorded = yield from io(
-                            self.entities._load_checked, cid, self.dedup, key
+                        entity, recorded = yield from call(
+                            self.entities, "_load_checked", cid, self.dedup, key
                         )
                     elif folded and token is not None:
-                        entity, present = yield from io(
-                            self.entities._load_tokened, cid, self._token_store(), token
+                        entity, present = yield from call(
+                            self.entities, "_load_tokened", cid, self._token_store(), token
                         )
                         recorded = not present
                         if recorded:
                             metrics.count_tokens(self.consumer, "missing", 1)
                     else:
-                        entity = yield from io(self.entities.load, cid)
+                        entity = yield from call(self.entities, "load", cid)
                     self._claim(entity)
                 found = mid in entity.outbox
                 if not found:
@@ -279,7 +279,7 @@ class _Processor(_Batching, _Redriving, _Tokened):
                     checked = joined and recorded is None
                     if not checked and not (folded and taken) and recorded is None:
                         recorded = (
-                            (yield from io(self.dedup.has_been_processed, key))
+                            (yield from call(self.dedup, "has_been_processed", key))
                             if token is None
                             else bool((yield from self._recorded_by_token({key: token})))
                         )
@@ -303,7 +303,7 @@ class _Processor(_Batching, _Redriving, _Tokened):
                         # entity, and the stored outbox may still hold the message's
                         # entry (a consumer recorded the id, then died before the save
                         # removing it): load it, and clean the entry up if it is there.
-                        entity = self._claim((yield from io(self.entities.load, cid)))
+                        entity = self._claim((yield from call(self.entities, "load", cid)))
                         found = mid in entity.outbox
                     if recorded and not found:  # the entity is as loaded: kept
                         self._kept.keep(entity)
@@ -379,17 +379,17 @@ class _Processor(_Batching, _Redriving, _Tokened):
                 if conflicts:
                     raise _conflict(entity)
             elif checked is None:
-                yield from io(self.entities.save, entity)
-            elif (yield from io(self.entities._save_checked, entity, self.dedup, checked)):
+                yield from call(self.entities, "save", entity)
+            elif (yield from call(self.entities, "_save_checked", entity, self.dedup, checked)):
                 return None
             return True
         except EntityTooLarge as exc:
-            if checked is not None and (yield from io(self.dedup.has_been_processed, checked)):
+            if checked is not None and (yield from call(self.dedup, "has_been_processed", checked)):
                 return None
             key = message_key(entity.id, message.id)
             if required is not None and (yield from self._recorded_by_token({key: required})):
                 return None
-            fresh = self._claim((yield from io(self.entities.load, entity.id)))
+            fresh = self._claim((yield from call(self.entities, "load", entity.id)))
             if not fresh.outbox:
                 too_large = _too_large(message, exc)
                 if self.dead_letters is None:
@@ -444,21 +444,21 @@ class _Processor(_Batching, _Redriving, _Tokened):
                 # token mode: its tokens deleted, then the save
                 yield from self._retire([(entity, mid)])
                 _remove(entity, mid)
-                yield from io(self.entities.save, entity)
+                yield from call(self.entities, "save", entity)
                 return
             _remove(entity, mid)
             if self._joined:  # one atomic request, the id recorded first
-                yield from io(self.entities._save_recording, entity, self.dedup, key)
+                yield from call(self.entities, "_save_recording", entity, self.dedup, key)
             else:
-                yield from io(self.dedup.add, key)
-                yield from io(self.entities.save, entity)
+                yield from call(self.dedup, "add", key)
+                yield from call(self.entities, "save", entity)
         elif entity.outbox[mid] is not None:
             _dispatched(entity, mid)
             if self._over_limit(entity):
                 if (yield from self._move_and_save([entity], [entity])):
                     raise _conflict(entity)
                 return
-            yield from io(self.entities.save, entity)
+            yield from call(self.entities, "save", entity)
 
     def _over_limit(self, entity: Entity) -> bool:
         """Whether a deferred entity holds too many dispatched ids to keep them."""
@@ -492,7 +492,7 @@ class _Processor(_Batching, _Redriving, _Tokened):
             yield from self._retire(pairs)
         for entity, mid in pairs:
             _remove(entity, mid)
-        return (yield from io(self.entities.save_many, to_save)) if to_save else set()
+        return (yield from call(self.entities, "save_many", to_save)) if to_save else set()
 
     def _clear(self, entities: Iterable[Entity], keep: set[tuple[str, str]]) -> Steps[set[str]]:
         """Empty the outboxes of ``entities`` but for the entries of ``keep`` (and save).

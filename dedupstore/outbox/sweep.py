@@ -25,7 +25,7 @@ from dedupstore.outbox.tokened import (
     stamped,
     unmade,
 )
-from dedupstore.steps import Steps, io, run, user
+from dedupstore.steps import Steps, call, io, run, user
 from dedupstore.store import DeduplicationStore
 from dedupstore.tokens import TokenStore
 
@@ -211,7 +211,7 @@ def _applied_among(
     pairs, tokened = _asked(messages, tokens, token_ids)
     if not pairs:
         return set()
-    loaded = yield from io(entities.load_many, [cid for cid, _ in pairs])
+    loaded = yield from call(entities, "load_many", [cid for cid, _ in pairs])
     consumer = dedup.endpoint
     for entity in loaded.values():
         if entity.consumer is not None and entity.consumer != consumer:
@@ -287,7 +287,7 @@ def _recorded(
         found.update(p for p in waiting if tokened[p] not in present)
     rest = {message_key(cid, mid): (cid, mid) for cid, mid in pairs if (cid, mid) not in tokened}
     if rest:
-        found.update(rest[key] for key in (yield from io(dedup.processed_among, rest)))
+        found.update(rest[key] for key in (yield from call(dedup, "processed_among", rest)))
     return found
 
 
@@ -411,7 +411,7 @@ def _retire_and_save(
     if plan is not None and tokens is not None and folded:
         conflicts = yield from retire_joined(entities, saved, plan, dedup, tokens, dedup.endpoint)
         return conflicts, True
-    return (yield from io(entities.save_many, saved)), False
+    return (yield from call(entities, "save_many", saved)), False
 
 
 def _flush(
@@ -437,7 +437,7 @@ def _flush(
         ids = moved[eid]
         for _attempt in range(max_attempts):
             result.conflicts_retried += 1
-            entity = _swept((yield from io(entities.load, eid)), dedup.endpoint)
+            entity = _swept((yield from call(entities, "load", eid)), dedup.endpoint)
             present = [mid for mid in ids if mid in entity.outbox]
             if not present:
                 result.ids_moved += len(ids)
@@ -449,7 +449,7 @@ def _flush(
             else:  # recorded already (its tokens deleted): only removed
                 for mid in present:
                     _remove(entity, mid)
-                again = yield from io(entities.save_many, [entity])
+                again = yield from call(entities, "save_many", [entity])
             if not again:
                 result.ids_moved += len(ids)
                 break

@@ -41,7 +41,7 @@ from dedupstore.errors import ConcurrencyConflict, ConfigurationError
 from dedupstore.ids import message_key, validate_message_id
 from dedupstore.outbox._base import _Base
 from dedupstore.outbox.messages import Message
-from dedupstore.steps import Steps, io
+from dedupstore.steps import Steps, call, io
 from dedupstore.store import DeduplicationStore
 from dedupstore.tokens import (
     TOKEN_HEADER,
@@ -198,8 +198,9 @@ def retire_joined(
     its save. Returns the ids whose save conflicted (none of their tokens written: the
     retry plans them again). Counts the tokens consumed."""
     if plan.keys:
-        yield from io(dedup.add_many, plan.keys)
-    _, conflicts = yield from io(entities._save_tokened, to_save, tokens, plan.changes)
+        yield from call(dedup, "add_many", plan.keys)
+    conflicts: set[str]
+    _, conflicts = yield from call(entities, "_save_tokened", to_save, tokens, plan.changes)
     consumed = sum(n for eid, n in plan.consumed.items() if eid not in conflicts)
     if consumed:
         metrics.count_tokens(consumer, "consumed", consumed)
@@ -227,7 +228,7 @@ def retire(
         yield from io(tokens.delete, [t for change in plan.changes.values() for t in change.delete])
         metrics.count_tokens(consumer, "consumed", sum(plan.consumed.values()))
     if plan.keys:
-        yield from io(dedup.add_many, plan.keys)
+        yield from call(dedup, "add_many", plan.keys)
 
 
 #: The nonces the current call of a processor registered (only the registrant of a
@@ -386,7 +387,9 @@ class _Tokened(_Base):
             register[entity.id] = entity
         todo = [(e, mid) for e, mid in todo if e.id not in outraced]
         conflicts = (
-            (yield from io(self.entities.save_many, list(register.values()))) if register else set()
+            (yield from call(self.entities, "save_many", list(register.values())))
+            if register
+            else set()
         )
         conflicts |= outraced
         live = [(e, mid) for e, mid in todo if e.id not in conflicts]
@@ -400,7 +403,7 @@ class _Tokened(_Base):
             tokens = entity.tokens[mid]
             entity.tokens[mid] = replace(tokens, made=tokens.registered[-1])
             marked[entity.id] = entity
-        late = yield from io(self.entities.save_many, list(marked.values()))
+        late: set[str] = yield from call(self.entities, "save_many", list(marked.values()))
         if late:
             # Nobody else registered these nonces and no message carries them: they
             # can never be made now, so no token of theirs is left behind.
@@ -479,7 +482,9 @@ class _Tokened(_Base):
         """``EntityStore._save_tokened`` of ``entities`` with their token ``changes``;
         ``(missing, conflicts)`` as it returns them. Counts the tokens created."""
         store = self._token_store()
-        missing, conflicts = yield from io(self.entities._save_tokened, entities, store, changes)
+        missing, conflicts = yield from call(
+            self.entities, "_save_tokened", entities, store, changes
+        )
         created = sum(
             len(change.create)
             for eid, change in changes.items()
