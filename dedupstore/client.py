@@ -415,8 +415,8 @@ class Client(Closing, abc.ABC):
     connection_class: ClassVar[type[Connection] | None] = None
     #: The names of the class's primitives (:meth:`_primitive`); a role class lists them.
     primitives: ClassVar[tuple[str, ...]] = ()
-    #: Those of :attr:`primitives` the class writes as steps (generator functions),
-    #: found when the class is made.
+    #: Those of ``primitives`` the class writes as steps (generator functions), found
+    #: when the class is made.
     stepped: ClassVar[frozenset[str]] = frozenset()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

@@ -21,6 +21,7 @@ This module imports nothing of dedupstore: it knows calls, not stores.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -57,11 +58,11 @@ IO, USER, FAN = 0, 1, 2
 class Call:
     """One call a step asks its face to make: ``fn(*args, **kwargs)``.
 
-    ``kind`` :data:`IO` (a store's, a dispatcher's or a broker's call): the sync face
+    ``kind`` ``IO`` (a store's, a dispatcher's or a broker's call): the sync face
     calls it in place; the async face awaits it when ``fn`` is a coroutine function and
-    runs it in a thread when it blocks. :data:`USER`: the awaitable ``args[0]`` that the
+    runs it in a thread when it blocks. ``USER``: the awaitable ``args[0]`` that the
     user's ``fn`` (a handler, a callback, already called in place by the step) returned:
-    the async face awaits it, the sync face refuses it. :data:`FAN` (:func:`fan`): the
+    the async face awaits it, the sync face refuses it. ``FAN`` (:func:`fan`): the
     steps ``args[0]`` run side by side, at most ``args[1]`` at once: the sync face
     through ``fn`` (a thread fan-out), the async face as tasks.
     """
@@ -232,7 +233,9 @@ async def arun(steps: Steps[T]) -> T:
     try:
         return await _arun(steps)
     finally:
-        _ASYNC_FACE.reset(reset)
+        # (ValueError: closed outside its task, a coroutine collected at shutdown)
+        with contextlib.suppress(ValueError):
+            _ASYNC_FACE.reset(reset)
 
 
 async def _arun(steps: Steps[T]) -> T:

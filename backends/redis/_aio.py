@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -32,7 +32,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from dedupstore.backend import Client, Options, StoreURL, aretry, capped
+from dedupstore.backend import Client, Options, StoreURL, aretry, capped, time_left
 
 from ._client import _log_write_retry, _sha1, _transient, confirmed, server_kwargs, wait_command
 
@@ -42,21 +42,29 @@ __all__ = ["ASYNC_POOL_SIZE", "AsyncRedisConnection"]
 ASYNC_POOL_SIZE = 100
 
 
+def _close(pending: Awaitable[Any]) -> None:
+    """Close ``pending`` if it is a coroutine never awaited (no warning: it never ran)."""
+    if isinstance(pending, Coroutine):
+        pending.close()
+
+
 class AsyncRedisConnection:
     """A ``redis.asyncio.Redis`` on a pool of its own, for one async client (see the
     module). No I/O until the first call."""
 
     def __init__(self, url: StoreURL, options: Options) -> None:
         self._timeout = float(options["timeout"])
-        # Many tasks share the pool: one past its size waits for a connection (within
-        # the attempt's bound, _bounded) instead of failing at once as redis.asyncio's
-        # plain pool does.
+        # Many tasks share the pool: one past its size waits for a connection (_slots,
+        # within the call's deadline: _bounded) instead of failing at once as
+        # redis.asyncio's plain pool does.
+        size = options["max_connections"] or ASYNC_POOL_SIZE
+        self._slots = asyncio.Semaphore(size)
         pool = BlockingConnectionPool(
             **server_kwargs(url, options),
             connection_class=SSLConnection if url.scheme == "rediss" else DriverConnection,
             socket_timeout=options["timeout"],
             socket_connect_timeout=options["connect_timeout"],
-            max_connections=options["max_connections"] or ASYNC_POOL_SIZE,
+            max_connections=size,
             timeout=None,
             retry=Retry(NoBackoff(), 0),  # retried here (read)
         )
@@ -135,8 +143,12 @@ class AsyncRedisConnection:
         return confirmed(client, replies, wait)
 
     async def _send(self, commands: list[tuple[Any, ...]], sent: list[bool]) -> list[Any]:
-        """``commands`` in one pipeline (no transaction); every reply read, the first
-        error reply raised. Appends to ``sent`` once the request may reach the server."""
+        """``commands`` in one pipeline (no transaction; one command alone: sent as it
+        is); every reply read, the first error reply raised. Appends to ``sent`` once the
+        request may reach the server."""
+        if len(commands) == 1:
+            sent.append(True)
+            return [await self.client.execute_command(*commands[0])]  # type: ignore[no-untyped-call]
         pipe = self.client.pipeline(transaction=False)
         for command in commands:
             pipe.execute_command(*command)
@@ -148,17 +160,32 @@ class AsyncRedisConnection:
         return replies
 
     async def _bounded(self, pending: Awaitable[Any]) -> Any:
-        """``pending``, awaited within ``timeout`` and the time left (a blocking command
-        such as ``XREADGROUP ... BLOCK`` is bounded by its own block, capped below the
-        timeout by the caller); past it, redis-py's ``TimeoutError`` (transient)."""
-        bound = capped(self._timeout)  # no time left: DeadlinePassed, never retried
+        """``pending``, once one of the pool's connections is free (waiting within the
+        call's deadline, as a blocking call waits for a thread), then awaited within
+        ``timeout`` and the time left (a blocking command such as ``XREADGROUP ...
+        BLOCK`` is bounded by its own block, capped below the timeout by the caller);
+        past either, redis-py's ``TimeoutError`` (transient). So an attempt's timeout
+        counts the request, not the wait for a connection under load."""
         try:
+            async with asyncio.timeout(time_left()):
+                await self._slots.acquire()
+        except TimeoutError:
+            _close(pending)
+            raise RedisTimeoutError("timed out waiting for a connection") from None
+        except BaseException:
+            _close(pending)
+            raise
+        try:
+            bound = capped(self._timeout)  # no time left: DeadlinePassed, never retried
             async with asyncio.timeout(bound):
                 return await pending
         except TimeoutError as exc:
             if isinstance(exc, RedisTimeoutError):
                 raise
             raise RedisTimeoutError("timed out: the call's deadline passed") from None
+        finally:
+            _close(pending)  # (a no-op once awaited; never started if capped() raised)
+            self._slots.release()
 
     async def close(self) -> None:
         """Disconnect the pool."""
