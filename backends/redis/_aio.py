@@ -34,7 +34,14 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from dedupstore.backend import Client, Options, StoreURL, aretry, capped, time_left
 
-from ._client import _log_write_retry, _sha1, _transient, confirmed, server_kwargs, wait_command
+from ._client import (
+    _log_write_retry,
+    _transient,
+    confirmed,
+    script_commands,
+    server_kwargs,
+    wait_command,
+)
 
 __all__ = ["ASYNC_POOL_SIZE", "AsyncRedisConnection"]
 
@@ -104,10 +111,8 @@ class AsyncRedisConnection:
     ) -> Any:
         """``RedisConnection.run_script``: ``client``'s write script ``source`` by
         :meth:`write` (then ``WAIT``); its answer."""
-        sha = _sha1(source)
-        command: tuple[Any, ...] = ("EVALSHA", sha, len(keys), *keys, *args)
-        resent = None if resent_args is None else [("EVALSHA", sha, len(keys), *keys, *resent_args)]
-        return (await self.write(client, [command], resent, script=source))[0]
+        commands, resent = script_commands(source, keys, args, resent_args)
+        return (await self.write(client, commands, resent, script=source))[0]
 
     async def write(
         self,

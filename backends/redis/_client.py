@@ -398,10 +398,8 @@ class RedisConnection(Connection):
         """Run ``client``'s write script ``source`` by :meth:`write` (then ``WAIT``); return its
         answer. Once a request may have reached the server, later attempts send ``resent_args``
         (``args`` when ``None``)."""
-        sha = _sha1(source)
-        command: tuple[Any, ...] = ("EVALSHA", sha, len(keys), *keys, *args)
-        resent = None if resent_args is None else [("EVALSHA", sha, len(keys), *keys, *resent_args)]
-        return self.write(client, [command], resent, script=source)[0]
+        commands, resent = script_commands(source, keys, args, resent_args)
+        return self.write(client, commands, resent, script=source)[0]
 
     def write(
         self,
@@ -601,6 +599,15 @@ class RedisConnection(Connection):
                 self.client.connection_pool.release(kept)
         else:
             self.client.connection_pool.disconnect()
+
+
+def script_commands(
+    source: str, keys: list[str], args: list[str], resent_args: list[str] | None
+) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]] | None]:
+    """The ``EVALSHA`` of a write script, first sent and re-sent (``None``: the same)."""
+    sha = _sha1(source)
+    resent = None if resent_args is None else [("EVALSHA", sha, len(keys), *keys, *resent_args)]
+    return [("EVALSHA", sha, len(keys), *keys, *args)], resent
 
 
 def wait_command(options: Options) -> list[tuple[Any, ...]]:

@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import dataclasses
 import importlib
-import inspect
 import json
 import logging
 import os
@@ -25,17 +24,11 @@ from dedupstore.entities import OutgoingMessage
 from dedupstore.errors import ConfigurationError, StoreUnavailable, format_error
 from dedupstore.options import seconds
 from dedupstore.outbox import Handler, OutboxProcessor, check_handler
+from dedupstore.outbox.handlers import is_async_callable
 from dedupstore.urls import StoreURL
 
 if TYPE_CHECKING:
     from dedupstore.aio import AsyncBroker, AsyncConsumer, AsyncOutboxProcessor
-
-
-def is_async(handler: object) -> bool:
-    """Whether ``handler`` is an ``async def`` function (or an object whose
-    ``__call__`` is one)."""
-    call = getattr(handler, "__call__", None)  # noqa: B004 (the method itself is inspected)
-    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(call)
 
 
 __all__ = [
@@ -193,7 +186,7 @@ def open_processor(
 
     handler = load_handler(args.handler, awaitable=on_loop)
     kind: type[OutboxProcessor | AsyncOutboxProcessor] = OutboxProcessor
-    if on_loop and (getattr(args, "asyncio", False) or is_async(handler)):
+    if on_loop and (getattr(args, "asyncio", False) or is_async_callable(handler)):
         from dedupstore.aio import AsyncOutboxProcessor
 
         kind = AsyncOutboxProcessor

@@ -34,6 +34,13 @@ from dedupstore.outbox.messages import Handler, Message, Send, _shown, check_siz
 from dedupstore.steps import Steps, user
 
 
+def is_async_callable(handler: object) -> bool:
+    """Whether ``handler`` is an ``async def`` function (or an object whose
+    ``__call__`` is one)."""
+    call = getattr(handler, "__call__", None)  # noqa: B004 (the method itself is inspected)
+    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(call)
+
+
 def check_handler(handler: object, *, awaitable: bool = False) -> None:
     """Raise ``ConfigurationError`` if ``handler`` is not callable or, unless
     ``awaitable`` (the async API), is asynchronous (an ``async def`` function, or an
@@ -42,8 +49,7 @@ def check_handler(handler: object, *, awaitable: bool = False) -> None:
         raise ConfigurationError(f"handler must be callable, got {_shown(handler)}")
     if awaitable:
         return
-    call = getattr(handler, "__call__", None)  # noqa: B004 (the method itself is inspected)
-    if inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(call):
+    if is_async_callable(handler):
         raise ConfigurationError(
             f"the handler {getattr(handler, '__qualname__', type(handler).__name__)!r:.80} is "
             "an async function: the sync OutboxProcessor cannot await it; use "
