@@ -168,3 +168,22 @@ def own_connection(client: Client) -> Any:
         lambda: kind(url, opts), kind.close, key=("own", id(client))
     )
     return client.connection
+
+
+#: Seconds a store call (and a connect) of an exhaustive exploration may take.
+PATIENT_TIMEOUT = 60
+
+
+def patient(name: str) -> dict[str, float]:
+    """The options that make a backend's clients patient in an exhaustive exploration,
+    which checks the algorithm, not deadlines: on a loaded 2-core machine a server
+    stalled for seconds twice in thousands of schedules (a Redis save re-sent, a
+    PostgreSQL statement cut at 10 s), and full runs timed out opening a PostgreSQL
+    store at its 5 s ``connect_timeout``. The same for every client of a run, so the
+    stores of one server still join. None for memory; no ``connect_timeout`` for SQLite."""
+    options: dict[str, float] = {}
+    if name != "memory":
+        options["timeout"] = PATIENT_TIMEOUT
+    if name not in ("memory", "sqlite"):
+        options["connect_timeout"] = PATIENT_TIMEOUT
+    return options

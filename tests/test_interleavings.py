@@ -58,6 +58,7 @@ from dedupstore.testing.interleavings import (
 from dedupstore.tokens import TokenChange
 from tests.consume_worker import Late
 from tests.outbox_backends import OutboxBackend, backend_params
+from tests.outbox_backends import patient as outbox_patient
 
 ONE = Actor("process", (0,))
 OTHER = Actor("process", (1,))
@@ -72,8 +73,6 @@ KEPT_AGAIN = Actor("process", (0,), after=(0,))
 #: m0 as the consume loop runs a message a consumer died holding: its run recorded first
 RETRY = Actor("retry", (0,))
 MODES = ("inline", "deferred")
-#: Seconds a store call of the exhaustive runs may take (see the test).
-PATIENT_TIMEOUT = 60
 
 IN_PROCESS = ("memory", "sqlite")
 FAST = (*IN_PROCESS, "postgres", "redis")
@@ -255,18 +254,7 @@ def _explore_case(
     face: Literal["sync", "async"],
 ) -> None:
     case = EVERY_SCENARIO[scenario]
-    # The harness checks the algorithm, not deadlines: a call that outlasts its timeout
-    # is a lost answer (StoreUnavailable), which fails the schedule. On a loaded 2-core
-    # machine a server stalled for seconds twice in thousands of schedules (a Redis save
-    # re-sent, a PostgreSQL statement cut at 10 s): every client of the run gets one
-    # patient timeout (the same for all, so the stores of one server still join).
-    # Connecting too, on the server backends: a full run once timed out opening a
-    # PostgreSQL store at its 5 s connect_timeout.
-    patient: dict[str, float] = {}
-    if outbox_backend.name != "memory":
-        patient["timeout"] = PATIENT_TIMEOUT
-    if outbox_backend.name not in ("memory", "sqlite"):
-        patient["connect_timeout"] = PATIENT_TIMEOUT
+    patient = outbox_patient(outbox_backend.name)  # (the harness checks the algorithm)
     runs = explore(
         case.scenario(cleanup),
         functools.partial(outbox_backend.entities, **patient),
