@@ -285,7 +285,7 @@ async def _gathered(items: Iterable[Steps[Any]], concurrency: int) -> list[Any]:
     try:
         index = 0
         while not errors:
-            while len(running) >= max(concurrency, 1):
+            while len(running) >= concurrency:
                 done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 settle(done)
             if errors:
@@ -302,12 +302,11 @@ async def _gathered(items: Iterable[Steps[Any]], concurrency: int) -> list[Any]:
     except asyncio.CancelledError:
         for task in running:
             task.cancel()
-        await _finished(asyncio.gather(*running, return_exceptions=True))
         raise
-    finally:
+    finally:  # every started one waited for, however often this task is cancelled
         if running:
-            done, _ = await asyncio.wait(running)
-            settle(done)
+            await _finished(asyncio.gather(*running, return_exceptions=True))
+            settle(list(running))
     if errors:
         raise errors[min(errors)]
     return [results[i] for i in sorted(results)]

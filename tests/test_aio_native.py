@@ -186,6 +186,38 @@ def test_a_native_store_call_to_a_server_that_never_answers_ends_within_its_dead
 
 
 @pytest.mark.redis
+def test_a_native_write_waits_for_its_replicas_as_the_sync_one_does(
+    redis_server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``wait_replicas`` on the native path (the script and ``WAIT`` in one pipeline):
+    without replicas, ``StoreUnavailable`` saying the durability is unknown, for one id
+    and for a batch; the records are on the primary all the same."""
+    from dedupstore.errors import StoreUnavailable as Unavailable
+
+    async def main() -> None:
+        prefix = f"w{uuid.uuid4().hex[:6]}:"
+        store = await aio.open_store(
+            redis_server.url, key_prefix=prefix, wait_replicas=1, wait_timeout_ms=50
+        )
+        other = await aio.open_store(redis_server.url, key_prefix=prefix)
+        monkeypatch.setattr(steps, "_executor", _no_threads)
+        try:
+            with pytest.raises(Unavailable, match="durability is unknown"):
+                await store.add("waited")
+            with pytest.raises(Unavailable, match="0 of 1 replicas"):
+                await store.add_many(["waited-1", "waited-2"])
+            ids = ["waited", "waited-1", "waited-2"]
+            assert await other.processed_among(ids) == set(ids)
+            assert await store.has_been_processed("waited")
+        finally:
+            monkeypatch.undo()
+            await store.close()
+            await other.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.redis
 def test_a_store_given_a_sync_client_runs_its_calls_in_threads(redis_server: Server) -> None:
     """``client=`` (a ready ``redis.Redis``) has no async twin: the async store offloads."""
     import redis

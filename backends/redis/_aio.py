@@ -25,8 +25,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.connection import BlockingConnectionPool, SSLConnection
 from redis.asyncio.connection import Connection as DriverConnection
+from redis.asyncio.connection import ConnectionPool, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, ResponseError
@@ -61,18 +61,17 @@ class AsyncRedisConnection:
 
     def __init__(self, url: StoreURL, options: Options) -> None:
         self._timeout = float(options["timeout"])
-        # Many tasks share the pool: one past its size waits for a connection (_slots,
-        # within the call's deadline: _bounded) instead of failing at once as
-        # redis.asyncio's plain pool does.
+        # Many tasks share the pool: every call takes one of its connections through
+        # _slots, so one past its size waits for a connection (within the call's
+        # deadline, _bounded) instead of failing at once, as redis.asyncio's pool does.
         size = options["max_connections"] or ASYNC_POOL_SIZE
         self._slots = asyncio.Semaphore(size)
-        pool = BlockingConnectionPool(
+        pool = ConnectionPool(
             **server_kwargs(url, options),
             connection_class=SSLConnection if url.scheme == "rediss" else DriverConnection,
             socket_timeout=options["timeout"],
             socket_connect_timeout=options["connect_timeout"],
             max_connections=size,
-            timeout=None,
             retry=Retry(NoBackoff(), 0),  # retried here (read)
         )
         self.client = aioredis.Redis(connection_pool=pool)
@@ -174,11 +173,10 @@ class AsyncRedisConnection:
         try:
             async with asyncio.timeout(time_left()):
                 await self._slots.acquire()
-        except TimeoutError:
+        except BaseException as exc:
             _close(pending)
-            raise RedisTimeoutError("timed out waiting for a connection") from None
-        except BaseException:
-            _close(pending)
+            if isinstance(exc, TimeoutError):
+                raise RedisTimeoutError("timed out waiting for a connection") from None
             raise
         try:
             bound = capped(self._timeout)  # no time left: DeadlinePassed, never retried
