@@ -20,7 +20,7 @@ from dedupstore.client import Client
 from dedupstore.errors import DedupStoreError, InvalidMessageId
 from dedupstore.ids import MAX_ID_BYTES, validate_ids, validate_message_id
 from dedupstore.options import Option, OptionSet, callable_, parse_duration, seconds
-from dedupstore.steps import Steps, fan, io, run
+from dedupstore.steps import Steps, fan, run
 
 __all__ = [
     "CLOCK",
@@ -31,7 +31,6 @@ __all__ = [
     "Stepped",
     "WriteRequest",
     "chunked",
-    "over_chunks",
     "split_ids",
     "validate_message_id",
 ]
@@ -414,19 +413,6 @@ def split_ids(ids: list[str], size: int) -> Iterator[list[str]]:
     """Validated ``ids`` in duplicate-free chunks of at most ``size``."""
     for start in range(0, len(ids), size):
         yield list(dict.fromkeys(ids[start : start + size]))
-
-
-def over_chunks(
-    chunks: Iterator[list[str]],
-    work: Callable[[list[str]], set[str]],
-    *,
-    writes: bool,
-    concurrency: int,
-) -> set[str]:
-    """:func:`chunked` of a blocking ``work``, run in place (the sync face)."""
-    return run(
-        chunked(chunks, lambda chunk: io(work, chunk), writes=writes, concurrency=concurrency)
-    )
 
 
 def chunked(

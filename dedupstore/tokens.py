@@ -21,14 +21,15 @@ import abc
 import hashlib
 import secrets
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import ClassVar, NamedTuple
 
 from dedupstore.client import Client
 from dedupstore.errors import ConfigurationError, InvalidMessageId
 from dedupstore.ids import validate_ids, validate_message_id
 from dedupstore.options import OptionSet
-from dedupstore.store import CLOCK, Clock, over_chunks, split_ids
+from dedupstore.steps import Steps, run
+from dedupstore.store import CLOCK, Clock, Stepped, chunked, split_ids
 
 __all__ = [
     "TOKEN_HEADER",
@@ -185,6 +186,7 @@ class TokenStore(Client):
     page_size: ClassVar[int] = 1000
 
     declared_options: ClassVar[OptionSet] = Client.declared_options.extend(CLOCK)
+    primitives: ClassVar[tuple[str, ...]] = ("_create", "_present", "_delete")
 
     def _configure(self) -> None:
         super()._configure()
@@ -202,6 +204,9 @@ class TokenStore(Client):
         the same tokens again completes it. Raises ``InvalidMessageId``,
         ``StoreUnavailable``, ``StoreClosed``.
         """
+        run(self._create_steps(tokens))
+
+    def _create_steps(self, tokens: Mapping[str, str]) -> Steps[None]:
         if not isinstance(tokens, Mapping):
             raise InvalidMessageId(
                 f"expected a mapping of token id -> receiving endpoint, got {type(tokens).__name__}"
@@ -211,17 +216,13 @@ class TokenStore(Client):
         self.check_open()
         now = self._clock()
 
-        def create_chunk(chunk: list[str]) -> set[str]:
+        def create_chunk(chunk: list[str]) -> Steps[set[str]]:
+            records = [TokenRecord(mid, endpoints[mid], now) for mid in chunk]
             with self.translating_errors("create tokens"):
-                self._create([TokenRecord(mid, endpoints[mid], now) for mid in chunk])
+                yield from self._primitive("_create", records)
             return set(chunk)
 
-        over_chunks(
-            split_ids(ids, self.max_batch),
-            create_chunk,
-            writes=True,
-            concurrency=self.chunk_concurrency,
-        )
+        yield from self._over_chunks(ids, create_chunk, writes=True)
 
     def present(self, token_id: str) -> bool:
         """Whether the token ``token_id`` exists (strongly consistent). Raises
@@ -232,37 +233,41 @@ class TokenStore(Client):
         """The ids among ``token_ids`` whose token exists (strongly consistent); one
         round trip per chunk of :attr:`max_batch`. Raises ``InvalidMessageId`` before
         any I/O, ``StoreUnavailable``, ``StoreClosed``."""
+        return run(self._present_among_steps(token_ids))
+
+    def _present_among_steps(self, token_ids: Iterable[str]) -> Steps[set[str]]:
         ids = self._validated(token_ids)
 
-        def find_chunk(chunk: list[str]) -> set[str]:
+        def find_chunk(chunk: list[str]) -> Steps[set[str]]:
             with self.translating_errors("read tokens"):
-                return self._present(chunk)
+                found: set[str] = yield from self._primitive("_present", chunk)
+                return found
 
-        return over_chunks(
-            split_ids(ids, self.max_batch),
-            find_chunk,
-            writes=False,
-            concurrency=self.chunk_concurrency,
-        )
+        return (yield from self._over_chunks(ids, find_chunk, writes=False))
 
     def delete(self, token_ids: Iterable[str]) -> None:
         """Delete the tokens ``token_ids`` (those that do not exist are left alone:
         idempotent); durable when it returns. A failure part-way raises with
         ``recorded`` (deleted for sure) and ``unknown``. Raises ``InvalidMessageId``
         before any I/O, ``StoreUnavailable``, ``StoreClosed``."""
+        run(self._delete_steps(token_ids))
+
+    def _delete_steps(self, token_ids: Iterable[str]) -> Steps[None]:
         ids = self._validated(token_ids)
 
-        def delete_chunk(chunk: list[str]) -> set[str]:
+        def delete_chunk(chunk: list[str]) -> Steps[set[str]]:
             with self.translating_errors("delete tokens"):
-                self._delete(chunk)
+                yield from self._primitive("_delete", chunk)
             return set(chunk)
 
-        over_chunks(
-            split_ids(ids, self.max_batch),
-            delete_chunk,
-            writes=True,
-            concurrency=self.chunk_concurrency,
-        )
+        yield from self._over_chunks(ids, delete_chunk, writes=True)
+
+    def _over_chunks(
+        self, ids: list[str], work: Callable[[list[str]], Steps[set[str]]], *, writes: bool
+    ) -> Steps[set[str]]:
+        """``work`` over the chunks of :attr:`max_batch` of ``ids`` (:func:`chunked`)."""
+        chunks = split_ids(ids, self.max_batch)
+        return (yield from chunked(chunks, work, writes=writes, concurrency=self.chunk_concurrency))
 
     def outstanding(self) -> dict[str, TokenCount]:
         """Receiving endpoint -> its tokens (how many, the oldest's mint time): the
@@ -346,17 +351,19 @@ class TokenStore(Client):
     # ------------------------------------------------------------------ primitives
 
     @abc.abstractmethod
-    def _create(self, records: list[TokenRecord]) -> None:
+    def _create(self, records: list[TokenRecord]) -> Stepped[None]:
         """Atomically per token, create each record whose id does not exist (an
         existing one is left as it is). ``records`` is non-empty, duplicate-free and at
-        most :attr:`max_batch` long. Durable and visible to all clients on return."""
+        most :attr:`max_batch` long. Durable and visible to all clients on return. Like
+        every primitive, a blocking method or steps (as the deduplication store's,
+        :class:`~dedupstore.store.DeduplicationStore`)."""
 
     @abc.abstractmethod
-    def _present(self, ids: list[str]) -> set[str]:
+    def _present(self, ids: list[str]) -> Stepped[set[str]]:
         """The ids that exist; a strongly consistent read. ``ids`` as in :meth:`_create`."""
 
     @abc.abstractmethod
-    def _delete(self, ids: list[str]) -> None:
+    def _delete(self, ids: list[str]) -> Stepped[None]:
         """Delete the tokens that exist among ``ids``; durable on return."""
 
     def _outstanding(self) -> dict[str, TokenCount]:

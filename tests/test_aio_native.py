@@ -1,8 +1,12 @@
 """The async API's native drivers: a store whose primitives are steps runs them on its
-connection's async twin (Redis: ``redis.asyncio``) on the loop, not in threads; a task
-cancelled in the middle of such a call leaves what a retry repairs; each call keeps its
-deadline against a server that never answers. And :func:`dedupstore.steps.fan`, the
-fan-out both faces share."""
+connection's async twin (Redis: ``redis.asyncio``; PostgreSQL: psycopg's
+``AsyncConnectionPool``) on the loop, not in threads; a task cancelled in the middle of
+such a call leaves what a retry repairs; each call keeps its deadline against a server
+that never answers. And :func:`dedupstore.steps.fan`, the fan-out both faces share.
+
+Every async twin sends each request through one method, ``_bounded(..., pending)``
+(``pending``: the request's awaitable, not yet started): :class:`_NativeGate` holds a
+chosen request there, before it leaves or after the server answered it."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -31,26 +36,77 @@ def _ids(n: int, tag: str) -> list[str]:
     return [f"{tag}-{i}" for i in range(n)]
 
 
-@pytest.mark.redis
-def test_the_redis_store_runs_on_redis_asyncio_on_the_loop(
-    redis_server: Server, monkeypatch: pytest.MonkeyPatch
+@dataclass
+class Native:
+    """A backend with a native async driver, its server, and how a test keeps its data
+    apart (Redis: a key prefix; PostgreSQL: tables of its own)."""
+
+    name: str
+    url: str
+
+    def options(self, role: str, tag: str) -> dict[str, Any]:
+        if self.name == "redis":
+            return {"key_prefix": f"{role}{tag}:"}
+        return {"table": f"native_{role}_{tag}", "create": True}
+
+    async def store(self, tag: str, **options: Any) -> aio.AsyncDeduplicationStore:
+        return await aio.open_store(self.url, **{**self.options("d", tag), **options})
+
+    async def entities(self, tag: str) -> aio.AsyncEntityStore:
+        return await aio.open_entity_store(self.url, **self.options("e", tag))
+
+    async def tokens(self, tag: str) -> aio.AsyncTokenStore:
+        return await aio.open_token_store(self.url, **self.options("t", tag))
+
+    def twin_class(self) -> type:
+        if self.name == "redis":
+            from dedupstore.backends.redis._aio import AsyncRedisConnection
+
+            return AsyncRedisConnection
+        from dedupstore.backends.postgres._aio import AsyncPostgresConnection
+
+        return AsyncPostgresConnection
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("redis", marks=pytest.mark.redis),
+        pytest.param("postgres", marks=pytest.mark.postgres),
+    ]
+)
+def native(request: pytest.FixtureRequest) -> Native:
+    server: Server = request.getfixturevalue(f"{request.param}_server")
+    return Native(request.param, server.url)
+
+
+def _tag() -> str:
+    return uuid.uuid4().hex[:6]
+
+
+def _twin(store: Any) -> Any:
+    """The async twin connection of ``store`` (an async store) on the running loop."""
+    return store.sync._async_twin().connection
+
+
+def test_the_store_runs_on_its_async_driver_on_the_loop(
+    native: Native, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """add, add_many (three chunks, two in flight), has_been_processed, processed_among:
     every driver call awaited on the loop (the offload threads refuse any call)."""
-    from dedupstore.backends.redis._aio import AsyncRedisConnection
 
     async def main() -> None:
-        store = await aio.open_store(redis_server.url, endpoint=f"n-{uuid.uuid4().hex[:6]}")
+        store = await native.store(_tag())
         try:
+            await store.has_been_processed("warm")  # (PostgreSQL: the table made)
             monkeypatch.setattr(steps, "_executor", _no_threads)
-            ids = _ids(2500, "x")
+            ids = _ids(2500 if native.name == "redis" else 4500, "x")
             assert await store.add("one") is True
             assert await store.add("one") is False
             assert await store.add_many(ids) == set(ids)
             assert await store.add_many([*ids[:10], "two"]) == {"two"}
             assert await store.has_been_processed("two")
             assert await store.processed_among([*ids[-3:], "three"]) == set(ids[-3:])
-            assert isinstance(store.sync._async_twin()._redis, AsyncRedisConnection)
+            assert isinstance(_twin(store), native.twin_class())
         finally:
             monkeypatch.undo()
             await store.close()
@@ -60,58 +116,172 @@ def test_the_redis_store_runs_on_redis_asyncio_on_the_loop(
     asyncio.run(main())
 
 
-def _held_send(
-    where: str, connection: Any
-) -> tuple[asyncio.Event, Callable[[], int], Callable[[], None]]:
-    """Hold the connection's next request ``before`` it is sent or ``after`` the server
-    answered it; the event is set once it is held; the counter tells the requests made."""
-    real = connection._send
-    entered = asyncio.Event()
-    sent = 0
-    held = True
+def test_the_token_store_runs_on_its_async_driver_on_the_loop(
+    native: Native, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """create (three chunks), present, present_among, delete: every driver call awaited
+    on the loop (the offload threads refuse any call)."""
 
-    async def send(commands: Any, marks: list[bool]) -> Any:
-        nonlocal sent, held
-        if held and where == "before":
-            held = False
-            entered.set()
+    async def main() -> None:
+        tokens = await native.tokens(_tag())
+        try:
+            await tokens.present("warm")  # (PostgreSQL: the table made)
+            monkeypatch.setattr(steps, "_executor", _no_threads)
+            made = {tid: "ep" for tid in _ids(2500, "t")}
+            await tokens.create(made)
+            await tokens.create({"t-0": "ep", "lone": "other"})  # t-0 exists: unchanged
+            assert await tokens.present("lone")
+            assert await tokens.present_among([*list(made)[-3:], "nope"]) == set(list(made)[-3:])
+            await tokens.delete([*made, "never"])
+            assert await tokens.present_among([*made, "lone"]) == {"lone"}
+            assert isinstance(_twin(tokens), native.twin_class())
+        finally:
+            monkeypatch.undo()
+            await tokens.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+@pytest.mark.parametrize("kind", ["create", "delete"])
+def test_a_native_token_write_cancelled_in_flight_is_repaired_by_a_retry(
+    native: Native, where: str, kind: str
+) -> None:
+    """A token create or delete cancelled before its request left or after the server ran
+    it: the retry completes it (both are idempotent), and another store object sees the
+    tokens created (or gone)."""
+
+    async def main() -> None:
+        tag = _tag()
+        tokens = await native.tokens(tag)
+        other = await native.tokens(tag)
+        made = {tid: "ep" for tid in _ids(3, kind)}
+        try:
+            await tokens.create(made if kind == "delete" else {"warm": "ep"})
+            gate = _NativeGate(1, where)
+            gate.wrap(_twin(tokens))
+            write = tokens.create(made) if kind == "create" else tokens.delete(list(made))
+            task = asyncio.create_task(write)
+            await asyncio.wait_for(gate.entered.wait(), 30)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            gate.restore()
+            expected = set(made) if (kind == "create") == (where == "after") else set()
+            assert await other.present_among(list(made)) == expected, "what the cut write did"
+            await (tokens.create(made) if kind == "create" else tokens.delete(list(made)))
+            expected = set(made) if kind == "create" else set()
+            assert await other.present_among(list(made)) == expected
+        finally:
+            await tokens.close()
+            await other.close()
+
+    asyncio.run(main())
+
+
+def test_token_mode_makes_every_store_call_on_the_loop(
+    native: Native, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A boundary in token mode (its outputs subscribed: tokens minted with the save) and
+    its receiver (a message's token checked and consumed with the save): every store
+    call, token store's included, on the async driver."""
+    from tests.test_aio import AsyncDispatcher, counting
+
+    async def main() -> None:
+        tag = _tag()
+        entities = await native.entities(tag)
+        tokens = await native.tokens(tag)
+        a_dedup = await native.store(tag, endpoint=f"a-{tag}")
+        b_dedup = await native.store(tag, endpoint=f"b-{tag}")
+        await entities.load("warm")  # (PostgreSQL: the tables made)
+        await tokens.present("warm")
+        await a_dedup.has_been_processed("warm")
+        await b_dedup.has_been_processed("warm")
+        a_out = AsyncDispatcher()
+        a = aio.AsyncOutboxProcessor(
+            entities, a_dedup, a_out, tokens=tokens, subscriptions={"out": [f"b-{tag}"]}
+        )
+        b = aio.AsyncOutboxProcessor(entities, b_dedup, AsyncDispatcher(), tokens=tokens)
+        monkeypatch.setattr(steps, "_executor", _no_threads)
+        try:
+            for i in range(3):
+                assert (await a.process(Message(f"in{i}", "a", i), counting)).outcome == "processed"
+            to_b = [
+                Message(m.id, "b", m.body, dict(m.headers))
+                for m in a_out.sent
+                if m.destination == "out"
+            ]
+            assert len(to_b) == 3
+            outcomes = [(await b.process(m, counting)).outcome for m in [*to_b, to_b[0]]]
+            assert outcomes == ["processed"] * 3 + ["duplicate"], outcomes
+        finally:
+            monkeypatch.undo()
+        assert sorted((await entities.load("b")).state["seen"]) == sorted(m.id for m in to_b)
+        assert not any(c.outstanding for c in (await tokens.outstanding()).values())
+        for client in (entities, tokens, a_dedup, b_dedup):
+            await client.close()
+
+    asyncio.run(main())
+
+
+class _NativeGate:
+    """Counts the requests of async twin connections (each attempt goes through
+    ``_bounded``, its request's awaitable last); the ``hold``-th is held ``before`` it
+    leaves or ``after`` the server answered it, until its task is cancelled."""
+
+    def __init__(self, hold: int, where: str) -> None:
+        self.calls, self.hold, self.where = 0, hold, where
+        self.sent = 0
+        self.entered = asyncio.Event()
+        self._restore: list[Callable[[], None]] = []
+
+    def wrap(self, connection: Any) -> None:
+        real = connection._bounded
+
+        async def bounded(*args: Any) -> Any:
+            self.calls += 1
+            pending = args[-1]
+            if self.calls != self.hold:
+                self.sent += 1
+                return await real(*args)
+            if self.where == "before":
+                pending.close()  # never sent
+            else:
+                await real(*args)
+                self.sent += 1
+            self.entered.set()
             await asyncio.Event().wait()  # until cancelled
-        replies = await real(commands, marks)
-        sent += 1
-        if held and where == "after":
-            held = False
-            entered.set()
-            await asyncio.Event().wait()
-        return replies
 
-    connection._send = send
+        connection._bounded = bounded
+        self._restore.append(lambda: vars(connection).pop("_bounded", None))
 
-    def restore() -> None:
-        connection._send = real
-
-    return entered, lambda: sent, restore
+    def restore(self) -> None:
+        for undo in self._restore:
+            undo()
 
 
 async def _cancelled_then_retried(
-    url: str, where: str, call: Callable[[Any], Coroutine[Any, Any, Any]], fresh: Any
+    native: Native, where: str, call: Callable[[Any], Coroutine[Any, Any, Any]], fresh: Any
 ) -> None:
     """``call(store)`` cancelled with its write held ``where``; then retried on the same
     store object: the retry reports the ids as recorded by it (``fresh``), once; another
     store object of the endpoint sees them recorded, not new."""
-    endpoint = f"c-{uuid.uuid4().hex[:6]}"
-    store = await aio.open_store(url, endpoint=endpoint)
+    tag = _tag()
+    store = await native.store(tag)
     try:
-        entered, requests, restore = _held_send(where, store.sync._async_twin()._redis)
+        await store.has_been_processed("warm")  # (the connections made)
+        gate = _NativeGate(1, where)
+        gate.wrap(_twin(store))
         task = asyncio.create_task(call(store))
-        await asyncio.wait_for(entered.wait(), 30)
+        await asyncio.wait_for(gate.entered.wait(), 30)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert requests() == (1 if where == "after" else 0)
-        restore()
+        assert gate.sent == (1 if where == "after" else 0)
+        gate.restore()
         assert await call(store) == fresh, "the retry on the same object"
         assert not await call(store), "a second retry"
-        other = await aio.open_store(url, endpoint=endpoint)
+        other = await native.store(tag)
         try:
             assert not await call(other), "another store object"
         finally:
@@ -120,23 +290,22 @@ async def _cancelled_then_retried(
         await store.close()
 
 
-@pytest.mark.redis
 @pytest.mark.parametrize("where", ["before", "after"])
 @pytest.mark.parametrize("kind", ["add", "add_many"])
 def test_a_native_write_cancelled_in_flight_is_repaired_by_a_retry(
-    redis_server: Server, where: str, kind: str
+    native: Native, where: str, kind: str
 ) -> None:
-    """A task cancelled while its ``EVALSHA`` is in flight stops at once (a native call
-    leaves no thread behind): before the request left, nothing was written; after the
-    server ran it, the write landed and the answer is lost. Either way a retry of the
-    same ids on the same store object reports them as recorded by it, exactly once."""
+    """A task cancelled while its write is in flight stops at once (a native call leaves
+    no thread behind): before the request left, nothing was written; after the server
+    ran it, the write landed and the answer is lost. Either way a retry of the same ids
+    on the same store object reports them as recorded by it, exactly once."""
     ids = _ids(3, kind)
 
     async def call(store: Any) -> Any:
         return await (store.add("only") if kind == "add" else store.add_many(ids))
 
     fresh = True if kind == "add" else set(ids)
-    asyncio.run(_cancelled_then_retried(redis_server.url, where, call, fresh))
+    asyncio.run(_cancelled_then_retried(native, where, call, fresh))
 
 
 @pytest.mark.redis
@@ -150,38 +319,42 @@ def test_the_cancellation_check_catches_a_store_that_forgets_its_tokens(
     async def call(store: Any) -> Any:
         return await store.add("only")
 
+    native = Native("redis", redis_server.url)
     with pytest.raises(AssertionError, match="the retry on the same object"):
-        asyncio.run(_cancelled_then_retried(redis_server.url, "after", call, True))
+        asyncio.run(_cancelled_then_retried(native, "after", call, True))
 
 
-@pytest.mark.redis
 @pytest.mark.timeout(60)
 def test_a_native_store_call_to_a_server_that_never_answers_ends_within_its_deadline(
-    redis_server: Server,
+    native: Native,
 ) -> None:
     """Against a server that accepts and never answers, a native ``add`` raises
-    ``StoreUnavailable`` within ``connect_timeout + (retries + 1) x timeout``; a retry
-    after the server is back reports the id as recorded by it."""
+    ``StoreUnavailable`` within the store's deadline (Redis: ``connect_timeout +
+    (retries + 1) x timeout``; PostgreSQL: ``connect_timeout + timeout + min(1 s,
+    timeout / 2)``); a retry after the server is back reports the id as recorded by it."""
 
     async def main(proxy: TcpProxy) -> None:
-        url = proxy.url(redis_server.url)
-        options = {"timeout": 0.5, "retries": 1, "connect_timeout": 0.5}
-        store = await aio.open_store(url, endpoint=f"h-{uuid.uuid4().hex[:6]}", **options)
+        url = proxy.url(native.url)
+        options = {"timeout": 0.5, "connect_timeout": 0.5}
+        if native.name == "redis":
+            options["retries"] = 1
+        store = await aio.open_store(url, **native.options("h", _tag()), **options)
         try:
             assert await store.add("warm")
+            deadline = store.sync._deadline_seconds()
             await asyncio.to_thread(proxy.reset)
             await asyncio.to_thread(proxy.outage, "hang")
             began = time.monotonic()
             with pytest.raises(StoreUnavailable):
                 await store.add("stalled")
             took = time.monotonic() - began
-            assert took < 0.5 + 2 * 0.5 + 3.0, took  # the deadline, and slack for a busy machine
+            assert took < deadline + 3.0, (took, deadline)  # slack for a busy machine
             await asyncio.to_thread(proxy.restore)
             assert await store.add("stalled") is True
         finally:
             await store.close()
 
-    with TcpProxy.for_url(redis_server.url) as proxy:
+    with TcpProxy.for_url(native.url) as proxy:
         asyncio.run(main(proxy))
 
 
@@ -235,21 +408,22 @@ def test_a_store_given_a_sync_client_runs_its_calls_in_threads(redis_server: Ser
     given.close()
 
 
-@pytest.mark.redis
 @pytest.mark.parametrize("cleanup", ["inline", "deferred"])
-def test_the_processor_on_redis_makes_every_store_call_on_the_loop(
-    redis_server: Server, cleanup: str, monkeypatch: pytest.MonkeyPatch
+def test_the_processor_makes_every_store_call_on_the_loop(
+    native: Native, cleanup: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``AsyncOutboxProcessor`` on Redis stores (joined: one server): ``process`` (a new
+    """``AsyncOutboxProcessor`` on one server's stores (joined): ``process`` (a new
     message, its duplicate), ``process_batch`` and ``begin_attempt`` make every store
-    call, joint ones included, on ``redis.asyncio`` (the offload threads refuse any
+    call, joint ones included, on the async driver (the offload threads refuse any
     call); the results are the sync face's."""
     from tests.test_aio import AsyncDispatcher, counting
 
     async def main() -> None:
-        tag = uuid.uuid4().hex[:6]
-        entities = await aio.open_entity_store(redis_server.url, key_prefix=f"e{tag}:")
-        dedup = await aio.open_store(redis_server.url, key_prefix=f"d{tag}:")
+        tag = _tag()
+        entities = await native.entities(tag)
+        dedup = await native.store(tag)
+        await entities.load("warm")  # (PostgreSQL: the tables made)
+        await dedup.has_been_processed("warm")
         out = AsyncDispatcher()
         processor = aio.AsyncOutboxProcessor(entities, dedup, out, cleanup=cleanup)
         monkeypatch.setattr(steps, "_executor", _no_threads)
@@ -279,59 +453,38 @@ def test_the_processor_on_redis_makes_every_store_call_on_the_loop(
     asyncio.run(main())
 
 
-class _NativeGate:
-    """Counts the native calls of async Redis connections (each attempt goes through
-    ``_bounded``); the ``hold``-th is held ``before`` its request leaves or ``after``
-    the server answered it, until its task is cancelled."""
-
-    def __init__(self, hold: int, where: str) -> None:
-        self.calls, self.hold, self.where = 0, hold, where
-        self.entered = asyncio.Event()
-
-    def wrap(self, connection: Any) -> None:
-        real = connection._bounded
-
-        async def bounded(pending: Any) -> Any:
-            self.calls += 1
-            if self.calls != self.hold:
-                return await real(pending)
-            if self.where == "before":
-                pending.close()  # never sent
-            else:
-                await real(pending)
-            self.entered.set()
-            await asyncio.Event().wait()  # until cancelled
-
-        connection._bounded = bounded
-
-
-@pytest.mark.redis
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("where", ["before", "after"])
 @pytest.mark.parametrize("cleanup", ["inline", "deferred"])
 def test_a_task_cancelled_in_any_native_call_leaves_what_a_redelivery_completes(
-    redis_server: Server, cleanup: str, where: str
+    native: Native, cleanup: str, where: str
 ) -> None:
-    """For each native call a message's processing makes on Redis (the joint load and
-    check, the joint save, the clean-up), a task cancelled while that call is held before
-    its request left or after the server ran it: the redelivered message is applied
-    exactly once, its outputs sent with the same ids, nothing left over; a third delivery
-    is a duplicate."""
+    """For each native request a message's processing makes (Redis: the joint load and
+    check, the joint save, the clean-up; PostgreSQL: the same statements and the empty
+    query that checks a connection before a write that is sent once), a task cancelled
+    while that request is held before it left or after the server ran it: the
+    redelivered message is applied exactly once, its outputs sent with the same ids,
+    nothing left over; a third delivery is a duplicate."""
     from tests.test_aio import AsyncDispatcher, counting
 
     async def main() -> None:
-        tag = uuid.uuid4().hex[:6]
-        entities = await aio.open_entity_store(redis_server.url, key_prefix=f"e{tag}:")
-        dedup = await aio.open_store(redis_server.url, key_prefix=f"d{tag}:")
+        tag = _tag()
+        entities = await native.entities(tag)
+        dedup = await native.store(tag)
         out = AsyncDispatcher()
 
         def processor() -> aio.AsyncOutboxProcessor:
             return aio.AsyncOutboxProcessor(entities, dedup, out, cleanup=cleanup)
 
+        gates: list[_NativeGate] = []
+
         def gated(hold: int) -> _NativeGate:
+            for old in gates:
+                old.restore()
             gate = _NativeGate(hold, where)
             for store in (entities, dedup):
-                gate.wrap(store.sync._async_twin()._redis)
+                gate.wrap(_twin(store))
+            gates.append(gate)
             return gate
 
         await processor().process(Message("warm", "warm", 0), counting)  # connections made

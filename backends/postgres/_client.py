@@ -83,7 +83,7 @@ __all__ = [
 ]
 
 _IDENTIFIER_MAX_BYTES = 63  # NAMEDATALEN - 1: PostgreSQL truncates longer names
-_WRITE_ATTEMPTS = 3  # deadlock / serialization failure: rolled back, safe to retry
+WRITE_ATTEMPTS = 3  # deadlock / serialization failure: rolled back, safe to retry
 _MAX_MS = 2**31 - 1  # libpq's and the server's limit for millisecond settings
 
 #: libpq keywords: undeclared URL query keys (and keywords) that pass through.
@@ -101,6 +101,20 @@ _REFUSED = re.compile(
 
 class StatementTimeout(psycopg.OperationalError):
     """A statement got no answer in time; the store closed its connection."""
+
+
+#: A new connection's settings (:meth:`PostgresConnection.configure`), params
+#: :func:`configure_params`.
+CONFIGURE = (
+    "SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit') "
+    "WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END, false), "
+    "set_config('statement_timeout', %s, false)"
+)
+
+
+def configure_params(timeout: float) -> list[str]:
+    """The parameters of :data:`CONFIGURE`: the statement timeout, in ms."""
+    return [str(min(_MAX_MS, math.ceil(timeout * 1000)))]
 
 
 # --------------------------------------------------------------------------- names and options
@@ -202,7 +216,7 @@ class _Watchdog:
 _WATCHDOG: ProcessLocal[_Watchdog] = ProcessLocal(_Watchdog)
 
 
-def _shut_down(conn: PgConnection) -> None:
+def _shut_down(conn: psycopg.BaseConnection[Any]) -> None:
     """Shut the connection's socket down: a call blocked on it fails at once."""
     with socket.socket(fileno=os.dup(conn.fileno())) as sock:
         sock.shutdown(socket.SHUT_RDWR)
@@ -243,12 +257,54 @@ class _OwnPool(ConnectionPool["PgConnection"]):
         return super().getconn(timeout)
 
 
-def _rolled_back(exc: BaseException) -> bool:
+def pool_timeout(
+    client: Client, pool: Any, began: float, until: float, exc: PoolTimeout
+) -> PoolTimeout:
+    """The ``PoolTimeout`` of a wait for a connection from ``began`` to ``until``: how long, and
+    why the last connection attempt failed when the pool is ours and one failed meanwhile (then
+    its ``__cause__``)."""
+    waited = max(0.0, until - began)
+    message = f"timed out after {waited:.3g} s waiting for a connection"
+    error = PoolTimeout()
+    error.__cause__ = exc
+    failure = getattr(pool, "last_failure", None)
+    if failure is not None and failure[0] >= began - pool.timeout:
+        error.__cause__ = failure[1]
+        message += f"; the last connection attempt failed: {failure[1]}"
+    error.args = (client.scrub(message),)
+    error.__suppress_context__ = True
+    return error
+
+
+def wait_until(pool: Any) -> tuple[float, float]:
+    """(now, when a wait for a connection of ``pool`` ends): its timeout, capped by the call's
+    deadline."""
+    began = time.monotonic()
+    left = time_left()
+    return began, began + (pool.timeout if left is None else min(pool.timeout, left))
+
+
+def alarm_delay(watchdog_delay: float) -> float:
+    """When a statement's alarm closes its connection: ``watchdog_delay``, or the time left of
+    the call's deadline if sooner."""
+    left = time_left()
+    return watchdog_delay if left is None else max(0.0, min(watchdog_delay, left))
+
+
+def timed_out(delay: float, timeout: float) -> StatementTimeout:
+    """The error of a statement whose alarm fired after ``delay`` seconds."""
+    return StatementTimeout(
+        f"timed out after {delay:.3g} s (timeout={timeout:g}): "
+        "PostgreSQL did not answer; the connection was closed"
+    )
+
+
+def rolled_back(exc: BaseException) -> bool:
     """A write the server rolled back (deadlock, serialization failure): run it again."""
     return isinstance(exc, psycopg.errors.DeadlockDetected | psycopg.errors.SerializationFailure)
 
 
-def _server_closed(conn: PgConnection) -> bool:
+def server_closed(conn: psycopg.BaseConnection[Any]) -> bool:
     """Whether the server ended this idle connection; checked without a round trip. An idle
     connection has nothing to read: readable means the server closed the session (restart, crash,
     idle timeout) or sent something unexpected."""
@@ -299,14 +355,14 @@ class Table:
         return sql.SQL(text).format(table=self.identifier, index=index_id).as_bytes(None)
 
 
-def _watchdog_delay(options: Options) -> float:
+def watchdog_delay(options: Options) -> float:
     """When the watchdog closes a silent statement's connection: shortly after the server's own
     cancel at ``timeout``."""
     timeout: float = options["timeout"]
     return timeout + min(1.0, timeout / 2)
 
 
-def _conninfo(url: StoreURL, options: Options) -> str:
+def conninfo(url: StoreURL, options: Options) -> str:
     """The URL without its query, plus the libpq parameters, validated by libpq."""
     timeout, connect_timeout = options["timeout"], options["connect_timeout"]
     params: dict[str, Any] = {
@@ -351,8 +407,8 @@ class PostgresConnection(Connection):
         in the background)."""
         super().__init__(url, options)
         self.timeout: float = options["timeout"]
-        self.watchdog_delay = _watchdog_delay(options)
-        self.conninfo = _conninfo(url, options)
+        self.watchdog_delay = watchdog_delay(options)
+        self.conninfo = conninfo(url, options)
         given: ConnectionPool[PgConnection] | None = options["client"]
         if given is not None and _given_in.setdefault(given, os.getpid()) == os.getpid():
             self.pool = given
@@ -360,9 +416,17 @@ class PostgresConnection(Connection):
             self.pool = self._make_pool()
 
     @classmethod
+    def async_twin(cls, url: StoreURL, options: Options) -> Any:
+        """An :class:`~._aio.AsyncPostgresConnection` (psycopg's ``AsyncConnectionPool``) of
+        the same server."""
+        from ._aio import AsyncPostgresConnection
+
+        return AsyncPostgresConnection(url, options)
+
+    @classmethod
     def address(cls, url: StoreURL, options: Options) -> Hashable:
         """libpq's connection string: the server, database, credentials and parameters."""
-        return _conninfo(url, options)
+        return conninfo(url, options)
 
     @classmethod
     def validate(cls, url: StoreURL, options: Options) -> None:
@@ -373,14 +437,14 @@ class PostgresConnection(Connection):
                 f"pool_min_size ({minimum}) must not exceed pool_max_size ({maximum})"
             )
         check_client(options, ConnectionPool, "a psycopg_pool.ConnectionPool")
-        _conninfo(url, options)
+        conninfo(url, options)
 
     @classmethod
     def deadline_seconds(cls, options: Options) -> float:
         """``connect_timeout`` (a given pool's timeout) ``+ timeout + min(1 s, timeout / 2)``."""
         given = options["client"]
         wait = given.timeout if isinstance(given, ConnectionPool) else options["connect_timeout"]
-        return float(wait + _watchdog_delay(options))
+        return float(wait + watchdog_delay(options))
 
     def _make_pool(self) -> ConnectionPool[PgConnection]:
         connect_timeout: float = self.options["connect_timeout"]
@@ -405,13 +469,7 @@ class PostgresConnection(Connection):
     def configure(self, conn: PgConnection) -> None:
         """New connection: pin ``synchronous_commit`` (``on`` if the server's is ``off``; a later
         configuration reload cannot turn it off under the pool) and the statement timeout."""
-        self.execute(
-            conn,
-            "SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit') "
-            "WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END, false), "
-            "set_config('statement_timeout', %s, false)",
-            [str(min(_MAX_MS, math.ceil(self.timeout * 1000)))],
-        )
+        self.execute(conn, CONFIGURE, configure_params(self.timeout))
 
     # ------------------------------------------------------------------ tables
 
@@ -491,21 +549,12 @@ class PostgresConnection(Connection):
         statement: :class:`StatementTimeout`). Waits at most the pool's timeout, capped by the
         call's deadline; the ``PoolTimeout`` then says why the last connection attempt failed."""
         pool = self.pool
-        began = time.monotonic()
-        left = time_left()
-        until = began + (pool.timeout if left is None else min(pool.timeout, left))
+        began, until = wait_until(pool)
         while True:
             try:
                 conn = pool.getconn(timeout=until - time.monotonic())
             except PoolTimeout as exc:
-                waited = max(0.0, until - began)
-                message = f"timed out after {waited:.3g} s waiting for a connection"
-                cause: BaseException = exc
-                failure = pool.last_failure if isinstance(pool, _OwnPool) else None
-                if failure is not None and failure[0] >= began - pool.timeout:
-                    cause = failure[1]
-                    message += f"; the last connection attempt failed: {cause}"
-                raise PoolTimeout(client.scrub(message)) from cause
+                raise pool_timeout(client, pool, began, until, exc)  # noqa: B904 (its cause set)
             if not conn.autocommit:
                 pool.putconn(conn)
                 raise client.make_error(
@@ -515,7 +564,7 @@ class PostgresConnection(Connection):
                     "(ConnectionPool(kwargs={'autocommit': True}))",
                 )
             try:
-                alive = not _server_closed(conn) and (not verify or self._answers(conn))
+                alive = not server_closed(conn) and (not verify or self._answers(conn))
             except BaseException:  # the check timed out (the connection is closed), ...
                 pool.putconn(conn)
                 raise
@@ -550,10 +599,7 @@ class PostgresConnection(Connection):
         """Close ``conn`` if the round trip in the block gets no answer shortly after ``timeout``
         (or by the call's deadline); a psycopg error after that is raised as
         :class:`StatementTimeout`."""
-        delay = self.watchdog_delay
-        left = time_left()
-        if left is not None:
-            delay = max(0.0, min(delay, left))
+        delay = alarm_delay(self.watchdog_delay)
         watchdog = _WATCHDOG.get()
         alarm = watchdog.arm(delay, lambda: _shut_down(conn))
         fired = False
@@ -566,10 +612,7 @@ class PostgresConnection(Connection):
                     conn.close()
         except psycopg.Error as exc:
             if fired:
-                raise StatementTimeout(
-                    f"timed out after {delay:.3g} s (timeout={self.timeout:g}): "
-                    "PostgreSQL did not answer; the connection was closed"
-                ) from exc
+                raise timed_out(delay, self.timeout) from exc
             raise
 
     def run(
@@ -588,7 +631,7 @@ class PostgresConnection(Connection):
                     return self.execute(conn, query, params)
                 except psycopg.OperationalError:
                     # (psycopg may see the socket hang up before libpq marks the connection broken)
-                    broke = _server_closed(conn)
+                    broke = server_closed(conn)
                     raise
 
         def resendable(exc: BaseException) -> bool:
@@ -607,8 +650,8 @@ class PostgresConnection(Connection):
         retried within the call's deadline when the server rolled it back."""
         return retry(
             lambda: self.run(client, query, params, resend=resend),
-            attempts=_WRITE_ATTEMPTS,
-            retry_on=_rolled_back,
+            attempts=WRITE_ATTEMPTS,
+            retry_on=rolled_back,
         )
 
     # ------------------------------------------------------------------ checks and errors

@@ -49,10 +49,12 @@ from dedupstore.backend import (
     EntityRecord,
     EntityStore,
     OptionSet,
+    Steps,
     TokenStore,
     TokenWrites,
     WriteRequest,
     groups_by_size,
+    io,
 )
 
 from ._client import PostgresConnection, Table, create_schema, postgres_options
@@ -180,46 +182,47 @@ class PostgresEntityStore(EntityStore):
 
     # ------------------------------------------------------------------ primitives
 
-    def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
-        rows = self._pg.read(self, self._sql_load, {"ids": ids})
+    def _load(self, ids: list[str]) -> Steps[dict[str, tuple[str, Any]]]:
+        rows = yield from io(self._pg.read, self, self._sql_load, {"ids": ids})
         return {eid: (body, version) for eid, body, version in rows}
 
     # ------------------------------------------------------------------ with a dedup store
 
     def _load_with(
         self, dedup: DeduplicationStore, entity_id: str, key: str
-    ) -> tuple[tuple[str, Any] | None, bool]:
+    ) -> Steps[tuple[tuple[str, Any] | None, bool]]:
         """The entity's row and the record's, in one statement (a ``UNION ALL``)."""
         assert isinstance(dedup, PostgresDeduplicationStore)
         query = (
             b"SELECT l.body, l.version FROM (" + self._sql_load + b") AS l "
             b"UNION ALL SELECT NULL, NULL FROM (" + dedup.sql_has + b") AS h"
         )
-        rows = self._pg.read(self, query, {"ids": [entity_id], **dedup.has_params(key)})
+        params = {"ids": [entity_id], **dedup.has_params(key)}
+        rows = yield from io(self._pg.read, self, query, params)
         entity = next(((body, version) for body, version in rows if body is not None), None)
         return entity, any(body is None for body, _ in rows)
 
     def _save_with(
         self, dedup: DeduplicationStore, request: WriteRequest, record: EntityRecord
-    ) -> tuple[set[str], dict[str, Any]]:
+    ) -> Steps[tuple[set[str], dict[str, Any]]]:
         """The record's insert and the entity's save in one statement (:meth:`_joint`); a
         conflicting save writes no row, the record is written all the same."""
         assert isinstance(dedup, PostgresDeduplicationStore)
         params = dedup.add_one_params(request)
-        added, versions = self._joint(dedup.sql_add_one, self._sql_save, params, record)
+        added, versions = yield from self._joint(dedup.sql_add_one, self._sql_save, params, record)
         return set(request.ids) if added else set(), versions
 
     def _save_unless(
         self, dedup: DeduplicationStore, key: str, record: EntityRecord
-    ) -> tuple[bool, dict[str, Any]]:
+    ) -> Steps[tuple[bool, dict[str, Any]]]:
         """The record's read and the entity's save, guarded by it, in one statement."""
         assert isinstance(dedup, PostgresDeduplicationStore)
         params = dedup.has_params(key)
-        return self._joint(dedup.sql_has, self._sql_save_unless, params, record)
+        return (yield from self._joint(dedup.sql_has, self._sql_save_unless, params, record))
 
     def _joint(
         self, first: bytes, save: bytes, params: dict[str, Any], record: EntityRecord
-    ) -> tuple[bool, dict[str, Any]]:
+    ) -> Steps[tuple[bool, dict[str, Any]]]:
         """``first`` (as ``a``) and ``save`` of ``record`` in one statement, so one transaction (two
         data-modifying ``WITH`` queries: all or nothing); whether ``first`` returned a row, and the
         versions saved. Not re-sent after a lost answer (its version check would refuse it)."""
@@ -228,14 +231,14 @@ class PostgresEntityStore(EntityStore):
             b"SELECT NULL::text, NULL::int8 FROM a UNION ALL SELECT s.id, s.version FROM s"
         )
         params = {**params, **self._save_params(_candidates([record]))}
-        rows = self._pg.write(self, query, params)
+        rows = yield from io(self._pg.write, self, query, params)
         return any(eid is None for eid, _ in rows), {e: v for e, v in rows if e is not None}
 
     # ------------------------------------------------------------------ with a token store
 
     def _load_with_token(
         self, tokens: TokenStore, entity_id: str, token_id: str
-    ) -> tuple[tuple[str, Any] | None, bool]:
+    ) -> Steps[tuple[tuple[str, Any] | None, bool]]:
         """The entity's row and the token's, in one statement (a ``UNION ALL``: one
         snapshot, as good as a read after the load)."""
         assert isinstance(tokens, PostgresTokenStore)
@@ -243,7 +246,7 @@ class PostgresEntityStore(EntityStore):
             b"SELECT l.body, l.version FROM (" + self._sql_load + b") AS l "
             b"UNION ALL SELECT NULL, NULL FROM " + tokens.sql_table + b" WHERE id = %(token)s"
         )
-        rows = self._pg.read(self, query, {"ids": [entity_id], "token": token_id})
+        rows = yield from io(self._pg.read, self, query, {"ids": [entity_id], "token": token_id})
         entity = next(((body, version) for body, version in rows if body is not None), None)
         return entity, any(body is None for body, _ in rows)
 
@@ -252,7 +255,7 @@ class PostgresEntityStore(EntityStore):
         tokens: TokenStore,
         records: list[EntityRecord],
         writes: Mapping[str, TokenWrites],
-    ) -> tuple[set[str], dict[str, Any]]:
+    ) -> Steps[tuple[set[str], dict[str, Any]]]:
         """One statement per group of up to 16 MiB of bodies, so one transaction: ``q`` the
         entities whose required token is absent, ``s`` the save of the others, then the token
         rows inserted (``c``) and deleted (``d``) of the entities ``s`` returned (data-modifying
@@ -298,19 +301,19 @@ class PostgresEntityStore(EntityStore):
                 params["gone_e"] += [record.id] * len(change.delete)
                 params["gone_t"] += list(change.delete)
             params.update(self._save_params(group))
-            for eid, version in self._pg.write(self, query, params):
+            for eid, version in (yield from io(self._pg.write, self, query, params)):
                 if version is None:
                     missing.add(eid)
                 else:
                     saved[eid] = version
         return missing, saved
 
-    def _save(self, records: list[EntityRecord]) -> dict[str, Any]:
+    def _save(self, records: list[EntityRecord]) -> Steps[dict[str, Any]]:
         candidates = _candidates(records)
         candidates.sort(key=lambda pair: pair[0].id)  # one lock order for every saver
         saved: dict[str, Any] = {}
         for group in groups_by_size(candidates, _STATEMENT_BYTES, lambda pair: pair[0].size):
-            rows = self._pg.write(self, self._sql_save, self._save_params(group))
+            rows = yield from io(self._pg.write, self, self._sql_save, self._save_params(group))
             saved.update((eid, version) for eid, version in rows)
         return saved
 

@@ -20,7 +20,9 @@ from dedupstore.backend import (
     Connected,
     DeduplicationStore,
     OptionSet,
+    Steps,
     WriteRequest,
+    io,
 )
 
 from ._client import PostgresConnection, Table, create_schema, postgres_options
@@ -144,24 +146,26 @@ class PostgresDeduplicationStore(DeduplicationStore):
             "mine": list(request.mine),
         }
 
-    def _add_new(self, request: WriteRequest) -> set[str]:
+    def _add_new(self, request: WriteRequest) -> Steps[set[str]]:
         params = {**self._write_params(request), "ids": sorted(request.ids)}
-        return {row[0] for row in self._pg.write(self, self._sql_add_many, params, resend=True)}
+        rows = yield from io(self._pg.write, self, self._sql_add_many, params, resend=True)
+        return {row[0] for row in rows}
 
-    def _add_one(self, request: WriteRequest) -> bool:
+    def _add_one(self, request: WriteRequest) -> Steps[bool]:
         params = self.add_one_params(request)
-        return bool(self._pg.write(self, self.sql_add_one, params, resend=True))
+        return bool((yield from io(self._pg.write, self, self.sql_add_one, params, resend=True)))
 
     def add_one_params(self, request: WriteRequest) -> dict[str, Any]:
         """The parameters of :attr:`sql_add_one` for ``request`` (one id)."""
         return {**self._write_params(request), "id": request.ids[0]}
 
-    def _find(self, ids: list[str], now: float) -> set[str]:
-        rows = self._pg.read(self, self._sql_find, {"endpoint": self.endpoint, "ids": ids})
+    def _find(self, ids: list[str], now: float) -> Steps[set[str]]:
+        params = {"endpoint": self.endpoint, "ids": ids}
+        rows = yield from io(self._pg.read, self, self._sql_find, params)
         return {row[0] for row in rows}
 
-    def _contains_one(self, message_id: str, now: float) -> bool:
-        return bool(self._pg.read(self, self.sql_has, self.has_params(message_id)))
+    def _contains_one(self, message_id: str, now: float) -> Steps[bool]:
+        return bool((yield from io(self._pg.read, self, self.sql_has, self.has_params(message_id))))
 
     def has_params(self, message_id: str) -> dict[str, Any]:
         """The parameters of :attr:`sql_has` for ``message_id``."""

@@ -30,7 +30,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, ClassVar
 
-from dedupstore.backend import Connected, OptionSet, TokenCount, TokenRecord, TokenStore
+from dedupstore.backend import (
+    Connected,
+    OptionSet,
+    Steps,
+    TokenCount,
+    TokenRecord,
+    TokenStore,
+    io,
+)
 
 from ._client import PostgresConnection, Table, create_schema, postgres_options
 
@@ -117,16 +125,17 @@ class PostgresTokenStore(TokenStore):
 
     # ------------------------------------------------------------------ primitives
 
-    def _create(self, records: list[TokenRecord]) -> None:
+    def _create(self, records: list[TokenRecord]) -> Steps[None]:
         # Every creator inserts rows in one order (COLLATE "C"): overlapping chunks never deadlock.
         params = self._create_params(sorted(records, key=lambda r: r.id))
-        self._pg.write(self, self._sql_insert, params, resend=True)
+        yield from io(self._pg.write, self, self._sql_insert, params, resend=True)
 
-    def _present(self, ids: list[str]) -> set[str]:
-        return {row[0] for row in self._pg.read(self, self._sql_present, {"ids": ids})}
+    def _present(self, ids: list[str]) -> Steps[set[str]]:
+        rows = yield from io(self._pg.read, self, self._sql_present, {"ids": ids})
+        return {row[0] for row in rows}
 
-    def _delete(self, ids: list[str]) -> None:
-        self._pg.write(self, self._sql_delete, {"ids": sorted(ids)}, resend=True)
+    def _delete(self, ids: list[str]) -> Steps[None]:
+        yield from io(self._pg.write, self, self._sql_delete, {"ids": sorted(ids)}, resend=True)
 
     def _outstanding(self) -> dict[str, TokenCount]:
         """Exact, one statement (a snapshot) over the table, within ``timeout`` (raise it for

@@ -193,19 +193,19 @@ class AsyncTokenStore(AsyncClient[TokenStore]):
 
     async def create(self, tokens: Mapping[str, str]) -> None:
         """:meth:`TokenStore.create <dedupstore.tokens.TokenStore.create>`."""
-        await offload(self.sync.create, tokens)
+        await arun(self.sync._create_steps(tokens))
 
     async def present(self, token_id: str) -> bool:
         """:meth:`TokenStore.present <dedupstore.tokens.TokenStore.present>`."""
-        return await offload(self.sync.present, token_id)
+        return bool(await arun(self.sync._present_among_steps([token_id])))
 
     async def present_among(self, token_ids: Iterable[str]) -> set[str]:
         """:meth:`TokenStore.present_among <dedupstore.tokens.TokenStore.present_among>`."""
-        return await offload(self.sync.present_among, token_ids)
+        return await arun(self.sync._present_among_steps(token_ids))
 
     async def delete(self, token_ids: Iterable[str]) -> None:
         """:meth:`TokenStore.delete <dedupstore.tokens.TokenStore.delete>`."""
-        await offload(self.sync.delete, token_ids)
+        await arun(self.sync._delete_steps(token_ids))
 
     async def outstanding(self) -> dict[str, TokenCount]:
         """:meth:`TokenStore.outstanding <dedupstore.tokens.TokenStore.outstanding>`."""

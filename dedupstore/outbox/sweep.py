@@ -283,7 +283,7 @@ def _recorded(
     waiting = [pair for pair in pairs if pair in tokened]
     if waiting:
         assert tokens is not None
-        present = yield from io(tokens.present_among, sorted({tokened[p] for p in waiting}))
+        present = yield from call(tokens, "present_among", sorted({tokened[p] for p in waiting}))
         found.update(p for p in waiting if tokened[p] not in present)
     rest = {message_key(cid, mid): (cid, mid) for cid, mid in pairs if (cid, mid) not in tokened}
     if rest:

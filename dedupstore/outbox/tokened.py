@@ -41,7 +41,7 @@ from dedupstore.errors import ConcurrencyConflict, ConfigurationError
 from dedupstore.ids import message_key, validate_message_id
 from dedupstore.outbox._base import _Base
 from dedupstore.outbox.messages import Message
-from dedupstore.steps import Steps, call, io
+from dedupstore.steps import Steps, call
 from dedupstore.store import DeduplicationStore
 from dedupstore.tokens import (
     TOKEN_HEADER,
@@ -224,8 +224,10 @@ def retire(
             raise _no_token_store(consumer)
         redrives = {t: e for change in plan.changes.values() for t, e in change.create.items()}
         if redrives:  # before the incoming tokens go: a crash between leaves both
-            yield from io(tokens.create, redrives)
-        yield from io(tokens.delete, [t for change in plan.changes.values() for t in change.delete])
+            yield from call(tokens, "create", redrives)
+        yield from call(
+            tokens, "delete", [t for change in plan.changes.values() for t in change.delete]
+        )
         metrics.count_tokens(consumer, "consumed", sum(plan.consumed.values()))
     if plan.keys:
         yield from call(dedup, "add_many", plan.keys)
@@ -348,7 +350,7 @@ class _Tokened(_Base):
         if not tokens:
             return set()
         store = self._token_store()
-        present = yield from io(store.present_among, list(dict.fromkeys(tokens.values())))
+        present = yield from call(store, "present_among", list(dict.fromkeys(tokens.values())))
         missing = {key for key, token in tokens.items() if token not in present}
         if missing:
             metrics.count_tokens(self.consumer, "missing", len(missing))
@@ -397,7 +399,7 @@ class _Tokened(_Base):
         for entity, mid in live:
             made.update(minted(entity, mid, entity.tokens[mid].registered[-1]))
         if made:
-            yield from io(store.create, made)
+            yield from call(store, "create", made)
         marked: dict[str, Entity] = {}
         for entity, mid in live:
             tokens = entity.tokens[mid]
@@ -413,7 +415,7 @@ class _Tokened(_Base):
                 if e.id in late
                 for t in minted(e, mid, e.tokens[mid].made or "")
             }
-            yield from io(store.delete, lost)
+            yield from call(store, "delete", lost)
             made = {t: p for t, p in made.items() if t not in lost}
         if made:
             metrics.count_tokens(self.consumer, "created", len(made))
