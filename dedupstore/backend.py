@@ -34,7 +34,7 @@ Connections, deadlines and retries
     :data:`BACKOFF`, :func:`pause_before`, :func:`fan_out`, :func:`executor`,
     :func:`cut_short`.
 Steps (one driver logic for the sync and the async face, :mod:`dedupstore.steps`)
-    :data:`Steps`, :func:`io`, :func:`run`, :func:`arun`.
+    :data:`Steps`, :func:`io`, :func:`fan`, :func:`run`, :func:`arun`.
 Errors and masking
     :data:`ErrorKind`, :class:`DedupStoreError`, :class:`StoreUnavailable`,
     :class:`ConfigurationError`, :class:`ConsistencyError`, :class:`StoreClosed`,
@@ -142,7 +142,7 @@ from dedupstore.options import (
     timeout_option,
 )
 from dedupstore.replies import cut_short
-from dedupstore.steps import Steps, arun, io, run
+from dedupstore.steps import Steps, arun, fan, io, run
 from dedupstore.store import CLOCK, MAX_CLOCK_SKEW, DeduplicationStore, WriteRequest
 from dedupstore.tokens import TokenCount, TokenRecord, TokenStore, TokenWrites, count_tokens
 from dedupstore.urls import StoreURL
@@ -302,6 +302,7 @@ __all__ = [
     "dumps",
     "encode_entity",
     "executor",
+    "fan",
     "fan_out",
     "format_duration",
     "format_error",

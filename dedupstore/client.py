@@ -633,6 +633,8 @@ class Client(Closing, abc.ABC):
         twins: dict[asyncio.AbstractEventLoop, Any] = self.__dict__.setdefault("_twins", {})
         twin = twins.get(loop)
         if twin is None:
+            for ended in [other for other in twins if other.is_closed()]:
+                twins.pop(ended, None)  # a loop that ended (asyncio.run() after another)
             kind = self.connection_class
             connection = None
             if kind is not None and self.options.get("client") is None:

@@ -107,13 +107,19 @@ def call(target: Any, name: str, *args: Any) -> Steps[Any]:
     """``target.<name>(*args)``, a store's call, as steps. On the async face, when
     ``target``'s class writes that call as steps (``_<name>_steps``, leading underscores
     of ``name`` dropped, beside the method: the stores of :mod:`dedupstore` do), those
-    steps, so that its primitives run natively; else (the sync face; an object of the
-    user's or a test's that stands for a store; a method overridden without its steps,
-    on a subclass or on the object) one I/O call of the method, in place or in a thread."""
+    steps, so that its primitives run natively; when it is an object that stands for a
+    store and relays calls as steps (its class defines ``call_steps(name, *args)``: the
+    interleaving harness's scheduler), its ``call_steps``; else (the sync face; any
+    other stand-in object, a test double; a method overridden without its steps, on a
+    subclass or on the object) one I/O call of the method, in place or in a thread."""
     if _ASYNC_FACE.get() and name not in getattr(target, "__dict__", ()):
-        own = _steps_of(type(target), name)  # type: ignore[arg-type]
+        kind = type(target)
+        own = _steps_of(kind, name)  # type: ignore[arg-type]
         if own is not None:
             return own(target, *args)
+        relay = getattr(kind, "call_steps", None)
+        if relay is not None:
+            return cast(Steps[Any], relay(target, name, *args))
     return io(getattr(target, name), *args)
 
 
@@ -299,6 +305,8 @@ async def _gathered(items: Iterable[Steps[Any]], concurrency: int) -> list[Any]:
                 break
             running[asyncio.ensure_future(arun(steps))] = index
             index += 1
+        if running:  # every item started: wait for them here, where a cancellation
+            await asyncio.wait(running)  # reaches them (the finally only waits)
     except asyncio.CancelledError:
         for task in running:
             task.cancel()

@@ -247,6 +247,46 @@ def test_the_async_face_runs_every_scenario_and_reaches_every_backend() -> None:
     assert {p.values[2] for p in ASYNC_CASES} == set(ALL)
 
 
+@pytest.mark.parametrize("outbox_backend", backend_params(("redis", "postgres")), indirect=True)
+@pytest.mark.parametrize("scenario", ["duplicates", "token-crash-sweep"])
+def test_the_async_face_explores_the_native_store_calls(
+    outbox_backend: OutboxBackend, scenario: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a backend with an async driver, the async face's actors make their scheduled
+    store calls as the store's own steps on their loops (the harness waits for the turn
+    in a thread, then relays the call: ``_Turned.call_steps``), so the exploration checks
+    the native calls, not a blocking stand-in: the async twin's requests are counted."""
+    from dedupstore.backends.postgres._aio import AsyncPostgresConnection
+    from dedupstore.backends.redis._aio import AsyncRedisConnection
+
+    twin = AsyncRedisConnection if outbox_backend.name == "redis" else AsyncPostgresConnection
+    real = twin._bounded
+    native = 0
+
+    async def counted(self: Any, *args: Any) -> Any:
+        nonlocal native
+        native += 1
+        return await real(self, *args)
+
+    monkeypatch.setattr(twin, "_bounded", counted)
+    case = EVERY_SCENARIO[scenario]
+    cleanup = "deferred" if case.where["deferred"] else "inline"
+    patient = outbox_patient(outbox_backend.name)
+    runs = explore(
+        case.scenario(cleanup),
+        functools.partial(outbox_backend.entities, **patient),
+        functools.partial(outbox_backend.dedup, **patient),
+        crash_actor=case.crash,
+        token_store=(
+            functools.partial(outbox_backend.tokens, **patient) if case.tokens != "off" else None
+        ),
+        limit=20,
+        face="async",
+    )
+    assert runs >= 3
+    assert native >= runs * 2, (native, runs)
+
+
 def _explore_case(
     outbox_backend: OutboxBackend,
     cleanup: Literal["inline", "deferred"],

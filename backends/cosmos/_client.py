@@ -40,6 +40,7 @@ from dedupstore.backend import (
     ErrorKind,
     Option,
     Options,
+    Steps,
     StoreUnavailable,
     StoreURL,
     boolean,
@@ -49,6 +50,7 @@ from dedupstore.backend import (
     create_option,
     cut_short,
     executor,
+    fan,
     fan_out,
     format_error,
     integer,
@@ -130,6 +132,13 @@ class _BoundedTransport(RequestsTransport):  # type: ignore[misc]
         super().sleep(duration if left is None else max(0.0, min(duration, left)))
 
 
+def side_by_side(client: Client, items: Iterable[Steps[_T]]) -> Steps[list[_T]]:
+    """The steps ``items`` (a store's per-item requests) with up to ``client``'s
+    ``max_concurrency`` in flight: threads on the sync face, tasks on the async one
+    (:func:`~dedupstore.steps.fan`)."""
+    return (yield from fan(fan_out, items, client.options["max_concurrency"]))
+
+
 def _check_name(kind: str, name: str, url: str) -> str:
     if not name or len(name) > 255 or _FORBIDDEN_NAME_CHARS & set(name) or name != name.strip():
         raise ConfigurationError(
@@ -197,6 +206,69 @@ def _headers_per_thread(client: CosmosClient) -> CosmosClient:
 def _key(options: Options) -> str:
     """The account key: option ``key``, else ``COSMOS_KEY`` (``""``: none)."""
     return str(options["key"] or os.environ.get(KEY_ENV_VAR, ""))
+
+
+def endpoint_of(url: StoreURL, options: Options) -> str:
+    """The account's endpoint URL (``https://`` unless ``tls`` is off)."""
+    return f"{'https' if options['tls'] else 'http'}://{url.netloc}/"
+
+
+def account_key(url: StoreURL, options: Options) -> str:
+    """The account key (:func:`_key`); ``ConfigurationError`` when there is none."""
+    secret = _key(options)
+    if not secret:
+        raise ConfigurationError(
+            f"no Cosmos DB key for {url.masked}: pass key=... or set {KEY_ENV_VAR}"
+        )
+    return secret
+
+
+def client_settings(options: Options) -> dict[str, Any]:
+    """The keyword arguments, besides endpoint, credential and transport, of the stores' own
+    ``CosmosClient``, sync (:meth:`CosmosConnection._connect`) or ``azure.cosmos.aio``
+    (:class:`~._aio.AsyncCosmosConnection`): timeouts, retries, endpoint discovery, compact UTF-8
+    writes, Strong consistency. A new ``ConnectionPolicy`` each time (the SDK changes it)."""
+    # Every request, account reads included, gets our timeouts; throttling (429) is retried as
+    # often as anything else, waiting at most `timeout` in all.
+    policy = ConnectionPolicy()
+    policy.DBAConnectionTimeout = options["connect_timeout"]
+    policy.DBAReadTimeout = options["timeout"]
+    policy.RecoveryReadTimeout = min(policy.RecoveryReadTimeout, options["timeout"])
+    throttle_wait = max(1, math.ceil(options["timeout"]))
+    policy.RetryOptions = type(policy.RetryOptions)(options["retries"], None, throttle_wait)
+    return {
+        "connection_policy": policy,
+        "enable_endpoint_discovery": options["endpoint_discovery"],
+        "connection_timeout": options["connect_timeout"],
+        "read_timeout": options["timeout"],
+        "retry_total": options["retries"],
+        "retry_connect": options["retries"],
+        "retry_read": options["retries"],
+        "retry_backoff_max": 1,
+        "retry_throttle_backoff_max": throttle_wait,
+        # item sizes as the service counts them (the entity store's size limit)
+        "enable_compact_utf8_item_writes": True,
+        # Strong on every request: on an account weakened later they fail (HTTP 400) rather
+        # than read stale data; emulators (the option) cannot ask above theirs
+        "consistency_level": (
+            None if options["allow_weak_consistency_for_emulator_only"] else "Strong"
+        ),
+    }
+
+
+def creation_error(url: StoreURL, secret: str, exc: BaseException) -> ConfigurationError | None:
+    """The ``ConfigurationError`` for ``exc``, raised while making a ``CosmosClient`` of ``url``
+    with the key ``secret`` (a key that is not base64, a value the SDK refuses); ``None`` for
+    any other error (raised as it is)."""
+    if isinstance(exc, binascii.Error):
+        return ConfigurationError(
+            f"the Cosmos DB key for {url.masked} is not valid base64: expected "
+            "the account's primary or secondary key"
+        )
+    if isinstance(exc, ValueError | TypeError):
+        detail = scrub(f"{type(exc).__name__}: {format_error(exc)}", (secret,))
+        return ConfigurationError(f"cannot create a Cosmos DB client for {url.masked}: {detail}")
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,11 +352,19 @@ class CosmosConnection(Connection):
         """The given ``client``, or our own (the SDK reads the account as it makes one;
         ``ConfigurationError`` without a key)."""
         super().__init__(url, options)
-        self.endpoint = f"{'https' if options['tls'] else 'http'}://{url.netloc}/"
+        self.endpoint = endpoint_of(url, options)
         self._containers: dict[str, ContainerProxy] = {}
         self._given = options["client"] is not None
         client = options["client"] if self._given else self._connect()
         self.client: CosmosClient = _headers_per_thread(client)
+
+    @classmethod
+    def async_twin(cls, url: StoreURL, options: Options) -> Any:
+        """A :class:`~._aio.AsyncCosmosConnection` (``azure.cosmos.aio``) of the same account
+        (no I/O: it connects at its first call, on the running loop)."""
+        from ._aio import AsyncCosmosConnection
+
+        return AsyncCosmosConnection(url, options)
 
     @classmethod
     def address(cls, url: StoreURL, options: Options) -> Hashable:
@@ -298,61 +378,27 @@ class CosmosConnection(Connection):
         check_client(options, CosmosClient, "an azure.cosmos.CosmosClient")
 
     def _connect(self) -> CosmosClient:
-        opts, secret = self.options, _key(self.options)
-        if not secret:
-            raise ConfigurationError(
-                f"no Cosmos DB key for {self.url.masked}: pass key=... or set {KEY_ENV_VAR}"
-            )
+        secret = account_key(self.url, self.options)
         session = requests.Session()
         adapter = _BoundedAdapter(
             pool_connections=4,
-            pool_maxsize=opts["max_concurrency"] + 4,
+            pool_maxsize=self.options["max_concurrency"] + 4,
             max_retries=Retry(total=False, redirect=False, raise_on_status=False),
         )
         session.mount("http://", adapter)
         session.mount("https://", adapter)
-        # Every request, account reads included, gets our timeouts; throttling (429) is retried as
-        # often as anything else, waiting at most `timeout` in all.
-        policy = ConnectionPolicy()
-        policy.DBAConnectionTimeout = opts["connect_timeout"]
-        policy.DBAReadTimeout = opts["timeout"]
-        policy.RecoveryReadTimeout = min(policy.RecoveryReadTimeout, opts["timeout"])
-        throttle_wait = max(1, math.ceil(opts["timeout"]))
-        policy.RetryOptions = type(policy.RetryOptions)(opts["retries"], None, throttle_wait)
         try:
             return CosmosClient(
                 self.endpoint,
                 credential=secret,
-                connection_policy=policy,
                 transport=_BoundedTransport(session=session, session_owner=True),
-                enable_endpoint_discovery=opts["endpoint_discovery"],
-                connection_timeout=opts["connect_timeout"],
-                read_timeout=opts["timeout"],
-                retry_total=opts["retries"],
-                retry_connect=opts["retries"],
-                retry_read=opts["retries"],
-                retry_backoff_max=1,
-                retry_throttle_backoff_max=throttle_wait,
-                # item sizes as the service counts them (the entity store's size limit)
-                enable_compact_utf8_item_writes=True,
-                # Strong on every request: on an account weakened later they fail (HTTP 400)
-                # rather than read stale data; emulators (the option) cannot ask above theirs
-                consistency_level=(
-                    None if opts["allow_weak_consistency_for_emulator_only"] else "Strong"
-                ),
+                **client_settings(self.options),
             )
         except BaseException as exc:
             session.close()
-            if isinstance(exc, binascii.Error):
-                raise ConfigurationError(
-                    f"the Cosmos DB key for {self.url.masked} is not valid base64: expected "
-                    "the account's primary or secondary key"
-                ) from None
-            if isinstance(exc, ValueError | TypeError):
-                detail = scrub(f"{type(exc).__name__}: {format_error(exc)}", (secret,))
-                raise ConfigurationError(
-                    f"cannot create a Cosmos DB client for {self.url.masked}: {detail}"
-                ) from None
+            error = creation_error(self.url, secret, exc)
+            if error is not None:
+                raise error from None
             raise
 
     def open_container(self, client: Client) -> Mapping[str, Any]:

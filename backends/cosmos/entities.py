@@ -29,6 +29,10 @@ travels as ``\\uXXXX``). Hence ``max_entity_bytes`` = (2 MiB - 16 KiB) // 2 = 1,
 canonical JSON (a larger entity raises ``EntityTooLarge`` before any I/O), 16 KiB being room for the
 id, the entity id (up to 6 KiB escaped), bucket, pending, token and the system properties.
 cosmosdb-server (the test emulator) does not enforce the limit; the tests check the item's size.
+
+``_load`` and ``_save`` are written as steps (:mod:`dedupstore.steps`): on the async face they run
+on the store's ``azure.cosmos.aio`` twin (:mod:`._aio`), a ``save_many``'s writes as tasks on the
+loop; the scan (``pending_outboxes``) stays blocking.
 """
 
 from __future__ import annotations
@@ -46,12 +50,14 @@ from dedupstore.backend import (
     EntityStore,
     Options,
     OptionSet,
+    Steps,
     StoreURL,
     client_option,
+    io,
     write_token,
 )
 
-from ._client import CONNECTION_OPTIONS, ContainerKind, CosmosConnection
+from ._client import CONNECTION_OPTIONS, ContainerKind, CosmosConnection, side_by_side
 
 if TYPE_CHECKING:
     from azure.cosmos import ContainerProxy
@@ -151,27 +157,31 @@ class CosmosEntityStore(EntityStore):
             )
         return stored
 
-    def _load(self, ids: list[str]) -> dict[str, tuple[str, Any]]:
-        found = self._cosmos.read_many(self, {eid: entity_document_id(eid) for eid in ids})
+    def _load(self, ids: list[str]) -> Steps[dict[str, tuple[str, Any]]]:
+        found: dict[str, Any] = yield from io(
+            self._cosmos.read_many, self, {eid: entity_document_id(eid) for eid in ids}
+        )
         for eid, item in found.items():
             self._check_item(item, eid)
         return {eid: (item["body"], str(item["_etag"])) for eid, item in found.items()}
 
-    def _save(self, records: list[EntityRecord]) -> dict[str, Any]:
+    def _save(self, records: list[EntityRecord]) -> Steps[dict[str, Any]]:
         tokens = {record.id: write_token() for record in records}
 
-        def write(record: EntityRecord) -> str | None:
+        def write(record: EntityRecord) -> Steps[str | None]:
             """The new ``_etag``; ``None`` when refused (or answered without one)."""
             item = self._item(record, tokens[record.id])
-            return self._cosmos.write(self, item, record.version)[1]
+            return (yield from io(self._cosmos.write, self, item, record.version))[1]
 
         # A version that is not an etag string (from another store) matches nothing.
         sendable = [r for r in records if r.version is None or isinstance(r.version, str)]
-        etags = self._cosmos.parallel(write, sendable)
+        etags: list[str | None] = yield from side_by_side(self, (write(r) for r in sendable))
         saved = {r.id: etag for r, etag in zip(sendable, etags, strict=True) if etag}
         refused = [r.id for r, etag in zip(sendable, etags, strict=True) if not etag]
         # Our own write, resent by the SDK and refused the second time, is ours.
-        found = self._cosmos.read_many(self, {eid: entity_document_id(eid) for eid in refused})
+        found: dict[str, Any] = yield from io(
+            self._cosmos.read_many, self, {eid: entity_document_id(eid) for eid in refused}
+        )
         for eid, item in found.items():
             if item.get("token") == tokens[eid]:
                 self._check_item(item, eid)

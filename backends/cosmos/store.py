@@ -22,6 +22,12 @@ expired for longer than ``max_clock_skew``.
 
 ``StoreUnavailable`` carries ``recorded`` ids (recorded by the call) and ``unknown`` ids (maybe
 recorded: a retry on the same store object reports those as recorded).
+
+``_add_new`` and ``_find`` are written as steps (:mod:`dedupstore.steps`): the sync face runs them
+on the shared ``CosmosClient``, the per-id writes in threads; the async face on the store's
+``azure.cosmos.aio`` twin (:mod:`._aio`), the per-id writes as tasks on the loop; at most
+``max_concurrency`` in flight on both. ``purge_expired``, ``count`` and ``endpoints`` stay blocking
+(in threads on the async face).
 """
 
 from __future__ import annotations
@@ -39,11 +45,13 @@ from dedupstore.backend import (
     Connected,
     DeduplicationStore,
     OptionSet,
+    Steps,
     StoreUnavailable,
     WriteRequest,
+    io,
 )
 
-from ._client import CONNECTION_OPTIONS, ContainerKind, CosmosConnection
+from ._client import CONNECTION_OPTIONS, ContainerKind, CosmosConnection, side_by_side
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -118,9 +126,11 @@ class CosmosDeduplicationStore(DeduplicationStore):
             "write_token": request.token,
         }
 
-    def _read(self, ids: list[str]) -> dict[str, Mapping[str, Any]]:
+    def _read(self, ids: list[str]) -> Steps[dict[str, Mapping[str, Any]]]:
         """The items of those ``ids`` that exist; ``ConfigurationError`` if one is not ours."""
-        found = self._cosmos.read_many(self, {mid: document_id(self.endpoint, mid) for mid in ids})
+        found: dict[str, Mapping[str, Any]] = yield from io(
+            self._cosmos.read_many, self, {mid: document_id(self.endpoint, mid) for mid in ids}
+        )
         for mid, item in found.items():
             if item.get("endpoint") != self.endpoint or item.get("message_id") != mid:
                 raise self.make_error(
@@ -138,20 +148,23 @@ class CosmosDeduplicationStore(DeduplicationStore):
         expires_at = item.get("expires_at")
         return expires_at is None or float(expires_at) > now
 
-    def _add_new(self, request: WriteRequest) -> set[str]:
-        def create(mid: str) -> tuple[str, int]:
-            return mid, self._cosmos.write(self, self._item(mid, request))[0]
+    def _add_new(self, request: WriteRequest) -> Steps[set[str]]:
+        def create(mid: str) -> Steps[tuple[str, int]]:
+            answer = yield from io(self._cosmos.write, self, self._item(mid, request))
+            return mid, answer[0]
 
-        def replace(entry: tuple[str, str]) -> tuple[str, int]:
-            return entry[0], self._cosmos.write(self, self._item(entry[0], request), entry[1])[0]
+        def replace(mid: str, etag: str) -> Steps[tuple[str, int]]:
+            answer = yield from io(self._cosmos.write, self, self._item(mid, request), etag)
+            return mid, answer[0]
 
         recorded: set[str] = set()
         to_create, to_read = list(request.ids), list[str]()
         for _ in range(_MAX_ROUNDS):
-            for mid, status in self._cosmos.parallel(create, to_create):
+            created = yield from side_by_side(self, (create(m) for m in to_create))
+            for mid, status in created:
                 (recorded.add if status == 201 else to_read.append)(mid)
             to_create, to_replace = [], []
-            found = self._read(to_read)
+            found = yield from self._read(to_read)
             for mid in to_read:
                 item = found.get(mid)
                 if item is None:  # deleted since (purge or native TTL): create again
@@ -161,7 +174,8 @@ class CosmosDeduplicationStore(DeduplicationStore):
                 elif item.get("write_token") in request.mine:  # this call's own write
                     recorded.add(mid)
             to_read = []
-            for mid, status in self._cosmos.parallel(replace, to_replace):
+            replaced = yield from side_by_side(self, (replace(*e) for e in to_replace))
+            for mid, status in replaced:
                 if status == 200:
                     recorded.add(mid)
                 elif status == 412:  # changed since read: look again
@@ -177,8 +191,9 @@ class CosmosDeduplicationStore(DeduplicationStore):
             f"changed under every one of {_MAX_ROUNDS} attempts (heavy contention); retry",
         )
 
-    def _find(self, ids: list[str], now: float) -> set[str]:
-        return {mid for mid, item in self._read(ids).items() if self._live(item, now)}
+    def _find(self, ids: list[str], now: float) -> Steps[set[str]]:
+        found = yield from self._read(ids)
+        return {mid for mid, item in found.items() if self._live(item, now)}
 
     def _purge(self, now: float) -> int:
         def delete(item: Mapping[str, Any]) -> int:

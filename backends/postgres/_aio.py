@@ -69,6 +69,7 @@ class _OwnAsyncPool(AsyncConnectionPool["AsyncPgConnection"]):
     def __init__(self, info: str, **kwargs: Any) -> None:
         self.last_failure: tuple[float, psycopg.Error] | None = None
         self._started = False
+        self._keeper: asyncio.Task[None] | None = None
         pool = self
 
         class RecordingConnection(psycopg.AsyncConnection[TupleRow]):
@@ -87,7 +88,34 @@ class _OwnAsyncPool(AsyncConnectionPool["AsyncPgConnection"]):
         if not self._started:
             self._started = True
             await self.open(wait=False)
+            self._keeper = asyncio.get_running_loop().create_task(
+                self._closed_with_loop(), name="dedupstore-aio-pool-keeper"
+            )
         return await super().getconn(timeout)
+
+    async def _closed_with_loop(self) -> None:
+        """Close the pool when this task is cancelled: ``asyncio.run()`` cancels every
+        task as it ends, and the pool's own workers swallow a cancellation (psycopg_pool
+        keeps its state whole through one), so a pool left open would hang the end of
+        ``asyncio.run()`` for ever; this task closes it then, and the workers end. (A
+        loop closed without ending its tasks leaves them pending, as it leaves any.)"""
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await self.close(timeout=1.0)
+            raise
+        except GeneratorExit:  # collected, not cancelled: its loop ended without ending
+            if _running() is loop:  # its tasks, or the pool was dropped open
+                raise
+            return  # (there is no loop to close the pool on)
+
+
+def _running() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 class AsyncPostgresConnection:
@@ -237,3 +265,5 @@ class AsyncPostgresConnection:
     async def close(self) -> None:
         """Close the pool (its connections)."""
         await self.pool.close(timeout=5.0)
+        if self.pool._keeper is not None:
+            self.pool._keeper.cancel()

@@ -42,8 +42,10 @@ from typing import Any, ClassVar
 from dedupstore.backend import (
     Connected,
     OptionSet,
+    Steps,
     TokenRecord,
     TokenStore,
+    io,
 )
 
 from ._client import (
@@ -100,16 +102,16 @@ class RedisTokenStore(TokenStore):
         prefix = self._key_prefix
         return [prefix + escape(token_id) for token_id in ids]
 
-    def _create(self, records: list[TokenRecord]) -> None:
+    def _create(self, records: list[TokenRecord]) -> Steps[None]:
         """One packet: ``SET NX`` per token (then ``WAIT`` when configured)."""
         prefix = self._key_prefix
         commands: list[tuple[Any, ...]] = [
             ("SET", prefix + escape(r.id), token_value(r.endpoint, r.created), "NX")
             for r in records
         ]
-        self._redis.write(self, commands)
+        yield from io(self._redis.write, self, commands)
 
-    def _present(self, ids: list[str]) -> set[str]:
+    def _present(self, ids: list[str]) -> Steps[set[str]]:
         """``MGET`` and ``EXISTS`` in one transaction (see the module)."""
         keys = self._keys(ids)
 
@@ -117,7 +119,7 @@ class RedisTokenStore(TokenStore):
             pipe.mget(keys)
             pipe.exists(*keys)
 
-        values, existing = self._redis.pipelined(build, transaction=True)
+        values, existing = yield from io(self._redis.pipelined, build, transaction=True)
         found = {
             token_id for token_id, value in zip(ids, values, strict=True) if self._is_token(value)
         }
@@ -127,9 +129,9 @@ class RedisTokenStore(TokenStore):
             )
         return found
 
-    def _delete(self, ids: list[str]) -> None:
+    def _delete(self, ids: list[str]) -> Steps[None]:
         """One ``DEL`` (then ``WAIT`` when configured)."""
-        self._redis.write(self, [("DEL", *self._keys(ids))])
+        yield from io(self._redis.write, self, [("DEL", *self._keys(ids))])
 
     def _scan(self) -> Iterator[TokenRecord]:
         """``SCAN MATCH`` a page at a time, an ``MGET`` per page (see the module); each key

@@ -78,6 +78,8 @@ from dedupstore.outbox import (
     sweep,
 )
 from dedupstore.outbox.tokened import _Outraced
+from dedupstore.steps import Steps, io
+from dedupstore.steps import call as call_as_steps
 from dedupstore.store import DeduplicationStore
 from dedupstore.tokens import TOKEN_HEADER, TokenStore, new_nonce
 
@@ -329,6 +331,14 @@ class OnLoop:
         loop = getattr(cls._loops, "loop", None)
         if loop is not None:
             cls._loops.loop = None
+            # as asyncio.run() ends: what is left on the loop (an async twin's pool
+            # workers) cancelled and waited for, then the loop closed
+            left = asyncio.all_tasks(loop)
+            for task in left:
+                task.cancel()
+            if left:
+                loop.run_until_complete(_settled(left))
+            loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
 
     def process(self, message: Message, handler: Any) -> ProcessResult:
@@ -343,6 +353,10 @@ class OnLoop:
 
     def begin_attempt(self, message: Message) -> int:
         return self._run(self.processor.begin_attempt(message))
+
+
+async def _settled(tasks: Iterable[asyncio.Task[Any]]) -> None:
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _faced(processor: ProcessorFactory | None, face: Face) -> ProcessorFactory:
@@ -389,6 +403,14 @@ class _Turns:
 
     def call(self, actor: int, name: str, action: Callable[[], Any]) -> Any:
         """Wait for ``actor``'s turn, run ``action``; crash there if told to."""
+        here = self.begin(actor, name)
+        result = action()
+        self.finish(actor, name, here)
+        return result
+
+    def begin(self, actor: int, name: str) -> bool:
+        """Wait for ``actor``'s turn to make the call ``name``; crash before it if told
+        to; whether the run crashes after it (:meth:`finish`)."""
         self.waiting[actor] = name
         self.told.put(actor)
         if not self.go[actor].acquire(timeout=_WAIT):
@@ -403,11 +425,13 @@ class _Turns:
         if here and crash is not None and crash.when == "before":
             self.run.trace.append(f"{name}!crash-before")
             raise Crash(f"actor {actor} crashed before {name}")
-        result = action()
+        return here
+
+    def finish(self, actor: int, name: str, here: bool) -> None:
+        """The call ``name`` of ``actor``'s turn returned: crash after it if told to."""
         if here:
             self.run.trace.append(f"{name}!crash-after")
             raise Crash(f"actor {actor} crashed after {name}")
-        return result
 
     def end_turn(self, actor: int) -> None:
         """``actor`` finished."""
@@ -517,18 +541,46 @@ class _Turned:
         step = self._steps[name]
 
         def call(*args: Any) -> Any:
-            real = [arg._real if isinstance(arg, _Turned) else arg for arg in args]
-            for i, arg in enumerate(real):
-                if isinstance(arg, _Creating):  # the joint save: the real store, recorded
-                    if name == "_save_tokened":
-                        arg.record(t for change in real[2].values() for t in change.create)
-                    real[i] = arg._real
+            real = self._unwrapped(name, args)
             if step is None:
                 return value(*real)
             # a scan's pages are read in its turn, not as the caller iterates
             return self._turns.call(self._actor, step, lambda: _whole(value(*real)))
 
         return call
+
+    def _unwrapped(self, name: str, args: Sequence[Any]) -> list[Any]:
+        """``args`` with the real stores for the actor's wrappers (tokens a joint save
+        creates recorded)."""
+        real = [arg._real if isinstance(arg, _Turned) else arg for arg in args]
+        for i, arg in enumerate(real):
+            if isinstance(arg, _Creating):  # the joint save: the real store, recorded
+                if name == "_save_tokened":
+                    arg.record(t for change in real[2].values() for t in change.create)
+                real[i] = arg._real
+        return real
+
+    def call_steps(self, name: str, *args: Any) -> Steps[Any]:
+        """``name(*args)`` as steps, for :func:`dedupstore.steps.call` on the async face:
+        the actor's turn waited for in a thread (the wait blocks), then the real store's
+        own steps run on the actor's loop (natively where the backend has an async
+        driver), so the harness schedules the calls the async face really makes."""
+        getattr(self, name)  # refused unless a scheduled step (AttributeError)
+        step = self._steps[name]
+        real = self._unwrapped(name, args)
+        target = self._real
+        if isinstance(target, _Creating):
+            if name == "create":
+                target.record(real[0])
+            target = target._real
+        elif isinstance(target, _OneEntity) and name != "pending_outboxes":
+            target = target._real
+        if step is None:
+            return (yield from call_as_steps(target, name, *real))
+        here = yield from io(self._turns.begin, self._actor, step)
+        result = yield from call_as_steps(target, name, *real)
+        self._turns.finish(self._actor, step, here)
+        return result
 
 
 def _whole(result: Any) -> Any:
