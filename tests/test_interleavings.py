@@ -247,7 +247,9 @@ def test_the_async_face_runs_every_scenario_and_reaches_every_backend() -> None:
     assert {p.values[2] for p in ASYNC_CASES} == set(ALL)
 
 
-@pytest.mark.parametrize("outbox_backend", backend_params(("redis", "postgres")), indirect=True)
+@pytest.mark.parametrize(
+    "outbox_backend", backend_params(("redis", "postgres", "cosmos")), indirect=True
+)
 @pytest.mark.parametrize("scenario", ["duplicates", "token-crash-sweep"])
 def test_the_async_face_explores_the_native_store_calls(
     outbox_backend: OutboxBackend, scenario: str, monkeypatch: pytest.MonkeyPatch
@@ -256,10 +258,15 @@ def test_the_async_face_explores_the_native_store_calls(
     store calls as the store's own steps on their loops (the harness waits for the turn
     in a thread, then relays the call: ``_Turned.call_steps``), so the exploration checks
     the native calls, not a blocking stand-in: the async twin's requests are counted."""
+    from dedupstore.backends.cosmos._aio import AsyncCosmosConnection
     from dedupstore.backends.postgres._aio import AsyncPostgresConnection
     from dedupstore.backends.redis._aio import AsyncRedisConnection
 
-    twin = AsyncRedisConnection if outbox_backend.name == "redis" else AsyncPostgresConnection
+    twin = {
+        "redis": AsyncRedisConnection,
+        "postgres": AsyncPostgresConnection,
+        "cosmos": AsyncCosmosConnection,
+    }[outbox_backend.name]
     real = twin._bounded
     native = 0
 
