@@ -12,7 +12,7 @@ XDIST := -n $(TEST_WORKERS) --dist loadgroup
 # make test-fast: no servers, no Spark, nothing marked slow (unit, memory and SQLite tests)
 FAST_MARKERS := not (postgres or redis or dynamodb or cosmos or rabbitmq or spark or slow)
 
-.PHONY: demo test test-fast docs lint format test-deps bench bench-tokens bench-aio clean
+.PHONY: demo test test-fast docs lint format test-deps bench bench-tokens bench-aio bench-drivers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -59,5 +59,11 @@ bench-tokens: $(STAMP) test-deps
 bench-aio: $(STAMP) test-deps
 	$(PY) -m benchmarks.bench --only aio $(BENCH_ARGS)
 
+# Async drivers (aiobotocore, aiosqlite) against the offload on DynamoDB and SQLite: makes
+# .venv-drivers for them (aiobotocore pins an older botocore) and replaces only its part
+# of benchmarks/RESULTS.md. DRIVERS_ARGS: e.g. --writes 5000.
+bench-drivers: $(STAMP)
+	$(PY) -m benchmarks.aio_drivers $(DRIVERS_ARGS)
+
 clean:
-	rm -rf $(VENV) docs/_build .dedupstore .pytest_cache .mypy_cache .ruff_cache node_modules
+	rm -rf $(VENV) .venv-drivers docs/_build .dedupstore .pytest_cache .mypy_cache .ruff_cache node_modules

@@ -72,7 +72,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from benchmarks import aio_bench, tokens_bench
+from benchmarks import aio_bench, aio_drivers, tokens_bench
 from benchmarks.cpu_compare import (
     THIS_TREE,
     Measured,
@@ -1027,12 +1027,16 @@ def main(argv: list[str] | None = None) -> int:
         _kept_section(args.out, tokens_bench.BEGIN, tokens_bench.END) if tokens is None else tokens
     )
     kept_aio = _kept_section(args.out, aio_bench.BEGIN, aio_bench.END) if aio is None else aio
+    # (the drivers' section is run on its own: make bench-drivers)
+    kept_drivers = _kept_section(args.out, aio_drivers.BEGIN, aio_drivers.END)
     text = _render(results, args, time.perf_counter() - started)
     args.out.write_text(text, encoding="utf-8")
     if kept:
         tokens_bench.write(kept, args.out)
     if kept_aio:
         aio_bench.write(kept_aio, args.out)
+    if kept_drivers:
+        aio_drivers.write(kept_drivers, args.out)
     print(args.out.read_text(encoding="utf-8"))
     return 0
 
