@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar, cast
 
@@ -32,7 +33,7 @@ from dedupstore.errors import (
 )
 from dedupstore.masking import mask_url, scrub
 from dedupstore.options import Option, Options, OptionSet, boolean
-from dedupstore.steps import Steps, io, on_async_face
+from dedupstore.steps import Steps, io, offload_to, on_async_face
 from dedupstore.urls import StoreURL
 
 __all__ = [
@@ -85,6 +86,8 @@ class _Slot:
         self.refs = 0
         self.value: object = None
 
+
+_own_threads_lock = threading.Lock()  # (Connection.offload_executor)
 
 # The values shared by key (ProcessLocal(..., key=...)): at most one per key and process.
 _shared: dict[Hashable, _Slot] = {}
@@ -305,10 +308,37 @@ class Connection(abc.ABC):
         the backend has no async driver, and its calls run in the async face's threads."""
         return None
 
+    #: Threads of the async face for the blocking calls of this connection's clients
+    #: (their primitives without an async driver): ``None``, the face's shared pool
+    #: (``DEDUPSTORE_AIO_THREADS``); a number, that many threads of this connection's own
+    #: (:meth:`offload_executor`), one pool per connection and process: SQLite's is 1,
+    #: one writer per database file (``make bench-drivers``).
+    offload_threads: ClassVar[int | None] = None
+
     def __init__(self, url: StoreURL, options: Options) -> None:
         """Open the connection (it may do I/O) from the first client's URL and options."""
         self.url = url
         self.options = options
+
+    def offload_executor(self) -> ThreadPoolExecutor | None:
+        """The threads of this connection's own for the async face's blocking calls (made
+        on first use), or ``None`` for the shared pool (:attr:`offload_threads`)."""
+        threads = self.offload_threads
+        if threads is None:
+            return None
+        with _own_threads_lock:
+            executor: ThreadPoolExecutor | None = self.__dict__.get("_offload_executor")
+            if executor is None:
+                executor = self.__dict__["_offload_executor"] = ThreadPoolExecutor(
+                    threads, thread_name_prefix="dedupstore-aio-own"
+                )
+        return executor
+
+    def close_offload_executor(self) -> None:
+        """Let the threads of :meth:`offload_executor` end (a connection's ``close``)."""
+        executor = self.__dict__.pop("_offload_executor", None)
+        if executor is not None:
+            executor.shutdown(wait=False)
 
     @classmethod
     def portable_url(cls, url: str | StoreURL) -> StoreURL:
@@ -621,7 +651,13 @@ class Client(Closing, abc.ABC):
         if name in self.stepped:
             face = self._async_twin() if on_async_face() else self
             return (yield from getattr(face, name)(*args))
-        return (yield from io(getattr(self, name), *args))
+        primitive = getattr(self, name)
+        kind = self.connection_class
+        if kind is not None and kind.offload_threads is not None and on_async_face():
+            own = self.connection.offload_executor()
+            if own is not None:  # the connection's own threads, not the shared pool
+                return (yield from io(offload_to, own, primitive, *args))
+        return (yield from io(primitive, *args))
 
     def _async_twin(self) -> Self:
         """This client on the async twin of its connection, one per event loop (its

@@ -41,6 +41,7 @@ __all__ = [
     "fan",
     "io",
     "offload",
+    "offload_to",
     "on_async_face",
     "run",
     "user",
@@ -341,7 +342,17 @@ def _executor() -> ThreadPoolExecutor:
 
 async def offload(fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
     """``fn(*args, **kwargs)``, a blocking call, run in one of ``OFFLOAD_THREADS``
-    threads in a copy of the caller's context (its deadline).
+    threads in a copy of the caller's context (its deadline): ``offload_to`` the
+    async face's shared pool."""
+    return await offload_to(_executor(), fn, *args, **kwargs)
+
+
+async def offload_to(
+    executor: ThreadPoolExecutor, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs
+) -> R:
+    """``fn(*args, **kwargs)``, a blocking call, run in one of ``executor``'s threads
+    (the shared pool, or a connection's own: ``Connection.offload_threads``) in a copy
+    of the caller's context (its deadline).
 
     Cancelled while the call runs, it waits for the call to end (bounded by the
     call's own deadline: a store call has one) before it raises ``CancelledError``:
@@ -351,7 +362,7 @@ async def offload(fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
     repairs on redelivery."""
     loop = asyncio.get_running_loop()
     context = contextvars.copy_context()
-    future = loop.run_in_executor(_executor(), lambda: context.run(_blocking, fn, args, kwargs))
+    future = loop.run_in_executor(executor, lambda: context.run(_blocking, fn, args, kwargs))
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:

@@ -239,6 +239,49 @@ def test_a_store_used_on_loop_after_loop_keeps_one_twin(native: Native) -> None:
         sync.close()
 
 
+@pytest.mark.sqlite
+def test_sqlite_calls_run_in_one_writer_thread_per_file(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite has no async driver worth its dependency (``make bench-drivers``): its
+    stores' calls run in one thread of their file's own (one writer, none contending for
+    the write lock), not in the async face's shared pool, however many tasks call; the
+    results are the sync face's."""
+    import threading
+
+    from dedupstore.backends.sqlite import SqliteConnection
+
+    threads: set[str] = set()
+    real = SqliteConnection.thread_connection
+
+    def recorded(self: Any) -> Any:
+        threads.add(threading.current_thread().name)
+        return real(self)
+
+    async def main() -> None:
+        url = f"sqlite:///{tmp_path}/one.db"
+        store = await aio.open_store(url, endpoint="one")
+        entities = await aio.open_entity_store(url)
+        monkeypatch.setattr(steps, "_executor", _no_threads)
+        monkeypatch.setattr(SqliteConnection, "thread_connection", recorded)
+        try:
+            added = await asyncio.gather(*(store.add(f"m{i}") for i in range(200)))
+            assert added == [True] * 200
+            assert await store.add_many(_ids(12_000, "x")) == set(_ids(12_000, "x"))
+            assert await store.processed_among(["m0", "m199", "none"]) == {"m0", "m199"}
+            entity = await entities.load("e")
+            entity.state["n"] = 1
+            await entities.save(entity)
+            assert (await entities.load("e")).state == {"n": 1}
+        finally:
+            monkeypatch.undo()
+        assert len(threads) == 1 and threads.pop().startswith("dedupstore-aio-own"), threads
+        await store.close()
+        await entities.close()
+
+    asyncio.run(main())
+
+
 class _NativeGate:
     """Counts the requests of async twin connections (each attempt goes through
     ``_bounded``, its request's awaitable last); the ``hold``-th is held ``before`` it
