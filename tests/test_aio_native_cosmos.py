@@ -29,7 +29,7 @@ from dedupstore.errors import ConcurrencyConflict, StoreUnavailable
 from dedupstore.outbox import Message, message_key
 from tests.proxy import TcpProxy
 from tests.servers import CosmosEndpoint
-from tests.test_aio_native import _ids, _NativeGate, _no_threads
+from tests.test_aio_native import _ids, _NativeGate, _no_threads, recovered
 
 pytestmark = pytest.mark.cosmos
 
@@ -275,7 +275,7 @@ def test_a_native_store_call_to_a_server_that_never_answers_ends_within_its_dead
             took = time.monotonic() - began
             assert took < deadline + 3.0, (took, deadline)
             await asyncio.to_thread(proxy.restore)
-            assert await store.add("stalled") is True
+            assert await recovered(store, "stalled") is True
         finally:
             await store.close()
 
