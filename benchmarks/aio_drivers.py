@@ -611,10 +611,9 @@ def decision(r: Measured, pins: dict[str, dict[str, str]]) -> str:
             "probe is a ceiling: an autocommit insert, where the store's write is `BEGIN "
             "IMMEDIATE`, an upsert and `COMMIT`, which on a connection shared by tasks would "
             "need a lock of its own; from run to run its margin over sqlite3 in one thread "
-            "has fallen on either side of the rule's bar (1.08x to 1.26x), which does not "
-            "pay for a dependency. The one writer was the gain: 64 threads contended for the "
-            "file's write lock (the offload shipped before, 1,877 writes/s and 20.1 MiB in "
-            "the run of 1d1216b)"
+            "has fallen on either side of the rule's bar (the runs so far: below this "
+            "section), which does not pay for a dependency. The one writer was the gain: 64 "
+            "threads contended for the file's write lock (also below)"
         )
     return f"- **{r.backend}**: " + "; ".join(reasons) + "."
 

@@ -336,7 +336,8 @@ class Connection(abc.ABC):
 
     def close_offload_executor(self) -> None:
         """Let the threads of :meth:`offload_executor` end (a connection's ``close``)."""
-        executor = self.__dict__.pop("_offload_executor", None)
+        with _own_threads_lock:
+            executor = self.__dict__.pop("_offload_executor", None)
         if executor is not None:
             executor.shutdown(wait=False)
 
@@ -652,11 +653,11 @@ class Client(Closing, abc.ABC):
             face = self._async_twin() if on_async_face() else self
             return (yield from getattr(face, name)(*args))
         primitive = getattr(self, name)
-        kind = self.connection_class
-        if kind is not None and kind.offload_threads is not None and on_async_face():
+        own = None
+        if on_async_face() and self.connection_class is not None:
             own = self.connection.offload_executor()
-            if own is not None:  # the connection's own threads, not the shared pool
-                return (yield from io(offload_to, own, primitive, *args))
+        if own is not None:  # the connection's own threads, not the shared pool
+            return (yield from io(offload_to, own, primitive, *args))
         return (yield from io(primitive, *args))
 
     def _async_twin(self) -> Self:

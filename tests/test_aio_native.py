@@ -1,8 +1,9 @@
 """The async API's native drivers: a store whose primitives are steps runs them on its
 connection's async twin (Redis: ``redis.asyncio``; PostgreSQL: psycopg's
-``AsyncConnectionPool``) on the loop, not in threads; a task cancelled in the middle of
-such a call leaves what a retry repairs; each call keeps its deadline against a server
-that never answers. And :func:`dedupstore.steps.fan`, the fan-out both faces share.
+``AsyncConnectionPool``; Cosmos DB: ``azure.cosmos.aio``) on the loop, not in threads; a
+task cancelled in the middle of such a call leaves what a retry repairs; each call keeps
+its deadline against a server that never answers. And :func:`dedupstore.steps.fan`, the
+fan-out both faces share.
 
 Every async twin sends each request through one method, ``_bounded(..., pending)``
 (``pending``: the request's awaitable, not yet started): :class:`_NativeGate` holds a
@@ -11,21 +12,23 @@ chosen request there, before it leaves or after the server answered it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
 from dedupstore import aio, open_store, steps
-from dedupstore.errors import StoreUnavailable
+from dedupstore.errors import ConcurrencyConflict, StoreUnavailable
 from dedupstore.outbox import Message, message_key
 from dedupstore.steps import Steps, arun, fan, io, run
 from dedupstore.store import DeduplicationStore
 from tests.proxy import TcpProxy
-from tests.servers import Server
+from tests.servers import CosmosEndpoint, Server
 
 
 def _no_threads() -> Any:
@@ -48,47 +51,113 @@ def _ids(n: int, tag: str) -> list[str]:
     return [f"{tag}-{i}" for i in range(n)]
 
 
+COSMOS_DATABASE = "dedupstore-aio-native"
+
+
 @dataclass
 class Native:
     """A backend with a native async driver, its server, and how a test keeps its data
-    apart (Redis: a key prefix; PostgreSQL: tables of its own)."""
+    apart (Redis: a key prefix; PostgreSQL: tables of its own; Cosmos DB: containers of
+    its own, made by the stores and deleted by the fixture). Emulator gaps
+    (``tests/test_cosmos.py``): Cosmos DB stores open with
+    ``allow_weak_consistency_for_emulator_only`` and ``endpoint_discovery=false``, over
+    plain HTTP as cosmosdb-server serves it."""
 
     name: str
-    url: str
+    server: Server
+    made: list[str] = field(default_factory=list)
 
-    def options(self, role: str, tag: str) -> dict[str, Any]:
+    @property
+    def url(self) -> str:
+        """The server's URL (what a proxy stands in for)."""
+        return self.server.url
+
+    @property
+    def cosmos(self) -> CosmosEndpoint:
+        """The server, a Cosmos DB endpoint (on ``cosmos`` only)."""
+        assert isinstance(self.server, CosmosEndpoint), self.name
+        return self.server
+
+    @property
+    def many(self) -> int:
+        """A batch of three chunks (two in flight) of the backend's stores."""
+        return {"redis": 2500, "postgres": 4500, "cosmos": 2100}[self.name]
+
+    def opening(
+        self, role: str, tag: str, via: str | None = None, **options: Any
+    ) -> tuple[str, dict[str, Any]]:
+        """The URL and options of ``role``'s store of the test ``tag`` (through ``via``, a
+        proxy's URL, if given)."""
         if self.name == "redis":
-            return {"key_prefix": f"{role}{tag}:"}
-        return {"table": f"native_{role}_{tag}", "create": True}
+            return via or self.url, {"key_prefix": f"{role}{tag}:", **options}
+        if self.name == "postgres":
+            return via or self.url, {"table": f"native_{role}_{tag}", "create": True, **options}
+        parts = urlsplit(via or self.url)
+        container = f"{role}-{tag}"
+        if container not in self.made:
+            self.made.append(container)
+        query = (
+            f"tls={'true' if parts.scheme == 'https' else 'false'}&endpoint_discovery=false"
+            "&allow_weak_consistency_for_emulator_only=true&create=true"
+        )
+        url = f"cosmos://{parts.netloc}/{COSMOS_DATABASE}/{container}?{query}"
+        return url, {"key": self.cosmos.key, **options}
 
-    async def store(self, tag: str, **options: Any) -> aio.AsyncDeduplicationStore:
-        return await aio.open_store(self.url, **{**self.options("d", tag), **options})
+    async def store(
+        self, tag: str, via: str | None = None, **options: Any
+    ) -> aio.AsyncDeduplicationStore:
+        url, given = self.opening("d", tag, via, **options)
+        return await aio.open_store(url, **given)
 
     async def entities(self, tag: str) -> aio.AsyncEntityStore:
-        return await aio.open_entity_store(self.url, **self.options("e", tag))
+        url, given = self.opening("e", tag)
+        return await aio.open_entity_store(url, **given)
 
     async def tokens(self, tag: str) -> aio.AsyncTokenStore:
-        return await aio.open_token_store(self.url, **self.options("t", tag))
+        url, given = self.opening("t", tag)
+        return await aio.open_token_store(url, **given)
 
     def twin_class(self) -> type:
         if self.name == "redis":
             from dedupstore.backends.redis._aio import AsyncRedisConnection
 
             return AsyncRedisConnection
-        from dedupstore.backends.postgres._aio import AsyncPostgresConnection
+        if self.name == "postgres":
+            from dedupstore.backends.postgres._aio import AsyncPostgresConnection
 
-        return AsyncPostgresConnection
+            return AsyncPostgresConnection
+        from dedupstore.backends.cosmos._aio import AsyncCosmosConnection
+
+        return AsyncCosmosConnection
+
+    def clean_up(self) -> None:
+        """Delete the Cosmos DB containers the test's stores made."""
+        if not self.made:
+            return
+        from azure.cosmos import CosmosClient
+        from azure.cosmos.exceptions import CosmosResourceNotFoundError
+
+        client = CosmosClient(**self.cosmos.client_kwargs)
+        try:
+            database = client.get_database_client(COSMOS_DATABASE)
+            for name in self.made:
+                with contextlib.suppress(CosmosResourceNotFoundError):  # (never made)
+                    database.delete_container(name)
+        finally:
+            client.close()
 
 
 @pytest.fixture(
     params=[
         pytest.param("redis", marks=pytest.mark.redis),
         pytest.param("postgres", marks=pytest.mark.postgres),
+        pytest.param("cosmos", marks=pytest.mark.cosmos),
     ]
 )
-def native(request: pytest.FixtureRequest) -> Native:
-    server: Server = request.getfixturevalue(f"{request.param}_server")
-    return Native(request.param, server.url)
+def native(request: pytest.FixtureRequest) -> Iterator[Native]:
+    made = Native(request.param, request.getfixturevalue(f"{request.param}_server"))
+    yield made
+    made.clean_up()
 
 
 def _tag() -> str:
@@ -111,7 +180,7 @@ def test_the_store_runs_on_its_async_driver_on_the_loop(
         try:
             await store.has_been_processed("warm")  # (PostgreSQL: the table made)
             monkeypatch.setattr(steps, "_executor", _no_threads)
-            ids = _ids(2500 if native.name == "redis" else 4500, "x")
+            ids = _ids(native.many, "x")
             assert await store.add("one") is True
             assert await store.add("one") is False
             assert await store.add_many(ids) == set(ids)
@@ -139,7 +208,7 @@ def test_the_token_store_runs_on_its_async_driver_on_the_loop(
         try:
             await tokens.present("warm")  # (PostgreSQL: the table made)
             monkeypatch.setattr(steps, "_executor", _no_threads)
-            made = {tid: "ep" for tid in _ids(2500, "t")}
+            made = {tid: "ep" for tid in _ids(native.many, "t")}
             await tokens.create(made)
             await tokens.create({"t-0": "ep", "lone": "other"})  # t-0 exists: unchanged
             assert await tokens.present("lone")
@@ -150,6 +219,44 @@ def test_the_token_store_runs_on_its_async_driver_on_the_loop(
         finally:
             monkeypatch.undo()
             await tokens.close()
+
+    asyncio.run(main())
+
+
+def test_the_entity_store_runs_on_its_async_driver_on_the_loop(
+    native: Native, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """load, save (new, then a stale version refused), load_many and save_many: every
+    driver call awaited on the loop (the offload threads refuse any call)."""
+
+    async def main() -> None:
+        entities = await native.entities(_tag())
+        try:
+            await entities.load("warm")  # (PostgreSQL: the table made)
+            monkeypatch.setattr(steps, "_executor", _no_threads)
+            entity = await entities.load("a")
+            assert entity.version is None
+            entity.state["n"] = 1
+            saved = await entities.save(entity)
+            assert saved.version is not None
+            stale = await entities.load("a")
+            assert stale.state == {"n": 1} and stale.version == saved.version
+            stale.state["n"] = 2
+            await entities.save(stale)
+            saved.state["n"] = 3
+            with pytest.raises(ConcurrencyConflict):
+                await entities.save(saved)
+            many = [await entities.load(f"m{i}") for i in range(5)]
+            for i, one in enumerate(many):
+                one.state["i"] = i
+            assert await entities.save_many(many) == set()
+            loaded = await entities.load_many([f"m{i}" for i in range(5)] + ["a"])
+            assert [loaded[f"m{i}"].state["i"] for i in range(5)] == list(range(5))
+            assert loaded["a"].state == {"n": 2}
+            assert isinstance(_twin(entities), native.twin_class())
+        finally:
+            monkeypatch.undo()
+            await entities.close()
 
     asyncio.run(main())
 
@@ -240,7 +347,8 @@ def test_a_store_used_on_loop_after_loop_keeps_one_twin(native: Native) -> None:
     """A sync store awaited through the async face from one ``asyncio.run()`` after
     another (no async ``close()``): each loop gets a twin of its own (one bound to an
     ended loop cannot serve), and those of ended loops are dropped, not kept."""
-    sync = open_store(native.url, **native.options("l", _tag()))
+    url, options = native.opening("l", _tag())
+    sync = open_store(url, **options)
     store = aio.AsyncDeduplicationStore(sync)
     try:
         for i in range(3):
@@ -331,24 +439,38 @@ class _NativeGate:
 
 
 async def _cancelled_then_retried(
-    native: Native, where: str, call: Callable[[Any], Coroutine[Any, Any, Any]], fresh: Any
+    native: Native,
+    where: str,
+    call: Callable[[Any], Coroutine[Any, Any, Any]],
+    fresh: Any,
+    held: str,
 ) -> None:
-    """``call(store)`` cancelled with its write held ``where``; then retried on the same
-    store object: the retry reports the ids as recorded by it (``fresh``), once; another
-    store object of the endpoint sees them recorded, not new."""
+    """``call(store)`` cancelled with its first request (a write of the id ``held``) held
+    ``where`` (on Cosmos DB, its other writes, one per id, in flight beside it: done or
+    cancelled with it); then retried on the same store object: the retry reports the ids
+    as recorded by it (``fresh``), once; another store object of the endpoint sees them
+    recorded, not new."""
     tag = _tag()
     store = await native.store(tag)
     try:
-        await store.has_been_processed("warm")  # (the connections made)
+        assert not await store.has_been_processed("warm")  # (the connections made)
         gate = _NativeGate(1, where)
         gate.wrap(_twin(store))
         task = asyncio.create_task(call(store))
         await asyncio.wait_for(gate.entered.wait(), 30)
         task.cancel()
+        await asyncio.wait([task], timeout=15)
+        if not task.done():  # it waits for its held request: release it, then fail
+            for other_task in asyncio.all_tasks() - {task, asyncio.current_task()}:
+                other_task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            pytest.fail("the cancelled call waited for its held request instead of cancelling it")
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert gate.sent == (1 if where == "after" else 0)
         gate.restore()
+        # the held write: never sent, or landed with its answer lost
+        assert await store.has_been_processed(held) is (where == "after")
         assert await call(store) == fresh, "the retry on the same object"
         assert not await call(store), "a second retry"
         other = await native.store(tag)
@@ -375,7 +497,8 @@ def test_a_native_write_cancelled_in_flight_is_repaired_by_a_retry(
         return await (store.add("only") if kind == "add" else store.add_many(ids))
 
     fresh = True if kind == "add" else set(ids)
-    asyncio.run(_cancelled_then_retried(native, where, call, fresh))
+    held = "only" if kind == "add" else ids[0]  # (Cosmos DB: the first task's request first)
+    asyncio.run(_cancelled_then_retried(native, where, call, fresh, held))
 
 
 @pytest.mark.redis
@@ -389,38 +512,98 @@ def test_the_cancellation_check_catches_a_store_that_forgets_its_tokens(
     async def call(store: Any) -> Any:
         return await store.add("only")
 
-    native = Native("redis", redis_server.url)
+    native = Native("redis", redis_server)
     with pytest.raises(AssertionError, match="the retry on the same object"):
-        asyncio.run(_cancelled_then_retried(native, "after", call, True))
+        asyncio.run(_cancelled_then_retried(native, "after", call, True, "only"))
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 def test_a_native_store_call_to_a_server_that_never_answers_ends_within_its_deadline(
     native: Native,
 ) -> None:
-    """Against a server that accepts and never answers, a native ``add`` raises
-    ``StoreUnavailable`` within the store's deadline (Redis: ``connect_timeout +
-    (retries + 1) x timeout``; PostgreSQL: ``connect_timeout + timeout + min(1 s,
-    timeout / 2)``); a retry after the server is back reports the id as recorded by it."""
+    """Against a server that accepts and never answers, a native ``add`` and a native read
+    raise ``StoreUnavailable`` within the store's deadline (Redis and Cosmos DB:
+    ``connect_timeout + (retries + 1) x timeout``; PostgreSQL: ``connect_timeout + timeout
+    + min(1 s, timeout / 2)``); a retry after the server is back reports the id as
+    recorded by it."""
 
     async def main(proxy: TcpProxy) -> None:
-        url = proxy.url(native.url)
-        options = {"timeout": 0.5, "connect_timeout": 0.5}
-        if native.name == "redis":
+        options: dict[str, Any] = {"timeout": 0.5, "connect_timeout": 0.5}
+        if native.name != "postgres":
             options["retries"] = 1
-        store = await aio.open_store(url, **native.options("h", _tag()), **options)
+        store = await native.store(_tag(), via=proxy.url(native.url), **options)
         try:
             assert await store.add("warm")
+            assert isinstance(_twin(store), native.twin_class())
             deadline = store.sync._deadline_seconds()
             await asyncio.to_thread(proxy.reset)
             await asyncio.to_thread(proxy.outage, "hang")
-            began = time.monotonic()
-            with pytest.raises(StoreUnavailable):
-                await store.add("stalled")
-            took = time.monotonic() - began
-            assert took < deadline + 3.0, (took, deadline)  # slack for a busy machine
+            for call in (store.add, store.has_been_processed):
+                began = time.monotonic()
+                with pytest.raises(StoreUnavailable):
+                    await call("stalled")
+                took = time.monotonic() - began
+                assert took < deadline + 3.0, (call, took, deadline)  # slack: a busy machine
             await asyncio.to_thread(proxy.restore)
             assert await recovered(store, "stalled") is True
+        finally:
+            await store.close()
+
+    with TcpProxy.for_url(native.url) as proxy:
+        asyncio.run(main(proxy))
+
+
+@pytest.mark.cosmos
+@pytest.mark.timeout(90)
+def test_a_native_cosmos_read_whose_reply_is_cut_short_is_unavailable_not_absent(
+    cosmos_server: CosmosEndpoint,
+) -> None:
+    """A reply cut after its headers (a server killed while writing it) is a lost answer on
+    the native path too: ``StoreUnavailable``, never "not processed"."""
+    native = Native("cosmos", cosmos_server)
+
+    async def main(proxy: TcpProxy) -> None:
+        store = await native.store(_tag(), via=proxy.url(native.url), timeout=2, retries=1)
+        try:
+            assert await store.add("there")
+            assert isinstance(_twin(store), native.twin_class())
+            await asyncio.to_thread(proxy.cut_replies, lambda reply: reply.find(b"\r\n\r\n") + 4)
+            with pytest.raises(StoreUnavailable):
+                await store.has_been_processed("there")
+            with pytest.raises(StoreUnavailable):
+                await store.processed_among(["there", "else"])
+            await asyncio.to_thread(proxy.restore)
+            assert await store.has_been_processed("there")
+        finally:
+            await store.close()
+
+    try:
+        with TcpProxy.for_url(native.url) as proxy:
+            asyncio.run(main(proxy))
+    finally:
+        native.clean_up()
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(60)
+def test_the_async_pool_makes_connections_long_after_its_first_call(
+    postgres_server: Server,
+) -> None:
+    """The async pool's workers make every connection after its first call's: they are
+    not bound by that call's deadline (a task copies the context it is made in). Once it
+    has passed, connections the server lost are replaced and calls go on."""
+    native = Native("postgres", postgres_server)
+
+    async def main(proxy: TcpProxy) -> None:
+        store = await native.store(
+            _tag(), via=proxy.url(native.url), timeout=0.5, connect_timeout=0.5
+        )
+        try:
+            assert await store.add("first")  # the pool and its workers made in this call
+            await asyncio.sleep(store.sync._deadline_seconds() + 0.5)  # its deadline passed
+            await asyncio.to_thread(proxy.reset)  # every connection lost
+            assert await recovered(store, "later") is True
+            assert await store.processed_among(["first", "later"]) == {"first", "later"}
         finally:
             await store.close()
 

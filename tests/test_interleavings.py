@@ -276,21 +276,8 @@ def test_the_async_face_explores_the_native_store_calls(
         return await real(self, *args)
 
     monkeypatch.setattr(twin, "_bounded", counted)
-    case = EVERY_SCENARIO[scenario]
-    cleanup = "deferred" if case.where["deferred"] else "inline"
-    patient = outbox_patient(outbox_backend.name)
-    runs = explore(
-        case.scenario(cleanup),
-        functools.partial(outbox_backend.entities, **patient),
-        functools.partial(outbox_backend.dedup, **patient),
-        crash_actor=case.crash,
-        token_store=(
-            functools.partial(outbox_backend.tokens, **patient) if case.tokens != "off" else None
-        ),
-        limit=20,
-        face="async",
-    )
-    assert runs >= 3
+    cleanup = "deferred" if EVERY_SCENARIO[scenario].where["deferred"] else "inline"
+    runs = _explore_case(outbox_backend, cleanup, scenario, "async", limit=20)
     assert native >= runs * 2, (native, runs)
 
 
@@ -299,7 +286,10 @@ def _explore_case(
     cleanup: Literal["inline", "deferred"],
     scenario: str,
     face: Literal["sync", "async"],
-) -> None:
+    limit: int | None = None,
+) -> int:
+    """Explore the case's schedules (at most ``limit``, else the case's own limit) and
+    return how many ran."""
     case = EVERY_SCENARIO[scenario]
     patient = outbox_patient(outbox_backend.name)  # (the harness checks the algorithm)
     runs = explore(
@@ -310,10 +300,11 @@ def _explore_case(
         token_store=(
             functools.partial(outbox_backend.tokens, **patient) if case.tokens != "off" else None
         ),
-        limit=case.limit,
+        limit=case.limit if limit is None else limit,
         face=face,
     )
     assert runs >= 3, f"only {runs} schedules: the harness did not interleave"
+    return runs
 
 
 # ---------------------------------------------------------------------- broken variants

@@ -39,7 +39,6 @@ from collections.abc import Awaitable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import aiohttp
-from azure.core import MatchConditions
 from azure.core.exceptions import ServiceRequestError, ServiceResponseError
 from azure.core.pipeline.transport import AioHttpTransport
 from azure.cosmos.aio import CosmosClient
@@ -47,7 +46,16 @@ from azure.cosmos.exceptions import CosmosHttpResponseError
 
 from dedupstore.backend import Client, DeadlinePassed, Options, StoreURL, cut_short, time_left
 
-from ._client import _names, account_key, client_settings, creation_error, endpoint_of
+from ._client import (
+    _names,
+    account_key,
+    client_settings,
+    creation_error,
+    endpoint_of,
+    if_unchanged,
+    refused_status,
+    written,
+)
 
 if TYPE_CHECKING:
     from azure.cosmos.aio import ContainerProxy
@@ -176,17 +184,21 @@ class AsyncCosmosConnection:
                 result = await self._bounded(container.create_item(item))
             else:
                 result = await self._bounded(
-                    container.replace_item(
-                        item["id"], item, etag=etag, match_condition=MatchConditions.IfNotModified
-                    )
+                    container.replace_item(item["id"], item, **if_unchanged(etag))
                 )
         except CosmosHttpResponseError as exc:
-            status = exc.status_code or 0
-            if status in ((409,) if etag is None else (404, 412)):
-                return status, None
-            raise
-        new_etag = result.get("_etag") if result else None
-        return (201 if etag is None else 200), str(new_etag) if new_etag else None
+            return refused_status(exc, "write", etag), None
+        return written(result, etag)
+
+    async def delete(self, client: Client, doc_id: str, etag: str | None = None) -> int:
+        """``CosmosConnection.delete``: 204, or a refusal's status (404; 412 with ``etag``).
+        Other errors propagate."""
+        container = self.container(client)
+        try:
+            await self._bounded(container.delete_item(doc_id, doc_id, **if_unchanged(etag)))
+        except CosmosHttpResponseError as exc:
+            return refused_status(exc, "delete", etag)
+        return 204
 
     async def _bounded(self, pending: Awaitable[_T]) -> _T:
         """``pending`` (one SDK call, not started yet), awaited within the time left of the

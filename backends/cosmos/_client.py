@@ -336,6 +336,39 @@ CONNECTION_OPTIONS: Final[tuple[Option, ...]] = (
 )
 
 
+#: The statuses that refuse a write or a delete (not errors), without and with an etag.
+_REFUSALS: Final[Mapping[tuple[str, bool], tuple[int, ...]]] = {
+    ("write", False): (409,),  # a create: the id exists
+    ("write", True): (404, 412),  # a replace: gone, or changed since
+    ("delete", False): (404,),  # gone already
+    ("delete", True): (404, 412),
+}
+
+
+def refused_status(exc: CosmosHttpResponseError, verb: str, etag: str | None) -> int:
+    """The status of a refusal of a ``verb`` (``"write"`` or ``"delete"``, with ``etag`` or
+    not; ``CosmosConnection.write``, ``.delete``); re-raises ``exc`` for any other error."""
+    status = exc.status_code or 0
+    if status in _REFUSALS[verb, etag is not None]:
+        return status
+    raise exc
+
+
+def if_unchanged(etag: str | None) -> dict[str, Any]:
+    """The SDK's keyword arguments that make a request conditional on ``etag`` (none without)."""
+    if etag is None:
+        return {}
+    return {"etag": etag, "match_condition": MatchConditions.IfNotModified}
+
+
+def written(result: Mapping[str, Any] | None, etag: str | None) -> tuple[int, str | None]:
+    """A write's answer (``CosmosConnection.write``): 201 for a create (no ``etag``), 200 for a
+    replace, with the new ``_etag`` from the body, which is this request's own (``None`` if
+    not answered)."""
+    new_etag = result.get("_etag") if result else None
+    return (201 if etag is None else 200), str(new_etag) if new_etag else None
+
+
 class CosmosConnection(Connection):
     """The ``CosmosClient`` of one account (host, port, key) in one process, shared by the stores of
     every database and container there. Each store names it as its ``connection_class``, reaches it
@@ -503,32 +536,19 @@ class CosmosConnection(Connection):
             if etag is None:
                 result = container.create_item(item)
             else:
-                result = container.replace_item(
-                    item["id"], item, etag=etag, match_condition=MatchConditions.IfNotModified
-                )
+                result = container.replace_item(item["id"], item, **if_unchanged(etag))
         except CosmosHttpResponseError as exc:
-            status = exc.status_code or 0
-            if status in ((409,) if etag is None else (404, 412)):
-                return status, None
-            raise
-        # from the body, which is this request's own
-        new_etag = result.get("_etag") if result else None
-        return (201 if etag is None else 200), str(new_etag) if new_etag else None
+            return refused_status(exc, "write", etag), None
+        return written(result, etag)
 
     def delete(self, client: Client, doc_id: str, etag: str | None = None) -> int:
         """Delete the item ``doc_id`` of ``client``'s container (with ``etag``: only if its
         ``_etag`` is still that): 204, or the status of a refusal: 404 (no such item, gone already;
         a missing container fails the next read) or 412 (changed since). Other errors propagate."""
-        condition: dict[str, Any] = (
-            {} if etag is None else {"etag": etag, "match_condition": MatchConditions.IfNotModified}
-        )
         try:
-            self.container(client).delete_item(doc_id, doc_id, **condition)
+            self.container(client).delete_item(doc_id, doc_id, **if_unchanged(etag))
         except CosmosHttpResponseError as exc:
-            status = exc.status_code or 0
-            if status == 404 or (status == 412 and etag is not None):
-                return status
-            raise
+            return refused_status(exc, "delete", etag)
         return 204
 
     def query(

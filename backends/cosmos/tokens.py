@@ -39,12 +39,14 @@ from dedupstore.backend import (
     ConfigurationError,
     Connected,
     OptionSet,
+    Steps,
     StoreURL,
     TokenRecord,
     TokenStore,
+    io,
 )
 
-from ._client import CONNECTION_OPTIONS, ContainerKind, CosmosConnection
+from ._client import CONNECTION_OPTIONS, ContainerKind, CosmosConnection, side_by_side
 
 if TYPE_CHECKING:
     from azure.cosmos import ContainerProxy
@@ -151,25 +153,33 @@ class CosmosTokenStore(TokenStore):
             )
         return endpoint, float(created)
 
-    def _read(self, ids: list[str]) -> set[str]:
+    def _read(self, ids: list[str]) -> Steps[set[str]]:
         """Those of ``ids`` whose token exists; ``ConfigurationError`` if an item is not ours."""
-        found = self._cosmos.read_many(self, {tid: token_document_id(tid) for tid in ids})
+        found = yield from io(
+            self._cosmos.read_many, self, {tid: token_document_id(tid) for tid in ids}
+        )
         for tid, item in found.items():
             self._check_item(item, tid)
         return set(found)
 
-    def _create(self, records: list[TokenRecord]) -> None:
-        def create(record: TokenRecord) -> tuple[str, int]:
-            return record.id, self._cosmos.write(self, self._item(record))[0]
+    def _create(self, records: list[TokenRecord]) -> Steps[None]:
+        def create(record: TokenRecord) -> Steps[tuple[str, int]]:
+            answer = yield from io(self._cosmos.write, self, self._item(record))
+            return record.id, answer[0]
 
-        existing = [tid for tid, status in self._cosmos.parallel(create, records) if status == 409]
-        self._read(existing)  # left as they are; only checked to be tokens
+        created = yield from side_by_side(self, (create(r) for r in records))
+        existing = [tid for tid, status in created if status == 409]
+        if existing:
+            yield from self._read(existing)  # left as they are; only checked to be tokens
 
-    def _present(self, ids: list[str]) -> set[str]:
-        return self._read(ids)
+    def _present(self, ids: list[str]) -> Steps[set[str]]:
+        return (yield from self._read(ids))
 
-    def _delete(self, ids: list[str]) -> None:
-        self._cosmos.parallel(lambda tid: self._cosmos.delete(self, token_document_id(tid)), ids)
+    def _delete(self, ids: list[str]) -> Steps[None]:
+        def delete(token_id: str) -> Steps[int]:
+            return (yield from io(self._cosmos.delete, self, token_document_id(token_id)))
+
+        yield from side_by_side(self, (delete(tid) for tid in ids))
 
     def _scan(self) -> Iterator[TokenRecord]:
         """One cross-partition query, pages of :attr:`page_size` items fetched as the

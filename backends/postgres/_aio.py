@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any, Self, TypeVar
@@ -87,11 +88,21 @@ class _OwnAsyncPool(AsyncConnectionPool["AsyncPgConnection"]):
     async def getconn(self, timeout: float | None = None) -> AsyncPgConnection:
         if not self._started:
             self._started = True
-            await self.open(wait=False)
-            self._keeper = asyncio.get_running_loop().create_task(
-                self._closed_with_loop(), name="dedupstore-aio-pool-keeper"
+            # The pool's workers (which make every connection from then on) and its keeper
+            # start in a context of their own: a task copies the context it is made in,
+            # and this one is a call's, whose deadline would bound (and, once passed, fail)
+            # every connection the workers make after it.
+            start = asyncio.get_running_loop().create_task(
+                self._start(), context=contextvars.Context()
             )
+            await asyncio.shield(start)  # (a cancelled first call leaves the pool opened)
         return await super().getconn(timeout)
+
+    async def _start(self) -> None:
+        await self.open(wait=False)
+        self._keeper = asyncio.get_running_loop().create_task(
+            self._closed_with_loop(), name="dedupstore-aio-pool-keeper"
+        )
 
     async def _closed_with_loop(self) -> None:
         """Close the pool when this task is cancelled: ``asyncio.run()`` cancels every
