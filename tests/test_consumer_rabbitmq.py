@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from dedupstore.entities import OutgoingMessage
 from dedupstore.errors import ConfigurationError, StoreUnavailable
 from dedupstore.outbox import Message, OutboxProcessor, Send
 from tests.aio_faces import FACES, consumer_of, opened_broker, unwrapped
+from tests.proxy import TcpProxy
 from tests.servers import HOST, RabbitMQServer, Server, free_port
 from tests.test_readme import example, run_python, runs, succeeded, user_env
 
@@ -322,6 +324,93 @@ def test_a_lost_connection_is_unavailable_then_reconnected(
         assert broker.pending() == 0
     finally:
         broker.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_broker_that_never_answers_is_unavailable_within_the_deadline(
+    face: str, rabbitmq_server: Server
+) -> None:
+    """Against a broker that stops answering (its open connection frozen, new ones
+    accepted and never answered), each call needing an answer raises ``StoreUnavailable``
+    within ``(retries + 1) x (connect_timeout + timeout)``: ``pending`` on the frozen
+    connection, then ``fetch`` connecting again; a fetch that gets nothing within its
+    ``wait`` on a live-looking connection returns nothing. Once the broker answers again,
+    the consumer connects again and gets what it held (requeued)."""
+    url, queue = rabbitmq_server.url, _queue()
+    with open_dispatcher(url, declare_queues=True) as dispatcher:
+        dispatcher.dispatch(_msgs(queue, 1))
+    deadline = (0 + 1) * (0.5 + 0.5)
+    with TcpProxy.for_url(url) as proxy:
+        broker = opened_broker(
+            face, proxy.url(url), queue=queue, connect_timeout=0.5, timeout=0.5, retries=0
+        )
+        try:
+            [held] = _fetch_until(broker, 1)
+            proxy.freeze()
+            proxy.outage("hang")
+            began = time.monotonic()
+            assert broker.fetch(10, 0.2) == []  # nothing arrives on a frozen connection
+            with pytest.raises(StoreUnavailable):
+                broker.pending()
+            took = time.monotonic() - began
+            assert took < 0.2 + deadline + 3.0, took  # slack for a busy machine
+            proxy.reset()
+            began = time.monotonic()
+            with pytest.raises(StoreUnavailable):
+                broker.fetch(10, 0.2)  # connecting again: never answered
+            took = time.monotonic() - began
+            assert took < deadline + 3.0, took
+            proxy.restore()
+            got = _fetch_until(broker, 1)
+            assert [d.headers["id"] for d in got] == [held.headers["id"]]
+            assert got[0].token.redelivered, "held when the connection froze: requeued"
+            broker.ack(got)
+        finally:
+            broker.close()
+
+
+@pytest.mark.timeout(120)
+def test_an_async_call_cancelled_in_flight_leaves_the_broker_whole(
+    rabbitmq_server: Server,
+) -> None:
+    """A task cancelled inside an aio-pika call waiting for the broker's answer (the
+    connection frozen) ends within the 2 s it gives a connection to close, not at its
+    deadline; the next call connects again: what the lost connection held comes back
+    redelivered with the rest, and an ack of the lost channel's token is ignored."""
+    url, queue = rabbitmq_server.url, _queue()
+    with open_dispatcher(url, declare_queues=True) as dispatcher:
+        dispatcher.dispatch(_msgs(queue, 2))
+
+    async def main(proxy: TcpProxy) -> None:
+        broker = await AioPikaBroker(proxy.url(url), queue=queue, prefetch=1, timeout=5).open()
+        try:
+            held = await broker.fetch(1, 2.0)
+            assert [d.headers["id"] for d in held] == ["m0"]
+            await asyncio.to_thread(proxy.freeze)
+            task = asyncio.create_task(broker.pending())
+            await asyncio.sleep(0.2)
+            began = time.monotonic()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert time.monotonic() - began < 3.0, "the cancelled call waited for its answer"
+            await asyncio.to_thread(proxy.restore)
+            await broker.ack(held)  # a token of the dropped channel: ignored
+            got = []
+            for _ in range(20):
+                fetched = await broker.fetch(1, 0.5)
+                await broker.ack(fetched)
+                got += fetched
+                if len(got) == 2:
+                    break
+            assert [d.headers["id"] for d in got] == ["m0", "m1"]
+            assert got[0].token.redelivered, "held when the call was cancelled: requeued"
+            assert await broker.pending() == 0
+        finally:
+            await broker.close()
+
+    with TcpProxy.for_url(url) as proxy:
+        asyncio.run(main(proxy))
 
 
 def test_a_missing_queue_without_create_is_no_such_store(

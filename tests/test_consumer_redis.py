@@ -305,3 +305,49 @@ def test_an_async_call_to_a_server_that_never_answers_ends_within_its_deadline(
             assert [d.headers["id"] for d in broker.fetch(10, 0.2)] == ["m1"]
         finally:
             broker.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_async_call_cancelled_in_flight_leaves_the_broker_whole(
+    redis_server: Server, admin: redis.Redis
+) -> None:
+    """A task cancelled while its ``redis.asyncio`` command waits for the reply (the
+    server paused by ``CLIENT PAUSE``) ends at once, not at its deadline; the reply that
+    arrives after the pause is never read as a later call's answer; and the broker goes
+    on: a cancelled ``pending`` is followed by a right fetch, a cancelled ``ack`` by an
+    ack that settles it (acks are idempotent), and nothing stays pending."""
+    import asyncio
+
+    stream = f"s-{_tag()}"
+    for i in range(2):
+        admin.xadd(stream, {"id": f"m{i}", "correlation_id": "a", "body": "{}"})
+
+    async def cancelled_in_a_pause(call: Any) -> None:
+        await asyncio.to_thread(admin.execute_command, "CLIENT", "PAUSE", 1000, "ALL")
+        task = asyncio.create_task(call)
+        await asyncio.sleep(0.2)
+        began = time.monotonic()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert time.monotonic() - began < 0.5, "the cancelled call waited for its reply"
+        await asyncio.sleep(1.0)  # the pause is over: the held reply was sent
+
+    async def main() -> None:
+        broker = await AsyncRedisStreamsBroker(
+            redis_server.url, stream=stream, group="g", timeout=5
+        ).open()
+        try:
+            [first] = await broker.fetch(1, 0.5)
+            await cancelled_in_a_pause(broker.pending())
+            [second] = await broker.fetch(1, 0.5)
+            assert [first.headers["id"], second.headers["id"]] == ["m0", "m1"]
+            assert await broker.pending() == 2
+            await cancelled_in_a_pause(broker.ack([first]))
+            await broker.ack([first, second])
+            assert await broker.pending() == 0
+            assert await broker.fetch(10, 0.2) == []
+        finally:
+            await broker.close()
+
+    asyncio.run(main())
