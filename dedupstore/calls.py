@@ -213,6 +213,20 @@ async def aretry(
     deadline; raises the last error (never retrying :class:`DeadlinePassed`).
     ``before_sleep`` is called (with tenacity's state) before each pause."""
 
+    def wanted(error: BaseException) -> bool:
+        return not isinstance(error, DeadlinePassed) and retry_on(error)
+
+    # As in retry(): the first attempt runs outside tenacity (a call that succeeds need
+    # not pay its bookkeeping, a cost per call on the event loop); tenacity then replays
+    # its error as its own first attempt.
+    try:
+        return await fn()
+    except Exception as exc:
+        if not wanted(exc):
+            raise
+        failed: BaseException = exc
+    replayed = False
+
     def stop(state: RetryCallState) -> bool:
         if attempts is not None and state.attempt_number >= attempts:
             return True
@@ -222,13 +236,17 @@ async def aretry(
     retrying = AsyncRetrying(
         stop=stop,
         wait=BACKOFF,
-        retry=retry_if_exception(lambda exc: not isinstance(exc, DeadlinePassed) and retry_on(exc)),
+        retry=retry_if_exception(wanted),
         before_sleep=before_sleep,
         reraise=True,
     )
 
     async def attempt() -> T:  # (tenacity calls a plain callable without awaiting it)
-        return await fn()
+        nonlocal replayed
+        if replayed:
+            return await fn()
+        replayed = True
+        raise failed
 
     result: T = await retrying(attempt)
     return result

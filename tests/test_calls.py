@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import tenacity
@@ -402,5 +403,46 @@ def test_aretry_awaits_retries_what_it_is_told_and_never_past_the_deadline(
         with pytest.raises(DeadlinePassed):
             await aretry(late, attempts=5, retry_on=lambda e: True)
         assert len(tries) == 1
+
+    asyncio.run(main())
+
+
+def test_aretry_runs_a_first_attempt_that_succeeds_outside_tenacity(
+    no_backoff: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As ``retry``: a call that succeeds at once pays none of tenacity's bookkeeping (a
+    cost per store call on the event loop: ``make bench-aio``); one that fails is
+    replayed to tenacity as its first attempt, so its attempts, pauses and
+    ``before_sleep`` count as before."""
+    import asyncio
+
+    from dedupstore import calls
+
+    real = calls.AsyncRetrying
+    made: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        made.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(calls, "AsyncRetrying", counted)
+    tries: list[int] = []
+    slept: list[int] = []
+
+    async def flaky() -> str:
+        tries.append(1)
+        if len(tries) < 2:
+            raise ConnectionError("reset")
+        return "ok"
+
+    async def main() -> None:
+        async def fine() -> str:
+            return "fine"
+
+        assert await calls.aretry(fine, attempts=3, retry_on=lambda e: True) == "fine"
+        assert made == []
+        before = lambda state: slept.append(state.attempt_number)  # noqa: E731
+        assert await calls.aretry(flaky, attempts=2, retry_on=lambda e: True, before_sleep=before)
+        assert (len(tries), slept, made) == (2, [1], [1])
 
     asyncio.run(main())
