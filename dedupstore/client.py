@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import contextvars
 import functools
 import inspect
 import logging
@@ -260,12 +261,19 @@ class AsyncConnection(Protocol):
 
 class _Held:
     """The connection of one client alone (an async twin, :meth:`Client._async_twin`),
-    in the place of its :class:`ProcessLocal` handle; closed by
-    :meth:`Client.close_async_twins`."""
+    in the place of its :class:`ProcessLocal` handle; closed by :meth:`aclose`
+    (:meth:`Client.close_async_twins`), or when its loop ends its tasks."""
 
-    def __init__(self, connection: Any, key: Hashable | None) -> None:
+    def __init__(self, connection: AsyncConnection, key: Hashable | None) -> None:
         self.connection = connection
         self.key = key
+        # In a context of its own: this one may be a call's (its deadline), and a task
+        # copies the context it is made in.
+        self._keeper = asyncio.get_running_loop().create_task(
+            _closed_with_loop(connection),
+            name="dedupstore-aio-twin-keeper",
+            context=contextvars.Context(),
+        )
 
     def get(self) -> Any:
         return self.connection
@@ -274,7 +282,40 @@ class _Held:
         return self.connection
 
     def close(self) -> None:
-        """Nothing here: :meth:`Client.close_async_twins` awaits the connection's ``close``."""
+        """Nothing here: :meth:`aclose` (or the end of the loop) closes the connection."""
+
+    async def aclose(self) -> None:
+        """Close the connection (by its keeper, which closes it once cancelled); its
+        error, if its ``close`` raised one."""
+        keeper = self._keeper
+        keeper.cancel()
+        await asyncio.wait([keeper])
+        if not keeper.cancelled():
+            keeper.result()
+
+
+async def _closed_with_loop(connection: AsyncConnection) -> None:
+    """Close ``connection`` when this task is cancelled: by :meth:`_Held.aclose`, or by
+    ``asyncio.run()``, which cancels every task of its loop as it ends, so that a twin its
+    user did not close releases its sockets there (and a pool's workers, which may
+    swallow a cancellation, end rather than hang the end of ``asyncio.run()``). A loop
+    closed without ending its tasks leaves this one pending, as it leaves any."""
+    loop = asyncio.get_running_loop()
+    try:
+        await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        await connection.close()
+        raise
+    except GeneratorExit:  # collected, not cancelled: its loop ended without ending its
+        if _running_loop() is loop:  # tasks (there is no loop to close the connection on)
+            raise
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 class Connection(abc.ABC):
@@ -694,7 +735,7 @@ class Client(Closing, abc.ABC):
         mine = twins.pop(asyncio.get_running_loop(), None)
         twins.clear()
         if mine is not None and mine is not self:
-            await cast(AsyncConnection, mine._connection_handle.get()).close()
+            await cast(_Held, mine._connection_handle).aclose()
 
     def _classify_error(self, exc: BaseException) -> ErrorKind:
         """Map a driver exception to an error class (or a ready error); ``None`` if foreign.

@@ -69,8 +69,7 @@ class _OwnAsyncPool(AsyncConnectionPool["AsyncPgConnection"]):
 
     def __init__(self, info: str, **kwargs: Any) -> None:
         self.last_failure: tuple[float, psycopg.Error] | None = None
-        self._started = False
-        self._keeper: asyncio.Task[None] | None = None
+        self._opening: asyncio.Task[None] | None = None
         pool = self
 
         class RecordingConnection(psycopg.AsyncConnection[TupleRow]):
@@ -86,47 +85,17 @@ class _OwnAsyncPool(AsyncConnectionPool["AsyncPgConnection"]):
         super().__init__(info, connection_class=RecordingConnection, open=False, **kwargs)
 
     async def getconn(self, timeout: float | None = None) -> AsyncPgConnection:
-        if not self._started:
-            self._started = True
-            # The pool's workers (which make every connection from then on) and its keeper
-            # start in a context of their own: a task copies the context it is made in,
-            # and this one is a call's, whose deadline would bound (and, once passed, fail)
-            # every connection the workers make after it.
-            start = asyncio.get_running_loop().create_task(
-                self._start(), context=contextvars.Context()
+        if self._opening is None:
+            # The pool's workers (which make every connection from then on) start in a
+            # context of their own: a task copies the context it is made in, and this one
+            # is a call's, whose deadline would bound (and, once passed, fail) every
+            # connection the workers make after it.
+            self._opening = asyncio.get_running_loop().create_task(
+                self.open(wait=False), context=contextvars.Context()
             )
-            await asyncio.shield(start)  # (a cancelled first call leaves the pool opened)
+        if not self._opening.done():  # (the calls that came meanwhile wait for it too;
+            await asyncio.shield(self._opening)  # a cancelled one leaves it opening)
         return await super().getconn(timeout)
-
-    async def _start(self) -> None:
-        await self.open(wait=False)
-        self._keeper = asyncio.get_running_loop().create_task(
-            self._closed_with_loop(), name="dedupstore-aio-pool-keeper"
-        )
-
-    async def _closed_with_loop(self) -> None:
-        """Close the pool when this task is cancelled: ``asyncio.run()`` cancels every
-        task as it ends, and the pool's own workers swallow a cancellation (psycopg_pool
-        keeps its state whole through one), so a pool left open would hang the end of
-        ``asyncio.run()`` for ever; this task closes it then, and the workers end. (A
-        loop closed without ending its tasks leaves them pending, as it leaves any.)"""
-        loop = asyncio.get_running_loop()
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            await self.close(timeout=1.0)
-            raise
-        except GeneratorExit:  # collected, not cancelled: its loop ended without ending
-            if _running() is loop:  # its tasks, or the pool was dropped open
-                raise
-            return  # (there is no loop to close the pool on)
-
-
-def _running() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
 
 
 class AsyncPostgresConnection:
@@ -274,7 +243,6 @@ class AsyncPostgresConnection:
         )
 
     async def close(self) -> None:
-        """Close the pool (its connections)."""
+        """Close the pool (its connections and workers: the client's keeper calls this
+        when the loop ends, since psycopg_pool's workers swallow a cancellation)."""
         await self.pool.close(timeout=5.0)
-        if self.pool._keeper is not None:
-            self.pool._keeper.cancel()

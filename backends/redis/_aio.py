@@ -191,5 +191,5 @@ class AsyncRedisConnection:
             self._slots.release()
 
     async def close(self) -> None:
-        """Disconnect the pool."""
-        await self.client.aclose()
+        """Disconnect the pool (a ``Redis`` given its pool leaves it open by default)."""
+        await self.client.aclose(close_connection_pool=True)
