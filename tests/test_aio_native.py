@@ -649,6 +649,50 @@ def test_the_async_pool_makes_connections_long_after_its_first_call(
         asyncio.run(main(proxy))
 
 
+@pytest.mark.postgres
+@pytest.mark.timeout(60)
+def test_a_statement_cancelled_against_a_frozen_server_ends_at_its_alarm(
+    postgres_server: Server,
+) -> None:
+    """A task cancelled while its statement waits on a server that never answers: psycopg
+    asks the server to cancel the statement (a new connection, never answered either) and
+    waits for that (up to 5 s); the statement's alarm cuts the wait (shortly after
+    ``timeout``), and the caller hears its cancellation, not a timeout; a caller's own
+    ``asyncio.timeout`` still raises ``TimeoutError``. The store goes on once the server
+    answers again."""
+    native = Native("postgres", postgres_server)
+
+    async def main(proxy: TcpProxy) -> None:
+        store = await native.store(_tag(), via=proxy.url(native.url), timeout=1)
+        try:
+            assert await store.add("warm")
+            await asyncio.to_thread(proxy.freeze)
+            await asyncio.to_thread(proxy.outage, "hang")
+            task = asyncio.create_task(store.add("cut"))
+            await asyncio.sleep(0.3)  # its statement sent, unanswered
+            began = time.monotonic()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            took = time.monotonic() - began
+            assert took < 1 + 3.0, took  # the alarm (about timeout + 0.5 s), with slack
+            began = time.monotonic()
+            with pytest.raises(TimeoutError):  # the caller's own timeout: still its own
+                async with asyncio.timeout(0.3):
+                    await store.add("timed")
+            took = time.monotonic() - began
+            assert took < 1 + 3.0, took
+            assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+            await asyncio.to_thread(proxy.restore)
+            assert await recovered(store, "after") is True
+            assert await store.add("cut") in (True, False)  # applied or not: a retry tells
+        finally:
+            await store.close()
+
+    with TcpProxy.for_url(native.url) as proxy:
+        asyncio.run(main(proxy))
+
+
 @pytest.mark.redis
 def test_a_native_write_waits_for_its_replicas_as_the_sync_one_does(
     redis_server: Server, monkeypatch: pytest.MonkeyPatch

@@ -180,13 +180,19 @@ class AsyncPostgresConnection:
         a psycopg error after that is raised as ``StatementTimeout`` and the connection
         closed."""
         delay = alarm_delay(self.watchdog_delay)
-        fired = False
+        task = asyncio.current_task()
+        fired = recancelled = False
 
         def fire() -> None:
-            nonlocal fired
+            nonlocal fired, recancelled
             fired = True
             with contextlib.suppress(OSError):
                 _shut_down(conn)
+            if task is not None and task.cancelling():
+                # cancelled already: psycopg waits for the server's answer to its cancel
+                # request, on a connection of its own (up to 5 s); cut that wait short
+                recancelled = True
+                task.cancel()
 
         alarm = asyncio.get_running_loop().call_later(delay, fire)
         try:
@@ -196,11 +202,16 @@ class AsyncPostgresConnection:
                 alarm.cancel()
                 if fired:  # the socket is shut down, even if the answer came
                     await conn.close()
+        except asyncio.CancelledError:
+            if recancelled and task is not None:
+                task.uncancel()  # the alarm's: the caller's cancellation is what remains
+            raise
         except psycopg.Error as exc:
-            task = asyncio.current_task()
             if task is not None and task.cancelling():
-                # psycopg's wait for the server's answer to its cancel, cut short by the
-                # alarm: the cancellation is what the caller hears
+                # psycopg's wait for its statement, cut short by the alarm: the
+                # cancellation is what the caller hears
+                if recancelled:
+                    task.uncancel()
                 raise asyncio.CancelledError from exc
             if fired:
                 raise timed_out(delay, self.timeout) from exc
