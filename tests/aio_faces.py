@@ -5,7 +5,12 @@ async brokers' connections live)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Coroutine
 from typing import Any
+
+import pytest
 
 from dedupstore.aio import AsyncConsumer, AsyncOutboxProcessor
 from dedupstore.aio import open_broker as open_async_broker
@@ -48,3 +53,19 @@ def consumer_of(
         subscriptions=processor.subscriptions,
     )
     return blocking(AsyncConsumer(unwrapped(broker), async_processor, handler, **options))
+
+
+async def cancelled_in_flight(
+    call: Coroutine[Any, Any, Any], *, after: float, within: float
+) -> None:
+    """Run ``call`` as a task and cancel it ``after`` seconds (in the middle of a request
+    the test holds unanswered): it must end with ``CancelledError`` within ``within``
+    seconds of the cancel, not at its deadline."""
+    task = asyncio.create_task(call)
+    await asyncio.sleep(after)
+    began = time.monotonic()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    took = time.monotonic() - began
+    assert took < within, f"the cancelled call ended {took:.2f} s after its cancel"

@@ -29,6 +29,7 @@ from dedupstore.errors import ConcurrencyConflict, StoreUnavailable
 from dedupstore.outbox import Message, message_key
 from dedupstore.steps import Steps, arun, fan, io, run
 from dedupstore.store import DeduplicationStore
+from tests.aio_faces import cancelled_in_flight
 from tests.proxy import TcpProxy
 from tests.servers import CosmosEndpoint, Server
 
@@ -160,6 +161,27 @@ def native(request: pytest.FixtureRequest) -> Iterator[Native]:
     made = Native(request.param, request.getfixturevalue(f"{request.param}_server"))
     yield made
     made.clean_up()
+
+
+def _behind_a_proxy(
+    native: Native, test: Callable[[Any, TcpProxy], Coroutine[Any, Any, None]], **options: Any
+) -> None:
+    """``test(store, proxy)`` in ``asyncio.run()``, on a deduplication store of ``native``
+    (data of its own, ``options``) reached through a proxy; the store closed after it
+    (and on Cosmos DB, its container deleted)."""
+
+    async def main(proxy: TcpProxy) -> None:
+        store = await native.store(_tag(), via=proxy.url(native.url), **options)
+        try:
+            await test(store, proxy)
+        finally:
+            await store.close()
+
+    try:
+        with TcpProxy.for_url(native.url) as proxy:
+            asyncio.run(main(proxy))
+    finally:
+        native.clean_up()
 
 
 def _tag() -> str:
@@ -565,30 +587,26 @@ def test_a_native_store_call_to_a_server_that_never_answers_ends_within_its_dead
     + min(1 s, timeout / 2)``); a retry after the server is back reports the id as
     recorded by it."""
 
-    async def main(proxy: TcpProxy) -> None:
-        options: dict[str, Any] = {"timeout": 0.5, "connect_timeout": 0.5}
-        if native.name != "postgres":
-            options["retries"] = 1
-        store = await native.store(_tag(), via=proxy.url(native.url), **options)
-        try:
-            assert await store.add("warm")
-            assert isinstance(_twin(store), native.twin_class())
-            deadline = store.sync._deadline_seconds()
-            await asyncio.to_thread(proxy.reset)
-            await asyncio.to_thread(proxy.outage, "hang")
-            for call in (store.add, store.has_been_processed):
-                began = time.monotonic()
-                with pytest.raises(StoreUnavailable):
-                    await call("stalled")
-                took = time.monotonic() - began
-                assert took < deadline + 3.0, (call, took, deadline)  # slack: a busy machine
-            await asyncio.to_thread(proxy.restore)
-            assert await recovered(store, "stalled") is True
-        finally:
-            await store.close()
+    options: dict[str, Any] = {"timeout": 0.5, "connect_timeout": 0.5}
+    if native.name != "postgres":
+        options["retries"] = 1
 
-    with TcpProxy.for_url(native.url) as proxy:
-        asyncio.run(main(proxy))
+    async def test(store: Any, proxy: TcpProxy) -> None:
+        assert await store.add("warm")
+        assert isinstance(_twin(store), native.twin_class())
+        deadline = store.sync._deadline_seconds()
+        await asyncio.to_thread(proxy.reset)
+        await asyncio.to_thread(proxy.outage, "hang")
+        for call in (store.add, store.has_been_processed):
+            began = time.monotonic()
+            with pytest.raises(StoreUnavailable):
+                await call("stalled")
+            took = time.monotonic() - began
+            assert took < deadline + 3.0, (call, took, deadline)  # slack: a busy machine
+        await asyncio.to_thread(proxy.restore)
+        assert await recovered(store, "stalled") is True
+
+    _behind_a_proxy(native, test, **options)
 
 
 @pytest.mark.cosmos
@@ -600,26 +618,18 @@ def test_a_native_cosmos_read_whose_reply_is_cut_short_is_unavailable_not_absent
     the native path too: ``StoreUnavailable``, never "not processed"."""
     native = Native("cosmos", cosmos_server)
 
-    async def main(proxy: TcpProxy) -> None:
-        store = await native.store(_tag(), via=proxy.url(native.url), timeout=2, retries=1)
-        try:
-            assert await store.add("there")
-            assert isinstance(_twin(store), native.twin_class())
-            await asyncio.to_thread(proxy.cut_replies, lambda reply: reply.find(b"\r\n\r\n") + 4)
-            with pytest.raises(StoreUnavailable):
-                await store.has_been_processed("there")
-            with pytest.raises(StoreUnavailable):
-                await store.processed_among(["there", "else"])
-            await asyncio.to_thread(proxy.restore)
-            assert await store.has_been_processed("there")
-        finally:
-            await store.close()
+    async def test(store: Any, proxy: TcpProxy) -> None:
+        assert await store.add("there")
+        assert isinstance(_twin(store), native.twin_class())
+        await asyncio.to_thread(proxy.cut_replies, lambda reply: reply.find(b"\r\n\r\n") + 4)
+        with pytest.raises(StoreUnavailable):
+            await store.has_been_processed("there")
+        with pytest.raises(StoreUnavailable):
+            await store.processed_among(["there", "else"])
+        await asyncio.to_thread(proxy.restore)
+        assert await store.has_been_processed("there")
 
-    try:
-        with TcpProxy.for_url(native.url) as proxy:
-            asyncio.run(main(proxy))
-    finally:
-        native.clean_up()
+    _behind_a_proxy(native, test, timeout=2, retries=1)
 
 
 @pytest.mark.postgres
@@ -632,21 +642,14 @@ def test_the_async_pool_makes_connections_long_after_its_first_call(
     has passed, connections the server lost are replaced and calls go on."""
     native = Native("postgres", postgres_server)
 
-    async def main(proxy: TcpProxy) -> None:
-        store = await native.store(
-            _tag(), via=proxy.url(native.url), timeout=0.5, connect_timeout=0.5
-        )
-        try:
-            assert await store.add("first")  # the pool and its workers made in this call
-            await asyncio.sleep(store.sync._deadline_seconds() + 0.5)  # its deadline passed
-            await asyncio.to_thread(proxy.reset)  # every connection lost
-            assert await recovered(store, "later") is True
-            assert await store.processed_among(["first", "later"]) == {"first", "later"}
-        finally:
-            await store.close()
+    async def test(store: Any, proxy: TcpProxy) -> None:
+        assert await store.add("first")  # the pool and its workers made in this call
+        await asyncio.sleep(store.sync._deadline_seconds() + 0.5)  # its deadline passed
+        await asyncio.to_thread(proxy.reset)  # every connection lost
+        assert await recovered(store, "later") is True
+        assert await store.processed_among(["first", "later"]) == {"first", "later"}
 
-    with TcpProxy.for_url(native.url) as proxy:
-        asyncio.run(main(proxy))
+    _behind_a_proxy(native, test, timeout=0.5, connect_timeout=0.5)
 
 
 @pytest.mark.postgres
@@ -662,35 +665,24 @@ def test_a_statement_cancelled_against_a_frozen_server_ends_at_its_alarm(
     answers again."""
     native = Native("postgres", postgres_server)
 
-    async def main(proxy: TcpProxy) -> None:
-        store = await native.store(_tag(), via=proxy.url(native.url), timeout=1)
-        try:
-            assert await store.add("warm")
-            await asyncio.to_thread(proxy.freeze)
-            await asyncio.to_thread(proxy.outage, "hang")
-            task = asyncio.create_task(store.add("cut"))
-            await asyncio.sleep(0.3)  # its statement sent, unanswered
-            began = time.monotonic()
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            took = time.monotonic() - began
-            assert took < 1 + 3.0, took  # the alarm (about timeout + 0.5 s), with slack
-            began = time.monotonic()
-            with pytest.raises(TimeoutError):  # the caller's own timeout: still its own
-                async with asyncio.timeout(0.3):
-                    await store.add("timed")
-            took = time.monotonic() - began
-            assert took < 1 + 3.0, took
-            assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
-            await asyncio.to_thread(proxy.restore)
-            assert await recovered(store, "after") is True
-            assert await store.add("cut") in (True, False)  # applied or not: a retry tells
-        finally:
-            await store.close()
+    async def test(store: Any, proxy: TcpProxy) -> None:
+        assert await store.add("warm")
+        await asyncio.to_thread(proxy.freeze)
+        await asyncio.to_thread(proxy.outage, "hang")
+        # its statement sent and unanswered at 0.3 s; the alarm at about timeout + 0.5 s
+        await cancelled_in_flight(store.add("cut"), after=0.3, within=1 + 3.0)
+        began = time.monotonic()
+        with pytest.raises(TimeoutError):  # the caller's own timeout: still its own
+            async with asyncio.timeout(0.3):
+                await store.add("timed")
+        took = time.monotonic() - began
+        assert took < 1 + 3.0, took
+        assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+        await asyncio.to_thread(proxy.restore)
+        assert await recovered(store, "after") is True
+        assert await store.add("cut") in (True, False)  # applied or not: a retry tells
 
-    with TcpProxy.for_url(native.url) as proxy:
-        asyncio.run(main(proxy))
+    _behind_a_proxy(native, test, timeout=1)
 
 
 @pytest.mark.redis
