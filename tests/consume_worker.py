@@ -17,10 +17,12 @@ asyncio (the async face).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from dedupstore.outbox import Message, Send
@@ -78,6 +80,28 @@ def _in_window() -> bool:
     return pausing is not None and os.path.exists(pausing)
 
 
+def window_marker(pausing: str | os.PathLike[str], pid: int) -> Path:
+    """The file that exists while the process ``pid`` waits in its broken window."""
+    return Path(f"{os.fspath(pausing)}.{pid}")
+
+
+@contextlib.contextmanager
+def _marked_window() -> Iterator[None]:
+    """While a broken variant waits in its window, :func:`window_marker` exists, so that
+    the harness kills a consumer in it: every kill of an anti-test then lands in the
+    window (at random moments, three kills under a loaded suite once all missed it)."""
+    pausing = os.environ.get(PAUSE_FILE_ENV)
+    marker = None if pausing is None else window_marker(pausing, os.getpid())
+    if marker is not None:
+        marker.touch()
+    try:
+        yield
+    finally:
+        if marker is not None:
+            with contextlib.suppress(OSError):
+                marker.unlink()
+
+
 def _ack_first() -> None:
     """BROKEN: acknowledge every delivery as soon as it is fetched (every broker), then
     wait :data:`WINDOW` before applying them."""
@@ -91,7 +115,8 @@ def _ack_first() -> None:
             deliveries = fetch(self, max_count, wait)
             self.ack(deliveries)
             if deliveries and _in_window():
-                time.sleep(WINDOW)
+                with _marked_window():
+                    time.sleep(WINDOW)
             return deliveries
 
         cls.fetch = acking  # type: ignore[method-assign]
@@ -106,7 +131,8 @@ def _ack_first() -> None:
             deliveries = await afetch(self, max_count, wait)
             await self.ack(deliveries)
             if deliveries and _in_window():
-                await asyncio.sleep(WINDOW)
+                with _marked_window():
+                    await asyncio.sleep(WINDOW)
             return deliveries
 
         acls.fetch = aacking  # type: ignore[method-assign]
@@ -127,7 +153,8 @@ class Late:
     def flush(self) -> None:
         if self.held:
             if self.pausing is None or os.path.exists(self.pausing):
-                time.sleep(self.pause)
+                with _marked_window():
+                    time.sleep(self.pause)
             held, self.held = self.held, []
             self.real.dispatch(held)
 

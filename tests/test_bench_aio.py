@@ -21,14 +21,16 @@ def test_both_variants_run_and_the_section_reports_them(
     monkeypatch.setattr(aio_bench, "COROUTINES", 10)
     threads = aio_bench._measure("threads", "redis", redis_server.url, 60)
     coroutines = aio_bench._measure("coroutines", "redis", redis_server.url, 60)
-    for measured in (threads, coroutines):
+    even = aio_bench._measure("coroutines", "redis", redis_server.url, 60, 4)
+    for measured in (threads, coroutines, even):
         assert measured["rate"] > 0 and measured["p99_ms"] >= measured["p50_ms"] > 0
         assert measured["memory_mib"] >= 0
     section = aio_bench.render(
-        [aio_bench.Measured("redis", threads, coroutines)], 60, "durable", "make bench"
+        [aio_bench.Measured("redis", threads, coroutines, even)], 60, "durable", "make bench"
     )
     assert section.startswith(aio_bench.BEGIN) and section.endswith(aio_bench.END)
     assert "| redis | 4 threads |" in section and "| redis | 10 coroutines |" in section
+    assert "| redis | 4 coroutines |" in section and "At the threads' concurrency" in section
     out = tmp_path / "RESULTS.md"
     out.write_text("# Benchmark results\n\nkept\n\n<!-- tokens-bench -->\ntokens\n")
     aio_bench.write(section, out)

@@ -58,7 +58,7 @@ import redis
 
 from dedupstore import open_entity_store, open_store, open_token_store
 from dedupstore.tokens import TOKEN_HEADER, new_nonce, token_id
-from tests.consume_worker import PAUSE_FILE, PAUSE_FILE_ENV, VARIANT_ENV
+from tests.consume_worker import PAUSE_FILE, PAUSE_FILE_ENV, VARIANT_ENV, window_marker
 from tests.proxy import TcpProxy
 from tests.servers import Server
 from tests.soak_worker import soak_violations
@@ -114,14 +114,19 @@ WARM = 1.5
 
 
 def pick_victim(
-    rng: random.Random, processes: list[Any], logs: list[Path], consuming_since: dict[int, float]
+    rng: random.Random,
+    processes: list[Any],
+    logs: list[Path],
+    consuming_since: dict[int, float],
+    in_window: Path | None = None,
 ) -> Any:
     """A live consumer process that has been consuming (its start line printed) for
     :data:`WARM` seconds, at random: a kill then lands in its work, however slowly a
     loaded machine starts processes (a kill of one still importing proves nothing; the
     anti-tests saw only such kills under load). ``consuming_since``: pid -> when its
-    start line was first seen (kept by the caller). Waits for one (bounded by the
-    test's timeout)."""
+    start line was first seen (kept by the caller). With ``in_window`` (an anti-test's
+    pause file), one waiting in its broken window (``consume_worker.window_marker``).
+    Waits for one (bounded by the test's timeout)."""
     while True:
         alive = [(p, log) for p, log in zip(processes, logs, strict=True) if p.poll() is None]
         assert alive, "every consumer exited:\n" + "\n".join(
@@ -132,6 +137,8 @@ def pick_victim(
             if process.pid not in consuming_since and START_LINE in log.read_text(errors="replace"):
                 consuming_since[process.pid] = now
         warm = [p for p, _ in alive if now - consuming_since.get(p.pid, now) >= WARM]
+        if in_window is not None:
+            warm = [p for p in warm if window_marker(in_window, p.pid).exists()]
         if warm:
             return rng.choice(warm)
         time.sleep(0.05)
@@ -326,7 +333,13 @@ class Chaos:
                 self.produce(TOP_UP)
             if not self.variant:  # (a broken variant pauses in its batches until the end)
                 self.wait_for_reclaim()  # no entry dies with two consumers (2 deliveries)
-            victim = pick_victim(self.rng, self.processes, self.logs, self.consuming_since)
+            victim = pick_victim(
+                self.rng,
+                self.processes,
+                self.logs,
+                self.consuming_since,
+                killing if self.variant else None,
+            )
             victim.send_signal(signal.SIGKILL)
             assert victim.wait() == -signal.SIGKILL
             self.killed += 1

@@ -69,7 +69,7 @@ class _OwnAsyncPool(AsyncConnectionPool["AsyncPgConnection"]):
 
     def __init__(self, info: str, **kwargs: Any) -> None:
         self.last_failure: tuple[float, psycopg.Error] | None = None
-        self._opening: asyncio.Task[None] | None = None
+        self._open_task: asyncio.Task[None] | None = None
         pool = self
 
         class RecordingConnection(psycopg.AsyncConnection[TupleRow]):
@@ -85,16 +85,16 @@ class _OwnAsyncPool(AsyncConnectionPool["AsyncPgConnection"]):
         super().__init__(info, connection_class=RecordingConnection, open=False, **kwargs)
 
     async def getconn(self, timeout: float | None = None) -> AsyncPgConnection:
-        if self._opening is None:
+        if self._open_task is None:
             # The pool's workers (which make every connection from then on) start in a
             # context of their own: a task copies the context it is made in, and this one
             # is a call's, whose deadline would bound (and, once passed, fail) every
             # connection the workers make after it.
-            self._opening = asyncio.get_running_loop().create_task(
+            self._open_task = asyncio.get_running_loop().create_task(
                 self.open(wait=False), context=contextvars.Context()
             )
-        if not self._opening.done():  # (the calls that came meanwhile wait for it too;
-            await asyncio.shield(self._opening)  # a cancelled one leaves it opening)
+        if not self._open_task.done():  # (the calls that came meanwhile wait for it too;
+            await asyncio.shield(self._open_task)  # a cancelled one leaves it opening)
         return await super().getconn(timeout)
 
 
