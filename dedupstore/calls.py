@@ -123,6 +123,24 @@ def capped(seconds: float) -> float:
     return min(seconds, left)
 
 
+def _stop(attempts: int | None) -> Callable[[RetryCallState], bool]:
+    """Tenacity's stop of :func:`retry` and :func:`aretry`: after ``attempts`` attempts
+    (``None``: no limit), or when the next pause would pass the current deadline."""
+
+    def stop(state: RetryCallState) -> bool:
+        if attempts is not None and state.attempt_number >= attempts:
+            return True
+        left = time_left()
+        return left is not None and left <= (state.upcoming_sleep or 0.0)
+
+    return stop
+
+
+def _retried(error: BaseException, retry_on: Callable[[BaseException], bool]) -> bool:
+    """Whether an attempt that raised ``error`` is made again (never a passed deadline)."""
+    return not isinstance(error, DeadlinePassed) and retry_on(error)
+
+
 def retry(
     fn: Callable[[], T],
     *,
@@ -142,7 +160,7 @@ def retry(
     def wanted(error: BaseException | None, result: Any = None) -> bool:
         """Whether an attempt that raised ``error`` (or returned ``result``) is made again."""
         if error is not None:
-            return not isinstance(error, DeadlinePassed) and retry_on(error)
+            return _retried(error, retry_on)
         return again is not None and again(result)
 
     # The first attempt runs outside tenacity (a call that succeeds need not pay its
@@ -168,12 +186,6 @@ def retry(
             raise failed
         return first
 
-    def stop(state: RetryCallState) -> bool:
-        if attempts is not None and state.attempt_number >= attempts:
-            return True
-        left = time_left()
-        return left is not None and left <= (state.upcoming_sleep or 0.0)
-
     def decide(state: RetryCallState) -> bool:
         outcome = state.outcome
         if outcome is None:  # pragma: no cover - tenacity always sets it
@@ -190,7 +202,7 @@ def retry(
         return result
 
     retrying = Retrying(
-        stop=stop,
+        stop=_stop(attempts),
         wait=BACKOFF,
         retry=decide,
         before_sleep=before_sleep,
@@ -214,7 +226,7 @@ async def aretry(
     ``before_sleep`` is called (with tenacity's state) before each pause."""
 
     def wanted(error: BaseException) -> bool:
-        return not isinstance(error, DeadlinePassed) and retry_on(error)
+        return _retried(error, retry_on)
 
     # As in retry(): the first attempt runs outside tenacity (a call that succeeds need
     # not pay its bookkeeping, a cost per call on the event loop); tenacity then replays
@@ -227,14 +239,8 @@ async def aretry(
         failed: BaseException = exc
     replayed = False
 
-    def stop(state: RetryCallState) -> bool:
-        if attempts is not None and state.attempt_number >= attempts:
-            return True
-        left = time_left()
-        return left is not None and left <= (state.upcoming_sleep or 0.0)
-
     retrying = AsyncRetrying(
-        stop=stop,
+        stop=_stop(attempts),
         wait=BACKOFF,
         retry=retry_if_exception(wanted),
         before_sleep=before_sleep,

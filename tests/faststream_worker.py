@@ -20,7 +20,7 @@ from faststream.redis import RedisBroker, StreamSub
 
 from dedupstore import aio
 from dedupstore.aio.faststream import exactly_once
-from tests.consume_worker import slow_handler
+from tests.consume_worker import WINDOW, _in_window, _marked_window, slow_handler
 
 #: What the chaos harness waits for (tests/test_consumer_chaos.py's START_LINE).
 START_LINE = "dedupstore consume: broker"
@@ -31,8 +31,12 @@ def _entity(body: Any, message: Any) -> str:
 
 
 def _slower(state: dict[str, Any], message: Any) -> Any:
-    """The handler of the broken variant: long enough that a kill lands in it."""
-    time.sleep(0.05)
+    """The handler of the broken variant: while the chaos run kills, it waits
+    :data:`~tests.consume_worker.WINDOW` in a marked window (acked, not yet applied),
+    so that each of the harness's kills lands in it."""
+    if _in_window():
+        with _marked_window():
+            time.sleep(WINDOW)
     return slow_handler(state, message)
 
 

@@ -654,6 +654,36 @@ def test_the_async_pool_makes_connections_long_after_its_first_call(
 
 @pytest.mark.postgres
 @pytest.mark.timeout(60)
+def test_an_async_pool_whose_opening_failed_opens_again(
+    postgres_server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The async pool opens once, in the first call; if that opening fails, the next
+    attempt opens it again (it does not find a pool never opened: ``PoolClosed``)."""
+    import psycopg
+    import psycopg_pool
+
+    native = Native("postgres", postgres_server)
+    opened = psycopg_pool.AsyncConnectionPool.open
+    openings: list[bool] = []
+
+    async def failing_once(self: Any, *args: Any, **kwargs: Any) -> None:
+        openings.append(True)
+        if len(openings) == 1:
+            raise psycopg.OperationalError("injected: the first opening fails")
+        await opened(self, *args, **kwargs)
+
+    monkeypatch.setattr(psycopg_pool.AsyncConnectionPool, "open", failing_once)
+
+    async def test(store: Any, proxy: TcpProxy) -> None:
+        assert await recovered(store, "first") is True
+        assert await store.processed_among(["first"]) == {"first"}
+        assert len(openings) == 2
+
+    _behind_a_proxy(native, test)
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(60)
 def test_a_statement_cancelled_against_a_frozen_server_ends_at_its_alarm(
     postgres_server: Server,
 ) -> None:

@@ -113,34 +113,32 @@ START_LINE = "dedupstore consume: broker"
 WARM = 1.5
 
 
-def pick_victim(
-    rng: random.Random,
-    processes: list[Any],
-    logs: list[Path],
-    consuming_since: dict[int, float],
-    in_window: Path | None = None,
-) -> Any:
-    """A live consumer process that has been consuming (its start line printed) for
-    :data:`WARM` seconds, at random: a kill then lands in its work, however slowly a
-    loaded machine starts processes (a kill of one still importing proves nothing; the
-    anti-tests saw only such kills under load). ``consuming_since``: pid -> when its
-    start line was first seen (kept by the caller). With ``in_window`` (an anti-test's
-    pause file), one waiting in its broken window (``consume_worker.window_marker``).
-    Waits for one (bounded by the test's timeout)."""
+def pick_victim(run: Any, killing: Path) -> Any:
+    """A live consumer process of ``run`` (a chaos run: its ``rng``, ``processes``,
+    ``logs``, ``consuming_since`` and ``variant``) that has been consuming (its start
+    line printed) for :data:`WARM` seconds, at random: a kill then lands in its work,
+    however slowly a loaded machine starts processes (a kill of one still importing
+    proves nothing; the anti-tests saw only such kills under load).
+    ``run.consuming_since``: pid -> when its start line was first seen. A broken
+    variant's victim waits in its broken window (``consume_worker.window_marker`` of the
+    pause file ``killing``). Waits for one (bounded by the test's timeout)."""
     while True:
-        alive = [(p, log) for p, log in zip(processes, logs, strict=True) if p.poll() is None]
+        alive = [
+            (p, log) for p, log in zip(run.processes, run.logs, strict=True) if p.poll() is None
+        ]
         assert alive, "every consumer exited:\n" + "\n".join(
-            log.read_text(errors="replace")[-2000:] for log in logs
+            log.read_text(errors="replace")[-2000:] for log in run.logs
         )
         now = time.monotonic()
+        since = run.consuming_since
         for process, log in alive:
-            if process.pid not in consuming_since and START_LINE in log.read_text(errors="replace"):
-                consuming_since[process.pid] = now
-        warm = [p for p, _ in alive if now - consuming_since.get(p.pid, now) >= WARM]
-        if in_window is not None:
-            warm = [p for p in warm if window_marker(in_window, p.pid).exists()]
+            if process.pid not in since and START_LINE in log.read_text(errors="replace"):
+                since[process.pid] = now
+        warm = [p for p, _ in alive if now - since.get(p.pid, now) >= WARM]
+        if run.variant:
+            warm = [p for p in warm if window_marker(killing, p.pid).exists()]
         if warm:
-            return rng.choice(warm)
+            return run.rng.choice(warm)
         time.sleep(0.05)
 
 
@@ -333,13 +331,7 @@ class Chaos:
                 self.produce(TOP_UP)
             if not self.variant:  # (a broken variant pauses in its batches until the end)
                 self.wait_for_reclaim()  # no entry dies with two consumers (2 deliveries)
-            victim = pick_victim(
-                self.rng,
-                self.processes,
-                self.logs,
-                self.consuming_since,
-                killing if self.variant else None,
-            )
+            victim = pick_victim(self, killing)
             victim.send_signal(signal.SIGKILL)
             assert victim.wait() == -signal.SIGKILL
             self.killed += 1

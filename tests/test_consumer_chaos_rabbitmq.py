@@ -200,13 +200,7 @@ class RabbitChaos:
             time.sleep(self.rng.uniform(0.3, 0.8))
             if self.ready() < TOP_UP:  # every kill lands while there is work
                 self.produce(TOP_UP)
-            victim = pick_victim(
-                self.rng,
-                self.processes,
-                self.logs,
-                self.consuming_since,
-                killing if self.variant else None,
-            )
+            victim = pick_victim(self, killing)
             victim.send_signal(signal.SIGKILL)
             assert victim.wait() == -signal.SIGKILL
             self.killed += 1

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from faststream.redis import RedisBroker
 
+from tests.consume_worker import PAUSE_FILE, PAUSE_FILE_ENV
 from tests.servers import Server
 from tests.test_consumer_chaos import DEAD_LETTERS, KILLS, OVERSIZE, ROOT, Chaos, _with
 
@@ -70,7 +71,8 @@ class FastStreamChaos(Chaos):
             *("--dead-letters", DEAD_LETTERS, "--cleanup", self.cleanup),
             *(("--ack-first",) if self.variant == "ack-first" else ()),
         ]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        # (the anti-test's worker marks its window while the pause file exists)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), PAUSE_FILE_ENV: str(log_dir / PAUSE_FILE)}
         with log.open("wb") as sink:
             process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=sink, stderr=sink)
         self.processes.append(process)

@@ -85,16 +85,20 @@ class _OwnAsyncPool(AsyncConnectionPool["AsyncPgConnection"]):
         super().__init__(info, connection_class=RecordingConnection, open=False, **kwargs)
 
     async def getconn(self, timeout: float | None = None) -> AsyncPgConnection:
-        if self._open_task is None:
+        task = self._open_task
+        if task is None or (task.done() and (task.cancelled() or task.exception())):
+            # (opened once; an opening that failed is made again by the next call)
             # The pool's workers (which make every connection from then on) start in a
             # context of their own: a task copies the context it is made in, and this one
             # is a call's, whose deadline would bound (and, once passed, fail) every
             # connection the workers make after it.
-            self._open_task = asyncio.get_running_loop().create_task(
+            task = self._open_task = asyncio.get_running_loop().create_task(
                 self.open(wait=False), context=contextvars.Context()
             )
-        if not self._open_task.done():  # (the calls that came meanwhile wait for it too;
-            await asyncio.shield(self._open_task)  # a cancelled one leaves it opening)
+        if not task.done():  # (the calls that came meanwhile wait for it too;
+            await asyncio.shield(task)  # a cancelled one leaves it opening)
+        else:
+            task.result()  # (raises what the opening raised)
         return await super().getconn(timeout)
 
 
