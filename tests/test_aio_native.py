@@ -419,6 +419,39 @@ def test_a_store_used_on_loop_after_loop_keeps_one_twin(
     assert len(closed) == 1
 
 
+# (what a driver leaves on the closed loop complains as it is collected: psycopg_pool's
+# workers, "Event loop is closed"; the user's to see, as with a pool of their own)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_loop_closed_without_ending_its_tasks_leaves_the_store_working(
+    native: Native, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A loop run with ``run_until_complete`` and closed without ending its tasks (no
+    ``asyncio.run()``): its twin's keeper stays pending, as any task of it does (asyncio
+    logs it as destroyed while pending once collected), and nothing can close its
+    connection on a closed loop; the store goes on, on a twin of the next loop's own."""
+    gc.collect()  # (what earlier tests left: not this test's to judge)
+    caplog.clear()
+    url, options = native.opening("c", _tag())
+    sync = open_store(url, **options)
+    store = aio.AsyncDeduplicationStore(sync)
+    try:
+        loop = asyncio.new_event_loop()
+        try:
+            assert loop.run_until_complete(store.add("closed-loop")) is True
+        finally:
+            loop.close()
+        del loop
+        gc.collect()
+        assert asyncio.run(store.add("closed-loop")) is False
+        assert asyncio.run(store.add("next-loop")) is True
+        assert len(sync.__dict__["_twins"]) == 1
+    finally:
+        sync.close()
+    gc.collect()
+    destroyed = [r.getMessage() for r in caplog.records]
+    assert any("pending" in t and "dedupstore-aio-twin-keeper" in t for t in destroyed), destroyed
+
+
 @pytest.mark.sqlite
 def test_sqlite_calls_run_in_one_writer_thread_per_file(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
