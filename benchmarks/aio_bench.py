@@ -183,7 +183,7 @@ class Measured:
     backend: str
     threads: dict[str, Any]
     coroutines: dict[str, Any]
-    even: dict[str, Any] | None = None
+    even: dict[str, Any]
 
 
 def _measure(
@@ -246,10 +246,11 @@ def render(results: list[Measured], count: int, config: str, command: str) -> st
         "|---|---|---:|---:|---:|---:|",
     ]
     for r in results:
-        rows = [(f"{THREADS} threads", r.threads), (f"{COROUTINES:,} coroutines", r.coroutines)]
-        if r.even is not None:
-            rows.append((f"{THREADS} coroutines", r.even))
-        for name, m in rows:
+        for name, m in (
+            (f"{THREADS} threads", r.threads),
+            (f"{COROUTINES:,} coroutines", r.coroutines),
+            (f"{THREADS} coroutines", r.even),
+        ):
             lines.append(
                 f"| {r.backend} | {name} | {m['rate']:,.0f} | {m['p50_ms']:.1f} | "
                 f"{m['p99_ms']:.1f} | {m['memory_mib']:.1f} |"
@@ -263,20 +264,17 @@ def render(results: list[Measured], count: int, config: str, command: str) -> st
             f"({'met' if speed >= SPEED_GOAL else 'missed'}); memory {memory:.2f}x "
             f"({'met' if memory <= MEMORY_GOAL else 'missed'})"
         )
-    evens = [r for r in results if r.even is not None]
-    if evens:
-        lines += [
-            "",
-            f"At the threads' concurrency ({THREADS} messages in flight either way), what a "
-            "coroutine costs against a thread:",
-            "",
-        ]
-        for r in evens:
-            assert r.even is not None
-            lines.append(
-                f"- {r.backend}: speed {r.even['rate'] / r.threads['rate']:.2f}x the "
-                f"threads'; memory {r.even['memory_mib'] / max(r.threads['memory_mib'], 0.1):.2f}x"
-            )
+    lines += [
+        "",
+        f"At the threads' concurrency ({THREADS} messages in flight either way), what a "
+        "coroutine costs against a thread:",
+        "",
+    ]
+    for r in results:
+        lines.append(
+            f"- {r.backend}: speed {r.even['rate'] / r.threads['rate']:.2f}x the "
+            f"threads'; memory {r.even['memory_mib'] / max(r.threads['memory_mib'], 0.1):.2f}x"
+        )
     lines += [
         "",
         "How the calls run: the store calls are native on both backends (loads, saves "

@@ -102,6 +102,14 @@ def _marked_window() -> Iterator[None]:
                 marker.unlink()
 
 
+def pause_in_window() -> None:
+    """While the chaos run kills (its pause file exists), wait :data:`WINDOW` in a marked
+    window: what a broken variant does between its ack and the work it acked."""
+    if _in_window():
+        with _marked_window():
+            time.sleep(WINDOW)
+
+
 def _ack_first() -> None:
     """BROKEN: acknowledge every delivery as soon as it is fetched (every broker), then
     wait :data:`WINDOW` before applying them."""
@@ -114,9 +122,8 @@ def _ack_first() -> None:
         def acking(self: Any, max_count: int, wait: float, fetch: Any = fetch) -> Any:
             deliveries = fetch(self, max_count, wait)
             self.ack(deliveries)
-            if deliveries and _in_window():
-                with _marked_window():
-                    time.sleep(WINDOW)
+            if deliveries:
+                pause_in_window()
             return deliveries
 
         cls.fetch = acking  # type: ignore[method-assign]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
-import time
 from typing import Any
 
 from faststream import AckPolicy
@@ -20,7 +19,7 @@ from faststream.redis import RedisBroker, StreamSub
 
 from dedupstore import aio
 from dedupstore.aio.faststream import exactly_once
-from tests.consume_worker import WINDOW, _in_window, _marked_window, slow_handler
+from tests.consume_worker import pause_in_window, slow_handler
 
 #: What the chaos harness waits for (tests/test_consumer_chaos.py's START_LINE).
 START_LINE = "dedupstore consume: broker"
@@ -34,9 +33,7 @@ def _slower(state: dict[str, Any], message: Any) -> Any:
     """The handler of the broken variant: while the chaos run kills, it waits
     :data:`~tests.consume_worker.WINDOW` in a marked window (acked, not yet applied),
     so that each of the harness's kills lands in it."""
-    if _in_window():
-        with _marked_window():
-            time.sleep(WINDOW)
+    pause_in_window()
     return slow_handler(state, message)
 
 

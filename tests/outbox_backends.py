@@ -142,8 +142,10 @@ def outbox_backend(
         raise ValueError(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the emulator's weak-consistency warning
-        backend.entities().close()  # create the storage once, before any race
-        backend.dedup().close()
+        # create the storage once, before any race (patient: a loaded machine once took
+        # over PostgreSQL's 5 s connect_timeout here, in two workers at once)
+        backend.entities(**patient(name)).close()
+        backend.dedup(**patient(name)).close()
     yield backend
     for step in cleanup:
         step()

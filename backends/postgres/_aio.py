@@ -97,8 +97,6 @@ class _OwnAsyncPool(AsyncConnectionPool["AsyncPgConnection"]):
             )
         if not task.done():  # (the calls that came meanwhile wait for it too;
             await asyncio.shield(task)  # a cancelled one leaves it opening)
-        else:
-            task.result()  # (raises what the opening raised)
         return await super().getconn(timeout)
 
 
