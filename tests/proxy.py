@@ -43,6 +43,7 @@ import contextlib
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar
@@ -173,6 +174,11 @@ class TcpProxy:
         """How many connections are open through the proxy now."""
         return self._call(self._count())
 
+    @property
+    def held_connections(self) -> int:
+        """How many connections a "hang" outage holds unanswered now."""
+        return self._call(self._count(held_only=True))
+
     def reset(self, *, silent: bool = False) -> int:
         """Reset every open connection; return how many.
 
@@ -208,6 +214,19 @@ class TcpProxy:
         frozen ones are reset)."""
         self._cut = None
         self._call(self._set_mode(None))
+
+    def fail_attempts(self, until: float, *, then_hold: float = 0.4) -> None:
+        """In a "hang" outage, until the monotonic time ``until``: reset each connection
+        attempt as soon as it is held (it fails at once); then hold those that come for
+        ``then_hold`` s and :meth:`restore` (which fails them too). A client retrying with
+        a backoff thus sees every attempt fail, its last ones just as the server comes back.
+        """
+        while time.monotonic() < until:
+            if self.held_connections:
+                self.reset()
+            time.sleep(0.01)
+        time.sleep(then_hold)
+        self.restore()
 
     @contextlib.contextmanager
     def down(self, mode: OutageMode = "refuse", *, silent: bool = False) -> Iterator[None]:
@@ -271,8 +290,8 @@ class TcpProxy:
             self._held.close()
             self._held = None
 
-    async def _count(self) -> int:
-        return sum(not link.forgotten for link in self._links)
+    async def _count(self, *, held_only: bool = False) -> int:
+        return sum(not link.forgotten and (link.held or not held_only) for link in self._links)
 
     async def _reset(self, *, silent: bool = False, held_only: bool = False) -> int:
         links = [

@@ -12,6 +12,10 @@ Every module under ``backends/`` is parsed (ast) and checked for:
 (c) an attribute ``obj._name`` on another object than ``self``/``cls``/``super()``
     where ``_name`` is defined by a class of another module of the same backend
     package (an entity store reaching into its deduplication store);
+    A class whose bases all come from third-party imports (a driver's connection
+    pool) is not a class of the API: the private members it reaches on
+    ``self``/``cls``/``super()`` are that library's, and neither (b) nor (c) applies
+    to them;
 (d) a private member reached by name: ``part_of(client, "_x", ...)`` (the attributes
     a connection's rules read from a client are declared public), ``getattr`` & co.
     with a private member of the core.
@@ -136,6 +140,7 @@ def check_module(
     every, of_bases = core if core is not None else core_private_names()
     tree = ast.parse(source)
     found: list[Finding] = []
+    theirs = _on_foreign_self(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             module = node.module
@@ -154,7 +159,7 @@ def check_module(
                     name in ALLOWED_MODULES or name.startswith("dedupstore.backends")
                 ):
                     found.append(Finding(where, node.lineno, f"imports the core module {name}"))
-        elif isinstance(node, ast.Attribute) and _private(node.attr):
+        elif isinstance(node, ast.Attribute) and _private(node.attr) and node not in theirs:
             name = node.attr
             text = ast.unparse(node)
             if name in api.HOOKS:
@@ -197,6 +202,49 @@ def check_module(
                     )
                 )
     return found
+
+
+def _third_party_names(tree: ast.Module) -> set[str]:
+    """The names a module imports from outside dedupstore (absolute imports only)."""
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] != "dedupstore":
+                names.update(alias.asname or alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] != "dedupstore":
+                    names.add(alias.asname or alias.name.split(".")[0])
+    return names
+
+
+def _base_name(base: ast.expr) -> str:
+    """The imported name a base class expression starts from (``ConnectionPool[T]``,
+    ``psycopg.Connection``: ``ConnectionPool``, ``psycopg``)."""
+    while isinstance(base, ast.Subscript | ast.Attribute):
+        base = base.value
+    return base.id if isinstance(base, ast.Name) else ""
+
+
+def _on_foreign_self(tree: ast.Module) -> set[ast.Attribute]:
+    """The attributes on ``self``/``cls``/``super()`` inside the methods of a class whose
+    bases all come from third-party imports (it is not a class of the API)."""
+    imported = _third_party_names(tree)
+    theirs: set[ast.Attribute] = set()
+    for cls in _classes(tree):
+        if not cls.bases or not all(_base_name(b) in imported for b in cls.bases):
+            continue
+        for method in cls.body:
+            if not isinstance(method, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(method):
+                if isinstance(node, ast.Attribute):
+                    target = node.value
+                    if (isinstance(target, ast.Name) and target.id in ("self", "cls")) or (
+                        isinstance(target, ast.Call) and ast.unparse(target.func) == "super"
+                    ):
+                        theirs.add(node)
+    return theirs
 
 
 def _packages() -> dict[str, list[Path]]:
@@ -254,6 +302,12 @@ def test_the_checker_flags_private_accesses() -> None:
         "        part_of(self, '_commands', str), getattr(self, '_pending_lock')\n"
         "        return self._dedup._sql_has, client._closed\n"
     )
+    bad += (
+        "from psycopg_pool import ConnectionPool\n"
+        "class P(ConnectionPool, DeduplicationStore):\n"
+        "    def f(self, client):\n"
+        "        return self._lock, client._closed\n"
+    )
     found = check_module(bad, "bad.py", own=set(), siblings={"_sql_has"})
     said = "\n".join(map(str, found))
     for expected in (
@@ -266,6 +320,7 @@ def test_the_checker_flags_private_accesses() -> None:
         "S defines _pending, a private member of the core",
         "part_of(..., '_commands'): private by name",
         "getattr(..., '_pending_lock'): private by name",
+        "self._lock: a private member of the core",  # P is also a DeduplicationStore
     ):
         assert expected in said, said
     good = (
@@ -278,6 +333,11 @@ def test_the_checker_flags_private_accesses() -> None:
         "    def _add_one(self, request):\n"
         "        self.check_open()\n"
         "        return self._table, other._table\n"
+        "from psycopg_pool import ConnectionPool\n"
+        "class P(ConnectionPool['C']):\n"
+        "    def reconnect_failed(self):\n"
+        "        with self._lock:\n"
+        "            super()._maybe_grow_pool()\n"
     )
     assert check_module(good, "good.py", own={"_table"}, siblings=set()) == []
 

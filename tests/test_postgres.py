@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import multiprocessing
@@ -24,7 +26,7 @@ import pytest
 from psycopg import sql
 from psycopg_pool import ConnectionPool
 
-from dedupstore import DeduplicationStore, open_store
+from dedupstore import DeduplicationStore, aio, open_store
 from dedupstore.backends.postgres import (
     DEFAULT_TOKEN_TABLE,
     PostgresDeduplicationStore,
@@ -1164,6 +1166,60 @@ def test_a_call_during_an_outage_fails_then_the_first_call_after_succeeds(
         _assert_unavailable(lambda: call(store))
     assert call(store) == answer
     store.close()
+
+
+#: connect_timeout of the reconnection test's stores: psycopg_pool retries a failed connection
+#: in the background (after about 1 s, then with a backoff) and gives up after
+#: ``reconnect_timeout``, which the stores set to ``connect_timeout / 2``.
+RECONNECT_CONNECT_TIMEOUT = 4.0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("face", ["sync", "async"])
+def test_a_call_waiting_when_the_server_comes_back_is_served(
+    proxy: TcpProxy, postgres_server: Server, fresh_table: str, face: str
+) -> None:
+    """A call waits for a connection while every attempt fails, until the pool's background
+    reconnection gives up (its last attempts fail as the server comes back); then the server
+    answers again, with over a second of the call's wait left. The call is served within its
+    wait: it is not left waiting with no attempt under way until its timeout (it was:
+    ``StoreUnavailable`` from a ``PoolTimeout``). On both faces' pools."""
+    url = proxy.url(postgres_server.url)
+    options = {"table": fresh_table, "create": True, "timeout": 2}
+    options["connect_timeout"] = RECONNECT_CONNECT_TIMEOUT
+
+    def outage(began: float) -> None:
+        proxy.fail_attempts(began + RECONNECT_CONNECT_TIMEOUT / 2 + 0.1)
+
+    def begin_outage() -> None:
+        proxy.reset()
+        proxy.outage("hang")
+
+    if face == "sync":
+        store = open_store(url, **options)
+        try:
+            assert store.add("seen") is True
+            begin_outage()
+            with concurrent.futures.ThreadPoolExecutor(1) as executor:
+                waiting = executor.submit(store.add, "new")
+                outage(time.monotonic())
+                assert waiting.result(30) is True
+        finally:
+            store.close()
+        return
+
+    async def main() -> None:
+        store = await aio.open_store(url, **options)
+        try:
+            assert await store.add("seen") is True
+            begin_outage()
+            waiting = asyncio.create_task(store.add("new"))
+            await asyncio.to_thread(outage, time.monotonic())
+            assert await waiting is True
+        finally:
+            await store.close()
+
+    asyncio.run(main())
 
 
 def _breaking_answers(

@@ -99,6 +99,14 @@ class _OwnAsyncPool(AsyncConnectionPool["AsyncPgConnection"]):
             await asyncio.shield(task)  # a cancelled one leaves it opening)
         return await super().getconn(timeout)
 
+    async def reconnect_failed(self) -> None:
+        """As ``_client._OwnPool.reconnect_failed``: calls waiting for a connection when
+        psycopg_pool gives up retrying one get another attempt at once."""
+        async with self._lock:
+            if self._waiting:
+                self._maybe_grow_pool()
+        await super().reconnect_failed()
+
 
 class AsyncPostgresConnection:
     """A psycopg ``AsyncConnectionPool`` of its own, for one async client (see the

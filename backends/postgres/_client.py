@@ -256,6 +256,16 @@ class _OwnPool(ConnectionPool["PgConnection"]):
         self.start()
         return super().getconn(timeout)
 
+    def reconnect_failed(self) -> None:
+        """psycopg_pool gave up retrying a connection (after ``reconnect_timeout``): if calls
+        wait for one, start another attempt at once. They began waiting while the failed one
+        was under way, so none of them started one: they would wait with no attempt under way
+        until their timeout, even once the server answers again."""
+        with self._lock:
+            if self._waiting:
+                self._maybe_grow_pool()
+        super().reconnect_failed()
+
 
 def pool_timeout(
     client: Client, pool: Any, began: float, until: float, exc: PoolTimeout
